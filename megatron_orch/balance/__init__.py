@@ -1,0 +1,1 @@
+"""Pure planning layer: cost models, partitioning, plans and their algebra. No torch.distributed, no Megatron."""

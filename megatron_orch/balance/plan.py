@@ -1,0 +1,172 @@
+"""Placements of items on ranks, and transfers between placements (the plans an all-to-all executes).
+
+An *item* is one independent unit of a phase (an image tile, an audio window, one example for the
+backbone), identified by its index ``0..n-1`` in the global batch of that phase. A :class:`Placement`
+says, for every item, which rank holds it and at which position (slot) in that rank's local order.
+A :class:`Transfer` moves every item from one placement to another; its algebra (inverse,
+composition) is what lets encoder outputs go straight from their encoder rank to the backbone rank of
+their example in one all-to-all, and their gradients come back by the inverse one.
+
+Everything here is a deterministic function of integer arrays, so every rank computes the same
+send/receive orders and split sizes from the same sizes without extra communication.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import numpy as np
+
+
+def _as_index_array(values, name: str) -> np.ndarray:
+    arr = np.asarray(values)
+    if arr.ndim != 1:
+        raise ValueError(f"{name} must be one-dimensional, got shape {arr.shape}")
+    if arr.size and not np.issubdtype(arr.dtype, np.integer):
+        raise ValueError(f"{name} must hold integers, got dtype {arr.dtype}")
+    return arr.astype(np.int64, copy=False)
+
+
+def _slots_by_key(rank: np.ndarray, num_ranks: int, key: np.ndarray) -> np.ndarray:
+    """Slot of each item on its rank when a rank's items are ordered by ``key`` (ties by item id)."""
+    order = np.lexsort((np.arange(rank.size), key, rank))
+    counts = np.bincount(rank, minlength=num_ranks)
+    starts = np.concatenate(([0], np.cumsum(counts)[:-1]))
+    slot = np.empty(rank.size, dtype=np.int64)
+    slot[order] = np.arange(rank.size, dtype=np.int64) - np.repeat(starts, counts)
+    return slot
+
+
+@dataclass(frozen=True, eq=False)
+class Placement:
+    """Where every item lives: ``rank[i]`` holds item ``i`` at position ``slot[i]`` of its local list."""
+
+    rank: np.ndarray
+    slot: np.ndarray
+    num_ranks: int
+
+    def __post_init__(self):
+        rank = _as_index_array(self.rank, "rank")
+        slot = _as_index_array(self.slot, "slot")
+        if self.num_ranks < 1:
+            raise ValueError(f"num_ranks must be >= 1, got {self.num_ranks}")
+        if rank.shape != slot.shape:
+            raise ValueError(f"rank and slot differ in length: {rank.size} vs {slot.size}")
+        if rank.size and (rank.min() < 0 or rank.max() >= self.num_ranks):
+            bad = int(np.flatnonzero((rank < 0) | (rank >= self.num_ranks))[0])
+            raise ValueError(f"item {bad} is placed on rank {rank[bad]}, outside 0..{self.num_ranks - 1}")
+        counts = np.bincount(rank, minlength=self.num_ranks)
+        expected = _slots_by_key(rank, self.num_ranks, slot)
+        if not np.array_equal(expected, slot) or (slot.size and slot.min() < 0):
+            raise ValueError("slots must be a permutation of 0..count-1 on every rank "
+                             f"(counts per rank: {counts.tolist()[:16]}...)")
+        object.__setattr__(self, "rank", rank)
+        object.__setattr__(self, "slot", slot)
+
+    @classmethod
+    def from_ranks(cls, rank, num_ranks: int, key: Optional[np.ndarray] = None) -> "Placement":
+        """Place item i on ``rank[i]``; a rank's items are ordered by ``key`` (default: item id)."""
+        rank = _as_index_array(rank, "rank")
+        if rank.size and (rank.min() < 0 or rank.max() >= num_ranks):
+            bad = int(np.flatnonzero((rank < 0) | (rank >= num_ranks))[0])
+            raise ValueError(f"item {bad} is placed on rank {rank[bad]}, outside 0..{num_ranks - 1}")
+        key = np.arange(rank.size) if key is None else np.asarray(key)
+        if key.shape != rank.shape:
+            raise ValueError(f"key has shape {key.shape}, expected {rank.shape}")
+        return cls(rank=rank, slot=_slots_by_key(rank, num_ranks, key), num_ranks=num_ranks)
+
+    @classmethod
+    def from_counts(cls, counts) -> "Placement":
+        """The loader's placement: rank r holds the next ``counts[r]`` items, in item order."""
+        counts = _as_index_array(counts, "counts")
+        if counts.size == 0 or counts.min() < 0:
+            raise ValueError(f"counts must be a non-empty list of non-negative ints, got {counts.tolist()}")
+        rank = np.repeat(np.arange(counts.size, dtype=np.int64), counts)
+        return cls.from_ranks(rank, int(counts.size))
+
+    @property
+    def num_items(self) -> int:
+        return int(self.rank.size)
+
+    def counts(self) -> np.ndarray:
+        """Number of items on each rank."""
+        return np.bincount(self.rank, minlength=self.num_ranks)
+
+    def items_on(self, rank: int) -> np.ndarray:
+        """Item ids held by ``rank``, in slot order."""
+        ids = np.flatnonzero(self.rank == rank)
+        return ids[np.argsort(self.slot[ids], kind="stable")]
+
+    def expand(self, parent) -> "Placement":
+        """Placement of child items that live with their parent (e.g. an example's encoder outputs).
+
+        Child ``j`` goes to the rank of item ``parent[j]``; on a rank, children are ordered by their
+        parent's slot, then by child id.
+        """
+        parent = _as_index_array(parent, "parent")
+        if parent.size and (parent.min() < 0 or parent.max() >= self.num_items):
+            raise ValueError(f"parent ids must lie in 0..{self.num_items - 1}")
+        rank = self.rank[parent]
+        return Placement.from_ranks(rank, self.num_ranks, key=self.slot[parent])
+
+    def same_as(self, other: "Placement") -> bool:
+        return (self.num_ranks == other.num_ranks and np.array_equal(self.rank, other.rank)
+                and np.array_equal(self.slot, other.slot))
+
+
+@dataclass(frozen=True, eq=False)
+class Transfer:
+    """Move every item from placement ``src`` to placement ``dst`` (one all-to-all).
+
+    Wire order, identical on every rank: a sender packs the items for destination rank d in the order
+    of their slots on d, destinations in rank order; a receiver therefore gets, from each source rank
+    in turn, items in increasing destination slot, and reorders them into slot order.
+    """
+
+    src: Placement
+    dst: Placement
+
+    def __post_init__(self):
+        if self.src.num_items != self.dst.num_items:
+            raise ValueError(f"src holds {self.src.num_items} items but dst holds {self.dst.num_items}")
+        if self.src.num_ranks != self.dst.num_ranks:
+            raise ValueError(f"src spans {self.src.num_ranks} ranks but dst spans {self.dst.num_ranks}")
+
+    @property
+    def num_ranks(self) -> int:
+        return self.src.num_ranks
+
+    def send_items(self, rank: int) -> np.ndarray:
+        """Items ``rank`` sends, in wire order (by destination rank, then destination slot)."""
+        ids = np.flatnonzero(self.src.rank == rank)
+        return ids[np.lexsort((self.dst.slot[ids], self.dst.rank[ids]))]
+
+    def recv_items(self, rank: int) -> np.ndarray:
+        """Items ``rank`` receives, in wire order (by source rank, then destination slot)."""
+        ids = np.flatnonzero(self.dst.rank == rank)
+        return ids[np.lexsort((self.dst.slot[ids], self.src.rank[ids]))]
+
+    def send_counts(self, rank: int) -> np.ndarray:
+        """Number of items ``rank`` sends to each destination rank."""
+        return np.bincount(self.dst.rank[self.src.rank == rank], minlength=self.num_ranks)
+
+    def recv_counts(self, rank: int) -> np.ndarray:
+        """Number of items ``rank`` receives from each source rank."""
+        return np.bincount(self.src.rank[self.dst.rank == rank], minlength=self.num_ranks)
+
+    def traffic_matrix(self, item_bytes=None) -> np.ndarray:
+        """``[src, dst]`` items (or bytes, when ``item_bytes`` is given) moved between rank pairs."""
+        weights = None if item_bytes is None else np.asarray(item_bytes, dtype=np.float64)
+        flat = self.src.rank * self.num_ranks + self.dst.rank
+        out = np.bincount(flat, weights=weights, minlength=self.num_ranks * self.num_ranks)
+        return out.reshape(self.num_ranks, self.num_ranks)
+
+    def inverse(self) -> "Transfer":
+        """The transfer that brings every item back (gradients of a forward move)."""
+        return Transfer(src=self.dst, dst=self.src)
+
+    def then(self, following: "Transfer") -> "Transfer":
+        """One transfer equal to ``self`` followed by ``following`` (``following.src`` must be ``self.dst``)."""
+        if not self.dst.same_as(following.src):
+            raise ValueError("cannot compose: the second transfer does not start where the first ends")
+        return Transfer(src=self.src, dst=following.dst)
