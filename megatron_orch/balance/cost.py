@@ -1,0 +1,161 @@
+"""Per-item cost of one transformer phase, derived from the model's own shape.
+
+The partitioner balances *training FLOPs* per rank, so only ratios between items matter; the
+absolute figures are still real FLOP counts so that a modeled step time can be read off them.
+
+Forward FLOPs of one sequence of ``s`` tokens through ``L`` layers (a multiply-add = 2 FLOPs):
+
+* linear part, per token and layer: ``2 * (h*(q + 2*kv) + q*h + m*h*f)`` for the QKV projection,
+  the attention output projection and the FFN (``m = 3`` for a gated/SwiGLU FFN, 2 otherwise), with
+  ``q = heads * head_dim`` and ``kv = query_groups * head_dim`` (grouped-query attention);
+* attention part, per attended (query, key) pair and layer: ``4 * q`` (``Q K^T`` and ``A V``). A full
+  (encoder) attention attends ``s^2`` pairs; a causal (decoder) one ``s*(s+1)/2``, about half;
+* a logits layer of width ``vocab_size`` (backbone only): ``2 * h * vocab_size`` per token.
+
+Training = forward + backward ~= 3x forward.
+
+Activation memory per token and layer follows Korthikanti et al. 2022 ("Reducing Activation
+Recomputation in Large Transformer Models", Table 2; bf16 = 2 bytes per element) with today's
+practice: flash attention (the ``5*a*s`` softmax/dropout terms become one fp32 log-sum-exp per head),
+no dropout masks, grouped-query K/V and a gated FFN. Bytes stored per token and layer:
+``2*(2h)`` two norm inputs, ``2h`` QKV input, ``2*(q + 2kv)`` Q, K, V, ``2q`` attention output,
+``4*heads`` log-sum-exp, ``2h`` FFN input, and ``2*(2f) + 2f`` (gated: both FC1 halves and the
+activation output) or ``2f + 2f`` (non-gated: FC1 output and activation output). For the classic
+GPT shape (f = 4h, MHA) this is ``32h + 4a`` bytes, the paper's ``34h`` minus its two dropout masks.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import numpy as np
+
+BF16_BYTES = 2
+TRAINING_FLOPS_PER_FORWARD = 3.0
+
+
+def _lengths(seq_len) -> np.ndarray:
+    s = np.asarray(seq_len, dtype=np.float64)
+    if s.size and (not np.all(np.isfinite(s)) or s.min() < 0):
+        raise ValueError(f"sequence lengths must be finite and >= 0, got min {np.nanmin(s) if s.size else None}")
+    return s
+
+
+@dataclass(frozen=True)
+class TransformerShape:
+    """Shape of a transformer stack, named like Megatron-Core's ``TransformerConfig`` fields."""
+
+    num_layers: int
+    hidden_size: int
+    ffn_hidden_size: int
+    num_attention_heads: int
+    causal: bool
+    num_query_groups: Optional[int] = None  # None: multi-head attention (one K/V per head)
+    kv_channels: Optional[int] = None  # head dim; None: hidden_size // num_attention_heads
+    gated_linear_unit: bool = False  # SwiGLU-style FFN with two input projections
+    vocab_size: int = 0  # width of the logits layer (backbone); 0 for encoders
+
+    def __post_init__(self):
+        for name in ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads"):
+            if int(getattr(self, name)) < 1:
+                raise ValueError(f"TransformerShape.{name} must be >= 1, got {getattr(self, name)}")
+        if self.num_query_groups is not None and (
+                self.num_query_groups < 1 or self.num_attention_heads % self.num_query_groups):
+            raise ValueError(f"num_query_groups={self.num_query_groups} must divide "
+                             f"num_attention_heads={self.num_attention_heads}")
+        if self.kv_channels is None and self.hidden_size % self.num_attention_heads:
+            raise ValueError(f"hidden_size={self.hidden_size} is not divisible by num_attention_heads="
+                             f"{self.num_attention_heads}; set kv_channels")
+        if self.vocab_size < 0:
+            raise ValueError(f"vocab_size must be >= 0, got {self.vocab_size}")
+
+    @property
+    def head_dim(self) -> int:
+        return self.kv_channels or self.hidden_size // self.num_attention_heads
+
+    @property
+    def query_size(self) -> int:
+        return self.num_attention_heads * self.head_dim
+
+    @property
+    def kv_size(self) -> int:
+        return (self.num_query_groups or self.num_attention_heads) * self.head_dim
+
+    @property
+    def _ffn_inputs(self) -> int:
+        return 2 if self.gated_linear_unit else 1
+
+    def linear_flops_per_token(self) -> float:
+        """Forward FLOPs per token that do not depend on the sequence length (all layers + logits)."""
+        h, q, kv, f = self.hidden_size, self.query_size, self.kv_size, self.ffn_hidden_size
+        per_layer = 2 * (h * (q + 2 * kv) + q * h + (self._ffn_inputs + 1) * h * f)
+        return float(self.num_layers * per_layer + 2 * h * self.vocab_size)
+
+    def attended_pairs(self, seq_len) -> np.ndarray:
+        """(query, key) pairs one sequence attends: s^2 (full) or s(s+1)/2 (causal)."""
+        s = _lengths(seq_len)
+        return s * (s + 1) / 2 if self.causal else s * s
+
+    def forward_flops(self, seq_len) -> np.ndarray:
+        """Forward FLOPs of one sequence of ``seq_len`` tokens (vectorised over an array of lengths)."""
+        s = _lengths(seq_len)
+        attention = self.num_layers * 4.0 * self.query_size * self.attended_pairs(s)
+        return self.linear_flops_per_token() * s + attention
+
+    def train_flops(self, seq_len) -> np.ndarray:
+        """Forward + backward FLOPs (~3x forward): the cost the partitioner balances."""
+        return TRAINING_FLOPS_PER_FORWARD * self.forward_flops(seq_len)
+
+    def activation_bytes_per_token(self) -> float:
+        """Activation bytes kept for backward per token, all layers (see the module docstring)."""
+        h, q, kv, f = self.hidden_size, self.query_size, self.kv_size, self.ffn_hidden_size
+        elements = 2 * h + h + (q + 2 * kv) + q + h + (self._ffn_inputs + 1) * f
+        per_layer = BF16_BYTES * elements + 4 * self.num_attention_heads
+        return float(self.num_layers * per_layer)
+
+    def activation_bytes(self, seq_len) -> np.ndarray:
+        """Activation memory of one sequence (linear in its length thanks to flash attention)."""
+        return self.activation_bytes_per_token() * _lengths(seq_len)
+
+    def num_parameters(self) -> int:
+        """Weights of the layers (QKV, projection, FFN, two norms each) and a final norm.
+
+        Biases are left out (< 0.1% of any shape here); embeddings are counted by the model config.
+        """
+        h, q, kv, f = self.hidden_size, self.query_size, self.kv_size, self.ffn_hidden_size
+        per_layer = h * (q + 2 * kv) + q * h + (self._ffn_inputs + 1) * h * f + 2 * h
+        return self.num_layers * per_layer + h
+
+
+@dataclass(frozen=True)
+class ProjectorShape:
+    """Two-layer MLP from an encoder's merged output tokens to the backbone's hidden size.
+
+    ``input_size`` is the encoder hidden size times the tokens merged into one output token (pixel
+    shuffle / frame stacking concatenates them); costs are per *output* (LLM-side) token.
+    """
+
+    input_size: int
+    ffn_hidden_size: int
+    output_size: int
+
+    def __post_init__(self):
+        for name in ("input_size", "ffn_hidden_size", "output_size"):
+            if int(getattr(self, name)) < 1:
+                raise ValueError(f"ProjectorShape.{name} must be >= 1, got {getattr(self, name)}")
+
+    def forward_flops(self, num_tokens) -> np.ndarray:
+        per_token = 2 * (self.input_size * self.ffn_hidden_size + self.ffn_hidden_size * self.output_size)
+        return float(per_token) * _lengths(num_tokens)
+
+    def train_flops(self, num_tokens) -> np.ndarray:
+        return TRAINING_FLOPS_PER_FORWARD * self.forward_flops(num_tokens)
+
+    def activation_bytes(self, num_tokens) -> np.ndarray:
+        """Input norm input, FC1 input, FC1 output and activation output, bf16."""
+        per_token = BF16_BYTES * (2 * self.input_size + 2 * self.ffn_hidden_size)
+        return float(per_token) * _lengths(num_tokens)
+
+    def num_parameters(self) -> int:
+        """Input LayerNorm (weight + bias) and the two weight matrices."""
+        return 2 * self.input_size + self.input_size * self.ffn_hidden_size + self.ffn_hidden_size * self.output_size

@@ -1,0 +1,191 @@
+"""Real per-example length traces (``shared/traces/*.csv``) and random global batches drawn from them.
+
+A :class:`Trace` holds a CSV's columns as numpy arrays (an empty cell, i.e. an absent modality, reads
+as 0). A :class:`TraceMixture` draws a global batch the way upstream Megatron's blended, shuffled
+datasets do: every example independently picks a trace with the mixture's weights and a row of it
+uniformly at random; DP rank ``r`` then loads the consecutive block ``[r*M, (r+1)*M)`` of the batch.
+
+Parsed CSVs are cached as ``.npz`` (keyed by file size and mtime) under ``$MEGATRON_ORCH_CACHE`` or
+``~/.cache/megatron_orch``, so a benchmark does not spend its time in the CSV reader.
+"""
+from __future__ import annotations
+
+import csv
+import hashlib
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Mapping, Optional, Sequence, Tuple
+
+import numpy as np
+
+NUMERIC_COLUMNS = ("n_images", "vision_tiles", "vision_tokens", "video_sec", "video_frames", "width", "height",
+                   "audio_sec", "audio_frames", "text_tokens", "text_words")
+TEXT_COLUMNS = ("source", "task", "split")
+
+# image SFT + image captions + ASR + audio captions + music captions + video QA / captions.
+DEFAULT_MIXTURE: Tuple[Tuple[str, float], ...] = (
+    ("omnibal_internvl_sft.csv", 0.25),
+    ("image_caption_coco_val2017.csv", 0.15),
+    ("asr_librispeech_commonvoice.csv", 0.15),
+    ("audio_caption_clotho_audiocaps_soundbible.csv", 0.12),
+    ("music_caption_musiccaps.csv", 0.08),
+    ("video_qa_nextqa.csv", 0.10),
+    ("video_activitynet_captions_qa.csv", 0.15),
+)
+
+
+def default_traces_dir() -> Path:
+    """``$MEGATRON_ORCH_TRACES``, else ``<repo>/../shared/traces``."""
+    env = os.environ.get("MEGATRON_ORCH_TRACES")
+    if env:
+        return Path(env)
+    return Path(__file__).resolve().parents[2].parent / "shared" / "traces"
+
+
+def _cache_dir() -> Path:
+    env = os.environ.get("MEGATRON_ORCH_CACHE")
+    return Path(env) if env else Path.home() / ".cache" / "megatron_orch"
+
+
+@dataclass(frozen=True, eq=False)
+class Trace:
+    """Rows of one trace file (or of a drawn batch): text columns and float64 numeric columns."""
+
+    name: str
+    text: Mapping[str, np.ndarray]  # TEXT_COLUMNS -> str arrays
+    numeric: Mapping[str, np.ndarray]  # NUMERIC_COLUMNS -> float64 arrays, 0 where absent
+
+    def __post_init__(self):
+        missing = [c for c in TEXT_COLUMNS if c not in self.text] + [c for c in NUMERIC_COLUMNS if c not in self.numeric]
+        if missing:
+            raise ValueError(f"trace {self.name!r} lacks columns {missing}")
+        lengths = {len(v) for v in (*self.text.values(), *self.numeric.values())}
+        if len(lengths) != 1:
+            raise ValueError(f"trace {self.name!r} has columns of different lengths {sorted(lengths)}")
+
+    def __len__(self) -> int:
+        return len(self.numeric["text_tokens"])
+
+    def __getitem__(self, column: str) -> np.ndarray:
+        if column in self.numeric:
+            return self.numeric[column]
+        if column in self.text:
+            return self.text[column]
+        raise KeyError(f"trace {self.name!r} has no column {column!r}; columns: {TEXT_COLUMNS + NUMERIC_COLUMNS}")
+
+    def take(self, rows, name: Optional[str] = None) -> "Trace":
+        rows = np.asarray(rows, dtype=np.int64)
+        return Trace(name or self.name, {k: v[rows] for k, v in self.text.items()},
+                     {k: v[rows] for k, v in self.numeric.items()})
+
+    @classmethod
+    def from_rows(cls, name: str, rows: Sequence[Mapping[str, object]]) -> "Trace":
+        """Build a trace from dicts (missing or empty numeric cells read as 0): for tests and tools."""
+        text = {c: np.array([str(r.get(c, "")) for r in rows], dtype=str) for c in TEXT_COLUMNS}
+        numeric = {c: np.array([float(r.get(c) or 0) for r in rows], dtype=np.float64) for c in NUMERIC_COLUMNS}
+        return cls(name, text, numeric)
+
+
+def _parse_csv(path: Path) -> Trace:
+    with open(path, newline="") as f:
+        reader = csv.reader(f)
+        header = next(reader)
+        missing = [c for c in TEXT_COLUMNS + NUMERIC_COLUMNS if c not in header]
+        if missing:
+            raise ValueError(f"{path}: missing columns {missing} (header: {header})")
+        cols = list(zip(*reader)) or [()] * len(header)
+    by_name = dict(zip(header, cols))
+    text = {c: np.array(by_name[c], dtype=str) for c in TEXT_COLUMNS}
+    numeric = {}
+    for c in NUMERIC_COLUMNS:
+        raw = np.array(by_name[c], dtype=str)
+        values = np.zeros(raw.size, dtype=np.float64)
+        present = raw != ""
+        try:
+            values[present] = raw[present].astype(np.float64)
+        except ValueError as err:
+            raise ValueError(f"{path}: column {c!r} holds a non-number: {err}") from None
+        numeric[c] = values
+    return Trace(path.name, text, numeric)
+
+
+def load_trace(name_or_path: str, traces_dir: Optional[Path] = None) -> Trace:
+    """Load a trace CSV by file name (looked up in the traces dir) or by path, through the .npz cache."""
+    path = Path(name_or_path)
+    if not path.is_file():
+        path = Path(traces_dir or default_traces_dir()) / name_or_path
+    if not path.is_file():
+        raise FileNotFoundError(f"trace {name_or_path!r} not found (looked in {path.parent}; set "
+                                "MEGATRON_ORCH_TRACES to the folder of the trace CSVs)")
+    stat = path.stat()
+    key = hashlib.sha1(f"{path.resolve()}:{stat.st_size}:{stat.st_mtime_ns}".encode()).hexdigest()[:16]
+    cached = _cache_dir() / "traces" / f"{path.stem}-{key}.npz"
+    if cached.is_file():
+        with np.load(cached) as data:
+            return Trace(path.name, {c: data[c] for c in TEXT_COLUMNS}, {c: data[c] for c in NUMERIC_COLUMNS})
+    trace = _parse_csv(path)
+    try:
+        cached.parent.mkdir(parents=True, exist_ok=True)
+        tmp = cached.with_suffix(f".{os.getpid()}.tmp.npz")
+        np.savez(tmp, **trace.text, **trace.numeric)
+        os.replace(tmp, cached)
+    except OSError:
+        pass  # a read-only cache only costs the parse next time
+    return trace
+
+
+@dataclass(frozen=True, eq=False)
+class TraceMixture:
+    """Traces mixed with weights (normalised to sum to 1)."""
+
+    traces: Tuple[Trace, ...]
+    weights: Tuple[float, ...]
+
+    def __post_init__(self):
+        if not self.traces or len(self.traces) != len(self.weights):
+            raise ValueError(f"a mixture needs one weight per trace, got {len(self.traces)} traces and "
+                             f"{len(self.weights)} weights")
+        w = np.asarray(self.weights, dtype=np.float64)
+        if not np.all(np.isfinite(w)) or w.min() < 0 or w.sum() <= 0:
+            raise ValueError(f"mixture weights must be finite, >= 0 and not all 0, got {list(self.weights)}")
+        for trace in self.traces:
+            if len(trace) == 0:
+                raise ValueError(f"trace {trace.name!r} has no rows")
+        object.__setattr__(self, "weights", tuple(float(x) for x in w / w.sum()))
+
+    def draw(self, num_examples: int, seed: int) -> Trace:
+        """A global batch of ``num_examples`` random rows (trace by weight, then a uniform row)."""
+        if num_examples < 0:
+            raise ValueError(f"num_examples must be >= 0, got {num_examples}")
+        rng = np.random.default_rng(seed)
+        which = rng.choice(len(self.traces), size=num_examples, p=np.asarray(self.weights))
+        text = {c: np.empty(num_examples, dtype=object) for c in TEXT_COLUMNS}
+        numeric = {c: np.empty(num_examples, dtype=np.float64) for c in NUMERIC_COLUMNS}
+        for k, trace in enumerate(self.traces):
+            slots = np.flatnonzero(which == k)
+            rows = rng.integers(0, len(trace), size=slots.size)
+            for c in TEXT_COLUMNS:
+                text[c][slots] = trace.text[c][rows]
+            for c in NUMERIC_COLUMNS:
+                numeric[c][slots] = trace.numeric[c][rows]
+        text = {c: v.astype(str) for c, v in text.items()}
+        return Trace(f"batch(seed={seed}, n={num_examples})", text, numeric)
+
+
+def parse_trace_spec(spec: str) -> Tuple[str, float]:
+    """``"file.csv:0.3"`` -> ("file.csv", 0.3); ``"file.csv"`` -> ("file.csv", 1.0)."""
+    name, sep, weight = spec.rpartition(":")
+    if sep and name:
+        try:
+            return name, float(weight)
+        except ValueError:
+            pass
+    return spec, 1.0
+
+
+def load_mixture(specs: Sequence[Tuple[str, float]] = DEFAULT_MIXTURE,
+                 traces_dir: Optional[Path] = None) -> TraceMixture:
+    """Load the traces of ``(file, weight)`` pairs into a mixture (default: :data:`DEFAULT_MIXTURE`)."""
+    return TraceMixture(tuple(load_trace(name, traces_dir) for name, _ in specs),
+                        tuple(weight for _, weight in specs))
