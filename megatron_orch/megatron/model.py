@@ -1,0 +1,321 @@
+"""The multimodal LLM on megatron-core: ViT + audio encoder + projectors + GPT backbone.
+
+Every item (an image tile, a video frame, an audio window) is encoded independently, so an encoder
+takes a variable number of items per rank and never pads an example to the longest one. The
+projected embeddings replace the backbone's placeholder tokens (:data:`IMAGE_TOKEN_ID` /
+:data:`AUDIO_TOKEN_ID`, ``tokens_per_item`` consecutive placeholders per item, in item order).
+
+The encoder phases and the backbone phase are separate methods (:meth:`MLLMModel.encode_vision`,
+:meth:`MLLMModel.encode_audio`, :meth:`MLLMModel.backbone_forward`) so that an orchestrator can run
+the encoders over a different set of items than the backbone's examples and move the embeddings in
+between; :meth:`MLLMModel.forward` chains them for the baseline (upstream Megatron behaviour).
+
+Parallelism: the encoders and projectors live on the first pipeline stage; tensor parallelism comes
+from Megatron's column/row-parallel layers (local, non-Transformer-Engine layer specs). Sequence
+parallelism is not supported.
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+from megatron.core import parallel_state
+from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+from megatron.core.models.gpt.gpt_model import GPTModel
+from megatron.core.models.vision.multimodal_projector import MultimodalProjector
+from megatron.core.models.vision.vit_layer_specs import get_vit_layer_with_local_spec
+from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
+from megatron.core.transformer.enums import AttnMaskType
+from megatron.core.transformer.mlp import MLPSubmodules
+from megatron.core.transformer.module import MegatronModule
+from megatron.core.transformer.spec_utils import ModuleSpec
+from megatron.core.transformer.transformer_block import TransformerBlock
+from megatron.core.transformer.transformer_config import TransformerConfig
+
+from megatron_orch.balance.cost import TransformerShape
+from megatron_orch.balance.model_config import AudioEncoderConfig, MLLMConfig, VisionEncoderConfig
+from megatron_orch.megatron.batch import AUDIO_TOKEN_ID, IMAGE_TOKEN_ID, ExampleShape
+
+
+@dataclass(frozen=True)
+class ModelParallelSettings:
+    """How the model is split and run: the settings Megatron's CLI gives besides the shapes."""
+
+    tensor_model_parallel_size: int = 1
+    pipeline_model_parallel_size: int = 1
+    bf16: bool = False
+    hidden_dropout: float = 0.0
+    attention_dropout: float = 0.0
+    init_method_std: float = 0.02
+    make_vocab_size_divisible_by: int = 128
+    use_cpu_initialization: bool = True  # full weights drawn on every rank, then split: TP-invariant
+    calculate_per_token_loss: bool = True
+
+
+def transformer_config(shape: TransformerShape, settings: ModelParallelSettings, *,
+                       pipeline_split: bool) -> TransformerConfig:
+    """A Megatron ``TransformerConfig`` for one transformer stack of the model.
+
+    ``pipeline_split``: whether the stack's layers are divided over the pipeline stages (the
+    backbone) or all sit on the first stage (encoders, projectors).
+    """
+    return TransformerConfig(
+        num_layers=shape.num_layers,
+        hidden_size=shape.hidden_size,
+        ffn_hidden_size=shape.ffn_hidden_size,
+        num_attention_heads=shape.num_attention_heads,
+        num_query_groups=shape.num_query_groups,
+        kv_channels=shape.kv_channels,
+        gated_linear_unit=shape.gated_linear_unit,
+        activation_func=F.silu if shape.gated_linear_unit else F.gelu,
+        tensor_model_parallel_size=settings.tensor_model_parallel_size,
+        pipeline_model_parallel_size=settings.pipeline_model_parallel_size if pipeline_split else 1,
+        pipeline_dtype=torch.bfloat16 if settings.bf16 else torch.float32,
+        params_dtype=torch.bfloat16 if settings.bf16 else torch.float32,
+        bf16=settings.bf16,
+        hidden_dropout=settings.hidden_dropout,
+        attention_dropout=settings.attention_dropout,
+        init_method_std=settings.init_method_std,
+        use_cpu_initialization=settings.use_cpu_initialization,
+        calculate_per_token_loss=settings.calculate_per_token_loss,
+        bias_activation_fusion=False,
+        masked_softmax_fusion=False,
+        bias_dropout_fusion=False,
+        apply_rope_fusion=False,
+        gradient_accumulation_fusion=False,
+    )
+
+
+def _projector_config(ffn_hidden_size: int, backbone: TransformerShape,
+                      settings: ModelParallelSettings) -> TransformerConfig:
+    shape = TransformerShape(num_layers=1, hidden_size=backbone.hidden_size, ffn_hidden_size=ffn_hidden_size,
+                             num_attention_heads=backbone.num_attention_heads, causal=False,
+                             kv_channels=backbone.head_dim)
+    return transformer_config(shape, settings, pipeline_split=False)
+
+
+def _encoder_layer_spec() -> ModuleSpec:
+    """Megatron's local ViT layer with full (bidirectional) attention and no mask."""
+    spec = get_vit_layer_with_local_spec()
+    attention = dataclasses.replace(spec.submodules.self_attention,
+                                    params={"attn_mask_type": AttnMaskType.no_mask})
+    return dataclasses.replace(spec, submodules=dataclasses.replace(spec.submodules, self_attention=attention))
+
+
+def _projector_submodules() -> MLPSubmodules:
+    return MLPSubmodules(linear_fc1=ColumnParallelLinear, linear_fc2=RowParallelLinear)
+
+
+def padded_vocab_size(vocab_size: int, settings: ModelParallelSettings) -> int:
+    """Vocabulary rounded up like Megatron's ``--make-vocab-size-divisible-by`` (times TP)."""
+    multiple = settings.make_vocab_size_divisible_by * settings.tensor_model_parallel_size
+    return -(-vocab_size // multiple) * multiple
+
+
+def example_shape(config: MLLMConfig, seq_length: int) -> ExampleShape:
+    """The per-item tensor shapes and placeholder counts :class:`MLLMModel` expects."""
+    vision, audio = config.vision, config.audio
+    if vision is None or audio is None:
+        raise ValueError(f"model config {config.name!r}: MLLMModel needs both a vision and an audio encoder")
+    _check_vision(vision)
+    _check_audio(audio)
+    return ExampleShape(
+        seq_length=seq_length,
+        vision_patches_per_item=vision.patches(vision.tile_px),
+        vision_patch_dim=vision.channels * vision.patch_px ** 2,
+        vision_llm_tokens_per_item=vision.tile_llm_tokens,
+        audio_frames_per_window=audio.window_frames,
+        audio_mel_bins=audio.num_mel_bins,
+        audio_llm_tokens_per_item=audio.window_tokens // audio.projector_downsample,
+    )
+
+
+def _check_vision(vision: VisionEncoderConfig) -> None:
+    if vision.frame_px != vision.tile_px:
+        raise ValueError(f"vision.frame_px={vision.frame_px} must equal vision.tile_px={vision.tile_px}: "
+                         "MLLMModel encodes tiles and frames as items of one shape")
+
+
+def _check_audio(audio: AudioEncoderConfig) -> None:
+    if audio.window_tokens % audio.projector_downsample:
+        raise ValueError(f"audio window tokens {audio.window_tokens} (window_frames / conv_stride) must be "
+                         f"divisible by projector_downsample={audio.projector_downsample}")
+
+
+class VisionEncoder(MegatronModule):
+    """ViT over image tiles / video frames, pixel-shuffle merge, then the MLP projector.
+
+    Input ``[n, patches, channels * patch_px**2]`` (patch rows in raster order), output
+    ``[n * tokens_per_item, backbone_hidden]`` (the items' tokens one item after the other).
+    """
+
+    def __init__(self, vision: VisionEncoderConfig, backbone: TransformerShape, settings: ModelParallelSettings):
+        _check_vision(vision)
+        config = transformer_config(vision.transformer, settings, pipeline_split=False)
+        super().__init__(config=config)
+        hidden = vision.transformer.hidden_size
+        self.grid = vision.tile_px // vision.patch_px
+        self.merge = vision.merge_factor
+        self.class_tokens = vision.class_tokens
+        self.tokens_per_item = vision.tile_llm_tokens
+        self.patch_embedding = torch.nn.Linear(vision.channels * vision.patch_px ** 2, hidden)
+        self.class_token = torch.nn.Parameter(torch.randn(vision.class_tokens, hidden) * settings.init_method_std)
+        self.position_embedding = torch.nn.Parameter(
+            torch.randn(vision.tile_seq_len, hidden) * settings.init_method_std)
+        self.transformer = TransformerBlock(config, _encoder_layer_spec(), post_layer_norm=True)
+        self.projector = MultimodalProjector(
+            _projector_config(vision.projector_ffn_hidden_size, backbone, settings),
+            _projector_submodules(), "mlp", input_size=hidden * self.merge ** 2)
+
+    def forward(self, patches: torch.Tensor) -> torch.Tensor:
+        n = patches.shape[0]
+        x = self.patch_embedding(patches.to(self.patch_embedding.weight.dtype))  # [n, p, h]
+        x = torch.cat([self.class_token.expand(n, -1, -1), x], dim=1) + self.position_embedding
+        x = self.transformer(x.transpose(0, 1).contiguous(), attention_mask=None)  # [s, n, h]
+        x = x[self.class_tokens:].transpose(0, 1)  # [n, p, h], drop the class tokens
+        g, m, h = self.grid, self.merge, x.shape[-1]
+        x = x.reshape(n, g // m, m, g // m, m, h).permute(0, 1, 3, 2, 4, 5)
+        x = x.reshape(n, self.tokens_per_item, m * m * h)  # pixel shuffle: m x m patches per token
+        return self.projector(x.transpose(0, 1).contiguous()).transpose(0, 1).reshape(
+            n * self.tokens_per_item, -1)
+
+
+class AudioEncoder(MegatronModule):
+    """Whisper-style: two kernel-3 convolutions subsampling mel frames, a transformer, the projector.
+
+    Input ``[n, window_frames, mel_bins]``, output ``[n * tokens_per_item, backbone_hidden]``;
+    ``projector_downsample`` consecutive encoder tokens are stacked into one LLM token.
+    """
+
+    def __init__(self, audio: AudioEncoderConfig, backbone: TransformerShape, settings: ModelParallelSettings):
+        _check_audio(audio)
+        config = transformer_config(audio.transformer, settings, pipeline_split=False)
+        super().__init__(config=config)
+        hidden = audio.transformer.hidden_size
+        second_stride = 2 if audio.conv_stride % 2 == 0 else 1
+        self.conv1 = torch.nn.Conv1d(audio.num_mel_bins, hidden, 3, stride=audio.conv_stride // second_stride,
+                                     padding=1)
+        self.conv2 = torch.nn.Conv1d(hidden, hidden, 3, stride=second_stride, padding=1)
+        self.position_embedding = torch.nn.Parameter(
+            torch.randn(audio.window_tokens, hidden) * settings.init_method_std)
+        self.transformer = TransformerBlock(config, _encoder_layer_spec(), post_layer_norm=True)
+        self.downsample = audio.projector_downsample
+        self.tokens_per_item = audio.window_tokens // audio.projector_downsample
+        self.projector = MultimodalProjector(
+            _projector_config(audio.projector_ffn_hidden_size, backbone, settings),
+            _projector_submodules(), "mlp", input_size=hidden * self.downsample)
+
+    def forward(self, mel: torch.Tensor) -> torch.Tensor:
+        n = mel.shape[0]
+        x = mel.to(self.conv1.weight.dtype).transpose(1, 2)  # [n, mel, frames]
+        x = F.gelu(self.conv2(F.gelu(self.conv1(x))))  # [n, h, tokens]
+        x = x.transpose(1, 2) + self.position_embedding  # [n, t, h]
+        x = self.transformer(x.transpose(0, 1).contiguous(), attention_mask=None).transpose(0, 1)
+        x = x.reshape(n, self.tokens_per_item, self.downsample * x.shape[-1])
+        return self.projector(x.transpose(0, 1).contiguous()).transpose(0, 1).reshape(
+            n * self.tokens_per_item, -1)
+
+
+class MLLMModel(MegatronModule):
+    """Encoders (first pipeline stage only) + GPT backbone; ``config`` is the backbone's.
+
+    On the last pipeline stage :meth:`forward` returns the per-token loss ``[b, s]`` when labels are
+    given (logits otherwise); on other stages the hidden states sent to the next stage.
+    """
+
+    def __init__(self, model_config: MLLMConfig, settings: ModelParallelSettings, max_sequence_length: int,
+                 pre_process: Optional[bool] = None, post_process: Optional[bool] = None):
+        backbone_shape = model_config.backbone.transformer
+        config = transformer_config(backbone_shape, settings, pipeline_split=True)
+        super().__init__(config=config)
+        if pre_process is None:
+            pre_process = parallel_state.is_pipeline_first_stage()
+        if post_process is None:
+            post_process = parallel_state.is_pipeline_last_stage()
+        self.pre_process, self.post_process = pre_process, post_process
+        self.shape = example_shape(model_config, max_sequence_length)
+        if max_sequence_length > model_config.backbone.max_position_embeddings:
+            raise ValueError(f"seq_length {max_sequence_length} exceeds the backbone's max_position_embeddings "
+                             f"{model_config.backbone.max_position_embeddings}")
+        self.vision_encoder = self.audio_encoder = None
+        if pre_process:
+            self.vision_encoder = VisionEncoder(model_config.vision, backbone_shape, settings)
+            self.audio_encoder = AudioEncoder(model_config.audio, backbone_shape, settings)
+        self.backbone = GPTModel(
+            config=config,
+            transformer_layer_spec=get_gpt_layer_local_spec(),
+            vocab_size=padded_vocab_size(backbone_shape.vocab_size, settings),
+            max_sequence_length=model_config.backbone.max_position_embeddings,
+            pre_process=pre_process,
+            post_process=post_process,
+            share_embeddings_and_output_weights=not model_config.backbone.untie_embeddings_and_output_weights,
+            position_embedding_type="learned_absolute",
+        )
+
+    def set_input_tensor(self, input_tensor) -> None:
+        self.backbone.set_input_tensor(input_tensor)
+
+    def _require_encoders(self, what: str) -> None:
+        if not self.pre_process:
+            raise RuntimeError(f"{what} runs on the first pipeline stage only (this rank holds no encoders)")
+
+    def encode_vision(self, vision: torch.Tensor) -> torch.Tensor:
+        """Image tiles / video frames ``[n_v, P, D]`` -> projected embeddings ``[n_v * tokens_per_item, h]``."""
+        self._require_encoders("encode_vision")
+        if vision.shape[0] == 0:
+            return self._no_embeddings()
+        return self.vision_encoder(vision)
+
+    def encode_audio(self, audio: torch.Tensor) -> torch.Tensor:
+        """Audio windows ``[n_a, F, M]`` -> projected embeddings ``[n_a * tokens_per_item, h]``."""
+        self._require_encoders("encode_audio")
+        if audio.shape[0] == 0:
+            return self._no_embeddings()
+        return self.audio_encoder(audio)
+
+    def _no_embeddings(self) -> torch.Tensor:
+        return torch.zeros(0, self.config.hidden_size, dtype=self.config.params_dtype)
+
+    def embed(self, tokens: torch.Tensor, position_ids: torch.Tensor, vision_embeds: torch.Tensor,
+              audio_embeds: torch.Tensor) -> torch.Tensor:
+        """Backbone input ``[s, b, h]``: token embeddings with the modality embeddings at their placeholders."""
+        embeddings = self.backbone.embedding(input_ids=tokens, position_ids=position_ids)  # [s, b, h]
+        for name, token_id, values in (("vision", IMAGE_TOKEN_ID, vision_embeds),
+                                       ("audio", AUDIO_TOKEN_ID, audio_embeds)):
+            rows, cols = (tokens == token_id).nonzero(as_tuple=True)  # row-major: example, then position
+            if rows.numel() != values.shape[0]:
+                raise ValueError(f"{rows.numel()} {name} placeholder tokens in the micro-batch but "
+                                 f"{values.shape[0]} {name} embeddings")
+            if rows.numel():
+                embeddings = embeddings.index_put((cols, rows), values.to(embeddings.dtype))
+        return embeddings
+
+    def backbone_forward(self, tokens: torch.Tensor, position_ids: torch.Tensor,
+                         attention_mask: Optional[torch.Tensor], labels: Optional[torch.Tensor] = None,
+                         vision_embeds: Optional[torch.Tensor] = None,
+                         audio_embeds: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """The GPT backbone over ``tokens`` [b, s] with the embeddings spliced in (first stage only).
+
+        ``attention_mask``: None for plain causal attention (right-padded rows), or a bool
+        ``[b or 1, 1, s, s]`` mask, True = masked (e.g. block-diagonal causal for packed rows).
+        """
+        decoder_input = None
+        if self.pre_process:
+            empty = self._no_embeddings()
+            decoder_input = self.embed(tokens, position_ids,
+                                       empty if vision_embeds is None else vision_embeds,
+                                       empty if audio_embeds is None else audio_embeds)
+        return self.backbone(input_ids=tokens, position_ids=position_ids, attention_mask=attention_mask,
+                             decoder_input=decoder_input, labels=labels)
+
+    def forward(self, tokens: torch.Tensor, position_ids: torch.Tensor, attention_mask: Optional[torch.Tensor],
+                labels: Optional[torch.Tensor] = None, vision: Optional[torch.Tensor] = None,
+                audio: Optional[torch.Tensor] = None) -> torch.Tensor:
+        vision_embeds = audio_embeds = None
+        if self.pre_process:
+            vision_embeds = self.encode_vision(vision)
+            audio_embeds = self.encode_audio(audio)
+        return self.backbone_forward(tokens, position_ids, attention_mask, labels, vision_embeds, audio_embeds)
