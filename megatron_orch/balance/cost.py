@@ -36,8 +36,9 @@ TRAINING_FLOPS_PER_FORWARD = 3.0
 
 def _lengths(seq_len) -> np.ndarray:
     s = np.asarray(seq_len, dtype=np.float64)
-    if s.size and (not np.all(np.isfinite(s)) or s.min() < 0):
-        raise ValueError(f"sequence lengths must be finite and >= 0, got min {np.nanmin(s) if s.size else None}")
+    if s.size and not (np.all(np.isfinite(s)) and s.min() >= 0):
+        bad = s.flat[int(np.flatnonzero(~(np.isfinite(s) & (s >= 0)))[0])]
+        raise ValueError(f"sequence lengths must be finite and >= 0, got {bad}")
     return s
 
 

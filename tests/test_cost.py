@@ -1,0 +1,102 @@
+"""Cost model formulas against hand-computed values, and the configs' parameter counts."""
+from dataclasses import replace
+
+import numpy as np
+import pytest
+from hypothesis import given, strategies as st
+
+from megatron_orch.balance.cost import ProjectorShape, TransformerShape
+from megatron_orch.balance.model_config import load_model_config
+
+
+def small(causal: bool) -> TransformerShape:
+    return TransformerShape(num_layers=2, hidden_size=8, ffn_hidden_size=32, num_attention_heads=2, causal=causal)
+
+
+def test_forward_flops_by_hand():
+    # per layer and token: QKV 2*8*24 + proj 2*8*8 + FFN 2*(2*8*32) = 384 + 128 + 1024 = 1536
+    assert small(False).linear_flops_per_token() == 2 * 1536
+    # full attention, s = 10: 2 layers * 4 * q(8) * 100 pairs = 6400
+    assert small(False).forward_flops(10) == pytest.approx(2 * 1536 * 10 + 6400)
+    # causal: 10 * 11 / 2 = 55 pairs -> 2 * 4 * 8 * 55 = 3520
+    assert small(True).forward_flops(10) == pytest.approx(2 * 1536 * 10 + 3520)
+    assert small(True).train_flops(10) == pytest.approx(3 * (2 * 1536 * 10 + 3520))
+
+
+def test_gqa_gated_logits_by_hand():
+    shape = TransformerShape(num_layers=1, hidden_size=8, ffn_hidden_size=16, num_attention_heads=4, causal=True,
+                             num_query_groups=2, gated_linear_unit=True, vocab_size=10)
+    assert (shape.head_dim, shape.query_size, shape.kv_size) == (2, 8, 4)
+    # QKV 2*8*(8+8) = 256, proj 2*8*8 = 128, SwiGLU FFN 2*3*8*16 = 768, logits 2*8*10 = 160
+    assert shape.linear_flops_per_token() == 256 + 128 + 768 + 160
+    # weights: QKV 128 + proj 64 + FFN 384 + norms 16, final norm 8
+    assert shape.num_parameters() == 128 + 64 + 384 + 16 + 8
+    # activations (elements): norms 16 + QKV in 8 + QKV 16 + attn out 8 + FFN in 8 + FFN 48 = 104
+    assert shape.activation_bytes_per_token() == 2 * 104 + 4 * 4
+
+
+def test_activation_bytes_classic_gpt_is_paper_minus_dropout_masks():
+    h, a, layers = 64, 4, 3
+    shape = TransformerShape(layers, h, 4 * h, a, causal=True)
+    assert shape.activation_bytes_per_token() == layers * (32 * h + 4 * a)
+    np.testing.assert_allclose(shape.activation_bytes([0, 5, 10]), [0, 5 * layers * (32 * h + 4 * a),
+                                                                     10 * layers * (32 * h + 4 * a)])
+
+
+@given(st.integers(1, 5000))
+def test_attention_term_is_quadratic_and_causal_halves_it(s):
+    full, causal = small(False), small(True)
+    lin = full.linear_flops_per_token()
+    attn_full = full.forward_flops(s) - lin * s
+    attn_causal = causal.forward_flops(s) - lin * s
+    assert attn_full == pytest.approx(2 * 4 * 8 * s * s)
+    assert attn_causal == pytest.approx(attn_full * (s + 1) / (2 * s))
+    # doubling the length more than doubles the cost, by exactly the extra attention
+    assert full.forward_flops(2 * s) - 2 * full.forward_flops(s) == pytest.approx(2 * attn_full)
+
+
+def test_vectorised_matches_scalar():
+    shape = load_model_config("mllm_10b").backbone.transformer
+    lengths = np.array([0, 1, 17, 4096, 30000])
+    np.testing.assert_allclose(shape.forward_flops(lengths), [shape.forward_flops(int(s)) for s in lengths])
+    assert shape.forward_flops(0) == 0
+
+
+def test_projector_by_hand():
+    proj = ProjectorShape(input_size=12, ffn_hidden_size=5, output_size=7)
+    assert proj.forward_flops(3) == pytest.approx(3 * 2 * (12 * 5 + 5 * 7))
+    assert proj.activation_bytes(2) == pytest.approx(2 * 2 * (2 * 12 + 2 * 5))
+    assert proj.num_parameters() == 24 + 60 + 35
+
+
+@pytest.mark.parametrize("bad", [dict(num_layers=0), dict(num_query_groups=3), dict(vocab_size=-1)])
+def test_bad_shapes_raise(bad):
+    args = dict(num_layers=2, hidden_size=8, ffn_hidden_size=32, num_attention_heads=4, causal=True) | bad
+    with pytest.raises(ValueError):
+        TransformerShape(**args)
+
+
+def test_negative_or_nan_lengths_raise():
+    with pytest.raises(ValueError, match="sequence lengths"):
+        small(True).forward_flops([3, -1])
+    with pytest.raises(ValueError, match="sequence lengths"):
+        small(True).activation_bytes([np.nan])
+
+
+def test_qwen25_7b_backbone_matches_published_parameter_count():
+    # Qwen2.5-7B has 7,615,616,512 parameters, 129,024 of which are QKV biases (28 * (3584 + 2 * 512)),
+    # which the model leaves out.
+    backbone = load_model_config("mllm_10b").backbone
+    qwen = replace(backbone, transformer=replace(backbone.transformer, num_layers=28))
+    params = qwen.num_parameters()
+    assert params == 7_615_616_512 - 28 * (3584 + 2 * 512)
+
+
+@pytest.mark.parametrize("name,low,high", [("mllm_10b", 9.5e9, 10.5e9), ("mllm_18b", 17e9, 19e9),
+                                           ("mllm_84b", 80e9, 88e9), ("tiny", 1e5, 2e6)])
+def test_config_parameter_counts(name, low, high):
+    config = load_model_config(name)
+    counts = config.num_parameters()
+    print(f"{name}: " + ", ".join(f"{k} {v / 1e9:.3f}B" for k, v in counts.items()))
+    assert low <= counts["total"] <= high
+    assert counts["total"] == counts["backbone"] + counts["vision"] + counts["audio"]

@@ -1,0 +1,139 @@
+"""Trace loading / drawing and the trace-row -> phase-item mapping, on hand-written rows."""
+from dataclasses import replace
+
+import numpy as np
+import pytest
+
+from megatron_orch.balance.model_config import load_model_config
+from megatron_orch.balance.traces import (NUMERIC_COLUMNS, TEXT_COLUMNS, Trace, TraceMixture, load_mixture,
+                                          load_trace, parse_trace_spec)
+from megatron_orch.balance.workload import PHASES, build_workload, sampled_video_frames
+
+TINY = load_model_config("tiny")
+# tiny: 16 px tiles of 4 px patches -> 16 patches + 1 class token, 4 LLM tokens per tile (same for frames);
+# video 0.5 fps, <= 4 frames; audio windows of 64 mel frames -> 32 tokens, 4 tokens -> 1 LLM token;
+# prompt 8 tokens; backbone hidden 64.
+ROWS = [
+    dict(task="image_sft", vision_tiles=3, text_tokens=10),  # 3 tiles
+    dict(task="video_openqa", video_sec=5, text_tokens=4),  # ceil(2.5) = 3 frames
+    dict(task="video_mcqa", video_frames=600, text_tokens=0),  # 20 s at 30 fps -> 10 frames, capped at 4
+    dict(task="asr", audio_frames=150, text_tokens=5),  # windows of 64, 64, 22 mel frames
+    dict(task="text", text_tokens=7),  # no modality
+    dict(task="video_segment_caption", video_sec=0.4, text_tokens=1),  # at least 1 frame
+]
+
+
+def workload(config=TINY, rows=ROWS, home=(0, 0, 1, 1, 2, 2)):
+    return build_workload(Trace.from_rows("hand", rows), np.array(home), config)
+
+
+def test_vision_items():
+    vision = workload()["vision"]
+    np.testing.assert_array_equal(vision.example, [0, 0, 0, 1, 1, 1, 2, 2, 2, 2, 5])
+    np.testing.assert_array_equal(vision.home, [0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 2])
+    np.testing.assert_array_equal(vision.tokens, [17] * 11)
+    projector = TINY.vision.projector(64)
+    expected = TINY.vision.transformer.train_flops(17) + projector.train_flops(4)
+    np.testing.assert_allclose(vision.cost, expected)
+    np.testing.assert_allclose(vision.nbytes, 3 * 16 * 16 * 2)
+    np.testing.assert_allclose(vision.output_nbytes, 4 * 64 * 2)
+
+
+def test_audio_windows_padded_and_real_length():
+    audio = workload()["audio"]  # tiny pads the last window
+    np.testing.assert_array_equal(audio.example, [3, 3, 3])
+    np.testing.assert_array_equal(audio.home, [1, 1, 1])
+    np.testing.assert_array_equal(audio.tokens, [32, 32, 32])
+    np.testing.assert_allclose(audio.nbytes, np.array([64, 64, 22]) * 16 * 2)  # real frames x mel bins x bf16
+    np.testing.assert_allclose(audio.output_nbytes, np.array([8, 8, 3]) * 64 * 2)  # ceil(ceil(22/2)/4) = 3
+
+    unpadded = replace(TINY, audio=replace(TINY.audio, pad_last_window=False))
+    audio = workload(unpadded)["audio"]
+    np.testing.assert_array_equal(audio.tokens, [32, 32, 11])
+    projector = TINY.audio.projector(64)
+    np.testing.assert_allclose(audio.cost, TINY.audio.transformer.train_flops([32, 32, 11])
+                               + projector.train_flops([8, 8, 3]))
+    np.testing.assert_allclose(audio.memory, TINY.audio.transformer.activation_bytes([32, 32, 11])
+                               + projector.activation_bytes([8, 8, 3]))
+
+
+def test_llm_lengths_and_bytes():
+    llm = workload()["llm"]
+    modality = np.array([12, 12, 16, 19, 0, 4])
+    text = np.array([10, 4, 0, 5, 7, 1])
+    np.testing.assert_array_equal(llm.tokens, text + 8 + modality)
+    np.testing.assert_array_equal(llm.example, np.arange(6))
+    np.testing.assert_array_equal(llm.home, [0, 0, 1, 1, 2, 2])
+    np.testing.assert_allclose(llm.cost, TINY.backbone.transformer.train_flops(text + 8 + modality))
+    np.testing.assert_allclose(llm.nbytes, (text + 8 + modality) * 8 + modality * 64 * 2)
+    # an example's projected embeddings are exactly what its encoder items send on
+    w = workload()
+    sent = sum(np.bincount(w[p].example, weights=w[p].output_nbytes, minlength=6) for p in ("vision", "audio"))
+    np.testing.assert_allclose(sent, modality * 64 * 2)
+
+
+def test_absent_modality_gives_empty_phase():
+    w = workload(rows=[ROWS[0], ROWS[4]], home=(0, 1))
+    assert list(w) == list(PHASES)
+    assert len(w["audio"]) == 0 and len(w["vision"]) == 3 and len(w["llm"]) == 2
+    no_vision = workload(replace(TINY, vision=None))
+    assert len(no_vision["vision"]) == 0
+    np.testing.assert_array_equal(no_vision["llm"].tokens, [18, 12, 8, 32, 15, 9])
+
+
+def test_sampled_video_frames():
+    np.testing.assert_array_equal(sampled_video_frames([0, 0.1, 2, 2.1, 100], fps=0.5, max_frames=4),
+                                  [0, 1, 1, 2, 4])
+
+
+def test_bad_home_raises():
+    with pytest.raises(ValueError, match="one rank per example"):
+        workload(home=(0, 1))
+
+
+def write_csv(path, rows):
+    header = TEXT_COLUMNS + NUMERIC_COLUMNS
+    lines = [",".join(header)] + [",".join(str(r.get(c, "")) for c in header) for r in rows]
+    path.write_text("\n".join(lines) + "\n")
+
+
+def test_load_trace_csv_and_cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("MEGATRON_ORCH_CACHE", str(tmp_path / "cache"))
+    write_csv(tmp_path / "a.csv", [dict(source="s", task="asr", audio_frames=150, text_tokens=5),
+                                   dict(source="s", task="img", vision_tiles=3, text_tokens="")])
+    trace = load_trace("a.csv", traces_dir=tmp_path)
+    assert len(trace) == 2
+    np.testing.assert_array_equal(trace["audio_frames"], [150, 0])  # empty cell = absent = 0
+    np.testing.assert_array_equal(trace["text_tokens"], [5, 0])
+    assert list(trace["task"]) == ["asr", "img"]
+    assert len(list((tmp_path / "cache" / "traces").glob("a-*.npz"))) == 1
+    again = load_trace(str(tmp_path / "a.csv"))
+    for c in NUMERIC_COLUMNS:
+        np.testing.assert_array_equal(again[c], trace[c])
+    with pytest.raises(FileNotFoundError, match="MEGATRON_ORCH_TRACES"):
+        load_trace("missing.csv", traces_dir=tmp_path)
+
+
+def test_mixture_draw_is_seeded_and_weighted(tmp_path, monkeypatch):
+    monkeypatch.setenv("MEGATRON_ORCH_CACHE", str(tmp_path / "cache"))
+    write_csv(tmp_path / "a.csv", [dict(task="a", text_tokens=i) for i in range(10)])
+    write_csv(tmp_path / "b.csv", [dict(task="b", text_tokens=100 + i) for i in range(5)])
+    write_csv(tmp_path / "c.csv", [dict(task="c", text_tokens=1000)])
+    mixture = load_mixture([("a.csv", 3.0), ("b.csv", 1.0), ("c.csv", 0.0)], traces_dir=tmp_path)
+    assert mixture.weights == (0.75, 0.25, 0.0)
+    batch = mixture.draw(4000, seed=7)
+    assert len(batch) == 4000
+    tasks = list(batch["task"])
+    assert "c" not in tasks
+    assert abs(tasks.count("a") / 4000 - 0.75) < 0.03
+    a_tokens = batch["text_tokens"][np.array(tasks) == "a"]
+    assert set(a_tokens.astype(int)) == set(range(10))  # rows of a trace drawn uniformly
+    np.testing.assert_array_equal(mixture.draw(4000, seed=7)["text_tokens"], batch["text_tokens"])
+    assert not np.array_equal(mixture.draw(4000, seed=8)["text_tokens"], batch["text_tokens"])
+    with pytest.raises(ValueError, match="weights"):
+        TraceMixture(mixture.traces, (1.0, -1.0, 0.0))
+
+
+def test_parse_trace_spec():
+    assert parse_trace_spec("omnibal_internvl_sft.csv:0.3") == ("omnibal_internvl_sft.csv", 0.3)
+    assert parse_trace_spec("/x/y.csv") == ("/x/y.csv", 1.0)
