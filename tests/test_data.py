@@ -1,0 +1,393 @@
+"""Data pipeline: example/micro-batch format, synthetic trace-driven dataset, Megatron sampler, JSONL manifests."""
+import json
+import math
+from dataclasses import replace
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings, strategies as st
+
+from megatron_orch.balance.model_config import load_model_config
+from megatron_orch.balance.traces import Trace, TraceMixture, load_mixture
+from megatron_orch.megatron.batch import (AUDIO_TOKEN_ID, IMAGE_TOKEN_ID, PAD_TOKEN_ID, SIZE_FIELDS, Example,
+                                          ExampleShape, collate, collate_packed, sizes_array)
+from megatron_orch.megatron.data import (DataConfig, ImageTiling, ManifestDataset, ManifestError,
+                                         MegatronPretrainingSampler, SyntheticMultimodalDataset,
+                                         SyntheticScaling, build_train_iterator, example_shape, image_tiling)
+
+TINY = load_model_config("tiny")
+SEQ = 256
+
+# A small hand-made mixture: image SFT, video QA (duration or source frames), ASR with and without text,
+# and a long audio clip.
+SMALL_MIXTURE = TraceMixture(
+    (Trace.from_rows("images", [{"vision_tiles": 5, "text_tokens": 300}, {"vision_tiles": 1, "text_tokens": 12}]),
+     Trace.from_rows("video", [{"video_sec": 117.0, "text_tokens": 11}, {"video_frames": 90, "text_tokens": 50}]),
+     Trace.from_rows("asr", [{"audio_sec": 4.4, "text_tokens": 14}, {"audio_sec": 14.0},
+                             {"audio_sec": 600.0, "text_tokens": 8}])),
+    (0.4, 0.3, 0.3))
+
+
+def small_dataset(num_samples=64, seed=7, **kwargs):
+    return SyntheticMultimodalDataset(TINY, num_samples, seed, mixture=SMALL_MIXTURE, seq_length=SEQ, **kwargs)
+
+
+def assert_examples_equal(a: Example, b: Example):
+    assert a.sample_index == b.sample_index
+    for name in ("tokens", "labels", "loss_mask", "vision", "audio"):
+        assert torch.equal(getattr(a, name), getattr(b, name)), name
+
+
+# ------------------------------------------------------------------------------------------------ sampler
+
+def upstream_indices(total, consumed, mbs, rank, dp):
+    """Megatron-LM's MegatronPretrainingSampler loop: fill mbs*dp indices, hand rank its slice."""
+    out, batch = [], []
+    for idx in range(consumed, total):
+        batch.append(idx)
+        if len(batch) == mbs * dp:
+            out.append(batch[rank * mbs:(rank + 1) * mbs])
+            batch = []
+    return out
+
+
+def test_sampler_hand_computed_dp2_mbs2():
+    rank0 = list(MegatronPretrainingSampler(13, 0, 2, 0, 2))
+    rank1 = list(MegatronPretrainingSampler(13, 0, 2, 1, 2))
+    assert rank0 == [[0, 1], [4, 5], [8, 9]]
+    assert rank1 == [[2, 3], [6, 7], [10, 11]]  # 12 is an incomplete step: dropped
+    assert list(MegatronPretrainingSampler(13, 4, 2, 1, 2)) == [[6, 7], [10, 11]]
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.integers(1, 60), st.integers(0, 59), st.integers(1, 4), st.integers(1, 4), st.data())
+def test_sampler_equals_upstream(total, consumed, mbs, dp, data):
+    consumed = consumed % total
+    rank = data.draw(st.integers(0, dp - 1))
+    assert list(MegatronPretrainingSampler(total, consumed, mbs, rank, dp)) == \
+        upstream_indices(total, consumed, mbs, rank, dp)
+
+
+def test_sampler_resumes_by_consumed_samples():
+    mbs, dp, total = 2, 3, 60
+    full = list(MegatronPretrainingSampler(total, 0, mbs, 1, dp))
+    for steps in range(len(full)):
+        resumed = list(MegatronPretrainingSampler(total, steps * mbs * dp, mbs, 1, dp))
+        assert resumed == full[steps:]
+
+
+@pytest.mark.parametrize("args, message", [
+    ((0, 0, 1, 0, 1), "no sample"), ((10, 10, 1, 0, 1), "no samples left"), ((10, 0, 0, 0, 1), "micro_batch"),
+    ((10, 0, 1, 2, 2), "data_parallel_rank=2"), ((10, -1, 1, 0, 1), "no samples left")])
+def test_sampler_rejects_bad_arguments(args, message):
+    with pytest.raises(ValueError, match=message):
+        MegatronPretrainingSampler(*args)
+
+
+# ---------------------------------------------------------------------------------------- synthetic data
+
+def test_synthetic_is_a_pure_function_of_seed_and_index():
+    a, b = small_dataset(64, seed=7), small_dataset(500, seed=7)
+    for i in range(0, 64, 3):
+        assert_examples_equal(a[i], b[i])  # also independent of the dataset's length
+    other_seed = small_dataset(64, seed=8)
+    assert not all(torch.equal(a[i].tokens, other_seed[i].tokens) for i in range(16))
+    distinct = {tuple(a[i].tokens.tolist()) for i in range(64)}
+    assert len(distinct) > 50
+
+
+def test_synthetic_sizes_match_materialised_examples():
+    dataset = small_dataset(200)
+    shape = dataset.shape
+    for i in range(len(dataset)):
+        example = dataset[i]
+        sizes = dataset.example_sizes(i)
+        assert sizes == example.sizes()
+        assert int((example.tokens == IMAGE_TOKEN_ID).sum()) == sizes.num_vision_items * shape.vision_llm_tokens_per_item
+        assert int((example.tokens == AUDIO_TOKEN_ID).sum()) == sizes.num_audio_items * shape.audio_llm_tokens_per_item
+        assert example.num_tokens <= SEQ
+        # next-token labels; loss only on the answer (and EOS), never on placeholders or the prompt
+        assert torch.equal(example.labels[:-1], example.tokens[1:])
+        masked_labels = example.labels[example.loss_mask > 0]
+        assert not torch.isin(masked_labels, torch.tensor([IMAGE_TOKEN_ID, AUDIO_TOKEN_ID])).any()
+        assert example.loss_mask[:1 + dataset.prompt_tokens].sum() == 0
+
+
+def test_synthetic_scaling_of_trace_rows():
+    dataset = small_dataset(400)
+    window_tokens = dataset.shape.audio_llm_tokens_per_item
+    seen = set()
+    for i in range(len(dataset)):
+        s = dataset.example_sizes(i)
+        seen.add((s.num_vision_items, s.num_audio_items))
+    # tiles as in the trace (5, 1); video at 0.5 fps capped at 4 frames (117 s and 90 frames/30 fps = 3 s
+    # -> 4 and 2 frames); audio ceil(sec / 30 s) windows: 4.4 s and 14 s -> 1, 600 s -> 20, capped at 16.
+    assert seen == {(5, 0), (1, 0), (4, 0), (2, 0), (0, 1), (0, 16)}
+    long_clip = next(i for i in range(len(dataset)) if dataset.example_sizes(i).num_audio_items == 16)
+    assert dataset.example_sizes(long_clip).num_tokens == 1 + dataset.prompt_tokens + 16 * window_tokens + 2
+    # ASR 4.4 s in a 30 s window: the last window keeps ceil(4.4/30 * 64) = 10 frames, then zero padding
+    short = next(i for i in range(len(dataset)) if dataset.example_sizes(i).num_audio_items == 1
+                 and dataset.answer_tokens[i] == round(14 * 0.25))
+    audio = dataset[short].audio[0]
+    assert audio[:10].abs().sum(dim=1).min() > 0 and audio[10:].abs().sum() == 0
+
+
+def test_synthetic_fits_a_short_sequence_length():
+    dataset = SyntheticMultimodalDataset(TINY, 200, 3, mixture=SMALL_MIXTURE, seq_length=32)
+    for i in range(len(dataset)):
+        example = dataset[i]
+        assert example.num_tokens <= 32 and example.sizes().num_loss_tokens >= 2
+    with pytest.raises(ValueError, match="seq_length=12"):
+        SyntheticMultimodalDataset(TINY, 10, 3, mixture=SMALL_MIXTURE, seq_length=12)
+
+
+def test_synthetic_text_is_learnable_bigram_chain():
+    dataset = small_dataset(300)
+    follows = total = 0
+    for i in range(len(dataset)):
+        example = dataset[i]
+        answer = example.labels[example.loss_mask > 0][:-1].tolist()  # drop EOS
+        letters = [("abcdefghijklmnopqrstuvwxyz ".index(chr(t))) for t in answer]
+        follows += sum(int(dataset._successor[a] == b) for a, b in zip(letters, letters[1:]))
+        total += max(0, len(letters) - 1)
+    assert total > 1000 and 0.75 < follows / total < 0.9  # 0.8 + 0.2/27 expected
+
+
+def test_default_mixture_shows_modality_incoherence():
+    dataset = SyntheticMultimodalDataset(TINY, 3000, 0, seq_length=512)
+    sizes = sizes_array([dataset.example_sizes(i) for i in range(len(dataset))])
+    vision, audio, loss = sizes[:, 1], sizes[:, 2], sizes[:, 4]
+    assert ((vision > 0) & (audio == 0)).mean() > 0.4  # image SFT, captions, video
+    assert ((audio > 0) & (vision == 0)).mean() > 0.2  # ASR, audio / music captions
+    assert set(dataset.kind.tolist()) >= {"image", "video", "audio"}
+    assert np.corrcoef(vision, audio)[0, 1] < 0  # a batch balanced for one encoder is not for the other
+    media = vision * dataset.shape.vision_llm_tokens_per_item + audio * dataset.shape.audio_llm_tokens_per_item
+    ratio = media / loss
+    assert np.percentile(ratio, 90) / np.percentile(ratio, 10) > 10
+
+
+# ------------------------------------------------------------------------------------- collate and split
+
+@st.composite
+def examples_lists(draw):
+    shape = ExampleShape(seq_length=64, vision_patches_per_item=3, vision_patch_dim=2,
+                         vision_llm_tokens_per_item=2, audio_frames_per_window=4, audio_mel_bins=3,
+                         audio_llm_tokens_per_item=1)
+    out = []
+    for index in draw(st.lists(st.integers(0, 10 ** 6), min_size=1, max_size=6, unique=True)):
+        n = draw(st.integers(1, 20))
+        n_v, n_a = draw(st.integers(0, 3)), draw(st.integers(0, 3))
+        g = torch.Generator().manual_seed(index)
+        mask = (torch.rand(n, generator=g) > 0.3).float()
+        out.append(Example(index, torch.randint(0, 256, (n,), generator=g), torch.randint(0, 256, (n,), generator=g),
+                           mask, torch.randn(n_v, 3, 2, generator=g), torch.randn(n_a, 4, 3, generator=g)))
+    return out
+
+
+@settings(max_examples=60, deadline=None)
+@given(examples_lists(), st.booleans(), st.integers(0, 5))
+def test_collate_split_roundtrip(examples, packed, extra):
+    longest, total = max(e.num_tokens for e in examples), sum(e.num_tokens for e in examples)
+    batch = collate_packed(examples, pad_to=total + extra) if packed else collate(examples, pad_to=longest + extra)
+    assert batch.num_examples == len(examples)
+    assert batch.vision.shape == (sum(e.num_vision_items for e in examples), 3, 2)
+    assert batch.audio.shape == (sum(e.num_audio_items for e in examples), 4, 3)
+    for original, split in zip(examples, batch.examples()):
+        assert_examples_equal(original, split)
+    assert batch.sizes() == [e.sizes() for e in examples]
+    assert float(batch.loss_mask.sum()) == sum(float(e.loss_mask.sum()) for e in examples)
+    padding = batch.tokens == PAD_TOKEN_ID
+    assert int(padding.sum()) >= batch.tokens.numel() - total
+    if packed:
+        assert batch.tokens.shape == (1, total + extra)
+        # block-diagonal causal mask against a brute-force owner-of-each-position comparison
+        owner = [i for i, e in enumerate(examples) for _ in range(e.num_tokens)] + [-1] * extra
+        expected = torch.tensor([[not (owner[q] == owner[k] and k <= q) for k in range(len(owner))]
+                                 for q in range(len(owner))])
+        assert torch.equal(batch.attention_mask()[0, 0], expected)
+        starts = [0] + np.cumsum([e.num_tokens for e in examples]).tolist()
+        for i, e in enumerate(examples):
+            assert batch.position_ids[0, starts[i]:starts[i + 1]].tolist() == list(range(e.num_tokens))
+    else:
+        assert batch.tokens.shape == (len(examples), longest + extra) and batch.attention_mask() is None
+        assert batch.position_ids[0].tolist() == list(range(longest + extra))
+
+
+def test_collate_all_text_only_keeps_item_shapes_and_rejects_mismatch():
+    dataset = small_dataset(8)
+    text_only = [replace(dataset[i], vision=dataset[i].vision[:0], audio=dataset[i].audio[:0]) for i in range(3)]
+    batch = collate(text_only)
+    assert batch.vision.shape == (0, *dataset[0].vision.shape[1:]) and batch.audio.shape[0] == 0
+    assert batch.vision_counts.tolist() == [0, 0, 0]
+    odd = replace(text_only[1], vision=torch.zeros(1, 5, 5))
+    with pytest.raises(ValueError, match="vision items have shape"):
+        collate([text_only[0], odd])
+    with pytest.raises(ValueError, match="shorter than"):
+        collate(text_only, pad_to=3)
+    with pytest.raises(ValueError, match="at least one example"):
+        collate([])
+
+
+def test_sizes_array_columns():
+    dataset = small_dataset(8)
+    records = [dataset.example_sizes(i) for i in range(8)]
+    array = sizes_array(records)
+    assert array.shape == (8, len(SIZE_FIELDS)) and array.dtype == np.int64
+    assert array[:, 0].tolist() == list(range(8)) and array[3, 3] == records[3].num_tokens
+
+
+# ---------------------------------------------------------------------------------------- train iterator
+
+def test_train_iterator_follows_the_sampler_and_resumes():
+    config = DataConfig(TINY, seq_length=SEQ, micro_batch_size=2, num_samples=40, seed=5)
+    per_rank = [list(build_train_iterator(config, 0, rank, 2)) for rank in range(2)]
+    assert [len(batches) for batches in per_rank] == [10, 10]
+    for step in range(10):
+        ids = per_rank[0][step].sample_ids.tolist() + per_rank[1][step].sample_ids.tolist()
+        assert ids == list(range(4 * step, 4 * step + 4))
+    resumed = list(build_train_iterator(config, 12, 1, 2))
+    assert len(resumed) == 7
+    for a, b in zip(resumed, per_rank[1][3:]):
+        for x, y in zip(a.examples(), b.examples()):
+            assert_examples_equal(x, y)
+    fixed = next(build_train_iterator(replace(config, pad_to_seq_length=True), 0, 0, 2))
+    assert fixed.tokens.shape == (2, SEQ)
+
+
+def test_example_shape_of_tiny_config():
+    shape = example_shape(TINY, SEQ)
+    assert shape == ExampleShape(seq_length=SEQ, vision_patches_per_item=16, vision_patch_dim=48,
+                                 vision_llm_tokens_per_item=4, audio_frames_per_window=64, audio_mel_bins=16,
+                                 audio_llm_tokens_per_item=8)
+    with pytest.raises(ValueError, match="frame_px"):
+        example_shape(replace(TINY, vision=replace(TINY.vision, frame_px=32)), SEQ)
+    with pytest.raises(ValueError, match="max_position_embeddings"):
+        example_shape(TINY, 10 ** 6)
+
+
+# ------------------------------------------------------------------------------------------ JSONL manifest
+
+def test_image_tiling_rule():
+    tiling = ImageTiling(tile_px=16, patch_px=4, max_tiles=6)
+    assert tiling.grid(640, 480) == (3, 2) and tiling.num_tiles(640, 480) == 7  # as the COCO trace's 7
+    assert tiling.num_tiles(16, 16) == 1 and tiling.num_tiles(10, 40) == 3  # 1 x 2 grid + thumbnail
+    image = np.arange(16 * 16 * 3, dtype=np.float32).reshape(16, 16, 3)
+    patches = tiling.tiles(image)
+    assert patches.shape == (1, 16, 48)
+    # patch (row 1, col 2) in raster order, flattened channel-major
+    assert np.array_equal(patches[0, 1 * 4 + 2], image[4:8, 8:12].transpose(2, 0, 1).reshape(-1))
+
+
+@pytest.fixture
+def manifest_dir(tmp_path):
+    from PIL import Image
+    rng = np.random.default_rng(0)
+    Image.fromarray(rng.integers(0, 255, (48, 32, 3), dtype=np.uint8)).save(tmp_path / "tall.png")
+    np.save(tmp_path / "square.npy", rng.random((16, 16, 3)).astype(np.float32))
+    np.save(tmp_path / "speech.npy", rng.standard_normal((150, 16)).astype(np.float32))  # 3 windows of 64
+    np.save(tmp_path / "rgba.npy", np.zeros((8, 8, 4), np.uint8))
+    np.save(tmp_path / "wrong_bins.npy", np.zeros((10, 80), np.float32))
+    return tmp_path
+
+
+def write_manifest(path, entries):
+    path.write_text("\n".join(e if isinstance(e, str) else json.dumps(e) for e in entries) + "\n")
+    return path
+
+
+def test_manifest_loads_examples_and_sizes_without_data(manifest_dir):
+    shape = example_shape(TINY, SEQ)
+    entries = [
+        {"text": "a tall picture", "prompt": "describe:", "images": ["tall.png", "square.npy"]},
+        {"text": "hello world", "audio": ["speech.npy"]},
+        {"text": "both", "images": ["square.npy"], "audio": ["speech.npy"],
+         "sizes": {"vision_items": 1, "audio_items": 3, "text_tokens": 4}},
+        "",  # blank lines are skipped
+        {"text": "x" * 1000},  # answer truncated to the sequence length
+    ]
+    dataset = ManifestDataset(write_manifest(manifest_dir / "m.jsonl", entries), shape, image_tiling(TINY))
+    assert len(dataset) == 4
+    for i in range(len(dataset)):
+        assert dataset.example_sizes(i) == dataset[i].sizes()
+    tall = dataset[0]
+    assert tall.num_vision_items == 7 + 1  # 32 x 48 px: a 2 x 3 grid + thumbnail, then the 16 x 16 image
+    assert bytes(tall.tokens[1:10].tolist()) == b"describe:"
+    square = np.load(manifest_dir / "square.npy")
+    assert torch.allclose(tall.vision[7, 0], torch.from_numpy(square[:4, :4].transpose(2, 0, 1).reshape(-1)))
+    speech = dataset[1]
+    mel = torch.from_numpy(np.load(manifest_dir / "speech.npy"))
+    assert speech.audio.shape == (3, 64, 16)
+    assert torch.equal(speech.audio.reshape(-1, 16)[:150], mel) and speech.audio.reshape(-1, 16)[150:].abs().sum() == 0
+    answer = speech.labels[speech.loss_mask > 0]
+    assert bytes(answer[:-1].tolist()) == b"hello world"
+    assert dataset[3].num_tokens == SEQ
+
+
+def test_manifest_sizes_field_avoids_reading_files(manifest_dir):
+    shape = example_shape(TINY, SEQ)
+    entries = [{"text": "abc", "images": ["missing.png"], "sizes": {"vision_items": 2, "audio_items": 0,
+                                                                    "text_tokens": 3}}]
+    dataset = ManifestDataset(write_manifest(manifest_dir / "m.jsonl", entries), shape, image_tiling(TINY))
+    sizes = dataset.example_sizes(0)
+    assert (sizes.num_vision_items, sizes.num_audio_items, sizes.num_loss_tokens) == (2, 0, 4)
+    with pytest.raises(ManifestError, match=r"m.jsonl:1: image file .*missing.png does not exist"):
+        dataset[0]
+
+
+@pytest.mark.parametrize("line, message", [
+    ('{"text": "a", ', r"m.jsonl:2: not valid JSON"),
+    ('["text"]', r"m.jsonl:2: expected a JSON object"),
+    ('{"prompt": "a"}', r"m.jsonl:2: 'text' must be a string"),
+    ('{"text": "a", "image": ["x.png"]}', r"m.jsonl:2: unknown keys \['image'\]"),
+    ('{"text": "a", "audio": "speech.npy"}', r"m.jsonl:2: 'audio' must be a list of file paths"),
+    ('{"text": "a", "sizes": {"vision_items": 1}}', r"m.jsonl:2: 'sizes' must be an object with exactly"),
+    ('{"text": "a", "sizes": {"vision_items": -1, "audio_items": 0, "text_tokens": 1}}', r"non-negative"),
+])
+def test_manifest_rejects_bad_lines_naming_the_line(manifest_dir, line, message):
+    path = write_manifest(manifest_dir / "m.jsonl", [{"text": "fine"}, line])
+    with pytest.raises(ManifestError, match=message):
+        ManifestDataset(path, example_shape(TINY, SEQ), image_tiling(TINY))
+
+
+@pytest.mark.parametrize("entry, message", [
+    ({"text": "a", "audio": ["wrong_bins.npy"]}, r"m.jsonl:1: audio .*wrong_bins.npy has shape \(10, 80\)"),
+    ({"text": "a", "audio": ["tall.png"]}, r"m.jsonl:1: audio .*tall.png must be a .npy log-mel array"),
+    ({"text": "a", "images": ["rgba.npy"]}, r"m.jsonl:1: image .*rgba.npy has 4 channels, the model takes 3"),
+    ({"text": "a", "audio": ["speech.npy"], "sizes": {"vision_items": 0, "audio_items": 2, "text_tokens": 1}},
+     r"m.jsonl:1: declared 'sizes' differ from the data \(declared, real\): \{'audio_items': \(2, 3\)\}"),
+    ({"text": "a", "images": ["tall.png"] * 12}, r"m.jsonl:1: prompt \(0 tokens\), 84 vision items"),
+])
+def test_manifest_rejects_bad_data_naming_the_line(manifest_dir, entry, message):
+    dataset = ManifestDataset(write_manifest(manifest_dir / "m.jsonl", [entry]), example_shape(TINY, SEQ),
+                              image_tiling(TINY))
+    with pytest.raises(ManifestError, match=message):
+        dataset[0]
+
+
+def test_manifest_tokenizer_hook(manifest_dir):
+    class Words:
+        def encode(self, text):
+            return [500 + len(word) for word in text.split()]
+
+    path = write_manifest(manifest_dir / "m.jsonl", [{"text": "three short words"}])
+    example = ManifestDataset(path, example_shape(TINY, SEQ), image_tiling(TINY), tokenizer=Words())[0]
+    assert example.labels[example.loss_mask > 0].tolist()[:-1] == [505, 505, 505]
+
+    class Reserved:
+        def encode(self, text):
+            return [IMAGE_TOKEN_ID]
+
+    with pytest.raises(ManifestError, match="reserved or negative ids"):
+        ManifestDataset(path, example_shape(TINY, SEQ), image_tiling(TINY), tokenizer=Reserved())[0]
+
+
+def test_train_iterator_on_a_manifest(manifest_dir):
+    entries = [{"text": f"example {i}", "audio": ["speech.npy"] if i % 2 else []} for i in range(8)]
+    path = write_manifest(manifest_dir / "m.jsonl", entries)
+    config = DataConfig(TINY, seq_length=SEQ, micro_batch_size=2, num_samples=8, manifest=str(path))
+    batches = list(build_train_iterator(config, 0, 1, 2))
+    assert [b.sample_ids.tolist() for b in batches] == [[2, 3], [6, 7]]
+    assert batches[0].audio_counts.tolist() == [0, 3]
+    with pytest.raises(ValueError, match="fewer than the 9 samples"):
+        next(build_train_iterator(replace(config, num_samples=9), 0, 0, 1))
