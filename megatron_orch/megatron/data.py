@@ -7,7 +7,7 @@ Two datasets produce :class:`~megatron_orch.megatron.batch.Example` objects and,
   learnable synthetic text, with per-example modality lengths drawn from the real traces;
 * :class:`ManifestDataset`: users' own data from a JSONL manifest (images, log-mel arrays, text).
 
-Every example is laid out the same way (``n`` = ``IMAGE_TOKEN_ID`` / ``AUDIO_TOKEN_ID`` placeholder runs)::
+Every example is laid out the same way (placeholders are runs of ``IMAGE_TOKEN_ID`` / ``AUDIO_TOKEN_ID``)::
 
     ids    = BOS, prompt..., image placeholders..., audio placeholders..., answer..., EOS
     tokens = ids[:-1]      labels = ids[1:]      loss_mask = 1 where the label is answer text or EOS
@@ -21,7 +21,7 @@ import json
 import math
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Iterator, Optional, Sequence
+from typing import Iterator, Optional, Sequence
 
 import numpy as np
 import torch
