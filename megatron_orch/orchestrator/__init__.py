@@ -1,0 +1,1 @@
+"""Per-step planning of every phase (encoders, backbone) and the background planner."""

@@ -1,0 +1,53 @@
+"""What the orchestrator balances and how: one frozen dataclass, filled from the ``--orch-*`` flags."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional, Tuple
+
+from megatron_orch.comm.placement import METHODS as PLACEMENT_METHODS
+
+PHASES = ("vision", "audio", "llm")
+ALGORITHMS = ("auto", "lpt", "kk", "bs_ffd")
+MICROBATCHING = ("equal_count", "packed")
+
+
+@dataclass(frozen=True)
+class OrchestratorConfig:
+    """Post-balancing settings.
+
+    ``phases``: the phases rebalanced; the others keep the loader's assignment. ``algorithm``: the
+    partitioner of the encoder phases (and of the backbone in ``packed`` mode). ``microbatching``:
+    ``equal_count`` keeps ``micro_batch_size`` examples per backbone micro-batch (any attention);
+    ``packed`` gives each rank the same number of micro-batches, each one packed row of a variable
+    number of examples (block-diagonal causal attention). ``locality``: balance encoder phases with
+    the locality-aware partitioner (bins are ranks, few bytes cross nodes) instead of partition +
+    placement. ``placement``: how balanced bins are mapped to ranks (``identity``, ``greedy``,
+    ``exact`` min-total inter-node bytes, ``minmax`` busiest node). ``background``: plan step k+1
+    on a CPU thread while step k trains. ``encoder_recompute``: keep only encoder inputs and recompute
+    encoder activations for the backward.
+    """
+
+    phases: Tuple[str, ...] = PHASES
+    algorithm: str = "auto"
+    microbatching: str = "equal_count"
+    locality: bool = False
+    placement: str = "exact"
+    placement_time_limit_s: float = 1.0
+    gpus_per_node: Optional[int] = None
+    background: bool = True
+    encoder_recompute: bool = False
+
+    def __post_init__(self):
+        unknown = [p for p in self.phases if p not in PHASES]
+        if unknown or len(set(self.phases)) != len(self.phases):
+            raise ValueError(f"--orch-phases: unknown or repeated phases {list(self.phases)}; choose from {PHASES}")
+        if self.algorithm not in ALGORITHMS:
+            raise ValueError(f"--orch-algorithm: unknown {self.algorithm!r}; choose one of {ALGORITHMS}")
+        if self.microbatching not in MICROBATCHING:
+            raise ValueError(f"--orch-microbatching: unknown {self.microbatching!r}; choose one of {MICROBATCHING}")
+        if self.placement not in PLACEMENT_METHODS:
+            raise ValueError(f"--orch-placement: unknown {self.placement!r}; choose one of {PLACEMENT_METHODS}")
+        if self.placement_time_limit_s <= 0:
+            raise ValueError(f"--orch-placement-time-limit must be > 0, got {self.placement_time_limit_s}")
+        if self.gpus_per_node is not None and self.gpus_per_node < 1:
+            raise ValueError(f"--orch-gpus-per-node must be >= 1, got {self.gpus_per_node}")
