@@ -1,0 +1,328 @@
+"""Balancing benchmark: per-phase post-balancing of a random global batch against upstream and a peer.
+
+    python -m megatron_orch.bench.balance --dp 512 --per-rank 16 --json out.json
+
+Draws a global batch of ``dp * per_rank`` examples from trace CSVs (default: the shipped mixture),
+DP rank r loading the consecutive block r (upstream Megatron), maps it to the items of every phase
+under a model config (default: the 84B config) and plans each phase with every method:
+
+* ``none``: upstream; every item stays on the rank that loaded its example.
+* ``lpt``, ``kk``, ``bs_ffd``: the constructive partitioners alone (no refinement, no home fallback).
+* ``orch``: ``partition(method="auto")`` with refinement; never worse than ``none``.
+* ``orch_equal_count``: the LLM phase with exactly ``per_rank`` examples per rank (fixed micro-batch
+  counts); encoder phases, whose item counts are not multiples of dp, use the ``orch`` plan.
+* ``orch_locality``: bins are ranks, ``--gpus-per-node`` ranks per node; as balanced as ``orch``
+  (1% tolerance) moving as few bytes as possible across nodes, then off their GPU.
+* ``verl_kk``: a re-implementation, from its published description, of verl's DP batch balancing:
+  equal-size Karmarkar-Karp over the backbone sequence lengths only, with verl's workload
+  ``24576*s + s^2``; partition p goes to rank p. It plans the LLM phase; on the encoder phases its
+  figures are those of the same plan, every encoder item following its example (single-phase
+  balancing moves whole examples).
+
+Every method's bin costs are recomputed here from its assignment under the model's cost model
+(training FLOPs), and ``max_over_lb`` uses the same bound for every method: max(total / dp, largest
+item). ``inter_node_bytes_frac`` (methods whose bins are ranks: none, orch_locality, verl_kk) is the
+share of the phase's bytes whose item ends on another node than its home rank's; ``moved_bytes_frac``
+the share that leaves its home GPU. For the LLM phase an example's bytes (token ids and projected
+embeddings) are attributed to its home rank.
+
+Modeled step time, in training FLOPs of the slowest rank: a per-phase plan synchronises between
+phases (an all-to-all), so its step is the sum over phases of the slowest rank; with ``none`` and
+``verl_kk`` every rank runs its own examples end to end, so their step is the slowest rank's sum over
+phases (which favours them). ``speedup`` is relative to ``none``.
+"""
+from __future__ import annotations
+
+import argparse
+import heapq
+import json
+import math
+import sys
+import time
+from dataclasses import dataclass
+from typing import Callable, Dict, List, Optional, Sequence
+
+import numpy as np
+
+from megatron_orch.balance.model_config import DEFAULT_MODEL, load_model_config
+from megatron_orch.balance.partition import partition, partition_equal_count, partition_locality
+from megatron_orch.balance.traces import DEFAULT_MIXTURE, load_mixture, parse_trace_spec
+from megatron_orch.balance.workload import PHASES, PhaseItems, build_workload
+
+METHODS = ("none", "lpt", "kk", "bs_ffd", "orch", "orch_equal_count", "orch_locality", "verl_kk")
+RANK_METHODS = ("none", "orch_locality", "verl_kk")  # methods whose bins are physical ranks
+LOCALITY_TOLERANCE = 0.01
+VERL_LINEAR_COEFF = 24576  # verl's calculate_workload: 24576 * s + s^2 (a 7B model, hidden 4096)
+
+
+def verl_workload(seq_len) -> np.ndarray:
+    s = np.asarray(seq_len, dtype=np.float64)
+    return VERL_LINEAR_COEFF * s + s * s
+
+
+def verl_equal_size_kk(workloads, num_bins: int) -> np.ndarray:
+    """Equal-size K-way Karmarkar-Karp (largest differencing), as verl's DP balancer describes it.
+
+    The items, sorted ascending, form n/K states of K consecutive items (one per partition). While
+    more than one state is left, the two with the largest spread (max - min partition sum; ties: the
+    larger top partition) are merged: the first state's heaviest partition takes the second's
+    lightest, and so on. Every partition therefore gets n/K items. Returns the partition of each item.
+    """
+    w = np.asarray(workloads, dtype=np.float64)
+    n = w.size
+    if n % num_bins:
+        raise ValueError(f"verl's equal-size KK needs the number of items ({n}) to be a multiple of {num_bins}")
+    order = np.lexsort((np.arange(n), w))
+    heap = []
+    for counter, group in enumerate(order.reshape(-1, num_bins)):
+        sums = w[group][::-1].copy()  # partitions by decreasing sum
+        members = group[::-1].reshape(num_bins, 1)
+        heapq.heappush(heap, (-(sums[0] - sums[-1]), -sums[0], counter, sums, members))
+    counter = len(heap)
+    while len(heap) > 1:
+        *_, sums0, members0 = heapq.heappop(heap)
+        *_, sums1, members1 = heapq.heappop(heap)
+        sums = sums0 + sums1[::-1]
+        members = np.hstack((members0, members1[::-1]))
+        by_sum = np.argsort(-sums, kind="stable")
+        sums, members = sums[by_sum], members[by_sum]
+        heapq.heappush(heap, (-(sums[0] - sums[-1]), -sums[0], counter, sums, members))
+        counter += 1
+    bins = np.empty(n, dtype=np.int64)
+    if heap:
+        members = heap[0][-1]
+        bins[members] = np.arange(num_bins)[:, None]
+    return bins
+
+
+@dataclass(frozen=True)
+class Plan:
+    bins: np.ndarray  # bin (rank) of every item of the phase
+    plan_ms: float
+
+
+def _timed(fn: Callable[[], np.ndarray], repeats: int) -> Plan:
+    best, bins = math.inf, None
+    for _ in range(repeats):
+        start = time.perf_counter()
+        bins = fn()
+        best = min(best, time.perf_counter() - start)
+    return Plan(np.asarray(bins, dtype=np.int64), 1e3 * best)
+
+
+def plan_phases(phases: Dict[str, PhaseItems], dp: int, gpus_per_node: int, repeats: int,
+                memory_cap: Dict[str, float]) -> Dict[str, Dict[str, Plan]]:
+    """Every method's plan for every phase (``verl_kk`` is planned on the LLM phase, then inherited)."""
+    llm = phases["llm"]
+    verl = _timed(lambda: verl_equal_size_kk(verl_workload(llm.tokens), dp), repeats)
+    plans: Dict[str, Dict[str, Plan]] = {}
+    for name, items in phases.items():
+        c, mem, cap, home = items.cost, items.memory, memory_cap[name], items.home
+        runs = {
+            "none": lambda: home,
+            "lpt": lambda: partition(c, dp, method="lpt", memory=mem, memory_cap=cap, refine=False).bin_of_item,
+            "kk": lambda: partition(c, dp, method="kk", refine=False).bin_of_item,
+            "bs_ffd": lambda: partition(c, dp, method="bs_ffd", memory=mem, memory_cap=cap,
+                                        refine=False).bin_of_item,
+            "orch": lambda: partition(c, dp, method="auto", memory=mem, memory_cap=cap, home=home).bin_of_item,
+            "orch_locality": lambda: partition_locality(c, home, dp, gpus_per_node, item_bytes=items.nbytes,
+                                                        memory=mem, memory_cap=cap,
+                                                        tolerance=LOCALITY_TOLERANCE).bin_of_item,
+        }
+        phase_plans = {m: _timed(run, 1 if m == "none" else repeats) for m, run in runs.items()}
+        if name == "llm":
+            phase_plans["orch_equal_count"] = _timed(
+                lambda: partition_equal_count(c, dp, home=home).bin_of_item, repeats)
+            phase_plans["verl_kk"] = verl
+        else:
+            phase_plans["orch_equal_count"] = phase_plans["orch"]
+            phase_plans["verl_kk"] = Plan(verl.bins[items.example], 0.0)
+        plans[name] = {m: phase_plans[m] for m in METHODS}
+    return plans
+
+
+def _traffic(phases: Dict[str, PhaseItems], plans, name: str, method: str):
+    """(bytes, source rank, destination rank) of everything the phase's plan moves into place.
+
+    Encoder items move their raw input from their home rank. An example of the LLM phase gathers its
+    token ids from its home rank and its projected embeddings from the ranks that encoded its items.
+    """
+    items, bins = phases[name], plans[name][method].bins
+    if name != "llm":
+        return [(items.nbytes, items.home, bins)]
+    flows, embedded = [], np.zeros(len(items))
+    for enc in PHASES:
+        if enc != "llm" and len(phases[enc]):
+            e = phases[enc]
+            flows.append((e.output_nbytes, plans[enc][method].bins, bins[e.example]))
+            embedded += np.bincount(e.example, weights=e.output_nbytes, minlength=len(items))
+    return [(items.nbytes - embedded, items.home, bins)] + flows
+
+
+def _phase_figures(phases: Dict[str, PhaseItems], plans, name: str, method: str, dp: int,
+                   gpus_per_node: int) -> dict:
+    items, plan = phases[name], plans[name][method]
+    loads = np.bincount(plan.bins, weights=items.cost, minlength=dp) if len(items) else np.zeros(dp)
+    total = float(items.cost.sum())
+    lower_bound = max(total / dp, float(items.cost.max())) if len(items) else 0.0
+    out = {
+        "max_over_lb": float(loads.max() / lower_bound) if lower_bound > 0 else 1.0,
+        "max_over_mean": float(loads.max() / (total / dp)) if total > 0 else 1.0,
+        "plan_ms": plan.plan_ms,
+        "max_flops": float(loads.max()),
+    }
+    if method in RANK_METHODS:
+        flows = _traffic(phases, plans, name, method)
+        out["bytes"] = float(sum(b.sum() for b, _, _ in flows))
+        out["inter_node_bytes"] = float(sum(b[src // gpus_per_node != dst // gpus_per_node].sum()
+                                            for b, src, dst in flows))
+        out["moved_bytes"] = float(sum(b[src != dst].sum() for b, src, dst in flows))
+        out["inter_node_bytes_frac"] = out["inter_node_bytes"] / out["bytes"] if out["bytes"] else 0.0
+        out["moved_bytes_frac"] = out["moved_bytes"] / out["bytes"] if out["bytes"] else 0.0
+    return out
+
+
+def _memory_caps(phases: Dict[str, PhaseItems], dp: int) -> Dict[str, float]:
+    """Per-rank activation memory cap of each phase: what upstream's busiest rank already needs."""
+    caps = {}
+    for name, items in phases.items():
+        peak = float(np.bincount(items.home, weights=items.memory, minlength=dp).max()) if len(items) else 0.0
+        caps[name] = max(peak, 1.0)
+    return caps
+
+
+def run(trace_specs: Sequence[tuple], dp: int, per_rank: int, gpus_per_node: int, model: str, seed: int,
+        repeats: int = 3, traces_dir: Optional[str] = None) -> dict:
+    """Run the benchmark and return its JSON-ready result."""
+    if dp < 1 or per_rank < 1 or gpus_per_node < 1 or repeats < 1:
+        raise ValueError(f"--dp, --per-rank, --gpus-per-node and --repeats must be >= 1, got "
+                         f"{dp}, {per_rank}, {gpus_per_node}, {repeats}")
+    config = load_model_config(model)
+    mixture = load_mixture(trace_specs, traces_dir)
+    batch = mixture.draw(dp * per_rank, seed)
+    home = np.repeat(np.arange(dp, dtype=np.int64), per_rank)
+    phases = build_workload(batch, home, config)
+    caps = _memory_caps(phases, dp)
+    _warm_up(gpus_per_node)
+    plans = plan_phases(phases, dp, gpus_per_node, repeats, caps)
+
+    result: dict = {name: {m: _phase_figures(phases, plans, name, m, dp, gpus_per_node) for m in METHODS}
+                    for name in PHASES}
+    result["step"] = _step_model(phases, plans, dp, result)
+    result["params"] = {
+        "traces": [{"trace": t.name, "weight": w} for t, w in zip(mixture.traces, mixture.weights)],
+        "dp": dp, "per_rank": per_rank, "num_examples": dp * per_rank, "gpus_per_node": gpus_per_node,
+        "model": config.name, "model_shaped_after": config.shaped_after,
+        "model_parameters": config.num_parameters()["total"], "seed": seed, "repeats": repeats,
+        "items": {name: len(phases[name]) for name in PHASES},
+        "total_flops": {name: float(phases[name].cost.sum()) for name in PHASES},
+        "total_bytes": {name: float(phases[name].nbytes.sum()) for name in PHASES},
+        "memory_cap_bytes": caps,
+        "cost_unit": "training FLOPs (3x forward) from the model's shape",
+        "notes": {
+            "orch_equal_count": "equal count applies to the llm phase; encoder phases use the orch plan",
+            "verl_kk": "planned on llm tokens with 24576*s+s^2; encoder items follow their example",
+            "memory_cap": "per phase, upstream's peak per-rank activation memory (lpt, bs_ffd, orch, "
+                          "orch_locality honour it; kk ignores memory)",
+            "step": "per-phase methods: sum over phases of the slowest rank; none and verl_kk: "
+                    "slowest rank's sum over phases",
+            "max_over_lb": "lower bound max(total/dp, largest item) for every method",
+        },
+    }
+    return result
+
+
+def _step_model(phases: Dict[str, PhaseItems], plans, dp: int, figures: dict) -> dict:
+    step = {}
+    for m in METHODS:
+        loads = {name: np.bincount(plans[name][m].bins, weights=phases[name].cost, minlength=dp)
+                 for name in PHASES}
+        if m in ("none", "verl_kk"):
+            flops = float(sum(loads.values()).max())
+        else:
+            flops = float(sum(load.max() for load in loads.values()))
+        step[m] = {"flops": flops, "plan_ms": float(sum(plans[name][m].plan_ms for name in PHASES))}
+    lower = sum(max(float(phases[n].cost.sum()) / dp, float(phases[n].cost.max(initial=0.0))) for n in PHASES)
+    for m in METHODS:
+        step[m]["speedup"] = step["none"]["flops"] / step[m]["flops"]
+        step[m]["over_lb"] = step[m]["flops"] / lower
+        if m in RANK_METHODS:  # over the whole batch: every phase's bytes
+            all_bytes = sum(figures[name][m]["bytes"] for name in PHASES)
+            for field in ("inter_node_bytes", "moved_bytes"):
+                moved = sum(figures[name][m][field] for name in PHASES)
+                step[m][field + "_frac"] = moved / all_bytes if all_bytes else 0.0
+    return step
+
+
+def _warm_up(gpus_per_node: int) -> None:
+    """Compile the partitioners' kernels on a toy instance so that timings exclude JIT compilation."""
+    rng = np.random.default_rng(0)
+    costs, memory = rng.random(64), rng.random(64)
+    home = np.repeat(np.arange(4), 16)
+    for method in ("lpt", "kk", "bs_ffd", "auto"):
+        partition(costs, 4, method=method, memory=memory if method != "kk" else None,
+                  memory_cap=100.0 if method != "kk" else None, home=home)
+    partition_equal_count(costs, 4, home=home)
+    partition_locality(costs, home, 4, min(gpus_per_node, 4), item_bytes=costs, memory=memory, memory_cap=100.0)
+
+
+def format_tables(result: dict) -> str:
+    """Markdown tables: one per phase, then the modeled step."""
+    p = result["params"]
+    lines = [f"DP {p['dp']} x {p['per_rank']} examples/rank ({p['num_examples']} examples), "
+             f"{p['gpus_per_node']} GPUs/node, model {p['model']} ({p['model_parameters'] / 1e9:.1f}B), "
+             f"seed {p['seed']}", ""]
+    for name in PHASES:
+        lines += [f"phase `{name}`: {p['items'][name]} items, {p['total_flops'][name]:.3g} FLOPs, "
+                  f"{p['total_bytes'][name] / 2**30:.2f} GiB", "",
+                  "| method | max/LB | max/mean | plan ms | inter-node bytes | moved bytes |",
+                  "|---|---:|---:|---:|---:|---:|"]
+        for m in METHODS:
+            f = result[name][m]
+            inter = f"{100 * f['inter_node_bytes_frac']:.1f}%" if "inter_node_bytes_frac" in f else ""
+            moved = f"{100 * f['moved_bytes_frac']:.1f}%" if "moved_bytes_frac" in f else ""
+            lines.append(f"| {m} | {f['max_over_lb']:.4f} | {f['max_over_mean']:.4f} | {f['plan_ms']:.2f} | "
+                         f"{inter} | {moved} |")
+        lines.append("")
+    lines += ["modeled step (training FLOPs of the slowest rank)", "",
+              "| method | step PFLOP | step/LB | speedup vs none | plan ms (all phases) | inter-node bytes "
+              "| moved bytes |",
+              "|---|---:|---:|---:|---:|---:|---:|"]
+    for m in METHODS:
+        s = result["step"][m]
+        inter = f"{100 * s['inter_node_bytes_frac']:.1f}%" if "inter_node_bytes_frac" in s else ""
+        moved = f"{100 * s['moved_bytes_frac']:.1f}%" if "moved_bytes_frac" in s else ""
+        lines.append(f"| {m} | {s['flops'] / 1e15:.1f} | {s['over_lb']:.4f} | {s['speedup']:.3f} | "
+                     f"{s['plan_ms']:.2f} | {inter} | {moved} |")
+    return "\n".join(lines)
+
+
+def main(argv: Optional[List[str]] = None) -> dict:
+    parser = argparse.ArgumentParser(prog="python -m megatron_orch.bench.balance", description=__doc__.split("\n\n")[0],
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--trace", nargs="+", metavar="CSV[:WEIGHT]",
+                        help="trace CSVs (names in the traces folder, or paths) with optional weights; "
+                             "default: the shipped mixture " + ", ".join(f"{n}:{w}" for n, w in DEFAULT_MIXTURE))
+    parser.add_argument("--traces-dir", default=None,
+                        help="folder of the trace CSVs (default: $MEGATRON_ORCH_TRACES or <repo>/../shared/traces)")
+    parser.add_argument("--dp", type=int, default=64, help="data-parallel size K (default 64)")
+    parser.add_argument("--per-rank", type=int, default=16, help="examples per DP rank M (default 16)")
+    parser.add_argument("--gpus-per-node", type=int, default=8, help="DP ranks per node G (default 8)")
+    parser.add_argument("--model", default=DEFAULT_MODEL, help=f"model config name or YAML (default {DEFAULT_MODEL})")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--repeats", type=int, default=3, help="timed runs per plan; the fastest counts")
+    parser.add_argument("--json", default=None, metavar="OUT", help="write the result as JSON here")
+    args = parser.parse_args(argv)
+    specs = [parse_trace_spec(s) for s in args.trace] if args.trace else list(DEFAULT_MIXTURE)
+    result = run(specs, args.dp, args.per_rank, args.gpus_per_node, args.model, args.seed, args.repeats,
+                 args.traces_dir)
+    print(format_tables(result))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(result, f, indent=1)
+        print(f"\nwrote {args.json}", file=sys.stderr)
+    return result
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,70 @@
+"""The balancing benchmark: a small run produces valid JSON with every phase and method; verl's KK."""
+import json
+import math
+
+import numpy as np
+import pytest
+
+from megatron_orch.balance.traces import NUMERIC_COLUMNS, TEXT_COLUMNS
+from megatron_orch.bench.balance import METHODS, RANK_METHODS, main, verl_equal_size_kk, verl_workload
+from megatron_orch.balance.workload import PHASES
+
+ROWS = {
+    "img.csv": [dict(task="image_sft", vision_tiles=t, text_tokens=40 + 7 * t) for t in (1, 3, 4, 5, 5, 7)],
+    "asr.csv": [dict(task="asr", audio_frames=f, text_tokens=f // 30) for f in (300, 750, 1400, 2900, 4100, 9000)],
+    "video.csv": [dict(task="video_openqa", video_sec=s, text_tokens=12) for s in (3.0, 20.0, 75.0, 200.0)],
+}
+
+
+@pytest.fixture()
+def traces_dir(tmp_path, monkeypatch):
+    monkeypatch.setenv("MEGATRON_ORCH_CACHE", str(tmp_path / "cache"))
+    header = TEXT_COLUMNS + NUMERIC_COLUMNS
+    for name, rows in ROWS.items():
+        lines = [",".join(header)] + [",".join(str(r.get(c, "")) for c in header) for r in rows]
+        (tmp_path / name).write_text("\n".join(lines) + "\n")
+    return tmp_path
+
+
+@pytest.mark.parametrize("model", ["tiny", "mllm_84b"])
+def test_small_run_writes_every_phase_and_method(traces_dir, tmp_path, model, capsys):
+    out = tmp_path / "bench.json"
+    main(["--trace", "img.csv:0.5", "asr.csv:0.3", "video.csv:0.2", "--traces-dir", str(traces_dir),
+          "--dp", "8", "--per-rank", "4", "--gpus-per-node", "4", "--model", model, "--seed", "3",
+          "--repeats", "1", "--json", str(out)])
+    assert "| orch |" in capsys.readouterr().out
+    result = json.loads(out.read_text())
+    assert result["params"]["dp"] == 8 and result["params"]["num_examples"] == 32
+    assert [t["weight"] for t in result["params"]["traces"]] == [0.5, 0.3, 0.2]
+    for phase in PHASES:
+        assert set(result[phase]) == set(METHODS)
+        for method, fields in result[phase].items():
+            for field in ("max_over_lb", "max_over_mean", "plan_ms"):
+                assert math.isfinite(fields[field]) and fields[field] >= 0, (phase, method, field)
+            assert fields["max_over_lb"] >= 1 - 1e-9 and fields["max_over_mean"] >= fields["max_over_lb"] - 1e-9
+            assert ("inter_node_bytes_frac" in fields) == (method in RANK_METHODS)
+        assert result[phase]["orch"]["max_over_lb"] <= result[phase]["none"]["max_over_lb"] + 1e-12
+        assert result[phase]["none"]["inter_node_bytes_frac"] == 0.0
+    assert result["params"]["items"]["llm"] == 32
+    assert result["step"]["none"]["speedup"] == 1.0
+    assert result["step"]["orch"]["speedup"] >= 1.0
+    assert set(result["step"]) == set(METHODS)
+
+
+def test_verl_kk_by_hand_and_equal_size():
+    # states (2,1) and (4,3) have equal spread; the one with the larger top set merges first:
+    # [4, 3] + reversed [2, 1] -> {4, 1} and {3, 2}
+    bins = verl_equal_size_kk([1, 2, 3, 4], 2)
+    assert bins[3] == bins[0] and bins[2] == bins[1] and bins[0] != bins[1]
+    rng = np.random.default_rng(0)
+    w = verl_workload(rng.integers(10, 5000, size=64))
+    bins = verl_equal_size_kk(w, 8)
+    np.testing.assert_array_equal(np.bincount(bins, minlength=8), [8] * 8)
+    loads = np.bincount(bins, weights=w, minlength=8)
+    assert loads.max() / loads.mean() < 1.05
+    with pytest.raises(ValueError, match="multiple"):
+        verl_equal_size_kk(w[:63], 8)
+
+
+def test_verl_workload():
+    np.testing.assert_array_equal(verl_workload([0, 1, 100]), [0, 24577, 2457600 + 10000])
