@@ -305,7 +305,7 @@ def main(argv: Optional[List[str]] = None) -> dict:
                              "default: the shipped mixture " + ", ".join(f"{n}:{w}" for n, w in DEFAULT_MIXTURE))
     parser.add_argument("--traces-dir", default=None,
                         help="folder of the trace CSVs (default: $MEGATRON_ORCH_TRACES or <repo>/../shared/traces)")
-    parser.add_argument("--dp", type=int, default=64, help="data-parallel size K (default 64)")
+    parser.add_argument("--dp", type=int, default=512, help="data-parallel size K (default 512)")
     parser.add_argument("--per-rank", type=int, default=16, help="examples per DP rank M (default 16)")
     parser.add_argument("--gpus-per-node", type=int, default=8, help="DP ranks per node G (default 8)")
     parser.add_argument("--model", default=DEFAULT_MODEL, help=f"model config name or YAML (default {DEFAULT_MODEL})")
