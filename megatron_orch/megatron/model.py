@@ -23,6 +23,7 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 from megatron.core import parallel_state
+from megatron.core.enums import ModelType
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 from megatron.core.models.gpt.gpt_model import GPTModel
 from megatron.core.models.vision.multimodal_projector import MultimodalProjector
@@ -231,6 +232,7 @@ class MLLMModel(MegatronModule):
         backbone_shape = model_config.backbone.transformer
         config = transformer_config(backbone_shape, settings, pipeline_split=True)
         super().__init__(config=config)
+        self.model_type = ModelType.encoder_or_decoder  # read by megatron-core's schedules
         if pre_process is None:
             pre_process = parallel_state.is_pipeline_first_stage()
         if post_process is None:

@@ -1,0 +1,227 @@
+"""Command line of ``pretrain_mllm.py``: Megatron-LM's flag names for what the compact trainer supports.
+
+Three groups of flags:
+
+* :func:`add_megatron_args`: the subset of Megatron-LM's own flags that the compact trainer
+  implements, with Megatron's names and (mostly) defaults. Under ``megatron.training`` these come
+  from Megatron-LM's parser instead.
+* :func:`add_mllm_args`: this project's model selection (``--model-config``); passed to
+  ``megatron.training`` as an extra args provider.
+* extra providers: functions ``provider(parser) -> parser`` (Megatron's ``extra_args_provider``
+  convention), e.g. the orchestrator's ``--orch-*`` group, given to :func:`parse_args`.
+
+Unknown flags, abbreviations of flags and inconsistent values are errors that name the flag.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+from typing import Callable, Iterable, Optional, Sequence
+
+from megatron_orch.balance.model_config import MLLMConfig, load_model_config
+
+ArgsProvider = Callable[[argparse.ArgumentParser], argparse.ArgumentParser]
+
+# Backbone shape flags and the TransformerShape field each one overrides.
+_BACKBONE_SHAPE_FLAGS = {
+    "num_layers": "num_layers",
+    "hidden_size": "hidden_size",
+    "ffn_hidden_size": "ffn_hidden_size",
+    "num_attention_heads": "num_attention_heads",
+    "num_query_groups": "num_query_groups",
+    "kv_channels": "kv_channels",
+}
+
+
+class ArgumentError(ValueError):
+    """An inconsistent command line; the message names the flags involved."""
+
+
+def add_megatron_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """Megatron-LM flags the compact trainer supports (same names as ``megatron/training/arguments.py``)."""
+    g = parser.add_argument_group("model shape (overrides the backbone of --model-config)")
+    g.add_argument("--num-layers", type=int, default=None)
+    g.add_argument("--hidden-size", type=int, default=None)
+    g.add_argument("--ffn-hidden-size", type=int, default=None)
+    g.add_argument("--num-attention-heads", type=int, default=None)
+    g.add_argument("--num-query-groups", type=int, default=None, help="grouped-query attention")
+    g.add_argument("--kv-channels", type=int, default=None)
+    g.add_argument("--seq-length", type=int, required=True, help="longest backbone sequence (tokens)")
+    g.add_argument("--make-vocab-size-divisible-by", type=int, default=128)
+    g.add_argument("--init-method-std", type=float, default=0.02)
+    g.add_argument("--hidden-dropout", type=float, default=0.0,
+                   help="default 0 (Megatron: 0.1): keeps runs with balancing on and off comparable")
+    g.add_argument("--attention-dropout", type=float, default=0.0, help="default 0 (Megatron: 0.1)")
+
+    g = parser.add_argument_group("data")
+    g.add_argument("--data-path", type=str, default=None,
+                   help="JSONL manifest of the user's examples (one path); default: synthetic examples "
+                        "with modality lengths drawn from the real traces")
+
+    g = parser.add_argument_group("parallelism")
+    g.add_argument("--tensor-model-parallel-size", type=int, default=1)
+    g.add_argument("--pipeline-model-parallel-size", type=int, default=1)
+    g.add_argument("--use-distributed-optimizer", action="store_true")
+    g.add_argument("--distributed-backend", choices=["nccl", "gloo"], default=None,
+                   help="default: nccl with a GPU, gloo on CPU")
+    g.add_argument("--distributed-timeout-minutes", type=int, default=10)
+
+    g = parser.add_argument_group("training")
+    g.add_argument("--micro-batch-size", type=int, required=True)
+    g.add_argument("--global-batch-size", type=int, default=None,
+                   help="default: micro-batch-size x data-parallel size")
+    g.add_argument("--train-iters", type=int, required=True)
+    g.add_argument("--seed", type=int, default=1234)
+    g.add_argument("--bf16", action="store_true")
+    g.add_argument("--calculate-per-token-loss", action="store_true",
+                   help="always on here: the loss is the sum of token losses over the global number of "
+                        "loss tokens, which makes moving examples between ranks loss-invariant")
+
+    g = parser.add_argument_group("optimizer and learning-rate schedule")
+    g.add_argument("--optimizer", choices=["adam", "sgd"], default="adam")
+    g.add_argument("--lr", type=float, required=True)
+    g.add_argument("--min-lr", type=float, default=0.0)
+    g.add_argument("--lr-decay-style", choices=["constant", "linear", "cosine", "inverse-square-root"],
+                   default="linear")
+    g.add_argument("--lr-decay-iters", type=int, default=None, help="default: --train-iters")
+    g.add_argument("--lr-warmup-iters", type=int, default=0)
+    g.add_argument("--lr-warmup-init", type=float, default=0.0)
+    g.add_argument("--weight-decay", type=float, default=0.01)
+    g.add_argument("--clip-grad", type=float, default=1.0)
+    g.add_argument("--adam-beta1", type=float, default=0.9)
+    g.add_argument("--adam-beta2", type=float, default=0.999)
+    g.add_argument("--adam-eps", type=float, default=1e-8)
+    g.add_argument("--sgd-momentum", type=float, default=0.9)
+
+    g = parser.add_argument_group("logging")
+    g.add_argument("--log-interval", type=int, default=100)
+    g.add_argument("--tensorboard-dir", type=str, default=None)
+    g.add_argument("--timing-log-level", type=int, choices=[0, 1, 2], default=0,
+                   help="Megatron's timer level: 0 phase timings only, 1 adds grads-all-reduce and "
+                        "optimizer, 2 adds forward/backward compute")
+
+    g = parser.add_argument_group("checkpointing")
+    g.add_argument("--save", type=str, default=None)
+    g.add_argument("--load", type=str, default=None)
+    g.add_argument("--save-interval", type=int, default=None, help="default: save at the end only")
+    return parser
+
+
+def add_mllm_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """This project's flags: which multimodal model."""
+    g = parser.add_argument_group("multimodal model")
+    g.add_argument("--model-config", type=str, default="tiny",
+                   help="name in configs/ (tiny, mllm_10b, ...) or a YAML path; the shape flags above "
+                        "override its backbone")
+    return parser
+
+
+def build_parser(extra_args_providers: Iterable[ArgsProvider] = ()) -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="pretrain_mllm.py", allow_abbrev=False,
+                                     description="Train the multimodal LLM with megatron-core.")
+    add_megatron_args(parser)
+    add_mllm_args(parser)
+    for provider in extra_args_providers:
+        parser = provider(parser)
+    return parser
+
+
+def parse_args(argv: Optional[Sequence[str]] = None, world_size: Optional[int] = None,
+               extra_args_providers: Iterable[ArgsProvider] = ()) -> argparse.Namespace:
+    """Parse and validate a command line (``world_size``: the launch's, default from torch.distributed)."""
+    args = build_parser(extra_args_providers).parse_args(argv)
+    if world_size is None:
+        import torch.distributed as dist
+        world_size = dist.get_world_size() if dist.is_initialized() else 1
+    return validate_args(args, world_size)
+
+
+def _positive(args: argparse.Namespace, *names: str) -> None:
+    for name in names:
+        value = getattr(args, name)
+        if value is not None and value < 1:
+            raise ArgumentError(f"--{name.replace('_', '-')} must be >= 1, got {value}")
+
+
+def validate_args(args: argparse.Namespace, world_size: int) -> argparse.Namespace:
+    """Check consistency; derive ``data_parallel_size``, ``num_microbatches`` and ``mllm_config`` (the
+    loaded ``--model-config`` with the backbone shape flags applied)."""
+    _positive(args, "tensor_model_parallel_size", "pipeline_model_parallel_size", "micro_batch_size",
+              "global_batch_size", "train_iters", "seq_length", "log_interval", "save_interval",
+              *_BACKBONE_SHAPE_FLAGS)
+    model_parallel = args.tensor_model_parallel_size * args.pipeline_model_parallel_size
+    if world_size % model_parallel:
+        raise ArgumentError(f"world size {world_size} is not divisible by --tensor-model-parallel-size "
+                            f"({args.tensor_model_parallel_size}) x --pipeline-model-parallel-size "
+                            f"({args.pipeline_model_parallel_size}) = {model_parallel}")
+    args.world_size = world_size
+    args.data_parallel_size = world_size // model_parallel
+    per_step = args.micro_batch_size * args.data_parallel_size
+    if args.global_batch_size is None:
+        args.global_batch_size = per_step
+    if args.global_batch_size % per_step:
+        raise ArgumentError(f"--global-batch-size {args.global_batch_size} is not divisible by "
+                            f"--micro-batch-size ({args.micro_batch_size}) x data-parallel size "
+                            f"({args.data_parallel_size}) = {per_step}")
+    args.num_microbatches = args.global_batch_size // per_step
+    if args.lr_decay_iters is None:
+        args.lr_decay_iters = args.train_iters
+    if not 0 <= args.lr_warmup_iters < args.lr_decay_iters:
+        raise ArgumentError(f"--lr-warmup-iters {args.lr_warmup_iters} must be >= 0 and below --lr-decay-iters "
+                            f"({args.lr_decay_iters}; default --train-iters)")
+    if args.min_lr > args.lr:
+        raise ArgumentError(f"--min-lr {args.min_lr} exceeds --lr {args.lr}")
+    if args.save_interval is not None and args.save is None:
+        raise ArgumentError("--save-interval needs --save (the checkpoint directory)")
+    for name in ("hidden_dropout", "attention_dropout"):
+        if not 0.0 <= getattr(args, name) < 1.0:
+            raise ArgumentError(f"--{name.replace('_', '-')} must be in [0, 1), got {getattr(args, name)}")
+    args.calculate_per_token_loss = True
+    args.mllm_config = resolve_model_config(args)
+    return args
+
+
+def resolve_model_config(args: argparse.Namespace) -> MLLMConfig:
+    """``--model-config`` with the backbone shape flags applied, checked against the parallel sizes."""
+    config = backbone_overrides(load_model_config(args.model_config), args)
+    backbone = config.backbone
+    if backbone.transformer.num_layers % args.pipeline_model_parallel_size:
+        raise ArgumentError(f"the backbone's {backbone.transformer.num_layers} layers (--num-layers) are not "
+                            f"divisible by --pipeline-model-parallel-size {args.pipeline_model_parallel_size}")
+    _check_tensor_parallel(config, args.tensor_model_parallel_size)
+    if args.seq_length > backbone.max_position_embeddings:
+        raise ArgumentError(f"--seq-length {args.seq_length} exceeds the backbone's max_position_embeddings "
+                            f"({backbone.max_position_embeddings})")
+    return config
+
+
+def backbone_overrides(config: MLLMConfig, args: argparse.Namespace) -> MLLMConfig:
+    """``config`` with the backbone shape flags given on the command line applied."""
+    changes = {field: getattr(args, flag) for flag, field in _BACKBONE_SHAPE_FLAGS.items()
+               if getattr(args, flag) is not None}
+    if not changes:
+        return config
+    try:
+        shape = dataclasses.replace(config.backbone.transformer, **changes)
+    except ValueError as err:
+        raise ArgumentError(f"backbone shape flags {changes}: {err}") from None
+    return dataclasses.replace(config, backbone=dataclasses.replace(config.backbone, transformer=shape))
+
+
+def _check_tensor_parallel(config: MLLMConfig, tp: int) -> None:
+    """Megatron splits heads, query groups and FFN columns over TP ranks: each must divide."""
+    stacks = {"backbone": config.backbone.transformer}
+    if config.vision is not None:
+        stacks["vision"] = config.vision.transformer
+    if config.audio is not None:
+        stacks["audio"] = config.audio.transformer
+    for where, shape in stacks.items():
+        for field in ("num_attention_heads", "num_query_groups", "ffn_hidden_size"):
+            value = getattr(shape, field)
+            if value is not None and value % tp:
+                raise ArgumentError(f"{where}.{field}={value} is not divisible by "
+                                    f"--tensor-model-parallel-size {tp}")
+    for where, encoder in (("vision", config.vision), ("audio", config.audio)):
+        if encoder is not None and encoder.projector_ffn_hidden_size % tp:
+            raise ArgumentError(f"{where}.projector_ffn_hidden_size={encoder.projector_ffn_hidden_size} is not "
+                                f"divisible by --tensor-model-parallel-size {tp}")

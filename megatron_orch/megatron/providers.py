@@ -1,0 +1,83 @@
+"""Model, data and forward-step providers, in the shape ``megatron.training.pretrain`` expects.
+
+The compact trainer (:mod:`megatron_orch.megatron.trainer`) and Megatron-LM's ``pretrain`` use the
+same functions: :func:`build_model` (wrapped as Megatron's ``model_provider``), :func:`forward_step`
+and :func:`build_train_data_iterator`.
+"""
+from __future__ import annotations
+
+import argparse
+import functools
+from typing import Iterator
+
+import torch
+
+from megatron_orch.megatron.batch import MicroBatch
+from megatron_orch.megatron.data import DataConfig, build_train_iterator
+from megatron_orch.megatron.model import MLLMModel, ModelParallelSettings
+
+
+def model_parallel_settings(args: argparse.Namespace) -> ModelParallelSettings:
+    return ModelParallelSettings(
+        tensor_model_parallel_size=args.tensor_model_parallel_size,
+        pipeline_model_parallel_size=args.pipeline_model_parallel_size,
+        bf16=args.bf16,
+        hidden_dropout=args.hidden_dropout,
+        attention_dropout=args.attention_dropout,
+        init_method_std=args.init_method_std,
+        make_vocab_size_divisible_by=args.make_vocab_size_divisible_by,
+        use_cpu_initialization=not torch.cuda.is_available(),
+        calculate_per_token_loss=True,
+    )
+
+
+def build_model(args: argparse.Namespace, pre_process: bool = True, post_process: bool = True) -> MLLMModel:
+    """This pipeline stage's part of the MLLM (Megatron's ``model_provider(pre_process, post_process)``)."""
+    return MLLMModel(args.mllm_config, model_parallel_settings(args), args.seq_length,
+                     pre_process=pre_process, post_process=post_process)
+
+
+def data_config(args: argparse.Namespace) -> DataConfig:
+    return DataConfig(model_config=args.mllm_config, seq_length=args.seq_length,
+                      micro_batch_size=args.micro_batch_size,
+                      num_samples=args.train_iters * args.global_batch_size, seed=args.seed,
+                      manifest=_manifest_path(args.data_path),
+                      # 1F1B sends fixed [seq_length, micro_batch_size, hidden] tensors between stages.
+                      pad_to_seq_length=args.pipeline_model_parallel_size > 1)
+
+
+def _manifest_path(data_path):
+    """``--data-path``: one manifest path (Megatron-LM's parser gives a list)."""
+    if isinstance(data_path, (list, tuple)):
+        if len(data_path) > 1:
+            raise ValueError(f"--data-path takes one JSONL manifest here, got {len(data_path)} paths: {data_path}")
+        return data_path[0] if data_path else None
+    return data_path
+
+
+def build_train_data_iterator(args: argparse.Namespace, consumed_samples: int, data_parallel_rank: int,
+                              data_parallel_size: int) -> Iterator[MicroBatch]:
+    """This DP rank's training micro-batches from ``consumed_samples`` on (same on its TP/PP peers)."""
+    return build_train_iterator(data_config(args), consumed_samples, data_parallel_rank, data_parallel_size)
+
+
+def loss_func(loss_mask: torch.Tensor, output_tensor: torch.Tensor):
+    """Per-token loss: (sum of token losses, number of loss tokens, report for logging).
+
+    The schedule adds the token counts of all micro-batches and ``finalize_model_grads`` divides the
+    gradients by their sum over the DP group (``calculate_per_token_loss``): the normalisation is by
+    the global number of loss tokens, whichever rank holds which example.
+    """
+    mask = loss_mask.reshape(-1).float()
+    loss = torch.sum(output_tensor.reshape(-1).float() * mask)
+    num_tokens = mask.sum().to(torch.int)
+    report = torch.stack([loss.detach(), num_tokens.float()])
+    return loss, num_tokens, {"lm loss": report}
+
+
+def forward_step(data_iterator: Iterator[MicroBatch], model: torch.nn.Module):
+    """One micro-batch through the model (Megatron's ``forward_step_func``)."""
+    batch = next(data_iterator)
+    output = model(batch.tokens, batch.position_ids, batch.attention_mask(), labels=batch.labels,
+                   vision=batch.vision, audio=batch.audio)
+    return output, functools.partial(loss_func, batch.loss_mask)

@@ -1,0 +1,255 @@
+"""A compact training loop on megatron-core, for machines without a Megatron-LM checkout.
+
+It does what ``megatron.training.pretrain`` does for this model, with megatron-core's own parts:
+``parallel_state`` (gloo on CPU, through :mod:`~megatron_orch.megatron.cpu_harness`), Megatron DDP,
+``get_megatron_optimizer`` (optionally the distributed optimizer), ``OptimizerParamScheduler``,
+``get_forward_backward_func()`` (no pipelining, or 1F1B with pipeline parallelism),
+``finalize_model_grads`` with per-token loss normalisation, Megatron timers, iteration log lines,
+TensorBoard scalars and checkpoint save/resume.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import random
+import time
+from datetime import timedelta
+from typing import Callable, Iterator, Optional
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from megatron.core import parallel_state, tensor_parallel
+from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
+from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+from megatron.core.pipeline_parallel import get_forward_backward_func
+from megatron.core.timers import Timers
+from megatron.core.transformer.module import Float16Module
+from megatron.core.utils import get_attr_wrapped_model, get_model_config
+
+from megatron_orch.megatron import providers
+from megatron_orch.megatron.checkpointing import TrainState, load_checkpoint, save_checkpoint
+from megatron_orch.megatron.training_log import (LOAD_FIELDS, PHASE_TIMERS, IntervalStats, IterationRecord,
+                                                 LoadMeter, TensorBoardLog, max_and_mean_over_group)
+
+ForwardStep = Callable[[Iterator, torch.nn.Module], tuple]
+
+
+def initialize(args: argparse.Namespace) -> None:
+    """Process group, model-parallel groups and seeds (Megatron's ``initialize_megatron``)."""
+    backend = args.distributed_backend or ("nccl" if torch.cuda.is_available() else "gloo")
+    if torch.cuda.is_available():
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+    else:
+        from megatron_orch.megatron import cpu_harness
+        cpu_harness.install()
+    if not dist.is_initialized():
+        dist.init_process_group(backend, timeout=timedelta(minutes=args.distributed_timeout_minutes))
+    if dist.get_world_size() != args.world_size:
+        raise RuntimeError(f"the arguments were validated for world size {args.world_size}, "
+                           f"but the process group has {dist.get_world_size()} ranks")
+    parallel_state.initialize_model_parallel(
+        tensor_model_parallel_size=args.tensor_model_parallel_size,
+        pipeline_model_parallel_size=args.pipeline_model_parallel_size)
+    set_random_seed(args.seed)
+
+
+def set_random_seed(seed: int) -> None:
+    """Megatron's seeding: one seed per pipeline stage; per-TP-rank streams in the RNG tracker."""
+    seed = seed + 100 * parallel_state.get_pipeline_model_parallel_rank()
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+    tensor_parallel.model_parallel_cuda_manual_seed(seed)
+
+
+def shutdown() -> None:
+    parallel_state.destroy_model_parallel()
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def build_model(args: argparse.Namespace, model_provider: Callable = providers.build_model) -> list:
+    """This rank's model chunk (one: no virtual pipeline), in bf16 if asked, wrapped in Megatron DDP."""
+    module = model_provider(args, pre_process=parallel_state.is_pipeline_first_stage(),
+                            post_process=parallel_state.is_pipeline_last_stage())
+    config = module.config
+    if args.bf16:
+        module = Float16Module(config, module)
+    ddp_config = DistributedDataParallelConfig(grad_reduce_in_fp32=args.bf16, overlap_grad_reduce=False,
+                                               use_distributed_optimizer=args.use_distributed_optimizer)
+    return [DistributedDataParallel(config=config, ddp_config=ddp_config, module=module)]
+
+
+def build_optimizer(args: argparse.Namespace, model: list, timers: Optional[Timers] = None):
+    """Megatron optimizer (Adam or SGD, optionally distributed) and its LR / weight-decay schedule."""
+    config = OptimizerConfig(
+        optimizer=args.optimizer, lr=args.lr, min_lr=args.min_lr, weight_decay=args.weight_decay,
+        adam_beta1=args.adam_beta1, adam_beta2=args.adam_beta2, adam_eps=args.adam_eps,
+        sgd_momentum=args.sgd_momentum, clip_grad=args.clip_grad, bf16=args.bf16,
+        params_dtype=torch.bfloat16 if args.bf16 else torch.float32,
+        use_distributed_optimizer=args.use_distributed_optimizer, timers=timers)
+    optimizer = get_megatron_optimizer(config, model)
+    samples = args.global_batch_size  # Megatron steps the schedule in samples
+    scheduler = OptimizerParamScheduler(
+        optimizer, init_lr=args.lr_warmup_init, max_lr=args.lr, min_lr=args.min_lr,
+        lr_warmup_steps=args.lr_warmup_iters * samples, lr_decay_steps=args.lr_decay_iters * samples,
+        lr_decay_style=args.lr_decay_style, start_wd=args.weight_decay, end_wd=args.weight_decay,
+        wd_incr_steps=args.train_iters * samples, wd_incr_style="constant")
+    return optimizer, scheduler
+
+
+def attach_to_model_config(model: list, optimizer, timers: Timers) -> None:
+    """Hooks the schedule reads from the model config: grad sync, loss scaling, timers."""
+    config = get_model_config(model[0])
+    config.timers = timers
+    config.grad_scale_func = optimizer.scale_loss
+    config.no_sync_func = model[0].no_sync
+    config.finalize_model_grads_func = finalize_model_grads
+    if not config.calculate_per_token_loss:
+        raise ValueError("the MLLM trains with per-token loss normalisation (calculate_per_token_loss)")
+
+
+def time_encoder_forwards(model: list, timers: Timers) -> None:
+    """Record each encoder's forward time in the timers (vision-/audio-encoder-forward)."""
+    unwrapped = get_attr_wrapped_model(model[0], "pre_process", return_model_obj=True)
+    for name in ("vision", "audio"):
+        encoder = getattr(unwrapped, f"{name}_encoder", None)
+        if encoder is None:
+            continue
+        timer_name = f"{name}-encoder-forward"
+        encoder.register_forward_pre_hook(lambda *_, n=timer_name: timers(n, log_level=0).start())
+        encoder.register_forward_hook(lambda *_, n=timer_name: timers(n, log_level=0).stop())
+
+
+def train_step(forward_step: ForwardStep, data_iterator: Iterator, model: list, optimizer, scheduler,
+               args: argparse.Namespace, timers: Timers) -> dict:
+    """One global batch: forward/backward over the micro-batches, grad sync, optimizer step.
+
+    Returns ``lm_loss`` (global, per token; on the last pipeline stage, else None), ``grad_norm``,
+    ``skipped`` and ``loss_tokens``.
+    """
+    for chunk in model:
+        chunk.zero_grad_buffer()
+    optimizer.zero_grad()
+    losses = get_forward_backward_func()(
+        forward_step_func=forward_step, data_iterator=data_iterator, model=model,
+        num_microbatches=args.num_microbatches, seq_length=args.seq_length,
+        micro_batch_size=args.micro_batch_size, decoder_seq_length=args.seq_length, forward_only=False)
+    timers("optimizer", log_level=0).start()
+    update_successful, grad_norm, _ = optimizer.step()
+    timers("optimizer").stop()
+    if update_successful:
+        scheduler.step(increment=args.global_batch_size)
+    lm_loss = loss_tokens = None
+    if parallel_state.is_pipeline_last_stage():
+        report = torch.stack([x["lm loss"] for x in losses]).sum(dim=0).double()
+        dist.all_reduce(report, group=parallel_state.get_data_parallel_group())
+        loss_tokens = int(report[1])
+        lm_loss = float(report[0] / report[1]) if loss_tokens else float("nan")
+    return {"lm_loss": lm_loss, "grad_norm": grad_norm, "skipped": not update_successful,
+            "loss_tokens": loss_tokens}
+
+
+def _logging_rank() -> bool:
+    """Megatron logs from the last rank: it sits on the last pipeline stage, where the loss is."""
+    return dist.get_rank() == dist.get_world_size() - 1
+
+
+def _interval_record(args, state: TrainState, stats: IntervalStats, last: dict, optimizer) -> IterationRecord:
+    """Collective over the world: per-rank load as max/mean over the DP group, phase times as max/mean
+    over the ranks that run the phase (the encoders run on the first pipeline stage only)."""
+    n = max(stats.iterations, 1)
+    load_max, load_mean = max_and_mean_over_group(stats.load / n, parallel_state.get_data_parallel_group())
+    times = torch.tensor([stats.phase_s.get(name, float("nan")) * 1000.0 / n for name in PHASE_TIMERS],
+                         dtype=torch.float64)
+    gathered = [torch.zeros_like(times) for _ in range(dist.get_world_size())]
+    dist.all_gather(gathered, times)
+    per_rank = torch.stack(gathered).numpy()
+    ran = [i for i, name in enumerate(PHASE_TIMERS) if not np.all(np.isnan(per_rank[:, i]))]
+    elapsed_s = stats.elapsed_s / n
+    tokens_per_s = float(load_mean[LOAD_FIELDS.index("backbone tokens")]) * args.data_parallel_size / elapsed_s
+    grad_norm = last["grad_norm"]
+    return IterationRecord(
+        iteration=state.iteration, consumed_samples=state.consumed_samples, elapsed_ms=elapsed_s * 1000.0,
+        learning_rate=optimizer.param_groups[0]["lr"], global_batch_size=args.global_batch_size,
+        lm_loss=last["lm_loss"], grad_norm=None if grad_norm is None else float(grad_norm),
+        loss_scale=float(optimizer.get_loss_scale()), skipped=stats.skipped, nan=stats.nan,
+        tokens_per_s=tokens_per_s,
+        load_max=dict(zip(LOAD_FIELDS, load_max.tolist())), load_mean=dict(zip(LOAD_FIELDS, load_mean.tolist())),
+        phase_ms_max={PHASE_TIMERS[i]: float(np.nanmax(per_rank[:, i])) for i in ran},
+        phase_ms_mean={PHASE_TIMERS[i]: float(np.nanmean(per_rank[:, i])) for i in ran})
+
+
+def _phase_seconds(timers: Timers) -> dict:
+    """Seconds each phase timer accumulated since the last call. Timers this rank never created (an
+    encoder on a later pipeline stage, a level above --timing-log-level) are left out; Megatron's
+    Timers has no public lookup that does not create a timer, hence ``_timers``."""
+    return {name: timers._timers[name].elapsed(reset=True) for name in PHASE_TIMERS if name in timers._timers}
+
+
+def train(args: argparse.Namespace, model: list, optimizer, scheduler, data_iterator: Iterator,
+          state: TrainState, timers: Timers, forward_step: ForwardStep = providers.forward_step,
+          print_fn: Callable[[str], None] = print) -> list[IterationRecord]:
+    """Run ``args.train_iters - state.iteration`` steps; returns the records of the logged iterations."""
+    meter = LoadMeter(data_iterator)
+    tensorboard = TensorBoardLog(args.tensorboard_dir) if args.tensorboard_dir and _logging_rank() else None
+    records, stats, first_iteration = [], IntervalStats(), state.iteration
+    for chunk in model:
+        chunk.train()
+    while state.iteration < args.train_iters:
+        start = time.perf_counter()
+        result = train_step(forward_step, meter, model, optimizer, scheduler, args, timers)
+        elapsed = time.perf_counter() - start
+        state.iteration += 1
+        state.consumed_samples += args.global_batch_size
+        loss = result["lm_loss"]
+        stats.add(elapsed, meter.take(), _phase_seconds(timers), result["skipped"],
+                  nan=loss is not None and not np.isfinite(loss))
+        if state.iteration % args.log_interval == 0 or state.iteration == args.train_iters:
+            record = _interval_record(args, state, stats, result, optimizer)
+            stats = IntervalStats()
+            if _logging_rank():
+                print_fn(record.line(args.train_iters))
+                records.append(record)
+                if tensorboard is not None:
+                    tensorboard.write(record)
+        if args.save and args.save_interval and state.iteration % args.save_interval == 0:
+            save_checkpoint(args.save, state, model, optimizer, scheduler, args.use_distributed_optimizer)
+    saved_last = args.save_interval and state.iteration % args.save_interval == 0
+    if args.save and state.iteration > first_iteration and not saved_last:
+        save_checkpoint(args.save, state, model, optimizer, scheduler, args.use_distributed_optimizer)
+    if tensorboard is not None:
+        tensorboard.close()
+    return records
+
+
+def pretrain(args: argparse.Namespace, print_fn: Callable[[str], None] = print) -> list[IterationRecord]:
+    """Initialise, build, (resume,) train; the compact counterpart of ``megatron.training.pretrain``."""
+    initialize(args)
+    timers = Timers(log_level=max(1, args.timing_log_level), log_option="minmax")
+    model = build_model(args)
+    optimizer, scheduler = build_optimizer(args, model, timers)
+    attach_to_model_config(model, optimizer, timers)
+    time_encoder_forwards(model, timers)
+    state = TrainState()
+    if args.load:
+        state = load_checkpoint(args.load, model, optimizer, scheduler, args.use_distributed_optimizer)
+        if _logging_rank():
+            print_fn(f" resumed from {args.load} at iteration {state.iteration} "
+                     f"(consumed samples {state.consumed_samples})")
+    if dist.get_rank() == 0:
+        print_fn(_describe(args, model))
+    data_iterator = providers.build_train_data_iterator(
+        args, state.consumed_samples, parallel_state.get_data_parallel_rank(), args.data_parallel_size)
+    return train(args, model, optimizer, scheduler, data_iterator, state, timers, print_fn=print_fn)
+
+
+def _describe(args: argparse.Namespace, model: list) -> str:
+    params = sum(p.numel() for chunk in model for p in chunk.parameters())
+    return (f" > model config {args.mllm_config.name}: {params} parameters on rank 0 | world size "
+            f"{args.world_size} = TP {args.tensor_model_parallel_size} x PP "
+            f"{args.pipeline_model_parallel_size} x DP {args.data_parallel_size} | global batch "
+            f"{args.global_batch_size} = micro-batch {args.micro_batch_size} x {args.num_microbatches} "
+            f"micro-batches x DP {args.data_parallel_size}")

@@ -1,0 +1,154 @@
+"""Per-step load counting, Megatron-style iteration lines and TensorBoard scalars.
+
+The iteration line follows Megatron-LM's ``training_log`` (`` iteration        3/      20 |
+consumed samples: ... | lm loss: 1.234567E+00 | ...``) and adds what makes the per-phase imbalance
+across data-parallel ranks visible: tokens/s, and for each phase the per-rank load and time as
+max/mean over the DP group (a ratio of 1.00 is perfect balance; every synchronous step runs at the
+max).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Iterator, Optional
+
+import torch
+import torch.distributed as dist
+
+from megatron_orch.megatron.batch import MicroBatch
+
+# Per-rank load of each phase, counted from the micro-batches a rank consumed.
+LOAD_FIELDS = ("vision items", "audio windows", "backbone tokens")
+# Timers shown per phase (Megatron timer names; the encoder ones are recorded by forward hooks, the
+# others by megatron-core's schedule / finalize_model_grads and the trainer).
+PHASE_TIMERS = ("vision-encoder-forward", "audio-encoder-forward", "forward-backward", "forward-compute",
+                "backward-compute", "all-grads-sync", "optimizer")
+
+
+class LoadMeter:
+    """Wraps a micro-batch iterator and counts each phase's load of the micro-batches it yields."""
+
+    def __init__(self, iterator: Iterator[MicroBatch]):
+        self.iterator = iterator
+        self.counts = torch.zeros(len(LOAD_FIELDS), dtype=torch.float64)
+
+    def __iter__(self):
+        return self
+
+    def __next__(self) -> MicroBatch:
+        batch = next(self.iterator)
+        self.counts += torch.tensor([batch.vision.shape[0], batch.audio.shape[0],
+                                     float(batch.seq_lengths.sum())], dtype=torch.float64)
+        return batch
+
+    def take(self) -> torch.Tensor:
+        """Counts since the last call."""
+        counts, self.counts = self.counts, torch.zeros_like(self.counts)
+        return counts
+
+
+@dataclass
+class IntervalStats:
+    """Sums over the iterations of one log interval (this rank's view)."""
+
+    iterations: int = 0
+    elapsed_s: float = 0.0
+    skipped: int = 0
+    nan: int = 0
+    load: torch.Tensor = field(default_factory=lambda: torch.zeros(len(LOAD_FIELDS), dtype=torch.float64))
+    phase_s: dict = field(default_factory=dict)
+
+    def add(self, elapsed_s: float, load: torch.Tensor, phase_s: dict, skipped: bool, nan: bool) -> None:
+        self.iterations += 1
+        self.elapsed_s += elapsed_s
+        self.load += load
+        self.skipped += int(skipped)
+        self.nan += int(nan)
+        for name, seconds in phase_s.items():
+            self.phase_s[name] = self.phase_s.get(name, 0.0) + seconds
+
+
+def max_and_mean_over_group(values: torch.Tensor, group) -> tuple[torch.Tensor, torch.Tensor]:
+    """Element-wise max and mean of a float64 vector over the ranks of ``group``."""
+    gathered = [torch.zeros_like(values) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(gathered, values.contiguous(), group=group)
+    stacked = torch.stack(gathered)
+    return stacked.max(dim=0).values, stacked.mean(dim=0)
+
+
+@dataclass(frozen=True)
+class IterationRecord:
+    """What one log line reports (also returned by the trainer for tests and benchmarks)."""
+
+    iteration: int
+    consumed_samples: int
+    elapsed_ms: float
+    learning_rate: float
+    global_batch_size: int
+    lm_loss: Optional[float]
+    grad_norm: Optional[float]
+    loss_scale: float
+    skipped: int
+    nan: int
+    tokens_per_s: float
+    load_max: dict
+    load_mean: dict
+    phase_ms_max: dict
+    phase_ms_mean: dict
+
+    def line(self, train_iters: int) -> str:
+        parts = [f" iteration {self.iteration:8d}/{train_iters:8d}",
+                 f" consumed samples: {self.consumed_samples:12d}",
+                 f" elapsed time per iteration (ms): {self.elapsed_ms:.1f}",
+                 f" learning rate: {self.learning_rate:.6E}",
+                 f" global batch size: {self.global_batch_size:5d}"]
+        if self.lm_loss is not None:
+            parts.append(f" lm loss: {self.lm_loss:.6E}")
+        parts.append(f" loss scale: {self.loss_scale:.1f}")
+        if self.grad_norm is not None:
+            parts.append(f" grad norm: {self.grad_norm:.3f}")
+        parts += [f" number of skipped iterations: {self.skipped:3d}",
+                  f" number of nan iterations: {self.nan:3d}",
+                  f" tokens/s: {self.tokens_per_s:.1f}"]
+        load = ", ".join(f"{name} {self.load_max[name]:.0f}/{self.load_mean[name]:.1f}"
+                         f" ({_ratio(self.load_max[name], self.load_mean[name])})" for name in LOAD_FIELDS)
+        parts.append(f" load per rank max/mean over DP: {load}")
+        if self.phase_ms_max:
+            times = ", ".join(f"{name} {self.phase_ms_max[name]:.1f}/{self.phase_ms_mean[name]:.1f}"
+                              for name in self.phase_ms_max)
+            parts.append(f" time per iteration (ms) max/mean over ranks: {times}")
+        return "".join(f"{part} |" for part in parts)
+
+
+def _ratio(maximum: float, mean: float) -> str:
+    return f"{maximum / mean:.2f}" if mean > 0 else "-"
+
+
+class TensorBoardLog:
+    """Scalars per logged iteration, written by one rank (Megatron writes from the last rank)."""
+
+    def __init__(self, log_dir: str):
+        from torch.utils.tensorboard import SummaryWriter
+        self.writer = SummaryWriter(log_dir=log_dir, max_queue=1000)
+
+    def write(self, record: IterationRecord) -> None:
+        step, w = record.iteration, self.writer
+        w.add_scalar("learning-rate", record.learning_rate, step)
+        w.add_scalar("batch-size", record.global_batch_size, step)
+        if record.lm_loss is not None:
+            w.add_scalar("lm loss", record.lm_loss, step)
+        if record.grad_norm is not None:
+            w.add_scalar("grad-norm", record.grad_norm, step)
+        w.add_scalar("loss-scale", record.loss_scale, step)
+        w.add_scalar("iteration-time-ms", record.elapsed_ms, step)
+        w.add_scalar("tokens-per-s", record.tokens_per_s, step)
+        for name in LOAD_FIELDS:
+            key = name.replace(" ", "-")
+            w.add_scalar(f"load/{key}-max", record.load_max[name], step)
+            w.add_scalar(f"load/{key}-mean", record.load_mean[name], step)
+        for name in record.phase_ms_max:
+            w.add_scalar(f"time-ms/{name}-max", record.phase_ms_max[name], step)
+            w.add_scalar(f"time-ms/{name}-mean", record.phase_ms_mean[name], step)
+        w.flush()
+
+    def close(self) -> None:
+        self.writer.close()
