@@ -1,0 +1,60 @@
+"""The ``--orch-*`` flags (Megatron's ``extra_args_provider`` convention) and the config they build."""
+from __future__ import annotations
+
+import argparse
+from typing import Optional
+
+from megatron_orch.comm.placement import METHODS as PLACEMENT_METHODS
+from megatron_orch.orchestrator.config import ALGORITHMS, MICROBATCHING, PHASES, OrchestratorConfig
+
+
+def add_orch_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    g = parser.add_argument_group("post-balancing (megatron-orch)")
+    g.add_argument("--orch-post-balancing", action="store_true",
+                   help="master switch: rebalance every phase across DP ranks after the global batch is "
+                        "drawn (off = upstream Megatron behaviour)")
+    g.add_argument("--orch-phases", type=str, default=",".join(PHASES),
+                   help=f"comma-separated phases to rebalance, of {','.join(PHASES)}")
+    g.add_argument("--orch-algorithm", choices=ALGORITHMS, default="auto",
+                   help="partitioner of the encoder phases (and of the backbone when packed)")
+    g.add_argument("--orch-microbatching", choices=MICROBATCHING, default="equal_count",
+                   help="equal_count: micro-batch-size examples per backbone micro-batch; packed: one "
+                        "packed row per micro-batch with a variable number of examples")
+    g.add_argument("--orch-locality", action="store_true",
+                   help="locality-aware balancing: keep items on their node/GPU where balance allows")
+    g.add_argument("--orch-placement", choices=PLACEMENT_METHODS, default="exact",
+                   help="bins -> ranks: identity, greedy, exact (min total inter-node bytes), minmax "
+                        "(min busiest node's inter-node bytes)")
+    g.add_argument("--orch-placement-time-limit", type=float, default=1.0,
+                   help="seconds for the minmax placement solver")
+    g.add_argument("--orch-gpus-per-node", type=int, default=None,
+                   help="GPUs per node for the topology (default: torchrun's LOCAL_WORLD_SIZE)")
+    g.add_argument("--orch-no-background-planning", action="store_true",
+                   help="plan on the training thread instead of overlapping with the previous step")
+    g.add_argument("--orch-encoder-recompute", action="store_true",
+                   help="recompute encoder activations for the backward instead of keeping them")
+    return parser
+
+
+def orch_config_from_args(args: argparse.Namespace) -> Optional[OrchestratorConfig]:
+    """The orchestrator config of a parsed command line (None when post-balancing is off).
+
+    Inconsistent flags raise ValueError naming them, e.g. an ``--orch-*`` setting without the switch.
+    """
+    defaults = add_orch_args(argparse.ArgumentParser()).parse_args([])
+    if not args.orch_post_balancing:
+        changed = [name for name, value in vars(defaults).items() if getattr(args, name) != value]
+        if changed:
+            flags = ", ".join("--" + name.replace("_", "-") for name in changed)
+            raise ValueError(f"{flags} given without --orch-post-balancing (which turns post-balancing on)")
+        return None
+    phases = tuple(p.strip() for p in args.orch_phases.split(",") if p.strip())
+    config = OrchestratorConfig(
+        phases=phases, algorithm=args.orch_algorithm, microbatching=args.orch_microbatching,
+        locality=args.orch_locality, placement=args.orch_placement,
+        placement_time_limit_s=args.orch_placement_time_limit, gpus_per_node=args.orch_gpus_per_node,
+        background=not args.orch_no_background_planning, encoder_recompute=args.orch_encoder_recompute)
+    if config.microbatching == "packed" and args.pipeline_model_parallel_size > 1:
+        raise ValueError("--orch-microbatching packed with --pipeline-model-parallel-size > 1 is not "
+                         "supported: 1F1B needs fixed-shape micro-batches (use equal_count)")
+    return config
