@@ -1,0 +1,64 @@
+"""Run a test function on every rank of a fresh gloo process group of spawned CPU processes.
+
+    from dist_utils import run_distributed
+    def _check(rank, world_size, x): ...          # module level, so spawn can pickle it
+    def test_something(): run_distributed(_check, 4, x)
+
+The rendezvous store lives in the calling process on a port the OS picks (no port races between
+tests running at the same time), and every collective and the whole run have timeouts, so a bug
+fails the test instead of hanging it. A failure on any rank is re-raised with that rank's traceback.
+"""
+from __future__ import annotations
+
+import datetime
+import os
+import pickle
+import time
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+HOST = "127.0.0.1"
+
+
+def run_distributed(fn, world_size: int, *args, timeout_s: float = 90.0) -> None:
+    """Call ``fn(rank, world_size, *args)`` on ``world_size`` spawned gloo ranks; raise on any failure."""
+    store = dist.TCPStore(HOST, 0, is_master=True, wait_for_workers=False,
+                          timeout=datetime.timedelta(seconds=timeout_s))
+    context = mp.start_processes(_worker, args=(fn, world_size, store.port, timeout_s, args),
+                                 nprocs=world_size, join=False, start_method="spawn")
+    deadline = time.monotonic() + timeout_s
+    name = getattr(fn, "__name__", repr(fn))
+    try:
+        while not context.join(timeout=max(0.05, min(1.0, deadline - time.monotonic())), grace_period=5):
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{name} on {world_size} ranks did not finish within {timeout_s:.0f} s")
+    except mp.ProcessRaisedException:
+        # Report every failed rank: the first one noticed is often a peer of the one that broke.
+        raise RuntimeError(f"{name} failed on {world_size} ranks:" + "".join(
+            f"\n\n-- rank {rank}:\n{trace}" for rank, trace in _errors(context))) from None
+    finally:
+        for process in context.processes:
+            if process.is_alive():
+                process.kill()
+                process.join()
+
+
+def _errors(context):
+    for rank, path in enumerate(context.error_files):
+        if os.access(path, os.R_OK):
+            with open(path, "rb") as handle:
+                yield rank, pickle.load(handle)
+
+
+def _worker(rank: int, fn, world_size: int, port: int, timeout_s: float, args) -> None:
+    torch.set_num_threads(1)
+    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    timeout = datetime.timedelta(seconds=timeout_s)
+    store = dist.TCPStore(HOST, port, is_master=False, timeout=timeout)
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size, timeout=timeout)
+    try:
+        fn(rank, world_size, *args)
+    finally:
+        dist.destroy_process_group()

@@ -1,0 +1,261 @@
+"""The item all-to-all and the size gather on 2, 4 and 8 gloo processes, against gather-then-select
+references: every rank builds the whole global batch from a seed and checks that it holds exactly the
+items the plan puts there, in slot order; gradients come back to where the items came from."""
+import numpy as np
+import pytest
+import torch
+import torch.distributed as dist
+
+from dist_utils import run_distributed
+from megatron_orch.balance.plan import Placement, Transfer
+from megatron_orch.comm.alltoall import ItemLayout, all_to_all_items
+from megatron_orch.comm.gather import GroupMismatchError, checksum, gather_item_sizes
+from megatron_orch.comm.topology import Topology
+
+# Two float32 streams (one dtype group, different trailing shapes) and one int64 stream.
+TRAILING = [(3,), (2, 2), ()]
+DTYPES = [torch.float32, torch.float32, torch.int64]
+
+
+def _random_placement(rng, num_items, world, only_rank=None):
+    ranks = np.full(num_items, only_rank) if only_rank is not None else rng.integers(0, world, num_items)
+    return Placement.from_ranks(ranks, world, key=rng.permutation(num_items))
+
+
+def _layouts(rng, num_items, dtypes=DTYPES, trailing=TRAILING):
+    return [ItemLayout(rng.integers(0, 4, num_items), shape, dtype) for shape, dtype in zip(trailing, dtypes)]
+
+
+def _items(layout: ItemLayout, seed: int):
+    """The global batch of one stream: a distinct tensor per item, the same on every rank."""
+    gen = torch.Generator().manual_seed(seed)
+    out = []
+    for rows in layout.rows:
+        shape = (int(rows), *layout.trailing_shape)
+        if layout.dtype.is_floating_point:
+            out.append(torch.randn(shape, generator=gen, dtype=layout.dtype))
+        else:
+            out.append(torch.randint(-1000, 1000, shape, generator=gen, dtype=layout.dtype))
+    return out
+
+
+def _packed(items, layout, placement, rank):
+    """What ``rank`` holds under ``placement``: its items concatenated in slot order."""
+    chosen = [items[i] for i in placement.items_on(rank)]
+    return torch.cat(chosen) if chosen else torch.empty((0, *layout.trailing_shape), dtype=layout.dtype)
+
+
+def _move_and_check(transfer, layouts, seed, rank, group=None):
+    items = [_items(layout, seed + k) for k, layout in enumerate(layouts)]
+    local = [_packed(it, lay, transfer.src, rank) for it, lay in zip(items, layouts)]
+    moved = all_to_all_items(local, layouts, transfer, group)
+    for k, (out, it, lay) in enumerate(zip(moved, items, layouts)):
+        expected = _packed(it, lay, transfer.dst, rank)
+        assert out.dtype == lay.dtype and out.shape == expected.shape, (k, out.shape, expected.shape)
+        assert torch.equal(out, expected), f"rank {rank} stream {k} differs"
+    return moved
+
+
+def _check_moves(rank, world):
+    rng = np.random.default_rng(1234)  # same draws on every rank
+    cases = []
+    for trial in range(4):
+        n = int(rng.integers(0, 3 * world + 1)) if trial else 0  # first case: no items at all
+        cases.append(Transfer(_random_placement(rng, n, world), _random_placement(rng, n, world)))
+    n = 2 * world + 1
+    cases.append(Transfer(_random_placement(rng, n, world, only_rank=0), _random_placement(rng, n, world)))
+    cases.append(Transfer(_random_placement(rng, n, world), _random_placement(rng, n, world, world - 1)))
+    same = _random_placement(rng, n, world)
+    cases.append(Transfer(same, same))  # nothing moves: the no-copy paths
+    for t, transfer in enumerate(cases):
+        layouts = _layouts(rng, transfer.src.num_items)
+        _move_and_check(transfer, layouts, seed=100 * t, rank=rank)
+
+    # Composition: one move along first.then(second) lands where the two moves in a row land,
+    # and the inverse brings everything back.
+    a, b, c = (_random_placement(rng, n, world) for _ in range(3))
+    first, second = Transfer(a, b), Transfer(b, c)
+    layouts = _layouts(rng, n)
+    once = _move_and_check(first, layouts, seed=7, rank=rank)
+    twice = all_to_all_items(once, layouts, second)
+    direct = _move_and_check(first.then(second), layouts, seed=7, rank=rank)
+    back = all_to_all_items(direct, layouts, first.then(second).inverse())
+    items = [_items(layout, 7 + k) for k, layout in enumerate(layouts)]
+    for k in range(len(layouts)):
+        assert torch.equal(twice[k], direct[k])
+        assert torch.equal(back[k], _packed(items[k], layouts[k], a, rank))
+
+
+def _check_strided_subgroups(rank, world):
+    """Megatron-style DP groups of non-consecutive global ranks: {0, 2} and {1, 3}."""
+    groups = [dist.new_group([0, 2]), dist.new_group([1, 3])]
+    group = groups[rank % 2]
+    assert Topology.from_process_group(group, gpus_per_node=2).node_of_rank.tolist() == [0, 1]
+    rng = np.random.default_rng(99 + rank % 2)  # each subgroup its own plan
+    n = 5
+    transfer = Transfer(_random_placement(rng, n, 2), _random_placement(rng, n, 2))
+    _move_and_check(transfer, _layouts(rng, n), seed=3, rank=dist.get_rank(group), group=group)
+
+
+def _check_gradients(rank, world):
+    """d(sum(w * out))/d(in) must be w brought back to where each row came from; empty ranks too."""
+    rng = np.random.default_rng(5)
+    n = 3 * world
+    src = Placement.from_ranks(rng.integers(1, world, n), world)  # rank 0 holds nothing
+    dst = Placement.from_ranks(rng.integers(0, world - 1, n), world)  # the last rank gets nothing
+    transfer = Transfer(src, dst)
+    dtypes = [torch.float64, torch.float64, torch.int64]
+    layouts = _layouts(rng, n, dtypes=dtypes)
+    items = [_items(layout, 10 + k) for k, layout in enumerate(layouts)]
+    weights = [_items(layout, 20 + k) for k, layout in enumerate(layouts[:2])]
+    local = [_packed(it, lay, src, rank) for it, lay in zip(items, layouts)]
+    for tensor in local[:2]:
+        tensor.requires_grad_(rank != 0)  # rank 0's zero-row inputs need no grad: it still joins backward
+    moved = all_to_all_items(local, layouts, transfer)
+    assert all(out.requires_grad for out in moved[:2]) and not moved[2].requires_grad
+    loss = sum((out * _packed(w, lay, dst, rank)).sum() for out, w, lay in zip(moved, weights, layouts))
+    loss.backward()
+    for k in range(2):
+        if rank != 0:
+            assert torch.equal(local[k].grad, _packed(weights[k], layouts[k], src, rank))
+
+
+class _ScatterGlobal(torch.autograd.Function):
+    """This rank's rows of a global tensor every rank holds; backward sums every rank's gradient."""
+
+    @staticmethod
+    def forward(ctx, x, lo, hi):
+        ctx.lo, ctx.hi, ctx.size = lo, hi, x.shape[0]
+        return x[lo:hi].clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        full = torch.zeros((ctx.size, *grad.shape[1:]), dtype=grad.dtype)
+        full[ctx.lo:ctx.hi] = grad
+        dist.all_reduce(full)
+        return full, None, None
+
+
+class _GatherGlobal(torch.autograd.Function):
+    """Every rank's rows, padded to ``max_rows`` and stacked; backward keeps this rank's part."""
+
+    @staticmethod
+    def forward(ctx, local, max_rows):
+        ctx.rows = local.shape[0]
+        padded = torch.zeros((max_rows, *local.shape[1:]), dtype=local.dtype)
+        padded[:ctx.rows] = local
+        parts = [torch.empty_like(padded) for _ in range(dist.get_world_size())]
+        dist.all_gather(parts, padded)
+        return torch.stack(parts)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad[dist.get_rank(), :ctx.rows].clone(), None
+
+
+def _check_gradcheck(rank, world):
+    """torch.autograd.gradcheck of global input -> moved global output (identical on every rank)."""
+    rng = np.random.default_rng(11)
+    n = 5
+    src = Placement.from_ranks(rng.integers(0, world, n), world)
+    dst = Placement.from_ranks(rng.integers(0, world, n), world, key=rng.permutation(n))
+    transfer = Transfer(src, dst)
+    layout = ItemLayout(rng.integers(0, 3, n), (2,), torch.float64)
+    row_start = np.concatenate(([0], np.cumsum([layout.local_rows(src, r) for r in range(world)])))
+    max_rows = max(layout.local_rows(dst, r) for r in range(world))
+    x = torch.randn(int(row_start[-1]), 2, dtype=torch.float64,
+                    generator=torch.Generator().manual_seed(0), requires_grad=True)
+
+    def moved(x):
+        local = _ScatterGlobal.apply(x, int(row_start[rank]), int(row_start[rank + 1]))
+        (out,) = all_to_all_items([local], [layout], transfer)
+        return _GatherGlobal.apply(out, max_rows)
+
+    assert torch.autograd.gradcheck(moved, (x,), eps=1e-6, atol=1e-8)
+
+
+def _check_bad_inputs(rank, world):
+    """Every check here is local and raises before any collective (all ranks pass bad input)."""
+    rng = np.random.default_rng(3)
+    n = 4
+    transfer = Transfer(_random_placement(rng, n, world), _random_placement(rng, n, world))
+    layout = ItemLayout(np.array([1, 2, 0, 3]), (3,), torch.float32)
+    rows = layout.local_rows(transfer.src, rank)
+    good = torch.zeros(rows, 3)
+    bad = [
+        ([torch.zeros(rows, 4)], [layout], transfer, "tensor shape"),
+        ([torch.zeros(rows, 3, dtype=torch.float64)], [layout], transfer, "dtype"),
+        ([torch.zeros(rows + 1, 3)], [layout], transfer, f"has {rows + 1} rows"),
+        ([good, good], [layout], transfer, "2 tensors for 1 layouts"),
+        ([good], [ItemLayout(np.array([1, 2, 0]), (3,), torch.float32)], transfer, "rows for 3 items"),
+        ([good], [layout], Transfer(Placement.from_counts([4, 0, 0]), Placement.from_counts([0, 4, 0])),
+         "spans 3 ranks"),
+    ]
+    for tensors, layouts, plan, match in bad:
+        with pytest.raises(ValueError, match=match):
+            all_to_all_items(tensors, layouts, plan)
+    # The group is still healthy afterwards.
+    _move_and_check(transfer, [layout], seed=1, rank=rank)
+
+
+def _check_size_gather(rank, world):
+    rng = np.random.default_rng(21)
+    counts = rng.integers(0, 4, world)
+    counts[world - 1] = 0  # a rank without items
+    everything = rng.integers(0, 10**6, (int(counts.sum()), 3))
+    starts = np.concatenate(([0], np.cumsum(counts)))
+    mine = everything[starts[rank]:starts[rank + 1]]
+    for max_count in (None, int(counts.max()) + 2):
+        gathered = gather_item_sizes(mine, max_count=max_count, check=checksum(counts))
+        assert np.array_equal(gathered.sizes, everything) and np.array_equal(gathered.counts, counts)
+        assert np.array_equal(gathered.home_rank, np.repeat(np.arange(world), counts))
+        assert gathered.placement().same_as(Placement.from_counts(counts))
+    # Disagreements raise the same error on every rank, and the group stays usable.
+    with pytest.raises(GroupMismatchError, match="disagree on the check value"):
+        gather_item_sizes(mine, check=rank)
+    with pytest.raises(GroupMismatchError, match="rank 1 has negative sizes"):
+        gather_item_sizes(-np.ones((1, 3), dtype=np.int64) if rank == 1 else mine)
+    with pytest.raises(GroupMismatchError, match="more items than max_count"):
+        gather_item_sizes(mine, max_count=int(counts.max()) - 1)
+    with pytest.raises(GroupMismatchError, match="size fields"):
+        gather_item_sizes(np.zeros((1, 2 + (rank == 0)), dtype=np.int64))
+    # Hostnames gathered over the group: every process of this test runs on one node.
+    assert Topology.from_process_group(env={}).node_of_rank.tolist() == [0] * world
+    assert np.array_equal(gather_item_sizes(mine).sizes, everything)
+
+
+def test_size_gather_two_ranks():
+    run_distributed(_check_size_gather, 2)
+
+
+def test_moves_match_gather_reference_two_ranks():
+    run_distributed(_check_moves, 2)
+
+
+def test_moves_match_gather_reference_four_ranks_and_strided_groups():
+    run_distributed(_check_moves, 4)
+    run_distributed(_check_strided_subgroups, 4)
+
+
+def test_gradients_match_reference_four_ranks():
+    run_distributed(_check_gradients, 4)
+
+
+def test_gradcheck_two_ranks():
+    run_distributed(_check_gradcheck, 2)
+
+
+def test_bad_inputs_raise_before_the_collective():
+    run_distributed(_check_bad_inputs, 2)
+
+
+def _check_eight(rank, world):
+    _check_size_gather(rank, world)
+    rng = np.random.default_rng(8)
+    transfer = Transfer(_random_placement(rng, 12, world), _random_placement(rng, 12, world))
+    _move_and_check(transfer, _layouts(rng, 12), seed=5, rank=rank)
+    _check_gradients(rank, world)
+
+
+def test_eight_ranks():
+    run_distributed(_check_eight, 8, timeout_s=150)
