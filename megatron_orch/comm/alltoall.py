@@ -190,6 +190,7 @@ def _exchange(routes, tensors, layouts, group, device) -> List[torch.Tensor]:
         del send  # free the send buffer before the unpacked outputs are allocated
         for stream, out in zip(route.streams, _unpack(route, recv, layouts, device)):
             outputs[stream] = out
+        del recv  # free it (unless the outputs are views of it) before the next dtype group
     return outputs
 
 
