@@ -26,8 +26,6 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import Optional
-
 import numpy as np
 
 try:
@@ -213,14 +211,14 @@ class _Problem:
         return int(max(received.max(), sent.max())), int(received.sum())
 
     def ranks_for_nodes(self, node_of_bin: np.ndarray) -> np.ndarray:
-        """Assign bins to the GPUs of their nodes, minimising bytes that leave a GPU (exact)."""
+        """Assign bins to the GPUs of their nodes, minimising bytes that leave a GPU (exact; greedy
+        if the assignment solver reports overflow)."""
         start = time.perf_counter()
         left, right = self._same_node_pairs(node_of_bin)
         solver = linear_sum_assignment.SimpleLinearSumAssignment()
         solver.add_arcs_with_cost(left, right, -self._bytes_at(left, right))
-        status = solver.solve()
-        if status != solver.OPTIMAL:
-            raise RuntimeError(f"in-node assignment failed with status {status}")
+        if solver.solve() != solver.OPTIMAL:  # costs too large for its integer arithmetic
+            return self.greedy_ranks_for_nodes(node_of_bin)
         rank_of_bin = np.array([solver.right_mate(b) for b in range(self.num_bins)], dtype=np.int64)
         self.assign_seconds = max(self.assign_seconds, time.perf_counter() - start)
         return rank_of_bin
@@ -267,7 +265,7 @@ def _greedy(problem: _Problem):
 def _greedy_match(left, right, weight, capacity, num_left):
     """Match every left node to a right node, heaviest pairs first, within right capacities.
 
-    Left nodes left without a pair take the lowest right node with room.
+    Left nodes still unmatched after the pairs take the lowest right node with room.
     """
     capacity = np.array(capacity, dtype=np.int64)
     match = np.full(num_left, -1, dtype=np.int64)
@@ -317,10 +315,13 @@ def _exact(problem: _Problem):
 def _minmax(problem: _Problem, exact_rank_of_bin, exact_solver: str, config: PlacementConfig,
             start: float):
     """Min busiest-node inter-node bytes (CP-SAT), then min total bytes at that maximum."""
+    deterministic_spent = [0.0]  # CP-SAT's deterministic time used so far (deterministic mode)
+
     def time_left() -> float:
         """Seconds left for CP-SAT, keeping time for the in-node assignment that follows it."""
-        spent = 0.0 if config.deterministic else time.perf_counter() - start + problem.assign_seconds
-        return config.time_limit_s - spent
+        if config.deterministic:
+            return config.time_limit_s - deterministic_spent[0]
+        return config.time_limit_s - (time.perf_counter() - start + problem.assign_seconds)
 
     node = problem.topology.node_of_rank
     hints = [(exact_rank_of_bin, exact_solver), (np.arange(problem.num_bins), "identity")]
@@ -361,8 +362,10 @@ def _minmax(problem: _Problem, exact_rank_of_bin, exact_solver: str, config: Pla
         if config.deterministic:
             solver.parameters.max_deterministic_time = left
         else:
-            solver.parameters.max_time_in_seconds = left
+            # 5% kept back: CP-SAT stops a little after its limit, and reading the result takes time.
+            solver.parameters.max_time_in_seconds = 0.95 * left
         status = solver.solve(model)
+        deterministic_spent[0] += solver.response_proto.deterministic_time
         if status not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
             return status, hint
         solution = np.asarray(solver.response_proto.solution, dtype=np.int64)
