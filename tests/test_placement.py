@@ -155,3 +155,23 @@ def test_no_traffic_keeps_identity_costs_at_zero():
     for method in METHODS:
         result = place_bins(traffic, Topology.uniform(4, 2), PlacementConfig(method=method))
         assert (result.inter_node_bytes, result.max_node_inter_bytes, result.off_gpu_bytes) == (0, 0, 0)
+
+
+def test_placement_benchmark_orders_methods_as_their_guarantees_say():
+    import json
+
+    from megatron_orch.balance.traces import DEFAULT_MIXTURE
+    from megatron_orch.bench.placement import FIELDS, METHODS as BENCH_METHODS, run
+
+    result = run(list(DEFAULT_MIXTURE), dp=16, per_rank=2, gpus_per_node=4, model="mllm_84b", seed=0,
+                 minmax_time_limit_s=0.5)
+    json.dumps(result)
+    for phase in ("vision", "audio", "llm"):
+        figures = result[phase]
+        assert set(figures) == set(BENCH_METHODS)
+        assert all(set(figures[m]) == set(FIELDS) for m in BENCH_METHODS)
+        inter = {m: figures[m]["inter_node_bytes"] for m in BENCH_METHODS}
+        assert inter["exact"] <= inter["greedy"] <= inter["identity"]
+        assert figures["minmax"]["max_node_inter_bytes"] <= figures["exact"]["max_node_inter_bytes"]
+        assert figures["exact"]["solver"] == "min-cost-flow"
+    assert result["params"]["dp"] == 16 and result["params"]["num_nodes"] == 4
