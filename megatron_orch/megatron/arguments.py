@@ -71,6 +71,8 @@ def add_megatron_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParse
     g.add_argument("--global-batch-size", type=int, default=None,
                    help="default: micro-batch-size x data-parallel size")
     g.add_argument("--train-iters", type=int, required=True)
+    g.add_argument("--exit-interval", type=int, default=None,
+                   help="stop (saving a checkpoint if --save) once the iteration is a multiple of this")
     g.add_argument("--seed", type=int, default=1234)
     g.add_argument("--bf16", action="store_true")
     g.add_argument("--calculate-per-token-loss", action="store_true",
@@ -147,7 +149,7 @@ def validate_args(args: argparse.Namespace, world_size: int) -> argparse.Namespa
     """Check consistency; derive ``data_parallel_size``, ``num_microbatches`` and ``mllm_config`` (the
     loaded ``--model-config`` with the backbone shape flags applied)."""
     _positive(args, "tensor_model_parallel_size", "pipeline_model_parallel_size", "micro_batch_size",
-              "global_batch_size", "train_iters", "seq_length", "log_interval", "save_interval",
+              "global_batch_size", "train_iters", "exit_interval", "seq_length", "log_interval", "save_interval",
               *_BACKBONE_SHAPE_FLAGS)
     model_parallel = args.tensor_model_parallel_size * args.pipeline_model_parallel_size
     if world_size % model_parallel:

@@ -4,7 +4,9 @@ Layout (Megatron-LM's legacy naming, plus the DP rank since every rank writes it
 
     <dir>/latest_checkpointed_iteration.txt
     <dir>/iter_0000010/mp_rank_<tp>_<pp>_dp_<dp>.pt     model, optimizer, scheduler, progress, RNG
-    <dir>/iter_0000010/distrib_optim_<tp>_<pp>.pt       distributed-optimizer state (DP rank 0)
+
+With the distributed optimizer each rank's file also holds its own shard of the optimizer state
+(main parameters and moments, megatron-core's "dp_reshardable" per-bucket layout): no gather.
 
 A checkpoint resumes only under the same TP/PP/DP sizes. Resuming restores the RNG streams and the
 consumed-sample count (from which the data iterator restarts exactly), so the losses after resuming
@@ -52,9 +54,34 @@ def _rank_file(root: str, iteration: int) -> Path:
     return _iteration_dir(root, iteration) / f"mp_rank_{r['tp']:02d}_{r['pp']:03d}_dp_{r['dp']:03d}.pt"
 
 
-def _optimizer_file(root: str, iteration: int) -> Path:
-    r = _parallel_ranks()
-    return _iteration_dir(root, iteration) / f"distrib_optim_{r['tp']:02d}_{r['pp']:03d}.pt"
+def _distributed_optimizers(optimizer) -> list:
+    return list(getattr(optimizer, "chained_optimizers", [optimizer]))
+
+
+def distributed_optimizer_shards(optimizer) -> list:
+    """This rank's shard of every distributed optimizer's parameter state (main params, moments, step)."""
+    return [opt.get_parameter_state_dp_reshardable() for opt in _distributed_optimizers(optimizer)]
+
+
+def load_distributed_optimizer_shards(optimizer, shards: list) -> None:
+    """Restore :func:`distributed_optimizer_shards` (after ``optimizer.load_state_dict``)."""
+    for opt, shard in zip(_distributed_optimizers(optimizer), shards, strict=True):
+        # DistributedOptimizer.load_state_dict gives every parameter's torch-Adam state the SAME
+        # "step" tensor (megatron-core 0.16 without Apex/TE); Adam then increments it once per
+        # parameter and step, corrupting the bias correction. Give each parameter its own.
+        for param_state in opt.optimizer.state.values():
+            if "step" in param_state:
+                param_state["step"] = param_state["step"].clone()
+        # The loader skips bucket padding entries by a 'padding' flag that only megatron-core's
+        # sharded (dist-checkpointing) save adds; every entry of a per-rank shard is a real parameter.
+        for key, dtype_state in shard.items():
+            if isinstance(key, int):
+                for buckets in dtype_state.values():
+                    for bucket in buckets:
+                        for entry in bucket:
+                            entry.setdefault("padding", False)
+        with torch.no_grad():  # fp32 main params are views of the (leaf) model params
+            opt.load_parameter_state_from_dp_reshardable(shard)
 
 
 def rng_state() -> dict:
@@ -78,9 +105,6 @@ def save_checkpoint(root: str, state: TrainState, model: list, optimizer, schedu
                     use_distributed_optimizer: bool) -> None:
     """Every rank writes its file; rank 0 then points the tracker file at this iteration."""
     _iteration_dir(root, state.iteration).mkdir(parents=True, exist_ok=True)
-    dist.barrier()
-    if use_distributed_optimizer:  # collective over the DP group; DP rank 0 writes
-        optimizer.save_parameter_state(str(_optimizer_file(root, state.iteration)))
     payload = {
         "iteration": state.iteration,
         "consumed_samples": state.consumed_samples,
@@ -89,6 +113,7 @@ def save_checkpoint(root: str, state: TrainState, model: list, optimizer, schedu
         "optimizer": optimizer.state_dict(),
         "scheduler": scheduler.state_dict(),
         "rng": rng_state(),
+        "distributed_optimizer": distributed_optimizer_shards(optimizer) if use_distributed_optimizer else None,
     }
     torch.save(payload, _rank_file(root, state.iteration))
     dist.barrier()
@@ -130,7 +155,7 @@ def load_checkpoint(root: str, model: list, optimizer, scheduler,
         chunk.load_state_dict(chunk_state, strict=True)
     optimizer.load_state_dict(payload["optimizer"])
     if use_distributed_optimizer:
-        optimizer.load_parameter_state(str(_optimizer_file(root, iteration)))
+        load_distributed_optimizer_shards(optimizer, payload["distributed_optimizer"])
     scheduler.load_state_dict(payload["scheduler"])
     set_rng_state(payload["rng"])
     return TrainState(iteration=payload["iteration"], consumed_samples=payload["consumed_samples"])

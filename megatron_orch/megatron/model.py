@@ -38,7 +38,8 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 
 from megatron_orch.balance.cost import TransformerShape
 from megatron_orch.balance.model_config import AudioEncoderConfig, MLLMConfig, VisionEncoderConfig
-from megatron_orch.megatron.batch import AUDIO_TOKEN_ID, IMAGE_TOKEN_ID, ExampleShape
+from megatron_orch.megatron.batch import AUDIO_TOKEN_ID, IMAGE_TOKEN_ID
+from megatron_orch.megatron.data import example_shape
 
 
 @dataclass(frozen=True)
@@ -116,30 +117,6 @@ def padded_vocab_size(vocab_size: int, settings: ModelParallelSettings) -> int:
     return -(-vocab_size // multiple) * multiple
 
 
-def example_shape(config: MLLMConfig, seq_length: int) -> ExampleShape:
-    """The per-item tensor shapes and placeholder counts :class:`MLLMModel` expects."""
-    vision, audio = config.vision, config.audio
-    if vision is None or audio is None:
-        raise ValueError(f"model config {config.name!r}: MLLMModel needs both a vision and an audio encoder")
-    _check_vision(vision)
-    _check_audio(audio)
-    return ExampleShape(
-        seq_length=seq_length,
-        vision_patches_per_item=vision.patches(vision.tile_px),
-        vision_patch_dim=vision.channels * vision.patch_px ** 2,
-        vision_llm_tokens_per_item=vision.tile_llm_tokens,
-        audio_frames_per_window=audio.window_frames,
-        audio_mel_bins=audio.num_mel_bins,
-        audio_llm_tokens_per_item=audio.window_tokens // audio.projector_downsample,
-    )
-
-
-def _check_vision(vision: VisionEncoderConfig) -> None:
-    if vision.frame_px != vision.tile_px:
-        raise ValueError(f"vision.frame_px={vision.frame_px} must equal vision.tile_px={vision.tile_px}: "
-                         "MLLMModel encodes tiles and frames as items of one shape")
-
-
 def _check_audio(audio: AudioEncoderConfig) -> None:
     if audio.window_tokens % audio.projector_downsample:
         raise ValueError(f"audio window tokens {audio.window_tokens} (window_frames / conv_stride) must be "
@@ -154,7 +131,6 @@ class VisionEncoder(MegatronModule):
     """
 
     def __init__(self, vision: VisionEncoderConfig, backbone: TransformerShape, settings: ModelParallelSettings):
-        _check_vision(vision)
         config = transformer_config(vision.transformer, settings, pipeline_split=False)
         super().__init__(config=config)
         hidden = vision.transformer.hidden_size
@@ -238,10 +214,7 @@ class MLLMModel(MegatronModule):
         if post_process is None:
             post_process = parallel_state.is_pipeline_last_stage()
         self.pre_process, self.post_process = pre_process, post_process
-        self.shape = example_shape(model_config, max_sequence_length)
-        if max_sequence_length > model_config.backbone.max_position_embeddings:
-            raise ValueError(f"seq_length {max_sequence_length} exceeds the backbone's max_position_embeddings "
-                             f"{model_config.backbone.max_position_embeddings}")
+        self.shape = example_shape(model_config, max_sequence_length)  # checks the config's item shapes
         self.vision_encoder = self.audio_encoder = None
         if pre_process:
             self.vision_encoder = VisionEncoder(model_config.vision, backbone_shape, settings)
@@ -259,6 +232,14 @@ class MLLMModel(MegatronModule):
 
     def set_input_tensor(self, input_tensor) -> None:
         self.backbone.set_input_tensor(input_tensor)
+
+    # finalize_model_grads syncs tied input/output embeddings across pipeline stages through these.
+    @property
+    def share_embeddings_and_output_weights(self) -> bool:
+        return self.backbone.share_embeddings_and_output_weights
+
+    def shared_embedding_or_output_weight(self) -> torch.Tensor:
+        return self.backbone.shared_embedding_or_output_weight()
 
     def _require_encoders(self, what: str) -> None:
         if not self.pre_process:

@@ -192,13 +192,16 @@ def _phase_seconds(timers: Timers) -> dict:
 def train(args: argparse.Namespace, model: list, optimizer, scheduler, data_iterator: Iterator,
           state: TrainState, timers: Timers, forward_step: ForwardStep = providers.forward_step,
           print_fn: Callable[[str], None] = print) -> list[IterationRecord]:
-    """Run ``args.train_iters - state.iteration`` steps; returns the records of the logged iterations."""
+    """Train up to ``args.train_iters`` (or the next multiple of ``--exit-interval``), then save if
+    ``--save``; returns the records of the logged iterations (on the logging rank, else empty)."""
     meter = LoadMeter(data_iterator)
     tensorboard = TensorBoardLog(args.tensorboard_dir) if args.tensorboard_dir and _logging_rank() else None
     records, stats, first_iteration = [], IntervalStats(), state.iteration
     for chunk in model:
         chunk.train()
     while state.iteration < args.train_iters:
+        if args.exit_interval and state.iteration > first_iteration and state.iteration % args.exit_interval == 0:
+            break
         start = time.perf_counter()
         result = train_step(forward_step, meter, model, optimizer, scheduler, args, timers)
         elapsed = time.perf_counter() - start
@@ -225,11 +228,14 @@ def train(args: argparse.Namespace, model: list, optimizer, scheduler, data_iter
     return records
 
 
-def pretrain(args: argparse.Namespace, print_fn: Callable[[str], None] = print) -> list[IterationRecord]:
-    """Initialise, build, (resume,) train; the compact counterpart of ``megatron.training.pretrain``."""
+def pretrain(args: argparse.Namespace, model_provider: Callable = providers.build_model,
+             forward_step: ForwardStep = providers.forward_step,
+             print_fn: Callable[[str], None] = print) -> list[IterationRecord]:
+    """Initialise, build, (resume,) train; the compact counterpart of ``megatron.training.pretrain``
+    (``model_provider(args, pre_process, post_process)``, ``forward_step(data_iterator, model)``)."""
     initialize(args)
     timers = Timers(log_level=max(1, args.timing_log_level), log_option="minmax")
-    model = build_model(args)
+    model = build_model(args, model_provider)
     optimizer, scheduler = build_optimizer(args, model, timers)
     attach_to_model_config(model, optimizer, timers)
     time_encoder_forwards(model, timers)
@@ -243,7 +249,7 @@ def pretrain(args: argparse.Namespace, print_fn: Callable[[str], None] = print) 
         print_fn(_describe(args, model))
     data_iterator = providers.build_train_data_iterator(
         args, state.consumed_samples, parallel_state.get_data_parallel_rank(), args.data_parallel_size)
-    return train(args, model, optimizer, scheduler, data_iterator, state, timers, print_fn=print_fn)
+    return train(args, model, optimizer, scheduler, data_iterator, state, timers, forward_step, print_fn)
 
 
 def _describe(args: argparse.Namespace, model: list) -> str:

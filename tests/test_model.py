@@ -1,0 +1,157 @@
+"""The MLLM on megatron-core, single CPU process (gloo world of 1 through the CPU harness)."""
+import datetime
+import itertools
+import math
+import warnings
+
+import pytest
+import torch
+import torch.distributed as dist
+
+warnings.filterwarnings("ignore", message=r".*(Transformer Engine|Apex).*not installed")
+
+from megatron_orch.megatron import cpu_harness  # noqa: E402
+
+cpu_harness.install()
+
+from megatron.core import parallel_state, tensor_parallel  # noqa: E402
+
+from megatron_orch.balance.model_config import load_model_config  # noqa: E402
+from megatron_orch.megatron import arguments, providers, trainer  # noqa: E402
+from megatron_orch.megatron.batch import AUDIO_TOKEN_ID, IMAGE_TOKEN_ID, collate  # noqa: E402
+from megatron_orch.megatron.data import assemble_example  # noqa: E402
+from megatron_orch.megatron.model import MLLMModel, ModelParallelSettings  # noqa: E402
+
+SEQ_LENGTH = 128
+
+
+@pytest.fixture(scope="module")
+def world_of_one():
+    store = dist.TCPStore("127.0.0.1", 0, world_size=1, is_master=True, wait_for_workers=False,
+                          timeout=datetime.timedelta(seconds=60))
+    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+    parallel_state.initialize_model_parallel(1, 1)
+    yield
+    parallel_state.destroy_model_parallel()
+    dist.destroy_process_group()
+
+
+@pytest.fixture()
+def model(world_of_one):
+    torch.manual_seed(0)
+    tensor_parallel.model_parallel_cuda_manual_seed(0)
+    return MLLMModel(load_model_config("tiny"), ModelParallelSettings(), SEQ_LENGTH)
+
+
+def make_example(model, index, vision_items, audio_items, answer_tokens, seed=0):
+    shape = model.shape
+    g = torch.Generator().manual_seed(seed * 1000 + index)
+    vision = torch.randn(vision_items, shape.vision_patches_per_item, shape.vision_patch_dim, generator=g)
+    audio = torch.randn(audio_items, shape.audio_frames_per_window, shape.audio_mel_bins, generator=g)
+    answer = torch.randint(97, 123, (answer_tokens,), generator=g).tolist()
+    return assemble_example(index, [116, 58, 32], answer, vision, audio, shape)
+
+
+def run(model, batch):
+    return model(batch.tokens, batch.position_ids, batch.attention_mask(), labels=batch.labels,
+                 vision=batch.vision, audio=batch.audio)
+
+
+def test_forward_backward_gives_per_token_loss_and_grads_everywhere(model):
+    batch = collate([make_example(model, 0, 2, 1, 10), make_example(model, 1, 0, 3, 5),
+                     make_example(model, 2, 1, 0, 20)])
+    losses = run(model, batch)
+    assert losses.shape == batch.tokens.shape
+    loss, num_tokens, _ = providers.loss_func(batch.loss_mask, losses)
+    assert int(num_tokens) == int(batch.loss_mask.sum()) == 11 + 6 + 21
+    # Untrained: about the entropy of a uniform guess over the (padded) vocabulary.
+    assert abs(float(loss) / int(num_tokens) - math.log(1024)) < 0.5
+    loss.backward()
+    missing = [name for name, p in model.named_parameters() if p.grad is None]
+    assert missing == []
+    assert all(torch.isfinite(p.grad).all() for p in model.parameters())
+
+
+def test_embeddings_are_spliced_at_their_placeholders_in_item_order(model):
+    batch = collate([make_example(model, 0, 2, 1, 4), make_example(model, 1, 1, 2, 6)])
+    h = model.config.hidden_size
+    vision_embeds = torch.randn(3 * model.shape.vision_llm_tokens_per_item, h)
+    audio_embeds = torch.randn(3 * model.shape.audio_llm_tokens_per_item, h)
+    with torch.no_grad():
+        spliced = model.embed(batch.tokens, batch.position_ids, vision_embeds, audio_embeds)  # [s, b, h]
+        plain = model.backbone.embedding(input_ids=batch.tokens, position_ids=batch.position_ids)
+    for token_id, embeds in ((IMAGE_TOKEN_ID, vision_embeds), (AUDIO_TOKEN_ID, audio_embeds)):
+        expected = iter(embeds)
+        for row in range(batch.tokens.shape[0]):
+            for col in range(batch.tokens.shape[1]):
+                if batch.tokens[row, col] == token_id:
+                    assert torch.equal(spliced[col, row], next(expected))
+        assert next(expected, None) is None
+    text = (batch.tokens != IMAGE_TOKEN_ID) & (batch.tokens != AUDIO_TOKEN_ID)
+    assert torch.equal(spliced.transpose(0, 1)[text], plain.transpose(0, 1)[text])
+
+
+def test_placeholder_count_mismatch_is_an_error(model):
+    batch = collate([make_example(model, 0, 2, 0, 4)])
+    too_few = torch.zeros(model.shape.vision_llm_tokens_per_item, model.config.hidden_size)
+    with pytest.raises(ValueError, match="8 vision placeholder tokens .* but 4 vision embeddings"):
+        model.backbone_forward(batch.tokens, batch.position_ids, None, vision_embeds=too_few)
+
+
+def test_encoders_encode_each_item_independently(model):
+    """Items can be encoded on any rank in any grouping: no padding, no cross-item attention."""
+    shape = model.shape
+    vision = torch.randn(5, shape.vision_patches_per_item, shape.vision_patch_dim)
+    audio = torch.randn(4, shape.audio_frames_per_window, shape.audio_mel_bins)
+    with torch.no_grad():
+        for encode, items, per_item in ((model.encode_vision, vision, shape.vision_llm_tokens_per_item),
+                                        (model.encode_audio, audio, shape.audio_llm_tokens_per_item)):
+            together = encode(items)
+            assert together.shape == (items.shape[0] * per_item, model.config.hidden_size)
+            apart = torch.cat([encode(items[:2]), encode(items[2:3]), encode(items[3:])])
+            torch.testing.assert_close(together, apart, rtol=1e-5, atol=1e-5)
+            assert encode(items[:0]).shape == (0, model.config.hidden_size)
+
+
+def test_micro_batch_without_any_media_trains_the_backbone_only(model):
+    batch = collate([make_example(model, 0, 0, 0, 12), make_example(model, 1, 0, 0, 3)])
+    loss, _, _ = providers.loss_func(batch.loss_mask, run(model, batch))
+    loss.backward()
+    assert model.vision_encoder.patch_embedding.weight.grad is None
+    assert model.audio_encoder.conv1.weight.grad is None
+    assert model.backbone.embedding.word_embeddings.weight.grad is not None
+
+
+def test_packed_rows_match_padded_rows(model):
+    """An explicit block-diagonal attention mask (issue 5's packed mode) gives each example's own loss."""
+    examples = [make_example(model, 0, 1, 1, 7), make_example(model, 1, 2, 0, 3)]
+    padded, packed = collate(examples), collate_packed_for(examples)
+    with torch.no_grad():
+        per_token_padded = run(model, padded)
+        per_token_packed = run(model, packed)
+    sum_padded = (per_token_padded * padded.loss_mask).sum()
+    sum_packed = (per_token_packed * packed.loss_mask).sum()
+    torch.testing.assert_close(sum_packed, sum_padded, rtol=1e-5, atol=1e-5)
+
+
+def collate_packed_for(examples):
+    from megatron_orch.megatron.batch import collate_packed
+    return collate_packed(examples)
+
+
+def test_loss_decreases_when_overfitting_one_batch(world_of_one):
+    argv = ["--seq-length", str(SEQ_LENGTH), "--micro-batch-size", "4", "--train-iters", "12", "--lr", "3e-3",
+            "--lr-decay-style", "constant", "--clip-grad", "1.0", "--log-interval", "1"]
+    args = arguments.parse_args(argv, world_size=1)
+    trainer.set_random_seed(args.seed)
+    timers = trainer.Timers(log_level=1, log_option="minmax")
+    model = trainer.build_model(args)
+    optimizer, scheduler = trainer.build_optimizer(args, model, timers)
+    trainer.attach_to_model_config(model, optimizer, timers)
+    unwrapped = model[0].module
+    batch = collate([make_example(unwrapped, i, i % 3, (i + 1) % 3, 12, seed=7) for i in range(4)])
+    losses = [trainer.train_step(providers.forward_step, itertools.repeat(batch), model, optimizer, scheduler,
+                                 args, timers)["lm_loss"] for _ in range(args.train_iters)]
+    assert losses[0] > 6.0
+    assert losses[-1] < losses[0] - 3.0, losses
+    assert all(later < earlier for earlier, later in zip(losses[::3], losses[3::3])), losses
