@@ -1,0 +1,652 @@
+"""Compiled hot loops of the partitioners (numba, GIL released).
+
+Planning runs on a background thread beside the training loop, so every kernel is compiled with
+``nogil=True``; ``cache=True`` keeps the one-time compile off later runs. Signatures are kept to one
+per kernel: costs and memory are float64, item and bin ids int64, a missing memory constraint is
+all-zero memory with an infinite cap. Kernels write the assignment into a caller-provided
+``bin_of_item`` and report failure as the id of the item that could not be placed (``-1``: success),
+so the Python side raises the error with context.
+
+Ties are always broken by the smaller item id or bin id, so results are deterministic.
+"""
+import numba
+import numpy as np
+
+_JIT = dict(cache=True, nogil=True)
+
+
+# ---------------------------------------------------------------------------------------------
+# Binary min-heap over (key, id) pairs, lexicographic: the smaller key first, then the smaller id.
+# ---------------------------------------------------------------------------------------------
+
+@numba.njit(**_JIT)
+def _sift_down(key, ids, size, pos, base=0):
+    """Move the pair at ``pos`` down to its place in the heap ``key/ids[base:base + size]``."""
+    k, i = key[base + pos], ids[base + pos]
+    while True:
+        child = 2 * pos + 1
+        if child >= size:
+            break
+        c = base + child
+        if child + 1 < size and (key[c + 1] < key[c] or (key[c + 1] == key[c] and ids[c + 1] < ids[c])):
+            child += 1
+            c += 1
+        if key[c] < k or (key[c] == k and ids[c] < i):
+            key[base + pos] = key[c]
+            ids[base + pos] = ids[c]
+            pos = child
+        else:
+            break
+    key[base + pos] = k
+    ids[base + pos] = i
+
+
+@numba.njit(**_JIT)
+def _sift_up(key, ids, pos, base=0):
+    """Move the pair at ``pos`` up to its place in the heap ``key/ids[base:]``."""
+    k, i = key[base + pos], ids[base + pos]
+    while pos > 0:
+        parent = (pos - 1) // 2
+        if key[base + parent] < k or (key[base + parent] == k and ids[base + parent] < i):
+            break
+        key[base + pos] = key[base + parent]
+        ids[base + pos] = ids[base + parent]
+        pos = parent
+    key[base + pos] = k
+    ids[base + pos] = i
+
+
+@numba.njit(**_JIT)
+def _heap_pop(key, ids, size):
+    """Remove the root of a heap of ``size`` pairs; returns it. The caller decrements its size."""
+    top_key, top_id = key[0], ids[0]
+    key[0], ids[0] = key[size - 1], ids[size - 1]
+    _sift_down(key, ids, size - 1, 0)
+    return top_key, top_id
+
+
+@numba.njit(**_JIT)
+def _heap_push(key, ids, size, k, i):
+    """Insert (k, i) into a heap of ``size`` pairs. The caller increments its size."""
+    key[size], ids[size] = k, i
+    _sift_up(key, ids, size)
+
+
+# ---------------------------------------------------------------------------------------------
+# LPT: items in decreasing cost, each to the least-loaded bin that has memory room.
+# ---------------------------------------------------------------------------------------------
+
+@numba.njit(**_JIT)
+def lpt(costs, memory, memory_cap, order, num_bins, bin_of_item):
+    """Greedy longest-processing-time. ``order``: items by decreasing cost (ties: smaller id first).
+
+    Returns -1, or the first item no bin has memory room for. A bin without room for even the
+    smallest remaining memory leaves the heap for good (so a count cap - memory 1, cap n/K - costs
+    no more than plain LPT); one that only lacks room for the current item is held aside.
+    """
+    n = order.size
+    rest_min = np.empty(n + 1)  # smallest memory among order[t:]
+    rest_min[n] = np.inf
+    for t in range(n - 1, -1, -1):
+        rest_min[t] = min(rest_min[t + 1], memory[order[t]])
+    load = np.zeros(num_bins)
+    ids = np.arange(num_bins)  # all loads zero and ids ascending: already a heap
+    size = num_bins
+    bin_mem = np.zeros(num_bins)
+    held_key = np.empty(num_bins)
+    held_id = np.empty(num_bins, dtype=np.int64)
+    for t in range(n):
+        item = order[t]
+        held = 0
+        while size > 0 and bin_mem[ids[0]] + memory[item] > memory_cap:
+            k, b = _heap_pop(load, ids, size)
+            size -= 1
+            if bin_mem[b] + rest_min[t] <= memory_cap:
+                held_key[held], held_id[held] = k, b
+                held += 1
+        if size == 0:
+            return item
+        b = ids[0]
+        bin_of_item[item] = b
+        bin_mem[b] += memory[item]
+        load[0] += costs[item]
+        if bin_mem[b] + rest_min[t + 1] > memory_cap:  # b is full for good
+            _heap_pop(load, ids, size)
+            size -= 1
+        else:
+            _sift_down(load, ids, size, 0)
+        for h in range(held):
+            _heap_push(load, ids, size, held_key[h], held_id[h])
+            size += 1
+    return -1
+
+
+# ---------------------------------------------------------------------------------------------
+# Karmarkar-Karp largest differencing, K-way.
+#
+# A *tuple* is a partial K-way partition: up to K non-empty subsets ("entries"); missing entries are
+# empty (sum 0). Repeatedly the two tuples with the largest spread (max - min sum) are combined by
+# pairing the i-th largest entry of one with the i-th smallest of the other, which cancels their
+# imbalances. Entries are linked lists of items (an entry's id is its first item), so combining two
+# entries is O(1). Tuples live in an arena of (sum, entry) slots, either sorted by decreasing sum or
+# as a min-heap: absorbing a single item (the common merge: items arrive by decreasing cost) only
+# adds it to the smallest entry, O(log K) on a heap; two multi-entry tuples are merged sorted.
+# ---------------------------------------------------------------------------------------------
+
+@numba.njit(**_JIT)
+def _kk_reserve(arena_sum, arena_ent, start, cap, alive, top, t, need, num_bins):
+    """Give tuple ``t`` room for ``need`` slots, keeping its contents; returns the new arena top.
+
+    Capacities at least double, so every capacity is below twice its tuple's length and live
+    tuples never need more than 2n slots: with an arena of 3n + 2K slots, compacting the live
+    tuples (in place, by increasing start) always frees enough room.
+    """
+    if cap[t] >= need:
+        return top
+    new_cap = min(num_bins, max(need, 2 * cap[t]))
+    if top + new_cap > arena_sum.size:
+        live = np.flatnonzero(alive)
+        top = 0
+        for u in live[np.argsort(start[live], kind="mergesort")]:
+            for j in range(cap[u]):  # forward copy: the destination never passes the source
+                arena_sum[top + j] = arena_sum[start[u] + j]
+                arena_ent[top + j] = arena_ent[start[u] + j]
+            start[u] = top
+            top += cap[u]
+    for j in range(cap[t]):
+        arena_sum[top + j] = arena_sum[start[t] + j]
+        arena_ent[top + j] = arena_ent[start[t] + j]
+    start[t] = top
+    cap[t] = new_cap
+    return top + new_cap
+
+
+@numba.njit(**_JIT)
+def _kk_sort(arena_sum, arena_ent, start, length, is_heap, t):
+    """Put tuple ``t`` in decreasing-sum order."""
+    if not is_heap[t]:
+        return
+    s, m = start[t], length[t]
+    perm = np.argsort(-arena_sum[s:s + m], kind="mergesort")
+    arena_ent[s:s + m] = arena_ent[s:s + m][perm]
+    arena_sum[s:s + m] = arena_sum[s:s + m][perm]
+    is_heap[t] = False
+
+
+@numba.njit(**_JIT)
+def _kk_join(nxt, tail, ea, eb):
+    """Append entry ``eb``'s items to entry ``ea``."""
+    nxt[tail[ea]] = eb
+    tail[ea] = tail[eb]
+
+
+@numba.njit(**_JIT)
+def _kk_absorb(arena_sum, arena_ent, start, cap, length, tmax, is_heap, alive, nxt, tail, top, x, c, e,
+               num_bins):
+    """Tuple ``x`` takes a single item (sum ``c``, entry ``e``): into an empty entry if it has one,
+    else into its smallest entry (x is kept as a min-heap for this). Returns the arena top."""
+    sx, m = start[x], length[x]
+    if not is_heap[x]:  # decreasing order reversed is a min-heap
+        for j in range(m // 2):
+            u, v = sx + j, sx + m - 1 - j
+            arena_sum[u], arena_sum[v] = arena_sum[v], arena_sum[u]
+            arena_ent[u], arena_ent[v] = arena_ent[v], arena_ent[u]
+        is_heap[x] = True
+    if m < num_bins:
+        top = _kk_reserve(arena_sum, arena_ent, start, cap, alive, top, x, m + 1, num_bins)
+        sx = start[x]
+        arena_sum[sx + m] = c
+        arena_ent[sx + m] = e
+        _sift_up(arena_sum, arena_ent, m, sx)
+        length[x] = m + 1
+        tmax[x] = max(tmax[x], c)
+    else:
+        _kk_join(nxt, tail, arena_ent[sx], e)
+        arena_sum[sx] += c
+        tmax[x] = max(tmax[x], arena_sum[sx])
+        _sift_down(arena_sum, arena_ent, m, 0, sx)
+    return top
+
+
+@numba.njit(**_JIT)
+def _kk_merge(arena_sum, arena_ent, start, cap, length, tmax, is_heap, alive, nxt, tail, top, x, y,
+              num_bins, scratch_sum, scratch_ent):
+    """Combine two multi-entry tuples into ``x``: x's j-th largest entry with y's j-th smallest.
+    Returns the arena top."""
+    _kk_sort(arena_sum, arena_ent, start, length, is_heap, x)
+    _kk_sort(arena_sum, arena_ent, start, length, is_heap, y)
+    a, b = length[x], length[y]
+    sx, sy = start[x], start[y]
+    ov_sum, mg_sum = scratch_sum[:num_bins], scratch_sum[num_bins:]
+    ov_ent, mg_ent = scratch_ent[:num_bins], scratch_ent[num_bins:]
+    # x's j-th largest meets y's (K-1-j)-th largest; both are non-empty for j in [ov_lo, a)
+    ov_lo = max(0, num_bins - b)
+    num_ov = max(0, a - ov_lo)
+    for j in range(ov_lo, a):
+        _kk_join(nxt, tail, arena_ent[sx + j], arena_ent[sy + num_bins - 1 - j])
+        ov_sum[j - ov_lo] = arena_sum[sx + j] + arena_sum[sy + num_bins - 1 - j]
+        ov_ent[j - ov_lo] = arena_ent[sx + j]
+    if num_ov > 1:
+        perm = np.argsort(-ov_sum[:num_ov], kind="mergesort")
+        ov_sum[:num_ov] = ov_sum[:num_ov][perm]
+        ov_ent[:num_ov] = ov_ent[:num_ov][perm]
+    # y's entries facing x's empty slots are its largest min(b, K-a): merge them with the met
+    # entries into mg, then mg into x's unmet prefix, from the back, in place
+    q = min(b, num_bins - a)
+    i = 0
+    k = 0
+    for w in range(q + num_ov):
+        if k >= num_ov or (i < q and arena_sum[sy + i] >= ov_sum[k]):
+            mg_sum[w] = arena_sum[sy + i]
+            mg_ent[w] = arena_ent[sy + i]
+            i += 1
+        else:
+            mg_sum[w] = ov_sum[k]
+            mg_ent[w] = ov_ent[k]
+            k += 1
+    p = a - num_ov
+    r = p + q + num_ov
+    top = _kk_reserve(arena_sum, arena_ent, start, cap, alive, top, x, r, num_bins)
+    sx = start[x]
+    i = p - 1
+    k = q + num_ov - 1
+    w = r - 1
+    while k >= 0:
+        if i >= 0 and arena_sum[sx + i] < mg_sum[k]:
+            arena_sum[sx + w] = arena_sum[sx + i]
+            arena_ent[sx + w] = arena_ent[sx + i]
+            i -= 1
+        else:
+            arena_sum[sx + w] = mg_sum[k]
+            arena_ent[sx + w] = mg_ent[k]
+            k -= 1
+        w -= 1
+    length[x] = r
+    tmax[x] = arena_sum[sx]
+    return top
+
+
+@numba.njit(**_JIT)
+def kk(costs, order, tuple_size, num_bins, bin_of_item):
+    """K-way largest differencing. ``order``: items by decreasing cost (ties by id).
+
+    The initial tuples are consecutive runs of ``tuple_size`` items of ``order``, each item its own
+    entry: ``tuple_size=1`` is plain KK; ``tuple_size=num_bins`` makes every merge combine full
+    tuples, so every bin ends with exactly one item of each run (equal-count KK).
+    """
+    n = order.size
+    if n == 0 or num_bins == 1:
+        bin_of_item[:] = 0
+        return
+    num_tuples = n // tuple_size
+    nxt = np.full(n, -1, dtype=np.int64)   # next item of an entry's linked list
+    tail = np.arange(n)                    # last item of the entry whose first item is the index
+    arena_sum = np.empty(3 * n + 2 * num_bins)
+    arena_ent = np.empty(3 * n + 2 * num_bins, dtype=np.int64)
+    for j in range(n):
+        arena_sum[j] = costs[order[j]]
+        arena_ent[j] = order[j]
+    top = n
+    start = np.arange(num_tuples) * tuple_size
+    cap = np.full(num_tuples, tuple_size, dtype=np.int64)
+    length = np.full(num_tuples, tuple_size, dtype=np.int64)
+    tmax = arena_sum[start].copy()
+    is_heap = np.zeros(num_tuples, dtype=np.bool_)
+    alive = np.ones(num_tuples, dtype=np.bool_)
+    scratch_sum = np.empty(2 * num_bins)
+    scratch_ent = np.empty(2 * num_bins, dtype=np.int64)
+
+    # Tuples by decreasing spread, ties by smaller id (larger items): single items are already in
+    # that order (a single item's spread is its cost), so only multi-entry tuples need a heap,
+    # a min-heap on -spread. (The hot loop is written inline: calls cost more than its work.)
+    num_single = num_tuples if tuple_size == 1 else 0
+    next_single = 0
+    hkey = np.empty(num_tuples)
+    hid = np.empty(num_tuples, dtype=np.int64)
+    size = 0
+    for t in range(num_single, num_tuples):
+        spread = tmax[t] - arena_sum[start[t] + num_bins - 1]  # full, sorted
+        _heap_push(hkey, hid, size, -spread, t)
+        size += 1
+    picked = np.empty(2, dtype=np.int64)
+    for _ in range(num_tuples - 1):
+        for p in range(2):
+            if next_single < num_single and (size == 0 or costs[order[next_single]] > -hkey[0] or (
+                    costs[order[next_single]] == -hkey[0] and next_single < hid[0])):
+                picked[p] = next_single
+                next_single += 1
+            else:
+                picked[p] = hid[0]
+                size -= 1
+                hkey[0], hid[0] = hkey[size], hid[size]
+                _sift_down(hkey, hid, size, 0)
+        x, y = picked[0], picked[1]
+        if length[x] == 1 and length[y] > 1:
+            x, y = y, x
+        alive[y] = False
+        if length[y] == 1 and length[x] == num_bins and is_heap[x]:  # the common case, inline
+            sx = start[x]
+            _kk_join(nxt, tail, arena_ent[sx], arena_ent[start[y]])
+            arena_sum[sx] += arena_sum[start[y]]
+            tmax[x] = max(tmax[x], arena_sum[sx])
+            _sift_down(arena_sum, arena_ent, num_bins, 0, sx)
+        elif length[y] == 1:
+            top = _kk_absorb(arena_sum, arena_ent, start, cap, length, tmax, is_heap, alive, nxt, tail,
+                             top, x, arena_sum[start[y]], arena_ent[start[y]], num_bins)
+        else:
+            top = _kk_merge(arena_sum, arena_ent, start, cap, length, tmax, is_heap, alive, nxt, tail,
+                            top, x, y, num_bins, scratch_sum, scratch_ent)
+        spread = tmax[x]
+        if length[x] == num_bins:
+            spread -= arena_sum[start[x]] if is_heap[x] else arena_sum[start[x] + num_bins - 1]
+        _heap_push(hkey, hid, size, -spread, x)
+        size += 1
+
+    last = hid[0] if size == 1 else next_single
+    for j in range(length[last]):
+        item = arena_ent[start[last] + j]
+        while item != -1:
+            bin_of_item[item] = j
+            item = nxt[item]
+
+
+# ---------------------------------------------------------------------------------------------
+# Segment tree over bins: per node the minimum load and the maximum memory room below it.
+# ---------------------------------------------------------------------------------------------
+
+@numba.njit(**_JIT)
+def _tree_new(load, mem_room):
+    width = 1
+    while width < load.size:
+        width *= 2
+    tree_load = np.full(2 * width, np.inf)
+    tree_room = np.full(2 * width, -np.inf)
+    tree_load[width:width + load.size] = load
+    tree_room[width:width + load.size] = mem_room
+    for v in range(width - 1, 0, -1):
+        tree_load[v] = min(tree_load[2 * v], tree_load[2 * v + 1])
+        tree_room[v] = max(tree_room[2 * v], tree_room[2 * v + 1])
+    return tree_load, tree_room, width
+
+
+@numba.njit(**_JIT)
+def _tree_set(tree_load, tree_room, width, b, load, mem_room):
+    v = width + b
+    tree_load[v] = load
+    tree_room[v] = mem_room
+    v //= 2
+    while v >= 1:
+        tree_load[v] = min(tree_load[2 * v], tree_load[2 * v + 1])
+        tree_room[v] = max(tree_room[2 * v], tree_room[2 * v + 1])
+        v //= 2
+
+
+@numba.njit(**_JIT)
+def _tree_first_fit(tree_load, tree_room, width, max_load, need_mem):
+    """Lowest bin with load <= max_load and memory room >= need_mem, or -1."""
+    stack = np.empty(64, dtype=np.int64)
+    stack[0] = 1
+    depth = 1
+    while depth > 0:
+        depth -= 1
+        v = stack[depth]
+        if tree_load[v] > max_load or tree_room[v] < need_mem:
+            continue
+        if v >= width:
+            return v - width
+        stack[depth] = 2 * v + 1
+        stack[depth + 1] = 2 * v
+        depth += 2
+    return -1
+
+
+@numba.njit(**_JIT)
+def _tree_least_loaded(tree_load, tree_room, width, lo, hi, need_mem):
+    """Least-loaded bin in [lo, hi) with memory room >= need_mem (ties: lower bin), or -1."""
+    best, best_load = -1, np.inf
+    stack = np.empty(64, dtype=np.int64)
+    stack[0] = 1
+    depth = 1
+    while depth > 0:
+        depth -= 1
+        v = stack[depth]
+        if tree_room[v] < need_mem or tree_load[v] > best_load:
+            continue
+        first, span = v, 1  # leaf range of v: [first - width, first - width + span)
+        while first < width:
+            first *= 2
+            span *= 2
+        first -= width
+        if first >= hi or first + span <= lo:
+            continue
+        if v >= width:
+            b = v - width
+            if tree_load[v] < best_load or (tree_load[v] == best_load and b < best):
+                best, best_load = b, tree_load[v]
+            continue
+        # visit the child with the smaller load first (the left one on ties)
+        if tree_load[2 * v + 1] < tree_load[2 * v]:
+            stack[depth] = 2 * v
+            stack[depth + 1] = 2 * v + 1
+        else:
+            stack[depth] = 2 * v + 1
+            stack[depth + 1] = 2 * v
+        depth += 2
+    return best
+
+
+# ---------------------------------------------------------------------------------------------
+# First-fit decreasing at a capacity (the inner step of the binary search on capacity).
+# ---------------------------------------------------------------------------------------------
+
+@numba.njit(**_JIT)
+def ffd(costs, memory, memory_cap, order, num_bins, capacity, bin_of_item):
+    """Each item (by decreasing cost) to the lowest bin where it fits in cost and memory.
+
+    Returns -1 on success, else the first item that fits nowhere.
+    """
+    load = np.zeros(num_bins)
+    bin_mem = np.zeros(num_bins)
+    tree_load, tree_room, width = _tree_new(load, np.full(num_bins, memory_cap))
+    for item in order:
+        c = costs[item]
+        b = _tree_first_fit(tree_load, tree_room, width, capacity - c, memory[item])
+        if b < 0:
+            return item
+        bin_of_item[item] = b
+        load[b] += c
+        bin_mem[b] += memory[item]
+        _tree_set(tree_load, tree_room, width, b, load[b], memory_cap - bin_mem[b])
+    return -1
+
+
+# ---------------------------------------------------------------------------------------------
+# Local search: moves and swaps out of the most-loaded bin.
+# ---------------------------------------------------------------------------------------------
+
+@numba.njit(**_JIT)
+def _bin_before(load, u, v):
+    return load[u] < load[v] or (load[u] == load[v] and u < v)
+
+
+@numba.njit(**_JIT)
+def _reposition(load, rank, pos, b):
+    """Restore ``rank`` (bins by increasing load, ties by id) after bin ``b``'s load changed."""
+    p = pos[b]
+    while p > 0 and _bin_before(load, b, rank[p - 1]):
+        rank[p] = rank[p - 1]
+        pos[rank[p]] = p
+        p -= 1
+    while p < rank.size - 1 and _bin_before(load, rank[p + 1], b):
+        rank[p] = rank[p + 1]
+        pos[rank[p]] = p
+        p += 1
+    rank[p] = b
+    pos[b] = p
+
+
+@numba.njit(**_JIT)
+def _gather_sorted(head, nxt, costs, b, out):
+    """Items of bin ``b`` by increasing cost (ties by id) into ``out``; returns how many."""
+    m = 0
+    i = head[b]
+    while i != -1:
+        out[m] = i
+        m += 1
+        i = nxt[i]
+    if m > 1:
+        ids = np.sort(out[:m])
+        out[:m] = ids[np.argsort(costs[ids], kind="mergesort")]
+    return m
+
+
+@numba.njit(**_JIT)
+def refine(costs, memory, memory_cap, num_bins, bin_of_item, allow_moves, stop_at, partners, max_steps):
+    """Lower the maximum bin cost by local search, in place; returns the number of steps taken.
+
+    Each step looks at the most-loaded bin M and the ``partners`` least-loaded bins, and applies the
+    single move (an item of M to a partner; only if ``allow_moves``) or swap (an item of M for a
+    cheaper item of a partner) that minimises the larger of the two new loads, provided that is
+    below M's load and memory stays under the cap. With loads L > Lb and a transferred cost d, the
+    new pair is (L - d, Lb + d): the best d is the one nearest (L - Lb) / 2, found per item of M by
+    walking a partner's items in cost order. Stops at a local optimum, once the maximum is at most
+    ``stop_at``, or after ``max_steps`` steps. Swaps keep every bin's item count.
+    """
+    n = costs.size
+    load = np.zeros(num_bins)
+    bin_mem = np.zeros(num_bins)
+    head = np.full(num_bins, -1, dtype=np.int64)
+    nxt = np.full(n, -1, dtype=np.int64)
+    prv = np.full(n, -1, dtype=np.int64)
+    for i in range(n):
+        b = bin_of_item[i]
+        load[b] += costs[i]
+        bin_mem[b] += memory[i]
+        if head[b] >= 0:
+            prv[head[b]] = i
+        nxt[i] = head[b]
+        head[b] = i
+    rank = np.argsort(load, kind="mergesort")  # bins by increasing load, ties by id
+    pos = np.empty(num_bins, dtype=np.int64)
+    for p in range(num_bins):
+        pos[rank[p]] = p
+    top_items = np.empty(n, dtype=np.int64)
+    partner_items = np.empty(n, dtype=np.int64)
+
+    steps = 0
+    while steps < max_steps:
+        top = rank[num_bins - 1]
+        top_load = load[top]
+        if top_load <= stop_at:
+            break
+        best = top_load
+        best_i, best_j, best_b = -1, -1, -1
+        num_top = _gather_sorted(head, nxt, costs, top, top_items)
+        for p in range(min(partners, num_bins - 1)):
+            b = rank[p]
+            gap = top_load - load[b]
+            if gap <= 0.0:
+                break
+            if allow_moves:
+                for t in range(num_top):
+                    i = top_items[t]
+                    if 0.0 < costs[i] < gap and bin_mem[b] + memory[i] <= memory_cap:
+                        value = max(top_load - costs[i], load[b] + costs[i])
+                        if value < best:
+                            best, best_i, best_j, best_b = value, i, -1, b
+            num_b = _gather_sorted(head, nxt, costs, b, partner_items)
+            up = 0  # first partner item with cost >= target; targets rise with c_i
+            for t in range(num_top):
+                i = top_items[t]
+                target = costs[i] - 0.5 * gap
+                while up < num_b and costs[partner_items[up]] < target:
+                    up += 1
+                # nearest feasible partner item below the target, then at or above it
+                for direction in (-1, 1):
+                    u = up - 1 if direction < 0 else up
+                    while 0 <= u < num_b:
+                        j = partner_items[u]
+                        d = costs[i] - costs[j]
+                        if not 0.0 < d < gap:
+                            break
+                        if (bin_mem[b] + memory[i] - memory[j] <= memory_cap
+                                and bin_mem[top] - memory[i] + memory[j] <= memory_cap):
+                            value = max(top_load - d, load[b] + d)
+                            if value < best:
+                                best, best_i, best_j, best_b = value, i, j, b
+                            break
+                        u += direction
+        if best_i < 0:
+            break
+        for item, src, dst in ((best_i, top, best_b), (best_j, best_b, top)):
+            if item < 0:
+                continue
+            if prv[item] >= 0:  # unlink from src, push on dst
+                nxt[prv[item]] = nxt[item]
+            else:
+                head[src] = nxt[item]
+            if nxt[item] >= 0:
+                prv[nxt[item]] = prv[item]
+            prv[item] = -1
+            nxt[item] = head[dst]
+            if head[dst] >= 0:
+                prv[head[dst]] = item
+            head[dst] = item
+            bin_of_item[item] = dst
+            load[src] -= costs[item]
+            load[dst] += costs[item]
+            bin_mem[src] -= memory[item]
+            bin_mem[dst] += memory[item]
+        _reposition(load, rank, pos, top)
+        _reposition(load, rank, pos, best_b)
+        steps += 1
+    return steps
+
+
+# ---------------------------------------------------------------------------------------------
+# Locality: keep items at home up to a capacity, then place the overflow near home.
+# ---------------------------------------------------------------------------------------------
+
+@numba.njit(**_JIT)
+def place_near_home(costs, memory, memory_cap, home, keep_order, num_bins, gpus_per_node, capacity,
+                    bin_of_item):
+    """Keep items on their home rank while it stays within ``capacity``, then place the rest.
+
+    ``keep_order``: items grouped by home rank, in the order they should be kept. Each overflow item
+    (by decreasing cost, ties by id) goes to the least-loaded rank of its home node if it fits under
+    ``capacity``, else the least-loaded rank anywhere if it fits, else the least-loaded of the two
+    (its node's on ties). Returns -1, or an item that no rank has memory room for.
+    """
+    n = costs.size
+    load = np.zeros(num_bins)
+    bin_mem = np.zeros(num_bins)
+    spill = np.empty(n, dtype=np.int64)
+    num_spill = 0
+    for item in keep_order:
+        r = home[item]
+        if load[r] + costs[item] <= capacity and bin_mem[r] + memory[item] <= memory_cap:
+            bin_of_item[item] = r
+            load[r] += costs[item]
+            bin_mem[r] += memory[item]
+        else:
+            spill[num_spill] = item
+            num_spill += 1
+    spill = np.sort(spill[:num_spill])
+    spill = spill[np.argsort(-costs[spill], kind="mergesort")]
+
+    tree_load, tree_room, width = _tree_new(load, memory_cap - bin_mem)
+    for item in spill:
+        c, m = costs[item], memory[item]
+        lo = (home[item] // gpus_per_node) * gpus_per_node
+        r = _tree_least_loaded(tree_load, tree_room, width, lo, min(num_bins, lo + gpus_per_node), m)
+        if r < 0 or load[r] + c > capacity:
+            g = _tree_least_loaded(tree_load, tree_room, width, 0, num_bins, m)
+            if g < 0:
+                return item
+            if r < 0 or load[g] + c <= capacity or load[g] < load[r]:
+                r = g
+        bin_of_item[item] = r
+        load[r] += c
+        bin_mem[r] += m
+        _tree_set(tree_load, tree_room, width, r, load[r], memory_cap - bin_mem[r])
+    return -1

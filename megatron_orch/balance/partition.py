@@ -1,0 +1,442 @@
+"""Assign the items of one phase to K data-parallel bins, minimising the most-loaded bin.
+
+This is multiway number partitioning (P||Cmax) with an optional per-bin memory cap. Three
+constructive methods are offered, plus a local-search refinement on top:
+
+* ``lpt``: greedy longest-processing-time (each item, largest first, to the least-loaded bin);
+* ``kk``: Karmarkar-Karp largest differencing, K-way;
+* ``bs_ffd``: binary search on the bin capacity, first-fit decreasing at each capacity;
+* ``auto``: the best of the three, refined by moves and swaps out of the most-loaded bin.
+
+Variants: :func:`partition_equal_count` (every bin gets exactly n/K items, for fixed micro-batch
+sizes) and :func:`partition_locality` (bins are ranks; items start on a home rank and as few bytes
+as possible cross nodes, then leave their GPU).
+
+Results are deterministic functions of their inputs (ties go to the smaller item or bin id), so
+every rank computes the same plan. Hot loops are compiled with numba and release the GIL.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Optional
+
+import numpy as np
+
+from megatron_orch.balance import _kernels
+
+METHODS = ("lpt", "kk", "bs_ffd")
+_REFINE_PARTNERS = 16        # least-loaded bins tried as move/swap partners of the most-loaded one
+_BS_FFD_REL_TOL = 1e-3       # binary search stops when capacity is known within this fraction
+_AUTO_GOOD_ENOUGH = 1e-4     # auto stops trying methods once one is this close to the lower bound
+_BS_FFD_MAX_ROUNDS = 40
+
+
+@dataclass(frozen=True, eq=False)
+class Partition:
+    """Assignment of n items to K interchangeable bins (bins are mapped to ranks by comm placement).
+
+    ``lower_bound`` is max(total/K, largest item) (for equal-count partitions a stronger bound that
+    accounts for the fixed count). ``baseline_max_cost`` is the max bin cost of the ``home``
+    assignment when one was given, else nan. The byte figures are filled when the items' home bins
+    and sizes are known: ``moved_bytes`` leave their home bin, ``inter_node_bytes`` also leave their
+    node (bin b on node b // gpus_per_node); ``total_bytes`` is the sum over all items.
+    """
+
+    bin_of_item: np.ndarray
+    num_bins: int
+    bin_costs: np.ndarray
+    lower_bound: float
+    baseline_max_cost: float
+    method: str
+    bin_memory: Optional[np.ndarray] = None
+    moved_bytes: float = math.nan
+    inter_node_bytes: float = math.nan
+    total_bytes: float = math.nan
+
+    @property
+    def num_items(self) -> int:
+        return int(self.bin_of_item.size)
+
+    @property
+    def max_cost(self) -> float:
+        return float(self.bin_costs.max())
+
+    @property
+    def max_over_lb(self) -> float:
+        return _ratio(self.max_cost, self.lower_bound)
+
+    @property
+    def max_over_mean(self) -> float:
+        return _ratio(self.max_cost, float(self.bin_costs.sum()) / self.num_bins)
+
+    @property
+    def inter_node_bytes_frac(self) -> float:
+        return _ratio(self.inter_node_bytes, self.total_bytes, empty=0.0)
+
+    def counts(self) -> np.ndarray:
+        """Number of items in each bin."""
+        return np.bincount(self.bin_of_item, minlength=self.num_bins)
+
+    def items_in(self, b: int) -> np.ndarray:
+        """Ids of the items in bin ``b``, ascending."""
+        return np.flatnonzero(self.bin_of_item == b)
+
+
+def _ratio(num: float, den: float, empty: float = 1.0) -> float:
+    if math.isnan(num) or math.isnan(den):
+        return math.nan
+    return num / den if den > 0 else empty
+
+
+class _Infeasible(ValueError):
+    """A method cannot honour the memory cap on this instance (``auto`` then tries the others)."""
+
+
+# ----------------------------------------------------------------------------------------------
+# Input checks
+# ----------------------------------------------------------------------------------------------
+
+def _check_values(values, name: str, n: Optional[int] = None) -> np.ndarray:
+    arr = np.asarray(values)
+    if arr.ndim != 1:
+        raise ValueError(f"{name} must be one-dimensional, got shape {arr.shape}")
+    if n is not None and arr.size != n:
+        raise ValueError(f"{name} has {arr.size} entries but there are {n} items")
+    if arr.size and not (np.issubdtype(arr.dtype, np.number) or arr.dtype == np.bool_):
+        raise ValueError(f"{name} must be numbers, got dtype {arr.dtype}")
+    arr = np.ascontiguousarray(arr, dtype=np.float64)
+    bad = ~np.isfinite(arr) | (arr < 0)
+    if bad.any():
+        i = int(np.flatnonzero(bad)[0])
+        raise ValueError(f"{name} of item {i} is {arr[i]}; must be finite and >= 0")
+    return arr
+
+
+def _check_num_bins(num_bins) -> int:
+    if isinstance(num_bins, (bool, np.bool_)) or not isinstance(num_bins, (int, np.integer)):
+        raise ValueError(f"num_bins must be an int, got {num_bins!r}")
+    if num_bins < 1:
+        raise ValueError(f"num_bins must be >= 1, got {num_bins}")
+    return int(num_bins)
+
+
+def _check_memory(memory, memory_cap, n: int):
+    """Per-item memory and the per-bin cap; no constraint is zero memory with an infinite cap."""
+    if (memory is None) != (memory_cap is None):
+        raise ValueError("memory and memory_cap must be given together")
+    if memory is None:
+        return np.zeros(n), math.inf, False
+    memory = _check_values(memory, "memory", n)
+    cap = float(memory_cap)
+    if not cap > 0:
+        raise ValueError(f"memory_cap must be > 0, got {memory_cap}")
+    over = memory > cap
+    if over.any():
+        i = int(np.flatnonzero(over)[0])
+        raise ValueError(f"item {i} needs memory {memory[i]}, more than the per-bin cap {cap}")
+    return memory, cap, True
+
+
+def _check_bins(bins, name: str, n: int, num_bins: int) -> np.ndarray:
+    arr = np.asarray(bins)
+    if arr.ndim != 1 or arr.size != n:
+        raise ValueError(f"{name} must be a 1-D array with one bin per item ({n}), got shape {arr.shape}")
+    if arr.size and not np.issubdtype(arr.dtype, np.integer):
+        raise ValueError(f"{name} must hold integer bin ids, got dtype {arr.dtype}")
+    arr = np.ascontiguousarray(arr, dtype=np.int64)
+    bad = (arr < 0) | (arr >= num_bins)
+    if bad.any():
+        i = int(np.flatnonzero(bad)[0])
+        raise ValueError(f"{name} puts item {i} in bin {arr[i]}, outside 0..{num_bins - 1}")
+    return arr
+
+
+def _check_gpus_per_node(gpus_per_node) -> int:
+    if isinstance(gpus_per_node, (bool, np.bool_)) or not isinstance(gpus_per_node, (int, np.integer)) \
+            or gpus_per_node < 1:
+        raise ValueError(f"gpus_per_node must be an int >= 1, got {gpus_per_node!r}")
+    return int(gpus_per_node)
+
+
+# ----------------------------------------------------------------------------------------------
+# Shared pieces
+# ----------------------------------------------------------------------------------------------
+
+def _decreasing(costs: np.ndarray) -> np.ndarray:
+    """Item ids by decreasing cost, ties by increasing id."""
+    return np.argsort(-costs, kind="stable").astype(np.int64, copy=False)
+
+
+def _lower_bound(costs: np.ndarray, num_bins: int) -> float:
+    return max(float(costs.sum()) / num_bins, float(costs.max())) if costs.size else 0.0
+
+
+def _max_cost(costs: np.ndarray, bins: np.ndarray, num_bins: int) -> float:
+    return float(np.bincount(bins, weights=costs, minlength=num_bins).max())
+
+
+def _fits_memory(bins: np.ndarray, memory: np.ndarray, cap: float, num_bins: int) -> bool:
+    return bool(np.bincount(bins, weights=memory, minlength=num_bins).max() <= cap)
+
+
+def _refine(costs, memory, cap, num_bins, bins, *, allow_moves: bool, stop_at: float = 0.0) -> None:
+    _kernels.refine(costs, memory, cap, num_bins, bins, allow_moves, stop_at, _REFINE_PARTNERS,
+                    costs.size + num_bins)
+
+
+def _result(bins, num_bins, costs, memory, has_memory, lower_bound, home, method, item_bytes,
+            gpus_per_node) -> Partition:
+    baseline = _max_cost(costs, home, num_bins) if home is not None else math.nan
+    moved = inter = total = math.nan
+    if item_bytes is not None:
+        total = float(item_bytes.sum())
+        if home is not None:
+            moved = float(item_bytes[bins != home].sum())
+            if gpus_per_node is not None:
+                inter = float(item_bytes[bins // gpus_per_node != home // gpus_per_node].sum())
+    return Partition(
+        bin_of_item=bins,
+        num_bins=num_bins,
+        bin_costs=np.bincount(bins, weights=costs, minlength=num_bins),
+        lower_bound=lower_bound,
+        baseline_max_cost=baseline,
+        method=method,
+        bin_memory=np.bincount(bins, weights=memory, minlength=num_bins) if has_memory else None,
+        moved_bytes=moved,
+        inter_node_bytes=inter,
+        total_bytes=total,
+    )
+
+
+# ----------------------------------------------------------------------------------------------
+# The three constructive methods (each returns bin_of_item or raises _Infeasible)
+# ----------------------------------------------------------------------------------------------
+
+def _lpt(costs, memory, cap, order, num_bins, upper=None):
+    bins = np.empty(costs.size, dtype=np.int64)
+    item = _kernels.lpt(costs, memory, cap, order, num_bins, bins)
+    if item >= 0:
+        raise _Infeasible(f"lpt: no bin has memory room for item {item} (memory {memory[item]}, "
+                          f"cap {cap}); try method='bs_ffd' or a larger cap")
+    return bins
+
+
+def _kk(costs, memory, cap, order, num_bins, upper=None):
+    bins = np.zeros(costs.size, dtype=np.int64)
+    _kernels.kk(costs, order, 1, num_bins, bins)
+    if not _fits_memory(bins, memory, cap, num_bins):
+        raise _Infeasible(f"kk ignores memory and its result exceeds the cap {cap} on this instance; "
+                          "use method='lpt', 'bs_ffd' or 'auto'")
+    return bins
+
+
+def _bs_ffd(costs, memory, cap, order, num_bins, upper=None):
+    """Smallest capacity (to a relative tolerance) at which first-fit decreasing places every item.
+
+    Without memory, FFD always succeeds at mean + largest item, which starts the search. ``upper``
+    (from ``auto``) asks only for results at most that good: returns None if FFD fails there.
+    """
+    n = costs.size
+    bins = np.zeros(n, dtype=np.int64)
+    if n == 0:
+        return bins
+    trial = np.empty(n, dtype=np.int64)
+    hi = float(costs.sum()) / num_bins + float(costs.max()) if upper is None else upper
+    if _kernels.ffd(costs, memory, cap, order, num_bins, hi, bins) >= 0:
+        if upper is not None:
+            return None
+        item = _kernels.ffd(costs, memory, cap, order, num_bins, math.inf, bins)
+        if item >= 0:
+            raise _Infeasible(f"bs_ffd: first-fit decreasing finds no bin with memory room for item "
+                              f"{item} (memory {memory[item]}, cap {cap})")
+    hi = _max_cost(costs, bins, num_bins)
+    lo = _lower_bound(costs, num_bins)
+    for _ in range(_BS_FFD_MAX_ROUNDS):
+        if hi - lo <= _BS_FFD_REL_TOL * hi:
+            break
+        mid = 0.5 * (lo + hi)
+        if _kernels.ffd(costs, memory, cap, order, num_bins, mid, trial) >= 0:
+            lo = mid
+        else:
+            bins, trial = trial, bins
+            hi = _max_cost(costs, bins, num_bins)
+    return bins
+
+
+_CONSTRUCT = {"lpt": _lpt, "kk": _kk, "bs_ffd": _bs_ffd}
+
+
+# ----------------------------------------------------------------------------------------------
+# Public API
+# ----------------------------------------------------------------------------------------------
+
+def partition(costs, num_bins, *, method: str = "auto", memory=None, memory_cap=None, home=None,
+              refine: Optional[bool] = None, item_bytes=None, gpus_per_node=None) -> Partition:
+    """Assign every item to one of ``num_bins`` bins, minimising the maximum bin cost.
+
+    ``method``: ``"lpt"``, ``"kk"``, ``"bs_ffd"`` or ``"auto"`` (the best of the three that honour
+    the memory cap, ties in that order; it stops early once one is within 0.01% of the lower
+    bound, as nothing worth having is left to gain). ``refine`` (default: only for ``auto``) then lowers the
+    maximum by moves and swaps. ``memory``/``memory_cap``: per-item memory and the per-bin cap every
+    result honours (a method that cannot raises ValueError). ``home``: the upstream assignment; the
+    result is never worse than it: if it would not be strictly better, ``home`` is returned
+    (method ``"home"``), provided ``home`` itself honours the memory cap. ``item_bytes`` (with
+    ``home``) and ``gpus_per_node`` fill the moved-byte figures, reading bin b as rank b.
+    """
+    costs = _check_values(costs, "costs")
+    n = costs.size
+    num_bins = _check_num_bins(num_bins)
+    memory, cap, has_memory = _check_memory(memory, memory_cap, n)
+    home = None if home is None else _check_bins(home, "home", n, num_bins)
+    item_bytes = None if item_bytes is None else _check_values(item_bytes, "item_bytes", n)
+    gpus_per_node = None if gpus_per_node is None else _check_gpus_per_node(gpus_per_node)
+    if method != "auto" and method not in _CONSTRUCT:
+        raise ValueError(f"unknown method {method!r}; choose 'auto' or one of {METHODS}")
+    if refine is None:
+        refine = method == "auto"
+    order = _decreasing(costs)
+
+    if method == "auto":
+        best, best_cost, winner, reasons = None, math.inf, None, []
+        good_enough = (1.0 + _AUTO_GOOD_ENOUGH) * _lower_bound(costs, num_bins)
+        for name in METHODS:
+            if best_cost <= good_enough:
+                break
+            try:
+                bins = _CONSTRUCT[name](costs, memory, cap, order, num_bins,
+                                        upper=best_cost if best is not None else None)
+            except _Infeasible as err:
+                reasons.append(str(err))
+                continue
+            if bins is None:
+                continue
+            cost = _max_cost(costs, bins, num_bins)
+            if cost < best_cost:
+                best, best_cost, winner = bins, cost, name
+        if best is None:
+            raise ValueError("no method honours the memory cap: " + "; ".join(reasons))
+        bins, name = best, f"auto:{winner}"
+    else:
+        try:
+            bins = _CONSTRUCT[method](costs, memory, cap, order, num_bins)
+        except _Infeasible as err:
+            raise ValueError(str(err)) from None
+        name = method
+    if refine and n:
+        _refine(costs, memory, cap, num_bins, bins, allow_moves=True)
+        name += "+refine"
+    if home is not None and _fits_memory(home, memory, cap, num_bins) \
+            and _max_cost(costs, bins, num_bins) >= _max_cost(costs, home, num_bins):
+        bins, name = home.copy(), "home"
+    return _result(bins, num_bins, costs, memory, has_memory, _lower_bound(costs, num_bins), home,
+                   name, item_bytes, gpus_per_node)
+
+
+def equal_count_lower_bound(costs, num_bins: int) -> float:
+    """Lower bound on the max bin cost when every bin holds exactly n/K items.
+
+    The max of: the mean; the largest item plus the n/K - 1 smallest (they share its bin at best);
+    the K-th and (K+1)-th largest plus the n/K - 2 smallest (two of the K+1 largest share a bin).
+    """
+    costs = np.sort(_check_values(costs, "costs"))
+    num_bins = _check_num_bins(num_bins)
+    n = costs.size
+    if n == 0:
+        return 0.0
+    per_bin = n // num_bins
+    prefix = np.concatenate(([0.0], np.cumsum(costs)))
+    bound = max(prefix[-1] / num_bins, costs[-1] + prefix[per_bin - 1])
+    if per_bin >= 2:
+        bound = max(bound, costs[n - num_bins] + costs[n - num_bins - 1] + prefix[per_bin - 2])
+    return float(bound)
+
+
+def partition_equal_count(costs, num_bins, *, home=None, refine: bool = True, item_bytes=None,
+                          gpus_per_node=None) -> Partition:
+    """Like :func:`partition`, but every bin gets exactly n/K items (n % K != 0 is an error).
+
+    Two constructions, the better kept (ties: the first): LPT under a count cap of n/K per bin, and
+    equal-cardinality Karmarkar-Karp (the sorted items form n/K runs of K; largest differencing
+    merges whole runs, so every bin receives one item of each run). Then (``refine``) swaps, which
+    keep counts, lower the maximum. ``home`` (itself equal-count) is returned when the result
+    would not be strictly better.
+    """
+    costs = _check_values(costs, "costs")
+    n = costs.size
+    num_bins = _check_num_bins(num_bins)
+    if n % num_bins:
+        raise ValueError(f"equal-count partition needs the number of items ({n}) to be a multiple "
+                         f"of num_bins ({num_bins})")
+    per_bin = n // num_bins
+    item_bytes = None if item_bytes is None else _check_values(item_bytes, "item_bytes", n)
+    gpus_per_node = None if gpus_per_node is None else _check_gpus_per_node(gpus_per_node)
+    if home is not None:
+        home = _check_bins(home, "home", n, num_bins)
+        counts = np.bincount(home, minlength=num_bins)
+        if (counts != per_bin).any():
+            b = int(np.flatnonzero(counts != per_bin)[0])
+            raise ValueError(f"home is not equal-count: bin {b} holds {counts[b]} items, expected {per_bin}")
+    order = _decreasing(costs)
+    by_lpt = np.zeros(n, dtype=np.int64)
+    _kernels.lpt(costs, np.ones(n), float(per_bin), order, num_bins, by_lpt)  # a count cap never fails
+    by_kk = np.zeros(n, dtype=np.int64)
+    _kernels.kk(costs, order, num_bins, num_bins, by_kk)
+    if _max_cost(costs, by_kk, num_bins) < _max_cost(costs, by_lpt, num_bins):
+        bins, name = by_kk, "equal:kk"
+    else:
+        bins, name = by_lpt, "equal:lpt"
+    memory = np.zeros(n)
+    if refine and n:
+        _refine(costs, memory, math.inf, num_bins, bins, allow_moves=False)
+        name += "+refine"
+    if home is not None and _max_cost(costs, bins, num_bins) >= _max_cost(costs, home, num_bins):
+        bins, name = home.copy(), "home"
+    return _result(bins, num_bins, costs, memory, False, equal_count_lower_bound(costs, num_bins),
+                   home, name, item_bytes, gpus_per_node)
+
+
+def partition_locality(costs, home, num_bins, gpus_per_node, *, item_bytes, memory=None,
+                       memory_cap=None, tolerance: float = 0.01) -> Partition:
+    """Balance like ``partition(method='auto')`` (within ``tolerance``) while moving few bytes.
+
+    Bins are ranks here: rank r lives on node r // gpus_per_node and item i starts on ``home[i]``.
+    Each rank keeps its items, those with the most bytes per unit of cost first, while its load stays
+    within the capacity (1 + tolerance) x the auto plan's max cost; the rest go, largest first, to
+    the least-loaded rank of their home node if they fit there, else to the least-loaded rank
+    anywhere. If that leaves a rank above the capacity, refinement moves work off it. So bytes cross
+    nodes only where a node has too much work, and leave their GPU only where a rank has. If the
+    capacity still cannot be met, the auto plan itself is returned.
+    """
+    costs = _check_values(costs, "costs")
+    n = costs.size
+    num_bins = _check_num_bins(num_bins)
+    gpus_per_node = _check_gpus_per_node(gpus_per_node)
+    home = _check_bins(home, "home", n, num_bins)
+    item_bytes = _check_values(item_bytes, "item_bytes", n)
+    tolerance = float(tolerance)
+    if not tolerance >= 0:
+        raise ValueError(f"tolerance must be >= 0, got {tolerance}")
+    memory, cap, has_memory = _check_memory(memory, memory_cap, n)
+
+    reference = partition(costs, num_bins, method="auto", memory=memory if has_memory else None,
+                          memory_cap=cap if has_memory else None, home=home)
+    capacity = (1.0 + tolerance) * reference.max_cost
+    home_fits = _fits_memory(home, memory, cap, num_bins)
+    if home_fits and _max_cost(costs, home, num_bins) <= capacity:
+        bins, name = home.copy(), "home"
+    else:
+        with np.errstate(divide="ignore", invalid="ignore"):
+            keep_first = np.where(costs > 0, item_bytes / costs, math.inf)
+        keep_order = np.lexsort((np.arange(n), -keep_first, home)).astype(np.int64)
+        bins = np.empty(n, dtype=np.int64)
+        failed = _kernels.place_near_home(costs, memory, cap, home, keep_order, num_bins, gpus_per_node,
+                                          capacity, bins)
+        name = "locality"
+        if failed < 0 and _max_cost(costs, bins, num_bins) > capacity:
+            _refine(costs, memory, cap, num_bins, bins, allow_moves=True, stop_at=capacity)
+            name += "+refine"
+        if failed >= 0 or _max_cost(costs, bins, num_bins) > capacity:
+            bins, name = reference.bin_of_item, f"locality_fallback:{reference.method}"
+    return _result(bins, num_bins, costs, memory, has_memory, _lower_bound(costs, num_bins), home,
+                   name, item_bytes, gpus_per_node)
