@@ -141,7 +141,7 @@ def collate_packed_for(examples):
 
 def test_loss_decreases_when_overfitting_one_batch(world_of_one):
     argv = ["--seq-length", str(SEQ_LENGTH), "--micro-batch-size", "4", "--train-iters", "12", "--lr", "3e-3",
-            "--lr-decay-style", "constant", "--clip-grad", "1.0", "--log-interval", "1"]
+            "--lr-decay-style", "constant", "--clip-grad", "1.0", "--log-interval", "1", "--distributed-backend", "gloo"]
     args = arguments.parse_args(argv, world_size=1)
     trainer.set_random_seed(args.seed)
     timers = trainer.Timers(log_level=1, log_option="minmax")

@@ -63,7 +63,8 @@ def add_megatron_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParse
     g.add_argument("--pipeline-model-parallel-size", type=int, default=1)
     g.add_argument("--use-distributed-optimizer", action="store_true")
     g.add_argument("--distributed-backend", choices=["nccl", "gloo"], default=None,
-                   help="default: nccl with a GPU, gloo on CPU")
+                   help="nccl: train on GPUs; gloo: train on CPU through megatron_orch.megatron.cpu_harness. "
+                        "Default: nccl when a GPU is visible, else gloo")
     g.add_argument("--distributed-timeout-minutes", type=int, default=10)
 
     g = parser.add_argument_group("training")
@@ -179,8 +180,16 @@ def validate_args(args: argparse.Namespace, world_size: int) -> argparse.Namespa
         if not 0.0 <= getattr(args, name) < 1.0:
             raise ArgumentError(f"--{name.replace('_', '-')} must be in [0, 1), got {getattr(args, name)}")
     args.calculate_per_token_loss = True
+    if args.distributed_backend is None:
+        import torch
+        args.distributed_backend = "nccl" if torch.cuda.is_available() else "gloo"
     args.mllm_config = resolve_model_config(args)
     return args
+
+
+def runs_on_cpu(args: argparse.Namespace) -> bool:
+    """A gloo launch trains on CPU (megatron-core through the CPU harness); nccl on GPUs."""
+    return args.distributed_backend == "gloo"
 
 
 def resolve_model_config(args: argparse.Namespace) -> MLLMConfig:

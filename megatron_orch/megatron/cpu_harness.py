@@ -12,7 +12,9 @@ CPU build of torch each of those raises. The redirects, and why each is needed:
    of every ``megatron.core`` module is rebound to :data:`CPU_TORCH`, a view of ``torch`` that
    differs in two ways only:
 
-   - ``torch.cuda`` is :class:`_CpuCuda`: ``current_device()`` is the CPU device,
+   - ``torch.cuda`` is :class:`_CpuCuda`: ``is_available()`` is False and ``device_count()`` 0
+     (also on a machine with a GPU: under the harness megatron-core runs on the CPU),
+     ``current_device()`` is the CPU device,
      ``synchronize``/``empty_cache`` do nothing, ``get_rng_state``/``set_rng_state``/
      ``manual_seed`` act on the CPU generator, and ``Stream``/``stream``/``default_stream``/
      ``current_stream`` are single-stream no-ops (eager CPU ops are already ordered). Everything
@@ -139,6 +141,14 @@ class _CpuCuda(types.ModuleType):
 
     def __getattr__(self, name):
         return getattr(torch.cuda, name)
+
+    @staticmethod
+    def is_available():
+        return False
+
+    @staticmethod
+    def device_count():
+        return 0
 
     @staticmethod
     def current_device():
@@ -276,11 +286,6 @@ _installed = False
 def install() -> None:
     """Apply every redirect listed in the module docstring. Idempotent."""
     global _installed
-    if torch.cuda.is_available():
-        raise RuntimeError(
-            "megatron_orch.megatron.cpu_harness is for CPU-only runs; a GPU is visible here. "
-            "Run without the harness (set CUDA_VISIBLE_DEVICES='' to force the CPU demo)."
-        )
     for package in _MEGATRON_PACKAGES:
         importlib.import_module(package)
     _redirect_module_torch()

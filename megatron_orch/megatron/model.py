@@ -249,18 +249,18 @@ class MLLMModel(MegatronModule):
         """Image tiles / video frames ``[n_v, P, D]`` -> projected embeddings ``[n_v * tokens_per_item, h]``."""
         self._require_encoders("encode_vision")
         if vision.shape[0] == 0:
-            return self._no_embeddings()
+            return self._no_embeddings(vision.device)
         return self.vision_encoder(vision)
 
     def encode_audio(self, audio: torch.Tensor) -> torch.Tensor:
         """Audio windows ``[n_a, F, M]`` -> projected embeddings ``[n_a * tokens_per_item, h]``."""
         self._require_encoders("encode_audio")
         if audio.shape[0] == 0:
-            return self._no_embeddings()
+            return self._no_embeddings(audio.device)
         return self.audio_encoder(audio)
 
-    def _no_embeddings(self) -> torch.Tensor:
-        return torch.zeros(0, self.config.hidden_size, dtype=self.config.params_dtype)
+    def _no_embeddings(self, device: torch.device) -> torch.Tensor:
+        return torch.zeros(0, self.config.hidden_size, dtype=self.config.params_dtype, device=device)
 
     def embed(self, tokens: torch.Tensor, position_ids: torch.Tensor, vision_embeds: torch.Tensor,
               audio_embeds: torch.Tensor) -> torch.Tensor:
@@ -287,7 +287,7 @@ class MLLMModel(MegatronModule):
         """
         decoder_input = None
         if self.pre_process:
-            empty = self._no_embeddings()
+            empty = self._no_embeddings(tokens.device)
             decoder_input = self.embed(tokens, position_ids,
                                        empty if vision_embeds is None else vision_embeds,
                                        empty if audio_embeds is None else audio_embeds)

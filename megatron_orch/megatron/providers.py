@@ -12,6 +12,7 @@ from typing import Iterator
 
 import torch
 
+from megatron_orch.megatron.arguments import runs_on_cpu
 from megatron_orch.megatron.batch import MicroBatch
 from megatron_orch.megatron.data import DataConfig, build_train_iterator
 from megatron_orch.megatron.model import MLLMModel, ModelParallelSettings
@@ -26,7 +27,7 @@ def model_parallel_settings(args: argparse.Namespace) -> ModelParallelSettings:
         attention_dropout=args.attention_dropout,
         init_method_std=args.init_method_std,
         make_vocab_size_divisible_by=args.make_vocab_size_divisible_by,
-        use_cpu_initialization=not torch.cuda.is_available(),
+        use_cpu_initialization=runs_on_cpu(args),
         calculate_per_token_loss=True,
     )
 
@@ -78,6 +79,11 @@ def loss_func(loss_mask: torch.Tensor, output_tensor: torch.Tensor):
 def forward_step(data_iterator: Iterator[MicroBatch], model: torch.nn.Module):
     """One micro-batch through the model (Megatron's ``forward_step_func``)."""
     batch = next(data_iterator)
-    output = model(batch.tokens, batch.position_ids, batch.attention_mask(), labels=batch.labels,
-                   vision=batch.vision, audio=batch.audio)
-    return output, functools.partial(loss_func, batch.loss_mask)
+    device = next(model.parameters()).device
+    mask = batch.attention_mask()
+    tokens, position_ids, labels, loss_mask, vision, audio = (
+        t.to(device, non_blocking=True) for t in (batch.tokens, batch.position_ids, batch.labels,
+                                                  batch.loss_mask, batch.vision, batch.audio))
+    output = model(tokens, position_ids, None if mask is None else mask.to(device), labels=labels,
+                   vision=vision, audio=audio)
+    return output, functools.partial(loss_func, loss_mask)

@@ -29,6 +29,7 @@ from megatron.core.transformer.module import Float16Module
 from megatron.core.utils import get_attr_wrapped_model, get_model_config
 
 from megatron_orch.megatron import providers
+from megatron_orch.megatron.arguments import runs_on_cpu
 from megatron_orch.megatron.checkpointing import TrainState, load_checkpoint, save_checkpoint
 from megatron_orch.megatron.training_log import (LOAD_FIELDS, PHASE_TIMERS, IntervalStats, IterationRecord,
                                                  LoadMeter, TensorBoardLog, max_and_mean_over_group)
@@ -38,14 +39,14 @@ ForwardStep = Callable[[Iterator, torch.nn.Module], tuple]
 
 def initialize(args: argparse.Namespace) -> None:
     """Process group, model-parallel groups and seeds (Megatron's ``initialize_megatron``)."""
-    backend = args.distributed_backend or ("nccl" if torch.cuda.is_available() else "gloo")
-    if torch.cuda.is_available():
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
-    else:
+    if runs_on_cpu(args):
         from megatron_orch.megatron import cpu_harness
         cpu_harness.install()
+    else:
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
     if not dist.is_initialized():
-        dist.init_process_group(backend, timeout=timedelta(minutes=args.distributed_timeout_minutes))
+        dist.init_process_group(args.distributed_backend,
+                                timeout=timedelta(minutes=args.distributed_timeout_minutes))
     if dist.get_world_size() != args.world_size:
         raise RuntimeError(f"the arguments were validated for world size {args.world_size}, "
                            f"but the process group has {dist.get_world_size()} ranks")
@@ -75,6 +76,8 @@ def build_model(args: argparse.Namespace, model_provider: Callable = providers.b
     module = model_provider(args, pre_process=parallel_state.is_pipeline_first_stage(),
                             post_process=parallel_state.is_pipeline_last_stage())
     config = module.config
+    if not runs_on_cpu(args):
+        module.cuda(torch.cuda.current_device())  # the encoders' plain torch layers are built on CPU
     if args.bf16:
         module = Float16Module(config, module)
     ddp_config = DistributedDataParallelConfig(grad_reduce_in_fp32=args.bf16, overlap_grad_reduce=False,
@@ -174,7 +177,7 @@ def _interval_record(args, state: TrainState, stats: IntervalStats, last: dict, 
     return IterationRecord(
         iteration=state.iteration, consumed_samples=state.consumed_samples, elapsed_ms=elapsed_s * 1000.0,
         learning_rate=optimizer.param_groups[0]["lr"], global_batch_size=args.global_batch_size,
-        lm_loss=last["lm_loss"], grad_norm=None if grad_norm is None else float(grad_norm),
+        lm_loss=stats.mean_loss, grad_norm=None if grad_norm is None else float(grad_norm),
         loss_scale=float(optimizer.get_loss_scale()), skipped=stats.skipped, nan=stats.nan,
         tokens_per_s=tokens_per_s,
         load_max=dict(zip(LOAD_FIELDS, load_max.tolist())), load_mean=dict(zip(LOAD_FIELDS, load_mean.tolist())),
@@ -207,9 +210,7 @@ def train(args: argparse.Namespace, model: list, optimizer, scheduler, data_iter
         elapsed = time.perf_counter() - start
         state.iteration += 1
         state.consumed_samples += args.global_batch_size
-        loss = result["lm_loss"]
-        stats.add(elapsed, meter.take(), _phase_seconds(timers), result["skipped"],
-                  nan=loss is not None and not np.isfinite(loss))
+        stats.add(elapsed, meter.take(), _phase_seconds(timers), result["skipped"], result["lm_loss"])
         if state.iteration % args.log_interval == 0 or state.iteration == args.train_iters:
             record = _interval_record(args, state, stats, result, optimizer)
             stats = IntervalStats()

@@ -8,6 +8,7 @@ max).
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Iterator, Optional
 
@@ -52,12 +53,24 @@ class IntervalStats:
 
     iterations: int = 0
     elapsed_s: float = 0.0
+    loss_sum: float = 0.0  # of the per-iteration global lm loss (last pipeline stage only)
+    loss_iterations: int = 0
     skipped: int = 0
     nan: int = 0
     load: torch.Tensor = field(default_factory=lambda: torch.zeros(len(LOAD_FIELDS), dtype=torch.float64))
     phase_s: dict = field(default_factory=dict)
 
-    def add(self, elapsed_s: float, load: torch.Tensor, phase_s: dict, skipped: bool, nan: bool) -> None:
+    @property
+    def mean_loss(self) -> Optional[float]:
+        """Megatron's reported loss: the mean over the interval's iterations (skipped / NaN ones out)."""
+        return self.loss_sum / self.loss_iterations if self.loss_iterations else None
+
+    def add(self, elapsed_s: float, load: torch.Tensor, phase_s: dict, skipped: bool,
+            lm_loss: Optional[float]) -> None:
+        nan = lm_loss is not None and not math.isfinite(lm_loss)
+        if lm_loss is not None and not nan and not skipped:
+            self.loss_sum += lm_loss
+            self.loss_iterations += 1
         self.iterations += 1
         self.elapsed_s += elapsed_s
         self.load += load
