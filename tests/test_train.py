@@ -145,12 +145,14 @@ def test_resume_from_checkpoint_gives_identical_losses(data_parallel_2, tmp_path
     assert {**first, **second} == data_parallel_2
 
 
-def test_torchrun_entry_point_logs_megatron_iteration_lines(tmp_path):
-    """scripts/train_tiny_cpu.sh's launch: DP 2 through torchrun, TensorBoard scalars written."""
+def test_torchrun_entry_point_logs_megatron_iteration_lines(reference, tmp_path):
+    """scripts/train_tiny_cpu.sh's launch (torchrun, DP 2), here in bf16: Megatron iteration lines with
+    the per-phase load, TensorBoard scalars, and the reference's first loss up to bf16 precision."""
     tensorboard = tmp_path / "tb"
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-           str(REPO / "pretrain_mllm.py"), *COMMON, "--train-iters", "3", "--tensorboard-dir", str(tensorboard)]
+           str(REPO / "pretrain_mllm.py"), *COMMON, "--train-iters", "3", "--tensorboard-dir", str(tensorboard),
+           "--bf16"]
     proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=TIMEOUT_S)
     assert proc.returncode == 0, proc.stderr[-3000:]
     lines = [line for line in proc.stdout.splitlines() if line.startswith(" iteration ")]
@@ -161,6 +163,8 @@ def test_torchrun_entry_point_logs_megatron_iteration_lines(tmp_path):
         assert re.search(r"load per rank max/mean over DP: vision items \d+/[\d.]+ \([\d.-]+\), audio windows "
                          r"\d+/[\d.]+ \([\d.-]+\), backbone tokens \d+/[\d.]+ \([\d.]+\) \|", line), line
         assert "forward-backward" in line and "optimizer" in line, line
+    first_loss = float(re.search(r"\| lm loss: (\S+) \|", lines[0]).group(1))
+    assert first_loss == pytest.approx(reference[0][1], abs=0.05)
     assert list(tensorboard.glob("events.out.tfevents.*")), "no TensorBoard event file"
 
 

@@ -130,8 +130,8 @@ def train_step(forward_step: ForwardStep, data_iterator: Iterator, model: list, 
                args: argparse.Namespace, timers: Timers) -> dict:
     """One global batch: forward/backward over the micro-batches, grad sync, optimizer step.
 
-    Returns ``lm_loss`` (global, per token; on the last pipeline stage, else None), ``grad_norm``,
-    ``skipped`` and ``loss_tokens``.
+    Returns ``lm_loss`` (global, per token; on the last pipeline stage, else None), ``grad_norm``
+    and ``skipped``.
     """
     for chunk in model:
         chunk.zero_grad_buffer()
@@ -145,14 +145,12 @@ def train_step(forward_step: ForwardStep, data_iterator: Iterator, model: list, 
     timers("optimizer").stop()
     if update_successful:
         scheduler.step(increment=args.global_batch_size)
-    lm_loss = loss_tokens = None
-    if parallel_state.is_pipeline_last_stage():
+    lm_loss = None
+    if parallel_state.is_pipeline_last_stage():  # sum of token losses / number of loss tokens, over DP
         report = torch.stack([x["lm loss"] for x in losses]).sum(dim=0).double()
         dist.all_reduce(report, group=parallel_state.get_data_parallel_group())
-        loss_tokens = int(report[1])
-        lm_loss = float(report[0] / report[1]) if loss_tokens else float("nan")
-    return {"lm_loss": lm_loss, "grad_norm": grad_norm, "skipped": not update_successful,
-            "loss_tokens": loss_tokens}
+        lm_loss = float(report[0] / report[1]) if report[1] > 0 else float("nan")
+    return {"lm_loss": lm_loss, "grad_norm": grad_norm, "skipped": not update_successful}
 
 
 def _logging_rank() -> bool:
@@ -160,7 +158,8 @@ def _logging_rank() -> bool:
     return dist.get_rank() == dist.get_world_size() - 1
 
 
-def _interval_record(args, state: TrainState, stats: IntervalStats, last: dict, optimizer) -> IterationRecord:
+def _interval_record(args, state: TrainState, stats: IntervalStats, last_step: dict,
+                     optimizer) -> IterationRecord:
     """Collective over the world: per-rank load as max/mean over the DP group, phase times as max/mean
     over the ranks that run the phase (the encoders run on the first pipeline stage only)."""
     n = max(stats.iterations, 1)
@@ -173,7 +172,7 @@ def _interval_record(args, state: TrainState, stats: IntervalStats, last: dict, 
     ran = [i for i, name in enumerate(PHASE_TIMERS) if not np.all(np.isnan(per_rank[:, i]))]
     elapsed_s = stats.elapsed_s / n
     tokens_per_s = float(load_mean[LOAD_FIELDS.index("backbone tokens")]) * args.data_parallel_size / elapsed_s
-    grad_norm = last["grad_norm"]
+    grad_norm = last_step["grad_norm"]
     return IterationRecord(
         iteration=state.iteration, consumed_samples=state.consumed_samples, elapsed_ms=elapsed_s * 1000.0,
         learning_rate=optimizer.param_groups[0]["lr"], global_batch_size=args.global_batch_size,
