@@ -7,6 +7,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup_env.sh
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
+export CUDA_DEVICE_MAX_CONNECTIONS=1  # as Megatron-LM launches set it (megatron-core warns otherwise under TP)
 exec .venv/bin/python -m torch.distributed.run --standalone --nproc-per-node "${NPROC:-2}" pretrain_mllm.py \
   --model-config tiny \
   --seq-length 256 \

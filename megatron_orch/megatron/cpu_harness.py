@@ -1,8 +1,9 @@
 """Run megatron-core 0.16.1 on CPU with torch.distributed over gloo.
 
-This is the ONLY module of the project that redirects CUDA-only calls; it is used by the CPU demo
-(``pretrain_mllm.py`` on a machine without a GPU) and by the tests, never on GPU. Call
-:func:`install` once per process before building models (idempotent; safe to call again).
+This is the ONLY module of the project that redirects CUDA-only calls; it is used by CPU runs
+(``pretrain_mllm.py`` with ``--distributed-backend gloo``, the default without a GPU) and by the
+tests, never for GPU training. Call :func:`install` once per process before building models
+(idempotent; safe to call again).
 
 megatron-core places its own buffers on ``torch.cuda.current_device()`` or ``device='cuda'``,
 synchronises with ``torch.cuda.synchronize()`` and keeps its RNG states on the CUDA generator. On a
@@ -37,7 +38,9 @@ CPU build of torch each of those raises. The redirects, and why each is needed:
    which do not exist on CPU (and ``_lazy_call`` would silently queue the set for a CUDA init
    that never comes, making ``fork()`` a no-op). They are replaced by CPU-generator get/set, so
    ``model_parallel_cuda_manual_seed`` and ``get_cuda_rng_tracker().fork()`` give the intended
-   per-TP-rank dropout and initialisation streams.
+   per-TP-rank dropout and initialisation streams. Since the forked generator now IS the CPU
+   generator, the tracker's "CPU RNG state changed within GPU RNG context" warning is expected and
+   filtered out.
 3. **``broadcast_data`` (tensor_parallel.data).** It moves tensors with ``tensor.cuda()``, a tensor
    method the module view cannot intercept; it is replaced by an equivalent that broadcasts CPU
    tensors from the first rank of the TP group.
@@ -58,6 +61,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import importlib
+import logging
 import sys
 import types
 from typing import Any
@@ -219,6 +223,11 @@ def _set_cpu_rng_state(new_state, device=-1, graph_safe=False):
     torch.set_rng_state(new_state)
 
 
+class _DropForkWarning(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "CPU RNG state changed within GPU RNG context" not in record.getMessage()
+
+
 def _broadcast_data_cpu(keys, data, datatype, tp_group=None):
     """CPU ``broadcast_data``: the first TP rank's ``data[key]`` tensors, on every TP rank."""
     from megatron.core.tensor_parallel import data as tp_data
@@ -299,6 +308,7 @@ def install() -> None:
 
     tp_random._get_cuda_rng_state = _get_cpu_rng_state
     tp_random._set_cuda_rng_state = _set_cpu_rng_state
+    logging.getLogger(tp_random.__name__).addFilter(_DropForkWarning())
 
     tp_data.broadcast_data = _broadcast_data_cpu
     tensor_parallel.broadcast_data = _broadcast_data_cpu
