@@ -5,8 +5,8 @@ Three groups of flags:
 * :func:`add_megatron_args`: the subset of Megatron-LM's own flags that the compact trainer
   implements, with Megatron's names and (mostly) defaults. Under ``megatron.training`` these come
   from Megatron-LM's parser instead.
-* :func:`add_mllm_args`: this project's model selection (``--model-config``); passed to
-  ``megatron.training`` as an extra args provider.
+* :func:`add_mllm_args`: this project's model selection (``--model-config``) and the ``--orch-*``
+  post-balancing flags; passed to ``megatron.training`` as an extra args provider.
 * extra providers: functions ``provider(parser) -> parser`` (Megatron's ``extra_args_provider``
   convention), e.g. the orchestrator's ``--orch-*`` group, given to :func:`parse_args`.
 
@@ -19,6 +19,7 @@ import dataclasses
 from typing import Callable, Iterable, Optional, Sequence
 
 from megatron_orch.balance.model_config import MLLMConfig, load_model_config
+from megatron_orch.megatron.orch_arguments import add_orch_args, orch_config_from_args
 
 ArgsProvider = Callable[[argparse.ArgumentParser], argparse.ArgumentParser]
 
@@ -111,12 +112,12 @@ def add_megatron_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParse
 
 
 def add_mllm_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    """This project's flags: which multimodal model."""
+    """This project's flags: which multimodal model, and the ``--orch-*`` post-balancing group."""
     g = parser.add_argument_group("multimodal model")
     g.add_argument("--model-config", type=str, default="tiny",
                    help="name in configs/ (tiny, mllm_10b, ...) or a YAML path; the shape flags above "
                         "override its backbone")
-    return parser
+    return add_orch_args(parser)
 
 
 def build_parser(extra_args_providers: Iterable[ArgsProvider] = ()) -> argparse.ArgumentParser:
@@ -184,6 +185,10 @@ def validate_args(args: argparse.Namespace, world_size: int) -> argparse.Namespa
         import torch
         args.distributed_backend = "nccl" if torch.cuda.is_available() else "gloo"
     args.mllm_config = resolve_model_config(args)
+    try:
+        args.orch_config = orch_config_from_args(args)
+    except ValueError as err:
+        raise ArgumentError(str(err)) from err
     return args
 
 

@@ -296,9 +296,13 @@ class MLLMModel(MegatronModule):
 
     def forward(self, tokens: torch.Tensor, position_ids: torch.Tensor, attention_mask: Optional[torch.Tensor],
                 labels: Optional[torch.Tensor] = None, vision: Optional[torch.Tensor] = None,
-                audio: Optional[torch.Tensor] = None) -> torch.Tensor:
-        vision_embeds = audio_embeds = None
+                audio: Optional[torch.Tensor] = None, vision_embeds: Optional[torch.Tensor] = None,
+                audio_embeds: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """Encoders then backbone; with post-balancing the encoders ran earlier, elsewhere, and
+        ``vision_embeds``/``audio_embeds`` bring their outputs instead of ``vision``/``audio``."""
         if self.pre_process:
-            vision_embeds = self.encode_vision(vision)
-            audio_embeds = self.encode_audio(audio)
+            if vision_embeds is None:
+                vision_embeds = self.encode_vision(vision)
+            if audio_embeds is None:
+                audio_embeds = self.encode_audio(audio)
         return self.backbone_forward(tokens, position_ids, attention_mask, labels, vision_embeds, audio_embeds)

@@ -11,11 +11,16 @@ import functools
 from typing import Iterator
 
 import torch
+from megatron.core import parallel_state
 
+from megatron_orch.comm.topology import Topology
 from megatron_orch.megatron.arguments import runs_on_cpu
 from megatron_orch.megatron.batch import MicroBatch
 from megatron_orch.megatron.data import DataConfig, build_train_iterator
 from megatron_orch.megatron.model import MLLMModel, ModelParallelSettings
+from megatron_orch.megatron.post_balancing import BalancedMicroBatch, PostBalancingDataIterator
+from megatron_orch.megatron.schedule import ModalityAwareSchedule
+from megatron_orch.orchestrator.config import OrchestratorConfig
 
 
 def model_parallel_settings(args: argparse.Namespace) -> ModelParallelSettings:
@@ -77,13 +82,41 @@ def loss_func(loss_mask: torch.Tensor, output_tensor: torch.Tensor):
 
 
 def forward_step(data_iterator: Iterator[MicroBatch], model: torch.nn.Module):
-    """One micro-batch through the model (Megatron's ``forward_step_func``)."""
-    batch = next(data_iterator)
+    """One micro-batch through the model (Megatron's ``forward_step_func``).
+
+    A :class:`BalancedMicroBatch` (post-balancing) brings its encoder outputs, computed before the
+    backbone schedule by the modality-aware schedule; a plain :class:`MicroBatch` its raw inputs.
+    """
+    item = next(data_iterator)
+    batch = item.batch if isinstance(item, BalancedMicroBatch) else item
     device = next(model.parameters()).device
     mask = batch.attention_mask()
-    tokens, position_ids, labels, loss_mask, vision, audio = (
-        t.to(device, non_blocking=True) for t in (batch.tokens, batch.position_ids, batch.labels,
-                                                  batch.loss_mask, batch.vision, batch.audio))
-    output = model(tokens, position_ids, None if mask is None else mask.to(device), labels=labels,
-                   vision=vision, audio=audio)
+    tokens, position_ids, labels, loss_mask = (t.to(device, non_blocking=True) for t in (
+        batch.tokens, batch.position_ids, batch.labels, batch.loss_mask))
+    if isinstance(item, BalancedMicroBatch):
+        inputs = {"vision_embeds": item.vision_embeds, "audio_embeds": item.audio_embeds}
+    else:
+        inputs = {"vision": batch.vision.to(device, non_blocking=True),
+                  "audio": batch.audio.to(device, non_blocking=True)}
+    output = model(tokens, position_ids, None if mask is None else mask.to(device), labels=labels, **inputs)
     return output, functools.partial(loss_func, loss_mask)
+
+
+def build_post_balancing(args: argparse.Namespace, config: OrchestratorConfig, source: Iterator[MicroBatch],
+                         forward_backward_func):
+    """Wrap the loader's iterator and the forward-backward function for post-balancing.
+
+    Returns the :class:`PostBalancingDataIterator` (hand it to the schedule as the data iterator) and
+    the :class:`ModalityAwareSchedule` (call it instead of ``get_forward_backward_func()``'s result).
+    """
+    dp_group = parallel_state.get_data_parallel_group()
+    topology = Topology.from_process_group(dp_group, gpus_per_node=config.gpus_per_node)
+    data = data_config(args)
+    iterator = PostBalancingDataIterator(
+        source, model_config=args.mllm_config, config=config, shape=data.shape,
+        micro_batch_size=args.micro_batch_size, num_microbatches=args.num_microbatches, dp_group=dp_group,
+        topology=topology, encoder_stage=parallel_state.is_pipeline_first_stage(),
+        pad_to=data.seq_length if data.pad_to_seq_length else None,
+        peer_group=parallel_state.get_model_parallel_group())
+    schedule = ModalityAwareSchedule(forward_backward_func, dp_group, encoder_recompute=config.encoder_recompute)
+    return iterator, schedule

@@ -32,7 +32,8 @@ from megatron_orch.megatron import providers
 from megatron_orch.megatron.arguments import runs_on_cpu
 from megatron_orch.megatron.checkpointing import TrainState, load_checkpoint, save_checkpoint
 from megatron_orch.megatron.training_log import (LOAD_FIELDS, PHASE_TIMERS, IntervalStats, IterationRecord,
-                                                 LoadMeter, TensorBoardLog, max_and_mean_over_group)
+                                                 LoadMeter, POST_BALANCING_FIELDS, TensorBoardLog,
+                                                 max_and_mean_over_group)
 
 ForwardStep = Callable[[Iterator, torch.nn.Module], tuple]
 
@@ -127,16 +128,17 @@ def time_encoder_forwards(model: list, timers: Timers) -> None:
 
 
 def train_step(forward_step: ForwardStep, data_iterator: Iterator, model: list, optimizer, scheduler,
-               args: argparse.Namespace, timers: Timers) -> dict:
+               args: argparse.Namespace, timers: Timers, forward_backward_func: Optional[Callable] = None) -> dict:
     """One global batch: forward/backward over the micro-batches, grad sync, optimizer step.
 
     Returns ``lm_loss`` (global, per token; on the last pipeline stage, else None), ``grad_norm``
-    and ``skipped``.
+    and ``skipped``. ``forward_backward_func``: default megatron-core's ``get_forward_backward_func()``;
+    with post-balancing the modality-aware schedule that wraps it.
     """
     for chunk in model:
         chunk.zero_grad_buffer()
     optimizer.zero_grad()
-    losses = get_forward_backward_func()(
+    losses = (forward_backward_func or get_forward_backward_func())(
         forward_step_func=forward_step, data_iterator=data_iterator, model=model,
         num_microbatches=args.num_microbatches, seq_length=args.seq_length,
         micro_batch_size=args.micro_batch_size, decoder_seq_length=args.seq_length, forward_only=False)
@@ -181,7 +183,16 @@ def _interval_record(args, state: TrainState, stats: IntervalStats, last_step: d
         tokens_per_s=tokens_per_s,
         load_max=dict(zip(LOAD_FIELDS, load_max.tolist())), load_mean=dict(zip(LOAD_FIELDS, load_mean.tolist())),
         phase_ms_max={PHASE_TIMERS[i]: float(np.nanmax(per_rank[:, i])) for i in ran},
-        phase_ms_mean={PHASE_TIMERS[i]: float(np.nanmean(per_rank[:, i])) for i in ran})
+        phase_ms_mean={PHASE_TIMERS[i]: float(np.nanmean(per_rank[:, i])) for i in ran},
+        post_balancing=_post_balancing_figures(stats, n))
+
+
+def _post_balancing_figures(stats: IntervalStats, n: int) -> Optional[dict]:
+    """Interval means; the plan's figures agree on all ranks, times are the max over the DP group."""
+    if stats.post_balancing is None:
+        return None
+    figures, _ = max_and_mean_over_group(stats.post_balancing / n, parallel_state.get_data_parallel_group())
+    return dict(zip(POST_BALANCING_FIELDS, figures.tolist()))
 
 
 def _phase_seconds(timers: Timers) -> dict:
@@ -193,7 +204,8 @@ def _phase_seconds(timers: Timers) -> dict:
 
 def train(args: argparse.Namespace, model: list, optimizer, scheduler, data_iterator: Iterator,
           state: TrainState, timers: Timers, forward_step: ForwardStep = providers.forward_step,
-          print_fn: Callable[[str], None] = print) -> list[IterationRecord]:
+          print_fn: Callable[[str], None] = print,
+          forward_backward_func: Optional[Callable] = None) -> list[IterationRecord]:
     """Train up to ``args.train_iters`` (or the next multiple of ``--exit-interval``), then save if
     ``--save``; returns the records of the logged iterations (on the logging rank, else empty)."""
     meter = LoadMeter(data_iterator)
@@ -205,11 +217,12 @@ def train(args: argparse.Namespace, model: list, optimizer, scheduler, data_iter
         if args.exit_interval and state.iteration > first_iteration and state.iteration % args.exit_interval == 0:
             break
         start = time.perf_counter()
-        result = train_step(forward_step, meter, model, optimizer, scheduler, args, timers)
+        result = train_step(forward_step, meter, model, optimizer, scheduler, args, timers, forward_backward_func)
         elapsed = time.perf_counter() - start
         state.iteration += 1
         state.consumed_samples += args.global_batch_size
-        stats.add(elapsed, meter.take(), _phase_seconds(timers), result["skipped"], result["lm_loss"])
+        stats.add(elapsed, meter.take(), _phase_seconds(timers), result["skipped"], result["lm_loss"],
+                  meter.take_post_balancing())
         if state.iteration % args.log_interval == 0 or state.iteration == args.train_iters:
             record = _interval_record(args, state, stats, result, optimizer)
             stats = IntervalStats()
@@ -249,7 +262,14 @@ def pretrain(args: argparse.Namespace, model_provider: Callable = providers.buil
         print_fn(_describe(args, model))
     data_iterator = providers.build_train_data_iterator(
         args, state.consumed_samples, parallel_state.get_data_parallel_rank(), args.data_parallel_size)
-    return train(args, model, optimizer, scheduler, data_iterator, state, timers, forward_step, print_fn)
+    forward_backward_func = get_forward_backward_func()
+    if args.orch_config is not None:
+        data_iterator, forward_backward_func = providers.build_post_balancing(
+            args, args.orch_config, data_iterator, forward_backward_func)
+        if dist.get_rank() == 0:
+            print_fn(f" > post-balancing on: {args.orch_config}")
+    return train(args, model, optimizer, scheduler, data_iterator, state, timers, forward_step, print_fn,
+                 forward_backward_func)
 
 
 def _describe(args: argparse.Namespace, model: list) -> str:

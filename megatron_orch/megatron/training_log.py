@@ -15,7 +15,7 @@ from typing import Iterator, Optional
 import torch
 import torch.distributed as dist
 
-from megatron_orch.megatron.batch import MicroBatch
+from megatron_orch.megatron.post_balancing import BalancedStep
 
 # Per-rank load of each phase, counted from the micro-batches a rank consumed.
 LOAD_FIELDS = ("vision items", "audio windows", "backbone tokens")
@@ -25,26 +25,58 @@ PHASE_TIMERS = ("vision-encoder-forward", "audio-encoder-forward", "forward-back
                 "backward-compute", "all-grads-sync", "optimizer")
 
 
-class LoadMeter:
-    """Wraps a micro-batch iterator and counts each phase's load of the micro-batches it yields."""
+# Post-balancing figures per step: each phase's modeled-cost max/mean over DP before (as loaded) and
+# after (as planned), bytes moved, and this rank's planning / dispatch times.
+POST_BALANCING_PHASES = ("vision", "audio", "llm")
+POST_BALANCING_FIELDS = tuple(f"{phase} {what}" for phase in POST_BALANCING_PHASES
+                              for what in ("before", "after")) + (
+    "intra-node MB", "inter-node MB", "plan ms", "plan exposed ms", "dispatch ms")
 
-    def __init__(self, iterator: Iterator[MicroBatch]):
+
+class LoadMeter:
+    """Wraps the training data iterator and counts each phase's load of what this rank computes.
+
+    Without post-balancing the iterator yields micro-batches (the loader's assignment); with it,
+    one :class:`BalancedStep` per step, whose plan says what this rank encodes and which examples
+    its backbone runs, and whose statistics say how unbalanced the step was before.
+    """
+
+    def __init__(self, iterator: Iterator):
         self.iterator = iterator
         self.counts = torch.zeros(len(LOAD_FIELDS), dtype=torch.float64)
+        self.post_balancing: Optional[torch.Tensor] = None
 
     def __iter__(self):
         return self
 
-    def __next__(self) -> MicroBatch:
-        batch = next(self.iterator)
-        self.counts += torch.tensor([batch.vision.shape[0], batch.audio.shape[0],
-                                     float(batch.seq_lengths.sum())], dtype=torch.float64)
-        return batch
+    def __next__(self):
+        item = next(self.iterator)
+        if isinstance(item, BalancedStep):
+            plan, rank = item.plan, item.rank
+            mine = plan.examples_llm.rank == rank
+            self.counts += torch.tensor([plan.encoders["vision"].encode.counts()[rank],
+                                         plan.encoders["audio"].encode.counts()[rank],
+                                         float(item.num_tokens[mine].sum())], dtype=torch.float64)
+            stats = [plan.stats[phase] for phase in POST_BALANCING_PHASES]
+            figures = [x for st in stats for x in (st.imbalance_before, st.imbalance_after)] + [
+                sum(st.intra_node_bytes for st in stats) / 1e6, sum(st.inter_node_bytes for st in stats) / 1e6,
+                item.timings["plan"] * 1e3, item.timings["plan_exposed"] * 1e3, item.timings["dispatch"] * 1e3]
+            step = torch.tensor(figures, dtype=torch.float64)
+            self.post_balancing = step if self.post_balancing is None else self.post_balancing + step
+        else:
+            self.counts += torch.tensor([item.vision.shape[0], item.audio.shape[0],
+                                         float(item.seq_lengths.sum())], dtype=torch.float64)
+        return item
 
     def take(self) -> torch.Tensor:
         """Counts since the last call."""
         counts, self.counts = self.counts, torch.zeros_like(self.counts)
         return counts
+
+    def take_post_balancing(self) -> Optional[torch.Tensor]:
+        """Post-balancing figures summed since the last call (None without post-balancing)."""
+        figures, self.post_balancing = self.post_balancing, None
+        return figures
 
 
 @dataclass
@@ -59,6 +91,7 @@ class IntervalStats:
     nan: int = 0
     load: torch.Tensor = field(default_factory=lambda: torch.zeros(len(LOAD_FIELDS), dtype=torch.float64))
     phase_s: dict = field(default_factory=dict)
+    post_balancing: Optional[torch.Tensor] = None
 
     @property
     def mean_loss(self) -> Optional[float]:
@@ -66,7 +99,7 @@ class IntervalStats:
         return self.loss_sum / self.loss_iterations if self.loss_iterations else None
 
     def add(self, elapsed_s: float, load: torch.Tensor, phase_s: dict, skipped: bool,
-            lm_loss: Optional[float]) -> None:
+            lm_loss: Optional[float], post_balancing: Optional[torch.Tensor] = None) -> None:
         nan = lm_loss is not None and not math.isfinite(lm_loss)
         if lm_loss is not None and not nan and not skipped:
             self.loss_sum += lm_loss
@@ -74,6 +107,9 @@ class IntervalStats:
         self.iterations += 1
         self.elapsed_s += elapsed_s
         self.load += load
+        if post_balancing is not None:
+            self.post_balancing = post_balancing if self.post_balancing is None else \
+                self.post_balancing + post_balancing
         self.skipped += int(skipped)
         self.nan += int(nan)
         for name, seconds in phase_s.items():
@@ -107,6 +143,7 @@ class IterationRecord:
     load_mean: dict
     phase_ms_max: dict
     phase_ms_mean: dict
+    post_balancing: Optional[dict] = None  # POST_BALANCING_FIELDS -> interval mean (times: max over DP)
 
     def line(self, train_iters: int) -> str:
         parts = [f" iteration {self.iteration:8d}/{train_iters:8d}",
@@ -129,6 +166,14 @@ class IterationRecord:
             times = ", ".join(f"{name} {self.phase_ms_max[name]:.1f}/{self.phase_ms_mean[name]:.1f}"
                               for name in self.phase_ms_max)
             parts.append(f" time per iteration (ms) max/mean over ranks: {times}")
+        if self.post_balancing is not None:
+            pb = self.post_balancing
+            imbalance = ", ".join(f"{phase} {pb[phase + ' before']:.2f}->{pb[phase + ' after']:.2f}"
+                                  for phase in POST_BALANCING_PHASES)
+            parts += [f" post-balancing cost max/mean over DP before->after: {imbalance}",
+                      f" moved MB intra/inter node: {pb['intra-node MB']:.2f}/{pb['inter-node MB']:.2f}",
+                      f" plan ms: {pb['plan ms']:.1f} (exposed {pb['plan exposed ms']:.1f})",
+                      f" dispatch ms: {pb['dispatch ms']:.1f}"]
         return "".join(f"{part} |" for part in parts)
 
 
@@ -161,6 +206,8 @@ class TensorBoardLog:
         for name in record.phase_ms_max:
             w.add_scalar(f"time-ms/{name}-max", record.phase_ms_max[name], step)
             w.add_scalar(f"time-ms/{name}-mean", record.phase_ms_mean[name], step)
+        for name, value in (record.post_balancing or {}).items():
+            w.add_scalar(f"post-balancing/{name.replace(' ', '-')}", value, step)
         w.flush()
 
     def close(self) -> None:

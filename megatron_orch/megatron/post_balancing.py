@@ -1,0 +1,190 @@
+"""The post-balancing data iterator: wraps Megatron's training data iterator, one global batch per step.
+
+Per step it reads the step's micro-batches from the wrapped iterator, gathers per-example sizes over
+the DP group (one fixed-shape collective), takes the step's plan (computed on the background thread
+while the previous step trained), checks that every rank holds the same plan, and moves:
+
+* raw encoder inputs (image tiles / video frames, audio windows) to their encoder-phase rank
+  (first pipeline stage only: the other stages hold no encoders);
+* token ids, labels and loss masks to the backbone-phase rank of their example.
+
+It yields a :class:`BalancedStep`: the rank's backbone micro-batches (same number on every DP rank)
+and its encoder inputs, with the transfers the modality-aware schedule uses to send encoder outputs
+straight to the backbone rank of their example. Then it reads the next step's batch, gathers its
+sizes and hands their planning to the background thread.
+"""
+from __future__ import annotations
+
+import itertools
+import time
+from dataclasses import dataclass, field
+from typing import Dict, Iterator, List, Optional
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from megatron_orch.balance.model_config import MLLMConfig
+from megatron_orch.balance.plan import Transfer
+from megatron_orch.comm.alltoall import ItemLayout, all_to_all_items
+from megatron_orch.comm.gather import assert_same_on_all_ranks, gather_item_sizes
+from megatron_orch.comm.topology import Topology
+from megatron_orch.megatron.batch import (PAD_TOKEN_ID, Example, ExampleShape, MicroBatch, collate,
+                                          collate_packed)
+from megatron_orch.orchestrator.background import BackgroundPlanner
+from megatron_orch.orchestrator.config import OrchestratorConfig
+from megatron_orch.orchestrator.step_plan import StepPlan, StepSizes, plan_step
+
+_SIZE_COLUMNS = 4  # sample index, vision items, audio items, tokens
+
+
+@dataclass(frozen=True, eq=False)
+class BalancedMicroBatch:
+    """A backbone micro-batch whose encoder outputs come from the step's encoder phase.
+
+    ``batch`` carries text only (its ``vision``/``audio`` tensors are empty); the modality-aware
+    schedule fills ``vision_embeds``/``audio_embeds`` (rows in placeholder order) before the backbone.
+    """
+
+    batch: MicroBatch
+    num_vision_items: int
+    num_audio_items: int
+    vision_embeds: Optional[torch.Tensor] = None
+    audio_embeds: Optional[torch.Tensor] = None
+
+
+@dataclass(frozen=True, eq=False)
+class BalancedStep:
+    """Everything one rank computes in one step under the plan."""
+
+    microbatches: List[BalancedMicroBatch]
+    vision_inputs: torch.Tensor   # this rank's encoder-phase vision items [n, P, D]
+    audio_inputs: torch.Tensor    # this rank's encoder-phase audio windows [n, F, M]
+    plan: StepPlan
+    rank: int                        # this rank in the DP group
+    num_tokens: np.ndarray           # backbone tokens of every example of the global batch
+    tokens_per_item: Dict[str, int]  # embedding rows one encoder item sends to the backbone
+    timings: Dict[str, float] = field(default_factory=dict)  # seconds: plan, plan_exposed, dispatch
+
+    def output_transfer(self, phase: str) -> Transfer:
+        return self.plan.output_transfer(phase)
+
+
+class PostBalancingDataIterator:
+    """Iterator of :class:`BalancedStep` over an iterator of this DP rank's loader micro-batches."""
+
+    def __init__(self, source: Iterator[MicroBatch], *, model_config: MLLMConfig, config: OrchestratorConfig,
+                 shape: ExampleShape, micro_batch_size: int, num_microbatches: int, dp_group,
+                 topology: Topology, encoder_stage: bool, pad_to: Optional[int] = None,
+                 peer_group=None):
+        if config.microbatching == "packed" and pad_to is not None:
+            pad_to = pad_to * micro_batch_size  # one packed row carries a micro-batch's token budget
+        self.source = source
+        self.model_config, self.config, self.shape = model_config, config, shape
+        self.micro_batch_size, self.num_microbatches = micro_batch_size, num_microbatches
+        self.dp_group, self.peer_group, self.topology = dp_group, peer_group, topology
+        self.encoder_stage, self.pad_to = encoder_stage, pad_to
+        self.rank = dist.get_rank(dp_group)
+        self.planner = BackgroundPlanner(enabled=config.background)
+        self._next_examples: Optional[List[Example]] = None
+        self._next_sizes: Optional[StepSizes] = None
+        self._exhausted = False
+
+    def __iter__(self):
+        return self
+
+    # -- reading and planning -------------------------------------------------------------------
+    def _read_and_submit(self) -> None:
+        """Read the next step's examples, gather their sizes, start planning them."""
+        batches = list(itertools.islice(self.source, self.num_microbatches))
+        if not batches:
+            self._exhausted = True
+            return
+        if len(batches) != self.num_microbatches:
+            raise ValueError(f"the data iterator ended inside a step: {len(batches)} of "
+                             f"{self.num_microbatches} micro-batches")
+        examples = [e for b in batches for e in b.examples()]
+        for example in examples:
+            self.shape.check(example)
+        local = np.array([[e.sample_index, e.num_vision_items, e.num_audio_items, e.num_tokens]
+                          for e in examples], dtype=np.int64).reshape(-1, _SIZE_COLUMNS)
+        gathered = gather_item_sizes(local, self.dp_group, max_count=self.micro_batch_size * self.num_microbatches)
+        sizes = StepSizes(counts=gathered.counts, num_vision_items=gathered.sizes[:, 1],
+                          num_audio_items=gathered.sizes[:, 2], num_tokens=gathered.sizes[:, 3])
+        self._next_examples, self._next_sizes = examples, (sizes, gathered.sizes[:, 0])
+        self.planner.submit(lambda: plan_step(sizes, self.model_config, self.config, self.topology,
+                                              self.micro_batch_size, self.num_microbatches))
+
+    def __next__(self) -> BalancedStep:
+        if self._next_examples is None and not self._exhausted:
+            self._read_and_submit()
+        if self._exhausted:
+            self.planner.shutdown()
+            raise StopIteration
+        examples, (sizes, sample_ids) = self._next_examples, self._next_sizes
+        plan = self.planner.result()
+        timings = {"plan": self.planner.last_plan_s, "plan_exposed": self.planner.last_exposed_s}
+        # A plan that differs between ranks would make the all-to-alls disagree: fail loudly first.
+        assert_same_on_all_ranks(plan.digest, self.dp_group, "post-balancing plan digest (DP group)")
+        if self.peer_group is not None:
+            assert_same_on_all_ranks(plan.digest, self.peer_group, "post-balancing plan digest (TP/PP peers)")
+        start = time.perf_counter()
+        step = self._dispatch(plan, examples, sizes, sample_ids, timings)
+        timings["dispatch"] = time.perf_counter() - start
+        self._next_examples = None
+        self._read_and_submit()  # prefetch: the next plan is computed while this step trains
+        return step
+
+    # -- moving data ----------------------------------------------------------------------------
+    def _dispatch(self, plan: StepPlan, examples: List[Example], sizes: StepSizes, sample_ids: np.ndarray,
+                  timings: Dict[str, float]) -> BalancedStep:
+        tokens = sizes.num_tokens
+        text_layouts = [ItemLayout(tokens, (2,), torch.long), ItemLayout(tokens, (1,), torch.float32)]
+        local_ids = torch.cat([torch.stack([e.tokens, e.labels], dim=1) for e in examples])
+        local_mask = torch.cat([e.loss_mask.to(torch.float32)[:, None] for e in examples])
+        ids, mask = all_to_all_items([local_ids, local_mask], text_layouts, plan.text_transfer(),
+                                     self.dp_group, differentiable=False)
+
+        inputs = {}
+        for phase, item_shape in (("vision", (self.shape.vision_patches_per_item, self.shape.vision_patch_dim)),
+                                  ("audio", (self.shape.audio_frames_per_window, self.shape.audio_mel_bins))):
+            if not self.encoder_stage:
+                inputs[phase] = torch.zeros((0, *item_shape))
+                continue
+            local = torch.cat([getattr(e, phase).to(torch.float32) for e in examples])
+            layout = ItemLayout(np.ones(plan.encoders[phase].example.size, dtype=np.int64), item_shape,
+                                torch.float32)
+            inputs[phase], = all_to_all_items([local.reshape(-1, *item_shape)], [layout],
+                                              plan.input_transfer(phase), self.dp_group, differentiable=False)
+        return BalancedStep(microbatches=self._microbatches(plan, ids, mask, sizes, sample_ids),
+                            vision_inputs=inputs["vision"], audio_inputs=inputs["audio"], plan=plan,
+                            rank=self.rank, num_tokens=sizes.num_tokens,
+                            tokens_per_item={"vision": self.shape.vision_llm_tokens_per_item,
+                                             "audio": self.shape.audio_llm_tokens_per_item},
+                            timings=timings)
+
+    def _microbatches(self, plan: StepPlan, ids: torch.Tensor, mask: torch.Tensor, sizes: StepSizes,
+                      sample_ids: np.ndarray) -> List[BalancedMicroBatch]:
+        mine = plan.examples_llm.items_on(self.rank)  # slot order: micro-batch by micro-batch
+        lengths = sizes.num_tokens[mine]
+        starts = np.concatenate(([0], np.cumsum(lengths)))
+        no_vision = torch.zeros((0, self.shape.vision_patches_per_item, self.shape.vision_patch_dim))
+        no_audio = torch.zeros((0, self.shape.audio_frames_per_window, self.shape.audio_mel_bins))
+        microbatch = plan.microbatch_of_example[mine]
+        out = []
+        for m in range(plan.num_microbatches):
+            chosen = np.flatnonzero(microbatch == m)
+            batch_examples = [Example(sample_index=int(sample_ids[mine[j]]),
+                                      tokens=ids[starts[j]:starts[j + 1], 0], labels=ids[starts[j]:starts[j + 1], 1],
+                                      loss_mask=mask[starts[j]:starts[j + 1], 0], vision=no_vision, audio=no_audio)
+                              for j in chosen]
+            if not batch_examples:  # packed mode: a rank with fewer examples than micro-batches
+                one = torch.full((1,), PAD_TOKEN_ID, dtype=torch.long)
+                batch_examples = [Example(sample_index=-1, tokens=one, labels=one, loss_mask=torch.zeros(1),
+                                          vision=no_vision, audio=no_audio)]
+            build = collate_packed if self.config.microbatching == "packed" else collate
+            out.append(BalancedMicroBatch(
+                batch=build(batch_examples, pad_to=self.pad_to),
+                num_vision_items=int(sizes.num_vision_items[mine[chosen]].sum()),
+                num_audio_items=int(sizes.num_audio_items[mine[chosen]].sum())))
+        return out

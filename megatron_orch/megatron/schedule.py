@@ -1,0 +1,127 @@
+"""The modality-aware schedule: wraps megatron-core's ``get_forward_backward_func()``.
+
+On the pipeline stage that holds the encoders, before the backbone schedule of a step it runs every
+encoder over the rank's balanced encoder items and sends the outputs, in one all-to-all per encoder,
+straight to the backbone rank of their example. The backbone micro-batches get those embeddings as
+leaves that require grad, and Megatron's own schedule (no pipelining, 1F1B, interleaved) runs the
+backbone unchanged. Just before gradients are finalised (the DP all-reduce), the embedding gradients
+go back by the inverse all-to-all and the encoders run their backward, so encoder and backbone
+gradients are reduced together, exactly once.
+"""
+from __future__ import annotations
+
+import dataclasses
+import time
+from typing import Callable, Dict, List, Optional
+
+import numpy as np
+import torch
+
+from megatron.core.utils import get_model_config
+
+from megatron_orch.comm.alltoall import ItemLayout, all_to_all_items
+from megatron_orch.megatron.post_balancing import BalancedMicroBatch, BalancedStep
+
+PHASE_ENCODERS = {"vision": "encode_vision", "audio": "encode_audio"}
+
+
+def _unwrap(model):
+    module = model[0] if isinstance(model, (list, tuple)) else model
+    while hasattr(module, "module"):
+        module = module.module
+    return module
+
+
+class ModalityAwareSchedule:
+    """Callable with the signature of a megatron-core forward-backward function.
+
+    ``data_iterator`` must be a :class:`~megatron_orch.megatron.post_balancing.PostBalancingDataIterator`;
+    ``num_microbatches`` is taken from the step (equal on every DP rank by construction).
+    ``encoder_recompute`` keeps only the encoder inputs through the backbone schedule and recomputes
+    encoder activations right before their backward.
+    """
+
+    def __init__(self, forward_backward_func: Callable, dp_group, encoder_recompute: bool = False):
+        self.forward_backward_func = forward_backward_func
+        self.dp_group = dp_group
+        self.encoder_recompute = encoder_recompute
+        self.last_step: Optional[BalancedStep] = None
+        self.timings: Dict[str, float] = {}
+
+    def __call__(self, *, forward_step_func, data_iterator, model, num_microbatches, forward_only=False,
+                 **kwargs):
+        step: BalancedStep = next(data_iterator)
+        self.last_step = step
+        if num_microbatches != len(step.microbatches):
+            raise ValueError(f"the schedule was asked for {num_microbatches} micro-batches but the "
+                             f"post-balancing step holds {len(step.microbatches)}")
+        module = _unwrap(model)
+        self.timings = {}
+        pending = []  # (phase, encoder inputs, encoder outputs or None, moved outputs, leaf)
+        microbatches = step.microbatches
+        if module.pre_process:
+            start = time.perf_counter()
+            embeds = {}
+            for phase, method in PHASE_ENCODERS.items():
+                inputs = getattr(step, f"{phase}_inputs")
+                with torch.set_grad_enabled(not forward_only and not self.encoder_recompute):
+                    outputs = getattr(module, method)(inputs)
+                moved = self._move(step, phase, outputs.detach())
+                leaf = moved.requires_grad_(not forward_only)
+                embeds[phase] = leaf
+                pending.append((phase, inputs, None if self.encoder_recompute else outputs, leaf))
+            microbatches = _attach(step, embeds)
+            self.timings["encoders_forward"] = time.perf_counter() - start
+
+        config = get_model_config(model[0] if isinstance(model, (list, tuple)) else model)
+        finalize = config.finalize_model_grads_func
+
+        def encoders_backward_then_finalize(*args, **kw):
+            self._encoders_backward(step, module, pending)
+            if finalize is not None:
+                return finalize(*args, **kw)
+
+        if not forward_only:
+            config.finalize_model_grads_func = encoders_backward_then_finalize
+        try:
+            result = self.forward_backward_func(
+                forward_step_func=forward_step_func, data_iterator=iter(microbatches), model=model,
+                num_microbatches=len(microbatches), forward_only=forward_only, **kwargs)
+        finally:
+            config.finalize_model_grads_func = finalize
+        if not forward_only and finalize is None:
+            self._encoders_backward(step, module, pending)
+        return result
+
+    def _move(self, step: BalancedStep, phase: str, rows: torch.Tensor, inverse: bool = False) -> torch.Tensor:
+        """Encoder outputs (item by item, in slot order) to the backbone ranks, or their gradients back."""
+        transfer = step.output_transfer(phase)
+        layout = ItemLayout(np.full(transfer.src.num_items, step.tokens_per_item[phase], dtype=np.int64),
+                            tuple(rows.shape[1:]), rows.dtype)
+        moved, = all_to_all_items([rows], [layout], transfer.inverse() if inverse else transfer,
+                                  self.dp_group, differentiable=False)
+        return moved
+
+    def _encoders_backward(self, step: BalancedStep, module, pending) -> None:
+        start = time.perf_counter()
+        for phase, inputs, outputs, leaf in pending:
+            grad = leaf.grad if leaf.grad is not None else torch.zeros_like(leaf)
+            grad_at_encoder = self._move(step, phase, grad, inverse=True)
+            if outputs is None:  # recompute
+                outputs = getattr(module, PHASE_ENCODERS[phase])(inputs)
+            if outputs.requires_grad:
+                torch.autograd.backward(outputs, grad_at_encoder.to(outputs.dtype))
+        self.timings["encoders_backward"] = time.perf_counter() - start
+
+
+def _attach(step: BalancedStep, embeds: Dict[str, torch.Tensor]) -> List[BalancedMicroBatch]:
+    """Give each micro-batch its slice of the received embeddings (slot order = micro-batch order)."""
+    out, offsets = [], {phase: 0 for phase in embeds}
+    for mb in step.microbatches:
+        parts = {}
+        for phase, tensor in embeds.items():
+            rows = getattr(mb, f"num_{phase}_items") * step.tokens_per_item[phase]
+            parts[f"{phase}_embeds"] = tensor[offsets[phase]:offsets[phase] + rows]
+            offsets[phase] += rows
+        out.append(dataclasses.replace(mb, **parts))
+    return out
