@@ -13,6 +13,9 @@ import numba
 import numpy as np
 
 _JIT = dict(cache=True, nogil=True)
+# Helpers called in hot loops with many array arguments are inlined: a call that passes arrays
+# costs reference-count updates per array, which measurably slows the refinement loop.
+_INLINE = dict(_JIT, inline="always")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -145,12 +148,18 @@ def _kk_reserve(arena_sum, arena_ent, start, cap, alive, top, t, need, num_bins)
         return top
     new_cap = min(num_bins, max(need, 2 * cap[t]))
     if top + new_cap > arena_sum.size:
-        live = np.flatnonzero(alive)
+        owner = np.full(top, -1, dtype=np.int64)  # live tuples by increasing start
+        for u in range(alive.size):
+            if alive[u]:
+                owner[start[u]] = u
         top = 0
-        for u in live[np.argsort(start[live], kind="mergesort")]:
+        for s in range(owner.size):
+            u = owner[s]
+            if u < 0:
+                continue
             for j in range(cap[u]):  # forward copy: the destination never passes the source
-                arena_sum[top + j] = arena_sum[start[u] + j]
-                arena_ent[top + j] = arena_ent[start[u] + j]
+                arena_sum[top + j] = arena_sum[s + j]
+                arena_ent[top + j] = arena_ent[s + j]
             start[u] = top
             top += cap[u]
     for j in range(cap[t]):
@@ -162,14 +171,41 @@ def _kk_reserve(arena_sum, arena_ent, start, cap, alive, top, t, need, num_bins)
 
 
 @numba.njit(**_JIT)
-def _kk_sort(arena_sum, arena_ent, start, length, is_heap, t):
+def _sort_pairs_desc(key, val, s, m, tmp_key, tmp_val):
+    """Sort ``key/val[s:s + m]`` by decreasing key, stably (bottom-up merge sort, no allocation;
+    ``tmp_*`` hold at least m)."""
+    width = 1
+    src_k, src_v, dst_k, dst_v = key[s:s + m], val[s:s + m], tmp_key[:m], tmp_val[:m]
+    in_tmp = False
+    while width < m:
+        for lo in range(0, m, 2 * width):
+            mid = min(lo + width, m)
+            hi = min(lo + 2 * width, m)
+            i, j = lo, mid
+            for w in range(lo, hi):
+                if j >= hi or (i < mid and src_k[i] >= src_k[j]):
+                    dst_k[w] = src_k[i]
+                    dst_v[w] = src_v[i]
+                    i += 1
+                else:
+                    dst_k[w] = src_k[j]
+                    dst_v[w] = src_v[j]
+                    j += 1
+        src_k, src_v, dst_k, dst_v = dst_k, dst_v, src_k, src_v
+        in_tmp = not in_tmp
+        width *= 2
+    if in_tmp:
+        for w in range(m):
+            key[s + w] = src_k[w]
+            val[s + w] = src_v[w]
+
+
+@numba.njit(**_JIT)
+def _kk_sort(arena_sum, arena_ent, start, length, is_heap, t, scratch_sum, scratch_ent):
     """Put tuple ``t`` in decreasing-sum order."""
     if not is_heap[t]:
         return
-    s, m = start[t], length[t]
-    perm = np.argsort(-arena_sum[s:s + m], kind="mergesort")
-    arena_ent[s:s + m] = arena_ent[s:s + m][perm]
-    arena_sum[s:s + m] = arena_sum[s:s + m][perm]
+    _sort_pairs_desc(arena_sum, arena_ent, start[t], length[t], scratch_sum, scratch_ent)
     is_heap[t] = False
 
 
@@ -213,8 +249,8 @@ def _kk_merge(arena_sum, arena_ent, start, cap, length, tmax, is_heap, alive, nx
               num_bins, scratch_sum, scratch_ent):
     """Combine two multi-entry tuples into ``x``: x's j-th largest entry with y's j-th smallest.
     Returns the arena top."""
-    _kk_sort(arena_sum, arena_ent, start, length, is_heap, x)
-    _kk_sort(arena_sum, arena_ent, start, length, is_heap, y)
+    _kk_sort(arena_sum, arena_ent, start, length, is_heap, x, scratch_sum, scratch_ent)
+    _kk_sort(arena_sum, arena_ent, start, length, is_heap, y, scratch_sum, scratch_ent)
     a, b = length[x], length[y]
     sx, sy = start[x], start[y]
     ov_sum, mg_sum = scratch_sum[:num_bins], scratch_sum[num_bins:]
@@ -226,10 +262,7 @@ def _kk_merge(arena_sum, arena_ent, start, cap, length, tmax, is_heap, alive, nx
         _kk_join(nxt, tail, arena_ent[sx + j], arena_ent[sy + num_bins - 1 - j])
         ov_sum[j - ov_lo] = arena_sum[sx + j] + arena_sum[sy + num_bins - 1 - j]
         ov_ent[j - ov_lo] = arena_ent[sx + j]
-    if num_ov > 1:
-        perm = np.argsort(-ov_sum[:num_ov], kind="mergesort")
-        ov_sum[:num_ov] = ov_sum[:num_ov][perm]
-        ov_ent[:num_ov] = ov_ent[:num_ov][perm]
+    _sort_pairs_desc(ov_sum, ov_ent, 0, num_ov, mg_sum, mg_ent)
     # y's entries facing x's empty slots are its largest min(b, K-a): merge them with the met
     # entries into mg, then mg into x's unmet prefix, from the back, in place
     q = min(b, num_bins - a)
@@ -276,7 +309,8 @@ def kk(costs, order, tuple_size, num_bins, bin_of_item):
     """
     n = order.size
     if n == 0 or num_bins == 1:
-        bin_of_item[:] = 0
+        for i in range(n):
+            bin_of_item[i] = 0
         return
     num_tuples = n // tuple_size
     nxt = np.full(n, -1, dtype=np.int64)   # next item of an entry's linked list
@@ -290,7 +324,9 @@ def kk(costs, order, tuple_size, num_bins, bin_of_item):
     start = np.arange(num_tuples) * tuple_size
     cap = np.full(num_tuples, tuple_size, dtype=np.int64)
     length = np.full(num_tuples, tuple_size, dtype=np.int64)
-    tmax = arena_sum[start].copy()
+    tmax = np.empty(num_tuples)
+    for t in range(num_tuples):
+        tmax[t] = arena_sum[start[t]]
     is_heap = np.zeros(num_tuples, dtype=np.bool_)
     alive = np.ones(num_tuples, dtype=np.bool_)
     scratch_sum = np.empty(2 * num_bins)
@@ -465,52 +501,217 @@ def ffd(costs, memory, memory_cap, order, num_bins, capacity, bin_of_item):
 # ---------------------------------------------------------------------------------------------
 
 @numba.njit(**_JIT)
-def _bin_before(load, u, v):
-    return load[u] < load[v] or (load[u] == load[v] and u < v)
+def _rank_index(load, rank, lo, hi, key, b):
+    """First index in ``rank[lo:hi]`` (bins by increasing (load, id)) not before (key, b)."""
+    while lo < hi:
+        mid = (lo + hi) // 2
+        r = rank[mid]
+        if load[r] < key or (load[r] == key and r < b):
+            lo = mid + 1
+        else:
+            hi = mid
+    return lo
 
 
 @numba.njit(**_JIT)
-def _reposition(load, rank, pos, b):
-    """Restore ``rank`` (bins by increasing load, ties by id) after bin ``b``'s load changed."""
-    p = pos[b]
-    while p > 0 and _bin_before(load, b, rank[p - 1]):
-        rank[p] = rank[p - 1]
-        pos[rank[p]] = p
-        p -= 1
-    while p < rank.size - 1 and _bin_before(load, rank[p + 1], b):
-        rank[p] = rank[p + 1]
-        pos[rank[p]] = p
-        p += 1
-    rank[p] = b
-    pos[b] = p
+def _reposition(load, rank, b, old_load):
+    """Restore ``rank`` after bin ``b``'s load changed from ``old_load`` (every other bin is in
+    place): binary searches for its old and new places, then a shift of the bins in between."""
+    new_load = load[b]
+    load[b] = old_load
+    p = _rank_index(load, rank, 0, rank.size, old_load, b)
+    load[b] = new_load
+    if new_load > old_load:
+        q = _rank_index(load, rank, p + 1, rank.size, new_load, b) - 1
+        for t in range(p, q):
+            rank[t] = rank[t + 1]
+    else:
+        q = _rank_index(load, rank, 0, p, new_load, b)
+        for t in range(p, q, -1):
+            rank[t] = rank[t - 1]
+    rank[q] = b
 
 
-@numba.njit(**_JIT)
+@numba.njit(**_INLINE)
 def _gather_sorted(head, nxt, costs, b, out):
-    """Items of bin ``b`` by increasing cost (ties by id) into ``out``; returns how many."""
+    """Items of bin ``b`` by increasing (cost, id) into ``out``; returns how many.
+
+    Shell sort in place: bins hold tens of items and this runs for a dozen bins per refinement
+    step, where allocating sort buffers would cost more than the sorting.
+    """
     m = 0
     i = head[b]
     while i != -1:
         out[m] = i
         m += 1
         i = nxt[i]
-    if m > 1:
-        ids = np.sort(out[:m])
-        out[:m] = ids[np.argsort(costs[ids], kind="mergesort")]
+    gap = 1
+    while gap < m // 3:
+        gap = 3 * gap + 1
+    while gap >= 1:
+        for u in range(gap, m):
+            item = out[u]
+            c = costs[item]
+            v = u
+            while v >= gap and (costs[out[v - gap]] > c or (costs[out[v - gap]] == c and out[v - gap] > item)):
+                out[v] = out[v - gap]
+                v -= gap
+            out[v] = item
+        gap //= 3
     return m
 
 
 @numba.njit(**_JIT)
-def refine(costs, memory, memory_cap, num_bins, bin_of_item, allow_moves, stop_at, partners, max_steps):
+def _greedy_subset(costs, memory, items, count, target, limit, chosen):
+    """Items (of ``items[:count]``, increasing cost) summing close to ``target`` and below ``limit``.
+
+    Takes items from the most costly down while the sum stays <= target, then, if the sum is still
+    below target, the cheapest item not taken if that keeps it below ``limit`` (it ends nearest
+    above the target). Writes them to ``chosen``; returns (how many, their cost, their memory).
+    """
+    m = 0
+    total = 0.0
+    mem = 0.0
+    cheapest_left = -1
+    for u in range(count - 1, -1, -1):
+        c = costs[items[u]]
+        if total + c <= target:
+            chosen[m] = items[u]
+            m += 1
+            total += c
+            mem += memory[items[u]]
+        else:
+            cheapest_left = items[u]
+    if total < target and cheapest_left >= 0 and total + costs[cheapest_left] < limit:
+        chosen[m] = cheapest_left
+        m += 1
+        total += costs[cheapest_left]
+        mem += memory[cheapest_left]
+    return m, total, mem
+
+
+@numba.njit(**_INLINE)
+def _exchange_with(costs, memory, memory_cap, load, bin_mem, top, b, top_items, num_top, partner_items,
+                   num_b, kind, allow_moves, chosen, best, best_out, best_in):
+    """Best exchange between the top bin and bin ``b`` that beats ``best`` (the larger new load).
+
+    ``kind`` 0: moves (if ``allow_moves``) and one-for-one swaps; 1: one-for-several either way.
+    Writes an improving exchange into ``best_out`` (top -> b) and ``best_in`` (b -> top) and
+    returns (its value, len(out), len(in)); returns (best, -1, -1) if none beats ``best``.
+    """
+    top_load = load[top]
+    gap = top_load - load[b]
+    num_out, num_in = -1, -1
+    if kind == 1:
+        # one of the top bin for several of b (equal items give the same answer)
+        for t in range(num_top):
+            i = top_items[t]
+            if t > 0 and costs[i] == costs[top_items[t - 1]] and memory[i] == memory[top_items[t - 1]]:
+                continue
+            m, total, mem = _greedy_subset(costs, memory, partner_items, num_b,
+                                           costs[i] - 0.5 * gap, costs[i], chosen)
+            d = costs[i] - total
+            if (m >= 2 and 0.0 < d < gap and bin_mem[b] + memory[i] - mem <= memory_cap
+                    and bin_mem[top] - memory[i] + mem <= memory_cap):
+                value = max(top_load - d, load[b] + d)
+                if value < best:
+                    best, num_out, num_in = value, 1, m
+                    best_out[0] = i
+                    best_in[:m] = chosen[:m]
+        # several of the top bin for one of b
+        for u in range(num_b):
+            j = partner_items[u]
+            if u > 0 and costs[j] == costs[partner_items[u - 1]] and memory[j] == memory[partner_items[u - 1]]:
+                continue
+            m, total, mem = _greedy_subset(costs, memory, top_items, num_top,
+                                           costs[j] + 0.5 * gap, costs[j] + gap, chosen)
+            d = total - costs[j]
+            if (m >= 2 and 0.0 < d < gap and bin_mem[b] - memory[j] + mem <= memory_cap
+                    and bin_mem[top] + memory[j] - mem <= memory_cap):
+                value = max(top_load - d, load[b] + d)
+                if value < best:
+                    best, num_out, num_in = value, m, 1
+                    best_out[:m] = chosen[:m]
+                    best_in[0] = j
+        return best, num_out, num_in
+    if allow_moves:
+        for t in range(num_top):
+            i = top_items[t]
+            if 0.0 < costs[i] < gap and bin_mem[b] + memory[i] <= memory_cap:
+                value = max(top_load - costs[i], load[b] + costs[i])
+                if value < best:
+                    best, num_out, num_in = value, 1, 0
+                    best_out[0] = i
+    up = 0  # first item of b with cost >= target; targets rise with the top item's cost
+    for t in range(num_top):
+        i = top_items[t]
+        target = costs[i] - 0.5 * gap
+        while up < num_b and costs[partner_items[up]] < target:
+            up += 1
+        # the nearest feasible item of b below the target, then at or above it
+        for direction in (-1, 1):
+            u = up - 1 if direction < 0 else up
+            while 0 <= u < num_b:
+                j = partner_items[u]
+                d = costs[i] - costs[j]
+                if not 0.0 < d < gap:
+                    break
+                if (bin_mem[b] + memory[i] - memory[j] <= memory_cap
+                        and bin_mem[top] - memory[i] + memory[j] <= memory_cap):
+                    value = max(top_load - d, load[b] + d)
+                    if value < best:
+                        best, num_out, num_in = value, 1, 1
+                        best_out[0] = i
+                        best_in[0] = j
+                    break
+                u += direction
+    return best, num_out, num_in
+
+
+@numba.njit(**_JIT)
+def _partners(load, rank, top, node_size, partners, out):
+    """Candidate partners of the top bin, least-loaded first; returns how many.
+
+    ``node_size > 0``: the other bins of the top bin's node. Else up to ``partners`` of the
+    least-loaded bins, one per distinct load: bins of equal load mostly hold the same kinds of
+    items, and a search that is stuck needs variety.
+    """
+    num_bins = rank.size
+    count = 0
+    if node_size > 0:
+        lo = (top // node_size) * node_size
+        for b in range(lo, min(num_bins, lo + node_size)):
+            if b != top and load[b] < load[top]:
+                out[count] = b
+                count += 1
+        if count > 1:
+            out[:count] = out[:count][np.argsort(load[out[:count]], kind="mergesort")]
+        return count
+    for p in range(num_bins - 1):
+        b = rank[p]
+        if load[b] >= load[top] or count == partners:
+            break
+        if p == 0 or load[b] != load[rank[p - 1]]:
+            out[count] = b
+            count += 1
+    return count
+
+
+@numba.njit(**_JIT)
+def refine(costs, memory, memory_cap, num_bins, bin_of_item, allow_moves, stop_at, partners, node_size,
+           max_steps):
     """Lower the maximum bin cost by local search, in place; returns the number of steps taken.
 
-    Each step looks at the most-loaded bin M and the ``partners`` least-loaded bins, and applies the
-    single move (an item of M to a partner; only if ``allow_moves``) or swap (an item of M for a
-    cheaper item of a partner) that minimises the larger of the two new loads, provided that is
-    below M's load and memory stays under the cap. With loads L > Lb and a transferred cost d, the
-    new pair is (L - d, Lb + d): the best d is the one nearest (L - Lb) / 2, found per item of M by
-    walking a partner's items in cost order. Stops at a local optimum, once the maximum is at most
-    ``stop_at``, or after ``max_steps`` steps. Swaps keep every bin's item count.
+    Each step takes the most-loaded bin M and applies the exchange with one partner bin b that
+    minimises the larger of the two new loads, provided that is below M's load and memory stays
+    under the cap. With loads L > Lb and a net cost d moved from M to b, the new pair is
+    (L - d, Lb + d): the best d is the one nearest (L - Lb) / 2. Exchanges tried, in rounds (a
+    round runs only if the ones before found nothing): one item of M for one cheaper item of b
+    (keeps counts) and, if ``allow_moves``, one item moved from M to b; then one item of M for
+    several of b or several of M for one of b (found greedily; what evening out items of a few
+    fixed sizes takes). Partners: with ``node_size > 0`` the bins of M's node first (bin r is on
+    node r // node_size), then ``partners`` least-loaded bins anywhere (see :func:`_partners`).
+    Stops at a local optimum, once the maximum is at most ``stop_at``, or after ``max_steps``.
     """
     n = costs.size
     load = np.zeros(num_bins)
@@ -527,60 +728,46 @@ def refine(costs, memory, memory_cap, num_bins, bin_of_item, allow_moves, stop_a
         nxt[i] = head[b]
         head[b] = i
     rank = np.argsort(load, kind="mergesort")  # bins by increasing load, ties by id
-    pos = np.empty(num_bins, dtype=np.int64)
-    for p in range(num_bins):
-        pos[rank[p]] = p
     top_items = np.empty(n, dtype=np.int64)
     partner_items = np.empty(n, dtype=np.int64)
+    chosen = np.empty(n, dtype=np.int64)
+    best_out = np.empty(n, dtype=np.int64)  # items of the best exchange going M -> b
+    best_in = np.empty(n, dtype=np.int64)   # and b -> M
+    plist = np.empty(max(partners, node_size), dtype=np.int64)
 
     steps = 0
     while steps < max_steps:
         top = rank[num_bins - 1]
-        top_load = load[top]
-        if top_load <= stop_at:
+        best = load[top]
+        if best <= stop_at:
             break
-        best = top_load
-        best_i, best_j, best_b = -1, -1, -1
+        best_b, num_out, num_in = -1, 0, 0
         num_top = _gather_sorted(head, nxt, costs, top, top_items)
-        for p in range(min(partners, num_bins - 1)):
-            b = rank[p]
-            gap = top_load - load[b]
-            if gap <= 0.0:
+        for scope in range(2):  # 0: M's node (if node_size > 0); 1: anywhere
+            if best_b >= 0:
                 break
-            if allow_moves:
-                for t in range(num_top):
-                    i = top_items[t]
-                    if 0.0 < costs[i] < gap and bin_mem[b] + memory[i] <= memory_cap:
-                        value = max(top_load - costs[i], load[b] + costs[i])
-                        if value < best:
-                            best, best_i, best_j, best_b = value, i, -1, b
-            num_b = _gather_sorted(head, nxt, costs, b, partner_items)
-            up = 0  # first partner item with cost >= target; targets rise with c_i
-            for t in range(num_top):
-                i = top_items[t]
-                target = costs[i] - 0.5 * gap
-                while up < num_b and costs[partner_items[up]] < target:
-                    up += 1
-                # nearest feasible partner item below the target, then at or above it
-                for direction in (-1, 1):
-                    u = up - 1 if direction < 0 else up
-                    while 0 <= u < num_b:
-                        j = partner_items[u]
-                        d = costs[i] - costs[j]
-                        if not 0.0 < d < gap:
-                            break
-                        if (bin_mem[b] + memory[i] - memory[j] <= memory_cap
-                                and bin_mem[top] - memory[i] + memory[j] <= memory_cap):
-                            value = max(top_load - d, load[b] + d)
-                            if value < best:
-                                best, best_i, best_j, best_b = value, i, j, b
-                            break
-                        u += direction
-        if best_i < 0:
-            break
-        for item, src, dst in ((best_i, top, best_b), (best_j, best_b, top)):
-            if item < 0:
+            if scope == 0 and node_size <= 0:
                 continue
+            num_p = _partners(load, rank, top, node_size if scope == 0 else 0, partners, plist)
+            if num_p == 0:
+                continue
+            for kind in range(2):
+                if best_b >= 0 or (kind == 1 and not allow_moves):
+                    break
+                for q in range(num_p):
+                    b = plist[q]
+                    num_b = _gather_sorted(head, nxt, costs, b, partner_items)
+                    best, o, i = _exchange_with(costs, memory, memory_cap, load, bin_mem, top, b, top_items,
+                                                num_top, partner_items, num_b, kind, allow_moves, chosen,
+                                                best, best_out, best_in)
+                    if o >= 0:
+                        best_b, num_out, num_in = b, o, i
+        if best_b < 0:
+            break
+        top_load, partner_load = load[top], load[best_b]
+        for k in range(num_out + num_in):
+            item = best_out[k] if k < num_out else best_in[k - num_out]
+            src, dst = (top, best_b) if k < num_out else (best_b, top)
             if prv[item] >= 0:  # unlink from src, push on dst
                 nxt[prv[item]] = nxt[item]
             else:
@@ -597,8 +784,11 @@ def refine(costs, memory, memory_cap, num_bins, bin_of_item, allow_moves, stop_a
             load[dst] += costs[item]
             bin_mem[src] -= memory[item]
             bin_mem[dst] += memory[item]
-        _reposition(load, rank, pos, top)
-        _reposition(load, rank, pos, best_b)
+        new_partner_load = load[best_b]  # reposition one bin at a time, the other still in place
+        load[best_b] = partner_load
+        _reposition(load, rank, top, top_load)
+        load[best_b] = new_partner_load
+        _reposition(load, rank, best_b, partner_load)
         steps += 1
     return steps
 

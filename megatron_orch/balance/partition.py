@@ -26,7 +26,7 @@ import numpy as np
 from megatron_orch.balance import _kernels
 
 METHODS = ("lpt", "kk", "bs_ffd")
-_REFINE_PARTNERS = 16        # least-loaded bins tried as move/swap partners of the most-loaded one
+_REFINE_PARTNERS = 8         # least-loaded bins tried as move/swap partners of the most-loaded one
 _BS_FFD_REL_TOL = 1e-3       # binary search stops when capacity is known within this fraction
 _AUTO_GOOD_ENOUGH = 1e-4     # auto stops trying methods once one is this close to the lower bound
 _BS_FFD_MAX_ROUNDS = 40
@@ -180,8 +180,9 @@ def _fits_memory(bins: np.ndarray, memory: np.ndarray, cap: float, num_bins: int
     return bool(np.bincount(bins, weights=memory, minlength=num_bins).max() <= cap)
 
 
-def _refine(costs, memory, cap, num_bins, bins, *, allow_moves: bool, stop_at: float = 0.0) -> None:
-    _kernels.refine(costs, memory, cap, num_bins, bins, allow_moves, stop_at, _REFINE_PARTNERS,
+def _refine(costs, memory, cap, num_bins, bins, *, allow_moves: bool, stop_at: float = 0.0,
+            node_size: int = 0) -> None:
+    _kernels.refine(costs, memory, cap, num_bins, bins, allow_moves, stop_at, _REFINE_PARTNERS, node_size,
                     costs.size + num_bins)
 
 
@@ -275,14 +276,16 @@ def partition(costs, num_bins, *, method: str = "auto", memory=None, memory_cap=
               refine: Optional[bool] = None, item_bytes=None, gpus_per_node=None) -> Partition:
     """Assign every item to one of ``num_bins`` bins, minimising the maximum bin cost.
 
-    ``method``: ``"lpt"``, ``"kk"``, ``"bs_ffd"`` or ``"auto"`` (the best of the three that honour
-    the memory cap, ties in that order; it stops early once one is within 0.01% of the lower
-    bound, as nothing worth having is left to gain). ``refine`` (default: only for ``auto``) then lowers the
-    maximum by moves and swaps. ``memory``/``memory_cap``: per-item memory and the per-bin cap every
-    result honours (a method that cannot raises ValueError). ``home``: the upstream assignment; the
-    result is never worse than it: if it would not be strictly better, ``home`` is returned
-    (method ``"home"``), provided ``home`` itself honours the memory cap. ``item_bytes`` (with
-    ``home``) and ``gpus_per_node`` fill the moved-byte figures, reading bin b as rank b.
+    ``method``: ``"lpt"``, ``"kk"``, ``"bs_ffd"`` or ``"auto"``: each of the three that honours the
+    memory cap, refined, the best kept (ties: in that order); auto stops early once a result is
+    within 0.01% of the lower bound, as nothing worth having is left to gain. ``refine`` (default:
+    only for ``auto``) lowers the maximum by local search out of the fullest bin.
+
+    ``memory``/``memory_cap``: per-item memory and the per-bin cap every result honours (a method
+    that cannot raises ValueError). ``home``: the upstream assignment; the result is never worse:
+    if it would not be strictly better, ``home`` is returned (method ``"home"``), provided ``home``
+    itself honours the memory cap. ``item_bytes`` (with ``home``) and ``gpus_per_node`` fill the
+    moved-byte figures, reading bin b as rank b.
     """
     costs = _check_values(costs, "costs")
     n = costs.size
@@ -298,6 +301,7 @@ def partition(costs, num_bins, *, method: str = "auto", memory=None, memory_cap=
     order = _decreasing(costs)
 
     if method == "auto":
+        # each method's result, refined; the best kept (ties: the earlier method)
         best, best_cost, winner, reasons = None, math.inf, None, []
         good_enough = (1.0 + _AUTO_GOOD_ENOUGH) * _lower_bound(costs, num_bins)
         for name in METHODS:
@@ -311,21 +315,23 @@ def partition(costs, num_bins, *, method: str = "auto", memory=None, memory_cap=
                 continue
             if bins is None:
                 continue
+            if refine and n:
+                _refine(costs, memory, cap, num_bins, bins, allow_moves=True)
             cost = _max_cost(costs, bins, num_bins)
             if cost < best_cost:
                 best, best_cost, winner = bins, cost, name
         if best is None:
             raise ValueError("no method honours the memory cap: " + "; ".join(reasons))
-        bins, name = best, f"auto:{winner}"
+        bins, name = best, f"auto:{winner}" + ("+refine" if refine and n else "")
     else:
         try:
             bins = _CONSTRUCT[method](costs, memory, cap, order, num_bins)
         except _Infeasible as err:
             raise ValueError(str(err)) from None
         name = method
-    if refine and n:
-        _refine(costs, memory, cap, num_bins, bins, allow_moves=True)
-        name += "+refine"
+        if refine and n:
+            _refine(costs, memory, cap, num_bins, bins, allow_moves=True)
+            name += "+refine"
     if home is not None and _fits_memory(home, memory, cap, num_bins) \
             and _max_cost(costs, bins, num_bins) >= _max_cost(costs, home, num_bins):
         bins, name = home.copy(), "home"
@@ -401,12 +407,14 @@ def partition_locality(costs, home, num_bins, gpus_per_node, *, item_bytes, memo
     """Balance like ``partition(method='auto')`` (within ``tolerance``) while moving few bytes.
 
     Bins are ranks here: rank r lives on node r // gpus_per_node and item i starts on ``home[i]``.
-    Each rank keeps its items, those with the most bytes per unit of cost first, while its load stays
-    within the capacity (1 + tolerance) x the auto plan's max cost; the rest go, largest first, to
-    the least-loaded rank of their home node if they fit there, else to the least-loaded rank
-    anywhere. If that leaves a rank above the capacity, refinement moves work off it. So bytes cross
-    nodes only where a node has too much work, and leave their GPU only where a rank has. If the
-    capacity still cannot be met, the auto plan itself is returned.
+    The capacity is (1 + tolerance) x the auto plan's max cost. Each rank keeps its items, the
+    most costly first, while its load stays within the capacity (so what leaves is the smaller,
+    easily placed work); the rest go, largest first, to the least-loaded rank of their home node
+    if they fit there, else to the least-loaded rank anywhere. If a rank is still above the
+    capacity, refinement moves work off it, to ranks of its own node first. So bytes cross nodes
+    mostly where a node has too much work, and leave their GPU only where a rank has. If the
+    capacity cannot be met, the auto plan itself is returned (method ``locality_fallback:...``);
+    a home assignment already within the capacity is returned unchanged (method ``"home"``).
     """
     costs = _check_values(costs, "costs")
     n = costs.size
@@ -426,15 +434,14 @@ def partition_locality(costs, home, num_bins, gpus_per_node, *, item_bytes, memo
     if home_fits and _max_cost(costs, home, num_bins) <= capacity:
         bins, name = home.copy(), "home"
     else:
-        with np.errstate(divide="ignore", invalid="ignore"):
-            keep_first = np.where(costs > 0, item_bytes / costs, math.inf)
-        keep_order = np.lexsort((np.arange(n), -keep_first, home)).astype(np.int64)
+        keep_order = np.lexsort((np.arange(n), -costs, home)).astype(np.int64)
         bins = np.empty(n, dtype=np.int64)
         failed = _kernels.place_near_home(costs, memory, cap, home, keep_order, num_bins, gpus_per_node,
                                           capacity, bins)
         name = "locality"
         if failed < 0 and _max_cost(costs, bins, num_bins) > capacity:
-            _refine(costs, memory, cap, num_bins, bins, allow_moves=True, stop_at=capacity)
+            _refine(costs, memory, cap, num_bins, bins, allow_moves=True, stop_at=capacity,
+                    node_size=gpus_per_node)
             name += "+refine"
         if failed >= 0 or _max_cost(costs, bins, num_bins) > capacity:
             bins, name = reference.bin_of_item, f"locality_fallback:{reference.method}"
