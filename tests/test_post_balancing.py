@@ -1,0 +1,168 @@
+"""Consequence invariance end to end: training with post-balancing gives the losses of every step and
+the parameters after every step of the upstream run (balancing off), on CPU over gloo.
+
+The data is a scripted stream whose steps are the edge cases of DESIGN.md section 4: a step with no
+images anywhere, audio on one rank only, one example far longer than a fair share, all heavy examples
+on one rank, then an ordinary mixed step. Layouts: DP 4, TP 2 x DP 2, PP 2 x DP 2 (1F1B), DP 1; modes:
+equal-count micro-batches, packed micro-batches with encoder recompute and locality-aware balancing.
+"""
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+
+from dist_utils import run_distributed
+
+warnings.filterwarnings("ignore", message=r".*(Transformer Engine|Apex).*not installed")
+
+ITERS = 5
+MBS, NUM_MB = 2, 2
+COMMON = ["--model-config", "tiny", "--seq-length", "192", "--micro-batch-size", str(MBS),
+          "--train-iters", str(ITERS), "--lr", "1e-2", "--lr-warmup-iters", "0", "--log-interval", "1",
+          "--seed", "5", "--distributed-backend", "gloo", "--optimizer", "sgd"]
+BALANCED = ["--orch-post-balancing", "--orch-gpus-per-node", "2"]
+TIMEOUT_S = 300.0
+SCENARIOS = ("no_images", "audio_on_one_rank", "one_long_example", "heavy_on_one_rank", "mixed")
+
+
+def scripted_example(step: int, dp_rank: int, position: int, shape, sample_index: int):
+    """Example ``position`` of ``dp_rank`` in ``step``: sizes from the step's scenario, content random."""
+    from megatron_orch.megatron.data import assemble_example
+
+    scenario = SCENARIOS[step % len(SCENARIOS)]
+    g = torch.Generator().manual_seed(1000 * step + 10 * dp_rank + position)
+    vision = int(torch.randint(0, 4, (1,), generator=g))
+    audio = int(torch.randint(0, 3, (1,), generator=g))
+    answer = int(torch.randint(4, 24, (1,), generator=g))
+    if scenario == "no_images":
+        vision = 0
+    elif scenario == "audio_on_one_rank":
+        audio = audio + 1 if dp_rank == 0 else 0
+    elif scenario == "one_long_example" and dp_rank == 0 and position == 0:
+        vision, audio, answer = 12, 4, 60
+    elif scenario == "heavy_on_one_rank":
+        vision, audio, answer = (8, 3, 40) if dp_rank == 0 else (0, 0, 4)
+    prompt = torch.randint(0, 256, (4,), generator=g).tolist()
+    return assemble_example(
+        sample_index, prompt, torch.randint(0, 256, (answer,), generator=g).tolist(),
+        torch.randn(vision, shape.vision_patches_per_item, shape.vision_patch_dim, generator=g),
+        torch.randn(audio, shape.audio_frames_per_window, shape.audio_mel_bins, generator=g), shape)
+
+
+def scripted_iterator(args, consumed_samples, dp_rank, dp_size):
+    """Micro-batches of the scripted stream for one DP rank (same on its TP/PP peers)."""
+    from megatron_orch.megatron import providers
+    from megatron_orch.megatron.batch import collate
+
+    data = providers.data_config(args)
+    per_rank = MBS * args.num_microbatches
+    for step in range(consumed_samples // args.global_batch_size, args.train_iters):
+        for m in range(args.num_microbatches):
+            examples = [scripted_example(step, dp_rank, m * MBS + j, data.shape,
+                                         step * args.global_batch_size + dp_rank * per_rank + m * MBS + j)
+                        for j in range(MBS)]
+            yield collate(examples, pad_to=data.seq_length if data.pad_to_seq_length else None)
+
+
+def _train(rank, world_size, argv, out_dir):
+    warnings.filterwarnings("ignore")
+    from megatron.core import parallel_state
+
+    from megatron_orch.megatron import arguments, providers, trainer
+
+    providers.build_train_data_iterator = scripted_iterator
+    built = []
+
+    def model_provider(args, pre_process, post_process):
+        built.append(providers.build_model(args, pre_process, post_process))
+        return built[-1]
+
+    args = arguments.parse_args(argv, world_size=world_size)
+    lines = []
+    try:
+        records = trainer.pretrain(args, model_provider=model_provider, print_fn=lines.append)
+    finally:
+        parallel_state.destroy_model_parallel()
+    state = {name: p.detach().clone() for name, p in built[0].named_parameters()}
+    torch.save(state, Path(out_dir) / f"params_rank{rank}.pt")
+    if records:
+        torch.save({"losses": {r.iteration: r.lm_loss for r in records},
+                    "post_balancing": [r.post_balancing for r in records], "lines": lines},
+                   Path(out_dir) / "log.pt")
+
+
+def train(tmp_path: Path, name: str, world_size: int, *flags: str) -> dict:
+    out_dir = tmp_path / name
+    out_dir.mkdir()
+    global_batch = ["--global-batch-size", str(MBS * NUM_MB * world_size // _model_parallel(flags))]
+    run_distributed(_train, world_size, COMMON + global_batch + list(flags), str(out_dir), timeout_s=TIMEOUT_S)
+    log = torch.load(out_dir / "log.pt")
+    log["params"] = [torch.load(out_dir / f"params_rank{r}.pt") for r in range(world_size)]
+    return log
+
+
+def _model_parallel(flags) -> int:
+    size = 1
+    for flag in ("--tensor-model-parallel-size", "--pipeline-model-parallel-size"):
+        if flag in flags:
+            size *= int(flags[list(flags).index(flag) + 1])
+    return size
+
+
+def assert_invariant(balanced: dict, baseline: dict, rtol: float = 1e-5):
+    assert sorted(balanced["losses"]) == list(range(1, ITERS + 1))
+    for iteration, loss in baseline["losses"].items():
+        assert balanced["losses"][iteration] == pytest.approx(loss, rel=rtol), (iteration, balanced["losses"],
+                                                                                 baseline["losses"])
+    for rank, (got, want) in enumerate(zip(balanced["params"], baseline["params"])):
+        assert got.keys() == want.keys()
+        for name in want:
+            torch.testing.assert_close(got[name], want[name], rtol=rtol, atol=1e-6,
+                                       msg=lambda m: f"rank {rank} parameter {name}: {m}")
+
+
+@pytest.fixture(scope="module")
+def dp4_baseline(tmp_path_factory):
+    return train(tmp_path_factory.mktemp("dp4"), "baseline", 4)
+
+
+def test_dp4_equal_count_is_invariant_and_balances(dp4_baseline, tmp_path):
+    balanced = train(tmp_path, "balanced", 4, *BALANCED)
+    assert_invariant(balanced, dp4_baseline)
+    # Loss decreases over the run, so the comparison is not between two idle models.
+    assert dp4_baseline["losses"][ITERS] < dp4_baseline["losses"][1]
+    heavy = balanced["post_balancing"][SCENARIOS.index("heavy_on_one_rank")]
+    for phase in ("vision", "audio", "llm"):
+        assert heavy[f"{phase} before"] > 1.5, heavy
+        assert heavy[f"{phase} after"] < heavy[f"{phase} before"], heavy
+    assert heavy["llm after"] <= 1.15, heavy
+    assert "post-balancing cost max/mean over DP before->after" in balanced["lines"][-1]
+
+
+def test_dp4_packed_recompute_locality_is_invariant(dp4_baseline, tmp_path):
+    balanced = train(tmp_path, "packed", 4, *BALANCED, "--orch-microbatching", "packed",
+                     "--orch-encoder-recompute", "--orch-locality", "--orch-no-background-planning")
+    assert_invariant(balanced, dp4_baseline)
+
+
+@pytest.mark.parametrize("layout", [("--tensor-model-parallel-size", "2"),
+                                    ("--pipeline-model-parallel-size", "2")], ids=["tp2_dp2", "pp2_dp2"])
+def test_model_parallel_layouts_are_invariant(layout, tmp_path):
+    baseline = train(tmp_path, "baseline", 4, *layout)
+    balanced = train(tmp_path, "balanced", 4, *layout, *BALANCED, "--orch-placement", "minmax")
+    assert_invariant(balanced, baseline)
+
+
+def test_dp1_is_invariant(tmp_path):
+    assert_invariant(train(tmp_path, "balanced", 1, *BALANCED), train(tmp_path, "baseline", 1))
+
+
+def test_orch_flags_without_the_switch_are_rejected():
+    from megatron_orch.megatron import arguments
+
+    with pytest.raises(arguments.ArgumentError, match="--orch-locality given without --orch-post-balancing"):
+        arguments.parse_args(COMMON + ["--orch-locality"], world_size=1)
+    with pytest.raises(arguments.ArgumentError, match="packed with --pipeline-model-parallel-size"):
+        arguments.parse_args(COMMON + ["--pipeline-model-parallel-size", "2", "--orch-post-balancing",
+                                       "--orch-microbatching", "packed"], world_size=2)
