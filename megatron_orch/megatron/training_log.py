@@ -9,6 +9,7 @@ max).
 from __future__ import annotations
 
 import math
+import re
 from dataclasses import dataclass, field
 from typing import Iterator, Optional
 
@@ -212,3 +213,41 @@ class TensorBoardLog:
 
     def close(self) -> None:
         self.writer.close()
+
+
+_NUMBER = r"([-+0-9.eE]+|nan|inf)"
+
+
+def parse_iteration_line(line: str) -> Optional[dict]:
+    """The figures of one iteration line (:meth:`IterationRecord.line`), or None for other lines.
+
+    Returns ``iteration``, ``lm_loss``, ``elapsed_ms``, ``load`` {field: (max, mean)}, ``time_ms``
+    {timer: (max, mean)} and, with post-balancing, ``post_balancing`` {field: value}.
+    """
+    match = re.match(r"\s*iteration\s+(\d+)/\s*(\d+) \|", line)
+    if not match:
+        return None
+    out = {"iteration": int(match.group(1)), "load": {}, "time_ms": {}}
+    fields = {}
+    for part in line.split(" |"):
+        key, _, value = part.strip().partition(": ")
+        fields[key] = value
+    out["elapsed_ms"] = float(fields["elapsed time per iteration (ms)"])
+    out["lm_loss"] = float(fields["lm loss"]) if "lm loss" in fields else None
+    for name, high, mean in re.findall(rf"\s*([a-z][a-z ]*?) {_NUMBER}/{_NUMBER}",
+                                       fields["load per rank max/mean over DP"]):
+        out["load"][name.strip()] = (float(high), float(mean))
+    for name, high, mean in re.findall(rf"\s*([a-z][a-z-]*) {_NUMBER}/{_NUMBER}",
+                                       fields.get("time per iteration (ms) max/mean over ranks", "")):
+        out["time_ms"][name] = (float(high), float(mean))
+    key = "post-balancing cost max/mean over DP before->after"
+    if key in fields:
+        pb = {}
+        for phase, before, after in re.findall(rf"([a-z]+) {_NUMBER}->{_NUMBER}", fields[key]):
+            pb[f"{phase} before"], pb[f"{phase} after"] = float(before), float(after)
+        intra, inter = fields["moved MB intra/inter node"].split("/")
+        plan = re.match(rf"{_NUMBER} \(exposed {_NUMBER}\)", fields["plan ms"])
+        pb.update({"intra-node MB": float(intra), "inter-node MB": float(inter), "plan ms": float(plan.group(1)),
+                   "plan exposed ms": float(plan.group(2)), "dispatch ms": float(fields["dispatch ms"])})
+        out["post_balancing"] = pb
+    return out
