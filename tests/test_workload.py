@@ -114,6 +114,32 @@ def test_load_trace_csv_and_cache(tmp_path, monkeypatch):
         load_trace("missing.csv", traces_dir=tmp_path)
 
 
+def test_gzipped_trace_is_found_by_its_csv_name_and_reads_the_same(tmp_path, monkeypatch):
+    import gzip
+    import shutil
+
+    monkeypatch.setenv("MEGATRON_ORCH_CACHE", str(tmp_path / "cache"))
+    plain, packed = tmp_path / "plain", tmp_path / "packed"
+    plain.mkdir(), packed.mkdir()
+    write_csv(plain / "a.csv", [dict(task="asr", audio_frames=150, text_tokens=5), dict(task="img", vision_tiles=3)])
+    with open(plain / "a.csv", "rb") as src, gzip.open(packed / "a.csv.gz", "wb") as dst:
+        shutil.copyfileobj(src, dst)
+    a, b = load_trace("a.csv", traces_dir=plain), load_trace("a.csv", traces_dir=packed)
+    assert a.name == b.name == "a.csv"
+    for c in NUMERIC_COLUMNS:
+        np.testing.assert_array_equal(a[c], b[c])
+
+
+def test_shipped_traces_are_the_shared_ones():
+    """The gzipped copies in data/traces hold every row of the seven public traces."""
+    expected = {"asr_librispeech_commonvoice.csv": 50512, "audio_caption_clotho_audiocaps_soundbible.csv": 38132,
+                "image_caption_coco_val2017.csv": 25014, "music_caption_musiccaps.csv": 5521,
+                "omnibal_internvl_sft.csv": 70706, "video_activitynet_captions_qa.csv": 119752,
+                "video_qa_nextqa.csv": 13560}
+    for name, rows in expected.items():
+        assert len(load_trace(name)) == rows, name
+
+
 def test_mixture_draw_is_seeded_and_weighted(tmp_path, monkeypatch):
     monkeypatch.setenv("MEGATRON_ORCH_CACHE", str(tmp_path / "cache"))
     write_csv(tmp_path / "a.csv", [dict(task="a", text_tokens=i) for i in range(10)])

@@ -11,6 +11,7 @@ Parsed CSVs are cached as ``.npz`` (keyed by file size and mtime) under ``$MEGAT
 from __future__ import annotations
 
 import csv
+import gzip
 import hashlib
 import os
 from dataclasses import dataclass
@@ -36,11 +37,11 @@ DEFAULT_MIXTURE: Tuple[Tuple[str, float], ...] = (
 
 
 def default_traces_dir() -> Path:
-    """``$MEGATRON_ORCH_TRACES``, else ``<repo>/../shared/traces``."""
+    """``$MEGATRON_ORCH_TRACES``, else the gzipped copies shipped in ``<repo>/data/traces``."""
     env = os.environ.get("MEGATRON_ORCH_TRACES")
     if env:
         return Path(env)
-    return Path(__file__).resolve().parents[2].parent / "shared" / "traces"
+    return Path(__file__).resolve().parents[2] / "data" / "traces"
 
 
 def _cache_dir() -> Path:
@@ -88,7 +89,8 @@ class Trace:
 
 
 def _parse_csv(path: Path) -> Trace:
-    with open(path, newline="") as f:
+    opener = gzip.open if path.suffix == ".gz" else open
+    with opener(path, "rt", newline="") as f:
         reader = csv.reader(f)
         header = next(reader)
         missing = [c for c in TEXT_COLUMNS + NUMERIC_COLUMNS if c not in header]
@@ -107,7 +109,7 @@ def _parse_csv(path: Path) -> Trace:
         except ValueError as err:
             raise ValueError(f"{path}: column {c!r} holds a non-number: {err}") from None
         numeric[c] = values
-    return Trace(path.name, text, numeric)
+    return Trace(path.name.removesuffix(".gz"), text, numeric)
 
 
 def load_trace(name_or_path: str, traces_dir: Optional[Path] = None) -> Trace:
@@ -115,15 +117,18 @@ def load_trace(name_or_path: str, traces_dir: Optional[Path] = None) -> Trace:
     path = Path(name_or_path)
     if not path.is_file():
         path = Path(traces_dir or default_traces_dir()) / name_or_path
+        if not path.is_file() and path.with_name(path.name + ".gz").is_file():
+            path = path.with_name(path.name + ".gz")  # the repo ships its traces gzipped
     if not path.is_file():
         raise FileNotFoundError(f"trace {name_or_path!r} not found (looked in {path.parent}; set "
                                 "MEGATRON_ORCH_TRACES to the folder of the trace CSVs)")
     stat = path.stat()
     key = hashlib.sha1(f"{path.resolve()}:{stat.st_size}:{stat.st_mtime_ns}".encode()).hexdigest()[:16]
-    cached = _cache_dir() / "traces" / f"{path.stem}-{key}.npz"
+    name = path.name.removesuffix(".gz")
+    cached = _cache_dir() / "traces" / f"{Path(name).stem}-{key}.npz"
     if cached.is_file():
         with np.load(cached) as data:
-            return Trace(path.name, {c: data[c] for c in TEXT_COLUMNS}, {c: data[c] for c in NUMERIC_COLUMNS})
+            return Trace(name, {c: data[c] for c in TEXT_COLUMNS}, {c: data[c] for c in NUMERIC_COLUMNS})
     trace = _parse_csv(path)
     try:
         cached.parent.mkdir(parents=True, exist_ok=True)
