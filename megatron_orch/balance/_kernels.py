@@ -453,7 +453,7 @@ def _tree_least_loaded(tree_load, tree_room, width, lo, hi, need_mem):
             first *= 2
             span *= 2
         first -= width
-        if first >= hi or first + span <= lo:
+        if first >= hi or first + span <= lo or (tree_load[v] == best_load and first > best):
             continue
         if v >= width:
             b = v - width

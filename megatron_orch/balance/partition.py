@@ -172,6 +172,21 @@ def _lower_bound(costs: np.ndarray, num_bins: int) -> float:
     return max(float(costs.sum()) / num_bins, float(costs.max())) if costs.size else 0.0
 
 
+def _pigeonhole_bound(costs: np.ndarray, order: np.ndarray, num_bins: int) -> float:
+    """A lower bound at least :func:`_lower_bound`, tight for items of equal size.
+
+    For every t >= 1, some bin holds t + 1 of the t*K + 1 largest items, so at least the sum of
+    the t + 1 smallest of them. (Used to stop ``auto`` early; not reported.)
+    """
+    bound = _lower_bound(costs, num_bins)
+    n = costs.size
+    if n > num_bins:
+        prefix = np.concatenate(([0.0], np.cumsum(costs[order])))
+        t = np.arange(1, (n - 1) // num_bins + 1)
+        bound = max(bound, float((prefix[t * num_bins + 1] - prefix[t * num_bins - t]).max()))
+    return bound
+
+
 def _max_cost(costs: np.ndarray, bins: np.ndarray, num_bins: int) -> float:
     return float(np.bincount(bins, weights=costs, minlength=num_bins).max())
 
@@ -272,14 +287,50 @@ _CONSTRUCT = {"lpt": _lpt, "kk": _kk, "bs_ffd": _bs_ffd}
 # Public API
 # ----------------------------------------------------------------------------------------------
 
+def _auto(costs, memory, cap, order, num_bins, refine: bool):
+    """Each constructive method's result (refined), the best kept: (bin_of_item, method name)."""
+    best, best_cost, winner, reasons = None, math.inf, None, []
+    good_enough = (1.0 + _AUTO_GOOD_ENOUGH) * _pigeonhole_bound(costs, order, num_bins)
+    for name in METHODS:
+        if best_cost <= good_enough:
+            break
+        try:
+            bins = _CONSTRUCT[name](costs, memory, cap, order, num_bins,
+                                    upper=best_cost if best is not None else None)
+        except _Infeasible as err:
+            reasons.append(str(err))
+            continue
+        if bins is None:
+            continue
+        if refine:
+            _refine(costs, memory, cap, num_bins, bins, allow_moves=True)
+        cost = _max_cost(costs, bins, num_bins)
+        if cost < best_cost:
+            best, best_cost, winner = bins, cost, name
+    if best is None:
+        raise ValueError("no method honours the memory cap: " + "; ".join(reasons))
+    return best, f"auto:{winner}" + ("+refine" if refine else ""), best_cost
+
+
+def _home_if_not_worse(bins, name, cost, costs, memory, cap, num_bins, home):
+    """``home`` instead of ``bins`` (max cost ``cost``) unless ``bins`` is strictly better; home
+    must fit the memory cap. Returns (bin_of_item, method name, max cost)."""
+    if home is not None and _fits_memory(home, memory, cap, num_bins):
+        home_cost = _max_cost(costs, home, num_bins)
+        if cost >= home_cost:
+            return home.copy(), "home", home_cost
+    return bins, name, cost
+
+
 def partition(costs, num_bins, *, method: str = "auto", memory=None, memory_cap=None, home=None,
               refine: Optional[bool] = None, item_bytes=None, gpus_per_node=None) -> Partition:
     """Assign every item to one of ``num_bins`` bins, minimising the maximum bin cost.
 
     ``method``: ``"lpt"``, ``"kk"``, ``"bs_ffd"`` or ``"auto"``: each of the three that honours the
     memory cap, refined, the best kept (ties: in that order); auto stops early once a result is
-    within 0.01% of the lower bound, as nothing worth having is left to gain. ``refine`` (default:
-    only for ``auto``) lowers the maximum by local search out of the fullest bin.
+    within 0.01% of a lower bound (one tight for equal items), as nothing is left to gain.
+    ``refine`` (default: only for ``auto``) lowers the maximum by local search out of the fullest
+    bin.
 
     ``memory``/``memory_cap``: per-item memory and the per-bin cap every result honours (a method
     that cannot raises ValueError). ``home``: the upstream assignment; the result is never worse:
@@ -296,45 +347,21 @@ def partition(costs, num_bins, *, method: str = "auto", memory=None, memory_cap=
     gpus_per_node = None if gpus_per_node is None else _check_gpus_per_node(gpus_per_node)
     if method != "auto" and method not in _CONSTRUCT:
         raise ValueError(f"unknown method {method!r}; choose 'auto' or one of {METHODS}")
-    if refine is None:
-        refine = method == "auto"
+    refine = (method == "auto" if refine is None else refine) and n > 0
     order = _decreasing(costs)
-
     if method == "auto":
-        # each method's result, refined; the best kept (ties: the earlier method)
-        best, best_cost, winner, reasons = None, math.inf, None, []
-        good_enough = (1.0 + _AUTO_GOOD_ENOUGH) * _lower_bound(costs, num_bins)
-        for name in METHODS:
-            if best_cost <= good_enough:
-                break
-            try:
-                bins = _CONSTRUCT[name](costs, memory, cap, order, num_bins,
-                                        upper=best_cost if best is not None else None)
-            except _Infeasible as err:
-                reasons.append(str(err))
-                continue
-            if bins is None:
-                continue
-            if refine and n:
-                _refine(costs, memory, cap, num_bins, bins, allow_moves=True)
-            cost = _max_cost(costs, bins, num_bins)
-            if cost < best_cost:
-                best, best_cost, winner = bins, cost, name
-        if best is None:
-            raise ValueError("no method honours the memory cap: " + "; ".join(reasons))
-        bins, name = best, f"auto:{winner}" + ("+refine" if refine and n else "")
+        bins, name, cost = _auto(costs, memory, cap, order, num_bins, refine)
     else:
         try:
             bins = _CONSTRUCT[method](costs, memory, cap, order, num_bins)
         except _Infeasible as err:
             raise ValueError(str(err)) from None
         name = method
-        if refine and n:
+        if refine:
             _refine(costs, memory, cap, num_bins, bins, allow_moves=True)
             name += "+refine"
-    if home is not None and _fits_memory(home, memory, cap, num_bins) \
-            and _max_cost(costs, bins, num_bins) >= _max_cost(costs, home, num_bins):
-        bins, name = home.copy(), "home"
+        cost = _max_cost(costs, bins, num_bins)
+    bins, name, _ = _home_if_not_worse(bins, name, cost, costs, memory, cap, num_bins, home)
     return _result(bins, num_bins, costs, memory, has_memory, _lower_bound(costs, num_bins), home,
                    name, item_bytes, gpus_per_node)
 
@@ -427,14 +454,16 @@ def partition_locality(costs, home, num_bins, gpus_per_node, *, item_bytes, memo
         raise ValueError(f"tolerance must be >= 0, got {tolerance}")
     memory, cap, has_memory = _check_memory(memory, memory_cap, n)
 
-    reference = partition(costs, num_bins, method="auto", memory=memory if has_memory else None,
-                          memory_cap=cap if has_memory else None, home=home)
-    capacity = (1.0 + tolerance) * reference.max_cost
-    home_fits = _fits_memory(home, memory, cap, num_bins)
-    if home_fits and _max_cost(costs, home, num_bins) <= capacity:
+    order = _decreasing(costs)
+    reference, reference_name, reference_cost = _home_if_not_worse(
+        *_auto(costs, memory, cap, order, num_bins, refine=n > 0), costs, memory, cap, num_bins, home)
+    capacity = (1.0 + tolerance) * reference_cost
+    if reference_name == "home" or (_fits_memory(home, memory, cap, num_bins)
+                                    and _max_cost(costs, home, num_bins) <= capacity):
         bins, name = home.copy(), "home"
     else:
-        keep_order = np.lexsort((np.arange(n), -costs, home)).astype(np.int64)
+        # each rank's items by decreasing cost (ties by id): ``order`` stably regrouped by home
+        keep_order = order[np.argsort(home[order], kind="stable")]
         bins = np.empty(n, dtype=np.int64)
         failed = _kernels.place_near_home(costs, memory, cap, home, keep_order, num_bins, gpus_per_node,
                                           capacity, bins)
@@ -444,6 +473,6 @@ def partition_locality(costs, home, num_bins, gpus_per_node, *, item_bytes, memo
                     node_size=gpus_per_node)
             name += "+refine"
         if failed >= 0 or _max_cost(costs, bins, num_bins) > capacity:
-            bins, name = reference.bin_of_item, f"locality_fallback:{reference.method}"
+            bins, name = reference, f"locality_fallback:{reference_name}"
     return _result(bins, num_bins, costs, memory, has_memory, _lower_bound(costs, num_bins), home,
                    name, item_bytes, gpus_per_node)
