@@ -1,4 +1,4 @@
-"""Real per-example length traces (``shared/traces/*.csv``) and random global batches drawn from them.
+"""Real per-example length traces (``data/traces/*.csv.gz``, copies of ``shared/traces``) and random global batches drawn from them.
 
 A :class:`Trace` holds a CSV's columns as numpy arrays (an empty cell, i.e. an absent modality, reads
 as 0). A :class:`TraceMixture` draws a global batch the way upstream Megatron's blended, shuffled

@@ -183,7 +183,7 @@ def main(argv: Optional[List[str]] = None) -> dict:
                         help="trace CSVs (names in the traces folder, or paths) with optional weights; "
                              "default: the shipped mixture " + ", ".join(f"{n}:{w}" for n, w in DEFAULT_MIXTURE))
     parser.add_argument("--traces-dir", default=None,
-                        help="folder of the trace CSVs (default: $MEGATRON_ORCH_TRACES or <repo>/../shared/traces)")
+                        help="folder of the trace CSVs (default: $MEGATRON_ORCH_TRACES or the gzipped copies in <repo>/data/traces)")
     parser.add_argument("--dp", type=int, default=512, help="data-parallel size (default 512)")
     parser.add_argument("--per-rank", type=int, default=16, help="examples per DP rank (default 16)")
     parser.add_argument("--gpus-per-node", type=int, default=8, help="DP ranks per node (default 8)")
