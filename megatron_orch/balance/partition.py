@@ -465,8 +465,8 @@ def partition_locality(costs, home, num_bins, gpus_per_node, *, item_bytes, memo
         # each rank's items by decreasing cost (ties by id): ``order`` stably regrouped by home
         keep_order = order[np.argsort(home[order], kind="stable")]
         bins = np.empty(n, dtype=np.int64)
-        failed = _kernels.place_near_home(costs, memory, cap, home, keep_order, num_bins, gpus_per_node,
-                                          capacity, bins)
+        failed = _kernels.place_near_home(costs, memory, cap, home, order, keep_order, num_bins,
+                                          gpus_per_node, capacity, bins)
         name = "locality"
         if failed < 0 and _max_cost(costs, bins, num_bins) > capacity:
             _refine(costs, memory, cap, num_bins, bins, allow_moves=True, stop_at=capacity,
