@@ -6,7 +6,8 @@ constructive methods are offered, plus a local-search refinement on top:
 * ``lpt``: greedy longest-processing-time (each item, largest first, to the least-loaded bin);
 * ``kk``: Karmarkar-Karp largest differencing, K-way;
 * ``bs_ffd``: binary search on the bin capacity, first-fit decreasing at each capacity;
-* ``auto``: the best of the three, refined by moves and swaps out of the most-loaded bin.
+* ``auto``: each of the three refined by local search (exchanges out of the most-loaded bin), and
+  the best kept.
 
 Variants: :func:`partition_equal_count` (every bin gets exactly n/K items, for fixed micro-batch
 sizes) and :func:`partition_locality` (bins are ranks; items start on a home rank and as few bytes
@@ -267,7 +268,7 @@ def _bs_ffd(costs, memory, cap, order, num_bins, upper=None):
             raise _Infeasible(f"bs_ffd: first-fit decreasing finds no bin with memory room for item "
                               f"{item} (memory {memory[item]}, cap {cap})")
     hi = _max_cost(costs, bins, num_bins)
-    lo = _lower_bound(costs, num_bins)
+    lo = _pigeonhole_bound(costs, order, num_bins)
     for _ in range(_BS_FFD_MAX_ROUNDS):
         if hi - lo <= _BS_FFD_REL_TOL * hi:
             break
@@ -288,7 +289,7 @@ _CONSTRUCT = {"lpt": _lpt, "kk": _kk, "bs_ffd": _bs_ffd}
 # ----------------------------------------------------------------------------------------------
 
 def _auto(costs, memory, cap, order, num_bins, refine: bool):
-    """Each constructive method's result (refined), the best kept: (bin_of_item, method name)."""
+    """Each constructive method's result (refined), the best kept: (bin_of_item, name, max cost)."""
     best, best_cost, winner, reasons = None, math.inf, None, []
     good_enough = (1.0 + _AUTO_GOOD_ENOUGH) * _pigeonhole_bound(costs, order, num_bins)
     for name in METHODS:
