@@ -29,7 +29,7 @@ from megatron_orch.balance import _kernels
 METHODS = ("lpt", "kk", "bs_ffd")
 _REFINE_PARTNERS = 8         # least-loaded bins tried as move/swap partners of the most-loaded one
 _BS_FFD_REL_TOL = 1e-3       # binary search stops when capacity is known within this fraction
-_AUTO_GOOD_ENOUGH = 1e-4     # auto stops trying methods once one is this close to the lower bound
+_GOOD_ENOUGH = 1e-4          # this close to a lower bound, auto and refinement stop: nothing to gain
 _BS_FFD_MAX_ROUNDS = 40
 
 
@@ -196,7 +196,7 @@ def _fits_memory(bins: np.ndarray, memory: np.ndarray, cap: float, num_bins: int
     return bool(np.bincount(bins, weights=memory, minlength=num_bins).max() <= cap)
 
 
-def _refine(costs, memory, cap, num_bins, bins, *, allow_moves: bool, stop_at: float = 0.0,
+def _refine(costs, memory, cap, num_bins, bins, *, allow_moves: bool, stop_at: float,
             node_size: int = 0) -> None:
     _kernels.refine(costs, memory, cap, num_bins, bins, allow_moves, stop_at, _REFINE_PARTNERS, node_size,
                     costs.size + num_bins)
@@ -291,7 +291,7 @@ _CONSTRUCT = {"lpt": _lpt, "kk": _kk, "bs_ffd": _bs_ffd}
 def _auto(costs, memory, cap, order, num_bins, refine: bool):
     """Each constructive method's result (refined), the best kept: (bin_of_item, name, max cost)."""
     best, best_cost, winner, reasons = None, math.inf, None, []
-    good_enough = (1.0 + _AUTO_GOOD_ENOUGH) * _pigeonhole_bound(costs, order, num_bins)
+    good_enough = (1.0 + _GOOD_ENOUGH) * _pigeonhole_bound(costs, order, num_bins)
     for name in METHODS:
         if best_cost <= good_enough:
             break
@@ -304,7 +304,7 @@ def _auto(costs, memory, cap, order, num_bins, refine: bool):
         if bins is None:
             continue
         if refine:
-            _refine(costs, memory, cap, num_bins, bins, allow_moves=True)
+            _refine(costs, memory, cap, num_bins, bins, allow_moves=True, stop_at=good_enough)
         cost = _max_cost(costs, bins, num_bins)
         if cost < best_cost:
             best, best_cost, winner = bins, cost, name
@@ -328,10 +328,9 @@ def partition(costs, num_bins, *, method: str = "auto", memory=None, memory_cap=
     """Assign every item to one of ``num_bins`` bins, minimising the maximum bin cost.
 
     ``method``: ``"lpt"``, ``"kk"``, ``"bs_ffd"`` or ``"auto"``: each of the three that honours the
-    memory cap, refined, the best kept (ties: in that order); auto stops early once a result is
-    within 0.01% of a lower bound (one tight for equal items), as nothing is left to gain.
-    ``refine`` (default: only for ``auto``) lowers the maximum by local search out of the fullest
-    bin.
+    memory cap, refined, the best kept (ties: in that order). ``refine`` (default: only for
+    ``auto``) lowers the maximum by local search out of the fullest bin. Both stop once a result
+    is within 0.01% of a lower bound (one tight for equal items): nothing is left to gain.
 
     ``memory``/``memory_cap``: per-item memory and the per-bin cap every result honours (a method
     that cannot raises ValueError). ``home``: the upstream assignment; the result is never worse:
@@ -359,7 +358,8 @@ def partition(costs, num_bins, *, method: str = "auto", memory=None, memory_cap=
             raise ValueError(str(err)) from None
         name = method
         if refine:
-            _refine(costs, memory, cap, num_bins, bins, allow_moves=True)
+            _refine(costs, memory, cap, num_bins, bins, allow_moves=True,
+                    stop_at=(1.0 + _GOOD_ENOUGH) * _pigeonhole_bound(costs, order, num_bins))
             name += "+refine"
         cost = _max_cost(costs, bins, num_bins)
     bins, name, _ = _home_if_not_worse(bins, name, cost, costs, memory, cap, num_bins, home)
@@ -421,13 +421,15 @@ def partition_equal_count(costs, num_bins, *, home=None, refine: bool = True, it
     else:
         bins, name = by_lpt, "equal:lpt"
     memory = np.zeros(n)
+    lower_bound = equal_count_lower_bound(costs, num_bins)
     if refine and n:
-        _refine(costs, memory, math.inf, num_bins, bins, allow_moves=False)
+        _refine(costs, memory, math.inf, num_bins, bins, allow_moves=False,
+                stop_at=(1.0 + _GOOD_ENOUGH) * lower_bound)
         name += "+refine"
     if home is not None and _max_cost(costs, bins, num_bins) >= _max_cost(costs, home, num_bins):
         bins, name = home.copy(), "home"
-    return _result(bins, num_bins, costs, memory, False, equal_count_lower_bound(costs, num_bins),
-                   home, name, item_bytes, gpus_per_node)
+    return _result(bins, num_bins, costs, memory, False, lower_bound, home, name, item_bytes,
+                   gpus_per_node)
 
 
 def partition_locality(costs, home, num_bins, gpus_per_node, *, item_bytes, memory=None,
