@@ -352,6 +352,8 @@ def test_other_bad_input_is_refused_clearly():
         partition_locality([1.0, 1.0], [0, 1], 2, 1, item_bytes=[1.0])
     with pytest.raises(ValueError, match="gpus_per_node"):
         partition_locality([1.0, 1.0], [0, 1], 2, 0, item_bytes=[1.0, 1.0])
+    with pytest.raises(ValueError, match="tolerance"):
+        partition_locality([1.0, 1.0], [0, 1], 2, 1, item_bytes=[1.0, 1.0], tolerance=-0.1)
 
 
 def test_infeasible_memory_is_refused_per_method():
