@@ -193,7 +193,7 @@ def _max_cost(costs: np.ndarray, bins: np.ndarray, num_bins: int) -> float:
 
 
 def _fits_memory(bins: np.ndarray, memory: np.ndarray, cap: float, num_bins: int) -> bool:
-    return bool(np.bincount(bins, weights=memory, minlength=num_bins).max() <= cap)
+    return cap == math.inf or bool(np.bincount(bins, weights=memory, minlength=num_bins).max() <= cap)
 
 
 def _refine(costs, memory, cap, num_bins, bins, *, allow_moves: bool, stop_at: float,
