@@ -33,7 +33,7 @@ from megatron_orch.megatron.batch import (PAD_TOKEN_ID, Example, ExampleShape, M
                                           collate_packed)
 from megatron_orch.orchestrator.background import BackgroundPlanner
 from megatron_orch.orchestrator.config import OrchestratorConfig
-from megatron_orch.orchestrator.step_plan import StepPlan, StepSizes, plan_step
+from megatron_orch.orchestrator.step_plan import StepPlan, StepSizes, plan_step, warm_up
 
 _SIZE_COLUMNS = 4  # sample index, vision items, audio items, tokens
 
@@ -85,6 +85,7 @@ class PostBalancingDataIterator:
         self.dp_group, self.peer_group, self.topology = dp_group, peer_group, topology
         self.encoder_stage, self.pad_to = encoder_stage, pad_to
         self.rank = dist.get_rank(dp_group)
+        warm_up(model_config, config)
         self.planner = BackgroundPlanner(enabled=config.background)
         self._next_examples: Optional[List[Example]] = None
         self._next_sizes: Optional[StepSizes] = None

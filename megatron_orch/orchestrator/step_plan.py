@@ -255,3 +255,14 @@ def _phase_stats(method, costs, home_rank, rank, item_bytes, num_ranks, topology
     return PhaseStats(method=method, items=int(costs.size), max_before=float(before.max(initial=0)),
                       mean=float(costs.sum() / num_ranks), max_after=float(after.max(initial=0)),
                       intra_node_bytes=intra, inter_node_bytes=inter)
+
+
+def warm_up(model_config: MLLMConfig, config: OrchestratorConfig) -> None:
+    """Plan a tiny step once, so numba compiles (or loads) the partition kernels now.
+
+    Compilation holds the GIL for seconds: done on the training thread before the first step, the
+    planning thread never stalls the training loop with it.
+    """
+    sizes = StepSizes(counts=np.array([2, 2]), num_vision_items=np.array([1, 2, 0, 3]),
+                      num_audio_items=np.array([0, 1, 2, 1]), num_tokens=np.array([5, 9, 3, 7]))
+    plan_step(sizes, model_config, config, Topology.uniform(2, 1), micro_batch_size=1, num_microbatches=2)
