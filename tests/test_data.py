@@ -1,6 +1,5 @@
 """Data pipeline: example/micro-batch format, synthetic trace-driven dataset, Megatron sampler, JSONL manifests."""
 import json
-import math
 from dataclasses import replace
 
 import numpy as np
@@ -9,12 +8,12 @@ import torch
 from hypothesis import given, settings, strategies as st
 
 from megatron_orch.balance.model_config import load_model_config
-from megatron_orch.balance.traces import Trace, TraceMixture, load_mixture
+from megatron_orch.balance.traces import Trace, TraceMixture
 from megatron_orch.megatron.batch import (AUDIO_TOKEN_ID, IMAGE_TOKEN_ID, PAD_TOKEN_ID, SIZE_FIELDS, Example,
                                           ExampleShape, collate, collate_packed, sizes_array)
 from megatron_orch.megatron.data import (DataConfig, ImageTiling, ManifestDataset, ManifestError,
                                          MegatronPretrainingSampler, SyntheticMultimodalDataset,
-                                         SyntheticScaling, build_train_iterator, example_shape, image_tiling)
+                                         build_train_iterator, example_shape, image_tiling)
 
 TINY = load_model_config("tiny")
 SEQ = 256
@@ -171,9 +170,6 @@ def test_default_mixture_shows_modality_incoherence():
 
 @st.composite
 def examples_lists(draw):
-    shape = ExampleShape(seq_length=64, vision_patches_per_item=3, vision_patch_dim=2,
-                         vision_llm_tokens_per_item=2, audio_frames_per_window=4, audio_mel_bins=3,
-                         audio_llm_tokens_per_item=1)
     out = []
     for index in draw(st.lists(st.integers(0, 10 ** 6), min_size=1, max_size=6, unique=True)):
         n = draw(st.integers(1, 20))

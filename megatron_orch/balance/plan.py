@@ -18,7 +18,8 @@ from typing import Optional
 import numpy as np
 
 
-def _as_index_array(values, name: str) -> np.ndarray:
+def as_index_array(values, name: str) -> np.ndarray:
+    """``values`` as a 1-D int64 array; ValueError naming ``name`` otherwise."""
     arr = np.asarray(values)
     if arr.ndim != 1:
         raise ValueError(f"{name} must be one-dimensional, got shape {arr.shape}")
@@ -46,8 +47,8 @@ class Placement:
     num_ranks: int
 
     def __post_init__(self):
-        rank = _as_index_array(self.rank, "rank")
-        slot = _as_index_array(self.slot, "slot")
+        rank = as_index_array(self.rank, "rank")
+        slot = as_index_array(self.slot, "slot")
         if self.num_ranks < 1:
             raise ValueError(f"num_ranks must be >= 1, got {self.num_ranks}")
         if rank.shape != slot.shape:
@@ -66,7 +67,7 @@ class Placement:
     @classmethod
     def from_ranks(cls, rank, num_ranks: int, key: Optional[np.ndarray] = None) -> "Placement":
         """Place item i on ``rank[i]``; a rank's items are ordered by ``key`` (default: item id)."""
-        rank = _as_index_array(rank, "rank")
+        rank = as_index_array(rank, "rank")
         if rank.size and (rank.min() < 0 or rank.max() >= num_ranks):
             bad = int(np.flatnonzero((rank < 0) | (rank >= num_ranks))[0])
             raise ValueError(f"item {bad} is placed on rank {rank[bad]}, outside 0..{num_ranks - 1}")
@@ -78,7 +79,7 @@ class Placement:
     @classmethod
     def from_counts(cls, counts) -> "Placement":
         """The loader's placement: rank r holds the next ``counts[r]`` items, in item order."""
-        counts = _as_index_array(counts, "counts")
+        counts = as_index_array(counts, "counts")
         if counts.size == 0 or counts.min() < 0:
             raise ValueError(f"counts must be a non-empty list of non-negative ints, got {counts.tolist()}")
         rank = np.repeat(np.arange(counts.size, dtype=np.int64), counts)
@@ -103,7 +104,7 @@ class Placement:
         Child ``j`` goes to the rank of item ``parent[j]``; on a rank, children are ordered by their
         parent's slot, then by child id.
         """
-        parent = _as_index_array(parent, "parent")
+        parent = as_index_array(parent, "parent")
         if parent.size and (parent.min() < 0 or parent.max() >= self.num_items):
             raise ValueError(f"parent ids must lie in 0..{self.num_items - 1}")
         rank = self.rank[parent]

@@ -33,20 +33,18 @@ phases (which favours them). ``speedup`` is relative to ``none``.
 """
 from __future__ import annotations
 
-import argparse
 import heapq
-import json
 import math
-import sys
 import time
 from dataclasses import dataclass
 from typing import Callable, Dict, List, Optional, Sequence
 
 import numpy as np
 
-from megatron_orch.balance.model_config import DEFAULT_MODEL, load_model_config
+from megatron_orch.balance.model_config import load_model_config
 from megatron_orch.balance.partition import partition, partition_equal_count, partition_locality
-from megatron_orch.balance.traces import DEFAULT_MIXTURE, load_mixture, parse_trace_spec
+from megatron_orch.balance.traces import load_mixture
+from megatron_orch.bench.cli import parser_with_batch_args, report, trace_specs
 from megatron_orch.balance.workload import PHASES, PhaseItems, build_workload
 
 METHODS = ("none", "lpt", "kk", "bs_ffd", "orch", "orch_equal_count", "orch_locality", "verl_kk")
@@ -298,30 +296,13 @@ def format_tables(result: dict) -> str:
 
 
 def main(argv: Optional[List[str]] = None) -> dict:
-    parser = argparse.ArgumentParser(prog="python -m megatron_orch.bench.balance", description=__doc__.split("\n\n")[0],
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--trace", nargs="+", metavar="CSV[:WEIGHT]",
-                        help="trace CSVs (names in the traces folder, or paths) with optional weights; "
-                             "default: the shipped mixture " + ", ".join(f"{n}:{w}" for n, w in DEFAULT_MIXTURE))
-    parser.add_argument("--traces-dir", default=None,
-                        help="folder of the trace CSVs (default: $MEGATRON_ORCH_TRACES or the gzipped copies in <repo>/data/traces)")
-    parser.add_argument("--dp", type=int, default=512, help="data-parallel size K (default 512)")
-    parser.add_argument("--per-rank", type=int, default=16, help="examples per DP rank M (default 16)")
-    parser.add_argument("--gpus-per-node", type=int, default=8, help="DP ranks per node G (default 8)")
-    parser.add_argument("--model", default=DEFAULT_MODEL, help=f"model config name or YAML (default {DEFAULT_MODEL})")
-    parser.add_argument("--seed", type=int, default=0)
+    parser = parser_with_batch_args("python -m megatron_orch.bench.balance", __doc__.split("\n\n")[0])
     parser.add_argument("--repeats", type=int, default=3, help="timed runs per plan; the fastest counts")
-    parser.add_argument("--json", default=None, metavar="OUT", help="write the result as JSON here")
     args = parser.parse_args(argv)
-    specs = [parse_trace_spec(s) for s in args.trace] if args.trace else list(DEFAULT_MIXTURE)
+    specs = trace_specs(args)
     result = run(specs, args.dp, args.per_rank, args.gpus_per_node, args.model, args.seed, args.repeats,
                  args.traces_dir)
-    print(format_tables(result))
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(result, f, indent=1)
-        print(f"\nwrote {args.json}", file=sys.stderr)
-    return result
+    return report(result, format_tables, args.json)
 
 
 if __name__ == "__main__":

@@ -34,6 +34,7 @@ try:
 except ImportError:  # OR-Tools is optional at run time: the greedy placement needs only numpy.
     cp_model = linear_sum_assignment = min_cost_flow = None
 
+from megatron_orch.balance.plan import as_index_array
 from megatron_orch.comm.topology import Topology
 
 METHODS = ("identity", "greedy", "exact", "minmax")
@@ -55,9 +56,9 @@ class BinTraffic:
     @classmethod
     def from_items(cls, bin_of_item, home_rank, item_bytes, num_bins: int, num_ranks: int) -> "BinTraffic":
         """Traffic of moving item i from ``home_rank[i]`` to the rank of bin ``bin_of_item[i]``."""
-        bins = _int_array(bin_of_item, "bin_of_item")
-        ranks = _int_array(home_rank, "home_rank")
-        nbytes = _int_array(item_bytes, "item_bytes")
+        bins = as_index_array(bin_of_item, "bin_of_item")
+        ranks = as_index_array(home_rank, "home_rank")
+        nbytes = as_index_array(item_bytes, "item_bytes")
         if not bins.shape == ranks.shape == nbytes.shape:
             raise ValueError(f"bin_of_item, home_rank and item_bytes differ in length: "
                              f"{bins.size}, {ranks.size}, {nbytes.size}")
@@ -428,15 +429,6 @@ def _lookup(keys: np.ndarray, values: np.ndarray, wanted: np.ndarray) -> np.ndar
         return np.zeros(wanted.shape, dtype=np.int64)
     at = np.minimum(np.searchsorted(keys, wanted), keys.size - 1)
     return np.where(keys[at] == wanted, values[at], 0).astype(np.int64)
-
-
-def _int_array(values, name: str) -> np.ndarray:
-    arr = np.asarray(values)
-    if arr.ndim != 1:
-        raise ValueError(f"{name} must be one-dimensional, got shape {arr.shape}")
-    if arr.size and not np.issubdtype(arr.dtype, np.integer):
-        raise ValueError(f"{name} must hold integers, got dtype {arr.dtype}")
-    return arr.astype(np.int64, copy=False)
 
 
 def _check_range(values: np.ndarray, bound: int, name: str) -> None:

@@ -8,12 +8,12 @@ caller check that cheaply.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Dict, Optional
+from typing import Dict
 
 import numpy as np
 
 from megatron_orch.balance.model_config import MLLMConfig
-from megatron_orch.balance.partition import (Partition, partition, partition_equal_count,
+from megatron_orch.balance.partition import (partition, partition_equal_count,
                                              partition_locality)
 from megatron_orch.balance.plan import Placement, Transfer
 from megatron_orch.comm.gather import checksum
