@@ -24,6 +24,7 @@ from megatron.core.distributed import DistributedDataParallel, DistributedDataPa
 from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 from megatron.core.pipeline_parallel import get_forward_backward_func
+from megatron.core.rerun_state_machine import RerunDataIterator
 from megatron.core.timers import Timers
 from megatron.core.transformer.module import Float16Module
 from megatron.core.utils import get_attr_wrapped_model, get_model_config
@@ -268,6 +269,9 @@ def pretrain(args: argparse.Namespace, model_provider: Callable = providers.buil
             args, args.orch_config, data_iterator, forward_backward_func)
         if dist.get_rank() == 0:
             print_fn(f" > post-balancing on: {args.orch_config}")
+    # megatron.training hands the schedule its iterator wrapped by the rerun machinery; so do we, so the
+    # post-balancing iterator is exercised exactly as it is there.
+    data_iterator = RerunDataIterator(data_iterator)
     return train(args, model, optimizer, scheduler, data_iterator, state, timers, forward_step, print_fn,
                  forward_backward_func)
 
