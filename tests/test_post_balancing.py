@@ -166,3 +166,34 @@ def test_orch_flags_without_the_switch_are_rejected():
     with pytest.raises(arguments.ArgumentError, match="packed with --pipeline-model-parallel-size"):
         arguments.parse_args(COMMON + ["--pipeline-model-parallel-size", "2", "--orch-post-balancing",
                                        "--orch-microbatching", "packed"], world_size=2)
+
+
+def _disagreeing_ranks(rank, world_size):
+    """Ranks configured differently plan differently: every rank must raise, none may hang."""
+    warnings.filterwarnings("ignore")
+    import torch.distributed as dist
+
+    from megatron_orch.balance.model_config import load_model_config
+    from megatron_orch.comm.gather import GroupMismatchError
+    from megatron_orch.comm.topology import Topology
+    from megatron_orch.megatron.batch import collate
+    from megatron_orch.megatron.data import example_shape
+    from megatron_orch.megatron.post_balancing import PostBalancingDataIterator
+    from megatron_orch.orchestrator.config import OrchestratorConfig
+
+    model_config = load_model_config("tiny")
+    shape = example_shape(model_config, 192)
+    step = SCENARIOS.index("heavy_on_one_rank")
+    source = iter([collate([scripted_example(step, rank, m * MBS + j, shape, 100 * rank + m * MBS + j)
+                            for j in range(MBS)]) for m in range(NUM_MB)])
+    config = OrchestratorConfig(background=False) if rank == 0 else \
+        OrchestratorConfig(background=False, phases=("vision", "llm"))
+    iterator = PostBalancingDataIterator(source, model_config=model_config, config=config, shape=shape,
+                                         micro_batch_size=MBS, num_microbatches=NUM_MB, dp_group=dist.group.WORLD,
+                                         topology=Topology.uniform(world_size, 1), encoder_stage=True)
+    with pytest.raises(GroupMismatchError, match="plan digest"):
+        next(iterator)
+
+
+def test_ranks_with_different_plans_fail_loudly_instead_of_hanging():
+    run_distributed(_disagreeing_ranks, 2, timeout_s=120.0)
