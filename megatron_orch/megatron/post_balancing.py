@@ -87,8 +87,7 @@ class PostBalancingDataIterator:
         self.rank = dist.get_rank(dp_group)
         warm_up(model_config, config)
         self.planner = BackgroundPlanner(enabled=config.background)
-        self._next_examples: Optional[List[Example]] = None
-        self._next_sizes: Optional[StepSizes] = None
+        self._next: Optional[tuple] = None  # (examples, sizes, sample ids) of the step being planned
         self._exhausted = False
 
     def __iter__(self):
@@ -112,17 +111,17 @@ class PostBalancingDataIterator:
         gathered = gather_item_sizes(local, self.dp_group, max_count=self.micro_batch_size * self.num_microbatches)
         sizes = StepSizes(counts=gathered.counts, num_vision_items=gathered.sizes[:, 1],
                           num_audio_items=gathered.sizes[:, 2], num_tokens=gathered.sizes[:, 3])
-        self._next_examples, self._next_sizes = examples, (sizes, gathered.sizes[:, 0])
+        self._next = (examples, sizes, gathered.sizes[:, 0])
         self.planner.submit(lambda: plan_step(sizes, self.model_config, self.config, self.topology,
                                               self.micro_batch_size, self.num_microbatches))
 
     def __next__(self) -> BalancedStep:
-        if self._next_examples is None and not self._exhausted:
+        if self._next is None and not self._exhausted:
             self._read_and_submit()
         if self._exhausted:
             self.planner.shutdown()
             raise StopIteration
-        examples, (sizes, sample_ids) = self._next_examples, self._next_sizes
+        examples, sizes, sample_ids = self._next
         plan = self.planner.result()
         timings = {"plan": self.planner.last_plan_s, "plan_exposed": self.planner.last_exposed_s}
         # A plan that differs between ranks would make the all-to-alls disagree: fail loudly first.
@@ -132,7 +131,7 @@ class PostBalancingDataIterator:
         start = time.perf_counter()
         step = self._dispatch(plan, examples, sizes, sample_ids, timings)
         timings["dispatch"] = time.perf_counter() - start
-        self._next_examples = None
+        self._next = None
         self._read_and_submit()  # prefetch: the next plan is computed while this step trains
         return step
 
