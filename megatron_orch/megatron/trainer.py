@@ -268,7 +268,9 @@ def pretrain(args: argparse.Namespace, model_provider: Callable = providers.buil
         data_iterator, forward_backward_func = providers.build_post_balancing(
             args, args.orch_config, data_iterator, forward_backward_func)
         if dist.get_rank() == 0:
-            print_fn(f" > post-balancing on: {args.orch_config}")
+            topology = data_iterator.topology
+            print_fn(f" > post-balancing on: {args.orch_config} | DP group: {topology.num_ranks} ranks on "
+                     f"{topology.num_nodes} node(s)")
     # megatron.training hands the schedule its iterator wrapped by the rerun machinery; so do we, so the
     # post-balancing iterator is exercised exactly as it is there.
     data_iterator = RerunDataIterator(data_iterator)
