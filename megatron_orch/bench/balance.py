@@ -41,11 +41,10 @@ from typing import Callable, Dict, List, Optional, Sequence
 
 import numpy as np
 
-from megatron_orch.balance.model_config import load_model_config
 from megatron_orch.balance.partition import partition, partition_equal_count, partition_locality
-from megatron_orch.balance.traces import load_mixture
-from megatron_orch.bench.cli import parser_with_batch_args, report, trace_specs
-from megatron_orch.balance.workload import PHASES, PhaseItems, build_workload
+from megatron_orch.balance.workload import PHASES, PhaseItems
+from megatron_orch.bench.common import (draw_phases, memory_caps, parser_with_batch_args, report, trace_specs,
+                                        warm_up_partitioners)
 
 METHODS = ("none", "lpt", "kk", "bs_ffd", "orch", "orch_equal_count", "orch_locality", "verl_kk")
 RANK_METHODS = ("none", "orch_locality", "verl_kk")  # methods whose bins are physical ranks
@@ -180,28 +179,15 @@ def _phase_figures(phases: Dict[str, PhaseItems], plans, name: str, method: str,
     return out
 
 
-def _memory_caps(phases: Dict[str, PhaseItems], dp: int) -> Dict[str, float]:
-    """Per-rank activation memory cap of each phase: what upstream's busiest rank already needs."""
-    caps = {}
-    for name, items in phases.items():
-        peak = float(np.bincount(items.home, weights=items.memory, minlength=dp).max()) if len(items) else 0.0
-        caps[name] = max(peak, 1.0)
-    return caps
-
-
 def run(trace_specs: Sequence[tuple], dp: int, per_rank: int, gpus_per_node: int, model: str, seed: int,
         repeats: int = 3, traces_dir: Optional[str] = None) -> dict:
     """Run the benchmark and return its JSON-ready result."""
     if dp < 1 or per_rank < 1 or gpus_per_node < 1 or repeats < 1:
         raise ValueError(f"--dp, --per-rank, --gpus-per-node and --repeats must be >= 1, got "
                          f"{dp}, {per_rank}, {gpus_per_node}, {repeats}")
-    config = load_model_config(model)
-    mixture = load_mixture(trace_specs, traces_dir)
-    batch = mixture.draw(dp * per_rank, seed)
-    home = np.repeat(np.arange(dp, dtype=np.int64), per_rank)
-    phases = build_workload(batch, home, config)
-    caps = _memory_caps(phases, dp)
-    _warm_up(gpus_per_node)
+    config, mixture, phases = draw_phases(trace_specs, dp, per_rank, model, seed, traces_dir)
+    caps = memory_caps(phases, dp)
+    warm_up_partitioners(gpus_per_node)
     plans = plan_phases(phases, dp, gpus_per_node, repeats, caps)
 
     result: dict = {name: {m: _phase_figures(phases, plans, name, m, dp, gpus_per_node) for m in METHODS}
@@ -250,18 +236,6 @@ def _step_model(phases: Dict[str, PhaseItems], plans, dp: int, figures: dict) ->
                 moved = sum(figures[name][m][field] for name in PHASES)
                 step[m][field + "_frac"] = moved / all_bytes if all_bytes else 0.0
     return step
-
-
-def _warm_up(gpus_per_node: int) -> None:
-    """Compile the partitioners' kernels on a toy instance so that timings exclude JIT compilation."""
-    rng = np.random.default_rng(0)
-    costs, memory = rng.random(64), rng.random(64)
-    home = np.repeat(np.arange(4), 16)
-    for method in ("lpt", "kk", "bs_ffd", "auto"):
-        partition(costs, 4, method=method, memory=memory if method != "kk" else None,
-                  memory_cap=100.0 if method != "kk" else None, home=home)
-    partition_equal_count(costs, 4, home=home)
-    partition_locality(costs, home, 4, min(gpus_per_node, 4), item_bytes=costs, memory=memory, memory_cap=100.0)
 
 
 def format_tables(result: dict) -> str:

@@ -30,11 +30,10 @@ from typing import Dict, List, Optional, Sequence
 
 import numpy as np
 
-from megatron_orch.balance.model_config import load_model_config
 from megatron_orch.balance.partition import partition, partition_locality
-from megatron_orch.balance.traces import load_mixture
-from megatron_orch.bench.cli import parser_with_batch_args, report, trace_specs
-from megatron_orch.balance.workload import PHASES, PhaseItems, build_workload
+from megatron_orch.balance.workload import PHASES, PhaseItems
+from megatron_orch.bench.common import (draw_phases, memory_caps, parser_with_batch_args, report, trace_specs,
+                                        warm_up_partitioners)
 from megatron_orch.comm.placement import BinTraffic, PlacementConfig, place_bins, placement_cost
 from megatron_orch.comm.topology import Topology
 
@@ -85,14 +84,9 @@ def run(trace_specs: Sequence[tuple], dp: int, per_rank: int, gpus_per_node: int
     if dp < 1 or per_rank < 1 or gpus_per_node < 1 or minmax_time_limit_s < 0:
         raise ValueError(f"--dp, --per-rank, --gpus-per-node must be >= 1 and --minmax-time-limit >= 0, "
                          f"got {dp}, {per_rank}, {gpus_per_node}, {minmax_time_limit_s}")
-    config = load_model_config(model)
-    mixture = load_mixture(trace_specs, traces_dir)
-    batch = mixture.draw(dp * per_rank, seed)
-    home = np.repeat(np.arange(dp, dtype=np.int64), per_rank)
-    phases = build_workload(batch, home, config)
+    config, mixture, phases = draw_phases(trace_specs, dp, per_rank, model, seed, traces_dir)
     topology = Topology.uniform(dp, gpus_per_node)
-    caps = {name: max(float(np.bincount(items.home, weights=items.memory, minlength=dp).max(initial=0.0)), 1.0)
-            for name, items in phases.items()}
+    caps = memory_caps(phases, dp)
     _warm_up(gpus_per_node)
 
     result: dict = {}
@@ -143,12 +137,9 @@ def run(trace_specs: Sequence[tuple], dp: int, per_rank: int, gpus_per_node: int
 
 def _warm_up(gpus_per_node: int) -> None:
     """JIT-compile the partitioners and load OR-Tools on a toy instance, so timings exclude that."""
+    warm_up_partitioners(gpus_per_node)
     rng = np.random.default_rng(0)
-    costs, memory = rng.random(64), rng.random(64)
-    home = np.repeat(np.arange(4), 16)
-    partition(costs, 4, method="auto", memory=memory, memory_cap=100.0, home=home)
-    partition_locality(costs, home, 4, min(gpus_per_node, 4), item_bytes=costs, memory=memory, memory_cap=100.0)
-    traffic = BinTraffic.from_items(rng.integers(0, 4, 64), home, rng.integers(1, 100, 64), 4, 4)
+    traffic = BinTraffic.from_items(rng.integers(0, 4, 64), np.repeat(np.arange(4), 16), rng.integers(1, 100, 64), 4, 4)
     for method in PLACEMENTS:
         place_bins(traffic, Topology.uniform(4, 2), PlacementConfig(method=method, time_limit_s=0.5))
 

@@ -1,0 +1,76 @@
+"""What both benchmarks share: their command-line inputs, the global batch they draw, the warm-up, the output."""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from typing import Callable, Dict, Optional, Sequence, Tuple
+
+import numpy as np
+
+from megatron_orch.balance.model_config import DEFAULT_MODEL, MLLMConfig, load_model_config
+from megatron_orch.balance.partition import partition, partition_equal_count, partition_locality
+from megatron_orch.balance.traces import DEFAULT_MIXTURE, TraceMixture, load_mixture, parse_trace_spec
+from megatron_orch.balance.workload import PhaseItems, build_workload
+
+
+def parser_with_batch_args(prog: str, description: str) -> argparse.ArgumentParser:
+    """A parser with the inputs that draw and map a global batch (traces, DP, model, seed, JSON)."""
+    parser = argparse.ArgumentParser(prog=prog, description=description,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--trace", nargs="+", metavar="CSV[:WEIGHT]",
+                        help="trace CSVs (names in the traces folder, or paths) with optional weights; "
+                             "default: the shipped mixture " + ", ".join(f"{n}:{w}" for n, w in DEFAULT_MIXTURE))
+    parser.add_argument("--traces-dir", default=None,
+                        help="folder of the trace CSVs (default: $MEGATRON_ORCH_TRACES or the gzipped copies "
+                             "in <repo>/data/traces)")
+    parser.add_argument("--dp", type=int, default=512, help="data-parallel size K (default 512)")
+    parser.add_argument("--per-rank", type=int, default=16, help="examples per DP rank M (default 16)")
+    parser.add_argument("--gpus-per-node", type=int, default=8, help="DP ranks per node G (default 8)")
+    parser.add_argument("--model", default=DEFAULT_MODEL, help=f"model config name or YAML (default {DEFAULT_MODEL})")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--json", default=None, metavar="OUT", help="write the result as JSON here")
+    return parser
+
+
+def trace_specs(args: argparse.Namespace) -> list:
+    return [parse_trace_spec(s) for s in args.trace] if args.trace else list(DEFAULT_MIXTURE)
+
+
+def report(result: dict, format_tables: Callable[[dict], str], json_path: Optional[str]) -> dict:
+    """Print the tables; write the JSON if asked."""
+    print(format_tables(result))
+    if json_path:
+        with open(json_path, "w") as f:
+            json.dump(result, f, indent=1)
+        print(f"\nwrote {json_path}", file=sys.stderr)
+    return result
+
+
+def draw_phases(trace_specs: Sequence[tuple], dp: int, per_rank: int, model: str, seed: int,
+                traces_dir: Optional[str] = None) -> Tuple[MLLMConfig, TraceMixture, Dict[str, PhaseItems]]:
+    """A random global batch of ``dp * per_rank`` examples (DP rank r loads the r-th consecutive block,
+    as upstream Megatron does), mapped to the items of every phase of the model config."""
+    config = load_model_config(model)
+    mixture = load_mixture(trace_specs, traces_dir)
+    batch = mixture.draw(dp * per_rank, seed)
+    home = np.repeat(np.arange(dp, dtype=np.int64), per_rank)
+    return config, mixture, build_workload(batch, home, config)
+
+
+def memory_caps(phases: Dict[str, PhaseItems], dp: int) -> Dict[str, float]:
+    """Per-rank activation memory cap of each phase: what upstream's busiest rank already needs."""
+    return {name: max(float(np.bincount(items.home, weights=items.memory, minlength=dp).max(initial=0.0)), 1.0)
+            for name, items in phases.items()}
+
+
+def warm_up_partitioners(gpus_per_node: int) -> None:
+    """Compile the partitioners' kernels on a toy instance so that timings exclude JIT compilation."""
+    rng = np.random.default_rng(0)
+    costs, memory = rng.random(64), rng.random(64)
+    home = np.repeat(np.arange(4), 16)
+    for method in ("lpt", "kk", "bs_ffd", "auto"):
+        partition(costs, 4, method=method, memory=memory if method != "kk" else None,
+                  memory_cap=100.0 if method != "kk" else None, home=home)
+    partition_equal_count(costs, 4, home=home)
+    partition_locality(costs, home, 4, min(gpus_per_node, 4), item_bytes=costs, memory=memory, memory_cap=100.0)
