@@ -197,3 +197,41 @@ def _disagreeing_ranks(rank, world_size):
 
 def test_ranks_with_different_plans_fail_loudly_instead_of_hanging():
     run_distributed(_disagreeing_ranks, 2, timeout_s=120.0)
+
+
+def _bad_input_on_one_rank(rank, world_size):
+    """Rank 1 loads an example whose image placeholders do not match its tiles: rank 1 says what is
+    wrong, rank 0 that another rank rejected its input; neither waits in a collective."""
+    warnings.filterwarnings("ignore")
+    import dataclasses
+
+    import torch.distributed as dist
+
+    from megatron_orch.balance.model_config import load_model_config
+    from megatron_orch.comm.gather import GroupMismatchError
+    from megatron_orch.comm.topology import Topology
+    from megatron_orch.megatron.batch import collate
+    from megatron_orch.megatron.data import example_shape
+    from megatron_orch.megatron.post_balancing import PostBalancingDataIterator
+    from megatron_orch.orchestrator.config import OrchestratorConfig
+
+    model_config = load_model_config("tiny")
+    shape = example_shape(model_config, 192)
+    examples = [scripted_example(SCENARIOS.index("mixed"), rank, j, shape, 10 * rank + j) for j in range(MBS)]
+    if rank == 1:
+        good = scripted_example(SCENARIOS.index("heavy_on_one_rank"), 0, 0, shape, 11)  # 8 tiles
+        examples[1] = dataclasses.replace(good, vision=good.vision[:3])
+    iterator = PostBalancingDataIterator(iter([collate(examples)]), model_config=model_config,
+                                         config=OrchestratorConfig(background=False), shape=shape,
+                                         micro_batch_size=MBS, num_microbatches=1, dp_group=dist.group.WORLD,
+                                         topology=Topology.uniform(world_size, 1), encoder_stage=True)
+    if rank == 1:
+        with pytest.raises(ValueError, match="example 11: .* image placeholders, expected 3 items"):
+            next(iterator)
+    else:
+        with pytest.raises(GroupMismatchError, match="another rank of the DP group rejected its input"):
+            next(iterator)
+
+
+def test_bad_input_on_one_rank_raises_on_every_rank():
+    run_distributed(_bad_input_on_one_rank, 2, timeout_s=120.0)

@@ -27,7 +27,7 @@ import torch.distributed as dist
 from megatron_orch.balance.model_config import MLLMConfig
 from megatron_orch.balance.plan import Transfer
 from megatron_orch.comm.alltoall import ItemLayout, all_to_all_items
-from megatron_orch.comm.gather import assert_same_on_all_ranks, gather_item_sizes
+from megatron_orch.comm.gather import GroupMismatchError, assert_same_on_all_ranks, gather_item_sizes
 from megatron_orch.comm.topology import Topology
 from megatron_orch.megatron.batch import (PAD_TOKEN_ID, Example, ExampleShape, MicroBatch, collate,
                                           collate_packed)
@@ -36,6 +36,8 @@ from megatron_orch.orchestrator.config import OrchestratorConfig
 from megatron_orch.orchestrator.step_plan import StepPlan, StepSizes, plan_step, warm_up
 
 _SIZE_COLUMNS = 4  # sample index, vision items, audio items, tokens
+_OK, _BAD_INPUT, _EXHAUSTED = 0, 1, 2  # a rank's status, sent as the size gather's check value
+_STATUS_TEXT = "check values: 0 ok, 1 bad input, 2 no more data"
 
 
 @dataclass(frozen=True, eq=False)
@@ -95,20 +97,38 @@ class PostBalancingDataIterator:
 
     # -- reading and planning -------------------------------------------------------------------
     def _read_and_submit(self) -> None:
-        """Read the next step's examples, gather their sizes, start planning them."""
+        """Read the next step's examples, gather their sizes, start planning them.
+
+        Every rank enters the size gather whatever it found, with a status (ok, bad input, no more
+        data) as the gather's check value: a rank's bad input or early end then raises on every rank
+        of the group, instead of leaving the others waiting in a collective.
+        """
+        status, problem, examples = _OK, None, []
         batches = list(itertools.islice(self.source, self.num_microbatches))
+        try:
+            if batches and len(batches) != self.num_microbatches:
+                raise ValueError(f"DP rank {self.rank}: the data iterator ended inside a step "
+                                 f"({len(batches)} of {self.num_microbatches} micro-batches)")
+            examples = [e for b in batches for e in b.examples()]
+            for example in examples:
+                self.shape.check(example)
+        except ValueError as err:
+            status, problem, examples = _BAD_INPUT, err, []
         if not batches:
-            self._exhausted = True
-            return
-        if len(batches) != self.num_microbatches:
-            raise ValueError(f"the data iterator ended inside a step: {len(batches)} of "
-                             f"{self.num_microbatches} micro-batches")
-        examples = [e for b in batches for e in b.examples()]
-        for example in examples:
-            self.shape.check(example)
+            status = _EXHAUSTED
         local = np.array([[e.sample_index, e.num_vision_items, e.num_audio_items, e.num_tokens]
                           for e in examples], dtype=np.int64).reshape(-1, _SIZE_COLUMNS)
-        gathered = gather_item_sizes(local, self.dp_group, max_count=self.micro_batch_size * self.num_microbatches)
+        try:
+            gathered = gather_item_sizes(local, self.dp_group, max_count=self.micro_batch_size * self.num_microbatches,
+                                         check=status)
+        except GroupMismatchError as mismatch:
+            if problem is not None:
+                raise problem from mismatch
+            raise GroupMismatchError(f"DP rank {self.rank}: another rank of the DP group rejected its input or "
+                                     f"ran out of data ({_STATUS_TEXT}): {mismatch}") from None
+        if status == _EXHAUSTED:
+            self._exhausted = True
+            return
         sizes = StepSizes(counts=gathered.counts, num_vision_items=gathered.sizes[:, 1],
                           num_audio_items=gathered.sizes[:, 2], num_tokens=gathered.sizes[:, 3])
         self._next = (examples, sizes, gathered.sizes[:, 0])
