@@ -190,7 +190,8 @@ def _disagreeing_ranks(rank, world_size):
         OrchestratorConfig(background=False, phases=("vision", "llm"))
     iterator = PostBalancingDataIterator(source, model_config=model_config, config=config, shape=shape,
                                          micro_batch_size=MBS, num_microbatches=NUM_MB, dp_group=dist.group.WORLD,
-                                         topology=Topology.uniform(world_size, 1), encoder_stage=True)
+                                         topology=Topology.uniform(world_size, 1), encoder_stage=True,
+                                         compute_device=torch.device("cpu"))
     with pytest.raises(GroupMismatchError, match="plan digest"):
         next(iterator)
 
@@ -224,7 +225,8 @@ def _bad_input_on_one_rank(rank, world_size):
     iterator = PostBalancingDataIterator(iter([collate(examples)]), model_config=model_config,
                                          config=OrchestratorConfig(background=False), shape=shape,
                                          micro_batch_size=MBS, num_microbatches=1, dp_group=dist.group.WORLD,
-                                         topology=Topology.uniform(world_size, 1), encoder_stage=True)
+                                         topology=Topology.uniform(world_size, 1), encoder_stage=True,
+                                         compute_device=torch.device("cpu"))
     if rank == 1:
         with pytest.raises(ValueError, match="example 11: .* image placeholders, expected 3 items"):
             next(iterator)

@@ -16,8 +16,9 @@ is unpacked into slot order, and the next dtype group starts after that. Packing
 is sent as is) when the wire order already is the input's order, and unpacking is skipped (the output
 is a view of the receive buffer) when the received order already is slot order.
 
-Every rank must call this with the same layouts and transfer and enter every collective, also with
-zero rows to send or receive. With ``differentiable`` (default) and grad mode on, floating-point
+Inputs must be on the group's communication device (:func:`~megatron_orch.comm.device.communication_device`:
+the GPU for NCCL, the CPU for gloo); outputs come back there. Every rank must call this with the same
+layouts and transfer and enter every collective, also with zero rows to send or receive. With ``differentiable`` (default) and grad mode on, floating-point
 outputs require grad on every rank, whatever the inputs: so every rank must use its outputs in
 the loss (zero-row outputs included, e.g. concatenated into the backbone input), and then every
 rank runs the backward exchange.
@@ -33,7 +34,7 @@ import torch.distributed as dist
 from torch.autograd.function import once_differentiable
 
 from megatron_orch.balance.plan import Placement, Transfer
-from megatron_orch.comm.gather import collective_device
+from megatron_orch.comm.device import communication_device
 
 
 @dataclass(frozen=True, eq=False)
@@ -68,7 +69,7 @@ def all_to_all_items(tensors: Sequence[torch.Tensor], layouts: Sequence[ItemLayo
     """Move every item of every stream from ``transfer.src`` to ``transfer.dst``; returns the packed
     tensors this rank holds afterwards, in destination slot order (one per stream)."""
     rank = dist.get_rank(group)
-    device = collective_device(group)
+    device = communication_device(group)
     _check_inputs(tensors, layouts, transfer, rank, dist.get_world_size(group), device)
     routes = [_Route.build(transfer, rank, layouts, streams, device)
               for streams in _dtype_groups(layouts)]
@@ -83,7 +84,7 @@ class _AllToAllItems(torch.autograd.Function):
     @staticmethod
     def forward(ctx, routes, layouts, group, anchor, *tensors):
         ctx.routes, ctx.layouts, ctx.group = routes, layouts, group
-        outputs = _exchange(routes, tensors, layouts, group, collective_device(group))
+        outputs = _exchange(routes, tensors, layouts, group, communication_device(group))
         ctx.mark_non_differentiable(*[out for out, layout in zip(outputs, layouts)
                                       if not layout.dtype.is_floating_point])
         return tuple(outputs)
@@ -94,7 +95,7 @@ class _AllToAllItems(torch.autograd.Function):
         float_routes = [route.reversed() for route in ctx.routes
                         if ctx.layouts[route.streams[0]].dtype.is_floating_point]
         grads = _exchange(float_routes, grad_outputs, ctx.layouts, ctx.group,
-                          collective_device(ctx.group))
+                          communication_device(ctx.group))
         return (None, None, None, None, *grads)
 
 

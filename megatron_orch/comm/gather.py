@@ -17,6 +17,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_orch.balance.plan import Placement
+from megatron_orch.comm.device import communication_device
 
 _HEADER = 4  # count, fields, check, error
 _OK, _NEGATIVE, _OVER_MAX = 0, 1, 2
@@ -42,13 +43,6 @@ class GatheredSizes:
     def placement(self) -> Placement:
         """Where the items are now: rank r holds its own items in the order it passed them."""
         return Placement.from_counts(self.counts)
-
-
-def collective_device(group=None) -> torch.device:
-    """Device the group's collectives need their tensors on (NCCL: this rank's GPU)."""
-    if dist.get_backend(group) == dist.Backend.NCCL:
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
 
 
 def checksum(*arrays) -> int:
@@ -86,23 +80,22 @@ def gather_item_sizes(local_sizes, group=None, *, max_count: Optional[int] = Non
     elif max_count is not None and count > max_count:
         error = _OVER_MAX
     header = np.array([count, fields, int(check), error], dtype=np.int64)
-    device = collective_device(group)
     world = dist.get_world_size(group)
 
     if max_count is None:
-        headers = _all_gather(torch.from_numpy(header).to(device), world, group).cpu().numpy()
+        headers = all_gather_to_host(torch.from_numpy(header), group).numpy()
         _raise_on_mismatch(headers)
         rows = int(headers[:, 0].max())
         payload = np.zeros((rows, fields), dtype=np.int64)
         payload[:count] = sizes
-        gathered = _all_gather(torch.from_numpy(payload.reshape(-1)).to(device), world, group)
-        gathered = gathered.cpu().numpy().reshape(world, rows, fields)
+        gathered = all_gather_to_host(torch.from_numpy(payload.reshape(-1)), group)
+        gathered = gathered.numpy().reshape(world, rows, fields)
     else:
         payload = np.zeros(_HEADER + max_count * fields, dtype=np.int64)
         payload[:_HEADER] = header
         if error == _OK:
             payload[_HEADER:_HEADER + sizes.size] = sizes.reshape(-1)
-        gathered = _all_gather(torch.from_numpy(payload).to(device), world, group).cpu().numpy()
+        gathered = all_gather_to_host(torch.from_numpy(payload), group).numpy()
         headers = gathered[:, :_HEADER]
         _raise_on_mismatch(headers)
         gathered = gathered[:, _HEADER:].reshape(world, max_count, fields)
@@ -113,8 +106,7 @@ def gather_item_sizes(local_sizes, group=None, *, max_count: Optional[int] = Non
 
 def assert_same_on_all_ranks(value: int, group=None, what: str = "value") -> None:
     """Raise :class:`GroupMismatchError` on every rank unless all ranks passed the same integer."""
-    values = _all_gather(torch.tensor([int(value)], dtype=torch.int64, device=collective_device(group)),
-                         dist.get_world_size(group), group).cpu().numpy().reshape(-1)
+    values = all_gather_to_host(torch.tensor([int(value)], dtype=torch.int64), group).numpy().reshape(-1)
     if (values != values[0]).any():
         raise GroupMismatchError(f"ranks disagree on the {what}: per rank {values.tolist()[:64]}")
 
@@ -127,15 +119,19 @@ def gather_hostnames(hostname: str, group=None, max_bytes: int = 255) -> List[st
     buffer = torch.zeros(max_bytes + 1, dtype=torch.uint8)
     buffer[0] = len(encoded)
     buffer[1:1 + len(encoded)] = torch.frombuffer(bytearray(encoded), dtype=torch.uint8)
-    rows = _all_gather(buffer.to(collective_device(group)), dist.get_world_size(group), group).cpu()
+    rows = all_gather_to_host(buffer, group)
     return [bytes(row[1:1 + int(row[0])].tolist()).decode("utf-8") for row in rows]
 
 
-def _all_gather(tensor: torch.Tensor, world: int, group) -> torch.Tensor:
-    """``[world, *tensor.shape]`` stack of every rank's equally shaped tensor."""
-    out = [torch.empty_like(tensor) for _ in range(world)]
-    dist.all_gather(out, tensor, group=group)
-    return torch.stack(out)
+def all_gather_to_host(tensor: torch.Tensor, group=None) -> torch.Tensor:
+    """``[group size, *tensor.shape]`` stack of every rank's equally shaped tensor, on the host.
+
+    The tensor travels on the group's communication device (copied there if it is elsewhere).
+    """
+    local = tensor.to(communication_device(group)).contiguous()
+    out = [torch.empty_like(local) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(out, local, group=group)
+    return torch.stack(out).cpu()
 
 
 def _raise_on_mismatch(headers: np.ndarray) -> None:

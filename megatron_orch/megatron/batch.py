@@ -15,6 +15,7 @@ balancer plans with; datasets give it without materialising tensors.
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Optional, Sequence
 
@@ -170,6 +171,11 @@ class MicroBatch:
     @property
     def is_packed(self) -> bool:
         return self.cu_seqlens is not None
+
+    def pin_memory(self) -> "MicroBatch":
+        """The same batch in pinned host memory, so its copies to a GPU do not block the host."""
+        return dataclasses.replace(self, **{f.name: getattr(self, f.name).pin_memory() for f in dataclasses.fields(self)
+                                            if getattr(self, f.name) is not None})
 
     def _spans(self) -> list[tuple[int, int, int]]:
         """(row, start, end) of each example's tokens."""

@@ -12,6 +12,10 @@ It yields a :class:`BalancedStep`: the rank's backbone micro-batches (same numbe
 and its encoder inputs, with the transfers the modality-aware schedule uses to send encoder outputs
 straight to the backbone rank of their example. Then it reads the next step's batch, gathers its
 sizes and hands their planning to the background thread.
+
+Devices: everything travels on the DP group's communication device (the GPU under NCCL), staged
+through pinned host memory; received encoder inputs are handed over on ``compute_device`` (where the
+encoders run), text on the host, where the backbone micro-batches are built as the loader builds them.
 """
 from __future__ import annotations
 
@@ -27,6 +31,7 @@ import torch.distributed as dist
 from megatron_orch.balance.model_config import MLLMConfig
 from megatron_orch.balance.plan import Transfer
 from megatron_orch.comm.alltoall import ItemLayout, all_to_all_items
+from megatron_orch.comm.device import communication_device, host_to_device
 from megatron_orch.comm.gather import GroupMismatchError, assert_same_on_all_ranks, gather_item_sizes
 from megatron_orch.comm.topology import Topology
 from megatron_orch.megatron.batch import (PAD_TOKEN_ID, Example, ExampleShape, MicroBatch, collate,
@@ -77,8 +82,8 @@ class PostBalancingDataIterator:
 
     def __init__(self, source: Iterator[MicroBatch], *, model_config: MLLMConfig, config: OrchestratorConfig,
                  shape: ExampleShape, micro_batch_size: int, num_microbatches: int, dp_group,
-                 topology: Topology, encoder_stage: bool, pad_to: Optional[int] = None,
-                 peer_group=None):
+                 topology: Topology, encoder_stage: bool, compute_device: torch.device,
+                 pad_to: Optional[int] = None, peer_group=None):
         if config.microbatching == "packed" and pad_to is not None:
             pad_to = pad_to * micro_batch_size  # one packed row carries a micro-batch's token budget
         self.source = source
@@ -86,6 +91,7 @@ class PostBalancingDataIterator:
         self.micro_batch_size, self.num_microbatches = micro_batch_size, num_microbatches
         self.dp_group, self.peer_group, self.topology = dp_group, peer_group, topology
         self.encoder_stage, self.pad_to = encoder_stage, pad_to
+        self.compute_device = torch.device(compute_device)
         self.rank = dist.get_rank(dp_group)
         warm_up(model_config, config)
         self.planner = BackgroundPlanner(enabled=config.background)
@@ -158,24 +164,30 @@ class PostBalancingDataIterator:
     # -- moving data ----------------------------------------------------------------------------
     def _dispatch(self, plan: StepPlan, examples: List[Example], sizes: StepSizes, sample_ids: np.ndarray,
                   timings: Dict[str, float]) -> BalancedStep:
+        device = communication_device(self.dp_group)
         tokens = sizes.num_tokens
         text_layouts = [ItemLayout(tokens, (2,), torch.long), ItemLayout(tokens, (1,), torch.float32)]
-        local_ids = torch.cat([torch.stack([e.tokens, e.labels], dim=1) for e in examples])
-        local_mask = torch.cat([e.loss_mask.to(torch.float32)[:, None] for e in examples])
+        local_ids = host_to_device([torch.stack([e.tokens, e.labels], dim=1) for e in examples], device,
+                                   torch.long, (2,))
+        local_mask = host_to_device([e.loss_mask for e in examples], device, torch.float32, (1,))
         ids, mask = all_to_all_items([local_ids, local_mask], text_layouts, plan.text_transfer(),
                                      self.dp_group, differentiable=False)
+        # A few KB: the micro-batches are collated on the host, like the loader's, and forward_step
+        # moves them to the model.
+        ids, mask = ids.cpu(), mask.cpu()
 
         inputs = {}
         for phase, item_shape in (("vision", (self.shape.vision_patches_per_item, self.shape.vision_patch_dim)),
                                   ("audio", (self.shape.audio_frames_per_window, self.shape.audio_mel_bins))):
             if not self.encoder_stage:
-                inputs[phase] = torch.zeros((0, *item_shape))
+                inputs[phase] = torch.zeros((0, *item_shape), device=self.compute_device)
                 continue
-            local = torch.cat([getattr(e, phase).to(torch.float32) for e in examples])
+            local = host_to_device([getattr(e, phase) for e in examples], device, torch.float32, item_shape)
             layout = ItemLayout(np.ones(plan.encoders[phase].example.size, dtype=np.int64), item_shape,
                                 torch.float32)
-            inputs[phase], = all_to_all_items([local.reshape(-1, *item_shape)], [layout],
-                                              plan.input_transfer(phase), self.dp_group, differentiable=False)
+            moved, = all_to_all_items([local], [layout], plan.input_transfer(phase), self.dp_group,
+                                      differentiable=False)
+            inputs[phase] = moved.to(self.compute_device, non_blocking=True)
         return BalancedStep(microbatches=self._microbatches(plan, ids, mask, sizes, sample_ids),
                             vision_inputs=inputs["vision"], audio_inputs=inputs["audio"], plan=plan,
                             rank=self.rank, num_tokens=sizes.num_tokens,

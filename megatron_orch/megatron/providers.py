@@ -63,8 +63,20 @@ def _manifest_path(data_path):
 
 def build_train_data_iterator(args: argparse.Namespace, consumed_samples: int, data_parallel_rank: int,
                               data_parallel_size: int) -> Iterator[MicroBatch]:
-    """This DP rank's training micro-batches from ``consumed_samples`` on (same on its TP/PP peers)."""
-    return build_train_iterator(data_config(args), consumed_samples, data_parallel_rank, data_parallel_size)
+    """This DP rank's training micro-batches from ``consumed_samples`` on (same on its TP/PP peers).
+
+    On GPUs without post-balancing the batches come in pinned memory, so ``forward_step``'s copies to
+    the GPU do not block the host (post-balancing stages what it sends itself).
+    """
+    batches = build_train_iterator(data_config(args), consumed_samples, data_parallel_rank, data_parallel_size)
+    if runs_on_cpu(args) or getattr(args, "orch_config", None) is not None:
+        return batches
+    return (batch.pin_memory() for batch in batches)
+
+
+def compute_device(args: argparse.Namespace) -> torch.device:
+    """Where this rank's model computes: its GPU, or the CPU for a gloo run."""
+    return torch.device("cpu") if runs_on_cpu(args) else torch.device("cuda", torch.cuda.current_device())
 
 
 def loss_func(loss_mask: torch.Tensor, output_tensor: torch.Tensor):
@@ -116,6 +128,7 @@ def build_post_balancing(args: argparse.Namespace, config: OrchestratorConfig, s
         source, model_config=args.mllm_config, config=config, shape=data.shape,
         micro_batch_size=args.micro_batch_size, num_microbatches=args.num_microbatches, dp_group=dp_group,
         topology=topology, encoder_stage=parallel_state.is_pipeline_first_stage(),
+        compute_device=compute_device(args),
         pad_to=data.seq_length if data.pad_to_seq_length else None,
         peer_group=parallel_state.get_model_parallel_group())
     schedule = ModalityAwareSchedule(forward_backward_func, dp_group, encoder_recompute=config.encoder_recompute)

@@ -20,6 +20,7 @@ import torch
 from megatron.core.utils import get_model_config
 
 from megatron_orch.comm.alltoall import ItemLayout, all_to_all_items
+from megatron_orch.comm.device import to_communication_device
 from megatron_orch.megatron.post_balancing import BalancedMicroBatch, BalancedStep
 
 PHASE_ENCODERS = {"vision": "encode_vision", "audio": "encode_audio"}
@@ -94,13 +95,14 @@ class ModalityAwareSchedule:
         return result
 
     def _move(self, step: BalancedStep, phase: str, rows: torch.Tensor, inverse: bool = False) -> torch.Tensor:
-        """Encoder outputs (item by item, in slot order) to the backbone ranks, or their gradients back."""
+        """Encoder outputs (item by item, in slot order) to the backbone ranks, or their gradients back;
+        they travel on the DP group's communication device and come back on the device of ``rows``."""
         transfer = step.output_transfer(phase)
         layout = ItemLayout(np.full(transfer.src.num_items, step.tokens_per_item[phase], dtype=np.int64),
                             tuple(rows.shape[1:]), rows.dtype)
-        moved, = all_to_all_items([rows], [layout], transfer.inverse() if inverse else transfer,
-                                  self.dp_group, differentiable=False)
-        return moved
+        moved, = all_to_all_items([to_communication_device(rows, self.dp_group)], [layout],
+                                  transfer.inverse() if inverse else transfer, self.dp_group, differentiable=False)
+        return moved.to(rows.device, non_blocking=True)
 
     def _encoders_backward(self, step: BalancedStep, module, pending) -> None:
         start = time.perf_counter()

@@ -29,6 +29,8 @@ from megatron.core.timers import Timers
 from megatron.core.transformer.module import Float16Module
 from megatron.core.utils import get_attr_wrapped_model, get_model_config
 
+from megatron_orch.comm.device import to_communication_device
+from megatron_orch.comm.gather import all_gather_to_host
 from megatron_orch.megatron import providers
 from megatron_orch.megatron.arguments import runs_on_cpu
 from megatron_orch.megatron.checkpointing import TrainState, load_checkpoint, save_checkpoint
@@ -41,13 +43,16 @@ ForwardStep = Callable[[Iterator, torch.nn.Module], tuple]
 
 def initialize(args: argparse.Namespace) -> None:
     """Process group, model-parallel groups and seeds (Megatron's ``initialize_megatron``)."""
+    device_id = None
     if runs_on_cpu(args):
         from megatron_orch.megatron import cpu_harness
         cpu_harness.install()
     else:
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+        device_id = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+        torch.cuda.set_device(device_id)
     if not dist.is_initialized():
-        dist.init_process_group(args.distributed_backend,
+        # device_id binds NCCL to this rank's GPU (barriers and the first collective need no guessing).
+        dist.init_process_group(args.distributed_backend, device_id=device_id,
                                 timeout=timedelta(minutes=args.distributed_timeout_minutes))
     if dist.get_world_size() != args.world_size:
         raise RuntimeError(f"the arguments were validated for world size {args.world_size}, "
@@ -150,8 +155,10 @@ def train_step(forward_step: ForwardStep, data_iterator: Iterator, model: list, 
         scheduler.step(increment=args.global_batch_size)
     lm_loss = None
     if parallel_state.is_pipeline_last_stage():  # sum of token losses / number of loss tokens, over DP
-        report = torch.stack([x["lm loss"] for x in losses]).sum(dim=0).double()
-        dist.all_reduce(report, group=parallel_state.get_data_parallel_group())
+        dp_group = parallel_state.get_data_parallel_group()
+        report = to_communication_device(torch.stack([x["lm loss"] for x in losses]).sum(dim=0).double(), dp_group)
+        dist.all_reduce(report, group=dp_group)
+        report = report.cpu()
         lm_loss = float(report[0] / report[1]) if report[1] > 0 else float("nan")
     return {"lm_loss": lm_loss, "grad_norm": grad_norm, "skipped": not update_successful}
 
@@ -169,9 +176,7 @@ def _interval_record(args, state: TrainState, stats: IntervalStats, last_step: d
     load_max, load_mean = max_and_mean_over_group(stats.load / n, parallel_state.get_data_parallel_group())
     times = torch.tensor([stats.phase_s.get(name, float("nan")) * 1000.0 / n for name in PHASE_TIMERS],
                          dtype=torch.float64)
-    gathered = [torch.zeros_like(times) for _ in range(dist.get_world_size())]
-    dist.all_gather(gathered, times)
-    per_rank = torch.stack(gathered).numpy()
+    per_rank = all_gather_to_host(times).numpy()
     ran = [i for i, name in enumerate(PHASE_TIMERS) if not np.all(np.isnan(per_rank[:, i]))]
     elapsed_s = stats.elapsed_s / n
     tokens_per_s = float(load_mean[LOAD_FIELDS.index("backbone tokens")]) * args.data_parallel_size / elapsed_s

@@ -14,8 +14,8 @@ from dataclasses import dataclass, field
 from typing import Iterator, Optional
 
 import torch
-import torch.distributed as dist
 
+from megatron_orch.comm.gather import all_gather_to_host
 from megatron_orch.megatron.post_balancing import BalancedStep
 
 # Per-rank load of each phase, counted from the micro-batches a rank consumed.
@@ -119,9 +119,7 @@ class IntervalStats:
 
 def max_and_mean_over_group(values: torch.Tensor, group) -> tuple[torch.Tensor, torch.Tensor]:
     """Element-wise max and mean of a float64 vector over the ranks of ``group``."""
-    gathered = [torch.zeros_like(values) for _ in range(dist.get_world_size(group))]
-    dist.all_gather(gathered, values.contiguous(), group=group)
-    stacked = torch.stack(gathered)
+    stacked = all_gather_to_host(values, group)
     return stacked.max(dim=0).values, stacked.mean(dim=0)
 
 
