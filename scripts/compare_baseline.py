@@ -3,9 +3,10 @@
 Prints, side by side per iteration: the losses (they must agree: post-balancing does not change what
 the model learns), each phase's cost max/mean over DP before and after balancing, the iteration time,
 and each phase's compute time per iteration as max/mean over ranks; writes everything as JSON.
-Exits non-zero if a loss differs by more than the fp32 reduction-order tolerance.
+Exits non-zero if a loss differs by more than the tolerance (default: fp32 reduction order; bf16
+runs need a looser one, since encoders batch other items together and GEMMs round differently).
 
-    python scripts/compare_baseline.py [--nproc 4] [--out runs/compare] [-- extra pretrain_mllm.py flags]
+    python scripts/compare_baseline.py [--nproc 4] [--out runs/compare] [--rtol 1e-5] [-- extra pretrain_mllm.py flags]
 """
 from __future__ import annotations
 
@@ -26,7 +27,6 @@ DEFAULT_FLAGS = ["--model-config", "tiny", "--seq-length", "256", "--micro-batch
                  "--lr-warmup-iters", "2", "--lr-decay-style", "cosine", "--weight-decay", "0.01",
                  "--clip-grad", "1.0", "--log-interval", "1", "--seed", "1234"]
 BALANCING_FLAGS = ["--orch-post-balancing"]
-RTOL = 1e-5
 
 
 def run(name: str, nproc: int, flags: list, out_dir: Path) -> list:
@@ -77,6 +77,8 @@ def main(argv=None) -> None:
     parser.add_argument("--nproc", type=int, default=int(os.environ.get("NPROC", "4")),
                         help="processes (DP size with the default flags); default 4 or $NPROC")
     parser.add_argument("--out", type=Path, default=REPO / "runs" / "compare", help="logs and compare.json")
+    parser.add_argument("--rtol", type=float, default=1e-5,
+                        help="largest relative loss difference accepted (default 1e-5: fp32 on CPU)")
     parser.add_argument("flags", nargs=argparse.REMAINDER, help="extra pretrain_mllm.py flags after --")
     args = parser.parse_args(argv)
     extra = args.flags[1:] if args.flags[:1] == ["--"] else args.flags
@@ -96,13 +98,14 @@ def main(argv=None) -> None:
           + ", ".join(f"{p} {v['before']:.2f}->{v['after']:.2f}" for p, v in summary.items()))
     print(f"[compare] exposed planning {exposed:.2f} ms of a {step_ms:.1f} ms step "
           f"({100 * exposed / step_ms:.2f}%, first step excluded: nothing to overlap with)")
-    print(f"[compare] largest relative loss difference {worst:.1e} (tolerance {RTOL:.0e})")
+    print(f"[compare] largest relative loss difference {worst:.1e} (tolerance {args.rtol:.0e})")
     (args.out / "compare.json").write_text(json.dumps(
         {"flags": DEFAULT_FLAGS + extra, "nproc": args.nproc, "baseline": baseline, "balanced": balanced,
-         "imbalance": summary, "exposed_plan_ms": exposed, "step_ms": step_ms, "max_rel_loss_diff": worst},
+         "imbalance": summary, "exposed_plan_ms": exposed, "step_ms": step_ms, "max_rel_loss_diff": worst,
+         "rtol": args.rtol},
         indent=1))
     print(f"[compare] logs and compare.json in {args.out}")
-    if len(baseline) != len(balanced) or worst > RTOL:
+    if len(baseline) != len(balanced) or not worst <= args.rtol:
         raise SystemExit("[compare] FAILED: post-balancing changed the losses")
 
 

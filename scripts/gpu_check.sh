@@ -1,0 +1,61 @@
+#!/usr/bin/env bash
+# The prepared GPU check (issue 8): one script, no network, under 6 minutes on one H200.
+#   bash scripts/gpu_check.sh OUT_DIR          # on a GPU machine (NCCL, one GPU)
+#   bash scripts/gpu_check.sh OUT_DIR --cpu    # the same steps on CPU (gloo, DP 2, tiny shapes)
+# (a) the tiny MLLM trained 8 steps with post-balancing off and on, bf16 and fp32, losses compared
+#     (bf16 within 2e-2: the balanced run encodes a step's items in other batches, so GEMMs round
+#     differently; fp32 within 1e-3 on GPU, where cuDNN convolutions may use TF32; 1e-5 on CPU);
+# (b) the MFU benchmark of each phase (python -m megatron_orch.bench.mfu);
+# (c) everything under OUT_DIR: env.txt, train_{bf16,fp32}/ (logs, compare.json), mfu.json, summary.txt.
+# Runs every step even after a failure, then exits non-zero if any failed. Python: $PYTHON, else
+# .venv/bin/python, else python3. Where megatron.core does not import and .whl/ exists (the device
+# machine: see scripts/fetch_device_wheels.sh), the wheels are installed into /tmp/site first.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+out=${1:?usage: scripts/gpu_check.sh OUT_DIR [--cpu]}
+mode=${2:-gpu}
+mkdir -p "$out"
+PY=${PYTHON:-$( [ -x .venv/bin/python ] && echo .venv/bin/python || echo python3 )}
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1 PYTHONWARNINGS=ignore
+if ! "$PY" -c "import megatron.core, ortools" 2>/dev/null && [ -d .whl ]; then
+  "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+    && export PYTHONPATH="$PYTHONPATH:/tmp/site"
+fi
+
+{ date -u; "$PY" -c "import sys, torch; print('python', sys.version.split()[0], '| torch', torch.__version__,
+'| cuda', torch.version.cuda, '|', torch.cuda.get_device_name() if torch.cuda.is_available() else 'no GPU')"
+  "$PY" -c "import megatron.core; print('megatron-core', megatron.core.__version__)"
+  command -v nvidia-smi >/dev/null && nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv
+} > "$out/env.txt" 2>&1
+cat "$out/env.txt"
+
+failed=()
+step() {  # step NAME TIMEOUT_S COMMAND...: run it, log to OUT/NAME.log, remember a failure
+  local name=$1 limit=$2; shift 2
+  echo "== $name: $*"
+  local start=$SECONDS
+  timeout "$limit" "$@" 2>&1 | tee "$out/$name.log"
+  local rc=${PIPESTATUS[0]}
+  echo "== $name: exit $rc after $((SECONDS - start)) s"
+  [ "$rc" -eq 0 ] || failed+=("$name (exit $rc)")
+}
+
+if [ "$mode" = "--cpu" ]; then
+  step train_fp32 300 "$PY" scripts/compare_baseline.py --nproc 2 --out "$out/train_fp32" --rtol 1e-5 -- \
+    --global-batch-size 8 --train-iters 8 --distributed-backend gloo
+  step train_bf16 300 "$PY" scripts/compare_baseline.py --nproc 2 --out "$out/train_bf16" --rtol 2e-2 -- \
+    --global-batch-size 8 --train-iters 8 --distributed-backend gloo --bf16
+  step mfu 300 "$PY" -m megatron_orch.bench.mfu --model tiny --quick --device cpu --json "$out/mfu.json"
+else
+  step train_bf16 150 "$PY" scripts/compare_baseline.py --nproc 1 --out "$out/train_bf16" --rtol 2e-2 -- \
+    --global-batch-size 8 --train-iters 8 --distributed-backend nccl --bf16
+  step train_fp32 150 "$PY" scripts/compare_baseline.py --nproc 1 --out "$out/train_fp32" --rtol 1e-3 -- \
+    --global-batch-size 8 --train-iters 8 --distributed-backend nccl
+  step mfu 240 "$PY" -m megatron_orch.bench.mfu --model mllm_10b --layers 12,8,4 --device cuda --json "$out/mfu.json"
+fi
+
+{ echo "gpu_check ($mode) in $out"
+  grep -h "largest relative loss difference" "$out"/train_*.log
+  if [ ${#failed[@]} -eq 0 ]; then echo "PASSED"; else printf 'FAILED: %s\n' "${failed[@]}"; fi
+} | tee "$out/summary.txt"
+[ ${#failed[@]} -eq 0 ]
