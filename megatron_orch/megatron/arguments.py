@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 from typing import Callable, Iterable, Optional, Sequence
 
 from megatron_orch.balance.model_config import MLLMConfig, load_model_config
@@ -38,6 +39,16 @@ class ArgumentError(ValueError):
     """An inconsistent command line; the message names the flags involved."""
 
 
+@functools.lru_cache(maxsize=None)
+def transformer_engine_available() -> bool:
+    """Whether ``import transformer_engine`` succeeds (it decides ``--transformer-impl``'s default)."""
+    try:
+        import transformer_engine  # noqa: F401
+    except (ImportError, OSError):  # OSError: installed, but its CUDA libraries do not load
+        return False
+    return True
+
+
 def add_megatron_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """Megatron-LM flags the compact trainer supports (same names as ``megatron/training/arguments.py``)."""
     g = parser.add_argument_group("model shape (overrides the backbone of --model-config)")
@@ -53,6 +64,9 @@ def add_megatron_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParse
     g.add_argument("--hidden-dropout", type=float, default=0.0,
                    help="default 0 (Megatron: 0.1): keeps runs with balancing on and off comparable")
     g.add_argument("--attention-dropout", type=float, default=0.0, help="default 0 (Megatron: 0.1)")
+    g.add_argument("--transformer-impl", choices=["local", "transformer_engine"], default=None,
+                   help="layer specs: megatron-core's local layers with torch SDPA attention, or Transformer "
+                        "Engine's. Default: transformer_engine when it imports and the run is on GPUs, else local")
 
     g = parser.add_argument_group("data")
     g.add_argument("--data-path", type=str, default=None,
@@ -184,12 +198,32 @@ def validate_args(args: argparse.Namespace, world_size: int) -> argparse.Namespa
     if args.distributed_backend is None:
         import torch
         args.distributed_backend = "nccl" if torch.cuda.is_available() else "gloo"
+    _resolve_transformer_impl(args)
     args.mllm_config = resolve_model_config(args)
     try:
         args.orch_config = orch_config_from_args(args)
     except ValueError as err:
         raise ArgumentError(str(err)) from err
+    if (args.transformer_impl == "transformer_engine" and args.orch_config is not None
+            and args.orch_config.microbatching == "packed"):
+        raise ArgumentError("--orch-microbatching packed is not supported with --transformer-impl "
+                            "transformer_engine (TE's causal attention ignores the block-diagonal mask of "
+                            "packed rows); use --transformer-impl local or --orch-microbatching equal_count")
     return args
+
+
+def _resolve_transformer_impl(args: argparse.Namespace) -> None:
+    """Default: Transformer Engine's layers on GPUs when it imports, else the local ones."""
+    if args.transformer_impl is None:
+        use_te = transformer_engine_available() and not runs_on_cpu(args)
+        args.transformer_impl = "transformer_engine" if use_te else "local"
+    elif args.transformer_impl == "transformer_engine":
+        if not transformer_engine_available():
+            raise ArgumentError("--transformer-impl transformer_engine: Transformer Engine does not import here "
+                                "(import transformer_engine failed); use --transformer-impl local")
+        if runs_on_cpu(args):
+            raise ArgumentError("--transformer-impl transformer_engine needs GPUs (--distributed-backend nccl); "
+                                "a gloo run trains on CPU: use --transformer-impl local")
 
 
 def runs_on_cpu(args: argparse.Namespace) -> bool:

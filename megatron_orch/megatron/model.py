@@ -11,8 +11,11 @@ the encoders over a different set of items than the backbone's examples and move
 between; :meth:`MLLMModel.forward` chains them for the baseline (upstream Megatron behaviour).
 
 Parallelism: the encoders and projectors live on the first pipeline stage; tensor parallelism comes
-from Megatron's column/row-parallel layers (local, non-Transformer-Engine layer specs). Sequence
-parallelism is not supported.
+from Megatron's column/row-parallel layers. Sequence parallelism is not supported.
+
+Layer specs (:func:`transformer_layer_spec`, Megatron's ``--transformer-impl``): ``local`` is
+megatron-core's local layers with :class:`~megatron_orch.megatron.attention.SDPAttention` as core
+attention; ``transformer_engine`` is megatron-core's Transformer Engine layers.
 """
 from __future__ import annotations
 
@@ -24,10 +27,16 @@ import torch
 import torch.nn.functional as F
 from megatron.core import parallel_state
 from megatron.core.enums import ModelType
-from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+from megatron.core.models.gpt.gpt_layer_specs import (
+    get_gpt_layer_local_spec,
+    get_gpt_layer_with_transformer_engine_spec,
+)
 from megatron.core.models.gpt.gpt_model import GPTModel
 from megatron.core.models.vision.multimodal_projector import MultimodalProjector
-from megatron.core.models.vision.vit_layer_specs import get_vit_layer_with_local_spec
+from megatron.core.models.vision.vit_layer_specs import (
+    get_vit_layer_with_local_spec,
+    get_vit_layer_with_transformer_engine_spec,
+)
 from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
 from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.mlp import MLPSubmodules
@@ -38,6 +47,8 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 
 from megatron_orch.balance.cost import TransformerShape
 from megatron_orch.balance.model_config import AudioEncoderConfig, MLLMConfig, VisionEncoderConfig
+from megatron_orch.megatron.arguments import transformer_engine_available
+from megatron_orch.megatron.attention import SDPAttention
 from megatron_orch.megatron.batch import AUDIO_TOKEN_ID, IMAGE_TOKEN_ID
 from megatron_orch.megatron.data import example_shape
 
@@ -55,6 +66,7 @@ class ModelParallelSettings:
     make_vocab_size_divisible_by: int = 128
     use_cpu_initialization: bool = True  # full weights drawn on every rank, then split: TP-invariant
     calculate_per_token_loss: bool = True
+    transformer_impl: str = "local"  # layer specs: "local" or "transformer_engine"
 
 
 def transformer_config(shape: TransformerShape, settings: ModelParallelSettings, *,
@@ -99,11 +111,29 @@ def _projector_config(ffn_hidden_size: int, backbone: TransformerShape,
     return transformer_config(shape, settings, pipeline_split=False)
 
 
-def _encoder_layer_spec() -> ModuleSpec:
-    """Megatron's local ViT layer with full (bidirectional) attention and no mask."""
-    spec = get_vit_layer_with_local_spec()
-    attention = dataclasses.replace(spec.submodules.self_attention,
-                                    params={"attn_mask_type": AttnMaskType.no_mask})
+def transformer_layer_spec(transformer_impl: str, *, encoder: bool) -> ModuleSpec:
+    """The layer spec of the backbone (causal) or of an encoder (bidirectional, no mask).
+
+    ``local``: megatron-core's local GPT / ViT layers with :class:`SDPAttention` as core attention.
+    ``transformer_engine``: megatron-core's TE GPT / ViT layers (TE's fused attention); untested
+    here, since the development machines have neither Transformer Engine nor a GPU.
+    """
+    if transformer_impl == "local":
+        spec = get_vit_layer_with_local_spec() if encoder else get_gpt_layer_local_spec()
+        core_attention = SDPAttention
+    elif transformer_impl == "transformer_engine":
+        if not transformer_engine_available():
+            raise RuntimeError("transformer_impl='transformer_engine' needs Transformer Engine, which does not "
+                               "import here; use 'local'")
+        spec = get_vit_layer_with_transformer_engine_spec() if encoder else get_gpt_layer_with_transformer_engine_spec()
+        core_attention = spec.submodules.self_attention.submodules.core_attention
+    else:
+        raise ValueError(f"transformer_impl must be 'local' or 'transformer_engine', got {transformer_impl!r}")
+    attention = spec.submodules.self_attention
+    attention = dataclasses.replace(
+        attention, params={**attention.params,
+                           "attn_mask_type": AttnMaskType.no_mask if encoder else AttnMaskType.causal},
+        submodules=dataclasses.replace(attention.submodules, core_attention=core_attention))
     return dataclasses.replace(spec, submodules=dataclasses.replace(spec.submodules, self_attention=attention))
 
 
@@ -142,7 +172,8 @@ class VisionEncoder(MegatronModule):
         self.class_token = torch.nn.Parameter(torch.randn(vision.class_tokens, hidden) * settings.init_method_std)
         self.position_embedding = torch.nn.Parameter(
             torch.randn(vision.tile_seq_len, hidden) * settings.init_method_std)
-        self.transformer = TransformerBlock(config, _encoder_layer_spec(), post_layer_norm=True)
+        self.transformer = TransformerBlock(
+            config, transformer_layer_spec(settings.transformer_impl, encoder=True), post_layer_norm=True)
         self.projector = MultimodalProjector(
             _projector_config(vision.projector_ffn_hidden_size, backbone, settings),
             _projector_submodules(), "mlp", input_size=hidden * self.merge ** 2)
@@ -178,7 +209,8 @@ class AudioEncoder(MegatronModule):
         self.conv2 = torch.nn.Conv1d(hidden, hidden, 3, stride=second_stride, padding=1)
         self.position_embedding = torch.nn.Parameter(
             torch.randn(audio.window_tokens, hidden) * settings.init_method_std)
-        self.transformer = TransformerBlock(config, _encoder_layer_spec(), post_layer_norm=True)
+        self.transformer = TransformerBlock(
+            config, transformer_layer_spec(settings.transformer_impl, encoder=True), post_layer_norm=True)
         self.downsample = audio.projector_downsample
         self.tokens_per_item = audio.window_tokens // audio.projector_downsample
         self.projector = MultimodalProjector(
@@ -214,6 +246,7 @@ class MLLMModel(MegatronModule):
         if post_process is None:
             post_process = parallel_state.is_pipeline_last_stage()
         self.pre_process, self.post_process = pre_process, post_process
+        self.transformer_impl = settings.transformer_impl
         self.shape = example_shape(model_config, max_sequence_length)  # checks the config's item shapes
         self.vision_encoder = self.audio_encoder = None
         if pre_process:
@@ -221,7 +254,7 @@ class MLLMModel(MegatronModule):
             self.audio_encoder = AudioEncoder(model_config.audio, backbone_shape, settings)
         self.backbone = GPTModel(
             config=config,
-            transformer_layer_spec=get_gpt_layer_local_spec(),
+            transformer_layer_spec=transformer_layer_spec(settings.transformer_impl, encoder=False),
             vocab_size=padded_vocab_size(backbone_shape.vocab_size, settings),
             max_sequence_length=model_config.backbone.max_position_embeddings,
             pre_process=pre_process,
@@ -285,6 +318,9 @@ class MLLMModel(MegatronModule):
         ``attention_mask``: None for plain causal attention (right-padded rows), or a bool
         ``[b or 1, 1, s, s]`` mask, True = masked (e.g. block-diagonal causal for packed rows).
         """
+        if attention_mask is not None and self.transformer_impl == "transformer_engine":
+            raise NotImplementedError("an attention mask (packed rows) with transformer_impl='transformer_engine': "
+                                      "TE's causal attention would ignore it; use 'local'")
         decoder_input = None
         if self.pre_process:
             empty = self._no_embeddings(tokens.device)

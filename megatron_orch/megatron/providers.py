@@ -34,6 +34,7 @@ def model_parallel_settings(args: argparse.Namespace) -> ModelParallelSettings:
         make_vocab_size_divisible_by=args.make_vocab_size_divisible_by,
         use_cpu_initialization=runs_on_cpu(args),
         calculate_per_token_loss=True,
+        transformer_impl=args.transformer_impl,
     )
 
 
