@@ -5,8 +5,10 @@
 # (a) the tiny MLLM trained 8 steps with post-balancing off and on, bf16 and fp32, losses compared
 #     (bf16 within 2e-2: the balanced run encodes a step's items in other batches, so GEMMs round
 #     differently; fp32 within 1e-3 on GPU, where cuDNN convolutions may use TF32; 1e-5 on CPU);
-# (b) the MFU benchmark of each phase (python -m megatron_orch.bench.mfu);
-# (c) everything under OUT_DIR: env.txt, train_{bf16,fp32}/ (logs, compare.json), mfu.json, summary.txt.
+# (b) the SDPA core attention runs on the fused kernels (scripts/check_sdpa_kernels.py; GPU only) and
+#     the MFU benchmark of each phase (python -m megatron_orch.bench.mfu);
+# (c) everything under OUT_DIR: env.txt, train_{bf16,fp32}/ (logs, compare.json), one log per step,
+#     mfu.json, summary.txt.
 # Runs every step even after a failure, then exits non-zero if any failed. Python: $PYTHON, else
 # .venv/bin/python, else python3. Where megatron.core does not import and .whl/ exists (the device
 # machine: see scripts/fetch_device_wheels.sh), the wheels are installed into /tmp/site first.
@@ -51,6 +53,7 @@ else
     --global-batch-size 8 --train-iters 8 --distributed-backend nccl --bf16
   step train_fp32 150 "$PY" scripts/compare_baseline.py --nproc 1 --out "$out/train_fp32" --rtol 1e-3 -- \
     --global-batch-size 8 --train-iters 8 --distributed-backend nccl
+  step sdpa_kernels 60 "$PY" scripts/check_sdpa_kernels.py
   step mfu 240 "$PY" -m megatron_orch.bench.mfu --model mllm_10b --layers 12,8,4 --device cuda --json "$out/mfu.json"
 fi
 
