@@ -4,12 +4,10 @@ Single CPU process (gloo world of 1 through the CPU harness), fp32: the SDPA mat
 megatron's unfused attention agree to rounding.
 """
 import dataclasses
-import datetime
 import warnings
 
 import pytest
 import torch
-import torch.distributed as dist
 
 warnings.filterwarnings("ignore", message=r".*(Transformer Engine|Apex).*not installed")
 
@@ -17,7 +15,6 @@ from megatron_orch.megatron import cpu_harness  # noqa: E402
 
 cpu_harness.install()
 
-from megatron.core import parallel_state, tensor_parallel  # noqa: E402
 from megatron.core.packed_seq_params import PackedSeqParams  # noqa: E402
 from megatron.core.transformer.dot_product_attention import DotProductAttention  # noqa: E402
 from megatron.core.transformer.enums import AttnMaskType  # noqa: E402
@@ -38,18 +35,6 @@ from megatron_orch.megatron.model import (  # noqa: E402
 
 SEQ_LENGTH = 128
 TOLERANCE = 1e-5  # relative error, fp32
-
-
-@pytest.fixture(scope="module")
-def world_of_one():
-    store = dist.TCPStore("127.0.0.1", 0, world_size=1, is_master=True, wait_for_workers=False,
-                          timeout=datetime.timedelta(seconds=60))
-    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
-    parallel_state.initialize_model_parallel(1, 1)
-    tensor_parallel.model_parallel_cuda_manual_seed(0)
-    yield
-    parallel_state.destroy_model_parallel()
-    dist.destroy_process_group()
 
 
 def relative_error(actual: torch.Tensor, expected: torch.Tensor) -> float:

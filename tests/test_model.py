@@ -1,12 +1,10 @@
 """The MLLM on megatron-core, single CPU process (gloo world of 1 through the CPU harness)."""
-import datetime
 import itertools
 import math
 import warnings
 
 import pytest
 import torch
-import torch.distributed as dist
 
 warnings.filterwarnings("ignore", message=r".*(Transformer Engine|Apex).*not installed")
 
@@ -14,7 +12,7 @@ from megatron_orch.megatron import cpu_harness  # noqa: E402
 
 cpu_harness.install()
 
-from megatron.core import parallel_state, tensor_parallel  # noqa: E402
+from megatron.core import tensor_parallel  # noqa: E402
 
 from megatron_orch.balance.model_config import load_model_config  # noqa: E402
 from megatron_orch.megatron import arguments, providers, trainer  # noqa: E402
@@ -23,17 +21,6 @@ from megatron_orch.megatron.data import assemble_example  # noqa: E402
 from megatron_orch.megatron.model import MLLMModel, ModelParallelSettings  # noqa: E402
 
 SEQ_LENGTH = 128
-
-
-@pytest.fixture(scope="module")
-def world_of_one():
-    store = dist.TCPStore("127.0.0.1", 0, world_size=1, is_master=True, wait_for_workers=False,
-                          timeout=datetime.timedelta(seconds=60))
-    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
-    parallel_state.initialize_model_parallel(1, 1)
-    yield
-    parallel_state.destroy_model_parallel()
-    dist.destroy_process_group()
 
 
 @pytest.fixture()

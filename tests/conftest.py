@@ -1,0 +1,21 @@
+"""Shared fixtures."""
+import datetime
+
+import pytest
+
+
+@pytest.fixture(scope="module")
+def world_of_one():
+    """A gloo world of one process with megatron-core's model-parallel state (TP 1, PP 1) and RNG tracker,
+    for single-process model tests (the test module installs the CPU harness)."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state, tensor_parallel
+
+    store = dist.TCPStore("127.0.0.1", 0, world_size=1, is_master=True, wait_for_workers=False,
+                          timeout=datetime.timedelta(seconds=60))
+    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+    parallel_state.initialize_model_parallel(1, 1)
+    tensor_parallel.model_parallel_cuda_manual_seed(0)
+    yield
+    parallel_state.destroy_model_parallel()
+    dist.destroy_process_group()
