@@ -7,10 +7,10 @@ import torch
 import torch.distributed as dist
 
 from dist_utils import run_distributed
-from megatron_orch.balance.plan import Placement, Transfer
+from megatron_orch.balance.plan import Placement, Transfer, checksum
 from megatron_orch.comm.alltoall import ItemLayout, all_to_all_items
-from megatron_orch.comm.gather import GroupMismatchError, checksum, gather_item_sizes
-from megatron_orch.comm.topology import Topology
+from megatron_orch.comm.gather import GroupMismatchError, gather_item_sizes
+from megatron_orch.comm.group_topology import group_topology
 
 # Two float32 streams (one dtype group, different trailing shapes) and one int64 stream.
 TRAILING = [(3,), (2, 2), ()]
@@ -90,7 +90,7 @@ def _check_strided_subgroups(rank, world):
     """Megatron-style DP groups of non-consecutive global ranks: {0, 2} and {1, 3}."""
     groups = [dist.new_group([0, 2]), dist.new_group([1, 3])]
     group = groups[rank % 2]
-    assert Topology.from_process_group(group, gpus_per_node=2).node_of_rank.tolist() == [0, 1]
+    assert group_topology(group, gpus_per_node=2).node_of_rank.tolist() == [0, 1]
     rng = np.random.default_rng(99 + rank % 2)  # each subgroup its own plan
     n = 5
     transfer = Transfer(_random_placement(rng, n, 2), _random_placement(rng, n, 2))
@@ -220,7 +220,7 @@ def _check_size_gather(rank, world):
     with pytest.raises(GroupMismatchError, match="size fields"):
         gather_item_sizes(np.zeros((1, 2 + (rank == 0)), dtype=np.int64))
     # Hostnames gathered over the group: every process of this test runs on one node.
-    assert Topology.from_process_group(env={}).node_of_rank.tolist() == [0] * world
+    assert group_topology(env={}).node_of_rank.tolist() == [0] * world
     assert np.array_equal(gather_item_sizes(mine).sizes, everything)
 
 

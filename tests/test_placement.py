@@ -5,10 +5,10 @@ import numpy as np
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from megatron_orch.comm import placement as placement_module
-from megatron_orch.comm.placement import (METHODS, BinTraffic, PlacementConfig, place_bins,
+from megatron_orch.balance import placement as placement_module
+from megatron_orch.balance.placement import (METHODS, BinTraffic, PlacementConfig, place_bins,
                                           placement_cost)
-from megatron_orch.comm.topology import Topology
+from megatron_orch.balance.topology import Topology
 
 
 @st.composite

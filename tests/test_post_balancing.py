@@ -175,7 +175,7 @@ def _disagreeing_ranks(rank, world_size):
 
     from megatron_orch.balance.model_config import load_model_config
     from megatron_orch.comm.gather import GroupMismatchError
-    from megatron_orch.comm.topology import Topology
+    from megatron_orch.balance.topology import Topology
     from megatron_orch.megatron.batch import collate
     from megatron_orch.megatron.data import example_shape
     from megatron_orch.megatron.post_balancing import PostBalancingDataIterator
@@ -210,7 +210,7 @@ def _bad_input_on_one_rank(rank, world_size):
 
     from megatron_orch.balance.model_config import load_model_config
     from megatron_orch.comm.gather import GroupMismatchError
-    from megatron_orch.comm.topology import Topology
+    from megatron_orch.balance.topology import Topology
     from megatron_orch.megatron.batch import collate
     from megatron_orch.megatron.data import example_shape
     from megatron_orch.megatron.post_balancing import PostBalancingDataIterator

@@ -5,7 +5,7 @@ import pytest
 from hypothesis import given, settings, strategies as st
 
 from megatron_orch.balance.model_config import load_model_config
-from megatron_orch.comm.topology import Topology
+from megatron_orch.balance.topology import Topology
 from megatron_orch.orchestrator.config import OrchestratorConfig
 from megatron_orch.orchestrator.step_plan import StepSizes, plan_step
 

@@ -2,7 +2,7 @@
 import numpy as np
 import pytest
 
-from megatron_orch.comm.topology import Topology, gpus_per_node_from_env
+from megatron_orch.balance.topology import Topology, gpus_per_node_from_env
 
 
 def test_uniform_fills_nodes_in_rank_order():

@@ -12,6 +12,7 @@ send/receive orders and split sizes from the same sizes without extra communicat
 """
 from __future__ import annotations
 
+import zlib
 from dataclasses import dataclass
 from typing import Optional
 
@@ -171,3 +172,14 @@ class Transfer:
         if not self.dst.same_as(following.src):
             raise ValueError("cannot compose: the second transfer does not start where the first ends")
         return Transfer(src=self.src, dst=following.dst)
+
+
+def checksum(*arrays) -> int:
+    """Deterministic 32-bit check value of integer arrays (shape-sensitive): a plan's digest, which ranks
+    compare instead of the plan itself."""
+    value = 0
+    for array in arrays:
+        array = np.ascontiguousarray(array, dtype=np.int64)
+        value = zlib.crc32(np.asarray(array.shape, dtype=np.int64).tobytes(), value)
+        value = zlib.crc32(array.tobytes(), value)
+    return value

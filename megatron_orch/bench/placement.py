@@ -31,11 +31,11 @@ from typing import Dict, List, Optional, Sequence
 import numpy as np
 
 from megatron_orch.balance.partition import partition, partition_locality
+from megatron_orch.balance.placement import BinTraffic, PlacementConfig, place_bins, placement_cost
+from megatron_orch.balance.topology import Topology
 from megatron_orch.balance.workload import PHASES, PhaseItems
 from megatron_orch.bench.common import (draw_phases, memory_caps, parser_with_batch_args, report, trace_specs,
                                         warm_up_partitioners)
-from megatron_orch.comm.placement import BinTraffic, PlacementConfig, place_bins, placement_cost
-from megatron_orch.comm.topology import Topology
 
 METHODS = ("identity", "greedy", "exact", "minmax", "locality")
 PLACEMENTS = ("identity", "greedy", "exact", "minmax")

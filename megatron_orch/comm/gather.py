@@ -8,7 +8,6 @@ all ranks raise the same error together instead of some of them hanging in the n
 """
 from __future__ import annotations
 
-import zlib
 from dataclasses import dataclass
 from typing import List, Optional
 
@@ -43,16 +42,6 @@ class GatheredSizes:
     def placement(self) -> Placement:
         """Where the items are now: rank r holds its own items in the order it passed them."""
         return Placement.from_counts(self.counts)
-
-
-def checksum(*arrays) -> int:
-    """Deterministic 32-bit check value of integer arrays (dtype- and shape-sensitive)."""
-    value = 0
-    for array in arrays:
-        array = np.ascontiguousarray(array, dtype=np.int64)
-        value = zlib.crc32(np.asarray(array.shape, dtype=np.int64).tobytes(), value)
-        value = zlib.crc32(array.tobytes(), value)
-    return value
 
 
 def gather_item_sizes(local_sizes, group=None, *, max_count: Optional[int] = None,

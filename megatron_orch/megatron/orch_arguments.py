@@ -4,7 +4,7 @@ from __future__ import annotations
 import argparse
 from typing import Optional
 
-from megatron_orch.comm.placement import METHODS as PLACEMENT_METHODS
+from megatron_orch.balance.placement import METHODS as PLACEMENT_METHODS
 from megatron_orch.orchestrator.config import ALGORITHMS, MICROBATCHING, PHASES, OrchestratorConfig
 
 

@@ -30,10 +30,10 @@ import torch.distributed as dist
 
 from megatron_orch.balance.model_config import MLLMConfig
 from megatron_orch.balance.plan import Transfer
+from megatron_orch.balance.topology import Topology
 from megatron_orch.comm.alltoall import ItemLayout, all_to_all_items
 from megatron_orch.comm.device import communication_device, host_to_device
 from megatron_orch.comm.gather import GroupMismatchError, assert_same_on_all_ranks, gather_item_sizes
-from megatron_orch.comm.topology import Topology
 from megatron_orch.megatron.batch import (PAD_TOKEN_ID, Example, ExampleShape, MicroBatch, collate,
                                           collate_packed)
 from megatron_orch.orchestrator.background import BackgroundPlanner

@@ -13,7 +13,7 @@ from typing import Iterator
 import torch
 from megatron.core import parallel_state
 
-from megatron_orch.comm.topology import Topology
+from megatron_orch.comm.group_topology import group_topology
 from megatron_orch.megatron.arguments import runs_on_cpu
 from megatron_orch.megatron.batch import MicroBatch
 from megatron_orch.megatron.data import DataConfig, build_train_iterator
@@ -123,7 +123,7 @@ def build_post_balancing(args: argparse.Namespace, config: OrchestratorConfig, s
     the :class:`ModalityAwareSchedule` (call it instead of ``get_forward_backward_func()``'s result).
     """
     dp_group = parallel_state.get_data_parallel_group()
-    topology = Topology.from_process_group(dp_group, gpus_per_node=config.gpus_per_node)
+    topology = group_topology(dp_group, gpus_per_node=config.gpus_per_node)
     data = data_config(args)
     iterator = PostBalancingDataIterator(
         source, model_config=args.mllm_config, config=config, shape=data.shape,

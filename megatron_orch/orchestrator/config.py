@@ -4,7 +4,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional, Tuple
 
-from megatron_orch.comm.placement import METHODS as PLACEMENT_METHODS
+from megatron_orch.balance.placement import METHODS as PLACEMENT_METHODS
 
 PHASES = ("vision", "audio", "llm")
 ALGORITHMS = ("auto", "lpt", "kk", "bs_ffd")

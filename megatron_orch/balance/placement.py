@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
+
 import numpy as np
 
 try:
@@ -35,7 +36,7 @@ except ImportError:  # OR-Tools is optional at run time: the greedy placement ne
     cp_model = linear_sum_assignment = min_cost_flow = None
 
 from megatron_orch.balance.plan import as_index_array
-from megatron_orch.comm.topology import Topology
+from megatron_orch.balance.topology import Topology
 
 METHODS = ("identity", "greedy", "exact", "minmax")
 

@@ -4,12 +4,11 @@ Megatron's data-parallel group of one TP/PP coordinate is not a block of consecu
 (e.g. with TP=2 the DP ranks are 0, 2, 4, ...), so the map goes group rank -> global rank -> node.
 The node of a global rank comes, in this order of preference, from an explicit ``gpus_per_node``,
 from torchrun's ``LOCAL_WORLD_SIZE`` (torchrun numbers ranks node by node), or from the hostnames of
-the group's ranks gathered once (any launcher, uneven nodes).
+the group's ranks gathered once (any launcher, uneven nodes:
+:func:`megatron_orch.comm.group_topology.group_topology` reads a live process group).
 """
 from __future__ import annotations
 
-import os
-import socket
 from dataclasses import dataclass
 from typing import Mapping, Optional, Sequence
 
@@ -58,20 +57,6 @@ class Topology:
         """Ranks that share a hostname share a node."""
         _, inverse = np.unique(np.asarray(list(hostnames)), return_inverse=True)
         return cls(inverse.reshape(-1))
-
-    @classmethod
-    def from_process_group(cls, group=None, gpus_per_node: Optional[int] = None,
-                           env: Optional[Mapping[str, str]] = None) -> "Topology":
-        """Topology of a torch.distributed group (collective over ``group`` only if hostnames are needed)."""
-        import torch.distributed as dist
-
-        global_ranks = dist.get_process_group_ranks(group) if group is not None else \
-            list(range(dist.get_world_size()))
-        gpus_per_node = gpus_per_node or gpus_per_node_from_env(os.environ if env is None else env)
-        if gpus_per_node:
-            return cls.from_global_ranks(global_ranks, gpus_per_node)
-        from megatron_orch.comm.gather import gather_hostnames
-        return cls.from_hostnames(gather_hostnames(socket.gethostname(), group))
 
     @property
     def num_ranks(self) -> int:
