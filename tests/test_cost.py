@@ -100,3 +100,24 @@ def test_config_parameter_counts(name, low, high):
     print(f"{name}: " + ", ".join(f"{k} {v / 1e9:.3f}B" for k, v in counts.items()))
     assert low <= counts["total"] <= high
     assert counts["total"] == counts["backbone"] + counts["vision"] + counts["audio"]
+
+
+def test_item_flops_of_the_tiny_model_by_hand():
+    """One vision tile and one audio window of configs/tiny.yaml, counted by hand (multiply-adds x 2,
+    training = 3 x forward): 2 layers of QKV (3h^2), projection (h^2), FFN (2hf) and the attention
+    score and value products (2 x s^2 x h), then the projector's two matrices per LLM token."""
+    from megatron_orch.balance.model_config import load_model_config
+
+    config = load_model_config("tiny")
+    h, f, layers = 64, 256, 2
+
+    def encoder(seq):
+        return layers * (2 * (4 * h * h + 2 * h * f) * seq + 2 * 2 * seq * seq * h)
+
+    def projector(tokens, input_size):  # input -> FFN 64 -> backbone hidden 64
+        return 2 * (input_size * 64 + 64 * 64) * tokens
+
+    vision = encoder(17) + projector(4, 4 * h)   # 16 patches + class token; 2x2 pixel shuffle
+    audio = encoder(32) + projector(8, 4 * h)    # 64 frames / stride 2; 4 tokens stacked per LLM token
+    assert config.vision_item_train_flops() == 3 * vision
+    assert config.audio_window_train_flops() == 3 * audio

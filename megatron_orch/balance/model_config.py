@@ -156,6 +156,19 @@ class MLLMConfig:
     def hidden_size(self) -> int:
         return self.backbone.transformer.hidden_size
 
+    def vision_item_train_flops(self) -> float:
+        """Training FLOPs of one image tile or video frame: ViT over its patches, projector over its tokens."""
+        vision = self.vision
+        return float(vision.transformer.train_flops(vision.tile_seq_len)
+                     + vision.projector(self.hidden_size).train_flops(vision.tile_llm_tokens))
+
+    def audio_window_train_flops(self) -> float:
+        """Training FLOPs of one audio window as the model encodes it (a whole window, padded)."""
+        audio = self.audio
+        return float(audio.transformer.train_flops(audio.window_tokens)
+                     + audio.projector(self.hidden_size).train_flops(-(-audio.window_tokens
+                                                                        // audio.projector_downsample)))
+
     def num_parameters(self) -> dict:
         """Parameters per component (encoders include their projector) and in total."""
         counts = {"backbone": self.backbone.num_parameters()}

@@ -104,14 +104,8 @@ class StepPlan:
 
 def _item_costs(model_config: MLLMConfig):
     """Training FLOPs of one vision item, one audio window, and a backbone example of n tokens."""
-    hidden = model_config.hidden_size
-    vision, audio = model_config.vision, model_config.audio
-    vision_cost = 0.0 if vision is None else float(
-        vision.transformer.train_flops(vision.tile_seq_len)
-        + vision.projector(hidden).train_flops(vision.tile_llm_tokens))
-    audio_cost = 0.0 if audio is None else float(
-        audio.transformer.train_flops(audio.window_tokens)
-        + audio.projector(hidden).train_flops(-(-audio.window_tokens // audio.projector_downsample)))
+    vision_cost = 0.0 if model_config.vision is None else model_config.vision_item_train_flops()
+    audio_cost = 0.0 if model_config.audio is None else model_config.audio_window_train_flops()
     return vision_cost, audio_cost, model_config.backbone.transformer.train_flops
 
 
