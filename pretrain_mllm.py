@@ -7,8 +7,8 @@ Launch with torchrun and Megatron-LM's flag names, e.g.::
 
 Where a Megatron-LM checkout is importable (``megatron.training``) and a GPU is present, training
 goes through ``megatron.training.pretrain`` with the providers of
-:mod:`megatron_orch.megatron.providers` (that path is completed in a later issue); everywhere else
-(no Megatron-LM, or CPU) the compact trainer of :mod:`megatron_orch.megatron.trainer` runs, on
+:mod:`megatron_orch.mllm.providers` (that path is completed in a later issue); everywhere else
+(no Megatron-LM, or CPU) the compact trainer of :mod:`megatron_orch.trainer.loop` runs, on
 megatron-core alone.
 """
 from __future__ import annotations
@@ -38,7 +38,7 @@ def megatron_lm_available() -> bool:
 
 
 def main_compact(argv=None) -> None:
-    from megatron_orch.megatron import arguments, trainer
+    from megatron_orch.trainer import arguments, loop as trainer
     try:
         args = arguments.parse_args(argv, world_size=int(os.environ.get("WORLD_SIZE", "1")))
     except arguments.ArgumentError as err:
@@ -56,7 +56,8 @@ def main_megatron_lm() -> None:
     from megatron.core.enums import ModelType
     from megatron.training import get_args, pretrain
 
-    from megatron_orch.megatron import arguments, providers
+    from megatron_orch.mllm import providers
+    from megatron_orch.trainer import arguments
 
     if "--orch-post-balancing" in sys.argv:
         # The hooks that put the post-balancing iterator and schedule into megatron.training's loop

@@ -21,7 +21,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from megatron.core.transformer.enums import AttnMaskType  # noqa: E402
 from megatron.core.transformer.transformer_config import TransformerConfig  # noqa: E402
 
-from megatron_orch.megatron.attention import SDPAttention  # noqa: E402
+from megatron_orch.mllm.attention import SDPAttention  # noqa: E402
 from megatron_orch.megatron.batch import PAD_TOKEN_ID, Example, collate_packed  # noqa: E402
 
 

@@ -20,7 +20,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from megatron_orch.megatron.training_log import parse_iteration_line  # noqa: E402
+from megatron_orch.trainer.training_log import parse_iteration_line  # noqa: E402
 
 DEFAULT_FLAGS = ["--model-config", "tiny", "--seq-length", "256", "--micro-batch-size", "2",
                  "--global-batch-size", "32", "--train-iters", "20", "--lr", "1e-3", "--min-lr", "1e-4",

@@ -168,7 +168,7 @@ def install(project_modules=PROJECT_MODULES) -> CollectiveLog:
     _setup_privateuseone_for_python_backend(rename=DEVICE_NAME)
     COMM_DEVICE = torch.device(DEVICE_NAME, 0)
 
-    import megatron_orch.megatron.trainer  # noqa: F401  (loads every module that communicates)
+    import megatron_orch.trainer.loop  # noqa: F401  (loads every module that communicates)
     from megatron_orch.comm import device
     original = device.communication_device
 

@@ -11,7 +11,7 @@ import torch
 
 warnings.filterwarnings("ignore", message=r".*(Transformer Engine|Apex).*not installed")
 
-from megatron_orch.megatron import cpu_harness  # noqa: E402
+from megatron_orch.trainer import cpu_harness  # noqa: E402
 
 cpu_harness.install()
 
@@ -21,12 +21,13 @@ from megatron.core.transformer.enums import AttnMaskType  # noqa: E402
 
 from megatron_orch.balance.cost import TransformerShape  # noqa: E402
 from megatron_orch.balance.model_config import load_model_config  # noqa: E402
-from megatron_orch.megatron import arguments, providers  # noqa: E402
-from megatron_orch.megatron import model as model_module  # noqa: E402
-from megatron_orch.megatron.attention import SDPAttention  # noqa: E402
+from megatron_orch.mllm import providers  # noqa: E402
+from megatron_orch.trainer import arguments  # noqa: E402
+from megatron_orch.mllm import model as model_module  # noqa: E402
+from megatron_orch.mllm.attention import SDPAttention  # noqa: E402
 from megatron_orch.megatron.batch import collate, collate_packed  # noqa: E402
-from megatron_orch.megatron.data import assemble_example  # noqa: E402
-from megatron_orch.megatron.model import (  # noqa: E402
+from megatron_orch.mllm.examples import assemble_example  # noqa: E402
+from megatron_orch.mllm.model import (  # noqa: E402
     MLLMModel,
     ModelParallelSettings,
     transformer_config,

@@ -29,7 +29,7 @@ def _train_on_emulated_device(rank, world_size, argv, out_dir):
     log = comm_device_emulation.install(project_modules=comm_device_emulation.PROJECT_MODULES + (__name__,))
     from megatron.core import parallel_state
 
-    from megatron_orch.megatron import arguments, trainer
+    from megatron_orch.trainer import arguments, loop as trainer
 
     args = arguments.parse_args(argv, world_size=world_size)
     try:
@@ -70,7 +70,7 @@ def _assert_on_communication_device(results, balanced: bool):
         # Not vacuous: the project's own collectives were seen (metrics every step; with post-balancing
         # the size gather, the digest check and the all-to-alls of inputs, embeddings and gradients).
         assert "max_and_mean_over_group" in sites or "all_gather_to_host" in sites, sites
-        assert "all_reduce @ megatron_orch.megatron.trainer" in sites, sites
+        assert "all_reduce @ megatron_orch.trainer.loop" in sites, sites
         if balanced:
             assert "all_to_all_single @ megatron_orch.comm.alltoall" in sites, sites
             assert sum(n for site, n in result["checked"].items() if "all_to_all_single" in site) >= 5 * ITERS

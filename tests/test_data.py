@@ -11,9 +11,10 @@ from megatron_orch.balance.model_config import load_model_config
 from megatron_orch.balance.traces import Trace, TraceMixture
 from megatron_orch.megatron.batch import (AUDIO_TOKEN_ID, IMAGE_TOKEN_ID, PAD_TOKEN_ID, SIZE_FIELDS, Example,
                                           ExampleShape, collate, collate_packed, sizes_array)
-from megatron_orch.megatron.data import (DataConfig, ImageTiling, ManifestDataset, ManifestError,
-                                         MegatronPretrainingSampler, SyntheticMultimodalDataset,
-                                         build_train_iterator, example_shape, image_tiling)
+from megatron_orch.mllm.data import DataConfig, MegatronPretrainingSampler, build_train_iterator
+from megatron_orch.mllm.examples import example_shape
+from megatron_orch.mllm.manifest import ImageTiling, ManifestDataset, ManifestError, image_tiling
+from megatron_orch.mllm.synthetic import SyntheticMultimodalDataset
 
 TINY = load_model_config("tiny")
 SEQ = 256

@@ -8,17 +8,18 @@ import torch
 
 warnings.filterwarnings("ignore", message=r".*(Transformer Engine|Apex).*not installed")
 
-from megatron_orch.megatron import cpu_harness  # noqa: E402
+from megatron_orch.trainer import cpu_harness  # noqa: E402
 
 cpu_harness.install()
 
 from megatron.core import tensor_parallel  # noqa: E402
 
 from megatron_orch.balance.model_config import load_model_config  # noqa: E402
-from megatron_orch.megatron import arguments, providers, trainer  # noqa: E402
+from megatron_orch.mllm import providers  # noqa: E402
+from megatron_orch.trainer import arguments, loop as trainer  # noqa: E402
 from megatron_orch.megatron.batch import AUDIO_TOKEN_ID, IMAGE_TOKEN_ID, collate  # noqa: E402
-from megatron_orch.megatron.data import assemble_example  # noqa: E402
-from megatron_orch.megatron.model import MLLMModel, ModelParallelSettings  # noqa: E402
+from megatron_orch.mllm.examples import assemble_example  # noqa: E402
+from megatron_orch.mllm.model import MLLMModel, ModelParallelSettings  # noqa: E402
 
 SEQ_LENGTH = 128
 

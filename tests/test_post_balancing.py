@@ -28,7 +28,7 @@ SCENARIOS = ("no_images", "audio_on_one_rank", "one_long_example", "heavy_on_one
 
 def scripted_example(step: int, dp_rank: int, position: int, shape, sample_index: int):
     """Example ``position`` of ``dp_rank`` in ``step``: sizes from the step's scenario, content random."""
-    from megatron_orch.megatron.data import assemble_example
+    from megatron_orch.mllm.examples import assemble_example
 
     scenario = SCENARIOS[step % len(SCENARIOS)]
     g = torch.Generator().manual_seed(1000 * step + 10 * dp_rank + position)
@@ -52,7 +52,7 @@ def scripted_example(step: int, dp_rank: int, position: int, shape, sample_index
 
 def scripted_iterator(args, consumed_samples, dp_rank, dp_size):
     """Micro-batches of the scripted stream for one DP rank (same on its TP/PP peers)."""
-    from megatron_orch.megatron import providers
+    from megatron_orch.mllm import providers
     from megatron_orch.megatron.batch import collate
 
     data = providers.data_config(args)
@@ -69,7 +69,8 @@ def _train(rank, world_size, argv, out_dir):
     warnings.filterwarnings("ignore")
     from megatron.core import parallel_state
 
-    from megatron_orch.megatron import arguments, providers, trainer
+    from megatron_orch.mllm import providers
+    from megatron_orch.trainer import arguments, loop as trainer
 
     providers.build_train_data_iterator = scripted_iterator
     built = []
@@ -159,7 +160,7 @@ def test_dp1_is_invariant(tmp_path):
 
 
 def test_orch_flags_without_the_switch_are_rejected():
-    from megatron_orch.megatron import arguments
+    from megatron_orch.trainer import arguments
 
     with pytest.raises(arguments.ArgumentError, match="--orch-locality given without --orch-post-balancing"):
         arguments.parse_args(COMMON + ["--orch-locality"], world_size=1)
@@ -177,7 +178,7 @@ def _disagreeing_ranks(rank, world_size):
     from megatron_orch.comm.gather import GroupMismatchError
     from megatron_orch.balance.topology import Topology
     from megatron_orch.megatron.batch import collate
-    from megatron_orch.megatron.data import example_shape
+    from megatron_orch.mllm.examples import example_shape
     from megatron_orch.megatron.post_balancing import PostBalancingDataIterator
     from megatron_orch.orchestrator.config import OrchestratorConfig
 
@@ -212,7 +213,7 @@ def _bad_input_on_one_rank(rank, world_size):
     from megatron_orch.comm.gather import GroupMismatchError
     from megatron_orch.balance.topology import Topology
     from megatron_orch.megatron.batch import collate
-    from megatron_orch.megatron.data import example_shape
+    from megatron_orch.mllm.examples import example_shape
     from megatron_orch.megatron.post_balancing import PostBalancingDataIterator
     from megatron_orch.orchestrator.config import OrchestratorConfig
 

@@ -108,7 +108,7 @@ def test_edge_cases(case, config):
 
 def test_balances_a_realistic_batch():
     """DP 16 with 8 examples per rank drawn from the shipped traces: imbalance falls to the targets."""
-    from megatron_orch.megatron.data import SyntheticMultimodalDataset
+    from megatron_orch.mllm.synthetic import SyntheticMultimodalDataset
 
     num_ranks, mbs, num_mb = 16, 2, 4
     n = num_ranks * mbs * num_mb

@@ -61,7 +61,8 @@ def _train(rank, world_size, argv, out_dir, save_initial_state=None, load_initia
     _quiet_warnings()
     from megatron.core import parallel_state
 
-    from megatron_orch.megatron import arguments, providers, trainer
+    from megatron_orch.mllm import providers
+    from megatron_orch.trainer import arguments, loop as trainer
 
     def model_provider(args, pre_process, post_process):
         model = providers.build_model(args, pre_process, post_process)
@@ -180,13 +181,13 @@ def test_torchrun_entry_point_logs_megatron_iteration_lines(reference, tmp_path)
     (["--lr-warmup-iters", "4"], 1, "--lr-warmup-iters 4 must be >= 0 and below --lr-decay-iters"),
 ])
 def test_inconsistent_flags_are_named_in_the_error(flags, world_size, message):
-    from megatron_orch.megatron import arguments
+    from megatron_orch.trainer import arguments
     with pytest.raises(arguments.ArgumentError, match=re.escape(message)):
         arguments.parse_args(COMMON + flags, world_size=world_size)
 
 
 def test_unknown_and_abbreviated_flags_are_rejected(capsys):
-    from megatron_orch.megatron import arguments
+    from megatron_orch.trainer import arguments
     for flag in (["--no-such-flag", "1"], ["--tensor-model-parallel", "2"]):
         with pytest.raises(SystemExit):
             arguments.parse_args(COMMON + flag, world_size=1)
@@ -194,7 +195,7 @@ def test_unknown_and_abbreviated_flags_are_rejected(capsys):
 
 
 def test_backbone_shape_flags_override_the_model_config():
-    from megatron_orch.megatron import arguments
+    from megatron_orch.trainer import arguments
     args = arguments.parse_args(COMMON + ["--num-layers", "4", "--hidden-size", "32", "--data-path", "x.jsonl"],
                                 world_size=2)
     backbone = args.mllm_config.backbone.transformer

@@ -1,7 +1,7 @@
 """The iteration line round-trips through its parser (the comparison command reads logs with it)."""
 import pytest
 
-from megatron_orch.megatron.training_log import (LOAD_FIELDS, POST_BALANCING_FIELDS, IterationRecord,
+from megatron_orch.trainer.training_log import (LOAD_FIELDS, POST_BALANCING_FIELDS, IterationRecord,
                                                  parse_iteration_line)
 
 

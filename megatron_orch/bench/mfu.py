@@ -62,7 +62,7 @@ def _init_world(device: torch.device) -> None:
     from megatron.core import parallel_state, tensor_parallel
 
     if device.type == "cpu":
-        from megatron_orch.megatron import cpu_harness
+        from megatron_orch.trainer import cpu_harness
         cpu_harness.install()
     if not dist.is_initialized():
         with socket.socket() as s:
@@ -77,7 +77,7 @@ def _init_world(device: torch.device) -> None:
 
 
 def build_model(config: MLLMConfig, device: torch.device, transformer_impl: str):
-    from megatron_orch.megatron.model import MLLMModel, ModelParallelSettings
+    from megatron_orch.mllm.model import MLLMModel, ModelParallelSettings
 
     settings = ModelParallelSettings(bf16=device.type == "cuda", use_cpu_initialization=device.type == "cpu",
                                      transformer_impl=transformer_impl)
@@ -183,7 +183,7 @@ def main(argv=None) -> dict:
     if args.device == "cuda" and not torch.cuda.is_available():
         parser.error("--device cuda, but no GPU is visible")
     if args.transformer_impl == "transformer_engine":
-        from megatron_orch.megatron.arguments import transformer_engine_available
+        from megatron_orch.trainer.arguments import transformer_engine_available
         if not transformer_engine_available():
             parser.error("--transformer-impl transformer_engine, but transformer_engine does not import")
     warmup = args.warmup if args.warmup is not None else (1 if args.quick else 2)

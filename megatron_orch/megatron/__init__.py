@@ -1,7 +1,29 @@
-"""Megatron integration: the multimodal model, its data, the training entry point and the CPU harness.
+"""The hook a Megatron-LM user imports: post-balancing around Megatron's own training loop.
 
-``model`` (MLLM on megatron-core), ``batch``/``data`` (example format, datasets, per-rank iterator),
-``arguments`` (Megatron-LM flag names), ``providers`` (model / data / forward-step providers shared by
-the compact ``trainer`` and ``megatron.training.pretrain``), ``training_log``, ``checkpointing``, and
-``cpu_harness`` (the only module that redirects megatron-core's CUDA-only calls; CPU runs only).
+* :class:`PostBalancingDataIterator` wraps the training data iterator: per global batch it gathers
+  sizes over the DP group, plans every phase and moves the data, and yields one :class:`BalancedStep`;
+* :class:`ModalityAwareSchedule` wraps ``get_forward_backward_func()``: encoders over the rank's
+  balanced items, their outputs to the backbone rank of their example, Megatron's schedule for the
+  backbone, then the encoders' backward before gradients are finalised;
+* the ``--orch-*`` flags (:func:`add_orch_args`, Megatron's ``extra_args_provider`` convention) and
+  the config they build (:func:`orch_config_from_args`).
+
+The batch contract (:mod:`megatron_orch.megatron.batch`): the wrapped iterator yields
+:class:`MicroBatch` objects, ``micro_batch_size`` examples each, whose :meth:`MicroBatch.examples`
+give :class:`Example` objects on the host: int64 ``tokens``/``labels`` and a float ``loss_mask`` of one
+length, image tiles / video frames ``[n_v, patches, patch_dim]`` and audio windows ``[n_a, frames,
+mel_bins]`` (float), with ``vision_llm_tokens_per_item`` :data:`IMAGE_TOKEN_ID` placeholders per vision
+item and ``audio_llm_tokens_per_item`` :data:`AUDIO_TOKEN_ID` placeholders per audio window in the
+tokens, in item order (:class:`ExampleShape` says the numbers and checks each example). The model must
+offer ``encode_vision(items)`` / ``encode_audio(items)`` returning ``tokens_per_item`` rows per item,
+and take ``vision_embeds`` / ``audio_embeds`` in place of raw inputs in its forward.
 """
+from megatron_orch.megatron.batch import (AUDIO_TOKEN_ID, IMAGE_TOKEN_ID, Example, ExampleShape, MicroBatch, collate,
+                                          collate_packed)
+from megatron_orch.megatron.orch_arguments import add_orch_args, orch_config_from_args
+from megatron_orch.megatron.post_balancing import BalancedMicroBatch, BalancedStep, PostBalancingDataIterator
+from megatron_orch.megatron.schedule import ModalityAwareSchedule
+
+__all__ = ["AUDIO_TOKEN_ID", "IMAGE_TOKEN_ID", "Example", "ExampleShape", "MicroBatch", "collate", "collate_packed",
+           "add_orch_args", "orch_config_from_args", "BalancedMicroBatch", "BalancedStep",
+           "PostBalancingDataIterator", "ModalityAwareSchedule"]

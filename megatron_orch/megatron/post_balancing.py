@@ -34,8 +34,7 @@ from megatron_orch.balance.topology import Topology
 from megatron_orch.comm.alltoall import ItemLayout, all_to_all_items
 from megatron_orch.comm.device import communication_device, host_to_device
 from megatron_orch.comm.gather import GroupMismatchError, assert_same_on_all_ranks, gather_item_sizes
-from megatron_orch.megatron.batch import (PAD_TOKEN_ID, Example, ExampleShape, MicroBatch, collate,
-                                          collate_packed)
+from megatron_orch.megatron.batch import PAD_TOKEN_ID, Example, ExampleShape, MicroBatch, collate, collate_packed
 from megatron_orch.orchestrator.background import BackgroundPlanner
 from megatron_orch.orchestrator.config import OrchestratorConfig
 from megatron_orch.orchestrator.step_plan import StepPlan, StepSizes, plan_step, warm_up

@@ -16,7 +16,6 @@ from typing import Callable, Dict, List, Optional
 
 import numpy as np
 import torch
-
 from megatron.core.utils import get_model_config
 
 from megatron_orch.comm.alltoall import ItemLayout, all_to_all_items

@@ -13,8 +13,7 @@ from typing import Dict
 import numpy as np
 
 from megatron_orch.balance.model_config import MLLMConfig
-from megatron_orch.balance.partition import (partition, partition_equal_count,
-                                             partition_locality)
+from megatron_orch.balance.partition import partition, partition_equal_count, partition_locality
 from megatron_orch.balance.placement import BinTraffic, PlacementConfig, place_bins
 from megatron_orch.balance.plan import Placement, Transfer, checksum
 from megatron_orch.balance.topology import Topology

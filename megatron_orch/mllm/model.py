@@ -14,12 +14,13 @@ Parallelism: the encoders and projectors live on the first pipeline stage; tenso
 from Megatron's column/row-parallel layers. Sequence parallelism is not supported.
 
 Layer specs (:func:`transformer_layer_spec`, Megatron's ``--transformer-impl``): ``local`` is
-megatron-core's local layers with :class:`~megatron_orch.megatron.attention.SDPAttention` as core
+megatron-core's local layers with :class:`~megatron_orch.mllm.attention.SDPAttention` as core
 attention; ``transformer_engine`` is megatron-core's Transformer Engine layers.
 """
 from __future__ import annotations
 
 import dataclasses
+import functools
 from dataclasses import dataclass
 from typing import Optional
 
@@ -27,16 +28,12 @@ import torch
 import torch.nn.functional as F
 from megatron.core import parallel_state
 from megatron.core.enums import ModelType
-from megatron.core.models.gpt.gpt_layer_specs import (
-    get_gpt_layer_local_spec,
-    get_gpt_layer_with_transformer_engine_spec,
-)
+from megatron.core.models.gpt.gpt_layer_specs import (get_gpt_layer_local_spec,
+                                                      get_gpt_layer_with_transformer_engine_spec)
 from megatron.core.models.gpt.gpt_model import GPTModel
 from megatron.core.models.vision.multimodal_projector import MultimodalProjector
-from megatron.core.models.vision.vit_layer_specs import (
-    get_vit_layer_with_local_spec,
-    get_vit_layer_with_transformer_engine_spec,
-)
+from megatron.core.models.vision.vit_layer_specs import (get_vit_layer_with_local_spec,
+                                                         get_vit_layer_with_transformer_engine_spec)
 from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
 from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.mlp import MLPSubmodules
@@ -47,10 +44,19 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 
 from megatron_orch.balance.cost import TransformerShape
 from megatron_orch.balance.model_config import AudioEncoderConfig, MLLMConfig, VisionEncoderConfig
-from megatron_orch.megatron.arguments import transformer_engine_available
-from megatron_orch.megatron.attention import SDPAttention
 from megatron_orch.megatron.batch import AUDIO_TOKEN_ID, IMAGE_TOKEN_ID
-from megatron_orch.megatron.data import example_shape
+from megatron_orch.mllm.attention import SDPAttention
+from megatron_orch.mllm.examples import example_shape
+
+
+@functools.lru_cache(maxsize=None)
+def transformer_engine_available() -> bool:
+    """Whether ``import transformer_engine`` succeeds (it decides ``--transformer-impl``'s default)."""
+    try:
+        import transformer_engine  # noqa: F401
+    except (ImportError, OSError):  # OSError: installed, but its CUDA libraries do not load
+        return False
+    return True
 
 
 @dataclass(frozen=True)

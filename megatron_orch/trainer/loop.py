@@ -1,7 +1,7 @@
 """A compact training loop on megatron-core, for machines without a Megatron-LM checkout.
 
 It does what ``megatron.training.pretrain`` does for this model, with megatron-core's own parts:
-``parallel_state`` (gloo on CPU, through :mod:`~megatron_orch.megatron.cpu_harness`), Megatron DDP,
+``parallel_state`` (gloo on CPU, through :mod:`~megatron_orch.trainer.cpu_harness`), Megatron DDP,
 ``get_megatron_optimizer`` (optionally the distributed optimizer), ``OptimizerParamScheduler``,
 ``get_forward_backward_func()`` (no pipelining, or 1F1B with pipeline parallelism),
 ``finalize_model_grads`` with per-token loss normalisation, Megatron timers, iteration log lines,
@@ -31,12 +31,11 @@ from megatron.core.utils import get_attr_wrapped_model, get_model_config
 
 from megatron_orch.comm.device import to_communication_device
 from megatron_orch.comm.gather import all_gather_to_host
-from megatron_orch.megatron import providers
-from megatron_orch.megatron.arguments import runs_on_cpu
-from megatron_orch.megatron.checkpointing import TrainState, load_checkpoint, save_checkpoint
-from megatron_orch.megatron.training_log import (LOAD_FIELDS, PHASE_TIMERS, IntervalStats, IterationRecord,
-                                                 LoadMeter, POST_BALANCING_FIELDS, TensorBoardLog,
-                                                 max_and_mean_over_group)
+from megatron_orch.mllm import providers
+from megatron_orch.mllm.providers import runs_on_cpu
+from megatron_orch.trainer.checkpointing import TrainState, load_checkpoint, save_checkpoint
+from megatron_orch.trainer.training_log import (LOAD_FIELDS, PHASE_TIMERS, POST_BALANCING_FIELDS, IntervalStats,
+                                                IterationRecord, LoadMeter, TensorBoardLog, max_and_mean_over_group)
 
 ForwardStep = Callable[[Iterator, torch.nn.Module], tuple]
 
@@ -45,7 +44,7 @@ def initialize(args: argparse.Namespace) -> None:
     """Process group, model-parallel groups and seeds (Megatron's ``initialize_megatron``)."""
     device_id = None
     if runs_on_cpu(args):
-        from megatron_orch.megatron import cpu_harness
+        from megatron_orch.trainer import cpu_harness
         cpu_harness.install()
     else:
         device_id = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))

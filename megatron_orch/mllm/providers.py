@@ -1,6 +1,6 @@
 """Model, data and forward-step providers, in the shape ``megatron.training.pretrain`` expects.
 
-The compact trainer (:mod:`megatron_orch.megatron.trainer`) and Megatron-LM's ``pretrain`` use the
+The compact trainer (:mod:`megatron_orch.trainer.loop`) and Megatron-LM's ``pretrain`` use the
 same functions: :func:`build_model` (wrapped as Megatron's ``model_provider``), :func:`forward_step`
 and :func:`build_train_data_iterator`.
 """
@@ -14,14 +14,17 @@ import torch
 from megatron.core import parallel_state
 
 from megatron_orch.comm.group_topology import group_topology
-from megatron_orch.megatron.arguments import runs_on_cpu
 from megatron_orch.megatron.batch import MicroBatch
-from megatron_orch.megatron.data import DataConfig, build_train_iterator
-from megatron_orch.megatron.model import MLLMModel, ModelParallelSettings
 from megatron_orch.megatron.post_balancing import BalancedMicroBatch, PostBalancingDataIterator
 from megatron_orch.megatron.schedule import ModalityAwareSchedule
+from megatron_orch.mllm.data import DataConfig, build_train_iterator
+from megatron_orch.mllm.model import MLLMModel, ModelParallelSettings
 from megatron_orch.orchestrator.config import OrchestratorConfig
 
+
+def runs_on_cpu(args: argparse.Namespace) -> bool:
+    """A gloo launch trains on CPU (megatron-core through the CPU harness); nccl on GPUs."""
+    return args.distributed_backend == "gloo"
 
 def model_parallel_settings(args: argparse.Namespace) -> ModelParallelSettings:
     return ModelParallelSettings(

@@ -16,11 +16,12 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import functools
 from typing import Callable, Iterable, Optional, Sequence
 
 from megatron_orch.balance.model_config import MLLMConfig, load_model_config
 from megatron_orch.megatron.orch_arguments import add_orch_args, orch_config_from_args
+from megatron_orch.mllm.model import transformer_engine_available
+from megatron_orch.mllm.providers import runs_on_cpu
 
 ArgsProvider = Callable[[argparse.ArgumentParser], argparse.ArgumentParser]
 
@@ -37,16 +38,6 @@ _BACKBONE_SHAPE_FLAGS = {
 
 class ArgumentError(ValueError):
     """An inconsistent command line; the message names the flags involved."""
-
-
-@functools.lru_cache(maxsize=None)
-def transformer_engine_available() -> bool:
-    """Whether ``import transformer_engine`` succeeds (it decides ``--transformer-impl``'s default)."""
-    try:
-        import transformer_engine  # noqa: F401
-    except (ImportError, OSError):  # OSError: installed, but its CUDA libraries do not load
-        return False
-    return True
 
 
 def add_megatron_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -78,7 +69,7 @@ def add_megatron_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParse
     g.add_argument("--pipeline-model-parallel-size", type=int, default=1)
     g.add_argument("--use-distributed-optimizer", action="store_true")
     g.add_argument("--distributed-backend", choices=["nccl", "gloo"], default=None,
-                   help="nccl: train on GPUs; gloo: train on CPU through megatron_orch.megatron.cpu_harness. "
+                   help="nccl: train on GPUs; gloo: train on CPU through megatron_orch.trainer.cpu_harness. "
                         "Default: nccl when a GPU is visible, else gloo")
     g.add_argument("--distributed-timeout-minutes", type=int, default=10)
 
@@ -224,11 +215,6 @@ def _resolve_transformer_impl(args: argparse.Namespace) -> None:
         if runs_on_cpu(args):
             raise ArgumentError("--transformer-impl transformer_engine needs GPUs (--distributed-backend nccl); "
                                 "a gloo run trains on CPU: use --transformer-impl local")
-
-
-def runs_on_cpu(args: argparse.Namespace) -> bool:
-    """A gloo launch trains on CPU (megatron-core through the CPU harness); nccl on GPUs."""
-    return args.distributed_backend == "gloo"
 
 
 def resolve_model_config(args: argparse.Namespace) -> MLLMConfig:

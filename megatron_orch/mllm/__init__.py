@@ -1,0 +1,4 @@
+"""This project's multimodal LLM on megatron-core: the model (``model``, ``attention``), its data
+(``examples``: the layout of one example; ``synthetic``: the default dataset drawn from real traces;
+``manifest``: users' JSONL data; ``data``: sampler and per-rank iterator) and the providers that
+``megatron.training.pretrain`` and the compact trainer share (``providers``)."""
