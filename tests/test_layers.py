@@ -1,9 +1,13 @@
-"""The planning layers (balance, orchestrator) import no torch: they run in the background planner, in
-benchmarks and in simulators without it, and nothing torch-side can leak into a plan."""
+"""The layering of DESIGN.md section 5: imports only go downward, and the planning layers (balance,
+orchestrator) import no torch: they run in the background planner, in benchmarks and in simulators
+without it, and nothing torch-side can leak into a plan."""
+import ast
 import pkgutil
 import subprocess
 import sys
+from pathlib import Path
 
+import megatron_orch
 import megatron_orch.balance
 import megatron_orch.orchestrator
 
@@ -19,3 +23,37 @@ def test_planning_layers_import_no_torch():
             "print(sorted(m for m in sys.modules if m == 'torch' or m.startswith('torch.')))")
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert result.stdout.strip() == "[]", f"torch modules imported by the planning layers: {result.stdout}"
+
+
+# What each layer may import of the project (DESIGN.md section 5): only itself and the layers below.
+ALLOWED = {
+    "balance": {"balance"},
+    "orchestrator": {"balance", "orchestrator"},
+    "comm": {"balance", "comm"},
+    "megatron": {"balance", "orchestrator", "comm", "megatron"},
+    "mllm": {"balance", "orchestrator", "comm", "megatron", "mllm"},
+    "trainer": {"balance", "orchestrator", "comm", "megatron", "mllm", "trainer"},
+    "bench": {"balance", "orchestrator", "comm", "megatron", "mllm", "trainer", "bench"},
+}
+
+
+def _project_imports(path: Path):
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("megatron_orch."):
+            yield node.lineno, node.module
+        elif isinstance(node, ast.Import):
+            yield from ((node.lineno, alias.name) for alias in node.names if alias.name.startswith("megatron_orch."))
+
+
+def test_imports_only_go_downward():
+    root = Path(megatron_orch.__file__).parent
+    layers = sorted(p.name for p in root.iterdir() if p.is_dir() and (p / "__init__.py").exists())
+    assert set(layers) == set(ALLOWED), f"a package without a place in the layering: {set(layers) ^ set(ALLOWED)}"
+    upward = []
+    for layer in layers:
+        for path in sorted((root / layer).glob("*.py")):
+            for line, module in _project_imports(path):
+                target = module.split(".")[1]
+                if target not in ALLOWED[layer]:
+                    upward.append(f"{path.relative_to(root.parent)}:{line} imports {module}")
+    assert upward == [], "\n".join(upward)
