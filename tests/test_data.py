@@ -257,8 +257,6 @@ def test_example_shape_of_tiny_config():
     assert shape == ExampleShape(seq_length=SEQ, vision_patches_per_item=16, vision_patch_dim=48,
                                  vision_llm_tokens_per_item=4, audio_frames_per_window=64, audio_mel_bins=16,
                                  audio_llm_tokens_per_item=8)
-    with pytest.raises(ValueError, match="frame_px"):
-        example_shape(replace(TINY, vision=replace(TINY.vision, frame_px=32)), SEQ)
     with pytest.raises(ValueError, match="max_position_embeddings"):
         example_shape(TINY, 10 ** 6)
 

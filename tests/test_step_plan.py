@@ -7,7 +7,8 @@ from hypothesis import given, settings, strategies as st
 from megatron_orch.balance.model_config import load_model_config
 from megatron_orch.balance.topology import Topology
 from megatron_orch.orchestrator.config import OrchestratorConfig
-from megatron_orch.orchestrator.step_plan import StepSizes, plan_step
+from megatron_orch.balance.workload import StepSizes
+from megatron_orch.orchestrator.step_plan import plan_step
 
 TINY = load_model_config("tiny")
 CONFIGS = [OrchestratorConfig(background=False),

@@ -1,4 +1,4 @@
-"""Trace loading / drawing and the trace-row -> phase-item mapping, on hand-written rows."""
+"""Trace loading / drawing, trace rows -> per-example sizes, and sizes -> the items of every phase."""
 from dataclasses import replace
 
 import numpy as np
@@ -7,78 +7,86 @@ import pytest
 from megatron_orch.balance.model_config import load_model_config
 from megatron_orch.balance.traces import (NUMERIC_COLUMNS, TEXT_COLUMNS, Trace, TraceMixture, load_mixture,
                                           load_trace, parse_trace_spec)
-from megatron_orch.balance.workload import PHASES, build_workload, sampled_video_frames
+from megatron_orch.balance.workload import PHASES, StepSizes, phase_items, sampled_video_frames, sizes_from_trace
 
 TINY = load_model_config("tiny")
-# tiny: 16 px tiles of 4 px patches -> 16 patches + 1 class token, 4 LLM tokens per tile (same for frames);
-# video 0.5 fps, <= 4 frames; audio windows of 64 mel frames -> 32 tokens, 4 tokens -> 1 LLM token;
-# prompt 8 tokens; backbone hidden 64.
+# tiny: 16 px tiles of 4 px patches -> 16 patches + 1 class token, 4 LLM tokens per tile or video frame;
+# video 0.5 fps, <= 4 frames; audio windows of 64 mel frames -> 32 tokens, 4 tokens -> 1 LLM token (8 per
+# window, padded or not); prompt 8 tokens; backbone hidden 64.
 ROWS = [
     dict(task="image_sft", vision_tiles=3, text_tokens=10),  # 3 tiles
     dict(task="video_openqa", video_sec=5, text_tokens=4),  # ceil(2.5) = 3 frames
     dict(task="video_mcqa", video_frames=600, text_tokens=0),  # 20 s at 30 fps -> 10 frames, capped at 4
-    dict(task="asr", audio_frames=150, text_tokens=5),  # windows of 64, 64, 22 mel frames
+    dict(task="asr", audio_frames=150, text_tokens=5),  # 3 windows (64, 64, 22 real mel frames)
     dict(task="text", text_tokens=7),  # no modality
     dict(task="video_segment_caption", video_sec=0.4, text_tokens=1),  # at least 1 frame
 ]
+COUNTS = (2, 2, 2)  # rank 0 loads rows 0-1, rank 1 rows 2-3, rank 2 rows 4-5
 
 
-def workload(config=TINY, rows=ROWS, home=(0, 0, 1, 1, 2, 2)):
-    return build_workload(Trace.from_rows("hand", rows), np.array(home), config)
+def sizes(config=TINY, rows=ROWS, counts=COUNTS):
+    return sizes_from_trace(Trace.from_rows("hand", rows), np.array(counts), config)
+
+
+def test_trace_rows_become_the_sizes_the_data_pipeline_loads():
+    s = sizes()
+    np.testing.assert_array_equal(s.num_vision_items, [3, 3, 4, 0, 0, 1])
+    np.testing.assert_array_equal(s.num_audio_items, [0, 0, 0, 3, 0, 0])
+    text = np.array([10, 4, 0, 5, 7, 1])
+    np.testing.assert_array_equal(s.num_tokens, text + 8 + 4 * s.num_vision_items + 8 * s.num_audio_items)
+    np.testing.assert_array_equal(s.home, [0, 0, 1, 1, 2, 2])
 
 
 def test_vision_items():
-    vision = workload()["vision"]
+    vision = phase_items(sizes(), TINY)["vision"]
     np.testing.assert_array_equal(vision.example, [0, 0, 0, 1, 1, 1, 2, 2, 2, 2, 5])
     np.testing.assert_array_equal(vision.home, [0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 2])
     np.testing.assert_array_equal(vision.tokens, [17] * 11)
     projector = TINY.vision.projector(64)
-    expected = TINY.vision.transformer.train_flops(17) + projector.train_flops(4)
-    np.testing.assert_allclose(vision.cost, expected)
+    np.testing.assert_allclose(vision.cost, TINY.vision.transformer.train_flops(17) + projector.train_flops(4))
     np.testing.assert_allclose(vision.nbytes, 3 * 16 * 16 * 2)
     np.testing.assert_allclose(vision.output_nbytes, 4 * 64 * 2)
 
 
-def test_audio_windows_padded_and_real_length():
-    audio = workload()["audio"]  # tiny pads the last window
+def test_audio_windows_run_at_full_length():
+    """As the model encodes them: every window is 64 mel frames (the last zero-padded), 32 encoder tokens,
+    8 LLM tokens; what moves is the padded window."""
+    audio = phase_items(sizes(), TINY)["audio"]
     np.testing.assert_array_equal(audio.example, [3, 3, 3])
     np.testing.assert_array_equal(audio.home, [1, 1, 1])
     np.testing.assert_array_equal(audio.tokens, [32, 32, 32])
-    np.testing.assert_allclose(audio.nbytes, np.array([64, 64, 22]) * 16 * 2)  # real frames x mel bins x bf16
-    np.testing.assert_allclose(audio.output_nbytes, np.array([8, 8, 3]) * 64 * 2)  # ceil(ceil(22/2)/4) = 3
-
-    unpadded = replace(TINY, audio=replace(TINY.audio, pad_last_window=False))
-    audio = workload(unpadded)["audio"]
-    np.testing.assert_array_equal(audio.tokens, [32, 32, 11])
     projector = TINY.audio.projector(64)
-    np.testing.assert_allclose(audio.cost, TINY.audio.transformer.train_flops([32, 32, 11])
-                               + projector.train_flops([8, 8, 3]))
-    np.testing.assert_allclose(audio.memory, TINY.audio.transformer.activation_bytes([32, 32, 11])
-                               + projector.activation_bytes([8, 8, 3]))
+    np.testing.assert_allclose(audio.cost, TINY.audio.transformer.train_flops(32) + projector.train_flops(8))
+    np.testing.assert_allclose(audio.memory, TINY.audio.transformer.activation_bytes(32) + projector.activation_bytes(8))
+    np.testing.assert_allclose(audio.nbytes, 64 * 16 * 2)  # frames x mel bins x bf16
+    np.testing.assert_allclose(audio.output_nbytes, 8 * 64 * 2)
 
 
 def test_llm_lengths_and_bytes():
-    llm = workload()["llm"]
-    modality = np.array([12, 12, 16, 19, 0, 4])
-    text = np.array([10, 4, 0, 5, 7, 1])
-    np.testing.assert_array_equal(llm.tokens, text + 8 + modality)
+    s = sizes()
+    w = phase_items(s, TINY)
+    llm = w["llm"]
+    np.testing.assert_array_equal(llm.tokens, s.num_tokens)
     np.testing.assert_array_equal(llm.example, np.arange(6))
     np.testing.assert_array_equal(llm.home, [0, 0, 1, 1, 2, 2])
-    np.testing.assert_allclose(llm.cost, TINY.backbone.transformer.train_flops(text + 8 + modality))
-    np.testing.assert_allclose(llm.nbytes, (text + 8 + modality) * 8 + modality * 64 * 2)
-    # an example's projected embeddings are exactly what its encoder items send on
-    w = workload()
+    np.testing.assert_allclose(llm.cost, TINY.backbone.transformer.train_flops(s.num_tokens))
+    np.testing.assert_allclose(llm.nbytes, s.num_tokens * (8 + 8 + 4))  # token id, label, float32 loss mask
+    # the embeddings an example's encoder items send on fill exactly its placeholders
     sent = sum(np.bincount(w[p].example, weights=w[p].output_nbytes, minlength=6) for p in ("vision", "audio"))
-    np.testing.assert_allclose(sent, modality * 64 * 2)
+    np.testing.assert_allclose(sent, (4 * s.num_vision_items + 8 * s.num_audio_items) * 64 * 2)
 
 
 def test_absent_modality_gives_empty_phase():
-    w = workload(rows=[ROWS[0], ROWS[4]], home=(0, 1))
+    w = phase_items(sizes(rows=[ROWS[0], ROWS[4]], counts=(1, 1)), TINY)
     assert list(w) == list(PHASES)
     assert len(w["audio"]) == 0 and len(w["vision"]) == 3 and len(w["llm"]) == 2
-    no_vision = workload(replace(TINY, vision=None))
-    assert len(no_vision["vision"]) == 0
-    np.testing.assert_array_equal(no_vision["llm"].tokens, [18, 12, 8, 32, 15, 9])
+    no_vision = replace(TINY, vision=None)
+    s = sizes(no_vision)
+    assert s.num_vision_items.sum() == 0
+    assert len(phase_items(s, no_vision)["vision"]) == 0
+    np.testing.assert_array_equal(s.num_tokens, [18, 12, 8, 37, 15, 9])
+    with pytest.raises(ValueError, match="has no vision encoder"):
+        phase_items(sizes(), no_vision)
 
 
 def test_sampled_video_frames():
@@ -86,9 +94,15 @@ def test_sampled_video_frames():
                                   [0, 1, 1, 2, 4])
 
 
-def test_bad_home_raises():
-    with pytest.raises(ValueError, match="one rank per example"):
-        workload(home=(0, 1))
+def test_bad_sizes_raise():
+    with pytest.raises(ValueError, match="sum to 5, the trace has 6 rows"):
+        sizes(counts=(2, 2, 1))
+    with pytest.raises(ValueError, match="num_tokens has shape"):
+        StepSizes(counts=np.array([2]), num_vision_items=np.zeros(2, int), num_audio_items=np.zeros(2, int),
+                  num_tokens=np.ones(3, int))
+    with pytest.raises(ValueError, match="negative entry at example 1"):
+        StepSizes(counts=np.array([2]), num_vision_items=np.array([0, -1]), num_audio_items=np.zeros(2, int),
+                  num_tokens=np.ones(2, int))
 
 
 def write_csv(path, rows):

@@ -21,14 +21,16 @@ DEFAULT_MODEL = "mllm_84b"
 
 @dataclass(frozen=True)
 class VisionEncoderConfig:
-    """A ViT that encodes every image tile and every sampled video frame as one independent item."""
+    """A ViT that encodes every image tile and every sampled video frame as one independent item.
+
+    Video frames are resized to the tile size, so every vision item has one shape and one cost.
+    """
 
     transformer: TransformerShape
     tile_px: int  # square tile side (InternVL dynamic resolution: 448)
     patch_px: int  # square patch side (14)
     class_tokens: int  # extra tokens the ViT prepends (InternViT / CLIP: 1), dropped before the projector
     merge_factor: int  # pixel shuffle: merge_factor x merge_factor patches -> one LLM token
-    frame_px: int  # square side video frames are resized to
     video_fps: float  # frames sampled per second of video
     video_max_frames: int  # cap on sampled frames per video
     projector_ffn_hidden_size: int
@@ -37,10 +39,9 @@ class VisionEncoderConfig:
 
     def __post_init__(self):
         _check_shape("vision", self.transformer, causal=False)
-        for side, name in ((self.tile_px, "tile_px"), (self.frame_px, "frame_px")):
-            if side < 1 or side % (self.patch_px * self.merge_factor):
-                raise ValueError(f"vision.{name}={side} must be a positive multiple of patch_px * merge_factor "
-                                 f"= {self.patch_px * self.merge_factor}")
+        if self.tile_px < 1 or self.tile_px % (self.patch_px * self.merge_factor):
+            raise ValueError(f"vision.tile_px={self.tile_px} must be a positive multiple of patch_px * merge_factor "
+                             f"= {self.patch_px * self.merge_factor}")
         if self.video_fps <= 0 or self.video_max_frames < 1:
             raise ValueError(f"vision.video_fps must be > 0 and video_max_frames >= 1, got "
                              f"{self.video_fps}, {self.video_max_frames}")
@@ -54,24 +55,12 @@ class VisionEncoderConfig:
         return self.patches(self.tile_px) + self.class_tokens
 
     @property
-    def frame_seq_len(self) -> int:
-        return self.patches(self.frame_px) + self.class_tokens
-
-    @property
     def tile_llm_tokens(self) -> int:
         return self.patches(self.tile_px) // self.merge_factor ** 2
 
     @property
-    def frame_llm_tokens(self) -> int:
-        return self.patches(self.frame_px) // self.merge_factor ** 2
-
-    @property
     def tile_bytes(self) -> int:
         return self.channels * self.tile_px ** 2 * self.input_bytes_per_element
-
-    @property
-    def frame_bytes(self) -> int:
-        return self.channels * self.frame_px ** 2 * self.input_bytes_per_element
 
     def projector(self, backbone_hidden: int) -> ProjectorShape:
         return ProjectorShape(self.transformer.hidden_size * self.merge_factor ** 2,
@@ -85,13 +74,17 @@ class VisionEncoderConfig:
 
 @dataclass(frozen=True)
 class AudioEncoderConfig:
-    """A Whisper-style encoder: log-mel frames in fixed windows, a stride-2 conv stem, one item per window."""
+    """A Whisper-style encoder: log-mel frames in fixed windows, a stride-2 conv stem, one item per window.
+
+    As in Whisper, every window is encoded at full length (the last one of a clip zero-padded), and every
+    window gives the backbone ``llm_tokens_per_window`` embeddings: the data, the model and the planner
+    all count windows this way.
+    """
 
     transformer: TransformerShape
     num_mel_bins: int  # 128 for Whisper-large-v3
     window_frames: int  # mel frames per window (Whisper: 30 s at 100 frames/s = 3000)
     conv_stride: int  # conv stem subsampling (Whisper: 2 -> 1500 tokens per window)
-    pad_last_window: bool  # Whisper pads every window to full length; False encodes the real length
     projector_downsample: int  # encoder tokens stacked into one LLM token (Qwen2-Audio pools by 2)
     projector_ffn_hidden_size: int
     input_bytes_per_element: int = 2  # mel features travel as bf16
@@ -103,11 +96,24 @@ class AudioEncoderConfig:
                              f"conv_stride={self.conv_stride}")
         if self.projector_downsample < 1 or self.num_mel_bins < 1:
             raise ValueError("audio.projector_downsample and audio.num_mel_bins must be >= 1")
+        if self.window_tokens % self.projector_downsample:
+            raise ValueError(f"audio window tokens {self.window_tokens} (window_frames / conv_stride) must be "
+                             f"divisible by projector_downsample={self.projector_downsample}")
 
     @property
     def window_tokens(self) -> int:
         """Encoder tokens of one full window."""
         return self.window_frames // self.conv_stride
+
+    @property
+    def llm_tokens_per_window(self) -> int:
+        """Backbone embeddings of one window (``projector_downsample`` encoder tokens stacked into one)."""
+        return self.window_tokens // self.projector_downsample
+
+    @property
+    def window_bytes(self) -> int:
+        """Raw input of one window (padded mel frames) as it travels."""
+        return self.window_frames * self.num_mel_bins * self.input_bytes_per_element
 
     def projector(self, backbone_hidden: int) -> ProjectorShape:
         return ProjectorShape(self.transformer.hidden_size * self.projector_downsample,
@@ -156,6 +162,11 @@ class MLLMConfig:
     def hidden_size(self) -> int:
         return self.backbone.transformer.hidden_size
 
+    @property
+    def text_bytes_per_token(self) -> int:
+        """What one backbone token moves with its example: token id and label, and a float32 loss mask."""
+        return 2 * self.token_id_bytes + 4
+
     def vision_item_train_flops(self) -> float:
         """Training FLOPs of one image tile or video frame: ViT over its patches, projector over its tokens."""
         vision = self.vision
@@ -166,8 +177,7 @@ class MLLMConfig:
         """Training FLOPs of one audio window as the model encodes it (a whole window, padded)."""
         audio = self.audio
         return float(audio.transformer.train_flops(audio.window_tokens)
-                     + audio.projector(self.hidden_size).train_flops(-(-audio.window_tokens
-                                                                        // audio.projector_downsample)))
+                     + audio.projector(self.hidden_size).train_flops(audio.llm_tokens_per_window))
 
     def num_parameters(self) -> dict:
         """Parameters per component (encoders include their projector) and in total."""

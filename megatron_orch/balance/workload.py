@@ -1,22 +1,19 @@
-"""Map the examples of a global batch to the items each phase balances, with their costs and sizes.
+"""The items each phase balances, with their costs and sizes: one builder for training and benchmarks.
 
-Under an :class:`~megatron_orch.balance.model_config.MLLMConfig`:
+Per-example sizes (:class:`StepSizes`: what the trainer gathers over the DP group, or what
+:func:`sizes_from_trace` maps a trace to) become, under an
+:class:`~megatron_orch.balance.model_config.MLLMConfig`, the items of every phase (:func:`phase_items`):
 
-* ``vision``: one item per image tile (``vision_tiles`` of the row; the ViT sequence is the patches of
-  a tile plus its class tokens) and one per sampled video frame (``ceil(duration * video_fps)`` frames,
-  at least 1 and at most ``video_max_frames``; the duration is ``video_sec``, else ``video_frames`` of
-  the source file at :data:`SOURCE_VIDEO_FPS`). Tiles of an example come first, then its frames.
-* ``audio``: one item per window of ``window_frames`` mel frames (``ceil(audio_frames / window_frames)``
-  windows). The encoder runs ``window_frames / conv_stride`` tokens per window when the last window is
-  padded (Whisper), else ``ceil(real_frames / conv_stride)``. The LLM receives
-  ``ceil(real_tokens / projector_downsample)`` tokens per window: the padded tail is dropped before
-  the projector (as Qwen2-Audio does).
-* ``llm``: one item per example, ``text_tokens + prompt_tokens + all its projected vision/audio tokens``.
+* ``vision``: one item per image tile or sampled video frame (frames are resized to the tile size, so
+  every item is one ViT sequence of ``tile_seq_len`` tokens and gives ``tile_llm_tokens`` embeddings);
+* ``audio``: one item per window of ``window_frames`` mel frames, encoded at full length (Whisper pads
+  the last window of a clip), giving ``llm_tokens_per_window`` embeddings;
+* ``llm``: one item per example, its backbone sequence.
 
 An item's cost is training FLOPs (its encoder plus its projector; the backbone for an example), its
-memory the activation bytes, its ``nbytes`` what must move if it leaves its home rank: the raw input
-(bf16 pixels or mel features) of an encoder item; the token ids plus the projected embeddings of an
-example. Encoder items also carry ``output_nbytes``, the bytes of their projected embeddings.
+memory the activation bytes, its ``nbytes`` what moves if it leaves its home rank (the raw input of an
+encoder item; an example's token ids, labels and loss mask), and an encoder item's ``output_nbytes``
+the projected embeddings it sends on to the backbone rank of its example.
 """
 from __future__ import annotations
 
@@ -28,8 +25,43 @@ import numpy as np
 from megatron_orch.balance.model_config import MLLMConfig
 from megatron_orch.balance.traces import Trace
 
-PHASES = ("vision", "audio", "llm")
+PHASES = ("vision", "audio", "llm")  # the phase names, here only
+ENCODER_PHASES = PHASES[:2]
 SOURCE_VIDEO_FPS = 30.0  # NExT-QA / VidOR source videos (traces README): video_frames -> seconds
+
+
+@dataclass(frozen=True, eq=False)
+class StepSizes:
+    """Per-example sizes of a global batch, examples in loader order (rank 0's first)."""
+
+    counts: np.ndarray           # examples loaded by each DP rank
+    num_vision_items: np.ndarray  # image tiles and video frames
+    num_audio_items: np.ndarray   # audio windows
+    num_tokens: np.ndarray       # backbone sequence length
+
+    def __post_init__(self):
+        counts = np.asarray(self.counts)
+        if counts.ndim != 1 or counts.size == 0 or counts.min() < 0:
+            raise ValueError(f"StepSizes.counts must be a non-empty 1-D array of counts >= 0, got {counts.tolist()[:16]}")
+        n = int(counts.sum())
+        for name in ("num_vision_items", "num_audio_items", "num_tokens"):
+            values = np.asarray(getattr(self, name))
+            if values.shape != (n,):
+                raise ValueError(f"StepSizes.{name} has shape {values.shape}, expected ({n},) "
+                                 f"for counts {counts.tolist()[:16]}")
+            if n and values.min() < 0:
+                raise ValueError(f"StepSizes.{name} has a negative entry at example {int(values.argmin())}")
+        if n and np.min(self.num_tokens) < 1:
+            raise ValueError(f"example {int(np.argmin(self.num_tokens))} has no tokens")
+
+    @property
+    def num_examples(self) -> int:
+        return int(np.asarray(self.num_tokens).size)
+
+    @property
+    def home(self) -> np.ndarray:
+        """DP rank that loaded each example."""
+        return np.repeat(np.arange(np.asarray(self.counts).size, dtype=np.int64), self.counts)
 
 
 @dataclass(frozen=True, eq=False)
@@ -63,81 +95,70 @@ def sampled_video_frames(duration_sec, fps: float, max_frames: int) -> np.ndarra
     return np.where(d > 0, frames, 0).astype(np.int64)
 
 
-def _expand(counts: np.ndarray):
-    """Parent of each child and the child's index within its parent, for ``counts[p]`` children each."""
-    parent = np.repeat(np.arange(counts.size, dtype=np.int64), counts)
-    starts = np.cumsum(counts) - counts
-    return parent, np.arange(parent.size, dtype=np.int64) - starts[parent]
-
-
-def _empty(name: str) -> PhaseItems:
-    i, f = np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.float64)
-    return PhaseItems(name, i, i, i, f, f, f, f)
-
-
-def build_workload(rows: Trace, home, config: MLLMConfig) -> Dict[str, PhaseItems]:
-    """Items of every phase (``vision``, ``audio``, ``llm``) for the examples in ``rows``.
-
-    ``home[e]`` is the DP rank that loaded example ``e``. An absent modality (or encoder) gives a phase
-    with 0 items.
-    """
-    home = np.asarray(home, dtype=np.int64)
-    n = len(rows)
-    if home.shape != (n,):
-        raise ValueError(f"home must give one rank per example: {n} examples, home of shape {home.shape}")
-    if n and home.min() < 0:
-        raise ValueError("home ranks must be >= 0")
+def phase_items(sizes: StepSizes, config: MLLMConfig) -> Dict[str, PhaseItems]:
+    """Items of every phase (``vision``, ``audio``, ``llm``) of a global batch. A model without an
+    encoder, or a batch without its modality, gives that phase 0 items."""
+    home = sizes.home
+    n = sizes.num_examples
     hidden = config.hidden_size
-    emb_bytes = hidden * config.embedding_bytes_per_element
-    modality_tokens = np.zeros(n, dtype=np.int64)
+    emb_bytes = float(hidden * config.embedding_bytes_per_element)
     phases = {}
+    for name, encoder, per_example in (("vision", config.vision, sizes.num_vision_items),
+                                       ("audio", config.audio, sizes.num_audio_items)):
+        counts = np.asarray(per_example, dtype=np.int64)
+        if encoder is None and counts.sum():
+            raise ValueError(f"the batch has {name} items but model config {config.name!r} has no {name} encoder")
+        example = np.repeat(np.arange(n, dtype=np.int64), counts)
+        if name == "vision" and encoder is not None:
+            seq, out_tokens = encoder.tile_seq_len, encoder.tile_llm_tokens
+            cost, raw_bytes = config.vision_item_train_flops(), encoder.tile_bytes
+        elif encoder is not None:
+            seq, out_tokens = encoder.window_tokens, encoder.llm_tokens_per_window
+            cost, raw_bytes = config.audio_window_train_flops(), encoder.window_bytes
+        else:
+            seq = out_tokens = cost = raw_bytes = 0
+        memory = 0.0 if encoder is None else float(encoder.transformer.activation_bytes(seq)
+                                                   + encoder.projector(hidden).activation_bytes(out_tokens))
+        ones = np.ones(example.size)
+        phases[name] = PhaseItems(name, example, home[example], np.full(example.size, seq, dtype=np.int64),
+                                  cost * ones, memory * ones, float(raw_bytes) * ones, out_tokens * emb_bytes * ones)
+    tokens = np.asarray(sizes.num_tokens, dtype=np.int64)
+    backbone = config.backbone.transformer
+    phases["llm"] = PhaseItems(
+        "llm", np.arange(n, dtype=np.int64), home, tokens, np.asarray(backbone.train_flops(tokens), dtype=np.float64),
+        np.asarray(backbone.activation_bytes(tokens), dtype=np.float64),
+        (tokens * config.text_bytes_per_token).astype(np.float64), np.zeros(n))
+    return phases
 
-    vision = config.vision
+
+def phase_bytes(phases: Dict[str, PhaseItems]) -> Dict[str, float]:
+    """Bytes each phase brings to its items' ranks if all of them moved: the raw inputs of an encoder
+    phase; for the backbone, the examples' text and the embeddings of their encoder items."""
+    out = {name: float(items.nbytes.sum()) for name, items in phases.items()}
+    out["llm"] += sum(float(phases[name].output_nbytes.sum()) for name in ENCODER_PHASES)
+    return out
+
+
+def sizes_from_trace(rows: Trace, counts, config: MLLMConfig) -> StepSizes:
+    """The sizes of trace rows as the data pipeline would load them, rank r loading ``counts[r]`` rows.
+
+    Vision items are the row's image tiles plus its video's sampled frames (``ceil(duration *
+    video_fps)``, at least 1, at most ``video_max_frames``; the duration is ``video_sec``, else
+    ``video_frames`` of the source file at :data:`SOURCE_VIDEO_FPS`); audio windows are
+    ``ceil(audio_frames / window_frames)``; the backbone sequence is the prompt, the text and the
+    embeddings of every item.
+    """
+    counts = np.asarray(counts, dtype=np.int64)
+    if int(counts.sum()) != len(rows):
+        raise ValueError(f"counts {counts.tolist()[:16]} sum to {int(counts.sum())}, the trace has {len(rows)} rows")
+    vision, audio = config.vision, config.audio
     tiles = _count(rows["vision_tiles"], "vision_tiles")
     duration = np.where(rows["video_sec"] > 0, rows["video_sec"], rows["video_frames"] / SOURCE_VIDEO_FPS)
-    if vision is None or not (tiles.sum() or np.any(duration > 0)):
-        phases["vision"] = _empty("vision")
-    else:
-        frames = sampled_video_frames(duration, vision.video_fps, vision.video_max_frames)
-        example, index = _expand(tiles + frames)
-        is_tile = index < tiles[example]
-        seq = np.where(is_tile, vision.tile_seq_len, vision.frame_seq_len)
-        out_tokens = np.where(is_tile, vision.tile_llm_tokens, vision.frame_llm_tokens)
-        projector = vision.projector(hidden)
-        phases["vision"] = PhaseItems(
-            "vision", example, home[example], seq,
-            vision.transformer.train_flops(seq) + projector.train_flops(out_tokens),
-            vision.transformer.activation_bytes(seq) + projector.activation_bytes(out_tokens),
-            np.where(is_tile, vision.tile_bytes, vision.frame_bytes).astype(np.float64),
-            out_tokens * float(emb_bytes))
-        modality_tokens += np.bincount(example, weights=out_tokens, minlength=n).astype(np.int64)
-
-    audio = config.audio
+    vision_items = np.zeros(len(rows), dtype=np.int64) if vision is None else \
+        tiles + sampled_video_frames(duration, vision.video_fps, vision.video_max_frames)
     mel_frames = _count(rows["audio_frames"], "audio_frames")
-    if audio is None or not mel_frames.sum():
-        phases["audio"] = _empty("audio")
-    else:
-        windows = -(-mel_frames // audio.window_frames)
-        example, index = _expand(windows)
-        real_frames = np.minimum(mel_frames[example] - index * audio.window_frames, audio.window_frames)
-        real_tokens = -(-real_frames // audio.conv_stride)
-        seq = np.full(example.size, audio.window_tokens) if audio.pad_last_window else real_tokens
-        out_tokens = -(-real_tokens // audio.projector_downsample)
-        projector = audio.projector(hidden)
-        phases["audio"] = PhaseItems(
-            "audio", example, home[example], seq,
-            audio.transformer.train_flops(seq) + projector.train_flops(out_tokens),
-            audio.transformer.activation_bytes(seq) + projector.activation_bytes(out_tokens),
-            (real_frames * audio.num_mel_bins * audio.input_bytes_per_element).astype(np.float64),
-            out_tokens * float(emb_bytes))
-        modality_tokens += np.bincount(example, weights=out_tokens, minlength=n).astype(np.int64)
-
-    backbone = config.backbone
-    text = _count(rows["text_tokens"], "text_tokens")
-    seq = text + backbone.prompt_tokens + modality_tokens
-    phases["llm"] = PhaseItems(
-        "llm", np.arange(n, dtype=np.int64), home, seq,
-        backbone.transformer.train_flops(seq), backbone.transformer.activation_bytes(seq),
-        (seq * config.token_id_bytes + modality_tokens * emb_bytes).astype(np.float64),
-        np.zeros(n, dtype=np.float64))
-    return phases
+    windows = np.zeros(len(rows), dtype=np.int64) if audio is None else -(-mel_frames // audio.window_frames)
+    tokens = (_count(rows["text_tokens"], "text_tokens") + config.backbone.prompt_tokens
+              + vision_items * (vision.tile_llm_tokens if vision else 0)
+              + windows * (audio.llm_tokens_per_window if audio else 0))
+    return StepSizes(counts=counts, num_vision_items=vision_items, num_audio_items=windows, num_tokens=tokens)

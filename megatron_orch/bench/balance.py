@@ -23,8 +23,8 @@ Every method's bin costs are recomputed here from its assignment under the model
 (training FLOPs), and ``max_over_lb`` uses the same bound for every method: max(total / dp, largest
 item). ``inter_node_bytes_frac`` (methods whose bins are ranks: none, orch_locality, verl_kk) is the
 share of the phase's bytes whose item ends on another node than its home rank's; ``moved_bytes_frac``
-the share that leaves its home GPU. For the LLM phase an example's bytes (token ids and projected
-embeddings) are attributed to its home rank.
+the share that leaves its home GPU. For the LLM phase an example gathers its text from its home rank
+and its projected embeddings from the ranks that encoded its items (byte counts: ``phase_items``).
 
 Modeled step time, in training FLOPs of the slowest rank: a per-phase plan synchronises between
 phases (an all-to-all), so its step is the sum over phases of the slowest rank; with ``none`` and
@@ -42,7 +42,7 @@ from typing import Callable, Dict, List, Optional, Sequence
 import numpy as np
 
 from megatron_orch.balance.partition import partition, partition_equal_count, partition_locality
-from megatron_orch.balance.workload import PHASES, PhaseItems
+from megatron_orch.balance.workload import ENCODER_PHASES, PHASES, PhaseItems, phase_bytes
 from megatron_orch.bench.common import (draw_phases, memory_caps, parser_with_batch_args, report, trace_specs,
                                         warm_up_partitioners)
 
@@ -147,13 +147,9 @@ def _traffic(phases: Dict[str, PhaseItems], plans, name: str, method: str):
     items, bins = phases[name], plans[name][method].bins
     if name != "llm":
         return [(items.nbytes, items.home, bins)]
-    flows, embedded = [], np.zeros(len(items))
-    for enc in PHASES:
-        if enc != "llm" and len(phases[enc]):
-            e = phases[enc]
-            flows.append((e.output_nbytes, plans[enc][method].bins, bins[e.example]))
-            embedded += np.bincount(e.example, weights=e.output_nbytes, minlength=len(items))
-    return [(items.nbytes - embedded, items.home, bins)] + flows
+    flows = [(phases[enc].output_nbytes, plans[enc][method].bins, bins[phases[enc].example])
+             for enc in ENCODER_PHASES if len(phases[enc])]
+    return [(items.nbytes, items.home, bins)] + flows
 
 
 def _phase_figures(phases: Dict[str, PhaseItems], plans, name: str, method: str, dp: int,
@@ -200,7 +196,7 @@ def run(trace_specs: Sequence[tuple], dp: int, per_rank: int, gpus_per_node: int
         "model_parameters": config.num_parameters()["total"], "seed": seed, "repeats": repeats,
         "items": {name: len(phases[name]) for name in PHASES},
         "total_flops": {name: float(phases[name].cost.sum()) for name in PHASES},
-        "total_bytes": {name: float(phases[name].nbytes.sum()) for name in PHASES},
+        "total_bytes": phase_bytes(phases),
         "memory_cap_bytes": caps,
         "cost_unit": "training FLOPs (3x forward) from the model's shape",
         "notes": {

@@ -11,7 +11,7 @@ import numpy as np
 from megatron_orch.balance.model_config import DEFAULT_MODEL, MLLMConfig, load_model_config
 from megatron_orch.balance.partition import partition, partition_equal_count, partition_locality
 from megatron_orch.balance.traces import DEFAULT_MIXTURE, TraceMixture, load_mixture, parse_trace_spec
-from megatron_orch.balance.workload import PhaseItems, build_workload
+from megatron_orch.balance.workload import PhaseItems, StepSizes, phase_items, sizes_from_trace
 
 
 def parser_with_batch_args(prog: str, description: str) -> argparse.ArgumentParser:
@@ -47,15 +47,20 @@ def report(result: dict, format_tables: Callable[[dict], str], json_path: Option
     return result
 
 
-def draw_phases(trace_specs: Sequence[tuple], dp: int, per_rank: int, model: str, seed: int,
-                traces_dir: Optional[str] = None) -> Tuple[MLLMConfig, TraceMixture, Dict[str, PhaseItems]]:
-    """A random global batch of ``dp * per_rank`` examples (DP rank r loads the r-th consecutive block,
-    as upstream Megatron does), mapped to the items of every phase of the model config."""
+def draw_sizes(trace_specs: Sequence[tuple], dp: int, per_rank: int, model: str, seed: int,
+               traces_dir: Optional[str] = None) -> Tuple[MLLMConfig, TraceMixture, StepSizes]:
+    """The sizes of a random global batch of ``dp * per_rank`` examples, as the trainer gathers them (DP
+    rank r loads the r-th consecutive block, as upstream Megatron does)."""
     config = load_model_config(model)
     mixture = load_mixture(trace_specs, traces_dir)
-    batch = mixture.draw(dp * per_rank, seed)
-    home = np.repeat(np.arange(dp, dtype=np.int64), per_rank)
-    return config, mixture, build_workload(batch, home, config)
+    return config, mixture, sizes_from_trace(mixture.draw(dp * per_rank, seed), np.full(dp, per_rank), config)
+
+
+def draw_phases(trace_specs: Sequence[tuple], dp: int, per_rank: int, model: str, seed: int,
+                traces_dir: Optional[str] = None) -> Tuple[MLLMConfig, TraceMixture, Dict[str, PhaseItems]]:
+    """:func:`draw_sizes`, mapped to the items of every phase as the trainer's planner maps them."""
+    config, mixture, sizes = draw_sizes(trace_specs, dp, per_rank, model, seed, traces_dir)
+    return config, mixture, phase_items(sizes, config)
 
 
 def memory_caps(phases: Dict[str, PhaseItems], dp: int) -> Dict[str, float]:

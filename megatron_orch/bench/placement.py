@@ -33,7 +33,7 @@ import numpy as np
 from megatron_orch.balance.partition import partition, partition_locality
 from megatron_orch.balance.placement import BinTraffic, PlacementConfig, place_bins, placement_cost
 from megatron_orch.balance.topology import Topology
-from megatron_orch.balance.workload import PHASES, PhaseItems
+from megatron_orch.balance.workload import PHASES, PhaseItems, phase_bytes
 from megatron_orch.bench.common import (draw_phases, memory_caps, parser_with_batch_args, report, trace_specs,
                                         warm_up_partitioners)
 
@@ -48,12 +48,8 @@ def _sources(phases: Dict[str, PhaseItems], name: str, encoder_ranks: Dict[str, 
     items = phases[name]
     if name != "llm":
         return [(np.arange(len(items)), items.home, items.nbytes)]
-    flows, embedded = [], np.zeros(len(items))
-    for enc, ranks in encoder_ranks.items():
-        e = phases[enc]
-        flows.append((e.example, ranks, e.output_nbytes))
-        embedded += np.bincount(e.example, weights=e.output_nbytes, minlength=len(items))
-    return [(np.arange(len(items)), items.home, items.nbytes - embedded)] + flows
+    flows = [(phases[enc].example, ranks, phases[enc].output_nbytes) for enc, ranks in encoder_ranks.items()]
+    return [(np.arange(len(items)), items.home, items.nbytes)] + flows
 
 
 def _traffic(sources, bin_of_item: np.ndarray, dp: int) -> BinTraffic:
@@ -123,7 +119,7 @@ def run(trace_specs: Sequence[tuple], dp: int, per_rank: int, gpus_per_node: int
         "minmax_time_limit_s": minmax_time_limit_s,
         "items": {name: len(phases[name]) for name in PHASES},
         "balanced_partition": partitions,
-        "total_bytes": {name: float(phases[name].nbytes.sum()) for name in PHASES},
+        "total_bytes": phase_bytes(phases),
         "notes": {
             "bins": "identity/greedy/exact/minmax place the bins of one partition(method='auto') per phase",
             "locality": "partition_locality with 1% balance tolerance; solve_ms is that partition's time",

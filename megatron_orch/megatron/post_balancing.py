@@ -14,7 +14,9 @@ straight to the backbone rank of their example. Then it reads the next step's ba
 sizes and hands their planning to the background thread.
 
 Devices: everything travels on the DP group's communication device (the GPU under NCCL), staged
-through pinned host memory; received encoder inputs are handed over on ``compute_device`` (where the
+through pinned host memory; raw encoder inputs travel in ``input_dtype`` (the encoders' own dtype: they
+cast their input to it first, so casting before the move changes nothing and halves the bytes in
+bf16); received encoder inputs are handed over on ``compute_device`` (where the
 encoders run), text on the host, where the backbone micro-batches are built as the loader builds them.
 """
 from __future__ import annotations
@@ -31,13 +33,14 @@ import torch.distributed as dist
 from megatron_orch.balance.model_config import MLLMConfig
 from megatron_orch.balance.plan import Transfer
 from megatron_orch.balance.topology import Topology
+from megatron_orch.balance.workload import StepSizes
 from megatron_orch.comm.alltoall import ItemLayout, all_to_all_items
 from megatron_orch.comm.device import communication_device, host_to_device
 from megatron_orch.comm.gather import GroupMismatchError, assert_same_on_all_ranks, gather_item_sizes
 from megatron_orch.megatron.batch import PAD_TOKEN_ID, Example, ExampleShape, MicroBatch, collate, collate_packed
 from megatron_orch.orchestrator.background import BackgroundPlanner
 from megatron_orch.orchestrator.config import OrchestratorConfig
-from megatron_orch.orchestrator.step_plan import StepPlan, StepSizes, plan_step, warm_up
+from megatron_orch.orchestrator.step_plan import StepPlan, plan_step, warm_up
 
 _SIZE_COLUMNS = 4  # sample index, vision items, audio items, tokens
 _OK, _BAD_INPUT, _EXHAUSTED = 0, 1, 2  # a rank's status, sent as the size gather's check value
@@ -82,6 +85,7 @@ class PostBalancingDataIterator:
     def __init__(self, source: Iterator[MicroBatch], *, model_config: MLLMConfig, config: OrchestratorConfig,
                  shape: ExampleShape, micro_batch_size: int, num_microbatches: int, dp_group,
                  topology: Topology, encoder_stage: bool, compute_device: torch.device,
+                 input_dtype: torch.dtype = torch.float32,
                  pad_to: Optional[int] = None, peer_group=None):
         if config.microbatching == "packed" and pad_to is not None:
             pad_to = pad_to * micro_batch_size  # one packed row carries a micro-batch's token budget
@@ -90,7 +94,7 @@ class PostBalancingDataIterator:
         self.micro_batch_size, self.num_microbatches = micro_batch_size, num_microbatches
         self.dp_group, self.peer_group, self.topology = dp_group, peer_group, topology
         self.encoder_stage, self.pad_to = encoder_stage, pad_to
-        self.compute_device = torch.device(compute_device)
+        self.compute_device, self.input_dtype = torch.device(compute_device), input_dtype
         self.rank = dist.get_rank(dp_group)
         warm_up(model_config, config)
         self.planner = BackgroundPlanner(enabled=config.background)
@@ -181,9 +185,9 @@ class PostBalancingDataIterator:
             if not self.encoder_stage:
                 inputs[phase] = torch.zeros((0, *item_shape), device=self.compute_device)
                 continue
-            local = host_to_device([getattr(e, phase) for e in examples], device, torch.float32, item_shape)
+            local = host_to_device([getattr(e, phase) for e in examples], device, self.input_dtype, item_shape)
             layout = ItemLayout(np.ones(plan.encoders[phase].example.size, dtype=np.int64), item_shape,
-                                torch.float32)
+                                self.input_dtype)
             moved, = all_to_all_items([local], [layout], plan.input_transfer(phase), self.dp_group,
                                       differentiable=False)
             inputs[phase] = moved.to(self.compute_device, non_blocking=True)

@@ -44,20 +44,14 @@ def assemble_example(sample_index: int, prompt: Sequence[int], answer: Sequence[
 def example_shape(model_config, seq_length: Optional[int] = None) -> ExampleShape:
     """The example shape an ``MLLMConfig`` (megatron_orch.balance.model_config) implies.
 
-    ``seq_length`` defaults to the backbone's ``max_position_embeddings``. The batch format holds vision
-    items of one shape, so image tiles and video frames must have the same side (``tile_px ==
-    frame_px``); audio windows always travel at full length (Whisper-style zero padding).
+    ``seq_length`` defaults to the backbone's ``max_position_embeddings``. Vision items (tiles and video
+    frames resized to the tile) have one shape; audio windows travel at full length (Whisper-style zero
+    padding).
     """
     vision, audio, backbone = model_config.vision, model_config.audio, model_config.backbone
     if vision is None or audio is None:
         raise ValueError(f"model config {model_config.name!r}: the data pipeline needs both a vision and an "
                          "audio encoder")
-    if audio.window_tokens % audio.projector_downsample:
-        raise ValueError(f"model config {model_config.name!r}: audio window tokens {audio.window_tokens} are not "
-                         f"divisible by projector_downsample={audio.projector_downsample}")
-    if vision.tile_px != vision.frame_px:
-        raise ValueError(f"model config {model_config.name!r}: vision.tile_px={vision.tile_px} != "
-                         f"vision.frame_px={vision.frame_px}; the batch format needs one vision item shape")
     if backbone.transformer.vocab_size < MIN_VOCAB_SIZE:
         raise ValueError(f"model config {model_config.name!r}: backbone vocab_size="
                          f"{backbone.transformer.vocab_size} is below the {MIN_VOCAB_SIZE} ids the data uses")
@@ -72,7 +66,7 @@ def example_shape(model_config, seq_length: Optional[int] = None) -> ExampleShap
         vision_llm_tokens_per_item=vision.tile_llm_tokens,
         audio_frames_per_window=audio.window_frames,
         audio_mel_bins=audio.num_mel_bins,
-        audio_llm_tokens_per_item=audio.window_tokens // audio.projector_downsample)
+        audio_llm_tokens_per_item=audio.llm_tokens_per_window)
 
 
 class ByteTokenizer:

@@ -153,12 +153,6 @@ def padded_vocab_size(vocab_size: int, settings: ModelParallelSettings) -> int:
     return -(-vocab_size // multiple) * multiple
 
 
-def _check_audio(audio: AudioEncoderConfig) -> None:
-    if audio.window_tokens % audio.projector_downsample:
-        raise ValueError(f"audio window tokens {audio.window_tokens} (window_frames / conv_stride) must be "
-                         f"divisible by projector_downsample={audio.projector_downsample}")
-
-
 class VisionEncoder(MegatronModule):
     """ViT over image tiles / video frames, pixel-shuffle merge, then the MLP projector.
 
@@ -205,7 +199,6 @@ class AudioEncoder(MegatronModule):
     """
 
     def __init__(self, audio: AudioEncoderConfig, backbone: TransformerShape, settings: ModelParallelSettings):
-        _check_audio(audio)
         config = transformer_config(audio.transformer, settings, pipeline_split=False)
         super().__init__(config=config)
         hidden = audio.transformer.hidden_size
@@ -218,7 +211,7 @@ class AudioEncoder(MegatronModule):
         self.transformer = TransformerBlock(
             config, transformer_layer_spec(settings.transformer_impl, encoder=True), post_layer_norm=True)
         self.downsample = audio.projector_downsample
-        self.tokens_per_item = audio.window_tokens // audio.projector_downsample
+        self.tokens_per_item = audio.llm_tokens_per_window
         self.projector = MultimodalProjector(
             _projector_config(audio.projector_ffn_hidden_size, backbone, settings),
             _projector_submodules(), "mlp", input_size=hidden * self.downsample)

@@ -132,7 +132,7 @@ def build_post_balancing(args: argparse.Namespace, config: OrchestratorConfig, s
         source, model_config=args.mllm_config, config=config, shape=data.shape,
         micro_batch_size=args.micro_batch_size, num_microbatches=args.num_microbatches, dp_group=dp_group,
         topology=topology, encoder_stage=parallel_state.is_pipeline_first_stage(),
-        compute_device=compute_device(args),
+        compute_device=compute_device(args), input_dtype=torch.bfloat16 if args.bf16 else torch.float32,
         pad_to=data.seq_length if data.pad_to_seq_length else None,
         peer_group=parallel_state.get_model_parallel_group())
     schedule = ModalityAwareSchedule(forward_backward_func, dp_group, encoder_recompute=config.encoder_recompute)

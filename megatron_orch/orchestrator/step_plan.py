@@ -17,33 +17,8 @@ from megatron_orch.balance.partition import partition, partition_equal_count, pa
 from megatron_orch.balance.placement import BinTraffic, PlacementConfig, place_bins
 from megatron_orch.balance.plan import Placement, Transfer, checksum
 from megatron_orch.balance.topology import Topology
+from megatron_orch.balance.workload import ENCODER_PHASES, StepSizes, phase_items
 from megatron_orch.orchestrator.config import OrchestratorConfig
-
-
-@dataclass(frozen=True, eq=False)
-class StepSizes:
-    """Per-example sizes of a global batch, examples in loader order (rank 0's first)."""
-
-    counts: np.ndarray           # examples loaded by each DP rank
-    num_vision_items: np.ndarray
-    num_audio_items: np.ndarray
-    num_tokens: np.ndarray       # backbone sequence length
-
-    def __post_init__(self):
-        n = int(np.sum(self.counts))
-        for name in ("num_vision_items", "num_audio_items", "num_tokens"):
-            values = np.asarray(getattr(self, name))
-            if values.shape != (n,):
-                raise ValueError(f"StepSizes.{name} has shape {values.shape}, expected ({n},) "
-                                 f"for counts {np.asarray(self.counts).tolist()}")
-            if n and values.min() < 0:
-                raise ValueError(f"StepSizes.{name} has a negative entry at example {int(values.argmin())}")
-        if n and self.num_tokens.min() < 1:
-            raise ValueError(f"example {int(self.num_tokens.argmin())} has no tokens")
-
-    @property
-    def num_examples(self) -> int:
-        return int(self.num_tokens.size)
 
 
 @dataclass(frozen=True)
@@ -99,13 +74,6 @@ class StepPlan:
         """Encoder outputs: encoder rank -> backbone rank of their example, in one move."""
         enc = self.encoders[phase]
         return Transfer(enc.encode, self.examples_llm.expand(enc.example))
-
-
-def _item_costs(model_config: MLLMConfig):
-    """Training FLOPs of one vision item, one audio window, and a backbone example of n tokens."""
-    vision_cost = 0.0 if model_config.vision is None else model_config.vision_item_train_flops()
-    audio_cost = 0.0 if model_config.audio is None else model_config.audio_window_train_flops()
-    return vision_cost, audio_cost, model_config.backbone.transformer.train_flops
 
 
 def _moved_bytes(transfer: Transfer, item_bytes, topology: Topology):
@@ -178,34 +146,22 @@ def plan_step(sizes: StepSizes, model_config: MLLMConfig, config: OrchestratorCo
         r = int(np.flatnonzero(counts != expected)[0])
         raise ValueError(f"DP rank {r} loaded {counts[r]} examples, expected micro_batch_size x "
                          f"num_microbatches = {expected}")
-    vision_cost, audio_cost, backbone_flops = _item_costs(model_config)
+    items = phase_items(sizes, model_config)
     examples_home = Placement.from_counts(counts)
     home = examples_home.rank
     encoders, stats, rank_of_item = {}, {}, {}
-    emb_bytes = model_config.hidden_size * model_config.embedding_bytes_per_element
 
-    for phase, per_example, cost, tokens_per_item, raw_bytes in (
-            ("vision", sizes.num_vision_items, vision_cost,
-             model_config.vision.tile_llm_tokens if model_config.vision else 0,
-             model_config.vision.tile_bytes if model_config.vision else 0),
-            ("audio", sizes.num_audio_items, audio_cost,
-             -(-model_config.audio.window_tokens // model_config.audio.projector_downsample)
-             if model_config.audio else 0,
-             model_config.audio.window_frames * model_config.audio.num_mel_bins
-             * model_config.audio.input_bytes_per_element if model_config.audio else 0)):
-        per_example = np.asarray(per_example, dtype=np.int64)
-        example = np.repeat(np.arange(sizes.num_examples, dtype=np.int64), per_example)
-        costs = np.full(example.size, cost)
-        item_bytes = np.full(example.size, float(raw_bytes))
+    for phase in ENCODER_PHASES:
+        phase_item = items[phase]
+        example, costs, item_bytes = phase_item.example, phase_item.cost, phase_item.nbytes
         rank, method = _balance_encoder(costs, home[example], item_bytes, num_ranks, topology, config,
                                         phase in config.phases)
         encoders[phase] = EncoderPhasePlan(example=example, home=examples_home.expand(example),
                                            encode=Placement.from_ranks(rank, num_ranks))
-        rank_of_item[phase] = (example, rank, np.full(example.size, float(tokens_per_item * emb_bytes)))
+        rank_of_item[phase] = (example, rank, phase_item.output_nbytes)
         stats[phase] = _phase_stats(method, costs, home[example], rank, item_bytes, num_ranks, topology)
 
-    llm_costs = np.asarray(backbone_flops(sizes.num_tokens), dtype=np.float64)
-    text_bytes = sizes.num_tokens.astype(np.float64) * model_config.token_id_bytes * 3  # ids, labels, mask
+    llm_costs, text_bytes = items["llm"].cost, items["llm"].nbytes
     packed = config.microbatching == "packed"
     if "llm" not in config.phases:
         rank_llm, method = home, "none"
