@@ -143,3 +143,11 @@ def test_loss_decreases_when_overfitting_one_batch(world_of_one):
     assert losses[0] > 6.0
     assert losses[-1] < losses[0] - 3.0, losses
     assert all(later < earlier for earlier, later in zip(losses[::3], losses[3::3])), losses
+
+
+def test_built_model_has_the_parameters_its_config_counts(model):
+    """The config's count (what the benchmarks and the README quote) is the model that is built, but for
+    the biases and norm weights the count leaves out (under 1% here)."""
+    built = sum(p.numel() for p in model.parameters())
+    counted = load_model_config("tiny").num_parameters()["total"]
+    assert counted <= built <= 1.01 * counted, (counted, built)

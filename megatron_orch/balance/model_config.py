@@ -143,9 +143,11 @@ class BackboneConfig:
             raise ValueError("backbone.prompt_tokens must be >= 0 and max_position_embeddings >= 1")
 
     def num_parameters(self) -> int:
+        """Layers, the token embedding (and the output layer when untied) and the learned absolute
+        position embedding the model uses (it keeps packed rows' restarting position ids exact)."""
         t = self.transformer
         tables = 2 if self.untie_embeddings_and_output_weights else 1
-        return t.num_parameters() + tables * t.vocab_size * t.hidden_size
+        return t.num_parameters() + (tables * t.vocab_size + self.max_position_embeddings) * t.hidden_size
 
 
 @dataclass(frozen=True)

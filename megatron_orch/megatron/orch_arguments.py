@@ -21,7 +21,9 @@ def add_orch_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                    help="equal_count: micro-batch-size examples per backbone micro-batch; packed: one "
                         "packed row per micro-batch with a variable number of examples")
     g.add_argument("--orch-locality", action="store_true",
-                   help="locality-aware balancing: keep items on their node/GPU where balance allows")
+                   help="locality-aware balancing: keep items on their node/GPU where balance allows (the "
+                        "encoder phases, and the backbone with --orch-microbatching packed; equal_count "
+                        "backbone bins are placed on ranks by --orch-placement instead)")
     g.add_argument("--orch-placement", choices=PLACEMENT_METHODS, default="exact",
                    help="bins -> ranks: identity, greedy, exact (min total inter-node bytes), minmax "
                         "(min busiest node's inter-node bytes)")
