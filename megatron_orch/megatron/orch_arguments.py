@@ -5,7 +5,8 @@ import argparse
 from typing import Optional
 
 from megatron_orch.balance.placement import METHODS as PLACEMENT_METHODS
-from megatron_orch.orchestrator.config import ALGORITHMS, MICROBATCHING, PHASES, OrchestratorConfig
+from megatron_orch.balance.workload import PHASES
+from megatron_orch.orchestrator.config import ALGORITHMS, MICROBATCHING, OrchestratorConfig
 
 
 def add_orch_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:

@@ -18,11 +18,12 @@ import numpy as np
 import torch
 from megatron.core.utils import get_model_config
 
+from megatron_orch.balance.workload import ENCODER_PHASES
 from megatron_orch.comm.alltoall import ItemLayout, all_to_all_items
 from megatron_orch.comm.device import to_communication_device
 from megatron_orch.megatron.post_balancing import BalancedMicroBatch, BalancedStep
 
-PHASE_ENCODERS = {"vision": "encode_vision", "audio": "encode_audio"}
+PHASE_ENCODERS = {phase: f"encode_{phase}" for phase in ENCODER_PHASES}  # the model's method of each
 
 
 def _unwrap(model):

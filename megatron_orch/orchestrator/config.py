@@ -5,8 +5,8 @@ from dataclasses import dataclass
 from typing import Optional, Tuple
 
 from megatron_orch.balance.placement import METHODS as PLACEMENT_METHODS
+from megatron_orch.balance.workload import PHASES
 
-PHASES = ("vision", "audio", "llm")
 ALGORITHMS = ("auto", "lpt", "kk", "bs_ffd")
 MICROBATCHING = ("equal_count", "packed")
 

@@ -57,9 +57,19 @@ class StepPlan:
     examples_llm: Placement           # slot order = micro-batch order on every rank
     microbatch_of_example: np.ndarray
     num_microbatches: int
-    encoders: Dict[str, EncoderPhasePlan]  # "vision", "audio"
-    stats: Dict[str, PhaseStats]
+    encoders: Dict[str, EncoderPhasePlan]  # the encoder phases
+    stats: Dict[str, PhaseStats]           # every phase
     digest: int
+
+    def report(self) -> Dict[str, float]:
+        """The plan's figures by name, as the log shows them: each phase's modeled cost max/mean over DP
+        before (as loaded) and after (as planned), and the MB moved within and across nodes."""
+        out = {}
+        for phase, stats in self.stats.items():
+            out[f"{phase} before"], out[f"{phase} after"] = stats.imbalance_before, stats.imbalance_after
+        out["intra-node MB"] = sum(stats.intra_node_bytes for stats in self.stats.values()) / 1e6
+        out["inter-node MB"] = sum(stats.inter_node_bytes for stats in self.stats.values()) / 1e6
+        return out
 
     def text_transfer(self) -> Transfer:
         """Token ids / labels / loss masks: loader rank -> backbone rank."""

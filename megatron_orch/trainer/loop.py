@@ -29,6 +29,7 @@ from megatron.core.timers import Timers
 from megatron.core.transformer.module import Float16Module
 from megatron.core.utils import get_attr_wrapped_model, get_model_config
 
+from megatron_orch.balance.workload import ENCODER_PHASES
 from megatron_orch.comm.device import to_communication_device
 from megatron_orch.comm.gather import all_gather_to_host
 from megatron_orch.mllm import providers
@@ -123,7 +124,7 @@ def attach_to_model_config(model: list, optimizer, timers: Timers) -> None:
 def time_encoder_forwards(model: list, timers: Timers) -> None:
     """Record each encoder's forward time in the timers (vision-/audio-encoder-forward)."""
     unwrapped = get_attr_wrapped_model(model[0], "pre_process", return_model_obj=True)
-    for name in ("vision", "audio"):
+    for name in ENCODER_PHASES:
         encoder = getattr(unwrapped, f"{name}_encoder", None)
         if encoder is None:
             continue

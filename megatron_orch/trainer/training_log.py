@@ -15,6 +15,7 @@ from typing import Iterator, Optional
 
 import torch
 
+from megatron_orch.balance.workload import ENCODER_PHASES, PHASES
 from megatron_orch.comm.gather import all_gather_to_host
 from megatron_orch.megatron.post_balancing import BalancedStep
 
@@ -28,8 +29,7 @@ PHASE_TIMERS = ("vision-encoder-forward", "audio-encoder-forward", "forward-back
 
 # Post-balancing figures per step: each phase's modeled-cost max/mean over DP before (as loaded) and
 # after (as planned), bytes moved, and this rank's planning / dispatch times.
-POST_BALANCING_PHASES = ("vision", "audio", "llm")
-POST_BALANCING_FIELDS = tuple(f"{phase} {what}" for phase in POST_BALANCING_PHASES
+POST_BALANCING_FIELDS = tuple(f"{phase} {what}" for phase in PHASES
                               for what in ("before", "after")) + (
     "intra-node MB", "inter-node MB", "plan ms", "plan exposed ms", "dispatch ms")
 
@@ -55,14 +55,12 @@ class LoadMeter:
         if isinstance(item, BalancedStep):
             plan, rank = item.plan, item.rank
             mine = plan.examples_llm.rank == rank
-            self.counts += torch.tensor([plan.encoders["vision"].encode.counts()[rank],
-                                         plan.encoders["audio"].encode.counts()[rank],
+            self.counts += torch.tensor([*(plan.encoders[phase].encode.counts()[rank] for phase in ENCODER_PHASES),
                                          float(item.num_tokens[mine].sum())], dtype=torch.float64)
-            stats = [plan.stats[phase] for phase in POST_BALANCING_PHASES]
-            figures = [x for st in stats for x in (st.imbalance_before, st.imbalance_after)] + [
-                sum(st.intra_node_bytes for st in stats) / 1e6, sum(st.inter_node_bytes for st in stats) / 1e6,
-                item.timings["plan"] * 1e3, item.timings["plan_exposed"] * 1e3, item.timings["dispatch"] * 1e3]
-            step = torch.tensor(figures, dtype=torch.float64)
+            figures = dict(plan.report(), **{"plan ms": item.timings["plan"] * 1e3,
+                                             "plan exposed ms": item.timings["plan_exposed"] * 1e3,
+                                             "dispatch ms": item.timings["dispatch"] * 1e3})
+            step = torch.tensor([figures[name] for name in POST_BALANCING_FIELDS], dtype=torch.float64)
             self.post_balancing = step if self.post_balancing is None else self.post_balancing + step
         else:
             self.counts += torch.tensor([item.vision.shape[0], item.audio.shape[0],
@@ -168,7 +166,7 @@ class IterationRecord:
         if self.post_balancing is not None:
             pb = self.post_balancing
             imbalance = ", ".join(f"{phase} {pb[phase + ' before']:.2f}->{pb[phase + ' after']:.2f}"
-                                  for phase in POST_BALANCING_PHASES)
+                                  for phase in PHASES)
             parts += [f" post-balancing cost max/mean over DP before->after: {imbalance}",
                       f" moved MB intra/inter node: {pb['intra-node MB']:.2f}/{pb['inter-node MB']:.2f}",
                       f" plan ms: {pb['plan ms']:.1f} (exposed {pb['plan exposed ms']:.1f})",
