@@ -1,44 +1,88 @@
-"""The MFU benchmark on CPU with the tiny model: every point timed, FLOPs from the planner's cost model."""
+"""The MFU benchmark in-process on CPU with the tiny model: every point timed, FLOPs from the planner's cost model."""
+import dataclasses
 import json
-import subprocess
-import sys
+import warnings
 
 import pytest
+import torch
 
-from megatron_orch.balance.model_config import load_model_config
-from megatron_orch.bench.mfu import QUICK_GRID, with_layers
+warnings.filterwarnings("ignore", message=r".*(Transformer Engine|Apex).*not installed")
+
+from megatron_orch.balance.model_config import load_model_config  # noqa: E402
+from megatron_orch.bench import mfu  # noqa: E402
+
+LAYERS = (1, 2, 3)  # not the config's (2, 2, 2): the override must reach the model and the FLOPs
+BACKBONE_GRID = mfu.QUICK_GRID["backbone"] + [(1, 8192)]  # 8192 > tiny's 4096 positions: skipped
+OOM_POINT = ("vision", 4)  # made to run out of memory: recorded, and the grid goes on
 
 
-def _run(tmp_path, *flags):
+def test_every_point_is_timed_with_the_cost_models_flops(tmp_path, monkeypatch, capsys):
+    monkeypatch.setitem(mfu.QUICK_GRID, "backbone", BACKBONE_GRID)
+    built_layers = {}
+    build_phase, call = mfu.build_phase, mfu._call
+
+    def spy_build(phase, *args):
+        module = build_phase(phase, *args)
+        built_layers[phase] = module.config.num_layers
+        return module
+
+    def call_or_oom(phase, module, config, size, device):
+        if (phase, size) == OOM_POINT:
+            def oom():
+                raise torch.cuda.OutOfMemoryError("injected")
+            return oom
+        return call(phase, module, config, size, device)
+
+    monkeypatch.setattr(mfu, "build_phase", spy_build)
+    monkeypatch.setattr(mfu, "_call", call_or_oom)
     out = tmp_path / "mfu.json"
-    result = subprocess.run([sys.executable, "-m", "megatron_orch.bench.mfu", "--model", "tiny", "--quick",
-                             "--device", "cpu", "--json", str(out), *flags],
-                            capture_output=True, text=True, timeout=300)
-    assert result.returncode == 0, result.stderr[-3000:]
-    return json.loads(out.read_text()), result.stdout
+    returned = mfu.main(["--model", "tiny", "--quick", "--device", "cpu", "--layers", ",".join(map(str, LAYERS)),
+                         "--json", str(out)])
+    stdout = capsys.readouterr().out
 
+    assert built_layers == dict(zip(mfu.PHASES, LAYERS))
+    result = json.loads(out.read_text())
+    assert result == json.loads(json.dumps(returned))
+    assert set(result) == {"model", "layers", "device", "torch", "megatron_core", "dtype", "transformer_impl",
+                           "peak_tflops", "warmup", "repeats", "grid", "points"}
+    assert (result["model"], result["layers"], result["dtype"], result["transformer_impl"], result["grid"]) == (
+        "tiny", list(LAYERS), "fp32", "local", "quick")
+    assert result["device"].startswith("cpu") and result["torch"] == torch.__version__
+    assert result["peak_tflops"] == mfu.DEFAULT_PEAK_TFLOPS
 
-@pytest.mark.parametrize("layers", [None, (1, 1, 3)])
-def test_every_point_is_timed_with_the_cost_models_flops(tmp_path, layers):
-    flags = ["--layers", ",".join(map(str, layers))] if layers else []
-    result, stdout = _run(tmp_path, *flags)
-    config = with_layers(load_model_config("tiny"), layers)
-    expected = ([("vision", f"n={n}", n * config.vision_item_train_flops()) for n in QUICK_GRID["vision"]]
-                + [("audio", f"n={n}", n * config.audio_window_train_flops()) for n in QUICK_GRID["audio"]]
-                + [("backbone", f"{b}x{s}", b * float(config.backbone.transformer.train_flops(s)))
-                   for b, s in QUICK_GRID["backbone"]])
+    config = mfu.with_layers(load_model_config("tiny"), LAYERS)
+    assert config.backbone.transformer.num_layers == 3 and config.vision.transformer.num_layers == 1
+    expected = ([("vision", n, f"n={n}", n * config.vision_item_train_flops()) for n in mfu.QUICK_GRID["vision"]]
+                + [("audio", n, f"n={n}", n * config.audio_window_train_flops()) for n in mfu.QUICK_GRID["audio"]]
+                + [("backbone", (b, s), f"{b}x{s}", b * float(config.backbone.transformer.train_flops(s)))
+                   for b, s in BACKBONE_GRID])
     points = result["points"]
-    assert [(p["phase"], p["shape"]) for p in points] == [(phase, shape) for phase, shape, _ in expected]
-    for point, (_, _, flops) in zip(points, expected):
-        assert point["status"] == "ok" and point["ms"] > 0, point
+    assert [(p["phase"], p["shape"]) for p in points] == [(phase, shape) for phase, _, shape, _ in expected]
+    for point, (phase, size, shape, flops) in zip(points, expected):
+        assert set(point) == {f.name for f in dataclasses.fields(mfu.Point)}
         assert point["flops"] == pytest.approx(flops, rel=1e-12)
-        assert point["tflops"] == pytest.approx(point["flops"] / (point["ms"] / 1e3) / 1e12, rel=1e-9)
-        assert point["mfu"] == pytest.approx(point["tflops"] / result["peak_tflops"], rel=1e-9)
-    assert result["dtype"] == "fp32" and result["transformer_impl"] == "local" and result["device"] == "cpu"
-    assert stdout.count("\n") >= len(expected) + 2  # header lines and one row per point
+        status = "oom" if (phase, size) == OOM_POINT else "skipped" if size == (1, 8192) else "ok"
+        assert point["status"] == status, point
+        assert f"{shape:>9}" in stdout
+        if status != "ok":
+            assert point["ms"] is point["tflops"] is point["mfu"] is None
+            continue
+        assert point["ms"] > 0, point
+        assert point["tflops"] == pytest.approx(flops / (point["ms"] / 1e3) / 1e12, rel=1e-9)
+        assert point["mfu"] == pytest.approx(point["tflops"] / mfu.DEFAULT_PEAK_TFLOPS, rel=1e-9)
+        assert point["peak_memory_gib"] is None  # CPU
+    assert "ASSUMED peak of 790 TFLOP/s" in stdout
+    assert len(stdout.splitlines()) == 3 + len(expected)  # header lines, then one row per point
+    assert not torch.distributed.is_initialized()  # the world of one is torn down
 
 
-def test_bad_layers_are_refused(tmp_path):
-    result = subprocess.run([sys.executable, "-m", "megatron_orch.bench.mfu", "--model", "tiny", "--quick",
-                             "--device", "cpu", "--layers", "2,2"], capture_output=True, text=True, timeout=120)
-    assert result.returncode == 2 and "--layers takes three positive integers" in result.stderr
+@pytest.mark.parametrize("flags, message", [
+    (["--layers", "2,2"], "--layers takes three positive integers"),
+    (["--layers", "2,x,2"], "--layers takes three positive integers"),
+    (["--transformer-impl", "transformer_engine"], "needs --device cuda"),
+    (["--repeats", "0"], "--repeats >= 1"),
+])
+def test_bad_flags_are_refused_before_any_work(flags, message, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        mfu.main(["--model", "tiny", "--quick", "--device", "cpu", *flags])
+    assert exit_info.value.code == 2 and message in capsys.readouterr().err

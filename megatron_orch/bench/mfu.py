@@ -3,152 +3,218 @@
     python -m megatron_orch.bench.mfu --model mllm_10b --layers 12,8,4 --json mfu.json
     python -m megatron_orch.bench.mfu --model tiny --quick --device cpu
 
-Each phase runs as training runs it: :meth:`MLLMModel.encode_vision` over n image tiles,
-:meth:`MLLMModel.encode_audio` over n audio windows, :meth:`MLLMModel.backbone_forward` (with the loss)
-over b sequences of s tokens, each followed by its backward. FLOPs are the planner's own
-(:mod:`megatron_orch.balance.cost` through the model config), so TFLOP/s here is how fast the GPU runs
-the cost the partitioners balance; MFU is against ``--peak-tflops`` (an assumption: 790 is a large
-bf16 matmul measured on one H200). ``--layers V,A,B`` shrinks the stacks so that large widths fit one
-device; a point that runs out of memory is recorded as ``oom``. bf16 on a GPU, fp32 on the CPU.
+Each phase is built alone, so that a point's peak memory is that phase's, and run as training runs
+it, followed by its backward: the :class:`VisionEncoder` (ViT, pixel shuffle, projector) over n image
+tiles per call, the :class:`AudioEncoder` over n windows, the backbone
+(:meth:`MLLMModel.backbone_forward` with the per-token loss, its encoders dropped) over b sequences
+of s text tokens. FLOPs are the planner's own (the cost model of :mod:`megatron_orch.balance.cost`
+through the model config's item costs), so TFLOP/s is how fast the device runs the cost the
+partitioners balance; that cost leaves out the patch embedding and the audio conv stem (a few % of
+an encoder's work). MFU is against ``--peak-tflops``, an assumption. ``--layers V,A,B`` cuts the
+stacks so that large widths fit one device. A point that runs out of memory is recorded as ``oom``
+and the grid goes on; a backbone length over the config's position table is ``skipped``.
+bf16 on a GPU (NCCL world of one), fp32 on the CPU (gloo world of one through the CPU harness).
 """
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
+import gc
 import json
-import os
-import socket
 import statistics
 import sys
 import time
-from typing import Callable, Dict, List, Optional, Tuple
+from datetime import timedelta
+from typing import Callable, Dict, Iterator, List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
+from megatron.core import package_info, parallel_state, tensor_parallel
 
 from megatron_orch.balance.model_config import MLLMConfig, load_model_config
+from megatron_orch.megatron.batch import AUDIO_TOKEN_ID, IMAGE_TOKEN_ID
+from megatron_orch.mllm.model import (AudioEncoder, MLLMModel, ModelParallelSettings, VisionEncoder,
+                                      transformer_engine_available)
+from megatron_orch.trainer import cpu_harness
 
+PHASES = ("vision", "audio", "backbone")
 FULL_GRID = {"vision": [1, 2, 4, 8, 16, 32, 64, 128], "audio": [1, 2, 4, 8, 16, 32],
              "backbone": [(1, 256), (1, 512), (1, 1024), (1, 2048), (1, 4096), (1, 8192), (1, 16384),
                           (4, 2048), (2, 4096)]}
 QUICK_GRID = {"vision": [1, 4], "audio": [1, 2], "backbone": [(1, 64), (2, 128)]}
+DEFAULT_PEAK_TFLOPS = 790.0  # assumed reachable dense bf16 rate of one H200 (spec sheet: 989)
 
 
 @dataclasses.dataclass
 class Point:
     phase: str
     shape: str      # "n=16" items, or "2x4096" sequences x tokens
-    tokens: int     # tokens through the phase's transformer
+    tokens: int     # tokens through the phase's transformer per call
     flops: float    # training FLOPs of the call (cost model)
-    status: str = "ok"
-    ms: Optional[float] = None
+    status: str = "ok"  # or "oom", "skipped"
+    ms: Optional[float] = None  # median forward+backward time
     tflops: Optional[float] = None
     mfu: Optional[float] = None
-    peak_memory_gib: Optional[float] = None
+    peak_memory_gib: Optional[float] = None  # GPU only: weights, grads and the call's activations
 
 
 def with_layers(config: MLLMConfig, layers: Optional[Tuple[int, int, int]]) -> MLLMConfig:
-    """``config`` with the vision, audio and backbone stacks cut to ``layers``."""
+    """``config`` with the vision, audio and backbone stacks cut to ``layers`` (model and FLOPs alike)."""
     if layers is None:
         return config
+
     def cut(component, n):
         return dataclasses.replace(component, transformer=dataclasses.replace(component.transformer, num_layers=n))
     return dataclasses.replace(config, vision=cut(config.vision, layers[0]), audio=cut(config.audio, layers[1]),
                                backbone=cut(config.backbone, layers[2]))
 
 
-def _init_world(device: torch.device) -> None:
-    """A world of one process with megatron-core's model-parallel state, as the trainer sets it up."""
-    from megatron.core import parallel_state, tensor_parallel
+def effective_layers(config: MLLMConfig) -> Tuple[int, int, int]:
+    return (config.vision.transformer.num_layers, config.audio.transformer.num_layers,
+            config.backbone.transformer.num_layers)
 
-    if device.type == "cpu":
-        from megatron_orch.trainer import cpu_harness
+
+@contextlib.contextmanager
+def world_of_one(device: torch.device) -> Iterator[None]:
+    """A one-process world with megatron-core's model-parallel state (its layers need one), torn down after."""
+    if dist.is_initialized():
+        raise RuntimeError("the MFU benchmark sets up its own world of one, but torch.distributed is already "
+                           "initialised in this process")
+    cuda = device.type == "cuda"
+    if not cuda:
         cpu_harness.install()
-    if not dist.is_initialized():
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-        os.environ.setdefault("MASTER_PORT", str(port))
-        dist.init_process_group("nccl" if device.type == "cuda" else "gloo", rank=0, world_size=1,
-                                device_id=device if device.type == "cuda" else None)
-    parallel_state.initialize_model_parallel(1, 1)
-    tensor_parallel.model_parallel_cuda_manual_seed(0)
+    store = dist.TCPStore("127.0.0.1", 0, world_size=1, is_master=True, wait_for_workers=False,
+                          timeout=timedelta(seconds=60))  # port 0: a free port, no clash with other runs
+    dist.init_process_group("nccl" if cuda else "gloo", store=store, rank=0, world_size=1,
+                            device_id=device if cuda else None)
+    try:
+        parallel_state.initialize_model_parallel(1, 1)
+        tensor_parallel.model_parallel_cuda_manual_seed(0)
+        yield
+    finally:
+        parallel_state.destroy_model_parallel()
+        dist.destroy_process_group()
 
 
-def build_model(config: MLLMConfig, device: torch.device, transformer_impl: str):
-    from megatron_orch.mllm.model import MLLMModel, ModelParallelSettings
-
-    settings = ModelParallelSettings(bf16=device.type == "cuda", use_cpu_initialization=device.type == "cpu",
-                                     transformer_impl=transformer_impl)
-    max_seq = max(s for _, s in FULL_GRID["backbone"])
-    model = MLLMModel(config, settings, min(max_seq, config.backbone.max_position_embeddings))
-    model = model.to(device)
-    return model.bfloat16() if settings.bf16 else model
-
-
-def phase_calls(model, config: MLLMConfig, device: torch.device, grid: Dict[str, list]):
-    """(Point, make_inputs, step) for every grid point; ``step(inputs)`` runs forward and backward."""
-    vision, audio = config.vision, config.audio
-    patches = (vision.tile_px // vision.patch_px) ** 2
-    patch_dim = vision.channels * vision.patch_px ** 2
-    for n in grid["vision"]:
-        yield (Point("vision", f"n={n}", n * vision.tile_seq_len, n * config.vision_item_train_flops()),
-               lambda n=n: torch.randn(n, patches, patch_dim, device=device),
-               lambda x: model.encode_vision(x).float().sum().backward())
-    for n in grid["audio"]:
-        yield (Point("audio", f"n={n}", n * audio.window_tokens, n * config.audio_window_train_flops()),
-               lambda n=n: torch.randn(n, audio.window_frames, audio.num_mel_bins, device=device),
-               lambda x: model.encode_audio(x).float().sum().backward())
-    backbone = config.backbone
-    for b, s in grid["backbone"]:
-        if s > backbone.max_position_embeddings:
-            continue
-        yield (Point("backbone", f"{b}x{s}", b * s, b * float(backbone.transformer.train_flops(s))),
-               lambda b=b, s=s: (torch.randint(0, 256, (b, s), device=device),
-                                 torch.arange(s, device=device).expand(b, s)),
-               lambda x: model.backbone_forward(x[0], x[1], None, labels=x[0]).float().sum().backward())
+def build_phase(phase: str, config: MLLMConfig, settings: ModelParallelSettings,
+                device: torch.device) -> torch.nn.Module:
+    """One phase's module alone, on ``device``, cast to bf16 as the trainer's Float16Module casts it."""
+    backbone = config.backbone.transformer
+    if phase == "vision":
+        module = VisionEncoder(config.vision, backbone, settings)
+    elif phase == "audio":
+        module = AudioEncoder(config.audio, backbone, settings)
+    else:
+        module = MLLMModel(config, settings, config.backbone.max_position_embeddings,
+                           pre_process=True, post_process=True)
+        module.vision_encoder = module.audio_encoder = None  # backbone_forward never uses them
+    module = module.to(device)
+    return module.bfloat16() if settings.bf16 else module
 
 
-def _time(step: Callable, inputs, model, device: torch.device, warmup: int, repeats: int) -> List[float]:
-    def sync():
-        if device.type == "cuda":
-            torch.cuda.synchronize()
+def grid_points(phase: str, config: MLLMConfig, grid: Dict[str, list]) -> Iterator[Tuple[Point, object]]:
+    """(Point with its cost-model FLOPs, size) for every grid point of ``phase``."""
+    if phase == "vision":
+        for n in grid["vision"]:
+            yield Point("vision", f"n={n}", n * config.vision.tile_seq_len, n * config.vision_item_train_flops()), n
+    elif phase == "audio":
+        for n in grid["audio"]:
+            yield Point("audio", f"n={n}", n * config.audio.window_tokens, n * config.audio_window_train_flops()), n
+    else:
+        backbone = config.backbone
+        for b, s in grid["backbone"]:
+            point = Point("backbone", f"{b}x{s}", b * s, b * float(backbone.transformer.train_flops(s)))
+            if s > backbone.max_position_embeddings:
+                point.status = "skipped"
+            yield point, (b, s)
+
+
+def _call(phase: str, module: torch.nn.Module, config: MLLMConfig, size, device: torch.device) -> Callable[[], None]:
+    """Forward and backward of one grid point over inputs drawn once."""
+    if phase == "vision":
+        vision = config.vision
+        x = torch.randn(size, vision.patches(vision.tile_px), vision.channels * vision.patch_px ** 2, device=device)
+        return lambda: module(x).sum().backward()
+    if phase == "audio":
+        audio = config.audio
+        x = torch.randn(size, audio.window_frames, audio.num_mel_bins, device=device)
+        return lambda: module(x).sum().backward()
+    b, s = size
+    tokens = torch.randint(0, min(AUDIO_TOKEN_ID, IMAGE_TOKEN_ID), (b, s), device=device)  # text, no placeholders
+    positions = torch.arange(s, device=device).expand(b, s)
+    return lambda: module.backbone_forward(tokens, positions, None, labels=tokens).sum().backward()
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _median_seconds(call: Callable[[], None], device: torch.device, warmup: int, repeats: int) -> float:
+    for _ in range(warmup):
+        call()
     times = []
-    for i in range(warmup + repeats):
-        model.zero_grad(set_to_none=True)
-        sync()
+    for _ in range(repeats):
+        _sync(device)
         start = time.perf_counter()
-        step(inputs)
-        sync()
-        if i >= warmup:
-            times.append(time.perf_counter() - start)
-    return times
+        call()
+        _sync(device)
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
 
 
-def run(config: MLLMConfig, device: torch.device, transformer_impl: str, grid: Dict[str, list], warmup: int,
-        repeats: int, peak_tflops: float, log: Callable[[str], None] = print) -> List[Point]:
-    model = build_model(config, device, transformer_impl)
+def _release(device: torch.device) -> None:
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
+def measure(point: Point, phase: str, module: torch.nn.Module, config: MLLMConfig, size, device: torch.device,
+            warmup: int, repeats: int, peak_tflops: float) -> None:
+    """Time one point into ``point`` (median ms, TFLOP/s, MFU, peak memory), or mark it ``oom``."""
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    try:
+        seconds = _median_seconds(_call(phase, module, config, size, device), device, warmup, repeats)
+    except torch.cuda.OutOfMemoryError:
+        point.status = "oom"
+    if point.status == "oom":
+        _release(device)  # out of the except block: its traceback no longer holds the call's tensors
+        return
+    point.ms = 1e3 * seconds
+    point.tflops = point.flops / seconds / 1e12
+    point.mfu = point.tflops / peak_tflops
+    if device.type == "cuda":
+        point.peak_memory_gib = torch.cuda.max_memory_allocated(device) / 2 ** 30
+
+
+def run(config: MLLMConfig, device: torch.device, settings: ModelParallelSettings, grid: Dict[str, list],
+        warmup: int, repeats: int, peak_tflops: float, on_point: Callable[[Point], None]) -> List[Point]:
+    """Every point of ``grid``, phase by phase (one module alive at a time); ``on_point`` after each."""
     points = []
-    for point, make_inputs, step in phase_calls(model, config, device, grid):
-        if device.type == "cuda":
-            torch.cuda.reset_peak_memory_stats()
-        try:
-            times = _time(step, make_inputs(), model, device, warmup, repeats)
-        except torch.cuda.OutOfMemoryError:
-            point.status = "oom"
-            model.zero_grad(set_to_none=True)
-            torch.cuda.empty_cache()
-        else:
-            seconds = statistics.median(times)
-            point.ms = 1e3 * seconds
-            point.tflops = point.flops / seconds / 1e12
-            point.mfu = point.tflops / peak_tflops
-            if device.type == "cuda":
-                point.peak_memory_gib = torch.cuda.max_memory_allocated() / 2 ** 30
-        points.append(point)
-        log(format_point(point))
+    for phase in PHASES:
+        module = build_phase(phase, config, settings, device)
+        for point, size in grid_points(phase, config, grid):
+            if point.status == "ok":
+                measure(point, phase, module, config, size, device, warmup, repeats, peak_tflops)
+            points.append(point)
+            on_point(point)
+        del module
+        _release(device)
     return points
+
+
+def format_header(result: dict) -> str:
+    gpu = result["dtype"] == "bf16"
+    return "\n".join([
+        f"[mfu] {result['model']} layers (vision, audio, backbone) = {tuple(result['layers'])} | {result['device']} | "
+        f"{result['dtype']} | --transformer-impl {result['transformer_impl']} | torch {result['torch']}, "
+        f"megatron-core {result['megatron_core']} | median of {result['repeats']} after {result['warmup']} warm-up",
+        f"[mfu] MFU is against an ASSUMED peak of {result['peak_tflops']:g} TFLOP/s (--peak-tflops); "
+        "FLOPs are the planner's cost model",
+        f"{'phase':>9} {'shape':>9} {'tokens':>9} {'ms':>10} {'TFLOP/s':>9} {'MFU':>7}"
+        + (f" {'peak GiB':>9}" if gpu else "")])
 
 
 def format_point(p: Point) -> str:
@@ -158,7 +224,19 @@ def format_point(p: Point) -> str:
     return f"{p.phase:>9} {p.shape:>9} {p.tokens:>9} {p.ms:10.2f} {p.tflops:9.3g} {100 * p.mfu:6.1f}%{memory}"
 
 
-def main(argv=None) -> dict:
+def _parse_layers(parser: argparse.ArgumentParser, text: Optional[str]) -> Optional[Tuple[int, int, int]]:
+    if text is None:
+        return None
+    try:
+        layers = tuple(int(x) for x in text.split(","))
+    except ValueError:
+        layers = ()
+    if len(layers) != 3 or min(layers) < 1:
+        parser.error(f"--layers takes three positive integers V,A,B, got {text!r}")
+    return layers
+
+
+def main(argv: Optional[List[str]] = None) -> dict:
     parser = argparse.ArgumentParser(prog="python -m megatron_orch.bench.mfu", description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="mllm_10b", help="model config name or YAML (default mllm_10b)")
     parser.add_argument("--layers", default=None, metavar="V,A,B",
@@ -168,47 +246,46 @@ def main(argv=None) -> dict:
     parser.add_argument("--quick", action="store_true", help="a small grid (CPU, tests)")
     parser.add_argument("--warmup", type=int, default=None, help="untimed calls per point (default 2; quick 1)")
     parser.add_argument("--repeats", type=int, default=None, help="timed calls per point (default 5; quick 2)")
-    parser.add_argument("--peak-tflops", type=float, default=790.0,
-                        help="the device's peak for MFU (default 790: a large bf16 matmul on one H200)")
-    parser.add_argument("--json", default=None, metavar="OUT")
+    parser.add_argument("--peak-tflops", type=float, default=DEFAULT_PEAK_TFLOPS,
+                        help=f"the device's peak for MFU (default {DEFAULT_PEAK_TFLOPS:g}: an assumption for one "
+                             "H200 in bf16)")
+    parser.add_argument("--json", default=None, metavar="OUT", help="write the result here (after every point)")
     args = parser.parse_args(argv)
-    layers = None
-    if args.layers:
-        try:
-            layers = tuple(int(x) for x in args.layers.split(","))
-        except ValueError:
-            parser.error(f"--layers takes three integers V,A,B, got {args.layers!r}")
-        if len(layers) != 3 or min(layers) < 1:
-            parser.error(f"--layers takes three positive integers V,A,B, got {args.layers!r}")
+    layers = _parse_layers(parser, args.layers)
     if args.device == "cuda" and not torch.cuda.is_available():
         parser.error("--device cuda, but no GPU is visible")
-    if args.transformer_impl == "transformer_engine":
-        from megatron_orch.trainer.arguments import transformer_engine_available
-        if not transformer_engine_available():
-            parser.error("--transformer-impl transformer_engine, but transformer_engine does not import")
+    if args.transformer_impl == "transformer_engine" and (args.device == "cpu" or not transformer_engine_available()):
+        parser.error("--transformer-impl transformer_engine needs --device cuda and an importable transformer_engine")
     warmup = args.warmup if args.warmup is not None else (1 if args.quick else 2)
     repeats = args.repeats if args.repeats is not None else (2 if args.quick else 5)
+    if warmup < 0 or repeats < 1:
+        parser.error("--warmup must be >= 0 and --repeats >= 1")
     config = with_layers(load_model_config(args.model), layers)
-    device = torch.device(args.device, torch.cuda.current_device()) if args.device == "cuda" else torch.device("cpu")
-    if device.type == "cuda":
+    cuda = args.device == "cuda"
+    device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
+    if cuda:
         torch.cuda.set_device(device)
-    _init_world(device)
-    name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
-    print(f"[mfu] {config.name} layers (vision, audio, backbone) = "
-          f"{(config.vision.transformer.num_layers, config.audio.transformer.num_layers, config.backbone.transformer.num_layers)}"
-          f" | {name} | {'bf16' if device.type == 'cuda' else 'fp32'} | --transformer-impl {args.transformer_impl} | "
-          f"MFU against an assumed peak of {args.peak_tflops:.0f} TFLOP/s | median of {repeats} after {warmup} warm-up")
-    print(f"{'phase':>9} {'shape':>9} {'tokens':>9} {'ms':>10} {'TFLOP/s':>9} {'MFU':>7}"
-          + (f" {'peak GiB':>9}" if device.type == "cuda" else ""))
-    points = run(config, device, args.transformer_impl, QUICK_GRID if args.quick else FULL_GRID, warmup, repeats,
-                 args.peak_tflops)
-    result = {"model": config.name, "layers": layers, "device": name, "torch": torch.__version__,
-              "dtype": "bf16" if device.type == "cuda" else "fp32", "transformer_impl": args.transformer_impl,
+    settings = ModelParallelSettings(bf16=cuda, use_cpu_initialization=not cuda,
+                                     transformer_impl=args.transformer_impl)
+    result = {"model": config.name, "layers": effective_layers(config),
+              "device": torch.cuda.get_device_name(device) if cuda else f"cpu ({torch.get_num_threads()} threads)",
+              "torch": torch.__version__, "megatron_core": package_info.__version__,
+              "dtype": "bf16" if cuda else "fp32", "transformer_impl": args.transformer_impl,
               "peak_tflops": args.peak_tflops, "warmup": warmup, "repeats": repeats,
-              "points": [dataclasses.asdict(p) for p in points]}
+              "grid": "quick" if args.quick else "full", "points": []}
+
+    def on_point(point: Point) -> None:
+        print(format_point(point), flush=True)
+        result["points"].append(dataclasses.asdict(point))
+        if args.json:  # rewritten after every point: a run cut short keeps what it measured
+            with open(args.json, "w") as f:
+                json.dump(result, f, indent=1)
+
+    with world_of_one(device):
+        print(format_header(result), flush=True)  # after megatron-core's own start-up lines
+        run(config, device, settings, QUICK_GRID if args.quick else FULL_GRID, warmup, repeats, args.peak_tflops,
+            on_point)
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump(result, f, indent=1)
         print(f"[mfu] wrote {args.json}", file=sys.stderr)
     return result
 
