@@ -12,12 +12,12 @@ from megatron_orch.balance.model_config import load_model_config  # noqa: E402
 from megatron_orch.bench import mfu  # noqa: E402
 
 LAYERS = (1, 2, 3)  # not the config's (2, 2, 2): the override must reach the model and the FLOPs
-BACKBONE_GRID = mfu.QUICK_GRID["backbone"] + [(1, 8192)]  # 8192 > tiny's 4096 positions: skipped
+LLM_GRID = mfu.QUICK_GRID["llm"] + [(1, 8192)]  # 8192 > tiny's 4096 positions: skipped
 OOM_POINT = ("vision", 4)  # made to run out of memory: recorded, and the grid goes on
 
 
 def test_every_point_is_timed_with_the_cost_models_flops(tmp_path, monkeypatch, capsys):
-    monkeypatch.setitem(mfu.QUICK_GRID, "backbone", BACKBONE_GRID)
+    monkeypatch.setitem(mfu.QUICK_GRID, "llm", LLM_GRID)
     built_layers = {}
     build_phase, call = mfu.build_phase, mfu._call
 
@@ -54,8 +54,8 @@ def test_every_point_is_timed_with_the_cost_models_flops(tmp_path, monkeypatch, 
     assert config.backbone.transformer.num_layers == 3 and config.vision.transformer.num_layers == 1
     expected = ([("vision", n, f"n={n}", n * config.vision_item_train_flops()) for n in mfu.QUICK_GRID["vision"]]
                 + [("audio", n, f"n={n}", n * config.audio_window_train_flops()) for n in mfu.QUICK_GRID["audio"]]
-                + [("backbone", (b, s), f"{b}x{s}", b * float(config.backbone.transformer.train_flops(s)))
-                   for b, s in BACKBONE_GRID])
+                + [("llm", (b, s), f"{b}x{s}", b * float(config.backbone.transformer.train_flops(s)))
+                   for b, s in LLM_GRID])
     points = result["points"]
     assert [(p["phase"], p["shape"]) for p in points] == [(phase, shape) for phase, _, shape, _ in expected]
     for point, (phase, size, shape, flops) in zip(points, expected):

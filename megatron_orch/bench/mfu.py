@@ -33,22 +33,22 @@ import torch.distributed as dist
 from megatron.core import package_info, parallel_state, tensor_parallel
 
 from megatron_orch.balance.model_config import MLLMConfig, load_model_config
+from megatron_orch.balance.workload import PHASES
 from megatron_orch.megatron.batch import AUDIO_TOKEN_ID, IMAGE_TOKEN_ID
 from megatron_orch.mllm.model import (AudioEncoder, MLLMModel, ModelParallelSettings, VisionEncoder,
                                       transformer_engine_available)
 from megatron_orch.trainer import cpu_harness
 
-PHASES = ("vision", "audio", "backbone")
 FULL_GRID = {"vision": [1, 2, 4, 8, 16, 32, 64, 128], "audio": [1, 2, 4, 8, 16, 32],
-             "backbone": [(1, 256), (1, 512), (1, 1024), (1, 2048), (1, 4096), (1, 8192), (1, 16384),
+             "llm": [(1, 256), (1, 512), (1, 1024), (1, 2048), (1, 4096), (1, 8192), (1, 16384),
                           (4, 2048), (2, 4096)]}
-QUICK_GRID = {"vision": [1, 4], "audio": [1, 2], "backbone": [(1, 64), (2, 128)]}
+QUICK_GRID = {"vision": [1, 4], "audio": [1, 2], "llm": [(1, 64), (2, 128)]}
 DEFAULT_PEAK_TFLOPS = 790.0  # assumed reachable dense bf16 rate of one H200 (spec sheet: 989)
 
 
 @dataclasses.dataclass
 class Point:
-    phase: str
+    phase: str      # the planner's phase names: vision, audio, llm (the backbone)
     shape: str      # "n=16" items, or "2x4096" sequences x tokens
     tokens: int     # tokens through the phase's transformer per call
     flops: float    # training FLOPs of the call (cost model)
@@ -123,8 +123,8 @@ def grid_points(phase: str, config: MLLMConfig, grid: Dict[str, list]) -> Iterat
             yield Point("audio", f"n={n}", n * config.audio.window_tokens, n * config.audio_window_train_flops()), n
     else:
         backbone = config.backbone
-        for b, s in grid["backbone"]:
-            point = Point("backbone", f"{b}x{s}", b * s, b * float(backbone.transformer.train_flops(s)))
+        for b, s in grid["llm"]:
+            point = Point("llm", f"{b}x{s}", b * s, b * float(backbone.transformer.train_flops(s)))
             if s > backbone.max_position_embeddings:
                 point.status = "skipped"
             yield point, (b, s)
