@@ -54,7 +54,8 @@ else
   step train_fp32 150 "$PY" scripts/compare_baseline.py --nproc 1 --out "$out/train_fp32" --rtol 1e-3 -- \
     --global-batch-size 8 --train-iters 8 --distributed-backend nccl
   step sdpa_kernels 60 "$PY" scripts/check_sdpa_kernels.py
-  step mfu 240 "$PY" -m megatron_orch.bench.mfu --model mllm_10b --layers 12,8,4 --device cuda --json "$out/mfu.json"
+  step mfu 240 "$PY" -m megatron_orch.bench.mfu --model mllm_10b --layers 12,8,4 --device cuda --warmup 1 --repeats 3 \
+    --json "$out/mfu.json"
 fi
 
 { echo "gpu_check ($mode) in $out"
