@@ -42,7 +42,8 @@ class StepSizes:
     def __post_init__(self):
         counts = np.asarray(self.counts)
         if counts.ndim != 1 or counts.size == 0 or counts.min() < 0:
-            raise ValueError(f"StepSizes.counts must be a non-empty 1-D array of counts >= 0, got {counts.tolist()[:16]}")
+            raise ValueError(f"StepSizes.counts must be a non-empty 1-D array of counts >= 0, "
+                             f"got {counts.tolist()[:16]}")
         n = int(counts.sum())
         for name in ("num_vision_items", "num_audio_items", "num_tokens"):
             values = np.asarray(getattr(self, name))

@@ -18,10 +18,10 @@ is a view of the receive buffer) when the received order already is slot order.
 
 Inputs must be on the group's communication device (:func:`~megatron_orch.comm.device.communication_device`:
 the GPU for NCCL, the CPU for gloo); outputs come back there. Every rank must call this with the same
-layouts and transfer and enter every collective, also with zero rows to send or receive. With ``differentiable`` (default) and grad mode on, floating-point
-outputs require grad on every rank, whatever the inputs: so every rank must use its outputs in
-the loss (zero-row outputs included, e.g. concatenated into the backbone input), and then every
-rank runs the backward exchange.
+layouts and transfer and enter every collective, also with zero rows to send or receive. With
+``differentiable`` (default) and grad mode on, floating-point outputs require grad on every rank,
+whatever the inputs: so every rank must use its outputs in the loss (zero-row outputs included, e.g.
+concatenated into the backbone input), and then every rank runs the backward exchange.
 """
 from __future__ import annotations
 

@@ -26,6 +26,7 @@ def runs_on_cpu(args: argparse.Namespace) -> bool:
     """A gloo launch trains on CPU (megatron-core through the CPU harness); nccl on GPUs."""
     return args.distributed_backend == "gloo"
 
+
 def model_parallel_settings(args: argparse.Namespace) -> ModelParallelSettings:
     return ModelParallelSettings(
         tensor_model_parallel_size=args.tensor_model_parallel_size,
