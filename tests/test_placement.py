@@ -139,15 +139,16 @@ def test_minmax_restricted_to_candidate_nodes_is_never_worse_than_its_hint():
     assert again.rank_of_bin.tolist() == result.rank_of_bin.tolist()
 
 
-def test_without_ortools_exact_and_minmax_fall_back_to_greedy(monkeypatch):
+def test_without_ortools_exact_still_solves_and_minmax_falls_back_to_it(monkeypatch):
     traffic, topology = _random_traffic(16, 5, seed=3), Topology.uniform(16, 4)
-    greedy = place_bins(traffic, topology, PlacementConfig(method="greedy"))
-    monkeypatch.setattr(placement_module, "min_cost_flow", None)
+    exact = place_bins(traffic, topology, PlacementConfig(method="exact"))
+    for name in ("min_cost_flow", "linear_sum_assignment", "cp_model"):
+        monkeypatch.setattr(placement_module, name, None)
     for method in ("exact", "minmax"):
         result = place_bins(traffic, topology, PlacementConfig(method=method))
         _check_result(result, traffic, topology)
-        assert result.solver == "greedy (OR-Tools not installed)"
-        assert result.rank_of_bin.tolist() == greedy.rank_of_bin.tolist()
+        assert result.rank_of_bin.tolist() == exact.rank_of_bin.tolist()
+        assert result.solver == "min-cost-flow" + (" (OR-Tools not installed: no min-max)" if method == "minmax" else "")
 
 
 def test_no_traffic_keeps_identity_costs_at_zero():

@@ -10,17 +10,21 @@ Methods (one bin per rank):
 - ``identity``: bin b on rank b.
 - ``greedy``: largest same-node byte counts first, then largest same-GPU byte counts inside each
   node; never worse than identity (it returns identity when that is better).
-- ``exact``: minimum total inter-node bytes. Bins -> nodes is a transportation problem solved as a
-  sparse min-cost flow (a bin links to the nodes it has bytes on, plus one hub arc standing for
-  "any other node", so the graph has O(non-zeros) arcs); then bins -> GPUs inside each node is one
-  assignment problem minimising bytes that leave a GPU given those nodes.
+- ``exact``: minimum total inter-node bytes. Bins -> nodes is a transportation problem (a min-cost
+  flow: a bin links to the nodes it has bytes on, plus a hub standing for "any other node"), solved
+  exactly by a compiled successive-shortest-path solver that releases the GIL
+  (:mod:`megatron_orch.balance._transport`) and certifies its optimum by LP duality; then bins ->
+  GPUs inside each node is, node by node, an assignment problem minimising bytes that leave a GPU
+  given those nodes (Hungarian algorithm). :func:`exact_min_cost_flow` solves the same two problems
+  with OR-Tools (min-cost flow, linear sum assignment): the tests' oracle, and the fallback should
+  a solution ever fail its certificate.
 - ``minmax``: minimum inter-node bytes of the busiest node (a node's load is the larger of what it
   receives from and sends to other nodes: links are full duplex), then minimum total inter-node bytes
   at that maximum. A CP-SAT model warm-started from the best of exact, greedy and identity; large
   instances consider only each bin's ``candidate_nodes`` best nodes plus its hint and home nodes.
   Within the time limit the result is never worse than that hint.
 
-Without OR-Tools, ``exact`` and ``minmax`` fall back to ``greedy`` and say so in ``solver``.
+Without OR-Tools, ``minmax`` falls back to ``exact`` and says so in ``solver``.
 """
 from __future__ import annotations
 
@@ -32,9 +36,10 @@ import numpy as np
 try:
     from ortools.graph.python import linear_sum_assignment, min_cost_flow
     from ortools.sat.python import cp_model
-except ImportError:  # OR-Tools is optional at run time: the greedy placement needs only numpy.
+except ImportError:  # OR-Tools is optional at run time: only the min-max placement (and the oracle) need it.
     cp_model = linear_sum_assignment = min_cost_flow = None
 
+from megatron_orch.balance import _transport
 from megatron_orch.balance.plan import as_index_array
 from megatron_orch.balance.topology import Topology
 
@@ -67,9 +72,9 @@ class BinTraffic:
         _check_range(ranks, num_ranks, "home_rank")
         if nbytes.size and nbytes.min() < 0:
             raise ValueError(f"item {int(np.argmin(nbytes))} has negative bytes {nbytes.min()}")
-        keys, inverse = np.unique(bins * num_ranks + ranks, return_inverse=True)
-        total = np.bincount(inverse.reshape(-1), weights=nbytes, minlength=keys.size)
-        return cls._from_keys(keys, np.rint(total).astype(np.int64), num_bins, num_ranks)
+        row_start, rank, total = _transport.merge_pairs(bins, ranks, nbytes, int(num_bins), int(num_ranks))
+        return cls(bin=np.repeat(np.arange(int(num_bins), dtype=np.int64), np.diff(row_start)), rank=rank,
+                   nbytes=total, num_bins=int(num_bins), num_ranks=int(num_ranks))
 
     @classmethod
     def from_matrix(cls, matrix) -> "BinTraffic":
@@ -164,17 +169,17 @@ def place_bins(traffic: BinTraffic, topology: Topology,
     if traffic.num_bins != traffic.num_ranks or topology.num_ranks != traffic.num_ranks:
         raise ValueError(f"placement needs one bin per rank: {traffic.num_bins} bins, traffic over "
                          f"{traffic.num_ranks} ranks, topology of {topology.num_ranks} ranks")
-    problem = _Problem(traffic, topology)
     if config.method == "identity":
         rank_of_bin, solver = np.arange(traffic.num_bins), "identity"
-    elif config.method == "greedy" or min_cost_flow is None:
-        rank_of_bin, solver = _greedy(problem)
-        if config.method != "greedy":
-            solver += " (OR-Tools not installed)"
+    elif config.method == "greedy":
+        rank_of_bin, solver = _greedy(_Problem(traffic, topology))
     else:
-        rank_of_bin, solver = _exact(problem)
+        rank_of_bin, solver = _exact(traffic, topology)
         if config.method == "minmax":
-            rank_of_bin, solver = _minmax(problem, rank_of_bin, solver, config, start)
+            if cp_model is None:
+                solver += " (OR-Tools not installed: no min-max)"
+            else:
+                rank_of_bin, solver = _minmax(_Problem(traffic, topology), rank_of_bin, solver, config, start)
     cost = placement_cost(traffic, topology, rank_of_bin)
     return BinPlacement(rank_of_bin=np.asarray(rank_of_bin, dtype=np.int64), solver=solver,
                         inter_node_bytes=cost.inter_node_bytes,
@@ -213,15 +218,9 @@ class _Problem:
         return int(max(received.max(), sent.max())), int(received.sum())
 
     def ranks_for_nodes(self, node_of_bin: np.ndarray) -> np.ndarray:
-        """Assign bins to the GPUs of their nodes, minimising bytes that leave a GPU (exact; greedy
-        if the assignment solver reports overflow)."""
+        """Assign bins to the GPUs of their nodes, minimising bytes that leave a GPU (exact)."""
         start = time.perf_counter()
-        left, right = self._same_node_pairs(node_of_bin)
-        solver = linear_sum_assignment.SimpleLinearSumAssignment()
-        solver.add_arcs_with_cost(left, right, -self._bytes_at(left, right))
-        if solver.solve() != solver.OPTIMAL:  # costs too large for its integer arithmetic
-            return self.greedy_ranks_for_nodes(node_of_bin)
-        rank_of_bin = np.array([solver.right_mate(b) for b in range(self.num_bins)], dtype=np.int64)
+        rank_of_bin = _ranks_for_nodes(self.traffic, self.topology, node_of_bin)
         self.assign_seconds = max(self.assign_seconds, time.perf_counter() - start)
         return rank_of_bin
 
@@ -287,8 +286,40 @@ def _greedy_match(left, right, weight, capacity, num_left):
     return match
 
 
-def _exact(problem: _Problem):
-    """Min total inter-node bytes: sparse min-cost flow bins -> nodes, then exact in-node assignment."""
+def _ranks_for_nodes(traffic: BinTraffic, topology: Topology, node_of_bin: np.ndarray) -> np.ndarray:
+    """Bins to the GPUs of their nodes, most bytes kept on their GPU (exact, node by node)."""
+    return _transport.assign_in_nodes(traffic.bin, traffic.rank, traffic.nbytes,
+                                      np.ascontiguousarray(node_of_bin, dtype=np.int64),
+                                      topology.node_of_rank, topology.num_nodes)
+
+
+def _node_weights(traffic: BinTraffic, topology: Topology):
+    """Bytes each bin finds on each node, by bin (CSR: row_start, node, bytes), and node capacities."""
+    row_start, node, nbytes = _transport.merge_pairs(traffic.bin, topology.node_of_rank[traffic.rank],
+                                                     traffic.nbytes, traffic.num_bins, topology.num_nodes)
+    return row_start, node, nbytes, topology.ranks_per_node().astype(np.int64)
+
+
+def _exact(traffic: BinTraffic, topology: Topology):
+    """Min total inter-node bytes (compiled transportation solver, certified), then exact in-node
+    assignment. Falls back to OR-Tools (or greedy) only if the certificate fails."""
+    row_start, node, nbytes, capacity = _node_weights(traffic, topology)
+    node_of_bin, potential = _transport.transport(row_start, node, nbytes, capacity)
+    if _transport.dual_gap(row_start, node, nbytes, capacity, node_of_bin, potential) != 0:
+        if min_cost_flow is None:
+            rank_of_bin, solver = _greedy(_Problem(traffic, topology))
+            return rank_of_bin, solver + " (transport solver not certified, OR-Tools not installed)"
+        rank_of_bin, solver = exact_min_cost_flow(traffic, topology)
+        return rank_of_bin, solver + " (transport solver not certified)"
+    return _ranks_for_nodes(traffic, topology, node_of_bin), "min-cost-flow"
+
+
+def exact_min_cost_flow(traffic: BinTraffic, topology: Topology):
+    """The ``exact`` placement by OR-Tools: sparse min-cost flow bins -> nodes, then one linear sum
+    assignment bins -> GPUs of their nodes. Returns (rank_of_bin, solver)."""
+    if min_cost_flow is None:
+        raise RuntimeError("exact_min_cost_flow needs OR-Tools (pip install ortools)")
+    problem = _Problem(traffic, topology)
     num_bins, num_nodes = problem.num_bins, problem.num_nodes
     hub = num_bins + num_nodes
     # Cost = minus the bytes a bin finds on the node; the hub arc means "a node where it has nothing".
@@ -311,7 +342,13 @@ def _exact(problem: _Problem):
     node_of_bin[problem.pair_bin[direct]] = problem.pair_node[direct]
     via_hub = np.flatnonzero(node_of_bin < 0)
     node_of_bin[via_hub] = np.repeat(np.arange(num_nodes), flows[-num_nodes:])
-    return problem.ranks_for_nodes(node_of_bin), "min-cost-flow"
+    left, right = problem._same_node_pairs(node_of_bin)
+    assignment = linear_sum_assignment.SimpleLinearSumAssignment()
+    assignment.add_arcs_with_cost(left, right, -problem._bytes_at(left, right))
+    if assignment.solve() != assignment.OPTIMAL:  # costs too large for its integer arithmetic
+        return problem.greedy_ranks_for_nodes(node_of_bin), "min-cost-flow (OR-Tools), greedy in nodes"
+    return (np.array([assignment.right_mate(b) for b in range(num_bins)], dtype=np.int64),
+            "min-cost-flow (OR-Tools)")
 
 
 def _minmax(problem: _Problem, exact_rank_of_bin, exact_solver: str, config: PlacementConfig,

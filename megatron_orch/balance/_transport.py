@@ -1,0 +1,543 @@
+"""Compiled exact placement (numba, GIL released): bins -> nodes, then bins -> GPUs inside each node.
+
+Bins -> nodes is a transportation problem: every bin goes to one node, node ``n`` takes exactly
+``cap[n]`` bins (``cap.sum()`` is the number of bins), and the bytes a bin finds on its node
+(``W[b, n]``) are maximised, i.e. the inter-node bytes minimised. ``W`` is sparse (a bin pulls from
+few nodes) and stored by bin (CSR); a bin can go to any node, where it has no bytes the weight is 0.
+
+:func:`transport` solves it exactly by successive shortest augmenting paths with node potentials
+(a Hungarian / Jonker-Volgenant scheme for capacitated columns). Each bin first takes its heaviest
+node while that node has room (a dual-feasible start: prices 0, every placed bin at its best node);
+every other bin then enters by a Dijkstra search over *nodes* (a full node passes the search on
+through the bins it holds: one of them moves on to another node). Zero-weight arcs are never listed:
+a "hub" label carries the cheapest way to leave a node for a node where the moving bin has nothing,
+so a search costs O(nodes + listed arcs of the bins it touches).
+
+The solution is certified: :func:`transport` returns the node prices, and :func:`dual_gap` checks
+that the primal weight equals the dual bound (LP duality: gap 0 means optimal). All arithmetic is
+int64; ties go to the smaller node or bin id, so results are deterministic.
+
+:func:`assign_in_nodes` then solves, node by node, the assignment of a node's bins to its GPUs that
+maximises the bytes a bin already finds on its own GPU (Hungarian algorithm, O(G^3) per node).
+"""
+import numba
+import numpy as np
+
+_JIT = dict(cache=True, nogil=True)
+_INF = np.int64(1) << np.int64(62)
+
+
+# ---------------------------------------------------------------------------------------------
+# Sparse traffic: sort and merge (bin, key, bytes) triples without a comparison sort.
+# ---------------------------------------------------------------------------------------------
+
+@numba.njit(**_JIT)
+def merge_pairs(rows, cols, values, num_rows, num_cols):
+    """Sum ``values`` per (row, col) pair: (row_start [num_rows + 1], col, value) sorted by row then
+    col, pairs with value 0 dropped. Two counting-sort passes, O(n + rows + cols)."""
+    n = rows.size
+    # Pass 1: stable bucket by column, pass 2: stable bucket by row -> sorted by (row, col).
+    count = np.zeros(num_cols + 1, dtype=np.int64)
+    for i in range(n):
+        count[cols[i] + 1] += 1
+    for c in range(num_cols):
+        count[c + 1] += count[c]
+    by_col = np.empty(n, dtype=np.int64)
+    for i in range(n):
+        c = cols[i]
+        by_col[count[c]] = i
+        count[c] += 1
+    rcount = np.zeros(num_rows + 1, dtype=np.int64)
+    for i in range(n):
+        rcount[rows[i] + 1] += 1
+    for r in range(num_rows):
+        rcount[r + 1] += rcount[r]
+    order = np.empty(n, dtype=np.int64)
+    for t in range(n):
+        i = by_col[t]
+        r = rows[i]
+        order[rcount[r]] = i
+        rcount[r] += 1
+    row_start = np.zeros(num_rows + 1, dtype=np.int64)
+    out_col = np.empty(n, dtype=np.int64)
+    out_val = np.empty(n, dtype=np.int64)
+    m = 0
+    prev_r, prev_c = -1, -1
+    for t in range(n):
+        i = order[t]
+        r, c = rows[i], cols[i]
+        if r == prev_r and c == prev_c:
+            out_val[m - 1] += values[i]
+        else:
+            if m > 0 and out_val[m - 1] == 0:  # drop a finished zero pair
+                m -= 1
+                row_start[prev_r + 1] -= 1
+            out_col[m] = c
+            out_val[m] = values[i]
+            row_start[r + 1] += 1
+            m += 1
+            prev_r, prev_c = r, c
+    if m > 0 and out_val[m - 1] == 0:
+        m -= 1
+        row_start[prev_r + 1] -= 1
+    for r in range(num_rows):
+        row_start[r + 1] += row_start[r]
+    return row_start, out_col[:m].copy(), out_val[:m].copy()
+
+
+# ---------------------------------------------------------------------------------------------
+# Bins -> nodes: the transportation problem.
+# ---------------------------------------------------------------------------------------------
+
+@numba.njit(**_JIT)
+def _remove(b, old, node_of_bin, members, member_start, count, pos):
+    """Take bin ``b`` out of node ``old``."""
+    last = members[member_start[old] + count[old] - 1]
+    members[member_start[old] + pos[b]] = last
+    pos[last] = pos[b]
+    count[old] -= 1
+    node_of_bin[b] = -1
+
+
+@numba.njit(**_JIT)
+def _move(b, old, new, node_of_bin, members, member_start, count, pos):
+    """Take bin ``b`` out of node ``old`` (-1: nowhere) and put it into node ``new``."""
+    if old >= 0:
+        _remove(b, old, node_of_bin, members, member_start, count, pos)
+    members[member_start[new] + count[new]] = b
+    pos[b] = count[new]
+    count[new] += 1
+    node_of_bin[b] = new
+
+@numba.njit(**_JIT)
+def _heap_push(key, ids, size, k, i):
+    """Insert (k, i) into the min-heap ``key/ids[:size]`` (lexicographic); the caller grows size."""
+    pos = size
+    while pos > 0:
+        parent = (pos - 1) // 2
+        if key[parent] < k or (key[parent] == k and ids[parent] < i):
+            break
+        key[pos], ids[pos] = key[parent], ids[parent]
+        pos = parent
+    key[pos], ids[pos] = k, i
+
+
+@numba.njit(**_JIT)
+def _heap_pop(key, ids, size):
+    """Remove the root of the min-heap ``key/ids[:size]``; the caller shrinks size."""
+    size -= 1
+    k, i = key[size], ids[size]
+    pos = 0
+    while True:
+        child = 2 * pos + 1
+        if child >= size:
+            break
+        if child + 1 < size and (key[child + 1] < key[child] or
+                                 (key[child + 1] == key[child] and ids[child + 1] < ids[child])):
+            child += 1
+        if key[child] < k or (key[child] == k and ids[child] < i):
+            key[pos], ids[pos] = key[child], ids[child]
+            pos = child
+        else:
+            break
+    key[pos], ids[pos] = k, i
+
+
+@numba.njit(**_JIT)
+def _top_two(v):
+    """Node of largest ``v`` (ties: smaller id) and the largest ``v`` over the other nodes."""
+    first, second = 0, -_INF
+    for n in range(1, v.size):
+        if v[n] > v[first]:
+            second = v[first]
+            first = n
+        elif v[n] > second:
+            second = v[n]
+    return first, second
+
+
+@numba.njit(**_JIT)
+def _best_two(b, row_start, row_node, row_w, v, v_max, top, second_v):
+    """Bin ``b``'s best node (largest W[b, n] + v[n]; ties: smaller id), W there, that value, and the
+    best value over the other nodes. Unlisted nodes have W = 0 (the best of them is ``top``, the
+    node of largest v). Rows are sorted by decreasing weight, so the scan stops once no arc can
+    reach the second value."""
+    best_n, best_w, best_val, other = top, np.int64(0), v[top], second_v
+    for j in range(row_start[b], row_start[b + 1]):
+        w = row_w[j]
+        if w + v_max < other:
+            break
+        x = row_node[j]
+        val = w + v[x]
+        if val > best_val or (val == best_val and x < best_n):
+            if x != best_n:
+                other = max(other, best_val)
+            best_n, best_w, best_val = x, w, val
+        elif x != best_n:
+            other = max(other, val)
+    return best_n, best_w, best_val, other
+
+
+@numba.njit(**_JIT)
+def _alternative(b, avoid, row_start, row_node, row_w, v, v_max, top, second_v):
+    """Best value of bin ``b`` over the nodes other than ``avoid``."""
+    alt = v[top] if top != avoid else second_v
+    for j in range(row_start[b], row_start[b + 1]):
+        w = row_w[j]
+        if w + v_max <= alt:
+            break
+        x = row_node[j]
+        if x != avoid:
+            alt = max(alt, w + v[x])
+    return alt
+
+
+@numba.njit(**_JIT)
+def _price_rounds(queue, num_free, max_bids, row_start, row_node, row_w, cap, v, node_of_bin, wcur,
+                  members, member_start, count, pos):
+    """Place free bins while every placed bin stays at a best node (Jonker-Volgenant's augmenting
+    row reduction, for nodes of several slots). A free bin takes its best node; a full node lowers
+    its potential until the bin is indifferent to its second choice or the node's least attached
+    member is to its own, and that member leaves and bids in turn. Stops after ``max_bids`` bids
+    (ties can make bins swap forever). ``queue[:num_free]``: the free bins, a ring; returns how
+    many are still free, left at the front of ``queue``."""
+    size = queue.size
+    head, tail = 0, num_free
+    bids = 0
+    while head < tail and bids < max_bids:
+        b = queue[head % size]
+        head += 1
+        bids += 1
+        top, second_v = _top_two(v)
+        v_max = v[top]
+        n1, w1, u1, u2 = _best_two(b, row_start, row_node, row_w, v, v_max, top, second_v)
+        if count[n1] < cap[n1]:
+            _move(b, -1, n1, node_of_bin, members, member_start, count, pos)
+            wcur[b] = w1
+            continue
+        out, out_slack = -1, _INF
+        for k in range(member_start[n1], member_start[n1] + count[n1]):
+            m = members[k]
+            slack = wcur[m] + v[n1] - _alternative(m, n1, row_start, row_node, row_w, v, v_max, top, second_v)
+            if slack < out_slack or (slack == out_slack and m < out):
+                out, out_slack = m, slack
+        v[n1] -= min(u1 - u2, out_slack)
+        _remove(out, n1, node_of_bin, members, member_start, count, pos)
+        _move(b, -1, n1, node_of_bin, members, member_start, count, pos)
+        wcur[b] = w1
+        queue[tail % size] = out
+        tail += 1
+    remaining = tail - head
+    out_q = np.empty(remaining, dtype=np.int64)
+    for t in range(remaining):
+        out_q[t] = queue[(head + t) % size]
+    queue[:remaining] = out_q
+    return remaining
+
+
+@numba.njit(**_JIT)
+def _sort_rows(row_start, row_node, row_w):
+    """Rows by decreasing weight, ties by increasing node (copies)."""
+    node = np.empty_like(row_node)
+    w = np.empty_like(row_w)
+    for b in range(row_start.size - 1):
+        lo, hi = row_start[b], row_start[b + 1]
+        order = np.argsort(-row_w[lo:hi], kind="mergesort")  # rows come by increasing node
+        for t in range(hi - lo):
+            node[lo + t] = row_node[lo + order[t]]
+            w[lo + t] = row_w[lo + order[t]]
+    return node, w
+
+
+@numba.njit(**_JIT)
+def transport(row_start, row_node, row_w, cap):
+    """Max-weight assignment of bins to nodes with node capacities (see the module docstring).
+
+    ``row_start/row_node/row_w``: W by bin (CSR, weights > 0, nodes increasing in a row). ``cap``:
+    bins per node, summing to the number of bins. Returns (node_of_bin, v): node potentials ``v``
+    certify optimality through :func:`dual_gap`.
+    """
+    num_bins = row_start.size - 1
+    num_nodes = cap.size
+    row_node, row_w = _sort_rows(row_start, row_node, row_w)
+    node_of_bin = np.full(num_bins, -1, dtype=np.int64)
+    wcur = np.zeros(num_bins, dtype=np.int64)  # W[b, node_of_bin[b]]
+    member_start = np.zeros(num_nodes + 1, dtype=np.int64)
+    for n in range(num_nodes):
+        member_start[n + 1] = member_start[n] + cap[n]
+    members = np.empty(num_bins, dtype=np.int64)
+    count = np.zeros(num_nodes, dtype=np.int64)
+    pos = np.zeros(num_bins, dtype=np.int64)
+    # Node potentials (min-cost form: the reduced cost of bin b on node n is
+    # W[b, m] + v[m] - W[b, n] - v[n] >= 0, m its node). They only decrease, and only on full
+    # nodes: a node with room keeps v = 0 = max(v).
+    v = np.zeros(num_nodes, dtype=np.int64)
+
+    # Start: heaviest bins first, each to a node of its largest weight that has room. With v = 0
+    # every placed bin is at a best node: dual feasible.
+    best_w = np.zeros(num_bins, dtype=np.int64)
+    for b in range(num_bins):
+        if row_start[b + 1] > row_start[b]:
+            best_w[b] = row_w[row_start[b]]
+    order = np.argsort(-best_w, kind="mergesort")  # ties by bin id
+    queue = np.empty(num_bins, dtype=np.int64)
+    num_free = 0
+    for t in range(num_bins):
+        b = order[t]
+        n = -1
+        for j in range(row_start[b], row_start[b + 1]):
+            if row_w[j] < best_w[b]:
+                break
+            if count[row_node[j]] < cap[row_node[j]]:
+                n = row_node[j]
+                break
+        if n >= 0:
+            _move(b, -1, n, node_of_bin, members, member_start, count, pos)
+            wcur[b] = best_w[b]
+        else:
+            queue[num_free] = b
+            num_free += 1
+    num_free = _price_rounds(queue, num_free, 4 * num_free, row_start, row_node, row_w, cap, v,
+                             node_of_bin, wcur, members, member_start, count, pos)
+    free = np.sort(queue[:num_free])
+
+    # The rest: one shortest augmenting path each: Dijkstra over the full nodes, ending at a node
+    # with room. Potentials only drop on full nodes, so every node with room has v = 0 = max(v):
+    # moving a bin to a node where it has no bytes (the "hub") is cheapest into a node with room,
+    # and the hub only matters there. Nodes with room are never queued: ``bound`` is their best
+    # label, and the search ends once no queued label is below it.
+    dist = np.full(num_nodes, _INF, dtype=np.int64)
+    done = np.zeros(num_nodes, dtype=np.bool_)
+    pred = np.full(num_nodes, -1, dtype=np.int64)
+    pred_w = np.zeros(num_nodes, dtype=np.int64)
+    finished = np.empty(num_nodes, dtype=np.int64)
+    heap_key = np.empty(row_node.size + num_nodes + 1, dtype=np.int64)
+    heap_node = np.empty(row_node.size + num_nodes + 1, dtype=np.int64)
+    for f in range(free.size):
+        b0 = free[f]
+        first_room = 0
+        while count[first_room] >= cap[first_room]:
+            first_room += 1
+        # A bin's ``base`` = its distance + W[b, its node] + v[its node]; moving it to node x costs
+        # base - W[b, x] - v[x] >= its distance (v <= 0: at least base - W[b, x], so a row, by
+        # decreasing weight, is cut where that reaches the bound). The free bin's base is 0.
+        hub, hub_bin = np.int64(0), b0
+        room_d, room_n = _INF, -1  # best explicit label of a node with room
+        size = 0
+        for j in range(row_start[b0], row_start[b0 + 1]):
+            x = row_node[j]
+            cand = -row_w[j] - v[x]
+            if cand < dist[x]:
+                dist[x] = cand
+                pred[x] = b0
+                pred_w[x] = row_w[j]
+                if count[x] < cap[x]:
+                    if cand < room_d or (cand == room_d and x < room_n):
+                        room_d, room_n = cand, x
+                else:
+                    _heap_push(heap_key, heap_node, size, cand, x)
+                    size += 1
+        num_done = 0
+        while True:
+            bound = min(room_d, hub)
+            x = -1
+            while size > 0:
+                k, y = heap_key[0], heap_node[0]
+                if done[y] or k != dist[y]:  # stale entry
+                    _heap_pop(heap_key, heap_node, size)
+                    size -= 1
+                    continue
+                if k < bound:
+                    _heap_pop(heap_key, heap_node, size)
+                    size -= 1
+                    x = y
+                break
+            if x < 0:
+                break
+            done[x] = True
+            finished[num_done] = x
+            num_done += 1
+            d = dist[x]
+            for k in range(member_start[x], member_start[x] + count[x]):
+                b = members[k]
+                base = d + wcur[b] + v[x]
+                if base < hub or (base == hub and b < hub_bin):
+                    hub, hub_bin = base, b
+                bound = min(room_d, hub)
+                for j in range(row_start[b], row_start[b + 1]):
+                    w = row_w[j]
+                    if base - w >= bound:
+                        break
+                    y = row_node[j]
+                    if done[y]:
+                        continue
+                    cand = base - w - v[y]
+                    if cand < dist[y]:
+                        dist[y] = cand
+                        pred[y] = b
+                        pred_w[y] = w
+                        if count[y] < cap[y]:
+                            if cand < room_d or (cand == room_d and y < room_n):
+                                room_d, room_n = cand, y
+                                bound = min(room_d, hub)
+                        else:
+                            _heap_push(heap_key, heap_node, size, cand, y)
+                            size += 1
+        # End: the best node with room, by an explicit arc or through the hub (ties: explicit).
+        if room_d <= hub:
+            end, d_end = room_n, room_d
+        else:
+            end, d_end = first_room, hub
+            dist[end], pred[end], pred_w[end] = hub, hub_bin, 0
+        for t in range(num_done):
+            x = finished[t]
+            v[x] += dist[x] - d_end
+        # Augment: walk back from the node with room; every bin on the path moves one node on.
+        x = end
+        while True:
+            b = pred[x]
+            old = node_of_bin[b]
+            _move(b, old, x, node_of_bin, members, member_start, count, pos)
+            wcur[b] = pred_w[x]
+            if old < 0:
+                break
+            x = old
+        for x in range(num_nodes):
+            dist[x] = _INF
+            done[x] = False
+    return node_of_bin, v
+
+
+@numba.njit(**_JIT)
+def dual_gap(row_start, row_node, row_w, cap, node_of_bin, v):
+    """Dual bound minus primal weight of a bins -> nodes assignment under node potentials ``v``
+    (0: the assignment is optimal; > 0: not proven). -1 if the assignment breaks a capacity."""
+    num_bins = row_start.size - 1
+    num_nodes = cap.size
+    count = np.zeros(num_nodes, dtype=np.int64)
+    for b in range(num_bins):
+        if node_of_bin[b] < 0 or node_of_bin[b] >= num_nodes:
+            return np.int64(-1)
+        count[node_of_bin[b]] += 1
+    for n in range(num_nodes):
+        if count[n] != cap[n]:
+            return np.int64(-1)
+    v_max = -_INF
+    for n in range(num_nodes):
+        v_max = max(v_max, v[n])
+    primal = np.int64(0)
+    dual = np.int64(0)
+    for b in range(num_bins):
+        best = v_max  # W[b, n] + v[n] maximised; 0 off the listed nodes
+        for j in range(row_start[b], row_start[b + 1]):
+            x = row_node[j]
+            best = max(best, row_w[j] + v[x])
+            if x == node_of_bin[b]:
+                primal += row_w[j]
+        dual += best  # = -u[b]
+    for n in range(num_nodes):
+        dual -= cap[n] * v[n]
+    return dual - primal
+
+
+# ---------------------------------------------------------------------------------------------
+# Bins -> GPUs inside each node.
+# ---------------------------------------------------------------------------------------------
+
+@numba.njit(**_JIT)
+def _hungarian_max(weight, size, out):
+    """Max-weight perfect assignment of a ``size`` x ``size`` int64 matrix; ``out[row] = column``.
+
+    The classic O(size^3) shortest-augmenting-path form with row and column potentials (1-based
+    internally; cost = -weight)."""
+    u = np.zeros(size + 1, dtype=np.int64)
+    p = np.zeros(size + 1, dtype=np.int64)
+    way = np.zeros(size + 1, dtype=np.int64)
+    col_row = np.zeros(size + 1, dtype=np.int64)  # row matched to column j (0: none)
+    minv = np.empty(size + 1, dtype=np.int64)
+    used = np.empty(size + 1, dtype=np.bool_)
+    for i in range(1, size + 1):
+        col_row[0] = i
+        j0 = 0
+        minv[:] = _INF
+        used[:] = False
+        while True:
+            used[j0] = True
+            i0 = col_row[j0]
+            delta = _INF
+            j1 = -1
+            for j in range(1, size + 1):
+                if not used[j]:
+                    cur = -weight[i0 - 1, j - 1] - u[i0] - p[j]
+                    if cur < minv[j]:
+                        minv[j] = cur
+                        way[j] = j0
+                    if minv[j] < delta:
+                        delta = minv[j]
+                        j1 = j
+            for j in range(size + 1):
+                if used[j]:
+                    u[col_row[j]] += delta
+                    p[j] -= delta
+                else:
+                    minv[j] -= delta
+            j0 = j1
+            if col_row[j0] == 0:
+                break
+        while True:
+            j1 = way[j0]
+            col_row[j0] = col_row[j1]
+            j0 = j1
+            if j0 == 0:
+                break
+    for j in range(1, size + 1):
+        out[col_row[j] - 1] = j - 1
+
+
+@numba.njit(**_JIT)
+def assign_in_nodes(traffic_bin, traffic_rank, traffic_bytes, node_of_bin, node_of_rank, num_nodes):
+    """Rank of every bin: inside each node, the assignment of its bins to its ranks that maximises
+    the bytes each bin pulls from its own rank. Bins of a node in ascending id, ranks ascending."""
+    num_bins = node_of_bin.size
+    # Local index of every bin and rank inside its node.
+    size = np.zeros(num_nodes, dtype=np.int64)
+    local_bin = np.empty(num_bins, dtype=np.int64)
+    for b in range(num_bins):
+        n = node_of_bin[b]
+        local_bin[b] = size[n]
+        size[n] += 1
+    rank_size = np.zeros(num_nodes, dtype=np.int64)
+    local_rank = np.empty(node_of_rank.size, dtype=np.int64)
+    for r in range(node_of_rank.size):
+        n = node_of_rank[r]
+        local_rank[r] = rank_size[n]
+        rank_size[n] += 1
+    start = np.zeros(num_nodes + 1, dtype=np.int64)
+    for n in range(num_nodes):
+        start[n + 1] = start[n] + size[n] * size[n]
+    weight = np.zeros(start[num_nodes], dtype=np.int64)
+    for t in range(traffic_bin.size):
+        b, r = traffic_bin[t], traffic_rank[t]
+        n = node_of_bin[b]
+        if node_of_rank[r] == n:
+            weight[start[n] + local_bin[b] * size[n] + local_rank[r]] += traffic_bytes[t]
+    ranks = np.empty(node_of_rank.size, dtype=np.int64)  # ranks of each node, ascending
+    rank_start = np.zeros(num_nodes + 1, dtype=np.int64)
+    for n in range(num_nodes):
+        rank_start[n + 1] = rank_start[n] + rank_size[n]
+    for r in range(node_of_rank.size):
+        n = node_of_rank[r]
+        ranks[rank_start[n] + local_rank[r]] = r
+    bins = np.empty(num_bins, dtype=np.int64)
+    for b in range(num_bins):
+        n = node_of_bin[b]
+        bins[rank_start[n] + local_bin[b]] = b
+    rank_of_bin = np.empty(num_bins, dtype=np.int64)
+    out = np.empty(num_bins, dtype=np.int64)
+    for n in range(num_nodes):
+        g = size[n]
+        block = weight[start[n]:start[n + 1]].reshape((g, g))
+        _hungarian_max(block, g, out)
+        for i in range(g):
+            rank_of_bin[bins[rank_start[n] + i]] = ranks[rank_start[n] + out[i]]
+    return rank_of_bin
