@@ -1,4 +1,4 @@
-"""Variable-length, autograd-aware all-to-all of items along a :class:`Transfer`.
+"""Variable-length all-to-all of items along a :class:`Transfer`.
 
 A *stream* is one packed tensor per rank holding that rank's items back to back, in slot order:
 item i is ``layout.rows[i]`` rows of shape ``layout.trailing_shape`` (e.g. encoder outputs: one
@@ -7,8 +7,8 @@ computes all send and receive split sizes from the plan alone, with no extra com
 
 Streams of one dtype share one flat buffer and one ``all_to_all_single``: the segment for a peer
 holds stream 0's rows for that peer, then stream 1's, ...; inside a stream, items in the transfer's
-wire order. The backward pass runs the same exchange in reverse on the same wire layout, which is
-the inverse all-to-all of the gradients.
+wire order. Gradients go back along ``transfer.inverse()``: moving items is a permutation, whose
+adjoint is its inverse (the modality-aware schedule does this itself, after the backbone's backward).
 
 Memory: besides the caller's input and output, at most one flat buffer of one dtype group exists
 at a time: the packed send buffer lives until the collective returns, the receive buffer until it
@@ -18,10 +18,8 @@ is a view of the receive buffer) when the received order already is slot order.
 
 Inputs must be on the group's communication device (:func:`~megatron_orch.comm.device.communication_device`:
 the GPU for NCCL, the CPU for gloo); outputs come back there. Every rank must call this with the same
-layouts and transfer and enter every collective, also with zero rows to send or receive. With
-``differentiable`` (default) and grad mode on, floating-point outputs require grad on every rank,
-whatever the inputs: so every rank must use its outputs in the loss (zero-row outputs included, e.g.
-concatenated into the backbone input), and then every rank runs the backward exchange.
+layouts and transfer and enter every collective, also with zero rows to send or receive. Outputs are
+not part of the autograd graph.
 """
 from __future__ import annotations
 
@@ -31,7 +29,6 @@ from typing import List, Sequence, Tuple
 import numpy as np
 import torch
 import torch.distributed as dist
-from torch.autograd.function import once_differentiable
 
 from megatron_orch.balance.plan import Placement, Transfer
 from megatron_orch.comm.device import communication_device
@@ -65,7 +62,7 @@ class ItemLayout:
 
 
 def all_to_all_items(tensors: Sequence[torch.Tensor], layouts: Sequence[ItemLayout], transfer: Transfer,
-                     group=None, *, differentiable: bool = True) -> Tuple[torch.Tensor, ...]:
+                     group=None) -> Tuple[torch.Tensor, ...]:
     """Move every item of every stream from ``transfer.src`` to ``transfer.dst``; returns the packed
     tensors this rank holds afterwards, in destination slot order (one per stream)."""
     rank = dist.get_rank(group)
@@ -73,30 +70,8 @@ def all_to_all_items(tensors: Sequence[torch.Tensor], layouts: Sequence[ItemLayo
     _check_inputs(tensors, layouts, transfer, rank, dist.get_world_size(group), device)
     routes = [_Route.build(transfer, rank, layouts, streams, device)
               for streams in _dtype_groups(layouts)]
-    if differentiable and torch.is_grad_enabled():
-        anchor = torch.empty(0, requires_grad=True)  # outputs require grad on every rank alike
-        return _AllToAllItems.apply(routes, tuple(layouts), group, anchor, *tensors)
     with torch.no_grad():
         return tuple(_exchange(routes, tensors, layouts, group, device))
-
-
-class _AllToAllItems(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, routes, layouts, group, anchor, *tensors):
-        ctx.routes, ctx.layouts, ctx.group = routes, layouts, group
-        outputs = _exchange(routes, tensors, layouts, group, communication_device(group))
-        ctx.mark_non_differentiable(*[out for out, layout in zip(outputs, layouts)
-                                      if not layout.dtype.is_floating_point])
-        return tuple(outputs)
-
-    @staticmethod
-    @once_differentiable
-    def backward(ctx, *grad_outputs):
-        float_routes = [route.reversed() for route in ctx.routes
-                        if ctx.layouts[route.streams[0]].dtype.is_floating_point]
-        grads = _exchange(float_routes, grad_outputs, ctx.layouts, ctx.group,
-                          communication_device(ctx.group))
-        return (None, None, None, None, *grads)
 
 
 @dataclass(frozen=True, eq=False)
@@ -132,11 +107,6 @@ class _Route:
             recv, transfer.src.rank[recv], transfer.dst.items_on(rank), layouts, streams, transfer.num_ranks,
             device)
         return cls(tuple(streams), send_blocks, recv_blocks, send_splits, recv_splits, send_rows, recv_rows)
-
-    def reversed(self) -> "_Route":
-        """The same exchange run backwards (gradients travel the forward wire layout in reverse)."""
-        return _Route(self.streams, self.recv_blocks, self.send_blocks, self.recv_splits,
-                      self.send_splits, self.recv_rows, self.send_rows)
 
 
 def _blocks(wire_items, peer_of_item, local_items, layouts, streams, num_ranks, device):

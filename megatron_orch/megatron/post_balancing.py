@@ -174,7 +174,7 @@ class PostBalancingDataIterator:
                                    torch.long, (2,))
         local_mask = host_to_device([e.loss_mask for e in examples], device, torch.float32, (1,))
         ids, mask = all_to_all_items([local_ids, local_mask], text_layouts, plan.text_transfer(),
-                                     self.dp_group, differentiable=False)
+                                     self.dp_group)
         # A few KB: the micro-batches are collated on the host, like the loader's, and forward_step
         # moves them to the model.
         ids, mask = ids.cpu(), mask.cpu()
@@ -188,8 +188,7 @@ class PostBalancingDataIterator:
             local = host_to_device([getattr(e, phase) for e in examples], device, self.input_dtype, item_shape)
             layout = ItemLayout(np.ones(plan.encoders[phase].example.size, dtype=np.int64), item_shape,
                                 self.input_dtype)
-            moved, = all_to_all_items([local], [layout], plan.input_transfer(phase), self.dp_group,
-                                      differentiable=False)
+            moved, = all_to_all_items([local], [layout], plan.input_transfer(phase), self.dp_group)
             inputs[phase] = moved.to(self.compute_device, non_blocking=True)
         return BalancedStep(microbatches=self._microbatches(plan, ids, mask, sizes, sample_ids),
                             vision_inputs=inputs["vision"], audio_inputs=inputs["audio"], plan=plan,

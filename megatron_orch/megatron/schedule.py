@@ -101,7 +101,7 @@ class ModalityAwareSchedule:
         layout = ItemLayout(np.full(transfer.src.num_items, step.tokens_per_item[phase], dtype=np.int64),
                             tuple(rows.shape[1:]), rows.dtype)
         moved, = all_to_all_items([to_communication_device(rows, self.dp_group)], [layout],
-                                  transfer.inverse() if inverse else transfer, self.dp_group, differentiable=False)
+                                  transfer.inverse() if inverse else transfer, self.dp_group)
         return moved.to(rows.device, non_blocking=True)
 
     def _encoders_backward(self, step: BalancedStep, module, pending) -> None:
