@@ -147,6 +147,30 @@ def test_kk_large_instance_matches_reference():
         np.testing.assert_allclose(np.sort(p.bin_costs), reference_kk(list(costs), k), rtol=1e-9)
 
 
+def reference_lpt(costs, num_bins):
+    """Plain-Python LPT: items by decreasing cost (ties: smaller id), each to the least-loaded bin
+    (ties: smaller id), loads summed in that order."""
+    import heapq
+    heap = [(0.0, b) for b in range(num_bins)]
+    bins = [0] * len(costs)
+    for item in sorted(range(len(costs)), key=lambda i: (-costs[i], i)):
+        load, b = heapq.heappop(heap)
+        bins[item] = b
+        heapq.heappush(heap, (load + costs[item], b))
+    return bins
+
+
+@settings(max_examples=150, deadline=None)
+@given(st.integers(1, 12), st.integers(0, 80), st.sampled_from([0.0, 1e-300, 0.1, 3.0, 1e300]),
+       st.lists(st.floats(0.0, 5.0, allow_nan=False), max_size=40))
+def test_lpt_matches_reference_with_runs_of_equal_costs(num_bins, run, value, rest):
+    """A leading run of equal costs takes the kernel's round-robin path: same bins as the heap."""
+    costs = [value] * run + [min(c, value) for c in rest]
+    p = partition(costs, num_bins, method="lpt")
+    check_assignment(p, costs, num_bins)
+    assert p.bin_of_item.tolist() == reference_lpt(costs, num_bins)
+
+
 def test_equal_count_kk_path_matches_reference():
     """The equal-count KK candidate (runs of K) is what the reference computes with run=K."""
     from megatron_orch.balance import _kernels

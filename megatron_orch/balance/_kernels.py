@@ -98,7 +98,28 @@ def lpt(costs, memory, memory_cap, order, num_bins, bin_of_item):
     bin_mem = np.zeros(num_bins)
     held_key = np.empty(num_bins)
     held_id = np.empty(num_bins, dtype=np.int64)
-    for t in range(n):
+    start = 0
+    if memory_cap == np.inf and n > 0 and costs[order[0]] > 0:
+        # Without a memory cap, the leading run of equal costs (e.g. identical image tiles) goes
+        # round robin in bin id order: on equal loads that is what the heap does (ties by id), and
+        # after every full round the loads are equal again, bit for bit (a positive cost raises a
+        # bin above the others; a zero cost would not, and stays on the heap path). O(run) instead of
+        # O(run log K); the loads and the heap left behind are the ones the loop would leave.
+        first = costs[order[0]]
+        while start < n and costs[order[start]] == first:
+            item = order[start]
+            bin_of_item[item] = start % num_bins
+            bin_mem[start % num_bins] += memory[item]
+            start += 1
+        per_bin = np.zeros(num_bins)
+        for t in range(start // num_bins):
+            per_bin[0] += first  # every bin adds the same costs in the same order
+        rest = start % num_bins
+        for k in range(num_bins):  # a heap: the lighter bins rest.. first, then 0..rest-1
+            b = rest + k if rest + k < num_bins else rest + k - num_bins
+            load[k] = per_bin[0] + first if b < rest else per_bin[0]
+            ids[k] = b
+    for t in range(start, n):
         item = order[t]
         held = 0
         while size > 0 and bin_mem[ids[0]] + memory[item] > memory_cap:

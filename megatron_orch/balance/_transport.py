@@ -34,52 +34,59 @@ _INF = np.int64(1) << np.int64(62)
 @numba.njit(**_JIT)
 def merge_pairs(rows, cols, values, num_rows, num_cols):
     """Sum ``values`` per (row, col) pair: (row_start [num_rows + 1], col, value) sorted by row then
-    col, pairs with value 0 dropped. Two counting-sort passes, O(n + rows + cols)."""
+    col, pairs with value 0 dropped. Keys ``row * num_cols + col`` are sorted by an LSD radix sort
+    (O(n) per pass, two passes up to 2^24 keys), or not at all when they already come in order."""
     n = rows.size
-    # Pass 1: stable bucket by column, pass 2: stable bucket by row -> sorted by (row, col).
-    count = np.zeros(num_cols + 1, dtype=np.int64)
+    key = np.empty(n, dtype=np.int64)
+    ordered = True
     for i in range(n):
-        count[cols[i] + 1] += 1
-    for c in range(num_cols):
-        count[c + 1] += count[c]
-    by_col = np.empty(n, dtype=np.int64)
-    for i in range(n):
-        c = cols[i]
-        by_col[count[c]] = i
-        count[c] += 1
-    rcount = np.zeros(num_rows + 1, dtype=np.int64)
-    for i in range(n):
-        rcount[rows[i] + 1] += 1
-    for r in range(num_rows):
-        rcount[r + 1] += rcount[r]
-    order = np.empty(n, dtype=np.int64)
-    for t in range(n):
-        i = by_col[t]
-        r = rows[i]
-        order[rcount[r]] = i
-        rcount[r] += 1
+        key[i] = rows[i] * num_cols + cols[i]
+        if i and key[i] < key[i - 1]:
+            ordered = False
+    value = values.astype(np.int64)
+    if not ordered:
+        span = num_rows * num_cols
+        digit_bits = 8 if span > (1 << 24) else 12  # two passes of 12 bits cover 24 bits
+        digits = 1 << digit_bits
+        other_key = np.empty(n, dtype=np.int64)
+        other_value = np.empty(n, dtype=np.int64)
+        count = np.empty(digits + 1, dtype=np.int64)
+        shift = 0
+        while (span - 1) >> shift > 0:
+            count[:] = 0
+            for i in range(n):
+                count[((key[i] >> shift) & (digits - 1)) + 1] += 1
+            for d in range(digits):
+                count[d + 1] += count[d]
+            for i in range(n):
+                d = (key[i] >> shift) & (digits - 1)
+                other_key[count[d]] = key[i]
+                other_value[count[d]] = value[i]
+                count[d] += 1
+            key, other_key = other_key, key
+            value, other_value = other_value, value
+            shift += digit_bits
     row_start = np.zeros(num_rows + 1, dtype=np.int64)
     out_col = np.empty(n, dtype=np.int64)
     out_val = np.empty(n, dtype=np.int64)
     m = 0
-    prev_r, prev_c = -1, -1
-    for t in range(n):
-        i = order[t]
-        r, c = rows[i], cols[i]
-        if r == prev_r and c == prev_c:
-            out_val[m - 1] += values[i]
-        else:
-            if m > 0 and out_val[m - 1] == 0:  # drop a finished zero pair
-                m -= 1
-                row_start[prev_r + 1] -= 1
-            out_col[m] = c
-            out_val[m] = values[i]
-            row_start[r + 1] += 1
+    i = 0
+    row, row_end = 0, num_cols  # keys of ``row`` lie in [row * num_cols, row_end)
+    while i < n:
+        k = key[i]
+        total = value[i]
+        i += 1
+        while i < n and key[i] == k:
+            total += value[i]
+            i += 1
+        if total != 0:
+            while k >= row_end:
+                row += 1
+                row_end += num_cols
+            out_col[m] = k - (row_end - num_cols)
+            out_val[m] = total
+            row_start[row + 1] += 1
             m += 1
-            prev_r, prev_c = r, c
-    if m > 0 and out_val[m - 1] == 0:
-        m -= 1
-        row_start[prev_r + 1] -= 1
     for r in range(num_rows):
         row_start[r + 1] += row_start[r]
     return row_start, out_col[:m].copy(), out_val[:m].copy()
@@ -299,8 +306,49 @@ def transport(row_start, row_node, row_w, cap):
             num_free += 1
     num_free = _price_rounds(queue, num_free, 4 * num_free, row_start, row_node, row_w, cap, v,
                              node_of_bin, wcur, members, member_start, count, pos)
-    free = np.sort(queue[:num_free])
+    free = queue[:num_free]
 
+    # The rest: one shortest augmenting path each. Bins are renumbered node by node first (free bins
+    # last): the bins a search visits together, the members of a node, then have their rows next to
+    # each other in memory.
+    key = node_of_bin.copy()
+    for b in range(num_bins):
+        if key[b] < 0:
+            key[b] = num_nodes
+    old_of_new = np.argsort(key, kind="mergesort")
+    new_of_old = np.empty(num_bins, dtype=np.int64)
+    new_start = np.zeros(num_bins + 1, dtype=np.int64)
+    for t in range(num_bins):
+        b = old_of_new[t]
+        new_of_old[b] = t
+        new_start[t + 1] = new_start[t] + row_start[b + 1] - row_start[b]
+    new_node = np.empty_like(row_node)
+    new_w = np.empty_like(row_w)
+    new_bin_node = np.full(num_bins, -1, dtype=np.int64)
+    new_wcur = np.empty(num_bins, dtype=np.int64)
+    new_best = np.empty(num_bins, dtype=np.int64)
+    count[:] = 0
+    for t in range(num_bins):
+        b = old_of_new[t]
+        lo = row_start[b]
+        for j in range(row_start[b + 1] - lo):
+            new_node[new_start[t] + j] = row_node[lo + j]
+            new_w[new_start[t] + j] = row_w[lo + j]
+        new_wcur[t] = wcur[b]
+        new_best[t] = best_w[b]
+        if node_of_bin[b] >= 0:
+            _move(t, -1, node_of_bin[b], new_bin_node, members, member_start, count, pos)
+    new_free = np.sort(new_of_old[free])
+    _shortest_paths(new_free, new_start, new_node, new_w, new_best, cap, v, new_bin_node, new_wcur, members,
+                    member_start, count, pos)
+    return new_bin_node[new_of_old], v
+
+
+@numba.njit(**_JIT)
+def _shortest_paths(free, row_start, row_node, row_w, best_w, cap, v, node_of_bin, wcur, members, member_start,
+                    count, pos):
+    """Place every bin of ``free``, one shortest augmenting path each (see :func:`transport`)."""
+    num_nodes = cap.size
     # The rest: one shortest augmenting path each: Dijkstra over the full nodes, ending at a node
     # with room. Potentials only drop on full nodes, so every node with room has v = 0 = max(v):
     # moving a bin to a node where it has no bytes (the "hub") is cheapest into a node with room,
@@ -364,6 +412,8 @@ def transport(row_start, row_node, row_w, cap):
                 if base < hub or (base == hub and b < hub_bin):
                     hub, hub_bin = base, b
                 bound = min(room_d, hub)
+                if base - best_w[b] >= bound:  # not even its heaviest arc: leave its row untouched
+                    continue
                 for j in range(row_start[b], row_start[b + 1]):
                     w = row_w[j]
                     if base - w >= bound:
@@ -405,7 +455,6 @@ def transport(row_start, row_node, row_w, cap):
         for x in range(num_nodes):
             dist[x] = _INF
             done[x] = False
-    return node_of_bin, v
 
 
 @numba.njit(**_JIT)
@@ -438,6 +487,30 @@ def dual_gap(row_start, row_node, row_w, cap, node_of_bin, v):
     for n in range(num_nodes):
         dual -= cap[n] * v[n]
     return dual - primal
+
+
+@numba.njit(**_JIT)
+def placement_cost(traffic_bin, traffic_rank, traffic_bytes, rank_of_bin, node_of_rank, num_nodes):
+    """(inter-node bytes, busiest node's max(received, sent) across nodes, bytes leaving their GPU)
+    when bin b runs on ``rank_of_bin[b]`` and pulls ``traffic_bytes`` from ``traffic_rank``."""
+    received = np.zeros(num_nodes, dtype=np.int64)
+    sent = np.zeros(num_nodes, dtype=np.int64)
+    inter = np.int64(0)
+    off_gpu = np.int64(0)
+    for t in range(traffic_bin.size):
+        dst = rank_of_bin[traffic_bin[t]]
+        src = traffic_rank[t]
+        if dst != src:
+            off_gpu += traffic_bytes[t]
+            a, b = node_of_rank[dst], node_of_rank[src]
+            if a != b:
+                inter += traffic_bytes[t]
+                received[a] += traffic_bytes[t]
+                sent[b] += traffic_bytes[t]
+    busiest = np.int64(0)
+    for n in range(num_nodes):
+        busiest = max(busiest, received[n], sent[n])
+    return inter, busiest, off_gpu
 
 
 # ---------------------------------------------------------------------------------------------

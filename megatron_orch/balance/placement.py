@@ -148,18 +148,13 @@ class PlacementCost:
 
 def placement_cost(traffic: BinTraffic, topology: Topology, rank_of_bin) -> PlacementCost:
     """Bytes crossing nodes, the busiest node's max(received, sent) across nodes, bytes leaving GPUs."""
-    rank_of_bin = np.asarray(rank_of_bin, dtype=np.int64)
-    node = topology.node_of_rank
-    dst = rank_of_bin[traffic.bin]
-    cross = node[dst] != node[traffic.rank]
-    crossing = np.where(cross, traffic.nbytes, 0)
-    received = np.bincount(node[dst], weights=crossing, minlength=topology.num_nodes)
-    sent = np.bincount(node[traffic.rank], weights=crossing, minlength=topology.num_nodes)
-    return PlacementCost(
-        inter_node_bytes=int(crossing.sum()),
-        max_node_inter_bytes=int(max(received.max(initial=0), sent.max(initial=0))),
-        off_gpu_bytes=int(traffic.nbytes[dst != traffic.rank].sum()),
-    )
+    rank_of_bin = np.ascontiguousarray(rank_of_bin, dtype=np.int64)
+    if rank_of_bin.shape != (traffic.num_bins,):
+        raise ValueError(f"rank_of_bin has shape {rank_of_bin.shape}, expected ({traffic.num_bins},)")
+    _check_range(rank_of_bin, topology.num_ranks, "rank_of_bin")
+    inter, busiest, off_gpu = _transport.placement_cost(traffic.bin, traffic.rank, traffic.nbytes, rank_of_bin,
+                                                        topology.node_of_rank, topology.num_nodes)
+    return PlacementCost(inter_node_bytes=int(inter), max_node_inter_bytes=int(busiest), off_gpu_bytes=int(off_gpu))
 
 
 def place_bins(traffic: BinTraffic, topology: Topology,

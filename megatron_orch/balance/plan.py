@@ -18,6 +18,8 @@ from typing import Optional
 
 import numpy as np
 
+from megatron_orch.balance import _plan_kernels
+
 
 def as_index_array(values, name: str) -> np.ndarray:
     """``values`` as a 1-D int64 array; ValueError naming ``name`` otherwise."""
@@ -29,8 +31,21 @@ def as_index_array(values, name: str) -> np.ndarray:
     return arr.astype(np.int64, copy=False)
 
 
-def _slots_by_key(rank: np.ndarray, num_ranks: int, key: np.ndarray) -> np.ndarray:
-    """Slot of each item on its rank when a rank's items are ordered by ``key`` (ties by item id)."""
+_COUNTING_SORT_SPAN = 1 << 24  # integer keys spanning at most this sort by counting (compiled, O(n))
+
+
+def _slots_by_key(rank: np.ndarray, num_ranks: int, key: Optional[np.ndarray] = None) -> np.ndarray:
+    """Slot of each item on its rank when a rank's items are ordered by ``key`` (default: item id;
+    ties by item id)."""
+    rank = np.ascontiguousarray(rank, dtype=np.int64)
+    if key is None:
+        return _plan_kernels.slots_in_order(rank, np.arange(rank.size, dtype=np.int64), int(num_ranks))
+    key = np.asarray(key)
+    if key.size and np.issubdtype(key.dtype, np.integer):
+        low, high = int(key.min()), int(key.max())
+        if high - low < max(_COUNTING_SORT_SPAN, 4 * key.size):
+            shifted = np.ascontiguousarray(key, dtype=np.int64) - low
+            return _plan_kernels.slots_by_key(rank, shifted, high - low + 1, int(num_ranks))
     order = np.lexsort((np.arange(rank.size), key, rank))
     counts = np.bincount(rank, minlength=num_ranks)
     starts = np.concatenate(([0], np.cumsum(counts)[:-1]))
@@ -72,10 +87,22 @@ class Placement:
         if rank.size and (rank.min() < 0 or rank.max() >= num_ranks):
             bad = int(np.flatnonzero((rank < 0) | (rank >= num_ranks))[0])
             raise ValueError(f"item {bad} is placed on rank {rank[bad]}, outside 0..{num_ranks - 1}")
-        key = np.arange(rank.size) if key is None else np.asarray(key)
-        if key.shape != rank.shape:
-            raise ValueError(f"key has shape {key.shape}, expected {rank.shape}")
-        return cls(rank=rank, slot=_slots_by_key(rank, num_ranks, key), num_ranks=num_ranks)
+        if num_ranks < 1:
+            raise ValueError(f"num_ranks must be >= 1, got {num_ranks}")
+        if key is not None:
+            key = np.asarray(key)
+            if key.shape != rank.shape:
+                raise ValueError(f"key has shape {key.shape}, expected {rank.shape}")
+        return cls._valid(rank, _slots_by_key(rank, num_ranks, key), int(num_ranks))
+
+    @classmethod
+    def _valid(cls, rank: np.ndarray, slot: np.ndarray, num_ranks: int) -> "Placement":
+        """A placement whose int64 ranks and slots are valid by construction (no re-check)."""
+        placement = object.__new__(cls)
+        object.__setattr__(placement, "rank", rank)
+        object.__setattr__(placement, "slot", slot)
+        object.__setattr__(placement, "num_ranks", num_ranks)
+        return placement
 
     @classmethod
     def from_counts(cls, counts) -> "Placement":

@@ -12,6 +12,7 @@ from typing import Dict
 
 import numpy as np
 
+from megatron_orch.balance import _plan_kernels
 from megatron_orch.balance.model_config import MLLMConfig
 from megatron_orch.balance.partition import partition, partition_equal_count, partition_locality
 from megatron_orch.balance.placement import BinTraffic, PlacementConfig, place_bins
@@ -86,12 +87,12 @@ class StepPlan:
         return Transfer(enc.encode, self.examples_llm.expand(enc.example))
 
 
-def _moved_bytes(transfer: Transfer, item_bytes, topology: Topology):
-    traffic = transfer.traffic_matrix(item_bytes)
-    node = topology.node_of_rank
-    cross = node[:, None] != node[None, :]
-    off_gpu = ~np.eye(transfer.num_ranks, dtype=bool)
-    return float(traffic[off_gpu & ~cross].sum()), float(traffic[cross].sum())
+def _moved_bytes(home_rank, rank, item_bytes, topology: Topology):
+    """(bytes that leave their GPU within their node, bytes that cross nodes) of items moving home -> rank."""
+    intra, inter = _plan_kernels.moved_bytes(np.ascontiguousarray(home_rank, dtype=np.int64),
+                                             np.ascontiguousarray(rank, dtype=np.int64), topology.node_of_rank,
+                                             np.ascontiguousarray(item_bytes, dtype=np.float64))
+    return float(intra), float(inter)
 
 
 def _place(bin_of_item, sources, num_ranks, topology, config: OrchestratorConfig):
@@ -132,15 +133,17 @@ def _gpus_per_node(topology: Topology) -> int:
 def _microbatches(rank_llm, costs, num_tokens, num_ranks, micro_batch_size, num_microbatches,
                   packed: bool, algorithm: str):
     """Micro-batch of every example on its backbone rank."""
+    rank_llm = np.ascontiguousarray(rank_llm, dtype=np.int64)
+    if not packed:
+        # Longest first (ties by id), so the rows of a micro-batch have similar lengths (little padding).
+        return _plan_kernels.longest_first_microbatches(rank_llm, np.ascontiguousarray(num_tokens, dtype=np.int64),
+                                                        num_ranks, micro_batch_size)
     microbatch = np.empty(rank_llm.size, dtype=np.int64)
+    by_rank = np.argsort(rank_llm, kind="stable")
+    bounds = np.searchsorted(rank_llm[by_rank], np.arange(num_ranks + 1))
     for r in range(num_ranks):
-        ids = np.flatnonzero(rank_llm == r)
-        if packed:
-            microbatch[ids] = partition(costs[ids], num_microbatches, method=algorithm).bin_of_item
-        else:
-            # Longest first, so the rows of a micro-batch have similar lengths (little padding).
-            order = ids[np.lexsort((ids, -num_tokens[ids]))]
-            microbatch[order] = np.arange(order.size) // micro_batch_size
+        ids = by_rank[bounds[r]:bounds[r + 1]]  # ascending ids
+        microbatch[ids] = partition(costs[ids], num_microbatches, method=algorithm).bin_of_item
     return microbatch
 
 
@@ -208,8 +211,7 @@ def plan_step(sizes: StepSizes, model_config: MLLMConfig, config: OrchestratorCo
 def _phase_stats(method, costs, home_rank, rank, item_bytes, num_ranks, topology) -> PhaseStats:
     before = np.bincount(home_rank, weights=costs, minlength=num_ranks)
     after = np.bincount(rank, weights=costs, minlength=num_ranks)
-    move = Transfer(Placement.from_ranks(home_rank, num_ranks), Placement.from_ranks(rank, num_ranks))
-    intra, inter = _moved_bytes(move, item_bytes, topology)
+    intra, inter = _moved_bytes(home_rank, rank, item_bytes, topology)
     return PhaseStats(method=method, items=int(costs.size), max_before=float(before.max(initial=0)),
                       mean=float(costs.sum() / num_ranks), max_after=float(after.max(initial=0)),
                       intra_node_bytes=intra, inter_node_bytes=inter)

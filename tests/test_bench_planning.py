@@ -1,0 +1,33 @@
+"""The planning benchmark runs the trainer's plan_step and reports CPU time and main-thread stalls."""
+import json
+
+import numpy as np
+
+from megatron_orch.bench.planning import MIXTURES, PROBES, draw_step, format_tables, run
+from megatron_orch.balance.traces import DEFAULT_MIXTURE
+
+
+def test_planning_benchmark_reports_every_configuration():
+    result = run([16], per_rank=2, gpus_per_node=4, seeds=[0, 1], mixtures={"default": MIXTURES["default"],
+                                                                         "audio-heavy": MIXTURES["audio-heavy"]},
+                 repeats=1)
+    json.dumps(result)
+    assert len(result["runs"]) == 4
+    for r in result["runs"]:
+        assert r["deterministic"]
+        assert r["plan_cpu_ms"]["min"] > 0 and r["plan_wall_ms"]["min"] > 0
+        assert set(r["stall"]) == set(PROBES)
+        for probe in r["stall"].values():
+            assert probe["planning"]["max_gap_ms"] >= 0 and probe["idle"]["max_gap_ms"] >= 0
+        assert set(r["items"]) == {"vision", "audio", "llm"} and r["items"]["llm"] == 32
+    assert "dp 16: worst plan CPU" in format_tables(result)
+
+
+def test_mixtures_reweight_the_shipped_traces():
+    names = [name for name, _ in DEFAULT_MIXTURE]
+    for specs in MIXTURES.values():
+        assert [name for name, _ in specs] == names
+    audio = dict(MIXTURES["audio-heavy"])
+    assert audio["asr_librispeech_commonvoice.csv"] == 4 * dict(DEFAULT_MIXTURE)["asr_librispeech_commonvoice.csv"]
+    _, sizes = draw_step(list(MIXTURES["audio-heavy"]), dp=8, per_rank=4, model="mllm_84b", seed=0)
+    assert np.asarray(sizes.counts).tolist() == [4] * 8

@@ -1,0 +1,149 @@
+"""The compiled exact placement against its oracle, OR-Tools (min-cost flow, linear sum assignment).
+
+The numba solver must reach the same optimum (total inter-node bytes), prove it (dual gap 0), keep
+node capacities, and be deterministic; the in-node assignment must keep as many bytes on their GPU
+as OR-Tools' assignment given the same bins -> nodes.
+"""
+import itertools
+
+import numpy as np
+import pytest
+from hypothesis import given, settings, strategies as st
+
+from megatron_orch.balance import _transport
+from megatron_orch.balance import placement as placement_module
+from megatron_orch.balance.placement import (BinTraffic, PlacementConfig, exact_min_cost_flow, place_bins,
+                                          placement_cost)
+from megatron_orch.balance.topology import Topology
+
+pytest.importorskip("ortools")
+
+
+def _solve(traffic, topology):
+    row_start, node, nbytes, capacity = placement_module._node_weights(traffic, topology)
+    node_of_bin, potential = _transport.transport(row_start, node, nbytes, capacity)
+    gap = _transport.dual_gap(row_start, node, nbytes, capacity, node_of_bin, potential)
+    return node_of_bin, gap
+
+
+def _oracle_in_node_off_gpu(traffic, topology, node_of_bin):
+    """Off-GPU bytes of OR-Tools' optimal bins -> GPUs assignment inside the given nodes."""
+    problem = placement_module._Problem(traffic, topology)
+    left, right = problem._same_node_pairs(node_of_bin)
+    solver = placement_module.linear_sum_assignment.SimpleLinearSumAssignment()
+    solver.add_arcs_with_cost(left, right, -problem._bytes_at(left, right))
+    assert solver.solve() == solver.OPTIMAL
+    rank_of_bin = np.array([solver.right_mate(b) for b in range(traffic.num_bins)])
+    return placement_cost(traffic, topology, rank_of_bin).off_gpu_bytes
+
+
+def _check_against_oracle(traffic, topology):
+    node_of_bin, gap = _solve(traffic, topology)
+    assert gap == 0, "the solver's optimum must carry its certificate"
+    assert np.array_equal(np.bincount(node_of_bin, minlength=topology.num_nodes), topology.ranks_per_node())
+    result = place_bins(traffic, topology, PlacementConfig(method="exact"))
+    assert result.solver == "min-cost-flow"
+    assert np.array_equal(topology.node_of_rank[result.rank_of_bin], node_of_bin)
+    assert sorted(result.rank_of_bin.tolist()) == list(range(traffic.num_bins))
+    oracle_ranks, oracle_solver = exact_min_cost_flow(traffic, topology)
+    assert oracle_solver == "min-cost-flow (OR-Tools)"
+    oracle = placement_cost(traffic, topology, oracle_ranks)
+    assert result.inter_node_bytes == oracle.inter_node_bytes
+    assert result.off_gpu_bytes == _oracle_in_node_off_gpu(traffic, topology, node_of_bin)
+    again = place_bins(traffic, topology, PlacementConfig(method="exact"))
+    assert again.rank_of_bin.tolist() == result.rank_of_bin.tolist()
+    return result
+
+
+@st.composite
+def sparse_instances(draw):
+    """Traffic of items drawn to bins from home ranks, on 1-6 nodes of uneven size; weights from
+    tied small integers (degenerate) to wide ranges."""
+    sizes = draw(st.lists(st.integers(1, 5), min_size=1, max_size=6))
+    num = sum(sizes)
+    node_of_rank = np.repeat(np.arange(len(sizes)), sizes)
+    seed = draw(st.integers(0, 2**31 - 1))
+    items = draw(st.integers(0, 6 * num))
+    high = draw(st.sampled_from([2, 4, 1000, 10**9]))
+    rng = np.random.default_rng(seed)
+    traffic = BinTraffic.from_items(rng.integers(0, num, items), rng.integers(0, num, items),
+                                    rng.integers(1, high, items), num, num)
+    return traffic, Topology(node_of_rank)
+
+
+@settings(max_examples=150, deadline=None)
+@given(sparse_instances())
+def test_transport_matches_ortools_on_random_instances(instance):
+    _check_against_oracle(*instance)
+
+
+@pytest.mark.parametrize("num_ranks, gpus_per_node, items_per_rank, high, seed", [
+    (64, 8, 16, 10**6, 0), (128, 8, 40, 3, 1), (96, 4, 10, 10**9, 2), (64, 1, 8, 50, 3),
+    (60, 16, 30, 2, 4), (200, 8, 5, 10**4, 5)])
+def test_transport_matches_ortools_on_larger_instances(num_ranks, gpus_per_node, items_per_rank, high, seed):
+    rng = np.random.default_rng(seed)
+    home = np.repeat(np.arange(num_ranks), items_per_rank)
+    bins = rng.integers(0, num_ranks, home.size)
+    traffic = BinTraffic.from_items(bins, home, rng.integers(1, high, home.size), num_ranks, num_ranks)
+    _check_against_oracle(traffic, Topology.uniform(num_ranks, gpus_per_node))
+
+
+def test_transport_matches_ortools_on_trace_placements():
+    """The placements the trainer solves (vision, audio, backbone of a step drawn from the traces)."""
+    from megatron_orch.balance.traces import DEFAULT_MIXTURE
+    from megatron_orch.orchestrator import step_plan
+    from megatron_orch.orchestrator.config import OrchestratorConfig
+    from megatron_orch.bench.planning import draw_step
+
+    captured = []
+    real = step_plan.place_bins
+
+    def capture(traffic, topology, config):
+        captured.append((traffic, topology))
+        return real(traffic, topology, config)
+
+    model, sizes = draw_step(list(DEFAULT_MIXTURE), dp=96, per_rank=4, model="mllm_84b", seed=7)
+    topology = Topology.uniform(96, 8)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(step_plan, "place_bins", capture)
+        step_plan.plan_step(sizes, model, OrchestratorConfig(background=False), topology,
+                            micro_batch_size=1, num_microbatches=4)
+    assert len(captured) == 3
+    for traffic, topo in captured:
+        _check_against_oracle(traffic, topo)
+
+
+def test_merge_pairs_sums_sorts_and_drops_zeros():
+    rng = np.random.default_rng(0)
+    rows, cols = rng.integers(0, 7, 500), rng.integers(0, 5, 500)
+    values = rng.integers(0, 3, 500)
+    row_start, col, value = _transport.merge_pairs(rows, cols, values, 9, 5)
+    dense = np.zeros((9, 5), dtype=np.int64)
+    np.add.at(dense, (rows, cols), values)
+    keys = np.flatnonzero(dense)
+    assert np.array_equal(np.repeat(np.arange(9), np.diff(row_start)) * 5 + col, keys)
+    assert np.array_equal(value, dense.reshape(-1)[keys])
+    empty = _transport.merge_pairs(np.zeros(0, np.int64), np.zeros(0, np.int64), np.zeros(0, np.int64), 3, 2)
+    assert empty[0].tolist() == [0, 0, 0, 0] and empty[1].size == 0
+
+
+@pytest.mark.parametrize("size", [1, 2, 3, 5])
+def test_in_node_assignment_matches_brute_force(size):
+    rng = np.random.default_rng(size)
+    for _ in range(20):
+        weight = rng.integers(0, 5, (size, size)) * (rng.random((size, size)) < 0.6)
+        out = np.empty(size, dtype=np.int64)
+        _transport._hungarian_max(weight, size, out)
+        assert sorted(out.tolist()) == list(range(size))
+        best = max(sum(weight[i, p[i]] for i in range(size)) for p in itertools.permutations(range(size)))
+        assert weight[np.arange(size), out].sum() == best
+
+
+def test_uncertified_solution_falls_back_to_ortools(monkeypatch):
+    rng = np.random.default_rng(1)
+    traffic = BinTraffic.from_items(rng.integers(0, 16, 80), rng.integers(0, 16, 80), rng.integers(1, 99, 80), 16, 16)
+    topology = Topology.uniform(16, 4)
+    monkeypatch.setattr(_transport, "dual_gap", lambda *args: 1)
+    result = place_bins(traffic, topology, PlacementConfig(method="exact"))
+    assert result.solver == "min-cost-flow (OR-Tools) (transport solver not certified)"
+    assert result.inter_node_bytes == placement_cost(traffic, topology, exact_min_cost_flow(traffic, topology)[0]).inter_node_bytes
