@@ -20,7 +20,9 @@ pytest.importorskip("ortools")
 
 
 def _solve(traffic, topology):
-    row_start, node, nbytes, capacity = placement_module._node_weights(traffic, topology)
+    row_start, node, nbytes = _transport.merge_pairs(traffic.bin, topology.node_of_rank[traffic.rank],
+                                                     traffic.nbytes, traffic.num_bins, topology.num_nodes)
+    capacity = topology.ranks_per_node()
     node_of_bin, potential = _transport.transport(row_start, node, nbytes, capacity)
     gap = _transport.dual_gap(row_start, node, nbytes, capacity, node_of_bin, potential)
     return node_of_bin, gap
@@ -96,21 +98,40 @@ def test_transport_matches_ortools_on_trace_placements():
     from megatron_orch.bench.planning import draw_step
 
     captured = []
-    real = step_plan.place_bins
+    real = step_plan.place_items
 
-    def capture(traffic, topology, config):
-        captured.append((traffic, topology))
-        return real(traffic, topology, config)
+    def capture(bins, ranks, nbytes, topology, config):
+        rank_of_bin = real(bins, ranks, nbytes, topology, config)
+        captured.append((BinTraffic.from_items(bins, ranks, nbytes, topology.num_ranks, topology.num_ranks),
+                         topology, rank_of_bin))
+        return rank_of_bin
 
     model, sizes = draw_step(list(DEFAULT_MIXTURE), dp=96, per_rank=4, model="mllm_84b", seed=7)
     topology = Topology.uniform(96, 8)
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(step_plan, "place_bins", capture)
+        patch.setattr(step_plan, "place_items", capture)
         step_plan.plan_step(sizes, model, OrchestratorConfig(background=False), topology,
                             micro_batch_size=1, num_microbatches=4)
     assert len(captured) == 3
-    for traffic, topo in captured:
-        _check_against_oracle(traffic, topo)
+    for traffic, topo, rank_of_bin in captured:
+        result = _check_against_oracle(traffic, topo)
+        assert rank_of_bin.tolist() == result.rank_of_bin.tolist()
+
+
+@settings(max_examples=60, deadline=None)
+@given(sparse_instances(), st.sampled_from(["identity", "greedy", "exact", "minmax"]))
+def test_place_items_is_place_bins_of_the_merged_items(instance, method):
+    traffic, topology = instance
+    rng = np.random.default_rng(traffic.nbytes.size)
+    # split every (bin, rank) entry into items, shuffled
+    parts = rng.integers(1, 3, traffic.nbytes.size)
+    bins, ranks = np.repeat(traffic.bin, parts), np.repeat(traffic.rank, parts)
+    nbytes = np.concatenate([[b // p] * (p - 1) + [b - b // p * (p - 1)] for b, p in zip(traffic.nbytes, parts)]
+                            ).astype(np.int64) if parts.size else np.zeros(0, np.int64)
+    order = rng.permutation(bins.size)
+    config = PlacementConfig(method=method, time_limit_s=5.0, deterministic=True)
+    ranks_of_items = placement_module.place_items(bins[order], ranks[order], nbytes[order], topology, config)
+    assert ranks_of_items.tolist() == place_bins(traffic, topology, config).rank_of_bin.tolist()
 
 
 def test_merge_pairs_sums_sorts_and_drops_zeros():

@@ -291,13 +291,13 @@ def transport(row_start, row_node, row_w, cap):
     num_free = 0
     for t in range(num_bins):
         b = order[t]
-        n = -1
+        n = -1  # the emptiest node (most room left, ties: first in the row) among its heaviest
         for j in range(row_start[b], row_start[b + 1]):
             if row_w[j] < best_w[b]:
                 break
-            if count[row_node[j]] < cap[row_node[j]]:
-                n = row_node[j]
-                break
+            y = row_node[j]
+            if count[y] < cap[y] and (n < 0 or cap[y] - count[y] > cap[n] - count[n]):
+                n = y
         if n >= 0:
             _move(b, -1, n, node_of_bin, members, member_start, count, pos)
             wcur[b] = best_w[b]
@@ -339,9 +339,105 @@ def transport(row_start, row_node, row_w, cap):
         if node_of_bin[b] >= 0:
             _move(t, -1, node_of_bin[b], new_bin_node, members, member_start, count, pos)
     new_free = np.sort(new_of_old[free])
-    _shortest_paths(new_free, new_start, new_node, new_w, new_best, cap, v, new_bin_node, new_wcur, members,
-                    member_start, count, pos)
+    num_free = _tight_paths(new_free, new_start, new_node, new_w, cap, v, new_bin_node, new_wcur, members,
+                            member_start, count, pos)
+    _shortest_paths(new_free[:num_free], new_start, new_node, new_w, new_best, cap, v, new_bin_node, new_wcur,
+                    members, member_start, count, pos)
     return new_bin_node[new_of_old], v
+
+
+@numba.njit(**_JIT)
+def _tight_paths(free, row_start, row_node, row_w, cap, v, node_of_bin, wcur, members, member_start, count, pos):
+    """Place free bins along augmenting paths of zero reduced cost (each bin moved to another of
+    its best nodes), found breadth first; potentials do not change. Returns how many bins are left,
+    moved to the front of ``free`` (in order).
+
+    Every placed bin is at a best node, and v <= 0 with v = 0 on nodes with room, so a bin at
+    value ``val`` = W[b, its node] + v[its node] has its other best nodes among the arcs of weight
+    >= val: a prefix of its row (rows by decreasing weight). If val = 0 it may also drop to any node
+    with room. In a degenerate instance (many ties) this places most bins without a search.
+    """
+    num_nodes = cap.size
+    seen = np.zeros(num_nodes, dtype=np.bool_)
+    pred = np.empty(num_nodes, dtype=np.int64)  # bin that moves into the node
+    pred_w = np.empty(num_nodes, dtype=np.int64)
+    queue = np.empty(num_nodes, dtype=np.int64)
+    first_room = 0
+    left = 0
+    for f in range(free.size):
+        b0 = free[f]
+        while first_room < num_nodes and count[first_room] >= cap[first_room]:
+            first_room += 1
+        # the free bin's best value (the hub: 0 on a node with room)
+        val0 = np.int64(0)
+        for j in range(row_start[b0], row_start[b0 + 1]):
+            val0 = max(val0, row_w[j] + v[row_node[j]])
+        end = -1
+        head, tail = 0, 0
+        if val0 == 0:
+            end = first_room
+            pred[end], pred_w[end] = b0, 0
+            for j in range(row_start[b0], row_start[b0 + 1]):
+                if row_node[j] == end:
+                    pred_w[end] = row_w[j]
+        else:
+            for j in range(row_start[b0], row_start[b0 + 1]):
+                w = row_w[j]
+                if w < val0:
+                    break
+                y = row_node[j]
+                if w + v[y] == val0 and not seen[y]:
+                    seen[y] = True
+                    pred[y], pred_w[y] = b0, w
+                    queue[tail] = y
+                    tail += 1
+                    if count[y] < cap[y]:
+                        end = y
+                        break
+        while end < 0 and head < tail:
+            x = queue[head]
+            head += 1
+            for k in range(member_start[x], member_start[x] + count[x]):
+                b = members[k]
+                val = wcur[b] + v[x]
+                if val == 0 and first_room < num_nodes:
+                    end = first_room
+                    pred[end], pred_w[end] = b, 0
+                    for j in range(row_start[b], row_start[b + 1]):
+                        if row_node[j] == end:
+                            pred_w[end] = row_w[j]
+                    break
+                for j in range(row_start[b], row_start[b + 1]):
+                    w = row_w[j]
+                    if w < val:
+                        break
+                    y = row_node[j]
+                    if w + v[y] == val and not seen[y]:
+                        seen[y] = True
+                        pred[y], pred_w[y] = b, w
+                        queue[tail] = y
+                        tail += 1
+                        if count[y] < cap[y]:
+                            end = y
+                            break
+                if end >= 0:
+                    break
+        for t in range(tail):
+            seen[queue[t]] = False
+        if end < 0:
+            free[left] = b0
+            left += 1
+            continue
+        x = end
+        while True:
+            b = pred[x]
+            old = node_of_bin[b]
+            _move(b, old, x, node_of_bin, members, member_start, count, pos)
+            wcur[b] = pred_w[x]
+            if old < 0:
+                break
+            x = old
+    return left
 
 
 @numba.njit(**_JIT)

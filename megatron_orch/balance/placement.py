@@ -169,7 +169,8 @@ def place_bins(traffic: BinTraffic, topology: Topology,
     elif config.method == "greedy":
         rank_of_bin, solver = _greedy(_Problem(traffic, topology))
     else:
-        rank_of_bin, solver = _exact(traffic, topology)
+        rank_of_bin, solver = _exact((traffic.bin, traffic.rank, traffic.nbytes), traffic.num_bins, topology,
+                                     lambda: traffic)
         if config.method == "minmax":
             if cp_model is None:
                 solver += " (OR-Tools not installed: no min-max)"
@@ -181,6 +182,34 @@ def place_bins(traffic: BinTraffic, topology: Topology,
                         max_node_inter_bytes=cost.max_node_inter_bytes,
                         off_gpu_bytes=cost.off_gpu_bytes,
                         solve_ms=(time.perf_counter() - start) * 1e3)
+
+
+def place_items(bin_of_item, home_rank, item_bytes, topology: Topology,
+                config: PlacementConfig = PlacementConfig()) -> np.ndarray:
+    """Rank of every bin for the traffic of items (item i moves ``item_bytes[i]`` from
+    ``home_rank[i]`` to the rank of bin ``bin_of_item[i]``; one bin per rank): the rank_of_bin of
+    ``place_bins(BinTraffic.from_items(...), topology, config)``, without merging the items per
+    (bin, rank) first where the method does not need it (``identity``, ``exact``): the trainer's path.
+    """
+    num_ranks = topology.num_ranks
+    bins = as_index_array(bin_of_item, "bin_of_item")
+    ranks = as_index_array(home_rank, "home_rank")
+    nbytes = as_index_array(item_bytes, "item_bytes")
+    if not bins.shape == ranks.shape == nbytes.shape:
+        raise ValueError(f"bin_of_item, home_rank and item_bytes differ in length: "
+                         f"{bins.size}, {ranks.size}, {nbytes.size}")
+    _check_range(bins, num_ranks, "bin_of_item")
+    _check_range(ranks, num_ranks, "home_rank")
+    if nbytes.size and nbytes.min() < 0:
+        raise ValueError(f"item {int(np.argmin(nbytes))} has negative bytes {nbytes.min()}")
+    if config.method == "identity":
+        return np.arange(num_ranks, dtype=np.int64)
+    if config.method != "exact":
+        return place_bins(BinTraffic.from_items(bins, ranks, nbytes, num_ranks, num_ranks), topology, config).rank_of_bin
+    items = (np.ascontiguousarray(bins), np.ascontiguousarray(ranks), np.ascontiguousarray(nbytes))
+    rank_of_bin, _ = _exact(items, num_ranks, topology,
+                            lambda: BinTraffic.from_items(bins, ranks, nbytes, num_ranks, num_ranks))
+    return rank_of_bin
 
 
 class _Problem:
@@ -288,25 +317,22 @@ def _ranks_for_nodes(traffic: BinTraffic, topology: Topology, node_of_bin: np.nd
                                       topology.node_of_rank, topology.num_nodes)
 
 
-def _node_weights(traffic: BinTraffic, topology: Topology):
-    """Bytes each bin finds on each node, by bin (CSR: row_start, node, bytes), and node capacities."""
-    row_start, node, nbytes = _transport.merge_pairs(traffic.bin, topology.node_of_rank[traffic.rank],
-                                                     traffic.nbytes, traffic.num_bins, topology.num_nodes)
-    return row_start, node, nbytes, topology.ranks_per_node().astype(np.int64)
-
-
-def _exact(traffic: BinTraffic, topology: Topology):
+def _exact(items, num_bins: int, topology: Topology, traffic_fn):
     """Min total inter-node bytes (compiled transportation solver, certified), then exact in-node
-    assignment. Falls back to OR-Tools (or greedy) only if the certificate fails."""
-    row_start, node, nbytes, capacity = _node_weights(traffic, topology)
-    node_of_bin, potential = _transport.transport(row_start, node, nbytes, capacity)
-    if _transport.dual_gap(row_start, node, nbytes, capacity, node_of_bin, potential) != 0:
+    assignment, for ``items`` = (bin, source rank, bytes) int64 arrays (merged or not). Falls back to
+    OR-Tools (or greedy) on ``traffic_fn()``, the merged traffic, only if the certificate fails."""
+    bins, ranks, nbytes = items
+    node_of_rank = topology.node_of_rank
+    row_start, node, weight = _transport.merge_pairs(bins, node_of_rank[ranks], nbytes, num_bins, topology.num_nodes)
+    capacity = topology.ranks_per_node().astype(np.int64)
+    node_of_bin, potential = _transport.transport(row_start, node, weight, capacity)
+    if _transport.dual_gap(row_start, node, weight, capacity, node_of_bin, potential) != 0:
         if min_cost_flow is None:
-            rank_of_bin, solver = _greedy(_Problem(traffic, topology))
+            rank_of_bin, solver = _greedy(_Problem(traffic_fn(), topology))
             return rank_of_bin, solver + " (transport solver not certified, OR-Tools not installed)"
-        rank_of_bin, solver = exact_min_cost_flow(traffic, topology)
+        rank_of_bin, solver = exact_min_cost_flow(traffic_fn(), topology)
         return rank_of_bin, solver + " (transport solver not certified)"
-    return _ranks_for_nodes(traffic, topology, node_of_bin), "min-cost-flow"
+    return _transport.assign_in_nodes(bins, ranks, nbytes, node_of_bin, node_of_rank, topology.num_nodes), "min-cost-flow"
 
 
 def exact_min_cost_flow(traffic: BinTraffic, topology: Topology):

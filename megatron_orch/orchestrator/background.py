@@ -1,15 +1,44 @@
 """Plan step k+1 on a CPU thread while step k trains.
 
-The partitioners' hot loops are numba kernels compiled with ``nogil=True`` and the rest is numpy, so
-the planning thread mostly runs without the GIL and leaves the training loop's Python (kernel
-launches, the schedule) alone. Only the *exposed* time (how long the training loop waits for a plan
-that is not ready yet) costs step time; it is measured here and logged by the caller.
+The planner's hot loops (partitioning, placement, slots) are numba kernels compiled with
+``nogil=True`` and the rest is numpy, so the planning thread mostly runs without the GIL and leaves
+the training loop's Python (kernel launches, the schedule) alone. Where it does hold the GIL (its
+Python glue, numpy calls that keep it), the training thread would wait for it up to the
+interpreter's switch interval (5 ms by default) before CPython makes the planner hand it over; while
+a plan is computed the interval is lowered to ``switch_interval_s`` (0.5 ms), so the training loop
+waits at most about that plus the planner's current numpy call (``python -m
+megatron_orch.bench.planning`` measures it). Only the *exposed* time (how long the training loop
+waits for a plan that is not ready yet) costs step time; it is measured here and logged by the caller.
 """
 from __future__ import annotations
 
+import sys
+import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Callable, Optional
+
+SWITCH_INTERVAL_S = 0.0005
+_switch_lock = threading.Lock()
+_switch_users = 0  # plans running with the lowered interval (any planner of the process)
+_switch_saved = 0.005
+
+
+def _lower_switch_interval(interval_s: float) -> None:
+    global _switch_users, _switch_saved
+    with _switch_lock:
+        if _switch_users == 0:
+            _switch_saved = sys.getswitchinterval()
+            sys.setswitchinterval(min(_switch_saved, interval_s))
+        _switch_users += 1
+
+
+def _restore_switch_interval() -> None:
+    global _switch_users
+    with _switch_lock:
+        _switch_users -= 1
+        if _switch_users == 0:
+            sys.setswitchinterval(_switch_saved)
 
 
 class BackgroundPlanner:
@@ -19,8 +48,9 @@ class BackgroundPlanner:
     path, so turning background planning off changes timing only, never plans.
     """
 
-    def __init__(self, enabled: bool = True):
+    def __init__(self, enabled: bool = True, switch_interval_s: Optional[float] = SWITCH_INTERVAL_S):
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="orch-planner") if enabled else None
+        self._switch_interval_s = switch_interval_s  # None: leave the interpreter's switch interval alone
         self._pending: Optional[Future] = None
         self._deferred: Optional[Callable] = None
         self.last_exposed_s = 0.0   # time the last result() waited
@@ -35,10 +65,19 @@ class BackgroundPlanner:
             plan = plan_fn()
             return plan, time.perf_counter() - start
 
+        def in_background():
+            if self._switch_interval_s is None:
+                return timed()
+            _lower_switch_interval(self._switch_interval_s)
+            try:
+                return timed()
+            finally:
+                _restore_switch_interval()
+
         if self._executor is None:
             self._deferred = timed
         else:
-            self._pending = self._executor.submit(timed)
+            self._pending = self._executor.submit(in_background)
 
     def result(self):
         start = time.perf_counter()

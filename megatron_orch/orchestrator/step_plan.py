@@ -15,7 +15,7 @@ import numpy as np
 from megatron_orch.balance import _plan_kernels
 from megatron_orch.balance.model_config import MLLMConfig
 from megatron_orch.balance.partition import partition, partition_equal_count, partition_locality
-from megatron_orch.balance.placement import BinTraffic, PlacementConfig, place_bins
+from megatron_orch.balance.placement import PlacementConfig, place_items
 from megatron_orch.balance.plan import Placement, Transfer, checksum
 from megatron_orch.balance.topology import Topology
 from megatron_orch.balance.workload import ENCODER_PHASES, StepSizes, phase_items
@@ -100,10 +100,9 @@ def _place(bin_of_item, sources, num_ranks, topology, config: OrchestratorConfig
     bins = np.concatenate([s[0] for s in sources])
     ranks = np.concatenate([s[1] for s in sources])
     nbytes = np.concatenate([s[2] for s in sources])
-    traffic = BinTraffic.from_items(bins, ranks, np.rint(nbytes).astype(np.int64), num_ranks, num_ranks)
-    placed = place_bins(traffic, topology, PlacementConfig(
+    rank_of_bin = place_items(bins, ranks, np.rint(nbytes).astype(np.int64), topology, PlacementConfig(
         method=config.placement, time_limit_s=config.placement_time_limit_s, deterministic=True))
-    return placed.rank_of_bin[bin_of_item]
+    return rank_of_bin[bin_of_item]
 
 
 def _balance_encoder(costs, home_rank, item_bytes, num_ranks, topology, config, balanced: bool):

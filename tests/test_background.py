@@ -1,0 +1,45 @@
+"""The background planner: same plans as in the foreground, errors re-raised, the switch interval
+lowered only while a plan runs."""
+import sys
+
+import numpy as np
+import pytest
+
+from megatron_orch.balance.model_config import load_model_config
+from megatron_orch.balance.topology import Topology
+from megatron_orch.balance.workload import StepSizes
+from megatron_orch.orchestrator.background import SWITCH_INTERVAL_S, BackgroundPlanner
+from megatron_orch.orchestrator.config import OrchestratorConfig
+from megatron_orch.orchestrator.step_plan import plan_step
+
+
+def test_background_plan_equals_foreground_plan():
+    rng = np.random.default_rng(0)
+    sizes = StepSizes(counts=np.full(8, 4), num_vision_items=rng.integers(0, 6, 32),
+                      num_audio_items=rng.integers(0, 3, 32), num_tokens=rng.integers(1, 300, 32))
+    model, config, topology = load_model_config("tiny"), OrchestratorConfig(), Topology.uniform(8, 4)
+    foreground = plan_step(sizes, model, config, topology, 2, 2)
+    planner = BackgroundPlanner(enabled=True)
+    try:
+        planner.submit(lambda: plan_step(sizes, model, config, topology, 2, 2))
+        background = planner.result()
+    finally:
+        planner.shutdown()
+    assert background.digest == foreground.digest
+    assert np.array_equal(background.examples_llm.rank, foreground.examples_llm.rank)
+
+
+@pytest.mark.parametrize("interval", [SWITCH_INTERVAL_S, None])
+def test_switch_interval_lowered_while_planning_and_restored(interval):
+    before = sys.getswitchinterval()
+    planner = BackgroundPlanner(enabled=True, switch_interval_s=interval)
+    try:
+        planner.submit(sys.getswitchinterval)
+        during = planner.result()
+        planner.submit(lambda: 1 / 0)
+        with pytest.raises(ZeroDivisionError):
+            planner.result()
+    finally:
+        planner.shutdown()
+    assert during == (min(before, SWITCH_INTERVAL_S) if interval else before)
+    assert sys.getswitchinterval() == before
