@@ -32,10 +32,26 @@ _INF = np.int64(1) << np.int64(62)
 # ---------------------------------------------------------------------------------------------
 
 @numba.njit(**_JIT)
+def _radix_pass(src_key, src_value, shift, bits, dst_key, dst_value):
+    """One stable counting-sort pass of (key, value) pairs on ``bits`` bits of the key from ``shift``."""
+    digits = 1 << bits
+    count = np.zeros(digits + 1, dtype=np.int64)
+    for i in range(src_key.size):
+        count[((src_key[i] >> shift) & (digits - 1)) + 1] += 1
+    for d in range(digits):
+        count[d + 1] += count[d]
+    for i in range(src_key.size):
+        d = (src_key[i] >> shift) & (digits - 1)
+        dst_key[count[d]] = src_key[i]
+        dst_value[count[d]] = src_value[i]
+        count[d] += 1
+
+
+@numba.njit(**_JIT)
 def merge_pairs(rows, cols, values, num_rows, num_cols):
     """Sum ``values`` per (row, col) pair: (row_start [num_rows + 1], col, value) sorted by row then
     col, pairs with value 0 dropped. Keys ``row * num_cols + col`` are sorted by an LSD radix sort
-    (O(n) per pass, two passes up to 2^24 keys), or not at all when they already come in order."""
+    (O(n) per pass, 12-bit digits), or not at all when they already come in order."""
     n = rows.size
     key = np.empty(n, dtype=np.int64)
     ordered = True
@@ -43,32 +59,37 @@ def merge_pairs(rows, cols, values, num_rows, num_cols):
         key[i] = rows[i] * num_cols + cols[i]
         if i and key[i] < key[i - 1]:
             ordered = False
-    value = values.astype(np.int64)
+    value = values
     if not ordered:
-        span = num_rows * num_cols
-        digit_bits = 8 if span > (1 << 24) else 12  # two passes of 12 bits cover 24 bits
-        digits = 1 << digit_bits
-        other_key = np.empty(n, dtype=np.int64)
-        other_value = np.empty(n, dtype=np.int64)
-        count = np.empty(digits + 1, dtype=np.int64)
-        shift = 0
-        while (span - 1) >> shift > 0:
-            count[:] = 0
-            for i in range(n):
-                count[((key[i] >> shift) & (digits - 1)) + 1] += 1
-            for d in range(digits):
-                count[d + 1] += count[d]
-            for i in range(n):
-                d = (key[i] >> shift) & (digits - 1)
-                other_key[count[d]] = key[i]
-                other_value[count[d]] = value[i]
-                count[d] += 1
-            key, other_key = other_key, key
-            value, other_value = other_value, value
-            shift += digit_bits
+        span_bits = 1
+        while (num_rows * num_cols - 1) >> span_bits > 0:
+            span_bits += 1
+        passes = (span_bits + 11) // 12
+        bits = (span_bits + passes - 1) // passes
+        key_b = np.empty(n, dtype=np.int64)
+        value_a = np.empty(n, dtype=np.int64)
+        value_b = np.empty(n, dtype=np.int64)
+        # pass 1 reads the input values; later passes ping-pong between the two buffers
+        _radix_pass(key, values, 0, bits, key_b, value_b)
+        src_key, src_value, dst_key, dst_value = key_b, value_b, key, value_a
+        for p in range(1, passes):
+            _radix_pass(src_key, src_value, p * bits, bits, dst_key, dst_value)
+            src_key, src_value, dst_key, dst_value = dst_key, dst_value, src_key, src_value
+        key, value = src_key, src_value
+    # Groups of equal keys with a non-zero total, counted first so the outputs have their size.
+    m = 0
+    i = 0
+    while i < n:
+        k = key[i]
+        total = value[i]
+        i += 1
+        while i < n and key[i] == k:
+            total += value[i]
+            i += 1
+        m += total != 0
     row_start = np.zeros(num_rows + 1, dtype=np.int64)
-    out_col = np.empty(n, dtype=np.int64)
-    out_val = np.empty(n, dtype=np.int64)
+    out_col = np.empty(m, dtype=np.int64)
+    out_val = np.empty(m, dtype=np.int64)
     m = 0
     i = 0
     row, row_end = 0, num_cols  # keys of ``row`` lie in [row * num_cols, row_end)
@@ -89,7 +110,7 @@ def merge_pairs(rows, cols, values, num_rows, num_cols):
             m += 1
     for r in range(num_rows):
         row_start[r + 1] += row_start[r]
-    return row_start, out_col[:m].copy(), out_val[:m].copy()
+    return row_start, out_col, out_val
 
 
 # ---------------------------------------------------------------------------------------------
@@ -286,17 +307,28 @@ def transport(row_start, row_node, row_w, cap):
     for b in range(num_bins):
         if row_start[b + 1] > row_start[b]:
             best_w[b] = row_w[row_start[b]]
-    order = np.argsort(-best_w, kind="mergesort")  # ties by bin id
+    # Heaviest bins first (ties: by id), each to one of its heaviest nodes with room: the one the
+    # fewest bins still to come could take (a matching heuristic: use the node that is about to run
+    # out of candidates; on interval-like instances, as LPT's round robin makes, it is exact),
+    # ties: first in the row.
+    order = np.argsort(-best_w, kind="mergesort")
+    demand = np.zeros(num_nodes, dtype=np.int64)  # bins not yet placed with a best arc to the node
+    for b in range(num_bins):
+        for j in range(row_start[b], row_start[b + 1]):
+            if row_w[j] < best_w[b]:
+                break
+            demand[row_node[j]] += 1
     queue = np.empty(num_bins, dtype=np.int64)
     num_free = 0
     for t in range(num_bins):
         b = order[t]
-        n = -1  # the emptiest node (most room left, ties: first in the row) among its heaviest
+        n = -1
         for j in range(row_start[b], row_start[b + 1]):
             if row_w[j] < best_w[b]:
                 break
             y = row_node[j]
-            if count[y] < cap[y] and (n < 0 or cap[y] - count[y] > cap[n] - count[n]):
+            demand[y] -= 1
+            if count[y] < cap[y] and (n < 0 or demand[y] < demand[n]):
                 n = y
         if n >= 0:
             _move(b, -1, n, node_of_bin, members, member_start, count, pos)
