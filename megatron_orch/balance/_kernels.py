@@ -736,6 +736,11 @@ def refine(costs, memory, memory_cap, num_bins, bin_of_item, allow_moves, stop_a
     """
     n = costs.size
     load = np.zeros(num_bins)
+    for i in range(n):
+        load[bin_of_item[i]] += costs[i]
+    if load.max() <= stop_at:  # nothing to gain: leave before building the per-item lists
+        return 0
+    load[:] = 0.0
     bin_mem = np.zeros(num_bins)
     head = np.full(num_bins, -1, dtype=np.int64)
     nxt = np.full(n, -1, dtype=np.int64)

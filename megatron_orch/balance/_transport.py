@@ -51,16 +51,34 @@ def _radix_pass(src_key, src_value, shift, bits, dst_key, dst_value):
 def merge_pairs(rows, cols, values, num_rows, num_cols):
     """Sum ``values`` per (row, col) pair: (row_start [num_rows + 1], col, value) sorted by row then
     col, pairs with value 0 dropped. Keys ``row * num_cols + col`` are sorted by an LSD radix sort
-    (O(n) per pass, 12-bit digits), or not at all when they already come in order."""
+    (O(n) per pass, 12-bit digits), by one counting pass on the rows when the columns already come
+    in order (items listed by home rank), or not at all when the keys do."""
     n = rows.size
     key = np.empty(n, dtype=np.int64)
     ordered = True
+    cols_ordered = True
     for i in range(n):
         key[i] = rows[i] * num_cols + cols[i]
         if i and key[i] < key[i - 1]:
             ordered = False
+        if i and cols[i] < cols[i - 1]:
+            cols_ordered = False
     value = values
-    if not ordered:
+    if not ordered and cols_ordered:  # one stable counting pass by row keeps the columns in order
+        fill = np.zeros(num_rows + 1, dtype=np.int64)
+        for i in range(n):
+            fill[rows[i] + 1] += 1
+        for r in range(num_rows):
+            fill[r + 1] += fill[r]
+        sorted_key = np.empty(n, dtype=np.int64)
+        value = np.empty(n, dtype=np.int64)
+        for i in range(n):
+            r = rows[i]
+            sorted_key[fill[r]] = key[i]
+            value[fill[r]] = values[i]
+            fill[r] += 1
+        key = sorted_key
+    elif not ordered:
         span_bits = 1
         while (num_rows * num_cols - 1) >> span_bits > 0:
             span_bits += 1
