@@ -6,12 +6,22 @@ Bins -> nodes is a transportation problem: every bin goes to one node, node ``n`
 few nodes) and stored by bin (CSR); a bin can go to any node, where it has no bytes the weight is 0.
 
 :func:`transport` solves it exactly by successive shortest augmenting paths with node potentials
-(a Hungarian / Jonker-Volgenant scheme for capacitated columns). Each bin first takes its heaviest
-node while that node has room (a dual-feasible start: prices 0, every placed bin at its best node);
-every other bin then enters by a Dijkstra search over *nodes* (a full node passes the search on
-through the bins it holds: one of them moves on to another node). Zero-weight arcs are never listed:
-a "hub" label carries the cheapest way to leave a node for a node where the moving bin has nothing,
-so a search costs O(nodes + listed arcs of the bins it touches).
+(a Hungarian / Jonker-Volgenant scheme for capacitated columns), in four stages that all keep every
+placed bin at a best node under the potentials (dual feasibility):
+
+1. greedy start (potentials 0): heaviest bins first, each to one of its heaviest nodes with room,
+   the one the fewest later bins could take (an instance of ties only, as LPT's round robin of
+   identical image tiles makes, is then solved without any search);
+2. augmenting row reduction (JV), bounded: a free bin takes its best node, whose potential drops
+   until its least attached member leaves and bids in turn;
+3. augmenting paths of zero reduced cost (bins moving between equally good nodes), breadth first;
+4. the rest, one Dijkstra search over *nodes* each (a full node passes the search on through the
+   bins it holds: one of them moves on to another node), bins renumbered node by node first so a
+   node's bins have their rows side by side in memory.
+
+Zero-weight arcs are never listed: a "hub" label carries the cheapest way to leave a node for a node
+where the moving bin has nothing; rows go by decreasing weight and are cut where an arc cannot beat
+the best label of a node with room, so a search reads only the arcs that can matter.
 
 The solution is certified: :func:`transport` returns the node prices, and :func:`dual_gap` checks
 that the primal weight equals the dual bound (LP duality: gap 0 means optimal). All arithmetic is

@@ -14,7 +14,9 @@ per micro-batch. Mixtures re-weight the shipped traces (``default``, ``audio-hea
 Figures, per configuration:
 
 * ``plan_cpu_ms``: CPU time of ``plan_step`` on its own (``time.process_time`` of the whole process,
-  nothing else running), over ``--repeats`` runs after one untimed run; ``plan_wall_ms`` likewise.
+  nothing else running), over ``--repeats`` runs after one untimed run; ``plan_wall_ms`` likewise;
+  ``plan_sys_ms`` and ``page_faults``: the kernel's share of that CPU time, mostly page faults of
+  freshly allocated arrays (``--retain-freed-memory`` keeps freed memory in the process instead).
 * the stall: a main thread runs a probe loop of small Python work while :class:`BackgroundPlanner`
   plans the same step on its thread (as the trainer does while a step trains), and records the
   longest gap between two of its iterations; the same loop, as long, with nothing planning, gives
@@ -27,6 +29,8 @@ Figures, per configuration:
 from __future__ import annotations
 
 import argparse
+import ctypes
+import resource
 import statistics
 import sys
 import threading
@@ -61,6 +65,18 @@ MIXTURES: Dict[str, Tuple[Tuple[str, float], ...]] = {
     "image-heavy": _reweighted({"omnibal": 4.0, "image": 4.0}),
     "video-heavy": _reweighted({"video": 4.0}),
 }
+
+
+def retain_freed_memory() -> bool:
+    """glibc only: keep freed arrays in the process (mmap threshold 64 MiB, trim threshold 256 MiB)
+    instead of returning them to the OS and page-faulting them in again on the next step, as
+    ``MALLOC_MMAP_THRESHOLD_=67108864 MALLOC_TRIM_THRESHOLD_=268435456`` would for a launched
+    trainer. Returns whether it applied."""
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+        return bool(libc.mallopt(-3, 64 << 20)) and bool(libc.mallopt(-1, 256 << 20))  # M_MMAP_, M_TRIM_
+    except (OSError, AttributeError):
+        return False
 
 
 def step_sizes(rows: Trace, dp: int, per_rank: int, model: MLLMConfig) -> StepSizes:
@@ -156,12 +172,16 @@ def run_one(model: MLLMConfig, sizes: StepSizes, gpus_per_node: int, micro_batch
 
     first = plan()  # untimed: first touches of memory at this size
     digests = {first.digest}
-    cpu, wall = [], []
+    cpu, wall, sys_cpu, faults = [], [], [], []
     for _ in range(repeats):
+        start_usage = resource.getrusage(resource.RUSAGE_SELF)
         start_cpu, start_wall = time.process_time(), time.perf_counter()
         digests.add(plan().digest)
         cpu.append(1e3 * (time.process_time() - start_cpu))
         wall.append(1e3 * (time.perf_counter() - start_wall))
+        usage = resource.getrusage(resource.RUSAGE_SELF)
+        sys_cpu.append(1e3 * (usage.ru_stime - start_usage.ru_stime))
+        faults.append(usage.ru_minflt - start_usage.ru_minflt)
     stalls = {}
     for kind in probes:
         worst_busy, worst_idle = None, None
@@ -179,6 +199,8 @@ def run_one(model: MLLMConfig, sizes: StepSizes, gpus_per_node: int, micro_batch
         "methods": {phase: stats.method for phase, stats in first.stats.items()},
         "plan_cpu_ms": {"min": min(cpu), "median": statistics.median(cpu), "max": max(cpu), "all": cpu},
         "plan_wall_ms": {"min": min(wall), "median": statistics.median(wall), "max": max(wall), "all": wall},
+        "plan_sys_ms": {"median": statistics.median(sys_cpu), "all": sys_cpu},  # kernel time: page faults
+        "page_faults": {"median": statistics.median(faults), "all": faults},
         "stall": stalls,
         "digest": first.digest,
         "deterministic": len(digests) == 1,
@@ -218,13 +240,13 @@ def run(dps: Sequence[int], per_rank: int, gpus_per_node: int, seeds: Sequence[i
 
 
 HEADER = (f"{'dp':>5} {'mixture':<12} {'seed':>4} {'vision':>7} {'audio':>6} {'llm':>6} "
-          f"{'cpu ms':>7} {'(max)':>7} {'wall ms':>8}")
+          f"{'cpu ms':>7} {'(max)':>7} {'sys ms':>7} {'wall ms':>8}")
 
 
 def _row(r: dict, probes: Sequence[str]) -> str:
     cells = (f"{r['dp']:>5} {r['mixture']:<12} {r['seed']:>4} {r['items']['vision']:>7} {r['items']['audio']:>6} "
              f"{r['items']['llm']:>6} {r['plan_cpu_ms']['median']:>7.1f} {r['plan_cpu_ms']['max']:>7.1f} "
-             f"{r['plan_wall_ms']['median']:>8.1f}")
+             f"{r.get('plan_sys_ms', {}).get('median', float('nan')):>7.1f} {r['plan_wall_ms']['median']:>8.1f}")
     for kind in probes:
         s = r["stall"][kind]
         cells += f" {s['planning']['max_gap_ms']:>9.2f} {s['idle']['max_gap_ms']:>8.2f}"
@@ -264,14 +286,19 @@ def main(argv: Optional[Sequence[str]] = None) -> dict:
     parser.add_argument("--model", default=DEFAULT_MODEL, help=f"model config (default {DEFAULT_MODEL})")
     parser.add_argument("--repeats", type=int, default=3, help="timed runs per configuration (default 3)")
     parser.add_argument("--probes", nargs="+", choices=PROBES, default=list(PROBES))
+    parser.add_argument("--retain-freed-memory", action="store_true",
+                        help="glibc: keep freed memory in the process (mallopt), so the planner's arrays are "
+                             "not page-faulted in anew every step; default: the allocator as it is")
     parser.add_argument("--json", default=None, metavar="OUT", help="write the result as JSON here")
     args = parser.parse_args(argv)
+    retained = retain_freed_memory() if args.retain_freed_memory else False
     mixtures = ({"custom": tuple(parse_trace_spec(s) for s in args.trace)} if args.trace
                 else {name: MIXTURES[name] for name in args.mixtures})
     print(HEADER, file=sys.stderr)
     result = run(args.dp, args.per_rank, args.gpus_per_node, args.seeds, mixtures, args.model,
                  args.micro_batch_size, args.repeats, args.probes, args.traces_dir,
                  log=lambda line: print(line, file=sys.stderr, flush=True))
+    result["params"]["retain_freed_memory"] = retained
     return report(result, format_tables, args.json)
 
 
