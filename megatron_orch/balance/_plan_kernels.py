@@ -37,6 +37,47 @@ def slots_in_order(rank, order, num_ranks):
 
 
 @numba.njit(**_JIT)
+def slots_in_id_order(rank, num_ranks):
+    """Slot of each item when every rank lists its items by increasing id."""
+    fill = np.zeros(num_ranks, dtype=np.int64)
+    slot = np.empty(rank.size, dtype=np.int64)
+    for i in range(rank.size):
+        slot[i] = fill[rank[i]]
+        fill[rank[i]] += 1
+    return slot
+
+
+@numba.njit(**_JIT)
+def expand(parent_rank, parent_slot, num_ranks, parent):
+    """(rank, slot) of child items that live with their parent ``parent[j]``: on a rank, children
+    are ordered by their parent's slot, then by child id."""
+    num_parents = parent_rank.size
+    children = np.zeros(num_parents, dtype=np.int64)
+    for j in range(parent.size):
+        children[parent[j]] += 1
+    # parents in (rank, slot) order: position start[rank] + slot
+    start = _rank_starts(parent_rank, num_ranks)
+    by_position = np.empty(num_parents, dtype=np.int64)
+    for p in range(num_parents):
+        by_position[start[parent_rank[p]] + parent_slot[p]] = p
+    first = np.empty(num_parents, dtype=np.int64)  # slot of a parent's first child on its rank
+    for r in range(num_ranks):
+        offset = 0
+        for t in range(start[r], start[r + 1]):
+            p = by_position[t]
+            first[p] = offset
+            offset += children[p]
+    rank = np.empty(parent.size, dtype=np.int64)
+    slot = np.empty(parent.size, dtype=np.int64)
+    for j in range(parent.size):  # children by id: each takes its parent's next slot
+        p = parent[j]
+        rank[j] = parent_rank[p]
+        slot[j] = first[p]
+        first[p] += 1
+    return rank, slot
+
+
+@numba.njit(**_JIT)
 def slots_by_key(rank, key, key_bound, num_ranks):
     """Slot of each item on its rank when a rank's items are ordered by ``key`` (0 <= key <
     ``key_bound``), ties by item id: a stable counting sort by key, then by rank."""

@@ -39,7 +39,7 @@ def _slots_by_key(rank: np.ndarray, num_ranks: int, key: Optional[np.ndarray] = 
     ties by item id)."""
     rank = np.ascontiguousarray(rank, dtype=np.int64)
     if key is None:
-        return _plan_kernels.slots_in_order(rank, np.arange(rank.size, dtype=np.int64), int(num_ranks))
+        return _plan_kernels.slots_in_id_order(rank, int(num_ranks))
     key = np.asarray(key)
     if key.size and np.issubdtype(key.dtype, np.integer):
         low, high = int(key.min()), int(key.max())
@@ -135,8 +135,9 @@ class Placement:
         parent = as_index_array(parent, "parent")
         if parent.size and (parent.min() < 0 or parent.max() >= self.num_items):
             raise ValueError(f"parent ids must lie in 0..{self.num_items - 1}")
-        rank = self.rank[parent]
-        return Placement.from_ranks(rank, self.num_ranks, key=self.slot[parent])
+        rank, slot = _plan_kernels.expand(np.ascontiguousarray(self.rank), np.ascontiguousarray(self.slot),
+                                          self.num_ranks, np.ascontiguousarray(parent))
+        return Placement._valid(rank, slot, self.num_ranks)
 
     def same_as(self, other: "Placement") -> bool:
         return (self.num_ranks == other.num_ranks and np.array_equal(self.rank, other.rank)

@@ -1,0 +1,51 @@
+"""The compiled placement helpers against their numpy definitions."""
+import numpy as np
+from hypothesis import given, settings, strategies as st
+
+from megatron_orch.balance import _plan_kernels
+from megatron_orch.balance.plan import Placement
+
+
+def reference_slots(rank, num_ranks, key):
+    """Slot on its rank when a rank's items are ordered by key, ties by item id (the definition)."""
+    order = np.lexsort((np.arange(rank.size), key, rank))
+    counts = np.bincount(rank, minlength=num_ranks)
+    slot = np.empty(rank.size, dtype=np.int64)
+    slot[order] = np.arange(rank.size) - np.repeat(np.cumsum(counts) - counts, counts)
+    return slot
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.integers(1, 7), st.integers(0, 60), st.integers(0, 80), st.integers(0, 2**31 - 1),
+       st.sampled_from([3, 10**6, 2**40]))
+def test_slots_and_expand_match_their_definitions(num_ranks, num_items, num_children, seed, key_span):
+    rng = np.random.default_rng(seed)
+    rank = rng.integers(0, num_ranks, num_items)
+    key = rng.integers(-key_span, key_span, num_items)
+    placement = Placement.from_ranks(rank, num_ranks, key=key)
+    assert np.array_equal(placement.slot, reference_slots(rank, num_ranks, key))
+    assert np.array_equal(Placement.from_ranks(rank, num_ranks).slot, reference_slots(rank, num_ranks, np.arange(num_items)))
+    floats = Placement.from_ranks(rank, num_ranks, key=key.astype(np.float64) / 7)
+    assert np.array_equal(floats.slot, reference_slots(rank, num_ranks, key.astype(np.float64) / 7))
+    if num_items:
+        parent = rng.integers(0, num_items, num_children)
+        child = placement.expand(parent)
+        assert np.array_equal(child.rank, rank[parent])
+        assert np.array_equal(child.slot, reference_slots(rank[parent], num_ranks, placement.slot[parent]))
+        Placement(rank=child.rank, slot=child.slot, num_ranks=num_ranks)  # valid
+
+
+def test_moved_bytes_and_microbatches_match_numpy():
+    rng = np.random.default_rng(3)
+    node = np.repeat(np.arange(4), 3)
+    home, rank = rng.integers(0, 12, 500), rng.integers(0, 12, 500)
+    nbytes = rng.random(500)
+    intra, inter = _plan_kernels.moved_bytes(home, rank, node, nbytes)
+    cross = node[home] != node[rank]
+    assert np.isclose(inter, nbytes[cross].sum()) and np.isclose(intra, nbytes[(home != rank) & ~cross].sum())
+    tokens = rng.integers(1, 50, 500)
+    micro = _plan_kernels.longest_first_microbatches(rank, tokens, 12, 3)
+    for r in range(12):
+        ids = np.flatnonzero(rank == r)
+        order = ids[np.lexsort((ids, -tokens[ids]))]
+        assert np.array_equal(micro[order], np.arange(order.size) // 3)
