@@ -47,7 +47,7 @@ def test_exact_and_minmax_match_brute_force(instance):
     assert identity.rank_of_bin.tolist() == list(range(traffic.num_bins))
 
     # exact: the fewest inter-node bytes; off-GPU bytes optimal among placements with its bins -> nodes.
-    assert exact.solver == "min-cost-flow"
+    assert exact.solver == "transport (certified optimal)"
     assert exact.inter_node_bytes == min(c.inter_node_bytes for c in costs)
     node = topology.node_of_rank
     same_nodes = [c.off_gpu_bytes for p, c in zip(perms, costs)
@@ -148,7 +148,7 @@ def test_without_ortools_exact_still_solves_and_minmax_falls_back_to_it(monkeypa
         result = place_bins(traffic, topology, PlacementConfig(method=method))
         _check_result(result, traffic, topology)
         assert result.rank_of_bin.tolist() == exact.rank_of_bin.tolist()
-        assert result.solver == "min-cost-flow" + (" (OR-Tools not installed: no min-max)" if method == "minmax" else "")
+        assert result.solver == "transport (certified optimal)" + (" (OR-Tools not installed: no min-max)" if method == "minmax" else "")
 
 
 def test_no_traffic_keeps_identity_costs_at_zero():
@@ -174,5 +174,5 @@ def test_placement_benchmark_orders_methods_as_their_guarantees_say():
         inter = {m: figures[m]["inter_node_bytes"] for m in BENCH_METHODS}
         assert inter["exact"] <= inter["greedy"] <= inter["identity"]
         assert figures["minmax"]["max_node_inter_bytes"] <= figures["exact"]["max_node_inter_bytes"]
-        assert figures["exact"]["solver"] == "min-cost-flow"
+        assert figures["exact"]["solver"] == "transport (certified optimal)"
     assert result["params"]["dp"] == 16 and result["params"]["num_nodes"] == 4

@@ -44,7 +44,7 @@ def _check_against_oracle(traffic, topology):
     assert gap == 0, "the solver's optimum must carry its certificate"
     assert np.array_equal(np.bincount(node_of_bin, minlength=topology.num_nodes), topology.ranks_per_node())
     result = place_bins(traffic, topology, PlacementConfig(method="exact"))
-    assert result.solver == "min-cost-flow"
+    assert result.solver == "transport (certified optimal)"
     assert np.array_equal(topology.node_of_rank[result.rank_of_bin], node_of_bin)
     assert sorted(result.rank_of_bin.tolist()) == list(range(traffic.num_bins))
     oracle_ranks, oracle_solver = exact_min_cost_flow(traffic, topology)

@@ -332,7 +332,8 @@ def _exact(items, num_bins: int, topology: Topology, traffic_fn):
             return rank_of_bin, solver + " (transport solver not certified, OR-Tools not installed)"
         rank_of_bin, solver = exact_min_cost_flow(traffic_fn(), topology)
         return rank_of_bin, solver + " (transport solver not certified)"
-    return _transport.assign_in_nodes(bins, ranks, nbytes, node_of_bin, node_of_rank, topology.num_nodes), "min-cost-flow"
+    rank_of_bin = _transport.assign_in_nodes(bins, ranks, nbytes, node_of_bin, node_of_rank, topology.num_nodes)
+    return rank_of_bin, "transport (certified optimal)"
 
 
 def exact_min_cost_flow(traffic: BinTraffic, topology: Topology):
