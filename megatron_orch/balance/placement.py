@@ -62,16 +62,7 @@ class BinTraffic:
     @classmethod
     def from_items(cls, bin_of_item, home_rank, item_bytes, num_bins: int, num_ranks: int) -> "BinTraffic":
         """Traffic of moving item i from ``home_rank[i]`` to the rank of bin ``bin_of_item[i]``."""
-        bins = as_index_array(bin_of_item, "bin_of_item")
-        ranks = as_index_array(home_rank, "home_rank")
-        nbytes = as_index_array(item_bytes, "item_bytes")
-        if not bins.shape == ranks.shape == nbytes.shape:
-            raise ValueError(f"bin_of_item, home_rank and item_bytes differ in length: "
-                             f"{bins.size}, {ranks.size}, {nbytes.size}")
-        _check_range(bins, num_bins, "bin_of_item")
-        _check_range(ranks, num_ranks, "home_rank")
-        if nbytes.size and nbytes.min() < 0:
-            raise ValueError(f"item {int(np.argmin(nbytes))} has negative bytes {nbytes.min()}")
+        bins, ranks, nbytes = _checked_items(bin_of_item, home_rank, item_bytes, num_bins, num_ranks)
         row_start, rank, total = _transport.merge_pairs(bins, ranks, nbytes, int(num_bins), int(num_ranks))
         return cls(bin=np.repeat(np.arange(int(num_bins), dtype=np.int64), np.diff(row_start)), rank=rank,
                    nbytes=total, num_bins=int(num_bins), num_ranks=int(num_ranks))
@@ -192,16 +183,7 @@ def place_items(bin_of_item, home_rank, item_bytes, topology: Topology,
     (bin, rank) first where the method does not need it (``identity``, ``exact``): the trainer's path.
     """
     num_ranks = topology.num_ranks
-    bins = as_index_array(bin_of_item, "bin_of_item")
-    ranks = as_index_array(home_rank, "home_rank")
-    nbytes = as_index_array(item_bytes, "item_bytes")
-    if not bins.shape == ranks.shape == nbytes.shape:
-        raise ValueError(f"bin_of_item, home_rank and item_bytes differ in length: "
-                         f"{bins.size}, {ranks.size}, {nbytes.size}")
-    _check_range(bins, num_ranks, "bin_of_item")
-    _check_range(ranks, num_ranks, "home_rank")
-    if nbytes.size and nbytes.min() < 0:
-        raise ValueError(f"item {int(np.argmin(nbytes))} has negative bytes {nbytes.min()}")
+    bins, ranks, nbytes = _checked_items(bin_of_item, home_rank, item_bytes, num_ranks, num_ranks)
     if config.method == "identity":
         return np.arange(num_ranks, dtype=np.int64)
     if config.method != "exact":
@@ -489,6 +471,21 @@ def _lookup(keys: np.ndarray, values: np.ndarray, wanted: np.ndarray) -> np.ndar
         return np.zeros(wanted.shape, dtype=np.int64)
     at = np.minimum(np.searchsorted(keys, wanted), keys.size - 1)
     return np.where(keys[at] == wanted, values[at], 0).astype(np.int64)
+
+
+def _checked_items(bin_of_item, home_rank, item_bytes, num_bins: int, num_ranks: int):
+    """The (bin, home rank, bytes) int64 arrays of items, checked: equal lengths, in range, bytes >= 0."""
+    bins = as_index_array(bin_of_item, "bin_of_item")
+    ranks = as_index_array(home_rank, "home_rank")
+    nbytes = as_index_array(item_bytes, "item_bytes")
+    if not bins.shape == ranks.shape == nbytes.shape:
+        raise ValueError(f"bin_of_item, home_rank and item_bytes differ in length: "
+                         f"{bins.size}, {ranks.size}, {nbytes.size}")
+    _check_range(bins, num_bins, "bin_of_item")
+    _check_range(ranks, num_ranks, "home_rank")
+    if nbytes.size and nbytes.min() < 0:
+        raise ValueError(f"item {int(np.argmin(nbytes))} has negative bytes {nbytes.min()}")
+    return bins, ranks, nbytes
 
 
 def _check_range(values: np.ndarray, bound: int, name: str) -> None:
