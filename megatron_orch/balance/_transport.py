@@ -407,6 +407,35 @@ def transport(row_start, row_node, row_w, cap):
 
 
 @numba.njit(**_JIT)
+def _weight_on(b, node, row_start, row_node, row_w):
+    """Bin ``b``'s arc weight to ``node`` (0 without an arc)."""
+    for j in range(row_start[b], row_start[b + 1]):
+        if row_node[j] == node:
+            return row_w[j]
+    return np.int64(0)
+
+
+@numba.njit(**_JIT)
+def _queue_tight(b, val, tail, row_start, row_node, row_w, v, cap, count, seen, pred, pred_w, queue):
+    """Queue the unseen nodes where bin ``b``'s arc is tight (weight + v = ``val``: a prefix of its row,
+    rows by decreasing weight), recording ``b`` as who moves there. Returns (new tail, the first queued
+    node with room, or -1)."""
+    for j in range(row_start[b], row_start[b + 1]):
+        w = row_w[j]
+        if w < val:
+            break
+        y = row_node[j]
+        if w + v[y] == val and not seen[y]:
+            seen[y] = True
+            pred[y], pred_w[y] = b, w
+            queue[tail] = y
+            tail += 1
+            if count[y] < cap[y]:
+                return tail, y
+    return tail, np.int64(-1)
+
+
+@numba.njit(**_JIT)
 def _tight_paths(free, row_start, row_node, row_w, cap, v, node_of_bin, wcur, members, member_start, count, pos):
     """Place free bins along augmenting paths of zero reduced cost (each bin moved to another of
     its best nodes), found breadth first; potentials do not change. Returns how many bins are left,
@@ -436,24 +465,10 @@ def _tight_paths(free, row_start, row_node, row_w, cap, v, node_of_bin, wcur, me
         head, tail = 0, 0
         if val0 == 0:
             end = first_room
-            pred[end], pred_w[end] = b0, 0
-            for j in range(row_start[b0], row_start[b0 + 1]):
-                if row_node[j] == end:
-                    pred_w[end] = row_w[j]
+            pred[end], pred_w[end] = b0, _weight_on(b0, end, row_start, row_node, row_w)
         else:
-            for j in range(row_start[b0], row_start[b0 + 1]):
-                w = row_w[j]
-                if w < val0:
-                    break
-                y = row_node[j]
-                if w + v[y] == val0 and not seen[y]:
-                    seen[y] = True
-                    pred[y], pred_w[y] = b0, w
-                    queue[tail] = y
-                    tail += 1
-                    if count[y] < cap[y]:
-                        end = y
-                        break
+            tail, end = _queue_tight(b0, val0, tail, row_start, row_node, row_w, v, cap, count, seen, pred,
+                                     pred_w, queue)
         while end < 0 and head < tail:
             x = queue[head]
             head += 1
@@ -462,24 +477,10 @@ def _tight_paths(free, row_start, row_node, row_w, cap, v, node_of_bin, wcur, me
                 val = wcur[b] + v[x]
                 if val == 0 and first_room < num_nodes:
                     end = first_room
-                    pred[end], pred_w[end] = b, 0
-                    for j in range(row_start[b], row_start[b + 1]):
-                        if row_node[j] == end:
-                            pred_w[end] = row_w[j]
+                    pred[end], pred_w[end] = b, _weight_on(b, end, row_start, row_node, row_w)
                     break
-                for j in range(row_start[b], row_start[b + 1]):
-                    w = row_w[j]
-                    if w < val:
-                        break
-                    y = row_node[j]
-                    if w + v[y] == val and not seen[y]:
-                        seen[y] = True
-                        pred[y], pred_w[y] = b, w
-                        queue[tail] = y
-                        tail += 1
-                        if count[y] < cap[y]:
-                            end = y
-                            break
+                tail, end = _queue_tight(b, val, tail, row_start, row_node, row_w, v, cap, count, seen, pred,
+                                         pred_w, queue)
                 if end >= 0:
                     break
         for t in range(tail):
