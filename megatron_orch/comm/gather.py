@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_orch.balance.plan import Placement
-from megatron_orch.comm.device import communication_device
+from megatron_orch.comm.device import to_communication_device
 
 _HEADER = 4  # count, fields, check, error
 _OK, _NEGATIVE, _OVER_MAX = 0, 1, 2
@@ -117,7 +117,7 @@ def all_gather_to_host(tensor: torch.Tensor, group=None) -> torch.Tensor:
 
     The tensor travels on the group's communication device (copied there if it is elsewhere).
     """
-    local = tensor.to(communication_device(group)).contiguous()
+    local = to_communication_device(tensor, group).contiguous()
     out = [torch.empty_like(local) for _ in range(dist.get_world_size(group))]
     dist.all_gather(out, local, group=group)
     return torch.stack(out).cpu()

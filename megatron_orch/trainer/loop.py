@@ -83,8 +83,7 @@ def build_model(args: argparse.Namespace, model_provider: Callable = providers.b
     module = model_provider(args, pre_process=parallel_state.is_pipeline_first_stage(),
                             post_process=parallel_state.is_pipeline_last_stage())
     config = module.config
-    if not runs_on_cpu(args):
-        module.cuda(torch.cuda.current_device())  # the encoders' plain torch layers are built on CPU
+    module.to(providers.compute_device(args))  # the encoders' plain torch layers are built on the CPU
     if args.bf16:
         module = Float16Module(config, module)
     ddp_config = DistributedDataParallelConfig(grad_reduce_in_fp32=args.bf16, overlap_grad_reduce=False,
