@@ -134,15 +134,23 @@ def test_place_items_is_place_bins_of_the_merged_items(instance, method):
     assert ranks_of_items.tolist() == place_bins(traffic, topology, config).rank_of_bin.tolist()
 
 
-def test_merge_pairs_sums_sorts_and_drops_zeros():
-    rng = np.random.default_rng(0)
-    rows, cols = rng.integers(0, 7, 500), rng.integers(0, 5, 500)
-    values = rng.integers(0, 3, 500)
-    row_start, col, value = _transport.merge_pairs(rows, cols, values, 9, 5)
-    dense = np.zeros((9, 5), dtype=np.int64)
+# Pair counts and shapes that take each path: dense (few cells per pair), radix sort (many cells, in
+# one pass and in two), counting pass on rows (columns in order), already sorted.
+@pytest.mark.parametrize("n, num_rows, num_cols, order", [
+    (500, 9, 5, "random"), (40, 9, 50, "random"), (300, 900, 2000, "random"), (40, 9, 50, "cols"),
+    (40, 9, 50, "keys")])
+def test_merge_pairs_sums_sorts_and_drops_zeros(n, num_rows, num_cols, order):
+    rng = np.random.default_rng(n)
+    rows, cols = rng.integers(0, num_rows - 2, n), rng.integers(0, num_cols, n)
+    values = rng.integers(0, 3, n)
+    if order != "random":
+        sort = np.argsort(cols if order == "cols" else rows * num_cols + cols, kind="stable")
+        rows, cols, values = rows[sort], cols[sort], values[sort]
+    row_start, col, value = _transport.merge_pairs(rows, cols, values, num_rows, num_cols)
+    dense = np.zeros((num_rows, num_cols), dtype=np.int64)
     np.add.at(dense, (rows, cols), values)
     keys = np.flatnonzero(dense)
-    assert np.array_equal(np.repeat(np.arange(9), np.diff(row_start)) * 5 + col, keys)
+    assert np.array_equal(np.repeat(np.arange(num_rows), np.diff(row_start)) * num_cols + col, keys)
     assert np.array_equal(value, dense.reshape(-1)[keys])
     empty = _transport.merge_pairs(np.zeros(0, np.int64), np.zeros(0, np.int64), np.zeros(0, np.int64), 3, 2)
     assert empty[0].tolist() == [0, 0, 0, 0] and empty[1].size == 0

@@ -57,13 +57,45 @@ def _radix_pass(src_key, src_value, shift, bits, dst_key, dst_value):
         count[d] += 1
 
 
+_DENSE_PER_PAIR = 4  # dense merge while the matrix has at most this many cells per pair
+
+
+@numba.njit(**_JIT)
+def _merge_dense(rows, cols, values, num_rows, num_cols):
+    """:func:`merge_pairs` through a dense row-major matrix: one scattered pass, one ordered scan."""
+    dense = np.zeros(num_rows * num_cols, dtype=np.int64)
+    for i in range(rows.size):
+        dense[rows[i] * num_cols + cols[i]] += values[i]
+    m = 0
+    for k in range(dense.size):
+        m += dense[k] != 0
+    row_start = np.zeros(num_rows + 1, dtype=np.int64)
+    out_col = np.empty(m, dtype=np.int64)
+    out_val = np.empty(m, dtype=np.int64)
+    m = 0
+    for r in range(num_rows):
+        base = r * num_cols
+        for c in range(num_cols):
+            v = dense[base + c]
+            if v != 0:
+                out_col[m] = c
+                out_val[m] = v
+                m += 1
+        row_start[r + 1] = m
+    return row_start, out_col, out_val
+
+
 @numba.njit(**_JIT)
 def merge_pairs(rows, cols, values, num_rows, num_cols):
     """Sum ``values`` per (row, col) pair: (row_start [num_rows + 1], col, value) sorted by row then
-    col, pairs with value 0 dropped. Keys ``row * num_cols + col`` are sorted by an LSD radix sort
-    (O(n) per pass, 12-bit digits), by one counting pass on the rows when the columns already come
-    in order (items listed by home rank), or not at all when the keys do."""
+    col, pairs with value 0 dropped. Where the dense matrix is small next to the pairs (at most
+    ``_DENSE_PER_PAIR`` cells per pair), values are summed straight into it and read back in order;
+    else keys ``row * num_cols + col`` are sorted by an LSD radix sort (O(n) per pass, 12-bit digits),
+    by one counting pass on the rows when the columns already come in order (items listed by home
+    rank), or not at all when the keys do."""
     n = rows.size
+    if num_rows * num_cols <= _DENSE_PER_PAIR * n:
+        return _merge_dense(rows, cols, values, num_rows, num_cols)
     key = np.empty(n, dtype=np.int64)
     ordered = True
     cols_ordered = True

@@ -75,8 +75,8 @@ class PhaseItems:
     tokens: np.ndarray  # sequence length the phase's transformer runs for this item
     cost: np.ndarray  # training FLOPs
     memory: np.ndarray  # activation bytes
-    nbytes: np.ndarray  # bytes to move if the item leaves its home rank
-    output_nbytes: np.ndarray  # bytes of projected embeddings sent on to the backbone (0 for llm)
+    nbytes: np.ndarray  # bytes to move if the item leaves its home rank (int64)
+    output_nbytes: np.ndarray  # bytes of projected embeddings sent on to the backbone (int64; 0 for llm)
 
     def __len__(self) -> int:
         return int(self.example.size)
@@ -102,7 +102,7 @@ def phase_items(sizes: StepSizes, config: MLLMConfig) -> Dict[str, PhaseItems]:
     home = sizes.home
     n = sizes.num_examples
     hidden = config.hidden_size
-    emb_bytes = float(hidden * config.embedding_bytes_per_element)
+    emb_bytes = hidden * config.embedding_bytes_per_element
     phases = {}
     for name, encoder, per_example in (("vision", config.vision, sizes.num_vision_items),
                                        ("audio", config.audio, sizes.num_audio_items)):
@@ -122,13 +122,14 @@ def phase_items(sizes: StepSizes, config: MLLMConfig) -> Dict[str, PhaseItems]:
                                                    + encoder.projector(hidden).activation_bytes(out_tokens))
         ones = np.ones(example.size)
         phases[name] = PhaseItems(name, example, home[example], np.full(example.size, seq, dtype=np.int64),
-                                  cost * ones, memory * ones, float(raw_bytes) * ones, out_tokens * emb_bytes * ones)
+                                  cost * ones, memory * ones, np.full(example.size, raw_bytes, dtype=np.int64),
+                                  np.full(example.size, out_tokens * emb_bytes, dtype=np.int64))
     tokens = np.asarray(sizes.num_tokens, dtype=np.int64)
     backbone = config.backbone.transformer
     phases["llm"] = PhaseItems(
         "llm", np.arange(n, dtype=np.int64), home, tokens, np.asarray(backbone.train_flops(tokens), dtype=np.float64),
         np.asarray(backbone.activation_bytes(tokens), dtype=np.float64),
-        (tokens * config.text_bytes_per_token).astype(np.float64), np.zeros(n))
+        tokens * config.text_bytes_per_token, np.zeros(n, dtype=np.int64))
     return phases
 
 

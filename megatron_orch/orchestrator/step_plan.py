@@ -96,16 +96,9 @@ def _moved_bytes(home_rank, rank, item_bytes, topology: Topology):
 
 
 def _place(bin_of_item, sources, num_ranks, topology, config: OrchestratorConfig):
-    """Rank of every bin (``sources``: (bin, source rank, bytes) arrays of what each bin pulls)."""
-    if len(sources) == 1:  # no copies
-        bins, ranks, nbytes = sources[0]
-        nbytes = np.rint(nbytes)
-    else:
-        bins = np.concatenate([s[0] for s in sources])
-        ranks = np.concatenate([s[1] for s in sources])
-        nbytes = np.concatenate([s[2] for s in sources]).astype(np.float64, copy=False)  # a new array
-        np.rint(nbytes, out=nbytes)
-    rank_of_bin = place_items(bins, ranks, nbytes.astype(np.int64), topology, PlacementConfig(
+    """Rank of every bin (``sources``: (bin, source rank, int64 bytes) arrays of what each bin pulls)."""
+    bins, ranks, nbytes = (np.concatenate(arrays) for arrays in zip(*sources)) if len(sources) > 1 else sources[0]
+    rank_of_bin = place_items(bins, ranks, nbytes, topology, PlacementConfig(
         method=config.placement, time_limit_s=config.placement_time_limit_s, deterministic=True))
     return rank_of_bin[bin_of_item]
 
