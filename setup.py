@@ -17,6 +17,7 @@ setup(
         "ortools>=9.10",
         "pyyaml>=6.0",
         "tensorboard>=2.15",
+        "matplotlib>=3.8",  # plots of bench.emulate and megatron_orch.sim
     ],
     extras_require={
         "test": ["pytest>=8", "hypothesis>=6.100"],

@@ -19,7 +19,7 @@ OOM_POINT = ("vision", 4)  # made to run out of memory: recorded, and the grid g
 def test_every_point_is_timed_with_the_cost_models_flops(tmp_path, monkeypatch, capsys):
     monkeypatch.setitem(mfu.QUICK_GRID, "llm", LLM_GRID)
     built_layers = {}
-    build_phase, call = mfu.build_phase, mfu._call
+    build_phase, call = mfu.build_phase, mfu.phase_call
 
     def spy_build(phase, *args):
         module = build_phase(phase, *args)
@@ -34,7 +34,7 @@ def test_every_point_is_timed_with_the_cost_models_flops(tmp_path, monkeypatch, 
         return call(phase, module, config, size, device)
 
     monkeypatch.setattr(mfu, "build_phase", spy_build)
-    monkeypatch.setattr(mfu, "_call", call_or_oom)
+    monkeypatch.setattr(mfu, "phase_call", call_or_oom)
     out = tmp_path / "mfu.json"
     returned = mfu.main(["--model", "tiny", "--quick", "--device", "cpu", "--layers", ",".join(map(str, LAYERS)),
                          "--json", str(out)])

@@ -10,18 +10,20 @@ Per-example sizes (:class:`StepSizes`: what the trainer gathers over the DP grou
   the last window of a clip), giving ``llm_tokens_per_window`` embeddings;
 * ``llm``: one item per example, its backbone sequence.
 
-An item's cost is training FLOPs (its encoder plus its projector; the backbone for an example), its
-memory the activation bytes, its ``nbytes`` what moves if it leaves its home rank (the raw input of an
-encoder item; an example's token ids, labels and loss mask), and an encoder item's ``output_nbytes``
+An item's cost is training FLOPs (its encoder plus its projector; the backbone for an example) or,
+given a :class:`~megatron_orch.balance.cost_profile.CostProfile`, the forward+backward seconds measured
+for an item of its length on the profiled device; its memory the activation bytes, its ``nbytes`` what
+moves if it leaves its home rank (the raw input of an encoder item; an example's token ids, labels and loss mask), and an encoder item's ``output_nbytes``
 the projected embeddings it sends on to the backbone rank of its example.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Dict
+from typing import Dict, Optional
 
 import numpy as np
 
+from megatron_orch.balance.cost_profile import CostProfile
 from megatron_orch.balance.model_config import MLLMConfig
 from megatron_orch.balance.traces import Trace
 
@@ -73,7 +75,7 @@ class PhaseItems:
     example: np.ndarray  # parent example (index into the global batch)
     home: np.ndarray  # rank that loaded the parent example
     tokens: np.ndarray  # sequence length the phase's transformer runs for this item
-    cost: np.ndarray  # training FLOPs
+    cost: np.ndarray  # training FLOPs, or measured seconds under a cost profile
     memory: np.ndarray  # activation bytes
     nbytes: np.ndarray  # bytes to move if the item leaves its home rank (int64)
     output_nbytes: np.ndarray  # bytes of projected embeddings sent on to the backbone (int64; 0 for llm)
@@ -96,9 +98,13 @@ def sampled_video_frames(duration_sec, fps: float, max_frames: int) -> np.ndarra
     return np.where(d > 0, frames, 0).astype(np.int64)
 
 
-def phase_items(sizes: StepSizes, config: MLLMConfig) -> Dict[str, PhaseItems]:
+def phase_items(sizes: StepSizes, config: MLLMConfig,
+                cost_profile: Optional[CostProfile] = None) -> Dict[str, PhaseItems]:
     """Items of every phase (``vision``, ``audio``, ``llm``) of a global batch. A model without an
-    encoder, or a batch without its modality, gives that phase 0 items."""
+    encoder, or a batch without its modality, gives that phase 0 items. Costs are training FLOPs, or
+    the profile's seconds (refused unless measured on this model's shape)."""
+    if cost_profile is not None:
+        cost_profile.check_model(config)
     home = sizes.home
     n = sizes.num_examples
     hidden = config.hidden_size
@@ -118,6 +124,8 @@ def phase_items(sizes: StepSizes, config: MLLMConfig) -> Dict[str, PhaseItems]:
             cost, raw_bytes = config.audio_window_train_flops(), encoder.window_bytes
         else:
             seq = out_tokens = cost = raw_bytes = 0
+        if cost_profile is not None and encoder is not None:
+            cost = float(cost_profile.phases[name].item_seconds(seq))
         memory = 0.0 if encoder is None else float(encoder.transformer.activation_bytes(seq)
                                                    + encoder.projector(hidden).activation_bytes(out_tokens))
         ones = np.ones(example.size)
@@ -126,8 +134,10 @@ def phase_items(sizes: StepSizes, config: MLLMConfig) -> Dict[str, PhaseItems]:
                                   np.full(example.size, out_tokens * emb_bytes, dtype=np.int64))
     tokens = np.asarray(sizes.num_tokens, dtype=np.int64)
     backbone = config.backbone.transformer
+    llm_cost = (backbone.train_flops(tokens) if cost_profile is None
+                else cost_profile.phases["llm"].item_seconds(tokens))
     phases["llm"] = PhaseItems(
-        "llm", np.arange(n, dtype=np.int64), home, tokens, np.asarray(backbone.train_flops(tokens), dtype=np.float64),
+        "llm", np.arange(n, dtype=np.int64), home, tokens, np.asarray(llm_cost, dtype=np.float64),
         np.asarray(backbone.activation_bytes(tokens), dtype=np.float64),
         tokens * config.text_bytes_per_token, np.zeros(n, dtype=np.int64))
     return phases

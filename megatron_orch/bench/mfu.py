@@ -130,7 +130,8 @@ def grid_points(phase: str, config: MLLMConfig, grid: Dict[str, list]) -> Iterat
             yield point, (b, s)
 
 
-def _call(phase: str, module: torch.nn.Module, config: MLLMConfig, size, device: torch.device) -> Callable[[], None]:
+def phase_call(phase: str, module: torch.nn.Module, config: MLLMConfig, size,
+               device: torch.device) -> Callable[[], None]:
     """Forward and backward of one grid point over inputs drawn once."""
     if phase == "vision":
         vision = config.vision
@@ -151,7 +152,7 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def _median_seconds(call: Callable[[], None], device: torch.device, warmup: int, repeats: int) -> float:
+def median_seconds(call: Callable[[], None], device: torch.device, warmup: int, repeats: int) -> float:
     for _ in range(warmup):
         call()
     times = []
@@ -176,7 +177,7 @@ def measure(point: Point, phase: str, module: torch.nn.Module, config: MLLMConfi
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
     try:
-        seconds = _median_seconds(_call(phase, module, config, size, device), device, warmup, repeats)
+        seconds = median_seconds(phase_call(phase, module, config, size, device), device, warmup, repeats)
     except torch.cuda.OutOfMemoryError:
         point.status = "oom"
     if point.status == "oom":
@@ -224,7 +225,7 @@ def format_point(p: Point) -> str:
     return f"{p.phase:>9} {p.shape:>9} {p.tokens:>9} {p.ms:10.2f} {p.tflops:9.3g} {100 * p.mfu:6.1f}%{memory}"
 
 
-def _parse_layers(parser: argparse.ArgumentParser, text: Optional[str]) -> Optional[Tuple[int, int, int]]:
+def parse_layers(parser: argparse.ArgumentParser, text: Optional[str]) -> Optional[Tuple[int, int, int]]:
     if text is None:
         return None
     try:
@@ -251,7 +252,7 @@ def main(argv: Optional[List[str]] = None) -> dict:
                              "H200 in bf16)")
     parser.add_argument("--json", default=None, metavar="OUT", help="write the result here (after every point)")
     args = parser.parse_args(argv)
-    layers = _parse_layers(parser, args.layers)
+    layers = parse_layers(parser, args.layers)
     if args.device == "cuda" and not torch.cuda.is_available():
         parser.error("--device cuda, but no GPU is visible")
     if args.transformer_impl == "transformer_engine" and (args.device == "cpu" or not transformer_engine_available()):

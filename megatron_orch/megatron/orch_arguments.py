@@ -4,6 +4,7 @@ from __future__ import annotations
 import argparse
 from typing import Optional
 
+from megatron_orch.balance.cost_profile import load_cost_profile
 from megatron_orch.balance.placement import METHODS as PLACEMENT_METHODS
 from megatron_orch.balance.workload import PHASES
 from megatron_orch.orchestrator.config import ALGORITHMS, MICROBATCHING, OrchestratorConfig
@@ -36,6 +37,10 @@ def add_orch_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                    help="plan on the training thread instead of overlapping with the previous step")
     g.add_argument("--orch-encoder-recompute", action="store_true",
                    help="recompute encoder activations for the backward instead of keeping them")
+    g.add_argument("--orch-cost-profile", type=str, default=None, metavar="PROFILE.yaml",
+                   help="balance item costs measured on the device (python -m megatron_orch.bench.calibrate) "
+                        "instead of training FLOPs from the model's shape; refused unless measured on this "
+                        "model's shape")
     return parser
 
 
@@ -56,7 +61,8 @@ def orch_config_from_args(args: argparse.Namespace) -> Optional[OrchestratorConf
         phases=phases, algorithm=args.orch_algorithm, microbatching=args.orch_microbatching,
         locality=args.orch_locality, placement=args.orch_placement,
         placement_time_limit_s=args.orch_placement_time_limit, gpus_per_node=args.orch_gpus_per_node,
-        background=not args.orch_no_background_planning, encoder_recompute=args.orch_encoder_recompute)
+        background=not args.orch_no_background_planning, encoder_recompute=args.orch_encoder_recompute,
+        cost_profile=None if args.orch_cost_profile is None else load_cost_profile(args.orch_cost_profile))
     if config.microbatching == "packed" and args.pipeline_model_parallel_size > 1:
         raise ValueError("--orch-microbatching packed with --pipeline-model-parallel-size > 1 is not "
                          "supported: 1F1B needs fixed-shape micro-batches (use equal_count)")

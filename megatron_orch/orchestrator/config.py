@@ -4,6 +4,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional, Tuple
 
+from megatron_orch.balance.cost_profile import CostProfile
 from megatron_orch.balance.placement import METHODS as PLACEMENT_METHODS
 from megatron_orch.balance.workload import PHASES
 
@@ -24,7 +25,8 @@ class OrchestratorConfig:
     placement. ``placement``: how balanced bins are mapped to ranks (``identity``, ``greedy``,
     ``exact`` min-total inter-node bytes, ``minmax`` busiest node). ``background``: plan step k+1
     on a CPU thread while step k trains. ``encoder_recompute``: keep only encoder inputs and recompute
-    encoder activations for the backward.
+    encoder activations for the backward. ``cost_profile``: item costs measured on the device
+    (``--orch-cost-profile``, :mod:`megatron_orch.balance.cost_profile`) instead of training FLOPs.
     """
 
     phases: Tuple[str, ...] = PHASES
@@ -36,6 +38,7 @@ class OrchestratorConfig:
     gpus_per_node: Optional[int] = None
     background: bool = True
     encoder_recompute: bool = False
+    cost_profile: Optional[CostProfile] = None
 
     def __post_init__(self):
         unknown = [p for p in self.phases if p not in PHASES]

@@ -156,7 +156,7 @@ def plan_step(sizes: StepSizes, model_config: MLLMConfig, config: OrchestratorCo
         r = int(np.flatnonzero(counts != expected)[0])
         raise ValueError(f"DP rank {r} loaded {counts[r]} examples, expected micro_batch_size x "
                          f"num_microbatches = {expected}")
-    items = phase_items(sizes, model_config)
+    items = phase_items(sizes, model_config, config.cost_profile)
     examples_home = Placement.from_counts(counts)
     home = examples_home.rank
     encoders, stats, rank_of_item = {}, {}, {}

@@ -1,0 +1,278 @@
+"""Measured per-item costs of every phase: a profile fitted to forward+backward timings on one device.
+
+FLOPs from the model's shape (:mod:`megatron_orch.balance.cost`) are a poor clock on a real device:
+short sequences and small encoder batches run far below peak, long ones lose time to attention. A
+cost profile replaces them with seconds measured on the device (``python -m
+megatron_orch.bench.calibrate`` writes one). Per phase, the time of one item of ``s`` tokens is
+
+    item_seconds(s) = c0 + c1 * s + c2 * s**2
+
+and an encoder phase adds ``call_overhead`` once per rank that encodes at least one item (one batched
+call per rank and step). Every item of an encoder phase has the same length under one model shape (a
+tile, a window), so there ``c1 = c2 = 0`` and ``c0`` is the time of one item at that length; only the
+backbone's examples vary in length. The planner balances ``item_seconds`` (the call overhead is the
+same on every rank that has items); :func:`rank_seconds` adds the overhead for modeled rank times.
+
+A profile is valid only for the model shape it was measured on (layers, widths, heads, item lengths:
+:func:`model_shape`); :meth:`CostProfile.check_model` refuses any other shape, naming the field.
+"""
+from __future__ import annotations
+
+import itertools
+import math
+from dataclasses import dataclass, fields
+from pathlib import Path
+from typing import Dict, Optional, Sequence
+
+import numpy as np
+import yaml
+
+from megatron_orch.balance.model_config import MLLMConfig
+
+PROFILE_KIND = "megatron-orch cost profile"
+PROFILE_VERSION = 1
+_TRANSFORMER_FIELDS = ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "num_query_groups",
+                       "kv_channels", "gated_linear_unit", "vocab_size")
+
+
+def model_shape(config: MLLMConfig) -> Dict[str, dict]:
+    """What a profile's timings depend on, per phase: the transformer's shape, and for an encoder the
+    tokens of one item and the projector's widths."""
+    def transformer(shape) -> dict:
+        return {name: getattr(shape, name) for name in _TRANSFORMER_FIELDS}
+
+    out = {}
+    if config.vision is not None:
+        vision = config.vision
+        out["vision"] = {**transformer(vision.transformer), "item_tokens": vision.tile_seq_len,
+                         "llm_tokens_per_item": vision.tile_llm_tokens,
+                         "projector_ffn_hidden_size": vision.projector_ffn_hidden_size}
+    if config.audio is not None:
+        audio = config.audio
+        out["audio"] = {**transformer(audio.transformer), "item_tokens": audio.window_tokens,
+                        "llm_tokens_per_item": audio.llm_tokens_per_window, "num_mel_bins": audio.num_mel_bins,
+                        "projector_ffn_hidden_size": audio.projector_ffn_hidden_size}
+    out["llm"] = transformer(config.backbone.transformer)
+    return out
+
+
+def _number_problem(value) -> Optional[str]:
+    """Why ``value`` is not a finite number >= 0, or None."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
+        return f"must be a finite number >= 0, got {value!r}"
+    return None
+
+
+@dataclass(frozen=True)
+class PhaseFit:
+    """Seconds of forward+backward per item of ``s`` tokens: ``c0 + c1*s + c2*s^2``, plus ``call_overhead``
+    per call (encoder phases). ``residual_rms`` / ``residual_max``: relative residuals of the fit over its
+    ``num_points`` measurements."""
+
+    c0: float
+    c1: float
+    c2: float
+    call_overhead: float
+    residual_rms: float
+    residual_max: float
+    num_points: int
+
+    def __post_init__(self):
+        for f in fields(self):
+            problem = _number_problem(getattr(self, f.name))
+            if problem:
+                raise ValueError(f"{f.name} {problem}")
+        if self.c0 == self.c1 == self.c2 == 0:
+            raise ValueError("c0, c1 and c2 are all 0: every item would be free")
+
+    def item_seconds(self, seq_len) -> np.ndarray:
+        s = np.asarray(seq_len, dtype=np.float64)
+        return self.c0 + self.c1 * s + self.c2 * s * s
+
+
+@dataclass(frozen=True, eq=False)
+class CostProfile:
+    """A loaded, validated profile (see the module docstring). ``phases`` has one fit per phase of the
+    model it was measured on."""
+
+    source: str  # where it was loaded from (for messages)
+    device: str
+    dtype: str
+    model_name: str
+    shape: Dict[str, dict]  # model_shape() of the measured model
+    phases: Dict[str, PhaseFit]
+
+    def check_model(self, config: MLLMConfig) -> None:
+        """Raise ValueError unless ``config`` has the shape this profile was measured on."""
+        wanted = model_shape(config)
+        for phase in sorted(set(wanted) | set(self.shape)):
+            if phase not in self.shape or phase not in wanted:
+                has = "has" if phase in wanted else "has no"
+                raise ValueError(f"cost profile {self.source}: model.shape.{phase}: measured "
+                                 f"{'without' if phase not in self.shape else 'with'} a {phase} phase, but model "
+                                 f"{config.name!r} {has} one")
+            for key in sorted(set(wanted[phase]) | set(self.shape[phase])):
+                measured, have = self.shape[phase].get(key), wanted[phase].get(key)
+                if measured != have:
+                    raise ValueError(f"cost profile {self.source}: model.shape.{phase}.{key}: measured on "
+                                     f"{measured!r}, but model {config.name!r} has {have!r}; calibrate a profile "
+                                     f"for this model (python -m megatron_orch.bench.calibrate)")
+
+
+def rank_seconds(fit: PhaseFit, item_seconds, rank, num_ranks: int) -> np.ndarray:
+    """Modeled seconds of one phase on every rank: its items' seconds, plus the call overhead on every
+    rank that has an item."""
+    rank = np.asarray(rank, dtype=np.int64)
+    loads = np.bincount(rank, weights=np.asarray(item_seconds, dtype=np.float64), minlength=num_ranks)
+    return loads + fit.call_overhead * (np.bincount(rank, minlength=num_ranks) > 0)
+
+
+def fit_phase(items_per_call: Sequence[float], seq_len: Sequence[float], seconds: Sequence[float],
+              call_overhead: bool) -> PhaseFit:
+    """Least-squares fit of ``seconds = [overhead] + n * (c0 + c1*s + c2*s^2)`` with every coefficient
+    >= 0, over calls of ``n`` items of ``s`` tokens each; relative residuals are minimised, so short calls
+    count as much as long ones. With a single length ``s`` only ``c0`` (and the overhead) can be told
+    apart: ``c1 = c2 = 0``.
+
+    Non-negative least squares by trying every subset of coefficients (at most 16): exact for so few.
+    """
+    n, s, t = (np.asarray(v, dtype=np.float64) for v in (items_per_call, seq_len, seconds))
+    if not (n.shape == s.shape == t.shape and n.ndim == 1):
+        raise ValueError(f"items_per_call, seq_len and seconds must be 1-D of one length, got "
+                         f"{n.shape}, {s.shape}, {t.shape}")
+    if n.size == 0 or n.min() < 1 or s.min() < 1 or not np.all(np.isfinite(t)) or t.min() <= 0:
+        raise ValueError("a fit needs measurements with >= 1 item of >= 1 token and seconds > 0")
+    names = ["c0"] + (["c1", "c2"] if np.ptp(s) > 0 else []) + (["call_overhead"] if call_overhead else [])
+    columns = {"c0": n, "c1": n * s, "c2": n * s * s, "call_overhead": np.ones_like(n)}
+    if n.size < len(names):
+        raise ValueError(f"{n.size} measurements cannot fit {len(names)} coefficients {names}")
+    a = np.stack([columns[name] for name in names], axis=1) / t[:, None]  # relative residuals
+    best, best_err = np.zeros(len(names)), math.inf
+    for size in range(1, len(names) + 1):
+        for subset in itertools.combinations(range(len(names)), size):
+            coef, *_ = np.linalg.lstsq(a[:, subset], np.ones(n.size), rcond=None)
+            if coef.min() < 0 or (coef == 0).all():
+                continue
+            full = np.zeros(len(names))
+            full[list(subset)] = coef
+            err = float(np.sum((a @ full - 1.0) ** 2))
+            if err < best_err - 1e-15:
+                best, best_err = full, err
+    if not math.isfinite(best_err):
+        raise ValueError("no fit with non-negative coefficients explains these timings")
+    coef = dict(zip(names, best))
+    relative = a @ best - 1.0
+    return PhaseFit(c0=float(coef["c0"]), c1=float(coef.get("c1", 0.0)), c2=float(coef.get("c2", 0.0)),
+                    call_overhead=float(coef.get("call_overhead", 0.0)),
+                    residual_rms=float(np.sqrt(np.mean(relative ** 2))), residual_max=float(np.abs(relative).max()),
+                    num_points=int(n.size))
+
+
+_TOP_KEYS = {"kind", "version", "device", "dtype", "model", "phases"}
+_OPTIONAL_TOP_KEYS = {"measured_at", "command", "notes"}
+_PHASE_KEYS = {f.name for f in fields(PhaseFit)}
+_OPTIONAL_PHASE_KEYS = {"points"}
+_POINT_KEYS = {"items", "seq_len", "seconds", "fitted_seconds"}
+
+
+def profile_dict(device: str, dtype: str, config: MLLMConfig, fits: Dict[str, PhaseFit],
+                 points: Dict[str, list], **extra) -> dict:
+    """The YAML document of a profile (what :func:`load_cost_profile` reads back)."""
+    phases = {}
+    for name, fit in fits.items():
+        phases[name] = {f.name: getattr(fit, f.name) for f in fields(PhaseFit)}
+        phases[name]["points"] = points.get(name, [])
+    return {"kind": PROFILE_KIND, "version": PROFILE_VERSION, "device": device, "dtype": dtype,
+            "model": {"name": config.name, "shape": model_shape(config)}, "phases": phases, **extra}
+
+
+def cost_profile_from_dict(data, source: str = "<dict>") -> CostProfile:
+    """Validate a profile document; a missing, unknown or bad field raises ValueError naming it."""
+    def fail(field: str, why: str):
+        raise ValueError(f"cost profile {source}: {field}: {why}")
+
+    if not isinstance(data, dict):
+        fail("(top level)", f"expected a mapping, got {type(data).__name__}")
+    for key in sorted(_TOP_KEYS - set(data)):
+        fail(key, "missing")
+    for key in sorted(set(data) - _TOP_KEYS - _OPTIONAL_TOP_KEYS):
+        fail(key, f"unknown field; allowed: {sorted(_TOP_KEYS | _OPTIONAL_TOP_KEYS)}")
+    if data["kind"] != PROFILE_KIND:
+        fail("kind", f"expected {PROFILE_KIND!r}, got {data['kind']!r}")
+    if data["version"] != PROFILE_VERSION:
+        fail("version", f"expected {PROFILE_VERSION}, got {data['version']!r}")
+    for key in ("device", "dtype"):
+        if not isinstance(data[key], str) or not data[key]:
+            fail(key, f"expected a non-empty string, got {data[key]!r}")
+    model = data["model"]
+    if not isinstance(model, dict) or set(model) != {"name", "shape"}:
+        fail("model", f"expected a mapping with keys name and shape, got {model!r:.200}")
+    shape = model["shape"]
+    if not isinstance(shape, dict) or "llm" not in shape or not set(shape) <= {"vision", "audio", "llm"}:
+        fail("model.shape", f"expected a mapping of phases (llm, and vision/audio if the model has them), "
+                            f"got {shape!r:.200}")
+    for phase, values in shape.items():
+        if not isinstance(values, dict):
+            fail(f"model.shape.{phase}", f"expected a mapping, got {values!r:.200}")
+        for key in _TRANSFORMER_FIELDS:
+            if key not in values:
+                fail(f"model.shape.{phase}.{key}", "missing")
+    phases = data["phases"]
+    if not isinstance(phases, dict):
+        fail("phases", f"expected a mapping, got {type(phases).__name__}")
+    for phase in sorted(set(shape) - set(phases)):
+        fail(f"phases.{phase}", "missing (the measured model has this phase)")
+    for phase in sorted(set(phases) - set(shape)):
+        fail(f"phases.{phase}", "the measured model (model.shape) has no such phase")
+    fits = {}
+    for phase, values in phases.items():
+        where = f"phases.{phase}"
+        if not isinstance(values, dict):
+            fail(where, f"expected a mapping, got {values!r:.200}")
+        for key in sorted(_PHASE_KEYS - set(values)):
+            fail(f"{where}.{key}", "missing")
+        for key in sorted(set(values) - _PHASE_KEYS - _OPTIONAL_PHASE_KEYS):
+            fail(f"{where}.{key}", f"unknown field; allowed: {sorted(_PHASE_KEYS | _OPTIONAL_PHASE_KEYS)}")
+        for key in sorted(_PHASE_KEYS):
+            problem = _number_problem(values[key])
+            if problem:
+                fail(f"{where}.{key}", problem)
+        if phase == "llm" and values["call_overhead"] != 0:
+            fail(f"{where}.call_overhead", "must be 0 for the backbone (its cost is per example)")
+        if phase != "llm" and (values["c1"] or values["c2"]):
+            fail(f"{where}.c1", "must be 0 (with c2) for an encoder: its items all have one length")
+        _check_points(values.get("points", []), f"{where}.points", fail)
+        try:
+            fits[phase] = PhaseFit(**{key: values[key] for key in _PHASE_KEYS})
+        except ValueError as err:
+            fail(where, str(err))
+    return CostProfile(source=source, device=data["device"], dtype=data["dtype"], model_name=str(model["name"]),
+                       shape=shape, phases=fits)
+
+
+def _check_points(points, where: str, fail) -> None:
+    if not isinstance(points, list):
+        fail(where, f"expected a list, got {type(points).__name__}")
+    for i, point in enumerate(points):
+        if not isinstance(point, dict) or set(point) != _POINT_KEYS:
+            fail(f"{where}[{i}]", f"expected a mapping with keys {sorted(_POINT_KEYS)}, got {point!r:.200}")
+        for key in sorted(_POINT_KEYS):
+            problem = _number_problem(point[key])
+            if problem:
+                fail(f"{where}[{i}].{key}", problem)
+
+
+def load_cost_profile(path: str, config: Optional[MLLMConfig] = None) -> CostProfile:
+    """Read and validate a profile YAML; with ``config``, also refuse it unless measured on that shape."""
+    p = Path(path)
+    if not p.is_file():
+        raise ValueError(f"cost profile {path}: no such file")
+    with open(p) as f:
+        try:
+            data = yaml.safe_load(f)
+        except yaml.YAMLError as err:
+            raise ValueError(f"cost profile {path}: not valid YAML: {err}") from None
+    profile = cost_profile_from_dict(data, str(path))
+    if config is not None:
+        profile.check_model(config)
+    return profile
