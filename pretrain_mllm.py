@@ -51,38 +51,62 @@ def main_compact(argv=None) -> None:
 
 
 def main_megatron_lm() -> None:
-    """Megatron-LM's ``pretrain`` with this project's providers (GPU; finished in a later issue)."""
+    """Megatron-LM's own loop (``megatron.training.pretrain``) with this project's providers.
+
+    Megatron-LM parses ``sys.argv`` (its flags plus ``--model-config`` and ``--orch-*``). Post-balancing
+    goes through the hooks of :mod:`megatron_orch.megatron.megatron_lm` and needs ``patches/`` applied
+    to the checkout (``scripts/apply_patches.sh``); without ``--orch-post-balancing`` this is the upstream
+    run, patched or not.
+    """
     from megatron.core import mpu
     from megatron.core.enums import ModelType
+    from megatron.core.num_microbatches_calculator import get_num_microbatches
     from megatron.training import get_args, pretrain
 
+    from megatron_orch.megatron import megatron_lm
+    from megatron_orch.megatron.orch_arguments import orch_config_from_args
     from megatron_orch.mllm import providers
     from megatron_orch.trainer import arguments
 
-    if "--orch-post-balancing" in sys.argv:
-        # The hooks that put the post-balancing iterator and schedule into megatron.training's loop
-        # (patches/) are not written yet: refuse rather than silently train unbalanced.
-        sys.exit("pretrain_mllm.py: error: --orch-post-balancing runs through the compact trainer only for "
-                 "now (megatron.training needs the patches/ hooks, not written yet); launch it where "
-                 "megatron.training is not importable")
+    post_balancing = "--orch-post-balancing" in sys.argv[1:]  # Megatron's parser takes no abbreviations
+    if post_balancing:
+        try:
+            megatron_lm.require_patched(pretrain)
+        except megatron_lm.PatchMissingError as err:
+            sys.exit(f"pretrain_mllm.py: error: {err}")
+
+    def mllm_args():
+        """Megatron's args with this project's settings resolved once (the model, the orchestrator)."""
+        args = get_args()
+        if not hasattr(args, "mllm_config"):
+            try:
+                args.mllm_config = arguments.resolve_model_config(args)
+                args.orch_config = orch_config_from_args(args)
+                if args.orch_config is not None:
+                    megatron_lm.check_args(args)
+            except ValueError as err:  # ArgumentError included
+                sys.exit(f"pretrain_mllm.py: error: {err}")
+            args.num_microbatches = get_num_microbatches()
+        return args
 
     def model_provider(pre_process=True, post_process=True, vp_stage=None, **unused):
-        args = get_args()
-        args.mllm_config = arguments.resolve_model_config(args)
-        return providers.build_model(args, pre_process=pre_process, post_process=post_process)
+        return providers.build_model(mllm_args(), pre_process=pre_process, post_process=post_process)
 
-    def train_valid_test_data_provider(train_val_test_num_samples, vp_stage=None):
-        # With --dataloader-type external Megatron iterates what the provider returns as is.
-        args = get_args()
-        args.mllm_config = arguments.resolve_model_config(args)
+    def build_train_iterator():
+        args = mllm_args()
         train = providers.build_train_data_iterator(args, args.consumed_train_samples,
                                                     mpu.get_data_parallel_rank(), mpu.get_data_parallel_world_size())
-        return train, None, None
+        if args.orch_config is not None:  # its schedule comes from the patch's wrapper, around train()'s
+            train, _ = providers.build_post_balancing(args, args.orch_config, train, forward_backward_func=None)
+        return train
 
-    train_valid_test_data_provider.is_distributed = True
-    pretrain(train_valid_test_data_provider, model_provider, ModelType.encoder_or_decoder, providers.forward_step,
-             extra_args_provider=arguments.add_mllm_args,
-             args_defaults={"dataloader_type": "external", "calculate_per_token_loss": True})
+    extra = {}
+    if post_balancing:
+        extra["forward_backward_func_wrapper"] = megatron_lm.schedule_wrapper(
+            lambda: mllm_args().orch_config.encoder_recompute)
+    pretrain(megatron_lm.external_data_provider(build_train_iterator), model_provider,
+             ModelType.encoder_or_decoder, providers.forward_step, extra_args_provider=arguments.add_mllm_args,
+             args_defaults={"dataloader_type": "external"}, **extra)
 
 
 if __name__ == "__main__":

@@ -265,6 +265,11 @@ class MLLMModel(MegatronModule):
     def set_input_tensor(self, input_tensor) -> None:
         self.backbone.set_input_tensor(input_tensor)
 
+    @property
+    def pg_collection(self):
+        """The backbone's process groups (megatron.training's ``train()`` reads them off the model)."""
+        return self.backbone.pg_collection
+
     # finalize_model_grads syncs tied input/output embeddings across pipeline stages through these.
     @property
     def share_embeddings_and_output_weights(self) -> bool:

@@ -1,0 +1,150 @@
+"""Test doubles that run Megatron-LM's ``megatron.training.pretrain`` (tag core_v0.16.1) on CPU over gloo.
+
+Tests only, never product code. ``megatron.training`` is not in the megatron-core wheel: the tests take
+the tag's unmodified files from ``../shared/megatron-lm/core_v0.16.1`` (:data:`SHARED_TREE`), copy them
+to a temporary folder, apply ``patches/`` with ``scripts/apply_patches.sh`` (:func:`patched_copy`) and
+put the copy on ``sys.path`` (:func:`install`): ``megatron`` is a namespace package (no ``__init__.py``
+in the wheel or the tree), so ``megatron.core`` comes from the wheel and ``megatron.training`` from the
+copy. What :func:`install` changes, and why each is needed on a CPU-only machine:
+
+1. ``triton`` is a stub module while ``megatron.training`` imports: ``megatron.training.initialize``
+   imports megatron-core's batch-invariant kernels, which import triton (GPU-only) and decorate kernels
+   with ``triton.jit`` at import time.
+2. The project's CPU harness (:mod:`megatron_orch.trainer.cpu_harness`) for megatron.core, and its
+   view of torch (CUDA devices -> CPU, no-op synchronise, CPU RNG) bound as ``torch`` in every
+   ``megatron.training`` / ``megatron.legacy`` module: pretrain() all-reduces start times and flags in
+   ``device='cuda'`` tensors and calls ``torch.cuda.synchronize``/``empty_cache``.
+3. ``initialize_megatron(allow_no_cuda=True)``: it asserts CUDA otherwise.
+4. ``_compile_dependencies`` does nothing: it runs ``make`` for the dataset helpers and builds fused
+   kernels with nvcc, neither of which the MLLM's external data path uses.
+5. ``set_jit_fusion_options`` does nothing: it warms up fused bias-GeLU/dropout kernels on CUDA.
+6. ``torch.nn.Module.cuda`` returns the module unchanged: ``get_model`` moves every chunk to the GPU.
+7. Model-parallel state and the CUDA RNG tracker are created before ``pretrain()``
+   (:func:`prepare_run`): Megatron-LM's initialisation skips both when
+   ``torch.cuda.device_count()`` is 0.
+
+:func:`reset` clears megatron.training's globals and the model-parallel state, so one process can run
+``pretrain()`` more than once (the tests run post-balancing off, then on, in the same ranks).
+"""
+from __future__ import annotations
+
+import functools
+import importlib.machinery
+import shutil
+import subprocess
+import sys
+import types
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+SHARED_TREE = REPO.parent / "shared" / "megatron-lm" / "core_v0.16.1"
+BASE_FILE = "megatron/training/training.py"
+
+
+def shared_tree_or_skip() -> Path:
+    """The unmodified Megatron-LM files of the tag, or skip the calling test saying why."""
+    import pytest
+
+    if not (SHARED_TREE / BASE_FILE).is_file():
+        pytest.skip(f"Megatron-LM core_v0.16.1 files not found at {SHARED_TREE} (CI clones them next to the "
+                    "repository as ../shared/megatron-lm); the megatron.training tests need them")
+    return SHARED_TREE
+
+
+def unpatched_copy(destination: Path) -> Path:
+    """A writable copy of the shared tree at ``destination``."""
+    shutil.copytree(SHARED_TREE, destination)
+    for path in [destination, *destination.rglob("*")]:
+        path.chmod(path.stat().st_mode | 0o200)
+    return destination
+
+
+def patched_copy(destination: Path) -> Path:
+    """A copy of the shared tree with the project's patches applied by ``scripts/apply_patches.sh``."""
+    unpatched_copy(destination)
+    subprocess.run(["bash", str(REPO / "scripts" / "apply_patches.sh"), str(destination)], check=True,
+                   capture_output=True, text=True)
+    return destination
+
+
+def _triton_stub() -> types.ModuleType:
+    def jit(fn=None, **options):
+        return fn if fn is not None else (lambda f: f)
+
+    triton = types.ModuleType("triton")
+    triton.__spec__ = importlib.machinery.ModuleSpec("triton", None)
+    triton.jit = jit
+    language = types.ModuleType("triton.language")
+    language.__spec__ = importlib.machinery.ModuleSpec("triton.language", None)
+    language.constexpr = object
+    triton.language = language
+    return triton
+
+
+_installed_tree = None
+
+
+def install(tree: Path) -> None:
+    """Make ``megatron.training`` of ``tree`` importable and runnable on CPU (see the module docstring)."""
+    global _installed_tree
+    if _installed_tree is not None:
+        if _installed_tree != tree:
+            raise RuntimeError(f"megatron_lm_doubles already installed for {_installed_tree}, not {tree}")
+        return
+    sys.path.insert(0, str(tree))
+    import torch
+    import torch._dynamo  # noqa: F401  (before the stub: torch checks what triton it finds)
+
+    from megatron_orch.trainer import cpu_harness
+    cpu_harness.install()
+
+    # The stub serves megatron.training's import only; afterwards triton is absent again, as it is here.
+    stub = _triton_stub()
+    sys.modules["triton"], sys.modules["triton.language"] = stub, stub.language
+    try:
+        import megatron.training
+        from megatron.training import initialize, training
+    finally:
+        del sys.modules["triton"], sys.modules["triton.language"]
+    if not str(Path(megatron.training.__file__)).startswith(str(tree)):
+        raise RuntimeError(f"megatron.training imports from {megatron.training.__file__}, not from {tree}")
+    cpu_harness.install()  # megatron.core modules megatron.training imported
+    for name, module in list(sys.modules.items()):
+        if name.startswith(("megatron.training", "megatron.legacy")) and getattr(module, "torch", None) is torch:
+            module.torch = cpu_harness.CPU_TORCH
+    training.initialize_megatron = functools.partial(initialize.initialize_megatron, allow_no_cuda=True)
+    initialize._compile_dependencies = lambda: None
+    training.set_jit_fusion_options = lambda: None
+    torch.nn.Module.cuda = lambda self, device=None: self
+    _installed_tree = tree
+
+
+def prepare_run(tensor_model_parallel_size: int, pipeline_model_parallel_size: int, seed: int) -> None:
+    """Before each ``pretrain()`` in a spawned rank of an initialised gloo group: torchrun's environment
+    (Megatron-LM's parser reads the world size and rank from it), and what Megatron-LM's initialisation
+    skips without CUDA: model-parallel groups and the RNG tracker, seeded as ``_set_random_seed`` would
+    (one seed per pipeline stage)."""
+    import os
+
+    import torch.distributed as dist
+    from megatron.core import parallel_state, rerun_state_machine, tensor_parallel
+
+    os.environ.update(WORLD_SIZE=str(dist.get_world_size()), RANK=str(dist.get_rank()),
+                      LOCAL_RANK=str(dist.get_rank()), LOCAL_WORLD_SIZE=str(dist.get_world_size()))
+
+    # Megatron-LM initialises the rerun state machine from --rerun-mode; the CPU harness made one already.
+    rerun_state_machine.destroy_rerun_state_machine()
+    parallel_state.initialize_model_parallel(tensor_model_parallel_size, pipeline_model_parallel_size)
+    tensor_parallel.model_parallel_cuda_manual_seed(seed + 100 * parallel_state.get_pipeline_model_parallel_rank())
+
+
+def reset() -> None:
+    """Forget one ``pretrain()`` run: megatron.training's globals, the micro-batch calculator, the
+    model-parallel groups."""
+    from megatron.core import parallel_state
+    from megatron.core.num_microbatches_calculator import destroy_num_microbatches_calculator
+    from megatron.training import global_vars
+
+    global_vars.unset_global_variables()
+    destroy_num_microbatches_calculator()
+    parallel_state.destroy_model_parallel()
