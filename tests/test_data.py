@@ -1,5 +1,6 @@
 """Data pipeline: example/micro-batch format, synthetic trace-driven dataset, Megatron sampler, JSONL manifests."""
 import json
+import re
 from dataclasses import replace
 
 import numpy as np
@@ -351,7 +352,7 @@ def test_manifest_rejects_bad_lines_naming_the_line(manifest_dir, line, message)
     ({"text": "a", "images": ["rgba.npy"]}, r"m.jsonl:1: image .*rgba.npy has 4 channels, the model takes 3"),
     ({"text": "a", "audio": ["speech.npy"], "sizes": {"vision_items": 0, "audio_items": 2, "text_tokens": 1}},
      r"m.jsonl:1: declared 'sizes' differ from the data \(declared, real\): \{'audio_items': \(2, 3\)\}"),
-    ({"text": "a", "images": ["tall.png"] * 12}, r"m.jsonl:1: prompt \(0 tokens\), 84 vision items"),
+    ({"text": "a", "prompt": "x" * 10, "images": ["tall.png"] * 9}, r"m.jsonl:1: prompt \(10 tokens\), 63 vision items"),
 ])
 def test_manifest_rejects_bad_data_naming_the_line(manifest_dir, entry, message):
     dataset = ManifestDataset(write_manifest(manifest_dir / "m.jsonl", [entry]), example_shape(TINY, SEQ),
@@ -386,3 +387,115 @@ def test_train_iterator_on_a_manifest(manifest_dir):
     assert batches[0].audio_counts.tolist() == [0, 3]
     with pytest.raises(ValueError, match="fewer than the 9 samples"):
         next(build_train_iterator(replace(config, num_samples=9), 0, 0, 1))
+
+
+# ------------------------------------------------------------------------------- input limits of a manifest
+
+def _png_header_only(path, width, height):
+    """A PNG whose header declares width x height pixels and holds no pixel data: enough for any reader
+    that looks at the header, an error for one that decodes."""
+    import struct
+    import zlib
+
+    def chunk(kind, data):
+        return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data))
+
+    path.write_bytes(b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, 0))
+                     + chunk(b"IDAT", b"") + chunk(b"IEND", b""))
+    return path
+
+
+def _npy_header_only(path, shape, dtype):
+    """A .npy file whose header declares ``shape`` and holds no data."""
+    with open(path, "wb") as f:
+        np.lib.format.write_array_header_1_0(f, {"descr": np.lib.format.dtype_to_descr(np.dtype(dtype)),
+                                                 "fortran_order": False, "shape": tuple(shape)})
+    return path
+
+
+def _limited_dataset(manifest_dir, entries, max_num_tiles=6, **limits):
+    from megatron_orch.mllm.manifest import InputLimits
+    return ManifestDataset(write_manifest(manifest_dir / "m.jsonl", entries), example_shape(TINY, SEQ),
+                           image_tiling(TINY, max_num_tiles), limits=InputLimits(**limits))
+
+
+@pytest.mark.parametrize("make, message", [
+    (lambda d: _png_header_only(d / "huge.png", 100_000, 100_000),
+     r"m.jsonl:2: image .*huge.png has 100000 x 100000 = 10000000000 pixels, above --max-image-pixels 67108864"),
+    (lambda d: _npy_header_only(d / "huge.npy", (100_000, 100_000, 3), np.uint8),
+     r"m.jsonl:2: image .*huge.npy has 100000 x 100000 = 10000000000 pixels, above --max-image-pixels 67108864"),
+    (lambda d: _npy_header_only(d / "long.npy", (3_600_000, 16), np.float32),
+     r"m.jsonl:2: audio .*long.npy holds 36000.0 s of log-mel frames \(3600000 at 100 per second\), above "
+     r"--max-audio-seconds 600"),
+])
+def test_oversized_inputs_are_refused_from_their_headers(manifest_dir, make, message):
+    """Header-only files: a loader that read the data (or let Pillow refuse) would fail differently."""
+    path = make(manifest_dir)
+    key = "audio" if "long" in path.name else "images"
+    dataset = _limited_dataset(manifest_dir, [{"text": "fine"}, {"text": "big", key: [path.name]}])
+    for read in (dataset.example_sizes, dataset.__getitem__):
+        with pytest.raises(ManifestError, match=message):
+            read(1)
+
+
+def test_limits_of_tiles_and_items_per_example(manifest_dir):
+    entries = [{"text": "a", "images": ["tall.png", "tall.png"]}]  # 2 x (2 x 3 grid + thumbnail) = 14 items
+    assert _limited_dataset(manifest_dir, entries, max_num_tiles=2).example_sizes(0).num_vision_items == 2 * 3
+    dataset = _limited_dataset(manifest_dir, entries, max_vision_items_per_sample=13)
+    for read in (dataset.example_sizes, dataset.__getitem__):
+        with pytest.raises(ManifestError, match=r"m.jsonl:1: 14 vision items \(tiles and thumbnails of 2 images\), "
+                                                r"above --max-vision-items-per-sample 13"):
+            read(0)
+    declared = [{"text": "a", "sizes": {"vision_items": 20, "audio_items": 0, "text_tokens": 1}}]
+    with pytest.raises(ManifestError, match=r"m.jsonl:1: 'sizes' declares 20 vision items, above "
+                                            r"--max-vision-items-per-sample 13"):
+        _limited_dataset(manifest_dir, declared, max_vision_items_per_sample=13)
+    with pytest.raises(ManifestError, match=r"m.jsonl:1: audio .*speech.npy holds 1.5 s .* above --max-audio-seconds 1"):
+        _limited_dataset(manifest_dir, [{"text": "a", "audio": ["speech.npy"]}], max_audio_seconds=1.0)[0]
+
+
+@pytest.mark.parametrize("bad", [dict(max_image_pixels=0), dict(max_num_tiles=0), dict(max_audio_seconds=-1.0),
+                                 dict(max_audio_seconds=float("nan")), dict(max_vision_items_per_sample=0)])
+def test_limits_out_of_range_are_refused(bad):
+    from megatron_orch.mllm.manifest import InputLimits
+    flag = "--" + next(iter(bad)).replace("_", "-")
+    with pytest.raises(ValueError, match=re.escape(flag)):
+        if "max_num_tiles" in bad:
+            image_tiling(TINY, bad["max_num_tiles"])
+        else:
+            InputLimits(**bad)
+
+
+def test_images_are_resized_before_float_conversion(manifest_dir):
+    """A 2000 x 1500 RGB image (9 MB as uint8) becomes 7 tiles of 16 x 16: loading it must not hold a
+    float copy of the whole image (36 MB), in .npy form (read through a memory map: only the tiles) or
+    PNG form (Pillow's array export joins its chunks: two uint8 copies at the peak)."""
+    import tracemalloc
+
+    from PIL import Image
+    rng = np.random.default_rng(1)
+    pixels = rng.integers(0, 256, (2000, 1500, 3), dtype=np.uint8)
+    np.save(manifest_dir / "big.npy", pixels)
+    Image.fromarray(pixels).save(manifest_dir / "big.png", compress_level=0)
+    dataset = _limited_dataset(manifest_dir, [{"text": "a", "images": ["big.npy"]},
+                                              {"text": "a", "images": ["big.png"]}])
+    expected = dataset.tiling.tiles(pixels.astype(np.float32) / 255.0)  # the reference: float first
+    for index, budget in ((0, 0.25 * pixels.nbytes), (1, 2.5 * pixels.nbytes)):
+        tracemalloc.start()
+        try:
+            example = dataset[index]
+            _, peak = tracemalloc.get_traced_memory()
+        finally:
+            tracemalloc.stop()
+        np.testing.assert_allclose(example.vision.numpy(), expected, rtol=1e-6)
+        assert peak < budget, (index, peak, pixels.nbytes)
+
+
+@pytest.mark.parametrize("sizes", ['{"vision_items": NaN, "audio_items": 0, "text_tokens": 1}',
+                                   '{"vision_items": 1, "audio_items": Infinity, "text_tokens": 1}',
+                                   '{"vision_items": 1, "audio_items": 0, "text_tokens": -3}',
+                                   '{"vision_items": 1.5, "audio_items": 0, "text_tokens": 3}'])
+def test_manifest_sizes_negative_or_non_finite_are_refused_naming_the_line(manifest_dir, sizes):
+    path = write_manifest(manifest_dir / "m.jsonl", [{"text": "fine"}, '{"text": "a", "sizes": ' + sizes + '}'])
+    with pytest.raises(ManifestError, match=r"m.jsonl:2: 'sizes' values must be non-negative integers"):
+        ManifestDataset(path, example_shape(TINY, SEQ), image_tiling(TINY))

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import json
 import math
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
@@ -30,6 +31,10 @@ class ImageTiling:
     channels: int = 3
     max_tiles: int = 6
 
+    def __post_init__(self):
+        if self.max_tiles < 1:
+            raise ValueError(f"--max-num-tiles must be >= 1, got {self.max_tiles}")
+
     def grid(self, width: int, height: int) -> tuple[int, int]:
         """(cols, rows) of the tile grid for an image of ``width`` x ``height`` pixels."""
         limit = max(1, min(self.max_tiles, math.ceil(width * height / self.tile_px ** 2)))
@@ -41,8 +46,10 @@ class ImageTiling:
         cols, rows = self.grid(width, height)
         return cols * rows + (cols * rows > 1)
 
-    def tiles(self, pixels: np.ndarray) -> np.ndarray:
-        """Vision items [tiles, patches_per_tile, C*p*p] (float32) of an image [H, W, C] (values as given)."""
+    def tiles(self, pixels: np.ndarray, scale: float = 1.0) -> np.ndarray:
+        """Vision items [tiles, patches_per_tile, C*p*p] (float32, values times ``scale``) of an image
+        [H, W, C] or [H, W] (grey, repeated over the channels) of any dtype, e.g. a memory-mapped uint8
+        array: the image is resized to the tiles first, so only the tiles are ever read and converted."""
         height, width = pixels.shape[:2]
         cols, rows = self.grid(width, height)
         side = self.tile_px
@@ -51,9 +58,13 @@ class ImageTiling:
                  for r in range(rows) for c in range(cols)]
         if cols * rows > 1:
             tiles.append(_resize_nearest(pixels, side, side))
+        stacked = np.stack(tiles)
+        if stacked.ndim == 3:
+            stacked = np.repeat(stacked[..., None], self.channels, axis=3)
         per_side, p = side // self.patch_px, self.patch_px
-        stacked = np.stack(tiles).reshape(len(tiles), per_side, p, per_side, p, self.channels)
-        return stacked.transpose(0, 1, 3, 5, 2, 4).reshape(len(tiles), per_side ** 2, -1).astype(np.float32)
+        stacked = stacked.reshape(len(tiles), per_side, p, per_side, p, self.channels)
+        items = stacked.transpose(0, 1, 3, 5, 2, 4).reshape(len(tiles), per_side ** 2, -1).astype(np.float32)
+        return items * np.float32(scale) if scale != 1.0 else items
 
 
 def _resize_nearest(pixels: np.ndarray, height: int, width: int) -> np.ndarray:
@@ -63,9 +74,36 @@ def _resize_nearest(pixels: np.ndarray, height: int, width: int) -> np.ndarray:
 
 
 def image_tiling(model_config, max_tiles: int = 6) -> ImageTiling:
+    """The tiling of ``model_config``'s vision encoder, at most ``max_tiles`` tiles (``--max-num-tiles``)."""
     vision = model_config.vision
     return ImageTiling(tile_px=vision.tile_px, patch_px=vision.patch_px, channels=vision.channels,
                        max_tiles=max_tiles)
+
+
+# Log-mel frames per second of audio: Whisper's 10 ms hop (a 30 s window is 3000 frames).
+MEL_FRAMES_PER_SECOND = 100
+
+
+@dataclass(frozen=True)
+class InputLimits:
+    """What one example may hold, checked from file headers before any pixel or frame is read.
+
+    ``max_image_pixels`` (``--max-image-pixels``): width x height of one image before tiling;
+    ``max_audio_seconds`` (``--max-audio-seconds``): length of one audio clip (at
+    :data:`MEL_FRAMES_PER_SECOND`); ``max_vision_items_per_sample`` (``--max-vision-items-per-sample``):
+    tiles and thumbnails of all images of one example. Tiles per image are the tiling's ``max_tiles``
+    (``--max-num-tiles``).
+    """
+
+    max_image_pixels: int = 8192 * 8192
+    max_audio_seconds: float = 600.0
+    max_vision_items_per_sample: int = 64
+
+    def __post_init__(self):
+        for name in ("max_image_pixels", "max_audio_seconds", "max_vision_items_per_sample"):
+            value = getattr(self, name)
+            if not (isinstance(value, (int, float)) and math.isfinite(value) and value > 0):
+                raise ValueError(f"--{name.replace('_', '-')} must be a positive number, got {value!r}")
 
 
 _MANIFEST_KEYS = {"text", "prompt", "images", "audio", "sizes"}
@@ -105,13 +143,19 @@ class ManifestDataset:
 
     :meth:`example_sizes` reads no pixels or mel frames: it takes the optional ``sizes`` field, else
     image headers (PIL, or the ``.npy`` header) and ``.npy`` headers. Declared sizes are checked against
-    the real ones when the example is loaded.
+    the real ones when the example is loaded. :class:`InputLimits` bound what an example may hold; they
+    are checked from the headers (and the ``sizes`` field) before any data is read, and a rejection
+    names the line, the file and the flag of the limit. Images are cut into tiles before their pixels
+    are converted to float (a ``.npy`` image is read through a memory map), so loading never holds a
+    float copy of a large image.
     """
 
-    def __init__(self, path, shape: ExampleShape, tiling: ImageTiling, tokenizer=None):
+    def __init__(self, path, shape: ExampleShape, tiling: ImageTiling, tokenizer=None,
+                 limits: InputLimits = InputLimits()):
         self.path = Path(path)
         self.shape = shape
         self.tiling = tiling
+        self.limits = limits
         self.tokenizer = ByteTokenizer() if tokenizer is None else tokenizer
         if tiling.channels * tiling.patch_px ** 2 != shape.vision_patch_dim or \
                 (tiling.tile_px // tiling.patch_px) ** 2 != shape.vision_patches_per_item:
@@ -155,11 +199,26 @@ class ManifestDataset:
             bad = {k: v for k, v in sizes.items() if not isinstance(v, int) or isinstance(v, bool) or v < 0}
             if bad:
                 raise ManifestError(f"{where}: 'sizes' values must be non-negative integers, got {bad}")
+            self._check_vision_items(sizes["vision_items"], where, "'sizes' declares")
         return _ManifestRecord(where, entry["text"], entry.get("prompt", ""), paths["images"], paths["audio"],
                                sizes)
 
     def __len__(self) -> int:
         return len(self.records)
+
+    def _check_vision_items(self, count: int, where: str, what: str) -> None:
+        limit = self.limits.max_vision_items_per_sample
+        if count > limit:
+            raise ManifestError(f"{where}: {what} {count} vision items, above --max-vision-items-per-sample {limit}")
+
+    def _vision_items(self, record: _ManifestRecord) -> int:
+        """Tiles and thumbnails of the record's images, from their headers, within the limits."""
+        count = sum(self.tiling.num_tiles(*_image_size(p, record.where, self.limits)) for p in record.images)
+        limit = self.limits.max_vision_items_per_sample
+        if count > limit:
+            raise ManifestError(f"{record.where}: {count} vision items (tiles and thumbnails of "
+                                f"{len(record.images)} images), above --max-vision-items-per-sample {limit}")
+        return count
 
     def _encode(self, text: str, where: str) -> list[int]:
         ids = list(self.tokenizer.encode(text))
@@ -188,8 +247,8 @@ class ManifestDataset:
             vision_items, audio_items = record.sizes["vision_items"], record.sizes["audio_items"]
             answer_tokens = record.sizes["text_tokens"]
         else:
-            vision_items = sum(self.tiling.num_tiles(*_image_size(p, record.where)) for p in record.images)
-            audio_items = sum(math.ceil(_mel_shape(p, record.where, self.shape)[0]
+            vision_items = self._vision_items(record)
+            audio_items = sum(math.ceil(_mel_shape(p, record.where, self.shape, self.limits)[0]
                                         / self.shape.audio_frames_per_window) for p in record.audio)
             answer_tokens = len(self._encode(record.text, record.where))
         return self._fit(record, sample_index, prompt_tokens, vision_items, audio_items, answer_tokens)
@@ -199,9 +258,12 @@ class ManifestDataset:
         prompt = self._encode(record.prompt, record.where)
         answer = self._encode(record.text, record.where)
         patch_shape = (self.shape.vision_patches_per_item, self.shape.vision_patch_dim)
-        tiles = [self.tiling.tiles(_load_image(p, record.where, self.tiling.channels)) for p in record.images]
+        self._vision_items(record)
+        for p in record.audio:
+            _mel_shape(p, record.where, self.shape, self.limits)
+        tiles = [_load_tiles(p, record.where, self.tiling, self.limits) for p in record.images]
         vision = torch.from_numpy(np.concatenate(tiles) if tiles else np.zeros((0, *patch_shape), np.float32))
-        windows = [_windows(_load_mel(p, record.where, self.shape), self.shape.audio_frames_per_window)
+        windows = [_windows(_load_mel(p, record.where, self.shape, self.limits), self.shape.audio_frames_per_window)
                    for p in record.audio]
         window_shape = (self.shape.audio_frames_per_window, self.shape.audio_mel_bins)
         audio = torch.from_numpy(np.concatenate(windows) if windows else np.zeros((0, *window_shape), np.float32))
@@ -216,41 +278,50 @@ class ManifestDataset:
                                 self.shape)
 
 
-def _image_size(path: Path, where: str) -> tuple[int, int]:
-    """(width, height) from the file header only."""
+def _image_size(path: Path, where: str, limits: InputLimits) -> tuple[int, int]:
+    """(width, height) from the file header only, within ``limits``."""
     if path.suffix == ".npy":
-        shape = _npy_shape(path, where)
+        shape, _ = _npy_header(path, where)
         if len(shape) not in (2, 3) or min(shape[:2]) < 1:
             raise ManifestError(f"{where}: image {path} has shape {shape}, expected [H, W] or [H, W, C]")
-        return shape[1], shape[0]
-    image_module = _pil(path, where)
-    try:
-        with image_module.open(path) as image:
-            return image.size
-    except (OSError, ValueError) as err:
-        raise ManifestError(f"{where}: cannot read image {path}: {err}") from None
-
-
-def _load_image(path: Path, where: str, channels: int) -> np.ndarray:
-    if path.suffix == ".npy":
-        _image_size(path, where)
-        pixels = np.load(path)
+        width, height = shape[1], shape[0]
     else:
-        image_module = _pil(path, where)
-        try:
-            with image_module.open(path) as image:
-                pixels = np.asarray(image.convert("RGB" if channels == 3 else "L"))
-        except (OSError, ValueError) as err:
-            raise ManifestError(f"{where}: cannot read image {path}: {err}") from None
-    if pixels.ndim == 2:
-        pixels = np.repeat(pixels[:, :, None], channels, axis=2)
-    if pixels.shape[2] != channels:
-        raise ManifestError(f"{where}: image {path} has {pixels.shape[2]} channels, the model takes {channels}")
+        with _open_image(path, where) as image:
+            width, height = image.size
+    if width * height > limits.max_image_pixels:
+        raise ManifestError(f"{where}: image {path} has {width} x {height} = {width * height} pixels, above "
+                            f"--max-image-pixels {limits.max_image_pixels}")
+    return width, height
+
+
+def _load_tiles(path: Path, where: str, tiling: ImageTiling, limits: InputLimits) -> np.ndarray:
+    """The vision items of one image: sized from its header, cut into tiles, then converted to float."""
+    _image_size(path, where, limits)
+    if path.suffix == ".npy":
+        pixels = _npy_memmap(path, where)
+    else:
+        with _open_image(path, where) as image:
+            try:
+                pixels = np.asarray(image.convert("RGB" if tiling.channels == 3 else "L"))
+            except (OSError, ValueError) as err:
+                raise ManifestError(f"{where}: cannot read image {path}: {err}") from None
+    channels = 1 if pixels.ndim == 2 else pixels.shape[2]
+    if channels not in (1, tiling.channels):
+        raise ManifestError(f"{where}: image {path} has {channels} channels, the model takes {tiling.channels}")
+    if pixels.ndim == 3 and channels == 1:
+        pixels = pixels[:, :, 0]
     scale = 1.0 / 255.0 if np.issubdtype(pixels.dtype, np.integer) else 1.0
-    return pixels.astype(np.float32) * scale
+    return tiling.tiles(pixels, scale)
 
 
-def _pil(path: Path, where: str):
+# Pillow refuses images above twice Image.MAX_IMAGE_PIXELS while opening them (DecompressionBombError)
+# and warns above it, before the size is known to the caller. --max-image-pixels replaces that check:
+# the header is read with Pillow's check off (under this lock, so that no other loader's open runs
+# without it), and the size is checked against our limit before any pixel is decoded.
+_PIL_OPEN_LOCK = threading.Lock()
+
+
+def _open_image(path: Path, where: str):
     try:
         from PIL import Image
     except ImportError:
@@ -258,32 +329,58 @@ def _pil(path: Path, where: str):
                             "or store images as .npy arrays") from None
     if not path.is_file():
         raise ManifestError(f"{where}: image file {path} does not exist")
-    return Image
+    with _PIL_OPEN_LOCK:
+        saved, Image.MAX_IMAGE_PIXELS = Image.MAX_IMAGE_PIXELS, None
+        try:
+            return Image.open(path)
+        except (OSError, ValueError) as err:
+            raise ManifestError(f"{where}: cannot read image {path}: {err}") from None
+        finally:
+            Image.MAX_IMAGE_PIXELS = saved
 
 
-def _npy_shape(path: Path, where: str) -> tuple[int, ...]:
+def _npy_header(path: Path, where: str) -> tuple[tuple[int, ...], np.dtype]:
+    """(shape, dtype) of a .npy file from its header; reads no data."""
     if not path.is_file():
         raise ManifestError(f"{where}: file {path} does not exist")
     try:
-        return tuple(np.load(path, mmap_mode="r").shape)
+        with open(path, "rb") as f:
+            version = np.lib.format.read_magic(f)
+            read_header = np.lib.format.read_array_header_1_0 if version == (1, 0) else \
+                np.lib.format.read_array_header_2_0
+            shape, _, dtype = read_header(f)
+    except (OSError, ValueError) as err:
+        raise ManifestError(f"{where}: cannot read {path} as a .npy array: {err}") from None
+    return tuple(shape), dtype
+
+
+def _npy_memmap(path: Path, where: str) -> np.ndarray:
+    """The array of a .npy file, memory-mapped: only what is indexed is read."""
+    try:
+        return np.load(path, mmap_mode="r")
     except (OSError, ValueError) as err:
         raise ManifestError(f"{where}: cannot read {path} as a .npy array: {err}") from None
 
 
-def _mel_shape(path: Path, where: str, shape: ExampleShape) -> tuple[int, int]:
+def _mel_shape(path: Path, where: str, shape: ExampleShape, limits: InputLimits) -> tuple[int, int]:
     if path.suffix != ".npy":
         raise ManifestError(f"{where}: audio {path} must be a .npy log-mel array [frames, mel_bins]; decode "
                             "audio and extract mel features in preprocessing")
-    mel = _npy_shape(path, where)
+    mel, _ = _npy_header(path, where)
     if len(mel) != 2 or mel[0] < 1 or mel[1] != shape.audio_mel_bins:
         raise ManifestError(f"{where}: audio {path} has shape {mel}, expected [frames >= 1, "
                             f"{shape.audio_mel_bins}]")
+    seconds = mel[0] / MEL_FRAMES_PER_SECOND
+    if seconds > limits.max_audio_seconds:
+        raise ManifestError(f"{where}: audio {path} holds {seconds} s of log-mel frames ({mel[0]} at "
+                            f"{MEL_FRAMES_PER_SECOND} per second), above --max-audio-seconds "
+                            f"{limits.max_audio_seconds:g}")
     return mel
 
 
-def _load_mel(path: Path, where: str, shape: ExampleShape) -> np.ndarray:
-    _mel_shape(path, where, shape)
-    return np.load(path).astype(np.float32)
+def _load_mel(path: Path, where: str, shape: ExampleShape, limits: InputLimits) -> np.ndarray:
+    _mel_shape(path, where, shape, limits)
+    return _npy_memmap(path, where)
 
 
 def _windows(mel: np.ndarray, frames_per_window: int) -> np.ndarray:
