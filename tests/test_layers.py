@@ -34,6 +34,7 @@ ALLOWED = {
     "mllm": {"balance", "orchestrator", "comm", "megatron", "mllm"},
     "trainer": {"balance", "orchestrator", "comm", "megatron", "mllm", "trainer"},
     "bench": {"balance", "orchestrator", "comm", "megatron", "mllm", "trainer", "bench"},
+    "sim": {"balance", "orchestrator", "bench", "sim"},  # torch-free: it plans, it runs no model
 }
 
 

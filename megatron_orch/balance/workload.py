@@ -13,8 +13,9 @@ Per-example sizes (:class:`StepSizes`: what the trainer gathers over the DP grou
 An item's cost is training FLOPs (its encoder plus its projector; the backbone for an example) or,
 given a :class:`~megatron_orch.balance.cost_profile.CostProfile`, the forward+backward seconds measured
 for an item of its length on the profiled device; its memory the activation bytes, its ``nbytes`` what
-moves if it leaves its home rank (the raw input of an encoder item; an example's token ids, labels and loss mask), and an encoder item's ``output_nbytes``
-the projected embeddings it sends on to the backbone rank of its example.
+moves if it leaves its home rank (the raw input of an encoder item; an example's token ids, labels and
+loss mask), and an encoder item's ``output_nbytes`` the projected embeddings it sends on to the backbone
+rank of its example.
 """
 from __future__ import annotations
 

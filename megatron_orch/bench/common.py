@@ -1,17 +1,57 @@
-"""What both benchmarks share: their command-line inputs, the global batch they draw, the warm-up, the output."""
+"""What the benchmarks share: their command-line inputs, the global batch they draw, the methods' plans, the
+warm-up, the output."""
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 from typing import Callable, Dict, Optional, Sequence, Tuple
 
 import numpy as np
 
+from megatron_orch.balance.cost_profile import CostProfile
 from megatron_orch.balance.model_config import DEFAULT_MODEL, MLLMConfig, load_model_config
 from megatron_orch.balance.partition import partition, partition_equal_count, partition_locality
+from megatron_orch.balance.plan import Placement
+from megatron_orch.balance.topology import Topology
 from megatron_orch.balance.traces import DEFAULT_MIXTURE, TraceMixture, load_mixture, parse_trace_spec
 from megatron_orch.balance.workload import PhaseItems, StepSizes, phase_items, sizes_from_trace
+from megatron_orch.orchestrator.config import OrchestratorConfig
+from megatron_orch.orchestrator.step_plan import EncoderPhasePlan, StepPlan, plan_step
+
+# The trainer's balancing methods as plan_step configurations (bench.emulate, megatron_orch.sim), beside
+# upstream (``none``, :func:`upstream_plan`): per-phase with packed backbone micro-batches (the auto
+# partitioner in every phase); the defaults (equal-count backbone); locality-aware in every phase.
+PLAN_METHODS = {
+    "orch": OrchestratorConfig(microbatching="packed", background=False),
+    "equal_count": OrchestratorConfig(background=False),
+    "locality": OrchestratorConfig(microbatching="packed", locality=True, background=False),
+}
+
+
+def upstream_plan(sizes: StepSizes) -> StepPlan:
+    """Upstream Megatron as a :class:`StepPlan` (placements only: no stats, digest 0): every item on the
+    rank that loaded its example, the loader's micro-batches of one example."""
+    home = Placement.from_counts(sizes.counts)
+    encoders = {}
+    for phase, per_example in (("vision", sizes.num_vision_items), ("audio", sizes.num_audio_items)):
+        example = np.repeat(np.arange(sizes.num_examples), np.asarray(per_example, dtype=np.int64))
+        encoders[phase] = EncoderPhasePlan(example=example, home=home.expand(example), encode=home.expand(example))
+    per_rank = int(np.asarray(sizes.counts).max(initial=1))
+    return StepPlan(examples_home=home, examples_llm=home, microbatch_of_example=home.slot,
+                    num_microbatches=per_rank, encoders=encoders, stats={}, digest=0)
+
+
+def plan_method(method: str, sizes: StepSizes, model: MLLMConfig, topology: Topology,
+                cost_profile: Optional[CostProfile] = None) -> StepPlan:
+    """The plan of ``none`` (upstream) or of a :data:`PLAN_METHODS` method, through ``plan_step`` with one
+    example per micro-batch."""
+    if method == "none":
+        return upstream_plan(sizes)
+    config = dataclasses.replace(PLAN_METHODS[method], cost_profile=cost_profile)
+    return plan_step(sizes, model, config, topology, micro_batch_size=1,
+                     num_microbatches=int(np.asarray(sizes.counts)[0]))
 
 
 def parser_with_batch_args(prog: str, description: str) -> argparse.ArgumentParser:

@@ -1,0 +1,260 @@
+"""Emulated data parallelism on one device: every DP rank's phases timed in turn, upstream and balanced.
+
+    python -m megatron_orch.bench.emulate --model mllm_10b --layers 12,8,4 --dp 64 --per-rank 16 \\
+        --cost-profile h200_10b.yaml --json emulate.json --plot emulate.png                      # GPU
+    python -m megatron_orch.bench.emulate --model tiny --dp 8 --per-rank 8 --device cpu \\
+        --cost-profile tiny_cpu.yaml --json emulate.json --plot emulate.png                      # CPU
+
+Draws a global batch of ``dp * per_rank`` examples from the traces (DP rank r loads the r-th block, as
+upstream Megatron does), plans it upstream-style (``none``) and with ``plan_step`` under every method
+of :data:`megatron_orch.bench.common.PLAN_METHODS` and the cost profile if given (else FLOPs), then runs, for every method and rank, that rank's work of each phase on the local
+device, forward and backward, with the modules and inputs of :mod:`megatron_orch.bench.mfu`: the
+vision and audio encoders over the rank's items in one call, the backbone over each of the rank's
+examples in turn (one sequence per call, as the cost model counts them; the trainer's micro-batches
+are not emulated). There is no communication. Calls of all methods and ranks are interleaved, repeat
+after repeat, so that load drifting on a shared machine hits every method alike; a rank's time is
+the median over repeats.
+
+Figures per method and phase: measured and modeled (the plan's costs: profile seconds with the
+per-call overhead, or FLOPs) max/mean over ranks. Per method: the step (upstream: the slowest rank's
+whole step, its examples run end to end; balanced: the sum over phases of the slowest rank, since
+an all-to-all separates phases), its speedup over upstream measured and modeled, and its distance to
+perfect balance (step / sum over phases of the mean rank - 1).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from typing import Callable, Dict, List, Optional
+
+import numpy as np
+import torch
+
+from megatron_orch.balance.cost_profile import CostProfile, load_cost_profile, rank_seconds
+from megatron_orch.balance.model_config import load_model_config
+from megatron_orch.balance.topology import Topology
+from megatron_orch.balance.workload import PHASES, PhaseItems, StepSizes, phase_items
+from megatron_orch.bench import mfu
+from megatron_orch.bench.calibrate import device_settings
+from megatron_orch.bench.common import PLAN_METHODS, draw_sizes, plan_method, trace_specs
+from megatron_orch.orchestrator.step_plan import StepPlan
+
+METHODS = ("none",) + tuple(PLAN_METHODS)
+
+
+def plan_all(sizes: StepSizes, model, profile: Optional[CostProfile], gpus_per_node: int) -> Dict[str, StepPlan]:
+    topology = Topology.uniform(int(np.asarray(sizes.counts).size), gpus_per_node)
+    return {m: plan_method(m, sizes, model, topology, profile) for m in METHODS}
+
+
+def item_ranks(plan: StepPlan, phase: str) -> np.ndarray:
+    return plan.examples_llm.rank if phase == "llm" else plan.encoders[phase].encode.rank
+
+
+def rank_calls(phase: str, module, config, items: PhaseItems, rank: np.ndarray, dp: int,
+               device: torch.device) -> List[Optional[Callable[[], None]]]:
+    """Forward+backward of every rank's work of one phase (None for a rank without items)."""
+    calls = []
+    for r in range(dp):
+        mine = np.flatnonzero(rank == r)
+        if mine.size == 0:
+            calls.append(None)
+        elif phase == "llm":
+            steps = [mfu.phase_call(phase, module, config, (1, int(s)), device) for s in items.tokens[mine]]
+            calls.append(lambda steps=steps: [step() for step in steps])
+        else:
+            calls.append(mfu.phase_call(phase, module, config, int(mine.size), device))
+    return calls
+
+
+def time_interleaved(calls: Dict[tuple, Callable[[], None]], device: torch.device, warmup: int,
+                     repeats: int) -> Dict[tuple, float]:
+    """Median seconds of every call, calls interleaved within each repeat."""
+    cuda = device.type == "cuda"
+    for _ in range(warmup):
+        for call in calls.values():
+            call()
+    times = {key: [] for key in calls}
+    for _ in range(repeats):
+        for key, call in calls.items():
+            if cuda:
+                torch.cuda.synchronize(device)
+            start = time.perf_counter()
+            call()
+            if cuda:
+                torch.cuda.synchronize(device)
+            times[key].append(time.perf_counter() - start)
+    return {key: statistics.median(t) for key, t in times.items()}
+
+
+def measure(plans: Dict[str, StepPlan], items: Dict[str, PhaseItems], config, device, settings, warmup: int,
+            repeats: int) -> Dict[str, Dict[str, np.ndarray]]:
+    """Measured seconds of every method's phases on every rank: ``[method][phase][rank]``."""
+    dp = plans["none"].examples_home.num_ranks
+    measured = {m: {} for m in plans}
+    for phase in PHASES:
+        module = mfu.build_phase(phase, config, settings, device)
+        calls = {}
+        for m, plan in plans.items():
+            for r, call in enumerate(rank_calls(phase, module, config, items[phase], item_ranks(plan, phase), dp,
+                                                device)):
+                if call is not None:
+                    calls[(m, r)] = call
+        seconds = time_interleaved(calls, device, warmup, repeats)
+        for m in plans:
+            measured[m][phase] = np.array([seconds.get((m, r), 0.0) for r in range(dp)])
+        print(f"[emulate] phase {phase}: {len(calls)} rank calls timed", file=sys.stderr, flush=True)
+        del module, calls
+    return measured
+
+
+def modeled(plans: Dict[str, StepPlan], items: Dict[str, PhaseItems],
+            profile: Optional[CostProfile]) -> Dict[str, Dict[str, np.ndarray]]:
+    """The plan's own costs per rank: profile seconds (with per-call overhead) or FLOPs."""
+    dp = plans["none"].examples_home.num_ranks
+    out = {}
+    for m, plan in plans.items():
+        out[m] = {}
+        for phase in PHASES:
+            rank = item_ranks(plan, phase)
+            out[m][phase] = (np.bincount(rank, weights=items[phase].cost, minlength=dp) if profile is None
+                             else rank_seconds(profile.phases[phase], items[phase].cost, rank, dp))
+    return out
+
+
+def step_figures(loads: Dict[str, Dict[str, np.ndarray]]) -> Dict[str, dict]:
+    """Per method: step (upstream end to end, balanced sum of phase maxima), speedup, distance to perfect."""
+    out = {}
+    for m, phases in loads.items():
+        step = float(sum(phases.values()).max()) if m == "none" else float(sum(v.max() for v in phases.values()))
+        perfect = float(sum(v.mean() for v in phases.values()))
+        out[m] = {"step": step, "over_perfect_balance": step / perfect - 1.0 if perfect > 0 else 0.0,
+                  "max_over_mean": {p: float(v.max() / v.mean()) if v.mean() > 0 else 1.0 for p, v in phases.items()}}
+    for m in out:
+        out[m]["speedup"] = out["none"]["step"] / out[m]["step"]
+    return out
+
+
+def run(config, sizes: StepSizes, profile: Optional[CostProfile], device, settings, gpus_per_node: int,
+        warmup: int, repeats: int) -> dict:
+    plans = plan_all(sizes, config, profile, gpus_per_node)
+    items = phase_items(sizes, config, profile)
+    with mfu.world_of_one(device):
+        measured = measure(plans, items, config, device, settings, warmup, repeats)
+    model = modeled(plans, items, profile)
+    steps_measured, steps_modeled = step_figures(measured), step_figures(model)
+    result = {"methods": {}}
+    for m in plans:
+        result["methods"][m] = {
+            "phases": {p: {"measured_seconds": measured[m][p].tolist(), "modeled": model[m][p].tolist(),
+                           "measured_max_over_mean": steps_measured[m]["max_over_mean"][p],
+                           "modeled_max_over_mean": steps_modeled[m]["max_over_mean"][p],
+                           "items_per_rank": np.bincount(item_ranks(plans[m], p), minlength=len(
+                               measured[m][p])).tolist()}
+                       for p in PHASES},
+            "step": {"measured_seconds": steps_measured[m]["step"], "modeled": steps_modeled[m]["step"],
+                     "measured_speedup": steps_measured[m]["speedup"], "modeled_speedup": steps_modeled[m]["speedup"],
+                     "speedup_prediction_error": steps_modeled[m]["speedup"] / steps_measured[m]["speedup"] - 1.0,
+                     "measured_over_perfect_balance": steps_measured[m]["over_perfect_balance"],
+                     "modeled_over_perfect_balance": steps_modeled[m]["over_perfect_balance"]},
+        }
+    return result
+
+
+def format_tables(result: dict) -> str:
+    p = result["params"]
+    lines = [f"[emulate] {p['model']} layers {tuple(p['layers'])} on {p['device']} ({p['dtype']}), DP {p['dp']} x "
+             f"{p['per_rank']} examples, seed {p['seed']}, costs: {p['costs']}, median of {p['repeats']}", "",
+             "| method | " + " | ".join(f"{q} max/mean modeled / measured" for q in PHASES)
+             + " | step s measured | speedup modeled / measured | over perfect balance modeled / measured |",
+             "|---|" + "---:|" * (len(PHASES) + 3)]
+    for m, f in result["methods"].items():
+        cells = [f"{f['phases'][q]['modeled_max_over_mean']:.3f} / {f['phases'][q]['measured_max_over_mean']:.3f}"
+                 for q in PHASES]
+        s = f["step"]
+        lines.append(f"| {m} | " + " | ".join(cells) + f" | {s['measured_seconds']:.4f} | "
+                     f"{s['modeled_speedup']:.3f} / {s['measured_speedup']:.3f} | "
+                     f"{100 * s['modeled_over_perfect_balance']:.1f}% / {100 * s['measured_over_perfect_balance']:.1f}% |")
+    return "\n".join(lines)
+
+
+def plot(result: dict, path: str) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    methods = list(result["methods"])
+    fig, axes = plt.subplots(1, len(PHASES), figsize=(5 * len(PHASES), 3.8))
+    for ax, phase in zip(axes, PHASES):
+        dp = len(result["methods"]["none"]["phases"][phase]["measured_seconds"])
+        width = 0.8 / len(methods)
+        for i, m in enumerate(methods):
+            seconds = np.array(result["methods"][m]["phases"][phase]["measured_seconds"]) * 1e3
+            ax.bar(np.arange(dp) + (i - (len(methods) - 1) / 2) * width, seconds, width, label=m)
+        ax.set_xlabel("DP rank")
+        ax.set_ylabel("measured ms (forward+backward)")
+        ax.set_title(f"{phase}")
+    axes[0].legend()
+    p = result["params"]
+    fig.suptitle(f"emulated DP {p['dp']} on {p['device']}: per-rank time, upstream (none) vs balanced")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def main(argv: Optional[List[str]] = None) -> dict:
+    parser = argparse.ArgumentParser(prog="python -m megatron_orch.bench.emulate", description=__doc__.splitlines()[0],
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default="mllm_10b", help="model config name or YAML (default mllm_10b)")
+    parser.add_argument("--layers", default=None, metavar="V,A,B", help="cut the stacks (as bench.calibrate)")
+    parser.add_argument("--dp", type=int, default=8, help="emulated DP ranks K (default 8)")
+    parser.add_argument("--per-rank", type=int, default=16, help="examples per rank M (default 16)")
+    parser.add_argument("--gpus-per-node", type=int, default=8, help="for locality and placement (default 8)")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--trace", nargs="+", metavar="CSV[:WEIGHT]", help="trace CSVs (default: shipped mixture)")
+    parser.add_argument("--traces-dir", default=None)
+    parser.add_argument("--cost-profile", default=None, metavar="PROFILE.yaml",
+                        help="plan and model with this profile's costs (default: FLOPs)")
+    parser.add_argument("--device", choices=["cuda", "cpu"], default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: 1 on CPU)")
+    parser.add_argument("--warmup", type=int, default=1)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--json", default=None, metavar="OUT")
+    parser.add_argument("--plot", default=None, metavar="OUT.png")
+    args = parser.parse_args(argv)
+    layers = mfu.parse_layers(parser, args.layers)
+    if args.dp < 1 or args.per_rank < 1 or args.gpus_per_node < 1 or args.warmup < 0 or args.repeats < 1:
+        parser.error("--dp, --per-rank, --gpus-per-node and --repeats must be >= 1, --warmup >= 0")
+    threads = args.threads if args.threads is not None else (1 if args.device == "cpu" else None)
+    try:
+        device, settings, device_name = device_settings(args.device, threads)
+        _, _, sizes = draw_sizes(trace_specs(args), args.dp, args.per_rank, args.model, args.seed, args.traces_dir)
+        config = mfu.with_layers(load_model_config(args.model), layers)
+        profile = None if args.cost_profile is None else load_cost_profile(args.cost_profile, config)
+    except ValueError as err:
+        parser.error(str(err))
+    result = run(config, sizes, profile, device, settings, args.gpus_per_node, args.warmup, args.repeats)
+    result["params"] = {
+        "model": config.name, "layers": mfu.effective_layers(config), "device": device_name,
+        "dtype": "bf16" if settings.bf16 else "fp32", "dp": args.dp, "per_rank": args.per_rank,
+        "gpus_per_node": args.gpus_per_node, "seed": args.seed, "warmup": args.warmup, "repeats": args.repeats,
+        "traces": [list(spec) for spec in trace_specs(args)],
+        "costs": (f"profile {args.cost_profile} ({profile.device})" if profile else "training FLOPs"),
+        "notes": "backbone examples timed one per call; no communication; balanced step = sum over phases of "
+                 "the slowest rank, upstream = slowest rank's whole step"}
+    print(format_tables(result))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(result, f, indent=1)
+        print(f"[emulate] wrote {args.json}", file=sys.stderr)
+    if args.plot:
+        plot(result, args.plot)
+        print(f"[emulate] wrote {args.plot}", file=sys.stderr)
+    return result
+
+
+if __name__ == "__main__":
+    main()

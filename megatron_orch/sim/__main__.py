@@ -1,0 +1,197 @@
+"""python -m megatron_orch.sim: simulated step time and speedup vs upstream of every method, per DP size.
+
+    python -m megatron_orch.sim --model mllm_10b --dp 64,512,2560 --json sim.json --plot sim.png
+    python -m megatron_orch.sim --model tiny --dp 8,64 --profile tiny_cpu.yaml --per-rank 8
+
+The model and its assumptions: :mod:`megatron_orch.sim.cluster`. It also checks the direction of
+published results (per-phase balancing >= backbone-only at every DP, speedup growing with DP,
+locality winning when inter-node bandwidth is scarce) and reports each as held or not.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from typing import List, Optional
+
+from megatron_orch.balance.cost_profile import load_cost_profile
+from megatron_orch.balance.model_config import load_model_config
+from megatron_orch.balance.traces import DEFAULT_MIXTURE
+from megatron_orch.balance.workload import PHASES
+from megatron_orch.bench.common import draw_sizes, trace_specs
+from megatron_orch.sim.cluster import DEFAULT_TFLOPS, METHODS, LinkModel, simulate_step, warm_up_planner
+
+PER_PHASE = ("orch", "equal_count", "locality")
+
+
+def _numbers(parser, text: str, kind, what: str) -> list:
+    try:
+        values = [kind(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        values = []
+    if not values or min(values) <= 0:
+        parser.error(f"{what} takes a comma-separated list of positive numbers, got {text!r}")
+    return values
+
+
+def mean_over_runs(runs: List[dict]):
+    """The figures of several simulated batches, averaged leaf by leaf."""
+    if isinstance(runs[0], dict):
+        return {key: mean_over_runs([run[key] for run in runs]) for key in runs[0]}
+    return sum(runs) / len(runs)
+
+
+def checks(result: dict) -> dict:
+    """The direction of published results, each with the figures it rests on."""
+    dps = sorted(result["dp"], key=int)
+    speedups = {dp: {m: result["dp"][dp][m]["speedup"] for m in METHODS} for dp in dps}
+    per_phase = {dp: max(speedups[dp][m] for m in PER_PHASE) for dp in dps}
+    orch = [speedups[dp]["orch"] for dp in dps]
+    lowest = min((float(g) for g in result["dp"][dps[0]]["nic_sweep"]), default=None)
+    multi_node = [dp for dp in dps if int(dp) > result["params"]["link"]["gpus_per_node"]]  # else nothing crosses
+    scarce = {dp: result["dp"][dp]["nic_sweep"][str(lowest)] for dp in multi_node} if lowest is not None else {}
+    return {
+        "per_phase_at_least_backbone_only": {
+            "held": all(per_phase[dp] >= speedups[dp]["backbone_only"] for dp in dps),
+            "best_per_phase_speedup": per_phase,
+            "backbone_only_speedup": {dp: speedups[dp]["backbone_only"] for dp in dps}},
+        "speedup_grows_with_dp": {"held": all(b >= a for a, b in zip(orch, orch[1:])),
+                                  "orch_speedup": dict(zip(dps, orch))},
+        "locality_wins_when_inter_node_is_scarce": {
+            "held": bool(scarce) and all(s["locality"] < s["orch"] for s in scarce.values()),
+            "nic_gbits_per_s": lowest, "step_seconds": scarce},
+    }
+
+
+def format_tables(result: dict) -> str:
+    p = result["params"]
+    link = p["link"]
+    lines = [f"[sim] model {p['model']}, {p['per_rank']} examples per rank, mean over seeds {p['seeds']}, "
+             f"costs: {p['costs']}; links: {link['gpus_per_node']} GPUs/node, NVLink "
+             f"{link['nvlink_gbytes_per_s']:g} GB/s, NIC {link['nic_gbits_per_s']:g} Gb/s per GPU", "",
+             "| DP | method | vision s | audio s | llm s | compute s | comm s | plan s (exposed) | step s | "
+             "speedup | vision / audio / llm speedup |",
+             "|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
+    for dp in sorted(result["dp"], key=int):
+        for m in METHODS:
+            f = result["dp"][dp][m]
+            ph = f["phase_seconds"]
+            lines.append(f"| {dp} | {m} | {ph['vision']:.4g} | {ph['audio']:.4g} | {ph['llm']:.4g} | "
+                         f"{f['compute_seconds']:.4g} | {f['comm_seconds']:.3g} | {f['plan_seconds']:.3f} "
+                         f"({f['exposed_plan_seconds']:.3f}) | {f['step_seconds']:.4g} | {f['speedup']:.3f} | "
+                         + " / ".join(f"{f['phase_speedup'][q]:.2f}" for q in PHASES) + " |")
+    sweep = [g for g in result["dp"][sorted(result["dp"], key=int)[0]]["nic_sweep"]]
+    if sweep:
+        lines += ["", "step s of orch / locality at NIC Gb/s per GPU:", "",
+                  "| DP | " + " | ".join(f"{g} Gb/s" for g in sweep) + " |", "|---:|" + "---:|" * len(sweep)]
+        for dp in sorted(result["dp"], key=int):
+            s = result["dp"][dp]["nic_sweep"]
+            lines.append(f"| {dp} | " + " | ".join(f"{s[g]['orch']:.4g} / {s[g]['locality']:.4g}" for g in sweep)
+                         + " |")
+    lines.append("")
+    for name, check in result["checks"].items():
+        lines.append(f"[sim] {name}: {'held' if check['held'] else 'DID NOT HOLD'}")
+    return "\n".join(lines)
+
+
+def plot(result: dict, path: str) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    dps = sorted(result["dp"], key=int)
+    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4))
+    for m in METHODS:
+        left.plot([int(d) for d in dps], [result["dp"][d][m]["speedup"] for d in dps], marker="o", label=m)
+    left.set_xscale("log")
+    left.set_xlabel("DP size")
+    left.set_ylabel("step speedup vs upstream (none)")
+    left.set_title(f"{result['params']['model']}: simulated step speedup")
+    left.legend()
+    for d in dps:
+        sweep = result["dp"][d]["nic_sweep"]
+        gbits = sorted(sweep, key=float)
+        right.plot([float(g) for g in gbits], [sweep[g]["locality"] / sweep[g]["orch"] for g in gbits],
+                   marker="o", label=f"DP {d}")
+    right.axhline(1.0, color="grey", lw=0.8)
+    right.set_xscale("log")
+    right.set_xlabel("inter-node bandwidth per GPU (Gb/s)")
+    right.set_ylabel("step(locality) / step(orch)")
+    right.set_title("locality wins below 1")
+    right.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def main(argv: Optional[List[str]] = None) -> dict:
+    parser = argparse.ArgumentParser(prog="python -m megatron_orch.sim", description=__doc__.splitlines()[0],
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default="mllm_10b", help="model config name or YAML (default mllm_10b)")
+    parser.add_argument("--dp", default="64,512,2560", help="comma-separated DP sizes (default 64,512,2560)")
+    parser.add_argument("--per-rank", type=int, default=16, help="examples per DP rank (default 16)")
+    parser.add_argument("--seeds", default="0,1,2",
+                        help="global batches drawn per DP size (default 0,1,2); tables show their mean")
+    parser.add_argument("--trace", nargs="+", metavar="CSV[:WEIGHT]",
+                        help="trace CSVs with optional weights; default: the shipped mixture "
+                             + ", ".join(f"{n}:{w}" for n, w in DEFAULT_MIXTURE))
+    parser.add_argument("--traces-dir", default=None)
+    parser.add_argument("--profile", default=None, metavar="PROFILE.yaml",
+                        help="item costs in seconds from bench.calibrate (default: FLOPs at --tflops)")
+    parser.add_argument("--tflops", type=float, default=DEFAULT_TFLOPS,
+                        help=f"assumed achieved TFLOP/s per GPU without a profile (default {DEFAULT_TFLOPS:g})")
+    defaults = LinkModel()
+    parser.add_argument("--gpus-per-node", type=int, default=defaults.gpus_per_node)
+    parser.add_argument("--nvlink-gbytes-per-s", type=float, default=defaults.nvlink_gbytes_per_s,
+                        help="NVLink bandwidth per GPU and direction, GB/s (default: NVLink 4)")
+    parser.add_argument("--nic-gbits-per-s", type=float, default=defaults.nic_gbits_per_s,
+                        help="inter-node bandwidth per GPU, Gb/s (default: one 400 Gb/s NIC per GPU)")
+    parser.add_argument("--nvlink-latency-us", type=float, default=defaults.nvlink_latency_us)
+    parser.add_argument("--nic-latency-us", type=float, default=defaults.nic_latency_us)
+    parser.add_argument("--nic-sweep", default="400,100,25,10,5,1",
+                        help="NIC Gb/s per GPU at which orch and locality are also compared")
+    parser.add_argument("--json", default=None, metavar="OUT")
+    parser.add_argument("--plot", default=None, metavar="OUT.png")
+    args = parser.parse_args(argv)
+    dps = _numbers(parser, args.dp, int, "--dp")
+    sweep = _numbers(parser, args.nic_sweep, float, "--nic-sweep")
+    seeds = [int(x) for x in args.seeds.split(",") if x.strip()] if args.seeds.replace(",", "").isdigit() else []
+    if not seeds:
+        parser.error(f"--seeds takes a comma-separated list of integers >= 0, got {args.seeds!r}")
+    if args.per_rank < 1 or args.tflops <= 0:
+        parser.error("--per-rank must be >= 1 and --tflops > 0")
+    try:
+        link = LinkModel(args.gpus_per_node, args.nvlink_gbytes_per_s, args.nic_gbits_per_s,
+                         args.nvlink_latency_us, args.nic_latency_us)
+        model = load_model_config(args.model)
+        profile = None if args.profile is None else load_cost_profile(args.profile, model)
+    except ValueError as err:
+        parser.error(str(err))
+    warm_up_planner(model)
+    result = {"params": {
+        "model": model.name, "dp": dps, "per_rank": args.per_rank, "seeds": seeds,
+        "traces": [list(spec) for spec in trace_specs(args)], "link": vars(link) | {},
+        "costs": (f"profile {args.profile} ({profile.device}, {profile.dtype})" if profile
+                  else f"training FLOPs at an assumed {args.tflops:g} TFLOP/s per GPU"),
+        "nic_sweep_gbits_per_s": sweep}, "dp": {}, "per_seed": {}}
+    for dp in dps:
+        runs = []
+        for seed in seeds:
+            _, _, sizes = draw_sizes(trace_specs(args), dp, args.per_rank, args.model, seed, args.traces_dir)
+            runs.append(simulate_step(sizes, model, link, profile, args.tflops, sweep))
+        result["dp"][str(dp)], result["per_seed"][str(dp)] = mean_over_runs(runs), runs
+        print(f"[sim] DP {dp} done", file=sys.stderr, flush=True)
+    result["checks"] = checks(result)
+    print(format_tables(result))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(result, f, indent=1)
+        print(f"[sim] wrote {args.json}", file=sys.stderr)
+    if args.plot:
+        plot(result, args.plot)
+        print(f"[sim] wrote {args.plot}", file=sys.stderr)
+    return result
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,62 @@
+"""Calibrate a (tiny-grid) CPU profile of the tiny model, then emulate DP 2 with it: every rank's phases are
+timed, and the JSON's figures agree with the plans and with each other."""
+import json
+import warnings
+
+import numpy as np
+import pytest
+
+warnings.filterwarnings("ignore", message=r".*(Transformer Engine|Apex).*not installed")
+
+from megatron_orch.balance.cost_profile import load_cost_profile  # noqa: E402
+from megatron_orch.balance.model_config import load_model_config  # noqa: E402
+from megatron_orch.balance.traces import DEFAULT_MIXTURE  # noqa: E402
+from megatron_orch.balance.workload import PHASES, phase_items  # noqa: E402
+from megatron_orch.bench import calibrate, emulate  # noqa: E402
+from megatron_orch.bench.common import draw_sizes  # noqa: E402
+
+DP, PER_RANK = 2, 3
+
+
+def test_calibrate_then_emulate_on_cpu(tmp_path, monkeypatch):
+    profile_path, out, png = tmp_path / "tiny_cpu.yaml", tmp_path / "emulate.json", tmp_path / "emulate.png"
+    monkeypatch.setattr(calibrate, "CPU_GRID", {"vision": [1, 4], "audio": [1, 4], "llm": [(1, 16), (1, 64), (1, 128)]})
+    calibrate.main(["--model", "tiny", "--device", "cpu", "--warmup", "0", "--repeats", "1", "--out", str(profile_path)])
+    tiny = load_model_config("tiny")
+    profile = load_cost_profile(str(profile_path), tiny)
+    assert set(profile.phases) == set(PHASES) and profile.device.startswith("cpu") and profile.dtype == "fp32"
+    assert profile.phases["llm"].num_points == 3 and profile.phases["vision"].num_points == 2
+
+    returned = emulate.main(["--model", "tiny", "--dp", str(DP), "--per-rank", str(PER_RANK), "--device", "cpu",
+                             "--gpus-per-node", "2", "--warmup", "0", "--repeats", "1", "--seed", "1",
+                             "--cost-profile", str(profile_path), "--json", str(out), "--plot", str(png)])
+    result = json.loads(out.read_text())
+    assert result == json.loads(json.dumps(returned)) and png.stat().st_size > 10_000
+    assert list(result["methods"]) == list(emulate.METHODS) and result["params"]["device"].startswith("cpu")
+
+    _, _, sizes = draw_sizes(list(DEFAULT_MIXTURE), DP, PER_RANK, "tiny", 1)
+    items = phase_items(sizes, tiny, profile)
+    steps = {}
+    for method, figures in result["methods"].items():
+        for phase in PHASES:
+            f = figures["phases"][phase]
+            measured, modeled, counts = (np.array(f[k]) for k in ("measured_seconds", "modeled", "items_per_rank"))
+            assert counts.sum() == len(items[phase])  # every item timed once, on one rank
+            assert ((measured > 0) == (counts > 0)).all()  # a rank with items was timed, one without was not
+            fit = profile.phases[phase]
+            if phase == "llm":  # modeled: the profile's seconds of the rank's items (+ one call per encoder rank)
+                assert modeled.sum() == pytest.approx(items[phase].cost.sum())
+            else:
+                np.testing.assert_allclose(modeled, (fit.call_overhead + fit.c0 * counts) * (counts > 0))
+            assert f["measured_max_over_mean"] == pytest.approx(measured.max() / measured.mean())
+        loads = [np.array(figures["phases"][p]["measured_seconds"]) for p in PHASES]
+        step = figures["step"]
+        expected = sum(loads).max() if method == "none" else sum(load.max() for load in loads)
+        assert step["measured_seconds"] == pytest.approx(expected)
+        perfect = sum(load.mean() for load in loads)
+        assert step["measured_over_perfect_balance"] == pytest.approx(expected / perfect - 1)
+        steps[method] = expected
+    for method, figures in result["methods"].items():
+        assert figures["step"]["measured_speedup"] == pytest.approx(steps["none"] / steps[method])
+        assert figures["step"]["speedup_prediction_error"] == pytest.approx(
+            figures["step"]["modeled_speedup"] / figures["step"]["measured_speedup"] - 1)
