@@ -882,6 +882,53 @@ def refine(costs, memory, memory_cap, num_bins, bin_of_item, allow_moves, stop_a
 
 
 # ---------------------------------------------------------------------------------------------
+# Equal items: keep them at home up to each rank's quota, send the rest to free quota near home.
+# ---------------------------------------------------------------------------------------------
+
+@numba.njit(**_JIT)
+def fill_quotas(home, quota, node_of_bin, bins_by_node, node_start, bin_of_item):
+    """Every item to a bin, bin b taking at most ``quota[b]`` items (``quota.sum()`` >= items).
+
+    Items stay in their home bin up to its quota (the first ones by id); the others go, by id, to a
+    bin with free quota on their home node if there is one, then to any bin with free quota (bins
+    by id). ``bins_by_node[node_start[n]:node_start[n + 1]]``: the bins of node n, ascending.
+    """
+    n = home.size
+    num_bins = quota.size
+    room = quota.copy()
+    surplus = np.empty(n, dtype=np.int64)
+    num_surplus = 0
+    for i in range(n):
+        b = home[i]
+        if room[b] > 0:
+            bin_of_item[i] = b
+            room[b] -= 1
+        else:
+            surplus[num_surplus] = i
+            num_surplus += 1
+    cursor = node_start[:-1].copy()  # per node: first of its bins that may have room
+    left = 0
+    for k in range(num_surplus):
+        i = surplus[k]
+        node = node_of_bin[home[i]]
+        while cursor[node] < node_start[node + 1] and room[bins_by_node[cursor[node]]] == 0:
+            cursor[node] += 1
+        if cursor[node] < node_start[node + 1]:
+            b = bins_by_node[cursor[node]]
+            bin_of_item[i] = b
+            room[b] -= 1
+        else:
+            surplus[left] = i
+            left += 1
+    b = 0
+    for k in range(left):
+        while room[b] == 0:
+            b += 1
+        bin_of_item[surplus[k]] = b
+        room[b] -= 1
+
+
+# ---------------------------------------------------------------------------------------------
 # Locality: keep items at home up to a capacity, then place the overflow near home.
 # ---------------------------------------------------------------------------------------------
 

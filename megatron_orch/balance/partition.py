@@ -18,6 +18,7 @@ every rank computes the same plan. Hot loops are compiled with numba and release
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 from typing import Optional
@@ -433,6 +434,45 @@ def partition_equal_count(costs, num_bins, *, home=None, refine: bool = True, it
         bins, name = home.copy(), "home"
     return _result(bins, num_bins, costs, memory, False, lower_bound, home, name, item_bytes,
                    gpus_per_node)
+
+
+def partition_uniform(costs, home, node_of_bin, *, item_bytes) -> Partition:
+    """The exact plan for items of equal cost and equal bytes (every encoder phase of the model:
+    image tiles, video frames and audio windows each run one fixed shape).
+
+    Bins are ranks, ``node_of_bin[b]`` the node of rank b. Balance is then a matter of counts: the
+    max is optimal iff no bin holds more than ceil(n/K) items. Every bin keeps its own items up to
+    that cap (the first ones by id); the rest fill free room on their own node first, then anywhere
+    (:func:`_kernels.fill_quotas`). That moves the fewest items off their GPU (the items above the
+    cap) and, at the same time, the fewest across nodes (a node's items above its bins' caps).
+    ``home`` is returned unchanged (method ``"home"``) if no bin is above the cap.
+    """
+    costs = _check_values(costs, "costs")
+    n = costs.size
+    node_of_bin = np.ascontiguousarray(node_of_bin, dtype=np.int64)
+    num_bins = _check_num_bins(node_of_bin.size)
+    home = _check_bins(home, "home", n, num_bins)
+    item_bytes = _check_values(item_bytes, "item_bytes", n)
+    if n and (costs.min() != costs.max() or item_bytes.min() != item_bytes.max()):
+        raise ValueError("partition_uniform needs items of equal cost and equal bytes "
+                         f"(costs {costs.min()}..{costs.max()}, bytes {item_bytes.min()}..{item_bytes.max()})")
+    if node_of_bin.min() < 0:
+        raise ValueError(f"node_of_bin holds a negative node id {node_of_bin.min()}")
+    cap = -(-n // num_bins)
+    if n == 0 or np.bincount(home, minlength=num_bins).max() <= cap:
+        bins, name = home.copy(), "home"
+    else:
+        num_nodes = int(node_of_bin.max()) + 1
+        bins_by_node = np.argsort(node_of_bin, kind="stable")
+        node_start = np.searchsorted(node_of_bin[bins_by_node], np.arange(num_nodes + 1))
+        bins = np.empty(n, dtype=np.int64)
+        _kernels.fill_quotas(home, np.full(num_bins, cap, dtype=np.int64), node_of_bin, bins_by_node,
+                             node_start, bins)
+        name = "uniform"
+    part = _result(bins, num_bins, costs, np.zeros(n), False, _lower_bound(costs, num_bins), home, name,
+                   item_bytes, None)
+    inter = float(item_bytes[node_of_bin[bins] != node_of_bin[home]].sum())
+    return dataclasses.replace(part, inter_node_bytes=inter)
 
 
 def partition_locality(costs, home, num_bins, gpus_per_node, *, item_bytes, memory=None,

@@ -14,7 +14,8 @@ import numpy as np
 
 from megatron_orch.balance import _plan_kernels
 from megatron_orch.balance.model_config import MLLMConfig
-from megatron_orch.balance.partition import partition, partition_equal_count, partition_locality
+from megatron_orch.balance.partition import (partition, partition_equal_count, partition_locality,
+                                              partition_uniform)
 from megatron_orch.balance.placement import PlacementConfig, place_items
 from megatron_orch.balance.plan import Placement, Transfer, checksum
 from megatron_orch.balance.topology import Topology
@@ -107,6 +108,9 @@ def _balance_encoder(costs, home_rank, item_bytes, num_ranks, topology, config, 
     """Encoder rank of every item of one phase, and the method name."""
     if not balanced or costs.size == 0:
         return home_rank, "none"
+    if config.algorithm == "auto" and _all_equal(costs) and _all_equal(item_bytes):
+        part = partition_uniform(costs, home_rank, topology.node_of_rank, item_bytes=item_bytes)
+        return part.bin_of_item, part.method
     if config.locality:
         part = partition_locality(costs, home_rank, num_ranks, _gpus_per_node(topology),
                                   item_bytes=item_bytes)
@@ -116,6 +120,10 @@ def _balance_encoder(costs, home_rank, item_bytes, num_ranks, topology, config, 
         return home_rank, "home"
     return _place(part.bin_of_item, [(part.bin_of_item, home_rank, item_bytes)], num_ranks,
                   topology, config), part.method
+
+
+def _all_equal(values: np.ndarray) -> bool:
+    return values.min() == values.max()
 
 
 def _gpus_per_node(topology: Topology) -> int:
