@@ -20,7 +20,9 @@ setup(
         "matplotlib>=3.8",  # plots of bench.emulate and megatron_orch.sim
     ],
     extras_require={
-        "test": ["pytest>=8", "hypothesis>=6.100"],
+        # six, regex, pydantic: what Megatron-LM's megatron.training imports beyond megatron-core (the
+        # tests run it from ../shared/megatron-lm; a Megatron-LM checkout brings its own requirements).
+        "test": ["pytest>=8", "hypothesis>=6.100", "six", "regex", "pydantic"],
         # apex is a GPU-only extra built from source: see README ("GPU extras").
         "gpu": ["transformer-engine[pytorch]"],
     },

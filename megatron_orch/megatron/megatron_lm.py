@@ -64,18 +64,8 @@ def check_args(args: argparse.Namespace) -> None:
                         "examples between DP ranks, context parallelism is not supported")
     if args.rampup_batch_size is not None:
         problems.append("--rampup-batch-size: a post-balancing step has a fixed number of micro-batches")
-    if args.overlap_grad_reduce:
-        problems.append(OVERLAP_GRAD_REDUCE_REFUSAL)
     if problems:
         raise ValueError("with --orch-post-balancing: " + "; ".join(problems))
-
-
-OVERLAP_GRAD_REDUCE_REFUSAL = (
-    "--overlap-grad-reduce is not supported: Megatron DDP launches a bucket's reduction when every parameter "
-    "of the bucket has reported its gradient in the last micro-batch, as often as in the first step; an "
-    "encoder that gets no items on a rank in a step (no images or no audio there) reports none, its bucket "
-    "is never launched, and finish_grad_sync fails. The unbalanced MLLM fails the same way (a last "
-    "micro-batch without images or audio); train without --overlap-grad-reduce")
 
 
 def external_data_provider(build_train_iterator: Callable[[], Iterator]) -> Callable:

@@ -4,7 +4,8 @@ On the pipeline stage that holds the encoders, before the backbone schedule of a
 encoder over the rank's balanced encoder items and sends the outputs, in one all-to-all per encoder,
 straight to the backbone rank of their example. The backbone micro-batches get those embeddings as
 leaves that require grad, and Megatron's own schedule (no pipelining, 1F1B, interleaved) runs the
-backbone unchanged. Just before gradients are finalised (the DP all-reduce), the embedding gradients
+backbone unchanged. Just before gradients are reduced (the DP all-reduce: ``grad_sync_func`` or
+``finalize_model_grads_func`` of the model config, whichever comes first), the embedding gradients
 go back by the inverse all-to-all and the encoders run their backward, so encoder and backbone
 gradients are reduced together, exactly once.
 """
@@ -24,6 +25,11 @@ from megatron_orch.comm.device import to_communication_device
 from megatron_orch.megatron.post_balancing import BalancedMicroBatch, BalancedStep
 
 PHASE_ENCODERS = {phase: f"encode_{phase}" for phase in ENCODER_PHASES}  # the model's method of each
+PHASE_ENCODER_MODULES = {phase: f"{phase}_encoder" for phase in ENCODER_PHASES}  # and its module
+# The model config's callbacks that reduce gradients, which the encoders' backward must precede:
+# grad_sync_func fires first where it is set (--overlap-grad-reduce: 1F1B on later pipeline stages,
+# the interleaved schedule), finalize_model_grads_func always ends the schedule.
+_GRAD_CALLBACKS = ("grad_sync_func", "finalize_model_grads_func")
 
 
 def _unwrap(model):
@@ -75,23 +81,35 @@ class ModalityAwareSchedule:
             self.timings["encoders_forward"] = time.perf_counter() - start
 
         config = get_model_config(model[0] if isinstance(model, (list, tuple)) else model)
-        finalize = config.finalize_model_grads_func
+        callbacks = {name: getattr(config, name) for name in _GRAD_CALLBACKS}
+        backward_done = []
 
-        def encoders_backward_then_finalize(*args, **kw):
-            self._encoders_backward(step, module, pending)
-            if finalize is not None:
-                return finalize(*args, **kw)
+        def encoders_backward_once():
+            if not backward_done:
+                backward_done.append(True)
+                self._encoders_backward(step, module, pending)
 
-        if not forward_only:
-            config.finalize_model_grads_func = encoders_backward_then_finalize
+        def after_encoders_backward(callback):
+            def call(*args, **kw):
+                encoders_backward_once()
+                return callback(*args, **kw)
+            return call
+
+        if not forward_only:  # whichever callback reduces gradients first runs the encoders' backward
+            for name, callback in callbacks.items():
+                if isinstance(callback, list):  # one per model chunk
+                    setattr(config, name, [after_encoders_backward(c) for c in callback])
+                elif callback is not None:
+                    setattr(config, name, after_encoders_backward(callback))
         try:
             result = self.forward_backward_func(
                 forward_step_func=forward_step_func, data_iterator=iter(microbatches), model=model,
                 num_microbatches=len(microbatches), forward_only=forward_only, **kwargs)
         finally:
-            config.finalize_model_grads_func = finalize
-        if not forward_only and finalize is None:
-            self._encoders_backward(step, module, pending)
+            for name, callback in callbacks.items():
+                setattr(config, name, callback)
+        if not forward_only:
+            encoders_backward_once()  # no callback set (or none called): after the backbone schedule
         return result
 
     def _move(self, step: BalancedStep, phase: str, rows: torch.Tensor, inverse: bool = False) -> torch.Tensor:
@@ -113,7 +131,19 @@ class ModalityAwareSchedule:
                 outputs = getattr(module, PHASE_ENCODERS[phase])(inputs)
             if outputs.requires_grad:
                 torch.autograd.backward(outputs, grad_at_encoder.to(outputs.dtype))
+            else:  # no items of this phase on this rank in this step
+                _zero_gradients(getattr(module, PHASE_ENCODER_MODULES[phase], None))
         self.timings["encoders_backward"] = time.perf_counter() - start
+
+
+def _zero_gradients(encoder: Optional[torch.nn.Module]) -> None:
+    """A zero gradient for every parameter of an encoder that had no items: every encoder parameter then
+    reports a gradient exactly once per step, which Megatron DDP's ``--overlap-grad-reduce`` needs (it
+    launches a bucket's reduction once each of its parameters has reported as often as in the first step,
+    and asserts that every parameter reported in the first step)."""
+    params = [] if encoder is None else [p for p in encoder.parameters() if p.requires_grad]
+    if params:
+        torch.autograd.backward(torch.stack([p.sum() for p in params]).sum() * 0.0)
 
 
 def _attach(step: BalancedStep, embeds: Dict[str, torch.Tensor]) -> List[BalancedMicroBatch]:

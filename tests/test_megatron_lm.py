@@ -1,0 +1,232 @@
+"""Megatron-LM integration: the patch of ``patches/core_v0.16.1``, ``scripts/apply_patches.sh``, and
+``pretrain_mllm.py``'s ``megatron.training`` path with post-balancing off and on.
+
+The training runs go through Megatron-LM's own ``megatron.training.pretrain`` (from a patched copy of
+the tag's files, on CPU over gloo with the test doubles of ``megatron_lm_doubles``): DP 2 and PP 2 x DP
+2, post-balancing off (upstream) then on in the same spawned ranks, fp32 and dropout 0, and the losses
+of every iteration must agree within 1e-5. DP 2 also runs post-balancing with ``--overlap-grad-reduce``,
+including a step where a rank gets no items of an encoder phase.
+Skipped, saying why, where the Megatron-LM files (``../shared/megatron-lm``) are absent.
+"""
+import importlib.util
+import json
+import os
+import py_compile
+import re
+import shutil
+import subprocess
+import sys
+import warnings
+from pathlib import Path
+
+import pytest
+
+import megatron_lm_doubles as doubles
+from dist_utils import run_distributed
+
+REPO = Path(__file__).resolve().parents[1]
+PATCH = REPO / "patches" / "core_v0.16.1" / "0001-forward-backward-func-wrapper.patch"
+APPLY = REPO / "scripts" / "apply_patches.sh"
+SEED = 11
+ITERS = 3
+TOLERANCE = 1e-5
+# Megatron-LM flags: the tiny model's backbone shape (Megatron requires it), Megatron's own defaults that
+# would not suit the check (dropout, evaluation, rerun validation), the tokenizer Megatron builds anyway.
+ARGV = ["--model-config", "tiny", "--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4",
+        "--seq-length", "128", "--max-position-embeddings", "128", "--micro-batch-size", "1",
+        "--global-batch-size", "4", "--train-iters", str(ITERS), "--lr", "2e-3", "--log-interval", "1",
+        "--seed", str(SEED), "--distributed-backend", "gloo", "--transformer-impl", "local",
+        "--hidden-dropout", "0", "--attention-dropout", "0", "--calculate-per-token-loss",
+        "--eval-iters", "0", "--eval-interval", "1000", "--rerun-mode", "disabled",
+        "--tokenizer-type", "NullTokenizer", "--vocab-size", "1024"]
+RUNS = {"upstream": [], "post-balancing": ["--orch-post-balancing"],
+        "post-balancing, overlapped grad reduce": ["--orch-post-balancing", "--overlap-grad-reduce"]}
+
+
+def _patch_index(patch: Path):
+    """(path, pre-image blob, post-image blob) of each file the patch changes."""
+    text = patch.read_text()
+    return re.findall(r"^diff --git a/(\S+) b/\S+\n(?:.*\n)*?index ([0-9a-f]{40})\.\.([0-9a-f]{40})", text, re.M)
+
+
+def _hash_object(path: Path) -> str:
+    return subprocess.run(["git", "hash-object", str(path)], check=True, capture_output=True, text=True).stdout.strip()
+
+
+def _apply(target: Path, cwd: Path = REPO):
+    return subprocess.run(["bash", str(APPLY), str(target)], cwd=cwd, capture_output=True, text=True)
+
+
+@pytest.fixture(scope="module")
+def shared_tree():
+    return doubles.shared_tree_or_skip()
+
+
+@pytest.fixture(scope="module")
+def patched_tree(shared_tree, tmp_path_factory):
+    return doubles.patched_copy(tmp_path_factory.mktemp("megatron_lm") / "core_v0.16.1")
+
+
+def test_patch_made_against_the_tag_with_full_index(shared_tree):
+    index = _patch_index(PATCH)
+    assert [path for path, _, _ in index] == [doubles.BASE_FILE]
+    path, pre, _ = index[0]
+    assert pre == _hash_object(shared_tree / path)
+    header = PATCH.read_text().split("diff --git", 1)[0]
+    assert "What:" in header and "Why:" in header
+
+
+def test_patch_applies_and_compiles(shared_tree, tmp_path):
+    copy = doubles.unpatched_copy(tmp_path / "tree")
+    # git apply from inside the copy, outside any work tree (see apply_patches.sh)
+    check = subprocess.run(["git", "apply", "--check", str(PATCH)], cwd=copy, capture_output=True, text=True,
+                           env={**os.environ, "GIT_CEILING_DIRECTORIES": str(tmp_path)})
+    assert check.returncode == 0, check.stderr
+    result = _apply(copy)
+    assert result.returncode == 0, result.stderr
+    assert "applied 0001-forward-backward-func-wrapper.patch" in result.stdout
+    patched = copy / doubles.BASE_FILE
+    (path, _, post), = _patch_index(PATCH)
+    assert _hash_object(patched) == post
+    py_compile.compile(str(patched), cfile=str(tmp_path / "training.pyc"), doraise=True)
+    source = patched.read_text()
+    for function in ("pretrain", "train"):
+        signature = re.search(rf"^def {function}\((.*?)\):", source, re.M | re.S).group(1)
+        assert "forward_backward_func_wrapper=None" in signature, function
+    applied = re.findall(r"forward_backward_func = get_forward_backward_func\(\)\n(.*)\n(.*)\n", source)
+    assert applied[0] == ("    if forward_backward_func_wrapper is not None:",
+                          "        forward_backward_func = forward_backward_func_wrapper(forward_backward_func)")
+    assert len(applied) == 2 and "wrapper" not in "".join(applied[1]), "evaluate() keeps the stock schedule"
+
+
+def test_apply_patches_is_idempotent_also_inside_another_work_tree(shared_tree, tmp_path):
+    # A copy inside this repository's work tree (ignored runs/): git apply must still patch it.
+    inside = REPO / "runs" / f"test_megatron_lm_{os.getpid()}"
+    try:
+        copy = doubles.unpatched_copy(inside / "tree")
+        first = _apply(copy, cwd=inside)
+        assert first.returncode == 0 and "applied 0001" in first.stdout, first.stdout + first.stderr
+        patched = (copy / doubles.BASE_FILE).read_bytes()
+        second = _apply(copy, cwd=inside)
+        assert second.returncode == 0, second.stderr
+        assert "already applied" in second.stdout
+        assert (copy / doubles.BASE_FILE).read_bytes() == patched
+    finally:
+        shutil.rmtree(inside, ignore_errors=True)
+
+
+def test_apply_patches_refuses_a_mismatched_tree(shared_tree, tmp_path):
+    changed = doubles.unpatched_copy(tmp_path / "changed")
+    base = changed / doubles.BASE_FILE
+    original = base.read_bytes()
+    base.write_bytes(original.replace(b"def evaluate(", b"def evaluate_changed(", 1))
+    result = _apply(changed)
+    assert result.returncode == 1
+    assert "is neither the core_v0.16.1 file" in result.stderr and str(base) in result.stderr
+    assert base.read_bytes() == original.replace(b"def evaluate(", b"def evaluate_changed(", 1)
+
+    other_commit = doubles.unpatched_copy(tmp_path / "git_checkout")
+    git = ["git", "-c", "user.name=test", "-c", "user.email=test@example.com"]
+    for command in (["init", "-q"], ["add", "-A"], ["commit", "-q", "-m", "not the tag"]):
+        subprocess.run(git + command, cwd=other_commit, check=True, capture_output=True)
+    result = _apply(other_commit)
+    assert result.returncode == 1
+    assert "not Megatron-LM core_v0.16.1 (55ac7082517c3878ae653c07c09c534b8aed49f6)" in result.stderr
+    assert "forward_backward_func_wrapper" not in (other_commit / doubles.BASE_FILE).read_text()
+
+    result = _apply(tmp_path)
+    assert result.returncode == 1 and "is not a Megatron-LM checkout" in result.stderr
+
+
+def test_post_balancing_without_the_patch_says_how_to_apply_it(shared_tree, tmp_path):
+    """An unpatched Megatron-LM: pretrain_mllm.py refuses --orch-post-balancing and names the script."""
+    copy = doubles.unpatched_copy(tmp_path / "tree")
+    code = ("import sys; sys.path.insert(0, 'tests'); import megatron_lm_doubles as d, pathlib, runpy\n"
+            f"d.install(pathlib.Path({str(copy)!r}))\n"
+            "sys.argv = ['pretrain_mllm.py', '--orch-post-balancing']\n"
+            "runpy.run_path('pretrain_mllm.py', run_name='pretrain_mllm').get('main_megatron_lm')()\n")
+    result = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 1, result.stdout + result.stderr
+    assert "has no 'forward_backward_func_wrapper' argument" in result.stderr
+    assert "scripts/apply_patches.sh MEGATRON_LM_DIR" in result.stderr
+
+
+def _pretrain_runs(rank, world_size, tree, parallel, runs, out_dir):
+    """Megatron-LM's pretrain through pretrain_mllm.main_megatron_lm, once per run, in these ranks."""
+    warnings.filterwarnings("ignore")
+    doubles.install(Path(tree))
+    from megatron.training import training
+
+    from megatron_orch.megatron import schedule
+    from megatron_orch.megatron.schedule import ModalityAwareSchedule
+
+    spec = importlib.util.spec_from_file_location("pretrain_mllm", REPO / "pretrain_mllm.py")
+    pretrain_mllm = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(pretrain_mllm)
+
+    stock_train_step, stock_zero_gradients = training.train_step, schedule._zero_gradients
+    results = {}
+    for name in runs:
+        record = results[name] = {"losses": [], "schedule": [], "moved_items": 0, "zero_gradients": 0}
+
+        def train_step(*args, **kwargs):  # positional as train() calls it: the schedule is the 7th
+            out = stock_train_step(*args, **kwargs)
+            schedule_used = args[6]
+            record["schedule"].append(type(schedule_used).__name__)
+            if isinstance(schedule_used, ModalityAwareSchedule):
+                plan = schedule_used.last_step.plan
+                for transfer in (plan.text_transfer(), *(plan.input_transfer(p) for p in plan.encoders)):
+                    traffic = transfer.traffic_matrix()
+                    record["moved_items"] += int(traffic.sum() - traffic.trace())
+            if out[0]:  # the last pipeline stage: the global per-token loss of the step
+                record["losses"].append(float(out[0]["lm loss"]))
+            return out
+
+        def zero_gradients(encoder):
+            record["zero_gradients"] += 1
+            stock_zero_gradients(encoder)
+
+        training.train_step, schedule._zero_gradients = train_step, zero_gradients
+        doubles.prepare_run(*parallel, seed=SEED)
+        sys.argv = ["pretrain_mllm.py", *ARGV, "--tensor-model-parallel-size", str(parallel[0]),
+                    "--pipeline-model-parallel-size", str(parallel[1]), *RUNS[name]]
+        try:
+            pretrain_mllm.main_megatron_lm()
+        finally:
+            training.train_step, schedule._zero_gradients = stock_train_step, stock_zero_gradients
+            doubles.reset()
+    (Path(out_dir) / f"rank{rank}.json").write_text(json.dumps(results))
+
+
+def _check_runs(out_dir: Path, world_size: int, runs) -> None:
+    ranks = [json.loads((out_dir / f"rank{r}.json").read_text()) for r in range(world_size)]
+    last = ranks[-1]  # on the last pipeline stage
+    upstream = last["upstream"]["losses"]
+    assert len(upstream) == ITERS
+    for name in runs[1:]:
+        losses = last[name]["losses"]
+        assert len(losses) == ITERS, name
+        for step, (off, on) in enumerate(zip(upstream, losses), 1):
+            assert abs(on - off) <= TOLERANCE * abs(off), f"{name}, iteration {step}: {on} vs upstream {off}"
+    for rank in ranks:
+        assert rank["upstream"]["schedule"] == ["function"] * ITERS  # megatron-core's own schedule
+        for name in runs[1:]:
+            assert rank[name]["schedule"] == ["ModalityAwareSchedule"] * ITERS, name
+    for name in runs[1:]:  # the plans moved examples between ranks
+        assert sum(rank[name]["moved_items"] for rank in ranks) > 0, name
+
+
+def test_megatron_training_dp2(patched_tree, tmp_path):
+    runs = list(RUNS)
+    run_distributed(_pretrain_runs, 2, str(patched_tree), (1, 1), runs, str(tmp_path), timeout_s=400)
+    _check_runs(tmp_path, 2, runs)
+    overlapped = [json.loads((tmp_path / f"rank{r}.json").read_text())[runs[2]] for r in range(2)]
+    # a rank without items of an encoder phase in some step gave that encoder zero gradients, which
+    # --overlap-grad-reduce needs (every parameter reports each step)
+    assert sum(r["zero_gradients"] for r in overlapped) > 0
+
+
+def test_megatron_training_pp2_dp2(patched_tree, tmp_path):
+    runs = ["upstream", "post-balancing"]
+    run_distributed(_pretrain_runs, 4, str(patched_tree), (1, 2), runs, str(tmp_path), timeout_s=400)
+    _check_runs(tmp_path, 4, runs)
