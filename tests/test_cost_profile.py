@@ -51,6 +51,8 @@ def test_fit_keeps_coefficients_non_negative():
     seconds = 1e-5 * s - 5e-4  # an unconstrained fit would give c0 < 0
     fit = fit_phase(np.ones(4), s, seconds, call_overhead=False)
     assert min(fit.c0, fit.c1, fit.c2) >= 0 and fit.c1 > 0
+    noisy = fit_phase([1, 8], [17, 17], [7e-3, 5e-3], call_overhead=True)  # more items, less time: noise
+    assert noisy.c0 > 0 and noisy.call_overhead == 0
     with pytest.raises(ValueError, match="cannot fit 4 coefficients"):
         fit_phase([1, 2], [5, 6], [1.0, 2.0], call_overhead=True)
 

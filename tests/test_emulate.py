@@ -20,29 +20,37 @@ DP, PER_RANK = 2, 3
 
 def test_calibrate_then_emulate_on_cpu(tmp_path, monkeypatch):
     profile_path, out, png = tmp_path / "tiny_cpu.yaml", tmp_path / "emulate.json", tmp_path / "emulate.png"
-    monkeypatch.setattr(calibrate, "CPU_GRID", {"vision": [1, 4], "audio": [1, 4], "llm": [(1, 16), (1, 64), (1, 128)]})
+    monkeypatch.setattr(calibrate, "CPU_GRID", {"vision": [1, 8], "audio": [1, 8], "llm": [(1, 16), (1, 64), (1, 128)]})
     calibrate.main(["--model", "tiny", "--device", "cpu", "--warmup", "0", "--repeats", "1", "--out", str(profile_path)])
     tiny = load_model_config("tiny")
     profile = load_cost_profile(str(profile_path), tiny)
     assert set(profile.phases) == set(PHASES) and profile.device.startswith("cpu") and profile.dtype == "fp32"
     assert profile.phases["llm"].num_points == 3 and profile.phases["vision"].num_points == 2
 
-    returned = emulate.main(["--model", "tiny", "--dp", str(DP), "--per-rank", str(PER_RANK), "--device", "cpu",
-                             "--gpus-per-node", "2", "--warmup", "0", "--repeats", "1", "--seed", "1",
-                             "--cost-profile", str(profile_path), "--json", str(out), "--plot", str(png)])
-    result = json.loads(out.read_text())
-    assert result == json.loads(json.dumps(returned)) and png.stat().st_size > 10_000
-    assert list(result["methods"]) == list(emulate.METHODS) and result["params"]["device"].startswith("cpu")
-
     _, _, sizes = draw_sizes(list(DEFAULT_MIXTURE), DP, PER_RANK, "tiny", 1)
     items = phase_items(sizes, tiny, profile)
+    common = ["--model", "tiny", "--dp", str(DP), "--per-rank", str(PER_RANK), "--device", "cpu",
+              "--gpus-per-node", "2", "--warmup", "0", "--repeats", "1", "--seed", "1",
+              "--cost-profile", str(profile_path)]
+    returned = emulate.main(common + ["--json", str(out), "--plot", str(png)])
+    result = json.loads(out.read_text())
+    assert result == json.loads(json.dumps(returned)) and png.stat().st_size > 10_000
+    assert result["params"]["device"].startswith("cpu") and result["params"]["timing"] == "rank"
+    check_consistent(result, items, profile)
+    by_shape = emulate.main(common + ["--timing", "shape", "--llm-bucket", "16"])
+    check_consistent(by_shape, items, profile)
+
+
+def check_consistent(result, items, profile):
+    """Every item timed on one rank, ranks without items not timed, and the figures agree with each other."""
+    assert list(result["methods"]) == list(emulate.METHODS)
     steps = {}
     for method, figures in result["methods"].items():
         for phase in PHASES:
             f = figures["phases"][phase]
             measured, modeled, counts = (np.array(f[k]) for k in ("measured_seconds", "modeled", "items_per_rank"))
-            assert counts.sum() == len(items[phase])  # every item timed once, on one rank
-            assert ((measured > 0) == (counts > 0)).all()  # a rank with items was timed, one without was not
+            assert counts.sum() == len(items[phase])
+            assert ((measured > 0) == (counts > 0)).all()
             fit = profile.phases[phase]
             if phase == "llm":  # modeled: the profile's seconds of the rank's items (+ one call per encoder rank)
                 assert modeled.sum() == pytest.approx(items[phase].cost.sum())

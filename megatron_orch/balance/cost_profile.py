@@ -134,7 +134,9 @@ def fit_phase(items_per_call: Sequence[float], seq_len: Sequence[float], seconds
     count as much as long ones. With a single length ``s`` only ``c0`` (and the overhead) can be told
     apart: ``c1 = c2 = 0``.
 
-    Non-negative least squares by trying every subset of coefficients (at most 16): exact for so few.
+    Non-negative least squares by trying every subset of coefficients (at most 16): exact for so few. An
+    item always costs something: noisy timings that fall with more items give a per-item time, never a
+    call overhead alone.
     """
     n, s, t = (np.asarray(v, dtype=np.float64) for v in (items_per_call, seq_len, seconds))
     if not (n.shape == s.shape == t.shape and n.ndim == 1):
@@ -150,8 +152,11 @@ def fit_phase(items_per_call: Sequence[float], seq_len: Sequence[float], seconds
     best, best_err = np.zeros(len(names)), math.inf
     for size in range(1, len(names) + 1):
         for subset in itertools.combinations(range(len(names)), size):
+            item_terms = [i for i in subset if names[i] != "call_overhead"]
+            if not item_terms:
+                continue  # items must cost something
             coef, *_ = np.linalg.lstsq(a[:, subset], np.ones(n.size), rcond=None)
-            if coef.min() < 0 or (coef == 0).all():
+            if coef.min() < 0 or not coef[[subset.index(i) for i in item_terms]].any():
                 continue
             full = np.zeros(len(names))
             full[list(subset)] = coef

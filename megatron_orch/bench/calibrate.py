@@ -29,6 +29,7 @@ import yaml
 from megatron_orch.balance.cost_profile import PhaseFit, fit_phase, profile_dict
 from megatron_orch.balance.model_config import MLLMConfig, load_model_config
 from megatron_orch.bench import mfu
+from megatron_orch.bench.common import effective_layers, parse_layers, with_layers
 from megatron_orch.mllm.model import ModelParallelSettings
 
 GPU_GRID = mfu.FULL_GRID
@@ -113,7 +114,7 @@ def main(argv: Optional[List[str]] = None) -> dict:
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--out", required=True, metavar="PROFILE.yaml")
     args = parser.parse_args(argv)
-    layers = mfu.parse_layers(parser, args.layers)
+    layers = parse_layers(parser, args.layers)
     if args.warmup < 0 or args.repeats < 1:
         parser.error("--warmup must be >= 0 and --repeats >= 1")
     threads = args.threads if args.threads is not None else (1 if args.device == "cpu" else None)
@@ -121,7 +122,7 @@ def main(argv: Optional[List[str]] = None) -> dict:
         device, settings, device_name = device_settings(args.device, threads)
     except ValueError as err:
         parser.error(str(err))
-    config = mfu.with_layers(load_model_config(args.model), layers)
+    config = with_layers(load_model_config(args.model), layers)
     grid = {"gpu": GPU_GRID, "cpu": CPU_GRID}[args.grid or ("gpu" if args.device == "cuda" else "cpu")]
     with mfu.world_of_one(device):
         points = measure(config, device, settings, grid, args.warmup, args.repeats)
@@ -132,7 +133,7 @@ def main(argv: Optional[List[str]] = None) -> dict:
                                 sys.argv[1:] if argv is None else argv))
     with open(args.out, "w") as f:
         yaml.safe_dump(document, f, sort_keys=False)
-    print(f"[calibrate] {config.name} layers {mfu.effective_layers(config)} on {device_name}")
+    print(f"[calibrate] {config.name} layers {effective_layers(config)} on {device_name}")
     print(format_fits(fits, points))
     print(f"[calibrate] wrote {args.out}", file=sys.stderr)
     return document

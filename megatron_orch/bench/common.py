@@ -54,6 +54,34 @@ def plan_method(method: str, sizes: StepSizes, model: MLLMConfig, topology: Topo
                      num_microbatches=int(np.asarray(sizes.counts)[0]))
 
 
+def with_layers(config: MLLMConfig, layers: Optional[Tuple[int, int, int]]) -> MLLMConfig:
+    """``config`` with the vision, audio and backbone stacks cut to ``layers`` (model and FLOPs alike)."""
+    if layers is None:
+        return config
+
+    def cut(component, n):
+        return dataclasses.replace(component, transformer=dataclasses.replace(component.transformer, num_layers=n))
+    return dataclasses.replace(config, vision=cut(config.vision, layers[0]), audio=cut(config.audio, layers[1]),
+                               backbone=cut(config.backbone, layers[2]))
+
+
+def effective_layers(config: MLLMConfig) -> Tuple[int, int, int]:
+    return (config.vision.transformer.num_layers, config.audio.transformer.num_layers,
+            config.backbone.transformer.num_layers)
+
+
+def parse_layers(parser: argparse.ArgumentParser, text: Optional[str]) -> Optional[Tuple[int, int, int]]:
+    if text is None:
+        return None
+    try:
+        layers = tuple(int(x) for x in text.split(","))
+    except ValueError:
+        layers = ()
+    if len(layers) != 3 or min(layers) < 1:
+        parser.error(f"--layers takes three positive integers V,A,B, got {text!r}")
+    return layers
+
+
 def parser_with_batch_args(prog: str, description: str) -> argparse.ArgumentParser:
     """A parser with the inputs that draw and map a global batch (traces, DP, model, seed, JSON)."""
     parser = argparse.ArgumentParser(prog=prog, description=description,

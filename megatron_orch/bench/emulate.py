@@ -1,7 +1,8 @@
 """Emulated data parallelism on one device: every DP rank's phases timed in turn, upstream and balanced.
 
-    python -m megatron_orch.bench.emulate --model mllm_10b --layers 12,8,4 --dp 64 --per-rank 16 \\
-        --cost-profile h200_10b.yaml --json emulate.json --plot emulate.png                      # GPU
+    python -m megatron_orch.bench.emulate --model mllm_10b --layers 12,8,4 --dp 512 --per-rank 16 \\
+        --timing shape --llm-bucket 32 --repeats 2 --cost-profile h200_10b.yaml \\
+        --json emulate.json --plot emulate.png                                                   # GPU
     python -m megatron_orch.bench.emulate --model tiny --dp 8 --per-rank 8 --device cpu \\
         --cost-profile tiny_cpu.yaml --json emulate.json --plot emulate.png                      # CPU
 
@@ -13,7 +14,9 @@ vision and audio encoders over the rank's items in one call, the backbone over e
 examples in turn (one sequence per call, as the cost model counts them; the trainer's micro-batches
 are not emulated). There is no communication. Calls of all methods and ranks are interleaved, repeat
 after repeat, so that load drifting on a shared machine hits every method alike; a rank's time is
-the median over repeats.
+the median over repeats. For large DP sizes ``--timing shape`` times each distinct call once (a rank's
+time is then the sum of its calls') and ``--llm-bucket`` rounds backbone lengths up to fewer distinct
+calls.
 
 Figures per method and phase: measured and modeled (the plan's costs: profile seconds with the
 per-call overhead, or FLOPs) max/mean over ranks. Per method: the step (upstream: the slowest rank's
@@ -39,7 +42,8 @@ from megatron_orch.balance.topology import Topology
 from megatron_orch.balance.workload import PHASES, PhaseItems, StepSizes, phase_items
 from megatron_orch.bench import mfu
 from megatron_orch.bench.calibrate import device_settings
-from megatron_orch.bench.common import PLAN_METHODS, draw_sizes, plan_method, trace_specs
+from megatron_orch.bench.common import (PLAN_METHODS, draw_sizes, effective_layers, parse_layers, plan_method,
+                                        trace_specs, with_layers)
 from megatron_orch.orchestrator.step_plan import StepPlan
 
 METHODS = ("none",) + tuple(PLAN_METHODS)
@@ -54,20 +58,19 @@ def item_ranks(plan: StepPlan, phase: str) -> np.ndarray:
     return plan.examples_llm.rank if phase == "llm" else plan.encoders[phase].encode.rank
 
 
-def rank_calls(phase: str, module, config, items: PhaseItems, rank: np.ndarray, dp: int,
-               device: torch.device) -> List[Optional[Callable[[], None]]]:
-    """Forward+backward of every rank's work of one phase (None for a rank without items)."""
-    calls = []
+def rank_shapes(phase: str, items: PhaseItems, rank: np.ndarray, dp: int, llm_bucket: int,
+                max_tokens: int) -> List[list]:
+    """The calls of every rank's work of one phase, by size: ``[n]`` items of an encoder in one call (none
+    for a rank without items), ``(1, s)`` per backbone example with s rounded up to ``llm_bucket``."""
+    shapes = []
     for r in range(dp):
         mine = np.flatnonzero(rank == r)
-        if mine.size == 0:
-            calls.append(None)
-        elif phase == "llm":
-            steps = [mfu.phase_call(phase, module, config, (1, int(s)), device) for s in items.tokens[mine]]
-            calls.append(lambda steps=steps: [step() for step in steps])
+        if phase != "llm":
+            shapes.append([int(mine.size)] if mine.size else [])
         else:
-            calls.append(mfu.phase_call(phase, module, config, int(mine.size), device))
-    return calls
+            bucketed = np.minimum(-(-items.tokens[mine] // llm_bucket) * llm_bucket, max_tokens)
+            shapes.append([(1, int(s)) for s in bucketed])
+    return shapes
 
 
 def time_interleaved(calls: Dict[tuple, Callable[[], None]], device: torch.device, warmup: int,
@@ -91,23 +94,37 @@ def time_interleaved(calls: Dict[tuple, Callable[[], None]], device: torch.devic
 
 
 def measure(plans: Dict[str, StepPlan], items: Dict[str, PhaseItems], config, device, settings, warmup: int,
-            repeats: int) -> Dict[str, Dict[str, np.ndarray]]:
-    """Measured seconds of every method's phases on every rank: ``[method][phase][rank]``."""
+            repeats: int, timing: str, llm_bucket: int) -> Dict[str, Dict[str, np.ndarray]]:
+    """Measured seconds of every method's phases on every rank: ``[method][phase][rank]``.
+
+    ``timing="rank"``: each rank's work is one timed run of its calls in turn. ``"shape"``: each distinct
+    call is timed once and a rank's time is the sum of its calls' (for DP sizes where running every
+    rank would take too long; calls of one rank do not overlap either way).
+    """
     dp = plans["none"].examples_home.num_ranks
     measured = {m: {} for m in plans}
     for phase in PHASES:
         module = mfu.build_phase(phase, config, settings, device)
-        calls = {}
-        for m, plan in plans.items():
-            for r, call in enumerate(rank_calls(phase, module, config, items[phase], item_ranks(plan, phase), dp,
-                                                device)):
-                if call is not None:
-                    calls[(m, r)] = call
-        seconds = time_interleaved(calls, device, warmup, repeats)
+        shapes = {(m, r): calls for m, plan in plans.items() for r, calls in enumerate(rank_shapes(
+            phase, items[phase], item_ranks(plan, phase), dp, llm_bucket, config.backbone.max_position_embeddings))}
+        if timing == "shape":
+            distinct = sorted({size for calls in shapes.values() for size in calls}, key=str)
+            table = time_interleaved({size: mfu.phase_call(phase, module, config, size, device) for size in distinct},
+                                     device, warmup, repeats)
+            seconds = {key: sum(table[size] for size in calls) for key, calls in shapes.items()}
+            timed = f"{len(distinct)} distinct calls"
+        else:
+            runs = {}
+            for key, calls in shapes.items():
+                if calls:
+                    steps = [mfu.phase_call(phase, module, config, size, device) for size in calls]
+                    runs[key] = lambda steps=steps: [step() for step in steps]
+            seconds = time_interleaved(runs, device, warmup, repeats)
+            timed = f"{len(runs)} rank runs"
         for m in plans:
             measured[m][phase] = np.array([seconds.get((m, r), 0.0) for r in range(dp)])
-        print(f"[emulate] phase {phase}: {len(calls)} rank calls timed", file=sys.stderr, flush=True)
-        del module, calls
+        print(f"[emulate] phase {phase}: {timed} timed", file=sys.stderr, flush=True)
+        del module
     return measured
 
 
@@ -139,11 +156,11 @@ def step_figures(loads: Dict[str, Dict[str, np.ndarray]]) -> Dict[str, dict]:
 
 
 def run(config, sizes: StepSizes, profile: Optional[CostProfile], device, settings, gpus_per_node: int,
-        warmup: int, repeats: int) -> dict:
+        warmup: int, repeats: int, timing: str = "rank", llm_bucket: int = 1) -> dict:
     plans = plan_all(sizes, config, profile, gpus_per_node)
     items = phase_items(sizes, config, profile)
     with mfu.world_of_one(device):
-        measured = measure(plans, items, config, device, settings, warmup, repeats)
+        measured = measure(plans, items, config, device, settings, warmup, repeats, timing, llm_bucket)
     model = modeled(plans, items, profile)
     steps_measured, steps_modeled = step_figures(measured), step_figures(model)
     result = {"methods": {}}
@@ -220,31 +237,38 @@ def main(argv: Optional[List[str]] = None) -> dict:
                         help="plan and model with this profile's costs (default: FLOPs)")
     parser.add_argument("--device", choices=["cuda", "cpu"], default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: 1 on CPU)")
+    parser.add_argument("--timing", choices=["rank", "shape"], default="rank",
+                        help="rank: time each rank's work as one run; shape: time each distinct call once and sum "
+                             "(large DP)")
+    parser.add_argument("--llm-bucket", type=int, default=1, metavar="TOKENS",
+                        help="round backbone lengths up to a multiple of this (fewer distinct calls; default 1)")
     parser.add_argument("--warmup", type=int, default=1)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--json", default=None, metavar="OUT")
     parser.add_argument("--plot", default=None, metavar="OUT.png")
     args = parser.parse_args(argv)
-    layers = mfu.parse_layers(parser, args.layers)
-    if args.dp < 1 or args.per_rank < 1 or args.gpus_per_node < 1 or args.warmup < 0 or args.repeats < 1:
-        parser.error("--dp, --per-rank, --gpus-per-node and --repeats must be >= 1, --warmup >= 0")
+    layers = parse_layers(parser, args.layers)
+    if min(args.dp, args.per_rank, args.gpus_per_node, args.repeats, args.llm_bucket) < 1 or args.warmup < 0:
+        parser.error("--dp, --per-rank, --gpus-per-node, --repeats and --llm-bucket must be >= 1, --warmup >= 0")
     threads = args.threads if args.threads is not None else (1 if args.device == "cpu" else None)
     try:
         device, settings, device_name = device_settings(args.device, threads)
         _, _, sizes = draw_sizes(trace_specs(args), args.dp, args.per_rank, args.model, args.seed, args.traces_dir)
-        config = mfu.with_layers(load_model_config(args.model), layers)
+        config = with_layers(load_model_config(args.model), layers)
         profile = None if args.cost_profile is None else load_cost_profile(args.cost_profile, config)
     except ValueError as err:
         parser.error(str(err))
-    result = run(config, sizes, profile, device, settings, args.gpus_per_node, args.warmup, args.repeats)
+    result = run(config, sizes, profile, device, settings, args.gpus_per_node, args.warmup, args.repeats,
+                 args.timing, args.llm_bucket)
     result["params"] = {
-        "model": config.name, "layers": mfu.effective_layers(config), "device": device_name,
+        "model": config.name, "layers": effective_layers(config), "device": device_name,
         "dtype": "bf16" if settings.bf16 else "fp32", "dp": args.dp, "per_rank": args.per_rank,
         "gpus_per_node": args.gpus_per_node, "seed": args.seed, "warmup": args.warmup, "repeats": args.repeats,
+        "timing": args.timing, "llm_bucket": args.llm_bucket,
         "traces": [list(spec) for spec in trace_specs(args)],
         "costs": (f"profile {args.cost_profile} ({profile.device})" if profile else "training FLOPs"),
-        "notes": "backbone examples timed one per call; no communication; balanced step = sum over phases of "
-                 "the slowest rank, upstream = slowest rank's whole step"}
+        "notes": "backbone examples timed one per call (lengths rounded up to llm_bucket); no communication; "
+                 "balanced step = sum over phases of the slowest rank, upstream = slowest rank's whole step"}
     print(format_tables(result))
     if args.json:
         with open(args.json, "w") as f:

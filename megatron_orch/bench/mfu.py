@@ -34,6 +34,7 @@ from megatron.core import package_info, parallel_state, tensor_parallel
 
 from megatron_orch.balance.model_config import MLLMConfig, load_model_config
 from megatron_orch.balance.workload import PHASES
+from megatron_orch.bench.common import effective_layers, parse_layers, with_layers
 from megatron_orch.megatron.batch import AUDIO_TOKEN_ID, IMAGE_TOKEN_ID
 from megatron_orch.mllm.model import (AudioEncoder, MLLMModel, ModelParallelSettings, VisionEncoder,
                                       transformer_engine_available)
@@ -57,22 +58,6 @@ class Point:
     tflops: Optional[float] = None
     mfu: Optional[float] = None
     peak_memory_gib: Optional[float] = None  # GPU only: weights, grads and the call's activations
-
-
-def with_layers(config: MLLMConfig, layers: Optional[Tuple[int, int, int]]) -> MLLMConfig:
-    """``config`` with the vision, audio and backbone stacks cut to ``layers`` (model and FLOPs alike)."""
-    if layers is None:
-        return config
-
-    def cut(component, n):
-        return dataclasses.replace(component, transformer=dataclasses.replace(component.transformer, num_layers=n))
-    return dataclasses.replace(config, vision=cut(config.vision, layers[0]), audio=cut(config.audio, layers[1]),
-                               backbone=cut(config.backbone, layers[2]))
-
-
-def effective_layers(config: MLLMConfig) -> Tuple[int, int, int]:
-    return (config.vision.transformer.num_layers, config.audio.transformer.num_layers,
-            config.backbone.transformer.num_layers)
 
 
 @contextlib.contextmanager
@@ -223,18 +208,6 @@ def format_point(p: Point) -> str:
         return f"{p.phase:>9} {p.shape:>9} {p.tokens:>9} {p.status:>10}"
     memory = "" if p.peak_memory_gib is None else f" {p.peak_memory_gib:9.2f}"
     return f"{p.phase:>9} {p.shape:>9} {p.tokens:>9} {p.ms:10.2f} {p.tflops:9.3g} {100 * p.mfu:6.1f}%{memory}"
-
-
-def parse_layers(parser: argparse.ArgumentParser, text: Optional[str]) -> Optional[Tuple[int, int, int]]:
-    if text is None:
-        return None
-    try:
-        layers = tuple(int(x) for x in text.split(","))
-    except ValueError:
-        layers = ()
-    if len(layers) != 3 or min(layers) < 1:
-        parser.error(f"--layers takes three positive integers V,A,B, got {text!r}")
-    return layers
 
 
 def main(argv: Optional[List[str]] = None) -> dict:

@@ -18,7 +18,7 @@ from megatron_orch.balance.cost_profile import load_cost_profile
 from megatron_orch.balance.model_config import load_model_config
 from megatron_orch.balance.traces import DEFAULT_MIXTURE
 from megatron_orch.balance.workload import PHASES
-from megatron_orch.bench.common import draw_sizes, trace_specs
+from megatron_orch.bench.common import draw_sizes, effective_layers, parse_layers, trace_specs, with_layers
 from megatron_orch.sim.cluster import DEFAULT_TFLOPS, METHODS, LinkModel, simulate_step, warm_up_planner
 
 PER_PHASE = ("orch", "equal_count", "locality")
@@ -66,7 +66,7 @@ def checks(result: dict) -> dict:
 def format_tables(result: dict) -> str:
     p = result["params"]
     link = p["link"]
-    lines = [f"[sim] model {p['model']}, {p['per_rank']} examples per rank, mean over seeds {p['seeds']}, "
+    lines = [f"[sim] model {p['model']} (layers {tuple(p['layers'])}), {p['per_rank']} examples per rank, mean over seeds {p['seeds']}, "
              f"costs: {p['costs']}; links: {link['gpus_per_node']} GPUs/node, NVLink "
              f"{link['nvlink_gbytes_per_s']:g} GB/s, NIC {link['nic_gbits_per_s']:g} Gb/s per GPU", "",
              "| DP | method | vision s | audio s | llm s | compute s | comm s | plan s (exposed) | step s | "
@@ -128,6 +128,8 @@ def main(argv: Optional[List[str]] = None) -> dict:
     parser = argparse.ArgumentParser(prog="python -m megatron_orch.sim", description=__doc__.splitlines()[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="mllm_10b", help="model config name or YAML (default mllm_10b)")
+    parser.add_argument("--layers", default=None, metavar="V,A,B",
+                        help="cut the stacks as bench.calibrate did (a profile fits its measured shape only)")
     parser.add_argument("--dp", default="64,512,2560", help="comma-separated DP sizes (default 64,512,2560)")
     parser.add_argument("--per-rank", type=int, default=16, help="examples per DP rank (default 16)")
     parser.add_argument("--seeds", default="0,1,2",
@@ -163,13 +165,13 @@ def main(argv: Optional[List[str]] = None) -> dict:
     try:
         link = LinkModel(args.gpus_per_node, args.nvlink_gbytes_per_s, args.nic_gbits_per_s,
                          args.nvlink_latency_us, args.nic_latency_us)
-        model = load_model_config(args.model)
+        model = with_layers(load_model_config(args.model), parse_layers(parser, args.layers))
         profile = None if args.profile is None else load_cost_profile(args.profile, model)
     except ValueError as err:
         parser.error(str(err))
     warm_up_planner(model)
     result = {"params": {
-        "model": model.name, "dp": dps, "per_rank": args.per_rank, "seeds": seeds,
+        "model": model.name, "layers": effective_layers(model), "dp": dps, "per_rank": args.per_rank, "seeds": seeds,
         "traces": [list(spec) for spec in trace_specs(args)], "link": vars(link) | {},
         "costs": (f"profile {args.profile} ({profile.device}, {profile.dtype})" if profile
                   else f"training FLOPs at an assumed {args.tflops:g} TFLOP/s per GPU"),
