@@ -9,7 +9,9 @@ Where a Megatron-LM checkout is importable (``megatron.training``) and a GPU is 
 goes through ``megatron.training.pretrain`` with the providers of
 :mod:`megatron_orch.mllm.providers` (that path is completed in a later issue); everywhere else
 (no Megatron-LM, or CPU) the compact trainer of :mod:`megatron_orch.trainer.loop` runs, on
-megatron-core alone.
+megatron-core alone. The compact trainer's command line, and a ``--data-path`` manifest line by line,
+are checked before the model is built (the flags before torch is even imported): an error is one line
+``pretrain_mllm.py: error: ...`` (from rank 0 under torchrun) and exit status 2.
 """
 from __future__ import annotations
 
@@ -26,24 +28,21 @@ warnings.filterwarnings("ignore", message=r"full scope is deprecated")
 warnings.filterwarnings("ignore", message=r"`torch\.distributed\.\w+` is deprecated")
 warnings.filterwarnings("ignore", message=r"The \.grad attribute of a Tensor that is not a leaf Tensor")
 
-import torch  # noqa: E402
-
 
 def megatron_lm_available() -> bool:
+    """Whether Megatron-LM's ``megatron.training`` is installed (found, not imported: that takes torch)."""
+    import importlib.util
     try:
-        import megatron.training  # noqa: F401
-    except ImportError:
+        return importlib.util.find_spec("megatron.training") is not None
+    except ImportError:  # no megatron package at all
         return False
-    return True
 
 
 def main_compact(argv=None) -> None:
-    from megatron_orch.trainer import arguments, loop as trainer
-    try:
-        args = arguments.parse_args(argv, world_size=int(os.environ.get("WORLD_SIZE", "1")))
-    except arguments.ArgumentError as err:
-        print(f"pretrain_mllm.py: error: {err}", file=sys.stderr)
-        sys.exit(2)
+    from megatron_orch.trainer import arguments
+    args = arguments.parse_args_or_exit(argv, world_size=int(os.environ.get("WORLD_SIZE", "1")))
+    arguments.check_data_or_exit(args)
+    from megatron_orch.trainer import loop as trainer
     try:
         trainer.pretrain(args, print_fn=lambda line: print(line, flush=True))
     finally:
@@ -109,8 +108,13 @@ def main_megatron_lm() -> None:
              args_defaults={"dataloader_type": "external"}, **extra)
 
 
+def _on_gpus() -> bool:
+    import torch
+    return torch.cuda.is_available()
+
+
 if __name__ == "__main__":
-    if megatron_lm_available() and torch.cuda.is_available():
+    if megatron_lm_available() and _on_gpus():
         main_megatron_lm()
     else:
         main_compact()

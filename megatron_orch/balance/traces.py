@@ -1,7 +1,8 @@
 """Real per-example length traces (``data/traces/*.csv.gz``, copies of ``shared/traces``) and random global batches drawn from them.
 
 A :class:`Trace` holds a CSV's columns as numpy arrays (an empty cell, i.e. an absent modality, reads
-as 0). A :class:`TraceMixture` draws a global batch the way upstream Megatron's blended, shuffled
+as 0). Every row is checked when a trace is loaded or built: a size that is not a number, negative or
+not finite is an error naming the file, the row and the column, whether or not a batch would draw it. A :class:`TraceMixture` draws a global batch the way upstream Megatron's blended, shuffled
 datasets do: every example independently picks a trace with the mixture's weights and a row of it
 uniformly at random; DP rank ``r`` then loads the consecutive block ``[r*M, (r+1)*M)`` of the batch.
 
@@ -64,6 +65,7 @@ class Trace:
         lengths = {len(v) for v in (*self.text.values(), *self.numeric.values())}
         if len(lengths) != 1:
             raise ValueError(f"trace {self.name!r} has columns of different lengths {sorted(lengths)}")
+        _check_sizes(f"trace {self.name!r}", self.numeric)
 
     def __len__(self) -> int:
         return len(self.numeric["text_tokens"])
@@ -88,6 +90,19 @@ class Trace:
         return cls(name, text, numeric)
 
 
+def _check_sizes(where: str, numeric: Mapping[str, np.ndarray], line_offset: Optional[int] = None) -> None:
+    """Refuse the first negative or non-finite size, naming its row (1-based; with ``line_offset``, also
+    the file line) and column."""
+    for column in NUMERIC_COLUMNS:
+        values = np.asarray(numeric[column])
+        bad = np.flatnonzero(~np.isfinite(values) | (values < 0))
+        if bad.size:
+            row, value = int(bad[0]), float(values[bad[0]])
+            line = f" (line {row + 1 + line_offset})" if line_offset is not None else ""
+            problem = "is negative" if value < 0 else "is not finite"
+            raise ValueError(f"{where}: row {row + 1}{line}, column {column!r}: {value} {problem}")
+
+
 def _parse_csv(path: Path) -> Trace:
     opener = gzip.open if path.suffix == ".gz" else open
     with opener(path, "rt", newline="") as f:
@@ -106,10 +121,21 @@ def _parse_csv(path: Path) -> Trace:
         present = raw != ""
         try:
             values[present] = raw[present].astype(np.float64)
-        except ValueError as err:
-            raise ValueError(f"{path}: column {c!r} holds a non-number: {err}") from None
+        except ValueError:
+            row = next(i for i, cell in enumerate(raw) if cell != "" and not _is_number(cell))
+            raise ValueError(f"{path}: row {row + 1} (line {row + 2}), column {c!r}: {str(raw[row])!r} is not "
+                             "a number") from None
         numeric[c] = values
+    _check_sizes(str(path), numeric, line_offset=1)  # line 1 is the header
     return Trace(path.name.removesuffix(".gz"), text, numeric)
+
+
+def _is_number(cell: str) -> bool:
+    try:
+        float(cell)
+    except ValueError:
+        return False
+    return True
 
 
 def load_trace(name_or_path: str, traces_dir: Optional[Path] = None) -> Trace:

@@ -18,12 +18,22 @@ tokens, in item order (:class:`ExampleShape` says the numbers and checks each ex
 offer ``encode_vision(items)`` / ``encode_audio(items)`` returning ``tokens_per_item`` rows per item,
 and take ``vision_embeds`` / ``audio_embeds`` in place of raw inputs in its forward.
 """
-from megatron_orch.megatron.batch import (AUDIO_TOKEN_ID, IMAGE_TOKEN_ID, Example, ExampleShape, MicroBatch, collate,
-                                          collate_packed)
-from megatron_orch.megatron.orch_arguments import add_orch_args, orch_config_from_args
-from megatron_orch.megatron.post_balancing import BalancedMicroBatch, BalancedStep, PostBalancingDataIterator
-from megatron_orch.megatron.schedule import ModalityAwareSchedule
+import importlib
 
-__all__ = ["AUDIO_TOKEN_ID", "IMAGE_TOKEN_ID", "Example", "ExampleShape", "MicroBatch", "collate", "collate_packed",
-           "add_orch_args", "orch_config_from_args", "BalancedMicroBatch", "BalancedStep",
-           "PostBalancingDataIterator", "ModalityAwareSchedule"]
+# Names are imported on first use (PEP 562), so that ``megatron_orch.megatron.orch_arguments`` (the
+# --orch-* flags) imports without torch: pretrain_mllm.py checks its command line before torch loads.
+_EXPORTS = {
+    "megatron_orch.megatron.batch": ("AUDIO_TOKEN_ID", "IMAGE_TOKEN_ID", "Example", "ExampleShape", "MicroBatch",
+                                     "collate", "collate_packed"),
+    "megatron_orch.megatron.orch_arguments": ("add_orch_args", "orch_config_from_args"),
+    "megatron_orch.megatron.post_balancing": ("BalancedMicroBatch", "BalancedStep", "PostBalancingDataIterator"),
+    "megatron_orch.megatron.schedule": ("ModalityAwareSchedule",),
+}
+_MODULE_OF = {name: module for module, names in _EXPORTS.items() for name in names}
+__all__ = list(_MODULE_OF)
+
+
+def __getattr__(name: str):
+    if name not in _MODULE_OF:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return getattr(importlib.import_module(_MODULE_OF[name]), name)

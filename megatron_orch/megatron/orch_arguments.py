@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 from typing import Optional
 
 from megatron_orch.balance.cost_profile import load_cost_profile
@@ -63,7 +64,24 @@ def orch_config_from_args(args: argparse.Namespace) -> Optional[OrchestratorConf
         placement_time_limit_s=args.orch_placement_time_limit, gpus_per_node=args.orch_gpus_per_node,
         background=not args.orch_no_background_planning, encoder_recompute=args.orch_encoder_recompute,
         cost_profile=None if args.orch_cost_profile is None else load_cost_profile(args.orch_cost_profile))
+    _check_gpus_per_node(config.gpus_per_node, getattr(args, "world_size", None),
+                         os.environ.get("LOCAL_WORLD_SIZE"))
     if config.microbatching == "packed" and args.pipeline_model_parallel_size > 1:
         raise ValueError("--orch-microbatching packed with --pipeline-model-parallel-size > 1 is not "
                          "supported: 1F1B needs fixed-shape micro-batches (use equal_count)")
     return config
+
+
+def _check_gpus_per_node(gpus_per_node: Optional[int], world_size: Optional[int],
+                         local_world_size: Optional[str]) -> None:
+    """``--orch-gpus-per-node`` must fill nodes with whole numbers of ranks (ranks are numbered node by node,
+    so it divides the world size; with no model parallelism that is the DP size) and, under torchrun,
+    agree with the processes it started on this node (``LOCAL_WORLD_SIZE``)."""
+    if gpus_per_node is None:
+        return
+    if world_size is not None and world_size % gpus_per_node:
+        raise ValueError(f"--orch-gpus-per-node {gpus_per_node} does not divide the world size {world_size}: "
+                         "nodes must hold whole numbers of ranks")
+    if local_world_size and int(local_world_size) != gpus_per_node:
+        raise ValueError(f"--orch-gpus-per-node {gpus_per_node} disagrees with the {local_world_size} processes "
+                         "torchrun started on this node (LOCAL_WORLD_SIZE); leave the flag out to use it")

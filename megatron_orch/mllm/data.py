@@ -7,12 +7,13 @@ Two datasets produce :class:`~megatron_orch.megatron.batch.Example` objects and,
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+import argparse
+from dataclasses import dataclass, field
 from typing import Iterator, Optional
 
 from megatron_orch.megatron.batch import ExampleShape, MicroBatch, collate
 from megatron_orch.mllm.examples import example_shape
-from megatron_orch.mllm.manifest import ManifestDataset, image_tiling
+from megatron_orch.mllm.manifest import InputLimits, ManifestDataset, image_tiling
 from megatron_orch.mllm.synthetic import SyntheticMultimodalDataset
 
 
@@ -65,6 +66,8 @@ class DataConfig:
     seed: int = 1234
     manifest: Optional[str] = None  # JSONL manifest of the user's data; None: the synthetic default
     pad_to_seq_length: bool = False  # rows of exactly seq_length tokens (pipeline parallelism needs it)
+    max_num_tiles: int = 6  # tiles per image (--max-num-tiles)
+    limits: InputLimits = field(default_factory=InputLimits)  # what one manifest example may hold
 
     @property
     def shape(self) -> ExampleShape:
@@ -74,18 +77,49 @@ class DataConfig:
 def build_dataset(config: DataConfig):
     """The dataset a :class:`DataConfig` names: the user's manifest, else the synthetic default."""
     if config.manifest is not None:
-        return ManifestDataset(config.manifest, config.shape, image_tiling(config.model_config))
+        return ManifestDataset(config.manifest, config.shape, image_tiling(config.model_config, config.max_num_tiles),
+                               limits=config.limits)
     return SyntheticMultimodalDataset(config.model_config, config.num_samples, config.seed,
                                       seq_length=config.seq_length)
+
+
+def data_config(args: argparse.Namespace) -> DataConfig:
+    """The data of a parsed ``pretrain_mllm.py`` command line."""
+    return DataConfig(model_config=args.mllm_config, seq_length=args.seq_length,
+                      micro_batch_size=args.micro_batch_size,
+                      num_samples=args.train_iters * args.global_batch_size, seed=args.seed,
+                      manifest=_manifest_path(args.data_path),
+                      # 1F1B sends fixed [seq_length, micro_batch_size, hidden] tensors between stages.
+                      pad_to_seq_length=args.pipeline_model_parallel_size > 1,
+                      max_num_tiles=args.max_num_tiles,
+                      limits=InputLimits(max_image_pixels=args.max_image_pixels,
+                                         max_audio_seconds=args.max_audio_seconds,
+                                         max_vision_items_per_sample=args.max_vision_items_per_sample))
+
+
+def _manifest_path(data_path):
+    """``--data-path``: one manifest path (Megatron-LM's parser gives a list)."""
+    if isinstance(data_path, (list, tuple)):
+        if len(data_path) > 1:
+            raise ValueError(f"--data-path takes one JSONL manifest here, got {len(data_path)} paths: {data_path}")
+        return data_path[0] if data_path else None
+    return data_path
+
+
+def checked_dataset(config: DataConfig):
+    """:func:`build_dataset`, refused unless it holds every sample the run consumes (a manifest is parsed
+    and checked line by line here, before any model is built)."""
+    dataset = build_dataset(config)
+    if len(dataset) < config.num_samples:
+        raise ValueError(f"the dataset has {len(dataset)} examples, fewer than the {config.num_samples} "
+                         "samples the run consumes")
+    return dataset
 
 
 def build_train_iterator(config: DataConfig, consumed_samples: int, data_parallel_rank: int,
                          data_parallel_size: int) -> Iterator[MicroBatch]:
     """This DP rank's micro-batches, in Megatron's order, starting after ``consumed_samples``."""
-    dataset = build_dataset(config)
-    if len(dataset) < config.num_samples:
-        raise ValueError(f"the dataset has {len(dataset)} examples, fewer than the {config.num_samples} "
-                         "samples the run consumes")
+    dataset = checked_dataset(config)
     sampler = MegatronPretrainingSampler(config.num_samples, consumed_samples, config.micro_batch_size,
                                          data_parallel_rank, data_parallel_size)
     pad_to = config.seq_length if config.pad_to_seq_length else None

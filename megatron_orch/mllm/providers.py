@@ -17,7 +17,7 @@ from megatron_orch.comm.group_topology import group_topology
 from megatron_orch.megatron.batch import MicroBatch
 from megatron_orch.megatron.post_balancing import BalancedMicroBatch, PostBalancingDataIterator
 from megatron_orch.megatron.schedule import ModalityAwareSchedule
-from megatron_orch.mllm.data import DataConfig, build_train_iterator
+from megatron_orch.mllm.data import build_train_iterator, data_config
 from megatron_orch.mllm.model import MLLMModel, ModelParallelSettings
 from megatron_orch.orchestrator.config import OrchestratorConfig
 
@@ -46,24 +46,6 @@ def build_model(args: argparse.Namespace, pre_process: bool = True, post_process
     """This pipeline stage's part of the MLLM (Megatron's ``model_provider(pre_process, post_process)``)."""
     return MLLMModel(args.mllm_config, model_parallel_settings(args), args.seq_length,
                      pre_process=pre_process, post_process=post_process)
-
-
-def data_config(args: argparse.Namespace) -> DataConfig:
-    return DataConfig(model_config=args.mllm_config, seq_length=args.seq_length,
-                      micro_batch_size=args.micro_batch_size,
-                      num_samples=args.train_iters * args.global_batch_size, seed=args.seed,
-                      manifest=_manifest_path(args.data_path),
-                      # 1F1B sends fixed [seq_length, micro_batch_size, hidden] tensors between stages.
-                      pad_to_seq_length=args.pipeline_model_parallel_size > 1)
-
-
-def _manifest_path(data_path):
-    """``--data-path``: one manifest path (Megatron-LM's parser gives a list)."""
-    if isinstance(data_path, (list, tuple)):
-        if len(data_path) > 1:
-            raise ValueError(f"--data-path takes one JSONL manifest here, got {len(data_path)} paths: {data_path}")
-        return data_path[0] if data_path else None
-    return data_path
 
 
 def build_train_data_iterator(args: argparse.Namespace, consumed_samples: int, data_parallel_rank: int,

@@ -1,6 +1,7 @@
 """What the orchestrator balances and how: one frozen dataclass, filled from the ``--orch-*`` flags."""
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Optional, Tuple
 
@@ -41,6 +42,9 @@ class OrchestratorConfig:
     cost_profile: Optional[CostProfile] = None
 
     def __post_init__(self):
+        if not self.phases:
+            raise ValueError(f"--orch-phases must name at least one phase of {','.join(PHASES)} (to balance "
+                             "nothing, leave out --orch-post-balancing)")
         unknown = [p for p in self.phases if p not in PHASES]
         if unknown or len(set(self.phases)) != len(self.phases):
             raise ValueError(f"--orch-phases: unknown or repeated phases {list(self.phases)}; choose from {PHASES}")
@@ -50,7 +54,7 @@ class OrchestratorConfig:
             raise ValueError(f"--orch-microbatching: unknown {self.microbatching!r}; choose one of {MICROBATCHING}")
         if self.placement not in PLACEMENT_METHODS:
             raise ValueError(f"--orch-placement: unknown {self.placement!r}; choose one of {PLACEMENT_METHODS}")
-        if self.placement_time_limit_s <= 0:
+        if not (math.isfinite(self.placement_time_limit_s) and self.placement_time_limit_s > 0):
             raise ValueError(f"--orch-placement-time-limit must be > 0, got {self.placement_time_limit_s}")
         if self.gpus_per_node is not None and self.gpus_per_node < 1:
             raise ValueError(f"--orch-gpus-per-node must be >= 1, got {self.gpus_per_node}")

@@ -10,18 +10,25 @@ Three groups of flags:
 * extra providers: functions ``provider(parser) -> parser`` (Megatron's ``extra_args_provider``
   convention), e.g. the orchestrator's ``--orch-*`` group, given to :func:`parse_args`.
 
-Unknown flags, abbreviations of flags and inconsistent values are errors that name the flag.
+Unknown flags, abbreviations of flags and inconsistent values are errors that name the flag
+(:class:`ArgumentError`). Parsing and every check that needs no device imports neither torch nor
+megatron, so a wrong command line fails in about a second: :func:`parse_args_or_exit` prints the one
+line ``pretrain_mllm.py: error: ...`` (on rank 0 only under torchrun) and exits with status 2, and
+``python -m megatron_orch.trainer.arguments FLAGS...`` checks a command line that way for a launch of
+``$WORLD_SIZE`` processes (the launch scripts do, before torchrun).
 """
 from __future__ import annotations
 
 import argparse
 import dataclasses
-from typing import Callable, Iterable, Optional, Sequence
+import math
+import os
+import sys
+from pathlib import Path
+from typing import Callable, Iterable, NoReturn, Optional, Sequence
 
 from megatron_orch.balance.model_config import MLLMConfig, load_model_config
 from megatron_orch.megatron.orch_arguments import add_orch_args, orch_config_from_args
-from megatron_orch.mllm.model import transformer_engine_available
-from megatron_orch.mllm.providers import runs_on_cpu
 
 ArgsProvider = Callable[[argparse.ArgumentParser], argparse.ArgumentParser]
 
@@ -38,6 +45,27 @@ _BACKBONE_SHAPE_FLAGS = {
 
 class ArgumentError(ValueError):
     """An inconsistent command line; the message names the flags involved."""
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse's own errors (unknown or missing flags, bad values) as :class:`ArgumentError`, so that the
+    caller decides where and how often to print them."""
+
+    def error(self, message: str) -> NoReturn:
+        raise ArgumentError(message)
+
+
+def transformer_engine_available() -> bool:
+    """:func:`megatron_orch.mllm.model.transformer_engine_available`, imported (with megatron) only when
+    the answer matters: a run on GPUs, or ``--transformer-impl transformer_engine``."""
+    from megatron_orch.mllm.model import transformer_engine_available as available
+    return available()
+
+
+def _runs_on_cpu(args: argparse.Namespace) -> bool:
+    """--distributed-backend gloo trains on CPU (what :func:`megatron_orch.mllm.providers.runs_on_cpu`
+    says, asked here without importing megatron)."""
+    return args.distributed_backend == "gloo"
 
 
 def add_megatron_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -122,12 +150,23 @@ def add_mllm_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     g.add_argument("--model-config", type=str, default="tiny",
                    help="name in configs/ (tiny, mllm_10b, ...) or a YAML path; the shape flags above "
                         "override its backbone")
+    g = parser.add_argument_group("multimodal data limits (--data-path manifests; checked from file headers "
+                                  "before any data is read)")
+    g.add_argument("--max-num-tiles", type=int, default=6,
+                   help="most tiles of one image's grid (InternVL-style dynamic tiling; Megatron-LM's flag, "
+                        "whose default is 1)")
+    g.add_argument("--max-image-pixels", type=int, default=8192 * 8192,
+                   help="most pixels (width x height) of one image before tiling")
+    g.add_argument("--max-audio-seconds", type=float, default=600.0,
+                   help="longest audio clip, in seconds of log-mel frames (100 per second)")
+    g.add_argument("--max-vision-items-per-sample", type=int, default=64,
+                   help="most vision items (tiles and thumbnails of all its images) of one example")
     return add_orch_args(parser)
 
 
 def build_parser(extra_args_providers: Iterable[ArgsProvider] = ()) -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="pretrain_mllm.py", allow_abbrev=False,
-                                     description="Train the multimodal LLM with megatron-core.")
+    parser = _Parser(prog="pretrain_mllm.py", allow_abbrev=False,
+                     description="Train the multimodal LLM with megatron-core.")
     add_megatron_args(parser)
     add_mllm_args(parser)
     for provider in extra_args_providers:
@@ -137,12 +176,45 @@ def build_parser(extra_args_providers: Iterable[ArgsProvider] = ()) -> argparse.
 
 def parse_args(argv: Optional[Sequence[str]] = None, world_size: Optional[int] = None,
                extra_args_providers: Iterable[ArgsProvider] = ()) -> argparse.Namespace:
-    """Parse and validate a command line (``world_size``: the launch's, default from torch.distributed)."""
+    """Parse and validate a command line (``world_size``: the launch's, default from torch.distributed).
+
+    Raises :class:`ArgumentError` naming the flag for anything wrong, argparse's own errors included.
+    """
     args = build_parser(extra_args_providers).parse_args(argv)
     if world_size is None:
         import torch.distributed as dist
         world_size = dist.get_world_size() if dist.is_initialized() else 1
     return validate_args(args, world_size)
+
+
+def parse_args_or_exit(argv: Optional[Sequence[str]] = None, world_size: Optional[int] = None,
+                       extra_args_providers: Iterable[ArgsProvider] = ()) -> argparse.Namespace:
+    """:func:`parse_args`; on an error, print ``pretrain_mllm.py: error: ...`` once and exit with status 2."""
+    try:
+        return parse_args(argv, world_size, extra_args_providers)
+    except ArgumentError as err:
+        exit_with_error(str(err))
+
+
+def check_data_or_exit(args: argparse.Namespace) -> None:
+    """With ``--data-path``: parse and check the manifest line by line, and that it holds every sample the
+    run consumes; on an error, :func:`exit_with_error`. Imports torch. (The synthetic default is
+    checked where the ranks build it.)"""
+    if args.data_path is None:
+        return
+    from megatron_orch.mllm.data import checked_dataset, data_config
+    try:
+        checked_dataset(data_config(args))
+    except (OSError, ValueError) as err:
+        exit_with_error(str(err))
+
+
+def exit_with_error(message: str) -> NoReturn:
+    """Print ``pretrain_mllm.py: error: <message>`` and exit with status 2, as argparse does; under
+    torchrun only global rank 0 prints (every rank parses the same command line and fails alike)."""
+    if os.environ.get("RANK", "0") == "0":
+        print(f"pretrain_mllm.py: error: {message}", file=sys.stderr, flush=True)
+    sys.exit(2)
 
 
 def _positive(args: argparse.Namespace, *names: str) -> None:
@@ -152,12 +224,30 @@ def _positive(args: argparse.Namespace, *names: str) -> None:
             raise ArgumentError(f"--{name.replace('_', '-')} must be >= 1, got {value}")
 
 
+def _in_range(args: argparse.Namespace, name: str, low: float, high: float = math.inf,
+              low_open: bool = False, high_open: bool = False) -> None:
+    """A finite float flag within [low, high] (``*_open``: the end excluded)."""
+    value = getattr(args, name)
+    above = value > low if low_open else value >= low
+    below = value < high if high_open else value <= high
+    if not (math.isfinite(value) and above and below):
+        interval = f"{'(' if low_open else '['}{low:g}, {high:g}{')' if high_open or math.isinf(high) else ']'}"
+        raise ArgumentError(f"--{name.replace('_', '-')} must be a finite number in {interval}, got {value}")
+
+
 def validate_args(args: argparse.Namespace, world_size: int) -> argparse.Namespace:
     """Check consistency; derive ``data_parallel_size``, ``num_microbatches`` and ``mllm_config`` (the
     loaded ``--model-config`` with the backbone shape flags applied)."""
     _positive(args, "tensor_model_parallel_size", "pipeline_model_parallel_size", "micro_batch_size",
               "global_batch_size", "train_iters", "exit_interval", "seq_length", "log_interval", "save_interval",
-              *_BACKBONE_SHAPE_FLAGS)
+              "make_vocab_size_divisible_by", "max_num_tiles", "max_image_pixels",
+              "max_vision_items_per_sample", *_BACKBONE_SHAPE_FLAGS)
+    for name in ("lr", "min_lr", "lr_warmup_init", "weight_decay", "clip_grad"):
+        _in_range(args, name, 0.0)
+    for name in ("adam_beta1", "adam_beta2", "sgd_momentum"):
+        _in_range(args, name, 0.0, 1.0, high_open=True)
+    for name in ("adam_eps", "init_method_std", "max_audio_seconds"):
+        _in_range(args, name, 0.0, low_open=True)
     model_parallel = args.tensor_model_parallel_size * args.pipeline_model_parallel_size
     if world_size % model_parallel:
         raise ArgumentError(f"world size {world_size} is not divisible by --tensor-model-parallel-size "
@@ -183,18 +273,20 @@ def validate_args(args: argparse.Namespace, world_size: int) -> argparse.Namespa
     if args.save_interval is not None and args.save is None:
         raise ArgumentError("--save-interval needs --save (the checkpoint directory)")
     for name in ("hidden_dropout", "attention_dropout"):
-        if not 0.0 <= getattr(args, name) < 1.0:
-            raise ArgumentError(f"--{name.replace('_', '-')} must be in [0, 1), got {getattr(args, name)}")
+        _in_range(args, name, 0.0, 1.0, high_open=True)
+    if args.data_path is not None and not Path(args.data_path).is_file():
+        raise ArgumentError(f"--data-path {args.data_path}: no such file (a JSONL manifest)")
     args.calculate_per_token_loss = True
-    if args.distributed_backend is None:
-        import torch
-        args.distributed_backend = "nccl" if torch.cuda.is_available() else "gloo"
-    _resolve_transformer_impl(args)
     args.mllm_config = resolve_model_config(args)
     try:
         args.orch_config = orch_config_from_args(args)
     except ValueError as err:
         raise ArgumentError(str(err)) from err
+    # Last, the checks that need torch (is a GPU visible?) or megatron (does Transformer Engine import?).
+    if args.distributed_backend is None:
+        import torch
+        args.distributed_backend = "nccl" if torch.cuda.is_available() else "gloo"
+    _resolve_transformer_impl(args)
     if (args.transformer_impl == "transformer_engine" and args.orch_config is not None
             and args.orch_config.microbatching == "packed"):
         raise ArgumentError("--orch-microbatching packed is not supported with --transformer-impl "
@@ -206,20 +298,24 @@ def validate_args(args: argparse.Namespace, world_size: int) -> argparse.Namespa
 def _resolve_transformer_impl(args: argparse.Namespace) -> None:
     """Default: Transformer Engine's layers on GPUs when it imports, else the local ones."""
     if args.transformer_impl is None:
-        use_te = transformer_engine_available() and not runs_on_cpu(args)
+        use_te = not _runs_on_cpu(args) and transformer_engine_available()
         args.transformer_impl = "transformer_engine" if use_te else "local"
     elif args.transformer_impl == "transformer_engine":
         if not transformer_engine_available():
             raise ArgumentError("--transformer-impl transformer_engine: Transformer Engine does not import here "
                                 "(import transformer_engine failed); use --transformer-impl local")
-        if runs_on_cpu(args):
+        if _runs_on_cpu(args):
             raise ArgumentError("--transformer-impl transformer_engine needs GPUs (--distributed-backend nccl); "
                                 "a gloo run trains on CPU: use --transformer-impl local")
 
 
 def resolve_model_config(args: argparse.Namespace) -> MLLMConfig:
     """``--model-config`` with the backbone shape flags applied, checked against the parallel sizes."""
-    config = backbone_overrides(load_model_config(args.model_config), args)
+    try:
+        loaded = load_model_config(args.model_config)
+    except (OSError, ValueError, TypeError) as err:  # missing file, bad YAML or fields
+        raise ArgumentError(f"--model-config {args.model_config}: {err}") from None
+    config = backbone_overrides(loaded, args)
     backbone = config.backbone
     if backbone.transformer.num_layers % args.pipeline_model_parallel_size:
         raise ArgumentError(f"the backbone's {backbone.transformer.num_layers} layers (--num-layers) are not "
@@ -261,3 +357,13 @@ def _check_tensor_parallel(config: MLLMConfig, tp: int) -> None:
         if encoder is not None and encoder.projector_ffn_hidden_size % tp:
             raise ArgumentError(f"{where}.projector_ffn_hidden_size={encoder.projector_ffn_hidden_size} is not "
                                 f"divisible by --tensor-model-parallel-size {tp}")
+
+
+def main(argv: Optional[Sequence[str]] = None) -> None:
+    """Check a ``pretrain_mllm.py`` command line for a launch of ``$WORLD_SIZE`` processes (default 1),
+    including its ``--data-path`` manifest, line by line; exit 0 if it is fine, else 2 with the error."""
+    check_data_or_exit(parse_args_or_exit(argv, world_size=int(os.environ.get("WORLD_SIZE", "1"))))
+
+
+if __name__ == "__main__":
+    main()

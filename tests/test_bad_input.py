@@ -1,0 +1,210 @@
+"""Bad input a new user meets first, each refused with one clear error before anything runs or is written:
+flags out of range or inconsistent, a missing model config or manifest, a bad manifest, bad trace rows;
+and how ``pretrain_mllm.py`` and the launch scripts report it (one line, exit status 2, before torch loads).
+"""
+import gzip
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from megatron_orch.balance.traces import NUMERIC_COLUMNS, TEXT_COLUMNS, Trace, load_trace
+from megatron_orch.trainer import arguments
+
+REPO = Path(__file__).resolve().parents[1]
+COMMON = ["--model-config", "tiny", "--seq-length", "128", "--micro-batch-size", "1", "--train-iters", "2",
+          "--lr", "1e-3", "--distributed-backend", "gloo"]
+BALANCED = ["--orch-post-balancing"]
+
+
+def parse(*flags, world_size=1):
+    return arguments.parse_args(COMMON + list(flags), world_size=world_size)
+
+
+# ------------------------------------------------------------------------------------------------ flags
+
+@pytest.mark.parametrize("phases", ["", " , "])
+def test_orch_phases_must_name_a_phase(phases):
+    with pytest.raises(arguments.ArgumentError, match="--orch-phases must name at least one phase of "
+                                                      "vision,audio,llm"):
+        parse(*BALANCED, "--orch-phases", phases)
+
+
+def test_orch_gpus_per_node_must_fit_the_launch(monkeypatch):
+    monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
+    with pytest.raises(arguments.ArgumentError, match="--orch-gpus-per-node 3 does not divide the world size 4"):
+        parse(*BALANCED, "--orch-gpus-per-node", "3", world_size=4)
+    assert parse(*BALANCED, "--orch-gpus-per-node", "2", world_size=4).orch_config.gpus_per_node == 2
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
+    with pytest.raises(arguments.ArgumentError, match=r"--orch-gpus-per-node 2 disagrees with the 4 processes "
+                                                      r"torchrun started on this node \(LOCAL_WORLD_SIZE\)"):
+        parse(*BALANCED, "--orch-gpus-per-node", "2", world_size=4)
+    assert parse(*BALANCED, "--orch-gpus-per-node", "4", world_size=4).orch_config.gpus_per_node == 4
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--lr", "nan"], "--lr must be a finite number in [0, inf), got nan"),
+    (["--lr=-1e-3"], "--lr must be a finite number in [0, inf)"),
+    (["--min-lr", "inf"], "--min-lr must be a finite number"),
+    (["--clip-grad=-1"], "--clip-grad must be a finite number in [0, inf)"),
+    (["--weight-decay", "nan"], "--weight-decay must be a finite number"),
+    (["--adam-beta2", "1"], "--adam-beta2 must be a finite number in [0, 1)"),
+    (["--adam-eps", "0"], "--adam-eps must be a finite number in (0, inf)"),
+    (["--hidden-dropout", "nan"], "--hidden-dropout must be a finite number in [0, 1)"),
+    (["--max-image-pixels", "0"], "--max-image-pixels must be >= 1"),
+    (["--max-num-tiles", "0"], "--max-num-tiles must be >= 1"),
+    (["--max-audio-seconds", "inf"], "--max-audio-seconds must be a finite number in (0, inf)"),
+    (["--max-vision-items-per-sample=-2"], "--max-vision-items-per-sample must be >= 1"),
+    (BALANCED + ["--orch-placement-time-limit", "nan"], "--orch-placement-time-limit must be > 0, got nan"),
+    (["--model-config", "no_such_config"], "--model-config no_such_config: model config 'no_such_config' not found"),
+    (["--data-path", "no/such/manifest.jsonl"], "--data-path no/such/manifest.jsonl: no such file"),
+    (["--no-such-flag"], "unrecognized arguments: --no-such-flag"),
+    (["--micro-batch-size", "two"], "argument --micro-batch-size: invalid int value: 'two'"),
+])
+def test_flags_out_of_range_are_named(flags, message):
+    with pytest.raises(arguments.ArgumentError) as raised:
+        parse(*flags)
+    assert message in str(raised.value)
+
+
+def test_required_flags_are_an_argument_error():
+    with pytest.raises(arguments.ArgumentError, match="the following arguments are required: --seq-length"):
+        arguments.parse_args(["--micro-batch-size", "1", "--train-iters", "1", "--lr", "1"], world_size=1)
+
+
+# ------------------------------------------------------------------------------------------------ traces
+
+def write_trace(path: Path, rows: list) -> Path:
+    header = TEXT_COLUMNS + NUMERIC_COLUMNS
+    lines = [",".join(header)] + [",".join(str(r.get(c, "")) for c in header) for r in rows]
+    text = "\n".join(lines) + "\n"
+    if path.suffix == ".gz":
+        path.write_bytes(gzip.compress(text.encode()))
+    else:
+        path.write_text(text)
+    return path
+
+
+GOOD_ROWS = [dict(task="image_sft", vision_tiles=t, text_tokens=40 + t) for t in range(1, 50)]
+
+
+@pytest.mark.parametrize("value, problem", [("-3", "-3.0 is negative"), ("nan", "nan is not finite"),
+                                            ("inf", "inf is not finite"), ("12x", "'12x' is not a number")])
+def test_trace_rows_are_checked_when_loaded(tmp_path, monkeypatch, value, problem):
+    monkeypatch.setenv("MEGATRON_ORCH_CACHE", str(tmp_path / "cache"))
+    rows = [dict(r) for r in GOOD_ROWS]
+    rows[36]["text_tokens"] = value
+    path = write_trace(tmp_path / "bad.csv.gz", rows)
+    with pytest.raises(ValueError, match=rf"{path}: row 37 \(line 38\), column 'text_tokens': {problem}"):
+        load_trace(str(path))
+    assert not (tmp_path / "cache").exists() or not list((tmp_path / "cache").rglob("*.npz"))
+
+
+def test_traces_built_from_rows_are_checked():
+    with pytest.raises(ValueError, match=r"trace 't': row 2, column 'audio_sec': -1.0 is negative"):
+        Trace.from_rows("t", [{"audio_sec": 1.0}, {"audio_sec": -1.0}])
+
+
+def test_balance_benchmark_refuses_a_bad_row_it_would_never_draw(tmp_path, monkeypatch, capsys):
+    """One example drawn from 200 rows: the bad last row is (almost surely) not drawn, and still refused."""
+    from megatron_orch.bench.balance import main
+
+    monkeypatch.setenv("MEGATRON_ORCH_CACHE", str(tmp_path / "cache"))
+    rows = [dict(task="asr", audio_sec=1.0 + i, text_tokens=5) for i in range(200)]
+    rows[-1]["text_tokens"] = -7
+    write_trace(tmp_path / "asr.csv", rows)
+    out = tmp_path / "bench.json"
+    with pytest.raises(ValueError, match=r"asr.csv: row 200 \(line 201\), column 'text_tokens': -7.0 is negative"):
+        main(["--trace", "asr.csv", "--traces-dir", str(tmp_path), "--dp", "1", "--per-rank", "1",
+              "--gpus-per-node", "1", "--model", "tiny", "--repeats", "1", "--json", str(out)])
+    assert not out.exists()
+    assert capsys.readouterr().out == ""
+
+
+# -------------------------------------------------------------------------------------- pretrain_mllm.py
+
+@pytest.fixture(scope="module")
+def no_torch(tmp_path_factory):
+    """A PYTHONPATH entry whose ``torch`` fails to import: what runs with it must not need torch."""
+    root = tmp_path_factory.mktemp("no_torch")
+    (root / "torch").mkdir()
+    (root / "torch" / "__init__.py").write_text("raise ImportError('torch was imported before the command line "
+                                                "was checked')\n")
+    return root
+
+
+def run_script(args, env_extra=None, pythonpath=(), timeout=120):
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE")}
+    env["PYTHONPATH"] = os.pathsep.join([*map(str, pythonpath), str(REPO)])
+    env.update(env_extra or {})
+    return subprocess.run(args, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
+
+
+@pytest.mark.parametrize("flags, message", [
+    (BALANCED + ["--orch-phases", ""], "--orch-phases must name at least one phase"),
+    (["--model-config", "missing.yaml"], "--model-config missing.yaml: model config 'missing.yaml' not found"),
+    (["--data-path", "missing.jsonl"], "--data-path missing.jsonl: no such file"),
+    (["--tensor-model-parallel-sise", "2"], "unrecognized arguments: --tensor-model-parallel-sise 2"),
+])
+def test_pretrain_errors_are_one_line_from_rank_0_before_torch_loads(no_torch, tmp_path, flags, message):
+    save = tmp_path / "checkpoints"
+    argv = [sys.executable, "pretrain_mllm.py", *COMMON, "--save", str(save), *flags]
+    for rank in ("0", "1"):
+        proc = run_script(argv, {"RANK": rank, "WORLD_SIZE": "2"}, pythonpath=[no_torch])
+        assert proc.returncode == 2, proc.stderr
+        assert proc.stdout == ""
+        if rank == "0":
+            assert proc.stderr.splitlines() == [f"pretrain_mllm.py: error: {proc.stderr.split('error: ', 1)[1]}"
+                                                .rstrip("\n")], proc.stderr
+            assert message in proc.stderr
+        else:
+            assert proc.stderr == ""
+    assert not save.exists()
+
+
+def test_a_bad_manifest_is_one_line_before_the_model_is_built(tmp_path, monkeypatch, capsys):
+    """The manifest is read, line by line, right after the flags: no model, no process group."""
+    import pretrain_mllm
+    from megatron_orch.mllm import providers
+    from megatron_orch.trainer import loop
+
+    manifest = tmp_path / "m.jsonl"
+    manifest.write_text(json.dumps({"text": "fine"}) + "\n" + json.dumps({"text": "a", "image": ["x.png"]}) + "\n")
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("the model was built before the manifest was checked")
+
+    monkeypatch.setattr(providers, "build_model", refuse)
+    monkeypatch.setattr(loop, "initialize", refuse)
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    monkeypatch.setenv("RANK", "0")
+    with pytest.raises(SystemExit) as exited:
+        pretrain_mllm.main_compact(COMMON + ["--data-path", str(manifest)])
+    assert exited.value.code == 2
+    err = capsys.readouterr().err
+    assert err.splitlines() == [f"pretrain_mllm.py: error: {manifest}:2: unknown keys ['image']; allowed: "
+                                "['audio', 'images', 'prompt', 'sizes', 'text']"]
+
+
+def test_launch_script_ends_with_the_error(no_torch):
+    """scripts/train_tiny_cpu.sh checks the command line once before torchrun: the user's last line is the
+    error (not torchrun's report of failed ranks), exit status 2, and torch was never needed for it."""
+    proc = run_script(["bash", "scripts/train_tiny_cpu.sh", *BALANCED, "--orch-phases", ""],
+                      {"MEGATRON_ORCH_SKIP_SETUP": "1", "NPROC": "2"}, pythonpath=[no_torch])
+    assert proc.returncode == 2, proc.stderr
+    assert proc.stderr.strip().splitlines()[-1].startswith("pretrain_mllm.py: error: --orch-phases must name"), \
+        proc.stderr
+    assert "torch.distributed" not in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_launch_script_checks_with_the_launch_world_size(no_torch):
+    proc = run_script(["bash", "scripts/train_tiny_cpu.sh", "--global-batch-size", "6"],
+                      {"MEGATRON_ORCH_SKIP_SETUP": "1", "NPROC": "4"}, pythonpath=[no_torch])
+    assert proc.returncode == 2, proc.stderr
+    assert proc.stderr.strip().splitlines() == [
+        "pretrain_mllm.py: error: --global-batch-size 6 is not divisible by --micro-batch-size (2) x "
+        "data-parallel size (4) = 8"]
