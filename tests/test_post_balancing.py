@@ -6,6 +6,7 @@ images anywhere, audio on one rank only, one example far longer than a fair shar
 on one rank, then an ordinary mixed step. Layouts: DP 4, TP 2 x DP 2, PP 2 x DP 2 (1F1B), DP 1; modes:
 equal-count micro-batches, packed micro-batches with encoder recompute and locality-aware balancing.
 """
+import re
 import warnings
 from pathlib import Path
 
@@ -202,18 +203,20 @@ def test_ranks_with_different_plans_fail_loudly_instead_of_hanging():
 
 
 def _bad_input_on_one_rank(rank, world_size):
-    """Rank 1 loads an example whose image placeholders do not match its tiles: rank 1 says what is
-    wrong, rank 0 that another rank rejected its input; neither waits in a collective."""
+    """Rank 1 loads an example whose image placeholders do not match its tiles, then (next iterator) its
+    loader raises: each time rank 1 raises its own error and rank 0 an error quoting it; neither waits
+    in a collective."""
     warnings.filterwarnings("ignore")
     import dataclasses
 
     import torch.distributed as dist
 
     from megatron_orch.balance.model_config import load_model_config
-    from megatron_orch.comm.gather import GroupMismatchError
+    from megatron_orch.comm.status import PeerFailedError
     from megatron_orch.balance.topology import Topology
     from megatron_orch.megatron.batch import collate
     from megatron_orch.mllm.examples import example_shape
+    from megatron_orch.mllm.manifest import ManifestError
     from megatron_orch.megatron.post_balancing import PostBalancingDataIterator
     from megatron_orch.orchestrator.config import OrchestratorConfig
 
@@ -223,17 +226,27 @@ def _bad_input_on_one_rank(rank, world_size):
     if rank == 1:
         good = scripted_example(SCENARIOS.index("heavy_on_one_rank"), 0, 0, shape, 11)  # 8 tiles
         examples[1] = dataclasses.replace(good, vision=good.vision[:3])
-    iterator = PostBalancingDataIterator(iter([collate(examples)]), model_config=model_config,
+
+    def iterator(source):
+        return PostBalancingDataIterator(source, model_config=model_config,
                                          config=OrchestratorConfig(background=False), shape=shape,
                                          micro_batch_size=MBS, num_microbatches=1, dp_group=dist.group.WORLD,
                                          topology=Topology.uniform(world_size, 1), encoder_stage=True,
                                          compute_device=torch.device("cpu"))
-    if rank == 1:
-        with pytest.raises(ValueError, match="example 11: .* image placeholders, expected 3 items"):
-            next(iterator)
-    else:
-        with pytest.raises(GroupMismatchError, match="another rank of the DP group rejected its input"):
-            next(iterator)
+
+    mismatch = "example 11: .* image placeholders, expected 3 items"
+    with pytest.raises(ValueError if rank == 1 else PeerFailedError, match=mismatch):
+        next(iterator(iter([collate(examples)])))
+
+    loader_error = "train.jsonl line 3: image data/3.png does not exist"
+
+    def loader():
+        if rank == 1:
+            raise ManifestError(loader_error)
+        yield collate(examples)
+
+    with pytest.raises(ManifestError if rank == 1 else PeerFailedError, match=re.escape(loader_error)):
+        next(iterator(loader()))
 
 
 def test_bad_input_on_one_rank_raises_on_every_rank():

@@ -37,14 +37,15 @@ from megatron_orch.balance.workload import StepSizes
 from megatron_orch.comm.alltoall import ItemLayout, all_to_all_items
 from megatron_orch.comm.device import communication_device, host_to_device
 from megatron_orch.comm.gather import GroupMismatchError, assert_same_on_all_ranks, gather_item_sizes
+from megatron_orch.comm.status import raise_if_any_rank_failed
 from megatron_orch.megatron.batch import PAD_TOKEN_ID, Example, ExampleShape, MicroBatch, collate, collate_packed
 from megatron_orch.orchestrator.background import BackgroundPlanner
 from megatron_orch.orchestrator.config import OrchestratorConfig
 from megatron_orch.orchestrator.step_plan import StepPlan, plan_step, warm_up
 
 _SIZE_COLUMNS = 4  # sample index, vision items, audio items, tokens
-_OK, _BAD_INPUT, _EXHAUSTED = 0, 1, 2  # a rank's status, sent as the size gather's check value
-_STATUS_TEXT = "check values: 0 ok, 1 bad input, 2 no more data"
+_OK, _EXHAUSTED = 0, 1  # a rank's status, sent as the size gather's check value
+_STATUS_TEXT = "check values: 0 a step read, 1 no more data"
 
 
 @dataclass(frozen=True, eq=False)
@@ -108,33 +109,35 @@ class PostBalancingDataIterator:
     def _read_and_submit(self) -> None:
         """Read the next step's examples, gather their sizes, start planning them.
 
-        Every rank enters the size gather whatever it found, with a status (ok, bad input, no more
-        data) as the gather's check value: a rank's bad input or early end then raises on every rank
-        of the group, instead of leaving the others waiting in a collective.
+        Whatever happens while reading (a loader error with its manifest line and path, an example
+        that does not fit the model, a step cut short) is agreed on by every rank of the job before
+        any other collective: all ranks raise, the failing rank with its own error, the others quoting
+        it. The status exchange spans the world group, not only the DP group, because the TP/PP peers
+        of a failing rank sit in other DP groups and would otherwise wait in the next collective. A
+        rank out of data enters the size gather with that status as the check value, so an early
+        end on some ranks raises on every rank too.
         """
-        status, problem, examples = _OK, None, []
-        batches = list(itertools.islice(self.source, self.num_microbatches))
+        problem, batches, examples = None, [], []
         try:
+            batches = list(itertools.islice(self.source, self.num_microbatches))
             if batches and len(batches) != self.num_microbatches:
                 raise ValueError(f"DP rank {self.rank}: the data iterator ended inside a step "
                                  f"({len(batches)} of {self.num_microbatches} micro-batches)")
             examples = [e for b in batches for e in b.examples()]
             for example in examples:
                 self.shape.check(example)
-        except ValueError as err:
-            status, problem, examples = _BAD_INPUT, err, []
-        if not batches:
-            status = _EXHAUSTED
+        except Exception as err:  # noqa: BLE001 -- any loader failure must reach the other ranks
+            problem = err
+        raise_if_any_rank_failed(problem, group=None, what="reading the step's input (post-balancing)")
+        status = _OK if batches else _EXHAUSTED
         local = np.array([[e.sample_index, e.num_vision_items, e.num_audio_items, e.num_tokens]
                           for e in examples], dtype=np.int64).reshape(-1, _SIZE_COLUMNS)
         try:
             gathered = gather_item_sizes(local, self.dp_group, max_count=self.micro_batch_size * self.num_microbatches,
                                          check=status)
         except GroupMismatchError as mismatch:
-            if problem is not None:
-                raise problem from mismatch
-            raise GroupMismatchError(f"DP rank {self.rank}: another rank of the DP group rejected its input or "
-                                     f"ran out of data ({_STATUS_TEXT}): {mismatch}") from None
+            raise GroupMismatchError(f"DP rank {self.rank}: ranks of the DP group disagree on whether a step is "
+                                     f"left or sent bad sizes ({_STATUS_TEXT}): {mismatch}") from None
         if status == _EXHAUSTED:
             self._exhausted = True
             return

@@ -99,7 +99,9 @@ def add_megatron_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParse
     g.add_argument("--distributed-backend", choices=["nccl", "gloo"], default=None,
                    help="nccl: train on GPUs; gloo: train on CPU through megatron_orch.trainer.cpu_harness. "
                         "Default: nccl when a GPU is visible, else gloo")
-    g.add_argument("--distributed-timeout-minutes", type=int, default=10)
+    g.add_argument("--distributed-timeout-minutes", type=float, default=10,
+                   help="timeout of every process group's collectives (Megatron-LM: whole minutes; fractions "
+                        "are accepted here, e.g. 0.25, which the fault tests use)")
 
     g = parser.add_argument_group("training")
     g.add_argument("--micro-batch-size", type=int, required=True)
@@ -141,6 +143,13 @@ def add_megatron_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParse
     g.add_argument("--save", type=str, default=None)
     g.add_argument("--load", type=str, default=None)
     g.add_argument("--save-interval", type=int, default=None, help="default: save at the end only")
+    g.add_argument("--override-opt_param-scheduler", "--override-opt-param-scheduler", action="store_true",
+                   dest="override_opt_param_scheduler",
+                   help="on --load, take the LR/weight-decay schedule from this run's flags, not the checkpoint's")
+    g.add_argument("--use-checkpoint-opt_param-scheduler", "--use-checkpoint-opt-param-scheduler",
+                   action="store_true", dest="use_checkpoint_opt_param_scheduler",
+                   help="on --load, keep the checkpoint's LR/weight-decay schedule and ignore this run's flags "
+                        "(without either flag they must match)")
     return parser
 
 
@@ -270,6 +279,11 @@ def validate_args(args: argparse.Namespace, world_size: int) -> argparse.Namespa
                             f"({args.lr_decay_iters}; default --train-iters)")
     if args.min_lr > args.lr:
         raise ArgumentError(f"--min-lr {args.min_lr} exceeds --lr {args.lr}")
+    if args.distributed_timeout_minutes <= 0:
+        raise ArgumentError(f"--distributed-timeout-minutes must be > 0, got {args.distributed_timeout_minutes}")
+    if args.override_opt_param_scheduler and args.use_checkpoint_opt_param_scheduler:
+        raise ArgumentError("--override-opt_param-scheduler and --use-checkpoint-opt_param-scheduler exclude each "
+                            "other (this run's LR schedule, or the checkpoint's)")
     if args.save_interval is not None and args.save is None:
         raise ArgumentError("--save-interval needs --save (the checkpoint directory)")
     for name in ("hidden_dropout", "attention_dropout"):

@@ -34,7 +34,9 @@ from megatron_orch.comm.device import to_communication_device
 from megatron_orch.comm.gather import all_gather_to_host
 from megatron_orch.mllm import providers
 from megatron_orch.mllm.providers import runs_on_cpu
-from megatron_orch.trainer.checkpointing import TrainState, load_checkpoint, save_checkpoint
+from megatron_orch.comm.status import raise_if_any_rank_failed
+from megatron_orch.trainer.checkpointing import TrainState, load_checkpoint, run_config, save_checkpoint
+from megatron_orch.trainer.faults import StepReader, diagnose_collective_failure, lost_collective
 from megatron_orch.trainer.training_log import (LOAD_FIELDS, PHASE_TIMERS, POST_BALANCING_FIELDS, IntervalStats,
                                                 IterationRecord, LoadMeter, TensorBoardLog, max_and_mean_over_group)
 
@@ -57,9 +59,12 @@ def initialize(args: argparse.Namespace) -> None:
     if dist.get_world_size() != args.world_size:
         raise RuntimeError(f"the arguments were validated for world size {args.world_size}, "
                            f"but the process group has {dist.get_world_size()} ranks")
+    # Every group megatron-core creates (DP, TP, PP, model-parallel, their gloo twins) gets the timeout;
+    # without it they keep megatron-core's 30-minute default whatever the flag says.
     parallel_state.initialize_model_parallel(
         tensor_model_parallel_size=args.tensor_model_parallel_size,
-        pipeline_model_parallel_size=args.pipeline_model_parallel_size)
+        pipeline_model_parallel_size=args.pipeline_model_parallel_size,
+        distributed_timeout_minutes=args.distributed_timeout_minutes)
     set_random_seed(args.seed)
 
 
@@ -105,8 +110,18 @@ def build_optimizer(args: argparse.Namespace, model: list, timers: Optional[Time
         optimizer, init_lr=args.lr_warmup_init, max_lr=args.lr, min_lr=args.min_lr,
         lr_warmup_steps=args.lr_warmup_iters * samples, lr_decay_steps=args.lr_decay_iters * samples,
         lr_decay_style=args.lr_decay_style, start_wd=args.weight_decay, end_wd=args.weight_decay,
-        wd_incr_steps=args.train_iters * samples, wd_incr_style="constant")
+        wd_incr_steps=args.train_iters * samples, wd_incr_style="constant",
+        use_checkpoint_opt_param_scheduler=args.use_checkpoint_opt_param_scheduler,
+        override_opt_param_scheduler=args.override_opt_param_scheduler)
     return optimizer, scheduler
+
+
+def scheduler_source(args: argparse.Namespace) -> str:
+    """Which LR schedule a resumed run follows (Megatron-LM's flags): "override" (this run's),
+    "checkpoint" (the checkpoint's) or "match" (both must be equal)."""
+    if args.override_opt_param_scheduler:
+        return "override"
+    return "checkpoint" if args.use_checkpoint_opt_param_scheduler else "match"
 
 
 def attach_to_model_config(model: list, optimizer, timers: Timers) -> None:
@@ -210,9 +225,26 @@ def _phase_seconds(timers: Timers) -> dict:
 def train(args: argparse.Namespace, model: list, optimizer, scheduler, data_iterator: Iterator,
           state: TrainState, timers: Timers, forward_step: ForwardStep = providers.forward_step,
           print_fn: Callable[[str], None] = print,
-          forward_backward_func: Optional[Callable] = None) -> list[IterationRecord]:
+          forward_backward_func: Optional[Callable] = None,
+          read_step: Optional[Callable[[], None]] = None) -> list[IterationRecord]:
     """Train up to ``args.train_iters`` (or the next multiple of ``--exit-interval``), then save if
-    ``--save``; returns the records of the logged iterations (on the logging rank, else empty)."""
+    ``--save``; returns the records of the logged iterations (on the logging rank, else empty).
+
+    ``read_step``: called on every rank before each step (:meth:`StepReader.read_step`). A collective
+    that times out or loses a peer raises :class:`~megatron_orch.trainer.faults.CollectiveFailureError`
+    naming the ranks that never reached a collective.
+    """
+    try:
+        return _train(args, model, optimizer, scheduler, data_iterator, state, timers, forward_step, print_fn,
+                      forward_backward_func, read_step)
+    except RuntimeError as err:
+        if not lost_collective(err):
+            raise
+        raise diagnose_collective_failure(err, state.iteration + 1, args.distributed_timeout_minutes) from err
+
+
+def _train(args, model, optimizer, scheduler, data_iterator, state, timers, forward_step, print_fn,
+           forward_backward_func, read_step) -> list[IterationRecord]:
     meter = LoadMeter(data_iterator)
     tensorboard = TensorBoardLog(args.tensorboard_dir) if args.tensorboard_dir and _logging_rank() else None
     records, stats, first_iteration = [], IntervalStats(), state.iteration
@@ -222,6 +254,8 @@ def train(args: argparse.Namespace, model: list, optimizer, scheduler, data_iter
         if args.exit_interval and state.iteration > first_iteration and state.iteration % args.exit_interval == 0:
             break
         start = time.perf_counter()
+        if read_step is not None:
+            read_step()
         result = train_step(forward_step, meter, model, optimizer, scheduler, args, timers, forward_backward_func)
         elapsed = time.perf_counter() - start
         state.iteration += 1
@@ -237,10 +271,12 @@ def train(args: argparse.Namespace, model: list, optimizer, scheduler, data_iter
                 if tensorboard is not None:
                     tensorboard.write(record)
         if args.save and args.save_interval and state.iteration % args.save_interval == 0:
-            save_checkpoint(args.save, state, model, optimizer, scheduler, args.use_distributed_optimizer)
+            save_checkpoint(args.save, state, model, optimizer, scheduler, args.use_distributed_optimizer,
+                            run_config(args))
     saved_last = args.save_interval and state.iteration % args.save_interval == 0
     if args.save and state.iteration > first_iteration and not saved_last:
-        save_checkpoint(args.save, state, model, optimizer, scheduler, args.use_distributed_optimizer)
+        save_checkpoint(args.save, state, model, optimizer, scheduler, args.use_distributed_optimizer,
+                        run_config(args))
     if tensorboard is not None:
         tensorboard.close()
     return records
@@ -259,15 +295,25 @@ def pretrain(args: argparse.Namespace, model_provider: Callable = providers.buil
     time_encoder_forwards(model, timers)
     state = TrainState()
     if args.load:
-        state = load_checkpoint(args.load, model, optimizer, scheduler, args.use_distributed_optimizer)
+        # Returns on every rank only when every rank loaded (or none found a checkpoint).
+        state = load_checkpoint(args.load, model, optimizer, scheduler, args.use_distributed_optimizer,
+                                run_config(args), scheduler_source(args))
         if _logging_rank():
-            print_fn(f" resumed from {args.load} at iteration {state.iteration} "
-                     f"(consumed samples {state.consumed_samples})")
+            for note in state.notes:
+                print_fn(note)
+            if state.iteration:
+                print_fn(f" resumed from {args.load} at iteration {state.iteration} "
+                         f"(consumed samples {state.consumed_samples})")
     if dist.get_rank() == 0:
         print_fn(_describe(args, model))
-    data_iterator = providers.build_train_data_iterator(
-        args, state.consumed_samples, parallel_state.get_data_parallel_rank(), args.data_parallel_size)
-    forward_backward_func = get_forward_backward_func()
+    data_iterator, error = None, None
+    try:  # the manifest is read here: a bad one raises on every rank, with its line and path
+        data_iterator = providers.build_train_data_iterator(
+            args, state.consumed_samples, parallel_state.get_data_parallel_rank(), args.data_parallel_size)
+    except Exception as err:  # noqa: BLE001
+        error = err
+    raise_if_any_rank_failed(error, what="building the training data iterator")
+    forward_backward_func, read_step = get_forward_backward_func(), None
     if args.orch_config is not None:
         data_iterator, forward_backward_func = providers.build_post_balancing(
             args, args.orch_config, data_iterator, forward_backward_func)
@@ -275,11 +321,14 @@ def pretrain(args: argparse.Namespace, model_provider: Callable = providers.buil
             topology = data_iterator.topology
             print_fn(f" > post-balancing on: {args.orch_config} | DP group: {topology.num_ranks} ranks on "
                      f"{topology.num_nodes} node(s)")
+    else:
+        data_iterator = StepReader(data_iterator, args.num_microbatches)
+        read_step = data_iterator.read_step
     # megatron.training hands the schedule its iterator wrapped by the rerun machinery; so do we, so the
     # post-balancing iterator is exercised exactly as it is there.
     data_iterator = RerunDataIterator(data_iterator)
     return train(args, model, optimizer, scheduler, data_iterator, state, timers, forward_step, print_fn,
-                 forward_backward_func)
+                 forward_backward_func, read_step)
 
 
 def _describe(args: argparse.Namespace, model: list) -> str:

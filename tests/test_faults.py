@@ -1,0 +1,120 @@
+"""A failure on one rank ends the run on every rank, and the error says which rank and what.
+
+* A rank stuck (sleeping) in its vision encoder's forward: the other rank waits in the post-balancing
+  all-to-all over the DP group, whose timeout must be ``--distributed-timeout-minutes`` (megatron-core's
+  groups default to 30 minutes), and the error must name the stuck rank and the collective.
+* A loader error on one rank (a manifest line whose image cannot be read), with post-balancing off and
+  on, and a manifest that fails while the data iterator is built: every rank raises, and every rank's
+  error carries the failing rank's message with the manifest line and path.
+"""
+import re
+import time
+import warnings
+from pathlib import Path
+
+import pytest
+
+from dist_utils import run_distributed
+
+warnings.filterwarnings("ignore", message=r".*(Transformer Engine|Apex).*not installed")
+
+TIMEOUT_MINUTES = 0.25
+COMMON = ["--model-config", "tiny", "--seq-length", "128", "--micro-batch-size", "1", "--global-batch-size", "2",
+          "--train-iters", "3", "--lr", "1e-3", "--log-interval", "1", "--seed", "3", "--distributed-backend", "gloo",
+          "--distributed-timeout-minutes", str(TIMEOUT_MINUTES)]
+BALANCED = ["--orch-post-balancing", "--orch-gpus-per-node", "2"]
+LOADER_ERROR = "data/train.jsonl line 7: cannot read image data/images/0007.png: truncated PNG"
+
+
+def _stuck_in_encoder(rank, world_size, out_dir):
+    """Rank 1 sleeps in its second vision-encoder forward (iteration 2) far longer than the timeout."""
+    warnings.filterwarnings("ignore")
+    from megatron.core import parallel_state
+
+    from megatron_orch.mllm import providers
+    from megatron_orch.trainer import arguments, loop as trainer
+
+    def model_provider(args, pre_process, post_process):
+        model = providers.build_model(args, pre_process, post_process)
+        if rank == 1:
+            encode, calls = model.encode_vision, []
+
+            def stuck_on_second_call(vision):
+                calls.append(1)
+                if len(calls) == 2:
+                    (Path(out_dir) / "stuck_since").write_text(repr(time.time()))
+                    time.sleep(600)
+                return encode(vision)
+
+            model.encode_vision = stuck_on_second_call
+        return model
+
+    args = arguments.parse_args(COMMON + BALANCED, world_size=world_size)
+    try:
+        trainer.pretrain(args, model_provider=model_provider, print_fn=lambda line: None)
+    finally:
+        parallel_state.destroy_model_parallel()
+
+
+def test_rank_stuck_in_an_encoder_is_named_within_twice_the_timeout(tmp_path):
+    timeout_s = TIMEOUT_MINUTES * 60
+    with pytest.raises(RuntimeError) as failure:  # old code: run_distributed's TimeoutError (DP group: 30 min)
+        run_distributed(_stuck_in_encoder, 2, str(tmp_path), timeout_s=2 * timeout_s + 120)
+    ended = time.time()
+    stuck_since = float((tmp_path / "stuck_since").read_text())
+    assert ended - stuck_since <= 2 * timeout_s, ended - stuck_since
+    report = str(failure.value)
+    assert "CollectiveFailureError: iteration 2: a collective failed on rank 0" in report, report[-3000:]
+    assert re.search(r"rank\(s\) 1 did not reach a collective", report), report[-3000:]
+    # The collective rank 0 waited in: the encoder outputs' all-to-all of the modality-aware schedule.
+    assert re.search(r"ranks 0 in torch\.distributed\.all_to_all_single called from "
+                     r"megatron_orch/comm/alltoall\.py:\d+ .* <- megatron_orch/megatron/schedule\.py:\d+ _move",
+                     report), report[-3000:]
+
+
+CASES = {"no post-balancing, step 2": [], "post-balancing, step 2": BALANCED, "building the iterator": []}
+
+
+def _loader_errors(rank, world_size, out_dir):
+    """Each case trains in the same processes; rank 1's loader raises; every rank writes what it raised."""
+    warnings.filterwarnings("ignore")
+    from megatron.core import parallel_state
+
+    from megatron_orch.mllm import providers
+    from megatron_orch.mllm.manifest import ManifestError
+    from megatron_orch.trainer import arguments, loop as trainer
+
+    build = providers.build_train_data_iterator
+    for index, (case, flags) in enumerate(CASES.items()):
+        def failing_loader(args, consumed_samples, dp_rank, dp_size, case=case):
+            if dp_rank == 1 and case == "building the iterator":
+                raise ManifestError(LOADER_ERROR)
+            batches = build(args, consumed_samples, dp_rank, dp_size)
+
+            def read():  # one micro-batch per step: the second is step 2's
+                for step, batch in enumerate(batches):
+                    if dp_rank == 1 and step == 1:
+                        raise ManifestError(LOADER_ERROR)
+                    yield batch
+            return read()
+
+        providers.build_train_data_iterator = failing_loader
+        args = arguments.parse_args(COMMON + flags, world_size=world_size)
+        try:
+            trainer.pretrain(args, print_fn=lambda line: None)
+            outcome = "no error"
+        except Exception as err:  # noqa: BLE001 -- what each rank raised is the result
+            outcome = f"{type(err).__name__}: {err}"
+        finally:
+            parallel_state.destroy_model_parallel()
+        (Path(out_dir) / f"case{index}_rank{rank}.txt").write_text(outcome)
+
+
+def test_loader_error_on_one_rank_raises_on_every_rank_with_its_message(tmp_path):
+    run_distributed(_loader_errors, 2, str(tmp_path), timeout_s=240.0)
+    for index, case in enumerate(CASES):
+        failing = (tmp_path / f"case{index}_rank1.txt").read_text()
+        other = (tmp_path / f"case{index}_rank0.txt").read_text()
+        assert failing == f"ManifestError: {LOADER_ERROR}", (case, failing)
+        assert other.startswith("PeerFailedError: "), (case, other)
+        assert f"failed on rank(s) [1]: rank 1: ManifestError: {LOADER_ERROR}" in other, (case, other)
