@@ -11,8 +11,10 @@ def world_of_one():
     import torch.distributed as dist
     from megatron.core import parallel_state, tensor_parallel
 
+    from dist_utils import scaled
+
     store = dist.TCPStore("127.0.0.1", 0, world_size=1, is_master=True, wait_for_workers=False,
-                          timeout=datetime.timedelta(seconds=60))
+                          timeout=datetime.timedelta(seconds=scaled(60)))
     dist.init_process_group("gloo", store=store, rank=0, world_size=1)
     parallel_state.initialize_model_parallel(1, 1)
     tensor_parallel.model_parallel_cuda_manual_seed(0)

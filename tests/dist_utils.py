@@ -7,10 +7,16 @@
 The rendezvous store lives in the calling process on a port the OS picks (no port races between
 tests running at the same time), and every collective and the whole run have timeouts, so a bug
 fails the test instead of hanging it. A failure on any rank is re-raised with that rank's traceback.
+
+Every timeout a test states is the time its work takes on an idle 2-core machine with room to spare;
+:func:`scaled` multiplies it by ``$ORCH_TEST_TIMEOUT_FACTOR`` (default 3: a machine shared with other
+CPU-heavy processes runs these tests several times slower; a hang still fails, only later). Fixed
+timeouts elsewhere in the tests (subprocesses, stores) go through :func:`scaled` too.
 """
 from __future__ import annotations
 
 import datetime
+import math
 import os
 import pickle
 import time
@@ -20,10 +26,31 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 HOST = "127.0.0.1"
+TIMEOUT_FACTOR_ENV = "ORCH_TEST_TIMEOUT_FACTOR"
+DEFAULT_TIMEOUT_FACTOR = 3.0
+
+
+def timeout_factor() -> float:
+    """``$ORCH_TEST_TIMEOUT_FACTOR`` (a finite number > 0), default :data:`DEFAULT_TIMEOUT_FACTOR`."""
+    raw = os.environ.get(TIMEOUT_FACTOR_ENV, "")
+    try:
+        factor = float(raw) if raw else DEFAULT_TIMEOUT_FACTOR
+    except ValueError:
+        factor = math.nan
+    if not (math.isfinite(factor) and factor > 0):
+        raise ValueError(f"{TIMEOUT_FACTOR_ENV}={raw!r}: expected a finite number > 0")
+    return factor
+
+
+def scaled(seconds: float) -> float:
+    """A test's timeout for this machine: ``seconds`` (enough on an idle 2-core machine) x :func:`timeout_factor`."""
+    return seconds * timeout_factor()
 
 
 def run_distributed(fn, world_size: int, *args, timeout_s: float = 90.0) -> None:
-    """Call ``fn(rank, world_size, *args)`` on ``world_size`` spawned gloo ranks; raise on any failure."""
+    """Call ``fn(rank, world_size, *args)`` on ``world_size`` spawned gloo ranks; raise on any failure.
+    ``timeout_s`` (idle machine) is :func:`scaled` for the run and for every collective."""
+    timeout_s = scaled(timeout_s)
     store = dist.TCPStore(HOST, 0, is_master=True, wait_for_workers=False,
                           timeout=datetime.timedelta(seconds=timeout_s))
     context = mp.start_processes(_worker, args=(fn, world_size, store.port, timeout_s, args),

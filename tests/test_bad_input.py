@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 
+from dist_utils import scaled
 from megatron_orch.balance.traces import NUMERIC_COLUMNS, TEXT_COLUMNS, Trace, load_trace
 from megatron_orch.trainer import arguments
 
@@ -137,11 +138,11 @@ def no_torch(tmp_path_factory):
     return root
 
 
-def run_script(args, env_extra=None, pythonpath=(), timeout=120):
+def run_script(args, env_extra=None, pythonpath=(), timeout=60):
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE")}
     env["PYTHONPATH"] = os.pathsep.join([*map(str, pythonpath), str(REPO)])
     env.update(env_extra or {})
-    return subprocess.run(args, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
+    return subprocess.run(args, cwd=REPO, env=env, capture_output=True, text=True, timeout=scaled(timeout))
 
 
 @pytest.mark.parametrize("flags, message", [

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from dist_utils import run_distributed
+from dist_utils import run_distributed, scaled
 
 warnings.filterwarnings("ignore", message=r".*(Transformer Engine|Apex).*not installed")
 
@@ -154,7 +154,7 @@ def test_torchrun_entry_point_logs_megatron_iteration_lines(reference, tmp_path)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
            str(REPO / "pretrain_mllm.py"), *COMMON, "--train-iters", "3", "--tensorboard-dir", str(tensorboard),
            "--bf16"]
-    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=TIMEOUT_S)
+    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=scaled(TIMEOUT_S))
     assert proc.returncode == 0, proc.stderr[-3000:]
     lines = [line for line in proc.stdout.splitlines() if line.startswith(" iteration ")]
     assert [int(re.search(r"iteration +(\d+)/ +3 \|", line).group(1)) for line in lines] == [1, 2, 3]
