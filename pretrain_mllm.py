@@ -73,6 +73,15 @@ def main_megatron_lm() -> None:
             megatron_lm.require_patched(pretrain)
         except megatron_lm.PatchMissingError as err:
             sys.exit(f"pretrain_mllm.py: error: {err}")
+    elif "--overlap-grad-reduce" in sys.argv[1:]:
+        # Megatron DDP then reduces a bucket once each of its parameters reported a gradient in the last
+        # micro-batch, and asserts after the first step that every parameter did. Without post-balancing
+        # the encoders run inside each micro-batch and skip one without images or audio, so the step
+        # fails at the start of iteration 2 (post-balancing runs every encoder once per step instead).
+        sys.exit("pretrain_mllm.py: error: --overlap-grad-reduce without --orch-post-balancing is not supported: "
+                 "an encoder skipped by a last micro-batch without images or audio reports no gradients, which "
+                 "Megatron DDP's overlapped reduction asserts against; drop the flag (the numerics are the "
+                 "same) or add --orch-post-balancing")
 
     def mllm_args():
         """Megatron's args with this project's settings resolved once (the model, the orchestrator)."""

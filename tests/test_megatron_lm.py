@@ -138,17 +138,25 @@ def test_apply_patches_refuses_a_mismatched_tree(shared_tree, tmp_path):
     assert result.returncode == 1 and "is not a Megatron-LM checkout" in result.stderr
 
 
-def test_post_balancing_without_the_patch_says_how_to_apply_it(shared_tree, tmp_path):
-    """An unpatched Megatron-LM: pretrain_mllm.py refuses --orch-post-balancing and names the script."""
+def test_refusals_before_training(shared_tree, tmp_path):
+    """pretrain_mllm.py on an unpatched Megatron-LM refuses --orch-post-balancing and names the script;
+    --overlap-grad-reduce without post-balancing is refused with the reason (the unbalanced MLLM fails)."""
     copy = doubles.unpatched_copy(tmp_path / "tree")
     code = ("import sys; sys.path.insert(0, 'tests'); import megatron_lm_doubles as d, pathlib, runpy\n"
             f"d.install(pathlib.Path({str(copy)!r}))\n"
-            "sys.argv = ['pretrain_mllm.py', '--orch-post-balancing']\n"
-            "runpy.run_path('pretrain_mllm.py', run_name='pretrain_mllm').get('main_megatron_lm')()\n")
+            "main = runpy.run_path('pretrain_mllm.py', run_name='pretrain_mllm')['main_megatron_lm']\n"
+            "for flag in ('--orch-post-balancing', '--overlap-grad-reduce'):\n"
+            "    sys.argv = ['pretrain_mllm.py', flag]\n"
+            "    try:\n"
+            "        main()\n"
+            "    except SystemExit as exit:\n"
+            "        print(repr(exit.code))\n")
     result = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=300)
-    assert result.returncode == 1, result.stdout + result.stderr
-    assert "has no 'forward_backward_func_wrapper' argument" in result.stderr
-    assert "scripts/apply_patches.sh MEGATRON_LM_DIR" in result.stderr
+    assert result.returncode == 0, result.stdout + result.stderr
+    unpatched, overlap = result.stdout.strip().splitlines()[-2:]
+    assert "has no 'forward_backward_func_wrapper' argument" in unpatched
+    assert "scripts/apply_patches.sh MEGATRON_LM_DIR" in unpatched
+    assert "--overlap-grad-reduce without --orch-post-balancing is not supported" in overlap
 
 
 def _pretrain_runs(rank, world_size, tree, parallel, runs, out_dir):

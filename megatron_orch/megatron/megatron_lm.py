@@ -62,6 +62,10 @@ def check_args(args: argparse.Namespace) -> None:
     if args.context_parallel_size > 1:
         problems.append(f"--context-parallel-size {args.context_parallel_size}: post-balancing moves whole "
                         "examples between DP ranks, context parallelism is not supported")
+    if args.orch_microbatching == "packed" and args.transformer_impl == "transformer_engine":
+        problems.append("--orch-microbatching packed with --transformer-impl transformer_engine: TE's causal "
+                        "attention ignores the block-diagonal mask of packed rows (use --transformer-impl local "
+                        "or --orch-microbatching equal_count)")
     if args.rampup_batch_size is not None:
         problems.append("--rampup-batch-size: a post-balancing step has a fixed number of micro-batches")
     if problems:
