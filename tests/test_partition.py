@@ -276,6 +276,45 @@ def test_auto_evens_out_items_of_a_few_fixed_sizes():
 
 
 # ---------------------------------------------------------------------------------------------
+# Imbalanced instances: every partitioner strictly improves on the loader's assignment
+# ---------------------------------------------------------------------------------------------
+
+def imbalanced_instances(seed):
+    """(costs, num_bins, home) where the loader's assignment is far from balanced: the heaviest items
+    on the first bins (an equal number per bin, so equal-count partitioners apply too)."""
+    rng = np.random.default_rng(seed)
+    for num_bins, per_bin in ((2, 3), (4, 6), (8, 8), (16, 4)):
+        costs = np.sort(rng.lognormal(3.0, 1.0, num_bins * per_bin))[::-1].copy()
+        yield costs, num_bins, np.repeat(np.arange(num_bins), per_bin)
+
+
+def assert_strictly_balances(p, costs, num_bins, home, bound=1.25):
+    check_assignment(p, costs, num_bins)
+    baseline = np.bincount(home, weights=costs, minlength=num_bins).max()
+    assert p.baseline_max_cost == pytest.approx(baseline)
+    assert p.method != "home" and not np.array_equal(p.bin_of_item, home), p.method
+    assert p.max_cost < baseline * (1 - 1e-9), (p.max_cost, baseline)
+    assert p.max_cost <= bound * p.lower_bound, (p.method, p.max_cost / p.lower_bound)
+
+
+@pytest.mark.parametrize("method", ALL_METHODS)
+def test_every_method_strictly_improves_an_imbalanced_home(method):
+    for costs, num_bins, home in imbalanced_instances(seed=6):
+        assert_strictly_balances(partition(costs, num_bins, method=method, home=home), costs, num_bins, home)
+
+
+def test_equal_count_and_locality_strictly_improve_an_imbalanced_home():
+    for costs, num_bins, home in imbalanced_instances(seed=7):
+        p = partition_equal_count(costs, num_bins, home=home)
+        assert_strictly_balances(p, costs, num_bins, home)
+        assert (p.counts() == costs.size // num_bins).all()
+        gpus_per_node = max(1, num_bins // 4)
+        p = partition_locality(costs, home, num_bins, gpus_per_node, item_bytes=np.ones(costs.size))
+        assert_strictly_balances(p, costs, num_bins, home, bound=1.25 * 1.01)
+        assert 0 < p.moved_bytes < costs.size
+
+
+# ---------------------------------------------------------------------------------------------
 # Locality
 # ---------------------------------------------------------------------------------------------
 
