@@ -1,7 +1,12 @@
-"""Shared fixtures."""
+"""Shared fixtures, and hypothesis without per-example deadlines: on a machine shared with other
+CPU-heavy processes an example's wall time says nothing about the code (speed targets are benchmarks)."""
 import datetime
 
 import pytest
+from hypothesis import settings
+
+settings.register_profile("no_deadline", deadline=None)
+settings.load_profile("no_deadline")
 
 
 @pytest.fixture(scope="module")
