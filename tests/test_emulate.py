@@ -21,7 +21,8 @@ DP, PER_RANK = 2, 3
 def test_calibrate_then_emulate_on_cpu(tmp_path, monkeypatch):
     profile_path, out, png = tmp_path / "tiny_cpu.yaml", tmp_path / "emulate.json", tmp_path / "emulate.png"
     monkeypatch.setattr(calibrate, "CPU_GRID", {"vision": [1, 8], "audio": [1, 8], "llm": [(1, 16), (1, 64), (1, 128)]})
-    calibrate.main(["--model", "tiny", "--device", "cpu", "--warmup", "0", "--repeats", "1", "--out", str(profile_path)])
+    calibrate.main(["--model", "tiny", "--device", "cpu", "--warmup", "0", "--repeats", "1",
+                    "--out", str(profile_path)])
     tiny = load_model_config("tiny")
     profile = load_cost_profile(str(profile_path), tiny)
     assert set(profile.phases) == set(PHASES) and profile.device.startswith("cpu") and profile.dtype == "fp32"

@@ -8,12 +8,13 @@
 
 Draws a global batch of ``dp * per_rank`` examples from the traces (DP rank r loads the r-th block, as
 upstream Megatron does), plans it upstream-style (``none``) and with ``plan_step`` under every method
-of :data:`megatron_orch.bench.common.PLAN_METHODS` and the cost profile if given (else FLOPs), then runs, for every method and rank, that rank's work of each phase on the local
-device, forward and backward, with the modules and inputs of :mod:`megatron_orch.bench.mfu`: the
-vision and audio encoders over the rank's items in one call, the backbone over each of the rank's
-examples in turn (one sequence per call, as the cost model counts them; the trainer's micro-batches
-are not emulated). There is no communication. Calls of all methods and ranks are interleaved, repeat
-after repeat, so that load drifting on a shared machine hits every method alike; a rank's time is
+of :data:`megatron_orch.bench.common.PLAN_METHODS` (``--methods``) and the cost profile if given (else
+FLOPs), then runs, for every method and rank, that rank's work of each phase on the local device,
+forward and backward, with the modules and inputs of :mod:`megatron_orch.bench.mfu`: the vision and
+audio encoders over the rank's items in one call, the backbone over each of the rank's examples in
+turn (one sequence per call, as the cost model counts them; the trainer's micro-batches are not
+emulated). There is no communication. Calls of all methods and ranks are interleaved, repeat after
+repeat, so that load drifting on a shared machine hits every method alike; a rank's time is
 the median over repeats. For large DP sizes ``--timing shape`` times each distinct call once (a rank's
 time is then the sum of its calls') and ``--llm-bucket`` rounds backbone lengths up to fewer distinct
 calls.
@@ -49,9 +50,10 @@ from megatron_orch.orchestrator.step_plan import StepPlan
 METHODS = ("none",) + tuple(PLAN_METHODS)
 
 
-def plan_all(sizes: StepSizes, model, profile: Optional[CostProfile], gpus_per_node: int) -> Dict[str, StepPlan]:
+def plan_all(sizes: StepSizes, model, profile: Optional[CostProfile], gpus_per_node: int,
+             methods=tuple(PLAN_METHODS)) -> Dict[str, StepPlan]:
     topology = Topology.uniform(int(np.asarray(sizes.counts).size), gpus_per_node)
-    return {m: plan_method(m, sizes, model, topology, profile) for m in METHODS}
+    return {m: plan_method(m, sizes, model, topology, profile) for m in ("none",) + tuple(methods)}
 
 
 def item_ranks(plan: StepPlan, phase: str) -> np.ndarray:
@@ -156,8 +158,9 @@ def step_figures(loads: Dict[str, Dict[str, np.ndarray]]) -> Dict[str, dict]:
 
 
 def run(config, sizes: StepSizes, profile: Optional[CostProfile], device, settings, gpus_per_node: int,
-        warmup: int, repeats: int, timing: str = "rank", llm_bucket: int = 1) -> dict:
-    plans = plan_all(sizes, config, profile, gpus_per_node)
+        warmup: int, repeats: int, timing: str = "rank", llm_bucket: int = 1,
+        methods=tuple(PLAN_METHODS)) -> dict:
+    plans = plan_all(sizes, config, profile, gpus_per_node, methods)
     items = phase_items(sizes, config, profile)
     with mfu.world_of_one(device):
         measured = measure(plans, items, config, device, settings, warmup, repeats, timing, llm_bucket)
@@ -194,7 +197,8 @@ def format_tables(result: dict) -> str:
         s = f["step"]
         lines.append(f"| {m} | " + " | ".join(cells) + f" | {s['measured_seconds']:.4f} | "
                      f"{s['modeled_speedup']:.3f} / {s['measured_speedup']:.3f} | "
-                     f"{100 * s['modeled_over_perfect_balance']:.1f}% / {100 * s['measured_over_perfect_balance']:.1f}% |")
+                     f"{100 * s['modeled_over_perfect_balance']:.1f}% / "
+                     f"{100 * s['measured_over_perfect_balance']:.1f}% |")
     return "\n".join(lines)
 
 
@@ -237,6 +241,8 @@ def main(argv: Optional[List[str]] = None) -> dict:
                         help="plan and model with this profile's costs (default: FLOPs)")
     parser.add_argument("--device", choices=["cuda", "cpu"], default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: 1 on CPU)")
+    parser.add_argument("--methods", default=",".join(PLAN_METHODS),
+                        help=f"balancing methods to emulate besides upstream (default {','.join(PLAN_METHODS)})")
     parser.add_argument("--timing", choices=["rank", "shape"], default="rank",
                         help="rank: time each rank's work as one run; shape: time each distinct call once and sum "
                              "(large DP)")
@@ -250,6 +256,9 @@ def main(argv: Optional[List[str]] = None) -> dict:
     layers = parse_layers(parser, args.layers)
     if min(args.dp, args.per_rank, args.gpus_per_node, args.repeats, args.llm_bucket) < 1 or args.warmup < 0:
         parser.error("--dp, --per-rank, --gpus-per-node, --repeats and --llm-bucket must be >= 1, --warmup >= 0")
+    methods = tuple(m for m in args.methods.split(",") if m)
+    if not methods or not set(methods) <= set(PLAN_METHODS):
+        parser.error(f"--methods takes a comma-separated subset of {','.join(PLAN_METHODS)}, got {args.methods!r}")
     threads = args.threads if args.threads is not None else (1 if args.device == "cpu" else None)
     try:
         device, settings, device_name = device_settings(args.device, threads)
@@ -259,7 +268,7 @@ def main(argv: Optional[List[str]] = None) -> dict:
     except ValueError as err:
         parser.error(str(err))
     result = run(config, sizes, profile, device, settings, args.gpus_per_node, args.warmup, args.repeats,
-                 args.timing, args.llm_bucket)
+                 args.timing, args.llm_bucket, methods)
     result["params"] = {
         "model": config.name, "layers": effective_layers(config), "device": device_name,
         "dtype": "bf16" if settings.bf16 else "fp32", "dp": args.dp, "per_rank": args.per_rank,

@@ -66,7 +66,8 @@ def checks(result: dict) -> dict:
 def format_tables(result: dict) -> str:
     p = result["params"]
     link = p["link"]
-    lines = [f"[sim] model {p['model']} (layers {tuple(p['layers'])}), {p['per_rank']} examples per rank, mean over seeds {p['seeds']}, "
+    lines = [f"[sim] model {p['model']} (layers {tuple(p['layers'])}), {p['per_rank']} examples per rank, "
+             f"mean over seeds {p['seeds']}, "
              f"costs: {p['costs']}; links: {link['gpus_per_node']} GPUs/node, NVLink "
              f"{link['nvlink_gbytes_per_s']:g} GB/s, NIC {link['nic_gbits_per_s']:g} Gb/s per GPU", "",
              "| DP | method | vision s | audio s | llm s | compute s | comm s | plan s (exposed) | step s | "
