@@ -19,8 +19,10 @@ Figures, per configuration:
   freshly allocated arrays (``--retain-freed-memory`` keeps freed memory in the process instead).
 * the stall: a main thread runs a probe loop of small Python work while :class:`BackgroundPlanner`
   plans the same step on its thread (as the trainer does while a step trains), and records the
-  longest gap between two of its iterations; the same loop, as long, with nothing planning, gives
-  the baseline, measured side by side in the same run. Two probes: ``sleep`` (``time.sleep(1 ms)``
+  longest gap between two of its iterations. Two controls, side by side in the same run: the same
+  loop, as long, with nothing planning (``idle``), and while the same plan runs in a forked process
+  (``beside``: the same CPU contention, no shared GIL). What ``planning`` shows above ``beside`` is
+  the GIL's share of the stall; the rest is the machine (preemption, a busy core). Two probes: ``sleep`` (``time.sleep(1 ms)``
   per iteration: a loop that waits on the GPU) and ``numpy`` (a tight loop of short numpy ops: a loop
   busy launching kernels). ``bg_plan_cpu_ms``/``bg_plan_wall_ms``: the background plan's thread CPU
   and wall time meanwhile. Each figure is the worst over the repeats.
@@ -33,6 +35,7 @@ from __future__ import annotations
 
 import argparse
 import ctypes
+import multiprocessing
 import resource
 import statistics
 import sys
@@ -129,7 +132,8 @@ def _gap_figures(gaps: np.ndarray) -> Dict[str, float]:
 
 
 def _stall(kind: str, plan_fn: Callable[[], object]):
-    """(figures with planning in the background, figures of the idle baseline as long, plan digest)."""
+    """(figures with planning in the background, of the idle baseline as long, of planning in a forked
+    process, plan digest)."""
     finished = threading.Event()
     cpu = [0.0]
 
@@ -152,8 +156,14 @@ def _stall(kind: str, plan_fn: Callable[[], object]):
     # Baseline: the same loop for as long (at least 50 ms), nothing planning.
     deadline = time.perf_counter() + max(wall, 0.05)
     idle = _probe(kind, lambda: time.perf_counter() < deadline)
+    child = multiprocessing.get_context("fork").Process(target=plan_fn, name="orch-planner-beside")
+    child.start()
+    beside = _probe(kind, child.is_alive)
+    child.join()
+    if child.exitcode != 0:
+        raise RuntimeError(f"planning in a forked process failed (exit code {child.exitcode})")
     planning = dict(_gap_figures(busy), bg_plan_cpu_ms=1e3 * cpu[0], bg_plan_wall_ms=1e3 * wall)
-    return planning, _gap_figures(idle), plan.digest
+    return planning, _gap_figures(idle), _gap_figures(beside), plan.digest
 
 
 # -------------------------------------------------------------------------------------------------
@@ -187,20 +197,16 @@ def run_one(model: MLLMConfig, sizes: StepSizes, gpus_per_node: int, micro_batch
         faults.append(usage.ru_minflt - start_usage.ru_minflt)
     stalls = {}
     for kind in probes:
-        worst_busy, worst_idle, busy_gaps, idle_gaps = None, None, [], []
+        runs = {"planning": [], "idle": [], "beside": []}
         for _ in range(repeats):
-            busy, idle, digest = _stall(kind, plan)
+            busy, idle, beside, digest = _stall(kind, plan)
             digests.add(digest)
-            busy_gaps.append(busy["max_gap_ms"])
-            idle_gaps.append(idle["max_gap_ms"])
-            if worst_busy is None or busy["max_gap_ms"] > worst_busy["max_gap_ms"]:
-                worst_busy = busy
-            if worst_idle is None or idle["max_gap_ms"] > worst_idle["max_gap_ms"]:
-                worst_idle = idle
-        stalls[kind] = {"planning": dict(worst_busy, median_max_gap_ms=statistics.median(busy_gaps),
-                                         max_gap_ms_each=busy_gaps),
-                        "idle": dict(worst_idle, median_max_gap_ms=statistics.median(idle_gaps),
-                                     max_gap_ms_each=idle_gaps)}
+            for name, figures in (("planning", busy), ("idle", idle), ("beside", beside)):
+                runs[name].append(figures)
+        stalls[kind] = {name: dict(max(figures, key=lambda f: f["max_gap_ms"]),
+                                   median_max_gap_ms=statistics.median(f["max_gap_ms"] for f in figures),
+                                   max_gap_ms_each=[f["max_gap_ms"] for f in figures])
+                        for name, figures in runs.items()}
     return {
         "dp": dp, "per_rank": per_rank,
         "items": {phase: stats.items for phase, stats in first.stats.items()},
@@ -243,12 +249,17 @@ def run(dps: Sequence[int], per_rank: int, gpus_per_node: int, seeds: Sequence[i
         "notes": {
             "plan_cpu_ms": "process CPU time of plan_step alone, after one untimed run",
             "stall": "longest gap between iterations of a main-thread probe loop while BackgroundPlanner "
-                     "plans (planning) and of the same loop with nothing planning (idle), worst of the repeats",
+                     "plans (planning), of the same loop with nothing planning (idle) and while the plan runs "
+                     "in a forked process (beside: same CPU contention, no shared GIL), worst of the repeats",
         }}}
 
 
 HEADER = (f"{'dp':>5} {'mixture':<12} {'seed':>4} {'vision':>7} {'audio':>6} {'llm':>6} "
           f"{'cpu ms':>7} {'(max)':>7} {'sys ms':>7} {'wall ms':>8}")
+
+
+def _header(probes: Sequence[str]) -> str:
+    return HEADER + "".join(f" {kind + ' max':>9} {'(med)':>6} {'idle':>8} {'beside':>8}" for kind in probes)
 
 
 def _row(r: dict, probes: Sequence[str]) -> str:
@@ -257,16 +268,17 @@ def _row(r: dict, probes: Sequence[str]) -> str:
              f"{r.get('plan_sys_ms', {}).get('median', float('nan')):>7.1f} {r['plan_wall_ms']['median']:>8.1f}")
     for kind in probes:
         s = r["stall"][kind]
-        cells += (f" {s['planning']['max_gap_ms']:>9.2f} {s['planning'].get('median_max_gap_ms', float('nan')):>6.2f}"
-                  f" {s['idle']['max_gap_ms']:>8.2f}")
+        cells += (f" {s['planning']['max_gap_ms']:>9.2f} {s['planning']['median_max_gap_ms']:>6.2f}"
+                  f" {s['idle']['max_gap_ms']:>8.2f} {s['beside']['max_gap_ms']:>8.2f}")
     return cells + ("" if r["deterministic"] else "  NOT DETERMINISTIC")
 
 
 def format_tables(result: dict) -> str:
     probes = list(result["runs"][0]["stall"]) if result["runs"] else []
-    header = HEADER + "".join(f" {kind + ' max':>9} {'(med)':>6} {'idle':>8}" for kind in probes)
+    header = _header(probes)
     lines = ["plan_step CPU (median, max of repeats), its kernel (page fault) share and wall; main-thread longest "
-             "gap (ms) while planning in the background (worst and median over repeats) vs idle (worst)", header]
+             "gap (ms) while planning in the background (worst and median over repeats) vs idle and vs planning "
+             "in a forked process (worst)", header]
     lines += [_row(r, probes) for r in result["runs"]]
     for dp in result["params"]["dp"]:
         mine = [r for r in result["runs"] if r["dp"] == dp]
@@ -303,7 +315,7 @@ def main(argv: Optional[Sequence[str]] = None) -> dict:
     retained = retain_freed_memory() if args.retain_freed_memory else False
     mixtures = ({"custom": tuple(parse_trace_spec(s) for s in args.trace)} if args.trace
                 else {name: MIXTURES[name] for name in args.mixtures})
-    print(HEADER + "".join(f" {kind + ' max':>9} {'(med)':>6} {'idle':>8}" for kind in args.probes), file=sys.stderr)
+    print(_header(args.probes), file=sys.stderr)
     result = run(args.dp, args.per_rank, args.gpus_per_node, args.seeds, mixtures, args.model,
                  args.micro_batch_size, args.repeats, args.probes, args.traces_dir,
                  log=lambda line: print(line, file=sys.stderr, flush=True))
