@@ -29,7 +29,7 @@ def test_calibrate_then_emulate_on_cpu(tmp_path, monkeypatch):
     assert profile.phases["llm"].num_points == 3 and profile.phases["vision"].num_points == 2
 
     _, _, sizes = draw_sizes(list(DEFAULT_MIXTURE), DP, PER_RANK, "tiny", 1)
-    items = phase_items(sizes, tiny, profile)
+    items = {"": phase_items(sizes, tiny, profile), emulate.FLOPS: phase_items(sizes, tiny)}
     common = ["--model", "tiny", "--dp", str(DP), "--per-rank", str(PER_RANK), "--device", "cpu",
               "--gpus-per-node", "2", "--warmup", "0", "--repeats", "1", "--seed", "1",
               "--cost-profile", str(profile_path)]
@@ -37,35 +37,40 @@ def test_calibrate_then_emulate_on_cpu(tmp_path, monkeypatch):
     result = json.loads(out.read_text())
     assert result == json.loads(json.dumps(returned)) and png.stat().st_size > 10_000
     assert result["params"]["device"].startswith("cpu") and result["params"]["timing"] == "rank"
+    assert list(result["methods"]) == list(emulate.METHODS)
     check_consistent(result, items, profile)
-    by_shape = emulate.main(common + ["--timing", "shape", "--llm-bucket", "16"])
+    by_shape = emulate.main(common + ["--timing", "shape", "--llm-bucket", "16", "--compare-flops"])
+    assert list(by_shape["methods"]) == list(emulate.METHODS) + [m + emulate.FLOPS for m in emulate.METHODS]
+    assert by_shape["methods"]["none_flops"]["phases"]["llm"]["measured_seconds"] == \
+        by_shape["methods"]["none"]["phases"]["llm"]["measured_seconds"]  # one upstream, timed once
     check_consistent(by_shape, items, profile)
 
 
 def check_consistent(result, items, profile):
     """Every item timed on one rank, ranks without items not timed, and the figures agree with each other."""
-    assert list(result["methods"]) == list(emulate.METHODS)
     steps = {}
     for method, figures in result["methods"].items():
+        flops = method.endswith(emulate.FLOPS)
+        own = items[emulate.FLOPS if flops else ""]
         for phase in PHASES:
             f = figures["phases"][phase]
             measured, modeled, counts = (np.array(f[k]) for k in ("measured_seconds", "modeled", "items_per_rank"))
-            assert counts.sum() == len(items[phase])
+            assert counts.sum() == len(own[phase])
             assert ((measured > 0) == (counts > 0)).all()
             fit = profile.phases[phase]
-            if phase == "llm":  # modeled: the profile's seconds of the rank's items (+ one call per encoder rank)
-                assert modeled.sum() == pytest.approx(items[phase].cost.sum())
+            if phase == "llm" or flops:  # modeled: the items' own costs (+ a profile's call per encoder rank)
+                assert modeled.sum() == pytest.approx(own[phase].cost.sum())
             else:
                 np.testing.assert_allclose(modeled, (fit.call_overhead + fit.c0 * counts) * (counts > 0))
             assert f["measured_max_over_mean"] == pytest.approx(measured.max() / measured.mean())
         loads = [np.array(figures["phases"][p]["measured_seconds"]) for p in PHASES]
         step = figures["step"]
-        expected = sum(loads).max() if method == "none" else sum(load.max() for load in loads)
+        expected = sum(loads).max() if method.startswith("none") else sum(load.max() for load in loads)
         assert step["measured_seconds"] == pytest.approx(expected)
         perfect = sum(load.mean() for load in loads)
         assert step["measured_over_perfect_balance"] == pytest.approx(expected / perfect - 1)
         steps[method] = expected
     for method, figures in result["methods"].items():
-        assert figures["step"]["measured_speedup"] == pytest.approx(steps["none"] / steps[method])
+        assert figures["step"]["measured_speedup"] == pytest.approx(steps["none"] / steps[method])  # one upstream
         assert figures["step"]["speedup_prediction_error"] == pytest.approx(
             figures["step"]["modeled_speedup"] / figures["step"]["measured_speedup"] - 1)

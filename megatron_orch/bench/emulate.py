@@ -17,7 +17,8 @@ emulated). There is no communication. Calls of all methods and ranks are interle
 repeat, so that load drifting on a shared machine hits every method alike; a rank's time is
 the median over repeats. For large DP sizes ``--timing shape`` times each distinct call once (a rank's
 time is then the sum of its calls') and ``--llm-bucket`` rounds backbone lengths up to fewer distinct
-calls.
+calls. ``--compare-flops`` (with a profile) also plans every method with FLOPs (``orch_flops``, ...),
+timed in the same run, so the two costs are compared on the same measurements.
 
 Figures per method and phase: measured and modeled (the plan's costs: profile seconds with the
 per-call overhead, or FLOPs) max/mean over ranks. Per method: the step (upstream: the slowest rank's
@@ -48,12 +49,19 @@ from megatron_orch.bench.common import (PLAN_METHODS, draw_sizes, effective_laye
 from megatron_orch.orchestrator.step_plan import StepPlan
 
 METHODS = ("none",) + tuple(PLAN_METHODS)
+FLOPS = "_flops"  # suffix of the methods planned (and modeled) with FLOPs under --compare-flops
 
 
-def plan_all(sizes: StepSizes, model, profile: Optional[CostProfile], gpus_per_node: int,
+def plan_all(sizes: StepSizes, model, costs: Dict[str, Optional[CostProfile]], gpus_per_node: int,
              methods=tuple(PLAN_METHODS)) -> Dict[str, StepPlan]:
+    """Plans of upstream and ``methods`` under each cost (``costs``: name suffix -> profile, None = FLOPs)."""
     topology = Topology.uniform(int(np.asarray(sizes.counts).size), gpus_per_node)
-    return {m: plan_method(m, sizes, model, topology, profile) for m in ("none",) + tuple(methods)}
+    return {m + suffix: plan_method(m, sizes, model, topology, profile)
+            for suffix, profile in costs.items() for m in ("none",) + tuple(methods)}
+
+
+def _suffix(name: str) -> str:
+    return FLOPS if name.endswith(FLOPS) else ""
 
 
 def item_ranks(plan: StepPlan, phase: str) -> np.ndarray:
@@ -104,10 +112,11 @@ def measure(plans: Dict[str, StepPlan], items: Dict[str, PhaseItems], config, de
     rank would take too long; calls of one rank do not overlap either way).
     """
     dp = plans["none"].examples_home.num_ranks
-    measured = {m: {} for m in plans}
+    timed_plans = {m: plan for m, plan in plans.items() if m != "none" + FLOPS}  # upstream is upstream
+    measured = {m: {} for m in timed_plans}
     for phase in PHASES:
         module = mfu.build_phase(phase, config, settings, device)
-        shapes = {(m, r): calls for m, plan in plans.items() for r, calls in enumerate(rank_shapes(
+        shapes = {(m, r): calls for m, plan in timed_plans.items() for r, calls in enumerate(rank_shapes(
             phase, items[phase], item_ranks(plan, phase), dp, llm_bucket, config.backbone.max_position_embeddings))}
         if timing == "shape":
             distinct = sorted({size for calls in shapes.values() for size in calls}, key=str)
@@ -123,24 +132,27 @@ def measure(plans: Dict[str, StepPlan], items: Dict[str, PhaseItems], config, de
                     runs[key] = lambda steps=steps: [step() for step in steps]
             seconds = time_interleaved(runs, device, warmup, repeats)
             timed = f"{len(runs)} rank runs"
-        for m in plans:
+        for m in timed_plans:
             measured[m][phase] = np.array([seconds.get((m, r), 0.0) for r in range(dp)])
         print(f"[emulate] phase {phase}: {timed} timed", file=sys.stderr, flush=True)
         del module
+    if "none" + FLOPS in plans:
+        measured["none" + FLOPS] = measured["none"]
     return measured
 
 
-def modeled(plans: Dict[str, StepPlan], items: Dict[str, PhaseItems],
-            profile: Optional[CostProfile]) -> Dict[str, Dict[str, np.ndarray]]:
-    """The plan's own costs per rank: profile seconds (with per-call overhead) or FLOPs."""
+def modeled(plans: Dict[str, StepPlan], items: Dict[str, Dict[str, PhaseItems]],
+            costs: Dict[str, Optional[CostProfile]]) -> Dict[str, Dict[str, np.ndarray]]:
+    """Each plan's own costs per rank: profile seconds (with per-call overhead) or FLOPs."""
     dp = plans["none"].examples_home.num_ranks
     out = {}
     for m, plan in plans.items():
+        profile, own = costs[_suffix(m)], items[_suffix(m)]
         out[m] = {}
         for phase in PHASES:
             rank = item_ranks(plan, phase)
-            out[m][phase] = (np.bincount(rank, weights=items[phase].cost, minlength=dp) if profile is None
-                             else rank_seconds(profile.phases[phase], items[phase].cost, rank, dp))
+            out[m][phase] = (np.bincount(rank, weights=own[phase].cost, minlength=dp) if profile is None
+                             else rank_seconds(profile.phases[phase], own[phase].cost, rank, dp))
     return out
 
 
@@ -148,23 +160,25 @@ def step_figures(loads: Dict[str, Dict[str, np.ndarray]]) -> Dict[str, dict]:
     """Per method: step (upstream end to end, balanced sum of phase maxima), speedup, distance to perfect."""
     out = {}
     for m, phases in loads.items():
-        step = float(sum(phases.values()).max()) if m == "none" else float(sum(v.max() for v in phases.values()))
+        upstream = m == "none" + _suffix(m)
+        step = float(sum(phases.values()).max()) if upstream else float(sum(v.max() for v in phases.values()))
         perfect = float(sum(v.mean() for v in phases.values()))
         out[m] = {"step": step, "over_perfect_balance": step / perfect - 1.0 if perfect > 0 else 0.0,
                   "max_over_mean": {p: float(v.max() / v.mean()) if v.mean() > 0 else 1.0 for p, v in phases.items()}}
     for m in out:
-        out[m]["speedup"] = out["none"]["step"] / out[m]["step"]
+        out[m]["speedup"] = out["none" + _suffix(m)]["step"] / out[m]["step"]
     return out
 
 
 def run(config, sizes: StepSizes, profile: Optional[CostProfile], device, settings, gpus_per_node: int,
         warmup: int, repeats: int, timing: str = "rank", llm_bucket: int = 1,
-        methods=tuple(PLAN_METHODS)) -> dict:
-    plans = plan_all(sizes, config, profile, gpus_per_node, methods)
-    items = phase_items(sizes, config, profile)
+        methods=tuple(PLAN_METHODS), compare_flops: bool = False) -> dict:
+    costs = {"": profile, **({FLOPS: None} if compare_flops else {})}
+    plans = plan_all(sizes, config, costs, gpus_per_node, methods)
+    items = {suffix: phase_items(sizes, config, cost) for suffix, cost in costs.items()}
     with mfu.world_of_one(device):
-        measured = measure(plans, items, config, device, settings, warmup, repeats, timing, llm_bucket)
-    model = modeled(plans, items, profile)
+        measured = measure(plans, items[""], config, device, settings, warmup, repeats, timing, llm_bucket)
+    model = modeled(plans, items, costs)
     steps_measured, steps_modeled = step_figures(measured), step_figures(model)
     result = {"methods": {}}
     for m in plans:
@@ -243,6 +257,9 @@ def main(argv: Optional[List[str]] = None) -> dict:
     parser.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: 1 on CPU)")
     parser.add_argument("--methods", default=",".join(PLAN_METHODS),
                         help=f"balancing methods to emulate besides upstream (default {','.join(PLAN_METHODS)})")
+    parser.add_argument("--compare-flops", action="store_true",
+                        help="with --cost-profile: also plan every method with FLOPs (methods *_flops), timed in "
+                             "the same run")
     parser.add_argument("--timing", choices=["rank", "shape"], default="rank",
                         help="rank: time each rank's work as one run; shape: time each distinct call once and sum "
                              "(large DP)")
@@ -256,6 +273,8 @@ def main(argv: Optional[List[str]] = None) -> dict:
     layers = parse_layers(parser, args.layers)
     if min(args.dp, args.per_rank, args.gpus_per_node, args.repeats, args.llm_bucket) < 1 or args.warmup < 0:
         parser.error("--dp, --per-rank, --gpus-per-node, --repeats and --llm-bucket must be >= 1, --warmup >= 0")
+    if args.compare_flops and args.cost_profile is None:
+        parser.error("--compare-flops needs --cost-profile (FLOPs are the default costs)")
     methods = tuple(m for m in args.methods.split(",") if m)
     if not methods or not set(methods) <= set(PLAN_METHODS):
         parser.error(f"--methods takes a comma-separated subset of {','.join(PLAN_METHODS)}, got {args.methods!r}")
@@ -268,14 +287,15 @@ def main(argv: Optional[List[str]] = None) -> dict:
     except ValueError as err:
         parser.error(str(err))
     result = run(config, sizes, profile, device, settings, args.gpus_per_node, args.warmup, args.repeats,
-                 args.timing, args.llm_bucket, methods)
+                 args.timing, args.llm_bucket, methods, args.compare_flops)
     result["params"] = {
         "model": config.name, "layers": effective_layers(config), "device": device_name,
         "dtype": "bf16" if settings.bf16 else "fp32", "dp": args.dp, "per_rank": args.per_rank,
         "gpus_per_node": args.gpus_per_node, "seed": args.seed, "warmup": args.warmup, "repeats": args.repeats,
         "timing": args.timing, "llm_bucket": args.llm_bucket,
         "traces": [list(spec) for spec in trace_specs(args)],
-        "costs": (f"profile {args.cost_profile} ({profile.device})" if profile else "training FLOPs"),
+        "costs": (f"profile {args.cost_profile} ({profile.device})" if profile else "training FLOPs")
+        + ("; methods *_flops: training FLOPs" if args.compare_flops else ""),
         "notes": "backbone examples timed one per call (lengths rounded up to llm_bucket); no communication; "
                  "balanced step = sum over phases of the slowest rank, upstream = slowest rank's whole step"}
     print(format_tables(result))
