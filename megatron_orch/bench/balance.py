@@ -7,12 +7,15 @@ DP rank r loading the consecutive block r (upstream Megatron), maps it to the it
 under a model config (default: the 84B config) and plans each phase with every method:
 
 * ``none``: upstream; every item stays on the rank that loaded its example.
-* ``lpt``, ``kk``, ``bs_ffd``: the constructive partitioners alone (no refinement, no home fallback).
-* ``orch``: ``partition(method="auto")`` with refinement; never worse than ``none``.
-* ``orch_equal_count``: the LLM phase with exactly ``per_rank`` examples per rank (fixed micro-batch
-  counts); encoder phases, whose item counts are not multiples of dp, use the ``orch`` plan.
-* ``orch_locality``: bins are ranks, ``--gpus-per-node`` ranks per node; as balanced as ``orch``
-  (1% tolerance) moving as few bytes as possible across nodes, then off their GPU.
+* ``lpt``, ``kk``, ``bs_ffd``: the constructive partitioners alone on each phase (no refinement, no
+  home fallback, bins not placed on ranks).
+* ``orch``, ``orch_equal_count``, ``orch_locality``: what the trainer runs, ``plan_step`` with the
+  flags of :data:`~megatron_orch.bench.common.PLAN_METHODS` (``orch``: packed backbone micro-batches;
+  ``orch_equal_count``: the defaults, ``per_rank`` examples per rank in the backbone;
+  ``orch_locality``: ``--orch-locality`` with packed micro-batches), placement included, over
+  ``--gpus-per-node`` ranks per node. Encoder phases of equal items (the model's tiles, frames and
+  windows) are planned exactly by ``partition_uniform`` in all three. Plan time is the whole
+  ``plan_step`` (all phases), shown on every phase.
 * ``verl_kk``: a re-implementation, from its published description, of verl's DP batch balancing:
   equal-size Karmarkar-Karp over the backbone sequence lengths only, with verl's workload
   ``24576*s + s^2``; partition p goes to rank p. It plans the LLM phase; on the encoder phases its
@@ -21,7 +24,7 @@ under a model config (default: the 84B config) and plans each phase with every m
 
 Every method's bin costs are recomputed here from its assignment under the model's cost model
 (training FLOPs), and ``max_over_lb`` uses the same bound for every method: max(total / dp, largest
-item). ``inter_node_bytes_frac`` (methods whose bins are ranks: none, orch_locality, verl_kk) is the
+item). ``inter_node_bytes_frac`` (methods whose bins are ranks: all but lpt, kk, bs_ffd) is the
 share of the phase's bytes whose item ends on another node than its home rank's; ``moved_bytes_frac``
 the share that leaves its home GPU. For the LLM phase an example gathers its text from its home rank
 and its projected embeddings from the ranks that encoded its items (byte counts: ``phase_items``).
@@ -41,14 +44,15 @@ from typing import Callable, Dict, List, Optional, Sequence
 
 import numpy as np
 
-from megatron_orch.balance.partition import partition, partition_equal_count, partition_locality
-from megatron_orch.balance.workload import ENCODER_PHASES, PHASES, PhaseItems, phase_bytes
-from megatron_orch.bench.common import (draw_phases, memory_caps, parser_with_batch_args, report, trace_specs,
-                                        warm_up_partitioners)
+from megatron_orch.balance.partition import partition
+from megatron_orch.balance.topology import Topology
+from megatron_orch.balance.workload import ENCODER_PHASES, PHASES, PhaseItems, StepSizes, phase_bytes, phase_items
+from megatron_orch.bench.common import (draw_sizes, memory_caps, parser_with_batch_args, plan_method, report,
+                                        trace_specs, warm_up_partitioners)
 
 METHODS = ("none", "lpt", "kk", "bs_ffd", "orch", "orch_equal_count", "orch_locality", "verl_kk")
-RANK_METHODS = ("none", "orch_locality", "verl_kk")  # methods whose bins are physical ranks
-LOCALITY_TOLERANCE = 0.01
+RANK_METHODS = ("none", "orch", "orch_equal_count", "orch_locality", "verl_kk")  # bins are physical ranks
+TRAINER_METHODS = {"orch": "orch", "orch_equal_count": "equal_count", "orch_locality": "locality"}  # -> PLAN_METHODS
 VERL_LINEAR_COEFF = 24576  # verl's calculate_workload: 24576 * s + s^2 (a 7B model, hidden 4096)
 
 
@@ -107,11 +111,24 @@ def _timed(fn: Callable[[], np.ndarray], repeats: int) -> Plan:
     return Plan(np.asarray(bins, dtype=np.int64), 1e3 * best)
 
 
-def plan_phases(phases: Dict[str, PhaseItems], dp: int, gpus_per_node: int, repeats: int,
-                memory_cap: Dict[str, float]) -> Dict[str, Dict[str, Plan]]:
+def plan_phases(sizes: StepSizes, model, phases: Dict[str, PhaseItems], dp: int, gpus_per_node: int,
+                repeats: int, memory_cap: Dict[str, float]) -> Dict[str, Dict[str, Plan]]:
     """Every method's plan for every phase (``verl_kk`` is planned on the LLM phase, then inherited)."""
     llm = phases["llm"]
     verl = _timed(lambda: verl_equal_size_kk(verl_workload(llm.tokens), dp), repeats)
+    topology = Topology.uniform(dp, gpus_per_node)
+    trainer = {}
+    for method, plan_name in TRAINER_METHODS.items():
+        step_plan = [None]
+
+        def run():
+            step_plan[0] = plan_method(plan_name, sizes, model, topology)
+            return step_plan[0].examples_llm.rank
+
+        run()  # untimed: the first call at this size loads kernels and touches fresh memory
+        timed = _timed(run, repeats)
+        trainer[method] = {name: Plan(step_plan[0].encoders[name].encode.rank if name in ENCODER_PHASES
+                                      else timed.bins, timed.plan_ms) for name in PHASES}
     plans: Dict[str, Dict[str, Plan]] = {}
     for name, items in phases.items():
         c, mem, cap, home = items.cost, items.memory, memory_cap[name], items.home
@@ -121,19 +138,10 @@ def plan_phases(phases: Dict[str, PhaseItems], dp: int, gpus_per_node: int, repe
             "kk": lambda: partition(c, dp, method="kk", refine=False).bin_of_item,
             "bs_ffd": lambda: partition(c, dp, method="bs_ffd", memory=mem, memory_cap=cap,
                                         refine=False).bin_of_item,
-            "orch": lambda: partition(c, dp, method="auto", memory=mem, memory_cap=cap, home=home).bin_of_item,
-            "orch_locality": lambda: partition_locality(c, home, dp, gpus_per_node, item_bytes=items.nbytes,
-                                                        memory=mem, memory_cap=cap,
-                                                        tolerance=LOCALITY_TOLERANCE).bin_of_item,
         }
         phase_plans = {m: _timed(run, 1 if m == "none" else repeats) for m, run in runs.items()}
-        if name == "llm":
-            phase_plans["orch_equal_count"] = _timed(
-                lambda: partition_equal_count(c, dp, home=home).bin_of_item, repeats)
-            phase_plans["verl_kk"] = verl
-        else:
-            phase_plans["orch_equal_count"] = phase_plans["orch"]
-            phase_plans["verl_kk"] = Plan(verl.bins[items.example], 0.0)
+        phase_plans.update({method: trainer[method][name] for method in TRAINER_METHODS})
+        phase_plans["verl_kk"] = verl if name == "llm" else Plan(verl.bins[items.example], 0.0)
         plans[name] = {m: phase_plans[m] for m in METHODS}
     return plans
 
@@ -181,10 +189,11 @@ def run(trace_specs: Sequence[tuple], dp: int, per_rank: int, gpus_per_node: int
     if dp < 1 or per_rank < 1 or gpus_per_node < 1 or repeats < 1:
         raise ValueError(f"--dp, --per-rank, --gpus-per-node and --repeats must be >= 1, got "
                          f"{dp}, {per_rank}, {gpus_per_node}, {repeats}")
-    config, mixture, phases = draw_phases(trace_specs, dp, per_rank, model, seed, traces_dir)
+    config, mixture, sizes = draw_sizes(trace_specs, dp, per_rank, model, seed, traces_dir)
+    phases = phase_items(sizes, config)
     caps = memory_caps(phases, dp)
     warm_up_partitioners(gpus_per_node)
-    plans = plan_phases(phases, dp, gpus_per_node, repeats, caps)
+    plans = plan_phases(sizes, config, phases, dp, gpus_per_node, repeats, caps)
 
     result: dict = {name: {m: _phase_figures(phases, plans, name, m, dp, gpus_per_node) for m in METHODS}
                     for name in PHASES}
@@ -200,10 +209,11 @@ def run(trace_specs: Sequence[tuple], dp: int, per_rank: int, gpus_per_node: int
         "memory_cap_bytes": caps,
         "cost_unit": "training FLOPs (3x forward) from the model's shape",
         "notes": {
-            "orch_equal_count": "equal count applies to the llm phase; encoder phases use the orch plan",
+            "orch*": "the trainer's plan_step (placement included; plan_ms: all phases); orch and orch_locality "
+                     "with packed backbone micro-batches, orch_equal_count with the default equal-count ones",
             "verl_kk": "planned on llm tokens with 24576*s+s^2; encoder items follow their example",
-            "memory_cap": "per phase, upstream's peak per-rank activation memory (lpt, bs_ffd, orch, "
-                          "orch_locality honour it; kk ignores memory)",
+            "memory_cap": "per phase, upstream's peak per-rank activation memory (lpt, bs_ffd honour it; kk "
+                          "ignores memory; the trainer's plan_step plans without a memory cap)",
             "step": "per-phase methods: sum over phases of the slowest rank; none and verl_kk: "
                     "slowest rank's sum over phases",
             "max_over_lb": "lower bound max(total/dp, largest item) for every method",
@@ -221,7 +231,9 @@ def _step_model(phases: Dict[str, PhaseItems], plans, dp: int, figures: dict) ->
             flops = float(sum(loads.values()).max())
         else:
             flops = float(sum(load.max() for load in loads.values()))
-        step[m] = {"flops": flops, "plan_ms": float(sum(plans[name][m].plan_ms for name in PHASES))}
+        plan_ms = (plans["llm"][m].plan_ms if m in TRAINER_METHODS  # one plan_step for all phases
+                   else sum(plans[name][m].plan_ms for name in PHASES))
+        step[m] = {"flops": flops, "plan_ms": float(plan_ms)}
     lower = sum(max(float(phases[n].cost.sum()) / dp, float(phases[n].cost.max(initial=0.0))) for n in PHASES)
     for m in METHODS:
         step[m]["speedup"] = step["none"]["flops"] / step[m]["flops"]
