@@ -48,6 +48,15 @@ def run(name: str, nproc: int, flags: list, out_dir: Path) -> list:
     return records
 
 
+def check_flags(nproc: int, flags: list) -> None:
+    """Check a run's command line once, as its ranks would, before any torchrun starts: a mistake ends the
+    script with pretrain_mllm.py's one-line error (exit status 2) instead of a failed run's log."""
+    env = dict(os.environ, WORLD_SIZE=str(nproc), LOCAL_WORLD_SIZE=str(nproc))
+    result = subprocess.run([sys.executable, "-m", "megatron_orch.trainer.arguments", *flags], cwd=REPO, env=env)
+    if result.returncode != 0:
+        raise SystemExit(result.returncode)
+
+
 def _ratio(pair) -> float:
     high, mean = pair
     return high / mean if mean > 0 else float("nan")
@@ -82,6 +91,8 @@ def main(argv=None) -> None:
     parser.add_argument("flags", nargs=argparse.REMAINDER, help="extra pretrain_mllm.py flags after --")
     args = parser.parse_args(argv)
     extra = args.flags[1:] if args.flags[:1] == ["--"] else args.flags
+    for flags in (DEFAULT_FLAGS + extra, DEFAULT_FLAGS + extra + BALANCING_FLAGS):
+        check_flags(args.nproc, flags)
     args.out.mkdir(parents=True, exist_ok=True)
     baseline = run("baseline", args.nproc, DEFAULT_FLAGS + extra, args.out)
     balanced = run("balanced", args.nproc, DEFAULT_FLAGS + extra + BALANCING_FLAGS, args.out)

@@ -209,3 +209,15 @@ def test_launch_script_checks_with_the_launch_world_size(no_torch):
     assert proc.stderr.strip().splitlines() == [
         "pretrain_mllm.py: error: --global-batch-size 6 is not divisible by --micro-batch-size (2) x "
         "data-parallel size (4) = 8"]
+
+
+def test_compare_script_checks_both_runs_before_torchrun(tmp_path):
+    """scripts/compare_baseline.py (run_main.sh, gpu_check.sh) checks the baseline's and the balanced run's
+    command lines first: a mistake is its last line, exit status 2, and no output folder is made."""
+    out = tmp_path / "compare"
+    proc = run_script([sys.executable, "scripts/compare_baseline.py", "--nproc", "2", "--out", str(out), "--",
+                       "--lr", "nan"], timeout=120)
+    assert proc.returncode == 2, proc.stderr
+    assert proc.stderr.strip().splitlines()[-1] == ("pretrain_mllm.py: error: --lr must be a finite number in "
+                                                     "[0, inf), got nan")
+    assert "[compare]" not in proc.stdout and not out.exists()
