@@ -14,11 +14,14 @@ consecutive ranks per node) by each method:
 * ``minmax``: least loaded busiest node (CP-SAT, ``--minmax-time-limit`` seconds, warm-started).
 * ``locality``: not a placement: ``partition_locality`` balances with bins that are ranks (1%
   balance tolerance), trading balance for locality; its ``solve_ms`` is that partition's time.
+* ``trainer``: what the trainer runs with its defaults, ``plan_step`` (encoder phases of equal items
+  by ``partition_uniform``, whose bins are ranks; the backbone equal-count, then ``exact``
+  placement); its ``solve_ms`` is the whole ``plan_step`` (all phases), shown on every phase.
 
 Traffic of a phase: an encoder item's raw input moves from its home rank to its bin's rank; an
 example of the LLM phase pulls its text bytes from its home rank and its projected embeddings from
 the ranks that encoded its items (placed by ``exact`` for the four placements, so that they place
-the same LLM traffic; ``locality``'s own encoder ranks for ``locality``). Fields per phase and method:
+the same LLM traffic; ``locality``'s and ``trainer``'s own encoder ranks for those two). Fields per phase and method:
 ``inter_node_bytes`` (bytes crossing nodes), ``max_node_inter_bytes`` (the busiest node's larger
 of received and sent inter-node bytes), ``off_gpu_bytes`` (bytes leaving their GPU), ``solve_ms``,
 ``solver``.
@@ -34,10 +37,11 @@ from megatron_orch.balance.partition import partition, partition_locality
 from megatron_orch.balance.placement import BinTraffic, PlacementConfig, place_bins, placement_cost
 from megatron_orch.balance.topology import Topology
 from megatron_orch.balance.workload import PHASES, PhaseItems, phase_bytes
-from megatron_orch.bench.common import (draw_phases, memory_caps, parser_with_batch_args, report, trace_specs,
-                                        warm_up_partitioners)
+from megatron_orch.balance.workload import ENCODER_PHASES, phase_items
+from megatron_orch.bench.common import (draw_sizes, memory_caps, parser_with_batch_args, plan_method, report,
+                                        trace_specs, warm_up_partitioners)
 
-METHODS = ("identity", "greedy", "exact", "minmax", "locality")
+METHODS = ("identity", "greedy", "exact", "minmax", "locality", "trainer")
 PLACEMENTS = ("identity", "greedy", "exact", "minmax")
 LOCALITY_TOLERANCE = 0.01
 FIELDS = ("inter_node_bytes", "max_node_inter_bytes", "off_gpu_bytes", "solve_ms", "solver")
@@ -80,10 +84,17 @@ def run(trace_specs: Sequence[tuple], dp: int, per_rank: int, gpus_per_node: int
     if dp < 1 or per_rank < 1 or gpus_per_node < 1 or minmax_time_limit_s < 0:
         raise ValueError(f"--dp, --per-rank, --gpus-per-node must be >= 1 and --minmax-time-limit >= 0, "
                          f"got {dp}, {per_rank}, {gpus_per_node}, {minmax_time_limit_s}")
-    config, mixture, phases = draw_phases(trace_specs, dp, per_rank, model, seed, traces_dir)
+    config, mixture, sizes = draw_sizes(trace_specs, dp, per_rank, model, seed, traces_dir)
+    phases = phase_items(sizes, config)
     topology = Topology.uniform(dp, gpus_per_node)
     caps = memory_caps(phases, dp)
     _warm_up(gpus_per_node)
+    plan_method("equal_count", sizes, config, topology)  # untimed: loads kernels, touches memory
+    start = time.perf_counter()
+    trainer_plan = plan_method("equal_count", sizes, config, topology)
+    trainer_ms = 1e3 * (time.perf_counter() - start)
+    trainer_ranks = {name: trainer_plan.encoders[name].encode.rank for name in ENCODER_PHASES}
+    trainer_ranks["llm"] = trainer_plan.examples_llm.rank
 
     result: dict = {}
     partitions = {}
@@ -111,6 +122,13 @@ def run(trace_specs: Sequence[tuple], dp: int, per_rank: int, gpus_per_node: int
                                     "off_gpu_bytes": cost.off_gpu_bytes, "solve_ms": solve_ms,
                                     "solver": "partition_locality (bins are ranks)"}
         encoder_ranks["locality"][name] = ranks
+        encoders_of_trainer = {enc: trainer_ranks[enc] for enc in encoder_ranks["exact"]}
+        traffic = _traffic(_sources(phases, name, encoders_of_trainer), trainer_ranks[name], dp)
+        cost = placement_cost(traffic, topology, np.arange(dp))
+        result[name]["trainer"] = {"inter_node_bytes": cost.inter_node_bytes,
+                                   "max_node_inter_bytes": cost.max_node_inter_bytes,
+                                   "off_gpu_bytes": cost.off_gpu_bytes, "solve_ms": trainer_ms,
+                                   "solver": f"plan_step defaults ({trainer_plan.stats[name].method})"}
 
     result["params"] = {
         "traces": [{"trace": t.name, "weight": w} for t, w in zip(mixture.traces, mixture.weights)],
@@ -123,6 +141,7 @@ def run(trace_specs: Sequence[tuple], dp: int, per_rank: int, gpus_per_node: int
         "notes": {
             "bins": "identity/greedy/exact/minmax place the bins of one partition(method='auto') per phase",
             "locality": "partition_locality with 1% balance tolerance; solve_ms is that partition's time",
+            "trainer": "plan_step with the default flags; solve_ms is the whole plan_step (all phases)",
             "max_node_inter_bytes": "busiest node's max(received, sent) bytes across nodes",
             "llm": "text bytes from the home rank; embeddings from the encoder ranks of the exact "
                    "placement (identity/greedy/exact/minmax) or of locality (locality)",
