@@ -1,0 +1,62 @@
+#!/usr/bin/env bash
+# Measured costs (issue 9) on one GPU: calibrate a cost profile, emulate DP ranks with it and with FLOPs,
+# simulate the cluster with it. NOT YET RUN ON A GPU (no GPU was lent to the session that wrote it).
+#   bash scripts/gpu_costs.sh OUT_DIR          # one GPU: mllm_10b widths, 12 ViT / 8 audio / 4 backbone layers
+#   bash scripts/gpu_costs.sh OUT_DIR --cpu    # the same steps on CPU with the tiny model (a few minutes)
+# Steps, most valuable first, each under its own timeout so that a slow one cannot starve the rest
+# (GPU total <= 560 s). The emulations time each distinct call once (--timing shape; backbone lengths in
+# 32-token buckets), plan upstream and the trainer's default equal_count plan with the profile and with
+# FLOPs (--compare-flops: both judged on the same measurements):
+#   calibrate -> OUT/profile.yaml; emulate DP 64; the simulator with the profile at DP 64, 512, 2560;
+#   emulate DP 512 (one timed call per shape, no warm-up call: cold shapes included).
+# Every step logs to OUT/NAME.log and writes its JSON (and plots) there; summary.txt lists failures.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+out=${1:?usage: scripts/gpu_costs.sh OUT_DIR [--cpu]}
+mode=${2:-gpu}
+mkdir -p "$out"
+PY=${PYTHON:-$( [ -x .venv/bin/python ] && echo .venv/bin/python || echo python3 )}
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1 PYTHONWARNINGS=ignore
+if ! "$PY" -c "import megatron.core, ortools, matplotlib" 2>/dev/null && [ -d .whl ]; then
+  "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+    && export PYTHONPATH="$PYTHONPATH:/tmp/site"
+fi
+
+failed=()
+step() {  # step NAME TIMEOUT_S COMMAND...: run it, log to OUT/NAME.log, remember a failure
+  local name=$1 limit=$2; shift 2
+  echo "== $name: $*"
+  local start=$SECONDS
+  timeout "$limit" "$@" 2>&1 | tee "$out/$name.log"
+  local rc=${PIPESTATUS[0]}
+  echo "== $name: exit $rc after $((SECONDS - start)) s"
+  [ "$rc" -eq 0 ] || failed+=("$name (exit $rc)")
+}
+
+if [ "$mode" = "--cpu" ]; then
+  model=(--model tiny); device=(--device cpu); dps=(8 64); limits=(120 150 60 150)
+  emulate_opts=(--per-rank 8 --timing shape --compare-flops); first_opts=(--warmup 1 --repeats 3)
+  last_opts=(--warmup 1 --repeats 1)
+else
+  model=(--model mllm_10b --layers 12,8,4); device=(--device cuda); dps=(64 512); limits=(120 200 60 180)
+  emulate_opts=(--per-rank 16 --timing shape --llm-bucket 32 --methods equal_count --compare-flops)
+  first_opts=(--warmup 1 --repeats 1); last_opts=(--warmup 0 --repeats 1)
+fi
+profile="$out/profile.yaml"
+plots=1
+"$PY" -c "import matplotlib" 2>/dev/null || { plots=0; echo "matplotlib does not import: JSON only, no plots"; }
+plot() { [ "$plots" -eq 1 ] && echo --plot "$out/$1"; }  # plot NAME.png: the --plot flag, when plots work
+step calibrate "${limits[0]}" "$PY" -m megatron_orch.bench.calibrate "${model[@]}" "${device[@]}" --warmup 1 \
+  --repeats 3 --out "$profile"
+step "emulate_dp${dps[0]}" "${limits[1]}" "$PY" -m megatron_orch.bench.emulate "${model[@]}" "${device[@]}" \
+  --dp "${dps[0]}" "${emulate_opts[@]}" "${first_opts[@]}" --cost-profile "$profile" \
+  --json "$out/emulate_dp${dps[0]}.json" $(plot "emulate_dp${dps[0]}.png")
+step sim "${limits[2]}" "$PY" -m megatron_orch.sim "${model[@]}" --dp 64,512,2560 --profile "$profile" \
+  --json "$out/sim.json" $(plot sim.png)
+step "emulate_dp${dps[1]}" "${limits[3]}" "$PY" -m megatron_orch.bench.emulate "${model[@]}" "${device[@]}" \
+  --dp "${dps[1]}" "${emulate_opts[@]}" "${last_opts[@]}" --cost-profile "$profile" \
+  --json "$out/emulate_dp${dps[1]}.json"
+
+{ date -u; if [ ${#failed[@]} -eq 0 ]; then echo PASSED; else printf 'FAILED: %s\n' "${failed[@]}"; fi; } \
+  | tee "$out/summary.txt"
+[ ${#failed[@]} -eq 0 ]
