@@ -90,7 +90,7 @@ class PhaseFit:
         return self.c0 + self.c1 * s + self.c2 * s * s
 
 
-@dataclass(frozen=True, eq=False)
+@dataclass(frozen=True, eq=False, repr=False)
 class CostProfile:
     """A loaded, validated profile (see the module docstring). ``phases`` has one fit per phase of the
     model it was measured on."""
@@ -101,6 +101,9 @@ class CostProfile:
     model_name: str
     shape: Dict[str, dict]  # model_shape() of the measured model
     phases: Dict[str, PhaseFit]
+
+    def __repr__(self) -> str:  # short: the trainer logs its config
+        return f"CostProfile({self.source!r}, device={self.device!r}, dtype={self.dtype!r}, model={self.model_name!r})"
 
     def check_model(self, config: MLLMConfig) -> None:
         """Raise ValueError unless ``config`` has the shape this profile was measured on."""
