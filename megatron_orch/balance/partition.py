@@ -427,13 +427,65 @@ def partition_equal_count(costs, num_bins, *, home=None, refine: bool = True, it
     lower_bound = equal_count_lower_bound(costs, num_bins)
     if refine and n:
         stop_at = (1.0 + _GOOD_ENOUGH) * lower_bound
-        _kernels.swap_sweeps(costs, order, num_bins, bins, stop_at, _SWAP_SWEEPS)
+        _kernels.swap_sweeps(costs, order, num_bins, bins, stop_at, _SWAP_SWEEPS, num_bins)
         _refine(costs, memory, math.inf, num_bins, bins, allow_moves=False, stop_at=stop_at)
         name += "+refine"
     if home is not None and _max_cost(costs, bins, num_bins) >= _max_cost(costs, home, num_bins):
         bins, name = home.copy(), "home"
     return _result(bins, num_bins, costs, memory, False, lower_bound, home, name, item_bytes,
                    gpus_per_node)
+
+
+def partition_equal_count_locality(costs, home, num_bins, gpus_per_node, *, item_bytes,
+                                   tolerance: float = 0.01) -> Partition:
+    """Like :func:`partition_equal_count` (within ``tolerance`` of its max), moving few items across nodes.
+
+    Bins are ranks, rank r on node r // gpus_per_node, and ``home`` is equal-count. Balance moves
+    work between nodes first and then inside them, so that only what a node has too much of leaves
+    it: (1) the nodes, as bins of their ranks' items, are evened out by one-for-one swaps from their
+    home contents (:func:`_kernels.swap_sweeps`, then :func:`_kernels.refine`) down to the reference
+    plan's max per rank; (2) an item that stayed on its node keeps its home rank, one that arrived
+    takes a slot an item left on that node; (3) the ranks of each node are evened out the same way,
+    and any rank still above the capacity trades with its node first, then anywhere. Counts stay
+    equal throughout. If the capacity ((1 + ``tolerance``) x the reference max) is not met, the
+    reference bins are returned (method ``equal_locality_fallback:...``); a home assignment within
+    it, unchanged (``"home"``).
+    """
+    costs = _check_values(costs, "costs")
+    n = costs.size
+    num_bins = _check_num_bins(num_bins)
+    gpus_per_node = _check_gpus_per_node(gpus_per_node)
+    if num_bins % gpus_per_node:
+        raise ValueError(f"num_bins ({num_bins}) must be a multiple of gpus_per_node ({gpus_per_node})")
+    home = _check_bins(home, "home", n, num_bins)
+    item_bytes = _check_values(item_bytes, "item_bytes", n)
+    tolerance = float(tolerance)
+    if not tolerance >= 0:
+        raise ValueError(f"tolerance must be >= 0, got {tolerance}")
+    reference = partition_equal_count(costs, num_bins, home=home)  # checks that home is equal-count
+    capacity = (1.0 + tolerance) * reference.max_cost
+    lower_bound = reference.lower_bound
+    if reference.method == "home" or _max_cost(costs, home, num_bins) <= capacity:
+        bins, name = home.copy(), "home"
+    else:
+        order = _decreasing(costs)
+        num_nodes = num_bins // gpus_per_node
+        home_node = home // gpus_per_node
+        node = home_node.copy()
+        node_target = gpus_per_node * reference.max_cost
+        _kernels.swap_sweeps(costs, order, num_nodes, node, node_target, _SWAP_SWEEPS, num_nodes)
+        _refine(costs, np.zeros(n), math.inf, num_nodes, node, allow_moves=False, stop_at=node_target)
+        bins = home.copy()
+        arrived = np.flatnonzero(node != home_node)
+        # those that left, by home rank, take the new arrivals, by node then id: node by node, counts match
+        bins[arrived[np.argsort(node[arrived], kind="stable")]] = np.sort(home[arrived])
+        _kernels.swap_sweeps(costs, order, num_bins, bins, capacity, _SWAP_SWEEPS, gpus_per_node)
+        _refine(costs, np.zeros(n), math.inf, num_bins, bins, allow_moves=False, stop_at=capacity,
+                node_size=gpus_per_node)
+        name = "equal_locality"
+        if _max_cost(costs, bins, num_bins) > capacity:
+            bins, name = reference.bin_of_item, f"equal_locality_fallback:{reference.method}"
+    return _result(bins, num_bins, costs, np.zeros(n), False, lower_bound, home, name, item_bytes, gpus_per_node)
 
 
 def partition_uniform(costs, home, node_of_bin, *, item_bytes) -> Partition:

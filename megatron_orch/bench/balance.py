@@ -12,7 +12,8 @@ under a model config (default: the 84B config) and plans each phase with every m
 * ``orch``, ``orch_equal_count``, ``orch_locality``: what the trainer runs, ``plan_step`` with the
   flags of :data:`~megatron_orch.bench.common.PLAN_METHODS` (``orch``: packed backbone micro-batches;
   ``orch_equal_count``: the defaults, ``per_rank`` examples per rank in the backbone;
-  ``orch_locality``: ``--orch-locality`` with packed micro-batches), placement included, over
+  ``orch_locality``: ``--orch-locality`` with packed micro-batches; ``orch_equal_locality``:
+  ``--orch-locality`` with the default equal-count micro-batches), placement included, over
   ``--gpus-per-node`` ranks per node. Encoder phases of equal items (the model's tiles, frames and
   windows) are planned exactly by ``partition_uniform`` in all three. Plan time is the whole
   ``plan_step`` (all phases), shown on every phase.
@@ -47,12 +48,17 @@ import numpy as np
 from megatron_orch.balance.partition import partition
 from megatron_orch.balance.topology import Topology
 from megatron_orch.balance.workload import ENCODER_PHASES, PHASES, PhaseItems, StepSizes, phase_bytes, phase_items
-from megatron_orch.bench.common import (draw_sizes, memory_caps, parser_with_batch_args, plan_method, report,
+from megatron_orch.bench.common import (PLAN_METHODS, draw_sizes, memory_caps, parser_with_batch_args, report,
                                         trace_specs, warm_up_partitioners)
+from megatron_orch.orchestrator.config import OrchestratorConfig
+from megatron_orch.orchestrator.step_plan import plan_step
 
-METHODS = ("none", "lpt", "kk", "bs_ffd", "orch", "orch_equal_count", "orch_locality", "verl_kk")
-RANK_METHODS = ("none", "orch", "orch_equal_count", "orch_locality", "verl_kk")  # bins are physical ranks
-TRAINER_METHODS = {"orch": "orch", "orch_equal_count": "equal_count", "orch_locality": "locality"}  # -> PLAN_METHODS
+METHODS = ("none", "lpt", "kk", "bs_ffd", "orch", "orch_equal_count", "orch_locality", "orch_equal_locality",
+           "verl_kk")
+RANK_METHODS = ("none", "orch", "orch_equal_count", "orch_locality", "orch_equal_locality", "verl_kk")  # bins are ranks
+TRAINER_METHODS = {  # the trainer's flags for each orch row
+    "orch": PLAN_METHODS["orch"], "orch_equal_count": PLAN_METHODS["equal_count"],
+    "orch_locality": PLAN_METHODS["locality"], "orch_equal_locality": OrchestratorConfig(locality=True, background=False)}
 VERL_LINEAR_COEFF = 24576  # verl's calculate_workload: 24576 * s + s^2 (a 7B model, hidden 4096)
 
 
@@ -118,11 +124,12 @@ def plan_phases(sizes: StepSizes, model, phases: Dict[str, PhaseItems], dp: int,
     verl = _timed(lambda: verl_equal_size_kk(verl_workload(llm.tokens), dp), repeats)
     topology = Topology.uniform(dp, gpus_per_node)
     trainer = {}
-    for method, plan_name in TRAINER_METHODS.items():
+    per_rank = int(np.asarray(sizes.counts)[0])
+    for method, config in TRAINER_METHODS.items():
         step_plan = [None]
 
         def run():
-            step_plan[0] = plan_method(plan_name, sizes, model, topology)
+            step_plan[0] = plan_step(sizes, model, config, topology, micro_batch_size=1, num_microbatches=per_rank)
             return step_plan[0].examples_llm.rank
 
         run()  # untimed: the first call at this size loads kernels and touches fresh memory
@@ -210,7 +217,8 @@ def run(trace_specs: Sequence[tuple], dp: int, per_rank: int, gpus_per_node: int
         "cost_unit": "training FLOPs (3x forward) from the model's shape",
         "notes": {
             "orch*": "the trainer's plan_step (placement included; plan_ms: all phases); orch and orch_locality "
-                     "with packed backbone micro-batches, orch_equal_count with the default equal-count ones",
+                     "with packed backbone micro-batches, orch_equal_count and orch_equal_locality with the "
+                     "default equal-count ones",
             "verl_kk": "planned on llm tokens with 24576*s+s^2; encoder items follow their example",
             "memory_cap": "per phase, upstream's peak per-rank activation memory (lpt, bs_ffd honour it; kk "
                           "ignores memory; the trainer's plan_step plans without a memory cap)",

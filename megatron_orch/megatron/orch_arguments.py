@@ -19,14 +19,17 @@ def add_orch_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     g.add_argument("--orch-phases", type=str, default=",".join(PHASES),
                    help=f"comma-separated phases to rebalance, of {','.join(PHASES)}")
     g.add_argument("--orch-algorithm", choices=ALGORITHMS, default="auto",
-                   help="partitioner of the encoder phases (and of the backbone when packed)")
+                   help="partitioner of the encoder phases (and of the backbone when packed); auto: a phase "
+                        "whose items all cost the same (the model's tiles, frames, audio windows) is spread by "
+                        "count, each rank keeping its own items up to ceil(n/DP) and the rest filling its node "
+                        "first (optimal balance and bytes); otherwise the best of lpt, kk, bs_ffd")
     g.add_argument("--orch-microbatching", choices=MICROBATCHING, default="equal_count",
                    help="equal_count: micro-batch-size examples per backbone micro-batch; packed: one "
                         "packed row per micro-batch with a variable number of examples")
     g.add_argument("--orch-locality", action="store_true",
-                   help="locality-aware balancing: keep items on their node/GPU where balance allows (the "
-                        "encoder phases, and the backbone with --orch-microbatching packed; equal_count "
-                        "backbone bins are placed on ranks by --orch-placement instead)")
+                   help="locality-aware balancing: within 1%% of the plain plan's balance, keep items on their "
+                        "node/GPU (every phase: equal_count backbone examples move between nodes first, then "
+                        "inside them; encoder phases of equal items are planned this way already)")
     g.add_argument("--orch-placement", choices=PLACEMENT_METHODS, default="exact",
                    help="bins -> ranks: identity, greedy, exact (min total inter-node bytes), minmax "
                         "(min busiest node's inter-node bytes)")

@@ -18,16 +18,18 @@ class OrchestratorConfig:
     """Post-balancing settings.
 
     ``phases``: the phases rebalanced; the others keep the loader's assignment. ``algorithm``: the
-    partitioner of the encoder phases (and of the backbone in ``packed`` mode). ``microbatching``:
-    ``equal_count`` keeps ``micro_batch_size`` examples per backbone micro-batch (any attention);
-    ``packed`` gives each rank the same number of micro-batches, each one packed row of a variable
-    number of examples (block-diagonal causal attention). ``locality``: balance encoder phases with
-    the locality-aware partitioner (bins are ranks, few bytes cross nodes) instead of partition +
-    placement. ``placement``: how balanced bins are mapped to ranks (``identity``, ``greedy``,
-    ``exact`` min-total inter-node bytes, ``minmax`` busiest node). ``background``: plan step k+1
-    on a CPU thread while step k trains. ``encoder_recompute``: keep only encoder inputs and recompute
-    encoder activations for the backward. ``cost_profile``: item costs measured on the device
-    (``--orch-cost-profile``, :mod:`megatron_orch.balance.cost_profile`) instead of training FLOPs.
+    partitioner of the encoder phases (and of the backbone in ``packed`` mode); under ``auto``, an
+    encoder phase of equal items is planned exactly by ``partition_uniform`` (no placement needed).
+    ``microbatching``: ``equal_count`` keeps ``micro_batch_size`` examples per backbone micro-batch
+    (any attention); ``packed`` gives each rank the same number of micro-batches, each one packed
+    row of a variable number of examples (block-diagonal causal attention). ``locality``: balance
+    every phase with a locality-aware partitioner (bins are ranks, few bytes cross nodes, within 1%
+    of the plain plan's balance) instead of partition + placement. ``placement``: how balanced bins
+    are mapped to ranks (``identity``, ``greedy``, ``exact`` min-total inter-node bytes, ``minmax``
+    busiest node). ``background``: plan step k+1 on a CPU thread while step k trains.
+    ``encoder_recompute``: keep only encoder inputs and recompute encoder activations for the
+    backward. ``cost_profile``: item costs measured on the device (``--orch-cost-profile``,
+    :mod:`megatron_orch.balance.cost_profile`) instead of training FLOPs.
     """
 
     phases: Tuple[str, ...] = PHASES

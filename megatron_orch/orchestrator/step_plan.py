@@ -14,8 +14,8 @@ import numpy as np
 
 from megatron_orch.balance import _plan_kernels
 from megatron_orch.balance.model_config import MLLMConfig
-from megatron_orch.balance.partition import (partition, partition_equal_count, partition_locality,
-                                              partition_uniform)
+from megatron_orch.balance.partition import (partition, partition_equal_count, partition_equal_count_locality,
+                                              partition_locality, partition_uniform)
 from megatron_orch.balance.placement import PlacementConfig, place_items
 from megatron_orch.balance.plan import Placement, Transfer, checksum
 from megatron_orch.balance.topology import Topology
@@ -183,8 +183,9 @@ def plan_step(sizes: StepSizes, model_config: MLLMConfig, config: OrchestratorCo
     packed = config.microbatching == "packed"
     if "llm" not in config.phases:
         rank_llm, method = home, "none"
-    elif config.locality and packed:
-        part = partition_locality(llm_costs, home, num_ranks, _gpus_per_node(topology), item_bytes=text_bytes)
+    elif config.locality:
+        locality = partition_locality if packed else partition_equal_count_locality
+        part = locality(llm_costs, home, num_ranks, _gpus_per_node(topology), item_bytes=text_bytes)
         rank_llm, method = part.bin_of_item, part.method
     else:
         part = (partition(llm_costs, num_ranks, method=config.algorithm, home=home) if packed

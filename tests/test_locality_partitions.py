@@ -1,0 +1,114 @@
+"""The partitioners whose bins are ranks on nodes: ``partition_uniform`` (items of one cost and one
+size: the encoder phases) against brute force, and ``partition_equal_count_locality`` (the backbone
+under --orch-locality) against the plain equal-count plan with exact placement."""
+import itertools
+
+import numpy as np
+import pytest
+from hypothesis import given, settings, strategies as st
+
+from megatron_orch.balance.partition import (equal_count_lower_bound, partition_equal_count,
+                                             partition_equal_count_locality, partition_uniform)
+from megatron_orch.balance.placement import PlacementConfig, place_items
+from megatron_orch.balance.topology import Topology
+
+
+def brute_force(home, node_of_bin):
+    """Over every assignment with the optimal max count: (that max, fewest items off their bin,
+    fewest items off their node)."""
+    home = np.asarray(home)
+    num_bins = len(node_of_bin)
+    assign = np.array(list(itertools.product(range(num_bins), repeat=home.size)), dtype=np.int64)
+    counts = (assign[:, :, None] == np.arange(num_bins)).sum(1)
+    best = counts.max(1).min()
+    keep = counts.max(1) == best
+    moved = (assign != home).sum(1)[keep]
+    node = np.asarray(node_of_bin)
+    inter = (node[assign] != node[home]).sum(1)[keep]
+    return int(best), int(moved.min()), int(inter.min())
+
+
+@settings(max_examples=150, deadline=None)
+@given(st.data())
+def test_optimal_max_and_fewest_moves_on_and_off_node(data):
+    num_bins = data.draw(st.integers(1, 4))
+    node_of_bin = data.draw(st.lists(st.integers(0, 1), min_size=num_bins, max_size=num_bins))
+    home = np.array(data.draw(st.lists(st.integers(0, num_bins - 1), min_size=0, max_size=7)), dtype=np.int64)
+    part = partition_uniform(np.full(home.size, 2.5), home, node_of_bin, item_bytes=np.full(home.size, 3))
+    best, fewest_moved, fewest_inter = brute_force(home, node_of_bin)
+    counts = np.bincount(part.bin_of_item, minlength=num_bins)
+    assert counts.max(initial=0) == best
+    assert np.isclose(part.max_cost, 2.5 * best)
+    assert (part.bin_of_item != home).sum() == fewest_moved
+    assert (np.asarray(node_of_bin)[part.bin_of_item] != np.asarray(node_of_bin)[home]).sum() == fewest_inter
+    assert part.moved_bytes == 3 * fewest_moved and part.inter_node_bytes == 3 * fewest_inter
+    assert part.method == ("home" if fewest_moved == 0 else "uniform")
+
+
+def test_large_instance_keeps_node_traffic_to_node_surplus():
+    rng = np.random.default_rng(0)
+    num_bins, gpus = 512, 8
+    node_of_bin = np.arange(num_bins) // gpus
+    home = np.sort(rng.integers(0, num_bins, 40_000) ** 2 // num_bins)  # skewed: low ranks load most
+    part = partition_uniform(np.ones(home.size), home, node_of_bin, item_bytes=np.ones(home.size))
+    cap = -(-home.size // num_bins)
+    have = np.bincount(home, minlength=num_bins)
+    assert part.counts().max() == cap
+    assert part.moved_bytes == np.maximum(have - cap, 0).sum()
+    node_have = np.bincount(node_of_bin[home], minlength=num_bins // gpus)
+    assert part.inter_node_bytes == np.maximum(node_have - gpus * cap, 0).sum()
+    assert part.max_cost < part.baseline_max_cost
+
+
+def test_refuses_unequal_items():
+    with pytest.raises(ValueError, match="equal cost and equal bytes"):
+        partition_uniform([1.0, 2.0], [0, 1], [0, 0], item_bytes=[1, 1])
+    with pytest.raises(ValueError, match="equal cost and equal bytes"):
+        partition_uniform([1.0, 1.0], [0, 1], [0, 0], item_bytes=[1, 2])
+
+
+@settings(max_examples=120, deadline=None)
+@given(st.data())
+def test_equal_count_locality_keeps_counts_and_the_capacity(data):
+    gpus = data.draw(st.sampled_from([1, 2, 4]))
+    num_bins = gpus * data.draw(st.integers(1, 4))
+    per_bin = data.draw(st.integers(1, 6))
+    n = num_bins * per_bin
+    costs = np.array(data.draw(st.lists(st.floats(0.0, 100.0), min_size=n, max_size=n)))
+    home = np.array(data.draw(st.permutations(np.repeat(np.arange(num_bins), per_bin).tolist())), dtype=np.int64)
+    tolerance = data.draw(st.sampled_from([0.0, 0.01, 0.2]))
+    part = partition_equal_count_locality(costs, home, num_bins, gpus, item_bytes=np.ones(n), tolerance=tolerance)
+    reference = partition_equal_count(costs, num_bins, home=home)
+    assert np.array_equal(part.counts(), np.full(num_bins, per_bin))
+    home_max = np.bincount(home, weights=costs, minlength=num_bins).max()
+    assert part.max_cost <= home_max + 1e-9
+    if part.method.startswith("equal_locality_fallback"):
+        assert np.array_equal(part.bin_of_item, reference.bin_of_item)
+    else:
+        assert part.max_cost <= (1 + tolerance) * reference.max_cost + 1e-9
+    if part.method == "home":
+        assert np.array_equal(part.bin_of_item, home)
+
+
+def test_equal_count_locality_moves_far_fewer_items_across_nodes():
+    rng = np.random.default_rng(3)
+    num_bins, gpus, per_bin = 64, 8, 16
+    costs = rng.lognormal(0.0, 1.0, num_bins * per_bin) * np.repeat(rng.uniform(0.5, 2.0, num_bins), per_bin)
+    home = np.repeat(np.arange(num_bins), per_bin)
+    ones = np.ones(costs.size, dtype=np.int64)
+    part = partition_equal_count_locality(costs, home, num_bins, gpus, item_bytes=ones)
+    assert part.method == "equal_locality"
+    reference = partition_equal_count(costs, num_bins, home=home)
+    placed = place_items(reference.bin_of_item, home, ones, Topology.uniform(num_bins, gpus),
+                         PlacementConfig(method="exact"))[reference.bin_of_item]
+    crossing = (part.bin_of_item // gpus != home // gpus).sum()
+    crossing_placed = (placed // gpus != home // gpus).sum()
+    assert part.max_cost <= 1.01 * reference.max_cost < np.bincount(home, weights=costs).max()
+    assert part.max_cost <= 1.02 * equal_count_lower_bound(costs, num_bins)
+    assert crossing < 0.25 * crossing_placed, (crossing, crossing_placed)
+    assert part.inter_node_bytes == crossing
+
+
+def test_equal_count_locality_refuses_a_partial_node():
+    with pytest.raises(ValueError, match="multiple of gpus_per_node"):
+        partition_equal_count_locality(np.ones(6), np.repeat(np.arange(3), 2), 3, 2, item_bytes=np.ones(6))
