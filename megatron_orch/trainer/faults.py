@@ -19,11 +19,12 @@ that did not join (not run here: no GPU).
 """
 from __future__ import annotations
 
+import contextlib
 import itertools
 import time
 import traceback
 from collections import defaultdict
-from typing import Iterator, List
+from typing import Callable, Iterator, List
 
 import torch.distributed as dist
 
@@ -67,8 +68,8 @@ class CollectiveFailureError(RuntimeError):
 
 
 def lost_collective(error: BaseException) -> bool:
-    """Whether ``error`` is a collective that timed out or lost its peer (not another rank's report)."""
-    if isinstance(error, PeerFailedError) or not isinstance(error, RuntimeError):
+    """Whether ``error`` is a collective that timed out or lost its peer (not a report made of one)."""
+    if isinstance(error, (PeerFailedError, CollectiveFailureError)) or not isinstance(error, RuntimeError):
         return False
     text = str(error).lower()
     return any(marker in text for marker in _LOST_COLLECTIVE)
@@ -92,12 +93,25 @@ def _short(filename: str) -> str:
     return filename
 
 
-def diagnose_collective_failure(error: BaseException, iteration: int, timeout_minutes: float) -> CollectiveFailureError:
+@contextlib.contextmanager
+def naming_lost_collectives(stage: Callable[[], str], timeout_minutes: float):
+    """Turn a collective that times out or loses a peer inside the block into a
+    :class:`CollectiveFailureError` that names the silent ranks; ``stage()`` says where training was
+    (e.g. "iteration 3"), the same on every rank that gets there."""
+    try:
+        yield
+    except RuntimeError as err:
+        if not lost_collective(err):
+            raise
+        raise diagnose_collective_failure(err, stage(), timeout_minutes) from err
+
+
+def diagnose_collective_failure(error: BaseException, stage: str, timeout_minutes: float) -> CollectiveFailureError:
     """Report where this rank waited, wait for the other ranks' reports, and name the silent ones."""
     rank, world = dist.get_rank(), dist.get_world_size()
     where = _waiting_site(error)
     grace_s = min(timeout_minutes * 60.0 / 4, _MAX_GRACE_S)
-    prefix = f"megatron_orch/lost_collective/iteration_{iteration}/"
+    prefix = f"megatron_orch/lost_collective/{stage.replace(' ', '_')}/"
     try:
         store = dist.distributed_c10d._get_default_store()
         store.set(prefix + str(rank), where)
@@ -108,7 +122,7 @@ def diagnose_collective_failure(error: BaseException, iteration: int, timeout_mi
         reports = {r: store.get(prefix + str(r)).decode() for r in range(world) if store.check([prefix + str(r)])}
     except Exception as store_error:  # noqa: BLE001 -- the diagnosis must not hide the failure itself
         return CollectiveFailureError(
-            f"iteration {iteration}: a collective failed on rank {rank} ({describe(error)}) in {where}; "
+            f"{stage}: a collective failed on rank {rank} ({describe(error)}) in {where}; "
             f"could not ask the other ranks where they are ({describe(store_error)})")
     silent = [r for r in range(world) if r not in reports]
     by_site = defaultdict(list)
@@ -117,11 +131,11 @@ def diagnose_collective_failure(error: BaseException, iteration: int, timeout_mi
     sites = "; ".join(f"ranks {_ranges(ranks)} in {site}" for site, ranks in list(by_site.items())[:4])
     if silent:
         verdict = (f"rank(s) {_ranges(silent)} did not reach a collective (no report within {grace_s:.0f} s of "
-                   f"this rank's failure): stuck or far slower outside communication -- look there first. ")
+                   f"this rank's failure): stuck, gone or far slower outside communication -- look there first. ")
     else:
         verdict = "every rank reported a failed collective (none is stuck outside one). "
     return CollectiveFailureError(
-        f"iteration {iteration}: a collective failed on rank {rank} after waiting up to "
+        f"{stage}: a collective failed on rank {rank} after waiting up to "
         f"--distributed-timeout-minutes {timeout_minutes:g} ({describe(error)}). {verdict}"
         f"Where the ranks that reported were waiting: {sites}.")
 

@@ -36,7 +36,7 @@ from megatron_orch.mllm import providers
 from megatron_orch.mllm.providers import runs_on_cpu
 from megatron_orch.comm.status import raise_if_any_rank_failed
 from megatron_orch.trainer.checkpointing import TrainState, load_checkpoint, run_config, save_checkpoint
-from megatron_orch.trainer.faults import StepReader, diagnose_collective_failure, lost_collective
+from megatron_orch.trainer.faults import StepReader, naming_lost_collectives
 from megatron_orch.trainer.training_log import (LOAD_FIELDS, PHASE_TIMERS, POST_BALANCING_FIELDS, IntervalStats,
                                                 IterationRecord, LoadMeter, TensorBoardLog, max_and_mean_over_group)
 
@@ -234,13 +234,9 @@ def train(args: argparse.Namespace, model: list, optimizer, scheduler, data_iter
     that times out or loses a peer raises :class:`~megatron_orch.trainer.faults.CollectiveFailureError`
     naming the ranks that never reached a collective.
     """
-    try:
+    with naming_lost_collectives(lambda: f"iteration {state.iteration + 1}", args.distributed_timeout_minutes):
         return _train(args, model, optimizer, scheduler, data_iterator, state, timers, forward_step, print_fn,
                       forward_backward_func, read_step)
-    except RuntimeError as err:
-        if not lost_collective(err):
-            raise
-        raise diagnose_collective_failure(err, state.iteration + 1, args.distributed_timeout_minutes) from err
 
 
 def _train(args, model, optimizer, scheduler, data_iterator, state, timers, forward_step, print_fn,
@@ -288,47 +284,50 @@ def pretrain(args: argparse.Namespace, model_provider: Callable = providers.buil
     """Initialise, build, (resume,) train; the compact counterpart of ``megatron.training.pretrain``
     (``model_provider(args, pre_process, post_process)``, ``forward_step(data_iterator, model)``)."""
     initialize(args)
-    timers = Timers(log_level=max(1, args.timing_log_level), log_option="minmax")
-    model = build_model(args, model_provider)
-    optimizer, scheduler = build_optimizer(args, model, timers)
-    attach_to_model_config(model, optimizer, timers)
-    time_encoder_forwards(model, timers)
-    state = TrainState()
-    if args.load:
-        # Returns on every rank only when every rank loaded (or none found a checkpoint).
-        state = load_checkpoint(args.load, model, optimizer, scheduler, args.use_distributed_optimizer,
-                                run_config(args), scheduler_source(args))
-        if _logging_rank():
-            for note in state.notes:
-                print_fn(note)
-            if state.iteration:
-                print_fn(f" resumed from {args.load} at iteration {state.iteration} "
-                         f"(consumed samples {state.consumed_samples})")
-    if dist.get_rank() == 0:
-        print_fn(_describe(args, model))
-    data_iterator, error = None, None
-    try:  # the manifest is read here: a bad one raises on every rank, with its line and path
-        data_iterator = providers.build_train_data_iterator(
-            args, state.consumed_samples, parallel_state.get_data_parallel_rank(), args.data_parallel_size)
-    except Exception as err:  # noqa: BLE001
-        error = err
-    raise_if_any_rank_failed(error, what="building the training data iterator")
-    forward_backward_func, read_step = get_forward_backward_func(), None
-    if args.orch_config is not None:
-        data_iterator, forward_backward_func = providers.build_post_balancing(
-            args, args.orch_config, data_iterator, forward_backward_func)
+    # A collective lost while building, loading or setting up the data (a rank stuck or gone) is
+    # reported with the ranks that never reached one; train() does the same per iteration.
+    with naming_lost_collectives(lambda: "setup", args.distributed_timeout_minutes):
+        timers = Timers(log_level=max(1, args.timing_log_level), log_option="minmax")
+        model = build_model(args, model_provider)
+        optimizer, scheduler = build_optimizer(args, model, timers)
+        attach_to_model_config(model, optimizer, timers)
+        time_encoder_forwards(model, timers)
+        state = TrainState()
+        if args.load:
+            # Returns on every rank only when every rank loaded (or none found a checkpoint).
+            state = load_checkpoint(args.load, model, optimizer, scheduler, args.use_distributed_optimizer,
+                                    run_config(args), scheduler_source(args))
+            if _logging_rank():
+                for note in state.notes:
+                    print_fn(note)
+                if state.iteration:
+                    print_fn(f" resumed from {args.load} at iteration {state.iteration} "
+                             f"(consumed samples {state.consumed_samples})")
         if dist.get_rank() == 0:
-            topology = data_iterator.topology
-            print_fn(f" > post-balancing on: {args.orch_config} | DP group: {topology.num_ranks} ranks on "
-                     f"{topology.num_nodes} node(s)")
-    else:
-        data_iterator = StepReader(data_iterator, args.num_microbatches)
-        read_step = data_iterator.read_step
-    # megatron.training hands the schedule its iterator wrapped by the rerun machinery; so do we, so the
-    # post-balancing iterator is exercised exactly as it is there.
-    data_iterator = RerunDataIterator(data_iterator)
-    return train(args, model, optimizer, scheduler, data_iterator, state, timers, forward_step, print_fn,
-                 forward_backward_func, read_step)
+            print_fn(_describe(args, model))
+        data_iterator, error = None, None
+        try:  # the manifest is read here: a bad one raises on every rank, with its line and path
+            data_iterator = providers.build_train_data_iterator(
+                args, state.consumed_samples, parallel_state.get_data_parallel_rank(), args.data_parallel_size)
+        except Exception as err:  # noqa: BLE001
+            error = err
+        raise_if_any_rank_failed(error, what="building the training data iterator")
+        forward_backward_func, read_step = get_forward_backward_func(), None
+        if args.orch_config is not None:
+            data_iterator, forward_backward_func = providers.build_post_balancing(
+                args, args.orch_config, data_iterator, forward_backward_func)
+            if dist.get_rank() == 0:
+                topology = data_iterator.topology
+                print_fn(f" > post-balancing on: {args.orch_config} | DP group: {topology.num_ranks} ranks on "
+                         f"{topology.num_nodes} node(s)")
+        else:
+            data_iterator = StepReader(data_iterator, args.num_microbatches)
+            read_step = data_iterator.read_step
+        # megatron.training hands the schedule its iterator wrapped by the rerun machinery; so do we, so the
+        # post-balancing iterator is exercised exactly as it is there.
+        data_iterator = RerunDataIterator(data_iterator)
+        return train(args, model, optimizer, scheduler, data_iterator, state, timers, forward_step, print_fn,
+                     forward_backward_func, read_step)
 
 
 def _describe(args: argparse.Namespace, model: list) -> str:
