@@ -10,8 +10,8 @@ from hypothesis import given, settings, strategies as st
 
 from megatron_orch.balance.model_config import load_model_config
 from megatron_orch.balance.traces import Trace, TraceMixture
-from megatron_orch.megatron.batch import (AUDIO_TOKEN_ID, IMAGE_TOKEN_ID, PAD_TOKEN_ID, SIZE_FIELDS, Example,
-                                          ExampleShape, collate, collate_packed, sizes_array)
+from megatron_orch.megatron.batch import (AUDIO_TOKEN_ID, IMAGE_TOKEN_ID, PAD_TOKEN_ID, Example, ExampleShape,
+                                          collate, collate_packed)
 from megatron_orch.mllm.data import DataConfig, MegatronPretrainingSampler, build_train_iterator
 from megatron_orch.mllm.examples import example_shape
 from megatron_orch.mllm.manifest import ImageTiling, ManifestDataset, ManifestError, image_tiling
@@ -157,8 +157,10 @@ def test_synthetic_text_is_learnable_bigram_chain():
 
 def test_default_mixture_shows_modality_incoherence():
     dataset = SyntheticMultimodalDataset(TINY, 3000, 0, seq_length=512)
-    sizes = sizes_array([dataset.example_sizes(i) for i in range(len(dataset))])
-    vision, audio, loss = sizes[:, 1], sizes[:, 2], sizes[:, 4]
+    records = [dataset.example_sizes(i) for i in range(len(dataset))]
+    vision = np.array([r.num_vision_items for r in records])
+    audio = np.array([r.num_audio_items for r in records])
+    loss = np.array([r.num_loss_tokens for r in records])
     assert ((vision > 0) & (audio == 0)).mean() > 0.4  # image SFT, captions, video
     assert ((audio > 0) & (vision == 0)).mean() > 0.2  # ASR, audio / music captions
     assert set(dataset.kind.tolist()) >= {"image", "video", "audio"}
@@ -225,14 +227,6 @@ def test_collate_all_text_only_keeps_item_shapes_and_rejects_mismatch():
         collate(text_only, pad_to=3)
     with pytest.raises(ValueError, match="at least one example"):
         collate([])
-
-
-def test_sizes_array_columns():
-    dataset = small_dataset(8)
-    records = [dataset.example_sizes(i) for i in range(8)]
-    array = sizes_array(records)
-    assert array.shape == (8, len(SIZE_FIELDS)) and array.dtype == np.int64
-    assert array[:, 0].tolist() == list(range(8)) and array[3, 3] == records[3].num_tokens
 
 
 # ---------------------------------------------------------------------------------------- train iterator

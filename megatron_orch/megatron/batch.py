@@ -19,7 +19,6 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Optional, Sequence
 
-import numpy as np
 import torch
 
 # Token ids. Text uses the 256 byte values; the special ids sit above them, the two placeholders at the
@@ -80,17 +79,6 @@ class ExampleSizes:
     num_audio_items: int
     num_tokens: int        # backbone sequence length S (text + placeholders)
     num_loss_tokens: int   # tokens whose label counts in the loss
-
-
-SIZE_FIELDS = ("sample_index", "num_vision_items", "num_audio_items", "num_tokens", "num_loss_tokens")
-
-
-def sizes_array(sizes: Sequence[ExampleSizes]) -> np.ndarray:
-    """Stack size records into an int64 array [n, 5] with columns in :data:`SIZE_FIELDS` order."""
-    out = np.zeros((len(sizes), len(SIZE_FIELDS)), dtype=np.int64)
-    for row, record in enumerate(sizes):
-        out[row] = [getattr(record, field) for field in SIZE_FIELDS]
-    return out
 
 
 @dataclass(frozen=True, eq=False)
