@@ -57,6 +57,8 @@ def main_megatron_lm() -> None:
     to the checkout (``scripts/apply_patches.sh``); without ``--orch-post-balancing`` this is the upstream
     run, patched or not.
     """
+    import copy
+
     from megatron.core import mpu
     from megatron.core.enums import ModelType
     from megatron.core.num_microbatches_calculator import get_num_microbatches
@@ -87,8 +89,12 @@ def main_megatron_lm() -> None:
         """Megatron's args with this project's settings resolved once (the model, the orchestrator)."""
         args = get_args()
         if not hasattr(args, "mllm_config"):
+            # Megatron-LM's shape flags override the backbone of --model-config; its --num-query-groups
+            # (default 1) counts only with --group-query-attention, else attention is multi-head.
+            shape = copy.copy(args)
+            shape.num_query_groups = args.num_query_groups if args.group_query_attention else None
             try:
-                args.mllm_config = arguments.resolve_model_config(args)
+                args.mllm_config = arguments.resolve_model_config(shape)
                 args.orch_config = orch_config_from_args(args)
                 if args.orch_config is not None:
                     megatron_lm.check_args(args)

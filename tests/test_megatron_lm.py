@@ -5,7 +5,8 @@ The training runs go through Megatron-LM's own ``megatron.training.pretrain`` (f
 the tag's files, on CPU over gloo with the test doubles of ``megatron_lm_doubles``): DP 2 and PP 2 x DP
 2, post-balancing off (upstream) then on in the same spawned ranks, fp32 and dropout 0, and the losses
 of every iteration must agree within 1e-5. DP 2 also runs post-balancing with ``--overlap-grad-reduce``,
-including a step where a rank gets no items of an encoder phase.
+including a step where a rank gets no items of an encoder phase, and the project's compact trainer on
+the same flags, which must reproduce megatron.training's losses.
 Skipped, saying why, where the Megatron-LM files (``../shared/megatron-lm``) are absent.
 """
 import importlib.util
@@ -41,6 +42,11 @@ ARGV = ["--model-config", "tiny", "--num-layers", "2", "--hidden-size", "64", "-
         "--tokenizer-type", "NullTokenizer", "--vocab-size", "1024"]
 RUNS = {"upstream": [], "post-balancing": ["--orch-post-balancing"],
         "post-balancing, overlapped grad reduce": ["--orch-post-balancing", "--overlap-grad-reduce"]}
+# The project's compact trainer on the same flags (those it has): it must reproduce megatron.training.
+COMPACT = "compact trainer"
+COMPACT_ARGV = ["--model-config", "tiny", "--seq-length", "128", "--micro-batch-size", "1", "--global-batch-size", "4",
+                "--train-iters", str(ITERS), "--lr", "2e-3", "--log-interval", "1", "--seed", str(SEED),
+                "--distributed-backend", "gloo", "--transformer-impl", "local"]
 
 
 def _patch_index(patch: Path):
@@ -159,6 +165,45 @@ def test_refusals_before_training(shared_tree, tmp_path):
     assert "--overlap-grad-reduce without --orch-post-balancing is not supported" in overlap
 
 
+def _megatron_args(**changes):
+    import argparse
+    args = dict(dataloader_type="external", calculate_per_token_loss=True, virtual_pipeline_model_parallel_size=None,
+                context_parallel_size=1, orch_microbatching="equal_count", transformer_impl="local",
+                rampup_batch_size=None)
+    return argparse.Namespace(**{**args, **changes})
+
+
+def test_check_args_names_what_post_balancing_cannot_run_with():
+    from megatron_orch.megatron import megatron_lm
+
+    megatron_lm.check_args(_megatron_args())
+    for changes, flag in ((dict(dataloader_type="single"), "--dataloader-type single"),
+                          (dict(calculate_per_token_loss=False), "--calculate-per-token-loss is required"),
+                          (dict(virtual_pipeline_model_parallel_size=2), "virtual pipeline stages"),
+                          (dict(context_parallel_size=2), "--context-parallel-size 2"),
+                          (dict(orch_microbatching="packed", transformer_impl="transformer_engine"),
+                           "--orch-microbatching packed with --transformer-impl transformer_engine"),
+                          (dict(rampup_batch_size=["4", "4", "100"]), "--rampup-batch-size")):
+        with pytest.raises(ValueError, match=re.escape(flag)):
+            megatron_lm.check_args(_megatron_args(**changes))
+
+
+def test_patch_detection_by_signature():
+    from megatron_orch.megatron import megatron_lm
+
+    def stock(train_valid_test_dataset_provider, model_provider, model_type, forward_step_func, store=None):
+        pass
+
+    def patched(train_valid_test_dataset_provider, model_provider, model_type, forward_step_func, store=None,
+                forward_backward_func_wrapper=None):
+        pass
+
+    assert megatron_lm.is_patched(patched) and not megatron_lm.is_patched(stock)
+    megatron_lm.require_patched(patched)
+    with pytest.raises(megatron_lm.PatchMissingError, match="scripts/apply_patches.sh MEGATRON_LM_DIR"):
+        megatron_lm.require_patched(stock)
+
+
 def _pretrain_runs(rank, world_size, tree, parallel, runs, out_dir):
     """Megatron-LM's pretrain through pretrain_mllm.main_megatron_lm, once per run, in these ranks."""
     warnings.filterwarnings("ignore")
@@ -176,6 +221,18 @@ def _pretrain_runs(rank, world_size, tree, parallel, runs, out_dir):
     results = {}
     for name in runs:
         record = results[name] = {"losses": [], "schedule": [], "moved_items": 0, "zero_gradients": 0}
+        if name == COMPACT:
+            from megatron.core import parallel_state
+
+            from megatron_orch.trainer import arguments, loop
+            args = arguments.parse_args(COMPACT_ARGV + ["--tensor-model-parallel-size", str(parallel[0]),
+                                                        "--pipeline-model-parallel-size", str(parallel[1])],
+                                        world_size=world_size)
+            try:
+                record["losses"] = [r.lm_loss for r in loop.pretrain(args, print_fn=lambda line: None)]
+            finally:
+                parallel_state.destroy_model_parallel()
+            continue
 
         def train_step(*args, **kwargs):  # positional as train() calls it: the schedule is the 7th
             out = stock_train_step(*args, **kwargs)
@@ -208,7 +265,7 @@ def _pretrain_runs(rank, world_size, tree, parallel, runs, out_dir):
 
 def _check_runs(out_dir: Path, world_size: int, runs) -> None:
     ranks = [json.loads((out_dir / f"rank{r}.json").read_text()) for r in range(world_size)]
-    last = ranks[-1]  # on the last pipeline stage
+    last = ranks[-1]  # on the last pipeline stage (and the compact trainer's logging rank)
     upstream = last["upstream"]["losses"]
     assert len(upstream) == ITERS
     for name in runs[1:]:
@@ -216,16 +273,17 @@ def _check_runs(out_dir: Path, world_size: int, runs) -> None:
         assert len(losses) == ITERS, name
         for step, (off, on) in enumerate(zip(upstream, losses), 1):
             assert abs(on - off) <= TOLERANCE * abs(off), f"{name}, iteration {step}: {on} vs upstream {off}"
+    balanced = [name for name in runs if name.startswith("post-balancing")]
     for rank in ranks:
         assert rank["upstream"]["schedule"] == ["function"] * ITERS  # megatron-core's own schedule
-        for name in runs[1:]:
+        for name in balanced:
             assert rank[name]["schedule"] == ["ModalityAwareSchedule"] * ITERS, name
-    for name in runs[1:]:  # the plans moved examples between ranks
+    for name in balanced:  # the plans moved examples between ranks
         assert sum(rank[name]["moved_items"] for rank in ranks) > 0, name
 
 
 def test_megatron_training_dp2(patched_tree, tmp_path):
-    runs = list(RUNS)
+    runs = [*RUNS, COMPACT]
     run_distributed(_pretrain_runs, 2, str(patched_tree), (1, 1), runs, str(tmp_path), timeout_s=400)
     _check_runs(tmp_path, 2, runs)
     overlapped = [json.loads((tmp_path / f"rank{r}.json").read_text())[runs[2]] for r in range(2)]
