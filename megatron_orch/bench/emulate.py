@@ -29,6 +29,7 @@ perfect balance (step / sum over phases of the mean rank - 1).
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import statistics
 import sys
@@ -83,23 +84,29 @@ def rank_shapes(phase: str, items: PhaseItems, rank: np.ndarray, dp: int, llm_bu
     return shapes
 
 
-def time_interleaved(calls: Dict[tuple, Callable[[], None]], device: torch.device, warmup: int,
-                     repeats: int) -> Dict[tuple, float]:
-    """Median seconds of every call, calls interleaved within each repeat."""
+def time_interleaved(calls: Dict[object, list], make_call: Callable[[object], Callable[[], None]],
+                     device: torch.device, warmup: int, repeats: int) -> Dict[object, float]:
+    """Median seconds of every key's calls run in turn, keys interleaved within each repeat.
+
+    ``make_call(size)`` builds one call with its inputs, outside the timed region, right before the
+    key runs: only one key's inputs are alive at a time (hundreds of encoder batches would not fit a
+    GPU together).
+    """
     cuda = device.type == "cuda"
-    for _ in range(warmup):
-        for call in calls.values():
-            call()
     times = {key: [] for key in calls}
-    for _ in range(repeats):
-        for key, call in calls.items():
+    for repeat in range(warmup + repeats):
+        for key, sizes in calls.items():
+            steps = [make_call(size) for size in sizes]
             if cuda:
                 torch.cuda.synchronize(device)
             start = time.perf_counter()
-            call()
+            for step in steps:
+                step()
             if cuda:
                 torch.cuda.synchronize(device)
-            times[key].append(time.perf_counter() - start)
+            if repeat >= warmup:
+                times[key].append(time.perf_counter() - start)
+            del steps
     return {key: statistics.median(t) for key, t in times.items()}
 
 
@@ -118,24 +125,20 @@ def measure(plans: Dict[str, StepPlan], items: Dict[str, PhaseItems], config, de
         module = mfu.build_phase(phase, config, settings, device)
         shapes = {(m, r): calls for m, plan in timed_plans.items() for r, calls in enumerate(rank_shapes(
             phase, items[phase], item_ranks(plan, phase), dp, llm_bucket, config.backbone.max_position_embeddings))}
+        make_call = functools.partial(mfu.phase_call, phase, module, config, device=device)  # (size)
         if timing == "shape":
             distinct = sorted({size for calls in shapes.values() for size in calls}, key=str)
-            table = time_interleaved({size: mfu.phase_call(phase, module, config, size, device) for size in distinct},
-                                     device, warmup, repeats)
+            table = time_interleaved({size: [size] for size in distinct}, make_call, device, warmup, repeats)
             seconds = {key: sum(table[size] for size in calls) for key, calls in shapes.items()}
             timed = f"{len(distinct)} distinct calls"
         else:
-            runs = {}
-            for key, calls in shapes.items():
-                if calls:
-                    steps = [mfu.phase_call(phase, module, config, size, device) for size in calls]
-                    runs[key] = lambda steps=steps: [step() for step in steps]
-            seconds = time_interleaved(runs, device, warmup, repeats)
+            runs = {key: calls for key, calls in shapes.items() if calls}
+            seconds = time_interleaved(runs, make_call, device, warmup, repeats)
             timed = f"{len(runs)} rank runs"
         for m in timed_plans:
             measured[m][phase] = np.array([seconds.get((m, r), 0.0) for r in range(dp)])
         print(f"[emulate] phase {phase}: {timed} timed", file=sys.stderr, flush=True)
-        del module
+        del module, make_call  # the next phase's module is built without this one
     if "none" + FLOPS in plans:
         measured["none" + FLOPS] = measured["none"]
     return measured
