@@ -72,7 +72,8 @@ def item_ranks(plan: StepPlan, phase: str) -> np.ndarray:
 def rank_shapes(phase: str, items: PhaseItems, rank: np.ndarray, dp: int, llm_bucket: int,
                 max_tokens: int) -> List[list]:
     """The calls of every rank's work of one phase, by size: ``[n]`` items of an encoder in one call (none
-    for a rank without items), ``(1, s)`` per backbone example with s rounded up to ``llm_bucket``."""
+    for a rank without items), ``(1, s)`` per backbone example with s rounded up to ``llm_bucket`` and
+    cut at ``max_tokens`` (the position table: longer examples are reported, see :func:`main`)."""
     shapes = []
     for r in range(dp):
         mine = np.flatnonzero(rank == r)
@@ -296,12 +297,17 @@ def main(argv: Optional[List[str]] = None) -> dict:
         "dtype": "bf16" if settings.bf16 else "fp32", "dp": args.dp, "per_rank": args.per_rank,
         "gpus_per_node": args.gpus_per_node, "seed": args.seed, "warmup": args.warmup, "repeats": args.repeats,
         "timing": args.timing, "llm_bucket": args.llm_bucket,
+        "llm_examples_cut_at_max_positions": int((sizes.num_tokens > config.backbone.max_position_embeddings).sum()),
         "traces": [list(spec) for spec in trace_specs(args)],
         "costs": (f"profile {args.cost_profile} ({profile.device})" if profile else "training FLOPs")
         + ("; methods *_flops: training FLOPs" if args.compare_flops else ""),
         "notes": "backbone examples timed one per call (lengths rounded up to llm_bucket); no communication; "
                  "balanced step = sum over phases of the slowest rank, upstream = slowest rank's whole step"}
     print(format_tables(result))
+    if result["params"]["llm_examples_cut_at_max_positions"]:
+        print(f"[emulate] {result['params']['llm_examples_cut_at_max_positions']} backbone example(s) longer than "
+              f"the model's {config.backbone.max_position_embeddings} positions were timed at that length",
+              flush=True)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(result, f, indent=1)
