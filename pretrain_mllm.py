@@ -58,11 +58,14 @@ def main_megatron_lm() -> None:
     run, patched or not.
     """
     import copy
+    import dataclasses
 
     from megatron.core import mpu
     from megatron.core.enums import ModelType
     from megatron.core.num_microbatches_calculator import get_num_microbatches
-    from megatron.training import get_args, pretrain
+    from megatron.training import get_args, pretrain, print_rank_0
+
+    from megatron_orch.balance.model_config import load_model_config
 
     from megatron_orch.megatron import megatron_lm
     from megatron_orch.megatron.orch_arguments import orch_config_from_args
@@ -90,11 +93,22 @@ def main_megatron_lm() -> None:
         args = get_args()
         if not hasattr(args, "mllm_config"):
             # Megatron-LM's shape flags override the backbone of --model-config; its --num-query-groups
-            # (default 1) counts only with --group-query-attention, else attention is multi-head.
+            # (default 1) counts only with --group-query-attention, else attention is multi-head, and it
+            # fills --kv-channels with hidden size / heads, the default of the config too.
             shape = copy.copy(args)
             shape.num_query_groups = args.num_query_groups if args.group_query_attention else None
+            if args.kv_channels == args.hidden_size // args.num_attention_heads:
+                shape.kv_channels = None
             try:
                 args.mllm_config = arguments.resolve_model_config(shape)
+                configured = load_model_config(args.model_config).backbone.transformer
+                resolved = args.mllm_config.backbone.transformer
+                changed = [f"{field.name} {getattr(configured, field.name)} -> {getattr(resolved, field.name)}"
+                           for field in dataclasses.fields(resolved)
+                           if getattr(configured, field.name) != getattr(resolved, field.name)]
+                if changed:
+                    print_rank_0(f" > backbone of --model-config {args.model_config} overridden by Megatron-LM's "
+                                 f"shape flags: {', '.join(changed)}")
                 args.orch_config = orch_config_from_args(args)
                 if args.orch_config is not None:
                     megatron_lm.check_args(args)
