@@ -4,8 +4,8 @@
   all-to-all over the DP group, whose timeout must be ``--distributed-timeout-minutes`` (megatron-core's
   groups default to 30 minutes), and the error must name the stuck rank and the collective.
 * A loader error on one rank (a manifest line whose image cannot be read), with post-balancing off and
-  on, and a manifest that fails while the data iterator is built: every rank raises, and every rank's
-  error carries the failing rank's message with the manifest line and path.
+  on, a manifest that fails while the data iterator is built, a model that fails to build: every rank
+  raises, and every rank's error carries the failing rank's message (with the manifest line and path).
 """
 import re
 import time
@@ -24,6 +24,7 @@ COMMON = ["--model-config", "tiny", "--seq-length", "128", "--micro-batch-size",
           "--distributed-timeout-minutes", str(TIMEOUT_MINUTES)]
 BALANCED = ["--orch-post-balancing", "--orch-gpus-per-node", "2"]
 LOADER_ERROR = "data/train.jsonl line 7: cannot read image data/images/0007.png: truncated PNG"
+BUILD_ERROR = "out of memory while building the vision encoder (simulated)"
 
 
 def _stuck_in_encoder(rank, world_size, out_dir):
@@ -72,7 +73,8 @@ def test_rank_stuck_in_an_encoder_is_named_within_twice_the_timeout(tmp_path):
                      report), report[-3000:]
 
 
-CASES = {"no post-balancing, step 2": [], "post-balancing, step 2": BALANCED, "building the iterator": []}
+CASES = {"no post-balancing, step 2": [], "post-balancing, step 2": BALANCED, "building the iterator": [],
+         "building the model": []}
 
 
 def _loader_errors(rank, world_size, out_dir):
@@ -98,10 +100,15 @@ def _loader_errors(rank, world_size, out_dir):
                     yield batch
             return read()
 
+        def model_provider(args, pre_process, post_process, case=case):
+            if rank == 1 and case == "building the model":
+                raise MemoryError(BUILD_ERROR)
+            return providers.build_model(args, pre_process, post_process)
+
         providers.build_train_data_iterator = failing_loader
         args = arguments.parse_args(COMMON + flags, world_size=world_size)
         try:
-            trainer.pretrain(args, print_fn=lambda line: None)
+            trainer.pretrain(args, model_provider=model_provider, print_fn=lambda line: None)
             outcome = "no error"
         except Exception as err:  # noqa: BLE001 -- what each rank raised is the result
             outcome = f"{type(err).__name__}: {err}"
@@ -110,14 +117,15 @@ def _loader_errors(rank, world_size, out_dir):
         (Path(out_dir) / f"case{index}_rank{rank}.txt").write_text(outcome)
 
 
-def test_loader_error_on_one_rank_raises_on_every_rank_with_its_message(tmp_path):
+def test_one_ranks_loader_or_build_error_raises_on_every_rank_with_its_message(tmp_path):
     run_distributed(_loader_errors, 2, str(tmp_path), timeout_s=240.0)
     for index, case in enumerate(CASES):
         failing = (tmp_path / f"case{index}_rank1.txt").read_text()
         other = (tmp_path / f"case{index}_rank0.txt").read_text()
-        assert failing == f"ManifestError: {LOADER_ERROR}", (case, failing)
+        expected = f"MemoryError: {BUILD_ERROR}" if case == "building the model" else f"ManifestError: {LOADER_ERROR}"
+        assert failing == expected, (case, failing)
         assert other.startswith("PeerFailedError: "), (case, other)
-        assert f"failed on rank(s) [1]: rank 1: ManifestError: {LOADER_ERROR}" in other, (case, other)
+        assert f"failed on rank(s) [1]: rank 1: {expected}" in other, (case, other)
 
 
 def test_lost_collectives_are_told_from_reports_of_them():

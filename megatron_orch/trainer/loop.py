@@ -84,9 +84,18 @@ def shutdown() -> None:
 
 
 def build_model(args: argparse.Namespace, model_provider: Callable = providers.build_model) -> list:
-    """This rank's model chunk (one: no virtual pipeline), in bf16 if asked, wrapped in Megatron DDP."""
-    module = model_provider(args, pre_process=parallel_state.is_pipeline_first_stage(),
-                            post_process=parallel_state.is_pipeline_last_stage())
+    """This rank's model chunk (one: no virtual pipeline), in bf16 if asked, wrapped in Megatron DDP.
+
+    A rank whose ``model_provider`` fails (a bad config, out of memory) raises on every rank: the
+    outcome is agreed before the wrapping and the optimizer, which run collectives.
+    """
+    module, error = None, None
+    try:
+        module = model_provider(args, pre_process=parallel_state.is_pipeline_first_stage(),
+                                post_process=parallel_state.is_pipeline_last_stage())
+    except Exception as err:  # noqa: BLE001
+        error = err
+    raise_if_any_rank_failed(error, what="building the model")
     config = module.config
     module.to(providers.compute_device(args))  # the encoders' plain torch layers are built on the CPU
     if args.bf16:
