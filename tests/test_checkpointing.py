@@ -4,7 +4,8 @@ rules and scheduler flags), interrupted saves skipped, damaged files named on ev
 One spawned DP 2 run does every resume in turn (process start-up dominates the cost): save at
 iteration 2, then resume with changed flags (refused, both values named), with
 ``--override-opt_param-scheduler`` and ``--use-checkpoint-opt_param-scheduler`` (learning rates of
-the schedule each one picks), past an interrupted save, and from a truncated rank file.
+the schedule each one picks), past an interrupted save, with a save that fails on one rank, and from
+a truncated rank file.
 """
 import re
 import time
@@ -27,6 +28,7 @@ RESUMES = {
     "override": ["--train-iters", "6", "--exit-interval", "3", "--override-opt_param-scheduler"],
     "use_checkpoint": ["--train-iters", "6", "--exit-interval", "3", "--use-checkpoint-opt_param-scheduler"],
     "interrupted_save": ["--exit-interval", "3"],
+    "failed_save": ["--exit-interval", "3"],  # + --save; rank 1 cannot write its file
     "truncated": ["--exit-interval", "3"],
 }
 
@@ -47,7 +49,11 @@ def _resumes(rank, world_size, out_dir):
     out, checkpoint = Path(out_dir), str(Path(out_dir) / "checkpoint")
     write = checkpointing.write_atomically
 
+    disk_full = []
+
     def logged_write(path, fn):  # the order in which files land under their final names, per rank
+        if disk_full and rank == 1 and path.name.startswith("mp_rank"):
+            raise OSError(28, "No space left on device")
         write(path, fn)
         with open(out / f"writes_rank{rank}.txt", "a") as log:
             log.write(f"{time.time()!r} {path}\n")
@@ -75,8 +81,12 @@ def _resumes(rank, world_size, out_dir):
         if name == "truncated" and rank == 0:
             path = Path(checkpoint) / "iter_0000002" / "mp_rank_00_000_dp_000.pt"
             path.write_bytes(path.read_bytes()[:1000])
+        if name == "failed_save":
+            disk_full.append(True)
+            flags = flags + ["--save", checkpoint]
         torch.distributed.barrier()
         run(name, flags + ["--load", checkpoint])
+        disk_full.clear()
 
 
 @pytest.fixture(scope="module")
@@ -94,7 +104,8 @@ def test_save_is_atomic_and_writes_the_marker_last(resumes):
     assert (folder / "latest_checkpointed_iteration.txt").read_text() == "2\n"
     writes = [line.split(" ", 1) for rank in range(2)
               for line in (out / f"writes_rank{rank}.txt").read_text().splitlines()]
-    saves = sorted((float(t), Path(p).relative_to(folder).as_posix()) for t, p in writes)
+    saves = sorted((float(t), Path(p).relative_to(folder).as_posix()) for t, p in writes
+                   if not p.startswith(str(folder / "iter_0000003")))  # the failed save's rank 0 file
     assert saves[-1][1] == "latest_checkpointed_iteration.txt", saves
     assert sorted(name for _, name in saves[:2]) == ["iter_0000002/mp_rank_00_000_dp_000.pt",
                                                     "iter_0000002/mp_rank_00_000_dp_001.pt"], saves
@@ -133,6 +144,15 @@ def test_interrupted_save_is_skipped_and_said(resumes):
                          r"\(latest_checkpointed_iteration.txt: 2\), an interrupted save", line)
                for line in result["lines"]), result["lines"]
     assert any("resumed from" in line and "at iteration 2" in line for line in result["lines"]), result["lines"]
+
+
+def test_failed_write_raises_on_every_rank_and_leaves_the_marker(resumes):
+    out, runs = resumes
+    for rank, result in enumerate(runs["failed_save"]):
+        assert re.search(r"cannot write checkpoint file \S+/iter_0000003/mp_rank_00_000_dp_001\.pt: "
+                         r"OSError: \[Errno 28\] No space left on device", result.get("error", "")), (rank, result)
+    assert runs["failed_save"][0]["error"].startswith("PeerFailedError: saving checkpoint iteration 3")
+    assert (out / "checkpoint" / "latest_checkpointed_iteration.txt").read_text() == "2\n"
 
 
 def test_truncated_rank_file_is_named_on_every_rank_and_nothing_says_resumed(resumes):

@@ -222,19 +222,19 @@ def save_checkpoint(root: str, state: TrainState, model: list, optimizer, schedu
                     use_distributed_optimizer: bool, config: Optional[dict] = None) -> None:
     """Every rank writes its file atomically; once all have (agreed, so a rank that could not write
     raises on every rank with its path), rank 0 points the marker at this iteration, atomically too."""
-    payload = {
-        "iteration": state.iteration,
-        "consumed_samples": state.consumed_samples,
-        "parallel_sizes": _parallel_sizes(),
-        "model": [chunk.state_dict() for chunk in model],
-        "optimizer": optimizer.state_dict(),
-        "scheduler": scheduler.state_dict(),
-        "rng": rng_state(),
-        "distributed_optimizer": distributed_optimizer_shards(optimizer) if use_distributed_optimizer else None,
-        "run_config": config,
-    }
     path, error = _rank_file(root, state.iteration), None
-    try:
+    try:  # gathering the state runs no collective (the distributed optimizer's shard is this rank's own)
+        payload = {
+            "iteration": state.iteration,
+            "consumed_samples": state.consumed_samples,
+            "parallel_sizes": _parallel_sizes(),
+            "model": [chunk.state_dict() for chunk in model],
+            "optimizer": optimizer.state_dict(),
+            "scheduler": scheduler.state_dict(),
+            "rng": rng_state(),
+            "distributed_optimizer": distributed_optimizer_shards(optimizer) if use_distributed_optimizer else None,
+            "run_config": config,
+        }
         path.parent.mkdir(parents=True, exist_ok=True)
         write_atomically(path, lambda handle: torch.save(payload, handle))
     except Exception as err:  # noqa: BLE001 -- every rank must learn of it
