@@ -16,7 +16,10 @@ mel_bins]`` (float), with ``vision_llm_tokens_per_item`` :data:`IMAGE_TOKEN_ID` 
 item and ``audio_llm_tokens_per_item`` :data:`AUDIO_TOKEN_ID` placeholders per audio window in the
 tokens, in item order (:class:`ExampleShape` says the numbers and checks each example). The model must
 offer ``encode_vision(items)`` / ``encode_audio(items)`` returning ``tokens_per_item`` rows per item,
-and take ``vision_embeds`` / ``audio_embeds`` in place of raw inputs in its forward.
+hold the encoders as ``vision_encoder`` / ``audio_encoder`` modules (an encoder without items on a rank
+in a step gets zero gradients through them: Megatron DDP's ``--overlap-grad-reduce`` needs every
+parameter to report each step), and take ``vision_embeds`` / ``audio_embeds`` in place of raw inputs in
+its forward. Inside Megatron-LM's own loop: :mod:`megatron_orch.megatron.megatron_lm`.
 """
 import importlib
 
