@@ -32,13 +32,14 @@ SEED = 11
 ITERS = 3
 TOLERANCE = 1e-5
 # Megatron-LM flags: the tiny model's backbone shape (Megatron requires it), Megatron's own defaults that
-# would not suit the check (dropout, evaluation, rerun validation), the tokenizer Megatron builds anyway.
+# would not suit the check (dropout, evaluation), the tokenizer Megatron builds anyway. The rerun state
+# machine keeps Megatron's default mode (validate_results).
 ARGV = ["--model-config", "tiny", "--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4",
         "--seq-length", "128", "--max-position-embeddings", "128", "--micro-batch-size", "1",
         "--global-batch-size", "4", "--train-iters", str(ITERS), "--lr", "2e-3", "--log-interval", "1",
         "--seed", str(SEED), "--distributed-backend", "gloo", "--transformer-impl", "local",
         "--hidden-dropout", "0", "--attention-dropout", "0", "--calculate-per-token-loss",
-        "--eval-iters", "0", "--eval-interval", "1000", "--rerun-mode", "disabled",
+        "--eval-iters", "0", "--eval-interval", "1000",
         "--tokenizer-type", "NullTokenizer", "--vocab-size", "1024"]
 RUNS = {"upstream": [], "post-balancing": ["--orch-post-balancing"],
         "post-balancing, overlapped grad reduce": ["--orch-post-balancing", "--overlap-grad-reduce"]}
