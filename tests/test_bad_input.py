@@ -4,7 +4,6 @@ and how ``pretrain_mllm.py`` and the launch scripts report it (one line, exit st
 """
 import gzip
 import json
-import math
 import os
 import subprocess
 import sys
