@@ -17,12 +17,7 @@ cd "$(dirname "$0")/.."
 out=${1:?usage: scripts/gpu_check.sh OUT_DIR [--cpu]}
 mode=${2:-gpu}
 mkdir -p "$out"
-PY=${PYTHON:-$( [ -x .venv/bin/python ] && echo .venv/bin/python || echo python3 )}
-export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1 PYTHONWARNINGS=ignore
-if ! "$PY" -c "import megatron.core, ortools" 2>/dev/null && [ -d .whl ]; then
-  "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
-    && export PYTHONPATH="$PYTHONPATH:/tmp/site"
-fi
+source scripts/device_steps.sh
 
 { date -u; "$PY" -c "import sys, torch; print('python', sys.version.split()[0], '| torch', torch.__version__,
 '| cuda', torch.version.cuda, '|', torch.cuda.get_device_name() if torch.cuda.is_available() else 'no GPU')"
@@ -30,17 +25,6 @@ fi
   command -v nvidia-smi >/dev/null && nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv
 } > "$out/env.txt" 2>&1
 cat "$out/env.txt"
-
-failed=()
-step() {  # step NAME TIMEOUT_S COMMAND...: run it, log to OUT/NAME.log, remember a failure
-  local name=$1 limit=$2; shift 2
-  echo "== $name: $*"
-  local start=$SECONDS
-  timeout "$limit" "$@" 2>&1 | tee "$out/$name.log"
-  local rc=${PIPESTATUS[0]}
-  echo "== $name: exit $rc after $((SECONDS - start)) s"
-  [ "$rc" -eq 0 ] || failed+=("$name (exit $rc)")
-}
 
 if [ "$mode" = "--cpu" ]; then
   step train_fp32 300 "$PY" scripts/compare_baseline.py --nproc 2 --out "$out/train_fp32" --rtol 1e-5 -- \

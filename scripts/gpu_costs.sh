@@ -15,23 +15,7 @@ cd "$(dirname "$0")/.."
 out=${1:?usage: scripts/gpu_costs.sh OUT_DIR [--cpu]}
 mode=${2:-gpu}
 mkdir -p "$out"
-PY=${PYTHON:-$( [ -x .venv/bin/python ] && echo .venv/bin/python || echo python3 )}
-export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1 PYTHONWARNINGS=ignore
-if ! "$PY" -c "import megatron.core, ortools, matplotlib" 2>/dev/null && [ -d .whl ]; then
-  "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
-    && export PYTHONPATH="$PYTHONPATH:/tmp/site"
-fi
-
-failed=()
-step() {  # step NAME TIMEOUT_S COMMAND...: run it, log to OUT/NAME.log, remember a failure
-  local name=$1 limit=$2; shift 2
-  echo "== $name: $*"
-  local start=$SECONDS
-  timeout "$limit" "$@" 2>&1 | tee "$out/$name.log"
-  local rc=${PIPESTATUS[0]}
-  echo "== $name: exit $rc after $((SECONDS - start)) s"
-  [ "$rc" -eq 0 ] || failed+=("$name (exit $rc)")
-}
+source scripts/device_steps.sh
 
 if [ "$mode" = "--cpu" ]; then
   model=(--model tiny); device=(--device cpu); dps=(8 64); limits=(120 150 60 150)
