@@ -19,7 +19,9 @@ copy. What :func:`install` changes, and why each is needed on a CPU-only machine
    kernels with nvcc, neither of which the MLLM's external data path uses.
 5. ``set_jit_fusion_options`` does nothing: it warms up fused bias-GeLU/dropout kernels on CUDA.
 6. ``torch.nn.Module.cuda`` returns the module unchanged: ``get_model`` moves every chunk to the GPU.
-7. Model-parallel state and the CUDA RNG tracker are created before ``pretrain()``
+7. ``get_device_arch_version`` (read by Megatron-LM's argument checks with TP > 1) answers 9 (Hopper),
+   and :func:`prepare_run` sets ``CUDA_DEVICE_MAX_CONNECTIONS=1`` as Megatron-LM requires of such a launch.
+8. Model-parallel state and the CUDA RNG tracker are created before ``pretrain()``
    (:func:`prepare_run`): Megatron-LM's initialisation skips both when
    ``torch.cuda.device_count()`` is 0.
 
@@ -103,7 +105,7 @@ def install(tree: Path) -> None:
     sys.modules["triton"], sys.modules["triton.language"] = stub, stub.language
     try:
         import megatron.training
-        from megatron.training import initialize, training
+        from megatron.training import arguments, initialize, training
     finally:
         del sys.modules["triton"], sys.modules["triton.language"]
     if not str(Path(megatron.training.__file__)).startswith(str(tree)):
@@ -115,6 +117,7 @@ def install(tree: Path) -> None:
     training.initialize_megatron = functools.partial(initialize.initialize_megatron, allow_no_cuda=True)
     initialize._compile_dependencies = lambda: None
     training.set_jit_fusion_options = lambda: None
+    arguments.get_device_arch_version = lambda: 9
     torch.nn.Module.cuda = lambda self, device=None: self
     _installed_tree = tree
 
@@ -130,7 +133,8 @@ def prepare_run(tensor_model_parallel_size: int, pipeline_model_parallel_size: i
     from megatron.core import parallel_state, rerun_state_machine, tensor_parallel
 
     os.environ.update(WORLD_SIZE=str(dist.get_world_size()), RANK=str(dist.get_rank()),
-                      LOCAL_RANK=str(dist.get_rank()), LOCAL_WORLD_SIZE=str(dist.get_world_size()))
+                      LOCAL_RANK=str(dist.get_rank()), LOCAL_WORLD_SIZE=str(dist.get_world_size()),
+                      CUDA_DEVICE_MAX_CONNECTIONS="1")
 
     # Megatron-LM initialises the rerun state machine from --rerun-mode; the CPU harness made one already.
     rerun_state_machine.destroy_rerun_state_machine()

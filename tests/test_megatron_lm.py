@@ -2,9 +2,9 @@
 ``pretrain_mllm.py``'s ``megatron.training`` path with post-balancing off and on.
 
 The training runs go through Megatron-LM's own ``megatron.training.pretrain`` (from a patched copy of
-the tag's files, on CPU over gloo with the test doubles of ``megatron_lm_doubles``): DP 2 and PP 2 x DP
-2, post-balancing off (upstream) then on in the same spawned ranks, fp32 and dropout 0, and the losses
-of every iteration must agree within 1e-5. DP 2 also runs post-balancing with ``--overlap-grad-reduce``,
+the tag's files, on CPU over gloo with the test doubles of ``megatron_lm_doubles``): DP 2, PP 2 x DP 2
+and TP 2 x DP 2, post-balancing off (upstream) then on in the same spawned ranks, fp32 and dropout 0,
+and the losses of every iteration must agree within 1e-5. DP 2 also runs post-balancing with ``--overlap-grad-reduce``,
 including a step where a rank gets no items of an encoder phase, and the project's compact trainer on
 the same flags, which must reproduce megatron.training's losses.
 Skipped, saying why, where the Megatron-LM files (``../shared/megatron-lm``) are absent.
@@ -205,67 +205,77 @@ def test_patch_detection_by_signature():
         megatron_lm.require_patched(stock)
 
 
-def _pretrain_runs(rank, world_size, tree, parallel, runs, out_dir):
-    """Megatron-LM's pretrain through pretrain_mllm.main_megatron_lm, once per run, in these ranks."""
+def _pretrain_runs(rank, world_size, tree, layouts, out_dir):
+    """Megatron-LM's pretrain through pretrain_mllm.main_megatron_lm, once per run of each layout
+    ``((tp, pp), runs)``, in these ranks; what each run did goes to ``out_dir/rank<r>.json``."""
     warnings.filterwarnings("ignore")
     doubles.install(Path(tree))
+    spec = importlib.util.spec_from_file_location("pretrain_mllm", REPO / "pretrain_mllm.py")
+    pretrain_mllm = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(pretrain_mllm)
+    results = {}
+    for parallel, runs in layouts:
+        for name in runs:
+            run = _compact_run if name == COMPACT else _megatron_lm_run
+            results.setdefault(str(parallel), {})[name] = run(pretrain_mllm, world_size, parallel, name)
+    (Path(out_dir) / f"rank{rank}.json").write_text(json.dumps(results))
+
+
+def _megatron_lm_run(pretrain_mllm, world_size, parallel, name) -> dict:
+    """Per step: the schedule train() used, the items the plan moved between ranks, the global loss (last
+    pipeline stage); and how often an encoder without items got zero gradients."""
     from megatron.training import training
 
     from megatron_orch.megatron import schedule
     from megatron_orch.megatron.schedule import ModalityAwareSchedule
 
-    spec = importlib.util.spec_from_file_location("pretrain_mllm", REPO / "pretrain_mllm.py")
-    pretrain_mllm = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(pretrain_mllm)
-
+    record = {"losses": [], "schedule": [], "moved_items": 0, "zero_gradients": 0}
     stock_train_step, stock_zero_gradients = training.train_step, schedule._zero_gradients
-    results = {}
-    for name in runs:
-        record = results[name] = {"losses": [], "schedule": [], "moved_items": 0, "zero_gradients": 0}
-        if name == COMPACT:
-            from megatron.core import parallel_state
 
-            from megatron_orch.trainer import arguments, loop
-            args = arguments.parse_args(COMPACT_ARGV + ["--tensor-model-parallel-size", str(parallel[0]),
-                                                        "--pipeline-model-parallel-size", str(parallel[1])],
-                                        world_size=world_size)
-            try:
-                record["losses"] = [r.lm_loss for r in loop.pretrain(args, print_fn=lambda line: None)]
-            finally:
-                parallel_state.destroy_model_parallel()
-            continue
+    def train_step(*args, **kwargs):  # positional as train() calls it: the schedule is the 7th
+        out = stock_train_step(*args, **kwargs)
+        schedule_used = args[6]
+        record["schedule"].append(type(schedule_used).__name__)
+        if isinstance(schedule_used, ModalityAwareSchedule):
+            plan = schedule_used.last_step.plan
+            for transfer in (plan.text_transfer(), *(plan.input_transfer(p) for p in plan.encoders)):
+                traffic = transfer.traffic_matrix()
+                record["moved_items"] += int(traffic.sum() - traffic.trace())
+        if out[0]:
+            record["losses"].append(float(out[0]["lm loss"]))
+        return out
 
-        def train_step(*args, **kwargs):  # positional as train() calls it: the schedule is the 7th
-            out = stock_train_step(*args, **kwargs)
-            schedule_used = args[6]
-            record["schedule"].append(type(schedule_used).__name__)
-            if isinstance(schedule_used, ModalityAwareSchedule):
-                plan = schedule_used.last_step.plan
-                for transfer in (plan.text_transfer(), *(plan.input_transfer(p) for p in plan.encoders)):
-                    traffic = transfer.traffic_matrix()
-                    record["moved_items"] += int(traffic.sum() - traffic.trace())
-            if out[0]:  # the last pipeline stage: the global per-token loss of the step
-                record["losses"].append(float(out[0]["lm loss"]))
-            return out
+    def zero_gradients(encoder):
+        record["zero_gradients"] += 1
+        stock_zero_gradients(encoder)
 
-        def zero_gradients(encoder):
-            record["zero_gradients"] += 1
-            stock_zero_gradients(encoder)
-
-        training.train_step, schedule._zero_gradients = train_step, zero_gradients
-        doubles.prepare_run(*parallel, seed=SEED)
-        sys.argv = ["pretrain_mllm.py", *ARGV, "--tensor-model-parallel-size", str(parallel[0]),
-                    "--pipeline-model-parallel-size", str(parallel[1]), *RUNS[name]]
-        try:
-            pretrain_mllm.main_megatron_lm()
-        finally:
-            training.train_step, schedule._zero_gradients = stock_train_step, stock_zero_gradients
-            doubles.reset()
-    (Path(out_dir) / f"rank{rank}.json").write_text(json.dumps(results))
+    training.train_step, schedule._zero_gradients = train_step, zero_gradients
+    doubles.prepare_run(*parallel, seed=SEED)
+    sys.argv = ["pretrain_mllm.py", *ARGV, "--tensor-model-parallel-size", str(parallel[0]),
+                "--pipeline-model-parallel-size", str(parallel[1]), *RUNS[name]]
+    try:
+        pretrain_mllm.main_megatron_lm()
+    finally:
+        training.train_step, schedule._zero_gradients = stock_train_step, stock_zero_gradients
+        doubles.reset()
+    return record
 
 
-def _check_runs(out_dir: Path, world_size: int, runs) -> None:
-    ranks = [json.loads((out_dir / f"rank{r}.json").read_text()) for r in range(world_size)]
+def _compact_run(pretrain_mllm, world_size, parallel, name) -> dict:
+    from megatron.core import parallel_state
+
+    from megatron_orch.trainer import arguments, loop
+    args = arguments.parse_args(COMPACT_ARGV + ["--tensor-model-parallel-size", str(parallel[0]),
+                                                "--pipeline-model-parallel-size", str(parallel[1])],
+                                world_size=world_size)
+    try:
+        return {"losses": [record.lm_loss for record in loop.pretrain(args, print_fn=lambda line: None)]}
+    finally:
+        parallel_state.destroy_model_parallel()
+
+
+def _check_runs(out_dir: Path, world_size: int, parallel, runs) -> None:
+    ranks = [json.loads((out_dir / f"rank{r}.json").read_text())[str(parallel)] for r in range(world_size)]
     last = ranks[-1]  # on the last pipeline stage (and the compact trainer's logging rank)
     upstream = last["upstream"]["losses"]
     assert len(upstream) == ITERS
@@ -273,7 +283,7 @@ def _check_runs(out_dir: Path, world_size: int, runs) -> None:
         losses = last[name]["losses"]
         assert len(losses) == ITERS, name
         for step, (off, on) in enumerate(zip(upstream, losses), 1):
-            assert abs(on - off) <= TOLERANCE * abs(off), f"{name}, iteration {step}: {on} vs upstream {off}"
+            assert abs(on - off) <= TOLERANCE * abs(off), f"{parallel} {name}, iteration {step}: {on} vs {off}"
     balanced = [name for name in runs if name.startswith("post-balancing")]
     for rank in ranks:
         assert rank["upstream"]["schedule"] == ["function"] * ITERS  # megatron-core's own schedule
@@ -284,16 +294,19 @@ def _check_runs(out_dir: Path, world_size: int, runs) -> None:
 
 
 def test_megatron_training_dp2(patched_tree, tmp_path):
-    runs = [*RUNS, COMPACT]
-    run_distributed(_pretrain_runs, 2, str(patched_tree), (1, 1), runs, str(tmp_path), timeout_s=400)
-    _check_runs(tmp_path, 2, runs)
-    overlapped = [json.loads((tmp_path / f"rank{r}.json").read_text())[runs[2]] for r in range(2)]
+    layout = ((1, 1), [*RUNS, COMPACT])
+    run_distributed(_pretrain_runs, 2, str(patched_tree), [layout], str(tmp_path), timeout_s=400)
+    _check_runs(tmp_path, 2, *layout)
+    overlapped = [json.loads((tmp_path / f"rank{r}.json").read_text())[str(layout[0])]
+                  ["post-balancing, overlapped grad reduce"] for r in range(2)]
     # a rank without items of an encoder phase in some step gave that encoder zero gradients, which
     # --overlap-grad-reduce needs (every parameter reports each step)
     assert sum(r["zero_gradients"] for r in overlapped) > 0
 
 
-def test_megatron_training_pp2_dp2(patched_tree, tmp_path):
-    runs = ["upstream", "post-balancing"]
-    run_distributed(_pretrain_runs, 4, str(patched_tree), (1, 2), runs, str(tmp_path), timeout_s=400)
-    _check_runs(tmp_path, 4, runs)
+def test_megatron_training_pp2_dp2_and_tp2_dp2(patched_tree, tmp_path):
+    """Four ranks, two layouts one after the other in the same processes (saves starting them twice)."""
+    layouts = [((1, 2), ["upstream", "post-balancing"]), ((2, 1), ["upstream", "post-balancing"])]
+    run_distributed(_pretrain_runs, 4, str(patched_tree), layouts, str(tmp_path), timeout_s=500)
+    for layout in layouts:
+        _check_runs(tmp_path, 4, *layout)
