@@ -53,17 +53,24 @@ def _stuck_in_encoder(rank, world_size, out_dir):
     args = arguments.parse_args(COMMON + BALANCED, world_size=world_size)
     try:
         trainer.pretrain(args, model_provider=model_provider, print_fn=lambda line: None)
+    except Exception:
+        (Path(out_dir) / f"raised_rank{rank}").write_text(repr(time.time()))
+        raise
     finally:
         parallel_state.destroy_model_parallel()
 
 
 def test_rank_stuck_in_an_encoder_is_named_within_twice_the_timeout(tmp_path):
+    """The healthy rank raises within 2x the timeout of the stuck rank's sleep; the run then ends (the
+    launcher kills the sleeper once a rank failed), process teardown adding a few seconds."""
     timeout_s = TIMEOUT_MINUTES * 60
     with pytest.raises(RuntimeError) as failure:  # old code: run_distributed's TimeoutError (DP group: 30 min)
         run_distributed(_stuck_in_encoder, 2, str(tmp_path), timeout_s=2 * timeout_s + 120)
     ended = time.time()
     stuck_since = float((tmp_path / "stuck_since").read_text())
-    assert ended - stuck_since <= 2 * timeout_s, ended - stuck_since
+    raised = float((tmp_path / "raised_rank0").read_text())
+    assert raised - stuck_since <= 2 * timeout_s, (raised - stuck_since, ended - stuck_since)
+    assert not (tmp_path / "raised_rank1").exists()  # the sleeper was still asleep: it was rank 0 that reported
     report = str(failure.value)
     assert "CollectiveFailureError: iteration 2: a collective failed on rank 0" in report, report[-3000:]
     assert re.search(r"rank\(s\) 1 did not reach a collective", report), report[-3000:]
