@@ -50,7 +50,6 @@ from megatron_orch.balance.topology import Topology
 from megatron_orch.balance.workload import ENCODER_PHASES, PHASES, PhaseItems, StepSizes, phase_bytes, phase_items
 from megatron_orch.bench.common import (PLAN_METHODS, draw_sizes, memory_caps, parser_with_batch_args, report,
                                         trace_specs, warm_up_partitioners)
-from megatron_orch.orchestrator.config import OrchestratorConfig
 from megatron_orch.orchestrator.step_plan import plan_step
 
 METHODS = ("none", "lpt", "kk", "bs_ffd", "orch", "orch_equal_count", "orch_locality", "orch_equal_locality",
@@ -58,7 +57,7 @@ METHODS = ("none", "lpt", "kk", "bs_ffd", "orch", "orch_equal_count", "orch_loca
 RANK_METHODS = ("none", "orch", "orch_equal_count", "orch_locality", "orch_equal_locality", "verl_kk")  # bins are ranks
 TRAINER_METHODS = {  # the trainer's flags for each orch row
     "orch": PLAN_METHODS["orch"], "orch_equal_count": PLAN_METHODS["equal_count"],
-    "orch_locality": PLAN_METHODS["locality"], "orch_equal_locality": OrchestratorConfig(locality=True, background=False)}
+    "orch_locality": PLAN_METHODS["locality"], "orch_equal_locality": PLAN_METHODS["equal_locality"]}
 VERL_LINEAR_COEFF = 24576  # verl's calculate_workload: 24576 * s + s^2 (a 7B model, hidden 4096)
 
 

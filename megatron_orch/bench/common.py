@@ -22,11 +22,13 @@ from megatron_orch.orchestrator.step_plan import EncoderPhasePlan, StepPlan, pla
 
 # The trainer's balancing methods as plan_step configurations (bench.emulate, megatron_orch.sim), beside
 # upstream (``none``, :func:`upstream_plan`): per-phase with packed backbone micro-batches (the auto
-# partitioner in every phase); the defaults (equal-count backbone); locality-aware in every phase.
+# partitioner in every phase); the defaults (equal-count backbone); locality-aware in every phase, with
+# packed and with equal-count backbone micro-batches.
 PLAN_METHODS = {
     "orch": OrchestratorConfig(microbatching="packed", background=False),
     "equal_count": OrchestratorConfig(background=False),
     "locality": OrchestratorConfig(microbatching="packed", locality=True, background=False),
+    "equal_locality": OrchestratorConfig(locality=True, background=False),
 }
 
 

@@ -21,7 +21,7 @@ from megatron_orch.balance.workload import PHASES
 from megatron_orch.bench.common import draw_sizes, effective_layers, parse_layers, trace_specs, with_layers
 from megatron_orch.sim.cluster import DEFAULT_TFLOPS, METHODS, LinkModel, simulate_step, warm_up_planner
 
-PER_PHASE = ("orch", "equal_count", "locality")
+PER_PHASE = ("orch", "equal_count", "locality", "equal_locality")
 
 
 def _numbers(parser, text: str, kind, what: str) -> list:

@@ -4,11 +4,12 @@ For one global batch drawn from the traces (DP rank r loads the r-th block of ``
 each method assigns every item of every phase to a rank:
 
 * ``none``: upstream Megatron, every example runs end to end on the rank that loaded it;
-* ``orch``, ``equal_count``, ``locality``: ``plan_step`` as the trainer runs it
+* ``orch``, ``equal_count``, ``locality``, ``equal_locality``: ``plan_step`` as the trainer runs it
   (:data:`megatron_orch.bench.common.PLAN_METHODS`): per-phase post-balancing with packed backbone
   micro-batches (the ``auto`` partitioner in every phase, exact placement); with the default flags
   (the backbone keeps ``per_rank`` examples per rank); with ``--orch-locality`` and packed
-  micro-batches (bins are ranks, few bytes cross nodes);
+  micro-batches (bins are ranks, few bytes cross nodes); with ``--orch-locality`` and the default
+  equal-count micro-batches;
 * ``backbone_only``: verl-style single-phase balancing (``bench.balance.verl_equal_size_kk`` over the
   backbone lengths with verl's workload); whole examples move, every encoder item runs on its
   example's backbone rank.
@@ -49,7 +50,7 @@ from megatron_orch.bench.balance import verl_equal_size_kk, verl_workload
 from megatron_orch.bench.common import PLAN_METHODS, plan_method
 from megatron_orch.orchestrator.step_plan import EncoderPhasePlan, StepPlan, warm_up
 
-METHODS = ("none", "orch", "equal_count", "locality", "backbone_only")
+METHODS = ("none", "orch", "equal_count", "locality", "equal_locality", "backbone_only")
 END_TO_END = ("none", "backbone_only")  # each example runs all its phases on one rank
 DEFAULT_TFLOPS = 400.0  # assumed achieved bf16 TFLOP/s per GPU when there is no profile
 
@@ -178,7 +179,7 @@ def simulate_step(sizes: StepSizes, model, link: LinkModel, profile: Optional[Co
         result["nic_sweep"][str(gbits)] = {
             method: result[method]["compute_seconds"] + result[method]["exposed_plan_seconds"] + sum(
                 times * slow.alltoall_seconds(t, b)["seconds"] for _, t, b, times in transfers(plans[method], items))
-            for method in ("orch", "locality")}
+            for method in METHODS if method not in END_TO_END}
     return result
 
 
