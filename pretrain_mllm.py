@@ -7,7 +7,8 @@ Launch with torchrun and Megatron-LM's flag names, e.g.::
 
 Where a Megatron-LM checkout is importable (``megatron.training``) and a GPU is present, training
 goes through ``megatron.training.pretrain`` with the providers of
-:mod:`megatron_orch.mllm.providers` (that path is completed in a later issue); everywhere else
+:mod:`megatron_orch.mllm.providers` (:func:`main_megatron_lm`; post-balancing there needs the checkout
+patched with ``scripts/apply_patches.sh``, see the README's "Using it with Megatron-LM"); everywhere else
 (no Megatron-LM, or CPU) the compact trainer of :mod:`megatron_orch.trainer.loop` runs, on
 megatron-core alone. The compact trainer's command line, and a ``--data-path`` manifest line by line,
 are checked before the model is built (the flags before torch is even imported): an error is one line
