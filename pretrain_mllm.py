@@ -67,10 +67,10 @@ def main_megatron_lm() -> None:
     from megatron.training import get_args, pretrain, print_rank_0
 
     from megatron_orch.balance.model_config import load_model_config
-
     from megatron_orch.megatron import megatron_lm
     from megatron_orch.megatron.orch_arguments import orch_config_from_args
     from megatron_orch.mllm import providers
+    from megatron_orch.mllm.model import transformer_engine_available
     from megatron_orch.trainer import arguments
 
     post_balancing = "--orch-post-balancing" in sys.argv[1:]  # Megatron's parser takes no abbreviations
@@ -89,27 +89,33 @@ def main_megatron_lm() -> None:
                  "Megatron DDP's overlapped reduction asserts against; drop the flag (the numerics are the "
                  "same) or add --orch-post-balancing")
 
+    def resolve_model(args):
+        """The --model-config with Megatron-LM's shape flags applied; rank 0 prints what they changed.
+        Megatron-LM's --num-query-groups (default 1) counts only with --group-query-attention, else
+        attention is multi-head, and it fills --kv-channels with hidden size / heads, as the config does."""
+        if args.transformer_impl == "transformer_engine" and not transformer_engine_available():
+            raise ValueError("--transformer-impl transformer_engine (Megatron-LM's default): Transformer Engine "
+                             "does not import here; pass --transformer-impl local")
+        shape = copy.copy(args)
+        shape.num_query_groups = args.num_query_groups if args.group_query_attention else None
+        if args.kv_channels == args.hidden_size // args.num_attention_heads:
+            shape.kv_channels = None
+        config = arguments.resolve_model_config(shape)
+        configured, resolved = load_model_config(args.model_config).backbone.transformer, config.backbone.transformer
+        changed = [f"{field.name} {getattr(configured, field.name)} -> {getattr(resolved, field.name)}"
+                   for field in dataclasses.fields(resolved)
+                   if getattr(configured, field.name) != getattr(resolved, field.name)]
+        if changed:
+            print_rank_0(f" > backbone of --model-config {args.model_config} overridden by Megatron-LM's shape "
+                         f"flags: {', '.join(changed)}")
+        return config
+
     def mllm_args():
         """Megatron's args with this project's settings resolved once (the model, the orchestrator)."""
         args = get_args()
         if not hasattr(args, "mllm_config"):
-            # Megatron-LM's shape flags override the backbone of --model-config; its --num-query-groups
-            # (default 1) counts only with --group-query-attention, else attention is multi-head, and it
-            # fills --kv-channels with hidden size / heads, the default of the config too.
-            shape = copy.copy(args)
-            shape.num_query_groups = args.num_query_groups if args.group_query_attention else None
-            if args.kv_channels == args.hidden_size // args.num_attention_heads:
-                shape.kv_channels = None
             try:
-                args.mllm_config = arguments.resolve_model_config(shape)
-                configured = load_model_config(args.model_config).backbone.transformer
-                resolved = args.mllm_config.backbone.transformer
-                changed = [f"{field.name} {getattr(configured, field.name)} -> {getattr(resolved, field.name)}"
-                           for field in dataclasses.fields(resolved)
-                           if getattr(configured, field.name) != getattr(resolved, field.name)]
-                if changed:
-                    print_rank_0(f" > backbone of --model-config {args.model_config} overridden by Megatron-LM's "
-                                 f"shape flags: {', '.join(changed)}")
+                args.mllm_config = resolve_model(args)
                 args.orch_config = orch_config_from_args(args)
                 if args.orch_config is not None:
                     megatron_lm.check_args(args)
