@@ -60,6 +60,8 @@ def test_orch_gpus_per_node_must_fit_the_launch(monkeypatch):
     (["--max-audio-seconds", "inf"], "--max-audio-seconds must be a finite number in (0, inf)"),
     (["--max-vision-items-per-sample=-2"], "--max-vision-items-per-sample must be >= 1"),
     (BALANCED + ["--orch-placement-time-limit", "nan"], "--orch-placement-time-limit must be > 0, got nan"),
+    (["--distributed-timeout-minutes", "nan"], "--distributed-timeout-minutes must be a finite number > 0, got nan"),
+    (["--distributed-timeout-minutes", "0"], "--distributed-timeout-minutes must be a finite number > 0"),
     (["--model-config", "no_such_config"], "--model-config no_such_config: model config 'no_such_config' not found"),
     (["--data-path", "no/such/manifest.jsonl"], "--data-path no/such/manifest.jsonl: no such file"),
     (["--no-such-flag"], "unrecognized arguments: --no-such-flag"),

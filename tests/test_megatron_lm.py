@@ -23,7 +23,7 @@ from pathlib import Path
 import pytest
 
 import megatron_lm_doubles as doubles
-from dist_utils import run_distributed
+from dist_utils import run_distributed, scaled
 
 REPO = Path(__file__).resolve().parents[1]
 PATCH = REPO / "patches" / "core_v0.16.1" / "0001-forward-backward-func-wrapper.patch"
@@ -158,7 +158,7 @@ def test_refusals_before_training(shared_tree, tmp_path):
             "        main()\n"
             "    except SystemExit as exit:\n"
             "        print(repr(exit.code))\n")
-    result = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=300)
+    result = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=scaled(300))
     assert result.returncode == 0, result.stdout + result.stderr
     unpatched, overlap = result.stdout.strip().splitlines()[-2:]
     assert "has no 'forward_backward_func_wrapper' argument" in unpatched

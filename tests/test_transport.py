@@ -90,8 +90,11 @@ def test_transport_matches_ortools_on_larger_instances(num_ranks, gpus_per_node,
     _check_against_oracle(traffic, Topology.uniform(num_ranks, gpus_per_node))
 
 
-def test_transport_matches_ortools_on_trace_placements():
-    """The placements the trainer solves (vision, audio, backbone of a step drawn from the traces)."""
+@pytest.mark.parametrize("algorithm, placements", [("auto", 1), ("lpt", 3)])
+def test_transport_matches_ortools_on_trace_placements(algorithm, placements):
+    """The placements the trainer solves on a step drawn from the traces: the backbone's, and with an
+    explicit encoder partitioner (auto plans the model's equal encoder items without placement) the
+    vision and audio phases' too."""
     from megatron_orch.balance.traces import DEFAULT_MIXTURE
     from megatron_orch.orchestrator import step_plan
     from megatron_orch.orchestrator.config import OrchestratorConfig
@@ -110,9 +113,9 @@ def test_transport_matches_ortools_on_trace_placements():
     topology = Topology.uniform(96, 8)
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(step_plan, "place_items", capture)
-        step_plan.plan_step(sizes, model, OrchestratorConfig(background=False), topology,
+        step_plan.plan_step(sizes, model, OrchestratorConfig(algorithm=algorithm, background=False), topology,
                             micro_batch_size=1, num_microbatches=4)
-    assert len(captured) == 3
+    assert len(captured) == placements
     for traffic, topo, rank_of_bin in captured:
         result = _check_against_oracle(traffic, topo)
         assert rank_of_bin.tolist() == result.rank_of_bin.tolist()

@@ -279,8 +279,8 @@ def validate_args(args: argparse.Namespace, world_size: int) -> argparse.Namespa
                             f"({args.lr_decay_iters}; default --train-iters)")
     if args.min_lr > args.lr:
         raise ArgumentError(f"--min-lr {args.min_lr} exceeds --lr {args.lr}")
-    if args.distributed_timeout_minutes <= 0:
-        raise ArgumentError(f"--distributed-timeout-minutes must be > 0, got {args.distributed_timeout_minutes}")
+    if not (math.isfinite(args.distributed_timeout_minutes) and args.distributed_timeout_minutes > 0):
+        raise ArgumentError(f"--distributed-timeout-minutes must be a finite number > 0, got {args.distributed_timeout_minutes}")
     if args.override_opt_param_scheduler and args.use_checkpoint_opt_param_scheduler:
         raise ArgumentError("--override-opt_param-scheduler and --use-checkpoint-opt_param-scheduler exclude each "
                             "other (this run's LR schedule, or the checkpoint's)")
