@@ -107,13 +107,17 @@ def trace_specs(args: argparse.Namespace) -> list:
     return [parse_trace_spec(s) for s in args.trace] if args.trace else list(DEFAULT_MIXTURE)
 
 
-def report(result: dict, format_tables: Callable[[dict], str], json_path: Optional[str]) -> dict:
-    """Print the tables; write the JSON if asked."""
+def report(result: dict, format_tables: Callable[[dict], str], json_path: Optional[str],
+           plot: Optional[Callable[[dict, str], None]] = None, plot_path: Optional[str] = None) -> dict:
+    """Print the tables; write the JSON and draw the plot if asked."""
     print(format_tables(result))
     if json_path:
         with open(json_path, "w") as f:
             json.dump(result, f, indent=1)
         print(f"\nwrote {json_path}", file=sys.stderr)
+    if plot_path:
+        plot(result, plot_path)
+        print(f"wrote {plot_path}", file=sys.stderr)
     return result
 
 

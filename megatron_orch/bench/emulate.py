@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import argparse
 import functools
-import json
 import statistics
 import sys
 import time
@@ -46,7 +45,7 @@ from megatron_orch.balance.workload import PHASES, PhaseItems, StepSizes, phase_
 from megatron_orch.bench import mfu
 from megatron_orch.bench.calibrate import device_settings
 from megatron_orch.bench.common import (PLAN_METHODS, draw_sizes, effective_layers, parse_layers, plan_method,
-                                        trace_specs, with_layers)
+                                        report, trace_specs, with_layers)
 from megatron_orch.orchestrator.step_plan import StepPlan
 
 METHODS = ("none",) + tuple(PLAN_METHODS)
@@ -303,19 +302,11 @@ def main(argv: Optional[List[str]] = None) -> dict:
         + ("; methods *_flops: training FLOPs" if args.compare_flops else ""),
         "notes": "backbone examples timed one per call (lengths rounded up to llm_bucket); no communication; "
                  "balanced step = sum over phases of the slowest rank, upstream = slowest rank's whole step"}
-    print(format_tables(result))
     if result["params"]["llm_examples_cut_at_max_positions"]:
         print(f"[emulate] {result['params']['llm_examples_cut_at_max_positions']} backbone example(s) longer than "
               f"the model's {config.backbone.max_position_embeddings} positions were timed at that length",
               flush=True)
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(result, f, indent=1)
-        print(f"[emulate] wrote {args.json}", file=sys.stderr)
-    if args.plot:
-        plot(result, args.plot)
-        print(f"[emulate] wrote {args.plot}", file=sys.stderr)
-    return result
+    return report(result, format_tables, args.json, plot, args.plot)
 
 
 if __name__ == "__main__":

@@ -10,7 +10,6 @@ locality winning when inter-node bandwidth is scarce) and reports each as held o
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from typing import List, Optional
 
@@ -18,7 +17,7 @@ from megatron_orch.balance.cost_profile import load_cost_profile
 from megatron_orch.balance.model_config import load_model_config
 from megatron_orch.balance.traces import DEFAULT_MIXTURE
 from megatron_orch.balance.workload import PHASES
-from megatron_orch.bench.common import draw_sizes, effective_layers, parse_layers, trace_specs, with_layers
+from megatron_orch.bench.common import draw_sizes, effective_layers, parse_layers, report, trace_specs, with_layers
 from megatron_orch.sim.cluster import DEFAULT_TFLOPS, METHODS, LinkModel, simulate_step, warm_up_planner
 
 PER_PHASE = ("orch", "equal_count", "locality", "equal_locality")
@@ -185,15 +184,7 @@ def main(argv: Optional[List[str]] = None) -> dict:
         result["dp"][str(dp)], result["per_seed"][str(dp)] = mean_over_runs(runs), runs
         print(f"[sim] DP {dp} done", file=sys.stderr, flush=True)
     result["checks"] = checks(result)
-    print(format_tables(result))
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(result, f, indent=1)
-        print(f"[sim] wrote {args.json}", file=sys.stderr)
-    if args.plot:
-        plot(result, args.plot)
-        print(f"[sim] wrote {args.plot}", file=sys.stderr)
-    return result
+    return report(result, format_tables, args.json, plot, args.plot)
 
 
 if __name__ == "__main__":
