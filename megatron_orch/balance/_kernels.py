@@ -906,7 +906,6 @@ def fill_quotas(home, quota, node_of_bin, bins_by_node, node_start, bin_of_item)
     by id). ``bins_by_node[node_start[n]:node_start[n + 1]]``: the bins of node n, ascending.
     """
     n = home.size
-    num_bins = quota.size
     room = quota.copy()
     surplus = np.empty(n, dtype=np.int64)
     num_surplus = 0
