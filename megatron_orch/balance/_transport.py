@@ -468,6 +468,21 @@ def _queue_tight(b, val, tail, row_start, row_node, row_w, v, cap, count, seen, 
 
 
 @numba.njit(**_JIT)
+def _augment(end, pred, pred_w, node_of_bin, wcur, members, member_start, count, pos):
+    """Walk an augmenting path back from ``end``, a node with room: ``pred[x]`` is the bin that moves
+    into node x (with weight ``pred_w[x]`` there), each bin one node on, until a bin that was free."""
+    x = end
+    while True:
+        b = pred[x]
+        old = node_of_bin[b]
+        _move(b, old, x, node_of_bin, members, member_start, count, pos)
+        wcur[b] = pred_w[x]
+        if old < 0:
+            break
+        x = old
+
+
+@numba.njit(**_JIT)
 def _tight_paths(free, row_start, row_node, row_w, cap, v, node_of_bin, wcur, members, member_start, count, pos):
     """Place free bins along augmenting paths of zero reduced cost (each bin moved to another of
     its best nodes), found breadth first; potentials do not change. Returns how many bins are left,
@@ -521,15 +536,7 @@ def _tight_paths(free, row_start, row_node, row_w, cap, v, node_of_bin, wcur, me
             free[left] = b0
             left += 1
             continue
-        x = end
-        while True:
-            b = pred[x]
-            old = node_of_bin[b]
-            _move(b, old, x, node_of_bin, members, member_start, count, pos)
-            wcur[b] = pred_w[x]
-            if old < 0:
-                break
-            x = old
+        _augment(end, pred, pred_w, node_of_bin, wcur, members, member_start, count, pos)
     return left
 
 
@@ -631,16 +638,7 @@ def _shortest_paths(free, row_start, row_node, row_w, best_w, cap, v, node_of_bi
         for t in range(num_done):
             x = finished[t]
             v[x] += dist[x] - d_end
-        # Augment: walk back from the node with room; every bin on the path moves one node on.
-        x = end
-        while True:
-            b = pred[x]
-            old = node_of_bin[b]
-            _move(b, old, x, node_of_bin, members, member_start, count, pos)
-            wcur[b] = pred_w[x]
-            if old < 0:
-                break
-            x = old
+        _augment(end, pred, pred_w, node_of_bin, wcur, members, member_start, count, pos)
         for x in range(num_nodes):
             dist[x] = _INF
             done[x] = False

@@ -474,18 +474,19 @@ def partition_equal_count_locality(costs, home, num_bins, gpus_per_node, *, item
         node = home_node.copy()
         node_target = gpus_per_node * reference.max_cost
         _kernels.swap_sweeps(costs, order, num_nodes, node, node_target, _SWAP_SWEEPS, num_nodes)
-        _refine(costs, np.zeros(n), math.inf, num_nodes, node, allow_moves=False, stop_at=node_target)
+        no_memory = np.zeros(n)
+        _refine(costs, no_memory, math.inf, num_nodes, node, allow_moves=False, stop_at=node_target)
         bins = home.copy()
         arrived = np.flatnonzero(node != home_node)
         # those that left, by home rank, take the new arrivals, by node then id: node by node, counts match
         bins[arrived[np.argsort(node[arrived], kind="stable")]] = np.sort(home[arrived])
         _kernels.swap_sweeps(costs, order, num_bins, bins, capacity, _SWAP_SWEEPS, gpus_per_node)
-        _refine(costs, np.zeros(n), math.inf, num_bins, bins, allow_moves=False, stop_at=capacity,
+        _refine(costs, no_memory, math.inf, num_bins, bins, allow_moves=False, stop_at=capacity,
                 node_size=gpus_per_node)
         name = "equal_locality"
         if _max_cost(costs, bins, num_bins) > capacity:
             bins, name = reference.bin_of_item, f"equal_locality_fallback:{reference.method}"
-    return _result(bins, num_bins, costs, np.zeros(n), False, lower_bound, home, name, item_bytes, gpus_per_node)
+    return _result(bins, num_bins, costs, None, False, lower_bound, home, name, item_bytes, gpus_per_node)
 
 
 def partition_uniform(costs, home, node_of_bin, *, item_bytes) -> Partition:
@@ -521,7 +522,7 @@ def partition_uniform(costs, home, node_of_bin, *, item_bytes) -> Partition:
         _kernels.fill_quotas(home, np.full(num_bins, cap, dtype=np.int64), node_of_bin, bins_by_node,
                              node_start, bins)
         name = "uniform"
-    part = _result(bins, num_bins, costs, np.zeros(n), False, _lower_bound(costs, num_bins), home, name,
+    part = _result(bins, num_bins, costs, None, False, _lower_bound(costs, num_bins), home, name,
                    item_bytes, None)
     inter = float(item_bytes[node_of_bin[bins] != node_of_bin[home]].sum())
     return dataclasses.replace(part, inter_node_bytes=inter)
