@@ -7,8 +7,8 @@ import pytest
 
 from megatron_orch.balance.traces import NUMERIC_COLUMNS, TEXT_COLUMNS
 from megatron_orch.bench.balance import METHODS, RANK_METHODS, main, verl_equal_size_kk, verl_workload
-from megatron_orch.bench.common import draw_phases
-from megatron_orch.balance.workload import PHASES
+from megatron_orch.bench.common import draw_sizes
+from megatron_orch.balance.workload import PHASES, phase_items
 
 ROWS = {
     "img.csv": [dict(task="image_sft", vision_tiles=t, text_tokens=40 + 7 * t) for t in (1, 3, 4, 5, 5, 7)],
@@ -51,8 +51,9 @@ def test_small_run_writes_every_phase_and_method(traces_dir, tmp_path, model, ca
     # The modeled step against a reference computed here from the same drawn batch: upstream (none)
     # runs each example end to end on its loading rank, so its step is the busiest rank's sum over
     # phases; a per-phase method's step is the sum over phases of its busiest rank.
-    _, _, phases = draw_phases([("img.csv", 0.5), ("asr.csv", 0.3), ("video.csv", 0.2)], 8, 4, model, 3,
-                               str(traces_dir))
+    config, _, sizes = draw_sizes([("img.csv", 0.5), ("asr.csv", 0.3), ("video.csv", 0.2)], 8, 4, model, 3,
+                                  str(traces_dir))
+    phases = phase_items(sizes, config)
     upstream = sum(np.bincount(phases[p].home, weights=phases[p].cost, minlength=8) for p in PHASES).max()
     assert result["step"]["none"]["flops"] == pytest.approx(upstream, rel=1e-12)
     for method in set(METHODS) - {"none", "verl_kk"}:

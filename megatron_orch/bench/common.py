@@ -16,7 +16,7 @@ from megatron_orch.balance.partition import partition, partition_equal_count, pa
 from megatron_orch.balance.plan import Placement
 from megatron_orch.balance.topology import Topology
 from megatron_orch.balance.traces import DEFAULT_MIXTURE, TraceMixture, load_mixture, parse_trace_spec
-from megatron_orch.balance.workload import PhaseItems, StepSizes, phase_items, sizes_from_trace
+from megatron_orch.balance.workload import PhaseItems, StepSizes, sizes_from_trace
 from megatron_orch.orchestrator.config import OrchestratorConfig
 from megatron_orch.orchestrator.step_plan import EncoderPhasePlan, StepPlan, plan_step
 
@@ -128,13 +128,6 @@ def draw_sizes(trace_specs: Sequence[tuple], dp: int, per_rank: int, model: str,
     config = load_model_config(model)
     mixture = load_mixture(trace_specs, traces_dir)
     return config, mixture, sizes_from_trace(mixture.draw(dp * per_rank, seed), np.full(dp, per_rank), config)
-
-
-def draw_phases(trace_specs: Sequence[tuple], dp: int, per_rank: int, model: str, seed: int,
-                traces_dir: Optional[str] = None) -> Tuple[MLLMConfig, TraceMixture, Dict[str, PhaseItems]]:
-    """:func:`draw_sizes`, mapped to the items of every phase as the trainer's planner maps them."""
-    config, mixture, sizes = draw_sizes(trace_specs, dp, per_rank, model, seed, traces_dir)
-    return config, mixture, phase_items(sizes, config)
 
 
 def memory_caps(phases: Dict[str, PhaseItems], dp: int) -> Dict[str, float]:

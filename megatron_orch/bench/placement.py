@@ -36,8 +36,7 @@ import numpy as np
 from megatron_orch.balance.partition import partition, partition_locality
 from megatron_orch.balance.placement import BinTraffic, PlacementConfig, place_bins, placement_cost
 from megatron_orch.balance.topology import Topology
-from megatron_orch.balance.workload import PHASES, PhaseItems, phase_bytes
-from megatron_orch.balance.workload import ENCODER_PHASES, phase_items
+from megatron_orch.balance.workload import ENCODER_PHASES, PHASES, PhaseItems, phase_bytes, phase_items
 from megatron_orch.bench.common import (draw_sizes, memory_caps, parser_with_batch_args, plan_method, report,
                                         trace_specs, warm_up_partitioners)
 
@@ -144,7 +143,7 @@ def run(trace_specs: Sequence[tuple], dp: int, per_rank: int, gpus_per_node: int
             "trainer": "plan_step with the default flags; solve_ms is the whole plan_step (all phases)",
             "max_node_inter_bytes": "busiest node's max(received, sent) bytes across nodes",
             "llm": "text bytes from the home rank; embeddings from the encoder ranks of the exact "
-                   "placement (identity/greedy/exact/minmax) or of locality (locality)",
+                   "placement (identity/greedy/exact/minmax), of locality (locality) or of plan_step (trainer)",
         },
     }
     return result
