@@ -64,7 +64,7 @@ def main_megatron_lm() -> None:
     from megatron.core import mpu
     from megatron.core.enums import ModelType
     from megatron.core.num_microbatches_calculator import get_num_microbatches
-    from megatron.training import get_args, pretrain, print_rank_0
+    from megatron.training import get_args, print_rank_0
 
     from megatron_orch.balance.model_config import load_model_config
     from megatron_orch.megatron import megatron_lm
@@ -74,12 +74,7 @@ def main_megatron_lm() -> None:
     from megatron_orch.trainer import arguments
 
     post_balancing = "--orch-post-balancing" in sys.argv[1:]  # Megatron's parser takes no abbreviations
-    if post_balancing:
-        try:
-            megatron_lm.require_patched(pretrain)
-        except megatron_lm.PatchMissingError as err:
-            sys.exit(f"pretrain_mllm.py: error: {err}")
-    elif "--overlap-grad-reduce" in sys.argv[1:]:
+    if not post_balancing and "--overlap-grad-reduce" in sys.argv[1:]:
         # Megatron DDP then reduces a bucket once each of its parameters reported a gradient in the last
         # micro-batch, and asserts after the first step that every parameter did. Without post-balancing
         # the encoders run inside each micro-batch and skip one without images or audio, so the step
@@ -131,26 +126,34 @@ def main_megatron_lm() -> None:
         args = mllm_args()
         train = providers.build_train_data_iterator(args, args.consumed_train_samples,
                                                     mpu.get_data_parallel_rank(), mpu.get_data_parallel_world_size())
-        if args.orch_config is not None:  # its schedule comes from the patch's wrapper, around train()'s
+        if args.orch_config is not None:  # its schedule: megatron_lm.pretrain's hook, around train()'s
             train, _ = providers.build_post_balancing(args, args.orch_config, train, forward_backward_func=None)
         return train
 
-    extra = {}
-    if post_balancing:
-        extra["forward_backward_func_wrapper"] = megatron_lm.schedule_wrapper(
-            lambda: mllm_args().orch_config.encoder_recompute)
-    pretrain(megatron_lm.external_data_provider(build_train_iterator), model_provider,
-             ModelType.encoder_or_decoder, providers.forward_step, extra_args_provider=arguments.add_mllm_args,
-             args_defaults={"dataloader_type": "external"}, **extra)
+    wrapper = megatron_lm.schedule_wrapper(lambda: mllm_args().orch_config.encoder_recompute) if post_balancing else None
+    megatron_lm.pretrain(megatron_lm.external_data_provider(build_train_iterator), model_provider,
+                         ModelType.encoder_or_decoder, providers.forward_step,
+                         extra_args_provider=arguments.add_mllm_args, args_defaults={"dataloader_type": "external"},
+                         forward_backward_func_wrapper=wrapper, announce=print_rank_0)
 
 
-def _on_gpus() -> bool:
+def main() -> None:
+    """The trainer ``--orch-trainer`` names (default: the compact one), never a choice by environment."""
+    from megatron_orch.trainer import arguments
+    trainer = arguments.trainer_of(sys.argv[1:])
+    if trainer == "compact":
+        return main_compact()
+    if not megatron_lm_available():
+        arguments.exit_with_error(
+            "--orch-trainer megatron-lm: megatron.training does not import here; megatron-core wheels from 0.17 "
+            "on ship it, for 0.16.1 put a Megatron-LM checkout (tag core_v0.16.1) on PYTHONPATH")
     import torch
-    return torch.cuda.is_available()
+    if not torch.cuda.is_available():
+        arguments.exit_with_error(
+            "--orch-trainer megatron-lm needs GPUs (Megatron-LM's initialisation asserts CUDA); on CPU the "
+            "compact trainer (--orch-trainer compact, the default) trains the same model from the same flags")
+    main_megatron_lm()
 
 
 if __name__ == "__main__":
-    if megatron_lm_available() and _on_gpus():
-        main_megatron_lm()
-    else:
-        main_compact()
+    main()

@@ -6,12 +6,16 @@ setup(
     version="0.1.0",
     description="Per-phase batch post-balancing across data-parallel ranks for multimodal Megatron training",
     packages=find_packages(include=["megatron_orch", "megatron_orch.*"]),
-    python_requires=">=3.11,<3.12",
+    # megatron-core 0.16.1 is the newest release for Python 3.11; 0.17 and later need 3.12.
+    python_requires=">=3.11",
     install_requires=[
-        # torch==2.13.0 is the CPU build on this project's machines; on GPU clusters install the
-        # matching CUDA build of the same version first and pip keeps it.
-        "torch==2.13.0",
-        "megatron-core==0.16.1",
+        # Ranges only: a GPU container's own torch build (which Transformer Engine and Apex are built
+        # against) satisfies them and is kept. scripts/setup_env.sh installs the tested exact versions.
+        "torch>=2.6",
+        "megatron-core>=0.16.1,<0.20",
+        # megatron-core >= 0.18 imports triton (pipeline_parallel.schedules -> moe paged_stash); those
+        # releases need Python 3.12. It installs and imports on CPU machines too.
+        "triton; python_version >= '3.12' and platform_system == 'Linux'",
         "numpy>=1.26",
         "numba>=0.60",
         "ortools>=9.10",
@@ -24,6 +28,7 @@ setup(
         # tests run it from ../shared/megatron-lm; a Megatron-LM checkout brings its own requirements).
         "test": ["pytest>=8", "hypothesis>=6.100", "six", "regex", "pydantic"],
         # apex is a GPU-only extra built from source: see README ("GPU extras").
-        "gpu": ["transformer-engine[pytorch]"],
+        # The range megatron-core 0.16.1 .. 0.19.x is tested with (0.16.1's pin starts at 2.9).
+        "gpu": ["transformer-engine[pytorch]>=2.9,<3"],
     },
 )

@@ -1,6 +1,19 @@
 #!/usr/bin/env bash
-# Set up (if needed) and run the whole test suite. This is the README's test command and what CI runs.
+# Set up (if needed) and run the whole test suite. This is the README's test command; CI runs it on both
+# tested set-ups (.ci/run).
+#
+#   bash scripts/run_tests.sh [--megatron-core VERSION] [PYTEST ARGS...]
+#
+# --megatron-core 0.19.2 (default: Python 3.12, .venv) or 0.16.1 (Python 3.11, .venv-mcore0.16): see
+# scripts/setup_env.sh. Everything else goes to pytest.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-bash scripts/setup_env.sh
-exec .venv/bin/python -m pytest -q tests "$@"
+setup=()
+case "${1:-}" in
+  --megatron-core) setup=("$1" "${2:?--megatron-core needs a version}"); shift 2 ;;
+  --megatron-core=*) setup=("$1"); shift ;;
+  -h|--help) sed -n '2,8s/^# \{0,1\}//p' "$0"; exit 0 ;;
+esac
+venv="$(bash scripts/setup_env.sh "${setup[@]}" | tail -n 1)"
+echo "run_tests.sh: $("$venv/bin/python" -c 'import sys, importlib.metadata as m; print(f"Python {sys.version.split()[0]}, torch {m.version("torch")}, megatron-core {m.version("megatron-core")}")')"
+exec "$venv/bin/python" -m pytest -q tests "$@"

@@ -1,22 +1,74 @@
 #!/usr/bin/env bash
-# Create .venv in the repository (once) and install the package with its test extra.
-# Idempotent: a second call only re-checks the install. Needs only python3.11 and the package registries.
-# MEGATRON_ORCH_SKIP_SETUP=1 skips the check (an existing .venv, e.g. on a machine without network).
+# Create the repository's virtual environment (once) and install the package with its test extra.
+#
+#   bash scripts/setup_env.sh [--megatron-core VERSION]     (prints the venv's path last)
+#
+# Two supported set-ups, the two ends of the tested range megatron-core 0.16.1 .. 0.19.x:
+#   0.19.2 (default)  Python 3.12, venv .venv: torch 2.13.0 from the registry (PyPI's CUDA build, ~5 GB;
+#                     it runs on CPU), triton (megatron-core >= 0.18 imports it), megatron-core 0.19.2
+#   0.16.1            Python 3.11, venv .venv-mcore0.16: torch 2.13.0 (the CPU build on this project's
+#                     machines), megatron-core 0.16.1 (the newest release for Python 3.11)
+# Python is $PYTHON when set, else python3.X on PATH, else pyenv's; none found is a one-line error.
+# Idempotent: a second call only re-checks the stamp. MEGATRON_ORCH_SKIP_SETUP=1 skips the check where
+# the venv exists (e.g. on a machine without network). Exact versions live here only; setup.py has ranges.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-if [ "${MEGATRON_ORCH_SKIP_SETUP:-0}" = 1 ] && [ -x .venv/bin/python ]; then
+
+die() { echo "setup_env.sh: error: $*" >&2; exit 1; }
+usage() { sed -n '2,13s/^# \{0,1\}//p' "$0"; }
+
+mcore=0.19.2
+while [ $# -gt 0 ]; do
+  case "$1" in
+    --megatron-core) [ $# -ge 2 ] || die "--megatron-core needs a version (0.19.2 or 0.16.1)"; mcore=$2; shift 2 ;;
+    --megatron-core=*) mcore=${1#*=}; shift ;;
+    -h|--help) usage; exit 0 ;;
+    *) die "unknown option '$1' (see --help)" ;;
+  esac
+done
+
+case "$mcore" in
+  0.19.2) python_version=3.12; venv=.venv; packages=(torch==2.13.0 triton megatron-core==0.19.2) ;;
+  0.16.1) python_version=3.11; venv=.venv-mcore0.16; packages=(torch==2.13.0 megatron-core==0.16.1) ;;
+  *) die "--megatron-core $mcore is not a tested set-up: choose 0.19.2 (Python 3.12, the default) or 0.16.1 (Python 3.11)" ;;
+esac
+
+if [ "${MEGATRON_ORCH_SKIP_SETUP:-0}" = 1 ] && [ -x "$venv/bin/python" ]; then
+  echo "$venv"
   exit 0
 fi
-PY=${PYTHON:-python3.11}
-command -v "$PY" >/dev/null 2>&1 || PY=python3
-if [ ! -x .venv/bin/python ]; then
-  "$PY" -m venv .venv
-  .venv/bin/python -m pip install -q --upgrade pip
+
+runs_version() {  # does "$1" run and report Python $python_version?
+  [ -n "$1" ] && "$1" -c "import sys; sys.exit(sys.version_info[:2] != tuple(map(int, '$python_version'.split('.'))))" 2>/dev/null
+}
+find_python() {
+  if [ -n "${PYTHON:-}" ]; then
+    runs_version "$PYTHON" || die "PYTHON=$PYTHON is not a working Python $python_version (megatron-core $mcore needs it)"
+    echo "$PYTHON"; return
+  fi
+  local candidate
+  for candidate in "$(command -v "python$python_version" || true)" \
+                   "$(command -v pyenv >/dev/null && echo "$(pyenv root)/versions/$python_version"*/bin/"python$python_version" | tr ' ' '\n' | sort -V | tail -n 1)"; do
+    if runs_version "$candidate"; then echo "$candidate"; return; fi
+  done
+  die "Python $python_version not found (megatron-core $mcore needs it): install it (e.g. 'pyenv install $python_version') or point PYTHON at it"
+}
+
+wanted="megatron-core $mcore: ${packages[*]}"
+stamp=$venv/.orch-installed
+if [ -x "$venv/bin/python" ] && ! runs_version "$venv/bin/python"; then
+  echo "setup_env.sh: $venv is not a Python $python_version venv: making it again" >&2
+  rm -rf "$venv"
 fi
-stamp=.venv/.orch-installed
-if [ ! -f "$stamp" ] || [ setup.py -nt "$stamp" ]; then
-  # torch first, pinned, so pip takes the local CPU build instead of resolving a CUDA one.
-  .venv/bin/python -m pip install -q torch==2.13.0
-  .venv/bin/python -m pip install -q -e '.[test]'
-  touch "$stamp"
+if [ ! -x "$venv/bin/python" ]; then
+  "$(find_python)" -m venv "$venv"
+  "$venv/bin/python" -m pip install -q --upgrade pip
 fi
+if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$wanted" ] || [ setup.py -nt "$stamp" ]; then
+  # The exact versions first, so the package's ranges install nothing more (on Python 3.11 pip takes the
+  # local CPU build of torch, instead of resolving a CUDA one).
+  "$venv/bin/python" -m pip install -q "${packages[@]}"
+  "$venv/bin/python" -m pip install -q -e '.[test]'
+  echo "$wanted" > "$stamp"
+fi
+echo "$venv"

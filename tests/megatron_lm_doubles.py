@@ -1,15 +1,19 @@
-"""Test doubles that run Megatron-LM's ``megatron.training.pretrain`` (tag core_v0.16.1) on CPU over gloo.
+"""Test doubles that run Megatron-LM's ``megatron.training.pretrain`` (core_v0.16.1 .. core_v0.19.x) on CPU
+over gloo.
 
-Tests only, never product code. ``megatron.training`` is not in the megatron-core wheel: the tests take
-the tag's unmodified files from ``../shared/megatron-lm/core_v0.16.1`` (:data:`SHARED_TREE`), copy them
-to a temporary folder, apply ``patches/`` with ``scripts/apply_patches.sh`` (:func:`patched_copy`) and
-put the copy on ``sys.path`` (:func:`install`): ``megatron`` is a namespace package (no ``__init__.py``
-in the wheel or the tree), so ``megatron.core`` comes from the wheel and ``megatron.training`` from the
-copy. What :func:`install` changes, and why each is needed on a CPU-only machine:
+Tests only, never product code. Where the Megatron-LM files come from (:func:`megatron_lm_files_or_skip`):
+megatron-core wheels from 0.17 on ship ``megatron/training`` (0.19.2's equals core_v0.19.0's byte for
+byte), and the tests use the installed wheel's own; the 0.16.1 wheel lacks it, and the tests take the tag's
+unmodified files from ``../shared/megatron-lm/core_v0.16.1`` (:data:`SHARED_TREE`). Either is copied to a
+temporary folder, patched with ``scripts/apply_patches.sh`` (:func:`patched_copy`), and put first on
+``sys.path`` (:func:`install`): ``megatron`` is a namespace package (no ``__init__.py`` in the wheel or the
+tree), so ``megatron.core`` comes from the wheel and ``megatron.training`` from the copy; ``install(None)``
+keeps the wheel's own, unpatched ``megatron.training``. What :func:`install` changes, and why each is
+needed on a CPU-only machine:
 
-1. ``triton`` is a stub module while ``megatron.training`` imports: ``megatron.training.initialize``
-   imports megatron-core's batch-invariant kernels, which import triton (GPU-only) and decorate kernels
-   with ``triton.jit`` at import time.
+1. ``triton``, where it is not installed (the 0.16.1 set-up), is a stub module while
+   ``megatron.training`` imports: ``megatron.training.initialize`` imports megatron-core's batch-invariant
+   kernels, which import triton (GPU-only) and decorate kernels with ``triton.jit`` at import time.
 2. The project's CPU harness (:mod:`megatron_orch.trainer.cpu_harness`) for megatron.core, and its
    view of torch (CUDA devices -> CPU, no-op synchronise, CPU RNG) bound as ``torch`` in every
    ``megatron.training`` / ``megatron.legacy`` module: pretrain() all-reduces start times and flags in
@@ -30,40 +34,78 @@ copy. What :func:`install` changes, and why each is needed on a CPU-only machine
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 import importlib.machinery
+import importlib.util
 import shutil
 import subprocess
 import sys
 import types
 from pathlib import Path
+from typing import Optional
 
 REPO = Path(__file__).resolve().parents[1]
 SHARED_TREE = REPO.parent / "shared" / "megatron-lm" / "core_v0.16.1"
 BASE_FILE = "megatron/training/training.py"
 
 
-def shared_tree_or_skip() -> Path:
-    """The unmodified Megatron-LM files of the tag, or skip the calling test saying why."""
+@dataclasses.dataclass(frozen=True)
+class MegatronLMFiles:
+    """The Megatron-LM files of the installed megatron-core's release: ``root`` holds ``megatron/training``
+    (the wheel's site-packages, or :data:`SHARED_TREE`); ``release`` is the ``patches/`` folder made for them."""
+    root: Path
+    release: str
+    from_wheel: bool
+
+    @property
+    def patch(self) -> Path:
+        return REPO / "patches" / self.release / "0001-forward-backward-func-wrapper.patch"
+
+
+def hash_object(path: Path) -> str:
+    return subprocess.run(["git", "hash-object", str(path)], check=True, capture_output=True, text=True).stdout.strip()
+
+
+def _release_of(training_file: Path) -> str:
+    """The patches/ folder whose pre-image is ``training_file``; no folder is an error, never a skip."""
+    blob = hash_object(training_file)
+    for patch in sorted((REPO / "patches").glob("core_v*/*.patch")):
+        if f"index {blob}.." in patch.read_text():
+            return patch.parent.name
+    raise AssertionError(f"{training_file} (blob {blob}) is the training.py of no patches/ folder")
+
+
+def megatron_lm_files_or_skip() -> MegatronLMFiles:
+    """The installed wheel's ``megatron/training`` (megatron-core >= 0.17), else the shared 0.16.1 files, or
+    skip the calling test saying why."""
     import pytest
 
+    spec = importlib.util.find_spec("megatron.training")
+    if spec is not None and spec.origin is not None:
+        root = Path(spec.origin).parents[2]
+        return MegatronLMFiles(root, _release_of(root / BASE_FILE), from_wheel=True)
     if not (SHARED_TREE / BASE_FILE).is_file():
-        pytest.skip(f"Megatron-LM core_v0.16.1 files not found at {SHARED_TREE} (CI clones them next to the "
-                    "repository as ../shared/megatron-lm); the megatron.training tests need them")
-    return SHARED_TREE
+        pytest.skip(f"the installed megatron-core ships no megatron/training and the Megatron-LM core_v0.16.1 "
+                    f"files are not at {SHARED_TREE} (CI clones them next to the repository as "
+                    "../shared/megatron-lm); the megatron.training tests need one of them")
+    return MegatronLMFiles(SHARED_TREE, _release_of(SHARED_TREE / BASE_FILE), from_wheel=False)
 
 
-def unpatched_copy(destination: Path) -> Path:
-    """A writable copy of the shared tree at ``destination``."""
-    shutil.copytree(SHARED_TREE, destination)
+def unpatched_copy(files: MegatronLMFiles, destination: Path) -> Path:
+    """A writable copy of the release's Megatron-LM files at ``destination`` (a tree holding ``megatron/``)."""
+    if files.from_wheel:
+        shutil.copytree(files.root / "megatron" / "training", destination / "megatron" / "training")
+    else:
+        shutil.copytree(files.root, destination)
     for path in [destination, *destination.rglob("*")]:
         path.chmod(path.stat().st_mode | 0o200)
     return destination
 
 
-def patched_copy(destination: Path) -> Path:
-    """A copy of the shared tree with the project's patches applied by ``scripts/apply_patches.sh``."""
-    unpatched_copy(destination)
+def patched_copy(files: MegatronLMFiles, destination: Path) -> Path:
+    """:func:`unpatched_copy` with the project's patch applied by ``scripts/apply_patches.sh``."""
+    unpatched_copy(files, destination)
     subprocess.run(["bash", str(REPO / "scripts" / "apply_patches.sh"), str(destination)], check=True,
                    capture_output=True, text=True)
     return destination
@@ -86,29 +128,34 @@ def _triton_stub() -> types.ModuleType:
 _installed_tree = None
 
 
-def install(tree: Path) -> None:
-    """Make ``megatron.training`` of ``tree`` importable and runnable on CPU (see the module docstring)."""
+def install(tree: Optional[Path]) -> None:
+    """Make ``megatron.training`` of ``tree`` (None: the installed wheel's) importable and runnable on CPU
+    (see the module docstring)."""
     global _installed_tree
     if _installed_tree is not None:
-        if _installed_tree != tree:
-            raise RuntimeError(f"megatron_lm_doubles already installed for {_installed_tree}, not {tree}")
+        if _installed_tree != (tree,):
+            raise RuntimeError(f"megatron_lm_doubles already installed for {_installed_tree[0]}, not {tree}")
         return
-    sys.path.insert(0, str(tree))
+    if tree is not None:
+        sys.path.insert(0, str(tree))
     import torch
     import torch._dynamo  # noqa: F401  (before the stub: torch checks what triton it finds)
 
     from megatron_orch.trainer import cpu_harness
     cpu_harness.install()
 
-    # The stub serves megatron.training's import only; afterwards triton is absent again, as it is here.
-    stub = _triton_stub()
-    sys.modules["triton"], sys.modules["triton.language"] = stub, stub.language
+    # Where triton is not installed, the stub serves megatron.training's import only; afterwards triton
+    # is absent again.
+    stub = _triton_stub() if importlib.util.find_spec("triton") is None else None
+    if stub is not None:
+        sys.modules["triton"], sys.modules["triton.language"] = stub, stub.language
     try:
         import megatron.training
         from megatron.training import arguments, initialize, training
     finally:
-        del sys.modules["triton"], sys.modules["triton.language"]
-    if not str(Path(megatron.training.__file__)).startswith(str(tree)):
+        if stub is not None:
+            del sys.modules["triton"], sys.modules["triton.language"]
+    if tree is not None and not str(Path(megatron.training.__file__)).startswith(str(tree)):
         raise RuntimeError(f"megatron.training imports from {megatron.training.__file__}, not from {tree}")
     cpu_harness.install()  # megatron.core modules megatron.training imported
     for name, module in list(sys.modules.items()):
@@ -116,10 +163,10 @@ def install(tree: Path) -> None:
             module.torch = cpu_harness.CPU_TORCH
     training.initialize_megatron = functools.partial(initialize.initialize_megatron, allow_no_cuda=True)
     initialize._compile_dependencies = lambda: None
-    training.set_jit_fusion_options = lambda: None
+    training.set_jit_fusion_options = lambda *args, **kwargs: None
     arguments.get_device_arch_version = lambda: 9
     torch.nn.Module.cuda = lambda self, device=None: self
-    _installed_tree = tree
+    _installed_tree = (tree,)
 
 
 def prepare_run(tensor_model_parallel_size: int, pipeline_model_parallel_size: int, seed: int) -> None:

@@ -1,13 +1,15 @@
-"""Megatron-LM integration: the patch of ``patches/core_v0.16.1``, ``scripts/apply_patches.sh``, and
-``pretrain_mllm.py``'s ``megatron.training`` path with post-balancing off and on.
+"""Megatron-LM integration: the patches of ``patches/<release>``, ``scripts/apply_patches.sh``, the run-time
+schedule hook, and ``pretrain_mllm.py``'s ``megatron.training`` path with post-balancing off and on.
 
-The training runs go through Megatron-LM's own ``megatron.training.pretrain`` (from a patched copy of
-the tag's files, on CPU over gloo with the test doubles of ``megatron_lm_doubles``): DP 2, PP 2 x DP 2
-and TP 2 x DP 2, post-balancing off (upstream) then on in the same spawned ranks, fp32 and dropout 0,
-and the losses of every iteration must agree within 1e-5. DP 2 also runs post-balancing with ``--overlap-grad-reduce``,
-including a step where a rank gets no items of an encoder phase, and the project's compact trainer on
-the same flags, which must reproduce megatron.training's losses.
-Skipped, saying why, where the Megatron-LM files (``../shared/megatron-lm``) are absent.
+The release under test is the installed megatron-core's (:func:`megatron_lm_doubles.megatron_lm_files_or_skip`):
+0.19.2's wheel ships its ``megatron/training`` (the ``pretrain(cfg_container, ...)`` API), and for 0.16.1 the
+tag's files come from ``../shared/megatron-lm`` (the ``extra_args_provider`` API); CI runs both set-ups.
+The training runs go through Megatron-LM's own ``megatron.training.pretrain`` (from a patched copy of those
+files, or the unpatched ones with the run-time hook, on CPU over gloo with the test doubles of
+``megatron_lm_doubles``): DP 2, PP 2 x DP 2 and TP 2 x DP 2, post-balancing off (upstream) then on in the same
+spawned ranks, fp32 and dropout 0, and the losses of every iteration must agree within 1e-5. DP 2 also runs
+post-balancing with ``--overlap-grad-reduce``, including a step where a rank gets no items of an encoder phase,
+and the project's compact trainer on the same flags, which must reproduce megatron.training's losses.
 """
 import importlib.util
 import json
@@ -17,6 +19,7 @@ import re
 import shutil
 import subprocess
 import sys
+import types
 import warnings
 from pathlib import Path
 
@@ -26,8 +29,8 @@ import megatron_lm_doubles as doubles
 from dist_utils import run_distributed, scaled
 
 REPO = Path(__file__).resolve().parents[1]
-PATCH = REPO / "patches" / "core_v0.16.1" / "0001-forward-backward-func-wrapper.patch"
 APPLY = REPO / "scripts" / "apply_patches.sh"
+RELEASES = sorted(path.name for path in (REPO / "patches").glob("core_v*"))
 SEED = 11
 ITERS = 3
 TOLERANCE = 1e-5
@@ -47,7 +50,8 @@ RUNS = {"upstream": [], "post-balancing": ["--orch-post-balancing"],
 COMPACT = "compact trainer"
 COMPACT_ARGV = ["--model-config", "tiny", "--seq-length", "128", "--micro-batch-size", "1", "--global-batch-size", "4",
                 "--train-iters", str(ITERS), "--lr", "2e-3", "--log-interval", "1", "--seed", str(SEED),
-                "--distributed-backend", "gloo", "--transformer-impl", "local"]
+                "--distributed-backend", "gloo", "--transformer-impl", "local",
+                "--hidden-dropout", "0", "--attention-dropout", "0"]
 
 
 def _patch_index(patch: Path):
@@ -56,63 +60,84 @@ def _patch_index(patch: Path):
     return re.findall(r"^diff --git a/(\S+) b/\S+\n(?:.*\n)*?index ([0-9a-f]{40})\.\.([0-9a-f]{40})", text, re.M)
 
 
-def _hash_object(path: Path) -> str:
-    return subprocess.run(["git", "hash-object", str(path)], check=True, capture_output=True, text=True).stdout.strip()
-
-
 def _apply(target: Path, cwd: Path = REPO):
     return subprocess.run(["bash", str(APPLY), str(target)], cwd=cwd, capture_output=True, text=True)
 
 
-@pytest.fixture(scope="module")
-def shared_tree():
-    return doubles.shared_tree_or_skip()
+def _git(cwd: Path, *command: str) -> None:
+    subprocess.run(["git", "-c", "user.name=test", "-c", "user.email=test@example.com", *command], cwd=cwd,
+                   check=True, capture_output=True)
 
 
 @pytest.fixture(scope="module")
-def patched_tree(shared_tree, tmp_path_factory):
-    return doubles.patched_copy(tmp_path_factory.mktemp("megatron_lm") / "core_v0.16.1")
+def files():
+    return doubles.megatron_lm_files_or_skip()
 
 
-def test_patch_made_against_the_tag_with_full_index(shared_tree):
-    index = _patch_index(PATCH)
-    assert [path for path, _, _ in index] == [doubles.BASE_FILE]
-    path, pre, _ = index[0]
-    assert pre == _hash_object(shared_tree / path)
-    header = PATCH.read_text().split("diff --git", 1)[0]
+@pytest.fixture(scope="module")
+def patched_tree(files, tmp_path_factory):
+    return doubles.patched_copy(files, tmp_path_factory.mktemp("megatron_lm") / files.release)
+
+
+@pytest.fixture(scope="module")
+def unpatched_tree(files, tmp_path_factory):
+    """The release's files without the patch: the wheel's own (None: nothing to put on sys.path), or a copy."""
+    return None if files.from_wheel else doubles.unpatched_copy(files, tmp_path_factory.mktemp("megatron_lm") / "stock")
+
+
+@pytest.mark.parametrize("release", RELEASES)
+def test_every_patch_is_one_full_index_diff_of_training_py_with_its_release_named(release):
+    """Each folder's patch says what and why, names the tag commit(s) it was made against, and is a
+    ``git diff --full-index`` of training.py only (its pre-image blob is how apply_patches.sh finds it)."""
+    patch, = (REPO / "patches" / release).glob("*.patch")
+    header = patch.read_text().split("diff --git", 1)[0]
+    assert header.startswith(f"megatron-orch patch 0001 for Megatron-LM {release}\n(commit ")
+    assert re.search(r"^\(commit [0-9a-f]{40}\)$", header, re.M)
     assert "What:" in header and "Why:" in header
+    (path, pre, post), = _patch_index(patch)
+    assert path == doubles.BASE_FILE and pre != post
+    others = {other: _patch_index(next((REPO / "patches" / other).glob("*.patch")))[0][1] for other in RELEASES}
+    assert list(others.values()).count(pre) == 1, "two folders for one training.py"
 
 
-def test_patch_applies_and_compiles(shared_tree, tmp_path):
-    copy = doubles.unpatched_copy(tmp_path / "tree")
+def test_patch_made_against_the_installed_release(files):
+    (path, pre, _), = _patch_index(files.patch)
+    assert pre == doubles.hash_object(files.root / path)
+
+
+def test_patch_applies_and_compiles(files, tmp_path):
+    copy = doubles.unpatched_copy(files, tmp_path / "tree")
     # git apply from inside the copy, outside any work tree (see apply_patches.sh)
-    check = subprocess.run(["git", "apply", "--check", str(PATCH)], cwd=copy, capture_output=True, text=True,
+    check = subprocess.run(["git", "apply", "--check", str(files.patch)], cwd=copy, capture_output=True, text=True,
                            env={**os.environ, "GIT_CEILING_DIRECTORIES": str(tmp_path)})
     assert check.returncode == 0, check.stderr
     result = _apply(copy)
     assert result.returncode == 0, result.stderr
-    assert "applied 0001-forward-backward-func-wrapper.patch" in result.stdout
+    assert f"holds Megatron-LM {files.release}'s files" in result.stdout
+    assert f"applied {files.release}/0001-forward-backward-func-wrapper.patch" in result.stdout
     patched = copy / doubles.BASE_FILE
-    (path, _, post), = _patch_index(PATCH)
-    assert _hash_object(patched) == post
+    (path, _, post), = _patch_index(files.patch)
+    assert doubles.hash_object(patched) == post
     py_compile.compile(str(patched), cfile=str(tmp_path / "training.pyc"), doraise=True)
     source = patched.read_text()
     for function in ("pretrain", "train"):
-        signature = re.search(rf"^def {function}\((.*?)\):", source, re.M | re.S).group(1)
+        signature = re.search(rf"^def {function}\((.*?)\):\n", source, re.M | re.S).group(1)
         assert "forward_backward_func_wrapper=None" in signature, function
-    applied = re.findall(r"forward_backward_func = get_forward_backward_func\(\)\n(.*)\n(.*)\n", source)
+    # right after each `forward_backward_func = get_forward_backward_func(...)` statement: train()'s is
+    # wrapped, evaluate()'s keeps the stock schedule
+    applied = re.findall(r"forward_backward_func = get_forward_backward_func\([^)]*\)\n(.*)\n(.*)\n", source)
     assert applied[0] == ("    if forward_backward_func_wrapper is not None:",
                           "        forward_backward_func = forward_backward_func_wrapper(forward_backward_func)")
     assert len(applied) == 2 and "wrapper" not in "".join(applied[1]), "evaluate() keeps the stock schedule"
 
 
-def test_apply_patches_is_idempotent_also_inside_another_work_tree(shared_tree, tmp_path):
+def test_apply_patches_is_idempotent_also_inside_another_work_tree(files, tmp_path):
     # A copy inside this repository's work tree (ignored runs/): git apply must still patch it.
     inside = REPO / "runs" / f"test_megatron_lm_{os.getpid()}"
     try:
-        copy = doubles.unpatched_copy(inside / "tree")
+        copy = doubles.unpatched_copy(files, inside / "tree")
         first = _apply(copy, cwd=inside)
-        assert first.returncode == 0 and "applied 0001" in first.stdout, first.stdout + first.stderr
+        assert first.returncode == 0 and "applied" in first.stdout, first.stdout + first.stderr
         patched = (copy / doubles.BASE_FILE).read_bytes()
         second = _apply(copy, cwd=inside)
         assert second.returncode == 0, second.stderr
@@ -122,48 +147,55 @@ def test_apply_patches_is_idempotent_also_inside_another_work_tree(shared_tree, 
         shutil.rmtree(inside, ignore_errors=True)
 
 
-def test_apply_patches_refuses_a_mismatched_tree(shared_tree, tmp_path):
-    changed = doubles.unpatched_copy(tmp_path / "changed")
-    base = changed / doubles.BASE_FILE
-    original = base.read_bytes()
-    base.write_bytes(original.replace(b"def evaluate(", b"def evaluate_changed(", 1))
-    result = _apply(changed)
-    assert result.returncode == 1
-    assert "is neither the core_v0.16.1 file" in result.stderr and str(base) in result.stderr
-    assert base.read_bytes() == original.replace(b"def evaluate(", b"def evaluate_changed(", 1)
+def test_apply_patches_takes_a_fork_with_other_commits(files, tmp_path):
+    """A git checkout whose HEAD is not the tag (a fork: the release's files, then an unrelated commit)
+    gets its release's patch, with a note that HEAD is not the tag's commit."""
+    fork = doubles.unpatched_copy(files, tmp_path / "fork")
+    _git(fork, "init", "-q")
+    _git(fork, "add", "-A")
+    _git(fork, "commit", "-q", "-m", "the release's files")
+    (fork / "FORK_NOTES.md").write_text("our own change\n")
+    _git(fork, "add", "FORK_NOTES.md")
+    _git(fork, "commit", "-q", "-m", "a fork's commit")
+    result = _apply(fork)
+    assert result.returncode == 0, result.stderr
+    assert "is a git checkout at" in result.stdout and f"{files.release}'s patch applies" in result.stdout
+    assert "forward_backward_func_wrapper" in (fork / doubles.BASE_FILE).read_text()
 
-    other_commit = doubles.unpatched_copy(tmp_path / "git_checkout")
-    git = ["git", "-c", "user.name=test", "-c", "user.email=test@example.com"]
-    for command in (["init", "-q"], ["add", "-A"], ["commit", "-q", "-m", "not the tag"]):
-        subprocess.run(git + command, cwd=other_commit, check=True, capture_output=True)
-    result = _apply(other_commit)
-    assert result.returncode == 1
-    assert "not Megatron-LM core_v0.16.1 (55ac7082517c3878ae653c07c09c534b8aed49f6)" in result.stderr
-    assert "forward_backward_func_wrapper" not in (other_commit / doubles.BASE_FILE).read_text()
 
+def test_apply_patches_refuses_a_changed_training_py(files, tmp_path):
+    for kind in ("copy", "git checkout"):
+        changed = doubles.unpatched_copy(files, tmp_path / kind.replace(" ", "_"))
+        base = changed / doubles.BASE_FILE
+        edited = base.read_bytes().replace(b"def evaluate(", b"def evaluate_changed(", 1)
+        base.write_bytes(edited)
+        if kind == "git checkout":
+            _git(changed, "init", "-q")
+            _git(changed, "add", "-A")
+            _git(changed, "commit", "-q", "-m", "a changed training.py")
+        result = _apply(changed)
+        assert result.returncode == 1, kind
+        assert "is neither the file of a supported Megatron-LM release" in result.stderr and str(base) in result.stderr
+        assert "installs the same schedule hook at run time" in result.stderr
+        assert base.read_bytes() == edited, "nothing written"
     result = _apply(tmp_path)
     assert result.returncode == 1 and "is not a Megatron-LM checkout" in result.stderr
 
 
-def test_refusals_before_training(shared_tree, tmp_path):
-    """pretrain_mllm.py on an unpatched Megatron-LM refuses --orch-post-balancing and names the script;
-    --overlap-grad-reduce without post-balancing is refused with the reason (the unbalanced MLLM fails)."""
-    copy = doubles.unpatched_copy(tmp_path / "tree")
+def test_refusals_before_training(unpatched_tree):
+    """--overlap-grad-reduce without post-balancing is refused with the reason (the unbalanced MLLM fails)."""
+    tree = None if unpatched_tree is None else str(unpatched_tree)
     code = ("import sys; sys.path.insert(0, 'tests'); import megatron_lm_doubles as d, pathlib, runpy\n"
-            f"d.install(pathlib.Path({str(copy)!r}))\n"
+            f"d.install(None if {tree!r} is None else pathlib.Path({tree!r}))\n"
             "main = runpy.run_path('pretrain_mllm.py', run_name='pretrain_mllm')['main_megatron_lm']\n"
-            "for flag in ('--orch-post-balancing', '--overlap-grad-reduce'):\n"
-            "    sys.argv = ['pretrain_mllm.py', flag]\n"
-            "    try:\n"
-            "        main()\n"
-            "    except SystemExit as exit:\n"
-            "        print(repr(exit.code))\n")
+            "sys.argv = ['pretrain_mllm.py', '--overlap-grad-reduce']\n"
+            "try:\n"
+            "    main()\n"
+            "except SystemExit as exit:\n"
+            "    print(repr(exit.code))\n")
     result = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=scaled(300))
     assert result.returncode == 0, result.stdout + result.stderr
-    unpatched, overlap = result.stdout.strip().splitlines()[-2:]
-    assert "has no 'forward_backward_func_wrapper' argument" in unpatched
-    assert "scripts/apply_patches.sh MEGATRON_LM_DIR" in unpatched
-    assert "--overlap-grad-reduce without --orch-post-balancing is not supported" in overlap
+    assert "--overlap-grad-reduce without --orch-post-balancing is not supported" in result.stdout.strip().splitlines()[-1]
 
 
 def _megatron_args(**changes):
@@ -175,41 +207,83 @@ def _megatron_args(**changes):
 
 
 def test_check_args_names_what_post_balancing_cannot_run_with():
+    """Every refusal names its flag; the flags of newer releases (read with getattr) are refused where
+    they are set and an older release's namespace, which lacks them, passes."""
     from megatron_orch.megatron import megatron_lm
 
     megatron_lm.check_args(_megatron_args())
+    megatron_lm.check_args(_megatron_args(hybrid_context_parallel=False, sequence_packing_scheduler=None,
+                                          cuda_graph_impl="local", cuda_graph_scope=["attn"],
+                                          moe_expert_rank_capacity_factor=None, perform_rl_step=False,
+                                          step_batch_size_schedule=None))
     for changes, flag in ((dict(dataloader_type="single"), "--dataloader-type single"),
                           (dict(calculate_per_token_loss=False), "--calculate-per-token-loss is required"),
                           (dict(virtual_pipeline_model_parallel_size=2), "virtual pipeline stages"),
                           (dict(context_parallel_size=2), "--context-parallel-size 2"),
+                          (dict(hybrid_context_parallel=True), "--hybrid-context-parallel"),
+                          (dict(sequence_packing_scheduler="dp_balanced"), "--sequence-packing-scheduler dp_balanced"),
+                          (dict(cuda_graph_impl="full_iteration"), "full-iteration CUDA graphs"),
+                          (dict(cuda_graph_impl="local", cuda_graph_scope=["full_iteration"]), "full-iteration CUDA graphs"),
+                          (dict(moe_expert_rank_capacity_factor=1.5), "--moe-expert-rank-capacity-factor"),
+                          (dict(perform_rl_step=True), "--perform-rl-step"),
                           (dict(orch_microbatching="packed", transformer_impl="transformer_engine"),
                            "--orch-microbatching packed with --transformer-impl transformer_engine"),
-                          (dict(rampup_batch_size=["4", "4", "100"]), "--rampup-batch-size")):
+                          (dict(rampup_batch_size=["4", "4", "100"]), "--rampup-batch-size"),
+                          (dict(step_batch_size_schedule="0:4 100:8"), "--step-batch-size-schedule")):
         with pytest.raises(ValueError, match=re.escape(flag)):
             megatron_lm.check_args(_megatron_args(**changes))
 
 
-def test_patch_detection_by_signature():
+def test_pretrain_api_and_patch_detected_by_signature():
+    """Which pretrain() API (0.16-0.17: extra_args_provider; 0.18+: a config container first) and whether the
+    patch is in, from the signature alone, as megatron_lm.pretrain decides them."""
     from megatron_orch.megatron import megatron_lm
 
-    def stock(train_valid_test_dataset_provider, model_provider, model_type, forward_step_func, store=None):
+    def v016(train_valid_test_dataset_provider, model_provider, model_type, forward_step_func,
+             process_non_loss_data_func=None, extra_args_provider=None, args_defaults={}, store=None):
         pass
 
-    def patched(train_valid_test_dataset_provider, model_provider, model_type, forward_step_func, store=None,
-                forward_backward_func_wrapper=None):
+    def v019(cfg_container, train_valid_test_dataset_provider, model_type, forward_step_func, model_provider=None,
+             store=None, pg_collection=None, forward_backward_func_wrapper=None):
         pass
 
-    assert megatron_lm.is_patched(patched) and not megatron_lm.is_patched(stock)
-    megatron_lm.require_patched(patched)
-    with pytest.raises(megatron_lm.PatchMissingError, match="scripts/apply_patches.sh MEGATRON_LM_DIR"):
-        megatron_lm.require_patched(stock)
+    assert not megatron_lm.takes_config_container(v016) and megatron_lm.takes_config_container(v019)
+    assert megatron_lm.is_patched(v019) and not megatron_lm.is_patched(v016)
+
+
+def test_runtime_schedule_hook_wraps_train_only_and_restores():
+    """The run-time hook: train()'s call of get_forward_backward_func gets the wrapper, evaluate()'s (and
+    any other caller's) the stock schedule, and the module is as before once the block ends."""
+    from megatron_orch.megatron import megatron_lm
+
+    def stock_schedule(**kwargs):
+        return "stock"
+
+    training = types.ModuleType("training")
+    training.get_forward_backward_func = lambda schedule_pg_collection=None: stock_schedule
+    source = ("def evaluate():\n    return get_forward_backward_func()\n"
+              "def train():\n    return get_forward_backward_func(schedule_pg_collection='pg'), evaluate()\n")
+    exec(compile(source, "training.py", "exec"), training.__dict__)
+    original = training.get_forward_backward_func
+    wrapped = []
+
+    def wrapper(schedule):
+        wrapped.append(schedule)
+        return ("wrapped", schedule)
+
+    with megatron_lm.runtime_schedule_hook(training, wrapper):
+        in_train, in_evaluate = training.train()
+        assert training.evaluate() is stock_schedule
+    assert in_train == ("wrapped", stock_schedule) and in_evaluate is stock_schedule and wrapped == [stock_schedule]
+    assert training.get_forward_backward_func is original
+    assert training.train() == (stock_schedule, stock_schedule)
 
 
 def _pretrain_runs(rank, world_size, tree, layouts, out_dir):
     """Megatron-LM's pretrain through pretrain_mllm.main_megatron_lm, once per run of each layout
     ``((tp, pp), runs)``, in these ranks; what each run did goes to ``out_dir/rank<r>.json``."""
     warnings.filterwarnings("ignore")
-    doubles.install(Path(tree))
+    doubles.install(None if tree is None else Path(tree))
     spec = importlib.util.spec_from_file_location("pretrain_mllm", REPO / "pretrain_mllm.py")
     pretrain_mllm = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(pretrain_mllm)
@@ -229,8 +303,16 @@ def _megatron_lm_run(pretrain_mllm, world_size, parallel, name) -> dict:
     from megatron_orch.megatron import schedule
     from megatron_orch.megatron.schedule import ModalityAwareSchedule
 
-    record = {"losses": [], "schedule": [], "moved_items": 0, "zero_gradients": 0}
+    import megatron.training
+
+    record = {"losses": [], "schedule": [], "moved_items": 0, "zero_gradients": 0, "hook": []}
     stock_train_step, stock_zero_gradients = training.train_step, schedule._zero_gradients
+    stock_print_rank_0 = megatron.training.print_rank_0
+
+    def print_rank_0(message):  # what pretrain_mllm's megatron_lm.pretrain announces
+        if "post-balancing in megatron.training" in message:
+            record["hook"].append(message)
+        stock_print_rank_0(message)
 
     def train_step(*args, **kwargs):  # positional as train() calls it: the schedule is the 7th
         out = stock_train_step(*args, **kwargs)
@@ -250,6 +332,7 @@ def _megatron_lm_run(pretrain_mllm, world_size, parallel, name) -> dict:
         stock_zero_gradients(encoder)
 
     training.train_step, schedule._zero_gradients = train_step, zero_gradients
+    megatron.training.print_rank_0 = print_rank_0
     doubles.prepare_run(*parallel, seed=SEED)
     sys.argv = ["pretrain_mllm.py", *ARGV, "--tensor-model-parallel-size", str(parallel[0]),
                 "--pipeline-model-parallel-size", str(parallel[1]), *RUNS[name]]
@@ -257,6 +340,7 @@ def _megatron_lm_run(pretrain_mllm, world_size, parallel, name) -> dict:
         pretrain_mllm.main_megatron_lm()
     finally:
         training.train_step, schedule._zero_gradients = stock_train_step, stock_zero_gradients
+        megatron.training.print_rank_0 = stock_print_rank_0
         doubles.reset()
     return record
 
@@ -274,7 +358,7 @@ def _compact_run(pretrain_mllm, world_size, parallel, name) -> dict:
         parallel_state.destroy_model_parallel()
 
 
-def _check_runs(out_dir: Path, world_size: int, parallel, runs) -> None:
+def _check_runs(out_dir: Path, world_size: int, parallel, runs, hook: str) -> None:
     ranks = [json.loads((out_dir / f"rank{r}.json").read_text())[str(parallel)] for r in range(world_size)]
     last = ranks[-1]  # on the last pipeline stage (and the compact trainer's logging rank)
     upstream = last["upstream"]["losses"]
@@ -287,16 +371,19 @@ def _check_runs(out_dir: Path, world_size: int, parallel, runs) -> None:
     balanced = [name for name in runs if name.startswith("post-balancing")]
     for rank in ranks:
         assert rank["upstream"]["schedule"] == ["function"] * ITERS  # megatron-core's own schedule
+        assert rank["upstream"]["hook"] == []
         for name in balanced:
             assert rank[name]["schedule"] == ["ModalityAwareSchedule"] * ITERS, name
-    for name in balanced:  # the plans moved examples between ranks
+    for name in balanced:  # the plans moved examples between ranks; rank 0 said which hook it used
         assert sum(rank[name]["moved_items"] for rank in ranks) > 0, name
+        announced, = ranks[0][name]["hook"]
+        assert hook in announced, announced
 
 
-def test_megatron_training_dp2(patched_tree, tmp_path):
+def test_megatron_training_dp2(files, patched_tree, tmp_path):
     layout = ((1, 1), [*RUNS, COMPACT])
     run_distributed(_pretrain_runs, 2, str(patched_tree), [layout], str(tmp_path), timeout_s=400)
-    _check_runs(tmp_path, 2, *layout)
+    _check_runs(tmp_path, 2, *layout, hook=f"schedule hook: the patch of patches/{files.release}")
     overlapped = [json.loads((tmp_path / f"rank{r}.json").read_text())[str(layout[0])]
                   ["post-balancing, overlapped grad reduce"] for r in range(2)]
     # a rank without items of an encoder phase in some step gave that encoder zero gradients, which
@@ -304,9 +391,18 @@ def test_megatron_training_dp2(patched_tree, tmp_path):
     assert sum(r["zero_gradients"] for r in overlapped) > 0
 
 
-def test_megatron_training_pp2_dp2_and_tp2_dp2(patched_tree, tmp_path):
+def test_megatron_training_dp2_with_the_runtime_hook(unpatched_tree, tmp_path):
+    """No patch (the wheel's own megatron.training, or an unpatched copy): the schedule hook is installed
+    at run time, and post-balancing again reproduces the upstream losses."""
+    layout = ((1, 1), ["upstream", "post-balancing"])
+    run_distributed(_pretrain_runs, 2, None if unpatched_tree is None else str(unpatched_tree), [layout],
+                    str(tmp_path), timeout_s=300)
+    _check_runs(tmp_path, 2, *layout, hook="schedule hook: installed at run time (no patched train()")
+
+
+def test_megatron_training_pp2_dp2_and_tp2_dp2(files, patched_tree, tmp_path):
     """Four ranks, two layouts one after the other in the same processes (saves starting them twice)."""
     layouts = [((1, 2), ["upstream", "post-balancing"]), ((2, 1), ["upstream", "post-balancing"])]
     run_distributed(_pretrain_runs, 4, str(patched_tree), layouts, str(tmp_path), timeout_s=500)
     for layout in layouts:
-        _check_runs(tmp_path, 4, *layout)
+        _check_runs(tmp_path, 4, *layout, hook=f"schedule hook: the patch of patches/{files.release}")

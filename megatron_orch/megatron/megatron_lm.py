@@ -1,36 +1,45 @@
-"""Post-balancing inside Megatron-LM's own training loop (``megatron.training.pretrain``, tag core_v0.16.1).
+"""Post-balancing inside Megatron-LM's own training loop (``megatron.training.pretrain``), releases
+core_v0.16.1 .. core_v0.19.x and their pip wheels.
 
-Three hooks; only the schedule needs a patch (``patches/core_v0.16.1/0001``):
+Three hooks:
 
 * **data**: with ``--dataloader-type external`` the train-valid-test provider's iterator reaches
   ``train()`` as is; :func:`external_data_provider` returns the post-balancing iterator from it and marks
   the provider ``is_distributed`` so every TP/PP rank builds one (the iterator's collectives run on
   every rank of the DP group and checks its plan with the TP/PP peers);
-* **schedule**: ``pretrain(..., forward_backward_func_wrapper=...)`` (the patch) wraps the training
-  loop's ``get_forward_backward_func()`` in :class:`~megatron_orch.megatron.schedule.ModalityAwareSchedule`
-  (:func:`schedule_wrapper`); evaluation keeps the stock schedule;
+* **schedule**: the training loop's forward-backward function is wrapped in
+  :class:`~megatron_orch.megatron.schedule.ModalityAwareSchedule`; evaluation keeps the stock schedule.
+  Where the checkout carries ``patches/<release>/`` (``scripts/apply_patches.sh``), through the patch's
+  ``pretrain(..., forward_backward_func_wrapper=...)``; where no patched ``train()`` is found (a pip
+  wheel's ``megatron/training``, Megatron-LM main), by the same wrapper installed at run time
+  (:func:`runtime_schedule_hook`). :func:`pretrain` picks one and rank 0 prints which;
 * **deferred encoder backward**: the schedule wraps ``config.finalize_model_grads_func`` and
   ``config.grad_sync_func`` for the duration of each call, which ``train()`` sets once before its
   loop, so the encoders' backward runs before either one reduces gradients.
+
+:func:`pretrain` also hides the two ``pretrain()`` APIs, told apart by what the installed function
+accepts: up to 0.17 ``pretrain(provider, model_provider, ..., extra_args_provider=, args_defaults=)``
+parses the command line itself; from 0.18 the caller parses (``parse_and_validate_args``), builds a
+``PretrainConfigContainer`` (``pretrain_cfg_container_from_args``) and calls ``pretrain(container, ...)``.
 
 :func:`check_args` refuses the Megatron-LM settings these hooks do not support, naming the flag.
 """
 from __future__ import annotations
 
 import argparse
+import contextlib
 import inspect
-from typing import Callable, Iterator
+import subprocess
+import sys
+from pathlib import Path
+from typing import Callable, Dict, Iterator, Optional
 
 from megatron.core import parallel_state
 
 from megatron_orch.megatron.schedule import ModalityAwareSchedule
 
 WRAPPER_ARGUMENT = "forward_backward_func_wrapper"
-APPLY_COMMAND = "scripts/apply_patches.sh MEGATRON_LM_DIR"
-
-
-class PatchMissingError(RuntimeError):
-    """``megatron.training.pretrain`` lacks the argument that ``patches/`` adds."""
+PATCHES = Path(__file__).resolve().parents[2] / "patches"
 
 
 def is_patched(pretrain: Callable) -> bool:
@@ -38,17 +47,107 @@ def is_patched(pretrain: Callable) -> bool:
     return WRAPPER_ARGUMENT in inspect.signature(pretrain).parameters
 
 
-def require_patched(pretrain: Callable) -> None:
-    if not is_patched(pretrain):
-        raise PatchMissingError(
-            f"--orch-post-balancing needs the megatron-orch patch of Megatron-LM: megatron.training.pretrain "
-            f"(from {inspect.getsourcefile(pretrain)}) has no '{WRAPPER_ARGUMENT}' argument. Apply the patch "
-            f"to the Megatron-LM checkout at tag core_v0.16.1 with `{APPLY_COMMAND}` (from the megatron-orch "
-            f"repository), or run without --orch-post-balancing for the upstream baseline")
+def takes_config_container(pretrain: Callable) -> bool:
+    """Whether ``pretrain`` is the 0.18+ API (``pretrain(cfg_container, ...)``, no ``extra_args_provider``)."""
+    parameters = inspect.signature(pretrain).parameters
+    return "extra_args_provider" not in parameters and next(iter(parameters)) == "cfg_container"
+
+
+def patch_release(training_file: Path) -> Optional[str]:
+    """The ``patches/`` release whose patched ``training.py`` is ``training_file`` (by git blob hash), or
+    None (a fork's own changes on top, or no patch at all)."""
+    try:
+        blob = subprocess.run(["git", "hash-object", str(training_file)], capture_output=True, text=True,
+                              check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return None
+    for patch in sorted(PATCHES.glob("core_v*/*.patch")):
+        if f"..{blob} " in patch.read_text():
+            return patch.parent.name
+    return None
+
+
+def schedule_wrapper(encoder_recompute: Callable[[], bool]) -> Callable[[Callable], ModalityAwareSchedule]:
+    """The ``forward_backward_func_wrapper``: the modality-aware schedule around Megatron's.
+    ``encoder_recompute`` is asked when training starts (after the arguments are parsed)."""
+
+    def wrap(forward_backward_func: Callable) -> ModalityAwareSchedule:
+        return ModalityAwareSchedule(forward_backward_func, parallel_state.get_data_parallel_group(),
+                                     encoder_recompute=encoder_recompute())
+
+    return wrap
+
+
+@contextlib.contextmanager
+def runtime_schedule_hook(training, wrapper: Callable[[Callable], Callable]):
+    """For the duration of the block, ``train()`` of the module ``training`` (``megatron.training.training``)
+    gets ``wrapper(schedule)`` from its call of ``get_forward_backward_func``; every other caller
+    (``evaluate()``) gets the stock schedule. No file changes: what the patch does, done at run time."""
+    stock = training.get_forward_backward_func
+    train_code = training.train.__code__
+
+    def get_forward_backward_func(*args, **kwargs):
+        schedule = stock(*args, **kwargs)
+        return wrapper(schedule) if sys._getframe(1).f_code is train_code else schedule
+
+    training.get_forward_backward_func = get_forward_backward_func
+    try:
+        yield
+    finally:
+        training.get_forward_backward_func = stock
+
+
+def pretrain(train_valid_test_dataset_provider: Callable, model_provider: Callable, model_type,
+             forward_step_func: Callable, *, extra_args_provider: Callable, args_defaults: Dict,
+             forward_backward_func_wrapper: Optional[Callable[[Callable], Callable]] = None,
+             announce: Callable[[str], None] = print) -> None:
+    """``megatron.training.pretrain`` on whichever API the installed Megatron-LM has, with
+    ``forward_backward_func_wrapper`` (None: the upstream run) around the training loop's schedule
+    through the patch where ``pretrain`` takes it, else through :func:`runtime_schedule_hook`.
+    ``announce`` (e.g. ``print_rank_0``) gets one line naming the API and the hook."""
+    from megatron.training import pretrain as megatron_pretrain
+    from megatron.training import training
+
+    providers = dict(train_valid_test_dataset_provider=train_valid_test_dataset_provider,
+                     model_provider=model_provider, model_type=model_type, forward_step_func=forward_step_func)
+    if takes_config_container(megatron_pretrain):
+        from megatron.training.argument_utils import pretrain_cfg_container_from_args
+        from megatron.training.arguments import parse_and_validate_args
+
+        def run(**hook):
+            args = parse_and_validate_args(extra_args_provider=extra_args_provider, args_defaults=args_defaults)
+            megatron_pretrain(pretrain_cfg_container_from_args(args), **providers, **hook)
+        api = "pretrain(cfg_container, ...)"
+    else:
+        def run(**hook):
+            megatron_pretrain(extra_args_provider=extra_args_provider, args_defaults=args_defaults, **providers,
+                              **hook)
+        api = "pretrain(..., extra_args_provider=...)"
+
+    if forward_backward_func_wrapper is None:
+        return run()
+    if is_patched(megatron_pretrain):
+        release = patch_release(Path(inspect.getsourcefile(training)))
+        how = f"the patch of patches/{release}" if release else "a patched train() (training.py of no known release)"
+        wrapper = _announcing(forward_backward_func_wrapper, announce, f"{api}, schedule hook: {how}")
+        return run(**{WRAPPER_ARGUMENT: wrapper})
+    wrapper = _announcing(forward_backward_func_wrapper, announce,
+                          f"{api}, schedule hook: installed at run time (no patched train() in "
+                          f"{inspect.getsourcefile(training)})")
+    with runtime_schedule_hook(training, wrapper):
+        run()
+
+
+def _announcing(wrapper: Callable, announce: Callable[[str], None], line: str) -> Callable:
+    def wrap(forward_backward_func):
+        announce(f"> post-balancing in megatron.training: {line}")
+        return wrapper(forward_backward_func)
+    return wrap
 
 
 def check_args(args: argparse.Namespace) -> None:
-    """Raise ValueError naming the Megatron-LM flag that post-balancing cannot run with."""
+    """Raise ValueError naming the Megatron-LM flag that post-balancing cannot run with. Flags of a newer
+    release are read with ``getattr``: an older release simply has none of them."""
     problems = []
     if args.dataloader_type != "external":
         problems.append(f"--dataloader-type {args.dataloader_type}: post-balancing needs 'external' (the "
@@ -62,14 +161,39 @@ def check_args(args: argparse.Namespace) -> None:
     if args.context_parallel_size > 1:
         problems.append(f"--context-parallel-size {args.context_parallel_size}: post-balancing moves whole "
                         "examples between DP ranks, context parallelism is not supported")
+    if getattr(args, "hybrid_context_parallel", False):
+        problems.append("--hybrid-context-parallel: it regroups the data iterator's sequences over DP x CP "
+                        "ranks (HybridCPDataLoaderWrapper), which would undo the post-balancing plan")
+    if getattr(args, "sequence_packing_scheduler", None) is not None:
+        problems.append(f"--sequence-packing-scheduler {args.sequence_packing_scheduler}: Megatron's own "
+                        "packing scheduler re-plans the data iterator; use --orch-microbatching packed instead")
+    if _full_iteration_cuda_graph(args):
+        problems.append("full-iteration CUDA graphs (--cuda-graph-impl full_iteration, or --cuda-graph-scope "
+                        "full_iteration): the graph would replay one step's routes and item counts, which "
+                        "change every step")
+    if getattr(args, "moe_expert_rank_capacity_factor", None) is not None:
+        problems.append("--moe-expert-rank-capacity-factor: its PagedStashRunner re-runs a step's "
+                        "forward-backward on overflow, which would run the encoders and all-to-alls again")
+    if getattr(args, "perform_rl_step", False):
+        problems.append("--perform-rl-step: RL training builds its own batches")
     if args.orch_microbatching == "packed" and args.transformer_impl == "transformer_engine":
         problems.append("--orch-microbatching packed with --transformer-impl transformer_engine: TE's causal "
                         "attention ignores the block-diagonal mask of packed rows (use --transformer-impl local "
                         "or --orch-microbatching equal_count)")
     if args.rampup_batch_size is not None:
         problems.append("--rampup-batch-size: a post-balancing step has a fixed number of micro-batches")
+    if getattr(args, "step_batch_size_schedule", None) is not None:
+        problems.append("--step-batch-size-schedule: a post-balancing step has a fixed number of micro-batches")
     if problems:
         raise ValueError("with --orch-post-balancing: " + "; ".join(problems))
+
+
+def _full_iteration_cuda_graph(args: argparse.Namespace) -> bool:
+    """0.19: ``--cuda-graph-impl full_iteration``; 0.16-0.18: ``--cuda-graph-impl local`` with the
+    ``full_iteration`` scope."""
+    impl = getattr(args, "cuda_graph_impl", "none")
+    scope = getattr(args, "cuda_graph_scope", None) or []
+    return impl == "full_iteration" or (impl == "local" and any("full_iteration" in str(s) for s in scope))
 
 
 def external_data_provider(build_train_iterator: Callable[[], Iterator]) -> Callable:
@@ -81,14 +205,3 @@ def external_data_provider(build_train_iterator: Callable[[], Iterator]) -> Call
 
     train_valid_test_data_provider.is_distributed = True
     return train_valid_test_data_provider
-
-
-def schedule_wrapper(encoder_recompute: Callable[[], bool]) -> Callable[[Callable], ModalityAwareSchedule]:
-    """The patch's ``forward_backward_func_wrapper``: the modality-aware schedule around Megatron's.
-    ``encoder_recompute`` is asked when training starts (after the arguments are parsed)."""
-
-    def wrap(forward_backward_func: Callable) -> ModalityAwareSchedule:
-        return ModalityAwareSchedule(forward_backward_func, parallel_state.get_data_parallel_group(),
-                                     encoder_recompute=encoder_recompute())
-
-    return wrap

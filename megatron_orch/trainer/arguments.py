@@ -153,9 +153,30 @@ def add_megatron_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParse
     return parser
 
 
+TRAINERS = ("compact", "megatron-lm")
+
+
+def _add_trainer_arg(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--orch-trainer", choices=TRAINERS, default="compact",
+                        help="which training loop runs: compact (this project's, on megatron-core: CPU or GPUs) or "
+                             "megatron-lm (Megatron-LM's own megatron.training.pretrain: GPUs, Megatron-LM's flags)")
+
+
+def trainer_of(argv: Sequence[str]) -> str:
+    """The ``--orch-trainer`` of a command line (the full parsers check the rest); a bad value exits with
+    :func:`exit_with_error`. Imports neither torch nor megatron."""
+    parser = _Parser(add_help=False, allow_abbrev=False)
+    _add_trainer_arg(parser)
+    try:
+        return parser.parse_known_args(argv)[0].orch_trainer
+    except ArgumentError as err:
+        exit_with_error(str(err))
+
+
 def add_mllm_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    """This project's flags: which multimodal model, and the ``--orch-*`` post-balancing group."""
+    """This project's flags: the trainer, which multimodal model, and the ``--orch-*`` post-balancing group."""
     g = parser.add_argument_group("multimodal model")
+    _add_trainer_arg(g)
     g.add_argument("--model-config", type=str, default="tiny",
                    help="name in configs/ (tiny, mllm_10b, ...) or a YAML path; the shape flags above "
                         "override its backbone")
