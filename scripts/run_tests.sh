@@ -14,6 +14,7 @@ case "${1:-}" in
   --megatron-core=*) setup=("$1"); shift ;;
   -h|--help) sed -n '2,8s/^# \{0,1\}//p' "$0"; exit 0 ;;
 esac
-venv="$(bash scripts/setup_env.sh "${setup[@]}" | tail -n 1)"
+bash scripts/setup_env.sh "${setup[@]}"
+venv="$(bash scripts/setup_env.sh "${setup[@]}" --print-venv)"
 echo "run_tests.sh: $("$venv/bin/python" -c 'import sys, importlib.metadata as m; print(f"Python {sys.version.split()[0]}, torch {m.version("torch")}, megatron-core {m.version("megatron-core")}")')"
 exec "$venv/bin/python" -m pytest -q tests "$@"

@@ -1,13 +1,14 @@
 #!/usr/bin/env bash
 # Create the repository's virtual environment (once) and install the package with its test extra.
 #
-#   bash scripts/setup_env.sh [--megatron-core VERSION]     (prints the venv's path last)
+#   bash scripts/setup_env.sh [--megatron-core VERSION] [--print-venv]
 #
 # Two supported set-ups, the two ends of the tested range megatron-core 0.16.1 .. 0.19.x:
 #   0.19.2 (default)  Python 3.12, venv .venv: torch 2.13.0 from the registry (PyPI's CUDA build, ~5 GB;
 #                     it runs on CPU), triton (megatron-core >= 0.18 imports it), megatron-core 0.19.2
 #   0.16.1            Python 3.11, venv .venv-mcore0.16: torch 2.13.0 (the CPU build on this project's
 #                     machines), megatron-core 0.16.1 (the newest release for Python 3.11)
+# --print-venv prints the set-up's venv folder and does nothing else.
 # Python is $PYTHON when set, else python3.X on PATH, else pyenv's; none found is a one-line error.
 # Idempotent: a second call only re-checks the stamp. MEGATRON_ORCH_SKIP_SETUP=1 skips the check where
 # the venv exists (e.g. on a machine without network). Exact versions live here only; setup.py has ranges.
@@ -15,13 +16,15 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 
 die() { echo "setup_env.sh: error: $*" >&2; exit 1; }
-usage() { sed -n '2,13s/^# \{0,1\}//p' "$0"; }
+usage() { sed -n '2,14s/^# \{0,1\}//p' "$0"; }
 
 mcore=0.19.2
+print_venv=0
 while [ $# -gt 0 ]; do
   case "$1" in
     --megatron-core) [ $# -ge 2 ] || die "--megatron-core needs a version (0.19.2 or 0.16.1)"; mcore=$2; shift 2 ;;
     --megatron-core=*) mcore=${1#*=}; shift ;;
+    --print-venv) print_venv=1; shift ;;
     -h|--help) usage; exit 0 ;;
     *) die "unknown option '$1' (see --help)" ;;
   esac
@@ -33,8 +36,11 @@ case "$mcore" in
   *) die "--megatron-core $mcore is not a tested set-up: choose 0.19.2 (Python 3.12, the default) or 0.16.1 (Python 3.11)" ;;
 esac
 
-if [ "${MEGATRON_ORCH_SKIP_SETUP:-0}" = 1 ] && [ -x "$venv/bin/python" ]; then
+if [ $print_venv = 1 ]; then
   echo "$venv"
+  exit 0
+fi
+if [ "${MEGATRON_ORCH_SKIP_SETUP:-0}" = 1 ] && [ -x "$venv/bin/python" ]; then
   exit 0
 fi
 
@@ -71,4 +77,3 @@ if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$wanted" ] || [ setup.py -nt "$s
   "$venv/bin/python" -m pip install -q -e '.[test]'
   echo "$wanted" > "$stamp"
 fi
-echo "$venv"

@@ -34,16 +34,13 @@ RELEASES = sorted(path.name for path in (REPO / "patches").glob("core_v*"))
 SEED = 11
 ITERS = 3
 TOLERANCE = 1e-5
-# Megatron-LM flags: the tiny model's backbone shape (Megatron requires it), Megatron's own defaults that
-# would not suit the check (dropout, evaluation), the tokenizer Megatron builds anyway. The rerun state
-# machine keeps Megatron's default mode (validate_results).
-ARGV = ["--model-config", "tiny", "--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4",
-        "--seq-length", "128", "--max-position-embeddings", "128", "--micro-batch-size", "1",
-        "--global-batch-size", "4", "--train-iters", str(ITERS), "--lr", "2e-3", "--log-interval", "1",
-        "--seed", str(SEED), "--distributed-backend", "gloo", "--transformer-impl", "local",
-        "--hidden-dropout", "0", "--attention-dropout", "0", "--calculate-per-token-loss",
-        "--eval-iters", "0", "--eval-interval", "1000",
-        "--tokenizer-type", "NullTokenizer", "--vocab-size", "1024"]
+# Megatron-LM flags: the README's launch line ("Using it with Megatron-LM"), read from it so that what it
+# prints is what the tests train with; only the batch, the length and the seed change, and gloo trains on
+# CPU. Dropout 0 and no evaluation, as there; the rerun state machine keeps Megatron's default mode.
+README_FLAGS = re.search(r'^FLAGS="(.*?)"$', (REPO / "README.md").read_text(), re.M | re.S).group(1).replace("\\\n", " ").split()
+CHANGED = {"--global-batch-size": "4", "--train-iters": str(ITERS)}
+ARGV = [CHANGED.get(previous, value) for previous, value in zip([None, *README_FLAGS], README_FLAGS)] + [
+    "--seed", str(SEED), "--distributed-backend", "gloo"]
 RUNS = {"upstream": [], "post-balancing": ["--orch-post-balancing"],
         "post-balancing, overlapped grad reduce": ["--orch-post-balancing", "--overlap-grad-reduce"]}
 # The project's compact trainer on the same flags (those it has): it must reproduce megatron.training.
