@@ -5,14 +5,14 @@ Launch with torchrun and Megatron-LM's flag names, e.g.::
     torchrun --nproc-per-node 2 pretrain_mllm.py --model-config tiny --seq-length 256 \\
         --micro-batch-size 2 --global-batch-size 8 --train-iters 20 --lr 1e-3 --log-interval 1
 
-Where a Megatron-LM checkout is importable (``megatron.training``) and a GPU is present, training
-goes through ``megatron.training.pretrain`` with the providers of
-:mod:`megatron_orch.mllm.providers` (:func:`main_megatron_lm`; post-balancing there needs the checkout
-patched with ``scripts/apply_patches.sh``, see the README's "Using it with Megatron-LM"); everywhere else
-(no Megatron-LM, or CPU) the compact trainer of :mod:`megatron_orch.trainer.loop` runs, on
-megatron-core alone. The compact trainer's command line, and a ``--data-path`` manifest line by line,
-are checked before the model is built (the flags before torch is even imported): an error is one line
-``pretrain_mllm.py: error: ...`` (from rank 0 under torchrun) and exit status 2.
+``--orch-trainer`` picks the training loop (never the machine): ``compact`` (the default) is the compact
+trainer of :mod:`megatron_orch.trainer.loop`, on megatron-core alone, CPU or GPUs (:func:`main_compact`);
+``megatron-lm`` is Megatron-LM's own ``megatron.training.pretrain`` with the providers of
+:mod:`megatron_orch.mllm.providers`, on GPUs (:func:`main_megatron_lm`; post-balancing there goes through
+:func:`megatron_orch.megatron.megatron_lm.pretrain`, with a patch of ``patches/`` or without one: see the
+README's "Using it with Megatron-LM"). The compact trainer's command line, and a ``--data-path`` manifest
+line by line, are checked before the model is built (the flags before torch is even imported): an error
+is one line ``pretrain_mllm.py: error: ...`` (from rank 0 under torchrun) and exit status 2.
 """
 from __future__ import annotations
 
@@ -53,10 +53,10 @@ def main_compact(argv=None) -> None:
 def main_megatron_lm() -> None:
     """Megatron-LM's own loop (``megatron.training.pretrain``) with this project's providers.
 
-    Megatron-LM parses ``sys.argv`` (its flags plus ``--model-config`` and ``--orch-*``). Post-balancing
-    goes through the hooks of :mod:`megatron_orch.megatron.megatron_lm` and needs ``patches/`` applied
-    to the checkout (``scripts/apply_patches.sh``); without ``--orch-post-balancing`` this is the upstream
-    run, patched or not.
+    Megatron-LM parses ``sys.argv`` (its flags plus ``--orch-trainer``, ``--model-config`` and ``--orch-*``).
+    With ``--orch-post-balancing`` the schedule goes through :func:`megatron_orch.megatron.megatron_lm.pretrain`
+    (the patch of ``patches/`` where the checkout has it, else the run-time hook); without it this is the
+    upstream run.
     """
     import copy
     import dataclasses

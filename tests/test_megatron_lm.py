@@ -403,3 +403,22 @@ def test_megatron_training_pp2_dp2_and_tp2_dp2(files, patched_tree, tmp_path):
     run_distributed(_pretrain_runs, 4, str(patched_tree), layouts, str(tmp_path), timeout_s=500)
     for layout in layouts:
         _check_runs(tmp_path, 4, *layout, hook=f"schedule hook: the patch of patches/{files.release}")
+
+
+def test_trainer_is_chosen_by_flag_not_by_machine():
+    """--orch-trainer megatron-lm on a machine without CUDA stops with one line (which says why: no CUDA
+    where megatron.training imports, else that it does not import); a bad value is argparse's one line.
+    (Without the flag the compact trainer runs even where megatron.training imports: test_bad_input's
+    checks before torch loads pass on the 0.19.2 set-up, whose wheel ships megatron.training.)"""
+    import torch
+    if torch.cuda.is_available():
+        pytest.skip("this machine has CUDA: --orch-trainer megatron-lm would train here")
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE")}
+    expected = ("needs GPUs" if importlib.util.find_spec("megatron.training") is not None
+                else "megatron.training does not import here")
+    for value, message in (("megatron-lm", expected), ("tensorflow", "argument --orch-trainer: invalid choice")):
+        result = subprocess.run([sys.executable, "pretrain_mllm.py", "--orch-trainer", value], cwd=REPO, env=env,
+                                capture_output=True, text=True, timeout=scaled(120))
+        assert result.returncode == 2, result.stderr
+        assert result.stderr.count("\n") == 1 and result.stderr.startswith("pretrain_mllm.py: error: "), result.stderr
+        assert message in result.stderr
