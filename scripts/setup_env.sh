@@ -67,7 +67,8 @@ if [ -x "$venv/bin/python" ] && ! runs_version "$venv/bin/python"; then
   rm -rf "$venv"
 fi
 if [ ! -x "$venv/bin/python" ]; then
-  "$(find_python)" -m venv "$venv"
+  python="$(find_python)" || exit 1  # find_python's error is already printed
+  "$python" -m venv "$venv"
   "$venv/bin/python" -m pip install -q --upgrade pip
 fi
 if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$wanted" ] || [ setup.py -nt "$stamp" ]; then
