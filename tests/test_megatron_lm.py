@@ -212,6 +212,7 @@ def test_check_args_names_what_post_balancing_cannot_run_with():
     megatron_lm.check_args(_megatron_args(hybrid_context_parallel=False, sequence_packing_scheduler=None,
                                           cuda_graph_impl="local", cuda_graph_scope=["attn"],
                                           moe_expert_rank_capacity_factor=None, perform_rl_step=False,
+                                          use_torch_fsdp2=False, use_megatron_fsdp=False,
                                           step_batch_size_schedule=None))
     for changes, flag in ((dict(dataloader_type="single"), "--dataloader-type single"),
                           (dict(calculate_per_token_loss=False), "--calculate-per-token-loss is required"),
@@ -223,6 +224,8 @@ def test_check_args_names_what_post_balancing_cannot_run_with():
                           (dict(cuda_graph_impl="local", cuda_graph_scope=["full_iteration"]), "full-iteration CUDA graphs"),
                           (dict(moe_expert_rank_capacity_factor=1.5), "--moe-expert-rank-capacity-factor"),
                           (dict(perform_rl_step=True), "--perform-rl-step"),
+                          (dict(use_torch_fsdp2=True), "--use-torch-fsdp2"),
+                          (dict(use_megatron_fsdp=True), "--use-megatron-fsdp"),
                           (dict(orch_microbatching="packed", transformer_impl="transformer_engine"),
                            "--orch-microbatching packed with --transformer-impl transformer_engine"),
                           (dict(rampup_batch_size=["4", "4", "100"]), "--rampup-batch-size"),

@@ -174,6 +174,10 @@ def check_args(args: argparse.Namespace) -> None:
     if getattr(args, "moe_expert_rank_capacity_factor", None) is not None:
         problems.append("--moe-expert-rank-capacity-factor: its PagedStashRunner re-runs a step's "
                         "forward-backward on overflow, which would run the encoders and all-to-alls again")
+    for flag in ("use_torch_fsdp2", "use_megatron_fsdp"):
+        if getattr(args, flag, False):
+            problems.append(f"--{flag.replace('_', '-')}: FSDP reduces gradients from its own backward hooks, "
+                            "which the deferred encoder backward is not tested with (Megatron DDP is)")
     if getattr(args, "perform_rl_step", False):
         problems.append("--perform-rl-step: RL training builds its own batches")
     if args.orch_microbatching == "packed" and args.transformer_impl == "transformer_engine":
