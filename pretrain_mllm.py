@@ -149,8 +149,35 @@ def _on_gpus() -> bool:
     return torch.cuda.is_available()
 
 
+LAUNCH_HINT = ("launch it with torchrun, one process per rank: torchrun --nproc-per-node N pretrain_mllm.py FLAGS... "
+               "(on CPU: scripts/train_tiny_cpu.sh FLAGS..., which sets up and checks the flags first)")
+
+
+def main() -> None:
+    """The torchrun entry point: a failure ends this rank with one line (``pretrain_mllm.py: error on rank
+    R: ...``, status 1; ``ORCH_DEBUG=1``: the traceback), written to torchrun's error file so that
+    ``python -m megatron_orch.trainer.launch`` prints it last (:mod:`megatron_orch.trainer.launch`)."""
+    from megatron_orch.trainer import launch
+    if "RANK" not in os.environ and not {"-h", "--help"} & set(sys.argv[1:]):
+        launch.report_failure("pretrain_mllm.py", f"not started by torchrun ($RANK is not set): {LAUNCH_HINT}")
+        sys.exit(2)
+    try:
+        if megatron_lm_available() and _on_gpus():
+            main_megatron_lm()
+        else:
+            main_compact()
+    except SystemExit as stop:  # a message (main_megatron_lm's refusals): reported like any error
+        if not isinstance(stop.code, str) or launch.debug():
+            raise
+        message = stop.code.removeprefix("pretrain_mllm.py: error: ")
+        launch.report_failure("pretrain_mllm.py", message, show=os.environ.get("RANK", "0") == "0")
+        sys.exit(1)
+    except Exception as err:  # noqa: BLE001 -- every failure becomes one line, unless ORCH_DEBUG=1
+        if launch.debug():
+            raise
+        launch.report_exception("pretrain_mllm.py", err)
+        sys.exit(1)
+
+
 if __name__ == "__main__":
-    if megatron_lm_available() and _on_gpus():
-        main_megatron_lm()
-    else:
-        main_compact()
+    main()
