@@ -89,7 +89,8 @@ def failure_lines(failures: Dict[int, object]) -> List[str]:
     lines = []
     for code in sorted(set(silent.values())):
         ranks = [r for r, c in silent.items() if c == code]
-        how = f"was killed by {_signal_name(-code)}" if code < 0 else f"exited with status {code}"
+        was = "were" if len(ranks) > 1 else "was"
+        how = f"{was} killed by {_signal_name(-code)}" if code < 0 else f"exited with status {code}"
         lines.append(f"torchrun: rank{'s' if len(ranks) > 1 else ''} {rank_ranges(ranks)} {how} without an error "
                      f"message{' (out of memory?)' if code == -signal.SIGKILL else ''} ({DEBUG_ENV}=1: tracebacks "
                      "and torchrun's report)")
