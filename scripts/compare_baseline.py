@@ -66,22 +66,23 @@ def _pair(t) -> str:
 
 
 # The table's column groups: (title, [(column, width, cell(baseline record, balanced record))]).
+# off = upstream (post-balancing off), on = post-balancing on.
 _COLUMNS = [
-    ("lm loss (must agree)", [
+    ("lm loss off / on (must agree)", [
         ("off", 12, lambda off, on: f"{off['lm_loss']:.6f}"),
         ("on", 12, lambda off, on: f"{on['lm_loss']:.6f}"),
         ("rel diff", 8, lambda off, on: f"{abs(on['lm_loss'] - off['lm_loss']) / abs(off['lm_loss']):.1e}")]),
-    ("modeled cost max/mean over DP: before->after", [
+    ("modeled cost max/mean over DP, before->after", [
         (phase, 12, lambda off, on, p=phase: f"{on['post_balancing'][p + ' before']:.2f}->"
                                              f"{on['post_balancing'][p + ' after']:.2f}")
         for phase in ("vision", "audio", "llm")]),
     ("measured ms/iter", [
         ("off", 7, lambda off, on: f"{off['elapsed_ms']:.1f}"),
         ("on", 7, lambda off, on: f"{on['elapsed_ms']:.1f}")]),
-    *[(f"measured {phase} encoder forward ms, max/mean over ranks", [
-        ("off", 11, lambda off, on, t=f"{phase}-encoder-forward": _pair(off["time_ms"].get(t))),
-        ("on", 11, lambda off, on, t=f"{phase}-encoder-forward": _pair(on["time_ms"].get(t)))])
-      for phase in ("vision", "audio")],
+    ("measured encoder forward ms, max/mean over ranks", [
+        (f"{phase} {run}", 11, lambda off, on, t=f"{phase}-encoder-forward", r=run:
+         _pair((off if r == "off" else on)["time_ms"].get(t)))
+        for phase in ("vision", "audio") for run in ("off", "on")]),
 ]
 
 
