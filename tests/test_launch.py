@@ -232,3 +232,61 @@ def test_saving_to_a_relative_folder_and_resuming_with_nothing_left(tmp_path):
         "pretrain_mllm.py: error on ranks 0-1: nothing left to train: the checkpoint under --load ck is at "
         "iteration 1 and --train-iters is 1; raise --train-iters to train further"), resumed.stderr[-3000:]
     _assert_no_report(resumed)
+
+
+# ------------------------------------------------------------------------------ the main job's output
+
+def _compare_module():
+    import importlib.util
+    spec = importlib.util.spec_from_file_location("compare_baseline_under_test", REPO / "scripts" / "compare_baseline.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _record(iteration, loss):
+    pb = {f"{p} {w}": v for p in ("vision", "audio", "llm") for w, v in (("before", 1.5), ("after", 1.0))}
+    return {"iteration": iteration, "lm_loss": loss, "elapsed_ms": 10.0,
+            "time_ms": {"vision-encoder-forward": (2.0, 1.5)},
+            "post_balancing": {**pb, "plan exposed ms": 0.0}}
+
+
+@pytest.mark.parametrize("balanced_loss, last", [(6.9, "[compare] PASSED: the losses of all 2 iterations agree "
+                                                       "within 1e-05"),
+                                                 (6.8, "[compare] FAILED: post-balancing changed the losses")])
+def test_the_main_job_says_what_its_columns_are_and_ends_with_passed_or_failed(monkeypatch, capsys, tmp_path,
+                                                                               balanced_loss, last):
+    compare = _compare_module()
+    monkeypatch.setattr(compare, "check_flags", lambda nproc, flags: None)
+    monkeypatch.setattr(compare, "run", lambda name, nproc, flags, out: [
+        _record(1, 7.0), _record(2, 6.9 if name == "baseline" else balanced_loss)])
+    if "PASSED" in last:
+        compare.main(["--out", str(tmp_path)])
+        lines = capsys.readouterr().out.splitlines()
+    else:
+        with pytest.raises(SystemExit) as stopped:
+            compare.main(["--out", str(tmp_path)])
+        lines = capsys.readouterr().out.splitlines() + [str(stopped.value.code)]
+    assert lines[-1].startswith(last), lines
+    header = lines[0]
+    for group in ("lm loss off / on", "modeled cost max/mean over DP, before->after", "measured ms/iter",
+                  "measured encoder forward ms, max/mean over ranks"):
+        assert group in header, header
+    assert "vision off" in lines[1] and "   1 |" in lines[2] and "2.0/1.5" in lines[2], lines[:3]
+
+
+def test_a_failed_run_of_the_main_job_ends_with_the_failing_ranks_line(monkeypatch, capsys, tmp_path):
+    compare = _compare_module()
+
+    def launched(command, env, stdout, stderr):
+        stdout.write(" iteration        1/      20 | ...\n[rank1]: noise\npretrain_mllm.py: error on rank 1: "
+                     "m.jsonl:4: cannot read image\n")
+        return subprocess.CompletedProcess(command, 1)
+
+    monkeypatch.setattr(compare.subprocess, "run", launched)
+    with pytest.raises(SystemExit) as stopped:
+        compare.run("baseline", 2, [], tmp_path)
+    assert stopped.value.code == 1
+    assert capsys.readouterr().err.splitlines() == [
+        f"[compare] FAILED: the baseline run failed (exit 1); its log: {tmp_path / 'baseline.log'}",
+        "pretrain_mllm.py: error on rank 1: m.jsonl:4: cannot read image"]
