@@ -18,16 +18,10 @@ from __future__ import annotations
 
 import os
 import sys
-import warnings
 
-# megatron-core warns that the GPU-only extras (Transformer Engine, Apex) are absent, whose local
-# fallbacks this script uses on CPU, about a CUDA-graph default it sets itself, and (distributed
-# optimizer) about torch.distributed functions it still calls and about reading .grad of the fp32
-# parameter shards, which are views (it reads, finds None, and uses main_grad).
-warnings.filterwarnings("ignore", message=r".*(Transformer Engine|Apex).*not installed")
-warnings.filterwarnings("ignore", message=r"full scope is deprecated")
-warnings.filterwarnings("ignore", message=r"`torch\.distributed\.\w+` is deprecated")
-warnings.filterwarnings("ignore", message=r"The \.grad attribute of a Tensor that is not a leaf Tensor")
+from megatron_orch import quiet_megatron_core_warnings
+
+quiet_megatron_core_warnings()  # before megatron-core is imported
 
 
 def megatron_lm_available() -> bool:

@@ -290,3 +290,10 @@ def test_a_failed_run_of_the_main_job_ends_with_the_failing_ranks_line(monkeypat
     assert capsys.readouterr().err.splitlines() == [
         f"[compare] FAILED: the baseline run failed (exit 1); its log: {tmp_path / 'baseline.log'}",
         "pretrain_mllm.py: error on rank 1: m.jsonl:4: cannot read image"]
+
+
+def test_benchmarks_show_no_warnings_about_the_optional_gpu_packages():
+    """Old code: 14 lines of Transformer Engine / Apex warnings before a benchmark's first line."""
+    proc = run([sys.executable, "-m", "megatron_orch.bench.mfu", "--help"], timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    assert "not installed" not in proc.stderr and "Warning" not in proc.stderr, proc.stderr
