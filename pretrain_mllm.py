@@ -18,16 +18,10 @@ from __future__ import annotations
 
 import os
 import sys
-import warnings
 
-# megatron-core warns that the GPU-only extras (Transformer Engine, Apex) are absent, whose local
-# fallbacks this script uses on CPU, about a CUDA-graph default it sets itself, and (distributed
-# optimizer) about torch.distributed functions it still calls and about reading .grad of the fp32
-# parameter shards, which are views (it reads, finds None, and uses main_grad).
-warnings.filterwarnings("ignore", message=r".*(Transformer Engine|Apex).*not installed")
-warnings.filterwarnings("ignore", message=r"full scope is deprecated")
-warnings.filterwarnings("ignore", message=r"`torch\.distributed\.\w+` is deprecated")
-warnings.filterwarnings("ignore", message=r"The \.grad attribute of a Tensor that is not a leaf Tensor")
+from megatron_orch import quiet_megatron_core_warnings
+
+quiet_megatron_core_warnings()  # before megatron-core is imported
 
 
 def megatron_lm_available() -> bool:
@@ -137,7 +131,7 @@ def main_megatron_lm() -> None:
                          forward_backward_func_wrapper=wrapper, announce=print_rank_0)
 
 
-def main() -> None:
+def run() -> None:
     """The trainer ``--orch-trainer`` names (default: the compact one), never a choice by environment."""
     from megatron_orch.trainer import arguments
     trainer = arguments.trainer_of(sys.argv[1:])
@@ -153,6 +147,33 @@ def main() -> None:
             "--orch-trainer megatron-lm needs GPUs (Megatron-LM's initialisation asserts CUDA); on CPU the "
             "compact trainer (--orch-trainer compact, the default) trains the same model from the same flags")
     main_megatron_lm()
+
+
+LAUNCH_HINT = ("launch it with torchrun, one process per rank: torchrun --nproc-per-node N pretrain_mllm.py FLAGS... "
+               "(on CPU: scripts/train_tiny_cpu.sh FLAGS..., which sets up and checks the flags first)")
+
+
+def main() -> None:
+    """The torchrun entry point: a failure ends this rank with one line (``pretrain_mllm.py: error on rank
+    R: ...``, status 1; ``ORCH_DEBUG=1``: the traceback), written to torchrun's error file so that
+    ``python -m megatron_orch.trainer.launch`` prints it last (:mod:`megatron_orch.trainer.launch`)."""
+    from megatron_orch.trainer import launch
+    if "RANK" not in os.environ and not {"-h", "--help"} & set(sys.argv[1:]):
+        launch.report_failure("pretrain_mllm.py", f"not started by torchrun ($RANK is not set): {LAUNCH_HINT}")
+        sys.exit(2)
+    try:
+        run()
+    except SystemExit as stop:  # a message (main_megatron_lm's refusals): reported like any error
+        if not isinstance(stop.code, str) or launch.debug():
+            raise
+        message = stop.code.removeprefix("pretrain_mllm.py: error: ")
+        launch.report_failure("pretrain_mllm.py", message, show=os.environ.get("RANK", "0") == "0")
+        sys.exit(1)
+    except Exception as err:  # noqa: BLE001 -- every failure becomes one line, unless ORCH_DEBUG=1
+        if launch.debug():
+            raise
+        launch.report_exception("pretrain_mllm.py", err)
+        sys.exit(1)
 
 
 if __name__ == "__main__":

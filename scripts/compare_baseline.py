@@ -1,10 +1,11 @@
 """Train the tiny MLLM twice on the same data, post-balancing off (upstream) and on, and compare.
 
 Prints, side by side per iteration: the losses (they must agree: post-balancing does not change what
-the model learns), each phase's cost max/mean over DP before and after balancing, the iteration time,
-and each phase's compute time per iteration as max/mean over ranks; writes everything as JSON.
-Exits non-zero if a loss differs by more than the tolerance (default: fp32 reduction order; bf16
-runs need a looser one, since encoders batch other items together and GEMMs round differently).
+the model learns), each phase's modeled cost (the planner's FLOPs) as max/mean over DP ranks before and
+after balancing, and the measured times: the iteration, and each encoder's forward as max/mean over
+ranks; writes everything as JSON. The last line is PASSED, or FAILED if a loss differs by more than the
+tolerance (default: fp32 reduction order; bf16 runs need a looser one, since encoders batch other items
+together and GEMMs round differently). Paths are relative to the current folder.
 
     python scripts/compare_baseline.py [--nproc 4] [--out runs/compare] [--rtol 1e-5] [-- extra pretrain_mllm.py flags]
 """
@@ -20,31 +21,34 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from megatron_orch.trainer.training_log import parse_iteration_line  # noqa: E402
-
 DEFAULT_FLAGS = ["--model-config", "tiny", "--seq-length", "256", "--micro-batch-size", "2",
                  "--global-batch-size", "32", "--train-iters", "20", "--lr", "1e-3", "--min-lr", "1e-4",
                  "--lr-warmup-iters", "2", "--lr-decay-style", "cosine", "--weight-decay", "0.01",
                  "--clip-grad", "1.0", "--log-interval", "1", "--seed", "1234"]
 BALANCING_FLAGS = ["--orch-post-balancing"]
+# What the launcher (megatron_orch.trainer.launch) prints last when ranks fail.
+_FAILURE_PREFIXES = ("pretrain_mllm.py: error", "torchrun: rank")
 
 
 def run(name: str, nproc: int, flags: list, out_dir: Path) -> list:
     """One torchrun launch; its log goes to out_dir/<name>.log; returns the parsed iteration lines."""
+    from megatron_orch.trainer.training_log import parse_iteration_line  # imports torch: not for --help
     log_path = out_dir / f"{name}.log"
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc),
+    command = [sys.executable, "-m", "megatron_orch.trainer.launch", "--standalone", "--nproc-per-node", str(nproc),
                str(REPO / "pretrain_mllm.py"), *flags]
     print(f"[compare] {name}: {' '.join(command[2:])}", flush=True)
     env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"), PYTHONWARNINGS="ignore")
     with open(log_path, "w") as log:
-        result = subprocess.run(command, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT)
+        result = subprocess.run(command, env=env, stdout=log, stderr=subprocess.STDOUT)
     lines = log_path.read_text().splitlines()
     if result.returncode != 0:
-        sys.stderr.write("\n".join(lines[-40:]) + "\n")
-        raise SystemExit(f"[compare] the {name} run failed (exit {result.returncode}); log: {log_path}")
+        errors = [line for line in lines if line.startswith(_FAILURE_PREFIXES)] or lines[-40:]
+        sys.stderr.write(f"[compare] FAILED: the {name} run failed (exit {result.returncode}); its log: {log_path}\n"
+                         + "\n".join(errors) + "\n")
+        raise SystemExit(1)
     records = [r for r in map(parse_iteration_line, lines) if r is not None]
     if not records:
-        raise SystemExit(f"[compare] the {name} run logged no iteration lines; log: {log_path}")
+        raise SystemExit(f"[compare] FAILED: the {name} run logged no iteration lines; its log: {log_path}")
     return records
 
 
@@ -52,32 +56,52 @@ def check_flags(nproc: int, flags: list) -> None:
     """Check a run's command line once, as its ranks would, before any torchrun starts: a mistake ends the
     script with pretrain_mllm.py's one-line error (exit status 2) instead of a failed run's log."""
     env = dict(os.environ, WORLD_SIZE=str(nproc), LOCAL_WORLD_SIZE=str(nproc))
-    result = subprocess.run([sys.executable, "-m", "megatron_orch.trainer.arguments", *flags], cwd=REPO, env=env)
+    result = subprocess.run([sys.executable, "-m", "megatron_orch.trainer.arguments", *flags], env=env)
     if result.returncode != 0:
         raise SystemExit(result.returncode)
 
 
-def _ratio(pair) -> float:
-    high, mean = pair
-    return high / mean if mean > 0 else float("nan")
+def _pair(t) -> str:
+    return "-" if t is None else f"{t[0]:.1f}/{t[1]:.1f}"
+
+
+# The table's column groups: (title, [(column, width, cell(baseline record, balanced record))]).
+# off = upstream (post-balancing off), on = post-balancing on.
+_COLUMNS = [
+    ("lm loss off / on (must agree)", [
+        ("off", 12, lambda off, on: f"{off['lm_loss']:.6f}"),
+        ("on", 12, lambda off, on: f"{on['lm_loss']:.6f}"),
+        ("rel diff", 8, lambda off, on: f"{abs(on['lm_loss'] - off['lm_loss']) / abs(off['lm_loss']):.1e}")]),
+    ("modeled cost max/mean over DP, before->after", [
+        (phase, 12, lambda off, on, p=phase: f"{on['post_balancing'][p + ' before']:.2f}->"
+                                             f"{on['post_balancing'][p + ' after']:.2f}")
+        for phase in ("vision", "audio", "llm")]),
+    ("measured ms/iter", [
+        ("off", 7, lambda off, on: f"{off['elapsed_ms']:.1f}"),
+        ("on", 7, lambda off, on: f"{on['elapsed_ms']:.1f}")]),
+    ("measured encoder forward ms, max/mean over ranks", [
+        (f"{phase} {run}", 11, lambda off, on, t=f"{phase}-encoder-forward", r=run:
+         _pair((off if r == "off" else on)["time_ms"].get(t)))
+        for phase in ("vision", "audio") for run in ("off", "on")]),
+]
 
 
 def table(baseline: list, balanced: list) -> str:
-    rows = [f"{'iter':>4} | {'lm loss off':>12} {'lm loss on':>12} {'rel diff':>8} | "
-            f"{'vision max/mean':>15} {'audio max/mean':>15} {'llm max/mean':>13} | "
-            f"{'ms/iter off':>11} {'on':>7} | {'vision enc ms off':>17} {'on':>11} | {'audio enc ms off':>16} {'on':>11}"]
+    """Two header lines (column groups, then columns), then one row per iteration."""
+    widths = [sum(width + 1 for _, width, _ in columns) - 1 for _, columns in _COLUMNS]
+    widths = [max(w, len(title)) for w, (title, _) in zip(widths, _COLUMNS)]
+
+    def row(first: str, cells: list) -> str:
+        return " | ".join([f"{first:>4}", *(f"{cell:>{w}}" for cell, w in zip(cells, widths))]).rstrip()
+
+    def group(columns, texts, width) -> str:
+        return " ".join(f"{t:>{w}}" for (_, w, _), t in zip(columns, texts)).rjust(width)
+
+    rows = [row("", [f"{title:<{w}}" for (title, _), w in zip(_COLUMNS, widths)]),
+            row("iter", [group(columns, [c for c, _, _ in columns], w) for (_, columns), w in zip(_COLUMNS, widths)])]
     for off, on in zip(baseline, balanced):
-        pb = on["post_balancing"]
-        rel = abs(on["lm_loss"] - off["lm_loss"]) / abs(off["lm_loss"])
-        cells = [f"{off['iteration']:>4} | {off['lm_loss']:12.6f} {on['lm_loss']:12.6f} {rel:8.1e} |"]
-        cells += [f"{pb[phase + ' before']:6.2f}->{pb[phase + ' after']:<6.2f}" + " " * (width - 14)
-                  for phase, width in (("vision", 15), ("audio", 15), ("llm", 13))]
-        cells.append(f"| {off['elapsed_ms']:11.1f} {on['elapsed_ms']:7.1f} |")
-        for timer in ("vision-encoder-forward", "audio-encoder-forward"):
-            t_off, t_on = off["time_ms"].get(timer), on["time_ms"].get(timer)
-            fmt = lambda t: "-" if t is None else f"{t[0]:.1f}/{t[1]:.1f}"  # noqa: E731
-            cells.append(f"{fmt(t_off):>{17 if timer[0] == 'v' else 16}} {fmt(t_on):>11} |")
-        rows.append(" ".join(cells).rstrip(" |"))
+        rows.append(row(str(off["iteration"]), [group(columns, [cell(off, on) for _, _, cell in columns], w)
+                                                for (_, columns), w in zip(_COLUMNS, widths)]))
     return "\n".join(rows)
 
 
@@ -89,7 +113,10 @@ def main(argv=None) -> None:
     parser.add_argument("--rtol", type=float, default=1e-5,
                         help="largest relative loss difference accepted (default 1e-5: fp32 on CPU)")
     parser.add_argument("flags", nargs=argparse.REMAINDER, help="extra pretrain_mllm.py flags after --")
+    parser.add_argument("--parse-only", action="store_true", help=argparse.SUPPRESS)  # compare_baseline.sh
     args = parser.parse_args(argv)
+    if args.parse_only:  # the options are fine (checked with the standard library only, before the set-up)
+        return
     extra = args.flags[1:] if args.flags[:1] == ["--"] else args.flags
     for flags in (DEFAULT_FLAGS + extra, DEFAULT_FLAGS + extra + BALANCING_FLAGS):
         check_flags(args.nproc, flags)
@@ -105,9 +132,9 @@ def main(argv=None) -> None:
     exposed = mean([r["post_balancing"]["plan exposed ms"] for r in balanced[1:] or balanced])
     step_ms = mean([r["elapsed_ms"] for r in balanced[1:] or balanced])
     worst = max(abs(on["lm_loss"] - off["lm_loss"]) / abs(off["lm_loss"]) for off, on in zip(baseline, balanced))
-    print(f"[compare] {steps} iterations: mean cost max/mean over DP before->after: "
-          + ", ".join(f"{p} {v['before']:.2f}->{v['after']:.2f}" for p, v in summary.items()))
-    print(f"[compare] exposed planning {exposed:.2f} ms of a {step_ms:.1f} ms step "
+    print(f"[compare] {steps} iterations, modeled cost max/mean over DP (mean of the iterations), before->after "
+          "balancing: " + ", ".join(f"{p} {v['before']:.2f}->{v['after']:.2f}" for p, v in summary.items()))
+    print(f"[compare] measured exposed planning {exposed:.2f} ms of a {step_ms:.1f} ms step "
           f"({100 * exposed / step_ms:.2f}%, first step excluded: nothing to overlap with)")
     print(f"[compare] largest relative loss difference {worst:.1e} (tolerance {args.rtol:.0e})")
     (args.out / "compare.json").write_text(json.dumps(
@@ -115,9 +142,12 @@ def main(argv=None) -> None:
          "imbalance": summary, "exposed_plan_ms": exposed, "step_ms": step_ms, "max_rel_loss_diff": worst,
          "rtol": args.rtol},
         indent=1))
-    print(f"[compare] logs and compare.json in {args.out}")
+    print(f"[compare] logs and compare.json in {args.out.resolve()}")
     if len(baseline) != len(balanced) or not worst <= args.rtol:
-        raise SystemExit("[compare] FAILED: post-balancing changed the losses")
+        raise SystemExit(f"[compare] FAILED: post-balancing changed the losses (largest relative difference "
+                         f"{worst:.1e} > tolerance {args.rtol:.0e})" if len(baseline) == len(balanced) else
+                         f"[compare] FAILED: {len(baseline)} baseline and {len(balanced)} balanced iterations")
+    print(f"[compare] PASSED: the losses of all {steps} iterations agree within {args.rtol:.0e}")
 
 
 if __name__ == "__main__":

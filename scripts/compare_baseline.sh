@@ -1,8 +1,16 @@
 #!/usr/bin/env bash
 # Set up (if needed), then train the tiny MLLM on CPU with post-balancing off and on, on the same data,
-# and print losses, per-phase imbalance and per-phase times side by side (scripts/compare_baseline.py).
-#   NPROC=4 scripts/compare_baseline.sh [-- extra pretrain_mllm.py flags]
+# and print losses, per-phase imbalance and per-phase times side by side (scripts/compare_baseline.py;
+# --help lists its options). Paths are relative to the current folder.
+#   bash scripts/compare_baseline.sh [--nproc N] [--out DIR] [--rtol X] [-- extra pretrain_mllm.py flags]
 set -euo pipefail
-cd "$(dirname "$0")/.."
-bash scripts/setup_env.sh
-exec .venv/bin/python scripts/compare_baseline.py "$@"
+repo=$(cd "$(dirname "$0")/.." && pwd)
+for arg in "$@"; do
+  case $arg in
+    --) break ;;
+    -h|--help) exec python3 "$repo/scripts/compare_baseline.py" --help ;;  # before the set-up: stdlib only
+  esac
+done
+python3 "$repo/scripts/compare_baseline.py" --parse-only "$@"  # a wrong option: refused before the set-up
+bash "$repo/scripts/setup_env.sh"
+exec "$repo/.venv/bin/python" "$repo/scripts/compare_baseline.py" "$@"

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The prepared GPU check (issue 8): one script, no network, under 6 minutes on one H200.
 #   bash scripts/gpu_check.sh OUT_DIR          # on a GPU machine (NCCL, one GPU)
-#   bash scripts/gpu_check.sh OUT_DIR --cpu    # the same steps on CPU (gloo, DP 2, tiny shapes)
+#   bash scripts/gpu_check.sh --cpu OUT_DIR    # the same steps on CPU (gloo, DP 2, tiny shapes)
+# Options in any order; OUT_DIR is relative to the current folder; --help prints this.
 # (a) the tiny MLLM trained 8 steps with post-balancing off and on, bf16 and fp32, losses compared
 #     (bf16 within 2e-2: the balanced run encodes a step's items in other batches, so GEMMs round
 #     differently; fp32 within 1e-3 on GPU, where cuDNN convolutions may use TF32; 1e-5 on CPU);
@@ -13,10 +14,10 @@
 # .venv/bin/python, else python3. Where megatron.core does not import and .whl/ exists (the device
 # machine: see scripts/fetch_device_wheels.sh), the wheels are installed into /tmp/site first.
 set -uo pipefail
+source "$(dirname "$0")/cli.sh"
+device_options "$@"
 cd "$(dirname "$0")/.."
-out=${1:?usage: scripts/gpu_check.sh OUT_DIR [--cpu]}
-mode=${2:-gpu}
-mkdir -p "$out"
+mkdir -p "$out" || exit 1
 source scripts/device_steps.sh
 
 { date -u; "$PY" -c "import sys, torch; print('python', sys.version.split()[0], '| torch', torch.__version__,
@@ -26,7 +27,7 @@ source scripts/device_steps.sh
 } > "$out/env.txt" 2>&1
 cat "$out/env.txt"
 
-if [ "$mode" = "--cpu" ]; then
+if [ "$mode" = cpu ]; then
   step train_fp32 300 "$PY" scripts/compare_baseline.py --nproc 2 --out "$out/train_fp32" --rtol 1e-5 -- \
     --global-batch-size 8 --train-iters 8 --distributed-backend gloo
   step train_bf16 300 "$PY" scripts/compare_baseline.py --nproc 2 --out "$out/train_bf16" --rtol 2e-2 -- \

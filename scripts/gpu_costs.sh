@@ -2,7 +2,8 @@
 # Measured costs (issue 9) on one GPU: calibrate a cost profile, emulate DP ranks with it and with FLOPs,
 # simulate the cluster with it. NOT YET RUN ON A GPU (no GPU was lent to the session that wrote it).
 #   bash scripts/gpu_costs.sh OUT_DIR          # one GPU: mllm_10b widths, 12 ViT / 8 audio / 4 backbone layers
-#   bash scripts/gpu_costs.sh OUT_DIR --cpu    # the same steps on CPU with the tiny model (a few minutes)
+#   bash scripts/gpu_costs.sh --cpu OUT_DIR    # the same steps on CPU with the tiny model (a few minutes)
+# Options in any order; OUT_DIR is relative to the current folder; --help prints this.
 # Steps, most valuable first, each under its own timeout so that a slow one cannot starve the rest
 # (GPU total <= 560 s). The emulations time each distinct call once (--timing shape; backbone lengths in
 # 32-token buckets), plan upstream and the trainer's default equal_count plan with the profile and with
@@ -11,13 +12,13 @@
 #   emulate DP 512 (one timed call per shape, no warm-up call: cold shapes included).
 # Every step logs to OUT/NAME.log and writes its JSON (and plots) there; summary.txt lists failures.
 set -uo pipefail
+source "$(dirname "$0")/cli.sh"
+device_options "$@"
 cd "$(dirname "$0")/.."
-out=${1:?usage: scripts/gpu_costs.sh OUT_DIR [--cpu]}
-mode=${2:-gpu}
-mkdir -p "$out"
+mkdir -p "$out" || exit 1
 source scripts/device_steps.sh
 
-if [ "$mode" = "--cpu" ]; then
+if [ "$mode" = cpu ]; then
   model=(--model tiny); device=(--device cpu); dps=(8 64); limits=(120 150 60 150)
   emulate_opts=(--per-rank 8 --timing shape --compare-flops); first_opts=(--warmup 1 --repeats 3)
   last_opts=(--warmup 1 --repeats 1)

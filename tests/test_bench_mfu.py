@@ -48,7 +48,7 @@ def test_every_point_is_timed_with_the_cost_models_flops(tmp_path, monkeypatch, 
     assert (result["model"], result["layers"], result["dtype"], result["transformer_impl"], result["grid"]) == (
         "tiny", list(LAYERS), "fp32", "local", "quick")
     assert result["device"].startswith("cpu") and result["torch"] == torch.__version__
-    assert result["peak_tflops"] == mfu.DEFAULT_PEAK_TFLOPS
+    assert result["peak_tflops"] is None  # no peak is assumed for a CPU (old code: an H200's, so MFU 0.0%)
 
     config = mfu.with_layers(load_model_config("tiny"), LAYERS)
     assert config.backbone.transformer.num_layers == 3 and config.vision.transformer.num_layers == 1
@@ -69,11 +69,21 @@ def test_every_point_is_timed_with_the_cost_models_flops(tmp_path, monkeypatch, 
             continue
         assert point["ms"] > 0, point
         assert point["tflops"] == pytest.approx(flops / (point["ms"] / 1e3) / 1e12, rel=1e-9)
-        assert point["mfu"] == pytest.approx(point["tflops"] / mfu.DEFAULT_PEAK_TFLOPS, rel=1e-9)
+        assert point["mfu"] is None
         assert point["peak_memory_gib"] is None  # CPU
-    assert "ASSUMED peak of 790 TFLOP/s" in stdout
+    assert "MFU: '-', no peak is assumed for a CPU" in stdout and "%" not in stdout.split("\n", 3)[3]
     assert len(stdout.splitlines()) == 3 + len(expected)  # header lines, then one row per point
     assert not torch.distributed.is_initialized()  # the world of one is torn down
+
+
+def test_a_given_peak_gives_mfu_on_a_cpu(monkeypatch, capsys):
+    monkeypatch.setitem(mfu.QUICK_GRID, "llm", mfu.QUICK_GRID["llm"][:1])
+    monkeypatch.setitem(mfu.QUICK_GRID, "vision", [])
+    monkeypatch.setitem(mfu.QUICK_GRID, "audio", [])
+    result = mfu.main(["--model", "tiny", "--quick", "--device", "cpu", "--peak-tflops", "0.5"])
+    (point,) = result["points"]
+    assert point["mfu"] == pytest.approx(point["tflops"] / 0.5, rel=1e-9)
+    assert "ASSUMED peak of 0.5 TFLOP/s" in capsys.readouterr().out
 
 
 @pytest.mark.parametrize("flags, message", [
@@ -81,6 +91,7 @@ def test_every_point_is_timed_with_the_cost_models_flops(tmp_path, monkeypatch, 
     (["--layers", "2,x,2"], "--layers takes three positive integers"),
     (["--transformer-impl", "transformer_engine"], "needs --device cuda"),
     (["--repeats", "0"], "--repeats >= 1"),
+    (["--peak-tflops", "0"], "--peak-tflops must be > 0"),
 ])
 def test_bad_flags_are_refused_before_any_work(flags, message, capsys):
     with pytest.raises(SystemExit) as exit_info:

@@ -32,3 +32,15 @@ def test_mixtures_reweight_the_shipped_traces():
     assert audio["asr_librispeech_commonvoice.csv"] == 4 * dict(DEFAULT_MIXTURE)["asr_librispeech_commonvoice.csv"]
     _, sizes = draw_step(list(MIXTURES["audio-heavy"]), dp=8, per_rank=4, model="mllm_84b", seed=0)
     assert np.asarray(sizes.counts).tolist() == [4] * 8
+
+
+def test_the_table_is_printed_once(capsys):
+    """A row per configuration as it is done, then the targets (old code: the rows again, as a table)."""
+    from megatron_orch.bench.planning import main
+    main(["--dp", "16", "--per-rank", "2", "--gpus-per-node", "4", "--seeds", "0", "--mixtures", "default",
+          "--repeats", "1", "--probes", "sleep"])
+    captured = capsys.readouterr()
+    text = captured.out + captured.err
+    assert text.count("plan_step CPU (median, max of repeats)") == 1, text
+    assert sum(line.startswith("   16 default ") for line in text.splitlines()) == 1, text
+    assert captured.out.rstrip().splitlines()[-1].startswith("dp 16: worst plan CPU"), text

@@ -4,7 +4,7 @@ rules and scheduler flags), interrupted saves skipped, damaged files named on ev
 One spawned DP 2 run does every resume in turn (process start-up dominates the cost): save at
 iteration 2, then resume with changed flags (refused, both values named), with
 ``--override-opt_param-scheduler`` and ``--use-checkpoint-opt_param-scheduler`` (learning rates of
-the schedule each one picks), past an interrupted save, with a save that fails on one rank, and from
+the schedule each one picks), with nothing left to train, past an interrupted save, with a save that fails on one rank, and from
 a truncated rank file.
 """
 import re
@@ -27,6 +27,7 @@ RESUMES = {
     "changed": ["--train-iters", "6", "--global-batch-size", "4", "--seq-length", "96", "--num-layers", "4"],
     "override": ["--train-iters", "6", "--exit-interval", "3", "--override-opt_param-scheduler"],
     "use_checkpoint": ["--train-iters", "6", "--exit-interval", "3", "--use-checkpoint-opt_param-scheduler"],
+    "finished": ["--train-iters", "2", "--override-opt_param-scheduler"],  # the checkpoint is at iteration 2
     "interrupted_save": ["--exit-interval", "3"],
     "failed_save": ["--exit-interval", "3"],  # + --save; rank 1 cannot write its file
     "truncated": ["--exit-interval", "3"],
@@ -110,6 +111,11 @@ def test_save_is_atomic_and_writes_the_marker_last(resumes):
     assert sorted(name for _, name in saves[:2]) == ["iter_0000002/mp_rank_00_000_dp_000.pt",
                                                     "iter_0000002/mp_rank_00_000_dp_001.pt"], saves
     assert not list(folder.rglob(".*tmp*")), "temporary files left behind"
+    lines = runs["first"][1]["lines"]  # Megatron-LM's lines, from the rank that logs the iterations
+    assert any(re.fullmatch(rf"\[[\d\-: .]+\] saving checkpoint at iteration       2 to {folder}", line)
+               for line in lines), lines
+    assert any(f"successfully saved checkpoint from iteration       2 to {folder}" in line for line in lines), lines
+    assert lines[-1].startswith("[exiting program at iteration 2 (--exit-interval 2)] datetime: "), lines
 
 
 def test_changed_flags_are_refused_naming_both_values_on_every_rank(resumes):
@@ -123,6 +129,16 @@ def test_changed_flags_are_refused_naming_both_values_on_every_rank(resumes):
                          "--override-opt_param-scheduler", "--use-checkpoint-opt_param-scheduler"):
             assert mismatch in error, (rank, error)
         assert not any("resumed from" in line for line in result["lines"]), result["lines"]
+    # the same message on every rank (the iteration's folder, not a rank's file): the launcher prints it once
+    assert runs["changed"][0]["error"] == runs["changed"][1]["error"]
+
+
+def test_a_finished_run_says_there_is_nothing_left_to_train(resumes):
+    out, runs = resumes
+    for result in runs["finished"]:
+        assert result.get("error") == (f"ValueError: nothing left to train: the checkpoint under --load "
+                                       f"{out / 'checkpoint'} is at iteration 2 and --train-iters is 2; raise "
+                                       "--train-iters to train further"), result
 
 
 def test_scheduler_flags_pick_this_runs_or_the_checkpoints_schedule(resumes):

@@ -493,3 +493,38 @@ def test_manifest_sizes_negative_or_non_finite_are_refused_naming_the_line(manif
     path = write_manifest(manifest_dir / "m.jsonl", [{"text": "fine"}, '{"text": "a", "sizes": ' + sizes + '}'])
     with pytest.raises(ManifestError, match=r"m.jsonl:2: 'sizes' values must be non-negative integers"):
         ManifestDataset(path, example_shape(TINY, SEQ), image_tiling(TINY))
+
+
+@pytest.mark.parametrize("raw, message", [
+    # cut short: json reports "line 2 column 1" (past the newline); the fault is after character 27
+    (b'{"text": "abc", "images": [\n', r"m.jsonl:2: not valid JSON \(Expecting value at column 28\)"),
+    (b'{"text": "abc", "images": ["a.png",]}\n', r"m.jsonl:2: not valid JSON \(Expecting value at column 36\)"),
+    # Latin-1, not UTF-8: the e-acute of "caf\xe9" is character 14 (in the second line, character 18 and
+    # byte 20: columns count characters)
+    (b'{"text": "caf\xe9"}\n', r"m.jsonl:2: not UTF-8 text \(byte 0xe9 at column 14\)"),
+    (b'{"text": "\xc3\xa9t\xc3\xa9 caf\xe9"}\n', r"m.jsonl:2: not UTF-8 text \(byte 0xe9 at column 18\)"),
+])
+def test_manifest_line_errors_name_the_line_and_column(manifest_dir, raw, message):
+    path = manifest_dir / "m.jsonl"
+    path.write_bytes(b'{"text": "fine"}\n' + raw + b'{"text": "also fine"}\n')
+    with pytest.raises(ManifestError, match=message):
+        ManifestDataset(path, example_shape(TINY, SEQ), image_tiling(TINY))
+
+
+def test_16_bit_images_are_scaled_not_saturated(manifest_dir):
+    """A 16-bit grey PNG (Pillow mode I;16, which convert("RGB") clips at 255) and a uint16 .npy array
+    become pixels in [0, 1] by 1/65535, like their 8-bit versions by 1/255."""
+    from PIL import Image
+    grey16 = (np.arange(16 * 16, dtype=np.uint16).reshape(16, 16) * 257)  # 0 .. 65535
+    Image.fromarray(grey16).save(manifest_dir / "grey16.png")
+    assert Image.open(manifest_dir / "grey16.png").mode.startswith("I;16")
+    np.save(manifest_dir / "grey16.npy", grey16)
+    np.save(manifest_dir / "grey8.npy", (grey16 // 257).astype(np.uint8))
+    entries = [{"text": "a", "images": [name]} for name in ("grey16.png", "grey16.npy", "grey8.npy")]
+    dataset = ManifestDataset(write_manifest(manifest_dir / "m.jsonl", entries), example_shape(TINY, SEQ),
+                              image_tiling(TINY))
+    expected = dataset.tiling.tiles(grey16.astype(np.float32) / 65535.0)
+    for index in range(3):
+        vision = dataset[index].vision.numpy()
+        np.testing.assert_allclose(vision, expected, atol=1e-6)
+        assert (vision == 1.0).mean() < 0.01, index  # old code: the PNG saturated at 255 / 255 = 1

@@ -137,11 +137,10 @@ def test_one_ranks_loader_or_build_error_raises_on_every_rank_with_its_message(t
 
 def test_lost_collectives_are_told_from_reports_of_them():
     from megatron_orch.comm.status import PeerFailedError
-    from megatron_orch.trainer.faults import CollectiveFailureError, _ranges, lost_collective
+    from megatron_orch.trainer.faults import CollectiveFailureError, lost_collective
 
     assert lost_collective(RuntimeError("[gloo/unbound_buffer.cc:81] Timed out waiting 3000ms for recv operation"))
     assert lost_collective(RuntimeError("[gloo/pair.cc:534] Connection closed by peer [127.0.0.1]:4711"))
     assert not lost_collective(RuntimeError("mat1 and mat2 shapes cannot be multiplied"))
     assert not lost_collective(PeerFailedError("reading the step's input", {1: "RuntimeError: Timed out"}))
     assert not lost_collective(CollectiveFailureError("iteration 2: ... Timed out ..."))
-    assert _ranges([0, 1, 2, 5, 7, 8]) == "0-2,5,7-8"

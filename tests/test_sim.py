@@ -3,6 +3,7 @@ accounting, and a small run whose JSON is consistent with itself."""
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -103,3 +104,30 @@ def test_simulator_imports_no_torch():
     code = "import sys, megatron_orch.sim.__main__; print(any(m == 'torch' for m in sys.modules))"
     assert subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                           check=True).stdout.strip() == "False"
+
+
+def test_checks_are_printed_as_findings_with_their_figures():
+    """Old code printed "per_phase_at_least_backbone_only: DID NOT HOLD" and nothing to judge it by."""
+    checks = json.loads((Path(__file__).resolve().parents[1] / "docs" / "costs" / "sim_mllm_10b.json")
+                        .read_text())["checks"]
+    lines = sim_main.findings(checks)
+    assert lines[0].endswith("per-phase >= backbone-only: DP 64 1.469 vs 1.464 (+0.3%), DP 512 1.586 vs 1.585 "
+                             "(+0.1%), DP 2560 1.589 vs 1.498 (+6.1%)"), lines[0]
+    assert lines[1].endswith("grows with DP: DP 64 1.469, DP 512 1.586 (+8.0%), DP 2560 1.589 (+0.2%)"), lines[1]
+    assert lines[2].startswith("[sim] step s of locality vs orch at the lowest NIC bandwidth swept (1 Gb/s per GPU)")
+    assert "DP 64 6.46 vs 7.932 (-18.6%)" in lines[2], lines[2]
+    assert not any("held" in line.lower() for line in lines)
+
+
+def test_log_axes_are_labelled_with_plain_numbers():
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig, ax = plt.subplots()
+    ax.plot([8, 64], [1, 2])
+    ax.set_xscale("log")
+    sim_main._plain_log_axis(ax.xaxis, [8, 64])
+    fig.canvas.draw()
+    assert [t.get_text() for t in ax.get_xticklabels()] == ["8", "64"]  # not 10^1 (and 2x10^1 ... minor labels)
+    assert not ax.xaxis.get_minorticklocs().size
+    plt.close(fig)

@@ -61,7 +61,8 @@ def measure(config: MLLMConfig, device: torch.device, settings: ModelParallelSet
     sizes = {phase: [size for _, size in mfu.grid_points(phase, config, grid)] for phase in mfu.PHASES}
     points: Dict[str, List[dict]] = {phase: [] for phase in mfu.PHASES}
     item_tokens = {"vision": config.vision.tile_seq_len, "audio": config.audio.window_tokens}
-    measured = mfu.run(config, device, settings, grid, warmup, repeats, mfu.DEFAULT_PEAK_TFLOPS,
+    peak = mfu.DEFAULT_PEAK_TFLOPS if device.type == "cuda" else None  # a CPU has no assumed peak: no MFU
+    measured = mfu.run(config, device, settings, grid, warmup, repeats, peak,
                        lambda point: print(mfu.format_point(point), flush=True))
     for point in measured:
         size = sizes[point.phase].pop(0)

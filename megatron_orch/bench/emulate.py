@@ -225,21 +225,25 @@ def plot(result: dict, path: str) -> None:
     import matplotlib.pyplot as plt
 
     methods = list(result["methods"])
+    hatches = ("", "//", "..", "xx", "\\\\", "--")  # besides colour, for grey prints and colour blindness
     fig, axes = plt.subplots(1, len(PHASES), figsize=(5 * len(PHASES), 3.8))
     for ax, phase in zip(axes, PHASES):
         dp = len(result["methods"]["none"]["phases"][phase]["measured_seconds"])
         width = 0.8 / len(methods)
         for i, m in enumerate(methods):
             seconds = np.array(result["methods"][m]["phases"][phase]["measured_seconds"]) * 1e3
-            ax.bar(np.arange(dp) + (i - (len(methods) - 1) / 2) * width, seconds, width, label=m)
+            ax.bar(np.arange(dp) + (i - (len(methods) - 1) / 2) * width, seconds, width, label=m,
+                   hatch=hatches[i % len(hatches)], edgecolor="white", linewidth=0)
+        ax.set_xticks(np.arange(dp))
         ax.set_xlabel("DP rank")
         ax.set_ylabel("measured ms (forward+backward)")
         ax.set_title(f"{phase}")
-    axes[0].legend()
+    handles, labels = axes[0].get_legend_handles_labels()
+    fig.legend(handles, labels, loc="center left", bbox_to_anchor=(1.0, 0.5), title="method")  # beside the bars
     p = result["params"]
     fig.suptitle(f"emulated DP {p['dp']} on {p['device']}: per-rank time, upstream (none) vs balanced")
     fig.tight_layout()
-    fig.savefig(path, dpi=100)
+    fig.savefig(path, dpi=100, bbox_inches="tight")
     plt.close(fig)
 
 

@@ -10,8 +10,8 @@ tiles per call, the :class:`AudioEncoder` over n windows, the backbone
 of s text tokens. FLOPs are the planner's own (the cost model of :mod:`megatron_orch.balance.cost`
 through the model config's item costs), so TFLOP/s is how fast the device runs the cost the
 partitioners balance; that cost leaves out the patch embedding and the audio conv stem (a few % of
-an encoder's work). MFU is against ``--peak-tflops``, an assumption. ``--layers V,A,B`` cuts the
-stacks so that large widths fit one device. A point that runs out of memory is recorded as ``oom``
+an encoder's work). MFU is against ``--peak-tflops``, an assumption (on a CPU none unless given: no
+MFU). ``--layers V,A,B`` cuts the stacks so that large widths fit one device. A point that runs out of memory is recorded as ``oom``
 and the grid goes on; a backbone length over the config's position table is ``skipped``.
 bf16 on a GPU (NCCL world of one), fp32 on the CPU (gloo world of one through the CPU harness).
 """
@@ -157,8 +157,9 @@ def _release(device: torch.device) -> None:
 
 
 def measure(point: Point, phase: str, module: torch.nn.Module, config: MLLMConfig, size, device: torch.device,
-            warmup: int, repeats: int, peak_tflops: float) -> None:
-    """Time one point into ``point`` (median ms, TFLOP/s, MFU, peak memory), or mark it ``oom``."""
+            warmup: int, repeats: int, peak_tflops: Optional[float]) -> None:
+    """Time one point into ``point`` (median ms, TFLOP/s, MFU unless ``peak_tflops`` is None, peak memory), or
+    mark it ``oom``."""
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
     try:
@@ -170,13 +171,13 @@ def measure(point: Point, phase: str, module: torch.nn.Module, config: MLLMConfi
         return
     point.ms = 1e3 * seconds
     point.tflops = point.flops / seconds / 1e12
-    point.mfu = point.tflops / peak_tflops
+    point.mfu = None if peak_tflops is None else point.tflops / peak_tflops
     if device.type == "cuda":
         point.peak_memory_gib = torch.cuda.max_memory_allocated(device) / 2 ** 30
 
 
 def run(config: MLLMConfig, device: torch.device, settings: ModelParallelSettings, grid: Dict[str, list],
-        warmup: int, repeats: int, peak_tflops: float, on_point: Callable[[Point], None]) -> List[Point]:
+        warmup: int, repeats: int, peak_tflops: Optional[float], on_point: Callable[[Point], None]) -> List[Point]:
     """Every point of ``grid``, phase by phase (one module alive at a time); ``on_point`` after each."""
     points = []
     for phase in PHASES:
@@ -197,8 +198,10 @@ def format_header(result: dict) -> str:
         f"[mfu] {result['model']} layers (vision, audio, backbone) = {tuple(result['layers'])} | {result['device']} | "
         f"{result['dtype']} | --transformer-impl {result['transformer_impl']} | torch {result['torch']}, "
         f"megatron-core {result['megatron_core']} | median of {result['repeats']} after {result['warmup']} warm-up",
-        f"[mfu] MFU is against an ASSUMED peak of {result['peak_tflops']:g} TFLOP/s (--peak-tflops); "
-        "FLOPs are the planner's cost model",
+        (f"[mfu] MFU is against an ASSUMED peak of {result['peak_tflops']:g} TFLOP/s (--peak-tflops); "
+         if result["peak_tflops"] is not None else
+         "[mfu] MFU: '-', no peak is assumed for a CPU (give --peak-tflops to have one); ")
+        + "FLOPs are the planner's cost model",
         f"{'phase':>9} {'shape':>9} {'tokens':>9} {'ms':>10} {'TFLOP/s':>9} {'MFU':>7}"
         + (f" {'peak GiB':>9}" if gpu else "")])
 
@@ -207,7 +210,8 @@ def format_point(p: Point) -> str:
     if p.status != "ok":
         return f"{p.phase:>9} {p.shape:>9} {p.tokens:>9} {p.status:>10}"
     memory = "" if p.peak_memory_gib is None else f" {p.peak_memory_gib:9.2f}"
-    return f"{p.phase:>9} {p.shape:>9} {p.tokens:>9} {p.ms:10.2f} {p.tflops:9.3g} {100 * p.mfu:6.1f}%{memory}"
+    mfu = "-" if p.mfu is None else f"{100 * p.mfu:.1f}%"
+    return f"{p.phase:>9} {p.shape:>9} {p.tokens:>9} {p.ms:10.2f} {p.tflops:9.3g} {mfu:>7}{memory}"
 
 
 def main(argv: Optional[List[str]] = None) -> dict:
@@ -220,9 +224,9 @@ def main(argv: Optional[List[str]] = None) -> dict:
     parser.add_argument("--quick", action="store_true", help="a small grid (CPU, tests)")
     parser.add_argument("--warmup", type=int, default=None, help="untimed calls per point (default 2; quick 1)")
     parser.add_argument("--repeats", type=int, default=None, help="timed calls per point (default 5; quick 2)")
-    parser.add_argument("--peak-tflops", type=float, default=DEFAULT_PEAK_TFLOPS,
-                        help=f"the device's peak for MFU (default {DEFAULT_PEAK_TFLOPS:g}: an assumption for one "
-                             "H200 in bf16)")
+    parser.add_argument("--peak-tflops", type=float, default=None,
+                        help=f"the device's peak for MFU (default on a GPU {DEFAULT_PEAK_TFLOPS:g}: an assumption "
+                             "for one H200 in bf16; on a CPU none: no MFU)")
     parser.add_argument("--json", default=None, metavar="OUT", help="write the result here (after every point)")
     args = parser.parse_args(argv)
     layers = parse_layers(parser, args.layers)
@@ -234,6 +238,8 @@ def main(argv: Optional[List[str]] = None) -> dict:
     repeats = args.repeats if args.repeats is not None else (2 if args.quick else 5)
     if warmup < 0 or repeats < 1:
         parser.error("--warmup must be >= 0 and --repeats >= 1")
+    if args.peak_tflops is not None and not args.peak_tflops > 0:
+        parser.error(f"--peak-tflops must be > 0, got {args.peak_tflops}")
     config = with_layers(load_model_config(args.model), layers)
     cuda = args.device == "cuda"
     device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
@@ -245,7 +251,8 @@ def main(argv: Optional[List[str]] = None) -> dict:
               "device": torch.cuda.get_device_name(device) if cuda else f"cpu ({torch.get_num_threads()} threads)",
               "torch": torch.__version__, "megatron_core": package_info.__version__,
               "dtype": "bf16" if cuda else "fp32", "transformer_impl": args.transformer_impl,
-              "peak_tflops": args.peak_tflops, "warmup": warmup, "repeats": repeats,
+              "peak_tflops": DEFAULT_PEAK_TFLOPS if cuda and args.peak_tflops is None else args.peak_tflops,
+              "warmup": warmup, "repeats": repeats,
               "grid": "quick" if args.quick else "full", "points": []}
 
     def on_point(point: Point) -> None:
@@ -257,8 +264,8 @@ def main(argv: Optional[List[str]] = None) -> dict:
 
     with world_of_one(device):
         print(format_header(result), flush=True)  # after megatron-core's own start-up lines
-        run(config, device, settings, QUICK_GRID if args.quick else FULL_GRID, warmup, repeats, args.peak_tflops,
-            on_point)
+        run(config, device, settings, QUICK_GRID if args.quick else FULL_GRID, warmup, repeats,
+            result["peak_tflops"], on_point)
     if args.json:
         print(f"[mfu] wrote {args.json}", file=sys.stderr)
     return result

@@ -273,13 +273,16 @@ def _row(r: dict, probes: Sequence[str]) -> str:
     return cells + ("" if r["deterministic"] else "  NOT DETERMINISTIC")
 
 
-def format_tables(result: dict) -> str:
+def _title(probes: Sequence[str]) -> List[str]:
+    return ["plan_step CPU (median, max of repeats), its kernel (page fault) share and wall; main-thread longest "
+            "gap (ms) while planning in the background (worst and median over repeats) vs idle and vs planning "
+            "in a forked process (worst)", _header(probes)]
+
+
+def _summary(result: dict) -> List[str]:
+    """Each DP size's worst figures against the targets."""
     probes = list(result["runs"][0]["stall"]) if result["runs"] else []
-    header = _header(probes)
-    lines = ["plan_step CPU (median, max of repeats), its kernel (page fault) share and wall; main-thread longest "
-             "gap (ms) while planning in the background (worst and median over repeats) vs idle and vs planning "
-             "in a forked process (worst)", header]
-    lines += [_row(r, probes) for r in result["runs"]]
+    lines = []
     for dp in result["params"]["dp"]:
         mine = [r for r in result["runs"] if r["dp"] == dp]
         if not mine:
@@ -288,7 +291,12 @@ def format_tables(result: dict) -> str:
         worst_stall = max(r["stall"][k]["planning"]["max_gap_ms"] for r in mine for k in probes) if probes else 0.0
         lines.append(f"dp {dp}: worst plan CPU {worst_cpu:.1f} ms (target < {TARGET_CPU_MS:.0f}), worst main-thread "
                      f"gap while planning {worst_stall:.2f} ms (target < {TARGET_STALL_MS:.0f})")
-    return "\n".join(lines)
+    return lines
+
+
+def format_tables(result: dict) -> str:
+    probes = list(result["runs"][0]["stall"]) if result["runs"] else []
+    return "\n".join(_title(probes) + [_row(r, probes) for r in result["runs"]] + _summary(result))
 
 
 def main(argv: Optional[Sequence[str]] = None) -> dict:
@@ -315,12 +323,12 @@ def main(argv: Optional[Sequence[str]] = None) -> dict:
     retained = retain_freed_memory() if args.retain_freed_memory else False
     mixtures = ({"custom": tuple(parse_trace_spec(s) for s in args.trace)} if args.trace
                 else {name: MIXTURES[name] for name in args.mixtures})
-    print(_header(args.probes), file=sys.stderr)
+    print("\n".join(_title(args.probes)), flush=True)  # the table, a row as each configuration is done
     result = run(args.dp, args.per_rank, args.gpus_per_node, args.seeds, mixtures, args.model,
                  args.micro_batch_size, args.repeats, args.probes, args.traces_dir,
-                 log=lambda line: print(line, file=sys.stderr, flush=True))
+                 log=lambda line: print(line, flush=True))
     result["params"]["retain_freed_memory"] = retained
-    return report(result, format_tables, args.json)
+    return report(result, lambda r: "\n".join(_summary(r)), args.json)
 
 
 if __name__ == "__main__":

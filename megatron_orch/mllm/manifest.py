@@ -132,7 +132,8 @@ class ManifestDataset:
 
     ``text`` (required) is the answer the loss is computed on; ``prompt`` (optional) precedes the media
     and is not trained on. ``images`` are image files read with PIL (any format it knows) or ``.npy``
-    arrays [H, W, C] / [H, W] of pixel values; integer pixels are scaled by 1/255. Each image becomes
+    arrays [H, W, C] / [H, W] of pixel values; integer pixels are scaled to [0, 1] (16-bit ones, uint16
+    arrays and 16-bit PNGs, by 1/65535, other integers by 1/255). Each image becomes
     :class:`ImageTiling` tiles. ``audio`` are ``.npy`` log-mel arrays [frames, mel_bins] (the model's
     frame rate and mel bins): raw audio decoding and mel extraction are left to the user's
     preprocessing. Each array is cut into fixed windows of the model's length, the last one zero-padded.
@@ -164,18 +165,19 @@ class ManifestDataset:
         if not self.path.is_file():
             raise FileNotFoundError(f"manifest {self.path} does not exist")
         self.records: list[_ManifestRecord] = []
-        with open(self.path, encoding="utf-8") as f:
-            for line_number, line in enumerate(f, start=1):
+        with open(self.path, "rb") as f:
+            for line_number, raw in enumerate(f, start=1):
+                line = _decode_line(raw, f"{self.path}:{line_number}")
                 if line.strip():
                     self.records.append(self._parse(line, f"{self.path}:{line_number}"))
         if not self.records:
             raise ManifestError(f"{self.path}: the manifest holds no examples")
 
     def _parse(self, line: str, where: str) -> _ManifestRecord:
-        try:
-            entry = json.loads(line)
+        try:  # without its newline: JSON cut short would be reported at "line 2 column 1"
+            entry = json.loads(line.rstrip("\r\n"))
         except json.JSONDecodeError as err:
-            raise ManifestError(f"{where}: not valid JSON ({err.msg} at column {err.colno})") from None
+            raise ManifestError(f"{where}: not valid JSON ({err.msg} at column {err.pos + 1})") from None
         if not isinstance(entry, dict):
             raise ManifestError(f"{where}: expected a JSON object, got {type(entry).__name__}")
         unknown = sorted(set(entry) - _MANIFEST_KEYS)
@@ -278,6 +280,16 @@ class ManifestDataset:
                                 self.shape)
 
 
+def _decode_line(raw: bytes, where: str) -> str:
+    """A manifest line as text; not UTF-8: an error naming the line, the column and the byte."""
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError as err:
+        column = len(raw[:err.start].decode("utf-8", errors="replace")) + 1
+        raise ManifestError(f"{where}: not UTF-8 text (byte 0x{raw[err.start]:02x} at column {column}); "
+                            "write the manifest in UTF-8") from None
+
+
 def _image_size(path: Path, where: str, limits: InputLimits) -> tuple[int, int]:
     """(width, height) from the file header only, within ``limits``."""
     if path.suffix == ".npy":
@@ -301,8 +313,9 @@ def _load_tiles(path: Path, where: str, tiling: ImageTiling, limits: InputLimits
         pixels = _npy_memmap(path, where)
     else:
         with _open_image(path, where) as image:
-            try:
-                pixels = np.asarray(image.convert("RGB" if tiling.channels == 3 else "L"))
+            try:  # 16-bit grey stays 16-bit: convert() would clip it at 255
+                pixels = np.asarray(image if image.mode.startswith("I;16") else
+                                    image.convert("RGB" if tiling.channels == 3 else "L"))
             except (OSError, ValueError) as err:
                 raise ManifestError(f"{where}: cannot read image {path}: {err}") from None
     channels = 1 if pixels.ndim == 2 else pixels.shape[2]
@@ -310,8 +323,14 @@ def _load_tiles(path: Path, where: str, tiling: ImageTiling, limits: InputLimits
         raise ManifestError(f"{where}: image {path} has {channels} channels, the model takes {tiling.channels}")
     if pixels.ndim == 3 and channels == 1:
         pixels = pixels[:, :, 0]
-    scale = 1.0 / 255.0 if np.issubdtype(pixels.dtype, np.integer) else 1.0
-    return tiling.tiles(pixels, scale)
+    return tiling.tiles(pixels, _pixel_scale(pixels.dtype))
+
+
+def _pixel_scale(dtype: np.dtype) -> float:
+    """Pixels to [0, 1]: 16-bit (uint16) by 1/65535, other integers (8-bit) by 1/255; floats as they are."""
+    if dtype == np.uint16:
+        return 1.0 / 65535.0
+    return 1.0 / 255.0 if np.issubdtype(dtype, np.integer) else 1.0
 
 
 # Pillow refuses images above twice Image.MAX_IMAGE_PIXELS while opening them (DecompressionBombError)

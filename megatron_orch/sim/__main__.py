@@ -5,7 +5,8 @@
 
 The model and its assumptions: :mod:`megatron_orch.sim.cluster`. It also checks the direction of
 published results (per-phase balancing >= backbone-only at every DP, speedup growing with DP,
-locality winning when inter-node bandwidth is scarce) and reports each as held or not.
+locality winning when inter-node bandwidth is scarce) and prints the figures each one rests on (the
+JSON's ``checks`` also say whether the direction held).
 """
 from __future__ import annotations
 
@@ -88,39 +89,83 @@ def format_tables(result: dict) -> str:
             s = result["dp"][dp]["nic_sweep"]
             lines.append(f"| {dp} | " + " | ".join(f"{s[g]['orch']:.4g} / {s[g]['locality']:.4g}" for g in sweep)
                          + " |")
-    lines.append("")
-    for name, check in result["checks"].items():
-        lines.append(f"[sim] {name}: {'held' if check['held'] else 'DID NOT HOLD'}")
-    return "\n".join(lines)
+    return "\n".join(lines + [""] + findings(result["checks"]))
+
+
+def _change(new: float, old: float) -> str:
+    return f"{100 * (new / old - 1):+.1f}%"
+
+
+def findings(checks: dict) -> List[str]:
+    """The checks as what the figures show, beside the direction published results report."""
+    c = checks["per_phase_at_least_backbone_only"]
+    best, verl = c["best_per_phase_speedup"], c["backbone_only_speedup"]
+    lines = ["[sim] step speedup over upstream, best per-phase method vs backbone-only (verl-style KK), published: "
+             "per-phase >= backbone-only: " + ", ".join(f"DP {dp} {best[dp]:.4g} vs {verl[dp]:.4g} "
+                                                        f"({_change(best[dp], verl[dp])})" for dp in best)]
+    orch = checks["speedup_grows_with_dp"]["orch_speedup"]
+    dps = list(orch)
+    lines.append("[sim] step speedup of orch by DP size, published: grows with DP: " + ", ".join(
+        f"DP {dp} {orch[dp]:.4g}" + (f" ({_change(orch[dp], orch[dps[i - 1]])})" if i else "")
+        for i, dp in enumerate(dps)))
+    c = checks["locality_wins_when_inter_node_is_scarce"]
+    scarce = ("published: locality faster where inter-node bandwidth is scarce: " + ", ".join(
+        f"DP {dp} {s['locality']:.4g} vs {s['orch']:.4g} ({_change(s['locality'], s['orch'])})"
+        for dp, s in c["step_seconds"].items()) if c["step_seconds"] else
+        "no DP size spans more than one node: nothing crosses nodes")
+    lines.append(f"[sim] step s of locality vs orch at the lowest NIC bandwidth swept ({c['nic_gbits_per_s']:g} Gb/s "
+                 f"per GPU), {scarce}")
+    return lines
+
+
+MARKERS = ("o", "s", "^", "v", "D", "X", "P")
+LINESTYLES = ("-", "--", "-.", ":")
+
+
+def _plain_log_axis(axis, values) -> None:
+    """A log axis with ticks at ``values``, labelled as plain numbers (not 2x10^1)."""
+    from matplotlib.ticker import FixedLocator, NullLocator, FuncFormatter
+    axis.set_major_locator(FixedLocator(values))
+    axis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:g}"))
+    axis.set_minor_locator(NullLocator())
 
 
 def plot(result: dict, path: str) -> None:
+    """Left: each balancing method's step speedup over upstream by DP size (methods offset sideways, each its
+    own marker and line, so that equal values stay visible); right: locality's step over orch's by inter-node bandwidth."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     dps = sorted(result["dp"], key=int)
-    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4))
-    for m in METHODS:
-        left.plot([int(d) for d in dps], [result["dp"][d][m]["speedup"] for d in dps], marker="o", label=m)
+    fig, (left, right) = plt.subplots(1, 2, figsize=(13, 4.4))
+    methods = [m for m in METHODS if m != "none"]  # upstream is 1 by definition: the axis spans the others
+    for i, m in enumerate(methods):
+        offset = 1 + 0.05 * (i - (len(methods) - 1) / 2)  # multiplicative: the x axis is logarithmic
+        left.plot([int(d) * offset for d in dps], [result["dp"][d][m]["speedup"] for d in dps],
+                  marker=MARKERS[i % len(MARKERS)], linestyle=LINESTYLES[i % len(LINESTYLES)], label=m)
     left.set_xscale("log")
-    left.set_xlabel("DP size")
-    left.set_ylabel("step speedup vs upstream (none)")
+    _plain_log_axis(left.xaxis, [int(d) for d in dps])
+    left.set_xlabel("DP size (GPUs; methods drawn side by side)")
+    left.set_ylabel("step speedup vs upstream (none = 1)")
     left.set_title(f"{result['params']['model']}: simulated step speedup")
-    left.legend()
-    for d in dps:
+    left.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), title="method")
+    gbits = []
+    for i, d in enumerate(dps):
         sweep = result["dp"][d]["nic_sweep"]
         gbits = sorted(sweep, key=float)
         right.plot([float(g) for g in gbits], [sweep[g]["locality"] / sweep[g]["orch"] for g in gbits],
-                   marker="o", label=f"DP {d}")
+                   marker=MARKERS[i % len(MARKERS)], linestyle=LINESTYLES[i % len(LINESTYLES)], label=f"DP {d}")
     right.axhline(1.0, color="grey", lw=0.8)
     right.set_xscale("log")
+    if gbits:
+        _plain_log_axis(right.xaxis, [float(g) for g in gbits])
     right.set_xlabel("inter-node bandwidth per GPU (Gb/s)")
     right.set_ylabel("step(locality) / step(orch)")
-    right.set_title("locality wins below 1")
-    right.legend()
+    right.set_title("below 1: locality is faster")
+    right.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0))
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    fig.savefig(path, dpi=110, bbox_inches="tight")
     plt.close(fig)
 
 

@@ -241,9 +241,10 @@ def check_data_or_exit(args: argparse.Namespace) -> None:
 
 def exit_with_error(message: str) -> NoReturn:
     """Print ``pretrain_mllm.py: error: <message>`` and exit with status 2, as argparse does; under
-    torchrun only global rank 0 prints (every rank parses the same command line and fails alike)."""
-    if os.environ.get("RANK", "0") == "0":
-        print(f"pretrain_mllm.py: error: {message}", file=sys.stderr, flush=True)
+    torchrun only global rank 0 prints (every rank parses the same command line and fails alike) and
+    every rank writes it to torchrun's error file (:func:`megatron_orch.trainer.launch.report_failure`)."""
+    from megatron_orch.trainer.launch import report_failure
+    report_failure("pretrain_mllm.py", message, show=os.environ.get("RANK", "0") == "0")
     sys.exit(2)
 
 

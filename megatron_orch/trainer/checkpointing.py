@@ -312,7 +312,7 @@ def load_checkpoint(root: str, model: list, optimizer, scheduler, use_distribute
                 if payload.get("run_config") is None:
                     raise CheckpointError(f"{path} holds no run config to check this run against "
                                           "(saved by an older version)")
-                notes += check_run_config(payload["run_config"], config, path, scheduler_source)
+                notes += check_run_config(payload["run_config"], config, path.parent, scheduler_source)
     except Exception as err:  # noqa: BLE001 -- every rank must learn of it
         error = err
     raise_if_any_rank_failed(error, what=f"loading the checkpoint under {root}")

@@ -24,11 +24,12 @@ import itertools
 import time
 import traceback
 from collections import defaultdict
-from typing import Callable, Iterator, List
+from typing import Callable, Iterator
 
 import torch.distributed as dist
 
 from megatron_orch.comm.status import PeerFailedError, describe, raise_if_any_rank_failed
+from megatron_orch.trainer.launch import rank_ranges
 
 _LOST_COLLECTIVE = ("timed out", "timeout", "connection closed", "connection reset", "pair closure",
                     "broken pipe")
@@ -128,9 +129,9 @@ def diagnose_collective_failure(error: BaseException, stage: str, timeout_minute
     by_site = defaultdict(list)
     for r, site in sorted(reports.items()):
         by_site[site].append(r)
-    sites = "; ".join(f"ranks {_ranges(ranks)} in {site}" for site, ranks in list(by_site.items())[:4])
+    sites = "; ".join(f"ranks {rank_ranges(ranks)} in {site}" for site, ranks in list(by_site.items())[:4])
     if silent:
-        verdict = (f"rank(s) {_ranges(silent)} did not reach a collective (no report within {grace_s:.0f} s of "
+        verdict = (f"rank(s) {rank_ranges(silent)} did not reach a collective (no report within {grace_s:.0f} s of "
                    f"this rank's failure): stuck, gone or far slower outside communication -- look there first. ")
     else:
         verdict = "every rank reported a failed collective (none is stuck outside one). "
@@ -138,15 +139,3 @@ def diagnose_collective_failure(error: BaseException, stage: str, timeout_minute
         f"{stage}: a collective failed on rank {rank} after waiting up to "
         f"--distributed-timeout-minutes {timeout_minutes:g} ({describe(error)}). {verdict}"
         f"Where the ranks that reported were waiting: {sites}.")
-
-
-def _ranges(ranks: List[int]) -> str:
-    """[0, 1, 2, 5] -> '0-2,5'."""
-    parts, start = [], None
-    for i, r in enumerate(ranks):
-        if start is None:
-            start = r
-        if i + 1 == len(ranks) or ranks[i + 1] != r + 1:
-            parts.append(str(start) if start == r else f"{start}-{r}")
-            start = None
-    return ",".join(parts)

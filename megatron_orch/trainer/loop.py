@@ -13,7 +13,7 @@ import argparse
 import os
 import random
 import time
-from datetime import timedelta
+from datetime import datetime, timedelta
 from typing import Callable, Iterator, Optional
 
 import numpy as np
@@ -255,8 +255,10 @@ def _train(args, model, optimizer, scheduler, data_iterator, state, timers, forw
     records, stats, first_iteration = [], IntervalStats(), state.iteration
     for chunk in model:
         chunk.train()
+    exit_interval_reached = False
     while state.iteration < args.train_iters:
         if args.exit_interval and state.iteration > first_iteration and state.iteration % args.exit_interval == 0:
+            exit_interval_reached = True
             break
         start = time.perf_counter()
         if read_step is not None:
@@ -276,15 +278,29 @@ def _train(args, model, optimizer, scheduler, data_iterator, state, timers, forw
                 if tensorboard is not None:
                     tensorboard.write(record)
         if args.save and args.save_interval and state.iteration % args.save_interval == 0:
-            save_checkpoint(args.save, state, model, optimizer, scheduler, args.use_distributed_optimizer,
-                            run_config(args))
+            _save(args, state, model, optimizer, scheduler, print_fn)
     saved_last = args.save_interval and state.iteration % args.save_interval == 0
     if args.save and state.iteration > first_iteration and not saved_last:
-        save_checkpoint(args.save, state, model, optimizer, scheduler, args.use_distributed_optimizer,
-                        run_config(args))
+        _save(args, state, model, optimizer, scheduler, print_fn)
+    if exit_interval_reached and _logging_rank():
+        print_fn(f"[exiting program at iteration {state.iteration} (--exit-interval {args.exit_interval})] "
+                 f"datetime: {_now()} ")
     if tensorboard is not None:
         tensorboard.close()
     return records
+
+
+def _now() -> str:
+    return datetime.now().strftime("%Y-%m-%d %H:%M:%S.%f")
+
+
+def _save(args, state: TrainState, model: list, optimizer, scheduler, print_fn: Callable[[str], None]) -> None:
+    """save_checkpoint with Megatron-LM's lines before and after (from the rank that logs the iterations)."""
+    if _logging_rank():
+        print_fn(f"[{_now()}] saving checkpoint at iteration {state.iteration:7d} to {args.save}")
+    save_checkpoint(args.save, state, model, optimizer, scheduler, args.use_distributed_optimizer, run_config(args))
+    if _logging_rank():
+        print_fn(f"  [{_now()}] successfully saved checkpoint from iteration {state.iteration:7d} to {args.save}")
 
 
 def pretrain(args: argparse.Namespace, model_provider: Callable = providers.build_model,
@@ -312,6 +328,10 @@ def pretrain(args: argparse.Namespace, model_provider: Callable = providers.buil
                 if state.iteration:
                     print_fn(f" resumed from {args.load} at iteration {state.iteration} "
                              f"(consumed samples {state.consumed_samples})")
+            if state.iteration >= args.train_iters:  # the same on every rank: each one stops here
+                raise ValueError(f"nothing left to train: the checkpoint under --load {args.load} is at iteration "
+                                 f"{state.iteration} and --train-iters is {args.train_iters}; raise --train-iters "
+                                 "to train further")
         if dist.get_rank() == 0:
             print_fn(_describe(args, model))
         data_iterator, error = None, None
