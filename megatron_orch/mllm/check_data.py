@@ -85,8 +85,9 @@ class _Progress:
     """``checked 1200/5000 examples (24%), 2 bad`` on stderr: rewritten in place on a terminal (10 per
     second at most), else one line per tenth."""
 
-    def __init__(self, stream=sys.stderr):
-        self.stream, self.tty = stream, stream.isatty()
+    def __init__(self, stream=None):
+        self.stream = sys.stderr if stream is None else stream
+        self.tty = self.stream.isatty()
         self.last_time, self.last_tenth = 0.0, 0
 
     def __call__(self, done: int, total: int, bad: int) -> None:
