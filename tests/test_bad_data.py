@@ -19,6 +19,7 @@ import pytest
 import torch
 
 from dist_utils import run_distributed
+from pretrain_outcome import pretrain_outcome
 
 warnings.filterwarnings("ignore", message=r".*(Transformer Engine|Apex).*not installed")
 
@@ -113,10 +114,6 @@ RUNS = {
 
 def _train_over_bad_data(rank, world_size, out_dir):
     warnings.filterwarnings("ignore")
-    from megatron.core import parallel_state
-
-    from megatron_orch.trainer import arguments, loop as trainer
-
     out = Path(out_dir)
     for name, flags in RUNS.items():
         data = out / ("two_bad.jsonl" if name == "too_many" else "m.jsonl")
@@ -127,17 +124,8 @@ def _train_over_bad_data(rank, world_size, out_dir):
             flags += ["--load", str(out / "checkpoint")]
         if name == "whole":
             flags += ["--tensorboard-dir", str(out / "tensorboard")]
-        lines = []
-        try:
-            records = trainer.pretrain(arguments.parse_args(COMMON + flags, world_size=world_size),
-                                       print_fn=lines.append)
-            outcome = {"losses": {r.iteration: r.lm_loss for r in records},
-                       "skipped": {r.iteration: r.bad_examples for r in records}}
-        except Exception as err:  # noqa: BLE001 -- what each rank raised is the result
-            outcome = {"error": f"{type(err).__name__}: {err}"}
-        finally:
-            parallel_state.destroy_model_parallel()
-        torch.save({**outcome, "lines": lines}, out / f"{name}_rank{rank}.pt")
+        outcome = pretrain_outcome(COMMON + flags, world_size, losses="lm_loss", skipped="bad_examples")
+        torch.save(outcome, out / f"{name}_rank{rank}.pt")
 
 
 @pytest.fixture(scope="module")

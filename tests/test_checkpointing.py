@@ -29,6 +29,7 @@ import pytest
 import torch
 
 from dist_utils import run_distributed
+from pretrain_outcome import pretrain_outcome
 
 warnings.filterwarnings("ignore", message=r".*(Transformer Engine|Apex).*not installed")
 
@@ -97,22 +98,9 @@ def _prepare(name: str, out: Path) -> None:
         (iteration_2 / "checksums.json").write_text(json.dumps(checksums))
 
 
-def _pretrain(name, flags, world_size, rank, out, print_notes=None):
-    from megatron.core import parallel_state
-
-    from megatron_orch.trainer import arguments, loop as trainer
-
-    lines = []
-    args = arguments.parse_args(COMMON + flags, world_size=world_size)
-    try:
-        records = trainer.pretrain(args, print_fn=lines.append)
-        outcome = {"lr": {r.iteration: r.learning_rate for r in records},
-                   "loss": {r.iteration: r.lm_loss for r in records}}
-    except Exception as err:  # noqa: BLE001 -- what each rank raised is the result
-        outcome = {"error": f"{type(err).__name__}: {err}"}
-    finally:
-        parallel_state.destroy_model_parallel()
-    torch.save({**outcome, "lines": lines}, out / f"{name}_rank{rank}.pt")
+def _pretrain(name, flags, world_size, rank, out):
+    outcome = pretrain_outcome(COMMON + flags, world_size, lr="learning_rate", loss="lm_loss")
+    torch.save(outcome, out / f"{name}_rank{rank}.pt")
 
 
 def _resumes(rank, world_size, out_dir):
