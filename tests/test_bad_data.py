@@ -7,7 +7,8 @@ missing image, 8 samples (so the last one comes from a second epoch), with dropo
 restore the RNG streams): with ``--max-bad-examples 1`` the run completes and reports the skip, and a
 run stopped at iteration 2 and resumed gives the uninterrupted run's losses; with post-balancing the
 skip is reported once too; with ``--max-bad-examples 0`` the bad example ends the run naming its line;
-a second bad example beyond the limit stops the run.
+a second bad example beyond the limit stops the run; resuming over the manifest with two lines
+swapped is refused, unless ``--allow-changed-data``.
 """
 import json
 import re
@@ -109,6 +110,8 @@ RUNS = {
     "balanced": ["--max-bad-examples", "1", "--orch-post-balancing", "--orch-gpus-per-node", "2"],
     "strict": [],
     "too_many": ["--max-bad-examples", "1"],                       # a manifest with two bad lines
+    "changed_data": ["--max-bad-examples", "1"],                   # + --load; lines 3 and 4 swapped
+    "allowed_changed_data": ["--max-bad-examples", "1", "--allow-changed-data"],  # + --load
 }
 
 
@@ -120,8 +123,13 @@ def _train_over_bad_data(rank, world_size, out_dir):
         flags = flags + ["--data-path", str(data)]
         if name == "first":
             flags += ["--save", str(out / "checkpoint")]
-        if name == "second":
+        if name in ("second", "changed_data", "allowed_changed_data"):
             flags += ["--load", str(out / "checkpoint")]
+        if name == "changed_data" and rank == 0:  # the same lines, two of them swapped: the same size
+            lines = data.read_text().splitlines(keepends=True)
+            lines[2], lines[3] = lines[3], lines[2]
+            data.write_text("".join(lines))
+        torch.distributed.barrier()
         if name == "whole":
             flags += ["--tensorboard-dir", str(out / "tensorboard")]
         outcome = pretrain_outcome(COMMON + flags, world_size, losses="lm_loss", skipped="bad_examples")
@@ -195,3 +203,16 @@ def test_more_bad_examples_than_allowed_stop_the_run_on_every_rank(runs):
         assert re.fullmatch(r"TooManyBadExamplesError: 2 bad examples by iteration 2, more than --max-bad-examples 1; "
                             r"the last: \S+two_bad.jsonl:3: image file \S+gone.png does not exist",
                             result.get("error", "")), (rank, result)
+
+
+def test_resuming_over_a_changed_manifest_is_refused_unless_allowed(runs):
+    _, results = runs
+    for rank, result in enumerate(results["changed_data"]):
+        assert re.search(r"--data-path \S+m.jsonl: the manifest changed since the checkpoint \(checkpoint bytes \d+, "
+                         r"sha256 [0-9a-f]{16}; now bytes \d+, sha256 [0-9a-f]{16}\), so the run's sample positions "
+                         r"name other examples \(pass --allow-changed-data to train on regardless\)",
+                         result.get("error", "")), (rank, result)
+    allowed = results["allowed_changed_data"][1]
+    assert sorted(allowed.get("losses", {})) == [3, 4], allowed
+    assert any("the manifest changed since the checkpoint" in line and "training on (--allow-changed-data)" in line
+               for line in allowed["lines"]), allowed["lines"]
