@@ -216,3 +216,16 @@ def test_resuming_over_a_changed_manifest_is_refused_unless_allowed(runs):
     assert sorted(allowed.get("losses", {})) == [3, 4], allowed
     assert any("the manifest changed since the checkpoint" in line and "training on (--allow-changed-data)" in line
                for line in allowed["lines"]), allowed["lines"]
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--max-bad-examples", "-1"], "--max-bad-examples must be >= 0, got -1"),
+    (["--keep-last-checkpoints", "0", "--save", "x"], "--keep-last-checkpoints must be >= 1, got 0"),
+    (["--keep-last-checkpoints", "2"], "--keep-last-checkpoints needs --save"),
+    (["--ckpt-step", "3"], "--ckpt-step needs --load"),
+])
+def test_data_and_checkpoint_flags_out_of_range_are_named(flags, message):
+    from megatron_orch.trainer import arguments
+
+    with pytest.raises(arguments.ArgumentError, match=re.escape(message)):
+        arguments.parse_args(COMMON + flags, world_size=2)
