@@ -258,14 +258,14 @@ def _fsync_directory(path: Path) -> None:
         os.close(descriptor)
 
 
-def _os_error_behind(error: BaseException, path: Path) -> BaseException:
+def _os_error_behind(error: BaseException, path: Path) -> Optional[OSError]:
     """The operating system's error behind ``error`` (torch's serializer reports a failed write, e.g. a
-    full disk, as "unexpected pos ..."), with ``path`` as its file name; else ``error`` itself."""
+    full disk, as "unexpected pos ..."), with ``path`` as its file name; None if there is none."""
     cause: Optional[BaseException] = error
     while cause is not None and not isinstance(cause, OSError):
         cause = cause.__cause__ or cause.__context__
     if cause is None or cause.errno is None:
-        return error
+        return None
     return OSError(cause.errno, cause.strerror or os.strerror(cause.errno), str(path))
 
 
@@ -282,7 +282,10 @@ def write_atomically(path: Path, write: Callable) -> None:
             os.fsync(handle.fileno())
         os.replace(temporary, path)
     except Exception as err:  # noqa: BLE001 -- re-raised, as the OS error behind it where there is one
-        raise _os_error_behind(err, path) from err
+        os_error = _os_error_behind(err, path)
+        if os_error is None:
+            raise
+        raise os_error from err
     finally:
         temporary.unlink(missing_ok=True)
     _fsync_directory(path.parent)
@@ -304,14 +307,11 @@ def new_run_id() -> str:
     return bytes(all_gather_to_host(mine)[0].tolist()).hex()
 
 
-def _gather_digests(name: str, digest: str) -> Dict[str, str]:
+def _gather_digests(digest: str) -> Dict[str, str]:
     """``{rank file name: sha256}`` of every rank (collective over the world)."""
     r = _parallel_ranks()
     row = torch.tensor([r["tp"], r["pp"], r["dp"], *bytes.fromhex(digest)], dtype=torch.int64)
-    rows = all_gather_to_host(row).tolist()
-    digests = {_rank_file_name(*row[:3]): bytes(row[3:]).hex() for row in rows}
-    assert digests[name] == digest
-    return digests
+    return {_rank_file_name(*row[:3]): bytes(row[3:]).hex() for row in all_gather_to_host(row).tolist()}
 
 
 def _complete_iterations(root: str) -> List[int]:
@@ -366,20 +366,23 @@ def save_checkpoint(root: str, state: TrainState, model: list, optimizer, schedu
     except Exception as err:  # noqa: BLE001 -- every rank must learn of it
         error = CheckpointError(f"cannot write checkpoint file {path}: {describe(err)}")
     raise_if_any_rank_failed(error, what=f"saving checkpoint iteration {state.iteration}")
-    digests = _gather_digests(path.name, digest)
+    digests = _gather_digests(digest)
     if dist.get_rank() == 0:
         checksums = {"run_id": state.run_id, "iteration": state.iteration, "parallel_sizes": _parallel_sizes(),
                      "sha256": digests}
-        target = path.parent / CHECKSUMS_FILENAME
+        contents = ((path.parent / CHECKSUMS_FILENAME, json.dumps(checksums, indent=1).encode()),
+                    (Path(root) / TRACKER_FILENAME, f"{state.iteration}\n".encode()))
         try:
-            write_atomically(target, lambda handle: handle.write(json.dumps(checksums, indent=1).encode()))
-            target = Path(root) / TRACKER_FILENAME
-            write_atomically(target, lambda handle: handle.write(f"{state.iteration}\n".encode()))
-            if keep_last is not None:
-                target = Path(root)
-                _prune(root, state.iteration, keep_last)
+            for target, content in contents:  # the marker last: it names only verifiable iterations
+                write_atomically(target, lambda handle, content=content: handle.write(content))
         except Exception as err:  # noqa: BLE001
             error = CheckpointError(f"cannot write {target} (checkpoint iteration {state.iteration}): {describe(err)}")
+        if error is None and keep_last is not None:
+            try:
+                _prune(root, state.iteration, keep_last)
+            except OSError as err:
+                error = CheckpointError(f"cannot delete old iterations under {root} (--keep-last-checkpoints "
+                                        f"{keep_last}): {describe(err)}")
     raise_if_any_rank_failed(error, what=f"saving checkpoint iteration {state.iteration}")
 
 
