@@ -107,3 +107,15 @@ def _communication_device_of_gloo(rank, world_size):
 
 def test_gloo_communicates_on_the_cpu():
     run_distributed(_communication_device_of_gloo, 1)
+
+
+def test_nccl_communicates_on_this_ranks_gpu(monkeypatch):
+    """The NCCL branch, which the emulation above replaces: a group whose backend is NCCL takes its
+    tensors on this rank's current GPU (faked here: no GPU on CI), any other backend on the CPU."""
+    from megatron_orch.comm import device
+
+    monkeypatch.setattr(device.dist, "get_backend", lambda group=None: "nccl")
+    monkeypatch.setattr(device.torch.cuda, "current_device", lambda: 3)
+    assert device.communication_device() == torch.device("cuda", 3)
+    monkeypatch.setattr(device.dist, "get_backend", lambda group=None: "gloo")
+    assert device.communication_device() == torch.device("cpu")

@@ -379,8 +379,146 @@ def test_train_iterator_on_a_manifest(manifest_dir):
     batches = list(build_train_iterator(config, 0, 1, 2))
     assert [b.sample_ids.tolist() for b in batches] == [[2, 3], [6, 7]]
     assert batches[0].audio_counts.tolist() == [0, 3]
-    with pytest.raises(ValueError, match="fewer than the 9 samples"):
-        next(build_train_iterator(replace(config, num_samples=9), 0, 0, 1))
+    assert build_train_iterator(config, 0, 0, 1).epoch_note() is None
+
+
+def _trained_ids(config, consumed=0, dp=2):
+    """Dataset index of every sample the run trains on, in consumed-samples order (all DP ranks)."""
+    per_rank = [list(build_train_iterator(config, consumed, rank, dp)) for rank in range(dp)]
+    return [i for step in zip(*per_rank) for batch in step for i in batch.sample_ids.tolist()]
+
+
+def test_a_run_longer_than_the_manifest_wraps_with_a_seeded_order_per_epoch(manifest_dir):
+    path = write_manifest(manifest_dir / "m.jsonl", [{"text": f"example {i}"} for i in range(8)])
+    config = DataConfig(TINY, seq_length=SEQ, micro_batch_size=2, num_samples=32, manifest=str(path), seed=3)
+    ids = _trained_ids(config)
+    epochs = [ids[e * 8:(e + 1) * 8] for e in range(4)]
+    assert epochs[0] == list(range(8))  # the file's order first
+    assert all(sorted(epoch) == list(range(8)) for epoch in epochs)  # every example once per epoch
+    assert len({tuple(epoch) for epoch in epochs}) == 4  # a new order each epoch
+    assert _trained_ids(config, consumed=12) == ids[12:]  # resumed mid-epoch: the same samples
+    assert _trained_ids(replace(config, seed=4))[8:] != ids[8:]  # the order is seeded
+    assert "3 epochs" in build_train_iterator(replace(config, num_samples=24), 0, 0, 1).epoch_note()
+
+
+@pytest.fixture
+def manifest_with_a_missing_image(manifest_dir):
+    entries = [{"text": f"example {i}", "images": ["square.npy"]} for i in range(8)]
+    entries[5]["images"] = ["gone.png"]
+    return write_manifest(manifest_dir / "m.jsonl", entries)
+
+
+def test_a_bad_example_ends_the_run_naming_its_line(manifest_with_a_missing_image):
+    config = DataConfig(TINY, seq_length=SEQ, micro_batch_size=2, num_samples=8,
+                        manifest=str(manifest_with_a_missing_image))
+    iterator = build_train_iterator(config, 0, 0, 2)
+    next(iterator)  # samples 0, 1
+    with pytest.raises(ManifestError, match=r"^\S+m.jsonl:6: image file \S+gone.png does not exist$"):
+        next(iterator)  # samples 4, 5
+
+
+def test_a_skipped_example_is_replaced_alike_on_every_rank_and_after_resuming(manifest_with_a_missing_image):
+    from megatron_orch.mllm.data import SampleOrder
+
+    config = DataConfig(TINY, seq_length=SEQ, micro_batch_size=2, num_samples=16,
+                        manifest=str(manifest_with_a_missing_image), max_bad_examples=1, seed=9)
+    runs = [[list(build_train_iterator(config, 0, rank, 2)) for rank in range(2)] for _ in range(2)]
+    for rank in range(2):  # a TP/PP peer (the same DP rank) reads the same examples
+        assert [b.sample_ids.tolist() for b in runs[0][rank]] == [b.sample_ids.tolist() for b in runs[1][rank]]
+    ids = _trained_ids(config)
+    assert len(ids) == 16  # the global batch keeps its size
+    order = SampleOrder(8, 9)
+    bad_positions = [p for p in range(16) if order[p] == 5]
+    assert len(bad_positions) == 2  # once per epoch
+    for position in bad_positions:
+        assert ids[position] == order.replacement(position, 0) != 5
+    iterator = build_train_iterator(config, 0, 0, 2)  # DP rank 0 reads samples 4, 5 in step 2
+    list(iterator)
+    events = iterator.take_events(before=16)
+    assert [(e.position, e.skipped) for e in events] == [(5, True)] + \
+        [(p, True) for p in bad_positions[1:] if (p // 2) % 2 == 0]
+    assert re.fullmatch(r"\S+m.jsonl:6: image file \S+gone.png does not exist", events[0].message)
+    assert events[0].replacement.endswith(f"m.jsonl:{order.replacement(5, 0) + 1}")
+    assert iterator.take_events(before=16) == []
+    resumed = _trained_ids(config, consumed=4)
+    assert resumed == ids[4:]
+
+
+def test_take_events_keeps_those_of_samples_not_trained_yet(manifest_with_a_missing_image):
+    config = DataConfig(TINY, seq_length=SEQ, micro_batch_size=2, num_samples=8,
+                        manifest=str(manifest_with_a_missing_image), max_bad_examples=3)
+    iterator = build_train_iterator(config, 0, 0, 2)
+    next(iterator), next(iterator)  # read up to sample 5 (a prefetching iterator reads ahead)
+    assert iterator.take_events(before=4) == []
+    assert [e.position for e in iterator.take_events(before=8)] == [5]
+
+
+def test_replacements_that_are_all_bad_end_the_run(manifest_dir):
+    path = write_manifest(manifest_dir / "m.jsonl", [{"text": "a", "images": ["gone.png"]}] * 3)
+    config = DataConfig(TINY, seq_length=SEQ, micro_batch_size=1, num_samples=3, manifest=str(path),
+                        max_bad_examples=5)
+    with pytest.raises(ManifestError, match=r"m.jsonl:1: image file .* does not exist; and 16 seeded draws of a "
+                                            r"replacement were bad too \(the last: \S+m.jsonl:\d: image file"):
+        next(build_train_iterator(config, 0, 0, 1))
+
+
+def test_long_answers_are_truncated_and_said_or_refused(manifest_dir):
+    path = write_manifest(manifest_dir / "m.jsonl", [{"text": "short"}, {"text": "x" * 1000}])
+    config = DataConfig(TINY, seq_length=SEQ, micro_batch_size=1, num_samples=2, manifest=str(path))
+    iterator = build_train_iterator(config, 0, 0, 1)
+    short, long = next(iterator), next(iterator)
+    assert long.tokens.shape[1] == SEQ and short.tokens.shape[1] < SEQ
+    events = iterator.take_events(before=2)
+    assert [(e.position, e.skipped) for e in events] == [(1, False)]
+    assert re.fullmatch(rf"\S+m.jsonl:2: answer of 1000 tokens, {SEQ - 1} fit in --seq-length {SEQ} after the "
+                        rf"prompt and media: truncated to {SEQ - 1} \(EOS kept\)", events[0].message)
+    refused = build_train_iterator(replace(config, refuse_long_answers=True), 0, 0, 1)
+    next(refused)
+    with pytest.raises(ManifestError, match=r"m.jsonl:2: answer of 1000 tokens, .* \(--refuse-long-answers\)$"):
+        next(refused)
+
+
+def test_check_makes_the_checks_of_loading_from_the_headers(manifest_dir):
+    """``check`` finds without loading what loading would refuse: declared sizes that differ from the
+    files, media that do not fit, a missing file; a truncated image's data only with ``decode``."""
+    from PIL import Image
+    Image.open(manifest_dir / "tall.png").save(manifest_dir / "cut.png")
+    data = (manifest_dir / "cut.png").read_bytes()
+    (manifest_dir / "cut.png").write_bytes(data[:len(data) // 2])
+    entries = [{"text": "fine", "images": ["tall.png"]},
+               {"text": "abc", "images": ["square.npy"], "sizes": {"vision_items": 2, "audio_items": 0,
+                                                                   "text_tokens": 3}},
+               {"text": "a", "images": ["tall.png"] * 9, "prompt": "x" * 10},
+               {"text": "a", "audio": ["gone.npy"]},
+               {"text": "a", "images": ["cut.png"]}]
+    dataset = ManifestDataset(write_manifest(manifest_dir / "m.jsonl", entries), example_shape(TINY, SEQ),
+                              image_tiling(TINY))
+    assert dataset.check(0) is None and dataset.check(0, decode=True) is None
+    for index, message in ((1, r"m.jsonl:2: declared 'sizes' differ from the data \(declared, real\): "
+                               r"\{'vision_items': \(2, 1\)\}"),
+                           (2, r"m.jsonl:3: prompt \(10 tokens\), 63 vision items"),
+                           (3, r"m.jsonl:4: file \S+gone.npy does not exist")):
+        for decode in (False, True):
+            with pytest.raises(ManifestError, match=message):
+                dataset.check(index, decode=decode)
+    assert dataset.check(4) is None  # the header is fine
+    with pytest.raises(ManifestError, match=r"m.jsonl:5: cannot read image \S+cut.png: image file is truncated"):
+        dataset.check(4, decode=True)
+
+
+def test_manifest_identity_follows_the_content(manifest_dir, monkeypatch):
+    from megatron_orch.mllm import manifest
+
+    lines = [{"text": f"example {i}"} for i in range(50)]
+    path = write_manifest(manifest_dir / "m.jsonl", lines)
+    first = manifest.manifest_identity(path)
+    assert first == manifest.manifest_identity(write_manifest(manifest_dir / "copy.jsonl", lines))
+    assert first["bytes"] == path.stat().st_size and len(first["sha256"]) == 64
+    shuffled = write_manifest(manifest_dir / "m.jsonl", lines[1:] + lines[:1])  # same size, same lines
+    assert manifest.manifest_identity(shuffled) != first
+    monkeypatch.setattr(manifest, "FULLY_HASHED_BYTES", 100)  # a "huge" manifest: sampled, with its mtime
+    sampled = manifest.manifest_identity(shuffled)
+    assert set(sampled) == {"bytes", "mtime_ns", "sampled_mib", "sampled_sha256"}
 
 
 # ------------------------------------------------------------------------------- input limits of a manifest

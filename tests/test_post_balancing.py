@@ -269,3 +269,88 @@ def _bad_input_on_one_rank(rank, world_size):
 
 def test_bad_input_on_one_rank_raises_on_every_rank():
     run_distributed(_bad_input_on_one_rank, 2, timeout_s=120.0)
+
+
+def _peers_with_different_plans(rank, world_size):
+    """Two DP groups ({0, 1}, {2, 3}) of TP/PP peers ({0, 2}, {1, 3}): each DP group agrees on its plan,
+    but the groups plan differently; every rank must raise on the peers' digest check."""
+    warnings.filterwarnings("ignore")
+    import torch.distributed as dist
+
+    from megatron_orch.balance.model_config import load_model_config
+    from megatron_orch.balance.topology import Topology
+    from megatron_orch.comm.gather import GroupMismatchError
+    from megatron_orch.megatron.batch import collate
+    from megatron_orch.megatron.post_balancing import PostBalancingDataIterator
+    from megatron_orch.mllm.examples import example_shape
+    from megatron_orch.orchestrator.config import OrchestratorConfig
+
+    dp_groups = [dist.new_group([0, 1]), dist.new_group([2, 3])]
+    peer_groups = [dist.new_group([0, 2]), dist.new_group([1, 3])]
+    dp_rank = rank % 2
+    model_config = load_model_config("tiny")
+    shape = example_shape(model_config, 192)
+    step = SCENARIOS.index("heavy_on_one_rank")
+    source = iter([collate([scripted_example(step, dp_rank, m * MBS + j, shape, 100 * dp_rank + m * MBS + j)
+                            for j in range(MBS)]) for m in range(NUM_MB)])
+    config = OrchestratorConfig(background=False) if rank < 2 else \
+        OrchestratorConfig(background=False, phases=("vision", "llm"))
+    iterator = PostBalancingDataIterator(source, model_config=model_config, config=config, shape=shape,
+                                         micro_batch_size=MBS, num_microbatches=NUM_MB, dp_group=dp_groups[rank // 2],
+                                         topology=Topology.uniform(2, 1), encoder_stage=True,
+                                         compute_device=torch.device("cpu"), peer_group=peer_groups[dp_rank])
+    with pytest.raises(GroupMismatchError, match=r"plan digest \(TP/PP peers\)"):
+        next(iterator)
+
+
+def test_tp_pp_peers_with_different_plans_fail_loudly():
+    run_distributed(_peers_with_different_plans, 4, timeout_s=120.0)
+
+
+def test_the_schedule_restores_the_model_configs_callbacks():
+    """The schedule wraps the gradient callbacks of the model config for one call only: left wrapped,
+    every step would wrap the previous step's wrapper (a long run ends in RecursionError)."""
+    from types import SimpleNamespace
+
+    import numpy as np
+
+    from megatron_orch.megatron.post_balancing import BalancedStep
+    from megatron_orch.megatron.schedule import ModalityAwareSchedule
+
+    calls = []
+
+    def finalize(*args):
+        calls.append("finalize")
+
+    def grad_sync(*args):
+        calls.append("sync")
+
+    config = SimpleNamespace(finalize_model_grads_func=finalize, grad_sync_func=[grad_sync, grad_sync])
+
+    class LaterStage(torch.nn.Module):  # no encoders: nothing to run but the callbacks
+        pre_process = False
+
+        def __init__(self):
+            super().__init__()
+            self.config = config
+
+    def forward_backward(fail=False, **kwargs):
+        calls.append(config.finalize_model_grads_func is finalize)  # wrapped during the call
+        config.grad_sync_func[1]()
+        config.finalize_model_grads_func()
+        if fail:
+            raise RuntimeError("a failing step")
+        return []
+
+    step = BalancedStep(microbatches=[], vision_inputs=torch.zeros(0), audio_inputs=torch.zeros(0), plan=None,
+                        rank=0, num_tokens=np.zeros(0, dtype=np.int64), tokens_per_item={})
+    schedule = ModalityAwareSchedule(forward_backward, dp_group=None)
+    for fail in (False, False, True):
+        try:
+            schedule(forward_step_func=None, data_iterator=iter([step]), model=[LaterStage()], num_microbatches=0,
+                     fail=fail)
+        except RuntimeError:
+            assert fail
+        assert config.finalize_model_grads_func is finalize
+        assert all(callback is grad_sync for callback in config.grad_sync_func) and len(config.grad_sync_func) == 2
+    assert calls == [False, "sync", "finalize"] * 3

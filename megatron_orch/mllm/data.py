@@ -9,11 +9,13 @@ from __future__ import annotations
 
 import argparse
 from dataclasses import dataclass, field
-from typing import Iterator, Optional
+from typing import Iterator, List, Optional
 
-from megatron_orch.megatron.batch import ExampleShape, MicroBatch, collate
+import numpy as np
+
+from megatron_orch.megatron.batch import Example, ExampleShape, MicroBatch, collate
 from megatron_orch.mllm.examples import example_shape
-from megatron_orch.mllm.manifest import InputLimits, ManifestDataset, image_tiling
+from megatron_orch.mllm.manifest import InputLimits, ManifestDataset, ManifestError, image_tiling
 from megatron_orch.mllm.synthetic import SyntheticMultimodalDataset
 
 
@@ -68,19 +70,12 @@ class DataConfig:
     pad_to_seq_length: bool = False  # rows of exactly seq_length tokens (pipeline parallelism needs it)
     max_num_tiles: int = 6  # tiles per image (--max-num-tiles)
     limits: InputLimits = field(default_factory=InputLimits)  # what one manifest example may hold
+    max_bad_examples: int = 0  # --max-bad-examples: 0, a bad example ends the run; else it is replaced
+    refuse_long_answers: bool = False  # --refuse-long-answers: an answer that does not fit is a bad example
 
     @property
     def shape(self) -> ExampleShape:
         return example_shape(self.model_config, self.seq_length)
-
-
-def build_dataset(config: DataConfig):
-    """The dataset a :class:`DataConfig` names: the user's manifest, else the synthetic default."""
-    if config.manifest is not None:
-        return ManifestDataset(config.manifest, config.shape, image_tiling(config.model_config, config.max_num_tiles),
-                               limits=config.limits)
-    return SyntheticMultimodalDataset(config.model_config, config.num_samples, config.seed,
-                                      seq_length=config.seq_length)
 
 
 def data_config(args: argparse.Namespace) -> DataConfig:
@@ -94,7 +89,8 @@ def data_config(args: argparse.Namespace) -> DataConfig:
                       max_num_tiles=args.max_num_tiles,
                       limits=InputLimits(max_image_pixels=args.max_image_pixels,
                                          max_audio_seconds=args.max_audio_seconds,
-                                         max_vision_items_per_sample=args.max_vision_items_per_sample))
+                                         max_vision_items_per_sample=args.max_vision_items_per_sample),
+                      max_bad_examples=args.max_bad_examples, refuse_long_answers=args.refuse_long_answers)
 
 
 def _manifest_path(data_path):
@@ -107,20 +103,136 @@ def _manifest_path(data_path):
 
 
 def checked_dataset(config: DataConfig):
-    """:func:`build_dataset`, refused unless it holds every sample the run consumes (a manifest is parsed
-    and checked line by line here, before any model is built)."""
-    dataset = build_dataset(config)
-    if len(dataset) < config.num_samples:
-        raise ValueError(f"the dataset has {len(dataset)} examples, fewer than the {config.num_samples} "
-                         "samples the run consumes")
-    return dataset
+    """The dataset a :class:`DataConfig` names: the user's manifest (parsed and checked line by line
+    here, before any model is built), else the synthetic default."""
+    if config.manifest is not None:
+        return ManifestDataset(config.manifest, config.shape, image_tiling(config.model_config, config.max_num_tiles),
+                               limits=config.limits, refuse_long_answers=config.refuse_long_answers)
+    return SyntheticMultimodalDataset(config.model_config, config.num_samples, config.seed,
+                                      seq_length=config.seq_length)
+
+
+# Streams of the seeded draws (numpy SeedSequence entropy [seed, stream, ...]).
+_EPOCH_STREAM, _REPLACEMENT_STREAM = 1, 2
+# Seeded draws of a replacement for a bad example before giving up (the data is then mostly bad).
+MAX_REPLACEMENT_DRAWS = 16
+
+
+class SampleOrder:
+    """Which example of a dataset of ``num_examples`` each sample position of the run trains on.
+
+    Positions count samples in Megatron's consumed-samples order. A run longer than the dataset
+    wraps around: epoch 0 is the dataset's own order, each later epoch a new permutation seeded by
+    ``(seed, epoch)``. A bad example's replacements are seeded draws by ``(seed, position, attempt)``.
+    Both are pure functions of the position, so every rank agrees and a resumed run continues exactly.
+    """
+
+    def __init__(self, num_examples: int, seed: int):
+        self.num_examples, self.seed = num_examples, seed
+        self._epoch, self._order = 0, None
+
+    def epoch(self, position: int) -> int:
+        return position // self.num_examples
+
+    def __getitem__(self, position: int) -> int:
+        epoch, offset = divmod(position, self.num_examples)
+        if epoch == 0:
+            return offset
+        if epoch != self._epoch:
+            self._epoch = epoch
+            self._order = np.random.default_rng([self.seed, _EPOCH_STREAM, epoch]).permutation(self.num_examples)
+        return int(self._order[offset])
+
+    def replacement(self, position: int, attempt: int) -> int:
+        return int(np.random.default_rng([self.seed, _REPLACEMENT_STREAM, position, attempt]).integers(
+            self.num_examples))
+
+
+class TooManyBadExamplesError(ManifestError):
+    """More bad examples were skipped than ``--max-bad-examples`` allows."""
+
+
+@dataclass(frozen=True)
+class DataEvent:
+    """Something the user should read about one sample position: a bad example skipped (``replacement``
+    says where the position's example came from instead) or an answer truncated."""
+
+    position: int
+    skipped: bool
+    message: str  # "manifest.jsonl:7: <reason>"
+    replacement: Optional[str] = None
+
+
+class TrainIterator:
+    """This DP rank's micro-batches, in Megatron's order (:class:`MegatronPretrainingSampler` over
+    :class:`SampleOrder` positions), starting after ``consumed_samples``.
+
+    A bad example (a :class:`ManifestError` while loading it) ends the run with that one-line error
+    when ``max_bad_examples`` is 0; otherwise it is replaced by the first good seeded draw of
+    :meth:`SampleOrder.replacement`, so the global batch keeps its size and every rank (the TP/PP peers
+    read the same positions) makes the same choice. :attr:`events` collects the skips and truncated
+    answers; the trainer takes them (:meth:`take_events`), counts them and enforces the limit.
+    """
+
+    def __init__(self, dataset, config: DataConfig, consumed_samples: int, data_parallel_rank: int,
+                 data_parallel_size: int, pin_memory: bool = False):
+        self.dataset, self.config, self.pin_memory = dataset, config, pin_memory
+        self.order = SampleOrder(len(dataset), config.seed)
+        self.events: List[DataEvent] = []
+        sampler = MegatronPretrainingSampler(config.num_samples, consumed_samples, config.micro_batch_size,
+                                             data_parallel_rank, data_parallel_size)
+        self._positions = iter(sampler)
+        self._pad_to = config.seq_length if config.pad_to_seq_length else None
+
+    def __iter__(self):
+        return self
+
+    def __next__(self) -> MicroBatch:
+        batch = collate([self._read(position) for position in next(self._positions)], pad_to=self._pad_to)
+        return batch.pin_memory() if self.pin_memory else batch
+
+    def epoch_note(self) -> Optional[str]:
+        """What the user should know when the run is longer than the dataset; None if it is not."""
+        if self.config.num_samples <= len(self.dataset):
+            return None
+        epochs = -(-self.config.num_samples // len(self.dataset))
+        return (f" > the dataset holds {len(self.dataset)} examples, the run trains on {self.config.num_samples} "
+                f"samples: {epochs} epochs, the first in the dataset's order, each later one in a new order "
+                f"seeded by --seed {self.config.seed} and the epoch")
+
+    def take_events(self, before: int) -> List[DataEvent]:
+        """The events of positions below ``before`` (the samples trained so far), removed from :attr:`events`."""
+        taken = [e for e in self.events if e.position < before]
+        self.events = [e for e in self.events if e.position >= before]
+        return taken
+
+    def _read(self, position: int) -> Example:
+        index = self.order[position]
+        try:
+            example, note = self.dataset.read(index)
+        except ManifestError as bad:
+            if self.config.max_bad_examples == 0:
+                raise
+            index, example, note = self._replacement(position, bad)
+            self.events.append(DataEvent(position, True, str(bad), self.dataset.where(index)))
+        if note is not None:
+            self.events.append(DataEvent(position, False, note))
+        return example
+
+    def _replacement(self, position: int, bad: ManifestError):
+        for attempt in range(MAX_REPLACEMENT_DRAWS):
+            index = self.order.replacement(position, attempt)
+            try:
+                return (index, *self.dataset.read(index))
+            except ManifestError as also_bad:
+                last = also_bad
+        raise ManifestError(f"{bad}; and {MAX_REPLACEMENT_DRAWS} seeded draws of a replacement were bad too "
+                            f"(the last: {last})")
 
 
 def build_train_iterator(config: DataConfig, consumed_samples: int, data_parallel_rank: int,
-                         data_parallel_size: int) -> Iterator[MicroBatch]:
-    """This DP rank's micro-batches, in Megatron's order, starting after ``consumed_samples``."""
-    dataset = checked_dataset(config)
-    sampler = MegatronPretrainingSampler(config.num_samples, consumed_samples, config.micro_batch_size,
-                                         data_parallel_rank, data_parallel_size)
-    pad_to = config.seq_length if config.pad_to_seq_length else None
-    return (collate([dataset[i] for i in indices], pad_to=pad_to) for indices in sampler)
+                         data_parallel_size: int, pin_memory: bool = False) -> TrainIterator:
+    """This DP rank's micro-batches, in Megatron's order, starting after ``consumed_samples``
+    (``pin_memory``: batches in pinned host memory, for asynchronous copies to a GPU)."""
+    return TrainIterator(checked_dataset(config), config, consumed_samples, data_parallel_rank, data_parallel_size,
+                         pin_memory)

@@ -1,8 +1,10 @@
 """Users' own data: a JSONL manifest of images, log-mel arrays and text, and InternVL-style image tiling."""
 from __future__ import annotations
 
+import hashlib
 import json
 import math
+import os
 import threading
 from dataclasses import dataclass
 from pathlib import Path
@@ -140,7 +142,8 @@ class ManifestDataset:
     Relative paths are relative to the manifest's folder. Text is tokenized with ``tokenizer.encode``
     (default :class:`ByteTokenizer`; a custom tokenizer must never produce the special ids
     ``BYTE_VOCAB_SIZE..MIN_VOCAB_SIZE-1``). An answer too long for ``shape.seq_length`` is truncated
-    (the EOS kept); media and prompt that do not fit are an error.
+    (the EOS kept; :meth:`read` says so), or refused with ``refuse_long_answers``; media and prompt that
+    do not fit are an error. :meth:`check` makes every check loading an example makes, from the headers.
 
     :meth:`example_sizes` reads no pixels or mel frames: it takes the optional ``sizes`` field, else
     image headers (PIL, or the ``.npy`` header) and ``.npy`` headers. Declared sizes are checked against
@@ -152,11 +155,12 @@ class ManifestDataset:
     """
 
     def __init__(self, path, shape: ExampleShape, tiling: ImageTiling, tokenizer=None,
-                 limits: InputLimits = InputLimits()):
+                 limits: InputLimits = InputLimits(), refuse_long_answers: bool = False):
         self.path = Path(path)
         self.shape = shape
         self.tiling = tiling
         self.limits = limits
+        self.refuse_long_answers = refuse_long_answers
         self.tokenizer = ByteTokenizer() if tokenizer is None else tokenizer
         if tiling.channels * tiling.patch_px ** 2 != shape.vision_patch_dim or \
                 (tiling.tile_px // tiling.patch_px) ** 2 != shape.vision_patches_per_item:
@@ -208,6 +212,10 @@ class ManifestDataset:
     def __len__(self) -> int:
         return len(self.records)
 
+    def where(self, sample_index: int) -> str:
+        """``manifest.jsonl:12``: the line of example ``sample_index``."""
+        return self.records[sample_index].where
+
     def _check_vision_items(self, count: int, where: str, what: str) -> None:
         limit = self.limits.max_vision_items_per_sample
         if count > limit:
@@ -230,16 +238,35 @@ class ManifestDataset:
         return ids
 
     def _fit(self, record: _ManifestRecord, sample_index: int, prompt_tokens: int, vision_items: int,
-             audio_items: int, answer_tokens: int) -> ExampleSizes:
-        """Sizes after truncating the answer to the sequence length."""
+             audio_items: int, answer_tokens: int) -> tuple[ExampleSizes, Optional[str]]:
+        """Sizes after truncating the answer to the sequence length, and a note saying so if it was
+        (with ``refuse_long_answers`` an answer that does not fit is an error instead)."""
         fixed = layout_sizes(sample_index, prompt_tokens, vision_items, audio_items, 0, self.shape)
         room = self.shape.seq_length - fixed.num_tokens
         if room < 1:
             raise ManifestError(f"{record.where}: prompt ({prompt_tokens} tokens), {vision_items} vision items "
                                 f"and {audio_items} audio windows need {fixed.num_tokens} tokens plus the "
                                 f"answer; seq_length is {self.shape.seq_length}")
-        return layout_sizes(sample_index, prompt_tokens, vision_items, audio_items,
-                            min(answer_tokens, room), self.shape)
+        kept, note = min(answer_tokens, room), None
+        if answer_tokens > room:
+            note = (f"{record.where}: answer of {answer_tokens} tokens, {room} fit in --seq-length "
+                    f"{self.shape.seq_length} after the prompt and media")
+            if self.refuse_long_answers:
+                raise ManifestError(f"{note} (--refuse-long-answers)")
+            note += f": truncated to {kept} (EOS kept)"
+        return layout_sizes(sample_index, prompt_tokens, vision_items, audio_items, kept, self.shape), note
+
+    def _audio_windows(self, record: _ManifestRecord) -> int:
+        """Audio windows of the record's log-mel arrays, from their headers, within the limits."""
+        return sum(math.ceil(_mel_shape(p, record.where, self.shape, self.limits)[0]
+                             / self.shape.audio_frames_per_window) for p in record.audio)
+
+    @staticmethod
+    def _check_declared(record: _ManifestRecord, real: dict) -> None:
+        wrong = {k: (record.sizes[k], v) for k, v in real.items() if record.sizes[k] != v}
+        if wrong:
+            raise ManifestError(f"{record.where}: declared 'sizes' differ from the data "
+                                f"(declared, real): {wrong}")
 
     def example_sizes(self, sample_index: int) -> ExampleSizes:
         """Sizes of example ``sample_index`` from the ``sizes`` field or file headers; loads no data."""
@@ -250,12 +277,30 @@ class ManifestDataset:
             answer_tokens = record.sizes["text_tokens"]
         else:
             vision_items = self._vision_items(record)
-            audio_items = sum(math.ceil(_mel_shape(p, record.where, self.shape, self.limits)[0]
-                                        / self.shape.audio_frames_per_window) for p in record.audio)
+            audio_items = self._audio_windows(record)
             answer_tokens = len(self._encode(record.text, record.where))
-        return self._fit(record, sample_index, prompt_tokens, vision_items, audio_items, answer_tokens)
+        return self._fit(record, sample_index, prompt_tokens, vision_items, audio_items, answer_tokens)[0]
+
+    def check(self, sample_index: int, decode: bool = False) -> Optional[str]:
+        """Every check loading example ``sample_index`` makes, from the file headers (``decode``: by
+        loading it); raises :class:`ManifestError` naming the line and the reason. Returns the note of a
+        truncated answer, or None."""
+        if decode:
+            return self.read(sample_index)[1]
+        record = self.records[sample_index]
+        prompt_tokens = len(self._encode(record.prompt, record.where))
+        vision_items, audio_items = self._vision_items(record), self._audio_windows(record)
+        answer_tokens = len(self._encode(record.text, record.where))
+        if record.sizes is not None:
+            self._check_declared(record, {"vision_items": vision_items, "audio_items": audio_items,
+                                          "text_tokens": answer_tokens})
+        return self._fit(record, sample_index, prompt_tokens, vision_items, audio_items, answer_tokens)[1]
 
     def __getitem__(self, sample_index: int) -> Example:
+        return self.read(sample_index)[0]
+
+    def read(self, sample_index: int) -> tuple[Example, Optional[str]]:
+        """Example ``sample_index`` and the note of its truncated answer (None if it fit)."""
         record = self.records[sample_index]
         prompt = self._encode(record.prompt, record.where)
         answer = self._encode(record.text, record.where)
@@ -270,14 +315,11 @@ class ManifestDataset:
         window_shape = (self.shape.audio_frames_per_window, self.shape.audio_mel_bins)
         audio = torch.from_numpy(np.concatenate(windows) if windows else np.zeros((0, *window_shape), np.float32))
         if record.sizes is not None:
-            real = {"vision_items": vision.shape[0], "audio_items": audio.shape[0], "text_tokens": len(answer)}
-            wrong = {k: (record.sizes[k], v) for k, v in real.items() if record.sizes[k] != v}
-            if wrong:
-                raise ManifestError(f"{record.where}: declared 'sizes' differ from the data "
-                                    f"(declared, real): {wrong}")
-        sizes = self._fit(record, sample_index, len(prompt), vision.shape[0], audio.shape[0], len(answer))
+            self._check_declared(record, {"vision_items": vision.shape[0], "audio_items": audio.shape[0],
+                                          "text_tokens": len(answer)})
+        sizes, note = self._fit(record, sample_index, len(prompt), vision.shape[0], audio.shape[0], len(answer))
         return assemble_example(sample_index, prompt, answer[:sizes.num_loss_tokens - 1], vision, audio,
-                                self.shape)
+                                self.shape), note
 
 
 def _decode_line(raw: bytes, where: str) -> str:
@@ -408,3 +450,25 @@ def _windows(mel: np.ndarray, frames_per_window: int) -> np.ndarray:
     padded = np.zeros((count * frames_per_window, mel.shape[1]), dtype=np.float32)
     padded[:mel.shape[0]] = mel
     return padded.reshape(count, frames_per_window, mel.shape[1])
+
+
+# Manifests up to this size are hashed whole (sha256 reads ~1 GB/s); larger ones by SAMPLED_CHUNKS
+# evenly spaced chunks of 1 MiB, their size and modification time.
+FULLY_HASHED_BYTES = 1 << 30
+SAMPLED_CHUNKS = 64
+
+
+def manifest_identity(path) -> dict:
+    """What identifies a manifest's content, recorded in checkpoints: its size and sha256 (above
+    :data:`FULLY_HASHED_BYTES`: its size, modification time and a hash of sampled chunks). Two manifests
+    with the same identity hold the same examples in the same order."""
+    stat = os.stat(path)
+    size, digest, chunk = stat.st_size, hashlib.sha256(), 1 << 20
+    with open(path, "rb") as f:
+        if size <= FULLY_HASHED_BYTES:
+            return {"bytes": size, "sha256": hashlib.file_digest(f, "sha256").hexdigest()}
+        for i in range(SAMPLED_CHUNKS):
+            f.seek(max(0, size - chunk) * i // (SAMPLED_CHUNKS - 1))
+            digest.update(f.read(chunk))
+    return {"bytes": size, "mtime_ns": stat.st_mtime_ns, "sampled_mib": SAMPLED_CHUNKS,
+            "sampled_sha256": digest.hexdigest()}

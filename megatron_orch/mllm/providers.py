@@ -17,7 +17,7 @@ from megatron_orch.comm.group_topology import group_topology
 from megatron_orch.megatron.batch import MicroBatch
 from megatron_orch.megatron.post_balancing import BalancedMicroBatch, PostBalancingDataIterator
 from megatron_orch.megatron.schedule import ModalityAwareSchedule
-from megatron_orch.mllm.data import build_train_iterator, data_config
+from megatron_orch.mllm.data import TrainIterator, build_train_iterator, data_config
 from megatron_orch.mllm.model import MLLMModel, ModelParallelSettings
 from megatron_orch.orchestrator.config import OrchestratorConfig
 
@@ -49,16 +49,16 @@ def build_model(args: argparse.Namespace, pre_process: bool = True, post_process
 
 
 def build_train_data_iterator(args: argparse.Namespace, consumed_samples: int, data_parallel_rank: int,
-                              data_parallel_size: int) -> Iterator[MicroBatch]:
-    """This DP rank's training micro-batches from ``consumed_samples`` on (same on its TP/PP peers).
+                              data_parallel_size: int) -> TrainIterator:
+    """This DP rank's training micro-batches from ``consumed_samples`` on (same on its TP/PP peers): a
+    :class:`~megatron_orch.mllm.data.TrainIterator`, whose events the trainer takes.
 
     On GPUs without post-balancing the batches come in pinned memory, so ``forward_step``'s copies to
     the GPU do not block the host (post-balancing stages what it sends itself).
     """
-    batches = build_train_iterator(data_config(args), consumed_samples, data_parallel_rank, data_parallel_size)
-    if runs_on_cpu(args) or getattr(args, "orch_config", None) is not None:
-        return batches
-    return (batch.pin_memory() for batch in batches)
+    pin_memory = not runs_on_cpu(args) and getattr(args, "orch_config", None) is None
+    return build_train_iterator(data_config(args), consumed_samples, data_parallel_rank, data_parallel_size,
+                                pin_memory)
 
 
 def compute_device(args: argparse.Namespace) -> torch.device:

@@ -129,6 +129,10 @@ class SyntheticMultimodalDataset:
         return layout_sizes(i, self.prompt_tokens, int(self.num_vision_items[i]), int(self.num_audio_items[i]),
                             int(self.answer_tokens[i]), self.shape)
 
+    def read(self, sample_index: int) -> tuple[Example, None]:
+        """Example ``sample_index`` and no truncation note (its answer is drawn to fit)."""
+        return self[sample_index], None
+
     def __getitem__(self, sample_index: int) -> Example:
         i = self._check_index(sample_index)
         shape = self.shape

@@ -29,6 +29,7 @@ from typing import Callable, Iterable, NoReturn, Optional, Sequence
 
 from megatron_orch.balance.model_config import MLLMConfig, load_model_config
 from megatron_orch.megatron.orch_arguments import add_orch_args, orch_config_from_args
+from megatron_orch.mllm.check_data import add_data_args
 
 ArgsProvider = Callable[[argparse.ArgumentParser], argparse.ArgumentParser]
 
@@ -150,6 +151,13 @@ def add_megatron_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParse
                    action="store_true", dest="use_checkpoint_opt_param_scheduler",
                    help="on --load, keep the checkpoint's LR/weight-decay schedule and ignore this run's flags "
                         "(without either flag they must match)")
+    g.add_argument("--ckpt-step", type=int, default=None,
+                   help="on --load, resume from this iteration instead of the latest complete one")
+    g.add_argument("--keep-last-checkpoints", type=int, default=None,
+                   help="after each save, delete all but the last K complete iterations under --save (default: keep all)")
+    g.add_argument("--allow-changed-data", action="store_true",
+                   help="on --load, train on although the --data-path manifest's content differs from the "
+                        "checkpoint's (its sample positions then name other examples)")
     return parser
 
 
@@ -180,17 +188,11 @@ def add_mllm_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     g.add_argument("--model-config", type=str, default="tiny",
                    help="name in configs/ (tiny, mllm_10b, ...) or a YAML path; the shape flags above "
                         "override its backbone")
-    g = parser.add_argument_group("multimodal data limits (--data-path manifests; checked from file headers "
-                                  "before any data is read)")
-    g.add_argument("--max-num-tiles", type=int, default=6,
-                   help="most tiles of one image's grid (InternVL-style dynamic tiling; Megatron-LM's flag, "
-                        "whose default is 1)")
-    g.add_argument("--max-image-pixels", type=int, default=8192 * 8192,
-                   help="most pixels (width x height) of one image before tiling")
-    g.add_argument("--max-audio-seconds", type=float, default=600.0,
-                   help="longest audio clip, in seconds of log-mel frames (100 per second)")
-    g.add_argument("--max-vision-items-per-sample", type=int, default=64,
-                   help="most vision items (tiles and thumbnails of all its images) of one example")
+    g = add_data_args(parser)
+    g.add_argument("--max-bad-examples", type=int, default=0,
+                   help="bad examples (a missing or unreadable file, a limit exceeded, ...) skipped before the run "
+                        "stops; each is replaced by a seeded draw of another example and reported. 0: the first "
+                        "bad example ends the run")
     return add_orch_args(parser)
 
 
@@ -272,7 +274,10 @@ def validate_args(args: argparse.Namespace, world_size: int) -> argparse.Namespa
     _positive(args, "tensor_model_parallel_size", "pipeline_model_parallel_size", "micro_batch_size",
               "global_batch_size", "train_iters", "exit_interval", "seq_length", "log_interval", "save_interval",
               "make_vocab_size_divisible_by", "max_num_tiles", "max_image_pixels",
-              "max_vision_items_per_sample", *_BACKBONE_SHAPE_FLAGS)
+              "max_vision_items_per_sample", "keep_last_checkpoints", *_BACKBONE_SHAPE_FLAGS)
+    for name in ("max_bad_examples", "ckpt_step"):
+        if getattr(args, name) is not None and getattr(args, name) < 0:
+            raise ArgumentError(f"--{name.replace('_', '-')} must be >= 0, got {getattr(args, name)}")
     for name in ("lr", "min_lr", "lr_warmup_init", "weight_decay", "clip_grad"):
         _in_range(args, name, 0.0)
     for name in ("adam_beta1", "adam_beta2", "sgd_momentum"):
@@ -306,8 +311,9 @@ def validate_args(args: argparse.Namespace, world_size: int) -> argparse.Namespa
     if args.override_opt_param_scheduler and args.use_checkpoint_opt_param_scheduler:
         raise ArgumentError("--override-opt_param-scheduler and --use-checkpoint-opt_param-scheduler exclude each "
                             "other (this run's LR schedule, or the checkpoint's)")
-    if args.save_interval is not None and args.save is None:
-        raise ArgumentError("--save-interval needs --save (the checkpoint directory)")
+    for name, needs in (("save_interval", "save"), ("keep_last_checkpoints", "save"), ("ckpt_step", "load")):
+        if getattr(args, name) is not None and getattr(args, needs) is None:
+            raise ArgumentError(f"--{name.replace('_', '-')} needs --{needs} (the checkpoint directory)")
     for name in ("hidden_dropout", "attention_dropout"):
         _in_range(args, name, 0.0, 1.0, high_open=True)
     if args.data_path is not None and not Path(args.data_path).is_file():

@@ -1,48 +1,78 @@
-"""Checkpoint save/resume for the compact trainer: one ``torch.save`` file per rank.
+"""Checkpoint save/resume for the compact trainer: one ``torch.save`` file per rank, verified at load.
 
 Layout (Megatron-LM's legacy naming, plus the DP rank since every rank writes its own file)::
 
     <dir>/latest_checkpointed_iteration.txt
-    <dir>/iter_0000010/mp_rank_<tp>_<pp>_dp_<dp>.pt     model, optimizer, scheduler, progress, RNG, run config
+    <dir>/megatron_orch.lock                        the run that saves here: host, pid (while it lives)
+    <dir>/iter_0000010/mp_rank_<tp>_<pp>_dp_<dp>.pt  model, optimizer, scheduler, progress, RNG, run config, run id
+    <dir>/iter_0000010/checksums.json                run id, parallel sizes, sha256 of every rank file
 
 Saving is atomic: each rank writes a temporary file, fsyncs it and renames it into place; once every
-rank has (agreed over the world group), rank 0 writes the marker ``latest_checkpointed_iteration.txt``
-the same way. So the marker only ever names a complete iteration; an ``iter_*`` folder newer than the
-marker is an interrupted save, which ``--load`` skips (and says so). Loading is agreed too: every rank
-reads and checks its file, then all ranks learn whether any failed (the failing rank's message, with
-the file's path, is raised on every rank) before anything is restored or reported.
+rank has (agreed over the world group), rank 0 writes ``checksums.json`` (every rank's file digest)
+and then the marker ``latest_checkpointed_iteration.txt``, the same way. So the marker only ever names
+a complete, verifiable iteration; an ``iter_*`` folder newer than the marker is an interrupted save,
+which ``--load`` skips (and says so). A full disk is reported as the operating system's "No space left
+on device" with the file's path (torch's serializer would say "unexpected pos ..."). With
+``--keep-last-checkpoints K`` rank 0 then deletes all but the last K complete iterations.
+
+Loading is verified and agreed: every rank checks its file against ``checksums.json`` (a damaged file
+is named, with the previous complete iteration to resume from with ``--ckpt-step``), that it belongs
+to the same run as the others (a run id in every file: a folder mixing two runs' files is refused),
+the parallel sizes and the run config, then all ranks learn whether any failed (the failing rank's
+message is raised on every rank) before anything is restored or reported. After restoring, a hash of
+the parameters is compared over each DP group: replicas that differ are refused.
+
+One run per ``--save`` folder: rank 0 holds :class:`SaveFolderLock` while the run lives; a second run
+is refused with the holder's host and pid. A lock whose process is gone (same host) or that was not
+refreshed for :data:`LOCK_STALE_S` seconds (its holder refreshes it every :data:`LOCK_HEARTBEAT_S`) is
+stale and taken over. Holding the lock, rank 0 removes the temporary files of interrupted saves.
 
 Resuming checks the run against the checkpoint's (Megatron-LM's ``check_checkpoint_args`` and
-``OptimizerParamScheduler`` checks, extended): the model, sequence length, seed, data path, precision
-and optimizer layout must match; the LR/weight-decay schedule and what defines it (``--train-iters``,
-``--global-batch-size``, the ``--lr*`` flags, ``--weight-decay``) must match unless
-``--override-opt_param-scheduler`` (this run's schedule) or ``--use-checkpoint-opt_param-scheduler``
-(the checkpoint's schedule) says which one wins. Every mismatch is reported with both values.
+``OptimizerParamScheduler`` checks, extended): the model, sequence length, seed, data path (and the
+manifest's content, unless ``--allow-changed-data``), precision and optimizer layout must match; the
+LR/weight-decay schedule and what defines it (``--train-iters``, ``--global-batch-size``, the ``--lr*``
+flags, ``--weight-decay``) must match unless ``--override-opt_param-scheduler`` (this run's schedule)
+or ``--use-checkpoint-opt_param-scheduler`` (the checkpoint's schedule) says which one wins. Every
+mismatch is reported with both values.
 
 With the distributed optimizer each rank's file also holds its own shard of the optimizer state
 (main parameters and moments, megatron-core's "dp_reshardable" per-bucket layout): no gather.
 
-A checkpoint resumes only under the same TP/PP/DP sizes. Resuming restores the RNG streams and the
-consumed-sample count (from which the data iterator restarts exactly), so the losses after resuming
-are the ones an uninterrupted run produces.
+A checkpoint resumes only under the same TP/PP/DP sizes. Resuming restores the RNG streams, the
+consumed-sample count (from which the data iterator restarts exactly) and the counts of skipped bad
+examples and truncated answers, so the losses after resuming are the ones an uninterrupted run produces.
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import hashlib
+import json
 import os
 import random
+import shutil
+import socket
+import threading
+import time
+import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, List, Optional
+from typing import Callable, Dict, List, Optional
 
 import numpy as np
 import torch
 import torch.distributed as dist
 from megatron.core import parallel_state, tensor_parallel
 
+from megatron_orch.comm.gather import all_gather_to_host
 from megatron_orch.comm.status import describe, raise_if_any_rank_failed
+from megatron_orch.mllm.manifest import manifest_identity
 
 TRACKER_FILENAME = "latest_checkpointed_iteration.txt"
+CHECKSUMS_FILENAME = "checksums.json"
+LOCK_FILENAME = "megatron_orch.lock"
+LOCK_HEARTBEAT_S = 30.0  # the holder refreshes the lock's modification time this often
+LOCK_STALE_S = 300.0     # a lock not refreshed for this long is stale (its holder stopped or died)
 
 # Flags a resumed run must share with the checkpoint, whatever the scheduler flags say.
 FIXED_FLAGS = ("seq_length", "seed", "data_path", "make_vocab_size_divisible_by", "bf16",
@@ -64,12 +94,16 @@ class CheckpointError(RuntimeError):
 class TrainState:
     iteration: int = 0
     consumed_samples: int = 0
+    run_id: str = ""              # one per run, kept across resumes; in every checkpoint file
+    bad_examples: int = 0         # skipped so far (--max-bad-examples)
+    truncated_answers: int = 0    # answers cut to --seq-length so far
     notes: List[str] = field(default_factory=list)  # what loading decided that the user should read
 
 
 def run_config(args) -> dict:
     """What a resumed run is checked against: the fixed and schedule flags, the model, the --orch-* flags."""
     config = {name: getattr(args, name, None) for name in FIXED_FLAGS + SCHEDULE_FLAGS}
+    config["data_identity"] = manifest_identity(args.data_path) if args.data_path else None
     config["model_config"] = _flatten(dataclasses.asdict(args.mllm_config))
     config["orch"] = {name: value for name, value in sorted(vars(args).items())
                       if name.startswith("orch_") and name != "orch_config"}
@@ -86,11 +120,19 @@ def _flatten(tree: dict, prefix: str = "") -> dict:
     return out
 
 
-def check_run_config(saved: dict, current: dict, path: Path, scheduler_source: str) -> List[str]:
+def _describe_identity(identity: Optional[dict]) -> str:
+    if identity is None:
+        return "not recorded"
+    return ", ".join(f"{key} {str(value)[:16]}" for key, value in identity.items())
+
+
+def check_run_config(saved: dict, current: dict, path: Path, scheduler_source: str,
+                     allow_changed_data: bool = False) -> List[str]:
     """Raise :class:`CheckpointError` listing every mismatch (both values); return notes to print.
 
     ``scheduler_source``: ``"match"`` (default: the schedule flags must be equal), ``"override"``
-    (this run's schedule wins) or ``"checkpoint"`` (the checkpoint's schedule wins).
+    (this run's schedule wins) or ``"checkpoint"`` (the checkpoint's schedule wins). A manifest whose
+    content changed under the same ``--data-path`` is a mismatch unless ``allow_changed_data``.
     """
     def flag(name):
         return "--" + name.replace("_", "-")
@@ -109,13 +151,22 @@ def check_run_config(saved: dict, current: dict, path: Path, scheduler_source: s
             schedule.append(f"{flag(name)}: checkpoint {saved.get(name)!r}, this run {current.get(name)!r}")
     if scheduler_source == "match":
         mismatches += schedule
+    changed_data = saved.get("data_path") == current.get("data_path") and \
+        saved.get("data_identity") != current.get("data_identity")
+    if changed_data:
+        change = (f"--data-path {current.get('data_path')}: the manifest changed since the checkpoint (checkpoint "
+                  f"{_describe_identity(saved.get('data_identity'))}; now "
+                  f"{_describe_identity(current.get('data_identity'))}), so the run's sample positions name other "
+                  "examples")
+        if not allow_changed_data:
+            mismatches.append(change + " (pass --allow-changed-data to train on regardless)")
     if mismatches:
         hint = (" (pass --override-opt_param-scheduler to train on with this run's LR schedule, or "
                 "--use-checkpoint-opt_param-scheduler to keep the checkpoint's)" if scheduler_source == "match"
                 and schedule else "")
         raise CheckpointError(f"cannot resume from {path}: this run differs from the checkpoint's: "
                               + "; ".join(mismatches) + hint)
-    notes = []
+    notes = [f" > {change}: training on (--allow-changed-data)"] if changed_data else []
     if schedule:
         winner = "this run's" if scheduler_source == "override" else "the checkpoint's"
         notes.append(f" > LR schedule: {winner} ({'; '.join(schedule)})")
@@ -143,9 +194,13 @@ def _iteration_dir(root: str, iteration: int) -> Path:
     return Path(root) / f"iter_{iteration:07d}"
 
 
+def _rank_file_name(tp: int, pp: int, dp: int) -> str:
+    return f"mp_rank_{tp:02d}_{pp:03d}_dp_{dp:03d}.pt"
+
+
 def _rank_file(root: str, iteration: int) -> Path:
     r = _parallel_ranks()
-    return _iteration_dir(root, iteration) / f"mp_rank_{r['tp']:02d}_{r['pp']:03d}_dp_{r['dp']:03d}.pt"
+    return _iteration_dir(root, iteration) / _rank_file_name(r["tp"], r["pp"], r["dp"])
 
 
 def _distributed_optimizers(optimizer) -> list:
@@ -203,9 +258,22 @@ def _fsync_directory(path: Path) -> None:
         os.close(descriptor)
 
 
+def _os_error_behind(error: BaseException, path: Path) -> Optional[OSError]:
+    """The operating system's error behind ``error`` (torch's serializer reports a failed write, e.g. a
+    full disk, as "unexpected pos ..."), with ``path`` as its file name; None if there is none."""
+    cause: Optional[BaseException] = error
+    while cause is not None and not isinstance(cause, OSError):
+        cause = cause.__cause__ or cause.__context__
+    if cause is None or cause.errno is None:
+        return None
+    return OSError(cause.errno, cause.strerror or os.strerror(cause.errno), str(path))
+
+
 def write_atomically(path: Path, write: Callable) -> None:
     """``write(handle)`` into a temporary file beside ``path``, fsync it, rename it to ``path``, fsync
-    the folder: ``path`` is either absent, its old content, or complete -- never partly written."""
+    the folder: ``path`` is either absent, its old content, or complete -- never partly written. A
+    failed write raises the operating system's error (e.g. ``[Errno 28] No space left on device``)
+    naming ``path``."""
     temporary = path.with_name(f".{path.name}.tmp-{os.getpid()}")
     try:
         with open(temporary, "wb") as handle:
@@ -213,20 +281,77 @@ def write_atomically(path: Path, write: Callable) -> None:
             handle.flush()
             os.fsync(handle.fileno())
         os.replace(temporary, path)
+    except Exception as err:  # noqa: BLE001 -- re-raised, as the OS error behind it where there is one
+        os_error = _os_error_behind(err, path)
+        if os_error is None:
+            raise
+        raise os_error from err
     finally:
         temporary.unlink(missing_ok=True)
     _fsync_directory(path.parent)
 
 
+def _is_temporary(path: Path) -> bool:
+    """A temporary file of :func:`write_atomically` (``.<name>.tmp-<pid>``)."""
+    return path.name.startswith(".") and ".tmp-" in path.name
+
+
+def file_sha256(path: Path) -> str:
+    with open(path, "rb") as handle:
+        return hashlib.file_digest(handle, "sha256").hexdigest()
+
+
+def new_run_id() -> str:
+    """A run id for a run that starts from scratch: rank 0's, on every rank (collective over the world)."""
+    mine = torch.frombuffer(bytearray(uuid.uuid4().bytes), dtype=torch.uint8)
+    return bytes(all_gather_to_host(mine)[0].tolist()).hex()
+
+
+def _gather_digests(digest: str) -> Dict[str, str]:
+    """``{rank file name: sha256}`` of every rank (collective over the world)."""
+    r = _parallel_ranks()
+    row = torch.tensor([r["tp"], r["pp"], r["dp"], *bytes.fromhex(digest)], dtype=torch.int64)
+    return {_rank_file_name(*row[:3]): bytes(row[3:]).hex() for row in all_gather_to_host(row).tolist()}
+
+
+def _complete_iterations(root: str) -> List[int]:
+    """Iterations under ``root`` whose ``checksums.json`` was written (every rank file saved), ascending."""
+    found = []
+    for folder in Path(root).glob("iter_*"):
+        number = folder.name[len("iter_"):]
+        if number.isdigit() and (folder / CHECKSUMS_FILENAME).is_file():
+            found.append(int(number))
+    return sorted(found)
+
+
+def _prune(root: str, iteration: int, keep: int) -> None:
+    """Delete complete iterations up to ``iteration`` but the last ``keep`` of them."""
+    older = [i for i in _complete_iterations(root) if i <= iteration]
+    for old in older[:-keep]:
+        shutil.rmtree(_iteration_dir(root, old))
+
+
 def save_checkpoint(root: str, state: TrainState, model: list, optimizer, scheduler,
-                    use_distributed_optimizer: bool, config: Optional[dict] = None) -> None:
+                    use_distributed_optimizer: bool, config: Optional[dict] = None,
+                    lock: Optional["SaveFolderLock"] = None, keep_last: Optional[int] = None) -> None:
     """Every rank writes its file atomically; once all have (agreed, so a rank that could not write
-    raises on every rank with its path), rank 0 points the marker at this iteration, atomically too."""
-    path, error = _rank_file(root, state.iteration), None
+    raises on every rank with its path), rank 0 writes the iteration's checksums, points the marker at
+    it (atomically too) and prunes to the last ``keep_last`` iterations. ``lock``: rank 0's
+    :class:`SaveFolderLock`, verified first (a run that lost it must not overwrite the new holder's files)."""
+    path, error, digest = _rank_file(root, state.iteration), None, None
+    try:
+        if lock is not None:
+            lock.verify()
+    except CheckpointError as err:
+        error = err
+    raise_if_any_rank_failed(error, what=f"saving checkpoint iteration {state.iteration}")
     try:  # gathering the state runs no collective (the distributed optimizer's shard is this rank's own)
         payload = {
+            "run_id": state.run_id,
             "iteration": state.iteration,
             "consumed_samples": state.consumed_samples,
+            "bad_examples": state.bad_examples,
+            "truncated_answers": state.truncated_answers,
             "parallel_sizes": _parallel_sizes(),
             "model": [chunk.state_dict() for chunk in model],
             "optimizer": optimizer.state_dict(),
@@ -237,15 +362,27 @@ def save_checkpoint(root: str, state: TrainState, model: list, optimizer, schedu
         }
         path.parent.mkdir(parents=True, exist_ok=True)
         write_atomically(path, lambda handle: torch.save(payload, handle))
+        digest = file_sha256(path)
     except Exception as err:  # noqa: BLE001 -- every rank must learn of it
         error = CheckpointError(f"cannot write checkpoint file {path}: {describe(err)}")
     raise_if_any_rank_failed(error, what=f"saving checkpoint iteration {state.iteration}")
+    digests = _gather_digests(digest)
     if dist.get_rank() == 0:
-        tracker = Path(root) / TRACKER_FILENAME
+        checksums = {"run_id": state.run_id, "iteration": state.iteration, "parallel_sizes": _parallel_sizes(),
+                     "sha256": digests}
+        contents = ((path.parent / CHECKSUMS_FILENAME, json.dumps(checksums, indent=1).encode()),
+                    (Path(root) / TRACKER_FILENAME, f"{state.iteration}\n".encode()))
         try:
-            write_atomically(tracker, lambda handle: handle.write(f"{state.iteration}\n".encode()))
+            for target, content in contents:  # the marker last: it names only verifiable iterations
+                write_atomically(target, lambda handle, content=content: handle.write(content))
         except Exception as err:  # noqa: BLE001
-            error = CheckpointError(f"cannot write the checkpoint marker {tracker}: {describe(err)}")
+            error = CheckpointError(f"cannot write {target} (checkpoint iteration {state.iteration}): {describe(err)}")
+        if error is None and keep_last is not None:
+            try:
+                _prune(root, state.iteration, keep_last)
+            except OSError as err:
+                error = CheckpointError(f"cannot delete old iterations under {root} (--keep-last-checkpoints "
+                                        f"{keep_last}): {describe(err)}")
     raise_if_any_rank_failed(error, what=f"saving checkpoint iteration {state.iteration}")
 
 
@@ -279,45 +416,116 @@ def _read_rank_file(path: Path) -> dict:
     return payload
 
 
-def load_checkpoint(root: str, model: list, optimizer, scheduler, use_distributed_optimizer: bool,
-                    config: Optional[dict] = None, scheduler_source: str = "match") -> TrainState:
-    """Restore the latest complete checkpoint under ``root``; a fresh :class:`TrainState` if there is none.
-
-    Every rank reads and checks its own file (present, readable, same parallel layout, same run
-    config -- see :func:`check_run_config`) before any collective; then all ranks agree, so a problem
-    on one rank raises on every rank with that rank's message. ``TrainState.notes`` says what the
-    load decided (an interrupted save skipped, which LR schedule applies).
-    """
-    error, payload, notes = None, None, []
+def _read_checksums(root: str, iteration: int) -> dict:
+    path = _iteration_dir(root, iteration) / CHECKSUMS_FILENAME
+    if not path.is_file():
+        complete = _complete_iterations(root)
+        raise CheckpointError(f"{path} is missing: iteration {iteration} under {root} is not a complete checkpoint "
+                              f"(saved by an older version, or not at all; complete iterations: {complete or 'none'})")
     try:
-        iteration = latest_iteration(root)
-        skipped = _interrupted_saves(root, iteration)
+        checksums = json.loads(path.read_text())
+        checksums["run_id"], checksums["parallel_sizes"], checksums["sha256"]  # noqa: B018 -- present
+    except (OSError, ValueError, KeyError, TypeError) as err:
+        raise CheckpointError(f"cannot read {path} (damaged?): {describe(err)}") from None
+    return checksums
+
+
+def _previous_complete(root: str, iteration: int) -> str:
+    earlier = [i for i in _complete_iterations(root) if i < iteration]
+    if not earlier:
+        return "no earlier complete iteration is kept"
+    return f"the previous complete iteration is {earlier[-1]}: resume from it with --ckpt-step {earlier[-1]}"
+
+
+def _verified_rank_file(root: str, iteration: int, checksums: dict) -> dict:
+    """This rank's payload of ``iteration``, after its digest and run id were checked against ``checksums``."""
+    path = _rank_file(root, iteration)
+    if checksums["parallel_sizes"] != _parallel_sizes():
+        raise CheckpointError(f"iteration {iteration} under {root} was saved with parallel sizes "
+                              f"{checksums['parallel_sizes']}, this run has {_parallel_sizes()}; resume with the same "
+                              "--tensor/--pipeline-model-parallel-size and data-parallel size")
+    if not path.is_file():
+        raise CheckpointError(f"checkpoint file {path} is missing (iteration {iteration} under {root}); "
+                              f"{_previous_complete(root, iteration)}")
+    expected, found = checksums["sha256"].get(path.name), file_sha256(path)
+    if found != expected:
+        try:
+            other_run = _read_rank_file(path).get("run_id")
+        except CheckpointError:
+            other_run = None
+        if other_run is not None and other_run != checksums["run_id"]:
+            raise CheckpointError(f"{path} belongs to run {other_run}, the checkpoint of iteration {iteration} to run "
+                                  f"{checksums['run_id']}: the folder mixes two runs' files")
+        raise CheckpointError(f"checkpoint file {path} does not match its checksum in {CHECKSUMS_FILENAME} (sha256 "
+                              f"{found[:16]}..., saved {str(expected)[:16]}...): damaged since it was written; "
+                              f"{_previous_complete(root, iteration)}")
+    payload = _read_rank_file(path)
+    if payload.get("run_id") != checksums["run_id"]:
+        raise CheckpointError(f"{path} belongs to run {payload.get('run_id')}, the checkpoint of iteration "
+                              f"{iteration} to run {checksums['run_id']}: the folder mixes two runs' files")
+    return payload
+
+
+def parameters_digest(model: list) -> int:
+    """A 63-bit hash of every parameter's bytes (equal on the replicas of a DP group)."""
+    digest = hashlib.sha256()
+    for chunk in model:
+        for name, param in chunk.named_parameters():
+            digest.update(name.encode())
+            digest.update(param.detach().reshape(-1).contiguous().cpu().view(torch.uint8).numpy().tobytes())
+    return int.from_bytes(digest.digest()[:8], "little") >> 1
+
+
+def _check_replicas_agree(model: list, path: Path) -> None:
+    """Raise :class:`CheckpointError` on every rank of the DP group unless its parameters are equal."""
+    group = parallel_state.get_data_parallel_group()
+    digests = all_gather_to_host(torch.tensor([parameters_digest(model)], dtype=torch.int64), group).reshape(-1)
+    if (digests != digests[0]).any():
+        ranks = dist.get_process_group_ranks(group)
+        raise CheckpointError(f"after loading {path.parent}, the parameters differ over the DP group (global ranks "
+                              f"{ranks}, hash per rank {[hex(int(d)) for d in digests]}): its rank files hold "
+                              "replicas that diverged")
+
+
+def load_checkpoint(root: str, model: list, optimizer, scheduler, use_distributed_optimizer: bool,
+                    config: Optional[dict] = None, scheduler_source: str = "match", step: Optional[int] = None,
+                    allow_changed_data: bool = False) -> TrainState:
+    """Restore the latest complete checkpoint under ``root`` (``step``: that iteration instead); a fresh
+    :class:`TrainState` if there is none.
+
+    Every rank reads and checks its own file (present, its digest and run id as ``checksums.json``
+    says, same parallel layout, same run config -- see :func:`check_run_config`) before any
+    collective; then all ranks agree, so a problem on one rank raises on every rank with that rank's
+    message. After restoring, the parameters are compared over each DP group. ``TrainState.notes``
+    says what the load decided (an interrupted save skipped, which LR schedule applies).
+    """
+    error, payload, notes, checksums, iteration = None, None, [], None, None
+    try:
+        latest = latest_iteration(root)
+        skipped = _interrupted_saves(root, latest)
         if skipped:
             notes.append(f" > skipping {', '.join(skipped)} under {root}: newer than the last complete "
-                         f"checkpoint ({TRACKER_FILENAME}: {iteration}), an interrupted save")
+                         f"checkpoint ({TRACKER_FILENAME}: {latest}), an interrupted save")
+        iteration = latest if step is None else step
         if iteration is None:
             notes.append(f" > no complete checkpoint under {root} ({TRACKER_FILENAME} missing): "
                          "training starts from iteration 0")
         else:
-            path = _rank_file(root, iteration)
-            if not path.is_file():
-                raise CheckpointError(f"checkpoint file {path} is missing (iteration {iteration} under {root}); "
-                                      f"was it saved with these parallel sizes {_parallel_sizes()}?")
-            payload = _read_rank_file(path)
-            if payload["parallel_sizes"] != _parallel_sizes():
-                raise CheckpointError(f"{path} was saved with parallel sizes {payload['parallel_sizes']}, this run "
-                                      f"has {_parallel_sizes()}; resume with the same "
-                                      "--tensor/--pipeline-model-parallel-size and data-parallel size")
+            checksums = _read_checksums(root, iteration)
+            payload = _verified_rank_file(root, iteration, checksums)
             if config is not None:
                 if payload.get("run_config") is None:
-                    raise CheckpointError(f"{path} holds no run config to check this run against "
-                                          "(saved by an older version)")
-                notes += check_run_config(payload["run_config"], config, path.parent, scheduler_source)
+                    raise CheckpointError(f"{_rank_file(root, iteration)} holds no run config to check this run "
+                                          "against (saved by an older version)")
+                # the iteration's folder, not the rank file: every rank's refusal reads the same
+                notes += check_run_config(payload["run_config"], config, _rank_file(root, iteration).parent,
+                                          scheduler_source, allow_changed_data)
     except Exception as err:  # noqa: BLE001 -- every rank must learn of it
         error = err
     raise_if_any_rank_failed(error, what=f"loading the checkpoint under {root}")
     if payload is None:
         return TrainState(notes=notes)
+    path = _rank_file(root, iteration)
     try:
         for chunk, chunk_state in zip(model, payload["model"], strict=True):
             chunk.load_state_dict(chunk_state, strict=True)
@@ -331,6 +539,132 @@ def load_checkpoint(root: str, model: list, optimizer, scheduler, use_distribute
         scheduler.load_state_dict(payload["scheduler"])
         set_rng_state(payload["rng"])
     except Exception as err:  # noqa: BLE001
-        error = CheckpointError(f"cannot restore {_rank_file(root, iteration)}: {describe(err)}")
+        error = CheckpointError(f"cannot restore {path}: {describe(err)}")
     raise_if_any_rank_failed(error, what=f"loading the checkpoint under {root}")
-    return TrainState(iteration=payload["iteration"], consumed_samples=payload["consumed_samples"], notes=notes)
+    try:
+        _check_replicas_agree(model, path)
+    except CheckpointError as err:
+        error = err
+    raise_if_any_rank_failed(error, what=f"loading the checkpoint under {root}")
+    return TrainState(iteration=payload["iteration"], consumed_samples=payload["consumed_samples"],
+                      run_id=checksums["run_id"], bad_examples=payload["bad_examples"],
+                      truncated_answers=payload["truncated_answers"], notes=notes)
+
+
+class SaveFolderLock:
+    """``<save>/megatron_orch.lock``, held by one run's rank 0 while it lives: its host, pid and a token.
+
+    Taken with an exclusive create; refreshed (modification time) every :data:`LOCK_HEARTBEAT_S` by a
+    daemon thread; removed by :meth:`release`. A lock is stale when its process is gone (holder on this
+    host) or it was not refreshed for :data:`LOCK_STALE_S` seconds (a holder on another host that died
+    or hangs); a stale lock is taken over, and the run says so.
+    """
+
+    def __init__(self, root: str):
+        self.path = Path(root) / LOCK_FILENAME
+        self.content = {"host": socket.gethostname(), "pid": os.getpid(), "since": time.time(),
+                        "token": uuid.uuid4().hex}
+        self._stop = threading.Event()
+        self._heartbeat: Optional[threading.Thread] = None
+
+    @classmethod
+    def acquire(cls, root: str) -> tuple["SaveFolderLock", List[str]]:
+        """The lock of ``root`` and notes to print, or :class:`CheckpointError` naming the holder."""
+        lock, notes = cls(root), []
+        lock.path.parent.mkdir(parents=True, exist_ok=True)
+        for _ in range(2):
+            try:
+                with open(lock.path, "x") as handle:
+                    json.dump(lock.content, handle)
+                    handle.flush()
+                    os.fsync(handle.fileno())
+            except FileExistsError:
+                holder, age = _lock_holder(lock.path)
+                reason = _stale_reason(holder, age)
+                if reason is None:
+                    raise CheckpointError(
+                        f"--save {root} is in use by another run: host {holder.get('host')}, pid {holder.get('pid')} "
+                        f"(since {_clock(holder.get('since'))}; {lock.path} refreshed {age:.0f} s ago). One run per "
+                        f"save folder: stop that run or choose another --save; a lock whose run died is taken over "
+                        f"once its process is gone (same host) or it is {LOCK_STALE_S:.0f} s old") from None
+                # Renamed away first, so that of two runs taking over the same stale lock one wins the create.
+                with contextlib.suppress(FileNotFoundError):
+                    os.replace(lock.path, lock.path.with_name(f".{LOCK_FILENAME}.stale-{lock.content['token']}"))
+                    os.unlink(lock.path.with_name(f".{LOCK_FILENAME}.stale-{lock.content['token']}"))
+                notes.append(f" > took over the stale lock {lock.path} of host {holder.get('host')}, pid "
+                             f"{holder.get('pid')}: {reason}")
+                continue
+            lock._heartbeat = threading.Thread(target=lock._refresh, name="save-folder-lock", daemon=True)
+            lock._heartbeat.start()
+            return lock, notes
+        raise CheckpointError(f"could not take the lock {lock.path}: another run took it over at the same time")
+
+    def _refresh(self) -> None:
+        while not self._stop.wait(LOCK_HEARTBEAT_S):
+            with contextlib.suppress(OSError):
+                os.utime(self.path)
+
+    def verify(self) -> None:
+        """Raise :class:`CheckpointError` unless this run still holds the lock."""
+        holder, _ = _lock_holder(self.path)
+        if holder.get("token") != self.content["token"]:
+            raise CheckpointError(f"this run lost the lock {self.path} of its --save folder to host "
+                                  f"{holder.get('host')}, pid {holder.get('pid')} (it was stale: not refreshed for "
+                                  f"{LOCK_STALE_S:.0f} s); not saving over that run's checkpoints")
+
+    def release(self) -> None:
+        self._stop.set()
+        holder, _ = _lock_holder(self.path)
+        if holder.get("token") == self.content["token"]:
+            self.path.unlink(missing_ok=True)
+
+
+def _lock_holder(path: Path) -> tuple[dict, float]:
+    """(content, seconds since last refreshed) of a lock file; an unreadable one reads as {}."""
+    try:
+        age = time.time() - path.stat().st_mtime
+    except FileNotFoundError:
+        return {}, 0.0
+    try:
+        content = json.loads(path.read_text())
+    except (OSError, ValueError):  # half written by a holder that died at once, or removed meanwhile
+        return {}, age
+    return (content if isinstance(content, dict) else {}), age
+
+
+def _stale_reason(holder: dict, age: float) -> Optional[str]:
+    if age > LOCK_STALE_S:
+        return f"not refreshed for {age:.0f} s (its run stopped)"
+    if holder.get("host") == socket.gethostname() and isinstance(holder.get("pid"), int):
+        try:
+            os.kill(holder["pid"], 0)
+        except ProcessLookupError:
+            return f"process {holder['pid']} is gone"
+        except PermissionError:  # alive, another user's
+            return None
+    return None
+
+
+def _clock(timestamp) -> str:
+    return time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(timestamp)) if isinstance(timestamp, (int, float)) \
+        else "an unknown time"
+
+
+def lock_save_folder(root: str) -> tuple[Optional[SaveFolderLock], List[str]]:
+    """Rank 0 takes ``root``'s :class:`SaveFolderLock` and removes the temporary files of interrupted
+    saves; agreed, so a held lock raises on every rank with the holder's host and pid. Returns the lock
+    (rank 0; None elsewhere) and notes to print."""
+    lock, notes, error = None, [], None
+    if dist.get_rank() == 0:
+        try:
+            lock, notes = SaveFolderLock.acquire(root)
+            leftovers = [p for p in Path(root).glob("**/.*") if p.is_file() and _is_temporary(p)]
+            for leftover in leftovers:
+                leftover.unlink()
+            if leftovers:
+                notes.append(f" > removed {len(leftovers)} temporary file(s) of interrupted saves under {root}: "
+                             + ", ".join(str(p.relative_to(root)) for p in leftovers[:4]))
+        except Exception as err:  # noqa: BLE001 -- every rank must learn of it
+            error = err if isinstance(err, CheckpointError) else CheckpointError(f"--save {root}: {describe(err)}")
+    raise_if_any_rank_failed(error, what=f"taking the lock of --save {root}")
+    return lock, notes

@@ -35,10 +35,13 @@ from megatron_orch.comm.gather import all_gather_to_host
 from megatron_orch.mllm import providers
 from megatron_orch.mllm.providers import runs_on_cpu
 from megatron_orch.comm.status import raise_if_any_rank_failed
-from megatron_orch.trainer.checkpointing import TrainState, load_checkpoint, run_config, save_checkpoint
+from megatron_orch.mllm.data import TooManyBadExamplesError
+from megatron_orch.trainer.checkpointing import (TrainState, load_checkpoint, lock_save_folder, new_run_id, run_config,
+                                                 save_checkpoint)
 from megatron_orch.trainer.faults import StepReader, naming_lost_collectives
 from megatron_orch.trainer.training_log import (LOAD_FIELDS, PHASE_TIMERS, POST_BALANCING_FIELDS, IntervalStats,
-                                                IterationRecord, LoadMeter, TensorBoardLog, max_and_mean_over_group)
+                                                IterationRecord, LoadMeter, TensorBoardLog, gather_data_events,
+                                                max_and_mean_over_group)
 
 ForwardStep = Callable[[Iterator, torch.nn.Module], tuple]
 
@@ -213,7 +216,8 @@ def _interval_record(args, state: TrainState, stats: IntervalStats, last_step: d
         load_max=dict(zip(LOAD_FIELDS, load_max.tolist())), load_mean=dict(zip(LOAD_FIELDS, load_mean.tolist())),
         phase_ms_max={PHASE_TIMERS[i]: float(np.nanmax(per_rank[:, i])) for i in ran},
         phase_ms_mean={PHASE_TIMERS[i]: float(np.nanmean(per_rank[:, i])) for i in ran},
-        post_balancing=_post_balancing_figures(stats, n))
+        post_balancing=_post_balancing_figures(stats, n), bad_examples=stats.bad_examples,
+        truncated_answers=stats.truncated_answers)
 
 
 def _post_balancing_figures(stats: IntervalStats, n: int) -> Optional[dict]:
@@ -235,21 +239,55 @@ def train(args: argparse.Namespace, model: list, optimizer, scheduler, data_iter
           state: TrainState, timers: Timers, forward_step: ForwardStep = providers.forward_step,
           print_fn: Callable[[str], None] = print,
           forward_backward_func: Optional[Callable] = None,
-          read_step: Optional[Callable[[], None]] = None) -> list[IterationRecord]:
+          read_step: Optional[Callable[[], None]] = None, data_source=None, lock=None,
+          config: Optional[dict] = None) -> list[IterationRecord]:
     """Train up to ``args.train_iters`` (or the next multiple of ``--exit-interval``), then save if
     ``--save``; returns the records of the logged iterations (on the logging rank, else empty).
 
     ``read_step``: called on every rank before each step (:meth:`StepReader.read_step`). A collective
     that times out or loses a peer raises :class:`~megatron_orch.trainer.faults.CollectiveFailureError`
-    naming the ranks that never reached a collective.
+    naming the ranks that never reached a collective. ``data_source``: the loader's
+    :class:`~megatron_orch.mllm.data.TrainIterator`, whose skipped examples and truncated answers are
+    reported after each step (:func:`_report_data_events`). ``lock``: rank 0's lock of ``--save``.
+    ``config``: the run config saved with each checkpoint (default :func:`run_config` of ``args`` now).
     """
+    config = run_config(args) if config is None else config
     with naming_lost_collectives(lambda: f"iteration {state.iteration + 1}", args.distributed_timeout_minutes):
         return _train(args, model, optimizer, scheduler, data_iterator, state, timers, forward_step, print_fn,
-                      forward_backward_func, read_step)
+                      forward_backward_func, read_step, data_source, lock, config)
+
+
+def _report_data_events(args, data_source, state: TrainState, print_fn) -> tuple[int, int]:
+    """(bad examples skipped, answers truncated) by the samples trained so far, over every DP rank.
+
+    Every rank of a DP group gets the same events (its TP/PP peers read the same samples), so every
+    rank counts alike and raises alike once more than ``--max-bad-examples`` were skipped; the logging
+    rank prints each skip and the run's first truncated answer."""
+    if data_source is None:  # a loader without events (every rank builds the same kind)
+        return 0, 0
+    events = gather_data_events(data_source.take_events(state.consumed_samples),
+                                parallel_state.get_data_parallel_group())
+    skipped = [e for e in events if e.skipped]
+    truncated = [e for e in events if not e.skipped]
+    if _logging_rank():
+        for event in skipped:
+            print_fn(f" > bad example skipped (--max-bad-examples {args.max_bad_examples}): {event.message}; "
+                     f"sample {event.position} trains on {event.replacement} instead")
+        if truncated and state.truncated_answers == 0:
+            print_fn(f" > {truncated[0].message}; answers truncated from here on are counted in the iteration "
+                     "lines (--refuse-long-answers makes them bad examples)")
+    state.bad_examples += len(skipped)
+    state.truncated_answers += len(truncated)
+    if state.bad_examples > args.max_bad_examples:
+        last = skipped[-1].message if skipped else "skipped before the checkpoint this run resumed from"
+        raise TooManyBadExamplesError(
+            f"{state.bad_examples} bad examples by iteration {state.iteration}, more than --max-bad-examples "
+            f"{args.max_bad_examples}; the last: {last}")
+    return len(skipped), len(truncated)
 
 
 def _train(args, model, optimizer, scheduler, data_iterator, state, timers, forward_step, print_fn,
-           forward_backward_func, read_step) -> list[IterationRecord]:
+           forward_backward_func, read_step, data_source, lock, config) -> list[IterationRecord]:
     meter = LoadMeter(data_iterator)
     tensorboard = TensorBoardLog(args.tensorboard_dir) if args.tensorboard_dir and _logging_rank() else None
     records, stats, first_iteration = [], IntervalStats(), state.iteration
@@ -268,7 +306,7 @@ def _train(args, model, optimizer, scheduler, data_iterator, state, timers, forw
         state.iteration += 1
         state.consumed_samples += args.global_batch_size
         stats.add(elapsed, meter.take(), _phase_seconds(timers), result["skipped"], result["lm_loss"],
-                  meter.take_post_balancing())
+                  meter.take_post_balancing(), *_report_data_events(args, data_source, state, print_fn))
         if state.iteration % args.log_interval == 0 or state.iteration == args.train_iters:
             record = _interval_record(args, state, stats, result, optimizer)
             stats = IntervalStats()
@@ -278,10 +316,10 @@ def _train(args, model, optimizer, scheduler, data_iterator, state, timers, forw
                 if tensorboard is not None:
                     tensorboard.write(record)
         if args.save and args.save_interval and state.iteration % args.save_interval == 0:
-            _save(args, state, model, optimizer, scheduler, print_fn)
+            _save(args, state, model, optimizer, scheduler, print_fn, config, lock)
     saved_last = args.save_interval and state.iteration % args.save_interval == 0
     if args.save and state.iteration > first_iteration and not saved_last:
-        _save(args, state, model, optimizer, scheduler, print_fn)
+        _save(args, state, model, optimizer, scheduler, print_fn, config, lock)
     if exit_interval_reached and _logging_rank():
         print_fn(f"[exiting program at iteration {state.iteration} (--exit-interval {args.exit_interval})] "
                  f"datetime: {_now()} ")
@@ -294,11 +332,13 @@ def _now() -> str:
     return datetime.now().strftime("%Y-%m-%d %H:%M:%S.%f")
 
 
-def _save(args, state: TrainState, model: list, optimizer, scheduler, print_fn: Callable[[str], None]) -> None:
+def _save(args, state: TrainState, model: list, optimizer, scheduler, print_fn: Callable[[str], None], config,
+          lock) -> None:
     """save_checkpoint with Megatron-LM's lines before and after (from the rank that logs the iterations)."""
     if _logging_rank():
         print_fn(f"[{_now()}] saving checkpoint at iteration {state.iteration:7d} to {args.save}")
-    save_checkpoint(args.save, state, model, optimizer, scheduler, args.use_distributed_optimizer, run_config(args))
+    save_checkpoint(args.save, state, model, optimizer, scheduler, args.use_distributed_optimizer, config, lock,
+                    args.keep_last_checkpoints)
     if _logging_rank():
         print_fn(f"  [{_now()}] successfully saved checkpoint from iteration {state.iteration:7d} to {args.save}")
 
@@ -309,54 +349,72 @@ def pretrain(args: argparse.Namespace, model_provider: Callable = providers.buil
     """Initialise, build, (resume,) train; the compact counterpart of ``megatron.training.pretrain``
     (``model_provider(args, pre_process, post_process)``, ``forward_step(data_iterator, model)``)."""
     initialize(args)
-    # A collective lost while building, loading or setting up the data (a rank stuck or gone) is
-    # reported with the ranks that never reached one; train() does the same per iteration.
-    with naming_lost_collectives(lambda: "setup", args.distributed_timeout_minutes):
-        timers = Timers(log_level=max(1, args.timing_log_level), log_option="minmax")
-        model = build_model(args, model_provider)
-        optimizer, scheduler = build_optimizer(args, model, timers)
-        attach_to_model_config(model, optimizer, timers)
-        time_encoder_forwards(model, timers)
-        state = TrainState()
-        if args.load:
-            # Returns on every rank only when every rank loaded (or none found a checkpoint).
-            state = load_checkpoint(args.load, model, optimizer, scheduler, args.use_distributed_optimizer,
-                                    run_config(args), scheduler_source(args))
-            if _logging_rank():
-                for note in state.notes:
+    lock = None
+    try:
+        # A collective lost while building, loading or setting up the data (a rank stuck or gone) is
+        # reported with the ranks that never reached one; train() does the same per iteration.
+        with naming_lost_collectives(lambda: "setup", args.distributed_timeout_minutes):
+            if args.save:  # one run per save folder; rank 0 holds the lock until the run ends
+                lock, notes = lock_save_folder(args.save)
+                for note in notes:
                     print_fn(note)
-                if state.iteration:
-                    print_fn(f" resumed from {args.load} at iteration {state.iteration} "
-                             f"(consumed samples {state.consumed_samples})")
-            if state.iteration >= args.train_iters:  # the same on every rank: each one stops here
-                raise ValueError(f"nothing left to train: the checkpoint under --load {args.load} is at iteration "
-                                 f"{state.iteration} and --train-iters is {args.train_iters}; raise --train-iters "
-                                 "to train further")
+            return _set_up_and_train(args, model_provider, forward_step, print_fn, lock)
+    finally:
+        if lock is not None:
+            lock.release()
+
+
+def _set_up_and_train(args, model_provider, forward_step, print_fn, lock) -> list[IterationRecord]:
+    timers = Timers(log_level=max(1, args.timing_log_level), log_option="minmax")
+    model = build_model(args, model_provider)
+    optimizer, scheduler = build_optimizer(args, model, timers)
+    attach_to_model_config(model, optimizer, timers)
+    time_encoder_forwards(model, timers)
+    state, config = TrainState(), run_config(args)  # the manifest as it is now, which the run reads next
+    if args.load:
+        # Returns on every rank only when every rank loaded (or none found a checkpoint).
+        state = load_checkpoint(args.load, model, optimizer, scheduler, args.use_distributed_optimizer,
+                                config, scheduler_source(args), args.ckpt_step, args.allow_changed_data)
+        if _logging_rank():
+            for note in state.notes:
+                print_fn(note)
+            if state.iteration:
+                print_fn(f" resumed from {args.load} at iteration {state.iteration} "
+                         f"(consumed samples {state.consumed_samples})")
+        if state.iteration >= args.train_iters:  # the same on every rank: each one stops here
+            raise ValueError(f"nothing left to train: the checkpoint under --load {args.load} is at iteration "
+                             f"{state.iteration} and --train-iters is {args.train_iters}; raise --train-iters "
+                             "to train further")
+    if not state.run_id:
+        state.run_id = new_run_id()
+    if dist.get_rank() == 0:
+        print_fn(_describe(args, model))
+    data_iterator, error = None, None
+    try:  # the manifest is read here: a bad one raises on every rank, with its line and path
+        data_iterator = providers.build_train_data_iterator(
+            args, state.consumed_samples, parallel_state.get_data_parallel_rank(), args.data_parallel_size)
+    except Exception as err:  # noqa: BLE001
+        error = err
+    raise_if_any_rank_failed(error, what="building the training data iterator")
+    data_source = data_iterator if hasattr(data_iterator, "take_events") else None
+    if data_source is not None and _logging_rank() and data_source.epoch_note() is not None:
+        print_fn(data_source.epoch_note())
+    forward_backward_func, read_step = get_forward_backward_func(), None
+    if args.orch_config is not None:
+        data_iterator, forward_backward_func = providers.build_post_balancing(
+            args, args.orch_config, data_iterator, forward_backward_func)
         if dist.get_rank() == 0:
-            print_fn(_describe(args, model))
-        data_iterator, error = None, None
-        try:  # the manifest is read here: a bad one raises on every rank, with its line and path
-            data_iterator = providers.build_train_data_iterator(
-                args, state.consumed_samples, parallel_state.get_data_parallel_rank(), args.data_parallel_size)
-        except Exception as err:  # noqa: BLE001
-            error = err
-        raise_if_any_rank_failed(error, what="building the training data iterator")
-        forward_backward_func, read_step = get_forward_backward_func(), None
-        if args.orch_config is not None:
-            data_iterator, forward_backward_func = providers.build_post_balancing(
-                args, args.orch_config, data_iterator, forward_backward_func)
-            if dist.get_rank() == 0:
-                topology = data_iterator.topology
-                print_fn(f" > post-balancing on: {args.orch_config} | DP group: {topology.num_ranks} ranks on "
-                         f"{topology.num_nodes} node(s)")
-        else:
-            data_iterator = StepReader(data_iterator, args.num_microbatches)
-            read_step = data_iterator.read_step
-        # megatron.training hands the schedule its iterator wrapped by the rerun machinery; so do we, so the
-        # post-balancing iterator is exercised exactly as it is there.
-        data_iterator = RerunDataIterator(data_iterator)
-        return train(args, model, optimizer, scheduler, data_iterator, state, timers, forward_step, print_fn,
-                     forward_backward_func, read_step)
+            topology = data_iterator.topology
+            print_fn(f" > post-balancing on: {args.orch_config} | DP group: {topology.num_ranks} ranks on "
+                     f"{topology.num_nodes} node(s)")
+    else:
+        data_iterator = StepReader(data_iterator, args.num_microbatches)
+        read_step = data_iterator.read_step
+    # megatron.training hands the schedule its iterator wrapped by the rerun machinery; so do we, so the
+    # post-balancing iterator is exercised exactly as it is there.
+    data_iterator = RerunDataIterator(data_iterator)
+    return train(args, model, optimizer, scheduler, data_iterator, state, timers, forward_step, print_fn,
+                 forward_backward_func, read_step, data_source, lock, config)
 
 
 def _describe(args: argparse.Namespace, model: list) -> str:

@@ -8,16 +8,19 @@ max).
 """
 from __future__ import annotations
 
+import dataclasses
+import json
 import math
 import re
 from dataclasses import dataclass, field
-from typing import Iterator, Optional
+from typing import Iterator, List, Optional
 
 import torch
 
 from megatron_orch.balance.workload import ENCODER_PHASES, PHASES
 from megatron_orch.comm.gather import all_gather_to_host
 from megatron_orch.megatron.post_balancing import BalancedStep
+from megatron_orch.mllm.data import DataEvent
 
 # Per-rank load of each phase, counted from the micro-batches a rank consumed.
 LOAD_FIELDS = ("vision items", "audio windows", "backbone tokens")
@@ -88,6 +91,8 @@ class IntervalStats:
     loss_iterations: int = 0
     skipped: int = 0
     nan: int = 0
+    bad_examples: int = 0       # skipped and replaced (over the DP group)
+    truncated_answers: int = 0  # over the DP group
     load: torch.Tensor = field(default_factory=lambda: torch.zeros(len(LOAD_FIELDS), dtype=torch.float64))
     phase_s: dict = field(default_factory=dict)
     post_balancing: Optional[torch.Tensor] = None
@@ -98,7 +103,10 @@ class IntervalStats:
         return self.loss_sum / self.loss_iterations if self.loss_iterations else None
 
     def add(self, elapsed_s: float, load: torch.Tensor, phase_s: dict, skipped: bool,
-            lm_loss: Optional[float], post_balancing: Optional[torch.Tensor] = None) -> None:
+            lm_loss: Optional[float], post_balancing: Optional[torch.Tensor] = None, bad_examples: int = 0,
+            truncated_answers: int = 0) -> None:
+        self.bad_examples += bad_examples
+        self.truncated_answers += truncated_answers
         nan = lm_loss is not None and not math.isfinite(lm_loss)
         if lm_loss is not None and not nan and not skipped:
             self.loss_sum += lm_loss
@@ -113,6 +121,22 @@ class IntervalStats:
         self.nan += int(nan)
         for name, seconds in phase_s.items():
             self.phase_s[name] = self.phase_s.get(name, 0.0) + seconds
+
+
+def gather_data_events(events: List[DataEvent], group) -> List[DataEvent]:
+    """Every rank's events of ``group``, in sample order, on every rank: one fixed-size collective, a
+    second one carrying the events only when some rank has any."""
+    encoded = json.dumps([dataclasses.astuple(e) for e in events]).encode() if events else b""
+    lengths = all_gather_to_host(torch.tensor([len(encoded)], dtype=torch.int64), group).reshape(-1)
+    if not lengths.any():
+        return []
+    buffer = torch.zeros(int(lengths.max()), dtype=torch.uint8)
+    if encoded:
+        buffer[:len(encoded)] = torch.frombuffer(bytearray(encoded), dtype=torch.uint8)
+    rows = all_gather_to_host(buffer, group)
+    gathered = [DataEvent(*fields) for row, length in zip(rows, lengths.tolist()) if length
+                for fields in json.loads(bytes(row[:length].tolist()))]
+    return sorted(gathered, key=lambda e: (e.position, not e.skipped))
 
 
 def max_and_mean_over_group(values: torch.Tensor, group) -> tuple[torch.Tensor, torch.Tensor]:
@@ -141,6 +165,8 @@ class IterationRecord:
     phase_ms_max: dict
     phase_ms_mean: dict
     post_balancing: Optional[dict] = None  # POST_BALANCING_FIELDS -> interval mean (times: max over DP)
+    bad_examples: int = 0       # skipped in the interval (--max-bad-examples)
+    truncated_answers: int = 0  # in the interval
 
     def line(self, train_iters: int) -> str:
         parts = [f" iteration {self.iteration:8d}/{train_iters:8d}",
@@ -155,6 +181,8 @@ class IterationRecord:
             parts.append(f" grad norm: {self.grad_norm:.3f}")
         parts += [f" number of skipped iterations: {self.skipped:3d}",
                   f" number of nan iterations: {self.nan:3d}",
+                  f" number of bad examples skipped: {self.bad_examples:3d}",
+                  f" number of answers truncated: {self.truncated_answers:3d}",
                   f" tokens/s: {self.tokens_per_s:.1f}"]
         load = ", ".join(f"{name} {self.load_max[name]:.0f}/{self.load_mean[name]:.1f}"
                          f" ({_ratio(self.load_max[name], self.load_mean[name])})" for name in LOAD_FIELDS)
@@ -196,6 +224,8 @@ class TensorBoardLog:
         w.add_scalar("loss-scale", record.loss_scale, step)
         w.add_scalar("iteration-time-ms", record.elapsed_ms, step)
         w.add_scalar("tokens-per-s", record.tokens_per_s, step)
+        w.add_scalar("bad-examples-skipped", record.bad_examples, step)
+        w.add_scalar("answers-truncated", record.truncated_answers, step)
         for name in LOAD_FIELDS:
             key = name.replace(" ", "-")
             w.add_scalar(f"load/{key}-max", record.load_max[name], step)
@@ -217,8 +247,9 @@ _NUMBER = r"([-+0-9.eE]+|nan|inf)"
 def parse_iteration_line(line: str) -> Optional[dict]:
     """The figures of one iteration line (:meth:`IterationRecord.line`), or None for other lines.
 
-    Returns ``iteration``, ``lm_loss``, ``elapsed_ms``, ``load`` {field: (max, mean)}, ``time_ms``
-    {timer: (max, mean)} and, with post-balancing, ``post_balancing`` {field: value}.
+    Returns ``iteration``, ``lm_loss``, ``elapsed_ms``, ``bad_examples``, ``truncated_answers``, ``load``
+    {field: (max, mean)}, ``time_ms`` {timer: (max, mean)} and, with post-balancing, ``post_balancing``
+    {field: value}.
     """
     match = re.match(r"\s*iteration\s+(\d+)/\s*(\d+) \|", line)
     if not match:
@@ -230,6 +261,8 @@ def parse_iteration_line(line: str) -> Optional[dict]:
         fields[key] = value
     out["elapsed_ms"] = float(fields["elapsed time per iteration (ms)"])
     out["lm_loss"] = float(fields["lm loss"]) if "lm loss" in fields else None
+    out["bad_examples"] = int(fields.get("number of bad examples skipped", 0))
+    out["truncated_answers"] = int(fields.get("number of answers truncated", 0))
     for name, high, mean in re.findall(rf"\s*([a-z][a-z ]*?) {_NUMBER}/{_NUMBER}",
                                        fields["load per rank max/mean over DP"]):
         out["load"][name.strip()] = (float(high), float(mean))

@@ -1,0 +1,166 @@
+"""Check a JSONL manifest before training on it, every example as the trainer checks it when it reads it.
+
+    python -m megatron_orch.mllm.check_data --data-path train.jsonl --seq-length 2048 [--model-config M]
+        [--max-num-tiles N --max-image-pixels N --max-audio-seconds S --max-vision-items-per-sample N]
+        [--refuse-long-answers] [--decode] [--workers N]
+
+Each example's files are checked from their headers (a missing or unreadable file, an image above
+``--max-image-pixels``, too many tiles, a log-mel array with the wrong mel bins or too long, prompt and
+media that do not fit ``--seq-length``, declared ``sizes`` that differ from the files), on a pool of
+threads, with a progress line on stderr. ``--decode`` loads every example as training does (image
+pixels decoded, arrays read), which also finds truncated or corrupt image data behind a good header.
+Every bad line is printed as ``manifest.jsonl:LINE: reason``, then a summary; the exit status is 1 if
+any line is bad, 0 otherwise (2: the command line or a line's JSON is wrong: the manifest is parsed
+first and stops at such a line). Answers longer than ``--seq-length`` allows are counted (training
+truncates them, keeping the EOS), or bad with ``--refuse-long-answers``.
+
+:func:`add_data_args` defines the data flags shared with ``pretrain_mllm.py``. This module imports
+torch only when a check runs, so ``megatron_orch.trainer.arguments`` can take the flags from it.
+"""
+from __future__ import annotations
+
+import argparse
+import concurrent.futures
+import os
+import sys
+import time
+from dataclasses import dataclass, field
+from typing import Callable, List, Optional, Sequence
+
+
+def add_data_args(parser: argparse.ArgumentParser):
+    """The data flags of ``pretrain_mllm.py`` that decide whether an example is good; returns their group."""
+    g = parser.add_argument_group("multimodal data limits (--data-path manifests; checked from file headers "
+                                  "before any data is read)")
+    g.add_argument("--max-num-tiles", type=int, default=6,
+                   help="most tiles of one image's grid (InternVL-style dynamic tiling; Megatron-LM's flag, "
+                        "whose default is 1)")
+    g.add_argument("--max-image-pixels", type=int, default=8192 * 8192,
+                   help="most pixels (width x height) of one image before tiling")
+    g.add_argument("--max-audio-seconds", type=float, default=600.0,
+                   help="longest audio clip, in seconds of log-mel frames (100 per second)")
+    g.add_argument("--max-vision-items-per-sample", type=int, default=64,
+                   help="most vision items (tiles and thumbnails of all its images) of one example")
+    g.add_argument("--refuse-long-answers", action="store_true",
+                   help="an answer longer than --seq-length leaves room for is a bad example (default: it is "
+                        "truncated, keeping the EOS, and counted)")
+    return g
+
+
+_CHUNK = 64  # examples per task of the thread pool
+
+
+@dataclass
+class CheckReport:
+    """What :func:`check_manifest` found: bad lines and truncated answers, in manifest order."""
+
+    checked: int = 0
+    bad: List[str] = field(default_factory=list)        # "manifest.jsonl:7: reason"
+    truncated: List[str] = field(default_factory=list)  # notes of answers training would truncate
+
+
+def check_manifest(dataset, decode: bool = False, workers: int = 8,
+                   progress: Optional[Callable[[int, int, int], None]] = None) -> CheckReport:
+    """Check every example of a :class:`~megatron_orch.mllm.manifest.ManifestDataset` on ``workers``
+    threads (``dataset.check``); ``progress(done, total, bad)`` is called as examples complete."""
+    from megatron_orch.mllm.manifest import ManifestError
+
+    def check(indices):  # a chunk of examples per task: one example's headers take well under a millisecond
+        outcomes = []
+        for index in indices:
+            try:
+                outcomes.append((None, dataset.check(index, decode=decode)))
+            except ManifestError as err:
+                outcomes.append((str(err), None))
+        return outcomes
+
+    report, total = CheckReport(), len(dataset)
+    chunks = [range(start, min(start + _CHUNK, total)) for start in range(0, total, _CHUNK)]
+    with concurrent.futures.ThreadPoolExecutor(max_workers=max(1, workers)) as pool:
+        for outcomes in pool.map(check, chunks):
+            for bad, truncated in outcomes:
+                report.checked += 1
+                if bad is not None:
+                    report.bad.append(bad)
+                if truncated is not None:
+                    report.truncated.append(truncated)
+            if progress is not None:
+                progress(report.checked, total, len(report.bad))
+    return report
+
+
+class _Progress:
+    """``checked 1200/5000 examples (24%), 2 bad`` on stderr: rewritten in place on a terminal (10 per
+    second at most), else one line per tenth."""
+
+    def __init__(self, stream=None):
+        self.stream = sys.stderr if stream is None else stream
+        self.tty = self.stream.isatty()
+        self.last_time, self.last_tenth = 0.0, 0
+
+    def __call__(self, done: int, total: int, bad: int) -> None:
+        line = f"[check_data] checked {done}/{total} examples ({100 * done // total}%), {bad} bad"
+        if self.tty:
+            now = time.monotonic()
+            if now - self.last_time >= 0.1 or done == total:
+                self.last_time = now
+                self.stream.write("\r" + line + ("\n" if done == total else ""))
+                self.stream.flush()
+        elif 10 * done // total > self.last_tenth:
+            self.last_tenth = 10 * done // total
+            print(line, file=self.stream, flush=True)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m megatron_orch.mllm.check_data", allow_abbrev=False,
+                                     description="Check every example of a JSONL manifest as training would.")
+    parser.add_argument("--data-path", required=True, help="the JSONL manifest")
+    parser.add_argument("--model-config", default="tiny", help="name in configs/ or a YAML path (as pretrain_mllm.py)")
+    parser.add_argument("--seq-length", type=int, required=True, help="longest backbone sequence (tokens)")
+    parser.add_argument("--decode", action="store_true",
+                        help="load every example (decode images, read arrays), not only the file headers")
+    parser.add_argument("--workers", type=int, default=min(32, 2 * (os.cpu_count() or 1)),
+                        help="threads reading files (default: twice the CPU count, at most 32)")
+    add_data_args(parser)
+    return parser
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    args = build_parser().parse_args(argv)
+    from megatron_orch.balance.model_config import load_model_config
+    from megatron_orch.mllm.examples import example_shape
+    from megatron_orch.mllm.manifest import InputLimits, ManifestDataset, ManifestError, image_tiling
+
+    prog = "check_data"
+    try:
+        model_config = load_model_config(args.model_config)
+        limits = InputLimits(max_image_pixels=args.max_image_pixels, max_audio_seconds=args.max_audio_seconds,
+                             max_vision_items_per_sample=args.max_vision_items_per_sample)
+        dataset = ManifestDataset(args.data_path, example_shape(model_config, args.seq_length),
+                                  image_tiling(model_config, args.max_num_tiles), limits=limits,
+                                  refuse_long_answers=args.refuse_long_answers)
+    except ManifestError as err:
+        print(err, flush=True)
+        print(f"{prog}: error: the manifest does not parse at this line (checking stops at it)", file=sys.stderr)
+        return 2
+    except (OSError, ValueError, TypeError) as err:
+        print(f"{prog}: error: {err}", file=sys.stderr)
+        return 2
+    start = time.perf_counter()
+    report = check_manifest(dataset, decode=args.decode, workers=args.workers, progress=_Progress())
+    for line in report.bad:
+        print(line, flush=True)
+    shown = report.truncated[:10]
+    for note in shown:
+        print(note)
+    if len(report.truncated) > len(shown):
+        print(f"... and {len(report.truncated) - len(shown)} more answers truncated")
+    what = "decoded" if args.decode else "file headers checked"
+    print(f"{prog}: {args.data_path}: {report.checked} examples ({what}) in {time.perf_counter() - start:.1f} s: "
+          f"{len(report.bad)} bad, {len(report.truncated)} answers longer than --seq-length {args.seq_length} "
+          f"allows (training truncates them{'' if args.decode else '; --decode also reads the data'})", flush=True)
+    return 1 if report.bad else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

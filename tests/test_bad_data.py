@@ -1,0 +1,231 @@
+"""Bad examples found before the run (``check_data``) and handled during it (``--max-bad-examples``).
+
+``python -m megatron_orch.mllm.check_data`` names every bad line of a manifest (a missing image, mel
+arrays with the wrong bins, wrong declared sizes, media that do not fit, a truncated PNG with
+``--decode``). Then one spawned DP 2 run trains on a manifest of 7 examples whose line 2 names a
+missing image, 8 samples (so the last one comes from a second epoch), with dropout on (the resume must
+restore the RNG streams): with ``--max-bad-examples 1`` the run completes and reports the skip, and a
+run stopped at iteration 2 and resumed gives the uninterrupted run's losses; with post-balancing the
+skip is reported once too; with ``--max-bad-examples 0`` the bad example ends the run naming its line;
+a second bad example beyond the limit stops the run; resuming over the manifest with two lines
+swapped is refused, unless ``--allow-changed-data``.
+"""
+import json
+import re
+import warnings
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from dist_utils import run_distributed
+from pretrain_outcome import pretrain_outcome
+
+warnings.filterwarnings("ignore", message=r".*(Transformer Engine|Apex).*not installed")
+
+SEED = 5
+COMMON = ["--model-config", "tiny", "--seq-length", "128", "--micro-batch-size", "1", "--global-batch-size", "2",
+          "--train-iters", "4", "--lr", "2e-3", "--log-interval", "1", "--seed", str(SEED),
+          "--distributed-backend", "gloo", "--hidden-dropout", "0.1", "--attention-dropout", "0.1"]
+NUM_EXAMPLES = 7
+
+
+def write_data(folder: Path, missing_lines=(2,), name="m.jsonl") -> Path:
+    from PIL import Image
+    rng = np.random.default_rng(0)
+    np.save(folder / "square.npy", rng.random((16, 16, 3)).astype(np.float32))
+    np.save(folder / "speech.npy", rng.standard_normal((100, 16)).astype(np.float32))
+    Image.fromarray(rng.integers(0, 255, (40, 24, 3), dtype=np.uint8)).save(folder / "tall.png")
+    entries = [{"text": f"example number {i}", "prompt": "describe:",
+                "images": ["tall.png" if i % 3 == 0 else "square.npy"], "audio": ["speech.npy"] if i % 2 else []}
+               for i in range(NUM_EXAMPLES)]
+    for line in missing_lines:
+        entries[line - 1]["images"] = ["gone.png"]
+    path = folder / name
+    path.write_text("".join(json.dumps(e) + "\n" for e in entries))
+    return path
+
+
+# ----------------------------------------------------------------------------------------------- check_data
+
+def test_check_data_names_every_bad_line(tmp_path, capsys):
+    from PIL import Image
+
+    from megatron_orch.mllm import check_data
+
+    path = write_data(tmp_path)
+    np.save(tmp_path / "wrong_bins.npy", np.zeros((10, 80), np.float32))
+    Image.open(tmp_path / "tall.png").save(tmp_path / "cut.png")
+    data = (tmp_path / "cut.png").read_bytes()
+    (tmp_path / "cut.png").write_bytes(data[:len(data) // 2])
+    extra = [{"text": "a", "audio": ["wrong_bins.npy"]},
+             {"text": "abc", "images": ["square.npy"], "sizes": {"vision_items": 3, "audio_items": 0, "text_tokens": 3}},
+             {"text": "a", "images": ["cut.png"]},
+             {"text": "x" * 500}]
+    with open(path, "a") as f:
+        f.write("".join(json.dumps(e) + "\n" for e in extra))
+    argv = ["--data-path", str(path), "--seq-length", "128", "--workers", "3"]
+    assert check_data.main(argv) == 1
+    out, err = capsys.readouterr()
+    bad = [line for line in out.splitlines() if re.match(r"\S+m.jsonl:\d+: ", line) and "answer of" not in line]
+    assert len(bad) == 3, out
+    assert re.fullmatch(r"\S+m.jsonl:2: image file \S+gone.png does not exist", bad[0]), bad
+    assert re.fullmatch(r"\S+m.jsonl:8: audio \S+wrong_bins.npy has shape \(10, 80\), expected \[frames >= 1, 16\]",
+                        bad[1]), bad
+    assert re.search(r"m.jsonl:9: declared 'sizes' differ from the data \(declared, real\): \{'vision_items': \(3, 1\)\}",
+                     bad[2]), bad
+    assert re.search(r"m.jsonl:11: answer of 500 tokens, \d+ fit in --seq-length 128", out), out
+    assert re.search(r"check_data: \S+m.jsonl: 11 examples \(file headers checked\) in [\d.]+ s: 3 bad, 1 answers "
+                     r"longer than --seq-length 128", out), out
+    assert "checked 11/11 examples (100%), 3 bad" in err  # the progress line
+    assert check_data.main(argv + ["--decode"]) == 1
+    out, _ = capsys.readouterr()
+    assert re.search(r"m.jsonl:10: cannot read image \S+cut.png: image file is truncated", out), out
+    assert "4 bad" in out
+    assert check_data.main(argv + ["--refuse-long-answers"]) == 1
+    out, _ = capsys.readouterr()
+    assert re.search(r"m.jsonl:11: answer of 500 tokens, .*\(--refuse-long-answers\)", out) and "4 bad" in out, out
+
+
+def test_check_data_passes_good_data_and_stops_at_a_line_that_does_not_parse(tmp_path, capsys):
+    from megatron_orch.mllm import check_data
+
+    path = write_data(tmp_path, missing_lines=())
+    assert check_data.main(["--data-path", str(path), "--seq-length", "128", "--decode"]) == 0
+    assert "7 examples (decoded)" in capsys.readouterr().out
+    with open(path, "a") as f:
+        f.write('{"text": \n')
+    assert check_data.main(["--data-path", str(path), "--seq-length", "128"]) == 2
+    out, err = capsys.readouterr()
+    assert re.search(r"m.jsonl:8: not valid JSON", out) and "checking stops at it" in err, (out, err)
+
+
+# ------------------------------------------------------------------------------------------ training over it
+
+RUNS = {
+    "whole": ["--max-bad-examples", "1"],
+    "first": ["--max-bad-examples", "1", "--exit-interval", "2"],  # + --save
+    "second": ["--max-bad-examples", "1"],                         # + --load
+    "balanced": ["--max-bad-examples", "1", "--orch-post-balancing", "--orch-gpus-per-node", "2"],
+    "strict": [],
+    "too_many": ["--max-bad-examples", "1"],                       # a manifest with two bad lines
+    "changed_data": ["--max-bad-examples", "1"],                   # + --load; lines 3 and 4 swapped
+    "allowed_changed_data": ["--max-bad-examples", "1", "--allow-changed-data"],  # + --load
+}
+
+
+def _train_over_bad_data(rank, world_size, out_dir):
+    warnings.filterwarnings("ignore")
+    out = Path(out_dir)
+    for name, flags in RUNS.items():
+        data = out / ("two_bad.jsonl" if name == "too_many" else "m.jsonl")
+        flags = flags + ["--data-path", str(data)]
+        if name == "first":
+            flags += ["--save", str(out / "checkpoint")]
+        if name in ("second", "changed_data", "allowed_changed_data"):
+            flags += ["--load", str(out / "checkpoint")]
+        if name == "changed_data" and rank == 0:  # the same lines, two of them swapped: the same size
+            lines = data.read_text().splitlines(keepends=True)
+            lines[2], lines[3] = lines[3], lines[2]
+            data.write_text("".join(lines))
+        torch.distributed.barrier()
+        if name == "whole":
+            flags += ["--tensorboard-dir", str(out / "tensorboard")]
+        outcome = pretrain_outcome(COMMON + flags, world_size, losses="lm_loss", skipped="bad_examples")
+        torch.save(outcome, out / f"{name}_rank{rank}.pt")
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    from megatron_orch.mllm.data import SampleOrder
+
+    out = tmp_path_factory.mktemp("bad_data")
+    write_data(out)
+    write_data(out, missing_lines=(2, 3), name="two_bad.jsonl")
+    # The precondition of the scenario: the second epoch's first sample (the run's last) is not the bad
+    # example again, so --max-bad-examples 1 suffices.
+    assert SampleOrder(NUM_EXAMPLES, SEED)[NUM_EXAMPLES] != 1
+    run_distributed(_train_over_bad_data, 2, str(out), timeout_s=300.0)
+    return out, {name: [torch.load(out / f"{name}_rank{rank}.pt") for rank in range(2)] for name in RUNS}
+
+
+def _skip_lines(result):
+    return [line for line in result["lines"] if "bad example skipped" in line]
+
+
+def test_a_run_with_max_bad_examples_completes_reporting_the_skip(runs):
+    out, results = runs
+    whole = results["whole"][1]  # the logging rank
+    assert "error" not in whole, whole
+    assert sorted(whole["losses"]) == [1, 2, 3, 4] and all(np.isfinite(list(whole["losses"].values())))
+    skips = _skip_lines(whole)
+    assert len(skips) == 1 and re.fullmatch(
+        r" > bad example skipped \(--max-bad-examples 1\): \S+m.jsonl:2: image file \S+gone.png does not exist; "
+        r"sample 1 trains on \S+m.jsonl:\d instead", skips[0]), skips
+    assert whole["skipped"] == {1: 1, 2: 0, 3: 0, 4: 0}
+    iteration_1 = next(line for line in whole["lines"] if line.startswith(" iteration        1/"))
+    assert "| number of bad examples skipped:   1 |" in iteration_1, iteration_1
+    assert any("7 examples, the run trains on 8 samples: 2 epochs" in line for line in whole["lines"]), whole["lines"]
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    events = EventAccumulator(str(out / "tensorboard"))
+    events.Reload()
+    assert [(e.step, e.value) for e in events.Scalars("bad-examples-skipped")] == [(1, 1), (2, 0), (3, 0), (4, 0)]
+
+
+def test_resume_after_a_skip_is_exact(runs):
+    """Dropout is on: equal losses need the RNG streams restored as well as the data order."""
+    _, results = runs
+    whole, first, second = (results[name][1] for name in ("whole", "first", "second"))
+    assert sorted(first["losses"]) == [1, 2] and sorted(second["losses"]) == [3, 4], (first, second)
+    assert {**first["losses"], **second["losses"]} == whole["losses"]
+    assert len(_skip_lines(first)) == 1 and _skip_lines(second) == []
+
+
+def test_post_balancing_reports_the_skip_once(runs):
+    _, results = runs
+    balanced = results["balanced"][1]
+    assert "error" not in balanced, balanced
+    assert balanced["skipped"] == {1: 1, 2: 0, 3: 0, 4: 0} and len(_skip_lines(balanced)) == 1
+
+
+def test_without_max_bad_examples_a_bad_example_ends_the_run_in_one_line(runs):
+    _, results = runs
+    reader, other = results["strict"][1]["error"], results["strict"][0]["error"]  # DP rank 1 reads sample 1
+    assert re.fullmatch(r"ManifestError: \S+m.jsonl:2: image file \S+gone.png does not exist", reader), reader
+    assert other.startswith("PeerFailedError: reading the step's input failed on rank(s) [1]") and "\n" not in other
+    assert reader.split(": ", 1)[1] in other
+
+
+def test_more_bad_examples_than_allowed_stop_the_run_on_every_rank(runs):
+    _, results = runs
+    for rank, result in enumerate(results["too_many"]):
+        assert re.fullmatch(r"TooManyBadExamplesError: 2 bad examples by iteration 2, more than --max-bad-examples 1; "
+                            r"the last: \S+two_bad.jsonl:3: image file \S+gone.png does not exist",
+                            result.get("error", "")), (rank, result)
+
+
+def test_resuming_over_a_changed_manifest_is_refused_unless_allowed(runs):
+    _, results = runs
+    for rank, result in enumerate(results["changed_data"]):
+        assert re.search(r"--data-path \S+m.jsonl: the manifest changed since the checkpoint \(checkpoint bytes \d+, "
+                         r"sha256 [0-9a-f]{16}; now bytes \d+, sha256 [0-9a-f]{16}\), so the run's sample positions "
+                         r"name other examples \(pass --allow-changed-data to train on regardless\)",
+                         result.get("error", "")), (rank, result)
+    allowed = results["allowed_changed_data"][1]
+    assert sorted(allowed.get("losses", {})) == [3, 4], allowed
+    assert any("the manifest changed since the checkpoint" in line and "training on (--allow-changed-data)" in line
+               for line in allowed["lines"]), allowed["lines"]
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--max-bad-examples", "-1"], "--max-bad-examples must be >= 0, got -1"),
+    (["--keep-last-checkpoints", "0", "--save", "x"], "--keep-last-checkpoints must be >= 1, got 0"),
+    (["--keep-last-checkpoints", "2"], "--keep-last-checkpoints needs --save"),
+    (["--ckpt-step", "3"], "--ckpt-step needs --load"),
+])
+def test_data_and_checkpoint_flags_out_of_range_are_named(flags, message):
+    from megatron_orch.trainer import arguments
+
+    with pytest.raises(arguments.ArgumentError, match=re.escape(message)):
+        arguments.parse_args(COMMON + flags, world_size=2)
