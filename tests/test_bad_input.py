@@ -222,3 +222,19 @@ def test_compare_script_checks_both_runs_before_torchrun(tmp_path):
     assert proc.stderr.strip().splitlines()[-1] == ("pretrain_mllm.py: error: --lr must be a finite number in "
                                                      "[0, inf), got nan")
     assert "[compare]" not in proc.stdout and not out.exists()
+
+
+def test_readme_lists_the_megatron_flags_the_compact_trainer_accepts():
+    """README "Training" lists, group by group, exactly the Megatron-LM flags of the compact trainer's parser."""
+    import argparse
+    import re
+
+    from megatron_orch.trainer.arguments import add_megatron_args
+
+    parser = add_megatron_args(argparse.ArgumentParser())
+    accepted = {next(o for o in action.option_strings if "_" not in o)
+                for group in parser._action_groups[2:] for action in group._group_actions}
+    readme = (REPO / "README.md").read_text()
+    block = readme.split("The flags the compact trainer accepts", 1)[1].split("```", 1)[0]
+    listed = set(re.findall(r"`(--[a-z0-9-]+)`", block.split("\n\n", 1)[1]))
+    assert listed == accepted, (sorted(listed - accepted), sorted(accepted - listed))
