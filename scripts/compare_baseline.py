@@ -24,7 +24,9 @@ sys.path.insert(0, str(REPO))
 DEFAULT_FLAGS = ["--model-config", "tiny", "--seq-length", "256", "--micro-batch-size", "2",
                  "--global-batch-size", "32", "--train-iters", "20", "--lr", "1e-3", "--min-lr", "1e-4",
                  "--lr-warmup-iters", "2", "--lr-decay-style", "cosine", "--weight-decay", "0.01",
-                 "--clip-grad", "1.0", "--log-interval", "1", "--seed", "1234"]
+                 "--clip-grad", "1.0", "--log-interval", "1", "--seed", "1234",
+                 # dropout masks follow the rank that computes an example: off, the two runs agree exactly
+                 "--hidden-dropout", "0", "--attention-dropout", "0"]
 BALANCING_FLAGS = ["--orch-post-balancing"]
 # What the launcher (megatron_orch.trainer.launch) prints last when ranks fail.
 _FAILURE_PREFIXES = ("pretrain_mllm.py: error", "torchrun: rank")

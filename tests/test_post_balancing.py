@@ -21,7 +21,8 @@ ITERS = 5
 MBS, NUM_MB = 2, 2
 COMMON = ["--model-config", "tiny", "--seq-length", "192", "--micro-batch-size", str(MBS),
           "--train-iters", str(ITERS), "--lr", "1e-2", "--lr-warmup-iters", "0", "--log-interval", "1",
-          "--seed", "5", "--distributed-backend", "gloo", "--optimizer", "sgd"]
+          "--seed", "5", "--distributed-backend", "gloo", "--optimizer", "sgd",
+          "--hidden-dropout", "0", "--attention-dropout", "0"]  # dropout masks follow the computing rank
 BALANCED = ["--orch-post-balancing", "--orch-gpus-per-node", "2"]
 TIMEOUT_S = 300.0
 SCENARIOS = ("no_images", "audio_on_one_rank", "one_long_example", "heavy_on_one_rank", "mixed")

@@ -81,9 +81,10 @@ def add_megatron_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParse
     g.add_argument("--seq-length", type=int, required=True, help="longest backbone sequence (tokens)")
     g.add_argument("--make-vocab-size-divisible-by", type=int, default=128)
     g.add_argument("--init-method-std", type=float, default=0.02)
-    g.add_argument("--hidden-dropout", type=float, default=0.0,
-                   help="default 0 (Megatron: 0.1): keeps runs with balancing on and off comparable")
-    g.add_argument("--attention-dropout", type=float, default=0.0, help="default 0 (Megatron: 0.1)")
+    g.add_argument("--hidden-dropout", type=float, default=0.1,
+                   help="Megatron-LM's default 0.1; with 0 (and --attention-dropout 0) runs with balancing off and "
+                        "on agree to floating-point order (dropout masks follow the rank that computes an example)")
+    g.add_argument("--attention-dropout", type=float, default=0.1, help="Megatron-LM's default 0.1")
     g.add_argument("--transformer-impl", choices=["local", "transformer_engine"], default=None,
                    help="layer specs: megatron-core's local layers with torch SDPA attention, or Transformer "
                         "Engine's. Default: transformer_engine when it imports and the run is on GPUs, else local")
