@@ -11,8 +11,8 @@ import argparse
 from dataclasses import dataclass, field
 from typing import Iterator, Optional
 
-from megatron_orch.megatron.batch import ExampleShape, MicroBatch, collate
-from megatron_orch.mllm.examples import example_shape
+from megatron_orch.megatron.batch import MicroBatch, collate
+from megatron_orch.mllm.examples import ExampleLayout, example_layout
 from megatron_orch.mllm.manifest import InputLimits, ManifestDataset, image_tiling
 from megatron_orch.mllm.synthetic import SyntheticMultimodalDataset
 
@@ -59,7 +59,7 @@ class MegatronPretrainingSampler:
 class DataConfig:
     """What the training data iterator needs: the model (for shapes), batch sizes and the data source."""
 
-    model_config: object  # megatron_orch.balance.model_config.MLLMConfig
+    model_config: object  # megatron_orch.mllm.config.MLLMConfig
     seq_length: int
     micro_batch_size: int
     num_samples: int  # samples the run consumes in total (train_iters * global_batch_size)
@@ -70,14 +70,14 @@ class DataConfig:
     limits: InputLimits = field(default_factory=InputLimits)  # what one manifest example may hold
 
     @property
-    def shape(self) -> ExampleShape:
-        return example_shape(self.model_config, self.seq_length)
+    def layout(self) -> ExampleLayout:
+        return example_layout(self.model_config, self.seq_length)
 
 
 def build_dataset(config: DataConfig):
     """The dataset a :class:`DataConfig` names: the user's manifest, else the synthetic default."""
     if config.manifest is not None:
-        return ManifestDataset(config.manifest, config.shape, image_tiling(config.model_config, config.max_num_tiles),
+        return ManifestDataset(config.manifest, config.layout, image_tiling(config.model_config, config.max_num_tiles),
                                limits=config.limits)
     return SyntheticMultimodalDataset(config.model_config, config.num_samples, config.seed,
                                       seq_length=config.seq_length)
@@ -123,4 +123,5 @@ def build_train_iterator(config: DataConfig, consumed_samples: int, data_paralle
     sampler = MegatronPretrainingSampler(config.num_samples, consumed_samples, config.micro_batch_size,
                                          data_parallel_rank, data_parallel_size)
     pad_to = config.seq_length if config.pad_to_seq_length else None
-    return (collate([dataset[i] for i in indices], pad_to=pad_to) for indices in sampler)
+    spec = config.layout.spec
+    return (collate([dataset[i] for i in indices], spec, pad_to=pad_to) for indices in sampler)
