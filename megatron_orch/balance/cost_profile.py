@@ -204,13 +204,13 @@ _POINT_KEYS = {"items", "seq_len", "seconds", "fitted_seconds"}
 
 def profile_dict(device: str, dtype: str, model_name: str, phases: ModelPhases, fits: Dict[str, PhaseFit],
                  points: Dict[str, list], **extra) -> dict:
-    """The YAML document of a profile (what :func:`load_cost_profile` reads back)."""
-    phases = {}
+    """The YAML document of a profile of ``phases`` (what :func:`load_cost_profile` reads back)."""
+    documented = {}
     for name, fit in fits.items():
-        phases[name] = {f.name: getattr(fit, f.name) for f in fields(PhaseFit)}
-        phases[name]["points"] = points.get(name, [])
+        documented[name] = {f.name: getattr(fit, f.name) for f in fields(PhaseFit)}
+        documented[name]["points"] = points.get(name, [])
     return {"kind": PROFILE_KIND, "version": PROFILE_VERSION, "device": device, "dtype": dtype,
-            "model": {"name": model_name, "shape": phase_signatures(phases)}, "phases": phases, **extra}
+            "model": {"name": model_name, "shape": phase_signatures(phases)}, "phases": documented, **extra}
 
 
 def cost_profile_from_dict(data, source: str = "<dict>") -> CostProfile:

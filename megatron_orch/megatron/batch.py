@@ -105,9 +105,12 @@ class ExampleSizes:
     """What the balancer needs to know of an example, without its tensors."""
 
     sample_index: int
-    items: Mapping[str, int]  # items of each encoder phase
+    items: Mapping[str, int]  # items of each encoder phase that has any
     num_tokens: int        # backbone sequence length S (text + placeholders)
     num_loss_tokens: int   # tokens whose label counts in the loss
+
+    def num_items(self, phase: str) -> int:
+        return self.items.get(phase, 0)
 
 
 @dataclass(frozen=True, eq=False)
@@ -147,7 +150,7 @@ class Example:
         return 0 if items is None else items.shape[0]
 
     def sizes(self) -> ExampleSizes:
-        return ExampleSizes(self.sample_index, {name: t.shape[0] for name, t in self.items.items()},
+        return ExampleSizes(self.sample_index, {name: t.shape[0] for name, t in self.items.items() if t.shape[0]},
                             self.num_tokens, int(self.loss_mask.count_nonzero()))
 
 
@@ -221,8 +224,8 @@ class MicroBatch:
     def sizes(self) -> list[ExampleSizes]:
         loss_tokens = [int(self.loss_mask[row, start:end].count_nonzero()) for row, start, end in self._spans()]
         counts = {name: c.tolist() for name, c in self.item_counts.items()}
-        return [ExampleSizes(int(s), {name: c[i] for name, c in counts.items()}, int(n), lt) for i, (s, n, lt) in
-                enumerate(zip(self.sample_ids.tolist(), self.seq_lengths.tolist(), loss_tokens))]
+        return [ExampleSizes(int(s), {name: c[i] for name, c in counts.items() if c[i]}, int(n), lt)
+                for i, (s, n, lt) in enumerate(zip(self.sample_ids.tolist(), self.seq_lengths.tolist(), loss_tokens))]
 
     def attention_mask(self) -> Optional[torch.Tensor]:
         """Megatron-style bool mask [1, 1, T, T] (True = masked) for the packed layout; None when padded.

@@ -46,17 +46,16 @@ class ExampleLayout:
 
 
 def layout_sizes(sample_index: int, prompt_tokens: int, items: Mapping[str, int], answer_tokens: int,
-                 layout: ExampleLayout) -> ExampleSizes:
+                 spec: BatchSpec) -> ExampleSizes:
     """Sizes of the example :func:`assemble_example` builds from these parts (no tensors)."""
-    spec = layout.spec
     num_tokens = 1 + prompt_tokens + sum(items.get(p, 0) * spec.rows_per_item(p) for p in spec.phases.encoder_names)
-    return ExampleSizes(sample_index, dict(items), num_tokens + answer_tokens, answer_tokens + 1)
+    return ExampleSizes(sample_index, {p: n for p, n in items.items() if n}, num_tokens + answer_tokens,
+                        answer_tokens + 1)
 
 
 def assemble_example(sample_index: int, prompt: Sequence[int], answer: Sequence[int],
-                     items: Mapping[str, torch.Tensor], layout: ExampleLayout) -> Example:
-    """Lay out one example (module docstring) and check it against the layout's batch spec."""
-    spec = layout.spec
+                     items: Mapping[str, torch.Tensor], spec: BatchSpec) -> Example:
+    """Lay out one example (module docstring) and check it against ``spec``."""
     placeholders = []
     for encoder_input in spec.inputs:
         count = items[encoder_input.phase].shape[0] if encoder_input.phase in items else 0

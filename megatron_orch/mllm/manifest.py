@@ -235,13 +235,13 @@ class ManifestDataset:
              audio_items: int, answer_tokens: int) -> ExampleSizes:
         """Sizes after truncating the answer to the sequence length."""
         items = self._by_phase(vision_items, audio_items, record.where)
-        fixed = layout_sizes(sample_index, prompt_tokens, items, 0, self.layout)
+        fixed = layout_sizes(sample_index, prompt_tokens, items, 0, self.layout.spec)
         room = self.layout.seq_length - fixed.num_tokens
         if room < 1:
             raise ManifestError(f"{record.where}: prompt ({prompt_tokens} tokens), {vision_items} vision items "
                                 f"and {audio_items} audio windows need {fixed.num_tokens} tokens plus the "
                                 f"answer; seq_length is {self.layout.seq_length}")
-        return layout_sizes(sample_index, prompt_tokens, items, min(answer_tokens, room), self.layout)
+        return layout_sizes(sample_index, prompt_tokens, items, min(answer_tokens, room), self.layout.spec)
 
     def _by_phase(self, images, audio, where: str) -> dict:
         """The record's image tiles and audio windows (counts or tensors) as items of the encoder phases
@@ -285,7 +285,7 @@ class ManifestDataset:
                                     f"(declared, real): {wrong}")
         sizes = self._fit(record, sample_index, len(prompt), vision.shape[0], audio.shape[0], len(answer))
         return assemble_example(sample_index, prompt, answer[:sizes.num_loss_tokens - 1],
-                                self._by_phase(vision, audio, record.where), self.layout)
+                                self._by_phase(vision, audio, record.where), self.layout.spec)
 
 
 def _image_size(path: Path, where: str, limits: InputLimits) -> tuple[int, int]:

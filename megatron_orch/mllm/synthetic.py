@@ -142,7 +142,7 @@ class SyntheticMultimodalDataset:
     def example_sizes(self, sample_index: int) -> ExampleSizes:
         i = self._check_index(sample_index)
         return layout_sizes(i, self.prompt_tokens, {p: int(counts[i]) for p, counts in self.items.items()},
-                            int(self.answer_tokens[i]), self.layout)
+                            int(self.answer_tokens[i]), self.layout.spec)
 
     def __getitem__(self, sample_index: int) -> Example:
         i = self._check_index(sample_index)
@@ -156,7 +156,7 @@ class SyntheticMultimodalDataset:
         if self.audio_phase is not None and items[self.audio_phase].shape[0]:
             items[self.audio_phase][-1, int(self.last_window_frames[i]):] = 0.0
         answer = self._chain_text(rng, int(self.answer_tokens[i]))
-        return assemble_example(i, prompt, answer, {p: torch.from_numpy(t) for p, t in items.items()}, self.layout)
+        return assemble_example(i, prompt, answer, {p: torch.from_numpy(t) for p, t in items.items()}, self.layout.spec)
 
     def _chain_text(self, rng: np.random.Generator, length: int) -> list[int]:
         follow = rng.random(length) < self.scaling.markov_follow_prob
