@@ -23,6 +23,7 @@ _EXPORTS = {
     "megatron_orch.balance.cost_profile": ("CostProfile", "ProfileCost", "load_cost_profile"),
     "megatron_orch.balance.topology": ("Topology",),
     "megatron_orch.balance.workload": ("BackbonePhase", "EncoderPhase", "ModelPhases"),
+    "megatron_orch.comm.group_topology": ("group_topology",),
     "megatron_orch.orchestrator.config": ("OrchestratorConfig",),
     "megatron_orch.megatron.batch": ("BatchSpec", "EncoderInput", "Example", "ExampleSizes", "MicroBatch",
                                      "collate", "collate_packed"),
