@@ -60,7 +60,7 @@ def main_megatron_lm() -> None:
     from megatron.core.num_microbatches_calculator import get_num_microbatches
     from megatron.training import get_args, print_rank_0
 
-    from megatron_orch.balance.model_config import load_model_config
+    from megatron_orch.mllm.config import load_model_config
     from megatron_orch.megatron import megatron_lm
     from megatron_orch.megatron.orch_arguments import orch_config_from_args
     from megatron_orch.mllm import providers

@@ -22,7 +22,9 @@ from megatron.core.transformer.enums import AttnMaskType  # noqa: E402
 from megatron.core.transformer.transformer_config import TransformerConfig  # noqa: E402
 
 from megatron_orch.mllm.attention import SDPAttention  # noqa: E402
-from megatron_orch.megatron.batch import PAD_TOKEN_ID, Example, collate_packed  # noqa: E402
+from megatron_orch.megatron.batch import Example, collate_packed  # noqa: E402
+from megatron_orch.mllm.config import PAD_TOKEN_ID, load_model_config  # noqa: E402
+from megatron_orch.mllm.examples import batch_spec  # noqa: E402
 
 
 def _attention(heads: int, groups: int, head_dim: int, mask_type: AttnMaskType) -> SDPAttention:
@@ -33,10 +35,9 @@ def _attention(heads: int, groups: int, head_dim: int, mask_type: AttnMaskType) 
 
 
 def _packed_mask(lengths, device) -> torch.Tensor:
-    empty = torch.zeros((0, 1, 1))
     examples = [Example(sample_index=i, tokens=torch.full((n,), PAD_TOKEN_ID), labels=torch.full((n,), PAD_TOKEN_ID),
-                        loss_mask=torch.ones(n), vision=empty, audio=empty) for i, n in enumerate(lengths)]
-    return collate_packed(examples).attention_mask().to(device)
+                        loss_mask=torch.ones(n)) for i, n in enumerate(lengths)]
+    return collate_packed(examples, batch_spec(load_model_config("tiny"))).attention_mask().to(device)
 
 
 def _run(name: str, backend: SDPBackend, module: SDPAttention, seq: int, batch: int, groups: int,

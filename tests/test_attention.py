@@ -20,7 +20,7 @@ from megatron.core.transformer.dot_product_attention import DotProductAttention 
 from megatron.core.transformer.enums import AttnMaskType  # noqa: E402
 
 from megatron_orch.balance.cost import TransformerShape  # noqa: E402
-from megatron_orch.balance.model_config import load_model_config  # noqa: E402
+from megatron_orch.mllm.config import load_model_config  # noqa: E402
 from megatron_orch.mllm import providers  # noqa: E402
 from megatron_orch.trainer import arguments  # noqa: E402
 from megatron_orch.mllm import model as model_module  # noqa: E402
@@ -154,18 +154,17 @@ def with_megatron_attention(model, config):
 
 
 def make_example(model, index, vision_items, audio_items, answer_tokens):
-    shape = model.shape
+    spec = model.spec
     g = torch.Generator().manual_seed(index)
-    vision = torch.randn(vision_items, shape.vision_patches_per_item, shape.vision_patch_dim, generator=g)
-    audio = torch.randn(audio_items, shape.audio_frames_per_window, shape.audio_mel_bins, generator=g)
+    items = {phase: torch.randn(n, *spec.input(phase).item_shape, generator=g)
+             for phase, n in (("vision", vision_items), ("audio", audio_items))}
     answer = torch.randint(97, 123, (answer_tokens,), generator=g).tolist()
-    return assemble_example(index, [116, 58, 32], answer, vision, audio, shape)
+    return assemble_example(index, [116, 58, 32], answer, items, spec)
 
 
 def loss_and_grads(model, batch):
     model.zero_grad(set_to_none=True)
-    per_token = model(batch.tokens, batch.position_ids, batch.attention_mask(), labels=batch.labels,
-                      vision=batch.vision, audio=batch.audio)
+    per_token = model(batch)
     loss = (per_token * batch.loss_mask).sum()
     loss.backward()
     return loss.detach(), {name: p.grad for name, p in model.named_parameters()}
@@ -186,7 +185,7 @@ def test_model_with_sdpa_equals_model_with_megatron_attention(world_of_one, layo
     assert sorted(a.attn_mask_type.name for a in attentions) == ["causal"] * 2 + ["no_mask"] * 4
 
     examples = [make_example(model, 0, 2, 1, 10), make_example(model, 1, 0, 2, 5), make_example(model, 2, 1, 0, 20)]
-    batch = collate_packed(examples) if layout == "packed_gqa" else collate(examples)
+    batch = collate_packed(examples, model.spec) if layout == "packed_gqa" else collate(examples, model.spec)
     assert (batch.attention_mask() is not None) == (layout == "packed_gqa")
     loss, grads = loss_and_grads(model, batch)
     expected_loss, expected_grads = loss_and_grads(reference, batch)

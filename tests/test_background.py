@@ -5,7 +5,7 @@ import sys
 import numpy as np
 import pytest
 
-from megatron_orch.balance.model_config import load_model_config
+from megatron_orch.mllm.config import load_model_config
 from megatron_orch.balance.topology import Topology
 from megatron_orch.balance.workload import StepSizes
 from megatron_orch.orchestrator.background import SWITCH_INTERVAL_S, BackgroundPlanner
@@ -15,9 +15,9 @@ from megatron_orch.orchestrator.step_plan import plan_step
 
 def test_background_plan_equals_foreground_plan():
     rng = np.random.default_rng(0)
-    sizes = StepSizes(counts=np.full(8, 4), num_vision_items=rng.integers(0, 6, 32),
-                      num_audio_items=rng.integers(0, 3, 32), num_tokens=rng.integers(1, 300, 32))
-    model, config, topology = load_model_config("tiny"), OrchestratorConfig(), Topology.uniform(8, 4)
+    sizes = StepSizes(counts=np.full(8, 4), items={"vision": rng.integers(0, 6, 32), "audio": rng.integers(0, 3, 32)},
+                      num_tokens=rng.integers(1, 300, 32))
+    model, config, topology = load_model_config("tiny").phases(), OrchestratorConfig(), Topology.uniform(8, 4)
     foreground = plan_step(sizes, model, config, topology, 2, 2)
     planner = BackgroundPlanner(enabled=True)
     try:

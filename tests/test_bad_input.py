@@ -29,9 +29,17 @@ def parse(*flags, world_size=1):
 
 @pytest.mark.parametrize("phases", ["", " , "])
 def test_orch_phases_must_name_a_phase(phases):
-    with pytest.raises(arguments.ArgumentError, match="--orch-phases must name at least one phase of "
-                                                      "vision,audio,llm"):
+    with pytest.raises(arguments.ArgumentError, match="--orch-phases must name at least one phase"):
         parse(*BALANCED, "--orch-phases", phases)
+
+
+def test_orch_phases_are_the_models_phase_names():
+    with pytest.raises(arguments.ArgumentError, match="--orch-phases: the model has no phase 'video'; its phases "
+                                                      "are vision,audio,llm"):
+        parse(*BALANCED, "--orch-phases", "vision,video")
+    assert parse(*BALANCED).orch_config.phases is None  # every phase of the model
+    three = ["--model-config", "tiny_video"]
+    assert parse(*three, *BALANCED, "--orch-phases", "video,llm").orch_config.phases == ("video", "llm")
 
 
 def test_orch_gpus_per_node_must_fit_the_launch(monkeypatch):

@@ -8,11 +8,12 @@ import torch
 
 warnings.filterwarnings("ignore", message=r".*(Transformer Engine|Apex).*not installed")
 
-from megatron_orch.balance.model_config import load_model_config  # noqa: E402
+from megatron_orch.mllm.config import load_model_config  # noqa: E402
 from megatron_orch.bench import mfu  # noqa: E402
 
 LAYERS = (1, 2, 3)  # not the config's (2, 2, 2): the override must reach the model and the FLOPs
 LLM_GRID = mfu.QUICK_GRID["llm"] + [(1, 8192)]  # 8192 > tiny's 4096 positions: skipped
+PHASES = ("vision", "audio", "llm")  # tiny's phases, in order
 OOM_POINT = ("vision", 4)  # made to run out of memory: recorded, and the grid goes on
 
 
@@ -40,7 +41,7 @@ def test_every_point_is_timed_with_the_cost_models_flops(tmp_path, monkeypatch, 
                          "--json", str(out)])
     stdout = capsys.readouterr().out
 
-    assert built_layers == dict(zip(mfu.PHASES, LAYERS))
+    assert built_layers == dict(zip(PHASES, LAYERS))
     result = json.loads(out.read_text())
     assert result == json.loads(json.dumps(returned))
     assert set(result) == {"model", "layers", "device", "torch", "megatron_core", "dtype", "transformer_impl",
@@ -51,9 +52,11 @@ def test_every_point_is_timed_with_the_cost_models_flops(tmp_path, monkeypatch, 
     assert result["peak_tflops"] is None  # no peak is assumed for a CPU (old code: an H200's, so MFU 0.0%)
 
     config = mfu.with_layers(load_model_config("tiny"), LAYERS)
-    assert config.backbone.transformer.num_layers == 3 and config.vision.transformer.num_layers == 1
-    expected = ([("vision", n, f"n={n}", n * config.vision_item_train_flops()) for n in mfu.QUICK_GRID["vision"]]
-                + [("audio", n, f"n={n}", n * config.audio_window_train_flops()) for n in mfu.QUICK_GRID["audio"]]
+    assert config.backbone.transformer.num_layers == 3 and config.encoders["vision"].transformer.num_layers == 1
+    flops = {phase: float(config.encoder_cost(phase).item_cost(config.encoders[phase].item_tokens))
+             for phase in ("vision", "audio")}
+    expected = ([("vision", n, f"n={n}", n * flops["vision"]) for n in mfu.QUICK_GRID["vit"]]
+                + [("audio", n, f"n={n}", n * flops["audio"]) for n in mfu.QUICK_GRID["whisper"]]
                 + [("llm", (b, s), f"{b}x{s}", b * float(config.backbone.transformer.train_flops(s)))
                    for b, s in LLM_GRID])
     points = result["points"]
@@ -87,8 +90,8 @@ def test_a_given_peak_gives_mfu_on_a_cpu(monkeypatch, capsys):
 
 
 @pytest.mark.parametrize("flags, message", [
-    (["--layers", "2,2"], "--layers takes three positive integers"),
-    (["--layers", "2,x,2"], "--layers takes three positive integers"),
+    (["--layers", "2,2"], "--layers takes 3 numbers for model tiny (its phases vision, audio, llm), got 2"),
+    (["--layers", "2,x,2"], "--layers takes positive integers, one per phase"),
     (["--transformer-impl", "transformer_engine"], "needs --device cuda"),
     (["--repeats", "0"], "--repeats >= 1"),
     (["--peak-tflops", "0"], "--peak-tflops must be > 0"),

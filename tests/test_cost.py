@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given, strategies as st
 
 from megatron_orch.balance.cost import ProjectorShape, TransformerShape
-from megatron_orch.balance.model_config import load_model_config
+from megatron_orch.mllm.config import load_model_config
 
 
 def small(causal: bool) -> TransformerShape:
@@ -112,7 +112,7 @@ def test_parameters_of_the_tiny_model_by_hand():
     audio = stack + (16 * h * 3 + h * h * 3 + 2 * h) + 32 * h + projector  # conv stem, 32 positions
     backbone = stack + (2 * 1024 + 4096) * h  # untied input and output tables, 4096 positions
     counts = load_model_config("tiny").num_parameters()
-    assert counts == {"backbone": backbone, "vision": vision, "audio": audio,
+    assert counts == {"llm": backbone, "vision": vision, "audio": audio,
                       "total": 491_840 + 123_904 + 137_152}
     assert backbone + vision + audio == 491_840 + 123_904 + 137_152
 
@@ -121,7 +121,7 @@ def test_item_flops_of_the_tiny_model_by_hand():
     """One vision tile and one audio window of configs/tiny.yaml, counted by hand (multiply-adds x 2,
     training = 3 x forward): 2 layers of QKV (3h^2), projection (h^2), FFN (2hf) and the attention
     score and value products (2 x s^2 x h), then the projector's two matrices per LLM token."""
-    from megatron_orch.balance.model_config import load_model_config
+    from megatron_orch.mllm.config import load_model_config
 
     config = load_model_config("tiny")
     h, f, layers = 64, 256, 2
@@ -134,5 +134,5 @@ def test_item_flops_of_the_tiny_model_by_hand():
 
     vision = encoder(17) + projector(4, 4 * h)   # 16 patches + class token; 2x2 pixel shuffle
     audio = encoder(32) + projector(8, 4 * h)    # 64 frames / stride 2; 4 tokens stacked per LLM token
-    assert config.vision_item_train_flops() == 3 * vision
-    assert config.audio_window_train_flops() == 3 * audio
+    assert config.encoder_cost("vision").item_cost(17) == 3 * vision
+    assert config.encoder_cost("audio").item_cost(32) == 3 * audio

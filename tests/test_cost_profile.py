@@ -9,11 +9,11 @@ import yaml
 
 from megatron_orch.balance.cost_profile import (PhaseFit, cost_profile_from_dict, fit_phase, load_cost_profile,
                                                 profile_dict, rank_seconds)
-from megatron_orch.balance.model_config import load_model_config
 from megatron_orch.balance.topology import Topology
 from megatron_orch.balance.traces import DEFAULT_MIXTURE
 from megatron_orch.balance.workload import phase_items
 from megatron_orch.bench.common import draw_sizes
+from megatron_orch.mllm.config import load_model_config
 from megatron_orch.megatron.orch_arguments import add_orch_args, orch_config_from_args
 from megatron_orch.orchestrator.config import OrchestratorConfig
 from megatron_orch.orchestrator.step_plan import plan_step
@@ -25,7 +25,8 @@ ENCODER = PhaseFit(c0=3e-4, c1=0.0, c2=0.0, call_overhead=5e-3, residual_rms=0.0
 
 
 def document(config=TINY, llm=QUADRATIC):
-    return profile_dict("test device", "fp32", config, {"vision": ENCODER, "audio": ENCODER, "llm": llm}, {})
+    return profile_dict("test device", "fp32", config.name, config.phases(),
+                        {"vision": ENCODER, "audio": ENCODER, "llm": llm}, {})
 
 
 def test_fit_recovers_known_coefficients_from_noisy_timings():
@@ -60,13 +61,13 @@ def test_fit_keeps_coefficients_non_negative():
 def test_profile_round_trips_through_yaml_and_sets_item_costs(tmp_path):
     path = tmp_path / "p.yaml"
     path.write_text(yaml.safe_dump(document()))
-    profile = load_cost_profile(str(path), TINY)
+    profile = load_cost_profile(str(path), TINY.phases())
     assert profile.phases["llm"] == QUADRATIC and profile.phases["vision"] == ENCODER
     _, _, sizes = draw_sizes(list(DEFAULT_MIXTURE), 4, 4, "tiny", 0)
-    items = phase_items(sizes, TINY, profile)
+    items = phase_items(sizes, profile.apply(TINY.phases()))
     np.testing.assert_allclose(items["llm"].cost, QUADRATIC.item_seconds(sizes.num_tokens))
     np.testing.assert_allclose(items["vision"].cost, ENCODER.c0)
-    flops = phase_items(sizes, TINY)  # the default stays FLOPs, every other field unchanged
+    flops = phase_items(sizes, TINY.phases())  # the default stays FLOPs, every other field unchanged
     np.testing.assert_allclose(flops["llm"].cost, TINY.backbone.transformer.train_flops(sizes.num_tokens))
     np.testing.assert_array_equal(flops["audio"].nbytes, items["audio"].nbytes)
     rank = np.array([0, 0, 2])
@@ -83,7 +84,7 @@ def test_planner_with_a_profile_balances_the_profiles_costs_better_than_flops(mi
     imbalance = {}
     for name, cost_profile in (("flops", None), ("profile", profile)):
         config = OrchestratorConfig(background=False, microbatching=microbatching, cost_profile=cost_profile)
-        plan = plan_step(sizes, TINY, config, topology, micro_batch_size=2, num_microbatches=4)
+        plan = plan_step(sizes, TINY.phases(), config, topology, micro_batch_size=2, num_microbatches=4)
         loads = np.bincount(plan.examples_llm.rank, weights=measured, minlength=dp)
         imbalance[name] = loads.max() / loads.mean()
         if cost_profile is not None:  # the plan's own stats are in the profile's seconds
@@ -110,13 +111,11 @@ def _bad(data, path_keys, value):
     (("phases", "audio", "c0"), "fast", "phases.audio.c0: must be a finite number"),
     (("phases", "llm", "c0"), float("nan"), "phases.llm.c0: must be a finite"),
     (("phases", "audio"), KeyError, r"phases.audio: missing \(the measured model has this phase\)"),
-    (("phases", "vision", "c1"), 1e-6, "phases.vision.c1: must be 0"),
-    (("phases", "llm", "call_overhead"), 1e-3, "phases.llm.call_overhead: must be 0"),
     (("phases", "llm", "speed"), 3.0, "phases.llm.speed: unknown field"),
     (("device",), KeyError, "device: missing"),
     (("kind",), "something else", "kind: expected"),
-    (("version",), 2, "version: expected 1"),
-    (("model", "shape", "llm", "hidden_size"), KeyError, "model.shape.llm.hidden_size: missing"),
+    (("version",), 1, "version: expected 2"),
+    (("model", "shape"), {}, "model.shape: expected a non-empty mapping"),
     (("phases", "llm", "points"), [{"items": 1, "seq_len": 5, "seconds": -1.0, "fitted_seconds": 1.0}],
      r"phases.llm.points\[0\].seconds: must be"),
 ])
@@ -130,16 +129,37 @@ def test_profile_for_another_model_shape_is_refused(tmp_path):
     path.write_text(yaml.safe_dump(document()))
     deeper = dataclasses.replace(TINY, backbone=dataclasses.replace(
         TINY.backbone, transformer=dataclasses.replace(TINY.backbone.transformer, num_layers=3)))
-    with pytest.raises(ValueError, match=r"model.shape.llm.num_layers: measured on 2, but model 'tiny' has 3"):
-        load_cost_profile(str(path), deeper)
+    with pytest.raises(ValueError, match=r"model.shape.llm.num_layers: measured on 2, but the model has 3"):
+        load_cost_profile(str(path), deeper.phases())
     _, _, sizes = draw_sizes(list(DEFAULT_MIXTURE), 2, 2, "tiny", 0)
-    with pytest.raises(ValueError, match="model.shape.audio.ffn_hidden_size: measured on 256, but model .mllm_10b."):
-        phase_items(sizes, load_model_config("mllm_10b"), load_cost_profile(str(path)))
+    with pytest.raises(ValueError, match="model.shape.audio.ffn_hidden_size: measured on 256, but the model has"):
+        plan_step(sizes, load_model_config("mllm_10b").phases(),
+                  OrchestratorConfig(background=False, cost_profile=load_cost_profile(str(path))),
+                  Topology.uniform(2, 1), micro_batch_size=1, num_microbatches=2)
+    with pytest.raises(ValueError, match="model.shape.video: measured without a video phase"):
+        load_cost_profile(str(path), load_model_config("tiny_video").phases())
     (tmp_path / "broken.yaml").write_text("kind: [unclosed")
     with pytest.raises(ValueError, match="not valid YAML"):
         load_cost_profile(str(tmp_path / "broken.yaml"))
     with pytest.raises(ValueError, match="no such file"):
         load_cost_profile(str(tmp_path / "absent.yaml"))
+
+
+@pytest.mark.parametrize("keys, value, message", [
+    (("phases", "vision", "c1"), 1e-6, "phases.vision.c1: must be 0 .* for an encoder phase"),
+    (("phases", "llm", "call_overhead"), 1e-3, "phases.llm.call_overhead: must be 0 for the backbone phase"),
+])
+def test_a_profile_whose_fits_do_not_suit_the_phase_roles_is_refused(keys, value, message):
+    profile = cost_profile_from_dict(_bad(document(), keys, value), "bad.yaml")
+    with pytest.raises(ValueError, match=message):
+        profile.apply(TINY.phases())
+
+
+def test_the_shipped_profile_applies_to_the_tiny_model():
+    profile = load_cost_profile("docs/costs/tiny_cpu_profile.yaml", TINY.phases())
+    phases = profile.apply(TINY.phases())
+    assert phases.names == TINY.phases().names
+    assert phases.backbone.cost.item_cost(100) == pytest.approx(profile.phases["llm"].item_seconds(100))
 
 
 def test_orch_cost_profile_flag(tmp_path):

@@ -8,17 +8,19 @@ import pytest
 import torch
 from hypothesis import given, settings, strategies as st
 
-from megatron_orch.balance.model_config import load_model_config
+from megatron_orch.balance.cost import FunctionCost
 from megatron_orch.balance.traces import Trace, TraceMixture
-from megatron_orch.megatron.batch import (AUDIO_TOKEN_ID, IMAGE_TOKEN_ID, PAD_TOKEN_ID, Example, ExampleShape,
-                                          collate, collate_packed)
+from megatron_orch.balance.workload import BackbonePhase, EncoderPhase, ModelPhases
+from megatron_orch.megatron.batch import BatchSpec, EncoderInput, Example, collate, collate_packed
+from megatron_orch.mllm.config import PAD_TOKEN_ID, load_model_config
 from megatron_orch.mllm.data import DataConfig, MegatronPretrainingSampler, build_train_iterator
-from megatron_orch.mllm.examples import example_shape
+from megatron_orch.mllm.examples import batch_spec, example_layout
 from megatron_orch.mllm.manifest import ImageTiling, ManifestDataset, ManifestError, image_tiling
 from megatron_orch.mllm.synthetic import SyntheticMultimodalDataset
 
 TINY = load_model_config("tiny")
 SEQ = 256
+IMAGE_TOKEN_ID, AUDIO_TOKEN_ID = (TINY.encoders[name].placeholder_id for name in ("vision", "audio"))
 
 # A small hand-made mixture: image SFT, video QA (duration or source frames), ASR with and without text,
 # and a long audio clip.
@@ -36,8 +38,12 @@ def small_dataset(num_samples=64, seed=7, **kwargs):
 
 def assert_examples_equal(a: Example, b: Example):
     assert a.sample_index == b.sample_index
-    for name in ("tokens", "labels", "loss_mask", "vision", "audio"):
+    for name in ("tokens", "labels", "loss_mask"):
         assert torch.equal(getattr(a, name), getattr(b, name)), name
+    for phase in set(a.items) | set(b.items):  # a phase left out has no items
+        assert a.num_items(phase) == b.num_items(phase), phase
+        if a.num_items(phase):
+            assert torch.equal(a.items[phase], b.items[phase]), phase
 
 
 # ------------------------------------------------------------------------------------------------ sampler
@@ -100,13 +106,13 @@ def test_synthetic_is_a_pure_function_of_seed_and_index():
 
 def test_synthetic_sizes_match_materialised_examples():
     dataset = small_dataset(200)
-    shape = dataset.shape
+    spec = dataset.layout.spec
     for i in range(len(dataset)):
         example = dataset[i]
         sizes = dataset.example_sizes(i)
         assert sizes == example.sizes()
-        assert int((example.tokens == IMAGE_TOKEN_ID).sum()) == sizes.num_vision_items * shape.vision_llm_tokens_per_item
-        assert int((example.tokens == AUDIO_TOKEN_ID).sum()) == sizes.num_audio_items * shape.audio_llm_tokens_per_item
+        assert int((example.tokens == IMAGE_TOKEN_ID).sum()) == sizes.num_items("vision") * spec.rows_per_item("vision")
+        assert int((example.tokens == AUDIO_TOKEN_ID).sum()) == sizes.num_items("audio") * spec.rows_per_item("audio")
         assert example.num_tokens <= SEQ
         # next-token labels; loss only on the answer (and EOS), never on placeholders or the prompt
         assert torch.equal(example.labels[:-1], example.tokens[1:])
@@ -117,20 +123,20 @@ def test_synthetic_sizes_match_materialised_examples():
 
 def test_synthetic_scaling_of_trace_rows():
     dataset = small_dataset(400)
-    window_tokens = dataset.shape.audio_llm_tokens_per_item
+    window_tokens = dataset.layout.spec.rows_per_item("audio")
     seen = set()
     for i in range(len(dataset)):
         s = dataset.example_sizes(i)
-        seen.add((s.num_vision_items, s.num_audio_items))
+        seen.add((s.num_items("vision"), s.num_items("audio")))
     # tiles as in the trace (5, 1); video at 0.5 fps capped at 4 frames (117 s and 90 frames/30 fps = 3 s
     # -> 4 and 2 frames); audio ceil(sec / 30 s) windows: 4.4 s and 14 s -> 1, 600 s -> 20, capped at 16.
     assert seen == {(5, 0), (1, 0), (4, 0), (2, 0), (0, 1), (0, 16)}
-    long_clip = next(i for i in range(len(dataset)) if dataset.example_sizes(i).num_audio_items == 16)
+    long_clip = next(i for i in range(len(dataset)) if dataset.example_sizes(i).num_items("audio") == 16)
     assert dataset.example_sizes(long_clip).num_tokens == 1 + dataset.prompt_tokens + 16 * window_tokens + 2
     # ASR 4.4 s in a 30 s window: the last window keeps ceil(4.4/30 * 64) = 10 frames, then zero padding
-    short = next(i for i in range(len(dataset)) if dataset.example_sizes(i).num_audio_items == 1
+    short = next(i for i in range(len(dataset)) if dataset.example_sizes(i).num_items("audio") == 1
                  and dataset.answer_tokens[i] == round(14 * 0.25))
-    audio = dataset[short].audio[0]
+    audio = dataset[short].items["audio"][0]
     assert audio[:10].abs().sum(dim=1).min() > 0 and audio[10:].abs().sum() == 0
 
 
@@ -158,19 +164,31 @@ def test_synthetic_text_is_learnable_bigram_chain():
 def test_default_mixture_shows_modality_incoherence():
     dataset = SyntheticMultimodalDataset(TINY, 3000, 0, seq_length=512)
     records = [dataset.example_sizes(i) for i in range(len(dataset))]
-    vision = np.array([r.num_vision_items for r in records])
-    audio = np.array([r.num_audio_items for r in records])
+    vision = np.array([r.num_items("vision") for r in records])
+    audio = np.array([r.num_items("audio") for r in records])
     loss = np.array([r.num_loss_tokens for r in records])
     assert ((vision > 0) & (audio == 0)).mean() > 0.4  # image SFT, captions, video
     assert ((audio > 0) & (vision == 0)).mean() > 0.2  # ASR, audio / music captions
     assert set(dataset.kind.tolist()) >= {"image", "video", "audio"}
     assert np.corrcoef(vision, audio)[0, 1] < 0  # a batch balanced for one encoder is not for the other
-    media = vision * dataset.shape.vision_llm_tokens_per_item + audio * dataset.shape.audio_llm_tokens_per_item
+    spec = dataset.layout.spec
+    media = vision * spec.rows_per_item("vision") + audio * spec.rows_per_item("audio")
     ratio = media / loss
     assert np.percentile(ratio, 90) / np.percentile(ratio, 10) > 10
 
 
 # ------------------------------------------------------------------------------------- collate and split
+
+def _phase(name: str) -> EncoderPhase:
+    return EncoderPhase(name, FunctionCost(lambda s: s), item_tokens=1, input_bytes=1, output_rows=1,
+                        output_row_bytes=1)
+
+
+# Any phases: two encoder phases of items [3, 2] and [4, 3] (placeholders are not checked by collate).
+TWO_PHASES = BatchSpec(ModelPhases((_phase("v"), _phase("a")), BackbonePhase("text", FunctionCost(lambda s: s), 1)),
+                       (EncoderInput("v", (3, 2), 300), EncoderInput("a", (4, 3), 301)), pad_token_id=PAD_TOKEN_ID,
+                       seq_length=64)
+
 
 @st.composite
 def examples_lists(draw):
@@ -180,8 +198,11 @@ def examples_lists(draw):
         n_v, n_a = draw(st.integers(0, 3)), draw(st.integers(0, 3))
         g = torch.Generator().manual_seed(index)
         mask = (torch.rand(n, generator=g) > 0.3).float()
+        items = {"v": torch.randn(n_v, 3, 2, generator=g), "a": torch.randn(n_a, 4, 3, generator=g)}
+        if draw(st.booleans()):  # a phase without items may be left out
+            items = {name: t for name, t in items.items() if t.shape[0]}
         out.append(Example(index, torch.randint(0, 256, (n,), generator=g), torch.randint(0, 256, (n,), generator=g),
-                           mask, torch.randn(n_v, 3, 2, generator=g), torch.randn(n_a, 4, 3, generator=g)))
+                           mask, items))
     return out
 
 
@@ -189,10 +210,11 @@ def examples_lists(draw):
 @given(examples_lists(), st.booleans(), st.integers(0, 5))
 def test_collate_split_roundtrip(examples, packed, extra):
     longest, total = max(e.num_tokens for e in examples), sum(e.num_tokens for e in examples)
-    batch = collate_packed(examples, pad_to=total + extra) if packed else collate(examples, pad_to=longest + extra)
+    batch = (collate_packed(examples, TWO_PHASES, pad_to=total + extra) if packed
+             else collate(examples, TWO_PHASES, pad_to=longest + extra))
     assert batch.num_examples == len(examples)
-    assert batch.vision.shape == (sum(e.num_vision_items for e in examples), 3, 2)
-    assert batch.audio.shape == (sum(e.num_audio_items for e in examples), 4, 3)
+    assert batch.items["v"].shape == (sum(e.num_items("v") for e in examples), 3, 2)
+    assert batch.items["a"].shape == (sum(e.num_items("a") for e in examples), 4, 3)
     for original, split in zip(examples, batch.examples()):
         assert_examples_equal(original, split)
     assert batch.sizes() == [e.sizes() for e in examples]
@@ -216,17 +238,18 @@ def test_collate_split_roundtrip(examples, packed, extra):
 
 def test_collate_all_text_only_keeps_item_shapes_and_rejects_mismatch():
     dataset = small_dataset(8)
-    text_only = [replace(dataset[i], vision=dataset[i].vision[:0], audio=dataset[i].audio[:0]) for i in range(3)]
-    batch = collate(text_only)
-    assert batch.vision.shape == (0, *dataset[0].vision.shape[1:]) and batch.audio.shape[0] == 0
-    assert batch.vision_counts.tolist() == [0, 0, 0]
-    odd = replace(text_only[1], vision=torch.zeros(1, 5, 5))
+    spec = dataset.layout.spec
+    text_only = [replace(dataset[i], items={}) for i in range(3)]
+    batch = collate(text_only, spec)
+    assert batch.items["vision"].shape == (0, 16, 48) and batch.items["audio"].shape == (0, 64, 16)
+    assert batch.item_counts["vision"].tolist() == [0, 0, 0]
+    odd = replace(text_only[1], items={"vision": torch.zeros(1, 5, 5)})
     with pytest.raises(ValueError, match="vision items have shape"):
-        collate([text_only[0], odd])
+        collate([text_only[0], odd], spec)
     with pytest.raises(ValueError, match="shorter than"):
-        collate(text_only, pad_to=3)
+        collate(text_only, spec, pad_to=3)
     with pytest.raises(ValueError, match="at least one example"):
-        collate([])
+        collate([], spec)
 
 
 # ---------------------------------------------------------------------------------------- train iterator
@@ -247,13 +270,37 @@ def test_train_iterator_follows_the_sampler_and_resumes():
     assert fixed.tokens.shape == (2, SEQ)
 
 
-def test_example_shape_of_tiny_config():
-    shape = example_shape(TINY, SEQ)
-    assert shape == ExampleShape(seq_length=SEQ, vision_patches_per_item=16, vision_patch_dim=48,
-                                 vision_llm_tokens_per_item=4, audio_frames_per_window=64, audio_mel_bins=16,
-                                 audio_llm_tokens_per_item=8)
+def test_batch_spec_of_tiny_config():
+    spec = batch_spec(TINY, SEQ)
+    assert spec.inputs == (EncoderInput("vision", (16, 48), 260), EncoderInput("audio", (64, 16), 259))
+    assert (spec.rows_per_item("vision"), spec.rows_per_item("audio")) == (4, 8)
+    assert spec.pad_token_id == PAD_TOKEN_ID and spec.seq_length == SEQ and spec.phases == TINY.phases()
     with pytest.raises(ValueError, match="max_position_embeddings"):
-        example_shape(TINY, 10 ** 6)
+        batch_spec(TINY, 10 ** 6)
+    with pytest.raises(ValueError, match="placeholder ids .* and pad id 259 must be distinct"):
+        replace(spec, pad_token_id=259)
+    with pytest.raises(ValueError, match=r"inputs are for phases \['audio'\]"):
+        replace(spec, inputs=spec.inputs[1:])
+
+
+def test_three_encoders_by_configuration_alone():
+    """tiny_video: the synthetic data sends images to the vision phase, sampled video frames to the video
+    phase (24 px frames), audio to audio; each phase's placeholders follow its items."""
+    three = load_model_config("tiny_video")
+    dataset = SyntheticMultimodalDataset(three, 300, 0, seq_length=512)
+    spec = dataset.layout.spec
+    assert [i.phase for i in spec.inputs] == ["vision", "video", "audio"]
+    assert spec.input("video").item_shape == (36, 48) and spec.rows_per_item("video") == 9
+    counts = {phase: 0 for phase in spec.phases.encoder_names}
+    for i in range(len(dataset)):
+        example = dataset[i]
+        spec.check(example)
+        assert dataset.example_sizes(i) == example.sizes()
+        for phase in counts:
+            counts[phase] += example.num_items(phase)
+        if dataset.kind[i] == "video":
+            assert example.num_items("video") > 0 and example.num_items("vision") == 0
+    assert min(counts.values()) > 0, counts
 
 
 # ------------------------------------------------------------------------------------------ JSONL manifest
@@ -287,7 +334,7 @@ def write_manifest(path, entries):
 
 
 def test_manifest_loads_examples_and_sizes_without_data(manifest_dir):
-    shape = example_shape(TINY, SEQ)
+    layout = example_layout(TINY, SEQ)
     entries = [
         {"text": "a tall picture", "prompt": "describe:", "images": ["tall.png", "square.npy"]},
         {"text": "hello world", "audio": ["speech.npy"]},
@@ -296,31 +343,33 @@ def test_manifest_loads_examples_and_sizes_without_data(manifest_dir):
         "",  # blank lines are skipped
         {"text": "x" * 1000},  # answer truncated to the sequence length
     ]
-    dataset = ManifestDataset(write_manifest(manifest_dir / "m.jsonl", entries), shape, image_tiling(TINY))
+    dataset = ManifestDataset(write_manifest(manifest_dir / "m.jsonl", entries), layout, image_tiling(TINY))
     assert len(dataset) == 4
     for i in range(len(dataset)):
         assert dataset.example_sizes(i) == dataset[i].sizes()
     tall = dataset[0]
-    assert tall.num_vision_items == 7 + 1  # 32 x 48 px: a 2 x 3 grid + thumbnail, then the 16 x 16 image
+    assert tall.num_items("vision") == 7 + 1  # 32 x 48 px: a 2 x 3 grid + thumbnail, then the 16 x 16 image
     assert bytes(tall.tokens[1:10].tolist()) == b"describe:"
     square = np.load(manifest_dir / "square.npy")
-    assert torch.allclose(tall.vision[7, 0], torch.from_numpy(square[:4, :4].transpose(2, 0, 1).reshape(-1)))
+    assert torch.allclose(tall.items["vision"][7, 0],
+                          torch.from_numpy(square[:4, :4].transpose(2, 0, 1).reshape(-1)))
     speech = dataset[1]
     mel = torch.from_numpy(np.load(manifest_dir / "speech.npy"))
-    assert speech.audio.shape == (3, 64, 16)
-    assert torch.equal(speech.audio.reshape(-1, 16)[:150], mel) and speech.audio.reshape(-1, 16)[150:].abs().sum() == 0
+    audio = speech.items["audio"]
+    assert audio.shape == (3, 64, 16)
+    assert torch.equal(audio.reshape(-1, 16)[:150], mel) and audio.reshape(-1, 16)[150:].abs().sum() == 0
     answer = speech.labels[speech.loss_mask > 0]
     assert bytes(answer[:-1].tolist()) == b"hello world"
     assert dataset[3].num_tokens == SEQ
 
 
 def test_manifest_sizes_field_avoids_reading_files(manifest_dir):
-    shape = example_shape(TINY, SEQ)
     entries = [{"text": "abc", "images": ["missing.png"], "sizes": {"vision_items": 2, "audio_items": 0,
                                                                     "text_tokens": 3}}]
-    dataset = ManifestDataset(write_manifest(manifest_dir / "m.jsonl", entries), shape, image_tiling(TINY))
+    dataset = ManifestDataset(write_manifest(manifest_dir / "m.jsonl", entries), example_layout(TINY, SEQ),
+                              image_tiling(TINY))
     sizes = dataset.example_sizes(0)
-    assert (sizes.num_vision_items, sizes.num_audio_items, sizes.num_loss_tokens) == (2, 0, 4)
+    assert (sizes.num_items("vision"), sizes.num_items("audio"), sizes.num_loss_tokens) == (2, 0, 4)
     with pytest.raises(ManifestError, match=r"m.jsonl:1: image file .*missing.png does not exist"):
         dataset[0]
 
@@ -337,7 +386,7 @@ def test_manifest_sizes_field_avoids_reading_files(manifest_dir):
 def test_manifest_rejects_bad_lines_naming_the_line(manifest_dir, line, message):
     path = write_manifest(manifest_dir / "m.jsonl", [{"text": "fine"}, line])
     with pytest.raises(ManifestError, match=message):
-        ManifestDataset(path, example_shape(TINY, SEQ), image_tiling(TINY))
+        ManifestDataset(path, example_layout(TINY, SEQ), image_tiling(TINY))
 
 
 @pytest.mark.parametrize("entry, message", [
@@ -349,7 +398,7 @@ def test_manifest_rejects_bad_lines_naming_the_line(manifest_dir, line, message)
     ({"text": "a", "prompt": "x" * 10, "images": ["tall.png"] * 9}, r"m.jsonl:1: prompt \(10 tokens\), 63 vision items"),
 ])
 def test_manifest_rejects_bad_data_naming_the_line(manifest_dir, entry, message):
-    dataset = ManifestDataset(write_manifest(manifest_dir / "m.jsonl", [entry]), example_shape(TINY, SEQ),
+    dataset = ManifestDataset(write_manifest(manifest_dir / "m.jsonl", [entry]), example_layout(TINY, SEQ),
                               image_tiling(TINY))
     with pytest.raises(ManifestError, match=message):
         dataset[0]
@@ -361,7 +410,7 @@ def test_manifest_tokenizer_hook(manifest_dir):
             return [500 + len(word) for word in text.split()]
 
     path = write_manifest(manifest_dir / "m.jsonl", [{"text": "three short words"}])
-    example = ManifestDataset(path, example_shape(TINY, SEQ), image_tiling(TINY), tokenizer=Words())[0]
+    example = ManifestDataset(path, example_layout(TINY, SEQ), image_tiling(TINY), tokenizer=Words())[0]
     assert example.labels[example.loss_mask > 0].tolist()[:-1] == [505, 505, 505]
 
     class Reserved:
@@ -369,7 +418,7 @@ def test_manifest_tokenizer_hook(manifest_dir):
             return [IMAGE_TOKEN_ID]
 
     with pytest.raises(ManifestError, match="reserved or negative ids"):
-        ManifestDataset(path, example_shape(TINY, SEQ), image_tiling(TINY), tokenizer=Reserved())[0]
+        ManifestDataset(path, example_layout(TINY, SEQ), image_tiling(TINY), tokenizer=Reserved())[0]
 
 
 def test_train_iterator_on_a_manifest(manifest_dir):
@@ -378,7 +427,7 @@ def test_train_iterator_on_a_manifest(manifest_dir):
     config = DataConfig(TINY, seq_length=SEQ, micro_batch_size=2, num_samples=8, manifest=str(path))
     batches = list(build_train_iterator(config, 0, 1, 2))
     assert [b.sample_ids.tolist() for b in batches] == [[2, 3], [6, 7]]
-    assert batches[0].audio_counts.tolist() == [0, 3]
+    assert batches[0].item_counts["audio"].tolist() == [0, 3]
     assert build_train_iterator(config, 0, 0, 1).epoch_note() is None
 
 
@@ -491,7 +540,7 @@ def test_check_makes_the_checks_of_loading_from_the_headers(manifest_dir):
                {"text": "a", "images": ["tall.png"] * 9, "prompt": "x" * 10},
                {"text": "a", "audio": ["gone.npy"]},
                {"text": "a", "images": ["cut.png"]}]
-    dataset = ManifestDataset(write_manifest(manifest_dir / "m.jsonl", entries), example_shape(TINY, SEQ),
+    dataset = ManifestDataset(write_manifest(manifest_dir / "m.jsonl", entries), example_layout(TINY, SEQ),
                               image_tiling(TINY))
     assert dataset.check(0) is None and dataset.check(0, decode=True) is None
     for index, message in ((1, r"m.jsonl:2: declared 'sizes' differ from the data \(declared, real\): "
@@ -547,7 +596,7 @@ def _npy_header_only(path, shape, dtype):
 
 def _limited_dataset(manifest_dir, entries, max_num_tiles=6, **limits):
     from megatron_orch.mllm.manifest import InputLimits
-    return ManifestDataset(write_manifest(manifest_dir / "m.jsonl", entries), example_shape(TINY, SEQ),
+    return ManifestDataset(write_manifest(manifest_dir / "m.jsonl", entries), example_layout(TINY, SEQ),
                            image_tiling(TINY, max_num_tiles), limits=InputLimits(**limits))
 
 
@@ -572,7 +621,7 @@ def test_oversized_inputs_are_refused_from_their_headers(manifest_dir, make, mes
 
 def test_limits_of_tiles_and_items_per_example(manifest_dir):
     entries = [{"text": "a", "images": ["tall.png", "tall.png"]}]  # 2 x (2 x 3 grid + thumbnail) = 14 items
-    assert _limited_dataset(manifest_dir, entries, max_num_tiles=2).example_sizes(0).num_vision_items == 2 * 3
+    assert _limited_dataset(manifest_dir, entries, max_num_tiles=2).example_sizes(0).num_items("vision") == 2 * 3
     dataset = _limited_dataset(manifest_dir, entries, max_vision_items_per_sample=13)
     for read in (dataset.example_sizes, dataset.__getitem__):
         with pytest.raises(ManifestError, match=r"m.jsonl:1: 14 vision items \(tiles and thumbnails of 2 images\), "
@@ -619,7 +668,7 @@ def test_images_are_resized_before_float_conversion(manifest_dir):
             _, peak = tracemalloc.get_traced_memory()
         finally:
             tracemalloc.stop()
-        np.testing.assert_allclose(example.vision.numpy(), expected, rtol=1e-6)
+        np.testing.assert_allclose(example.items["vision"].numpy(), expected, rtol=1e-6)
         assert peak < budget, (index, peak, pixels.nbytes)
 
 
@@ -630,7 +679,7 @@ def test_images_are_resized_before_float_conversion(manifest_dir):
 def test_manifest_sizes_negative_or_non_finite_are_refused_naming_the_line(manifest_dir, sizes):
     path = write_manifest(manifest_dir / "m.jsonl", [{"text": "fine"}, '{"text": "a", "sizes": ' + sizes + '}'])
     with pytest.raises(ManifestError, match=r"m.jsonl:2: 'sizes' values must be non-negative integers"):
-        ManifestDataset(path, example_shape(TINY, SEQ), image_tiling(TINY))
+        ManifestDataset(path, example_layout(TINY, SEQ), image_tiling(TINY))
 
 
 @pytest.mark.parametrize("raw, message", [
@@ -646,7 +695,7 @@ def test_manifest_line_errors_name_the_line_and_column(manifest_dir, raw, messag
     path = manifest_dir / "m.jsonl"
     path.write_bytes(b'{"text": "fine"}\n' + raw + b'{"text": "also fine"}\n')
     with pytest.raises(ManifestError, match=message):
-        ManifestDataset(path, example_shape(TINY, SEQ), image_tiling(TINY))
+        ManifestDataset(path, example_layout(TINY, SEQ), image_tiling(TINY))
 
 
 def test_16_bit_images_are_scaled_not_saturated(manifest_dir):
@@ -659,10 +708,22 @@ def test_16_bit_images_are_scaled_not_saturated(manifest_dir):
     np.save(manifest_dir / "grey16.npy", grey16)
     np.save(manifest_dir / "grey8.npy", (grey16 // 257).astype(np.uint8))
     entries = [{"text": "a", "images": [name]} for name in ("grey16.png", "grey16.npy", "grey8.npy")]
-    dataset = ManifestDataset(write_manifest(manifest_dir / "m.jsonl", entries), example_shape(TINY, SEQ),
+    dataset = ManifestDataset(write_manifest(manifest_dir / "m.jsonl", entries), example_layout(TINY, SEQ),
                               image_tiling(TINY))
     expected = dataset.tiling.tiles(grey16.astype(np.float32) / 65535.0)
     for index in range(3):
-        vision = dataset[index].vision.numpy()
+        vision = dataset[index].items["vision"].numpy()
         np.testing.assert_allclose(vision, expected, atol=1e-6)
         assert (vision == 1.0).mean() < 0.01, index  # old code: the PNG saturated at 255 / 255 = 1
+
+
+def test_manifest_media_without_an_encoder_are_refused_naming_the_line(manifest_dir):
+    import dataclasses
+    no_audio = dataclasses.replace(TINY, encoders={"vision": TINY.encoders["vision"]})
+    path = write_manifest(manifest_dir / "m.jsonl", [{"text": "fine"}, {"text": "a", "audio": ["speech.npy"]}])
+    dataset = ManifestDataset(path, example_layout(no_audio, SEQ), image_tiling(no_audio))
+    assert dataset[0].sizes().items == {}
+    for read in (dataset.example_sizes, dataset.__getitem__):
+        with pytest.raises(ValueError, match=r"m.jsonl:2: the model has no encoder of audio \(its encoders take "
+                                             r"images, video\)"):
+            read(1)

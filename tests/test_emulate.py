@@ -9,27 +9,28 @@ import pytest
 warnings.filterwarnings("ignore", message=r".*(Transformer Engine|Apex).*not installed")
 
 from megatron_orch.balance.cost_profile import load_cost_profile  # noqa: E402
-from megatron_orch.balance.model_config import load_model_config  # noqa: E402
 from megatron_orch.balance.traces import DEFAULT_MIXTURE  # noqa: E402
-from megatron_orch.balance.workload import PHASES, phase_items  # noqa: E402
+from megatron_orch.balance.workload import phase_items  # noqa: E402
 from megatron_orch.bench import calibrate, emulate  # noqa: E402
-from megatron_orch.bench.common import draw_sizes  # noqa: E402
+from megatron_orch.bench.common import draw_sizes, model_phases  # noqa: E402
+from megatron_orch.mllm.config import load_model_config  # noqa: E402
 
 DP, PER_RANK = 2, 3
+PHASES = ("vision", "audio", "llm")  # tiny's phases
 
 
 def test_calibrate_then_emulate_on_cpu(tmp_path, monkeypatch):
     profile_path, out, png = tmp_path / "tiny_cpu.yaml", tmp_path / "emulate.json", tmp_path / "emulate.png"
-    monkeypatch.setattr(calibrate, "CPU_GRID", {"vision": [1, 8], "audio": [1, 8], "llm": [(1, 16), (1, 64), (1, 128)]})
+    monkeypatch.setattr(calibrate, "CPU_GRID", {"vit": [1, 8], "whisper": [1, 8], "llm": [(1, 16), (1, 64), (1, 128)]})
     calibrate.main(["--model", "tiny", "--device", "cpu", "--warmup", "0", "--repeats", "1",
                     "--out", str(profile_path)])
     tiny = load_model_config("tiny")
-    profile = load_cost_profile(str(profile_path), tiny)
+    profile = load_cost_profile(str(profile_path), tiny.phases())
     assert set(profile.phases) == set(PHASES) and profile.device.startswith("cpu") and profile.dtype == "fp32"
     assert profile.phases["llm"].num_points == 3 and profile.phases["vision"].num_points == 2
 
     _, _, sizes = draw_sizes(list(DEFAULT_MIXTURE), DP, PER_RANK, "tiny", 1)
-    items = {"": phase_items(sizes, tiny, profile), emulate.FLOPS: phase_items(sizes, tiny)}
+    items = {"": phase_items(sizes, model_phases(tiny, profile)), emulate.FLOPS: phase_items(sizes, tiny.phases())}
     common = ["--model", "tiny", "--dp", str(DP), "--per-rank", str(PER_RANK), "--device", "cpu",
               "--gpus-per-node", "2", "--warmup", "0", "--repeats", "1", "--seed", "1",
               "--cost-profile", str(profile_path)]

@@ -38,16 +38,16 @@ def _stuck_in_encoder(rank, world_size, out_dir):
     def model_provider(args, pre_process, post_process):
         model = providers.build_model(args, pre_process, post_process)
         if rank == 1:
-            encode, calls = model.encode_vision, []
+            encode, calls = model.encode, []
 
-            def stuck_on_second_call(vision):
-                calls.append(1)
-                if len(calls) == 2:
+            def stuck_on_second_call(phase, items):
+                calls.append(phase)
+                if calls.count("vision") == 2 and phase == "vision":
                     (Path(out_dir) / "stuck_since").write_text(repr(time.time()))
                     time.sleep(600)
-                return encode(vision)
+                return encode(phase, items)
 
-            model.encode_vision = stuck_on_second_call
+            model.encode = stuck_on_second_call
         return model
 
     args = arguments.parse_args(COMMON + BALANCED, world_size=world_size)

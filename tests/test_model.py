@@ -14,43 +14,51 @@ cpu_harness.install()
 
 from megatron.core import tensor_parallel  # noqa: E402
 
-from megatron_orch.balance.model_config import load_model_config  # noqa: E402
-from megatron_orch.mllm import providers  # noqa: E402
-from megatron_orch.trainer import arguments, loop as trainer  # noqa: E402
-from megatron_orch.megatron.batch import AUDIO_TOKEN_ID, IMAGE_TOKEN_ID, collate  # noqa: E402
+from megatron_orch.megatron.batch import collate, collate_packed  # noqa: E402
+from megatron_orch.megatron.contract import BalanceableModel, forward_step, loss_func  # noqa: E402
+from megatron_orch.mllm.config import load_model_config  # noqa: E402
 from megatron_orch.mllm.examples import assemble_example  # noqa: E402
 from megatron_orch.mllm.model import MLLMModel, ModelParallelSettings  # noqa: E402
+from megatron_orch.trainer import arguments, loop as trainer  # noqa: E402
 
 SEQ_LENGTH = 128
+TINY = load_model_config("tiny")
+IMAGE_TOKEN_ID, AUDIO_TOKEN_ID = (TINY.encoders[name].placeholder_id for name in ("vision", "audio"))
 
 
 @pytest.fixture()
 def model(world_of_one):
     torch.manual_seed(0)
     tensor_parallel.model_parallel_cuda_manual_seed(0)
-    return MLLMModel(load_model_config("tiny"), ModelParallelSettings(), SEQ_LENGTH)
+    return MLLMModel(TINY, ModelParallelSettings(), SEQ_LENGTH)
 
 
 def make_example(model, index, vision_items, audio_items, answer_tokens, seed=0):
-    shape = model.shape
+    spec = model.spec
     g = torch.Generator().manual_seed(seed * 1000 + index)
-    vision = torch.randn(vision_items, shape.vision_patches_per_item, shape.vision_patch_dim, generator=g)
-    audio = torch.randn(audio_items, shape.audio_frames_per_window, shape.audio_mel_bins, generator=g)
+    items = {phase: torch.randn(n, *spec.input(phase).item_shape, generator=g)
+             for phase, n in (("vision", vision_items), ("audio", audio_items))}
     answer = torch.randint(97, 123, (answer_tokens,), generator=g).tolist()
-    return assemble_example(index, [116, 58, 32], answer, vision, audio, shape)
+    return assemble_example(index, [116, 58, 32], answer, items, spec)
 
 
 def run(model, batch):
-    return model(batch.tokens, batch.position_ids, batch.attention_mask(), labels=batch.labels,
-                 vision=batch.vision, audio=batch.audio)
+    return model(batch)
+
+
+def test_the_model_meets_the_contract(model):
+    assert isinstance(model, BalanceableModel)
+    assert list(model.phase_encoders()) == ["vision", "audio"]
+    later_stage = MLLMModel(TINY, ModelParallelSettings(), SEQ_LENGTH, pre_process=False)
+    assert later_stage.phase_encoders() == {}
 
 
 def test_forward_backward_gives_per_token_loss_and_grads_everywhere(model):
     batch = collate([make_example(model, 0, 2, 1, 10), make_example(model, 1, 0, 3, 5),
-                     make_example(model, 2, 1, 0, 20)])
+                     make_example(model, 2, 1, 0, 20)], model.spec)
     losses = run(model, batch)
     assert losses.shape == batch.tokens.shape
-    loss, num_tokens, _ = providers.loss_func(batch.loss_mask, losses)
+    loss, num_tokens, _ = loss_func(batch.loss_mask, losses)
     assert int(num_tokens) == int(batch.loss_mask.sum()) == 11 + 6 + 21
     # Untrained: about the entropy of a uniform guess over the (padded) vocabulary.
     assert abs(float(loss) / int(num_tokens) - math.log(1024)) < 0.5
@@ -61,12 +69,13 @@ def test_forward_backward_gives_per_token_loss_and_grads_everywhere(model):
 
 
 def test_embeddings_are_spliced_at_their_placeholders_in_item_order(model):
-    batch = collate([make_example(model, 0, 2, 1, 4), make_example(model, 1, 1, 2, 6)])
+    batch = collate([make_example(model, 0, 2, 1, 4), make_example(model, 1, 1, 2, 6)], model.spec)
     h = model.config.hidden_size
-    vision_embeds = torch.randn(3 * model.shape.vision_llm_tokens_per_item, h)
-    audio_embeds = torch.randn(3 * model.shape.audio_llm_tokens_per_item, h)
+    vision_embeds = torch.randn(3 * model.spec.rows_per_item("vision"), h)
+    audio_embeds = torch.randn(3 * model.spec.rows_per_item("audio"), h)
     with torch.no_grad():
-        spliced = model.embed(batch.tokens, batch.position_ids, vision_embeds, audio_embeds)  # [s, b, h]
+        spliced = model.embed(batch.tokens, batch.position_ids,
+                              {"vision": vision_embeds, "audio": audio_embeds})  # [s, b, h]
         plain = model.backbone.embedding(input_ids=batch.tokens, position_ids=batch.position_ids)
     for token_id, embeds in ((IMAGE_TOKEN_ID, vision_embeds), (AUDIO_TOKEN_ID, audio_embeds)):
         expected = iter(embeds)
@@ -80,20 +89,21 @@ def test_embeddings_are_spliced_at_their_placeholders_in_item_order(model):
 
 
 def test_placeholder_count_mismatch_is_an_error(model):
-    batch = collate([make_example(model, 0, 2, 0, 4)])
-    too_few = torch.zeros(model.shape.vision_llm_tokens_per_item, model.config.hidden_size)
+    batch = collate([make_example(model, 0, 2, 0, 4)], model.spec)
+    too_few = torch.zeros(model.spec.rows_per_item("vision"), model.config.hidden_size)
     with pytest.raises(ValueError, match="8 vision placeholder tokens .* but 4 vision embeddings"):
-        model.backbone_forward(batch.tokens, batch.position_ids, None, vision_embeds=too_few)
+        model(batch, embeds={"vision": too_few})
 
 
 def test_encoders_encode_each_item_independently(model):
     """Items can be encoded on any rank in any grouping: no padding, no cross-item attention."""
-    shape = model.shape
-    vision = torch.randn(5, shape.vision_patches_per_item, shape.vision_patch_dim)
-    audio = torch.randn(4, shape.audio_frames_per_window, shape.audio_mel_bins)
+    spec = model.spec
     with torch.no_grad():
-        for encode, items, per_item in ((model.encode_vision, vision, shape.vision_llm_tokens_per_item),
-                                        (model.encode_audio, audio, shape.audio_llm_tokens_per_item)):
+        for phase, n in (("vision", 5), ("audio", 4)):
+            items, per_item = torch.randn(n, *spec.input(phase).item_shape), spec.rows_per_item(phase)
+
+            def encode(part, phase=phase):
+                return model.encode(phase, part)
             together = encode(items)
             assert together.shape == (items.shape[0] * per_item, model.config.hidden_size)
             apart = torch.cat([encode(items[:2]), encode(items[2:3]), encode(items[3:])])
@@ -102,29 +112,24 @@ def test_encoders_encode_each_item_independently(model):
 
 
 def test_micro_batch_without_any_media_trains_the_backbone_only(model):
-    batch = collate([make_example(model, 0, 0, 0, 12), make_example(model, 1, 0, 0, 3)])
-    loss, _, _ = providers.loss_func(batch.loss_mask, run(model, batch))
+    batch = collate([make_example(model, 0, 0, 0, 12), make_example(model, 1, 0, 0, 3)], model.spec)
+    loss, _, _ = loss_func(batch.loss_mask, run(model, batch))
     loss.backward()
-    assert model.vision_encoder.patch_embedding.weight.grad is None
-    assert model.audio_encoder.conv1.weight.grad is None
+    assert model.encoders["vision"].patch_embedding.weight.grad is None
+    assert model.encoders["audio"].conv1.weight.grad is None
     assert model.backbone.embedding.word_embeddings.weight.grad is not None
 
 
 def test_packed_rows_match_padded_rows(model):
     """An explicit block-diagonal attention mask (issue 5's packed mode) gives each example's own loss."""
     examples = [make_example(model, 0, 1, 1, 7), make_example(model, 1, 2, 0, 3)]
-    padded, packed = collate(examples), collate_packed_for(examples)
+    padded, packed = collate(examples, model.spec), collate_packed(examples, model.spec)
     with torch.no_grad():
         per_token_padded = run(model, padded)
         per_token_packed = run(model, packed)
     sum_padded = (per_token_padded * padded.loss_mask).sum()
     sum_packed = (per_token_packed * packed.loss_mask).sum()
     torch.testing.assert_close(sum_packed, sum_padded, rtol=1e-5, atol=1e-5)
-
-
-def collate_packed_for(examples):
-    from megatron_orch.megatron.batch import collate_packed
-    return collate_packed(examples)
 
 
 def test_loss_decreases_when_overfitting_one_batch(world_of_one):
@@ -137,8 +142,8 @@ def test_loss_decreases_when_overfitting_one_batch(world_of_one):
     optimizer, scheduler = trainer.build_optimizer(args, model, timers)
     trainer.attach_to_model_config(model, optimizer, timers)
     unwrapped = model[0].module
-    batch = collate([make_example(unwrapped, i, i % 3, (i + 1) % 3, 12, seed=7) for i in range(4)])
-    losses = [trainer.train_step(providers.forward_step, itertools.repeat(batch), model, optimizer, scheduler,
+    batch = collate([make_example(unwrapped, i, i % 3, (i + 1) % 3, 12, seed=7) for i in range(4)], unwrapped.spec)
+    losses = [trainer.train_step(forward_step, itertools.repeat(batch), model, optimizer, scheduler,
                                  args, timers)["lm_loss"] for _ in range(args.train_iters)]
     assert losses[0] > 6.0
     assert losses[-1] < losses[0] - 3.0, losses
@@ -149,5 +154,5 @@ def test_built_model_has_the_parameters_its_config_counts(model):
     """The config's count (what the benchmarks and the README quote) is the model that is built, but for
     the biases and norm weights the count leaves out (under 1% here)."""
     built = sum(p.numel() for p in model.parameters())
-    counted = load_model_config("tiny").num_parameters()["total"]
+    counted = TINY.num_parameters()["total"]
     assert counted <= built <= 1.01 * counted, (counted, built)

@@ -4,7 +4,8 @@ the parameters after every step of the upstream run (balancing off), on CPU over
 The data is a scripted stream whose steps are the edge cases of DESIGN.md section 4: a step with no
 images anywhere, audio on one rank only, one example far longer than a fair share, all heavy examples
 on one rank, then an ordinary mixed step. Layouts: DP 4, TP 2 x DP 2, PP 2 x DP 2 (1F1B), DP 1; modes:
-equal-count micro-batches, packed micro-batches with encoder recompute and locality-aware balancing.
+equal-count micro-batches, packed micro-batches with encoder recompute and locality-aware balancing; and
+the three-encoder config (``tiny_video``: video frames as their own encoder phase) at DP 4.
 """
 import re
 import warnings
@@ -28,8 +29,9 @@ TIMEOUT_S = 300.0
 SCENARIOS = ("no_images", "audio_on_one_rank", "one_long_example", "heavy_on_one_rank", "mixed")
 
 
-def scripted_example(step: int, dp_rank: int, position: int, shape, sample_index: int):
-    """Example ``position`` of ``dp_rank`` in ``step``: sizes from the step's scenario, content random."""
+def scripted_example(step: int, dp_rank: int, position: int, spec, sample_index: int):
+    """Example ``position`` of ``dp_rank`` in ``step``: sizes from the step's scenario, content random. A
+    model with a video phase (tiny_video) gets video frames too: a long clip on one rank in the heavy step."""
     from megatron_orch.mllm.examples import assemble_example
 
     scenario = SCENARIOS[step % len(SCENARIOS)]
@@ -37,6 +39,7 @@ def scripted_example(step: int, dp_rank: int, position: int, shape, sample_index
     vision = int(torch.randint(0, 4, (1,), generator=g))
     audio = int(torch.randint(0, 3, (1,), generator=g))
     answer = int(torch.randint(4, 24, (1,), generator=g))
+    video = int(torch.randint(0, 3, (1,), generator=g)) if "video" in spec.phases.encoder_names else 0
     if scenario == "no_images":
         vision = 0
     elif scenario == "audio_on_one_rank":
@@ -44,12 +47,12 @@ def scripted_example(step: int, dp_rank: int, position: int, shape, sample_index
     elif scenario == "one_long_example" and dp_rank == 0 and position == 0:
         vision, audio, answer = 12, 4, 60
     elif scenario == "heavy_on_one_rank":
-        vision, audio, answer = (8, 3, 40) if dp_rank == 0 else (0, 0, 4)
+        vision, audio, answer, video = (8, 3, 40, 4) if dp_rank == 0 else (0, 0, 4, 0)
     prompt = torch.randint(0, 256, (4,), generator=g).tolist()
-    return assemble_example(
-        sample_index, prompt, torch.randint(0, 256, (answer,), generator=g).tolist(),
-        torch.randn(vision, shape.vision_patches_per_item, shape.vision_patch_dim, generator=g),
-        torch.randn(audio, shape.audio_frames_per_window, shape.audio_mel_bins, generator=g), shape)
+    counts = {"vision": vision, "audio": audio, "video": video}
+    answer_ids = torch.randint(0, 256, (answer,), generator=g).tolist()
+    items = {i.phase: torch.randn(counts[i.phase], *i.item_shape, generator=g) for i in spec.inputs}
+    return assemble_example(sample_index, prompt, answer_ids, items, spec)
 
 
 def scripted_iterator(args, consumed_samples, dp_rank, dp_size):
@@ -58,13 +61,14 @@ def scripted_iterator(args, consumed_samples, dp_rank, dp_size):
     from megatron_orch.megatron.batch import collate
 
     data = providers.data_config(args)
+    spec = data.layout.spec
     per_rank = MBS * args.num_microbatches
     for step in range(consumed_samples // args.global_batch_size, args.train_iters):
         for m in range(args.num_microbatches):
-            examples = [scripted_example(step, dp_rank, m * MBS + j, data.shape,
+            examples = [scripted_example(step, dp_rank, m * MBS + j, spec,
                                          step * args.global_batch_size + dp_rank * per_rank + m * MBS + j)
                         for j in range(MBS)]
-            yield collate(examples, pad_to=data.seq_length if data.pad_to_seq_length else None)
+            yield collate(examples, spec, pad_to=data.seq_length if data.pad_to_seq_length else None)
 
 
 def _train(rank, world_size, argv, out_dir):
@@ -169,6 +173,21 @@ def test_model_parallel_layouts_are_invariant(layout, tmp_path):
     assert_plan_balances(balanced)
 
 
+def test_three_encoder_config_is_invariant_and_balances(tmp_path):
+    """tiny_video (vision tiles, video frames and audio windows, each its own encoder phase): DP 4,
+    upstream against post-balancing, equal-count and packed with encoder recompute."""
+    three = ["--model-config", "tiny_video"]
+    baseline = train(tmp_path, "baseline", 4, *three)
+    for name, flags in (("balanced", ()), ("packed", ("--orch-microbatching", "packed", "--orch-encoder-recompute"))):
+        balanced = train(tmp_path, name, 4, *three, *BALANCED, *flags)
+        assert_invariant(balanced, baseline)
+        assert_plan_balances(balanced, phases=("vision", "video", "audio", "llm"))
+    assert baseline["losses"][ITERS] < baseline["losses"][1]
+    line = balanced["lines"][-1]
+    assert "video items" in line and "video-encoder-forward" in line, line
+    assert re.search(r"before->after: vision [\d.]+->[\d.]+, video [\d.]+->[\d.]+, audio", line), line
+
+
 def test_dp1_is_invariant(tmp_path):
     balanced = train(tmp_path, "balanced", 1, "--orch-post-balancing", "--orch-gpus-per-node", "1")
     assert_invariant(balanced, train(tmp_path, "baseline", 1))
@@ -194,24 +213,22 @@ def _disagreeing_ranks(rank, world_size):
     warnings.filterwarnings("ignore")
     import torch.distributed as dist
 
-    from megatron_orch.balance.model_config import load_model_config
-    from megatron_orch.comm.gather import GroupMismatchError
     from megatron_orch.balance.topology import Topology
+    from megatron_orch.comm.gather import GroupMismatchError
     from megatron_orch.megatron.batch import collate
-    from megatron_orch.mllm.examples import example_shape
-    from megatron_orch.megatron.post_balancing import PostBalancingDataIterator
+    from megatron_orch.megatron.post_balancing import ParallelGroups, PostBalancingDataIterator, StepShape
+    from megatron_orch.mllm.config import load_model_config
+    from megatron_orch.mllm.examples import batch_spec
     from megatron_orch.orchestrator.config import OrchestratorConfig
 
-    model_config = load_model_config("tiny")
-    shape = example_shape(model_config, 192)
+    spec = batch_spec(load_model_config("tiny"), 192)
     step = SCENARIOS.index("heavy_on_one_rank")
-    source = iter([collate([scripted_example(step, rank, m * MBS + j, shape, 100 * rank + m * MBS + j)
-                            for j in range(MBS)]) for m in range(NUM_MB)])
+    source = iter([collate([scripted_example(step, rank, m * MBS + j, spec, 100 * rank + m * MBS + j)
+                            for j in range(MBS)], spec) for m in range(NUM_MB)])
     config = OrchestratorConfig(background=False) if rank == 0 else \
         OrchestratorConfig(background=False, phases=("vision", "llm"))
-    iterator = PostBalancingDataIterator(source, model_config=model_config, config=config, shape=shape,
-                                         micro_batch_size=MBS, num_microbatches=NUM_MB, dp_group=dist.group.WORLD,
-                                         topology=Topology.uniform(world_size, 1), encoder_stage=True,
+    iterator = PostBalancingDataIterator(source, spec, config, StepShape(MBS, NUM_MB),
+                                         ParallelGroups(dist.group.WORLD, Topology.uniform(world_size, 1)),
                                          compute_device=torch.device("cpu"))
     with pytest.raises(GroupMismatchError, match="plan digest"):
         next(iterator)
@@ -230,39 +247,36 @@ def _bad_input_on_one_rank(rank, world_size):
 
     import torch.distributed as dist
 
-    from megatron_orch.balance.model_config import load_model_config
-    from megatron_orch.comm.status import PeerFailedError
     from megatron_orch.balance.topology import Topology
+    from megatron_orch.comm.status import PeerFailedError
     from megatron_orch.megatron.batch import collate
-    from megatron_orch.mllm.examples import example_shape
+    from megatron_orch.megatron.post_balancing import ParallelGroups, PostBalancingDataIterator, StepShape
+    from megatron_orch.mllm.config import load_model_config
+    from megatron_orch.mllm.examples import batch_spec
     from megatron_orch.mllm.manifest import ManifestError
-    from megatron_orch.megatron.post_balancing import PostBalancingDataIterator
     from megatron_orch.orchestrator.config import OrchestratorConfig
 
-    model_config = load_model_config("tiny")
-    shape = example_shape(model_config, 192)
-    examples = [scripted_example(SCENARIOS.index("mixed"), rank, j, shape, 10 * rank + j) for j in range(MBS)]
+    spec = batch_spec(load_model_config("tiny"), 192)
+    examples = [scripted_example(SCENARIOS.index("mixed"), rank, j, spec, 10 * rank + j) for j in range(MBS)]
     if rank == 1:
-        good = scripted_example(SCENARIOS.index("heavy_on_one_rank"), 0, 0, shape, 11)  # 8 tiles
-        examples[1] = dataclasses.replace(good, vision=good.vision[:3])
+        good = scripted_example(SCENARIOS.index("heavy_on_one_rank"), 0, 0, spec, 11)  # 8 tiles
+        examples[1] = dataclasses.replace(good, items={**good.items, "vision": good.items["vision"][:3]})
 
     def iterator(source):
-        return PostBalancingDataIterator(source, model_config=model_config,
-                                         config=OrchestratorConfig(background=False), shape=shape,
-                                         micro_batch_size=MBS, num_microbatches=1, dp_group=dist.group.WORLD,
-                                         topology=Topology.uniform(world_size, 1), encoder_stage=True,
+        return PostBalancingDataIterator(source, spec, OrchestratorConfig(background=False), StepShape(MBS, 1),
+                                         ParallelGroups(dist.group.WORLD, Topology.uniform(world_size, 1)),
                                          compute_device=torch.device("cpu"))
 
-    mismatch = "example 11: .* image placeholders, expected 3 items"
+    mismatch = "example 11: .* vision placeholders, expected 3 items"
     with pytest.raises(ValueError if rank == 1 else PeerFailedError, match=mismatch):
-        next(iterator(iter([collate(examples)])))
+        next(iterator(iter([collate(examples, spec)])))
 
     loader_error = "train.jsonl line 3: image data/3.png does not exist"
 
     def loader():
         if rank == 1:
             raise ManifestError(loader_error)
-        yield collate(examples)
+        yield collate(examples, spec)
 
     with pytest.raises(ManifestError if rank == 1 else PeerFailedError, match=re.escape(loader_error)):
         next(iterator(loader()))
@@ -278,28 +292,27 @@ def _peers_with_different_plans(rank, world_size):
     warnings.filterwarnings("ignore")
     import torch.distributed as dist
 
-    from megatron_orch.balance.model_config import load_model_config
     from megatron_orch.balance.topology import Topology
     from megatron_orch.comm.gather import GroupMismatchError
     from megatron_orch.megatron.batch import collate
-    from megatron_orch.megatron.post_balancing import PostBalancingDataIterator
-    from megatron_orch.mllm.examples import example_shape
+    from megatron_orch.megatron.post_balancing import ParallelGroups, PostBalancingDataIterator, StepShape
+    from megatron_orch.mllm.config import load_model_config
+    from megatron_orch.mllm.examples import batch_spec
     from megatron_orch.orchestrator.config import OrchestratorConfig
 
     dp_groups = [dist.new_group([0, 1]), dist.new_group([2, 3])]
     peer_groups = [dist.new_group([0, 2]), dist.new_group([1, 3])]
     dp_rank = rank % 2
-    model_config = load_model_config("tiny")
-    shape = example_shape(model_config, 192)
+    spec = batch_spec(load_model_config("tiny"), 192)
     step = SCENARIOS.index("heavy_on_one_rank")
-    source = iter([collate([scripted_example(step, dp_rank, m * MBS + j, shape, 100 * dp_rank + m * MBS + j)
-                            for j in range(MBS)]) for m in range(NUM_MB)])
+    source = iter([collate([scripted_example(step, dp_rank, m * MBS + j, spec, 100 * dp_rank + m * MBS + j)
+                            for j in range(MBS)], spec) for m in range(NUM_MB)])
     config = OrchestratorConfig(background=False) if rank < 2 else \
         OrchestratorConfig(background=False, phases=("vision", "llm"))
-    iterator = PostBalancingDataIterator(source, model_config=model_config, config=config, shape=shape,
-                                         micro_batch_size=MBS, num_microbatches=NUM_MB, dp_group=dp_groups[rank // 2],
-                                         topology=Topology.uniform(2, 1), encoder_stage=True,
-                                         compute_device=torch.device("cpu"), peer_group=peer_groups[dp_rank])
+    iterator = PostBalancingDataIterator(source, spec, config, StepShape(MBS, NUM_MB),
+                                         ParallelGroups(dp_groups[rank // 2], Topology.uniform(2, 1),
+                                                        peer_group=peer_groups[dp_rank]),
+                                         compute_device=torch.device("cpu"))
     with pytest.raises(GroupMismatchError, match=r"plan digest \(TP/PP peers\)"):
         next(iterator)
 
@@ -329,11 +342,12 @@ def test_the_schedule_restores_the_model_configs_callbacks():
     config = SimpleNamespace(finalize_model_grads_func=finalize, grad_sync_func=[grad_sync, grad_sync])
 
     class LaterStage(torch.nn.Module):  # no encoders: nothing to run but the callbacks
-        pre_process = False
-
         def __init__(self):
             super().__init__()
             self.config = config
+
+        def phase_encoders(self):
+            return {}
 
     def forward_backward(fail=False, **kwargs):
         calls.append(config.finalize_model_grads_func is finalize)  # wrapped during the call
@@ -343,8 +357,8 @@ def test_the_schedule_restores_the_model_configs_callbacks():
             raise RuntimeError("a failing step")
         return []
 
-    step = BalancedStep(microbatches=[], vision_inputs=torch.zeros(0), audio_inputs=torch.zeros(0), plan=None,
-                        rank=0, num_tokens=np.zeros(0, dtype=np.int64), tokens_per_item={})
+    step = BalancedStep(microbatches=[], inputs={}, plan=None, rank=0, num_tokens=np.zeros(0, dtype=np.int64),
+                        rows_per_item={})
     schedule = ModalityAwareSchedule(forward_backward, dp_group=None)
     for fail in (False, False, True):
         try:

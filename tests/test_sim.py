@@ -10,17 +10,18 @@ import pytest
 import yaml
 
 from megatron_orch.balance.cost_profile import PhaseFit, profile_dict
-from megatron_orch.balance.model_config import load_model_config
 from megatron_orch.balance.plan import Placement, Transfer
 from megatron_orch.balance.topology import Topology
 from megatron_orch.balance.traces import DEFAULT_MIXTURE
-from megatron_orch.balance.workload import PHASES, phase_items
+from megatron_orch.balance.workload import phase_items
 from megatron_orch.bench.common import PLAN_METHODS, draw_sizes, upstream_plan
+from megatron_orch.mllm.config import load_model_config
 from megatron_orch.orchestrator.step_plan import plan_step
 from megatron_orch.sim import __main__ as sim_main
 from megatron_orch.sim.cluster import METHODS, LinkModel, backbone_only_plan, transfers
 
 TINY = load_model_config("tiny")
+PHASES = ("vision", "audio", "llm")  # tiny's phases
 
 
 def test_alltoall_time_is_the_busiest_ranks_slowest_link():
@@ -40,9 +41,9 @@ def test_alltoall_time_is_the_busiest_ranks_slowest_link():
 
 def test_transfer_bytes_are_the_plans_own_accounting():
     _, _, sizes = draw_sizes(list(DEFAULT_MIXTURE), 16, 4, "tiny", 1)
-    items, link = phase_items(sizes, TINY), LinkModel(gpus_per_node=4)
-    plan = plan_step(sizes, TINY, PLAN_METHODS["orch"], Topology.uniform(16, 4), 1, 4)
-    moved = {name: link.alltoall_seconds(t, b) for name, t, b, _ in transfers(plan, items)}
+    items, link = phase_items(sizes, TINY.phases()), LinkModel(gpus_per_node=4)
+    plan = plan_step(sizes, TINY.phases(), PLAN_METHODS["orch"], Topology.uniform(16, 4), 1, 4)
+    moved = {name: link.alltoall_seconds(t, b) for name, t, b, _ in transfers(plan, items, "llm")}
     for phase in ("vision", "audio"):
         assert moved[f"{phase} inputs"]["inter_node_bytes"] == pytest.approx(plan.stats[phase].inter_node_bytes)
         assert moved[f"{phase} inputs"]["intra_node_bytes"] == pytest.approx(plan.stats[phase].intra_node_bytes)
@@ -58,8 +59,8 @@ def test_small_run_gives_consistent_json(tmp_path):
     out, png, profile = tmp_path / "sim.json", tmp_path / "sim.png", tmp_path / "profile.yaml"
     encoder = PhaseFit(c0=3e-4, c1=0.0, c2=0.0, call_overhead=5e-3, residual_rms=0.0, residual_max=0.0, num_points=3)
     llm = PhaseFit(c0=5e-3, c1=2e-5, c2=2e-8, call_overhead=0.0, residual_rms=0.0, residual_max=0.0, num_points=3)
-    profile.write_text(yaml.safe_dump(profile_dict("test", "fp32", TINY, {"vision": encoder, "audio": encoder,
-                                                                          "llm": llm}, {})))
+    profile.write_text(yaml.safe_dump(profile_dict("test", "fp32", TINY.name, TINY.phases(),
+                                                   {"vision": encoder, "audio": encoder, "llm": llm}, {})))
     returned = sim_main.main(["--model", "tiny", "--dp", "8,16", "--per-rank", "4", "--seeds", "0,1",
                               "--gpus-per-node", "4", "--nic-sweep", "400,0.01", "--profile", str(profile),
                               "--json", str(out), "--plot", str(png)])

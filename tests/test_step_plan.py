@@ -4,13 +4,13 @@ import numpy as np
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from megatron_orch.balance.model_config import load_model_config
 from megatron_orch.balance.topology import Topology
 from megatron_orch.orchestrator.config import OrchestratorConfig
 from megatron_orch.balance.workload import StepSizes
+from megatron_orch.mllm.config import load_model_config
 from megatron_orch.orchestrator.step_plan import plan_step
 
-TINY = load_model_config("tiny")
+TINY = load_model_config("tiny").phases()
 CONFIGS = [OrchestratorConfig(background=False),
            OrchestratorConfig(microbatching="packed", background=False),
            OrchestratorConfig(locality=True, background=False),
@@ -20,8 +20,8 @@ CONFIGS = [OrchestratorConfig(background=False),
 
 def sizes_of(vision, audio, tokens, num_ranks):
     n = len(tokens)
-    return StepSizes(counts=np.full(num_ranks, n // num_ranks), num_vision_items=np.asarray(vision),
-                     num_audio_items=np.asarray(audio), num_tokens=np.asarray(tokens))
+    return StepSizes(counts=np.full(num_ranks, n // num_ranks), items={"vision": np.asarray(vision),
+                     "audio": np.asarray(audio)}, num_tokens=np.asarray(tokens))
 
 
 def check_plan(plan, sizes, config, mbs, num_mb):
@@ -37,14 +37,14 @@ def check_plan(plan, sizes, config, mbs, num_mb):
         assert np.all(np.diff(mb) >= 0), "slot order must be micro-batch order"
         if config.microbatching == "equal_count":
             assert np.array_equal(np.bincount(mb, minlength=num_mb), np.full(num_mb, mbs))
-    for phase, per_example in (("vision", sizes.num_vision_items), ("audio", sizes.num_audio_items)):
+    for phase, per_example in sizes.items.items():
         enc = plan.encoders[phase]
         assert np.array_equal(enc.example, np.repeat(np.arange(n), per_example))
         assert np.array_equal(enc.home.rank, plan.examples_home.rank[enc.example])
         out = plan.output_transfer(phase)
         assert np.array_equal(out.dst.rank, plan.examples_llm.rank[enc.example])
         assert np.array_equal(out.src.rank, enc.encode.rank)
-        if phase not in config.phases:
+        if not config.balances(phase):
             assert np.array_equal(enc.encode.rank, enc.home.rank)
         # Outputs arrive in the order the backbone splices them: by example slot, then item.
         for r in range(num_ranks):
@@ -83,7 +83,7 @@ def test_plan_routes_every_item_once(step, config):
     assert again.digest == plan.digest
 
 
-@pytest.mark.parametrize("config", CONFIGS, ids=lambda c: f"{c.microbatching}-loc{c.locality}-{c.placement}-{len(c.phases)}")
+@pytest.mark.parametrize("config", CONFIGS, ids=lambda c: f"{c.microbatching}-loc{c.locality}-{c.placement}-{c.phases}")
 @pytest.mark.parametrize("case", ["no_images", "audio_on_some_ranks", "one_huge_example",
                                   "heavy_on_one_rank", "dp1"])
 def test_edge_cases(case, config):
@@ -103,7 +103,7 @@ def test_edge_cases(case, config):
     sizes = sizes_of(vision, audio, tokens, num_ranks)
     plan = plan_step(sizes, TINY, config, Topology.uniform(num_ranks, 2 if num_ranks > 1 else 1), mbs, num_mb)
     check_plan(plan, sizes, config, mbs, num_mb)
-    if case == "heavy_on_one_rank" and "vision" in config.phases:
+    if case == "heavy_on_one_rank" and config.balances("vision"):
         assert plan.stats["vision"].imbalance_after < 1.1 < plan.stats["vision"].imbalance_before
 
 
@@ -113,9 +113,9 @@ def test_balances_a_realistic_batch():
 
     num_ranks, mbs, num_mb = 16, 2, 4
     n = num_ranks * mbs * num_mb
-    dataset = SyntheticMultimodalDataset(TINY, num_samples=n, seed=3, seq_length=1024)
+    dataset = SyntheticMultimodalDataset(load_model_config("tiny"), num_samples=n, seed=3, seq_length=1024)
     records = [dataset.example_sizes(i) for i in range(n)]
-    sizes = sizes_of([r.num_vision_items for r in records], [r.num_audio_items for r in records],
+    sizes = sizes_of([r.num_items("vision") for r in records], [r.num_items("audio") for r in records],
                      [r.num_tokens for r in records], num_ranks)
     topology = Topology.uniform(num_ranks, 8)
     equal = plan_step(sizes, TINY, OrchestratorConfig(background=False), topology, mbs, num_mb)
@@ -135,11 +135,32 @@ def _granularity(stats, num_ranks):
 
 def test_bad_sizes_are_rejected_before_planning():
     with pytest.raises(ValueError, match="DP rank 1 loaded 3 examples, expected"):
-        plan_step(StepSizes(counts=np.array([4, 3]), num_vision_items=np.zeros(7, int),
-                            num_audio_items=np.zeros(7, int), num_tokens=np.ones(7, int)),
+        plan_step(StepSizes(counts=np.array([4, 3]), items={"vision": np.zeros(7, int), "audio": np.zeros(7, int)},
+                            num_tokens=np.ones(7, int)),
                   TINY, OrchestratorConfig(), Topology.uniform(2, 1), 2, 2)
-    with pytest.raises(ValueError, match="num_audio_items has a negative entry at example 2"):
-        StepSizes(counts=np.array([4]), num_vision_items=np.zeros(4, int),
-                  num_audio_items=np.array([0, 0, -1, 0]), num_tokens=np.ones(4, int))
-    with pytest.raises(ValueError, match="--orch-phases"):
-        OrchestratorConfig(phases=("vision", "text"))
+    with pytest.raises(ValueError, match=r"items\['audio'\] has a negative entry at example 2"):
+        StepSizes(counts=np.array([4]), items={"vision": np.zeros(4, int), "audio": np.array([0, 0, -1, 0])},
+                  num_tokens=np.ones(4, int))
+    with pytest.raises(ValueError, match="--orch-phases: the model has no phase 'text'; its phases are "
+                                         "vision,audio,llm"):
+        plan_step(sizes_of([0] * 4, [0] * 4, [5] * 4, 2), TINY, OrchestratorConfig(phases=("vision", "text")),
+                  Topology.uniform(2, 1), 1, 2)
+    with pytest.raises(ValueError, match="--orch-phases: repeated phases"):
+        OrchestratorConfig(phases=("vision", "vision"))
+
+
+def test_three_encoder_phases_are_planned_and_balanced():
+    """tiny_video's vision, video and audio phases: each routed once to its example's backbone rank, each
+    balanced; --orch-phases leaves the ones it does not name where they were loaded."""
+    phases = load_model_config("tiny_video").phases()
+    rng = np.random.default_rng(5)
+    num_ranks, mbs, num_mb = 4, 2, 2
+    n = num_ranks * mbs * num_mb
+    items = {name: rng.integers(0, 5, n) for name in phases.encoder_names}
+    items["video"][: mbs * num_mb] = 12  # every long video on rank 0
+    sizes = StepSizes(counts=np.full(num_ranks, mbs * num_mb), items=items, num_tokens=rng.integers(40, 200, n))
+    for config in (OrchestratorConfig(background=False), OrchestratorConfig(phases=("video", "llm"), background=False)):
+        plan = plan_step(sizes, phases, config, Topology.uniform(num_ranks, 2), mbs, num_mb)
+        check_plan(plan, sizes, config, mbs, num_mb)
+        assert list(plan.stats) == ["vision", "video", "audio", "llm"]
+        assert plan.stats["video"].imbalance_after < 1.1 < plan.stats["video"].imbalance_before

@@ -46,7 +46,7 @@ def _stage_state(full_state: dict, pp_rank: int, pp_size: int, num_layers: int) 
             index = int(layer.group(1)) - pp_rank * per_stage
             if 0 <= index < per_stage:
                 out[f"backbone.decoder.layers.{index}.{layer.group(2)}"] = value
-        elif key.startswith(("vision_encoder.", "audio_encoder.", "backbone.embedding.")):
+        elif key.startswith(("encoders.", "backbone.embedding.")):
             if first:
                 out[key] = value
         elif key.startswith(("backbone.decoder.final_layernorm.", "backbone.output_layer.")):
@@ -162,8 +162,8 @@ def test_torchrun_entry_point_logs_megatron_iteration_lines(reference, tmp_path)
     for line in lines:
         assert re.search(r"\| lm loss: \d\.\d{6}E[+-]\d\d \|", line), line
         assert re.search(r"\| tokens/s: [\d.]+ \|", line), line
-        assert re.search(r"load per rank max/mean over DP: vision items \d+/[\d.]+ \([\d.-]+\), audio windows "
-                         r"\d+/[\d.]+ \([\d.-]+\), backbone tokens \d+/[\d.]+ \([\d.]+\) \|", line), line
+        assert re.search(r"load per rank max/mean over DP: vision items \d+/[\d.]+ \([\d.-]+\), audio items "
+                         r"\d+/[\d.]+ \([\d.-]+\), llm tokens \d+/[\d.]+ \([\d.]+\) \|", line), line
         assert "forward-backward" in line and "optimizer" in line, line
     first_loss = float(re.search(r"\| lm loss: (\S+) \|", lines[0]).group(1))
     assert first_loss == pytest.approx(reference[0][1], abs=0.05)
@@ -202,5 +202,5 @@ def test_backbone_shape_flags_override_the_model_config(tmp_path):
                                 world_size=2)
     backbone = args.mllm_config.backbone.transformer
     assert (backbone.num_layers, backbone.hidden_size, backbone.ffn_hidden_size) == (4, 32, 256)
-    assert args.mllm_config.vision.transformer.hidden_size == 64
+    assert args.mllm_config.encoders["vision"].transformer.hidden_size == 64
     assert (args.data_parallel_size, args.num_microbatches, args.lr_decay_iters) == (2, 2, ITERS)

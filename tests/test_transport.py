@@ -113,8 +113,8 @@ def test_transport_matches_ortools_on_trace_placements(algorithm, placements):
     topology = Topology.uniform(96, 8)
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(step_plan, "place_items", capture)
-        step_plan.plan_step(sizes, model, OrchestratorConfig(algorithm=algorithm, background=False), topology,
-                            micro_batch_size=1, num_microbatches=4)
+        step_plan.plan_step(sizes, model.phases(), OrchestratorConfig(algorithm=algorithm, background=False),
+                            topology, micro_batch_size=1, num_microbatches=4)
     assert len(captured) == placements
     for traffic, topo, rank_of_bin in captured:
         result = _check_against_oracle(traffic, topo)

@@ -1,13 +1,16 @@
-"""Trace loading / drawing, trace rows -> per-example sizes, and sizes -> the items of every phase."""
-from dataclasses import replace
+"""Trace loading / drawing, trace rows -> per-example sizes, sizes -> the items of every phase, and the
+phase records themselves (names, cost models, any number of encoders)."""
+import dataclasses
 
 import numpy as np
 import pytest
 
-from megatron_orch.balance.model_config import load_model_config
+from megatron_orch.balance.cost import FunctionCost, TransformerCost
 from megatron_orch.balance.traces import (NUMERIC_COLUMNS, TEXT_COLUMNS, Trace, TraceMixture, load_mixture,
                                           load_trace, parse_trace_spec)
-from megatron_orch.balance.workload import PHASES, StepSizes, phase_items, sampled_video_frames, sizes_from_trace
+from megatron_orch.balance.workload import (BackbonePhase, EncoderPhase, ModelPhases, StepSizes, phase_bytes,
+                                            phase_items)
+from megatron_orch.mllm.config import load_model_config, sampled_video_frames, sizes_from_trace
 
 TINY = load_model_config("tiny")
 # tiny: 16 px tiles of 4 px patches -> 16 patches + 1 class token, 4 LLM tokens per tile or video frame;
@@ -30,20 +33,21 @@ def sizes(config=TINY, rows=ROWS, counts=COUNTS):
 
 def test_trace_rows_become_the_sizes_the_data_pipeline_loads():
     s = sizes()
-    np.testing.assert_array_equal(s.num_vision_items, [3, 3, 4, 0, 0, 1])
-    np.testing.assert_array_equal(s.num_audio_items, [0, 0, 0, 3, 0, 0])
+    np.testing.assert_array_equal(s.items["vision"], [3, 3, 4, 0, 0, 1])
+    np.testing.assert_array_equal(s.items["audio"], [0, 0, 0, 3, 0, 0])
     text = np.array([10, 4, 0, 5, 7, 1])
-    np.testing.assert_array_equal(s.num_tokens, text + 8 + 4 * s.num_vision_items + 8 * s.num_audio_items)
+    np.testing.assert_array_equal(s.num_tokens, text + 8 + 4 * s.items["vision"] + 8 * s.items["audio"])
     np.testing.assert_array_equal(s.home, [0, 0, 1, 1, 2, 2])
 
 
 def test_vision_items():
-    vision = phase_items(sizes(), TINY)["vision"]
+    vision = phase_items(sizes(), TINY.phases())["vision"]
     np.testing.assert_array_equal(vision.example, [0, 0, 0, 1, 1, 1, 2, 2, 2, 2, 5])
     np.testing.assert_array_equal(vision.home, [0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 2])
     np.testing.assert_array_equal(vision.tokens, [17] * 11)
-    projector = TINY.vision.projector(64)
-    np.testing.assert_allclose(vision.cost, TINY.vision.transformer.train_flops(17) + projector.train_flops(4))
+    encoder = TINY.encoders["vision"]
+    projector = encoder.projector(64)
+    np.testing.assert_allclose(vision.cost, encoder.transformer.train_flops(17) + projector.train_flops(4))
     np.testing.assert_allclose(vision.nbytes, 3 * 16 * 16 * 2)
     np.testing.assert_allclose(vision.output_nbytes, 4 * 64 * 2)
 
@@ -51,20 +55,21 @@ def test_vision_items():
 def test_audio_windows_run_at_full_length():
     """As the model encodes them: every window is 64 mel frames (the last zero-padded), 32 encoder tokens,
     8 LLM tokens; what moves is the padded window."""
-    audio = phase_items(sizes(), TINY)["audio"]
+    audio = phase_items(sizes(), TINY.phases())["audio"]
     np.testing.assert_array_equal(audio.example, [3, 3, 3])
     np.testing.assert_array_equal(audio.home, [1, 1, 1])
     np.testing.assert_array_equal(audio.tokens, [32, 32, 32])
-    projector = TINY.audio.projector(64)
-    np.testing.assert_allclose(audio.cost, TINY.audio.transformer.train_flops(32) + projector.train_flops(8))
-    np.testing.assert_allclose(audio.memory, TINY.audio.transformer.activation_bytes(32) + projector.activation_bytes(8))
+    encoder = TINY.encoders["audio"]
+    projector = encoder.projector(64)
+    np.testing.assert_allclose(audio.cost, encoder.transformer.train_flops(32) + projector.train_flops(8))
+    np.testing.assert_allclose(audio.memory, encoder.transformer.activation_bytes(32) + projector.activation_bytes(8))
     np.testing.assert_allclose(audio.nbytes, 64 * 16 * 2)  # frames x mel bins x bf16
     np.testing.assert_allclose(audio.output_nbytes, 8 * 64 * 2)
 
 
 def test_llm_lengths_and_bytes():
     s = sizes()
-    w = phase_items(s, TINY)
+    w = phase_items(s, TINY.phases())
     llm = w["llm"]
     np.testing.assert_array_equal(llm.tokens, s.num_tokens)
     np.testing.assert_array_equal(llm.example, np.arange(6))
@@ -73,20 +78,70 @@ def test_llm_lengths_and_bytes():
     np.testing.assert_allclose(llm.nbytes, s.num_tokens * (8 + 8 + 4))  # token id, label, float32 loss mask
     # the embeddings an example's encoder items send on fill exactly its placeholders
     sent = sum(np.bincount(w[p].example, weights=w[p].output_nbytes, minlength=6) for p in ("vision", "audio"))
-    np.testing.assert_allclose(sent, (4 * s.num_vision_items + 8 * s.num_audio_items) * 64 * 2)
+    np.testing.assert_allclose(sent, (4 * s.items["vision"] + 8 * s.items["audio"]) * 64 * 2)
+    total = phase_bytes(w, TINY.phases())
+    assert total["llm"] == pytest.approx(float(llm.nbytes.sum() + sent.sum()))
 
 
 def test_absent_modality_gives_empty_phase():
-    w = phase_items(sizes(rows=[ROWS[0], ROWS[4]], counts=(1, 1)), TINY)
-    assert list(w) == list(PHASES)
+    w = phase_items(sizes(rows=[ROWS[0], ROWS[4]], counts=(1, 1)), TINY.phases())
+    assert list(w) == ["vision", "audio", "llm"]
     assert len(w["audio"]) == 0 and len(w["vision"]) == 3 and len(w["llm"]) == 2
-    no_vision = replace(TINY, vision=None)
+    no_vision = dataclasses.replace(TINY, encoders={"audio": TINY.encoders["audio"]})
     s = sizes(no_vision)
-    assert s.num_vision_items.sum() == 0
-    assert len(phase_items(s, no_vision)["vision"]) == 0
+    assert list(s.items) == ["audio"]  # a medium no encoder takes is left out of the batch
+    assert list(phase_items(s, no_vision.phases())) == ["audio", "llm"]
     np.testing.assert_array_equal(s.num_tokens, [18, 12, 8, 37, 15, 9])
-    with pytest.raises(ValueError, match="has no vision encoder"):
-        phase_items(sizes(), no_vision)
+    with pytest.raises(ValueError, match=r"items of \['vision'\], which are not encoder phases"):
+        phase_items(sizes(), no_vision.phases())
+
+
+def test_video_frames_as_their_own_encoder_by_configuration():
+    """tiny_video: images to the vision ViT, sampled video frames to a second ViT (24 px frames: 36 patches
+    + 1 class token, 9 LLM tokens), audio as in tiny: three encoder phases, planned like any others."""
+    three = load_model_config("tiny_video")
+    assert three.phases().names == ("vision", "video", "audio", "llm")
+    s = sizes(three)
+    np.testing.assert_array_equal(s.items["vision"], [3, 0, 0, 0, 0, 0])
+    np.testing.assert_array_equal(s.items["video"], [0, 3, 4, 0, 0, 1])
+    np.testing.assert_array_equal(s.items["audio"], [0, 0, 0, 3, 0, 0])
+    text = np.array([10, 4, 0, 5, 7, 1])
+    np.testing.assert_array_equal(s.num_tokens, text + 8 + 4 * s.items["vision"] + 9 * s.items["video"]
+                                  + 8 * s.items["audio"])
+    video = phase_items(s, three.phases())["video"]
+    encoder = three.encoders["video"]
+    np.testing.assert_array_equal(video.tokens, [37] * 8)
+    np.testing.assert_allclose(video.cost, encoder.transformer.train_flops(37) + encoder.projector(64).train_flops(9))
+    np.testing.assert_allclose(video.nbytes, 3 * 24 * 24 * 2)
+    np.testing.assert_allclose(video.output_nbytes, 9 * 64 * 2)
+
+
+def test_phase_records_and_cost_models():
+    shape = TINY.backbone.transformer
+    backbone = BackbonePhase("text", TransformerCost(shape), token_bytes=20)
+    # A user's function as an encoder's cost model: any callable of the item tokens.
+    quadratic = EncoderPhase("frames", FunctionCost(lambda s: 1.0 + s * s, memory=lambda s: 2.0 * s),
+                             item_tokens=10, input_bytes=30, output_rows=3, output_row_bytes=4)
+    phases = ModelPhases((quadratic,), backbone)
+    assert phases.names == ("frames", "text") and phases.encoder("frames") is quadratic
+    s = StepSizes(counts=np.array([1, 1]), items={"frames": np.array([2, 1])}, num_tokens=np.array([7, 5]))
+    items = phase_items(s, phases)
+    np.testing.assert_allclose(items["frames"].cost, [101.0] * 3)
+    np.testing.assert_allclose(items["frames"].memory, [20.0] * 3)
+    np.testing.assert_allclose(items["text"].cost, shape.train_flops([7, 5]))
+    np.testing.assert_array_equal(items["text"].nbytes, [140, 100])
+    assert TransformerCost(shape).signature()["num_layers"] == shape.num_layers
+    with pytest.raises(ValueError, match="phase names must be distinct"):
+        ModelPhases((dataclasses.replace(quadratic, name="text"),), backbone)
+    with pytest.raises(ValueError, match="must be a lowercase identifier"):
+        BackbonePhase("LLM tokens", TransformerCost(shape), token_bytes=20)
+    with pytest.raises(ValueError, match="output_rows must be >= 1"):
+        dataclasses.replace(quadratic, output_rows=0)
+    with pytest.raises(KeyError, match="no encoder phase 'vision'"):
+        phases.encoder("vision")
+    negative = ModelPhases((dataclasses.replace(quadratic, cost=FunctionCost(lambda s: -s)),), backbone)
+    with pytest.raises(ValueError, match="phase frames: the cost model gave an item cost that is negative"):
+        phase_items(s, negative)
 
 
 def test_sampled_video_frames():
@@ -98,10 +153,9 @@ def test_bad_sizes_raise():
     with pytest.raises(ValueError, match="sum to 5, the trace has 6 rows"):
         sizes(counts=(2, 2, 1))
     with pytest.raises(ValueError, match="num_tokens has shape"):
-        StepSizes(counts=np.array([2]), num_vision_items=np.zeros(2, int), num_audio_items=np.zeros(2, int),
-                  num_tokens=np.ones(3, int))
-    with pytest.raises(ValueError, match="negative entry at example 1"):
-        StepSizes(counts=np.array([2]), num_vision_items=np.array([0, -1]), num_audio_items=np.zeros(2, int),
+        StepSizes(counts=np.array([2]), items={"vision": np.zeros(2, int)}, num_tokens=np.ones(3, int))
+    with pytest.raises(ValueError, match=r"items\['audio'\] has a negative entry at example 1"):
+        StepSizes(counts=np.array([2]), items={"vision": np.zeros(2, int), "audio": np.array([0, -1])},
                   num_tokens=np.ones(2, int))
 
 

@@ -1,4 +1,7 @@
-"""Per-item cost of one transformer phase, derived from the model's own shape.
+"""Per-item cost of one transformer phase, derived from the model's own shape, and the interface every
+cost model offers the planner (:class:`CostModel`: FLOPs from a shape, :class:`TransformerCost`; a
+measured profile, :class:`~megatron_orch.balance.cost_profile.ProfileCost`; a user's function,
+:class:`FunctionCost`).
 
 The partitioner balances *training FLOPs* per rank, so only ratios between items matter; the
 absolute figures are still real FLOP counts so that a modeled step time can be read off them.
@@ -26,7 +29,7 @@ GPT shape (f = 4h, MHA) this is ``32h + 4a`` bytes, the paper's ``34h`` minus it
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
+from typing import Callable, Dict, Optional, Protocol, Tuple, runtime_checkable
 
 import numpy as np
 
@@ -160,3 +163,77 @@ class ProjectorShape:
     def num_parameters(self) -> int:
         """Input LayerNorm (weight + bias) and the two weight matrices."""
         return 2 * self.input_size + self.input_size * self.ffn_hidden_size + self.ffn_hidden_size * self.output_size
+
+
+@runtime_checkable
+class CostModel(Protocol):
+    """What the planner asks of a phase's cost model, vectorised over items by the tokens each one runs:
+    their cost (training FLOPs or seconds: only ratios matter to the balance) and their activation bytes.
+    ``signature`` is what a measured cost of the phase depends on (a cost profile is refused for a phase
+    of another signature)."""
+
+    def item_cost(self, tokens: np.ndarray) -> np.ndarray: ...
+
+    def item_memory(self, tokens: np.ndarray) -> np.ndarray: ...
+
+    def signature(self) -> Dict[str, object]: ...
+
+
+_SHAPE_FIELDS = ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "num_query_groups",
+                 "kv_channels", "gated_linear_unit", "vocab_size")
+
+
+@dataclass(frozen=True)
+class TransformerCost:
+    """Training FLOPs and activation bytes of a transformer phase's items, from its shape: any encoder
+    (``tokens`` = the tokens of one item, an optional projector over the ``projector_tokens`` rows one item
+    gives the backbone) or the backbone (``tokens`` = an example's sequence length).
+
+    ``details``: further fields a measured profile of the phase depends on (e.g. an input width the
+    transformer's shape does not show).
+    """
+
+    transformer: TransformerShape
+    projector: Optional[ProjectorShape] = None
+    projector_tokens: int = 0
+    details: Tuple[Tuple[str, object], ...] = ()
+
+    def __post_init__(self):
+        if self.projector_tokens < 0 or (self.projector is None and self.projector_tokens):
+            raise ValueError(f"projector_tokens={self.projector_tokens} needs a projector and must be >= 0")
+
+    def item_cost(self, tokens) -> np.ndarray:
+        cost = self.transformer.train_flops(tokens)
+        return cost + (0.0 if self.projector is None else float(self.projector.train_flops(self.projector_tokens)))
+
+    def item_memory(self, tokens) -> np.ndarray:
+        memory = self.transformer.activation_bytes(tokens)
+        return memory + (0.0 if self.projector is None else
+                         float(self.projector.activation_bytes(self.projector_tokens)))
+
+    def signature(self) -> Dict[str, object]:
+        out = {name: getattr(self.transformer, name) for name in _SHAPE_FIELDS}
+        if self.projector is not None:
+            out["projector_ffn_hidden_size"] = self.projector.ffn_hidden_size
+        out.update(self.details)
+        return out
+
+
+@dataclass(frozen=True)
+class FunctionCost:
+    """A user's cost function: ``cost(tokens) -> cost per item`` (and optionally ``memory(tokens) ->
+    activation bytes per item``; without it memory counts nothing), both vectorised over a numpy array."""
+
+    cost: Callable[[np.ndarray], np.ndarray]
+    memory: Optional[Callable[[np.ndarray], np.ndarray]] = None
+    signature_fields: Tuple[Tuple[str, object], ...] = ()
+
+    def item_cost(self, tokens) -> np.ndarray:
+        return np.asarray(self.cost(_lengths(tokens)), dtype=np.float64)
+
+    def item_memory(self, tokens) -> np.ndarray:
+        s = _lengths(tokens)
+        return np.zeros_like(s) if self.memory is None else np.asarray(self.memory(s), dtype=np.float64)
+
+    def signature(self) -> Dict[str, object]:
+        return dict(self.signature_fields)

@@ -8,16 +8,19 @@ megatron_orch.bench.calibrate`` writes one). Per phase, the time of one item of 
     item_seconds(s) = c0 + c1 * s + c2 * s**2
 
 and an encoder phase adds ``call_overhead`` once per rank that encodes at least one item (one batched
-call per rank and step). Every item of an encoder phase has the same length under one model shape (a
-tile, a window), so there ``c1 = c2 = 0`` and ``c0`` is the time of one item at that length; only the
-backbone's examples vary in length. The planner balances ``item_seconds`` (the call overhead is the
-same on every rank that has items); :func:`rank_seconds` adds the overhead for modeled rank times.
+call per rank and step). Every item of an encoder phase has the same length, so there ``c1 = c2 = 0``
+and ``c0`` is the time of one item at that length; only the backbone's examples vary in length. The
+planner balances ``item_seconds`` (the call overhead is the same on every rank that has items);
+:func:`rank_seconds` adds the overhead for modeled rank times.
 
-A profile is valid only for the model shape it was measured on (layers, widths, heads, item lengths:
-:func:`model_shape`); :meth:`CostProfile.check_model` refuses any other shape, naming the field.
+A profile is valid only for the phases it was measured on (per phase: the cost model's signature, e.g.
+layers, widths, heads, and an encoder's item length: :func:`phase_signatures`);
+:meth:`CostProfile.apply` refuses any other, naming the field, and gives the phases the profile's
+costs (:class:`ProfileCost`).
 """
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import math
 from dataclasses import dataclass, fields
@@ -27,32 +30,19 @@ from typing import Dict, Optional, Sequence
 import numpy as np
 import yaml
 
-from megatron_orch.balance.model_config import MLLMConfig
+from megatron_orch.balance.cost import CostModel
+from megatron_orch.balance.workload import ModelPhases
 
 PROFILE_KIND = "megatron-orch cost profile"
-PROFILE_VERSION = 1
-_TRANSFORMER_FIELDS = ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "num_query_groups",
-                       "kv_channels", "gated_linear_unit", "vocab_size")
+PROFILE_VERSION = 2  # 2: an encoder's embedding rows per item are output_rows_per_item
 
 
-def model_shape(config: MLLMConfig) -> Dict[str, dict]:
-    """What a profile's timings depend on, per phase: the transformer's shape, and for an encoder the
-    tokens of one item and the projector's widths."""
-    def transformer(shape) -> dict:
-        return {name: getattr(shape, name) for name in _TRANSFORMER_FIELDS}
-
-    out = {}
-    if config.vision is not None:
-        vision = config.vision
-        out["vision"] = {**transformer(vision.transformer), "item_tokens": vision.tile_seq_len,
-                         "llm_tokens_per_item": vision.tile_llm_tokens,
-                         "projector_ffn_hidden_size": vision.projector_ffn_hidden_size}
-    if config.audio is not None:
-        audio = config.audio
-        out["audio"] = {**transformer(audio.transformer), "item_tokens": audio.window_tokens,
-                        "llm_tokens_per_item": audio.llm_tokens_per_window, "num_mel_bins": audio.num_mel_bins,
-                        "projector_ffn_hidden_size": audio.projector_ffn_hidden_size}
-    out["llm"] = transformer(config.backbone.transformer)
+def phase_signatures(phases: ModelPhases) -> Dict[str, dict]:
+    """What a profile's timings depend on, per phase: its cost model's signature, and for an encoder the
+    tokens of one item and the rows it gives the backbone."""
+    out = {phase.name: {**phase.cost.signature(), "item_tokens": phase.item_tokens,
+                        "output_rows_per_item": phase.output_rows} for phase in phases.encoders}
+    out[phases.backbone.name] = phases.backbone.cost.signature()
     return out
 
 
@@ -99,27 +89,56 @@ class CostProfile:
     device: str
     dtype: str
     model_name: str
-    shape: Dict[str, dict]  # model_shape() of the measured model
+    shape: Dict[str, dict]  # phase_signatures() of the measured model
     phases: Dict[str, PhaseFit]
 
     def __repr__(self) -> str:  # short: the trainer logs its config
         return f"CostProfile({self.source!r}, device={self.device!r}, dtype={self.dtype!r}, model={self.model_name!r})"
 
-    def check_model(self, config: MLLMConfig) -> None:
-        """Raise ValueError unless ``config`` has the shape this profile was measured on."""
-        wanted = model_shape(config)
+    def apply(self, phases: ModelPhases) -> ModelPhases:
+        """``phases`` with this profile's costs; ValueError unless measured on exactly these phases."""
+        wanted = phase_signatures(phases)
         for phase in sorted(set(wanted) | set(self.shape)):
             if phase not in self.shape or phase not in wanted:
-                has = "has" if phase in wanted else "has no"
                 raise ValueError(f"cost profile {self.source}: model.shape.{phase}: measured "
-                                 f"{'without' if phase not in self.shape else 'with'} a {phase} phase, but model "
-                                 f"{config.name!r} {has} one")
+                                 f"{'without' if phase not in self.shape else 'with'} a {phase} phase, but the "
+                                 f"model ({', '.join(phases.names)}) {'has' if phase in wanted else 'has no'} one")
             for key in sorted(set(wanted[phase]) | set(self.shape[phase])):
                 measured, have = self.shape[phase].get(key), wanted[phase].get(key)
                 if measured != have:
                     raise ValueError(f"cost profile {self.source}: model.shape.{phase}.{key}: measured on "
-                                     f"{measured!r}, but model {config.name!r} has {have!r}; calibrate a profile "
-                                     f"for this model (python -m megatron_orch.bench.calibrate)")
+                                     f"{measured!r}, but the model has {have!r}; calibrate a profile for this "
+                                     f"model (python -m megatron_orch.bench.calibrate)")
+        for phase in phases.encoders:
+            fit = self.phases[phase.name]
+            if fit.c1 or fit.c2:
+                raise ValueError(f"cost profile {self.source}: phases.{phase.name}.c1: must be 0 (with c2) for an "
+                                 "encoder phase: its items all have one length")
+        if self.phases[phases.backbone.name].call_overhead != 0:
+            raise ValueError(f"cost profile {self.source}: phases.{phases.backbone.name}.call_overhead: must be 0 "
+                             "for the backbone phase (its cost is per example)")
+
+        def measured(phase):
+            return dataclasses.replace(phase, cost=ProfileCost(self.phases[phase.name], phase.cost))
+        return ModelPhases(encoders=tuple(measured(p) for p in phases.encoders), backbone=measured(phases.backbone))
+
+
+@dataclass(frozen=True)
+class ProfileCost:
+    """A phase's measured cost model: the fit's seconds per item; activation memory and the signature are
+    those of the cost model it replaces (``base``)."""
+
+    fit: PhaseFit
+    base: CostModel
+
+    def item_cost(self, tokens) -> np.ndarray:
+        return self.fit.item_seconds(tokens)
+
+    def item_memory(self, tokens) -> np.ndarray:
+        return self.base.item_memory(tokens)
+
+    def signature(self) -> Dict[str, object]:
+        return self.base.signature()
 
 
 def rank_seconds(fit: PhaseFit, item_seconds, rank, num_ranks: int) -> np.ndarray:
@@ -183,15 +202,15 @@ _OPTIONAL_PHASE_KEYS = {"points"}
 _POINT_KEYS = {"items", "seq_len", "seconds", "fitted_seconds"}
 
 
-def profile_dict(device: str, dtype: str, config: MLLMConfig, fits: Dict[str, PhaseFit],
+def profile_dict(device: str, dtype: str, model_name: str, phases: ModelPhases, fits: Dict[str, PhaseFit],
                  points: Dict[str, list], **extra) -> dict:
-    """The YAML document of a profile (what :func:`load_cost_profile` reads back)."""
-    phases = {}
+    """The YAML document of a profile of ``phases`` (what :func:`load_cost_profile` reads back)."""
+    documented = {}
     for name, fit in fits.items():
-        phases[name] = {f.name: getattr(fit, f.name) for f in fields(PhaseFit)}
-        phases[name]["points"] = points.get(name, [])
+        documented[name] = {f.name: getattr(fit, f.name) for f in fields(PhaseFit)}
+        documented[name]["points"] = points.get(name, [])
     return {"kind": PROFILE_KIND, "version": PROFILE_VERSION, "device": device, "dtype": dtype,
-            "model": {"name": config.name, "shape": model_shape(config)}, "phases": phases, **extra}
+            "model": {"name": model_name, "shape": phase_signatures(phases)}, "phases": documented, **extra}
 
 
 def cost_profile_from_dict(data, source: str = "<dict>") -> CostProfile:
@@ -216,15 +235,11 @@ def cost_profile_from_dict(data, source: str = "<dict>") -> CostProfile:
     if not isinstance(model, dict) or set(model) != {"name", "shape"}:
         fail("model", f"expected a mapping with keys name and shape, got {model!r:.200}")
     shape = model["shape"]
-    if not isinstance(shape, dict) or "llm" not in shape or not set(shape) <= {"vision", "audio", "llm"}:
-        fail("model.shape", f"expected a mapping of phases (llm, and vision/audio if the model has them), "
-                            f"got {shape!r:.200}")
+    if not isinstance(shape, dict) or not shape:
+        fail("model.shape", f"expected a non-empty mapping of the measured model's phases, got {shape!r:.200}")
     for phase, values in shape.items():
         if not isinstance(values, dict):
             fail(f"model.shape.{phase}", f"expected a mapping, got {values!r:.200}")
-        for key in _TRANSFORMER_FIELDS:
-            if key not in values:
-                fail(f"model.shape.{phase}.{key}", "missing")
     phases = data["phases"]
     if not isinstance(phases, dict):
         fail("phases", f"expected a mapping, got {type(phases).__name__}")
@@ -245,10 +260,6 @@ def cost_profile_from_dict(data, source: str = "<dict>") -> CostProfile:
             problem = _number_problem(values[key])
             if problem:
                 fail(f"{where}.{key}", problem)
-        if phase == "llm" and values["call_overhead"] != 0:
-            fail(f"{where}.call_overhead", "must be 0 for the backbone (its cost is per example)")
-        if phase != "llm" and (values["c1"] or values["c2"]):
-            fail(f"{where}.c1", "must be 0 (with c2) for an encoder: its items all have one length")
         _check_points(values.get("points", []), f"{where}.points", fail)
         try:
             fits[phase] = PhaseFit(**{key: values[key] for key in _PHASE_KEYS})
@@ -270,8 +281,8 @@ def _check_points(points, where: str, fail) -> None:
                 fail(f"{where}[{i}].{key}", problem)
 
 
-def load_cost_profile(path: str, config: Optional[MLLMConfig] = None) -> CostProfile:
-    """Read and validate a profile YAML; with ``config``, also refuse it unless measured on that shape."""
+def load_cost_profile(path: str, phases: Optional[ModelPhases] = None) -> CostProfile:
+    """Read and validate a profile YAML; with ``phases``, also refuse it unless measured on those phases."""
     p = Path(path)
     if not p.is_file():
         raise ValueError(f"cost profile {path}: no such file")
@@ -281,6 +292,6 @@ def load_cost_profile(path: str, config: Optional[MLLMConfig] = None) -> CostPro
         except yaml.YAMLError as err:
             raise ValueError(f"cost profile {path}: not valid YAML: {err}") from None
     profile = cost_profile_from_dict(data, str(path))
-    if config is not None:
-        profile.check_model(config)
+    if phases is not None:
+        profile.apply(phases)
     return profile

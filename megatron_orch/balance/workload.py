@@ -1,46 +1,118 @@
-"""The items each phase balances, with their costs and sizes: one builder for training and benchmarks.
+"""The phases of a model as data, and the items each phase balances: one builder for training and benchmarks.
 
-Per-example sizes (:class:`StepSizes`: what the trainer gathers over the DP group, or what
-:func:`sizes_from_trace` maps a trace to) become, under an
-:class:`~megatron_orch.balance.model_config.MLLMConfig`, the items of every phase (:func:`phase_items`):
+A model's phases (:class:`ModelPhases`) are its encoder phases, any number of them (:class:`EncoderPhase`:
+one item per independent encoder input, such as an image tile, a video frame or an audio window), and one
+backbone phase (:class:`BackbonePhase`: one item per example, its sequence). A phase is a record: its
+name (the model's configuration chooses it; it names the phase in plans, flags and logs), how its items
+are counted from an example (the batch gives each example's item count per encoder phase:
+:attr:`StepSizes.items`), its cost model (:class:`~megatron_orch.balance.cost.CostModel`), the bytes an
+item moves in and out and, for an encoder, the output rows one item gives the backbone.
 
-* ``vision``: one item per image tile or sampled video frame (frames are resized to the tile size, so
-  every item is one ViT sequence of ``tile_seq_len`` tokens and gives ``tile_llm_tokens`` embeddings);
-* ``audio``: one item per window of ``window_frames`` mel frames, encoded at full length (Whisper pads
-  the last window of a clip), giving ``llm_tokens_per_window`` embeddings;
-* ``llm``: one item per example, its backbone sequence.
-
-An item's cost is training FLOPs (its encoder plus its projector; the backbone for an example) or,
-given a :class:`~megatron_orch.balance.cost_profile.CostProfile`, the forward+backward seconds measured
-for an item of its length on the profiled device; its memory the activation bytes, its ``nbytes`` what
-moves if it leaves its home rank (the raw input of an encoder item; an example's token ids, labels and
-loss mask), and an encoder item's ``output_nbytes`` the projected embeddings it sends on to the backbone
-rank of its example.
+Per-example sizes (:class:`StepSizes`: what the trainer gathers over the DP group, or what a model config
+maps a trace to) become the items of every phase (:func:`phase_items`). An item's cost and memory come
+from its phase's cost model, its ``nbytes`` is what moves if it leaves its home rank (the raw input of an
+encoder item; an example's token ids, labels and loss mask), and an encoder item's ``output_nbytes`` the
+embeddings it sends on to the backbone rank of its example.
 """
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
-from typing import Dict, Optional
+from typing import Dict, Mapping, Tuple
 
 import numpy as np
 
-from megatron_orch.balance.cost_profile import CostProfile
-from megatron_orch.balance.model_config import MLLMConfig
-from megatron_orch.balance.traces import Trace
+from megatron_orch.balance.cost import CostModel
 
-PHASES = ("vision", "audio", "llm")  # the phase names, here only
-ENCODER_PHASES = PHASES[:2]
-SOURCE_VIDEO_FPS = 30.0  # NExT-QA / VidOR source videos (traces README): video_frames -> seconds
+_NAME = re.compile(r"[a-z][a-z0-9_]*")
+
+
+def _check_name(name, what: str) -> None:
+    if not isinstance(name, str) or not _NAME.fullmatch(name):
+        raise ValueError(f"{what} name {name!r} must be a lowercase identifier (letters, digits, '_'): it "
+                         f"names the phase in plans, --orch-phases, log lines and TensorBoard scalars")
+
+
+def _check_counts(owner: str, **values) -> None:
+    for field, value in values.items():
+        if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 0:
+            raise ValueError(f"{owner}.{field} must be an int >= 0, got {value!r}")
+
+
+@dataclass(frozen=True)
+class EncoderPhase:
+    """An encoder phase: every item runs ``item_tokens`` tokens through the encoder and gives the backbone
+    ``output_rows`` embedding rows (its placeholders in the example's sequence)."""
+
+    name: str
+    cost: CostModel
+    item_tokens: int  # the sequence length one item runs (what the cost model is asked about)
+    input_bytes: int  # raw input of one item, as it moves to its encoder rank
+    output_rows: int  # embedding rows one item sends to the backbone rank of its example
+    output_row_bytes: int  # bytes of one such row as it moves
+
+    def __post_init__(self):
+        _check_name(self.name, "encoder phase")
+        _check_counts(f"encoder phase {self.name}", item_tokens=self.item_tokens, input_bytes=self.input_bytes,
+                      output_rows=self.output_rows, output_row_bytes=self.output_row_bytes)
+        if self.output_rows < 1:
+            raise ValueError(f"encoder phase {self.name}: output_rows must be >= 1 (every item fills placeholders)")
+
+
+@dataclass(frozen=True)
+class BackbonePhase:
+    """The backbone phase: one item per example, its whole sequence of ``num_tokens`` tokens."""
+
+    name: str
+    cost: CostModel
+    token_bytes: int  # bytes one token moves with its example (token id, label, loss mask)
+
+    def __post_init__(self):
+        _check_name(self.name, "backbone phase")
+        _check_counts(f"backbone phase {self.name}", token_bytes=self.token_bytes)
+
+
+@dataclass(frozen=True)
+class ModelPhases:
+    """Every phase of a model: its encoder phases in the order they run, then its backbone phase."""
+
+    encoders: Tuple[EncoderPhase, ...]
+    backbone: BackbonePhase
+
+    def __post_init__(self):
+        object.__setattr__(self, "encoders", tuple(self.encoders))
+        for phase in self.encoders:
+            if not isinstance(phase, EncoderPhase):
+                raise TypeError(f"ModelPhases.encoders holds {type(phase).__name__}, expected EncoderPhase")
+        if not isinstance(self.backbone, BackbonePhase):
+            raise TypeError(f"ModelPhases.backbone is {type(self.backbone).__name__}, expected BackbonePhase")
+        if len(set(self.names)) != len(self.names):
+            raise ValueError(f"phase names must be distinct, got {list(self.names)}")
+
+    @property
+    def names(self) -> Tuple[str, ...]:
+        """Every phase's name: the encoders', then the backbone's."""
+        return tuple(p.name for p in self.encoders) + (self.backbone.name,)
+
+    @property
+    def encoder_names(self) -> Tuple[str, ...]:
+        return tuple(p.name for p in self.encoders)
+
+    def encoder(self, name: str) -> EncoderPhase:
+        for phase in self.encoders:
+            if phase.name == name:
+                return phase
+        raise KeyError(f"no encoder phase {name!r}; the model's encoder phases are {list(self.encoder_names)}")
 
 
 @dataclass(frozen=True, eq=False)
 class StepSizes:
-    """Per-example sizes of a global batch, examples in loader order (rank 0's first)."""
+    """Per-example sizes of a global batch, examples in loader order (rank 0's first): ``items[phase]`` is
+    each example's item count of an encoder phase, ``num_tokens`` its backbone sequence length."""
 
-    counts: np.ndarray           # examples loaded by each DP rank
-    num_vision_items: np.ndarray  # image tiles and video frames
-    num_audio_items: np.ndarray   # audio windows
-    num_tokens: np.ndarray       # backbone sequence length
+    counts: np.ndarray  # examples loaded by each DP rank
+    items: Mapping[str, np.ndarray]
+    num_tokens: np.ndarray
 
     def __post_init__(self):
         counts = np.asarray(self.counts)
@@ -48,8 +120,9 @@ class StepSizes:
             raise ValueError(f"StepSizes.counts must be a non-empty 1-D array of counts >= 0, "
                              f"got {counts.tolist()[:16]}")
         n = int(counts.sum())
-        for name in ("num_vision_items", "num_audio_items", "num_tokens"):
-            values = np.asarray(getattr(self, name))
+        object.__setattr__(self, "items", dict(self.items))
+        for name, values in [*((f"items[{p!r}]", v) for p, v in self.items.items()), ("num_tokens", self.num_tokens)]:
+            values = np.asarray(values)
             if values.shape != (n,):
                 raise ValueError(f"StepSizes.{name} has shape {values.shape}, expected ({n},) "
                                  f"for counts {counts.tolist()[:16]}")
@@ -76,102 +149,57 @@ class PhaseItems:
     example: np.ndarray  # parent example (index into the global batch)
     home: np.ndarray  # rank that loaded the parent example
     tokens: np.ndarray  # sequence length the phase's transformer runs for this item
-    cost: np.ndarray  # training FLOPs, or measured seconds under a cost profile
+    cost: np.ndarray  # the phase's cost model: training FLOPs, or measured seconds
     memory: np.ndarray  # activation bytes
     nbytes: np.ndarray  # bytes to move if the item leaves its home rank (int64)
-    output_nbytes: np.ndarray  # bytes of projected embeddings sent on to the backbone (int64; 0 for llm)
+    output_nbytes: np.ndarray  # bytes of embeddings sent on to the backbone (int64; 0 for the backbone)
 
     def __len__(self) -> int:
         return int(self.example.size)
 
 
-def _count(values: np.ndarray, where: str) -> np.ndarray:
-    if values.size and (values.min() < 0 or not np.all(np.isfinite(values))):
-        raise ValueError(f"{where} must be finite and >= 0, got min {values.min()}")
-    return np.ceil(values - 1e-9).astype(np.int64)
+def _modeled(phase, tokens: np.ndarray) -> Tuple[np.ndarray, np.ndarray]:
+    """(cost, memory) of items of ``tokens`` tokens under the phase's cost model, checked."""
+    out = []
+    for what, values in (("cost", phase.cost.item_cost(tokens)), ("memory", phase.cost.item_memory(tokens))):
+        values = np.broadcast_to(np.asarray(values, dtype=np.float64), tokens.shape)
+        if values.size and not (np.all(np.isfinite(values)) and values.min() >= 0):
+            raise ValueError(f"phase {phase.name}: the cost model gave an item {what} that is negative or not "
+                             f"finite ({values.min()})")
+        out.append(np.array(values))
+    return out[0], out[1]
 
 
-def sampled_video_frames(duration_sec, fps: float, max_frames: int) -> np.ndarray:
-    """Frames sampled from videos of the given durations: ceil(duration * fps) clipped to [1, max_frames];
-    0 where there is no video."""
-    d = np.asarray(duration_sec, dtype=np.float64)
-    frames = np.clip(np.ceil(d * fps - 1e-9), 1, max_frames)
-    return np.where(d > 0, frames, 0).astype(np.int64)
-
-
-def phase_items(sizes: StepSizes, config: MLLMConfig,
-                cost_profile: Optional[CostProfile] = None) -> Dict[str, PhaseItems]:
-    """Items of every phase (``vision``, ``audio``, ``llm``) of a global batch. A model without an
-    encoder, or a batch without its modality, gives that phase 0 items. Costs are training FLOPs, or
-    the profile's seconds (refused unless measured on this model's shape)."""
-    if cost_profile is not None:
-        cost_profile.check_model(config)
+def phase_items(sizes: StepSizes, phases: ModelPhases) -> Dict[str, PhaseItems]:
+    """Items of every phase of a global batch (encoder phases in order, then the backbone); a batch without
+    a phase's items gives that phase 0 items."""
+    unknown = sorted(set(sizes.items) - set(phases.encoder_names))
+    if unknown:
+        raise ValueError(f"the batch has items of {unknown}, which are not encoder phases of the model "
+                         f"({list(phases.encoder_names)})")
     home = sizes.home
     n = sizes.num_examples
-    hidden = config.hidden_size
-    emb_bytes = hidden * config.embedding_bytes_per_element
-    phases = {}
-    for name, encoder, per_example in (("vision", config.vision, sizes.num_vision_items),
-                                       ("audio", config.audio, sizes.num_audio_items)):
-        counts = np.asarray(per_example, dtype=np.int64)
-        if encoder is None and counts.sum():
-            raise ValueError(f"the batch has {name} items but model config {config.name!r} has no {name} encoder")
+    out = {}
+    for phase in phases.encoders:
+        counts = np.asarray(sizes.items.get(phase.name, np.zeros(n)), dtype=np.int64)
         example = np.repeat(np.arange(n, dtype=np.int64), counts)
-        if name == "vision" and encoder is not None:
-            seq, out_tokens = encoder.tile_seq_len, encoder.tile_llm_tokens
-            cost, raw_bytes = config.vision_item_train_flops(), encoder.tile_bytes
-        elif encoder is not None:
-            seq, out_tokens = encoder.window_tokens, encoder.llm_tokens_per_window
-            cost, raw_bytes = config.audio_window_train_flops(), encoder.window_bytes
-        else:
-            seq = out_tokens = cost = raw_bytes = 0
-        if cost_profile is not None and encoder is not None:
-            cost = float(cost_profile.phases[name].item_seconds(seq))
-        memory = 0.0 if encoder is None else float(encoder.transformer.activation_bytes(seq)
-                                                   + encoder.projector(hidden).activation_bytes(out_tokens))
-        ones = np.ones(example.size)
-        phases[name] = PhaseItems(name, example, home[example], np.full(example.size, seq, dtype=np.int64),
-                                  cost * ones, memory * ones, np.full(example.size, raw_bytes, dtype=np.int64),
-                                  np.full(example.size, out_tokens * emb_bytes, dtype=np.int64))
+        tokens = np.full(example.size, phase.item_tokens, dtype=np.int64)
+        cost, memory = _modeled(phase, tokens)
+        out[phase.name] = PhaseItems(phase.name, example, home[example], tokens, cost, memory,
+                                     np.full(example.size, phase.input_bytes, dtype=np.int64),
+                                     np.full(example.size, phase.output_rows * phase.output_row_bytes,
+                                             dtype=np.int64))
+    backbone = phases.backbone
     tokens = np.asarray(sizes.num_tokens, dtype=np.int64)
-    backbone = config.backbone.transformer
-    llm_cost = (backbone.train_flops(tokens) if cost_profile is None
-                else cost_profile.phases["llm"].item_seconds(tokens))
-    phases["llm"] = PhaseItems(
-        "llm", np.arange(n, dtype=np.int64), home, tokens, np.asarray(llm_cost, dtype=np.float64),
-        np.asarray(backbone.activation_bytes(tokens), dtype=np.float64),
-        tokens * config.text_bytes_per_token, np.zeros(n, dtype=np.int64))
-    return phases
-
-
-def phase_bytes(phases: Dict[str, PhaseItems]) -> Dict[str, float]:
-    """Bytes each phase brings to its items' ranks if all of them moved: the raw inputs of an encoder
-    phase; for the backbone, the examples' text and the embeddings of their encoder items."""
-    out = {name: float(items.nbytes.sum()) for name, items in phases.items()}
-    out["llm"] += sum(float(phases[name].output_nbytes.sum()) for name in ENCODER_PHASES)
+    cost, memory = _modeled(backbone, tokens)
+    out[backbone.name] = PhaseItems(backbone.name, np.arange(n, dtype=np.int64), home, tokens, cost, memory,
+                                    tokens * backbone.token_bytes, np.zeros(n, dtype=np.int64))
     return out
 
 
-def sizes_from_trace(rows: Trace, counts, config: MLLMConfig) -> StepSizes:
-    """The sizes of trace rows as the data pipeline would load them, rank r loading ``counts[r]`` rows.
-
-    Vision items are the row's image tiles plus its video's sampled frames (``ceil(duration *
-    video_fps)``, at least 1, at most ``video_max_frames``; the duration is ``video_sec``, else
-    ``video_frames`` of the source file at :data:`SOURCE_VIDEO_FPS`); audio windows are
-    ``ceil(audio_frames / window_frames)``; the backbone sequence is the prompt, the text and the
-    embeddings of every item.
-    """
-    counts = np.asarray(counts, dtype=np.int64)
-    if int(counts.sum()) != len(rows):
-        raise ValueError(f"counts {counts.tolist()[:16]} sum to {int(counts.sum())}, the trace has {len(rows)} rows")
-    vision, audio = config.vision, config.audio
-    tiles = _count(rows["vision_tiles"], "vision_tiles")
-    duration = np.where(rows["video_sec"] > 0, rows["video_sec"], rows["video_frames"] / SOURCE_VIDEO_FPS)
-    vision_items = np.zeros(len(rows), dtype=np.int64) if vision is None else \
-        tiles + sampled_video_frames(duration, vision.video_fps, vision.video_max_frames)
-    mel_frames = _count(rows["audio_frames"], "audio_frames")
-    windows = np.zeros(len(rows), dtype=np.int64) if audio is None else -(-mel_frames // audio.window_frames)
-    tokens = (_count(rows["text_tokens"], "text_tokens") + config.backbone.prompt_tokens
-              + vision_items * (vision.tile_llm_tokens if vision else 0)
-              + windows * (audio.llm_tokens_per_window if audio else 0))
-    return StepSizes(counts=counts, num_vision_items=vision_items, num_audio_items=windows, num_tokens=tokens)
+def phase_bytes(items: Dict[str, PhaseItems], phases: ModelPhases) -> Dict[str, float]:
+    """Bytes each phase brings to its items' ranks if all of them moved: the raw inputs of an encoder
+    phase; for the backbone, the examples' text and the embeddings of their encoder items."""
+    out = {name: float(phase.nbytes.sum()) for name, phase in items.items()}
+    out[phases.backbone.name] += sum(float(items[name].output_nbytes.sum()) for name in phases.encoder_names)
+    return out

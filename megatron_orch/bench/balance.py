@@ -47,7 +47,7 @@ import numpy as np
 
 from megatron_orch.balance.partition import partition
 from megatron_orch.balance.topology import Topology
-from megatron_orch.balance.workload import ENCODER_PHASES, PHASES, PhaseItems, StepSizes, phase_bytes, phase_items
+from megatron_orch.balance.workload import PhaseItems, StepSizes, phase_bytes, phase_items
 from megatron_orch.bench.common import (PLAN_METHODS, draw_sizes, memory_caps, parser_with_batch_args, report,
                                         trace_specs, warm_up_partitioners)
 from megatron_orch.orchestrator.step_plan import plan_step
@@ -119,7 +119,9 @@ def _timed(fn: Callable[[], np.ndarray], repeats: int) -> Plan:
 def plan_phases(sizes: StepSizes, model, phases: Dict[str, PhaseItems], dp: int, gpus_per_node: int,
                 repeats: int, memory_cap: Dict[str, float]) -> Dict[str, Dict[str, Plan]]:
     """Every method's plan for every phase (``verl_kk`` is planned on the LLM phase, then inherited)."""
-    llm = phases["llm"]
+    model_phases = model.phases()
+    backbone = model_phases.backbone.name
+    llm = phases[backbone]
     verl = _timed(lambda: verl_equal_size_kk(verl_workload(llm.tokens), dp), repeats)
     topology = Topology.uniform(dp, gpus_per_node)
     trainer = {}
@@ -128,13 +130,14 @@ def plan_phases(sizes: StepSizes, model, phases: Dict[str, PhaseItems], dp: int,
         step_plan = [None]
 
         def run():
-            step_plan[0] = plan_step(sizes, model, config, topology, micro_batch_size=1, num_microbatches=per_rank)
+            step_plan[0] = plan_step(sizes, model_phases, config, topology, micro_batch_size=1,
+                                     num_microbatches=per_rank)
             return step_plan[0].examples_llm.rank
 
         run()  # untimed: the first call at this size loads kernels and touches fresh memory
         timed = _timed(run, repeats)
-        trainer[method] = {name: Plan(step_plan[0].encoders[name].encode.rank if name in ENCODER_PHASES
-                                      else timed.bins, timed.plan_ms) for name in PHASES}
+        trainer[method] = {name: Plan(step_plan[0].encoders[name].encode.rank if name in step_plan[0].encoders
+                                      else timed.bins, timed.plan_ms) for name in phases}
     plans: Dict[str, Dict[str, Plan]] = {}
     for name, items in phases.items():
         c, mem, cap, home = items.cost, items.memory, memory_cap[name], items.home
@@ -147,27 +150,27 @@ def plan_phases(sizes: StepSizes, model, phases: Dict[str, PhaseItems], dp: int,
         }
         phase_plans = {m: _timed(run, 1 if m == "none" else repeats) for m, run in runs.items()}
         phase_plans.update({method: trainer[method][name] for method in TRAINER_METHODS})
-        phase_plans["verl_kk"] = verl if name == "llm" else Plan(verl.bins[items.example], 0.0)
+        phase_plans["verl_kk"] = verl if name == backbone else Plan(verl.bins[items.example], 0.0)
         plans[name] = {m: phase_plans[m] for m in METHODS}
     return plans
 
 
-def _traffic(phases: Dict[str, PhaseItems], plans, name: str, method: str):
+def _traffic(phases: Dict[str, PhaseItems], plans, name: str, method: str, backbone: str):
     """(bytes, source rank, destination rank) of everything the phase's plan moves into place.
 
     Encoder items move their raw input from their home rank. An example of the LLM phase gathers its
     token ids from its home rank and its projected embeddings from the ranks that encoded its items.
     """
     items, bins = phases[name], plans[name][method].bins
-    if name != "llm":
+    if name != backbone:
         return [(items.nbytes, items.home, bins)]
     flows = [(phases[enc].output_nbytes, plans[enc][method].bins, bins[phases[enc].example])
-             for enc in ENCODER_PHASES if len(phases[enc])]
+             for enc in phases if enc != backbone and len(phases[enc])]
     return [(items.nbytes, items.home, bins)] + flows
 
 
 def _phase_figures(phases: Dict[str, PhaseItems], plans, name: str, method: str, dp: int,
-                   gpus_per_node: int) -> dict:
+                   gpus_per_node: int, backbone: str) -> dict:
     items, plan = phases[name], plans[name][method]
     loads = np.bincount(plan.bins, weights=items.cost, minlength=dp) if len(items) else np.zeros(dp)
     total = float(items.cost.sum())
@@ -179,7 +182,7 @@ def _phase_figures(phases: Dict[str, PhaseItems], plans, name: str, method: str,
         "max_flops": float(loads.max()),
     }
     if method in RANK_METHODS:
-        flows = _traffic(phases, plans, name, method)
+        flows = _traffic(phases, plans, name, method, backbone)
         out["bytes"] = float(sum(b.sum() for b, _, _ in flows))
         out["inter_node_bytes"] = float(sum(b[src // gpus_per_node != dst // gpus_per_node].sum()
                                             for b, src, dst in flows))
@@ -196,22 +199,24 @@ def run(trace_specs: Sequence[tuple], dp: int, per_rank: int, gpus_per_node: int
         raise ValueError(f"--dp, --per-rank, --gpus-per-node and --repeats must be >= 1, got "
                          f"{dp}, {per_rank}, {gpus_per_node}, {repeats}")
     config, mixture, sizes = draw_sizes(trace_specs, dp, per_rank, model, seed, traces_dir)
-    phases = phase_items(sizes, config)
+    model_phases = config.phases()
+    backbone = model_phases.backbone.name
+    phases = phase_items(sizes, model_phases)
     caps = memory_caps(phases, dp)
     warm_up_partitioners(gpus_per_node)
     plans = plan_phases(sizes, config, phases, dp, gpus_per_node, repeats, caps)
 
-    result: dict = {name: {m: _phase_figures(phases, plans, name, m, dp, gpus_per_node) for m in METHODS}
-                    for name in PHASES}
-    result["step"] = _step_model(phases, plans, dp, result)
+    result: dict = {name: {m: _phase_figures(phases, plans, name, m, dp, gpus_per_node, backbone) for m in METHODS}
+                    for name in phases}
+    result["step"] = _step_model(phases, plans, dp, result, backbone)
     result["params"] = {
         "traces": [{"trace": t.name, "weight": w} for t, w in zip(mixture.traces, mixture.weights)],
         "dp": dp, "per_rank": per_rank, "num_examples": dp * per_rank, "gpus_per_node": gpus_per_node,
         "model": config.name, "model_shaped_after": config.shaped_after,
         "model_parameters": config.num_parameters()["total"], "seed": seed, "repeats": repeats,
-        "items": {name: len(phases[name]) for name in PHASES},
-        "total_flops": {name: float(phases[name].cost.sum()) for name in PHASES},
-        "total_bytes": phase_bytes(phases),
+        "items": {name: len(phases[name]) for name in phases},
+        "total_flops": {name: float(phases[name].cost.sum()) for name in phases},
+        "total_bytes": phase_bytes(phases, model_phases),
         "memory_cap_bytes": caps,
         "cost_unit": "training FLOPs (3x forward) from the model's shape",
         "notes": {
@@ -229,26 +234,26 @@ def run(trace_specs: Sequence[tuple], dp: int, per_rank: int, gpus_per_node: int
     return result
 
 
-def _step_model(phases: Dict[str, PhaseItems], plans, dp: int, figures: dict) -> dict:
+def _step_model(phases: Dict[str, PhaseItems], plans, dp: int, figures: dict, backbone: str) -> dict:
     step = {}
     for m in METHODS:
         loads = {name: np.bincount(plans[name][m].bins, weights=phases[name].cost, minlength=dp)
-                 for name in PHASES}
+                 for name in phases}
         if m in ("none", "verl_kk"):
             flops = float(sum(loads.values()).max())
         else:
             flops = float(sum(load.max() for load in loads.values()))
-        plan_ms = (plans["llm"][m].plan_ms if m in TRAINER_METHODS  # one plan_step for all phases
-                   else sum(plans[name][m].plan_ms for name in PHASES))
+        plan_ms = (plans[backbone][m].plan_ms if m in TRAINER_METHODS  # one plan_step for all phases
+                   else sum(plans[name][m].plan_ms for name in phases))
         step[m] = {"flops": flops, "plan_ms": float(plan_ms)}
-    lower = sum(max(float(phases[n].cost.sum()) / dp, float(phases[n].cost.max(initial=0.0))) for n in PHASES)
+    lower = sum(max(float(phases[n].cost.sum()) / dp, float(phases[n].cost.max(initial=0.0))) for n in phases)
     for m in METHODS:
         step[m]["speedup"] = step["none"]["flops"] / step[m]["flops"]
         step[m]["over_lb"] = step[m]["flops"] / lower
         if m in RANK_METHODS:  # over the whole batch: every phase's bytes
-            all_bytes = sum(figures[name][m]["bytes"] for name in PHASES)
+            all_bytes = sum(figures[name][m]["bytes"] for name in phases)
             for field in ("inter_node_bytes", "moved_bytes"):
-                moved = sum(figures[name][m][field] for name in PHASES)
+                moved = sum(figures[name][m][field] for name in phases)
                 step[m][field + "_frac"] = moved / all_bytes if all_bytes else 0.0
     return step
 
@@ -259,7 +264,7 @@ def format_tables(result: dict) -> str:
     lines = [f"DP {p['dp']} x {p['per_rank']} examples/rank ({p['num_examples']} examples), "
              f"{p['gpus_per_node']} GPUs/node, model {p['model']} ({p['model_parameters'] / 1e9:.1f}B), "
              f"seed {p['seed']}", ""]
-    for name in PHASES:
+    for name in p["items"]:
         lines += [f"phase `{name}`: {p['items'][name]} items, {p['total_flops'][name]:.3g} FLOPs, "
                   f"{p['total_bytes'][name] / 2**30:.2f} GiB", "",
                   "| method | max/LB | max/mean | plan ms | inter-node bytes | moved bytes |",

@@ -4,14 +4,14 @@
     python -m megatron_orch.bench.calibrate --model tiny --device cpu --out tiny_cpu.yaml           # CPU
 
 Each phase is built alone and timed as :mod:`megatron_orch.bench.mfu` times it (same modules, inputs
-and median of ``--repeats`` after ``--warmup`` calls), over a grid of shapes: the vision and audio
-encoders over calls of n items, the backbone over calls of b sequences of s tokens. Per phase it fits
+and median of ``--repeats`` after ``--warmup`` calls), over a grid of shapes: every encoder
+over calls of n items, the backbone over calls of b sequences of s tokens. Per phase it fits
 (:func:`megatron_orch.balance.cost_profile.fit_phase`, non-negative least squares on relative error)
 
     call seconds = [encoders: call_overhead] + n * (c0 + c1*s + c2*s^2)
 
 and writes the fit, its relative residuals, every measured point with its fitted value, the device
-and the model shape it was measured on. ``--orch-cost-profile`` (training), ``bench.emulate
+and the phases it was measured on. ``--orch-cost-profile`` (training), ``bench.emulate
 --cost-profile`` and ``megatron_orch.sim --profile`` read it. CPU timings are noisy on a shared
 machine; ``--threads`` (default 1 on CPU) pins torch's intra-op threads so that calibration and
 emulation run alike.
@@ -27,16 +27,16 @@ import torch
 import yaml
 
 from megatron_orch.balance.cost_profile import PhaseFit, fit_phase, profile_dict
-from megatron_orch.balance.model_config import MLLMConfig, load_model_config
 from megatron_orch.bench import mfu
 from megatron_orch.bench.common import effective_layers, parse_layers, with_layers
+from megatron_orch.mllm.config import BACKBONE_PHASE, MLLMConfig, load_model_config
 from megatron_orch.mllm.model import ModelParallelSettings
 
 GPU_GRID = mfu.FULL_GRID
 # CPU: the tiny model's range (tens of items per rank, examples of 25-400 tokens), one example per call
 # as bench.emulate runs them.
-CPU_GRID = {"vision": [1, 2, 4, 8, 16, 32, 64], "audio": [1, 2, 4, 8, 16, 32, 64],
-            "llm": [(1, s) for s in (16, 32, 64, 96, 128, 192, 256, 384, 512, 768, 1024)]}
+CPU_GRID = {"vit": [1, 2, 4, 8, 16, 32, 64], "whisper": [1, 2, 4, 8, 16, 32, 64],
+            BACKBONE_PHASE: [(1, s) for s in (16, 32, 64, 96, 128, 192, 256, 384, 512, 768, 1024)]}
 
 
 def device_settings(device_name: str, threads: Optional[int]) -> tuple:
@@ -58,9 +58,10 @@ def device_settings(device_name: str, threads: Optional[int]) -> tuple:
 def measure(config: MLLMConfig, device: torch.device, settings: ModelParallelSettings, grid: Dict[str, list],
             warmup: int, repeats: int) -> Dict[str, List[dict]]:
     """Measured points of every phase: ``{"items", "seq_len", "seconds"}`` per call that ran."""
-    sizes = {phase: [size for _, size in mfu.grid_points(phase, config, grid)] for phase in mfu.PHASES}
-    points: Dict[str, List[dict]] = {phase: [] for phase in mfu.PHASES}
-    item_tokens = {"vision": config.vision.tile_seq_len, "audio": config.audio.window_tokens}
+    phases = config.phases().names
+    sizes = {phase: [size for _, size in mfu.grid_points(phase, config, grid)] for phase in phases}
+    points: Dict[str, List[dict]] = {phase: [] for phase in phases}
+    item_tokens = {name: encoder.item_tokens for name, encoder in config.encoders.items()}
     peak = mfu.DEFAULT_PEAK_TFLOPS if device.type == "cuda" else None  # a CPU has no assumed peak: no MFU
     measured = mfu.run(config, device, settings, grid, warmup, repeats, peak,
                        lambda point: print(mfu.format_point(point), flush=True))
@@ -68,18 +69,19 @@ def measure(config: MLLMConfig, device: torch.device, settings: ModelParallelSet
         size = sizes[point.phase].pop(0)
         if point.status != "ok":
             continue
-        items, seq_len = (size, item_tokens[point.phase]) if point.phase != "llm" else size
+        items, seq_len = (size, item_tokens[point.phase]) if point.phase in item_tokens else size
         points[point.phase].append({"items": int(items), "seq_len": int(seq_len), "seconds": point.ms / 1e3})
     return points
 
 
-def fit_points(points: Dict[str, List[dict]]) -> Dict[str, PhaseFit]:
+def fit_points(points: Dict[str, List[dict]], backbone: str) -> Dict[str, PhaseFit]:
+    """Every phase's fit; encoder phases (all but ``backbone``) have a call overhead."""
     fits = {}
     for phase, rows in points.items():
         if not rows:
             raise ValueError(f"no measurement of phase {phase} succeeded: nothing to fit")
         fits[phase] = fit_phase([r["items"] for r in rows], [r["seq_len"] for r in rows],
-                                [r["seconds"] for r in rows], call_overhead=phase != "llm")
+                                [r["seconds"] for r in rows], call_overhead=phase != backbone)
         for row in rows:
             row["fitted_seconds"] = float(fits[phase].call_overhead
                                           + row["items"] * fits[phase].item_seconds(row["seq_len"]))
@@ -105,8 +107,9 @@ def main(argv: Optional[List[str]] = None) -> dict:
                                      description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="mllm_10b", help="model config name or YAML (default mllm_10b)")
     parser.add_argument("--layers", default=None, metavar="V,A,B",
-                        help="layers of the vision encoder, audio encoder and backbone (default: the config's); "
-                             "the profile is valid for this shape only")
+                        help="layers of each phase: the encoders in the config's order, then the backbone (the "
+                             "shipped configs: vision, audio, backbone; default: the config's); the profile is "
+                             "valid for this shape only")
     parser.add_argument("--device", choices=["cuda", "cpu"], default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--grid", choices=["gpu", "cpu"], default=None,
                         help="shapes to time (default: gpu on cuda, cpu on the CPU)")
@@ -121,15 +124,15 @@ def main(argv: Optional[List[str]] = None) -> dict:
     threads = args.threads if args.threads is not None else (1 if args.device == "cpu" else None)
     try:
         device, settings, device_name = device_settings(args.device, threads)
+        config = with_layers(load_model_config(args.model), layers)
     except ValueError as err:
         parser.error(str(err))
-    config = with_layers(load_model_config(args.model), layers)
     grid = {"gpu": GPU_GRID, "cpu": CPU_GRID}[args.grid or ("gpu" if args.device == "cuda" else "cpu")]
     with mfu.world_of_one(device):
         points = measure(config, device, settings, grid, args.warmup, args.repeats)
-    fits = fit_points(points)
-    document = profile_dict(device_name, "bf16" if settings.bf16 else "fp32", config, fits, points,
-                            measured_at=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+    fits = fit_points(points, BACKBONE_PHASE)
+    document = profile_dict(device_name, "bf16" if settings.bf16 else "fp32", config.name, config.phases(), fits,
+                            points, measured_at=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
                             command="python -m megatron_orch.bench.calibrate " + " ".join(
                                 sys.argv[1:] if argv is None else argv))
     with open(args.out, "w") as f:

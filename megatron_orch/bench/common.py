@@ -11,12 +11,12 @@ from typing import Callable, Dict, Optional, Sequence, Tuple
 import numpy as np
 
 from megatron_orch.balance.cost_profile import CostProfile
-from megatron_orch.balance.model_config import DEFAULT_MODEL, MLLMConfig, load_model_config
 from megatron_orch.balance.partition import partition, partition_equal_count, partition_locality
 from megatron_orch.balance.plan import Placement
 from megatron_orch.balance.topology import Topology
 from megatron_orch.balance.traces import DEFAULT_MIXTURE, TraceMixture, load_mixture, parse_trace_spec
-from megatron_orch.balance.workload import PhaseItems, StepSizes, sizes_from_trace
+from megatron_orch.balance.workload import ModelPhases, PhaseItems, StepSizes
+from megatron_orch.mllm.config import DEFAULT_MODEL, MLLMConfig, load_model_config, sizes_from_trace, with_encoder_layers
 from megatron_orch.orchestrator.config import OrchestratorConfig
 from megatron_orch.orchestrator.step_plan import EncoderPhasePlan, StepPlan, plan_step
 
@@ -37,12 +37,18 @@ def upstream_plan(sizes: StepSizes) -> StepPlan:
     rank that loaded its example, the loader's micro-batches of one example."""
     home = Placement.from_counts(sizes.counts)
     encoders = {}
-    for phase, per_example in (("vision", sizes.num_vision_items), ("audio", sizes.num_audio_items)):
+    for phase, per_example in sizes.items.items():
         example = np.repeat(np.arange(sizes.num_examples), np.asarray(per_example, dtype=np.int64))
         encoders[phase] = EncoderPhasePlan(example=example, home=home.expand(example), encode=home.expand(example))
     per_rank = int(np.asarray(sizes.counts).max(initial=1))
     return StepPlan(examples_home=home, examples_llm=home, microbatch_of_example=home.slot,
                     num_microbatches=per_rank, encoders=encoders, stats={}, digest=0)
+
+
+def model_phases(config: MLLMConfig, cost_profile: Optional[CostProfile] = None) -> ModelPhases:
+    """The phases of ``config``, with the profile's measured costs if given."""
+    phases = config.phases()
+    return phases if cost_profile is None else cost_profile.apply(phases)
 
 
 def plan_method(method: str, sizes: StepSizes, model: MLLMConfig, topology: Topology,
@@ -52,35 +58,42 @@ def plan_method(method: str, sizes: StepSizes, model: MLLMConfig, topology: Topo
     if method == "none":
         return upstream_plan(sizes)
     config = dataclasses.replace(PLAN_METHODS[method], cost_profile=cost_profile)
-    return plan_step(sizes, model, config, topology, micro_batch_size=1,
+    return plan_step(sizes, model.phases(), config, topology, micro_batch_size=1,
                      num_microbatches=int(np.asarray(sizes.counts)[0]))
 
 
-def with_layers(config: MLLMConfig, layers: Optional[Tuple[int, int, int]]) -> MLLMConfig:
-    """``config`` with the vision, audio and backbone stacks cut to ``layers`` (model and FLOPs alike)."""
+def with_layers(config: MLLMConfig, layers: Optional[Tuple[int, ...]]) -> MLLMConfig:
+    """``config`` with its stacks cut to ``layers``, one per phase (the encoders in order, then the backbone;
+    the shipped configs: vision, audio, backbone), model and FLOPs alike."""
     if layers is None:
         return config
-
-    def cut(component, n):
-        return dataclasses.replace(component, transformer=dataclasses.replace(component.transformer, num_layers=n))
-    return dataclasses.replace(config, vision=cut(config.vision, layers[0]), audio=cut(config.audio, layers[1]),
-                               backbone=cut(config.backbone, layers[2]))
-
-
-def effective_layers(config: MLLMConfig) -> Tuple[int, int, int]:
-    return (config.vision.transformer.num_layers, config.audio.transformer.num_layers,
-            config.backbone.transformer.num_layers)
+    if len(layers) != len(config.encoders) + 1:
+        raise ValueError(f"--layers takes {len(config.encoders) + 1} numbers for model {config.name} (its phases "
+                         f"{', '.join(config.phases().names)}), got {len(layers)}")
+    for name, n in zip(config.encoders, layers):
+        config = with_encoder_layers(config, name, n)
+    backbone = config.backbone
+    return dataclasses.replace(config, backbone=dataclasses.replace(
+        backbone, transformer=dataclasses.replace(backbone.transformer, num_layers=layers[-1])))
 
 
-def parse_layers(parser: argparse.ArgumentParser, text: Optional[str]) -> Optional[Tuple[int, int, int]]:
+def effective_layers(config: MLLMConfig) -> Tuple[int, ...]:
+    """Layers of every phase's stack: the encoders in order, then the backbone."""
+    return tuple(e.transformer.num_layers for e in config.encoders.values()) + (config.backbone.transformer.num_layers,)
+
+
+def parse_layers(parser: argparse.ArgumentParser, text: Optional[str]) -> Optional[Tuple[int, ...]]:
+    """``--layers`` as positive integers, one per phase (V,A,B for the shipped configs; checked against the
+    model by :func:`with_layers`)."""
     if text is None:
         return None
     try:
         layers = tuple(int(x) for x in text.split(","))
     except ValueError:
         layers = ()
-    if len(layers) != 3 or min(layers) < 1:
-        parser.error(f"--layers takes three positive integers V,A,B, got {text!r}")
+    if not layers or min(layers) < 1:
+        parser.error(f"--layers takes positive integers, one per phase (V,A,B for vision, audio, backbone), "
+                     f"got {text!r}")
     return layers
 
 

@@ -10,8 +10,8 @@ Draws a global batch of ``dp * per_rank`` examples from the traces (DP rank r lo
 upstream Megatron does), plans it upstream-style (``none``) and with ``plan_step`` under every method
 of :data:`megatron_orch.bench.common.PLAN_METHODS` (``--methods``) and the cost profile if given (else
 FLOPs), then runs, for every method and rank, that rank's work of each phase on the local device,
-forward and backward, with the modules and inputs of :mod:`megatron_orch.bench.mfu`: the vision and
-audio encoders over the rank's items in one call, the backbone over each of the rank's examples in
+forward and backward, with the modules and inputs of :mod:`megatron_orch.bench.mfu`: every encoder
+over the rank's items in one call, the backbone over each of the rank's examples in
 turn (one sequence per call, as the cost model counts them; the trainer's micro-batches are not
 emulated). There is no communication. Calls of all methods and ranks are interleaved, repeat after
 repeat, so that load drifting on a shared machine hits every method alike; a rank's time is
@@ -39,13 +39,13 @@ import numpy as np
 import torch
 
 from megatron_orch.balance.cost_profile import CostProfile, load_cost_profile, rank_seconds
-from megatron_orch.balance.model_config import load_model_config
 from megatron_orch.balance.topology import Topology
-from megatron_orch.balance.workload import PHASES, PhaseItems, StepSizes, phase_items
+from megatron_orch.balance.workload import PhaseItems, StepSizes, phase_items
 from megatron_orch.bench import mfu
 from megatron_orch.bench.calibrate import device_settings
-from megatron_orch.bench.common import (PLAN_METHODS, draw_sizes, effective_layers, parse_layers, plan_method,
-                                        report, trace_specs, with_layers)
+from megatron_orch.bench.common import (PLAN_METHODS, draw_sizes, effective_layers, model_phases, parse_layers,
+                                        plan_method, report, trace_specs, with_layers)
+from megatron_orch.mllm.config import load_model_config
 from megatron_orch.orchestrator.step_plan import StepPlan
 
 METHODS = ("none",) + tuple(PLAN_METHODS)
@@ -65,10 +65,10 @@ def _suffix(name: str) -> str:
 
 
 def item_ranks(plan: StepPlan, phase: str) -> np.ndarray:
-    return plan.examples_llm.rank if phase == "llm" else plan.encoders[phase].encode.rank
+    return plan.encoders[phase].encode.rank if phase in plan.encoders else plan.examples_llm.rank
 
 
-def rank_shapes(phase: str, items: PhaseItems, rank: np.ndarray, dp: int, llm_bucket: int,
+def rank_shapes(encoder: bool, items: PhaseItems, rank: np.ndarray, dp: int, llm_bucket: int,
                 max_tokens: int) -> List[list]:
     """The calls of every rank's work of one phase, by size: ``[n]`` items of an encoder in one call (none
     for a rank without items), ``(1, s)`` per backbone example with s rounded up to ``llm_bucket`` and
@@ -76,7 +76,7 @@ def rank_shapes(phase: str, items: PhaseItems, rank: np.ndarray, dp: int, llm_bu
     shapes = []
     for r in range(dp):
         mine = np.flatnonzero(rank == r)
-        if phase != "llm":
+        if encoder:
             shapes.append([int(mine.size)] if mine.size else [])
         else:
             bucketed = np.minimum(-(-items.tokens[mine] // llm_bucket) * llm_bucket, max_tokens)
@@ -121,10 +121,10 @@ def measure(plans: Dict[str, StepPlan], items: Dict[str, PhaseItems], config, de
     dp = plans["none"].examples_home.num_ranks
     timed_plans = {m: plan for m, plan in plans.items() if m != "none" + FLOPS}  # upstream is upstream
     measured = {m: {} for m in timed_plans}
-    for phase in PHASES:
+    for phase in config.phases().names:
         module = mfu.build_phase(phase, config, settings, device)
         shapes = {(m, r): calls for m, plan in timed_plans.items() for r, calls in enumerate(rank_shapes(
-            phase, items[phase], item_ranks(plan, phase), dp, llm_bucket, config.backbone.max_position_embeddings))}
+            phase in config.encoders, items[phase], item_ranks(plan, phase), dp, llm_bucket, config.backbone.max_position_embeddings))}
         make_call = functools.partial(mfu.phase_call, phase, module, config, device=device)  # (size)
         if timing == "shape":
             distinct = sorted({size for calls in shapes.values() for size in calls}, key=str)
@@ -152,7 +152,7 @@ def modeled(plans: Dict[str, StepPlan], items: Dict[str, Dict[str, PhaseItems]],
     for m, plan in plans.items():
         profile, own = costs[_suffix(m)], items[_suffix(m)]
         out[m] = {}
-        for phase in PHASES:
+        for phase in own:
             rank = item_ranks(plan, phase)
             out[m][phase] = (np.bincount(rank, weights=own[phase].cost, minlength=dp) if profile is None
                              else rank_seconds(profile.phases[phase], own[phase].cost, rank, dp))
@@ -178,7 +178,7 @@ def run(config, sizes: StepSizes, profile: Optional[CostProfile], device, settin
         methods=tuple(PLAN_METHODS), compare_flops: bool = False) -> dict:
     costs = {"": profile, **({FLOPS: None} if compare_flops else {})}
     plans = plan_all(sizes, config, costs, gpus_per_node, methods)
-    items = {suffix: phase_items(sizes, config, cost) for suffix, cost in costs.items()}
+    items = {suffix: phase_items(sizes, model_phases(config, cost)) for suffix, cost in costs.items()}
     with mfu.world_of_one(device):
         measured = measure(plans, items[""], config, device, settings, warmup, repeats, timing, llm_bucket)
     model = modeled(plans, items, costs)
@@ -191,7 +191,7 @@ def run(config, sizes: StepSizes, profile: Optional[CostProfile], device, settin
                            "modeled_max_over_mean": steps_modeled[m]["max_over_mean"][p],
                            "items_per_rank": np.bincount(item_ranks(plans[m], p), minlength=len(
                                measured[m][p])).tolist()}
-                       for p in PHASES},
+                       for p in config.phases().names},
             "step": {"measured_seconds": steps_measured[m]["step"], "modeled": steps_modeled[m]["step"],
                      "measured_speedup": steps_measured[m]["speedup"], "modeled_speedup": steps_modeled[m]["speedup"],
                      "speedup_prediction_error": steps_modeled[m]["speedup"] / steps_measured[m]["speedup"] - 1.0,
@@ -201,16 +201,20 @@ def run(config, sizes: StepSizes, profile: Optional[CostProfile], device, settin
     return result
 
 
+def _phases(result: dict) -> List[str]:
+    return list(result["methods"]["none"]["phases"])
+
+
 def format_tables(result: dict) -> str:
-    p = result["params"]
+    p, phases = result["params"], _phases(result)
     lines = [f"[emulate] {p['model']} layers {tuple(p['layers'])} on {p['device']} ({p['dtype']}), DP {p['dp']} x "
              f"{p['per_rank']} examples, seed {p['seed']}, costs: {p['costs']}, median of {p['repeats']}", "",
-             "| method | " + " | ".join(f"{q} max/mean modeled / measured" for q in PHASES)
+             "| method | " + " | ".join(f"{q} max/mean modeled / measured" for q in phases)
              + " | step s measured | speedup modeled / measured | over perfect balance modeled / measured |",
-             "|---|" + "---:|" * (len(PHASES) + 3)]
+             "|---|" + "---:|" * (len(phases) + 3)]
     for m, f in result["methods"].items():
         cells = [f"{f['phases'][q]['modeled_max_over_mean']:.3f} / {f['phases'][q]['measured_max_over_mean']:.3f}"
-                 for q in PHASES]
+                 for q in phases]
         s = f["step"]
         lines.append(f"| {m} | " + " | ".join(cells) + f" | {s['measured_seconds']:.4f} | "
                      f"{s['modeled_speedup']:.3f} / {s['measured_speedup']:.3f} | "
@@ -224,10 +228,10 @@ def plot(result: dict, path: str) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    methods = list(result["methods"])
+    methods, phases = list(result["methods"]), _phases(result)
     hatches = ("", "//", "..", "xx", "\\\\", "--")  # besides colour, for grey prints and colour blindness
-    fig, axes = plt.subplots(1, len(PHASES), figsize=(5 * len(PHASES), 3.8))
-    for ax, phase in zip(axes, PHASES):
+    fig, axes = plt.subplots(1, len(phases), figsize=(5 * len(phases), 3.8))
+    for ax, phase in zip(axes, phases):
         dp = len(result["methods"]["none"]["phases"][phase]["measured_seconds"])
         width = 0.8 / len(methods)
         for i, m in enumerate(methods):
@@ -290,7 +294,7 @@ def main(argv: Optional[List[str]] = None) -> dict:
         device, settings, device_name = device_settings(args.device, threads)
         _, _, sizes = draw_sizes(trace_specs(args), args.dp, args.per_rank, args.model, args.seed, args.traces_dir)
         config = with_layers(load_model_config(args.model), layers)
-        profile = None if args.cost_profile is None else load_cost_profile(args.cost_profile, config)
+        profile = None if args.cost_profile is None else load_cost_profile(args.cost_profile, config.phases())
     except ValueError as err:
         parser.error(str(err))
     result = run(config, sizes, profile, device, settings, args.gpus_per_node, args.warmup, args.repeats,

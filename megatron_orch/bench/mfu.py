@@ -4,14 +4,14 @@
     python -m megatron_orch.bench.mfu --model tiny --quick --device cpu
 
 Each phase is built alone, so that a point's peak memory is that phase's, and run as training runs
-it, followed by its backward: the :class:`VisionEncoder` (ViT, pixel shuffle, projector) over n image
-tiles per call, the :class:`AudioEncoder` over n windows, the backbone
-(:meth:`MLLMModel.backbone_forward` with the per-token loss, its encoders dropped) over b sequences
-of s text tokens. FLOPs are the planner's own (the cost model of :mod:`megatron_orch.balance.cost`
+it, followed by its backward: every encoder of the config over n items per call (a
+:class:`VisionEncoder`: ViT, pixel shuffle, projector, over image tiles / video frames; an
+:class:`AudioEncoder` over windows), the backbone (:meth:`MLLMModel.forward` with the per-token loss,
+its encoders dropped) over b sequences of s text tokens. FLOPs are the planner's own (the cost model of :mod:`megatron_orch.balance.cost`
 through the model config's item costs), so TFLOP/s is how fast the device runs the cost the
 partitioners balance; that cost leaves out the patch embedding and the audio conv stem (a few % of
 an encoder's work). MFU is against ``--peak-tflops``, an assumption (on a CPU none unless given: no
-MFU). ``--layers V,A,B`` cuts the stacks so that large widths fit one device. A point that runs out of memory is recorded as ``oom``
+MFU). ``--layers V,A,B`` (one number per phase) cuts the stacks so that large widths fit one device. A point that runs out of memory is recorded as ``oom``
 and the grid goes on; a backbone length over the config's position table is ``skipped``.
 bf16 on a GPU (NCCL world of one), fp32 on the CPU (gloo world of one through the CPU harness).
 """
@@ -32,24 +32,25 @@ import torch
 import torch.distributed as dist
 from megatron.core import package_info, parallel_state, tensor_parallel
 
-from megatron_orch.balance.model_config import MLLMConfig, load_model_config
-from megatron_orch.balance.workload import PHASES
 from megatron_orch.bench.common import effective_layers, parse_layers, with_layers
-from megatron_orch.megatron.batch import AUDIO_TOKEN_ID, IMAGE_TOKEN_ID
-from megatron_orch.mllm.model import (AudioEncoder, MLLMModel, ModelParallelSettings, VisionEncoder,
-                                      transformer_engine_available)
+from megatron_orch.megatron.batch import MicroBatch
+from megatron_orch.mllm.config import BACKBONE_PHASE, BYTE_VOCAB_SIZE, MLLMConfig, load_model_config
+from megatron_orch.mllm.model import ENCODER_MODULES, MLLMModel, ModelParallelSettings, transformer_engine_available
 from megatron_orch.trainer import cpu_harness
 
-FULL_GRID = {"vision": [1, 2, 4, 8, 16, 32, 64, 128], "audio": [1, 2, 4, 8, 16, 32],
-             "llm": [(1, 256), (1, 512), (1, 1024), (1, 2048), (1, 4096), (1, 8192), (1, 16384),
-                          (4, 2048), (2, 4096)]}
-QUICK_GRID = {"vision": [1, 4], "audio": [1, 2], "llm": [(1, 64), (2, 128)]}
+# Grid points by encoder kind (items per call; every encoder of that kind) and for the backbone
+# (sequences x tokens per call).
+FULL_GRID = {"vit": [1, 2, 4, 8, 16, 32, 64, 128], "whisper": [1, 2, 4, 8, 16, 32],
+             BACKBONE_PHASE: [(1, 256), (1, 512), (1, 1024), (1, 2048), (1, 4096), (1, 8192), (1, 16384),
+                              (4, 2048), (2, 4096)]}
+QUICK_GRID = {"vit": [1, 4], "whisper": [1, 2], BACKBONE_PHASE: [(1, 64), (2, 128)]}
+
 DEFAULT_PEAK_TFLOPS = 790.0  # assumed reachable dense bf16 rate of one H200 (spec sheet: 989)
 
 
 @dataclasses.dataclass
 class Point:
-    phase: str      # the planner's phase names: vision, audio, llm (the backbone)
+    phase: str      # the planner's phase name (the config's encoders, then the backbone)
     shape: str      # "n=16" items, or "2x4096" sequences x tokens
     tokens: int     # tokens through the phase's transformer per call
     flops: float    # training FLOPs of the call (cost model)
@@ -85,51 +86,49 @@ def world_of_one(device: torch.device) -> Iterator[None]:
 def build_phase(phase: str, config: MLLMConfig, settings: ModelParallelSettings,
                 device: torch.device) -> torch.nn.Module:
     """One phase's module alone, on ``device``, cast to bf16 as the trainer's Float16Module casts it."""
-    backbone = config.backbone.transformer
-    if phase == "vision":
-        module = VisionEncoder(config.vision, backbone, settings)
-    elif phase == "audio":
-        module = AudioEncoder(config.audio, backbone, settings)
+    if phase in config.encoders:
+        encoder = config.encoders[phase]
+        module = ENCODER_MODULES[type(encoder)](encoder, config.backbone.transformer, settings)
     else:
         module = MLLMModel(config, settings, config.backbone.max_position_embeddings,
                            pre_process=True, post_process=True)
-        module.vision_encoder = module.audio_encoder = None  # backbone_forward never uses them
+        module.encoders = torch.nn.ModuleDict()  # the backbone's forward over text never uses them
     module = module.to(device)
     return module.bfloat16() if settings.bf16 else module
 
 
 def grid_points(phase: str, config: MLLMConfig, grid: Dict[str, list]) -> Iterator[Tuple[Point, object]]:
     """(Point with its cost-model FLOPs, size) for every grid point of ``phase``."""
-    if phase == "vision":
-        for n in grid["vision"]:
-            yield Point("vision", f"n={n}", n * config.vision.tile_seq_len, n * config.vision_item_train_flops()), n
-    elif phase == "audio":
-        for n in grid["audio"]:
-            yield Point("audio", f"n={n}", n * config.audio.window_tokens, n * config.audio_window_train_flops()), n
+    if phase in config.encoders:
+        encoder = config.encoders[phase]
+        item_flops = float(config.encoder_cost(phase).item_cost(encoder.item_tokens))
+        for n in grid[encoder.kind]:
+            yield Point(phase, f"n={n}", n * encoder.item_tokens, n * item_flops), n
     else:
         backbone = config.backbone
-        for b, s in grid["llm"]:
-            point = Point("llm", f"{b}x{s}", b * s, b * float(backbone.transformer.train_flops(s)))
+        for b, s in grid[BACKBONE_PHASE]:
+            point = Point(phase, f"{b}x{s}", b * s, b * float(backbone.transformer.train_flops(s)))
             if s > backbone.max_position_embeddings:
                 point.status = "skipped"
             yield point, (b, s)
 
 
+def text_batch(b: int, s: int, device: torch.device) -> MicroBatch:
+    """``b`` rows of ``s`` random text tokens (no placeholders), every token in the loss."""
+    tokens = torch.randint(0, BYTE_VOCAB_SIZE, (b, s), device=device)
+    return MicroBatch(tokens=tokens, labels=tokens, loss_mask=torch.ones(b, s, device=device),
+                      position_ids=torch.arange(s, device=device).expand(b, s), seq_lengths=torch.full((b,), s),
+                      items={}, item_counts={}, sample_ids=torch.arange(b))
+
+
 def phase_call(phase: str, module: torch.nn.Module, config: MLLMConfig, size,
                device: torch.device) -> Callable[[], None]:
     """Forward and backward of one grid point over inputs drawn once."""
-    if phase == "vision":
-        vision = config.vision
-        x = torch.randn(size, vision.patches(vision.tile_px), vision.channels * vision.patch_px ** 2, device=device)
+    if phase in config.encoders:
+        x = torch.randn(size, *config.encoders[phase].item_shape, device=device)
         return lambda: module(x).sum().backward()
-    if phase == "audio":
-        audio = config.audio
-        x = torch.randn(size, audio.window_frames, audio.num_mel_bins, device=device)
-        return lambda: module(x).sum().backward()
-    b, s = size
-    tokens = torch.randint(0, min(AUDIO_TOKEN_ID, IMAGE_TOKEN_ID), (b, s), device=device)  # text, no placeholders
-    positions = torch.arange(s, device=device).expand(b, s)
-    return lambda: module.backbone_forward(tokens, positions, None, labels=tokens).sum().backward()
+    batch = text_batch(*size, device)
+    return lambda: module(batch, embeds={}).sum().backward()
 
 
 def _sync(device: torch.device) -> None:
@@ -180,7 +179,7 @@ def run(config: MLLMConfig, device: torch.device, settings: ModelParallelSetting
         warmup: int, repeats: int, peak_tflops: Optional[float], on_point: Callable[[Point], None]) -> List[Point]:
     """Every point of ``grid``, phase by phase (one module alive at a time); ``on_point`` after each."""
     points = []
-    for phase in PHASES:
+    for phase in config.phases().names:
         module = build_phase(phase, config, settings, device)
         for point, size in grid_points(phase, config, grid):
             if point.status == "ok":
@@ -195,7 +194,7 @@ def run(config: MLLMConfig, device: torch.device, settings: ModelParallelSetting
 def format_header(result: dict) -> str:
     gpu = result["dtype"] == "bf16"
     return "\n".join([
-        f"[mfu] {result['model']} layers (vision, audio, backbone) = {tuple(result['layers'])} | {result['device']} | "
+        f"[mfu] {result['model']} layers per phase = {tuple(result['layers'])} | {result['device']} | "
         f"{result['dtype']} | --transformer-impl {result['transformer_impl']} | torch {result['torch']}, "
         f"megatron-core {result['megatron_core']} | median of {result['repeats']} after {result['warmup']} warm-up",
         (f"[mfu] MFU is against an ASSUMED peak of {result['peak_tflops']:g} TFLOP/s (--peak-tflops); "
@@ -218,7 +217,8 @@ def main(argv: Optional[List[str]] = None) -> dict:
     parser = argparse.ArgumentParser(prog="python -m megatron_orch.bench.mfu", description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="mllm_10b", help="model config name or YAML (default mllm_10b)")
     parser.add_argument("--layers", default=None, metavar="V,A,B",
-                        help="layers of the vision encoder, audio encoder and backbone (default: the config's)")
+                        help="layers of each phase: the encoders in the config's order, then the backbone (the "
+                             "shipped configs: vision, audio, backbone; default: the config's)")
     parser.add_argument("--transformer-impl", choices=["local", "transformer_engine"], default="local")
     parser.add_argument("--device", choices=["cuda", "cpu"], default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--quick", action="store_true", help="a small grid (CPU, tests)")
@@ -240,7 +240,10 @@ def main(argv: Optional[List[str]] = None) -> dict:
         parser.error("--warmup must be >= 0 and --repeats >= 1")
     if args.peak_tflops is not None and not args.peak_tflops > 0:
         parser.error(f"--peak-tflops must be > 0, got {args.peak_tflops}")
-    config = with_layers(load_model_config(args.model), layers)
+    try:
+        config = with_layers(load_model_config(args.model), layers)
+    except ValueError as err:
+        parser.error(str(err))
     cuda = args.device == "cuda"
     device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
     if cuda:

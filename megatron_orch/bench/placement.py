@@ -36,7 +36,7 @@ import numpy as np
 from megatron_orch.balance.partition import partition, partition_locality
 from megatron_orch.balance.placement import BinTraffic, PlacementConfig, place_bins, placement_cost
 from megatron_orch.balance.topology import Topology
-from megatron_orch.balance.workload import ENCODER_PHASES, PHASES, PhaseItems, phase_bytes, phase_items
+from megatron_orch.balance.workload import PhaseItems, phase_bytes, phase_items
 from megatron_orch.bench.common import (draw_sizes, memory_caps, parser_with_batch_args, plan_method, report,
                                         trace_specs, warm_up_partitioners)
 
@@ -46,10 +46,10 @@ LOCALITY_TOLERANCE = 0.01
 FIELDS = ("inter_node_bytes", "max_node_inter_bytes", "off_gpu_bytes", "solve_ms", "solver")
 
 
-def _sources(phases: Dict[str, PhaseItems], name: str, encoder_ranks: Dict[str, np.ndarray]):
+def _sources(phases: Dict[str, PhaseItems], name: str, encoder_ranks: Dict[str, np.ndarray], backbone: str):
     """(item of this phase each flow belongs to, source rank, bytes) of everything the phase pulls."""
     items = phases[name]
-    if name != "llm":
+    if name != backbone:
         return [(np.arange(len(items)), items.home, items.nbytes)]
     flows = [(phases[enc].example, ranks, phases[enc].output_nbytes) for enc, ranks in encoder_ranks.items()]
     return [(np.arange(len(items)), items.home, items.nbytes)] + flows
@@ -84,7 +84,9 @@ def run(trace_specs: Sequence[tuple], dp: int, per_rank: int, gpus_per_node: int
         raise ValueError(f"--dp, --per-rank, --gpus-per-node must be >= 1 and --minmax-time-limit >= 0, "
                          f"got {dp}, {per_rank}, {gpus_per_node}, {minmax_time_limit_s}")
     config, mixture, sizes = draw_sizes(trace_specs, dp, per_rank, model, seed, traces_dir)
-    phases = phase_items(sizes, config)
+    model_phases = config.phases()
+    backbone = model_phases.backbone.name
+    phases = phase_items(sizes, model_phases)
     topology = Topology.uniform(dp, gpus_per_node)
     caps = memory_caps(phases, dp)
     _warm_up(gpus_per_node)
@@ -92,18 +94,18 @@ def run(trace_specs: Sequence[tuple], dp: int, per_rank: int, gpus_per_node: int
     start = time.perf_counter()
     trainer_plan = plan_method("equal_count", sizes, config, topology)
     trainer_ms = 1e3 * (time.perf_counter() - start)
-    trainer_ranks = {name: trainer_plan.encoders[name].encode.rank for name in ENCODER_PHASES}
-    trainer_ranks["llm"] = trainer_plan.examples_llm.rank
+    trainer_ranks = {name: trainer_plan.encoders[name].encode.rank for name in model_phases.encoder_names}
+    trainer_ranks[backbone] = trainer_plan.examples_llm.rank
 
     result: dict = {}
     partitions = {}
     # Encoder ranks the LLM phase pulls embeddings from: the exact placement's for every placement
     # method (so they all place the same LLM traffic), locality's own for locality.
     encoder_ranks: Dict[str, Dict[str, np.ndarray]] = {"exact": {}, "locality": {}}
-    for name in PHASES:  # encoders first
+    for name in phases:  # encoders first
         items = phases[name]
         bins, partitions[name] = _balanced_bins(items, dp, caps[name])
-        traffic = _traffic(_sources(phases, name, encoder_ranks["exact"]), bins, dp)
+        traffic = _traffic(_sources(phases, name, encoder_ranks["exact"], backbone), bins, dp)
         result[name] = {}
         for method in PLACEMENTS:
             placed = place_bins(traffic, topology, PlacementConfig(method=method,
@@ -114,7 +116,7 @@ def run(trace_specs: Sequence[tuple], dp: int, per_rank: int, gpus_per_node: int
         start = time.perf_counter()
         ranks = _locality_bins(items, dp, gpus_per_node, caps[name])
         solve_ms = 1e3 * (time.perf_counter() - start)
-        traffic = _traffic(_sources(phases, name, encoder_ranks["locality"]), ranks, dp)
+        traffic = _traffic(_sources(phases, name, encoder_ranks["locality"], backbone), ranks, dp)
         cost = placement_cost(traffic, topology, np.arange(dp))
         result[name]["locality"] = {"inter_node_bytes": cost.inter_node_bytes,
                                     "max_node_inter_bytes": cost.max_node_inter_bytes,
@@ -122,7 +124,7 @@ def run(trace_specs: Sequence[tuple], dp: int, per_rank: int, gpus_per_node: int
                                     "solver": "partition_locality (bins are ranks)"}
         encoder_ranks["locality"][name] = ranks
         encoders_of_trainer = {enc: trainer_ranks[enc] for enc in encoder_ranks["exact"]}
-        traffic = _traffic(_sources(phases, name, encoders_of_trainer), trainer_ranks[name], dp)
+        traffic = _traffic(_sources(phases, name, encoders_of_trainer, backbone), trainer_ranks[name], dp)
         cost = placement_cost(traffic, topology, np.arange(dp))
         result[name]["trainer"] = {"inter_node_bytes": cost.inter_node_bytes,
                                    "max_node_inter_bytes": cost.max_node_inter_bytes,
@@ -134,15 +136,15 @@ def run(trace_specs: Sequence[tuple], dp: int, per_rank: int, gpus_per_node: int
         "dp": dp, "per_rank": per_rank, "num_examples": dp * per_rank, "gpus_per_node": gpus_per_node,
         "num_nodes": topology.num_nodes, "model": config.name, "seed": seed,
         "minmax_time_limit_s": minmax_time_limit_s,
-        "items": {name: len(phases[name]) for name in PHASES},
+        "items": {name: len(phases[name]) for name in phases},
         "balanced_partition": partitions,
-        "total_bytes": phase_bytes(phases),
+        "total_bytes": phase_bytes(phases, model_phases),
         "notes": {
             "bins": "identity/greedy/exact/minmax place the bins of one partition(method='auto') per phase",
             "locality": "partition_locality with 1% balance tolerance; solve_ms is that partition's time",
             "trainer": "plan_step with the default flags; solve_ms is the whole plan_step (all phases)",
             "max_node_inter_bytes": "busiest node's max(received, sent) bytes across nodes",
-            "llm": "text bytes from the home rank; embeddings from the encoder ranks of the exact "
+            backbone: "text bytes from the home rank; embeddings from the encoder ranks of the exact "
                    "placement (identity/greedy/exact/minmax), of locality (locality) or of plan_step (trainer)",
         },
     }
@@ -165,7 +167,7 @@ def format_tables(result: dict) -> str:
              f"({p['num_nodes']} nodes), model {p['model']}, seed {p['seed']}, "
              f"min-max time limit {p['minmax_time_limit_s']} s", ""]
     gib = 2.0 ** 30
-    for name in PHASES:
+    for name in p["items"]:
         lines += [f"phase `{name}`: {p['items'][name]} items, {p['total_bytes'][name] / gib:.2f} GiB, "
                   f"balanced by `{p['balanced_partition'][name]}`", "",
                   "| method | inter-node GiB | busiest node GiB | off-GPU GiB | solve ms | solver |",

@@ -38,18 +38,17 @@ import ctypes
 import multiprocessing
 import resource
 import statistics
-import sys
 import threading
 import time
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
-from megatron_orch.balance.model_config import DEFAULT_MODEL, MLLMConfig, load_model_config
 from megatron_orch.balance.topology import Topology
 from megatron_orch.balance.traces import DEFAULT_MIXTURE, Trace, load_mixture, parse_trace_spec
-from megatron_orch.balance.workload import StepSizes, sizes_from_trace
+from megatron_orch.balance.workload import StepSizes
 from megatron_orch.bench.common import report
+from megatron_orch.mllm.config import DEFAULT_MODEL, MLLMConfig, load_model_config, sizes_from_trace
 from megatron_orch.orchestrator.background import BackgroundPlanner
 from megatron_orch.orchestrator.config import OrchestratorConfig
 from megatron_orch.orchestrator.step_plan import plan_step, warm_up
@@ -181,7 +180,7 @@ def run_one(model: MLLMConfig, sizes: StepSizes, gpus_per_node: int, micro_batch
     topology = Topology.uniform(dp, gpus_per_node)
 
     def plan():
-        return plan_step(sizes, model, config, topology, micro_batch_size, per_rank // micro_batch_size)
+        return plan_step(sizes, model.phases(), config, topology, micro_batch_size, per_rank // micro_batch_size)
 
     first = plan()  # untimed: first touches of memory at this size
     digests = {first.digest}
@@ -228,7 +227,7 @@ def run(dps: Sequence[int], per_rank: int, gpus_per_node: int, seeds: Sequence[i
     if min(dps) < 1 or per_rank < 1 or gpus_per_node < 1 or micro_batch_size < 1 or repeats < 1:
         raise ValueError("--dp, --per-rank, --gpus-per-node, --micro-batch-size and --repeats must be >= 1")
     config = load_model_config(model)
-    warm_up(config, OrchestratorConfig())  # compile (or load) the kernels first, as the trainer does
+    warm_up(config.phases(), OrchestratorConfig())  # compile (or load) the kernels first, as the trainer does
     runs = []
     for dp in dps:
         for name, specs in mixtures.items():

@@ -1,11 +1,12 @@
 """The example and micro-batch format shared by the data pipeline, the model and the orchestrator.
 
 An :class:`Example` is one training sample on the CPU: the backbone's token ids with placeholder ids
-where projected encoder embeddings go, next-token labels, a loss mask, and the raw encoder inputs
-(image tiles / video frames as patch rows, fixed-length audio windows as log-mel frames). Every vision
-item contributes exactly ``vision_llm_tokens_per_item`` consecutive :data:`IMAGE_TOKEN_ID`
-placeholders and every audio window ``audio_llm_tokens_per_item`` :data:`AUDIO_TOKEN_ID` placeholders,
-in item order, so the model can splice encoder outputs in without any other metadata.
+where encoder outputs go, next-token labels, a loss mask, and the raw items of every encoder phase
+(``items[phase]``: one row per item, e.g. an image tile's patch rows or an audio window's mel frames).
+Every item of a phase contributes exactly that phase's ``output_rows`` placeholders (its
+:class:`EncoderInput`'s ``placeholder_id``), in item order, so the model can splice encoder outputs in
+without any other metadata. :class:`BatchSpec` says, for one model, the phases, each phase's item shape
+and placeholder id, the pad id and the longest sequence, and checks examples against them.
 
 A :class:`MicroBatch` is what :func:`collate` (right-padded rows) or :func:`collate_packed` (all
 examples concatenated in one row, ``cu_seqlens`` marking the boundaries for block-diagonal causal
@@ -16,58 +17,87 @@ balancer plans with; datasets give it without materialising tensors.
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass
-from typing import Optional, Sequence
+from dataclasses import dataclass, field
+from typing import Dict, Mapping, Optional, Sequence, Tuple
 
 import torch
 
-# Token ids. Text uses the 256 byte values; the special ids sit above them, the two placeholders at the
-# top, so no tokenizer ever produces a placeholder as text. A model's vocabulary must hold
-# MIN_VOCAB_SIZE ids (ids at or above it are never produced by this data pipeline).
-BYTE_VOCAB_SIZE = 256
-BOS_TOKEN_ID = 256
-EOS_TOKEN_ID = 257
-PAD_TOKEN_ID = 258
-AUDIO_TOKEN_ID = 259
-IMAGE_TOKEN_ID = 260
-MIN_VOCAB_SIZE = 261
+from megatron_orch.balance.workload import ModelPhases
 
 
 @dataclass(frozen=True)
-class ExampleShape:
-    """The fixed per-item tensor shapes and placeholder counts a model expects of every example."""
+class EncoderInput:
+    """How the items of one encoder phase sit in a batch: the shape of one raw item, and the token id of
+    the placeholders (the phase's ``output_rows`` per item) that its encoder outputs replace."""
 
-    seq_length: int                    # longest allowed example (backbone tokens)
-    vision_patches_per_item: int       # patch rows of one image tile or video frame
-    vision_patch_dim: int              # channels * patch_size**2
-    vision_llm_tokens_per_item: int    # placeholders one vision item occupies in the backbone sequence
-    audio_frames_per_window: int       # log-mel frames of one fixed-length audio window
-    audio_mel_bins: int
-    audio_llm_tokens_per_item: int     # placeholders one audio window occupies
+    phase: str
+    item_shape: Tuple[int, ...]
+    placeholder_id: int
 
     def __post_init__(self):
-        for name, value in vars(self).items():
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise ValueError(f"ExampleShape.{name} must be a positive int, got {value!r}")
+        object.__setattr__(self, "item_shape", tuple(self.item_shape))
+        if not self.item_shape or any(isinstance(d, bool) or not isinstance(d, int) or d < 1
+                                      for d in self.item_shape):
+            raise ValueError(f"phase {self.phase}: item_shape must be positive ints, got {self.item_shape}")
+
+
+@dataclass(frozen=True)
+class BatchSpec:
+    """What every batch of a model provides (the batch half of the contract): the model's ``phases``; for
+    each encoder phase, in the same order, its :class:`EncoderInput`; the pad token id of padded rows; the
+    longest example (backbone tokens)."""
+
+    phases: ModelPhases
+    inputs: Tuple[EncoderInput, ...]
+    pad_token_id: int
+    seq_length: int
+
+    def __post_init__(self):
+        object.__setattr__(self, "inputs", tuple(self.inputs))
+        names = tuple(i.phase for i in self.inputs)
+        if names != self.phases.encoder_names:
+            raise ValueError(f"BatchSpec inputs are for phases {list(names)}, the model's encoder phases are "
+                             f"{list(self.phases.encoder_names)} (one input each, in that order)")
+        ids = [i.placeholder_id for i in self.inputs]
+        if len(set(ids + [self.pad_token_id])) != len(ids) + 1:
+            raise ValueError(f"placeholder ids {dict(zip(names, ids))} and pad id {self.pad_token_id} must be distinct")
+        if self.seq_length < 1:
+            raise ValueError(f"seq_length must be >= 1, got {self.seq_length}")
+
+    def input(self, phase: str) -> EncoderInput:
+        for encoder_input in self.inputs:
+            if encoder_input.phase == phase:
+                return encoder_input
+        raise KeyError(f"no encoder phase {phase!r}; the model's are {list(self.phases.encoder_names)}")
+
+    def rows_per_item(self, phase: str) -> int:
+        """Placeholders (encoder output rows) one item of ``phase`` occupies."""
+        return self.phases.encoder(phase).output_rows
+
+    def no_items(self, phase: str) -> torch.Tensor:
+        """An empty items tensor of ``phase``."""
+        return torch.zeros((0, *self.input(phase).item_shape))
 
     def check(self, example: "Example") -> None:
-        """Raise ValueError (naming the sample) unless ``example`` has this shape."""
+        """Raise ValueError (naming the sample) unless ``example`` fits this spec."""
         where = f"example {example.sample_index}"
-        if example.vision.shape[1:] != (self.vision_patches_per_item, self.vision_patch_dim):
-            raise ValueError(f"{where}: vision items have shape {tuple(example.vision.shape[1:])}, expected "
-                             f"({self.vision_patches_per_item}, {self.vision_patch_dim})")
-        if example.audio.shape[1:] != (self.audio_frames_per_window, self.audio_mel_bins):
-            raise ValueError(f"{where}: audio windows have shape {tuple(example.audio.shape[1:])}, expected "
-                             f"({self.audio_frames_per_window}, {self.audio_mel_bins})")
+        unknown = sorted(set(example.items) - set(self.phases.encoder_names))
+        if unknown:
+            raise ValueError(f"{where}: items of {unknown}, which are not encoder phases of the model "
+                             f"({list(self.phases.encoder_names)})")
         if example.num_tokens > self.seq_length:
             raise ValueError(f"{where}: {example.num_tokens} tokens exceed seq_length {self.seq_length}")
-        for name, token_id, items, per_item in (
-                ("image", IMAGE_TOKEN_ID, example.num_vision_items, self.vision_llm_tokens_per_item),
-                ("audio", AUDIO_TOKEN_ID, example.num_audio_items, self.audio_llm_tokens_per_item)):
-            found = int((example.tokens == token_id).sum())
-            if found != items * per_item:
-                raise ValueError(f"{where}: {found} {name} placeholders, expected {items} items x "
-                                 f"{per_item} tokens = {items * per_item}")
+        for encoder_input in self.inputs:
+            phase = encoder_input.phase
+            items = example.items.get(phase)
+            if items is not None and tuple(items.shape[1:]) != encoder_input.item_shape:
+                raise ValueError(f"{where}: {phase} items have shape {tuple(items.shape[1:])}, expected "
+                                 f"{encoder_input.item_shape}")
+            found = int((example.tokens == encoder_input.placeholder_id).sum())
+            count, per_item = example.num_items(phase), self.rows_per_item(phase)
+            if found != count * per_item:
+                raise ValueError(f"{where}: {found} {phase} placeholders, expected {count} items x "
+                                 f"{per_item} tokens = {count * per_item}")
 
 
 @dataclass(frozen=True)
@@ -75,22 +105,24 @@ class ExampleSizes:
     """What the balancer needs to know of an example, without its tensors."""
 
     sample_index: int
-    num_vision_items: int
-    num_audio_items: int
+    items: Mapping[str, int]  # items of each encoder phase that has any
     num_tokens: int        # backbone sequence length S (text + placeholders)
     num_loss_tokens: int   # tokens whose label counts in the loss
+
+    def num_items(self, phase: str) -> int:
+        return self.items.get(phase, 0)
 
 
 @dataclass(frozen=True, eq=False)
 class Example:
-    """One sample: ``tokens``/``labels``/``loss_mask`` [S], ``vision`` [n_v, P, D], ``audio`` [n_a, F, M]."""
+    """One sample: ``tokens``/``labels``/``loss_mask`` [S] and ``items[phase]`` [n, *item_shape] (a phase
+    left out has no items)."""
 
     sample_index: int
     tokens: torch.Tensor
     labels: torch.Tensor
     loss_mask: torch.Tensor
-    vision: torch.Tensor
-    audio: torch.Tensor
+    items: Mapping[str, torch.Tensor] = field(default_factory=dict)
 
     def __post_init__(self):
         where = f"example {self.sample_index}"
@@ -103,26 +135,22 @@ class Example:
         if self.loss_mask.shape != self.tokens.shape or not self.loss_mask.is_floating_point():
             raise ValueError(f"{where}: loss_mask must be float of shape {tuple(self.tokens.shape)}, "
                              f"got {self.loss_mask.dtype} {tuple(self.loss_mask.shape)}")
-        for name in ("vision", "audio"):
-            tensor = getattr(self, name)
-            if tensor.dim() != 3 or not tensor.is_floating_point():
-                raise ValueError(f"{where}: {name} must be a 3-D float tensor, "
+        object.__setattr__(self, "items", dict(self.items))
+        for name, tensor in self.items.items():
+            if tensor.dim() < 2 or not tensor.is_floating_point():
+                raise ValueError(f"{where}: {name} items must be a float tensor [n, *item_shape], "
                                  f"got {tensor.dtype} {tuple(tensor.shape)}")
 
     @property
     def num_tokens(self) -> int:
         return self.tokens.numel()
 
-    @property
-    def num_vision_items(self) -> int:
-        return self.vision.shape[0]
-
-    @property
-    def num_audio_items(self) -> int:
-        return self.audio.shape[0]
+    def num_items(self, phase: str) -> int:
+        items = self.items.get(phase)
+        return 0 if items is None else items.shape[0]
 
     def sizes(self) -> ExampleSizes:
-        return ExampleSizes(self.sample_index, self.num_vision_items, self.num_audio_items,
+        return ExampleSizes(self.sample_index, {name: t.shape[0] for name, t in self.items.items() if t.shape[0]},
                             self.num_tokens, int(self.loss_mask.count_nonzero()))
 
 
@@ -131,13 +159,13 @@ class MicroBatch:
     """Examples batched for one forward pass.
 
     Padded layout (``cu_seqlens is None``): row ``i`` holds example ``i`` right-padded to the row length
-    (padding: :data:`PAD_TOKEN_ID`, loss_mask 0); plain causal attention suffices since padding comes
-    after every real token. Packed layout: one row holding all examples back to back; example ``i``
-    spans ``cu_seqlens[i]:cu_seqlens[i+1]``, position ids restart at each example, and attention must
-    be block-diagonal causal (:meth:`attention_mask`); a tail after ``cu_seqlens[-1]`` is padding.
+    (padding: the spec's pad id, loss_mask 0); plain causal attention suffices since padding comes after
+    every real token. Packed layout: one row holding all examples back to back; example ``i`` spans
+    ``cu_seqlens[i]:cu_seqlens[i+1]``, position ids restart at each example, and attention must be
+    block-diagonal causal (:meth:`attention_mask`); a tail after ``cu_seqlens[-1]`` is padding.
 
-    ``vision``/``audio`` hold every example's items in example order; ``vision_counts[i]`` /
-    ``audio_counts[i]`` say how many belong to example ``i``.
+    ``items[phase]`` holds every example's items of an encoder phase in example order;
+    ``item_counts[phase][i]`` says how many belong to example ``i``.
     """
 
     tokens: torch.Tensor          # [rows, T] int64
@@ -145,10 +173,8 @@ class MicroBatch:
     loss_mask: torch.Tensor       # [rows, T] float32
     position_ids: torch.Tensor    # [rows, T] int64
     seq_lengths: torch.Tensor     # [n] int64, unpadded length of each example
-    vision: torch.Tensor          # [sum n_v, P, D]
-    audio: torch.Tensor           # [sum n_a, F, M]
-    vision_counts: torch.Tensor   # [n] int64
-    audio_counts: torch.Tensor    # [n] int64
+    items: Dict[str, torch.Tensor]         # phase -> [sum n_phase, *item_shape]
+    item_counts: Dict[str, torch.Tensor]   # phase -> [n] int64
     sample_ids: torch.Tensor      # [n] int64, global sample index of each example
     cu_seqlens: Optional[torch.Tensor] = None  # [n + 1] int32 in the packed layout
 
@@ -160,10 +186,24 @@ class MicroBatch:
     def is_packed(self) -> bool:
         return self.cu_seqlens is not None
 
+    def _map(self, fn) -> "MicroBatch":
+        """The same batch with ``fn`` applied to every tensor."""
+        changes = {}
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            if isinstance(value, dict):
+                changes[f.name] = {name: fn(t) for name, t in value.items()}
+            elif value is not None:
+                changes[f.name] = fn(value)
+        return dataclasses.replace(self, **changes)
+
     def pin_memory(self) -> "MicroBatch":
         """The same batch in pinned host memory, so its copies to a GPU do not block the host."""
-        return dataclasses.replace(self, **{f.name: getattr(self, f.name).pin_memory() for f in dataclasses.fields(self)
-                                            if getattr(self, f.name) is not None})
+        return self._map(torch.Tensor.pin_memory)
+
+    def to(self, device: torch.device) -> "MicroBatch":
+        """The same batch on ``device`` (copies that do not block the host from pinned memory)."""
+        return self._map(lambda t: t.to(device, non_blocking=True))
 
     def _spans(self) -> list[tuple[int, int, int]]:
         """(row, start, end) of each example's tokens."""
@@ -174,18 +214,18 @@ class MicroBatch:
 
     def examples(self) -> list[Example]:
         """Split back into the examples it was built from (tensors are views where possible)."""
-        vision = torch.split(self.vision, self.vision_counts.tolist())
-        audio = torch.split(self.audio, self.audio_counts.tolist())
+        split = {name: torch.split(tensor, self.item_counts[name].tolist()) for name, tensor in self.items.items()}
         return [Example(sample_index=int(self.sample_ids[i]),
                         tokens=self.tokens[row, start:end], labels=self.labels[row, start:end],
-                        loss_mask=self.loss_mask[row, start:end], vision=vision[i], audio=audio[i])
+                        loss_mask=self.loss_mask[row, start:end],
+                        items={name: parts[i] for name, parts in split.items()})
                 for i, (row, start, end) in enumerate(self._spans())]
 
     def sizes(self) -> list[ExampleSizes]:
         loss_tokens = [int(self.loss_mask[row, start:end].count_nonzero()) for row, start, end in self._spans()]
-        return [ExampleSizes(int(s), int(v), int(a), int(n), lt) for s, v, a, n, lt in zip(
-            self.sample_ids.tolist(), self.vision_counts.tolist(), self.audio_counts.tolist(),
-            self.seq_lengths.tolist(), loss_tokens)]
+        counts = {name: c.tolist() for name, c in self.item_counts.items()}
+        return [ExampleSizes(int(s), {name: c[i] for name, c in counts.items() if c[i]}, int(n), lt)
+                for i, (s, n, lt) in enumerate(zip(self.sample_ids.tolist(), self.seq_lengths.tolist(), loss_tokens))]
 
     def attention_mask(self) -> Optional[torch.Tensor]:
         """Megatron-style bool mask [1, 1, T, T] (True = masked) for the packed layout; None when padded.
@@ -196,22 +236,26 @@ class MicroBatch:
         if not self.is_packed:
             return None
         length = self.tokens.shape[1]
+        device = self.tokens.device
         bounds = self.cu_seqlens.to(torch.long)
-        segment = torch.bucketize(torch.arange(length), bounds[1:], right=True)
+        segment = torch.bucketize(torch.arange(length, device=device), bounds[1:], right=True)
         same = segment[:, None] == segment[None, :]
-        causal = torch.ones(length, length, dtype=torch.bool).tril()
+        causal = torch.ones(length, length, dtype=torch.bool, device=device).tril()
         return ~(same & causal)[None, None]
 
 
-def _stack_items(examples: Sequence[Example], name: str) -> tuple[torch.Tensor, torch.Tensor]:
-    tensors = [getattr(example, name) for example in examples]
-    trailing = tensors[0].shape[1:]
-    for example, tensor in zip(examples, tensors):
-        if tensor.shape[1:] != trailing:
-            raise ValueError(f"example {example.sample_index}: {name} items have shape {tuple(tensor.shape[1:])}, "
-                             f"but example {examples[0].sample_index} has {tuple(trailing)}")
-    counts = torch.tensor([tensor.shape[0] for tensor in tensors], dtype=torch.long)
-    return torch.cat(tensors), counts
+def _stack_items(examples: Sequence[Example], spec: BatchSpec) -> tuple[dict, dict]:
+    items, counts = {}, {}
+    for encoder_input in spec.inputs:
+        phase = encoder_input.phase
+        tensors = [example.items.get(phase, spec.no_items(phase)) for example in examples]
+        for example, tensor in zip(examples, tensors):
+            if tuple(tensor.shape[1:]) != encoder_input.item_shape:
+                raise ValueError(f"example {example.sample_index}: {phase} items have shape "
+                                 f"{tuple(tensor.shape[1:])}, expected {encoder_input.item_shape}")
+        items[phase] = torch.cat(tensors)
+        counts[phase] = torch.tensor([tensor.shape[0] for tensor in tensors], dtype=torch.long)
+    return items, counts
 
 
 def _row_length(needed: int, pad_to: Optional[int], pad_to_multiple_of: int) -> int:
@@ -224,9 +268,9 @@ def _row_length(needed: int, pad_to: Optional[int], pad_to_multiple_of: int) -> 
     return pad_to
 
 
-def collate(examples: Sequence[Example], pad_to: Optional[int] = None,
+def collate(examples: Sequence[Example], spec: BatchSpec, pad_to: Optional[int] = None,
             pad_to_multiple_of: int = 1) -> MicroBatch:
-    """Batch examples as right-padded rows [n, T].
+    """Batch examples as right-padded rows [n, T] (padding: ``spec.pad_token_id``).
 
     T is ``pad_to`` if given (a fixed sequence length, as pipeline parallelism needs), else the longest
     example rounded up to ``pad_to_multiple_of``.
@@ -236,45 +280,41 @@ def collate(examples: Sequence[Example], pad_to: Optional[int] = None,
     lengths = torch.tensor([example.num_tokens for example in examples], dtype=torch.long)
     length = _row_length(int(lengths.max()), pad_to, pad_to_multiple_of)
     rows = len(examples)
-    tokens = torch.full((rows, length), PAD_TOKEN_ID, dtype=torch.long)
-    labels = torch.full((rows, length), PAD_TOKEN_ID, dtype=torch.long)
+    tokens = torch.full((rows, length), spec.pad_token_id, dtype=torch.long)
+    labels = torch.full((rows, length), spec.pad_token_id, dtype=torch.long)
     loss_mask = torch.zeros((rows, length), dtype=torch.float32)
     for row, example in enumerate(examples):
         tokens[row, :example.num_tokens] = example.tokens
         labels[row, :example.num_tokens] = example.labels
         loss_mask[row, :example.num_tokens] = example.loss_mask
-    vision, vision_counts = _stack_items(examples, "vision")
-    audio, audio_counts = _stack_items(examples, "audio")
+    items, counts = _stack_items(examples, spec)
     return MicroBatch(tokens=tokens, labels=labels, loss_mask=loss_mask,
                       position_ids=torch.arange(length).expand(rows, length).contiguous(),
-                      seq_lengths=lengths, vision=vision, audio=audio, vision_counts=vision_counts,
-                      audio_counts=audio_counts,
+                      seq_lengths=lengths, items=items, item_counts=counts,
                       sample_ids=torch.tensor([e.sample_index for e in examples], dtype=torch.long))
 
 
-def collate_packed(examples: Sequence[Example], pad_to: Optional[int] = None,
+def collate_packed(examples: Sequence[Example], spec: BatchSpec, pad_to: Optional[int] = None,
                    pad_to_multiple_of: int = 1) -> MicroBatch:
     """Batch examples back to back in one row [1, T] with ``cu_seqlens`` (block-diagonal causal attention).
 
     T is ``pad_to`` if given (e.g. a token budget), else the total length rounded up to
-    ``pad_to_multiple_of``; the tail is padding with loss_mask 0.
+    ``pad_to_multiple_of``; the tail is padding (``spec.pad_token_id``) with loss_mask 0.
     """
     if not examples:
         raise ValueError("collate_packed needs at least one example")
     lengths = torch.tensor([example.num_tokens for example in examples], dtype=torch.long)
     total = int(lengths.sum())
     length = _row_length(total, pad_to, pad_to_multiple_of)
-    pad = length - total
-    tokens = torch.cat([e.tokens for e in examples] + [torch.full((pad,), PAD_TOKEN_ID, dtype=torch.long)])
-    labels = torch.cat([e.labels for e in examples] + [torch.full((pad,), PAD_TOKEN_ID, dtype=torch.long)])
-    loss_mask = torch.cat([e.loss_mask.to(torch.float32) for e in examples] + [torch.zeros(pad)])
-    positions = torch.cat([torch.arange(n) for n in lengths.tolist()] + [torch.arange(pad)])
+    pad = torch.full((length - total,), spec.pad_token_id, dtype=torch.long)
+    tokens = torch.cat([e.tokens for e in examples] + [pad])
+    labels = torch.cat([e.labels for e in examples] + [pad])
+    loss_mask = torch.cat([e.loss_mask.to(torch.float32) for e in examples] + [torch.zeros(pad.numel())])
+    positions = torch.cat([torch.arange(n) for n in lengths.tolist()] + [torch.arange(pad.numel())])
     cu_seqlens = torch.zeros(len(examples) + 1, dtype=torch.int32)
     cu_seqlens[1:] = torch.cumsum(lengths, 0)
-    vision, vision_counts = _stack_items(examples, "vision")
-    audio, audio_counts = _stack_items(examples, "audio")
+    items, counts = _stack_items(examples, spec)
     return MicroBatch(tokens=tokens[None], labels=labels[None], loss_mask=loss_mask[None],
-                      position_ids=positions[None], seq_lengths=lengths, vision=vision, audio=audio,
-                      vision_counts=vision_counts, audio_counts=audio_counts,
+                      position_ids=positions[None], seq_lengths=lengths, items=items, item_counts=counts,
                       sample_ids=torch.tensor([e.sample_index for e in examples], dtype=torch.long),
                       cu_seqlens=cu_seqlens)

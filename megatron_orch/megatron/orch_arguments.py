@@ -7,7 +7,6 @@ from typing import Optional
 
 from megatron_orch.balance.cost_profile import load_cost_profile
 from megatron_orch.balance.placement import METHODS as PLACEMENT_METHODS
-from megatron_orch.balance.workload import PHASES
 from megatron_orch.orchestrator.config import ALGORITHMS, MICROBATCHING, OrchestratorConfig
 
 
@@ -16,8 +15,9 @@ def add_orch_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     g.add_argument("--orch-post-balancing", action="store_true",
                    help="master switch: rebalance every phase across DP ranks after the global batch is "
                         "drawn (off = upstream Megatron behaviour)")
-    g.add_argument("--orch-phases", type=str, default=",".join(PHASES),
-                   help=f"comma-separated phases to rebalance, of {','.join(PHASES)}")
+    g.add_argument("--orch-phases", type=str, default=None,
+                   help="comma-separated names of the phases to rebalance, as the model's configuration names "
+                        "them; default: every phase of the model")
     g.add_argument("--orch-algorithm", choices=ALGORITHMS, default="auto",
                    help="partitioner of the encoder phases (and of the backbone when packed); auto: a phase "
                         "whose items all cost the same (the model's tiles, frames, audio windows) is spread by "
@@ -60,7 +60,7 @@ def orch_config_from_args(args: argparse.Namespace) -> Optional[OrchestratorConf
             flags = ", ".join("--" + name.replace("_", "-") for name in changed)
             raise ValueError(f"{flags} given without --orch-post-balancing (which turns post-balancing on)")
         return None
-    phases = tuple(p.strip() for p in args.orch_phases.split(",") if p.strip())
+    phases = None if args.orch_phases is None else tuple(p.strip() for p in args.orch_phases.split(",") if p.strip())
     config = OrchestratorConfig(
         phases=phases, algorithm=args.orch_algorithm, microbatching=args.orch_microbatching,
         locality=args.orch_locality, placement=args.orch_placement,

@@ -1,8 +1,9 @@
 """The modality-aware schedule: wraps megatron-core's ``get_forward_backward_func()``.
 
 On the pipeline stage that holds the encoders, before the backbone schedule of a step it runs every
-encoder over the rank's balanced encoder items and sends the outputs, in one all-to-all per encoder,
-straight to the backbone rank of their example. The backbone micro-batches get those embeddings as
+encoder phase over the rank's balanced items (the model's ``encode``: :mod:`~megatron_orch.megatron.contract`)
+and sends the outputs, in one all-to-all per phase, straight to the backbone rank of their example.
+The backbone micro-batches get those embeddings as
 leaves that require grad, and Megatron's own schedule (no pipelining, 1F1B, interleaved) runs the
 backbone unchanged. Just before gradients are reduced (the DP all-reduce: ``grad_sync_func`` or
 ``finalize_model_grads_func`` of the model config, whichever comes first), the embedding gradients
@@ -18,24 +19,27 @@ from typing import Callable, Dict, List, Optional
 import numpy as np
 import torch
 from megatron.core.utils import get_model_config
+from torch.distributed import ProcessGroup
 
-from megatron_orch.balance.workload import ENCODER_PHASES
 from megatron_orch.comm.alltoall import ItemLayout, all_to_all_items
 from megatron_orch.comm.device import to_communication_device
+from megatron_orch.megatron.contract import BalanceableModel
 from megatron_orch.megatron.post_balancing import BalancedMicroBatch, BalancedStep
 
-PHASE_ENCODERS = {phase: f"encode_{phase}" for phase in ENCODER_PHASES}  # the model's method of each
-PHASE_ENCODER_MODULES = {phase: f"{phase}_encoder" for phase in ENCODER_PHASES}  # and its module
 # The model config's callbacks that reduce gradients, which the encoders' backward must precede:
 # grad_sync_func fires first where it is set (--overlap-grad-reduce: 1F1B on later pipeline stages,
 # the interleaved schedule), finalize_model_grads_func always ends the schedule.
 _GRAD_CALLBACKS = ("grad_sync_func", "finalize_model_grads_func")
 
 
-def _unwrap(model):
+def _unwrap(model) -> BalanceableModel:
+    """The model inside Megatron's wrappers (DDP, Float16Module), which must meet the contract."""
     module = model[0] if isinstance(model, (list, tuple)) else model
     while hasattr(module, "module"):
         module = module.module
+    if not isinstance(module, BalanceableModel):
+        raise TypeError(f"post-balancing needs a model that meets megatron_orch.megatron.BalanceableModel "
+                        f"(phase_encoders, encode, forward(batch, embeds)); {type(module).__name__} does not")
     return module
 
 
@@ -48,7 +52,7 @@ class ModalityAwareSchedule:
     encoder activations right before their backward.
     """
 
-    def __init__(self, forward_backward_func: Callable, dp_group, encoder_recompute: bool = False):
+    def __init__(self, forward_backward_func: Callable, dp_group: ProcessGroup, encoder_recompute: bool = False):
         self.forward_backward_func = forward_backward_func
         self.dp_group = dp_group
         self.encoder_recompute = encoder_recompute
@@ -64,15 +68,19 @@ class ModalityAwareSchedule:
                              f"post-balancing step holds {len(step.microbatches)}")
         module = _unwrap(model)
         self.timings = {}
-        pending = []  # (phase, encoder inputs, encoder outputs or None, moved outputs, leaf)
+        pending = []  # (phase, encoder inputs, encoder outputs or None, moved outputs)
         microbatches = step.microbatches
-        if module.pre_process:
+        encoders = module.phase_encoders()
+        if set(encoders) != set(step.inputs):
+            raise ValueError(f"this pipeline stage holds the encoders of {sorted(encoders)} but the "
+                             f"post-balancing step brings items of {sorted(step.inputs)} (is the iterator's "
+                             "encoder_stage that of the model?)")
+        if encoders:
             start = time.perf_counter()
             embeds = {}
-            for phase, method in PHASE_ENCODERS.items():
-                inputs = getattr(step, f"{phase}_inputs")
+            for phase, inputs in step.inputs.items():
                 with torch.set_grad_enabled(not forward_only and not self.encoder_recompute):
-                    outputs = getattr(module, method)(inputs)
+                    outputs = module.encode(phase, inputs)
                 moved = self._move(step, phase, outputs.detach())
                 leaf = moved.requires_grad_(not forward_only)
                 embeds[phase] = leaf
@@ -116,32 +124,32 @@ class ModalityAwareSchedule:
         """Encoder outputs (item by item, in slot order) to the backbone ranks, or their gradients back;
         they travel on the DP group's communication device and come back on the device of ``rows``."""
         transfer = step.output_transfer(phase)
-        layout = ItemLayout(np.full(transfer.src.num_items, step.tokens_per_item[phase], dtype=np.int64),
+        layout = ItemLayout(np.full(transfer.src.num_items, step.rows_per_item[phase], dtype=np.int64),
                             tuple(rows.shape[1:]), rows.dtype)
         moved, = all_to_all_items([to_communication_device(rows, self.dp_group)], [layout],
                                   transfer.inverse() if inverse else transfer, self.dp_group)
         return moved.to(rows.device, non_blocking=True)
 
-    def _encoders_backward(self, step: BalancedStep, module, pending) -> None:
+    def _encoders_backward(self, step: BalancedStep, module: BalanceableModel, pending) -> None:
         start = time.perf_counter()
         for phase, inputs, outputs, leaf in pending:
             grad = leaf.grad if leaf.grad is not None else torch.zeros_like(leaf)
             grad_at_encoder = self._move(step, phase, grad, inverse=True)
             if outputs is None:  # recompute
-                outputs = getattr(module, PHASE_ENCODERS[phase])(inputs)
+                outputs = module.encode(phase, inputs)
             if outputs.requires_grad:
                 torch.autograd.backward(outputs, grad_at_encoder.to(outputs.dtype))
             else:  # no items of this phase on this rank in this step
-                _zero_gradients(getattr(module, PHASE_ENCODER_MODULES[phase], None))
+                _zero_gradients(module.phase_encoders()[phase])
         self.timings["encoders_backward"] = time.perf_counter() - start
 
 
-def _zero_gradients(encoder: Optional[torch.nn.Module]) -> None:
+def _zero_gradients(encoder: torch.nn.Module) -> None:
     """A zero gradient for every parameter of an encoder that had no items: every encoder parameter then
     reports a gradient exactly once per step, which Megatron DDP's ``--overlap-grad-reduce`` needs (it
     launches a bucket's reduction once each of its parameters has reported as often as in the first step,
     and asserts that every parameter reported in the first step)."""
-    params = [] if encoder is None else [p for p in encoder.parameters() if p.requires_grad]
+    params = [p for p in encoder.parameters() if p.requires_grad]
     if params:
         torch.autograd.backward(torch.stack([p.sum() for p in params]).sum() * 0.0)
 
@@ -152,8 +160,8 @@ def _attach(step: BalancedStep, embeds: Dict[str, torch.Tensor]) -> List[Balance
     for mb in step.microbatches:
         parts = {}
         for phase, tensor in embeds.items():
-            rows = getattr(mb, f"num_{phase}_items") * step.tokens_per_item[phase]
-            parts[f"{phase}_embeds"] = tensor[offsets[phase]:offsets[phase] + rows]
+            rows = mb.num_items[phase] * step.rows_per_item[phase]
+            parts[phase] = tensor[offsets[phase]:offsets[phase] + rows]
             offsets[phase] += rows
-        out.append(dataclasses.replace(mb, **parts))
+        out.append(dataclasses.replace(mb, embeds=parts))
     return out

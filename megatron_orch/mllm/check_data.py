@@ -127,8 +127,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     args = build_parser().parse_args(argv)
-    from megatron_orch.balance.model_config import load_model_config
-    from megatron_orch.mllm.examples import example_shape
+    from megatron_orch.mllm.config import load_model_config
+    from megatron_orch.mllm.examples import example_layout
     from megatron_orch.mllm.manifest import InputLimits, ManifestDataset, ManifestError, image_tiling
 
     prog = "check_data"
@@ -136,7 +136,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         model_config = load_model_config(args.model_config)
         limits = InputLimits(max_image_pixels=args.max_image_pixels, max_audio_seconds=args.max_audio_seconds,
                              max_vision_items_per_sample=args.max_vision_items_per_sample)
-        dataset = ManifestDataset(args.data_path, example_shape(model_config, args.seq_length),
+        dataset = ManifestDataset(args.data_path, example_layout(model_config, args.seq_length),
                                   image_tiling(model_config, args.max_num_tiles), limits=limits,
                                   refuse_long_answers=args.refuse_long_answers)
     except ManifestError as err:

@@ -13,8 +13,8 @@ from typing import Iterator, List, Optional
 
 import numpy as np
 
-from megatron_orch.megatron.batch import Example, ExampleShape, MicroBatch, collate
-from megatron_orch.mllm.examples import example_shape
+from megatron_orch.megatron.batch import Example, MicroBatch, collate
+from megatron_orch.mllm.examples import ExampleLayout, example_layout
 from megatron_orch.mllm.manifest import InputLimits, ManifestDataset, ManifestError, image_tiling
 from megatron_orch.mllm.synthetic import SyntheticMultimodalDataset
 
@@ -61,7 +61,7 @@ class MegatronPretrainingSampler:
 class DataConfig:
     """What the training data iterator needs: the model (for shapes), batch sizes and the data source."""
 
-    model_config: object  # megatron_orch.balance.model_config.MLLMConfig
+    model_config: object  # megatron_orch.mllm.config.MLLMConfig
     seq_length: int
     micro_batch_size: int
     num_samples: int  # samples the run consumes in total (train_iters * global_batch_size)
@@ -74,8 +74,8 @@ class DataConfig:
     refuse_long_answers: bool = False  # --refuse-long-answers: an answer that does not fit is a bad example
 
     @property
-    def shape(self) -> ExampleShape:
-        return example_shape(self.model_config, self.seq_length)
+    def layout(self) -> ExampleLayout:
+        return example_layout(self.model_config, self.seq_length)
 
 
 def data_config(args: argparse.Namespace) -> DataConfig:
@@ -106,7 +106,7 @@ def checked_dataset(config: DataConfig):
     """The dataset a :class:`DataConfig` names: the user's manifest (parsed and checked line by line
     here, before any model is built), else the synthetic default."""
     if config.manifest is not None:
-        return ManifestDataset(config.manifest, config.shape, image_tiling(config.model_config, config.max_num_tiles),
+        return ManifestDataset(config.manifest, config.layout, image_tiling(config.model_config, config.max_num_tiles),
                                limits=config.limits, refuse_long_answers=config.refuse_long_answers)
     return SyntheticMultimodalDataset(config.model_config, config.num_samples, config.seed,
                                       seq_length=config.seq_length)
@@ -183,12 +183,14 @@ class TrainIterator:
                                              data_parallel_rank, data_parallel_size)
         self._positions = iter(sampler)
         self._pad_to = config.seq_length if config.pad_to_seq_length else None
+        self._spec = config.layout.spec
 
     def __iter__(self):
         return self
 
     def __next__(self) -> MicroBatch:
-        batch = collate([self._read(position) for position in next(self._positions)], pad_to=self._pad_to)
+        batch = collate([self._read(position) for position in next(self._positions)], self._spec,
+                        pad_to=self._pad_to)
         return batch.pin_memory() if self.pin_memory else batch
 
     def epoch_note(self) -> Optional[str]:

@@ -1,72 +1,95 @@
-"""How every example of the MLLM is laid out, and the item shapes a model expects of it.
+"""How every example of the MLLM is laid out, and the batch spec a model config implies.
 
-Every example is laid out the same way (placeholders are runs of ``IMAGE_TOKEN_ID`` / ``AUDIO_TOKEN_ID``)::
+Every example is laid out the same way (placeholders are runs of each encoder's placeholder id, the
+encoders in the config's order)::
 
-    ids    = BOS, prompt..., image placeholders..., audio placeholders..., answer..., EOS
+    ids    = BOS, prompt..., placeholders of encoder 1..., placeholders of encoder 2..., answer..., EOS
     tokens = ids[:-1]      labels = ids[1:]      loss_mask = 1 where the label is answer text or EOS
 
-so ``num_tokens = 1 + prompt + n_v * vision_llm_tokens_per_item + n_a * audio_llm_tokens_per_item +
-answer`` and ``num_loss_tokens = answer + 1``.
+so ``num_tokens = 1 + prompt + sum over encoders of n_items * output_rows + answer`` and
+``num_loss_tokens = answer + 1``. The data's media (images, video, audio) go to the encoder that takes
+each (:attr:`ExampleLayout.media`).
 """
 from __future__ import annotations
 
-from typing import Optional, Sequence
+from dataclasses import dataclass
+from typing import Mapping, Optional, Sequence
 
 import torch
 
-from megatron_orch.megatron.batch import (AUDIO_TOKEN_ID, BOS_TOKEN_ID, EOS_TOKEN_ID, IMAGE_TOKEN_ID, MIN_VOCAB_SIZE,
-                                          Example, ExampleShape, ExampleSizes)
+from megatron_orch.megatron.batch import BatchSpec, EncoderInput, Example, ExampleSizes
+from megatron_orch.mllm.config import BOS_TOKEN_ID, EOS_TOKEN_ID, PAD_TOKEN_ID, MLLMConfig
 
 
-def layout_sizes(sample_index: int, prompt_tokens: int, num_vision_items: int, num_audio_items: int,
-                 answer_tokens: int, shape: ExampleShape) -> ExampleSizes:
+@dataclass(frozen=True)
+class ExampleLayout:
+    """The layout of this project's examples for one model config: the batch spec its model expects, and
+    which encoder phase takes each medium of the data."""
+
+    spec: BatchSpec
+    media: Mapping[str, str]  # medium (images, video, audio) -> encoder phase
+    min_vocab_size: int  # ids below it are bytes, BOS, EOS, pad and placeholders
+
+    @property
+    def seq_length(self) -> int:
+        return self.spec.seq_length
+
+    def phase_of(self, medium: str, where: str = "") -> str:
+        """The encoder phase that takes ``medium``; ValueError (prefixed by ``where``) if none does."""
+        if medium not in self.media:
+            raise ValueError(f"{where}{': ' if where else ''}the model has no encoder of {medium} (its encoders "
+                             f"take {', '.join(sorted(self.media)) or 'nothing'})")
+        return self.media[medium]
+
+    def input_of(self, medium: str, where: str = "") -> EncoderInput:
+        return self.spec.input(self.phase_of(medium, where))
+
+
+def layout_sizes(sample_index: int, prompt_tokens: int, items: Mapping[str, int], answer_tokens: int,
+                 spec: BatchSpec) -> ExampleSizes:
     """Sizes of the example :func:`assemble_example` builds from these parts (no tensors)."""
-    num_tokens = (1 + prompt_tokens + num_vision_items * shape.vision_llm_tokens_per_item
-                  + num_audio_items * shape.audio_llm_tokens_per_item + answer_tokens)
-    return ExampleSizes(sample_index, num_vision_items, num_audio_items, num_tokens, answer_tokens + 1)
+    num_tokens = 1 + prompt_tokens + sum(items.get(p, 0) * spec.rows_per_item(p) for p in spec.phases.encoder_names)
+    return ExampleSizes(sample_index, {p: n for p, n in items.items() if n}, num_tokens + answer_tokens,
+                        answer_tokens + 1)
 
 
-def assemble_example(sample_index: int, prompt: Sequence[int], answer: Sequence[int], vision: torch.Tensor,
-                     audio: torch.Tensor, shape: ExampleShape) -> Example:
-    """Lay out one example (module docstring) and check it against ``shape``."""
-    ids = torch.tensor([BOS_TOKEN_ID, *prompt]
-                       + [IMAGE_TOKEN_ID] * (vision.shape[0] * shape.vision_llm_tokens_per_item)
-                       + [AUDIO_TOKEN_ID] * (audio.shape[0] * shape.audio_llm_tokens_per_item)
-                       + [*answer, EOS_TOKEN_ID], dtype=torch.long)
+def assemble_example(sample_index: int, prompt: Sequence[int], answer: Sequence[int],
+                     items: Mapping[str, torch.Tensor], spec: BatchSpec) -> Example:
+    """Lay out one example (module docstring) and check it against ``spec``."""
+    placeholders = []
+    for encoder_input in spec.inputs:
+        count = items[encoder_input.phase].shape[0] if encoder_input.phase in items else 0
+        placeholders += [encoder_input.placeholder_id] * (count * spec.rows_per_item(encoder_input.phase))
+    ids = torch.tensor([BOS_TOKEN_ID, *prompt] + placeholders + [*answer, EOS_TOKEN_ID], dtype=torch.long)
     loss_mask = torch.zeros(ids.numel() - 1, dtype=torch.float32)
     loss_mask[loss_mask.numel() - len(answer) - 1:] = 1.0
     example = Example(sample_index=sample_index, tokens=ids[:-1], labels=ids[1:], loss_mask=loss_mask,
-                      vision=vision, audio=audio)
-    shape.check(example)
+                      items=items)
+    spec.check(example)
     return example
 
 
-def example_shape(model_config, seq_length: Optional[int] = None) -> ExampleShape:
-    """The example shape an ``MLLMConfig`` (megatron_orch.balance.model_config) implies.
-
-    ``seq_length`` defaults to the backbone's ``max_position_embeddings``. Vision items (tiles and video
-    frames resized to the tile) have one shape; audio windows travel at full length (Whisper-style zero
-    padding).
-    """
-    vision, audio, backbone = model_config.vision, model_config.audio, model_config.backbone
-    if vision is None or audio is None:
-        raise ValueError(f"model config {model_config.name!r}: the data pipeline needs both a vision and an "
-                         "audio encoder")
-    if backbone.transformer.vocab_size < MIN_VOCAB_SIZE:
+def batch_spec(model_config: MLLMConfig, seq_length: Optional[int] = None) -> BatchSpec:
+    """The batch spec an ``MLLMConfig`` implies: its phases, each encoder's item shape (image tiles and
+    video frames resized to the tile; audio windows at full length, Whisper-style zero padding) and
+    placeholder id, the pad id. ``seq_length`` defaults to the backbone's ``max_position_embeddings``."""
+    backbone = model_config.backbone
+    if backbone.transformer.vocab_size < model_config.min_vocab_size:
         raise ValueError(f"model config {model_config.name!r}: backbone vocab_size="
-                         f"{backbone.transformer.vocab_size} is below the {MIN_VOCAB_SIZE} ids the data uses")
+                         f"{backbone.transformer.vocab_size} is below the {model_config.min_vocab_size} ids the "
+                         "data uses")
     seq_length = backbone.max_position_embeddings if seq_length is None else seq_length
     if seq_length > backbone.max_position_embeddings:
         raise ValueError(f"seq_length={seq_length} exceeds max_position_embeddings="
                          f"{backbone.max_position_embeddings} of model config {model_config.name!r}")
-    return ExampleShape(
-        seq_length=seq_length,
-        vision_patches_per_item=vision.patches(vision.tile_px),
-        vision_patch_dim=vision.channels * vision.patch_px ** 2,
-        vision_llm_tokens_per_item=vision.tile_llm_tokens,
-        audio_frames_per_window=audio.window_frames,
-        audio_mel_bins=audio.num_mel_bins,
-        audio_llm_tokens_per_item=audio.llm_tokens_per_window)
+    inputs = tuple(EncoderInput(name, e.item_shape, e.placeholder_id) for name, e in model_config.encoders.items())
+    return BatchSpec(model_config.phases(), inputs, pad_token_id=PAD_TOKEN_ID, seq_length=seq_length)
+
+
+def example_layout(model_config: MLLMConfig, seq_length: Optional[int] = None) -> ExampleLayout:
+    """The layout of ``model_config``'s examples (:func:`batch_spec` checks the config's sizes)."""
+    media = {medium: name for name, e in model_config.encoders.items() for medium in e.media}
+    return ExampleLayout(batch_spec(model_config, seq_length), media, model_config.min_vocab_size)
 
 
 class ByteTokenizer:

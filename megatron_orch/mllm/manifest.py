@@ -13,8 +13,9 @@ from typing import Optional
 import numpy as np
 import torch
 
-from megatron_orch.megatron.batch import BYTE_VOCAB_SIZE, MIN_VOCAB_SIZE, Example, ExampleShape, ExampleSizes
-from megatron_orch.mllm.examples import ByteTokenizer, assemble_example, layout_sizes
+from megatron_orch.megatron.batch import Example, ExampleSizes
+from megatron_orch.mllm.config import BYTE_VOCAB_SIZE
+from megatron_orch.mllm.examples import ByteTokenizer, ExampleLayout, assemble_example, layout_sizes
 
 
 @dataclass(frozen=True)
@@ -76,8 +77,12 @@ def _resize_nearest(pixels: np.ndarray, height: int, width: int) -> np.ndarray:
 
 
 def image_tiling(model_config, max_tiles: int = 6) -> ImageTiling:
-    """The tiling of ``model_config``'s vision encoder, at most ``max_tiles`` tiles (``--max-num-tiles``)."""
-    vision = model_config.vision
+    """The tiling of ``model_config``'s encoder of images, at most ``max_tiles`` tiles (``--max-num-tiles``)."""
+    name = model_config.encoder_of("images")
+    if name is None:
+        raise ValueError(f"model config {model_config.name!r} has no encoder of images, which a manifest's "
+                         "images need")
+    vision = model_config.encoders[name]
     return ImageTiling(tile_px=vision.tile_px, patch_px=vision.patch_px, channels=vision.channels,
                        max_tiles=max_tiles)
 
@@ -141,7 +146,7 @@ class ManifestDataset:
     preprocessing. Each array is cut into fixed windows of the model's length, the last one zero-padded.
     Relative paths are relative to the manifest's folder. Text is tokenized with ``tokenizer.encode``
     (default :class:`ByteTokenizer`; a custom tokenizer must never produce the special ids
-    ``BYTE_VOCAB_SIZE..MIN_VOCAB_SIZE-1``). An answer too long for ``shape.seq_length`` is truncated
+    ``BYTE_VOCAB_SIZE..min_vocab_size-1`` of the layout). An answer too long for ``layout.seq_length`` is truncated
     (the EOS kept; :meth:`read` says so), or refused with ``refuse_long_answers``; media and prompt that
     do not fit are an error. :meth:`check` makes every check loading an example makes, from the headers.
 
@@ -154,18 +159,17 @@ class ManifestDataset:
     float copy of a large image.
     """
 
-    def __init__(self, path, shape: ExampleShape, tiling: ImageTiling, tokenizer=None,
+    def __init__(self, path, layout: ExampleLayout, tiling: ImageTiling, tokenizer=None,
                  limits: InputLimits = InputLimits(), refuse_long_answers: bool = False):
         self.path = Path(path)
-        self.shape = shape
+        self.layout = layout
         self.tiling = tiling
         self.limits = limits
         self.refuse_long_answers = refuse_long_answers
         self.tokenizer = ByteTokenizer() if tokenizer is None else tokenizer
-        if tiling.channels * tiling.patch_px ** 2 != shape.vision_patch_dim or \
-                (tiling.tile_px // tiling.patch_px) ** 2 != shape.vision_patches_per_item:
-            raise ValueError(f"image tiling {tiling} does not give vision items of shape "
-                             f"({shape.vision_patches_per_item}, {shape.vision_patch_dim})")
+        image_shape = layout.input_of("images", f"manifest {self.path}").item_shape
+        if ((tiling.tile_px // tiling.patch_px) ** 2, tiling.channels * tiling.patch_px ** 2) != image_shape:
+            raise ValueError(f"image tiling {tiling} does not give vision items of shape {image_shape}")
         if not self.path.is_file():
             raise FileNotFoundError(f"manifest {self.path} does not exist")
         self.records: list[_ManifestRecord] = []
@@ -232,7 +236,7 @@ class ManifestDataset:
 
     def _encode(self, text: str, where: str) -> list[int]:
         ids = list(self.tokenizer.encode(text))
-        special = [t for t in ids if BYTE_VOCAB_SIZE <= t < MIN_VOCAB_SIZE or t < 0]
+        special = [t for t in ids if BYTE_VOCAB_SIZE <= t < self.layout.min_vocab_size or t < 0]
         if special:
             raise ManifestError(f"{where}: the tokenizer produced reserved or negative ids {special[:5]}")
         return ids
@@ -241,25 +245,33 @@ class ManifestDataset:
              audio_items: int, answer_tokens: int) -> tuple[ExampleSizes, Optional[str]]:
         """Sizes after truncating the answer to the sequence length, and a note saying so if it was
         (with ``refuse_long_answers`` an answer that does not fit is an error instead)."""
-        fixed = layout_sizes(sample_index, prompt_tokens, vision_items, audio_items, 0, self.shape)
-        room = self.shape.seq_length - fixed.num_tokens
+        items = self._by_phase(vision_items, audio_items, record.where)
+        fixed = layout_sizes(sample_index, prompt_tokens, items, 0, self.layout.spec)
+        room = self.layout.seq_length - fixed.num_tokens
         if room < 1:
             raise ManifestError(f"{record.where}: prompt ({prompt_tokens} tokens), {vision_items} vision items "
                                 f"and {audio_items} audio windows need {fixed.num_tokens} tokens plus the "
-                                f"answer; seq_length is {self.shape.seq_length}")
+                                f"answer; seq_length is {self.layout.seq_length}")
         kept, note = min(answer_tokens, room), None
         if answer_tokens > room:
             note = (f"{record.where}: answer of {answer_tokens} tokens, {room} fit in --seq-length "
-                    f"{self.shape.seq_length} after the prompt and media")
+                    f"{self.layout.seq_length} after the prompt and media")
             if self.refuse_long_answers:
                 raise ManifestError(f"{note} (--refuse-long-answers)")
             note += f": truncated to {kept} (EOS kept)"
-        return layout_sizes(sample_index, prompt_tokens, vision_items, audio_items, kept, self.shape), note
+        return layout_sizes(sample_index, prompt_tokens, items, kept, self.layout.spec), note
+
+    def _by_phase(self, images, audio, where: str) -> dict:
+        """The record's image tiles and audio windows (counts or tensors) as items of the encoder phases
+        that take them (a medium the record lacks needs no encoder)."""
+        media = {"images": images, "audio": audio}
+        return {self.layout.phase_of(medium, where): value for medium, value in media.items()
+                if (value.shape[0] if isinstance(value, torch.Tensor) else value)}
 
     def _audio_windows(self, record: _ManifestRecord) -> int:
         """Audio windows of the record's log-mel arrays, from their headers, within the limits."""
-        return sum(math.ceil(_mel_shape(p, record.where, self.shape, self.limits)[0]
-                             / self.shape.audio_frames_per_window) for p in record.audio)
+        return sum(math.ceil(_mel_shape(p, record.where, self.layout, self.limits)[0]
+                             / self.layout.input_of("audio", record.where).item_shape[0]) for p in record.audio)
 
     @staticmethod
     def _check_declared(record: _ManifestRecord, real: dict) -> None:
@@ -304,22 +316,20 @@ class ManifestDataset:
         record = self.records[sample_index]
         prompt = self._encode(record.prompt, record.where)
         answer = self._encode(record.text, record.where)
-        patch_shape = (self.shape.vision_patches_per_item, self.shape.vision_patch_dim)
         self._vision_items(record)
         for p in record.audio:
-            _mel_shape(p, record.where, self.shape, self.limits)
+            _mel_shape(p, record.where, self.layout, self.limits)
         tiles = [_load_tiles(p, record.where, self.tiling, self.limits) for p in record.images]
-        vision = torch.from_numpy(np.concatenate(tiles) if tiles else np.zeros((0, *patch_shape), np.float32))
-        windows = [_windows(_load_mel(p, record.where, self.shape, self.limits), self.shape.audio_frames_per_window)
-                   for p in record.audio]
-        window_shape = (self.shape.audio_frames_per_window, self.shape.audio_mel_bins)
-        audio = torch.from_numpy(np.concatenate(windows) if windows else np.zeros((0, *window_shape), np.float32))
+        vision = torch.from_numpy(np.concatenate(tiles)) if tiles else torch.zeros(0)
+        windows = [_windows(_load_mel(p, record.where, self.layout, self.limits),
+                            self.layout.input_of("audio", record.where).item_shape[0]) for p in record.audio]
+        audio = torch.from_numpy(np.concatenate(windows)) if windows else torch.zeros(0)
         if record.sizes is not None:
             self._check_declared(record, {"vision_items": vision.shape[0], "audio_items": audio.shape[0],
                                           "text_tokens": len(answer)})
         sizes, note = self._fit(record, sample_index, len(prompt), vision.shape[0], audio.shape[0], len(answer))
-        return assemble_example(sample_index, prompt, answer[:sizes.num_loss_tokens - 1], vision, audio,
-                                self.shape), note
+        return assemble_example(sample_index, prompt, answer[:sizes.num_loss_tokens - 1],
+                                self._by_phase(vision, audio, record.where), self.layout.spec), note
 
 
 def _decode_line(raw: bytes, where: str) -> str:
@@ -423,14 +433,14 @@ def _npy_memmap(path: Path, where: str) -> np.ndarray:
         raise ManifestError(f"{where}: cannot read {path} as a .npy array: {err}") from None
 
 
-def _mel_shape(path: Path, where: str, shape: ExampleShape, limits: InputLimits) -> tuple[int, int]:
+def _mel_shape(path: Path, where: str, layout: ExampleLayout, limits: InputLimits) -> tuple[int, int]:
+    mel_bins = layout.input_of("audio", where).item_shape[1]
     if path.suffix != ".npy":
         raise ManifestError(f"{where}: audio {path} must be a .npy log-mel array [frames, mel_bins]; decode "
                             "audio and extract mel features in preprocessing")
     mel, _ = _npy_header(path, where)
-    if len(mel) != 2 or mel[0] < 1 or mel[1] != shape.audio_mel_bins:
-        raise ManifestError(f"{where}: audio {path} has shape {mel}, expected [frames >= 1, "
-                            f"{shape.audio_mel_bins}]")
+    if len(mel) != 2 or mel[0] < 1 or mel[1] != mel_bins:
+        raise ManifestError(f"{where}: audio {path} has shape {mel}, expected [frames >= 1, {mel_bins}]")
     seconds = mel[0] / MEL_FRAMES_PER_SECOND
     if seconds > limits.max_audio_seconds:
         raise ManifestError(f"{where}: audio {path} holds {seconds} s of log-mel frames ({mel[0]} at "
@@ -439,8 +449,8 @@ def _mel_shape(path: Path, where: str, shape: ExampleShape, limits: InputLimits)
     return mel
 
 
-def _load_mel(path: Path, where: str, shape: ExampleShape, limits: InputLimits) -> np.ndarray:
-    _mel_shape(path, where, shape, limits)
+def _load_mel(path: Path, where: str, layout: ExampleLayout, limits: InputLimits) -> np.ndarray:
+    _mel_shape(path, where, layout, limits)
     return _npy_memmap(path, where)
 
 

@@ -1,14 +1,17 @@
-"""The multimodal LLM on megatron-core: ViT + audio encoder + projectors + GPT backbone.
+"""The multimodal LLM on megatron-core: its configured encoders (ViTs, audio encoders) with projectors,
+and a GPT backbone.
 
 Every item (an image tile, a video frame, an audio window) is encoded independently, so an encoder
 takes a variable number of items per rank and never pads an example to the longest one. The
-projected embeddings replace the backbone's placeholder tokens (:data:`IMAGE_TOKEN_ID` /
-:data:`AUDIO_TOKEN_ID`, ``tokens_per_item`` consecutive placeholders per item, in item order).
+projected embeddings replace the backbone's placeholder tokens (each encoder's own placeholder id,
+``tokens_per_item`` consecutive placeholders per item, in item order).
 
-The encoder phases and the backbone phase are separate methods (:meth:`MLLMModel.encode_vision`,
-:meth:`MLLMModel.encode_audio`, :meth:`MLLMModel.backbone_forward`) so that an orchestrator can run
-the encoders over a different set of items than the backbone's examples and move the embeddings in
-between; :meth:`MLLMModel.forward` chains them for the baseline (upstream Megatron behaviour).
+The model meets post-balancing's contract (:class:`~megatron_orch.megatron.contract.BalanceableModel`)
+like any other: its encoders by phase name (:meth:`MLLMModel.phase_encoders`), one phase over any items
+(:meth:`MLLMModel.encode`), and the backbone with the encoder outputs inserted (:meth:`MLLMModel.forward`
+with ``embeds``), so an orchestrator can run the encoders over a different set of items than the
+backbone's examples and move the embeddings in between; without ``embeds`` :meth:`MLLMModel.forward`
+encodes the batch's own items first (upstream Megatron behaviour).
 
 Parallelism: the encoders and projectors live on the first pipeline stage; tensor parallelism comes
 from Megatron's column/row-parallel layers. Sequence parallelism is not supported.
@@ -22,7 +25,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 from dataclasses import dataclass
-from typing import Optional
+from typing import Dict, Mapping, Optional
 
 import torch
 import torch.nn.functional as F
@@ -43,10 +46,10 @@ from megatron.core.transformer.transformer_block import TransformerBlock
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 from megatron_orch.balance.cost import TransformerShape
-from megatron_orch.balance.model_config import AudioEncoderConfig, MLLMConfig, VisionEncoderConfig
-from megatron_orch.megatron.batch import AUDIO_TOKEN_ID, IMAGE_TOKEN_ID
+from megatron_orch.megatron.batch import MicroBatch
 from megatron_orch.mllm.attention import SDPAttention
-from megatron_orch.mllm.examples import example_shape
+from megatron_orch.mllm.config import AudioEncoderConfig, MLLMConfig, VisionEncoderConfig
+from megatron_orch.mllm.examples import batch_spec
 
 
 @functools.lru_cache(maxsize=None)
@@ -167,11 +170,11 @@ class VisionEncoder(MegatronModule):
         self.grid = vision.tile_px // vision.patch_px
         self.merge = vision.merge_factor
         self.class_tokens = vision.class_tokens
-        self.tokens_per_item = vision.tile_llm_tokens
+        self.tokens_per_item = vision.output_rows
         self.patch_embedding = torch.nn.Linear(vision.channels * vision.patch_px ** 2, hidden)
         self.class_token = torch.nn.Parameter(torch.randn(vision.class_tokens, hidden) * settings.init_method_std)
         self.position_embedding = torch.nn.Parameter(
-            torch.randn(vision.tile_seq_len, hidden) * settings.init_method_std)
+            torch.randn(vision.item_tokens, hidden) * settings.init_method_std)
         self.transformer = TransformerBlock(
             config, transformer_layer_spec(settings.transformer_impl, encoder=True), post_layer_norm=True)
         self.projector = MultimodalProjector(
@@ -207,11 +210,11 @@ class AudioEncoder(MegatronModule):
                                      padding=1)
         self.conv2 = torch.nn.Conv1d(hidden, hidden, 3, stride=second_stride, padding=1)
         self.position_embedding = torch.nn.Parameter(
-            torch.randn(audio.window_tokens, hidden) * settings.init_method_std)
+            torch.randn(audio.item_tokens, hidden) * settings.init_method_std)
         self.transformer = TransformerBlock(
             config, transformer_layer_spec(settings.transformer_impl, encoder=True), post_layer_norm=True)
         self.downsample = audio.projector_downsample
-        self.tokens_per_item = audio.llm_tokens_per_window
+        self.tokens_per_item = audio.output_rows
         self.projector = MultimodalProjector(
             _projector_config(audio.projector_ffn_hidden_size, backbone, settings),
             _projector_submodules(), "mlp", input_size=hidden * self.downsample)
@@ -225,6 +228,9 @@ class AudioEncoder(MegatronModule):
         x = x.reshape(n, self.tokens_per_item, self.downsample * x.shape[-1])
         return self.projector(x.transpose(0, 1).contiguous()).transpose(0, 1).reshape(
             n * self.tokens_per_item, -1)
+
+
+ENCODER_MODULES = {VisionEncoderConfig: VisionEncoder, AudioEncoderConfig: AudioEncoder}
 
 
 class MLLMModel(MegatronModule):
@@ -246,11 +252,11 @@ class MLLMModel(MegatronModule):
             post_process = parallel_state.is_pipeline_last_stage()
         self.pre_process, self.post_process = pre_process, post_process
         self.transformer_impl = settings.transformer_impl
-        self.shape = example_shape(model_config, max_sequence_length)  # checks the config's item shapes
-        self.vision_encoder = self.audio_encoder = None
+        self.spec = batch_spec(model_config, max_sequence_length)  # checks the config's item shapes
+        self.encoders = torch.nn.ModuleDict()  # phase name -> encoder, on the first pipeline stage
         if pre_process:
-            self.vision_encoder = VisionEncoder(model_config.vision, backbone_shape, settings)
-            self.audio_encoder = AudioEncoder(model_config.audio, backbone_shape, settings)
+            for name, encoder in model_config.encoders.items():
+                self.encoders[name] = ENCODER_MODULES[type(encoder)](encoder, backbone_shape, settings)
         self.backbone = GPTModel(
             config=config,
             transformer_layer_spec=transformer_layer_spec(settings.transformer_impl, encoder=False),
@@ -278,34 +284,30 @@ class MLLMModel(MegatronModule):
     def shared_embedding_or_output_weight(self) -> torch.Tensor:
         return self.backbone.shared_embedding_or_output_weight()
 
-    def _require_encoders(self, what: str) -> None:
+    def phase_encoders(self) -> Dict[str, torch.nn.Module]:
+        """The encoders by phase name (none off the first pipeline stage)."""
+        return dict(self.encoders)
+
+    def encode(self, phase: str, items: torch.Tensor) -> torch.Tensor:
+        """Items ``[n, *item_shape]`` of encoder ``phase`` -> projected embeddings ``[n * tokens_per_item, h]``."""
         if not self.pre_process:
-            raise RuntimeError(f"{what} runs on the first pipeline stage only (this rank holds no encoders)")
-
-    def encode_vision(self, vision: torch.Tensor) -> torch.Tensor:
-        """Image tiles / video frames ``[n_v, P, D]`` -> projected embeddings ``[n_v * tokens_per_item, h]``."""
-        self._require_encoders("encode_vision")
-        if vision.shape[0] == 0:
-            return self._no_embeddings(vision.device)
-        return self.vision_encoder(vision)
-
-    def encode_audio(self, audio: torch.Tensor) -> torch.Tensor:
-        """Audio windows ``[n_a, F, M]`` -> projected embeddings ``[n_a * tokens_per_item, h]``."""
-        self._require_encoders("encode_audio")
-        if audio.shape[0] == 0:
-            return self._no_embeddings(audio.device)
-        return self.audio_encoder(audio)
+            raise RuntimeError(f"encoding {phase} runs on the first pipeline stage only (this rank holds no "
+                               "encoders)")
+        if items.shape[0] == 0:
+            return self._no_embeddings(items.device)
+        return self.encoders[phase](items)
 
     def _no_embeddings(self, device: torch.device) -> torch.Tensor:
         return torch.zeros(0, self.config.hidden_size, dtype=self.config.params_dtype, device=device)
 
-    def embed(self, tokens: torch.Tensor, position_ids: torch.Tensor, vision_embeds: torch.Tensor,
-              audio_embeds: torch.Tensor) -> torch.Tensor:
-        """Backbone input ``[s, b, h]``: token embeddings with the modality embeddings at their placeholders."""
+    def embed(self, tokens: torch.Tensor, position_ids: torch.Tensor,
+              embeds: Mapping[str, torch.Tensor]) -> torch.Tensor:
+        """Backbone input ``[s, b, h]``: token embeddings with each phase's embeddings at its placeholders."""
         embeddings = self.backbone.embedding(input_ids=tokens, position_ids=position_ids)  # [s, b, h]
-        for name, token_id, values in (("vision", IMAGE_TOKEN_ID, vision_embeds),
-                                       ("audio", AUDIO_TOKEN_ID, audio_embeds)):
-            rows, cols = (tokens == token_id).nonzero(as_tuple=True)  # row-major: example, then position
+        for encoder_input in self.spec.inputs:
+            name = encoder_input.phase
+            values = embeds.get(name, self._no_embeddings(tokens.device))
+            rows, cols = (tokens == encoder_input.placeholder_id).nonzero(as_tuple=True)  # example, then position
             if rows.numel() != values.shape[0]:
                 raise ValueError(f"{rows.numel()} {name} placeholder tokens in the micro-batch but "
                                  f"{values.shape[0]} {name} embeddings")
@@ -313,36 +315,22 @@ class MLLMModel(MegatronModule):
                 embeddings = embeddings.index_put((cols, rows), values.to(embeddings.dtype))
         return embeddings
 
-    def backbone_forward(self, tokens: torch.Tensor, position_ids: torch.Tensor,
-                         attention_mask: Optional[torch.Tensor], labels: Optional[torch.Tensor] = None,
-                         vision_embeds: Optional[torch.Tensor] = None,
-                         audio_embeds: Optional[torch.Tensor] = None) -> torch.Tensor:
-        """The GPT backbone over ``tokens`` [b, s] with the embeddings spliced in (first stage only).
+    def forward(self, batch: MicroBatch, embeds: Optional[Mapping[str, torch.Tensor]] = None) -> torch.Tensor:
+        """The GPT backbone over ``batch`` (on the model's device) with each encoder phase's embeddings at
+        its placeholders (first stage): ``embeds`` from post-balancing's encoder phases, else the
+        encoders run over the batch's own items here.
 
-        ``attention_mask``: None for plain causal attention (right-padded rows), or a bool
-        ``[b or 1, 1, s, s]`` mask, True = masked (e.g. block-diagonal causal for packed rows).
+        Right-padded rows attend causally; packed rows (``batch.cu_seqlens``) through a block-diagonal
+        causal mask.
         """
+        attention_mask = batch.attention_mask()
         if attention_mask is not None and self.transformer_impl == "transformer_engine":
             raise NotImplementedError("an attention mask (packed rows) with transformer_impl='transformer_engine': "
                                       "TE's causal attention would ignore it; use 'local'")
         decoder_input = None
         if self.pre_process:
-            empty = self._no_embeddings(tokens.device)
-            decoder_input = self.embed(tokens, position_ids,
-                                       empty if vision_embeds is None else vision_embeds,
-                                       empty if audio_embeds is None else audio_embeds)
-        return self.backbone(input_ids=tokens, position_ids=position_ids, attention_mask=attention_mask,
-                             decoder_input=decoder_input, labels=labels)
-
-    def forward(self, tokens: torch.Tensor, position_ids: torch.Tensor, attention_mask: Optional[torch.Tensor],
-                labels: Optional[torch.Tensor] = None, vision: Optional[torch.Tensor] = None,
-                audio: Optional[torch.Tensor] = None, vision_embeds: Optional[torch.Tensor] = None,
-                audio_embeds: Optional[torch.Tensor] = None) -> torch.Tensor:
-        """Encoders then backbone; with post-balancing the encoders ran earlier, elsewhere, and
-        ``vision_embeds``/``audio_embeds`` bring their outputs instead of ``vision``/``audio``."""
-        if self.pre_process:
-            if vision_embeds is None:
-                vision_embeds = self.encode_vision(vision)
-            if audio_embeds is None:
-                audio_embeds = self.encode_audio(audio)
-        return self.backbone_forward(tokens, position_ids, attention_mask, labels, vision_embeds, audio_embeds)
+            if embeds is None:
+                embeds = {name: self.encode(name, items) for name, items in batch.items.items()}
+            decoder_input = self.embed(batch.tokens, batch.position_ids, embeds)
+        return self.backbone(input_ids=batch.tokens, position_ids=batch.position_ids, attention_mask=attention_mask,
+                             decoder_input=decoder_input, labels=batch.labels)

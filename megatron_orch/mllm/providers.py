@@ -1,13 +1,13 @@
 """Model, data and forward-step providers, in the shape ``megatron.training.pretrain`` expects.
 
 The compact trainer (:mod:`megatron_orch.trainer.loop`) and Megatron-LM's ``pretrain`` use the
-same functions: :func:`build_model` (wrapped as Megatron's ``model_provider``), :func:`forward_step`
-and :func:`build_train_data_iterator`.
+same functions: :func:`build_model` (wrapped as Megatron's ``model_provider``), ``forward_step`` (the
+contract's, :func:`megatron_orch.megatron.contract.forward_step`: the MLLM has no path of its own) and
+:func:`build_train_data_iterator`.
 """
 from __future__ import annotations
 
 import argparse
-import functools
 from typing import Iterator
 
 import torch
@@ -15,7 +15,8 @@ from megatron.core import parallel_state
 
 from megatron_orch.comm.group_topology import group_topology
 from megatron_orch.megatron.batch import MicroBatch
-from megatron_orch.megatron.post_balancing import BalancedMicroBatch, PostBalancingDataIterator
+from megatron_orch.megatron.contract import forward_step  # noqa: F401 -- Megatron's forward_step_func
+from megatron_orch.megatron.post_balancing import ParallelGroups, PostBalancingDataIterator, StepShape
 from megatron_orch.megatron.schedule import ModalityAwareSchedule
 from megatron_orch.mllm.data import TrainIterator, build_train_iterator, data_config
 from megatron_orch.mllm.model import MLLMModel, ModelParallelSettings
@@ -66,41 +67,6 @@ def compute_device(args: argparse.Namespace) -> torch.device:
     return torch.device("cpu") if runs_on_cpu(args) else torch.device("cuda", torch.cuda.current_device())
 
 
-def loss_func(loss_mask: torch.Tensor, output_tensor: torch.Tensor):
-    """Per-token loss: (sum of token losses, number of loss tokens, report for logging).
-
-    The schedule adds the token counts of all micro-batches and ``finalize_model_grads`` divides the
-    gradients by their sum over the DP group (``calculate_per_token_loss``): the normalisation is by
-    the global number of loss tokens, whichever rank holds which example.
-    """
-    mask = loss_mask.reshape(-1).float()
-    loss = torch.sum(output_tensor.reshape(-1).float() * mask)
-    num_tokens = mask.sum().to(torch.int)
-    report = torch.stack([loss.detach(), num_tokens.float()])
-    return loss, num_tokens, {"lm loss": report}
-
-
-def forward_step(data_iterator: Iterator[MicroBatch], model: torch.nn.Module):
-    """One micro-batch through the model (Megatron's ``forward_step_func``).
-
-    A :class:`BalancedMicroBatch` (post-balancing) brings its encoder outputs, computed before the
-    backbone schedule by the modality-aware schedule; a plain :class:`MicroBatch` its raw inputs.
-    """
-    item = next(data_iterator)
-    batch = item.batch if isinstance(item, BalancedMicroBatch) else item
-    device = next(model.parameters()).device
-    mask = batch.attention_mask()
-    tokens, position_ids, labels, loss_mask = (t.to(device, non_blocking=True) for t in (
-        batch.tokens, batch.position_ids, batch.labels, batch.loss_mask))
-    if isinstance(item, BalancedMicroBatch):
-        inputs = {"vision_embeds": item.vision_embeds, "audio_embeds": item.audio_embeds}
-    else:
-        inputs = {"vision": batch.vision.to(device, non_blocking=True),
-                  "audio": batch.audio.to(device, non_blocking=True)}
-    output = model(tokens, position_ids, None if mask is None else mask.to(device), labels=labels, **inputs)
-    return output, functools.partial(loss_func, loss_mask)
-
-
 def build_post_balancing(args: argparse.Namespace, config: OrchestratorConfig, source: Iterator[MicroBatch],
                          forward_backward_func):
     """Wrap the loader's iterator and the forward-backward function for post-balancing.
@@ -109,14 +75,14 @@ def build_post_balancing(args: argparse.Namespace, config: OrchestratorConfig, s
     the :class:`ModalityAwareSchedule` (call it instead of ``get_forward_backward_func()``'s result).
     """
     dp_group = parallel_state.get_data_parallel_group()
-    topology = group_topology(dp_group, gpus_per_node=config.gpus_per_node)
     data = data_config(args)
-    iterator = PostBalancingDataIterator(
-        source, model_config=args.mllm_config, config=config, shape=data.shape,
-        micro_batch_size=args.micro_batch_size, num_microbatches=args.num_microbatches, dp_group=dp_group,
-        topology=topology, encoder_stage=parallel_state.is_pipeline_first_stage(),
-        compute_device=compute_device(args), input_dtype=torch.bfloat16 if args.bf16 else torch.float32,
-        pad_to=data.seq_length if data.pad_to_seq_length else None,
-        peer_group=parallel_state.get_model_parallel_group())
+    groups = ParallelGroups(dp_group=dp_group, topology=group_topology(dp_group, gpus_per_node=config.gpus_per_node),
+                            encoder_stage=parallel_state.is_pipeline_first_stage(),
+                            peer_group=parallel_state.get_model_parallel_group())
+    step = StepShape(args.micro_batch_size, args.num_microbatches,
+                     pad_to=data.seq_length if data.pad_to_seq_length else None)
+    iterator = PostBalancingDataIterator(source, data.layout.spec, config, step, groups,
+                                         compute_device=compute_device(args),
+                                         input_dtype=torch.bfloat16 if args.bf16 else torch.float32)
     schedule = ModalityAwareSchedule(forward_backward_func, dp_group, encoder_recompute=config.encoder_recompute)
     return iterator, schedule

@@ -8,25 +8,27 @@ import numpy as np
 import torch
 
 from megatron_orch.balance.traces import TraceMixture, load_mixture
-from megatron_orch.balance.workload import SOURCE_VIDEO_FPS, sampled_video_frames
 from megatron_orch.megatron.batch import Example, ExampleSizes
-from megatron_orch.mllm.examples import assemble_example, example_shape, layout_sizes
+from megatron_orch.mllm.config import SOURCE_VIDEO_FPS, sampled_video_frames
+from megatron_orch.mllm.examples import assemble_example, example_layout, layout_sizes
 
 
 @dataclass(frozen=True)
 class SyntheticScaling:
     """How a real trace row's lengths shrink to a tiny model's example.
 
-    * vision: image tiles as in the trace (``vision_tiles``, 1-7); video frames sampled from the
-      duration at the model config's ``video_fps``, capped at its ``video_max_frames``
-      (:func:`~megatron_orch.balance.workload.sampled_video_frames`);
+    * images: tiles as in the trace (``vision_tiles``, 1-7); video: frames sampled from the duration at
+      the ``video_fps`` of the encoder that takes video, capped at its ``video_max_frames``
+      (:func:`~megatron_orch.mllm.config.sampled_video_frames`);
     * audio: ``ceil(audio_sec / audio_window_sec)`` windows, capped at ``max_audio_windows``: the model's
       window (however many frames) stands for ``audio_window_sec`` seconds of real audio (Whisper: 30 s);
       the last window keeps the real fraction of its frames and is zero-padded;
+    * a medium no encoder of the model takes is left out;
     * text: ``max(1, round(text_tokens * text_scale))`` answer tokens; rows without text (LibriSpeech
       train-clean-100) get ``asr_text_tokens_per_sec * audio_sec`` tokens first (traces README);
     * the backbone's ``prompt_tokens`` precede the media. An example that would exceed ``seq_length``
-      loses video frames / tiles, then audio windows, from the end, then answer tokens.
+      keeps its encoders' items in the config's order while they fit, each encoder losing the items of
+      its last medium first (video frames before tiles), then answer tokens.
 
     Answer text follows a fixed random bigram chain over ``a-z`` and space (the next character is the
     chain's successor with probability ``markov_follow_prob``, else uniform), so a tiny model's loss falls
@@ -62,7 +64,7 @@ class SyntheticMultimodalDataset:
                  scaling: SyntheticScaling = SyntheticScaling(), seq_length: Optional[int] = None):
         if num_samples < 1:
             raise ValueError(f"num_samples must be >= 1, got {num_samples}")
-        self.shape = example_shape(model_config, seq_length)
+        self.layout = example_layout(model_config, seq_length)
         self.scaling = scaling
         self.seed = seed
         self.prompt_tokens = model_config.backbone.prompt_tokens
@@ -78,46 +80,59 @@ class SyntheticMultimodalDataset:
             rows = (row_u[slots] * len(trace)).astype(np.int64)
             for column, values in columns.items():
                 values[slots] = trace[column][rows]
-        self._draw_lengths(columns, model_config.vision)
+        self._draw_lengths(columns, model_config)
         chain_rng = np.random.default_rng([seed, _CHAIN_STREAM])
         self._successor = chain_rng.permutation(_ALPHABET.size)
 
-    def _draw_lengths(self, columns: dict, vision) -> None:
-        shape, scaling = self.shape, self.scaling
-        video_sec = np.where(columns["video_sec"] > 0, columns["video_sec"],
-                             columns["video_frames"] / SOURCE_VIDEO_FPS)
-        frames = sampled_video_frames(video_sec, vision.video_fps, vision.video_max_frames)
-        tiles = np.rint(columns["vision_tiles"]).astype(np.int64)
+    def _draw_lengths(self, columns: dict, model_config) -> None:
+        layout, scaling = self.layout, self.scaling
+        spec = layout.spec
         audio_sec = columns["audio_sec"]
         windows = np.ceil(audio_sec / scaling.audio_window_sec - 1e-9).astype(np.int64)
-        audio_items = np.minimum(windows, scaling.max_audio_windows)
+        wanted = {"images": np.rint(columns["vision_tiles"]).astype(np.int64),
+                  "audio": np.minimum(windows, scaling.max_audio_windows)}
+        if "video" in layout.media:
+            encoder = model_config.encoders[layout.media["video"]]
+            video_sec = np.where(columns["video_sec"] > 0, columns["video_sec"],
+                                 columns["video_frames"] / SOURCE_VIDEO_FPS)
+            wanted["video"] = sampled_video_frames(video_sec, encoder.video_fps, encoder.video_max_frames)
         text = np.where(columns["text_tokens"] > 0, columns["text_tokens"],
                         scaling.asr_text_tokens_per_sec * audio_sec)
         answer = np.maximum(1, np.rint(text * scaling.text_scale)).astype(np.int64)
 
-        room = shape.seq_length - 2 - self.prompt_tokens  # BOS, prompt, >= 1 answer token
-        largest_item = max(shape.vision_llm_tokens_per_item, shape.audio_llm_tokens_per_item)
+        room = layout.seq_length - 2 - self.prompt_tokens  # BOS, prompt, >= 1 answer token
+        largest_item = max((spec.rows_per_item(p) for p in spec.phases.encoder_names), default=0)
         if room < largest_item:
-            raise ValueError(f"seq_length={shape.seq_length} leaves room for {room} media tokens after BOS, "
+            raise ValueError(f"seq_length={layout.seq_length} leaves room for {room} media tokens after BOS, "
                              f"{self.prompt_tokens} prompt tokens and one answer token; one item needs "
                              f"{largest_item}")
-        vision_items = np.minimum(tiles + frames, room // shape.vision_llm_tokens_per_item)
-        frames = np.maximum(0, vision_items - tiles)
-        vision_room = room - vision_items * shape.vision_llm_tokens_per_item
-        audio_items = np.minimum(audio_items, vision_room // shape.audio_llm_tokens_per_item)
-        media = vision_items * shape.vision_llm_tokens_per_item + audio_items * shape.audio_llm_tokens_per_item
-        self.num_vision_items = vision_items
-        self.num_audio_items = audio_items
-        self.answer_tokens = np.minimum(answer, room + 1 - media)
-        last_fraction = np.where(audio_items == windows,
-                                 audio_sec / scaling.audio_window_sec - (windows - 1), 1.0)
-        self.last_window_frames = np.clip(np.ceil(last_fraction * shape.audio_frames_per_window - 1e-9), 1,
-                                          shape.audio_frames_per_window).astype(np.int64)
-        self.kind = np.where(frames > 0, "video", np.where(vision_items > 0, "image",
-                                                           np.where(audio_items > 0, "audio", "text")))
+        n = answer.size
+        kept = {medium: np.zeros(n, dtype=np.int64) for medium in ("images", "video", "audio")}
+        self.items = {}
+        for phase in spec.phases.encoder_names:
+            rows = spec.rows_per_item(phase)
+            media = [m for m in model_config.encoders[phase].media if m in wanted]
+            count = np.minimum(sum((wanted[m] for m in media), np.zeros(n, dtype=np.int64)), room // rows)
+            left = count
+            for medium in media:  # the last medium loses its items first
+                kept[medium] = np.minimum(wanted[medium], left)
+                left = left - kept[medium]
+            self.items[phase] = count
+            room = room - count * rows
+        media_tokens = sum((self.items[p] * spec.rows_per_item(p) for p in self.items), np.zeros(n, dtype=np.int64))
+        self.answer_tokens = np.minimum(answer, layout.seq_length - 2 - self.prompt_tokens + 1 - media_tokens)
+        self.audio_phase = layout.media.get("audio")
+        if self.audio_phase is not None:
+            frames_per_window = spec.input(self.audio_phase).item_shape[0]
+            last_fraction = np.where(kept["audio"] == windows,
+                                     audio_sec / scaling.audio_window_sec - (windows - 1), 1.0)
+            self.last_window_frames = np.clip(np.ceil(last_fraction * frames_per_window - 1e-9), 1,
+                                              frames_per_window).astype(np.int64)
+        self.kind = np.where(kept["video"] > 0, "video", np.where(kept["images"] > 0, "image",
+                                                                  np.where(kept["audio"] > 0, "audio", "text")))
 
     def __len__(self) -> int:
-        return self.num_vision_items.size
+        return self.answer_tokens.size
 
     def _check_index(self, sample_index: int) -> int:
         if not 0 <= sample_index < len(self):
@@ -126,8 +141,8 @@ class SyntheticMultimodalDataset:
 
     def example_sizes(self, sample_index: int) -> ExampleSizes:
         i = self._check_index(sample_index)
-        return layout_sizes(i, self.prompt_tokens, int(self.num_vision_items[i]), int(self.num_audio_items[i]),
-                            int(self.answer_tokens[i]), self.shape)
+        return layout_sizes(i, self.prompt_tokens, {p: int(counts[i]) for p, counts in self.items.items()},
+                            int(self.answer_tokens[i]), self.layout.spec)
 
     def read(self, sample_index: int) -> tuple[Example, None]:
         """Example ``sample_index`` and no truncation note (its answer is drawn to fit)."""
@@ -135,17 +150,17 @@ class SyntheticMultimodalDataset:
 
     def __getitem__(self, sample_index: int) -> Example:
         i = self._check_index(sample_index)
-        shape = self.shape
         rng = np.random.default_rng([self.seed, _CONTENT_STREAM, i])
         prompt = list(_PROMPTS[str(self.kind[i])].encode().ljust(self.prompt_tokens)[:self.prompt_tokens])
-        vision = rng.standard_normal((int(self.num_vision_items[i]), shape.vision_patches_per_item,
-                                      shape.vision_patch_dim), dtype=np.float32)
-        audio = rng.standard_normal((int(self.num_audio_items[i]), shape.audio_frames_per_window,
-                                     shape.audio_mel_bins), dtype=np.float32)
-        if audio.shape[0]:
-            audio[-1, int(self.last_window_frames[i]):] = 0.0
+        items = {}
+        for encoder_input in self.layout.spec.inputs:
+            phase = encoder_input.phase
+            items[phase] = rng.standard_normal((int(self.items[phase][i]), *encoder_input.item_shape),
+                                               dtype=np.float32)
+        if self.audio_phase is not None and items[self.audio_phase].shape[0]:
+            items[self.audio_phase][-1, int(self.last_window_frames[i]):] = 0.0
         answer = self._chain_text(rng, int(self.answer_tokens[i]))
-        return assemble_example(i, prompt, answer, torch.from_numpy(vision), torch.from_numpy(audio), shape)
+        return assemble_example(i, prompt, answer, {p: torch.from_numpy(t) for p, t in items.items()}, self.layout.spec)
 
     def _chain_text(self, rng: np.random.Generator, length: int) -> list[int]:
         follow = rng.random(length) < self.scaling.markov_follow_prob

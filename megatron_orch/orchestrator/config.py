@@ -7,7 +7,7 @@ from typing import Optional, Tuple
 
 from megatron_orch.balance.cost_profile import CostProfile
 from megatron_orch.balance.placement import METHODS as PLACEMENT_METHODS
-from megatron_orch.balance.workload import PHASES
+from megatron_orch.balance.workload import ModelPhases
 
 ALGORITHMS = ("auto", "lpt", "kk", "bs_ffd")
 MICROBATCHING = ("equal_count", "packed")
@@ -17,7 +17,8 @@ MICROBATCHING = ("equal_count", "packed")
 class OrchestratorConfig:
     """Post-balancing settings.
 
-    ``phases``: the phases rebalanced; the others keep the loader's assignment. ``algorithm``: the
+    ``phases``: the names of the phases rebalanced (None: every phase of the model); the others keep the
+    loader's assignment (:meth:`check_phases` refuses a name the model has no phase of). ``algorithm``: the
     partitioner of the encoder phases (and of the backbone in ``packed`` mode); under ``auto``, an
     encoder phase of equal items is planned exactly by ``partition_uniform`` (no placement needed).
     ``microbatching``: ``equal_count`` keeps ``micro_batch_size`` examples per backbone micro-batch
@@ -32,7 +33,7 @@ class OrchestratorConfig:
     :mod:`megatron_orch.balance.cost_profile`) instead of training FLOPs.
     """
 
-    phases: Tuple[str, ...] = PHASES
+    phases: Optional[Tuple[str, ...]] = None
     algorithm: str = "auto"
     microbatching: str = "equal_count"
     locality: bool = False
@@ -44,12 +45,13 @@ class OrchestratorConfig:
     cost_profile: Optional[CostProfile] = None
 
     def __post_init__(self):
-        if not self.phases:
-            raise ValueError(f"--orch-phases must name at least one phase of {','.join(PHASES)} (to balance "
-                             "nothing, leave out --orch-post-balancing)")
-        unknown = [p for p in self.phases if p not in PHASES]
-        if unknown or len(set(self.phases)) != len(self.phases):
-            raise ValueError(f"--orch-phases: unknown or repeated phases {list(self.phases)}; choose from {PHASES}")
+        if self.phases is not None:
+            object.__setattr__(self, "phases", tuple(self.phases))
+            if not self.phases:
+                raise ValueError("--orch-phases must name at least one phase (to balance nothing, leave out "
+                                 "--orch-post-balancing)")
+            if len(set(self.phases)) != len(self.phases):
+                raise ValueError(f"--orch-phases: repeated phases in {list(self.phases)}")
         if self.algorithm not in ALGORITHMS:
             raise ValueError(f"--orch-algorithm: unknown {self.algorithm!r}; choose one of {ALGORITHMS}")
         if self.microbatching not in MICROBATCHING:
@@ -60,3 +62,14 @@ class OrchestratorConfig:
             raise ValueError(f"--orch-placement-time-limit must be > 0, got {self.placement_time_limit_s}")
         if self.gpus_per_node is not None and self.gpus_per_node < 1:
             raise ValueError(f"--orch-gpus-per-node must be >= 1, got {self.gpus_per_node}")
+
+    def balances(self, phase: str) -> bool:
+        """Whether phase ``phase`` is rebalanced (the others keep the loader's assignment)."""
+        return self.phases is None or phase in self.phases
+
+    def check_phases(self, phases: ModelPhases) -> None:
+        """Raise ValueError unless every phase named in ``phases`` (``--orch-phases``) is one of the model's."""
+        unknown = [name for name in self.phases or () if name not in phases.names]
+        if unknown:
+            raise ValueError(f"--orch-phases: the model has no phase {', '.join(map(repr, unknown))}; its phases "
+                             f"are {','.join(phases.names)}")

@@ -13,13 +13,12 @@ from typing import Dict
 import numpy as np
 
 from megatron_orch.balance import _plan_kernels
-from megatron_orch.balance.model_config import MLLMConfig
 from megatron_orch.balance.partition import (partition, partition_equal_count, partition_equal_count_locality,
                                               partition_locality, partition_uniform)
 from megatron_orch.balance.placement import PlacementConfig, place_items
 from megatron_orch.balance.plan import Placement, Transfer, checksum
 from megatron_orch.balance.topology import Topology
-from megatron_orch.balance.workload import ENCODER_PHASES, StepSizes, phase_items
+from megatron_orch.balance.workload import ModelPhases, StepSizes, phase_items
 from megatron_orch.orchestrator.config import OrchestratorConfig
 
 
@@ -152,9 +151,10 @@ def _microbatches(rank_llm, costs, num_tokens, num_ranks, micro_batch_size, num_
     return microbatch
 
 
-def plan_step(sizes: StepSizes, model_config: MLLMConfig, config: OrchestratorConfig,
+def plan_step(sizes: StepSizes, phases: ModelPhases, config: OrchestratorConfig,
               topology: Topology, micro_batch_size: int, num_microbatches: int) -> StepPlan:
-    """Plan every phase of one global batch (deterministic: same inputs, same plan on every rank)."""
+    """Plan every phase of one global batch (deterministic: same inputs, same plan on every rank); the
+    costs are the phases' cost models, or the config's cost profile."""
     counts = np.asarray(sizes.counts, dtype=np.int64)
     num_ranks = int(counts.size)
     if topology.num_ranks != num_ranks:
@@ -164,24 +164,28 @@ def plan_step(sizes: StepSizes, model_config: MLLMConfig, config: OrchestratorCo
         r = int(np.flatnonzero(counts != expected)[0])
         raise ValueError(f"DP rank {r} loaded {counts[r]} examples, expected micro_batch_size x "
                          f"num_microbatches = {expected}")
-    items = phase_items(sizes, model_config, config.cost_profile)
+    config.check_phases(phases)
+    if config.cost_profile is not None:
+        phases = config.cost_profile.apply(phases)
+    items = phase_items(sizes, phases)
     examples_home = Placement.from_counts(counts)
     home = examples_home.rank
     encoders, stats, rank_of_item = {}, {}, {}
 
-    for phase in ENCODER_PHASES:
+    for phase in phases.encoder_names:
         phase_item = items[phase]
         example, costs, item_bytes = phase_item.example, phase_item.cost, phase_item.nbytes
         rank, method = _balance_encoder(costs, home[example], item_bytes, num_ranks, topology, config,
-                                        phase in config.phases)
+                                        config.balances(phase))
         encoders[phase] = EncoderPhasePlan(example=example, home=examples_home.expand(example),
                                            encode=Placement.from_ranks(rank, num_ranks))
         rank_of_item[phase] = (example, rank, phase_item.output_nbytes)
         stats[phase] = _phase_stats(method, costs, home[example], rank, item_bytes, num_ranks, topology)
 
-    llm_costs, text_bytes = items["llm"].cost, items["llm"].nbytes
+    backbone = phases.backbone.name
+    llm_costs, text_bytes = items[backbone].cost, items[backbone].nbytes
     packed = config.microbatching == "packed"
-    if "llm" not in config.phases:
+    if not config.balances(backbone):
         rank_llm, method = home, "none"
     elif config.locality:
         locality = partition_locality if packed else partition_equal_count_locality
@@ -206,7 +210,7 @@ def plan_step(sizes: StepSizes, model_config: MLLMConfig, config: OrchestratorCo
                                    num_microbatches, packed, config.algorithm)
     examples_llm = Placement.from_ranks(rank_llm, num_ranks,
                                         key=microbatch * (sizes.num_examples + 1) + np.arange(sizes.num_examples))
-    stats["llm"] = _phase_stats(method, llm_costs, home, rank_llm, text_bytes, num_ranks, topology)
+    stats[backbone] = _phase_stats(method, llm_costs, home, rank_llm, text_bytes, num_ranks, topology)
     digest = checksum(examples_llm.rank, examples_llm.slot, microbatch,
                       *(a for e in encoders.values() for a in (e.encode.rank, e.encode.slot)))
     return StepPlan(examples_home=examples_home, examples_llm=examples_llm,
@@ -223,12 +227,13 @@ def _phase_stats(method, costs, home_rank, rank, item_bytes, num_ranks, topology
                       intra_node_bytes=intra, inter_node_bytes=inter)
 
 
-def warm_up(model_config: MLLMConfig, config: OrchestratorConfig) -> None:
+def warm_up(phases: ModelPhases, config: OrchestratorConfig) -> None:
     """Plan a tiny step once, so numba compiles (or loads) the partition kernels now.
 
     Compilation holds the GIL for seconds: done on the training thread before the first step, the
     planning thread never stalls the training loop with it.
     """
-    sizes = StepSizes(counts=np.array([2, 2]), num_vision_items=np.array([1, 2, 0, 3]),
-                      num_audio_items=np.array([0, 1, 2, 1]), num_tokens=np.array([5, 9, 3, 7]))
-    plan_step(sizes, model_config, config, Topology.uniform(2, 1), micro_batch_size=1, num_microbatches=2)
+    items = {name: np.array([1, 2, 0, 3]) if k % 2 == 0 else np.array([0, 1, 2, 1])
+             for k, name in enumerate(phases.encoder_names)}
+    sizes = StepSizes(counts=np.array([2, 2]), items=items, num_tokens=np.array([5, 9, 3, 7]))
+    plan_step(sizes, phases, config, Topology.uniform(2, 1), micro_batch_size=1, num_microbatches=2)

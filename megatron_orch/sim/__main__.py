@@ -15,10 +15,9 @@ import sys
 from typing import List, Optional
 
 from megatron_orch.balance.cost_profile import load_cost_profile
-from megatron_orch.balance.model_config import load_model_config
 from megatron_orch.balance.traces import DEFAULT_MIXTURE
-from megatron_orch.balance.workload import PHASES
 from megatron_orch.bench.common import draw_sizes, effective_layers, parse_layers, report, trace_specs, with_layers
+from megatron_orch.mllm.config import load_model_config
 from megatron_orch.sim.cluster import DEFAULT_TFLOPS, METHODS, LinkModel, simulate_step, warm_up_planner
 
 PER_PHASE = ("orch", "equal_count", "locality", "equal_locality")
@@ -66,21 +65,23 @@ def checks(result: dict) -> dict:
 def format_tables(result: dict) -> str:
     p = result["params"]
     link = p["link"]
+    first = result["dp"][sorted(result["dp"], key=int)[0]]
+    phases = list(first[METHODS[0]]["phase_seconds"])
     lines = [f"[sim] model {p['model']} (layers {tuple(p['layers'])}), {p['per_rank']} examples per rank, "
              f"mean over seeds {p['seeds']}, "
              f"costs: {p['costs']}; links: {link['gpus_per_node']} GPUs/node, NVLink "
              f"{link['nvlink_gbytes_per_s']:g} GB/s, NIC {link['nic_gbits_per_s']:g} Gb/s per GPU", "",
-             "| DP | method | vision s | audio s | llm s | compute s | comm s | plan s (exposed) | step s | "
-             "speedup | vision / audio / llm speedup |",
-             "|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
+             "| DP | method | " + " | ".join(f"{q} s" for q in phases) + " | compute s | comm s | plan s (exposed) | "
+             "step s | speedup | " + " / ".join(phases) + " speedup |",
+             "|---:|---|" + "---:|" * len(phases) + "---:|---:|---:|---:|---:|---|"]
     for dp in sorted(result["dp"], key=int):
         for m in METHODS:
             f = result["dp"][dp][m]
             ph = f["phase_seconds"]
-            lines.append(f"| {dp} | {m} | {ph['vision']:.4g} | {ph['audio']:.4g} | {ph['llm']:.4g} | "
+            lines.append(f"| {dp} | {m} | " + " | ".join(f"{ph[q]:.4g}" for q in phases) + " | "
                          f"{f['compute_seconds']:.4g} | {f['comm_seconds']:.3g} | {f['plan_seconds']:.3f} "
                          f"({f['exposed_plan_seconds']:.3f}) | {f['step_seconds']:.4g} | {f['speedup']:.3f} | "
-                         + " / ".join(f"{f['phase_speedup'][q]:.2f}" for q in PHASES) + " |")
+                         + " / ".join(f"{f['phase_speedup'][q]:.2f}" for q in phases) + " |")
     sweep = [g for g in result["dp"][sorted(result["dp"], key=int)[0]]["nic_sweep"]]
     if sweep:
         lines += ["", "step s of orch / locality at NIC Gb/s per GPU:", "",
@@ -211,7 +212,7 @@ def main(argv: Optional[List[str]] = None) -> dict:
         link = LinkModel(args.gpus_per_node, args.nvlink_gbytes_per_s, args.nic_gbits_per_s,
                          args.nvlink_latency_us, args.nic_latency_us)
         model = with_layers(load_model_config(args.model), parse_layers(parser, args.layers))
-        profile = None if args.profile is None else load_cost_profile(args.profile, model)
+        profile = None if args.profile is None else load_cost_profile(args.profile, model.phases())
     except ValueError as err:
         parser.error(str(err))
     warm_up_planner(model)

@@ -45,9 +45,9 @@ import numpy as np
 from megatron_orch.balance.cost_profile import CostProfile, rank_seconds
 from megatron_orch.balance.plan import Placement, Transfer
 from megatron_orch.balance.topology import Topology
-from megatron_orch.balance.workload import ENCODER_PHASES, PHASES, PhaseItems, StepSizes, phase_items
+from megatron_orch.balance.workload import PhaseItems, StepSizes, phase_items
 from megatron_orch.bench.balance import verl_equal_size_kk, verl_workload
-from megatron_orch.bench.common import PLAN_METHODS, plan_method
+from megatron_orch.bench.common import PLAN_METHODS, model_phases, plan_method
 from megatron_orch.orchestrator.step_plan import EncoderPhasePlan, StepPlan, warm_up
 
 METHODS = ("none", "orch", "equal_count", "locality", "equal_locality", "backbone_only")
@@ -108,12 +108,12 @@ def backbone_only_plan(sizes: StepSizes, upstream: StepPlan) -> StepPlan:
                     encoders=encoders, stats={}, digest=0)
 
 
-def transfers(plan: StepPlan, items: Dict[str, PhaseItems]) -> List[tuple]:
+def transfers(plan: StepPlan, items: Dict[str, PhaseItems], backbone: str) -> List[tuple]:
     """(name, transfer, item bytes, times per step) of every all-to-all the plan makes."""
-    out = [(f"{phase} inputs", plan.input_transfer(phase), items[phase].nbytes, 1) for phase in ENCODER_PHASES]
-    out.append(("text", plan.text_transfer(), items["llm"].nbytes, 1))
+    out = [(f"{phase} inputs", plan.input_transfer(phase), items[phase].nbytes, 1) for phase in plan.encoders]
+    out.append(("text", plan.text_transfer(), items[backbone].nbytes, 1))
     out += [(f"{phase} embeddings", plan.output_transfer(phase), items[phase].output_nbytes, 2)
-            for phase in ENCODER_PHASES]  # forward, and the gradients back
+            for phase in plan.encoders]  # forward, and the gradients back
     return out
 
 
@@ -122,8 +122,8 @@ def phase_rank_seconds(plan: StepPlan, items: Dict[str, PhaseItems], profile: Op
     """Modeled compute seconds of every phase on every rank under ``plan``."""
     dp = plan.examples_home.num_ranks
     out = {}
-    for phase in PHASES:
-        rank = plan.examples_llm.rank if phase == "llm" else plan.encoders[phase].encode.rank
+    for phase in items:
+        rank = plan.encoders[phase].encode.rank if phase in plan.encoders else plan.examples_llm.rank
         if profile is None:
             out[phase] = np.bincount(rank, weights=items[phase].cost, minlength=dp) / (tflops * 1e12)
         else:
@@ -136,7 +136,8 @@ def simulate_step(sizes: StepSizes, model, link: LinkModel, profile: Optional[Co
     """Every method's modeled step on one global batch (see the module docstring)."""
     dp = int(np.asarray(sizes.counts).size)
     topology = Topology.uniform(dp, link.gpus_per_node)
-    items = phase_items(sizes, model, profile)
+    phases = model_phases(model, profile)
+    items = phase_items(sizes, phases)
     plans, plan_seconds = {}, {}
     for method in METHODS:
         start = time.perf_counter()
@@ -153,7 +154,8 @@ def simulate_step(sizes: StepSizes, model, link: LinkModel, profile: Optional[Co
             compute = float(sum(ranks.values()).max())
         else:
             compute = float(sum(r.max(initial=0.0) for r in ranks.values()))
-        moves = [(name, link.alltoall_seconds(t, b), times) for name, t, b, times in transfers(plan, items)]
+        moves = [(name, link.alltoall_seconds(t, b), times)
+                 for name, t, b, times in transfers(plan, items, phases.backbone.name)]
         comm = sum(times * m["seconds"] for _, m, times in moves)
         step_before_planning = compute + comm
         exposed = max(0.0, plan_seconds[method] - step_before_planning)
@@ -178,7 +180,8 @@ def simulate_step(sizes: StepSizes, model, link: LinkModel, profile: Optional[Co
         slow = dataclasses.replace(link, nic_gbits_per_s=gbits)
         result["nic_sweep"][str(gbits)] = {
             method: result[method]["compute_seconds"] + result[method]["exposed_plan_seconds"] + sum(
-                times * slow.alltoall_seconds(t, b)["seconds"] for _, t, b, times in transfers(plans[method], items))
+                times * slow.alltoall_seconds(t, b)["seconds"]
+                for _, t, b, times in transfers(plans[method], items, phases.backbone.name))
             for method in METHODS if method not in END_TO_END}
     return result
 
@@ -186,4 +189,4 @@ def simulate_step(sizes: StepSizes, model, link: LinkModel, profile: Optional[Co
 def warm_up_planner(model) -> None:
     """Compile the planner's kernels first, so that planning times exclude JIT compilation."""
     for config in PLAN_METHODS.values():
-        warm_up(model, config)
+        warm_up(model.phases(), config)

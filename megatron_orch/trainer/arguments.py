@@ -27,9 +27,9 @@ import sys
 from pathlib import Path
 from typing import Callable, Iterable, NoReturn, Optional, Sequence
 
-from megatron_orch.balance.model_config import MLLMConfig, load_model_config
 from megatron_orch.megatron.orch_arguments import add_orch_args, orch_config_from_args
 from megatron_orch.mllm.check_data import add_data_args
+from megatron_orch.mllm.config import MLLMConfig, load_model_config
 
 ArgsProvider = Callable[[argparse.ArgumentParser], argparse.ArgumentParser]
 
@@ -323,6 +323,8 @@ def validate_args(args: argparse.Namespace, world_size: int) -> argparse.Namespa
     args.mllm_config = resolve_model_config(args)
     try:
         args.orch_config = orch_config_from_args(args)
+        if args.orch_config is not None:
+            args.orch_config.check_phases(args.mllm_config.phases())
     except ValueError as err:
         raise ArgumentError(str(err)) from err
     # Last, the checks that need torch (is a GPU visible?) or megatron (does Transformer Engine import?).
@@ -386,20 +388,17 @@ def backbone_overrides(config: MLLMConfig, args: argparse.Namespace) -> MLLMConf
 def _check_tensor_parallel(config: MLLMConfig, tp: int) -> None:
     """Megatron splits heads, query groups and FFN columns over TP ranks: each must divide."""
     stacks = {"backbone": config.backbone.transformer}
-    if config.vision is not None:
-        stacks["vision"] = config.vision.transformer
-    if config.audio is not None:
-        stacks["audio"] = config.audio.transformer
+    stacks.update({f"encoders.{name}": encoder.transformer for name, encoder in config.encoders.items()})
     for where, shape in stacks.items():
         for field in ("num_attention_heads", "num_query_groups", "ffn_hidden_size"):
             value = getattr(shape, field)
             if value is not None and value % tp:
                 raise ArgumentError(f"{where}.{field}={value} is not divisible by "
                                     f"--tensor-model-parallel-size {tp}")
-    for where, encoder in (("vision", config.vision), ("audio", config.audio)):
-        if encoder is not None and encoder.projector_ffn_hidden_size % tp:
-            raise ArgumentError(f"{where}.projector_ffn_hidden_size={encoder.projector_ffn_hidden_size} is not "
-                                f"divisible by --tensor-model-parallel-size {tp}")
+    for name, encoder in config.encoders.items():
+        if encoder.projector_ffn_hidden_size % tp:
+            raise ArgumentError(f"encoders.{name}.projector_ffn_hidden_size={encoder.projector_ffn_hidden_size} is "
+                                f"not divisible by --tensor-model-parallel-size {tp}")
 
 
 def main(argv: Optional[Sequence[str]] = None) -> None:

@@ -29,7 +29,6 @@ from megatron.core.timers import Timers
 from megatron.core.transformer.module import Float16Module
 from megatron.core.utils import get_attr_wrapped_model, get_model_config
 
-from megatron_orch.balance.workload import ENCODER_PHASES
 from megatron_orch.comm.device import to_communication_device
 from megatron_orch.comm.gather import all_gather_to_host
 from megatron_orch.mllm import providers
@@ -39,9 +38,9 @@ from megatron_orch.mllm.data import TooManyBadExamplesError
 from megatron_orch.trainer.checkpointing import (TrainState, load_checkpoint, lock_save_folder, new_run_id, run_config,
                                                  save_checkpoint)
 from megatron_orch.trainer.faults import StepReader, naming_lost_collectives
-from megatron_orch.trainer.training_log import (LOAD_FIELDS, PHASE_TIMERS, POST_BALANCING_FIELDS, IntervalStats,
-                                                IterationRecord, LoadMeter, TensorBoardLog, gather_data_events,
-                                                max_and_mean_over_group)
+from megatron_orch.trainer.training_log import (IntervalStats, IterationRecord, LoadMeter, TensorBoardLog,
+                                                gather_data_events, load_fields, max_and_mean_over_group, phase_timers,
+                                                post_balancing_fields)
 
 ForwardStep = Callable[[Iterator, torch.nn.Module], tuple]
 
@@ -148,12 +147,9 @@ def attach_to_model_config(model: list, optimizer, timers: Timers) -> None:
 
 
 def time_encoder_forwards(model: list, timers: Timers) -> None:
-    """Record each encoder's forward time in the timers (vision-/audio-encoder-forward)."""
-    unwrapped = get_attr_wrapped_model(model[0], "pre_process", return_model_obj=True)
-    for name in ENCODER_PHASES:
-        encoder = getattr(unwrapped, f"{name}_encoder", None)
-        if encoder is None:
-            continue
+    """Record each encoder's forward time in the timers (``<phase>-encoder-forward``)."""
+    unwrapped = get_attr_wrapped_model(model[0], "phase_encoders", return_model_obj=True)
+    for name, encoder in unwrapped.phase_encoders().items():
         timer_name = f"{name}-encoder-forward"
         encoder.register_forward_pre_hook(lambda *_, n=timer_name: timers(n, log_level=0).start())
         encoder.register_forward_hook(lambda *_, n=timer_name: timers(n, log_level=0).stop())
@@ -199,13 +195,15 @@ def _interval_record(args, state: TrainState, stats: IntervalStats, last_step: d
     """Collective over the world: per-rank load as max/mean over the DP group, phase times as max/mean
     over the ranks that run the phase (the encoders run on the first pipeline stage only)."""
     n = max(stats.iterations, 1)
+    phases = args.mllm_config.phases()
+    fields, timer_names = load_fields(phases), phase_timers(phases)
     load_max, load_mean = max_and_mean_over_group(stats.load / n, parallel_state.get_data_parallel_group())
-    times = torch.tensor([stats.phase_s.get(name, float("nan")) * 1000.0 / n for name in PHASE_TIMERS],
+    times = torch.tensor([stats.phase_s.get(name, float("nan")) * 1000.0 / n for name in timer_names],
                          dtype=torch.float64)
     per_rank = all_gather_to_host(times).numpy()
-    ran = [i for i, name in enumerate(PHASE_TIMERS) if not np.all(np.isnan(per_rank[:, i]))]
+    ran = [i for i, name in enumerate(timer_names) if not np.all(np.isnan(per_rank[:, i]))]
     elapsed_s = stats.elapsed_s / n
-    tokens_per_s = float(load_mean[LOAD_FIELDS.index("backbone tokens")]) * args.data_parallel_size / elapsed_s
+    tokens_per_s = float(load_mean[-1]) * args.data_parallel_size / elapsed_s  # the backbone's tokens
     grad_norm = last_step["grad_norm"]
     return IterationRecord(
         iteration=state.iteration, consumed_samples=state.consumed_samples, elapsed_ms=elapsed_s * 1000.0,
@@ -213,26 +211,26 @@ def _interval_record(args, state: TrainState, stats: IntervalStats, last_step: d
         lm_loss=stats.mean_loss, grad_norm=None if grad_norm is None else float(grad_norm),
         loss_scale=float(optimizer.get_loss_scale()), skipped=stats.skipped, nan=stats.nan,
         tokens_per_s=tokens_per_s,
-        load_max=dict(zip(LOAD_FIELDS, load_max.tolist())), load_mean=dict(zip(LOAD_FIELDS, load_mean.tolist())),
-        phase_ms_max={PHASE_TIMERS[i]: float(np.nanmax(per_rank[:, i])) for i in ran},
-        phase_ms_mean={PHASE_TIMERS[i]: float(np.nanmean(per_rank[:, i])) for i in ran},
-        post_balancing=_post_balancing_figures(stats, n), bad_examples=stats.bad_examples,
-        truncated_answers=stats.truncated_answers)
+        load_max=dict(zip(fields, load_max.tolist())), load_mean=dict(zip(fields, load_mean.tolist())),
+        phase_ms_max={timer_names[i]: float(np.nanmax(per_rank[:, i])) for i in ran},
+        phase_ms_mean={timer_names[i]: float(np.nanmean(per_rank[:, i])) for i in ran},
+        post_balancing=_post_balancing_figures(stats, n, post_balancing_fields(phases)),
+        bad_examples=stats.bad_examples, truncated_answers=stats.truncated_answers)
 
 
-def _post_balancing_figures(stats: IntervalStats, n: int) -> Optional[dict]:
+def _post_balancing_figures(stats: IntervalStats, n: int, fields) -> Optional[dict]:
     """Interval means; the plan's figures agree on all ranks, times are the max over the DP group."""
     if stats.post_balancing is None:
         return None
     figures, _ = max_and_mean_over_group(stats.post_balancing / n, parallel_state.get_data_parallel_group())
-    return dict(zip(POST_BALANCING_FIELDS, figures.tolist()))
+    return dict(zip(fields, figures.tolist()))
 
 
-def _phase_seconds(timers: Timers) -> dict:
-    """Seconds each phase timer accumulated since the last call. Timers this rank never created (an
-    encoder on a later pipeline stage, a level above --timing-log-level) are left out; Megatron's
-    Timers has no public lookup that does not create a timer, hence ``_timers``."""
-    return {name: timers._timers[name].elapsed(reset=True) for name in PHASE_TIMERS if name in timers._timers}
+def _phase_seconds(timers: Timers, names) -> dict:
+    """Seconds each of the phase timers ``names`` accumulated since the last call. Timers this rank never
+    created (an encoder on a later pipeline stage, a level above --timing-log-level) are left out;
+    Megatron's Timers has no public lookup that does not create a timer, hence ``_timers``."""
+    return {name: timers._timers[name].elapsed(reset=True) for name in names if name in timers._timers}
 
 
 def train(args: argparse.Namespace, model: list, optimizer, scheduler, data_iterator: Iterator,
@@ -288,7 +286,8 @@ def _report_data_events(args, data_source, state: TrainState, print_fn) -> tuple
 
 def _train(args, model, optimizer, scheduler, data_iterator, state, timers, forward_step, print_fn,
            forward_backward_func, read_step, data_source, lock, config) -> list[IterationRecord]:
-    meter = LoadMeter(data_iterator)
+    phases = args.mllm_config.phases()
+    meter = LoadMeter(data_iterator, phases)
     tensorboard = TensorBoardLog(args.tensorboard_dir) if args.tensorboard_dir and _logging_rank() else None
     records, stats, first_iteration = [], IntervalStats(), state.iteration
     for chunk in model:
@@ -305,8 +304,8 @@ def _train(args, model, optimizer, scheduler, data_iterator, state, timers, forw
         elapsed = time.perf_counter() - start
         state.iteration += 1
         state.consumed_samples += args.global_batch_size
-        stats.add(elapsed, meter.take(), _phase_seconds(timers), result["skipped"], result["lm_loss"],
-                  meter.take_post_balancing(), *_report_data_events(args, data_source, state, print_fn))
+        stats.add(elapsed, meter.take(), _phase_seconds(timers, phase_timers(phases)), result["skipped"],
+                  result["lm_loss"], meter.take_post_balancing(), *_report_data_events(args, data_source, state, print_fn))
         if state.iteration % args.log_interval == 0 or state.iteration == args.train_iters:
             record = _interval_record(args, state, stats, result, optimizer)
             stats = IntervalStats()

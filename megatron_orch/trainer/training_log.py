@@ -13,28 +13,38 @@ import json
 import math
 import re
 from dataclasses import dataclass, field
-from typing import Iterator, List, Optional
+from typing import Iterator, List, Optional, Tuple
 
 import torch
 
-from megatron_orch.balance.workload import ENCODER_PHASES, PHASES
+from megatron_orch.balance.workload import ModelPhases
 from megatron_orch.comm.gather import all_gather_to_host
 from megatron_orch.megatron.post_balancing import BalancedStep
 from megatron_orch.mllm.data import DataEvent
 
-# Per-rank load of each phase, counted from the micro-batches a rank consumed.
-LOAD_FIELDS = ("vision items", "audio windows", "backbone tokens")
-# Timers shown per phase (Megatron timer names; the encoder ones are recorded by forward hooks, the
-# others by megatron-core's schedule / finalize_model_grads and the trainer).
-PHASE_TIMERS = ("vision-encoder-forward", "audio-encoder-forward", "forward-backward", "forward-compute",
-                "backward-compute", "all-grads-sync", "optimizer")
+# Timers of the whole step (Megatron timer names, recorded by megatron-core's schedule /
+# finalize_model_grads and the trainer), shown after each encoder phase's forward timer.
+STEP_TIMERS = ("forward-backward", "forward-compute", "backward-compute", "all-grads-sync", "optimizer")
+# Post-balancing figures per step besides each phase's imbalance: bytes moved, and this rank's planning
+# / dispatch times.
+STEP_FIELDS = ("intra-node MB", "inter-node MB", "plan ms", "plan exposed ms", "dispatch ms")
 
 
-# Post-balancing figures per step: each phase's modeled-cost max/mean over DP before (as loaded) and
-# after (as planned), bytes moved, and this rank's planning / dispatch times.
-POST_BALANCING_FIELDS = tuple(f"{phase} {what}" for phase in PHASES
-                              for what in ("before", "after")) + (
-    "intra-node MB", "inter-node MB", "plan ms", "plan exposed ms", "dispatch ms")
+def load_fields(phases: ModelPhases) -> Tuple[str, ...]:
+    """Per-rank load of each phase, counted from the micro-batches a rank consumed: every encoder phase's
+    items, then the backbone phase's tokens."""
+    return tuple(f"{name} items" for name in phases.encoder_names) + (f"{phases.backbone.name} tokens",)
+
+
+def phase_timers(phases: ModelPhases) -> Tuple[str, ...]:
+    """Timers shown per phase: each encoder's forward (recorded by forward hooks), then the step's."""
+    return tuple(f"{name}-encoder-forward" for name in phases.encoder_names) + STEP_TIMERS
+
+
+def post_balancing_fields(phases: ModelPhases) -> Tuple[str, ...]:
+    """Post-balancing figures per step: each phase's modeled-cost max/mean over DP before (as loaded) and
+    after (as planned), then :data:`STEP_FIELDS`."""
+    return tuple(f"{name} {what}" for name in phases.names for what in ("before", "after")) + STEP_FIELDS
 
 
 class LoadMeter:
@@ -45,9 +55,11 @@ class LoadMeter:
     its backbone runs, and whose statistics say how unbalanced the step was before.
     """
 
-    def __init__(self, iterator: Iterator):
+    def __init__(self, iterator: Iterator, phases: ModelPhases):
         self.iterator = iterator
-        self.counts = torch.zeros(len(LOAD_FIELDS), dtype=torch.float64)
+        self.phases = phases
+        self.fields = post_balancing_fields(phases)
+        self.counts = torch.zeros(len(load_fields(phases)), dtype=torch.float64)
         self.post_balancing: Optional[torch.Tensor] = None
 
     def __iter__(self):
@@ -58,15 +70,16 @@ class LoadMeter:
         if isinstance(item, BalancedStep):
             plan, rank = item.plan, item.rank
             mine = plan.examples_llm.rank == rank
-            self.counts += torch.tensor([*(plan.encoders[phase].encode.counts()[rank] for phase in ENCODER_PHASES),
+            self.counts += torch.tensor([*(plan.encoders[phase].encode.counts()[rank]
+                                           for phase in self.phases.encoder_names),
                                          float(item.num_tokens[mine].sum())], dtype=torch.float64)
             figures = dict(plan.report(), **{"plan ms": item.timings["plan"] * 1e3,
                                              "plan exposed ms": item.timings["plan_exposed"] * 1e3,
                                              "dispatch ms": item.timings["dispatch"] * 1e3})
-            step = torch.tensor([figures[name] for name in POST_BALANCING_FIELDS], dtype=torch.float64)
+            step = torch.tensor([figures[name] for name in self.fields], dtype=torch.float64)
             self.post_balancing = step if self.post_balancing is None else self.post_balancing + step
         else:
-            self.counts += torch.tensor([item.vision.shape[0], item.audio.shape[0],
+            self.counts += torch.tensor([*(item.items[phase].shape[0] for phase in self.phases.encoder_names),
                                          float(item.seq_lengths.sum())], dtype=torch.float64)
         return item
 
@@ -93,7 +106,7 @@ class IntervalStats:
     nan: int = 0
     bad_examples: int = 0       # skipped and replaced (over the DP group)
     truncated_answers: int = 0  # over the DP group
-    load: torch.Tensor = field(default_factory=lambda: torch.zeros(len(LOAD_FIELDS), dtype=torch.float64))
+    load: Optional[torch.Tensor] = None  # per load_fields(), summed
     phase_s: dict = field(default_factory=dict)
     post_balancing: Optional[torch.Tensor] = None
 
@@ -113,7 +126,7 @@ class IntervalStats:
             self.loss_iterations += 1
         self.iterations += 1
         self.elapsed_s += elapsed_s
-        self.load += load
+        self.load = load if self.load is None else self.load + load
         if post_balancing is not None:
             self.post_balancing = post_balancing if self.post_balancing is None else \
                 self.post_balancing + post_balancing
@@ -164,7 +177,7 @@ class IterationRecord:
     load_mean: dict
     phase_ms_max: dict
     phase_ms_mean: dict
-    post_balancing: Optional[dict] = None  # POST_BALANCING_FIELDS -> interval mean (times: max over DP)
+    post_balancing: Optional[dict] = None  # post_balancing_fields() -> interval mean (times: max over DP)
     bad_examples: int = 0       # skipped in the interval (--max-bad-examples)
     truncated_answers: int = 0  # in the interval
 
@@ -185,7 +198,7 @@ class IterationRecord:
                   f" number of answers truncated: {self.truncated_answers:3d}",
                   f" tokens/s: {self.tokens_per_s:.1f}"]
         load = ", ".join(f"{name} {self.load_max[name]:.0f}/{self.load_mean[name]:.1f}"
-                         f" ({_ratio(self.load_max[name], self.load_mean[name])})" for name in LOAD_FIELDS)
+                         f" ({_ratio(self.load_max[name], self.load_mean[name])})" for name in self.load_max)
         parts.append(f" load per rank max/mean over DP: {load}")
         if self.phase_ms_max:
             times = ", ".join(f"{name} {self.phase_ms_max[name]:.1f}/{self.phase_ms_mean[name]:.1f}"
@@ -194,7 +207,7 @@ class IterationRecord:
         if self.post_balancing is not None:
             pb = self.post_balancing
             imbalance = ", ".join(f"{phase} {pb[phase + ' before']:.2f}->{pb[phase + ' after']:.2f}"
-                                  for phase in PHASES)
+                                  for phase in (name[:-len(" before")] for name in pb if name.endswith(" before")))
             parts += [f" post-balancing cost max/mean over DP before->after: {imbalance}",
                       f" moved MB intra/inter node: {pb['intra-node MB']:.2f}/{pb['inter-node MB']:.2f}",
                       f" plan ms: {pb['plan ms']:.1f} (exposed {pb['plan exposed ms']:.1f})",
@@ -226,7 +239,7 @@ class TensorBoardLog:
         w.add_scalar("tokens-per-s", record.tokens_per_s, step)
         w.add_scalar("bad-examples-skipped", record.bad_examples, step)
         w.add_scalar("answers-truncated", record.truncated_answers, step)
-        for name in LOAD_FIELDS:
+        for name in record.load_max:
             key = name.replace(" ", "-")
             w.add_scalar(f"load/{key}-max", record.load_max[name], step)
             w.add_scalar(f"load/{key}-mean", record.load_mean[name], step)
@@ -263,16 +276,16 @@ def parse_iteration_line(line: str) -> Optional[dict]:
     out["lm_loss"] = float(fields["lm loss"]) if "lm loss" in fields else None
     out["bad_examples"] = int(fields.get("number of bad examples skipped", 0))
     out["truncated_answers"] = int(fields.get("number of answers truncated", 0))
-    for name, high, mean in re.findall(rf"\s*([a-z][a-z ]*?) {_NUMBER}/{_NUMBER}",
+    for name, high, mean in re.findall(rf"\s*([a-z][a-z0-9_ ]*?) {_NUMBER}/{_NUMBER}",
                                        fields["load per rank max/mean over DP"]):
         out["load"][name.strip()] = (float(high), float(mean))
-    for name, high, mean in re.findall(rf"\s*([a-z][a-z-]*) {_NUMBER}/{_NUMBER}",
+    for name, high, mean in re.findall(rf"\s*([a-z][a-z0-9_-]*) {_NUMBER}/{_NUMBER}",
                                        fields.get("time per iteration (ms) max/mean over ranks", "")):
         out["time_ms"][name] = (float(high), float(mean))
     key = "post-balancing cost max/mean over DP before->after"
     if key in fields:
         pb = {}
-        for phase, before, after in re.findall(rf"([a-z]+) {_NUMBER}->{_NUMBER}", fields[key]):
+        for phase, before, after in re.findall(rf"([a-z][a-z0-9_]*) {_NUMBER}->{_NUMBER}", fields[key]):
             pb[f"{phase} before"], pb[f"{phase} after"] = float(before), float(after)
         intra, inter = fields["moved MB intra/inter node"].split("/")
         plan = re.match(rf"{_NUMBER} \(exposed {_NUMBER}\)", fields["plan ms"])

@@ -1,0 +1,81 @@
+"""The contract between post-balancing and a model, in one place.
+
+**Phases** (:class:`~megatron_orch.balance.workload.ModelPhases`): the model's encoder phases, any number
+(:class:`~megatron_orch.balance.workload.EncoderPhase`: name, cost model, tokens one item runs, raw bytes
+per item, output rows per item and bytes per row), and one backbone phase
+(:class:`~megatron_orch.balance.workload.BackbonePhase`: name, cost model, bytes per token). Cost models
+(:class:`~megatron_orch.balance.cost.CostModel`): FLOPs from a transformer's shape
+(:class:`~megatron_orch.balance.cost.TransformerCost`), a measured profile
+(:class:`~megatron_orch.balance.cost_profile.ProfileCost`, ``--orch-cost-profile``) or a user's function
+(:class:`~megatron_orch.balance.cost.FunctionCost`). The names are the model's; ``--orch-phases`` takes them.
+
+**Batches** (:class:`~megatron_orch.megatron.batch.BatchSpec`): the data iterator that post-balancing
+wraps yields :class:`~megatron_orch.megatron.batch.MicroBatch` objects (``micro_batch_size`` examples
+each, built by :func:`~megatron_orch.megatron.batch.collate`); each example holds int64
+``tokens``/``labels``, a float ``loss_mask``, and per encoder phase its raw items ``items[phase]``
+``[n, *item_shape]``, whose ``n * output_rows`` placeholders (the phase's ``placeholder_id``) sit in the
+tokens in item order. Padded rows use the spec's ``pad_token_id``.
+
+**Model** (:class:`BalanceableModel`, the module inside Megatron's DDP / Float16Module wrappers): its
+encoders by phase name on the pipeline stage that holds them; ``encode(phase, items)`` runs one phase
+over any number of its items and returns their rows item by item; ``forward(batch, embeds=None)`` runs
+the backbone with ``embeds[phase]`` inserted at that phase's placeholders (``embeds=None``: the model
+encodes ``batch.items`` itself, the upstream path). An encoder without items on a rank in a step gets
+zero gradients (Megatron DDP's ``--overlap-grad-reduce`` needs every parameter to report each step).
+
+**forward_step** (Megatron's ``forward_step_func``): what ``next(data_iterator)`` returns is a
+:class:`~megatron_orch.megatron.post_balancing.BalancedMicroBatch` under post-balancing (its ``batch``
+has text only, its ``embeds`` the encoder outputs of its examples) and a plain ``MicroBatch`` upstream;
+:func:`forward_step` handles both for any :class:`BalanceableModel`.
+
+Megatron-Core's ``MimoModel`` meets the contract through :mod:`megatron_orch.megatron.mimo`.
+"""
+from __future__ import annotations
+
+import functools
+from typing import Iterator, Mapping, Optional, Protocol, runtime_checkable
+
+import torch
+
+from megatron_orch.megatron.batch import MicroBatch
+from megatron_orch.megatron.post_balancing import BalancedMicroBatch
+
+
+@runtime_checkable
+class BalanceableModel(Protocol):
+    """What the modality-aware schedule and :func:`forward_step` need of the (unwrapped) model."""
+
+    def phase_encoders(self) -> Mapping[str, torch.nn.Module]:
+        """This pipeline stage's encoder modules by phase name (empty on stages without encoders)."""
+
+    def encode(self, phase: str, items: torch.Tensor) -> torch.Tensor:
+        """Items ``[n, *item_shape]`` of encoder phase ``phase`` -> their rows ``[n * output_rows, hidden]``,
+        item by item (``n`` may be 0)."""
+
+    def forward(self, batch: MicroBatch, embeds: Optional[Mapping[str, torch.Tensor]] = None) -> torch.Tensor:
+        """The backbone over ``batch`` (on the model's device) with ``embeds[phase]`` at the placeholders;
+        the per-token loss ``[b, s]`` on the last pipeline stage, else the hidden states it sends on."""
+
+
+def loss_func(loss_mask: torch.Tensor, output_tensor: torch.Tensor):
+    """Per-token loss: (sum of token losses, number of loss tokens, report for logging).
+
+    The schedule adds the token counts of all micro-batches and ``finalize_model_grads`` divides the
+    gradients by their sum over the DP group (``calculate_per_token_loss``): the normalisation is by
+    the global number of loss tokens, whichever rank holds which example.
+    """
+    mask = loss_mask.reshape(-1).float()
+    loss = torch.sum(output_tensor.reshape(-1).float() * mask)
+    num_tokens = mask.sum().to(torch.int)
+    report = torch.stack([loss.detach(), num_tokens.float()])
+    return loss, num_tokens, {"lm loss": report}
+
+
+def forward_step(data_iterator: Iterator, model: torch.nn.Module):
+    """One micro-batch through a :class:`BalanceableModel` (Megatron's ``forward_step_func``): a
+    :class:`BalancedMicroBatch` brings the encoder outputs of its examples, a plain ``MicroBatch`` its raw
+    items."""
+    item = next(data_iterator)
+    batch, embeds = (item.batch, item.embeds) if isinstance(item, BalancedMicroBatch) else (item, None)
+    batch = batch.to(next(model.parameters()).device)
+    return model(batch, embeds=embeds), functools.partial(loss_func, batch.loss_mask)

@@ -1,0 +1,185 @@
+"""Megatron-Core's ``MimoModel`` (``megatron.core.models.mimo``, 0.16.1 and 0.19.x), balanced out of the box.
+
+A ``MimoModel`` holds named modality submodules (each: its encoders and an input projection) and a
+language model. Its forward runs them all on one micro-batch: every modality submodule over that
+micro-batch's raw inputs (``modality_inputs[name][encoder][keyword]``), text embeddings from the
+language model's embedding, each modality's embeddings scattered at its ``special_token_ids``
+placeholder in token order (``align_embeddings_by_token_positions``), then the language model. Its own
+cross-layout communication moves encoder outputs by equal batch slices, relying on a uniform token
+count per sample (``mimo/comm/colocated_communicator.py``, 0.19).
+
+:class:`MimoBalancing` wraps one so that it meets the contract (:mod:`megatron_orch.megatron.contract`):
+
+* **phases**: one encoder phase per modality submodule (:class:`MimoModality`: the submodule's name,
+  the encoder in it and the keyword its forward takes a batch of items by, the shape of one item, the
+  rows (placeholders) one item gives the language model, a cost model); the language model is the
+  backbone phase;
+* **encode**: the modality submodule's own forward (encoders and input projection) over any items;
+* **forward(batch, embeds)**: ``MimoModel.forward`` cannot take encoder outputs, nor run the language
+  model without running the modality submodules on the same micro-batch. So with ``embeds`` the adapter
+  calls ``MimoModel.forward`` with every modality submodule answering, for that call only, with the
+  micro-batch's embeddings that post-balancing computed elsewhere (its ``forward`` shadowed on the
+  instance). Text embeddings, the alignment by placeholder, 0.19's context/sequence-parallel sharding
+  and the language model call stay MIMO's own, as the installed release does them (0.16.1 passes the
+  attention mask and no position ids to the language model; 0.19 the position ids and no mask). Without
+  ``embeds`` it is ``MimoModel.forward`` on the batch's raw items: upstream MIMO.
+
+Refused, each with its reason in the error (MIMO itself does not support the first two with
+Megatron's schedules, the others would break the invariance):
+
+* a language model split over pipeline stages: ``MimoModel.forward`` embeds the text with the language
+  model's embedding and runs every modality on every rank (0.16.1); 0.19's colocated layout is PP 1 by
+  definition, and its pipeline parallelism is the non-colocated multi-module layout with MIMO's own
+  bridges and schedule;
+* ``module_to_grid_map`` (0.19): per-module grids move encoder outputs between module layouts by MIMO's
+  own communicators, which post-balancing replaces;
+* a modality submodule with more than one encoder: it concatenates whole encoders' outputs (all rows
+  of encoder 1, then encoder 2), so one item's rows are not contiguous and the outputs of some items are
+  not a slice of the whole batch's;
+* a modality submodule left out of ``modalities``: a balanced micro-batch carries no raw items;
+* packed rows: 0.19's colocated forward drops the attention mask (packing goes through its THD
+  ``packing_kwargs``), so block-diagonal attention would silently become causal over the whole row.
+"""
+from __future__ import annotations
+
+import contextlib
+import math
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Dict, Iterator, Mapping, Optional, Sequence, Tuple
+
+import torch
+from megatron.core.enums import ModelType
+from megatron.core.transformer.module import MegatronModule
+
+from megatron_orch.balance.cost import CostModel
+from megatron_orch.balance.workload import BackbonePhase, EncoderPhase, ModelPhases
+from megatron_orch.megatron.batch import BatchSpec, EncoderInput, MicroBatch
+
+if TYPE_CHECKING:
+    from megatron.core.models.mimo import MimoModel
+
+LANGUAGE_PHASE = "language"  # MIMO's key of its language module (0.19: MIMO_LANGUAGE_MODULE_KEY)
+
+
+@dataclass(frozen=True)
+class MimoModality:
+    """How one modality submodule of a ``MimoModel`` is balanced (one encoder phase).
+
+    ``name``: its key in ``modality_submodules`` and ``special_token_ids`` (the phase's name, so it must
+    be a lowercase identifier); ``encoder``: the submodule's encoder that takes the items; ``keyword``:
+    the argument of that encoder's forward that takes a batch of items ``[n, *item_shape]``;
+    ``rows_per_item``: embeddings one item gives the language model (its placeholders);
+    ``item_tokens``: the sequence length the encoder runs per item (what ``cost`` is asked about);
+    ``bytes_per_element``: of a raw item as it moves (bf16: 2).
+    """
+
+    name: str
+    encoder: str
+    keyword: str
+    item_shape: Tuple[int, ...]
+    rows_per_item: int
+    item_tokens: int
+    cost: CostModel
+    bytes_per_element: int = 2
+
+
+class MimoBalancing(MegatronModule):
+    """A ``MimoModel`` that meets post-balancing's contract (module docstring); ``mimo`` is its child, so
+    its parameters and state dict keys sit under ``mimo.``."""
+
+    def __init__(self, mimo: "MimoModel", modalities: Sequence[MimoModality], backbone_cost: CostModel,
+                 embedding_bytes_per_element: int = 2, token_bytes: int = 20):
+        super().__init__(config=mimo.config)
+        self.model_type = ModelType.encoder_or_decoder  # read by megatron-core's schedules
+        self.mimo = mimo
+        self.modalities = tuple(modalities)
+        _check_supported(mimo, self.modalities)
+        row_bytes = mimo.config.hidden_size * embedding_bytes_per_element
+        encoders = tuple(EncoderPhase(m.name, m.cost, item_tokens=m.item_tokens,
+                                      input_bytes=math.prod(m.item_shape) * m.bytes_per_element,
+                                      output_rows=m.rows_per_item, output_row_bytes=row_bytes)
+                         for m in self.modalities)
+        self.phases = ModelPhases(encoders, BackbonePhase(LANGUAGE_PHASE, backbone_cost, token_bytes=token_bytes))
+
+    def batch_spec(self, seq_length: int, pad_token_id: int) -> BatchSpec:
+        """What the model's batches hold: each modality's items, placeholders at its special token id."""
+        inputs = tuple(EncoderInput(m.name, m.item_shape, self.mimo.special_token_ids[m.name])
+                       for m in self.modalities)
+        return BatchSpec(self.phases, inputs, pad_token_id=pad_token_id, seq_length=seq_length)
+
+    def set_input_tensor(self, input_tensor) -> None:
+        self.mimo.set_input_tensor(input_tensor)
+
+    def phase_encoders(self) -> Dict[str, torch.nn.Module]:
+        return {m.name: self.mimo.modality_submodules[m.name] for m in self.modalities}
+
+    def encode(self, phase: str, items: torch.Tensor) -> torch.Tensor:
+        """The modality submodule's forward (its encoder, then its input projection) over ``items``."""
+        modality = next(m for m in self.modalities if m.name == phase)
+        if items.shape[0] == 0:
+            return torch.zeros(0, self.config.hidden_size, dtype=self.config.params_dtype, device=items.device)
+        rows = self.mimo.modality_submodules[phase].forward(
+            encoder_inputs={modality.encoder: {modality.keyword: items}})
+        if rows.shape[0] != items.shape[0] * modality.rows_per_item:
+            raise ValueError(f"modality {phase}: {items.shape[0]} items gave {rows.shape[0]} rows, expected "
+                             f"rows_per_item={modality.rows_per_item} each")
+        return rows
+
+    def forward(self, batch: MicroBatch, embeds: Optional[Mapping[str, torch.Tensor]] = None) -> torch.Tensor:
+        """``MimoModel.forward`` over ``batch``: on its raw items (upstream), or with ``embeds`` in place of
+        its modality submodules' outputs (module docstring). Returns the language model's output."""
+        if batch.is_packed:
+            raise NotImplementedError("packed rows with a MimoModel: its colocated forward (0.19) drops the "
+                                      "attention mask, so block-diagonal attention is not kept; use equal_count "
+                                      "micro-batches")
+        if embeds is None:
+            modality_inputs = {m.name: {m.encoder: {m.keyword: batch.items[m.name]}}
+                               for m in self.modalities if batch.items[m.name].shape[0]}
+            answers = contextlib.nullcontext()
+        else:
+            modality_inputs = {name: {} for name in embeds}  # present, so that each submodule is asked
+            answers = _answering(self.mimo.modality_submodules, embeds)
+        with answers:
+            output, _ = self.mimo(input_ids=batch.tokens, position_ids=batch.position_ids, attention_mask=None,
+                                  loss_mask=batch.loss_mask, labels=batch.labels, modality_inputs=modality_inputs)
+        return output
+
+
+@contextlib.contextmanager
+def _answering(submodules: torch.nn.ModuleDict, embeds: Mapping[str, torch.Tensor]) -> Iterator[None]:
+    """For the duration, each named modality submodule's forward returns its given embeddings."""
+    for name, rows in embeds.items():
+        submodules[name].forward = lambda encoder_inputs=None, hidden_states=None, rows=rows: rows
+    try:
+        yield
+    finally:
+        for name in embeds:
+            del submodules[name].forward
+
+
+def _check_supported(mimo, modalities: Sequence[MimoModality]) -> None:
+    """Refuse, naming the reason, what the adapter cannot balance invariantly (module docstring)."""
+    language = mimo.language_model
+    if not (getattr(language, "pre_process", True) and getattr(language, "post_process", True)):
+        raise NotImplementedError(
+            "MimoBalancing: the language model is split over pipeline stages, which MimoModel does not run "
+            "under Megatron's schedules (0.16.1: its forward embeds the text and runs every modality on every "
+            "rank; 0.19: the colocated layout is PP 1, its pipeline parallelism the non-colocated multi-module "
+            "layout with MIMO's own bridges)")
+    if getattr(mimo.mimo_config, "module_to_grid_map", None):
+        raise NotImplementedError(
+            "MimoBalancing: module_to_grid_map is set; per-module grids move encoder outputs between module "
+            "layouts by MIMO's own communicators (equal batch slices), which post-balancing replaces")
+    names = [m.name for m in modalities]
+    if sorted(names) != sorted(mimo.modality_submodules) or len(set(names)) != len(names):
+        raise ValueError(f"MimoBalancing: modalities {names} must name every modality submodule of the model "
+                         f"once ({sorted(mimo.modality_submodules)}): a balanced micro-batch carries no raw items")
+    for m in modalities:
+        submodule = mimo.modality_submodules[m.name]
+        if m.name not in mimo.special_token_ids:
+            raise ValueError(f"MimoBalancing: modality {m.name} has no special_token_ids entry (its placeholder)")
+        if list(submodule.encoders) != [m.encoder]:
+            raise NotImplementedError(
+                f"MimoBalancing: modality {m.name} has encoders {list(submodule.encoders)}; exactly one ({m.encoder}) "
+                "is supported: a submodule concatenates whole encoders' outputs, so one item's rows would not be "
+                "contiguous nor some items' outputs a slice of the batch's")

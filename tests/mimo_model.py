@@ -1,0 +1,130 @@
+"""A tiny Megatron-Core MimoModel for the MIMO adapter's tests, built from megatron-core's own classes: a
+``VisionModalitySubmodules`` (a patch ViT, an MLP projector) named ``images``, an
+``AudioModalitySubmodules`` (a frame-stacking transformer, an MLP projector) named ``audio``, and a GPT
+language model (RoPE), each a 2-layer transformer of megatron-core's local layers on CPU."""
+from __future__ import annotations
+
+import warnings
+
+import torch
+
+SEQ_LENGTH = 192
+VOCAB = 1024
+PLACEHOLDERS = {"images": 1000, "audio": 1001}
+PAD_TOKEN_ID = 1002
+PATCHES, PATCH_DIM = 4, 12  # an image: 4 patch rows of 3 x 2 x 2 values; 4 embeddings
+FRAMES, MEL_BINS, STACK = 16, 8, 4  # an audio window: 16 frames of 8 mel bins; 4 frames per embedding
+
+
+def _encoder_block(config):
+    from megatron.core.transformer.transformer_block import TransformerBlock
+
+    from megatron_orch.mllm.model import transformer_layer_spec
+    return TransformerBlock(config, transformer_layer_spec("local", encoder=True), post_layer_norm=True)
+
+
+class PatchEncoder(torch.nn.Module):
+    """Patch rows ``[n, patches, patch_dim]`` -> ``[n, patches, hidden]``."""
+
+    def __init__(self, config, patch_dim: int, patches: int):
+        super().__init__()
+        self.embed = torch.nn.Linear(patch_dim, config.hidden_size)
+        self.position = torch.nn.Parameter(torch.randn(patches, config.hidden_size) * 0.02)
+        self.transformer = _encoder_block(config)
+
+    def forward(self, images):
+        x = self.embed(images.to(self.embed.weight.dtype)) + self.position
+        return self.transformer(x.transpose(0, 1).contiguous(), attention_mask=None).transpose(0, 1)
+
+
+class FrameEncoder(torch.nn.Module):
+    """Mel windows ``[n, frames, mel_bins]`` -> ``[n, frames / stack, hidden]`` (``stack`` frames a token)."""
+
+    def __init__(self, config, mel_bins: int, frames: int, stack: int):
+        super().__init__()
+        self.stack = stack
+        self.embed = torch.nn.Linear(mel_bins * stack, config.hidden_size)
+        self.position = torch.nn.Parameter(torch.randn(frames // stack, config.hidden_size) * 0.02)
+        self.transformer = _encoder_block(config)
+
+    def forward(self, features):
+        n, frames, bins = features.shape
+        x = self.embed(features.to(self.embed.weight.dtype).reshape(n, frames // self.stack, self.stack * bins))
+        x = x + self.position
+        return self.transformer(x.transpose(0, 1).contiguous(), attention_mask=None).transpose(0, 1)
+
+
+def shapes():
+    """(encoder shape, language model shape) of the tiny MIMO."""
+    from megatron_orch.balance.cost import TransformerShape
+    encoder = TransformerShape(num_layers=2, hidden_size=32, ffn_hidden_size=64, num_attention_heads=4, causal=False)
+    language = TransformerShape(num_layers=2, hidden_size=64, ffn_hidden_size=128, num_attention_heads=4,
+                                causal=True, vocab_size=VOCAB)
+    return encoder, language
+
+
+def build_mimo(tensor_model_parallel_size: int = 1, pre_process: bool = True, post_process: bool = True,
+               encoders_of_images=("vit",)):
+    """The tiny MimoModel (``encoders_of_images``: the names of the image submodule's encoders)."""
+    warnings.filterwarnings("ignore", message=".*experimental.*")
+    from megatron.core.models.gpt.gpt_model import GPTModel
+    from megatron.core.models.mimo import MimoModel, MimoModelConfig
+    from megatron.core.models.mimo.submodules.audio import AudioModalitySubmodules
+    from megatron.core.models.mimo.submodules.vision import VisionModalitySubmodules
+    from megatron.core.models.vision.multimodal_projector import MultimodalProjector
+    from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
+    from megatron.core.transformer.mlp import MLPSubmodules
+    from megatron.core.transformer.spec_utils import ModuleSpec
+
+    from megatron_orch.balance.cost import TransformerShape
+    from megatron_orch.mllm.model import ModelParallelSettings, padded_vocab_size, transformer_config, transformer_layer_spec
+
+    settings = ModelParallelSettings(tensor_model_parallel_size=tensor_model_parallel_size)
+    encoder, language = shapes()
+    encoder_config = transformer_config(encoder, settings, pipeline_split=False)
+    language_config = transformer_config(language, settings, pipeline_split=True)
+    projector_config = transformer_config(
+        TransformerShape(num_layers=1, hidden_size=language.hidden_size, ffn_hidden_size=64,
+                         num_attention_heads=language.num_attention_heads, causal=False), settings, pipeline_split=False)
+
+    def projector():
+        return ModuleSpec(module=MultimodalProjector, submodules=MLPSubmodules(linear_fc1=ColumnParallelLinear,
+                                                                              linear_fc2=RowParallelLinear),
+                          params={"config": projector_config, "projector_type": "mlp",
+                                  "input_size": encoder.hidden_size})
+
+    images = ModuleSpec(module=VisionModalitySubmodules, submodules={
+        "encoders": {name: ModuleSpec(module=PatchEncoder, params={"config": encoder_config, "patch_dim": PATCH_DIM,
+                                                                    "patches": PATCHES})
+                     for name in encoders_of_images},
+        "input_projections": [projector()]})
+    audio = ModuleSpec(module=AudioModalitySubmodules, submodules={
+        "encoders": {"frames": ModuleSpec(module=FrameEncoder, params={"config": encoder_config, "mel_bins": MEL_BINS,
+                                                                        "frames": FRAMES, "stack": STACK})},
+        "input_projections": [projector()]})
+    language_model = ModuleSpec(module=GPTModel, params={
+        "config": language_config, "transformer_layer_spec": transformer_layer_spec("local", encoder=False),
+        "vocab_size": padded_vocab_size(VOCAB, settings), "max_sequence_length": SEQ_LENGTH,
+        "pre_process": pre_process, "post_process": post_process, "position_embedding_type": "rope"})
+    return MimoModel(MimoModelConfig(language_model_spec=language_model,
+                                     modality_submodules_spec={"images": images, "audio": audio},
+                                     special_token_ids=dict(PLACEHOLDERS)))
+
+
+def modalities():
+    """How the tiny MIMO's two modality submodules are balanced: FLOPs from the encoders' shape."""
+    from megatron_orch.balance.cost import FunctionCost, TransformerCost
+    from megatron_orch.megatron.mimo import MimoModality
+    encoder, _ = shapes()
+    return (MimoModality("images", "vit", "images", (PATCHES, PATCH_DIM), rows_per_item=PATCHES,
+                         item_tokens=PATCHES, cost=TransformerCost(encoder)),
+            # a user's cost function for the other: any callable of the item tokens
+            MimoModality("audio", "frames", "features", (FRAMES, MEL_BINS), rows_per_item=FRAMES // STACK,
+                         item_tokens=FRAMES // STACK,
+                         cost=FunctionCost(lambda s: encoder.train_flops(s), memory=encoder.activation_bytes)))
+
+
+def balanced_mimo(tensor_model_parallel_size: int = 1):
+    from megatron_orch.balance.cost import TransformerCost
+    from megatron_orch.megatron.mimo import MimoBalancing
+    return MimoBalancing(build_mimo(tensor_model_parallel_size), modalities(), TransformerCost(shapes()[1]))

@@ -1,0 +1,187 @@
+"""Megatron-Core's MimoModel balanced out of the box (``megatron_orch.megatron.mimo``), on CPU over gloo.
+
+A tiny MimoModel (``mimo_model``: an image and an audio modality submodule of megatron-core's own classes,
+a GPT language model) trains upstream (``MimoModel.forward`` per micro-batch, Megatron's schedule) and
+with post-balancing (the same model wrapped in ``MimoBalancing``, the post-balancing iterator and the
+modality-aware schedule), with the compact trainer's own building blocks (Megatron DDP, SGD, per-token
+loss): the losses of every step and the parameters after the run agree within 1e-5, and on the step with
+every heavy example on one rank the plan moved data and lowered each phase's modeled max/mean. Layouts:
+DP 4 and TP 2 x DP 2. PP 2 x DP 2 is refused, with MIMO's reason (MimoModel does not run a language model
+split over pipeline stages under Megatron's schedules), as is what else the adapter cannot keep invariant.
+"""
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+
+from dist_utils import run_distributed
+from mimo_model import FRAMES, MEL_BINS, PAD_TOKEN_ID, PATCH_DIM, PATCHES, SEQ_LENGTH
+
+warnings.filterwarnings("ignore", message=r".*(Transformer Engine|Apex).*not installed")
+
+ITERS, MBS, NUM_MB = 4, 2, 2
+FLAGS = ["--seq-length", str(SEQ_LENGTH), "--micro-batch-size", str(MBS), "--train-iters", str(ITERS),
+         "--lr", "1e-2", "--lr-warmup-iters", "0", "--seed", "5", "--distributed-backend", "gloo", "--optimizer", "sgd"]
+SCENARIOS = ("mixed", "heavy_on_one_rank", "no_images", "audio_on_one_rank")
+TIMEOUT_S = 300.0
+
+
+def scripted_example(step: int, dp_rank: int, position: int, spec, sample_index: int):
+    from megatron_orch.mllm.examples import assemble_example
+
+    scenario = SCENARIOS[step % len(SCENARIOS)]
+    g = torch.Generator().manual_seed(1000 * step + 10 * dp_rank + position)
+    images, windows = int(torch.randint(0, 3, (1,), generator=g)), int(torch.randint(0, 3, (1,), generator=g))
+    answer = int(torch.randint(4, 20, (1,), generator=g))
+    if scenario == "heavy_on_one_rank":
+        images, windows, answer = (9, 5, 40) if dp_rank == 0 else (0, 0, 4)
+    elif scenario == "no_images":
+        images = 0
+    elif scenario == "audio_on_one_rank":
+        windows = windows + 1 if dp_rank == 0 else 0
+    items = {"images": torch.randn(images, PATCHES, PATCH_DIM, generator=g),
+             "audio": torch.randn(windows, FRAMES, MEL_BINS, generator=g)}
+    prompt = torch.randint(0, 256, (4,), generator=g).tolist()
+    return assemble_example(sample_index, prompt, torch.randint(0, 256, (answer,), generator=g).tolist(), items, spec)
+
+
+def _train(rank, world_size, tp, balanced, out_dir):
+    warnings.filterwarnings("ignore")
+    from megatron.core import parallel_state
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    from megatron_orch.balance.topology import Topology
+    from megatron_orch.megatron import (ModalityAwareSchedule, OrchestratorConfig, ParallelGroups,
+                                        PostBalancingDataIterator, StepShape, collate, forward_step)
+    from megatron_orch.trainer import arguments, cpu_harness, loop as trainer
+    from mimo_model import balanced_mimo
+
+    dp = world_size // tp
+    args = arguments.parse_args(FLAGS + ["--tensor-model-parallel-size", str(tp),
+                                         "--global-batch-size", str(MBS * NUM_MB * dp)], world_size=world_size)
+    trainer.initialize(args)
+    try:
+        built = []
+
+        def model_provider(args, pre_process, post_process):
+            built.append(balanced_mimo(tp))
+            cpu_harness.install()  # megatron.core.models.mimo was imported just now
+            return built[-1]
+
+        timers = trainer.Timers(log_level=1, log_option="minmax")
+        model = trainer.build_model(args, model_provider)
+        optimizer, scheduler = trainer.build_optimizer(args, model, timers)
+        trainer.attach_to_model_config(model, optimizer, timers)
+        spec = built[0].batch_spec(SEQ_LENGTH, PAD_TOKEN_ID)
+        dp_group, dp_rank = parallel_state.get_data_parallel_group(), parallel_state.get_data_parallel_rank()
+        per_rank = MBS * NUM_MB
+        source = (collate([scripted_example(step, dp_rank, m * MBS + j, spec,
+                                            step * args.global_batch_size + dp_rank * per_rank + m * MBS + j)
+                           for j in range(MBS)], spec)
+                  for step in range(ITERS) for m in range(NUM_MB))
+        schedule, iterator = None, source
+        if balanced:
+            groups = ParallelGroups(dp_group, Topology.uniform(args.data_parallel_size, 1), encoder_stage=True,
+                                    peer_group=parallel_state.get_model_parallel_group())
+            iterator = PostBalancingDataIterator(source, spec, OrchestratorConfig(), StepShape(MBS, NUM_MB), groups,
+                                                 compute_device=torch.device("cpu"))
+            schedule = ModalityAwareSchedule(get_forward_backward_func(), dp_group)
+        losses, reports = [], []
+        for _ in range(ITERS):
+            losses.append(trainer.train_step(forward_step, iterator, model, optimizer, scheduler, args, timers,
+                                             schedule)["lm_loss"])
+            if schedule is not None:
+                reports.append(schedule.last_step.plan.report())
+        torch.save({"losses": losses, "reports": reports,
+                    "params": {name: p.detach().clone() for name, p in built[0].named_parameters()}},
+                   Path(out_dir) / f"rank{rank}.pt")
+    finally:
+        parallel_state.destroy_model_parallel()
+
+
+def train(tmp_path: Path, name: str, tp: int, balanced: bool) -> list:
+    out = tmp_path / name
+    out.mkdir()
+    run_distributed(_train, 4, tp, balanced, str(out), timeout_s=TIMEOUT_S)
+    return [torch.load(out / f"rank{r}.pt") for r in range(4)]
+
+
+@pytest.mark.parametrize("tp", [1, 2], ids=["dp4", "tp2_dp2"])
+def test_mimo_upstream_and_balanced_agree_and_the_plan_balances(tp, tmp_path):
+    upstream, balanced = train(tmp_path, "upstream", tp, False), train(tmp_path, "balanced", tp, True)
+    assert upstream[0]["losses"][-1] < upstream[0]["losses"][0]  # it learns: not two idle models
+    for rank, (got, want) in enumerate(zip(balanced, upstream)):
+        assert got["losses"] == pytest.approx(want["losses"], rel=1e-5), rank
+        assert got["params"].keys() == want["params"].keys()
+        for name in want["params"]:
+            torch.testing.assert_close(got["params"][name], want["params"][name], rtol=1e-5, atol=1e-6,
+                                       msg=lambda m: f"rank {rank} parameter {name}: {m}")
+    heavy = balanced[0]["reports"][SCENARIOS.index("heavy_on_one_rank")]
+    assert heavy["intra-node MB"] + heavy["inter-node MB"] > 0, heavy
+    for phase in ("images", "audio", "language"):
+        assert heavy[f"{phase} before"] > 1.3, heavy
+        assert heavy[f"{phase} after"] < heavy[f"{phase} before"], heavy
+
+
+# -- what the adapter refuses, and why ----------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def harness():
+    from megatron_orch.trainer import cpu_harness
+    cpu_harness.install()
+
+
+def test_the_adapter_meets_the_contract(harness, world_of_one):
+    from megatron_orch.megatron import BalanceableModel
+    from mimo_model import balanced_mimo
+
+    model = balanced_mimo()
+    assert isinstance(model, BalanceableModel)
+    assert model.phases.names == ("images", "audio", "language")
+    spec = model.batch_spec(SEQ_LENGTH, PAD_TOKEN_ID)
+    assert [(i.phase, i.item_shape, i.placeholder_id) for i in spec.inputs] == [
+        ("images", (PATCHES, PATCH_DIM), 1000), ("audio", (FRAMES, MEL_BINS), 1001)]
+    with torch.no_grad():  # the submodule's own forward, item by item: any grouping gives the same rows
+        images = torch.randn(3, PATCHES, PATCH_DIM)
+        together = model.encode("images", images)
+        assert together.shape == (3 * PATCHES, 64)
+        torch.testing.assert_close(torch.cat([model.encode("images", images[:1]), model.encode("images", images[1:])]),
+                                   together, rtol=1e-5, atol=1e-6)
+        assert model.encode("audio", torch.zeros(0, FRAMES, MEL_BINS)).shape == (0, 64)
+
+
+def test_a_language_model_split_over_pipeline_stages_is_refused(harness, world_of_one):
+    from megatron_orch.balance.cost import TransformerCost
+    from megatron_orch.megatron.mimo import MimoBalancing
+    from mimo_model import build_mimo, modalities, shapes
+
+    for stage in ({"pre_process": False}, {"post_process": False}):
+        with pytest.raises(NotImplementedError, match="split over pipeline stages, which MimoModel does not run"):
+            MimoBalancing(build_mimo(**stage), modalities(), TransformerCost(shapes()[1]))
+
+
+def test_what_would_break_invariance_is_refused(harness, world_of_one):
+    import dataclasses
+
+    from megatron_orch.balance.cost import TransformerCost
+    from megatron_orch.megatron import collate_packed
+    from megatron_orch.megatron.mimo import MimoBalancing
+    from mimo_model import balanced_mimo, build_mimo, modalities, shapes
+
+    cost = TransformerCost(shapes()[1])
+    with pytest.raises(NotImplementedError, match=r"modality images has encoders \['vit', 'siglip'\]; exactly one"):
+        MimoBalancing(build_mimo(encoders_of_images=("vit", "siglip")), modalities(), cost)
+    with pytest.raises(ValueError, match="must name every modality submodule"):
+        MimoBalancing(build_mimo(), modalities()[:1], cost)
+    mimo = build_mimo()
+    mimo.mimo_config.module_to_grid_map = {"images": object()}  # 0.19's per-module grids
+    with pytest.raises(NotImplementedError, match="module_to_grid_map is set"):
+        MimoBalancing(mimo, modalities(), cost)
+    model = balanced_mimo()
+    spec = model.batch_spec(SEQ_LENGTH, PAD_TOKEN_ID)
+    packed = collate_packed([scripted_example(0, 0, j, spec, j) for j in range(2)], spec)
+    with pytest.raises(NotImplementedError, match="packed rows with a MimoModel"):
+        model(packed)
+    with pytest.raises(ValueError, match="placeholder ids .* and pad id 1000 must be distinct"):
+        dataclasses.replace(spec, pad_token_id=1000)
