@@ -80,9 +80,9 @@ def test_every_point_is_timed_with_the_cost_models_flops(tmp_path, monkeypatch, 
 
 
 def test_a_given_peak_gives_mfu_on_a_cpu(monkeypatch, capsys):
-    monkeypatch.setitem(mfu.QUICK_GRID, "llm", mfu.QUICK_GRID["llm"][:1])
-    monkeypatch.setitem(mfu.QUICK_GRID, "vision", [])
-    monkeypatch.setitem(mfu.QUICK_GRID, "audio", [])
+    monkeypatch.setitem(mfu.QUICK_GRID, mfu.BACKBONE_PHASE, mfu.QUICK_GRID[mfu.BACKBONE_PHASE][:1])
+    for kind in ("vit", "whisper"):  # the encoders' kinds: no points
+        monkeypatch.setitem(mfu.QUICK_GRID, kind, [])
     result = mfu.main(["--model", "tiny", "--quick", "--device", "cpu", "--peak-tflops", "0.5"])
     (point,) = result["points"]
     assert point["mfu"] == pytest.approx(point["tflops"] / 0.5, rel=1e-9)

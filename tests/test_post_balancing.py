@@ -349,6 +349,9 @@ def test_the_schedule_restores_the_model_configs_callbacks():
         def phase_encoders(self):
             return {}
 
+        def encode(self, phase, items):
+            raise AssertionError("a stage without encoders encodes nothing")
+
     def forward_backward(fail=False, **kwargs):
         calls.append(config.finalize_model_grads_func is finalize)  # wrapped during the call
         config.grad_sync_func[1]()
