@@ -145,6 +145,34 @@ def lpt(costs, memory, memory_cap, order, num_bins, bin_of_item):
     return -1
 
 
+@numba.njit(**_JIT)
+def slot_lpt(costs, order, num_bins, per_bin, target, bin_of_item):
+    """Equal-count greedy by room per free slot: every bin takes ``per_bin`` items.
+
+    Items in ``order`` (decreasing cost, ties by id), each to the bin with the largest
+    (``target`` - load) / free slots (ties: the smaller bin id); a full bin leaves. A bin that took
+    a long item has little room per slot left, so it takes nothing more until only items that small
+    are left: it ends with the long item and short ones, where count-capped LPT gives it whatever
+    comes when its load is the least (mid-sized items, on a heavy tail).
+    """
+    key = np.full(num_bins, -target / per_bin)  # (load - target) / free: the smallest first
+    ids = np.arange(num_bins)  # equal keys, ids ascending: already a heap
+    load = np.zeros(num_bins)
+    free = np.full(num_bins, per_bin, dtype=np.int64)
+    size = num_bins
+    for item in order:
+        b = ids[0]
+        bin_of_item[item] = b
+        load[b] += costs[item]
+        free[b] -= 1
+        if free[b] == 0:
+            _heap_pop(key, ids, size)
+            size -= 1
+        else:
+            key[0] = (load[b] - target) / free[b]
+            _sift_down(key, ids, size, 0)
+
+
 # ---------------------------------------------------------------------------------------------
 # Karmarkar-Karp largest differencing, K-way.
 #
@@ -689,6 +717,51 @@ def _exchange_with(costs, memory, memory_cap, load, bin_mem, top, b, top_items, 
     return best, num_out, num_in
 
 
+@numba.njit(**_INLINE)
+def _cheapest_swap(costs, memory, memory_cap, load, bin_mem, bin_of_item, top, top_items, num_top, order, scan,
+                   node_size, best, best_out, best_in):
+    """Best swap of one item of the top bin for one of the batch's cheapest items that beats ``best``.
+
+    The last items of ``order`` (decreasing cost) outside the top bin (with ``node_size > 0``: on its
+    node), up to ``scan`` of them, each against the top bin's item whose cost is nearest its own plus
+    half the gap between their bins (``top_items``: by increasing cost). Returns (value, partner bin)
+    with the swap in ``best_out[0]`` / ``best_in[0]``, or (best, -1) if none beats it.
+    """
+    top_load = load[top]
+    found = -1
+    seen = 0
+    for u in range(order.size - 1, -1, -1):
+        j = order[u]
+        if seen == scan or costs[j] >= costs[top_items[num_top - 1]]:
+            break  # enough tried, or no item of the top bin costs more
+        b = bin_of_item[j]
+        if b == top or (node_size > 0 and b // node_size != top // node_size):
+            continue
+        seen += 1
+        gap = top_load - load[b]
+        if gap <= 0.0:
+            continue
+        target = costs[j] + 0.5 * gap
+        lo, hi = 0, num_top  # the first of the top bin's items costing >= target
+        while lo < hi:
+            mid = (lo + hi) // 2
+            if costs[top_items[mid]] < target:
+                lo = mid + 1
+            else:
+                hi = mid
+        for t in range(max(lo - 1, 0), min(lo + 1, num_top)):
+            i = top_items[t]
+            d = costs[i] - costs[j]
+            if (0.0 < d < gap and bin_mem[b] + memory[i] - memory[j] <= memory_cap
+                    and bin_mem[top] - memory[i] + memory[j] <= memory_cap):
+                value = max(top_load - d, load[b] + d)
+                if value < best:
+                    best, found = value, b
+                    best_out[0] = i
+                    best_in[0] = j
+    return best, found
+
+
 @numba.njit(**_JIT)
 def _partners(load, rank, top, node_size, partners, out):
     """Candidate partners of the top bin, least-loaded first; returns how many.
@@ -794,7 +867,7 @@ def swap_sweeps(costs, order, num_bins, bin_of_item, stop_at, max_sweeps, group_
 
 @numba.njit(**_JIT)
 def refine(costs, memory, memory_cap, num_bins, bin_of_item, allow_moves, stop_at, partners, node_size,
-           max_steps):
+           max_steps, order, cheapest_scan):
     """Lower the maximum bin cost by local search, in place; returns the number of steps taken.
 
     Each step takes the most-loaded bin M and applies the exchange with one partner bin b that
@@ -806,6 +879,10 @@ def refine(costs, memory, memory_cap, num_bins, bin_of_item, allow_moves, stop_a
     several of b or several of M for one of b (found greedily; what evening out items of a few
     fixed sizes takes). Partners: with ``node_size > 0`` the bins of M's node first (bin r is on
     node r // node_size), then ``partners`` least-loaded bins anywhere (see :func:`_partners`).
+    Last, if those find nothing, one item of M for one of the cheapest items of the batch, wherever
+    it is (its node first): ``order`` lists the items by decreasing cost, and the last
+    ``cheapest_scan`` of them outside M are tried (:func:`_cheapest_swap`). Partners hold their
+    bins' typical items, where a bin with one long item needs the batch's shortest for its other slots.
     Stops at a local optimum, once the maximum is at most ``stop_at``, or after ``max_steps``.
     """
     n = costs.size
@@ -862,6 +939,13 @@ def refine(costs, memory, memory_cap, num_bins, bin_of_item, allow_moves, stop_a
                                                 best, best_out, best_in)
                     if o >= 0:
                         best_b, num_out, num_in = b, o, i
+        for scope in range(2):  # the cheapest items: M's node first (if node_size > 0), then anywhere
+            if best_b >= 0 or (scope == 0 and node_size <= 0):
+                continue
+            best, b = _cheapest_swap(costs, memory, memory_cap, load, bin_mem, bin_of_item, top, top_items, num_top,
+                                     order, cheapest_scan, node_size if scope == 0 else 0, best, best_out, best_in)
+            if b >= 0:
+                best_b, num_out, num_in = b, 1, 1
         if best_b < 0:
             break
         top_load, partner_load = load[top], load[best_b]
