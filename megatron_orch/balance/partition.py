@@ -398,19 +398,35 @@ def equal_count_lower_bound(costs, num_bins: int) -> float:
     return float(bound)
 
 
+def _equal_count_start(method, costs, order, num_bins, per_bin, lower_bound):
+    """(max cost, name, bin_of_item) of one equal-count construction: ``kk``, ``slot`` or ``lpt``."""
+    n = costs.size
+    bins = np.zeros(n, dtype=np.int64)
+    if method == "kk":
+        _kernels.kk(costs, order, num_bins, num_bins, bins)
+    elif method == "slot" and n:  # (no slots to divide by when there are no items)
+        _kernels.slot_lpt(costs, order, num_bins, per_bin, lower_bound, bins)
+    elif method == "lpt":
+        _kernels.lpt(costs, np.ones(n), float(per_bin), order, num_bins, bins)  # a count cap never fails
+    return _max_cost(costs, bins, num_bins), f"equal:{method}", bins
+
+
 def partition_equal_count(costs, num_bins, *, home=None, refine: bool = True, item_bytes=None,
                           gpus_per_node=None) -> Partition:
     """Like :func:`partition`, but every bin gets exactly n/K items (n % K != 0 is an error).
 
-    Two constructions, the better kept (ties: the first): equal-cardinality Karmarkar-Karp (the
-    sorted items form n/K runs of K; largest differencing merges whole runs, so every bin receives
-    one item of each run), and the greedy by room per free slot (:func:`_kernels.slot_lpt`, aimed at
-    :func:`equal_count_lower_bound`), which on a heavy tail gives a bin with a long item the short
-    ones (LPT under a count cap gives it mid-sized ones, 4-11% above the bound). Then (``refine``) swaps, which keep counts, lower the
-    maximum: sweeps of swaps between the k-th most- and least-loaded bins first (many bins at once),
-    then the local search on the most-loaded bin (:func:`_kernels.refine`, down to trades with the
-    batch's cheapest items). Both stop within 0.01% of the bound. ``home`` (itself equal-count) is
-    returned when the result would not be strictly better.
+    Constructions: equal-cardinality Karmarkar-Karp (the sorted items form n/K runs of K; largest
+    differencing merges whole runs, so every bin receives one item of each run); the greedy by room
+    per free slot (:func:`_kernels.slot_lpt`, aimed at :func:`equal_count_lower_bound`), which on a
+    heavy tail gives a bin with a long item the short ones (where LPT under a count cap gives it
+    mid-sized ones: 4-11% above the bound); LPT under a count cap of n/K. The better of the first two
+    is refined (``refine``) by swaps, which keep counts: sweeps of swaps between the k-th most- and
+    least-loaded bins first (many bins at once), then the local search on the most-loaded bin
+    (:func:`_kernels.refine`: one-for-one and two-for-two swaps with partners, then trades with the
+    batch's cheapest items). If that is not within 0.01% of the bound, the other start is refined,
+    then LPT's, and the best kept (a fixed amount of work: the same plan on every rank). Without
+    ``refine``, the better of the first two. ``home`` (itself equal-count) is returned when the
+    result would not be strictly better.
     """
     costs = _check_values(costs, "costs")
     n = costs.size
@@ -429,22 +445,22 @@ def partition_equal_count(costs, num_bins, *, home=None, refine: bool = True, it
             raise ValueError(f"home is not equal-count: bin {b} holds {counts[b]} items, expected {per_bin}")
     order = _decreasing(costs)
     lower_bound = equal_count_lower_bound(costs, num_bins)
-    bins, name, cost = None, "", math.inf
-    for construction in ("kk", "slot"):
-        trial = np.zeros(n, dtype=np.int64)
-        if construction == "kk":
-            _kernels.kk(costs, order, num_bins, num_bins, trial)
-        elif n:
-            _kernels.slot_lpt(costs, order, num_bins, per_bin, lower_bound, trial)
-        trial_cost = _max_cost(costs, trial, num_bins)
-        if trial_cost < cost:
-            bins, name, cost = trial, f"equal:{construction}", trial_cost
+    good_enough = (1.0 + _GOOD_ENOUGH) * lower_bound
     memory = np.zeros(n)
-    if refine and n:
-        stop_at = (1.0 + _GOOD_ENOUGH) * lower_bound
-        _kernels.swap_sweeps(costs, order, num_bins, bins, stop_at, _SWAP_SWEEPS, num_bins)
-        _refine(costs, memory, math.inf, order, num_bins, bins, allow_moves=False, stop_at=stop_at)
-        name += "+refine"
+    starts = sorted((_equal_count_start(method, costs, order, num_bins, per_bin, lower_bound)
+                     for method in ("kk", "slot")), key=lambda start: start[0])
+    bins, name, cost = None, "", math.inf
+    for attempt in range(3):  # the better start refined; if that is not good enough, the other, then LPT
+        if bins is not None and (not refine or not n or cost <= good_enough):
+            break
+        trial_cost, trial_name, trial = starts[attempt] if attempt < 2 else _equal_count_start(
+            "lpt", costs, order, num_bins, per_bin, lower_bound)
+        if refine and n:
+            _kernels.swap_sweeps(costs, order, num_bins, trial, good_enough, _SWAP_SWEEPS, num_bins)
+            _refine(costs, memory, math.inf, order, num_bins, trial, allow_moves=False, stop_at=good_enough)
+            trial_cost, trial_name = _max_cost(costs, trial, num_bins), trial_name + "+refine"
+        if trial_cost < cost:
+            bins, name, cost = trial, trial_name, trial_cost
     if home is not None and _max_cost(costs, bins, num_bins) >= _max_cost(costs, home, num_bins):
         bins, name = home.copy(), "home"
     return _result(bins, num_bins, costs, memory, False, lower_bound, home, name, item_bytes,
