@@ -938,10 +938,10 @@ def refine(costs, memory, memory_cap, num_bins, bin_of_item, allow_moves, stop_a
     of a few fixed sizes takes); then two items of M for two of b (bins of at most
     :data:`_PAIR_ITEMS` items: :func:`_pair_swap`). Partners: with ``node_size > 0`` the bins of M's node first (bin r is on
     node r // node_size), then ``partners`` least-loaded bins anywhere (see :func:`_partners`).
-    Last, if those find nothing, one item of M for one of the cheapest items of the batch, wherever
-    it is (its node first): ``order`` lists the items by decreasing cost, and the last
-    ``cheapest_scan`` of them outside M are tried (:func:`_cheapest_swap`). Partners hold their
-    bins' typical items, where a bin with one long item needs the batch's shortest for its other slots.
+    Last, one item of M for one of the cheapest items of the batch (of M's node, in the node round):
+    ``order`` lists the items by decreasing cost, and the last ``cheapest_scan`` of them outside M
+    are tried (:func:`_cheapest_swap`). Partners hold their bins' typical items, where a bin with
+    one long item needs the batch's shortest for its other slots.
     Stops at a local optimum, once the maximum is at most ``stop_at``, or after ``max_steps``.
     """
     n = costs.size
@@ -988,12 +988,17 @@ def refine(costs, memory, memory_cap, num_bins, bin_of_item, allow_moves, stop_a
             if scope == 0 and node_size <= 0:
                 continue
             num_p = _partners(load, rank, top, node_size if scope == 0 else 0, partners, plist)
-            if num_p == 0:
-                continue
-            for kind in range(3):
+            for kind in range(4):  # 0: moves and swaps; 1: one for several; 2: two for two; 3: the cheapest items
                 if best_b >= 0:
                     break
                 if (kind == 1 and not allow_moves) or (kind == 2 and not 2 <= num_top <= _PAIR_ITEMS):
+                    continue
+                if kind == 3:
+                    best, b = _cheapest_swap(costs, memory, memory_cap, load, bin_mem, bin_of_item, top, top_items,
+                                             num_top, order, cheapest_scan, node_size if scope == 0 else 0, best,
+                                             best_out, best_in)
+                    if b >= 0:
+                        best_b, num_out, num_in = b, 1, 1
                     continue
                 for q in range(num_p):
                     b = plist[q]
@@ -1011,13 +1016,6 @@ def refine(costs, memory, memory_cap, num_bins, bin_of_item, allow_moves, stop_a
                         continue
                     if o >= 0:
                         best_b, num_out, num_in = b, o, i
-        for scope in range(2):  # the cheapest items: M's node first (if node_size > 0), then anywhere
-            if best_b >= 0 or (scope == 0 and node_size <= 0):
-                continue
-            best, b = _cheapest_swap(costs, memory, memory_cap, load, bin_mem, bin_of_item, top, top_items, num_top,
-                                     order, cheapest_scan, node_size if scope == 0 else 0, best, best_out, best_in)
-            if b >= 0:
-                best_b, num_out, num_in = b, 1, 1
         if best_b < 0:
             break
         top_load, partner_load = load[top], load[best_b]

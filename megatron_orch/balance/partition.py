@@ -26,11 +26,13 @@ from typing import Optional
 import numpy as np
 
 from megatron_orch.balance import _kernels
+from megatron_orch.balance.placement import PlacementConfig, place_items
+from megatron_orch.balance.topology import Topology
 
 METHODS = ("lpt", "kk", "bs_ffd")
 _SWAP_SWEEPS = 16           # at most this many swap sweeps before the local search (a sweep: ~1 ms at DP 2560)
 _REFINE_PARTNERS = 8         # least-loaded bins tried as move/swap partners of the most-loaded one
-_CHEAPEST_SCAN = 64          # then the batch's cheapest items (outside the most-loaded bin) tried as swaps
+_CHEAPEST_SCAN = 1024        # then the batch's cheapest items (outside the most-loaded bin) tried as swaps
 _BS_FFD_REL_TOL = 1e-3       # binary search stops when capacity is known within this fraction
 _GOOD_ENOUGH = 1e-4          # this close to a lower bound, auto and refinement stop: nothing to gain
 _BS_FFD_MAX_ROUNDS = 40
@@ -227,6 +229,16 @@ def _result(bins, num_bins, costs, memory, has_memory, lower_bound, home, method
         inter_node_bytes=inter,
         total_bytes=total,
     )
+
+
+def _placed(bin_of_item, home, item_bytes, num_bins: int, gpus_per_node: int) -> np.ndarray:
+    """Rank of every item when bin b runs on the rank the exact placement gives it (fewest bytes
+    across nodes, then off their GPU, items moving from ``home``): a locality partitioner's
+    fallback, whose bins are ranks."""
+    rank_of_bin = place_items(bin_of_item, home, np.rint(item_bytes).astype(np.int64),
+                              Topology.uniform(num_bins, gpus_per_node),
+                              PlacementConfig(method="exact", deterministic=True))
+    return rank_of_bin[bin_of_item]
 
 
 # ----------------------------------------------------------------------------------------------
@@ -478,9 +490,12 @@ def partition_equal_count_locality(costs, home, num_bins, gpus_per_node, *, item
     plan's max per rank; (2) an item that stayed on its node keeps its home rank, one that arrived
     takes a slot an item left on that node; (3) the ranks of each node are evened out the same way,
     and any rank still above the capacity trades with its node first, then anywhere. Counts stay
-    equal throughout. If the capacity ((1 + ``tolerance``) x the reference max) is not met, the
-    reference bins are returned (method ``equal_locality_fallback:...``); a home assignment within
-    it, unchanged (``"home"``).
+    equal throughout; the refinement's trades with the batch's cheapest items give a rank with a
+    long item the short ones it needs, from its node first. If the capacity ((1 + ``tolerance``) x
+    the reference max) is not met, the reference bins go to the ranks the exact placement gives them
+    (the fewest ``item_bytes`` across nodes, then off their GPU; method
+    ``equal_locality_fallback:...+exact``); a home assignment within it is returned unchanged
+    (``"home"``).
     """
     costs = _check_values(costs, "costs")
     n = costs.size
@@ -516,7 +531,8 @@ def partition_equal_count_locality(costs, home, num_bins, gpus_per_node, *, item
                 node_size=gpus_per_node)
         name = "equal_locality"
         if _max_cost(costs, bins, num_bins) > capacity:
-            bins, name = reference.bin_of_item, f"equal_locality_fallback:{reference.method}"
+            bins, name = (_placed(reference.bin_of_item, home, item_bytes, num_bins, gpus_per_node),
+                          f"equal_locality_fallback:{reference.method}+exact")
     return _result(bins, num_bins, costs, None, False, lower_bound, home, name, item_bytes, gpus_per_node)
 
 
@@ -570,8 +586,9 @@ def partition_locality(costs, home, num_bins, gpus_per_node, *, item_bytes, memo
     if they fit there, else to the least-loaded rank anywhere. If a rank is still above the
     capacity, refinement moves work off it, to ranks of its own node first. So bytes cross nodes
     mostly where a node has too much work, and leave their GPU only where a rank has. If the
-    capacity cannot be met, the auto plan itself is returned (method ``locality_fallback:...``);
-    a home assignment already within the capacity is returned unchanged (method ``"home"``).
+    capacity cannot be met, the auto plan's bins go to the ranks the exact placement gives them
+    (method ``locality_fallback:...+exact``); a home assignment already within the capacity is
+    returned unchanged (method ``"home"``).
     """
     costs = _check_values(costs, "costs")
     n = costs.size
@@ -603,6 +620,7 @@ def partition_locality(costs, home, num_bins, gpus_per_node, *, item_bytes, memo
                     node_size=gpus_per_node)
             name += "+refine"
         if failed >= 0 or _max_cost(costs, bins, num_bins) > capacity:
-            bins, name = reference, f"locality_fallback:{reference_name}"
+            bins, name = (_placed(reference, home, item_bytes, num_bins, gpus_per_node),
+                          f"locality_fallback:{reference_name}+exact")
     return _result(bins, num_bins, costs, memory, has_memory, _lower_bound(costs, num_bins), home,
                    name, item_bytes, gpus_per_node)

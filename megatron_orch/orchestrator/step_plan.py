@@ -184,8 +184,12 @@ def plan_step(sizes: StepSizes, model_config: MLLMConfig, config: OrchestratorCo
     if "llm" not in config.phases:
         rank_llm, method = home, "none"
     elif config.locality:
+        # what an example pulls to its backbone rank: its text, and its embeddings (counted from its home
+        # rank: the encoder plans keep items on their node)
+        example_bytes = text_bytes + sum(np.bincount(example, weights=out_bytes, minlength=sizes.num_examples)
+                                         for example, _, out_bytes in rank_of_item.values())
         locality = partition_locality if packed else partition_equal_count_locality
-        part = locality(llm_costs, home, num_ranks, _gpus_per_node(topology), item_bytes=text_bytes)
+        part = locality(llm_costs, home, num_ranks, _gpus_per_node(topology), item_bytes=example_bytes)
         rank_llm, method = part.bin_of_item, part.method
     else:
         part = (partition(llm_costs, num_ranks, method=config.algorithm, home=home) if packed
