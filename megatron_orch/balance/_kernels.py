@@ -933,16 +933,16 @@ def refine(costs, memory, memory_cap, num_bins, bin_of_item, allow_moves, stop_a
     under the cap. With loads L > Lb and a net cost d moved from M to b, the new pair is
     (L - d, Lb + d): the best d is the one nearest (L - Lb) / 2. Exchanges tried, in rounds (a
     round runs only if the ones before found nothing): one item of M for one cheaper item of b
-    (keeps counts) and, if ``allow_moves``, one item moved from M to b; then (``allow_moves``) one
-    item of M for several of b or several of M for one of b (found greedily; what evening out items
-    of a few fixed sizes takes); then two items of M for two of b (bins of at most
-    :data:`_PAIR_ITEMS` items: :func:`_pair_swap`). Partners: with ``node_size > 0`` the bins of M's node first (bin r is on
-    node r // node_size), then ``partners`` least-loaded bins anywhere (see :func:`_partners`).
-    Last, one item of M for one of the cheapest items of the batch (of M's node, in the node round):
-    ``order`` lists the items by decreasing cost, and the last ``cheapest_scan`` of them outside M
-    are tried (:func:`_cheapest_swap`). Partners hold their bins' typical items, where a bin with
-    one long item needs the batch's shortest for its other slots.
-    Stops at a local optimum, once the maximum is at most ``stop_at``, or after ``max_steps``.
+    (keeps counts) and, if ``allow_moves``, one item moved from M to b; (``allow_moves``) one item
+    of M for several of b or several of M for one of b (found greedily; what evening out items of a
+    few fixed sizes takes); two items of M for two of b (bins of at most :data:`_PAIR_ITEMS` items,
+    :func:`_pair_swap`); last, one item of M for one of the batch's cheapest items, wherever it is
+    (:func:`_cheapest_swap`: the last ``cheapest_scan`` items of ``order``, items by decreasing
+    cost, outside M). Partners (:func:`_partners`) hold their bins' typical items, where a bin with
+    one long item needs the batch's shortest for its other slots. With ``node_size > 0`` (bin r on
+    node r // node_size) the rounds run on M's node first (its bins, its cheapest items), then
+    anywhere with ``partners`` least-loaded bins. Stops at a local optimum, once the maximum is at
+    most ``stop_at``, or after ``max_steps``.
     """
     n = costs.size
     load = np.zeros(num_bins)

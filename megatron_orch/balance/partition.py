@@ -18,7 +18,6 @@ every rank computes the same plan. Hot loops are compiled with numba and release
 """
 from __future__ import annotations
 
-import dataclasses
 import math
 from dataclasses import dataclass
 from typing import Optional
@@ -27,6 +26,7 @@ import numpy as np
 
 from megatron_orch.balance import _kernels
 from megatron_orch.balance.placement import PlacementConfig, place_items
+from megatron_orch.balance.plan import moved_bytes
 from megatron_orch.balance.topology import Topology
 
 METHODS = ("lpt", "kk", "bs_ffd")
@@ -207,16 +207,23 @@ def _refine(costs, memory, cap, order, num_bins, bins, *, allow_moves: bool, sto
                     costs.size + num_bins, order, _CHEAPEST_SCAN)
 
 
+def _nodes(num_bins: int, gpus_per_node: Optional[int]) -> Optional[np.ndarray]:
+    """Node of every bin when bins are ranks numbered node by node (None: no nodes given)."""
+    return None if gpus_per_node is None else np.arange(num_bins) // gpus_per_node
+
+
 def _result(bins, num_bins, costs, memory, has_memory, lower_bound, home, method, item_bytes,
-            gpus_per_node) -> Partition:
+            node_of_bin) -> Partition:
+    """The partition's figures; ``node_of_bin`` (bins are ranks on these nodes) gives the byte figures
+    their inter-node part."""
     baseline = _max_cost(costs, home, num_bins) if home is not None else math.nan
     moved = inter = total = math.nan
     if item_bytes is not None:
         total = float(item_bytes.sum())
         if home is not None:
-            moved = float(item_bytes[bins != home].sum())
-            if gpus_per_node is not None:
-                inter = float(item_bytes[bins // gpus_per_node != home // gpus_per_node].sum())
+            figures = moved_bytes(home, bins, item_bytes, np.arange(num_bins) if node_of_bin is None else node_of_bin)
+            moved = figures.off_gpu
+            inter = math.nan if node_of_bin is None else figures.inter_node
     return Partition(
         bin_of_item=bins,
         num_bins=num_bins,
@@ -379,7 +386,7 @@ def partition(costs, num_bins, *, method: str = "auto", memory=None, memory_cap=
         cost = _max_cost(costs, bins, num_bins)
     bins, name, _ = _home_if_not_worse(bins, name, cost, costs, memory, cap, num_bins, home)
     return _result(bins, num_bins, costs, memory, has_memory, _lower_bound(costs, num_bins), home,
-                   name, item_bytes, gpus_per_node)
+                   name, item_bytes, _nodes(num_bins, gpus_per_node))
 
 
 def equal_count_lower_bound(costs, num_bins: int) -> float:
@@ -476,7 +483,7 @@ def partition_equal_count(costs, num_bins, *, home=None, refine: bool = True, it
     if home is not None and _max_cost(costs, bins, num_bins) >= _max_cost(costs, home, num_bins):
         bins, name = home.copy(), "home"
     return _result(bins, num_bins, costs, memory, False, lower_bound, home, name, item_bytes,
-                   gpus_per_node)
+                   _nodes(num_bins, gpus_per_node))
 
 
 def partition_equal_count_locality(costs, home, num_bins, gpus_per_node, *, item_bytes,
@@ -533,7 +540,8 @@ def partition_equal_count_locality(costs, home, num_bins, gpus_per_node, *, item
         if _max_cost(costs, bins, num_bins) > capacity:
             bins, name = (_placed(reference.bin_of_item, home, item_bytes, num_bins, gpus_per_node),
                           f"equal_locality_fallback:{reference.method}+exact")
-    return _result(bins, num_bins, costs, None, False, lower_bound, home, name, item_bytes, gpus_per_node)
+    return _result(bins, num_bins, costs, None, False, lower_bound, home, name, item_bytes,
+                   _nodes(num_bins, gpus_per_node))
 
 
 def partition_uniform(costs, home, node_of_bin, *, item_bytes) -> Partition:
@@ -569,10 +577,8 @@ def partition_uniform(costs, home, node_of_bin, *, item_bytes) -> Partition:
         _kernels.fill_quotas(home, np.full(num_bins, cap, dtype=np.int64), node_of_bin, bins_by_node,
                              node_start, bins)
         name = "uniform"
-    part = _result(bins, num_bins, costs, None, False, _lower_bound(costs, num_bins), home, name,
-                   item_bytes, None)
-    inter = float(item_bytes[node_of_bin[bins] != node_of_bin[home]].sum())
-    return dataclasses.replace(part, inter_node_bytes=inter)
+    return _result(bins, num_bins, costs, None, False, _lower_bound(costs, num_bins), home, name, item_bytes,
+                   node_of_bin)
 
 
 def partition_locality(costs, home, num_bins, gpus_per_node, *, item_bytes, memory=None,
@@ -623,4 +629,4 @@ def partition_locality(costs, home, num_bins, gpus_per_node, *, item_bytes, memo
             bins, name = (_placed(reference, home, item_bytes, num_bins, gpus_per_node),
                           f"locality_fallback:{reference_name}+exact")
     return _result(bins, num_bins, costs, memory, has_memory, _lower_bound(costs, num_bins), home,
-                   name, item_bytes, gpus_per_node)
+                   name, item_bytes, _nodes(num_bins, gpus_per_node))

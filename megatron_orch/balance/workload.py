@@ -144,14 +144,6 @@ def phase_items(sizes: StepSizes, config: MLLMConfig,
     return phases
 
 
-def phase_bytes(phases: Dict[str, PhaseItems]) -> Dict[str, float]:
-    """Bytes each phase brings to its items' ranks if all of them moved: the raw inputs of an encoder
-    phase; for the backbone, the examples' text and the embeddings of their encoder items."""
-    out = {name: float(items.nbytes.sum()) for name, items in phases.items()}
-    out["llm"] += sum(float(phases[name].output_nbytes.sum()) for name in ENCODER_PHASES)
-    return out
-
-
 def sizes_from_trace(rows: Trace, counts, config: MLLMConfig) -> StepSizes:
     """The sizes of trace rows as the data pipeline would load them, rank r loading ``counts[r]`` rows.
 

@@ -28,7 +28,9 @@ PHASE_TIMERS = ("vision-encoder-forward", "audio-encoder-forward", "forward-back
 
 
 # Post-balancing figures per step: each phase's modeled-cost max/mean over DP before (as loaded) and
-# after (as planned), bytes moved, and this rank's planning / dispatch times.
+# after (as planned), the MB the step's transfers move within and across nodes (StepPlan.report: every
+# transfer, raw inputs, text, embeddings forward and their gradients back), and this rank's planning /
+# dispatch times.
 POST_BALANCING_FIELDS = tuple(f"{phase} {what}" for phase in PHASES
                               for what in ("before", "after")) + (
     "intra-node MB", "inter-node MB", "plan ms", "plan exposed ms", "dispatch ms")
