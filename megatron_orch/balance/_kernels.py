@@ -1137,3 +1137,180 @@ def place_near_home(costs, memory, memory_cap, home, order, keep_order, num_bins
         bin_mem[r] += m
         _tree_set(tree_load, tree_room, width, r, load[r], memory_cap - bin_mem[r])
     return -1
+
+
+# ---------------------------------------------------------------------------------------------
+# Many small partitions at once (the packed micro-batches of every rank): what partition() does in
+# Python, compiled, group after group. The floating-point steps are numpy's own (sums pairwise as
+# np.sum adds, loads in item order as np.bincount does), so every result equals partition()'s.
+# ---------------------------------------------------------------------------------------------
+
+METHOD_CODES = ("auto", "lpt", "kk", "bs_ffd")  # the ``method`` argument of partition_groups
+
+
+@numba.njit(**_JIT)
+def _block_sum(values, lo, n):
+    """numpy's pairwise sum of at most 128 float64: a plain loop below 8, else 8 running sums."""
+    if n < 8:
+        total = 0.0
+        for i in range(n):
+            total += values[lo + i]
+        return total
+    r = values[lo:lo + 8].copy()
+    i = 8
+    while i < n - n % 8:
+        for j in range(8):
+            r[j] += values[lo + i + j]
+        i += 8
+    total = ((r[0] + r[1]) + (r[2] + r[3])) + ((r[4] + r[5]) + (r[6] + r[7]))
+    while i < n:
+        total += values[lo + i]
+        i += 1
+    return total
+
+
+@numba.njit(**_JIT)
+def _numpy_sum(values):
+    """``values.sum()`` bit for bit as numpy adds float64: halves (a multiple of 8 on the left) summed
+    apart down to blocks of 128, then added up, left + right. Written with a stack: numba's cache
+    cannot hold a function that calls itself."""
+    frame_lo = np.empty(64, dtype=np.int64)
+    frame_n = np.empty(64, dtype=np.int64)
+    frame_state = np.empty(64, dtype=np.int64)  # 0: left half next, 1: right half next, 2: add them
+    partial = np.empty(64)
+    frames, partials = 1, 0
+    frame_lo[0], frame_n[0], frame_state[0] = 0, values.size, 0
+    while frames:
+        f = frames - 1
+        lo, n = frame_lo[f], frame_n[f]
+        half = n // 2 - (n // 2) % 8
+        if n <= 128:
+            partial[partials] = _block_sum(values, lo, n)
+            partials += 1
+            frames -= 1
+        elif frame_state[f] < 2:
+            child_lo, child_n = (lo, half) if frame_state[f] == 0 else (lo + half, n - half)
+            frame_state[f] += 1
+            frame_lo[frames], frame_n[frames], frame_state[frames] = child_lo, child_n, 0
+            frames += 1
+        else:
+            partials -= 1
+            partial[partials - 1] = partial[partials - 1] + partial[partials]
+            frames -= 1
+    return partial[0]
+
+
+@numba.njit(**_JIT)
+def _max_load(costs, bin_of_item, num_bins):
+    load = np.zeros(num_bins)
+    for i in range(costs.size):
+        load[bin_of_item[i]] += costs[i]
+    return load.max()
+
+
+@numba.njit(**_JIT)
+def _pigeonhole_bound(costs, order, num_bins):
+    """partition._pigeonhole_bound: max(mean, largest, every t: the t + 1 smallest of the t*K + 1 largest)."""
+    n = costs.size
+    if n == 0:
+        return 0.0
+    bound = max(_numpy_sum(costs) / num_bins, costs.max())
+    if n > num_bins:
+        prefix = np.zeros(n + 1)
+        for k in range(n):
+            prefix[k + 1] = prefix[k] + costs[order[k]]
+        for t in range(1, (n - 1) // num_bins + 1):
+            bound = max(bound, prefix[t * num_bins + 1] - prefix[t * num_bins - t])
+    return bound
+
+
+@numba.njit(**_JIT)
+def _bs_ffd(costs, memory, order, num_bins, upper, rel_tol, max_rounds, bins):
+    """partition._bs_ffd without a memory cap, into ``bins``; ``upper`` < inf: False if FFD fails there."""
+    n = costs.size
+    if n == 0:
+        return True
+    trial = np.empty(n, dtype=np.int64)
+    hi = _numpy_sum(costs) / num_bins + costs.max() if upper == np.inf else upper
+    if ffd(costs, memory, np.inf, order, num_bins, hi, bins) >= 0:
+        if upper != np.inf:
+            return False
+        ffd(costs, memory, np.inf, order, num_bins, np.inf, bins)
+    hi = _max_load(costs, bins, num_bins)
+    lo = _pigeonhole_bound(costs, order, num_bins)
+    for _ in range(max_rounds):
+        if hi - lo <= rel_tol * hi:
+            break
+        mid = 0.5 * (lo + hi)
+        if ffd(costs, memory, np.inf, order, num_bins, mid, trial) >= 0:
+            lo = mid
+        else:
+            bins[:] = trial
+            hi = _max_load(costs, bins, num_bins)
+    return True
+
+
+@numba.njit(**_JIT)
+def _partition_one(costs, num_bins, method, good_enough_rel, rel_tol, max_rounds, partners, cheapest_scan, bins):
+    """partition(costs, num_bins, method=METHOD_CODES[method]) without memory or home, into ``bins``:
+    ``auto`` is lpt, kk and bs_ffd, each refined, the best kept (stopping within ``good_enough_rel`` of
+    the pigeonhole bound); the others construct only."""
+    n = costs.size
+    order = np.argsort(-costs, kind="mergesort")
+    memory = np.zeros(n)
+    if method == 1:
+        lpt(costs, memory, np.inf, order, num_bins, bins)
+        return
+    if method == 2:
+        kk(costs, order, 1, num_bins, bins)
+        return
+    if method == 3:
+        _bs_ffd(costs, memory, order, num_bins, np.inf, rel_tol, max_rounds, bins)
+        return
+    good_enough = (1.0 + good_enough_rel) * _pigeonhole_bound(costs, order, num_bins)
+    trial = np.zeros(n, dtype=np.int64)
+    best_cost = np.inf
+    for construction in range(3):
+        if best_cost <= good_enough:
+            break
+        trial[:] = 0
+        if construction == 0:
+            lpt(costs, memory, np.inf, order, num_bins, trial)
+        elif construction == 1:
+            kk(costs, order, 1, num_bins, trial)
+        elif not _bs_ffd(costs, memory, order, num_bins, best_cost, rel_tol, max_rounds, trial):
+            continue
+        if n > 0:
+            refine(costs, memory, np.inf, num_bins, trial, True, good_enough, partners, 0, n + num_bins, order,
+                   cheapest_scan)
+        cost = _max_load(costs, trial, num_bins)
+        if cost < best_cost:
+            best_cost = cost
+            bins[:] = trial
+
+
+@numba.njit(**_JIT)
+def partition_groups(costs, group, num_groups, num_bins, method, good_enough_rel, rel_tol, max_rounds, partners,
+                     cheapest_scan, bin_of_item):
+    """The items of each group (item i in group ``group[i]``; a group's items by increasing id, as
+    partition() would see ``costs[group == g]``) partitioned into ``num_bins`` bins on their own
+    (:func:`_partition_one`)."""
+    start = np.zeros(num_groups + 1, dtype=np.int64)
+    for i in range(group.size):
+        start[group[i] + 1] += 1
+    for g in range(num_groups):
+        start[g + 1] += start[g]
+    fill = start[:-1].copy()
+    members = np.empty(group.size, dtype=np.int64)
+    for i in range(group.size):
+        members[fill[group[i]]] = i
+        fill[group[i]] += 1
+    for g in range(num_groups):
+        items = members[start[g]:start[g + 1]]
+        local = np.empty(items.size)
+        for k in range(items.size):
+            local[k] = costs[items[k]]
+        bins = np.zeros(items.size, dtype=np.int64)
+        _partition_one(local, num_bins, method, good_enough_rel, rel_tol, max_rounds, partners, cheapest_scan, bins)
+        for k in range(items.size):
+            bin_of_item[items[k]] = bins[k]

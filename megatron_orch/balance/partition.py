@@ -389,6 +389,29 @@ def partition(costs, num_bins, *, method: str = "auto", memory=None, memory_cap=
                    name, item_bytes, _nodes(num_bins, gpus_per_node))
 
 
+def partition_groups(costs, group, num_bins, *, method: str = "auto") -> np.ndarray:
+    """Bin of every item when each group of items is partitioned into ``num_bins`` bins on its own:
+    for every g, ``out[group == g]`` equals ``partition(costs[group == g], num_bins,
+    method=method).bin_of_item``, computed for all groups in one compiled call that releases the GIL
+    (:func:`_kernels.partition_groups`): the packed micro-batches of every rank at once.
+    """
+    costs = _check_values(costs, "costs")
+    group = np.asarray(group)
+    if group.shape != costs.shape or (group.size and not np.issubdtype(group.dtype, np.integer)):
+        raise ValueError(f"group must hold one integer group id per item ({costs.size}), got {group.dtype} {group.shape}")
+    group = np.ascontiguousarray(group, dtype=np.int64)
+    if group.size and group.min() < 0:
+        raise ValueError(f"group of item {int(np.argmin(group))} is {group.min()}; must be >= 0")
+    num_bins = _check_num_bins(num_bins)
+    if method not in _kernels.METHOD_CODES:
+        raise ValueError(f"unknown method {method!r}; choose one of {_kernels.METHOD_CODES}")
+    bins = np.zeros(costs.size, dtype=np.int64)
+    _kernels.partition_groups(costs, group, int(group.max(initial=-1)) + 1, num_bins,
+                              _kernels.METHOD_CODES.index(method), _GOOD_ENOUGH, _BS_FFD_REL_TOL, _BS_FFD_MAX_ROUNDS,
+                              _REFINE_PARTNERS, _CHEAPEST_SCAN, bins)
+    return bins
+
+
 def equal_count_lower_bound(costs, num_bins: int) -> float:
     """Lower bound on the max bin cost when every bin holds exactly m = n/K items.
 

@@ -16,7 +16,7 @@ import numpy as np
 from megatron_orch.balance import _plan_kernels
 from megatron_orch.balance.model_config import MLLMConfig
 from megatron_orch.balance.partition import (partition, partition_equal_count, partition_equal_count_locality,
-                                              partition_locality, partition_uniform)
+                                              partition_groups, partition_locality, partition_uniform)
 from megatron_orch.balance.placement import PlacementConfig, place_items
 from megatron_orch.balance.plan import MovedBytes, Placement, Transfer, checksum
 from megatron_orch.balance.topology import Topology
@@ -166,13 +166,8 @@ def _microbatches(rank_llm, costs, num_tokens, num_ranks, micro_batch_size, num_
         # Longest first (ties by id), so the rows of a micro-batch have similar lengths (little padding).
         return _plan_kernels.longest_first_microbatches(rank_llm, np.ascontiguousarray(num_tokens, dtype=np.int64),
                                                         num_ranks, micro_batch_size)
-    microbatch = np.empty(rank_llm.size, dtype=np.int64)
-    by_rank = np.argsort(rank_llm, kind="stable")
-    bounds = np.searchsorted(rank_llm[by_rank], np.arange(num_ranks + 1))
-    for r in range(num_ranks):
-        ids = by_rank[bounds[r]:bounds[r + 1]]  # ascending ids
-        microbatch[ids] = partition(costs[ids], num_microbatches, method=algorithm).bin_of_item
-    return microbatch
+    # every rank's examples into its micro-batches, as partition(costs of the rank, num_microbatches) would
+    return partition_groups(costs, rank_llm, num_microbatches, method=algorithm)
 
 
 def plan_step(sizes: StepSizes, model_config: MLLMConfig, config: OrchestratorConfig,
