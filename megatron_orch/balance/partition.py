@@ -32,6 +32,7 @@ from megatron_orch.balance.topology import Topology
 METHODS = ("lpt", "kk", "bs_ffd")
 _SWAP_SWEEPS = 16           # at most this many swap sweeps before the local search (a sweep: ~1 ms at DP 2560)
 _REFINE_PARTNERS = 8         # least-loaded bins tried as move/swap partners of the most-loaded one
+_KK_TRUSTED = 0.01           # equal-count KK this close to the bound is refined before the slot greedy is built
 _CHEAPEST_SCAN = 1024        # then the batch's cheapest items (outside the most-loaded bin) tried as swaps
 _BS_FFD_REL_TOL = 1e-3       # binary search stops when capacity is known within this fraction
 _GOOD_ENOUGH = 1e-4          # this close to a lower bound, auto and refinement stop: nothing to gain
@@ -462,7 +463,8 @@ def partition_equal_count(costs, num_bins, *, home=None, refine: bool = True, it
     per free slot (:func:`_kernels.slot_lpt`, aimed at :func:`equal_count_lower_bound`), which on a
     heavy tail gives a bin with a long item the short ones (where LPT under a count cap gives it
     mid-sized ones: 4-11% above the bound); LPT under a count cap of n/K. The better of the first two
-    is refined (``refine``) by swaps, which keep counts: sweeps of swaps between the k-th most- and
+    (KK alone when it is within 1% of the bound: no tail to fix, the slot greedy is not built unless
+    needed) is refined (``refine``) by swaps, which keep counts: sweeps of swaps between the k-th most- and
     least-loaded bins first (many bins at once), then the local search on the most-loaded bin
     (:func:`_kernels.refine`: one-for-one and two-for-two swaps with partners, then trades with the
     batch's cheapest items). If that is not within 0.01% of the bound, the other start is refined,
@@ -489,14 +491,18 @@ def partition_equal_count(costs, num_bins, *, home=None, refine: bool = True, it
     lower_bound = equal_count_lower_bound(costs, num_bins)
     good_enough = (1.0 + _GOOD_ENOUGH) * lower_bound
     memory = np.zeros(n)
-    starts = sorted((_equal_count_start(method, costs, order, num_bins, per_bin, lower_bound)
-                     for method in ("kk", "slot")), key=lambda start: start[0])
+    starts = [_equal_count_start("kk", costs, order, num_bins, per_bin, lower_bound)]
+    if not (refine and starts[0][0] <= (1.0 + _KK_TRUSTED) * lower_bound):
+        starts.append(_equal_count_start("slot", costs, order, num_bins, per_bin, lower_bound))
+        starts.sort(key=lambda start: start[0])
     bins, name, cost = None, "", math.inf
     for attempt in range(3):  # the better start refined; if that is not good enough, the other, then LPT
         if bins is not None and (not refine or not n or cost <= good_enough):
             break
-        trial_cost, trial_name, trial = starts[attempt] if attempt < 2 else _equal_count_start(
-            "lpt", costs, order, num_bins, per_bin, lower_bound)
+        if attempt == len(starts):
+            starts.append(_equal_count_start("slot" if attempt == 1 else "lpt", costs, order, num_bins, per_bin,
+                                             lower_bound))
+        trial_cost, trial_name, trial = starts[attempt]
         if refine and n:
             _kernels.swap_sweeps(costs, order, num_bins, trial, good_enough, _SWAP_SWEEPS, num_bins)
             _refine(costs, memory, math.inf, order, num_bins, trial, allow_moves=False, stop_at=good_enough)
