@@ -1140,9 +1140,10 @@ def place_near_home(costs, memory, memory_cap, home, order, keep_order, num_bins
 
 
 # ---------------------------------------------------------------------------------------------
-# Many small partitions at once (the packed micro-batches of every rank): what partition() does in
-# Python, compiled, group after group. The floating-point steps are numpy's own (sums pairwise as
-# np.sum adds, loads in item order as np.bincount does), so every result equals partition()'s.
+# The binary search on capacity, and many small partitions at once (the packed micro-batches of
+# every rank): what partition() does, compiled, group after group. The floating-point steps are
+# numpy's own (sums pairwise as np.sum adds, loads in item order as np.bincount does), so every
+# result equals partition()'s.
 # ---------------------------------------------------------------------------------------------
 
 METHOD_CODES = ("auto", "lpt", "kk", "bs_ffd")  # the ``method`` argument of partition_groups
@@ -1209,8 +1210,10 @@ def _max_load(costs, bin_of_item, num_bins):
 
 
 @numba.njit(**_JIT)
-def _pigeonhole_bound(costs, order, num_bins):
-    """partition._pigeonhole_bound: max(mean, largest, every t: the t + 1 smallest of the t*K + 1 largest)."""
+def pigeonhole_bound(costs, order, num_bins):
+    """A lower bound on the max bin cost at least max(mean, largest item), tight for items of equal size:
+    for every t >= 1, some bin holds t + 1 of the t*K + 1 largest items (``order``: by decreasing
+    cost), so at least the sum of the t + 1 smallest of them."""
     n = costs.size
     if n == 0:
         return 0.0
@@ -1224,30 +1227,41 @@ def _pigeonhole_bound(costs, order, num_bins):
     return bound
 
 
+ABOVE_UPPER = -2  # bs_ffd: first-fit decreasing does not place every item at the given upper capacity
+
+
 @numba.njit(**_JIT)
-def _bs_ffd(costs, memory, order, num_bins, upper, rel_tol, max_rounds, bins):
-    """partition._bs_ffd without a memory cap, into ``bins``; ``upper`` < inf: False if FFD fails there."""
+def bs_ffd(costs, memory, memory_cap, order, num_bins, upper, rel_tol, max_rounds, bin_of_item):
+    """Binary search on the bin capacity: the smallest (within ``rel_tol``, at most ``max_rounds``
+    halvings) at which first-fit decreasing places every item, its assignment in ``bin_of_item``.
+
+    Without memory, FFD always succeeds at mean + largest item, which starts the search. ``upper`` <
+    inf asks only for results at most that good: :data:`ABOVE_UPPER` if FFD fails there. Returns -1,
+    or the first item no bin has memory room for at any capacity.
+    """
     n = costs.size
     if n == 0:
-        return True
+        return -1
     trial = np.empty(n, dtype=np.int64)
     hi = _numpy_sum(costs) / num_bins + costs.max() if upper == np.inf else upper
-    if ffd(costs, memory, np.inf, order, num_bins, hi, bins) >= 0:
+    if ffd(costs, memory, memory_cap, order, num_bins, hi, bin_of_item) >= 0:
         if upper != np.inf:
-            return False
-        ffd(costs, memory, np.inf, order, num_bins, np.inf, bins)
-    hi = _max_load(costs, bins, num_bins)
-    lo = _pigeonhole_bound(costs, order, num_bins)
+            return ABOVE_UPPER
+        item = ffd(costs, memory, memory_cap, order, num_bins, np.inf, bin_of_item)
+        if item >= 0:
+            return item
+    hi = _max_load(costs, bin_of_item, num_bins)
+    lo = pigeonhole_bound(costs, order, num_bins)
     for _ in range(max_rounds):
         if hi - lo <= rel_tol * hi:
             break
         mid = 0.5 * (lo + hi)
-        if ffd(costs, memory, np.inf, order, num_bins, mid, trial) >= 0:
+        if ffd(costs, memory, memory_cap, order, num_bins, mid, trial) >= 0:
             lo = mid
         else:
-            bins[:] = trial
-            hi = _max_load(costs, bins, num_bins)
-    return True
+            bin_of_item[:] = trial
+            hi = _max_load(costs, bin_of_item, num_bins)
+    return -1
 
 
 @numba.njit(**_JIT)
@@ -1265,9 +1279,9 @@ def _partition_one(costs, num_bins, method, good_enough_rel, rel_tol, max_rounds
         kk(costs, order, 1, num_bins, bins)
         return
     if method == 3:
-        _bs_ffd(costs, memory, order, num_bins, np.inf, rel_tol, max_rounds, bins)
+        bs_ffd(costs, memory, np.inf, order, num_bins, np.inf, rel_tol, max_rounds, bins)
         return
-    good_enough = (1.0 + good_enough_rel) * _pigeonhole_bound(costs, order, num_bins)
+    good_enough = (1.0 + good_enough_rel) * pigeonhole_bound(costs, order, num_bins)
     trial = np.zeros(n, dtype=np.int64)
     best_cost = np.inf
     for construction in range(3):
@@ -1278,7 +1292,7 @@ def _partition_one(costs, num_bins, method, good_enough_rel, rel_tol, max_rounds
             lpt(costs, memory, np.inf, order, num_bins, trial)
         elif construction == 1:
             kk(costs, order, 1, num_bins, trial)
-        elif not _bs_ffd(costs, memory, order, num_bins, best_cost, rel_tol, max_rounds, trial):
+        elif bs_ffd(costs, memory, np.inf, order, num_bins, best_cost, rel_tol, max_rounds, trial) != -1:
             continue
         if n > 0:
             refine(costs, memory, np.inf, num_bins, trial, True, good_enough, partners, 0, n + num_bins, order,

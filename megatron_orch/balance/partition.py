@@ -179,21 +179,6 @@ def _lower_bound(costs: np.ndarray, num_bins: int) -> float:
     return max(float(costs.sum()) / num_bins, float(costs.max())) if costs.size else 0.0
 
 
-def _pigeonhole_bound(costs: np.ndarray, order: np.ndarray, num_bins: int) -> float:
-    """A lower bound at least :func:`_lower_bound`, tight for items of equal size.
-
-    For every t >= 1, some bin holds t + 1 of the t*K + 1 largest items, so at least the sum of
-    the t + 1 smallest of them. (Used to stop ``auto`` early; not reported.)
-    """
-    bound = _lower_bound(costs, num_bins)
-    n = costs.size
-    if n > num_bins:
-        prefix = np.concatenate(([0.0], np.cumsum(costs[order])))
-        t = np.arange(1, (n - 1) // num_bins + 1)
-        bound = max(bound, float((prefix[t * num_bins + 1] - prefix[t * num_bins - t]).max()))
-    return bound
-
-
 def _max_cost(costs: np.ndarray, bins: np.ndarray, num_bins: int) -> float:
     return float(np.bincount(bins, weights=costs, minlength=num_bins).max())
 
@@ -272,35 +257,17 @@ def _kk(costs, memory, cap, order, num_bins, upper=None):
 
 
 def _bs_ffd(costs, memory, cap, order, num_bins, upper=None):
-    """Smallest capacity (to a relative tolerance) at which first-fit decreasing places every item.
-
-    Without memory, FFD always succeeds at mean + largest item, which starts the search. ``upper``
-    (from ``auto``) asks only for results at most that good: returns None if FFD fails there.
-    """
-    n = costs.size
-    bins = np.zeros(n, dtype=np.int64)
-    if n == 0:
-        return bins
-    trial = np.empty(n, dtype=np.int64)
-    hi = float(costs.sum()) / num_bins + float(costs.max()) if upper is None else upper
-    if _kernels.ffd(costs, memory, cap, order, num_bins, hi, bins) >= 0:
-        if upper is not None:
-            return None
-        item = _kernels.ffd(costs, memory, cap, order, num_bins, math.inf, bins)
-        if item >= 0:
-            raise _Infeasible(f"bs_ffd: first-fit decreasing finds no bin with memory room for item "
-                              f"{item} (memory {memory[item]}, cap {cap})")
-    hi = _max_cost(costs, bins, num_bins)
-    lo = _pigeonhole_bound(costs, order, num_bins)
-    for _ in range(_BS_FFD_MAX_ROUNDS):
-        if hi - lo <= _BS_FFD_REL_TOL * hi:
-            break
-        mid = 0.5 * (lo + hi)
-        if _kernels.ffd(costs, memory, cap, order, num_bins, mid, trial) >= 0:
-            lo = mid
-        else:
-            bins, trial = trial, bins
-            hi = _max_cost(costs, bins, num_bins)
+    """Smallest capacity (to a relative tolerance) at which first-fit decreasing places every item
+    (:func:`_kernels.bs_ffd`). ``upper`` (from ``auto``) asks only for results at most that good:
+    returns None if FFD fails there."""
+    bins = np.zeros(costs.size, dtype=np.int64)
+    status = _kernels.bs_ffd(costs, memory, cap, order, num_bins, math.inf if upper is None else upper,
+                             _BS_FFD_REL_TOL, _BS_FFD_MAX_ROUNDS, bins)
+    if status == _kernels.ABOVE_UPPER:
+        return None
+    if status >= 0:
+        raise _Infeasible(f"bs_ffd: first-fit decreasing finds no bin with memory room for item "
+                          f"{status} (memory {memory[status]}, cap {cap})")
     return bins
 
 
@@ -314,7 +281,7 @@ _CONSTRUCT = {"lpt": _lpt, "kk": _kk, "bs_ffd": _bs_ffd}
 def _auto(costs, memory, cap, order, num_bins, refine: bool):
     """Each constructive method's result (refined), the best kept: (bin_of_item, name, max cost)."""
     best, best_cost, winner, reasons = None, math.inf, None, []
-    good_enough = (1.0 + _GOOD_ENOUGH) * _pigeonhole_bound(costs, order, num_bins)
+    good_enough = (1.0 + _GOOD_ENOUGH) * _kernels.pigeonhole_bound(costs, order, num_bins)
     for name in METHODS:
         if best_cost <= good_enough:
             break
@@ -382,7 +349,7 @@ def partition(costs, num_bins, *, method: str = "auto", memory=None, memory_cap=
         name = method
         if refine:
             _refine(costs, memory, cap, order, num_bins, bins, allow_moves=True,
-                    stop_at=(1.0 + _GOOD_ENOUGH) * _pigeonhole_bound(costs, order, num_bins))
+                    stop_at=(1.0 + _GOOD_ENOUGH) * _kernels.pigeonhole_bound(costs, order, num_bins))
             name += "+refine"
         cost = _max_cost(costs, bins, num_bins)
     bins, name, _ = _home_if_not_worse(bins, name, cost, costs, memory, cap, num_bins, home)
