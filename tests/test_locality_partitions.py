@@ -10,7 +10,8 @@ from hypothesis import given, settings, strategies as st
 
 from megatron_orch.balance.partition import (equal_count_lower_bound, partition, partition_equal_count,
                                              partition_equal_count_locality, partition_locality, partition_uniform)
-from megatron_orch.balance.placement import BinTraffic, PlacementConfig, exact_min_cost_flow, place_items, placement_cost
+from megatron_orch.balance.placement import (BinTraffic, PlacementConfig, exact_min_cost_flow, place_items,
+                                             placement_cost)
 from megatron_orch.balance.topology import Topology
 
 

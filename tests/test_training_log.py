@@ -60,7 +60,8 @@ def test_logged_bytes_count_every_transfer_as_the_simulator_does(tmp_path):
     next(meter)
     figures = dict(zip(POST_BALANCING_FIELDS, meter.take_post_balancing().tolist()))
     simulated = simulate_step(sizes, model, LinkModel(gpus_per_node=gpus))["equal_count"]
-    embeddings = sum(m["times"] * m["inter_node_bytes"] for name, m in simulated["comm"].items() if "embeddings" in name)
+    embeddings = sum(m["times"] * m["inter_node_bytes"] for name, m in simulated["comm"].items()
+                     if "embeddings" in name)
     assert embeddings > 0  # the embeddings do cross nodes in this plan, so the count below includes them
     assert figures["inter-node MB"] * 1e6 == pytest.approx(simulated["inter_node_bytes"], rel=1e-12)
     assert figures["intra-node MB"] * 1e6 == pytest.approx(simulated["intra_node_bytes"], rel=1e-12)

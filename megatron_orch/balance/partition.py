@@ -10,8 +10,10 @@ constructive methods are offered, plus a local-search refinement on top:
   the best kept.
 
 Variants: :func:`partition_equal_count` (every bin gets exactly n/K items, for fixed micro-batch
-sizes) and :func:`partition_locality` (bins are ranks; items start on a home rank and as few bytes
-as possible cross nodes, then leave their GPU).
+sizes), :func:`partition_locality` and :func:`partition_equal_count_locality` (bins are ranks; items
+start on a home rank and as few bytes as possible cross nodes, then leave their GPU),
+:func:`partition_uniform` (items of one cost) and :func:`partition_groups` (many small partitions in
+one compiled call: the packed micro-batches of every rank).
 
 Results are deterministic functions of their inputs (ties go to the smaller item or bin id), so
 every rank computes the same plan. Hot loops are compiled with numba and release the GIL.
@@ -366,7 +368,8 @@ def partition_groups(costs, group, num_bins, *, method: str = "auto") -> np.ndar
     costs = _check_values(costs, "costs")
     group = np.asarray(group)
     if group.shape != costs.shape or (group.size and not np.issubdtype(group.dtype, np.integer)):
-        raise ValueError(f"group must hold one integer group id per item ({costs.size}), got {group.dtype} {group.shape}")
+        raise ValueError(f"group must hold one integer group id per item ({costs.size}), "
+                         f"got {group.dtype} {group.shape}")
     group = np.ascontiguousarray(group, dtype=np.int64)
     if group.size and group.min() < 0:
         raise ValueError(f"group of item {int(np.argmin(group))} is {group.min()}; must be >= 0")
