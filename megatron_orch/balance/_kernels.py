@@ -17,6 +17,7 @@ _JIT = dict(cache=True, nogil=True)
 # than with calls that pass a dozen arrays).
 _INLINE = dict(_JIT, inline="always")
 _PAIR_ITEMS = 32  # two-for-two swaps are tried between bins of at most this many items (496 pairs each)
+_PAIR_PARTNERS = 2  # with the least-loaded this many partners (the largest gaps): each costs a sort of its pairs
 
 
 # ---------------------------------------------------------------------------------------------
@@ -720,13 +721,13 @@ def _exchange_with(costs, memory, memory_cap, load, bin_mem, top, b, top_items, 
 
 @numba.njit(**_INLINE)
 def _cheapest_swap(costs, memory, memory_cap, load, bin_mem, bin_of_item, top, top_items, num_top, order, scan,
-                   node_size, best, best_out, best_in):
+                   best, best_out, best_in):
     """Best swap of one item of the top bin for one of the batch's cheapest items that beats ``best``.
 
-    The last items of ``order`` (decreasing cost) outside the top bin (with ``node_size > 0``: on its
-    node), up to ``scan`` of them, each against the top bin's item whose cost is nearest its own plus
-    half the gap between their bins (``top_items``: by increasing cost). Returns (value, partner bin)
-    with the swap in ``best_out[0]`` / ``best_in[0]``, or (best, -1) if none beats it.
+    The last items of ``order`` (decreasing cost) outside the top bin, up to ``scan`` of them, each
+    against the top bin's item whose cost is nearest its own plus half the gap between their bins
+    (``top_items``: by increasing cost). Returns (value, partner bin) with the swap in
+    ``best_out[0]`` / ``best_in[0]``, or (best, -1) if none beats it.
     """
     top_load = load[top]
     found = -1
@@ -736,7 +737,7 @@ def _cheapest_swap(costs, memory, memory_cap, load, bin_mem, bin_of_item, top, t
         if seen == scan or costs[j] >= costs[top_items[num_top - 1]]:
             break  # enough tried, or no item of the top bin costs more
         b = bin_of_item[j]
-        if b == top or (node_size > 0 and b // node_size != top // node_size):
+        if b == top:
             continue
         seen += 1
         gap = top_load - load[b]
@@ -782,19 +783,18 @@ def _pair_sums(costs, items, count, sums, first, second):
 
 
 @numba.njit(**_JIT)
-def _pair_swap(costs, memory, memory_cap, load, bin_mem, top, b, top_items, num_top, partner_items, num_b, best,
-               best_out, best_in, top_pairs, partner_pairs):
+def _pair_swap(costs, memory, memory_cap, load, bin_mem, top, b, partner_items, num_b, best, best_out, best_in,
+               top_pairs, num_top_pairs, partner_pairs):
     """Best swap of two items of the top bin for two of bin ``b`` (counts kept) beating ``best``.
 
     Where one-for-one swaps are stuck (a few items per bin, no single difference near half the gap),
     two-for-two differences are many more. Each pair of the top bin meets b's pair whose sum is
-    nearest its own minus half the gap (pairs by sum, binary search). ``*_pairs``: scratch (sums,
-    first, second) for every pair. Returns (value, 2) with the swap in ``best_out`` / ``best_in``, or
-    (best, -1).
+    nearest its own minus half the gap (pairs by sum, binary search). ``top_pairs``: the top bin's
+    ``num_top_pairs`` pairs (:func:`_pair_sums`); ``partner_pairs``: scratch for b's. Returns
+    (value, 2) with the swap in ``best_out`` / ``best_in``, or (best, -1).
     """
     top_sum, top_first, top_second = top_pairs
     sums, first, second = partner_pairs
-    num_top_pairs = _pair_sums(costs, top_items, num_top, top_sum, top_first, top_second)
     num_pairs = _pair_sums(costs, partner_items, num_b, sums, first, second)
     top_load = load[top]
     gap = top_load - load[b]
@@ -936,13 +936,13 @@ def refine(costs, memory, memory_cap, num_bins, bin_of_item, allow_moves, stop_a
     (keeps counts) and, if ``allow_moves``, one item moved from M to b; (``allow_moves``) one item
     of M for several of b or several of M for one of b (found greedily; what evening out items of a
     few fixed sizes takes); two items of M for two of b (bins of at most :data:`_PAIR_ITEMS` items,
-    :func:`_pair_swap`); last, one item of M for one of the batch's cheapest items, wherever it is
+    the :data:`_PAIR_PARTNERS` least-loaded partners, :func:`_pair_swap`); last, one item of M for one of the batch's cheapest items, wherever it is
     (:func:`_cheapest_swap`: the last ``cheapest_scan`` items of ``order``, items by decreasing
     cost, outside M). Partners (:func:`_partners`) hold their bins' typical items, where a bin with
     one long item needs the batch's shortest for its other slots. With ``node_size > 0`` (bin r on
-    node r // node_size) the rounds run on M's node first (its bins, its cheapest items), then
-    anywhere with ``partners`` least-loaded bins. Stops at a local optimum, once the maximum is at
-    most ``stop_at``, or after ``max_steps``.
+    node r // node_size) the rounds run with the bins of M's node first (every item of the node: no
+    round of cheapest items there), then anywhere with ``partners`` least-loaded bins. Stops at a
+    local optimum, once the maximum is at most ``stop_at``, or after ``max_steps``.
     """
     n = costs.size
     load = np.zeros(num_bins)
@@ -982,6 +982,7 @@ def refine(costs, memory, memory_cap, num_bins, bin_of_item, allow_moves, stop_a
             break
         best_b, num_out, num_in = -1, 0, 0
         num_top = _gather_sorted(head, nxt, costs, top, top_items)
+        num_top_pairs = -1  # the top bin's pairs, built when a two-for-two round needs them
         for scope in range(2):  # 0: M's node (if node_size > 0); 1: anywhere
             if best_b >= 0:
                 break
@@ -991,16 +992,18 @@ def refine(costs, memory, memory_cap, num_bins, bin_of_item, allow_moves, stop_a
             for kind in range(4):  # 0: moves and swaps; 1: one for several; 2: two for two; 3: the cheapest items
                 if best_b >= 0:
                     break
-                if (kind == 1 and not allow_moves) or (kind == 2 and not 2 <= num_top <= _PAIR_ITEMS):
+                if ((kind == 1 and not allow_moves) or (kind == 2 and not 2 <= num_top <= _PAIR_ITEMS)
+                        or (kind == 3 and scope == 0)):  # (on M's node, partners are all its bins: every item)
                     continue
                 if kind == 3:
                     best, b = _cheapest_swap(costs, memory, memory_cap, load, bin_mem, bin_of_item, top, top_items,
-                                             num_top, order, cheapest_scan, node_size if scope == 0 else 0, best,
-                                             best_out, best_in)
+                                             num_top, order, cheapest_scan, best, best_out, best_in)
                     if b >= 0:
                         best_b, num_out, num_in = b, 1, 1
                     continue
-                for q in range(num_p):
+                if kind == 2 and num_top_pairs < 0:
+                    num_top_pairs = _pair_sums(costs, top_items, num_top, top_pairs[0], top_pairs[1], top_pairs[2])
+                for q in range(num_p if kind < 2 else min(num_p, _PAIR_PARTNERS)):
                     b = plist[q]
                     num_b = _gather_sorted(head, nxt, costs, b, partner_items)
                     if kind < 2:
@@ -1008,9 +1011,8 @@ def refine(costs, memory, memory_cap, num_bins, bin_of_item, allow_moves, stop_a
                                                     num_top, partner_items, num_b, kind, allow_moves, chosen,
                                                     best, best_out, best_in)
                     elif 2 <= num_b <= _PAIR_ITEMS:
-                        best, o = _pair_swap(costs, memory, memory_cap, load, bin_mem, top, b, top_items, num_top,
-                                             partner_items, num_b, best, best_out, best_in, top_pairs,
-                                             partner_pairs)
+                        best, o = _pair_swap(costs, memory, memory_cap, load, bin_mem, top, b, partner_items, num_b,
+                                             best, best_out, best_in, top_pairs, num_top_pairs, partner_pairs)
                         i = o
                     else:
                         continue

@@ -496,8 +496,8 @@ def partition_equal_count_locality(costs, home, num_bins, gpus_per_node, *, item
     plan's max per rank; (2) an item that stayed on its node keeps its home rank, one that arrived
     takes a slot an item left on that node; (3) the ranks of each node are evened out the same way,
     and any rank still above the capacity trades with its node first, then anywhere. Counts stay
-    equal throughout; the refinement's trades with the batch's cheapest items give a rank with a
-    long item the short ones it needs, from its node first. If the capacity ((1 + ``tolerance``) x
+    equal throughout; the refinement's trades with the batch's cheapest items (after its node's bins)
+    give a rank with a long item the short ones it needs. If the capacity ((1 + ``tolerance``) x
     the reference max) is not met, the reference bins go to the ranks the exact placement gives them
     (the fewest ``item_bytes`` across nodes, then off their GPU; method
     ``equal_locality_fallback:...+exact``); a home assignment within it is returned unchanged
