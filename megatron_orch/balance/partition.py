@@ -432,15 +432,15 @@ def partition_equal_count(costs, num_bins, *, home=None, refine: bool = True, it
     differencing merges whole runs, so every bin receives one item of each run); the greedy by room
     per free slot (:func:`_kernels.slot_lpt`, aimed at :func:`equal_count_lower_bound`), which on a
     heavy tail gives a bin with a long item the short ones (where LPT under a count cap gives it
-    mid-sized ones: 4-11% above the bound); LPT under a count cap of n/K. The better of the first two
-    (KK alone when it is within 1% of the bound: no tail to fix, the slot greedy is not built unless
-    needed) is refined (``refine``) by swaps, which keep counts: sweeps of swaps between the k-th most- and
-    least-loaded bins first (many bins at once), then the local search on the most-loaded bin
-    (:func:`_kernels.refine`: one-for-one and two-for-two swaps with partners, then trades with the
-    batch's cheapest items). If that is not within 0.01% of the bound, the other start is refined,
-    then LPT's, and the best kept (a fixed amount of work: the same plan on every rank). Without
-    ``refine``, the better of the first two. ``home`` (itself equal-count) is returned when the
-    result would not be strictly better.
+    mid-sized ones: up to 8% above the bound on the heavy-tailed mixtures); LPT under a count cap of
+    n/K. The better of the first two (KK alone when it is within 1% of the bound: no tail to fix, and
+    the slot greedy is not built unless needed) is refined (``refine``) by swaps, which keep counts:
+    sweeps of swaps between the k-th most- and least-loaded bins first (many bins at once), then the
+    local search on the most-loaded bin (:func:`_kernels.refine`: one-for-one and two-for-two swaps
+    with partners, then trades with the batch's cheapest items). If that is not within 0.01% of the
+    bound, the other start is refined, then LPT's, and the best kept (a fixed amount of work: the same
+    plan on every rank). Without ``refine``, the better of the first two. ``home`` (itself
+    equal-count) is returned when the result would not be strictly better.
     """
     costs = _check_values(costs, "costs")
     n = costs.size

@@ -302,6 +302,6 @@ def _heavy_tailed(tail_weight: float) -> Tuple[Tuple[str, float], ...]:
         (name, tail_weight / len(TAIL_TRACES)) for name in TAIL_TRACES)
 
 
-# Mostly short examples and a heavy tail of long ones: 5% (most bins of 16 hold none, some two or
-# three), 2% (a long example is a bin's worth of work next to short ones).
+# Mostly short examples and a heavy tail of long ones: 5% (0.8 per rank of 16: 44% of ranks get none,
+# some three or more), 2% (72% get none; a long example is up to a rank's worth of work among short ones).
 HEAVY_TAILED_MIXTURES = {"heavy-tail": _heavy_tailed(0.05), "heavy-tail-rare": _heavy_tailed(0.02)}
