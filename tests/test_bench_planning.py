@@ -4,7 +4,7 @@ import json
 import numpy as np
 
 from megatron_orch.bench.planning import MIXTURES, PROBES, draw_step, format_tables, run
-from megatron_orch.balance.traces import DEFAULT_MIXTURE
+from megatron_orch.balance.traces import DEFAULT_MIXTURE, HEAVY_TAILED_MIXTURES
 
 
 def test_planning_benchmark_reports_every_configuration():
@@ -26,8 +26,9 @@ def test_planning_benchmark_reports_every_configuration():
 
 def test_mixtures_reweight_the_shipped_traces():
     names = [name for name, _ in DEFAULT_MIXTURE]
-    for specs in MIXTURES.values():
-        assert [name for name, _ in specs] == names
+    for mixture, specs in MIXTURES.items():
+        if mixture not in HEAVY_TAILED_MIXTURES:
+            assert [name for name, _ in specs] == names
     audio = dict(MIXTURES["audio-heavy"])
     assert audio["asr_librispeech_commonvoice.csv"] == 4 * dict(DEFAULT_MIXTURE)["asr_librispeech_commonvoice.csv"]
     _, sizes = draw_step(list(MIXTURES["audio-heavy"]), dp=8, per_rank=4, model="mllm_84b", seed=0)

@@ -1,15 +1,17 @@
 """The partitioners whose bins are ranks on nodes: ``partition_uniform`` (items of one cost and one
-size: the encoder phases) against brute force, and ``partition_equal_count_locality`` (the backbone
-under --orch-locality) against the plain equal-count plan with exact placement."""
+size: the encoder phases) against brute force, ``partition_equal_count_locality`` (the backbone
+under --orch-locality) against the plain equal-count plan with exact placement, and the locality
+partitioners' fallback, placed."""
 import itertools
 
 import numpy as np
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from megatron_orch.balance.partition import (equal_count_lower_bound, partition_equal_count,
-                                             partition_equal_count_locality, partition_uniform)
-from megatron_orch.balance.placement import PlacementConfig, place_items
+from megatron_orch.balance.partition import (equal_count_lower_bound, partition, partition_equal_count,
+                                             partition_equal_count_locality, partition_locality, partition_uniform)
+from megatron_orch.balance.placement import (BinTraffic, PlacementConfig, exact_min_cost_flow, place_items,
+                                             placement_cost)
 from megatron_orch.balance.topology import Topology
 
 
@@ -82,8 +84,10 @@ def test_equal_count_locality_keeps_counts_and_the_capacity(data):
     assert np.array_equal(part.counts(), np.full(num_bins, per_bin))
     home_max = np.bincount(home, weights=costs, minlength=num_bins).max()
     assert part.max_cost <= home_max + 1e-9
-    if part.method.startswith("equal_locality_fallback"):
-        assert np.array_equal(part.bin_of_item, reference.bin_of_item)
+    if part.method.startswith("equal_locality_fallback"):  # the reference bins, on the ranks exact placement picks
+        rank_of_bin = place_items(reference.bin_of_item, home, np.ones(n, dtype=np.int64),
+                                  Topology.uniform(num_bins, gpus), PlacementConfig(method="exact"))
+        assert np.array_equal(part.bin_of_item, rank_of_bin[reference.bin_of_item])
     else:
         assert part.max_cost <= (1 + tolerance) * reference.max_cost + 1e-9
     if part.method == "home":
@@ -112,3 +116,29 @@ def test_equal_count_locality_moves_far_fewer_items_across_nodes():
 def test_equal_count_locality_refuses_a_partial_node():
     with pytest.raises(ValueError, match="multiple of gpus_per_node"):
         partition_equal_count_locality(np.ones(6), np.repeat(np.arange(3), 2), 3, 2, item_bytes=np.ones(6))
+
+
+@pytest.mark.parametrize("equal_count", [True, False])
+def test_a_locality_fallback_is_placed_exactly(equal_count):
+    """With no tolerance the heuristics miss the reference's max: its bins then go to the ranks the
+    exact placement gives them (OR-Tools' min-cost flow as the oracle), never to ranks 0..K-1 as built."""
+    rng = np.random.default_rng(0)  # an instance both heuristics miss by a little
+    num_bins, gpus, per_bin = 16, 4, 8
+    costs = rng.lognormal(0.0, 1.2, num_bins * per_bin)
+    home = np.repeat(np.arange(num_bins), per_bin)
+    nbytes = np.rint(100 * costs).astype(np.int64)
+    if equal_count:
+        part = partition_equal_count_locality(costs, home, num_bins, gpus, item_bytes=nbytes, tolerance=0.0)
+        reference = partition_equal_count(costs, num_bins, home=home).bin_of_item
+    else:
+        part = partition_locality(costs, home, num_bins, gpus, item_bytes=nbytes, tolerance=0.0)
+        reference = partition(costs, num_bins, home=home).bin_of_item
+    assert "fallback" in part.method and part.method.endswith("+exact"), part.method
+    same_bins = {tuple(np.flatnonzero(part.bin_of_item == b)) for b in range(num_bins)}
+    assert same_bins == {tuple(np.flatnonzero(reference == b)) for b in range(num_bins)}
+    topology = Topology.uniform(num_bins, gpus)
+    traffic = BinTraffic.from_items(reference, home, nbytes, num_bins, num_bins)
+    oracle = placement_cost(traffic, topology, exact_min_cost_flow(traffic, topology)[0])
+    unplaced = nbytes[reference // gpus != home // gpus].sum()
+    assert part.inter_node_bytes == oracle.inter_node_bytes < unplaced
+

@@ -3,7 +3,7 @@ import numpy as np
 from hypothesis import given, settings, strategies as st
 
 from megatron_orch.balance import _plan_kernels
-from megatron_orch.balance.plan import Placement
+from megatron_orch.balance.plan import Placement, moved_bytes
 
 
 def reference_slots(rank, num_ranks, key):
@@ -40,9 +40,15 @@ def test_moved_bytes_and_microbatches_match_numpy():
     node = np.repeat(np.arange(4), 3)
     home, rank = rng.integers(0, 12, 500), rng.integers(0, 12, 500)
     nbytes = rng.random(500)
-    intra, inter = _plan_kernels.moved_bytes(home, rank, node, nbytes)
+    moved = moved_bytes(home, rank, nbytes, node)
     cross = node[home] != node[rank]
-    assert np.isclose(inter, nbytes[cross].sum()) and np.isclose(intra, nbytes[(home != rank) & ~cross].sum())
+    local = (home != rank) & ~cross
+    assert np.isclose(moved.inter_node, nbytes[cross].sum()) and np.isclose(moved.intra_node, nbytes[local].sum())
+    assert np.isclose(moved.total, nbytes.sum()) and moved.off_gpu == moved.intra_node + moved.inter_node
+    for per_rank, ranks, mask in ((moved.sent_intra, home, local), (moved.received_intra, rank, local),
+                                  (moved.sent_inter, home, cross), (moved.received_inter, rank, cross)):
+        np.testing.assert_allclose(per_rank, np.bincount(ranks[mask], weights=nbytes[mask], minlength=12))
+    assert moved.times(2).inter_node == 2 * moved.inter_node
     tokens = rng.integers(1, 50, 500)
     micro = _plan_kernels.longest_first_microbatches(rank, tokens, 12, 3)
     for r in range(12):

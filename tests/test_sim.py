@@ -1,5 +1,5 @@
-"""The cluster simulator: its link model against a hand count, its bytes equal to the plan's own
-accounting, and a small run whose JSON is consistent with itself."""
+"""The cluster simulator: its link model against a hand count, its bytes equal to the plan's report and
+the balancing benchmark's (one accountant), and a small run whose JSON is consistent with itself."""
 import json
 import subprocess
 import sys
@@ -14,11 +14,13 @@ from megatron_orch.balance.plan import Placement, Transfer
 from megatron_orch.balance.topology import Topology
 from megatron_orch.balance.traces import DEFAULT_MIXTURE
 from megatron_orch.balance.workload import phase_items
+from megatron_orch.bench import balance as bench_balance
+from megatron_orch.bench.balance import backbone_only_plan
 from megatron_orch.bench.common import PLAN_METHODS, draw_sizes, upstream_plan
 from megatron_orch.mllm.config import load_model_config
 from megatron_orch.orchestrator.step_plan import plan_step
 from megatron_orch.sim import __main__ as sim_main
-from megatron_orch.sim.cluster import METHODS, LinkModel, backbone_only_plan, transfers
+from megatron_orch.sim.cluster import METHODS, LinkModel, simulate_step
 
 TINY = load_model_config("tiny")
 PHASES = ("vision", "audio", "llm")  # tiny's phases
@@ -27,32 +29,58 @@ PHASES = ("vision", "audio", "llm")  # tiny's phases
 def test_alltoall_time_is_the_busiest_ranks_slowest_link():
     link = LinkModel(gpus_per_node=2, nvlink_gbytes_per_s=100.0, nic_gbits_per_s=80.0, nvlink_latency_us=1.0,
                      nic_latency_us=10.0)
+    node_of_rank = Topology.uniform(4, 2).node_of_rank
     # items: 0 -> 1 (same node, 4 GB), 0 -> 2 (other node, 1 GB), 3 -> 2 (same node, 1 GB), 2 -> 2 (stays)
     src, dst = Placement.from_ranks([0, 0, 3, 2], 4), Placement.from_ranks([1, 2, 2, 2], 4)
-    moved = link.alltoall_seconds(Transfer(src, dst), np.array([4e9, 1e9, 1e9, 7e9]))
+    moved = Transfer(src, dst).moved_bytes(np.array([4e9, 1e9, 1e9, 7e9]), node_of_rank)
     # NVLink: rank 0 sends 4 GB -> 0.04 s; NIC (10 GB/s): rank 0 sends, rank 2 receives 1 GB -> 0.1 s
-    assert moved["seconds"] == pytest.approx(0.1 + 10e-6)
-    assert (moved["intra_node_bytes"], moved["inter_node_bytes"]) == (5e9, 1e9)
-    local = link.alltoall_seconds(Transfer(src, Placement.from_ranks([1, 0, 2, 2], 4)), np.full(4, 1e9))
-    assert local["seconds"] == pytest.approx(1e9 / 100e9 + 1e-6) and local["inter_node_bytes"] == 0
+    assert link.alltoall_seconds(moved) == pytest.approx(0.1 + 10e-6)
+    assert (moved.total, moved.intra_node, moved.inter_node) == (13e9, 5e9, 1e9)
+    local = Transfer(src, Placement.from_ranks([1, 0, 2, 2], 4)).moved_bytes(np.full(4, 1e9), node_of_rank)
+    assert link.alltoall_seconds(local) == pytest.approx(1e9 / 100e9 + 1e-6) and local.inter_node == 0
     with pytest.raises(ValueError, match="nic_gbits_per_s must be > 0"):
         LinkModel(nic_gbits_per_s=0)
 
 
-def test_transfer_bytes_are_the_plans_own_accounting():
-    _, _, sizes = draw_sizes(list(DEFAULT_MIXTURE), 16, 4, "tiny", 1)
-    items, link = phase_items(sizes, TINY.phases()), LinkModel(gpus_per_node=4)
-    plan = plan_step(sizes, TINY.phases(), PLAN_METHODS["orch"], Topology.uniform(16, 4), 1, 4)
-    moved = {name: link.alltoall_seconds(t, b) for name, t, b, _ in transfers(plan, items, "llm")}
-    for phase in ("vision", "audio"):
-        assert moved[f"{phase} inputs"]["inter_node_bytes"] == pytest.approx(plan.stats[phase].inter_node_bytes)
-        assert moved[f"{phase} inputs"]["intra_node_bytes"] == pytest.approx(plan.stats[phase].intra_node_bytes)
-    assert moved["text"]["inter_node_bytes"] == pytest.approx(plan.stats["llm"].inter_node_bytes)
+def test_bytes_are_one_count_in_report_bench_and_sim():
+    """The same batch and flags: plan_step's report (the trainer's log), bench.balance and the simulator
+    count the same bytes, every transfer of the step (raw inputs, text, embeddings forward and back), and
+    those equal a count by hand from the plan's placements."""
+    dp, per_rank, gpus = 16, 4, 4
+    specs = list(DEFAULT_MIXTURE)
+    _, _, sizes = draw_sizes(specs, dp, per_rank, "tiny", 1)
+    items, link = phase_items(sizes, TINY.phases()), LinkModel(gpus_per_node=gpus)
+    simulated = simulate_step(sizes, TINY, link)
+    bench = bench_balance.run(specs, dp, per_rank, gpus, "tiny", 1, repeats=1)
+    for sim_method, bench_method in (("orch", "orch"), ("equal_count", "orch_equal_count"),
+                                     ("locality", "orch_locality"), ("equal_locality", "orch_equal_locality")):
+        plan = plan_step(sizes, TINY.phases(), PLAN_METHODS[sim_method], Topology.uniform(dp, gpus), 1, per_rank)
+        node = np.arange(dp) // gpus
+        by_hand = {"intra": 0.0, "inter": 0.0}
+        for phase, enc in plan.encoders.items():
+            flows = [(enc.home.rank, enc.encode.rank, items[phase].nbytes, 1),
+                     (enc.encode.rank, plan.examples_llm.rank[enc.example], items[phase].output_nbytes, 2)]
+            for src, dst, nbytes, times in flows:
+                by_hand["inter"] += times * nbytes[node[src] != node[dst]].sum()
+                by_hand["intra"] += times * nbytes[(node[src] == node[dst]) & (src != dst)].sum()
+        src, dst = plan.examples_home.rank, plan.examples_llm.rank
+        by_hand["inter"] += items["llm"].nbytes[node[src] != node[dst]].sum()
+        by_hand["intra"] += items["llm"].nbytes[(node[src] == node[dst]) & (src != dst)].sum()
+        assert by_hand["inter"] > 0 and by_hand["intra"] > 0, sim_method
+        report = plan.report()
+        assert report["inter-node MB"] * 1e6 == pytest.approx(by_hand["inter"], rel=1e-12)
+        assert report["intra-node MB"] * 1e6 == pytest.approx(by_hand["intra"], rel=1e-12)
+        assert simulated[sim_method]["inter_node_bytes"] == pytest.approx(by_hand["inter"], rel=1e-12)
+        assert simulated[sim_method]["intra_node_bytes"] == pytest.approx(by_hand["intra"], rel=1e-12)
+        bench_inter = sum(bench[phase][bench_method]["inter_node_bytes"] for phase in TINY.phases().names)
+        bench_off_gpu = sum(bench[phase][bench_method]["moved_bytes"] for phase in TINY.phases().names)
+        assert bench_inter == pytest.approx(by_hand["inter"], rel=1e-12)
+        assert bench_off_gpu == pytest.approx(by_hand["inter"] + by_hand["intra"], rel=1e-12)
     verl = backbone_only_plan(sizes, upstream_plan(sizes))
     for phase in ("vision", "audio"):  # encoder items run on their example's rank: no embeddings move
         np.testing.assert_array_equal(verl.encoders[phase].encode.rank,
                                       verl.examples_llm.rank[verl.encoders[phase].example])
-        assert link.alltoall_seconds(verl.output_transfer(phase), items[phase].output_nbytes)["seconds"] == 0
+        assert verl.output_transfer(phase).moved_bytes(items[phase].output_nbytes, node).off_gpu == 0
 
 
 def test_small_run_gives_consistent_json(tmp_path):

@@ -16,6 +16,8 @@ _JIT = dict(cache=True, nogil=True)
 # Helpers called in the refinement's inner loop are inlined (measured: the loop runs ~1.6x faster
 # than with calls that pass a dozen arrays).
 _INLINE = dict(_JIT, inline="always")
+_PAIR_ITEMS = 32  # two-for-two swaps are tried between bins of at most this many items (496 pairs each)
+_PAIR_PARTNERS = 2  # with the least-loaded this many partners (the largest gaps): each costs a sort of its pairs
 
 
 # ---------------------------------------------------------------------------------------------
@@ -143,6 +145,34 @@ def lpt(costs, memory, memory_cap, order, num_bins, bin_of_item):
             _heap_push(load, ids, size, held_key[h], held_id[h])
             size += 1
     return -1
+
+
+@numba.njit(**_JIT)
+def slot_lpt(costs, order, num_bins, per_bin, target, bin_of_item):
+    """Equal-count greedy by room per free slot: every bin takes ``per_bin`` items.
+
+    Items in ``order`` (decreasing cost, ties by id), each to the bin with the largest
+    (``target`` - load) / free slots (ties: the smaller bin id); a full bin leaves. A bin that took
+    a long item has little room per slot left, so it takes nothing more until only items that small
+    are left: it ends with the long item and short ones, where count-capped LPT gives it whatever
+    comes when its load is the least (mid-sized items, on a heavy tail).
+    """
+    key = np.full(num_bins, -target / per_bin)  # (load - target) / free: the smallest first
+    ids = np.arange(num_bins)  # equal keys, ids ascending: already a heap
+    load = np.zeros(num_bins)
+    free = np.full(num_bins, per_bin, dtype=np.int64)
+    size = num_bins
+    for item in order:
+        b = ids[0]
+        bin_of_item[item] = b
+        load[b] += costs[item]
+        free[b] -= 1
+        if free[b] == 0:
+            _heap_pop(key, ids, size)
+            size -= 1
+        else:
+            key[0] = (load[b] - target) / free[b]
+            _sift_down(key, ids, size, 0)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -689,6 +719,107 @@ def _exchange_with(costs, memory, memory_cap, load, bin_mem, top, b, top_items, 
     return best, num_out, num_in
 
 
+@numba.njit(**_INLINE)
+def _cheapest_swap(costs, memory, memory_cap, load, bin_mem, bin_of_item, top, top_items, num_top, order, scan,
+                   best, best_out, best_in):
+    """Best swap of one item of the top bin for one of the batch's cheapest items that beats ``best``.
+
+    The last items of ``order`` (decreasing cost) outside the top bin, up to ``scan`` of them, each
+    against the top bin's item whose cost is nearest its own plus half the gap between their bins
+    (``top_items``: by increasing cost). Returns (value, partner bin) with the swap in
+    ``best_out[0]`` / ``best_in[0]``, or (best, -1) if none beats it.
+    """
+    top_load = load[top]
+    found = -1
+    seen = 0
+    for u in range(order.size - 1, -1, -1):
+        j = order[u]
+        if seen == scan or costs[j] >= costs[top_items[num_top - 1]]:
+            break  # enough tried, or no item of the top bin costs more
+        b = bin_of_item[j]
+        if b == top:
+            continue
+        seen += 1
+        gap = top_load - load[b]
+        if gap <= 0.0:
+            continue
+        target = costs[j] + 0.5 * gap
+        lo, hi = 0, num_top  # the first of the top bin's items costing >= target
+        while lo < hi:
+            mid = (lo + hi) // 2
+            if costs[top_items[mid]] < target:
+                lo = mid + 1
+            else:
+                hi = mid
+        for t in range(max(lo - 1, 0), min(lo + 1, num_top)):
+            i = top_items[t]
+            d = costs[i] - costs[j]
+            if (0.0 < d < gap and bin_mem[b] + memory[i] - memory[j] <= memory_cap
+                    and bin_mem[top] - memory[i] + memory[j] <= memory_cap):
+                value = max(top_load - d, load[b] + d)
+                if value < best:
+                    best, found = value, b
+                    best_out[0] = i
+                    best_in[0] = j
+    return best, found
+
+
+@numba.njit(**_JIT)
+def _pair_sums(costs, items, count, sums, first, second):
+    """Every pair of ``items[:count]``: their cost sums, by increasing sum (ties: the pair found
+    first), into ``sums`` / ``first`` / ``second``; returns how many."""
+    m = 0
+    for u in range(count):
+        for v in range(u + 1, count):
+            sums[m] = costs[items[u]] + costs[items[v]]
+            first[m] = items[u]
+            second[m] = items[v]
+            m += 1
+    by_sum = np.argsort(sums[:m], kind="mergesort")
+    sums[:m] = sums[:m][by_sum]
+    first[:m] = first[:m][by_sum]
+    second[:m] = second[:m][by_sum]
+    return m
+
+
+@numba.njit(**_JIT)
+def _pair_swap(costs, memory, memory_cap, load, bin_mem, top, b, partner_items, num_b, best, best_out, best_in,
+               top_pairs, num_top_pairs, partner_pairs):
+    """Best swap of two items of the top bin for two of bin ``b`` (counts kept) beating ``best``.
+
+    Where one-for-one swaps are stuck (a few items per bin, no single difference near half the gap),
+    two-for-two differences are many more. Each pair of the top bin meets b's pair whose sum is
+    nearest its own minus half the gap (pairs by sum, binary search). ``top_pairs``: the top bin's
+    ``num_top_pairs`` pairs (:func:`_pair_sums`); ``partner_pairs``: scratch for b's. Returns
+    (value, 2) with the swap in ``best_out`` / ``best_in``, or (best, -1).
+    """
+    top_sum, top_first, top_second = top_pairs
+    sums, first, second = partner_pairs
+    num_pairs = _pair_sums(costs, partner_items, num_b, sums, first, second)
+    top_load = load[top]
+    gap = top_load - load[b]
+    found = -1
+    for t in range(num_top_pairs):
+        target = top_sum[t] - 0.5 * gap
+        lo, hi = 0, num_pairs  # b's first pair summing to >= target
+        while lo < hi:
+            mid = (lo + hi) // 2
+            if sums[mid] < target:
+                lo = mid + 1
+            else:
+                hi = mid
+        for u in range(max(lo - 1, 0), min(lo + 1, num_pairs)):
+            d = top_sum[t] - sums[u]
+            moved = memory[top_first[t]] + memory[top_second[t]] - memory[first[u]] - memory[second[u]]
+            if 0.0 < d < gap and bin_mem[b] + moved <= memory_cap and bin_mem[top] - moved <= memory_cap:
+                value = max(top_load - d, load[b] + d)
+                if value < best:
+                    best, found = value, 2
+                    best_out[0], best_out[1] = top_first[t], top_second[t]
+                    best_in[0], best_in[1] = first[u], second[u]
+    return best, found
+
+
 @numba.njit(**_JIT)
 def _partners(load, rank, top, node_size, partners, out):
     """Candidate partners of the top bin, least-loaded first; returns how many.
@@ -794,7 +925,7 @@ def swap_sweeps(costs, order, num_bins, bin_of_item, stop_at, max_sweeps, group_
 
 @numba.njit(**_JIT)
 def refine(costs, memory, memory_cap, num_bins, bin_of_item, allow_moves, stop_at, partners, node_size,
-           max_steps):
+           max_steps, order, cheapest_scan):
     """Lower the maximum bin cost by local search, in place; returns the number of steps taken.
 
     Each step takes the most-loaded bin M and applies the exchange with one partner bin b that
@@ -802,11 +933,16 @@ def refine(costs, memory, memory_cap, num_bins, bin_of_item, allow_moves, stop_a
     under the cap. With loads L > Lb and a net cost d moved from M to b, the new pair is
     (L - d, Lb + d): the best d is the one nearest (L - Lb) / 2. Exchanges tried, in rounds (a
     round runs only if the ones before found nothing): one item of M for one cheaper item of b
-    (keeps counts) and, if ``allow_moves``, one item moved from M to b; then one item of M for
-    several of b or several of M for one of b (found greedily; what evening out items of a few
-    fixed sizes takes). Partners: with ``node_size > 0`` the bins of M's node first (bin r is on
-    node r // node_size), then ``partners`` least-loaded bins anywhere (see :func:`_partners`).
-    Stops at a local optimum, once the maximum is at most ``stop_at``, or after ``max_steps``.
+    (keeps counts) and, if ``allow_moves``, one item moved from M to b; (``allow_moves``) one item
+    of M for several of b or several of M for one of b (found greedily; what evening out items of a
+    few fixed sizes takes); two items of M for two of b (bins of at most :data:`_PAIR_ITEMS` items,
+    the :data:`_PAIR_PARTNERS` least-loaded partners, :func:`_pair_swap`); last, one item of M for one of the batch's cheapest items, wherever it is
+    (:func:`_cheapest_swap`: the last ``cheapest_scan`` items of ``order``, items by decreasing
+    cost, outside M). Partners (:func:`_partners`) hold their bins' typical items, where a bin with
+    one long item needs the batch's shortest for its other slots. With ``node_size > 0`` (bin r on
+    node r // node_size) the rounds run with the bins of M's node first (every item of the node: no
+    round of cheapest items there), then anywhere with ``partners`` least-loaded bins. Stops at a
+    local optimum, once the maximum is at most ``stop_at``, or after ``max_steps``.
     """
     n = costs.size
     load = np.zeros(num_bins)
@@ -834,6 +970,9 @@ def refine(costs, memory, memory_cap, num_bins, bin_of_item, allow_moves, stop_a
     best_out = np.empty(n, dtype=np.int64)  # items of the best exchange going M -> b
     best_in = np.empty(n, dtype=np.int64)   # and b -> M
     plist = np.empty(max(partners, node_size), dtype=np.int64)
+    num_pairs = _PAIR_ITEMS * (_PAIR_ITEMS - 1) // 2
+    top_pairs = (np.empty(num_pairs), np.empty(num_pairs, dtype=np.int64), np.empty(num_pairs, dtype=np.int64))
+    partner_pairs = (np.empty(num_pairs), np.empty(num_pairs, dtype=np.int64), np.empty(num_pairs, dtype=np.int64))
 
     steps = 0
     while steps < max_steps:
@@ -843,23 +982,40 @@ def refine(costs, memory, memory_cap, num_bins, bin_of_item, allow_moves, stop_a
             break
         best_b, num_out, num_in = -1, 0, 0
         num_top = _gather_sorted(head, nxt, costs, top, top_items)
+        num_top_pairs = -1  # the top bin's pairs, built when a two-for-two round needs them
         for scope in range(2):  # 0: M's node (if node_size > 0); 1: anywhere
             if best_b >= 0:
                 break
             if scope == 0 and node_size <= 0:
                 continue
             num_p = _partners(load, rank, top, node_size if scope == 0 else 0, partners, plist)
-            if num_p == 0:
-                continue
-            for kind in range(2):
-                if best_b >= 0 or (kind == 1 and not allow_moves):
+            for kind in range(4):  # 0: moves and swaps; 1: one for several; 2: two for two; 3: the cheapest items
+                if best_b >= 0:
                     break
-                for q in range(num_p):
+                if ((kind == 1 and not allow_moves) or (kind == 2 and not 2 <= num_top <= _PAIR_ITEMS)
+                        or (kind == 3 and scope == 0)):  # (on M's node, partners are all its bins: every item)
+                    continue
+                if kind == 3:
+                    best, b = _cheapest_swap(costs, memory, memory_cap, load, bin_mem, bin_of_item, top, top_items,
+                                             num_top, order, cheapest_scan, best, best_out, best_in)
+                    if b >= 0:
+                        best_b, num_out, num_in = b, 1, 1
+                    continue
+                if kind == 2 and num_top_pairs < 0:
+                    num_top_pairs = _pair_sums(costs, top_items, num_top, top_pairs[0], top_pairs[1], top_pairs[2])
+                for q in range(num_p if kind < 2 else min(num_p, _PAIR_PARTNERS)):
                     b = plist[q]
                     num_b = _gather_sorted(head, nxt, costs, b, partner_items)
-                    best, o, i = _exchange_with(costs, memory, memory_cap, load, bin_mem, top, b, top_items,
-                                                num_top, partner_items, num_b, kind, allow_moves, chosen,
-                                                best, best_out, best_in)
+                    if kind < 2:
+                        best, o, i = _exchange_with(costs, memory, memory_cap, load, bin_mem, top, b, top_items,
+                                                    num_top, partner_items, num_b, kind, allow_moves, chosen,
+                                                    best, best_out, best_in)
+                    elif 2 <= num_b <= _PAIR_ITEMS:
+                        best, o = _pair_swap(costs, memory, memory_cap, load, bin_mem, top, b, partner_items, num_b,
+                                             best, best_out, best_in, top_pairs, num_top_pairs, partner_pairs)
+                        i = o
+                    else:
+                        continue
                     if o >= 0:
                         best_b, num_out, num_in = b, o, i
         if best_b < 0:
@@ -983,3 +1139,194 @@ def place_near_home(costs, memory, memory_cap, home, order, keep_order, num_bins
         bin_mem[r] += m
         _tree_set(tree_load, tree_room, width, r, load[r], memory_cap - bin_mem[r])
     return -1
+
+
+# ---------------------------------------------------------------------------------------------
+# The binary search on capacity, and many small partitions at once (the packed micro-batches of
+# every rank): what partition() does, compiled, group after group. The floating-point steps are
+# numpy's own (sums pairwise as np.sum adds, loads in item order as np.bincount does), so every
+# result equals partition()'s.
+# ---------------------------------------------------------------------------------------------
+
+METHOD_CODES = ("auto", "lpt", "kk", "bs_ffd")  # the ``method`` argument of partition_groups
+
+
+@numba.njit(**_JIT)
+def _block_sum(values, lo, n):
+    """numpy's pairwise sum of at most 128 float64: a plain loop below 8, else 8 running sums."""
+    if n < 8:
+        total = 0.0
+        for i in range(n):
+            total += values[lo + i]
+        return total
+    r = values[lo:lo + 8].copy()
+    i = 8
+    while i < n - n % 8:
+        for j in range(8):
+            r[j] += values[lo + i + j]
+        i += 8
+    total = ((r[0] + r[1]) + (r[2] + r[3])) + ((r[4] + r[5]) + (r[6] + r[7]))
+    while i < n:
+        total += values[lo + i]
+        i += 1
+    return total
+
+
+@numba.njit(**_JIT)
+def _numpy_sum(values):
+    """``values.sum()`` bit for bit as numpy adds float64: halves (a multiple of 8 on the left) summed
+    apart down to blocks of 128, then added up, left + right. Written with a stack: numba's cache
+    cannot hold a function that calls itself."""
+    frame_lo = np.empty(64, dtype=np.int64)
+    frame_n = np.empty(64, dtype=np.int64)
+    frame_state = np.empty(64, dtype=np.int64)  # 0: left half next, 1: right half next, 2: add them
+    partial = np.empty(64)
+    frames, partials = 1, 0
+    frame_lo[0], frame_n[0], frame_state[0] = 0, values.size, 0
+    while frames:
+        f = frames - 1
+        lo, n = frame_lo[f], frame_n[f]
+        half = n // 2 - (n // 2) % 8
+        if n <= 128:
+            partial[partials] = _block_sum(values, lo, n)
+            partials += 1
+            frames -= 1
+        elif frame_state[f] < 2:
+            child_lo, child_n = (lo, half) if frame_state[f] == 0 else (lo + half, n - half)
+            frame_state[f] += 1
+            frame_lo[frames], frame_n[frames], frame_state[frames] = child_lo, child_n, 0
+            frames += 1
+        else:
+            partials -= 1
+            partial[partials - 1] = partial[partials - 1] + partial[partials]
+            frames -= 1
+    return partial[0]
+
+
+@numba.njit(**_JIT)
+def _max_load(costs, bin_of_item, num_bins):
+    load = np.zeros(num_bins)
+    for i in range(costs.size):
+        load[bin_of_item[i]] += costs[i]
+    return load.max()
+
+
+@numba.njit(**_JIT)
+def pigeonhole_bound(costs, order, num_bins):
+    """A lower bound on the max bin cost at least max(mean, largest item), tight for items of equal size:
+    for every t >= 1, some bin holds t + 1 of the t*K + 1 largest items (``order``: by decreasing
+    cost), so at least the sum of the t + 1 smallest of them."""
+    n = costs.size
+    if n == 0:
+        return 0.0
+    bound = max(_numpy_sum(costs) / num_bins, costs.max())
+    if n > num_bins:
+        prefix = np.zeros(n + 1)
+        for k in range(n):
+            prefix[k + 1] = prefix[k] + costs[order[k]]
+        for t in range(1, (n - 1) // num_bins + 1):
+            bound = max(bound, prefix[t * num_bins + 1] - prefix[t * num_bins - t])
+    return bound
+
+
+ABOVE_UPPER = -2  # bs_ffd: first-fit decreasing does not place every item at the given upper capacity
+
+
+@numba.njit(**_JIT)
+def bs_ffd(costs, memory, memory_cap, order, num_bins, upper, rel_tol, max_rounds, bin_of_item):
+    """Binary search on the bin capacity: the smallest (within ``rel_tol``, at most ``max_rounds``
+    halvings) at which first-fit decreasing places every item, its assignment in ``bin_of_item``.
+
+    Without memory, FFD always succeeds at mean + largest item, which starts the search. ``upper`` <
+    inf asks only for results at most that good: :data:`ABOVE_UPPER` if FFD fails there. Returns -1,
+    or the first item no bin has memory room for at any capacity.
+    """
+    n = costs.size
+    if n == 0:
+        return -1
+    trial = np.empty(n, dtype=np.int64)
+    hi = _numpy_sum(costs) / num_bins + costs.max() if upper == np.inf else upper
+    if ffd(costs, memory, memory_cap, order, num_bins, hi, bin_of_item) >= 0:
+        if upper != np.inf:
+            return ABOVE_UPPER
+        item = ffd(costs, memory, memory_cap, order, num_bins, np.inf, bin_of_item)
+        if item >= 0:
+            return item
+    hi = _max_load(costs, bin_of_item, num_bins)
+    lo = pigeonhole_bound(costs, order, num_bins)
+    for _ in range(max_rounds):
+        if hi - lo <= rel_tol * hi:
+            break
+        mid = 0.5 * (lo + hi)
+        if ffd(costs, memory, memory_cap, order, num_bins, mid, trial) >= 0:
+            lo = mid
+        else:
+            bin_of_item[:] = trial
+            hi = _max_load(costs, bin_of_item, num_bins)
+    return -1
+
+
+@numba.njit(**_JIT)
+def _partition_one(costs, num_bins, method, good_enough_rel, rel_tol, max_rounds, partners, cheapest_scan, bins):
+    """partition(costs, num_bins, method=METHOD_CODES[method]) without memory or home, into ``bins``:
+    ``auto`` is lpt, kk and bs_ffd, each refined, the best kept (stopping within ``good_enough_rel`` of
+    the pigeonhole bound); the others construct only."""
+    n = costs.size
+    order = np.argsort(-costs, kind="mergesort")
+    memory = np.zeros(n)
+    if method == 1:
+        lpt(costs, memory, np.inf, order, num_bins, bins)
+        return
+    if method == 2:
+        kk(costs, order, 1, num_bins, bins)
+        return
+    if method == 3:
+        bs_ffd(costs, memory, np.inf, order, num_bins, np.inf, rel_tol, max_rounds, bins)
+        return
+    good_enough = (1.0 + good_enough_rel) * pigeonhole_bound(costs, order, num_bins)
+    trial = np.zeros(n, dtype=np.int64)
+    best_cost = np.inf
+    for construction in range(3):
+        if best_cost <= good_enough:
+            break
+        trial[:] = 0
+        if construction == 0:
+            lpt(costs, memory, np.inf, order, num_bins, trial)
+        elif construction == 1:
+            kk(costs, order, 1, num_bins, trial)
+        elif bs_ffd(costs, memory, np.inf, order, num_bins, best_cost, rel_tol, max_rounds, trial) != -1:
+            continue
+        if n > 0:
+            refine(costs, memory, np.inf, num_bins, trial, True, good_enough, partners, 0, n + num_bins, order,
+                   cheapest_scan)
+        cost = _max_load(costs, trial, num_bins)
+        if cost < best_cost:
+            best_cost = cost
+            bins[:] = trial
+
+
+@numba.njit(**_JIT)
+def partition_groups(costs, group, num_groups, num_bins, method, good_enough_rel, rel_tol, max_rounds, partners,
+                     cheapest_scan, bin_of_item):
+    """The items of each group (item i in group ``group[i]``; a group's items by increasing id, as
+    partition() would see ``costs[group == g]``) partitioned into ``num_bins`` bins on their own
+    (:func:`_partition_one`)."""
+    start = np.zeros(num_groups + 1, dtype=np.int64)
+    for i in range(group.size):
+        start[group[i] + 1] += 1
+    for g in range(num_groups):
+        start[g + 1] += start[g]
+    fill = start[:-1].copy()
+    members = np.empty(group.size, dtype=np.int64)
+    for i in range(group.size):
+        members[fill[group[i]]] = i
+        fill[group[i]] += 1
+    for g in range(num_groups):
+        items = members[start[g]:start[g + 1]]
+        local = np.empty(items.size)
+        for k in range(items.size):
+            local[k] = costs[items[k]]
+        bins = np.zeros(items.size, dtype=np.int64)
+        _partition_one(local, num_bins, method, good_enough_rel, rel_tol, max_rounds, partners, cheapest_scan, bins)
+        for k in range(items.size):
+            bin_of_item[items[k]] = bins[k]

@@ -1,5 +1,5 @@
 """Compiled helpers of plans and step planning (numba, GIL released, cached): slots of a placement,
-micro-batches by length, bytes a move sends within and across nodes.
+micro-batches by length, the bytes a move sends within and across nodes (the one byte accountant).
 
 Each is an O(n + ranks) counting pass where numpy would sort (``lexsort`` of ~200k items takes
 ~20 ms and holds the GIL); results equal the numpy definitions they replace, ties by item id.
@@ -103,15 +103,25 @@ def longest_first_microbatches(rank, num_tokens, num_ranks, micro_batch_size):
 
 
 @numba.njit(**_JIT)
-def moved_bytes(home_rank, rank, node_of_rank, nbytes):
-    """(bytes that leave their GPU but stay on their node, bytes that cross nodes) when item i moves
-    from ``home_rank[i]`` to ``rank[i]``."""
+def moved_bytes(src_rank, dst_rank, node_of_rank, nbytes):
+    """Bytes of items moving ``src_rank[i]`` -> ``dst_rank[i]``: (all of them, those that leave their GPU
+    but stay on their node, those that cross nodes, and per rank [sent on its node, received on its node,
+    sent across nodes, received across nodes] as a (4, ranks) array)."""
+    per_rank = np.zeros((4, node_of_rank.size))
+    total = 0.0
     intra = 0.0
     inter = 0.0
-    for i in range(rank.size):
-        if rank[i] != home_rank[i]:
-            if node_of_rank[rank[i]] != node_of_rank[home_rank[i]]:
-                inter += nbytes[i]
-            else:
-                intra += nbytes[i]
-    return intra, inter
+    for i in range(src_rank.size):
+        src, dst, b = src_rank[i], dst_rank[i], nbytes[i]
+        total += b
+        if src == dst:
+            continue
+        if node_of_rank[src] == node_of_rank[dst]:
+            intra += b
+            per_rank[0, src] += b
+            per_rank[1, dst] += b
+        else:
+            inter += b
+            per_rank[2, src] += b
+            per_rank[3, dst] += b
+    return total, intra, inter, per_rank

@@ -676,30 +676,6 @@ def dual_gap(row_start, row_node, row_w, cap, node_of_bin, v):
     return dual - primal
 
 
-@numba.njit(**_JIT)
-def placement_cost(traffic_bin, traffic_rank, traffic_bytes, rank_of_bin, node_of_rank, num_nodes):
-    """(inter-node bytes, busiest node's max(received, sent) across nodes, bytes leaving their GPU)
-    when bin b runs on ``rank_of_bin[b]`` and pulls ``traffic_bytes`` from ``traffic_rank``."""
-    received = np.zeros(num_nodes, dtype=np.int64)
-    sent = np.zeros(num_nodes, dtype=np.int64)
-    inter = np.int64(0)
-    off_gpu = np.int64(0)
-    for t in range(traffic_bin.size):
-        dst = rank_of_bin[traffic_bin[t]]
-        src = traffic_rank[t]
-        if dst != src:
-            off_gpu += traffic_bytes[t]
-            a, b = node_of_rank[dst], node_of_rank[src]
-            if a != b:
-                inter += traffic_bytes[t]
-                received[a] += traffic_bytes[t]
-                sent[b] += traffic_bytes[t]
-    busiest = np.int64(0)
-    for n in range(num_nodes):
-        busiest = max(busiest, received[n], sent[n])
-    return inter, busiest, off_gpu
-
-
 # ---------------------------------------------------------------------------------------------
 # Bins -> GPUs inside each node.
 # ---------------------------------------------------------------------------------------------

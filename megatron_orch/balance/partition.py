@@ -10,15 +10,16 @@ constructive methods are offered, plus a local-search refinement on top:
   the best kept.
 
 Variants: :func:`partition_equal_count` (every bin gets exactly n/K items, for fixed micro-batch
-sizes) and :func:`partition_locality` (bins are ranks; items start on a home rank and as few bytes
-as possible cross nodes, then leave their GPU).
+sizes), :func:`partition_locality` and :func:`partition_equal_count_locality` (bins are ranks; items
+start on a home rank and as few bytes as possible cross nodes, then leave their GPU),
+:func:`partition_uniform` (items of one cost) and :func:`partition_groups` (many small partitions in
+one compiled call: the packed micro-batches of every rank).
 
 Results are deterministic functions of their inputs (ties go to the smaller item or bin id), so
 every rank computes the same plan. Hot loops are compiled with numba and release the GIL.
 """
 from __future__ import annotations
 
-import dataclasses
 import math
 from dataclasses import dataclass
 from typing import Optional
@@ -26,10 +27,15 @@ from typing import Optional
 import numpy as np
 
 from megatron_orch.balance import _kernels
+from megatron_orch.balance.placement import PlacementConfig, place_items
+from megatron_orch.balance.plan import moved_bytes
+from megatron_orch.balance.topology import Topology
 
 METHODS = ("lpt", "kk", "bs_ffd")
 _SWAP_SWEEPS = 16           # at most this many swap sweeps before the local search (a sweep: ~1 ms at DP 2560)
 _REFINE_PARTNERS = 8         # least-loaded bins tried as move/swap partners of the most-loaded one
+_KK_TRUSTED = 0.01           # equal-count KK this close to the bound is refined before the slot greedy is built
+_CHEAPEST_SCAN = 1024        # then the batch's cheapest items (outside the most-loaded bin) tried as swaps
 _BS_FFD_REL_TOL = 1e-3       # binary search stops when capacity is known within this fraction
 _GOOD_ENOUGH = 1e-4          # this close to a lower bound, auto and refinement stop: nothing to gain
 _BS_FFD_MAX_ROUNDS = 40
@@ -175,21 +181,6 @@ def _lower_bound(costs: np.ndarray, num_bins: int) -> float:
     return max(float(costs.sum()) / num_bins, float(costs.max())) if costs.size else 0.0
 
 
-def _pigeonhole_bound(costs: np.ndarray, order: np.ndarray, num_bins: int) -> float:
-    """A lower bound at least :func:`_lower_bound`, tight for items of equal size.
-
-    For every t >= 1, some bin holds t + 1 of the t*K + 1 largest items, so at least the sum of
-    the t + 1 smallest of them. (Used to stop ``auto`` early; not reported.)
-    """
-    bound = _lower_bound(costs, num_bins)
-    n = costs.size
-    if n > num_bins:
-        prefix = np.concatenate(([0.0], np.cumsum(costs[order])))
-        t = np.arange(1, (n - 1) // num_bins + 1)
-        bound = max(bound, float((prefix[t * num_bins + 1] - prefix[t * num_bins - t]).max()))
-    return bound
-
-
 def _max_cost(costs: np.ndarray, bins: np.ndarray, num_bins: int) -> float:
     return float(np.bincount(bins, weights=costs, minlength=num_bins).max())
 
@@ -198,22 +189,29 @@ def _fits_memory(bins: np.ndarray, memory: np.ndarray, cap: float, num_bins: int
     return cap == math.inf or bool(np.bincount(bins, weights=memory, minlength=num_bins).max() <= cap)
 
 
-def _refine(costs, memory, cap, num_bins, bins, *, allow_moves: bool, stop_at: float,
+def _refine(costs, memory, cap, order, num_bins, bins, *, allow_moves: bool, stop_at: float,
             node_size: int = 0) -> None:
     _kernels.refine(costs, memory, cap, num_bins, bins, allow_moves, stop_at, _REFINE_PARTNERS, node_size,
-                    costs.size + num_bins)
+                    costs.size + num_bins, order, _CHEAPEST_SCAN)
+
+
+def _nodes(num_bins: int, gpus_per_node: Optional[int]) -> Optional[np.ndarray]:
+    """Node of every bin when bins are ranks numbered node by node (None: no nodes given)."""
+    return None if gpus_per_node is None else np.arange(num_bins) // gpus_per_node
 
 
 def _result(bins, num_bins, costs, memory, has_memory, lower_bound, home, method, item_bytes,
-            gpus_per_node) -> Partition:
+            node_of_bin) -> Partition:
+    """The partition's figures; ``node_of_bin`` (bins are ranks on these nodes) gives the byte figures
+    their inter-node part."""
     baseline = _max_cost(costs, home, num_bins) if home is not None else math.nan
     moved = inter = total = math.nan
     if item_bytes is not None:
         total = float(item_bytes.sum())
         if home is not None:
-            moved = float(item_bytes[bins != home].sum())
-            if gpus_per_node is not None:
-                inter = float(item_bytes[bins // gpus_per_node != home // gpus_per_node].sum())
+            figures = moved_bytes(home, bins, item_bytes, np.arange(num_bins) if node_of_bin is None else node_of_bin)
+            moved = figures.off_gpu
+            inter = math.nan if node_of_bin is None else figures.inter_node
     return Partition(
         bin_of_item=bins,
         num_bins=num_bins,
@@ -226,6 +224,16 @@ def _result(bins, num_bins, costs, memory, has_memory, lower_bound, home, method
         inter_node_bytes=inter,
         total_bytes=total,
     )
+
+
+def _placed(bin_of_item, home, item_bytes, num_bins: int, gpus_per_node: int) -> np.ndarray:
+    """Rank of every item when bin b runs on the rank the exact placement gives it (fewest bytes
+    across nodes, then off their GPU, items moving from ``home``): a locality partitioner's
+    fallback, whose bins are ranks."""
+    rank_of_bin = place_items(bin_of_item, home, np.rint(item_bytes).astype(np.int64),
+                              Topology.uniform(num_bins, gpus_per_node),
+                              PlacementConfig(method="exact", deterministic=True))
+    return rank_of_bin[bin_of_item]
 
 
 # ----------------------------------------------------------------------------------------------
@@ -251,35 +259,17 @@ def _kk(costs, memory, cap, order, num_bins, upper=None):
 
 
 def _bs_ffd(costs, memory, cap, order, num_bins, upper=None):
-    """Smallest capacity (to a relative tolerance) at which first-fit decreasing places every item.
-
-    Without memory, FFD always succeeds at mean + largest item, which starts the search. ``upper``
-    (from ``auto``) asks only for results at most that good: returns None if FFD fails there.
-    """
-    n = costs.size
-    bins = np.zeros(n, dtype=np.int64)
-    if n == 0:
-        return bins
-    trial = np.empty(n, dtype=np.int64)
-    hi = float(costs.sum()) / num_bins + float(costs.max()) if upper is None else upper
-    if _kernels.ffd(costs, memory, cap, order, num_bins, hi, bins) >= 0:
-        if upper is not None:
-            return None
-        item = _kernels.ffd(costs, memory, cap, order, num_bins, math.inf, bins)
-        if item >= 0:
-            raise _Infeasible(f"bs_ffd: first-fit decreasing finds no bin with memory room for item "
-                              f"{item} (memory {memory[item]}, cap {cap})")
-    hi = _max_cost(costs, bins, num_bins)
-    lo = _pigeonhole_bound(costs, order, num_bins)
-    for _ in range(_BS_FFD_MAX_ROUNDS):
-        if hi - lo <= _BS_FFD_REL_TOL * hi:
-            break
-        mid = 0.5 * (lo + hi)
-        if _kernels.ffd(costs, memory, cap, order, num_bins, mid, trial) >= 0:
-            lo = mid
-        else:
-            bins, trial = trial, bins
-            hi = _max_cost(costs, bins, num_bins)
+    """Smallest capacity (to a relative tolerance) at which first-fit decreasing places every item
+    (:func:`_kernels.bs_ffd`). ``upper`` (from ``auto``) asks only for results at most that good:
+    returns None if FFD fails there."""
+    bins = np.zeros(costs.size, dtype=np.int64)
+    status = _kernels.bs_ffd(costs, memory, cap, order, num_bins, math.inf if upper is None else upper,
+                             _BS_FFD_REL_TOL, _BS_FFD_MAX_ROUNDS, bins)
+    if status == _kernels.ABOVE_UPPER:
+        return None
+    if status >= 0:
+        raise _Infeasible(f"bs_ffd: first-fit decreasing finds no bin with memory room for item "
+                          f"{status} (memory {memory[status]}, cap {cap})")
     return bins
 
 
@@ -293,7 +283,7 @@ _CONSTRUCT = {"lpt": _lpt, "kk": _kk, "bs_ffd": _bs_ffd}
 def _auto(costs, memory, cap, order, num_bins, refine: bool):
     """Each constructive method's result (refined), the best kept: (bin_of_item, name, max cost)."""
     best, best_cost, winner, reasons = None, math.inf, None, []
-    good_enough = (1.0 + _GOOD_ENOUGH) * _pigeonhole_bound(costs, order, num_bins)
+    good_enough = (1.0 + _GOOD_ENOUGH) * _kernels.pigeonhole_bound(costs, order, num_bins)
     for name in METHODS:
         if best_cost <= good_enough:
             break
@@ -306,7 +296,7 @@ def _auto(costs, memory, cap, order, num_bins, refine: bool):
         if bins is None:
             continue
         if refine:
-            _refine(costs, memory, cap, num_bins, bins, allow_moves=True, stop_at=good_enough)
+            _refine(costs, memory, cap, order, num_bins, bins, allow_moves=True, stop_at=good_enough)
         cost = _max_cost(costs, bins, num_bins)
         if cost < best_cost:
             best, best_cost, winner = bins, cost, name
@@ -360,20 +350,48 @@ def partition(costs, num_bins, *, method: str = "auto", memory=None, memory_cap=
             raise ValueError(str(err)) from None
         name = method
         if refine:
-            _refine(costs, memory, cap, num_bins, bins, allow_moves=True,
-                    stop_at=(1.0 + _GOOD_ENOUGH) * _pigeonhole_bound(costs, order, num_bins))
+            _refine(costs, memory, cap, order, num_bins, bins, allow_moves=True,
+                    stop_at=(1.0 + _GOOD_ENOUGH) * _kernels.pigeonhole_bound(costs, order, num_bins))
             name += "+refine"
         cost = _max_cost(costs, bins, num_bins)
     bins, name, _ = _home_if_not_worse(bins, name, cost, costs, memory, cap, num_bins, home)
     return _result(bins, num_bins, costs, memory, has_memory, _lower_bound(costs, num_bins), home,
-                   name, item_bytes, gpus_per_node)
+                   name, item_bytes, _nodes(num_bins, gpus_per_node))
+
+
+def partition_groups(costs, group, num_bins, *, method: str = "auto") -> np.ndarray:
+    """Bin of every item when each group of items is partitioned into ``num_bins`` bins on its own:
+    for every g, ``out[group == g]`` equals ``partition(costs[group == g], num_bins,
+    method=method).bin_of_item``, computed for all groups in one compiled call that releases the GIL
+    (:func:`_kernels.partition_groups`): the packed micro-batches of every rank at once.
+    """
+    costs = _check_values(costs, "costs")
+    group = np.asarray(group)
+    if group.shape != costs.shape or (group.size and not np.issubdtype(group.dtype, np.integer)):
+        raise ValueError(f"group must hold one integer group id per item ({costs.size}), "
+                         f"got {group.dtype} {group.shape}")
+    group = np.ascontiguousarray(group, dtype=np.int64)
+    if group.size and group.min() < 0:
+        raise ValueError(f"group of item {int(np.argmin(group))} is {group.min()}; must be >= 0")
+    num_bins = _check_num_bins(num_bins)
+    if method not in _kernels.METHOD_CODES:
+        raise ValueError(f"unknown method {method!r}; choose one of {_kernels.METHOD_CODES}")
+    bins = np.zeros(costs.size, dtype=np.int64)
+    _kernels.partition_groups(costs, group, int(group.max(initial=-1)) + 1, num_bins,
+                              _kernels.METHOD_CODES.index(method), _GOOD_ENOUGH, _BS_FFD_REL_TOL, _BS_FFD_MAX_ROUNDS,
+                              _REFINE_PARTNERS, _CHEAPEST_SCAN, bins)
+    return bins
 
 
 def equal_count_lower_bound(costs, num_bins: int) -> float:
-    """Lower bound on the max bin cost when every bin holds exactly n/K items.
+    """Lower bound on the max bin cost when every bin holds exactly m = n/K items.
 
-    The max of: the mean; the largest item plus the n/K - 1 smallest (they share its bin at best);
-    the K-th and (K+1)-th largest plus the n/K - 2 smallest (two of the K+1 largest share a bin).
+    The max of the mean and, for every j <= K, the smaller of (a) and (b), where x_1 >= x_2 >= ... are
+    the costs: (a) if the j largest items lie in j different bins, those bins hold them and j(m - 1)
+    others, at least the j(m - 1) smallest: one of them costs (x_1 + ... + x_j + those) / j or more;
+    (b) else two of them share a bin with m - 2 others: x_{j-1} + x_j + the m - 2 smallest. For j = K + 1
+    only (b) can happen (two of the K + 1 largest share a bin). j = 1 is the largest item plus the
+    m - 1 smallest; larger j see several long items competing for the same short ones.
     """
     costs = np.sort(_check_values(costs, "costs"))
     num_bins = _check_num_bins(num_bins)
@@ -381,22 +399,47 @@ def equal_count_lower_bound(costs, num_bins: int) -> float:
     if n == 0:
         return 0.0
     per_bin = n // num_bins
-    prefix = np.concatenate(([0.0], np.cumsum(costs)))
-    bound = max(prefix[-1] / num_bins, costs[-1] + prefix[per_bin - 1])
+    smallest = np.concatenate(([0.0], np.cumsum(costs)))  # smallest[k]: the k smallest
+    largest = costs[::-1]
+    bound = max(smallest[-1] / num_bins, largest[0] + smallest[per_bin - 1])
     if per_bin >= 2:
-        bound = max(bound, costs[n - num_bins] + costs[n - num_bins - 1] + prefix[per_bin - 2])
+        j = np.arange(2, num_bins + 1)
+        distinct = (np.cumsum(largest[:num_bins])[1:] + smallest[j * (per_bin - 1)]) / j
+        shared = largest[j - 2] + largest[j - 1] + smallest[per_bin - 2]
+        bound = max(bound, float(np.minimum(distinct, shared).max(initial=0.0)),
+                    largest[num_bins - 1] + largest[num_bins] + smallest[per_bin - 2])
     return float(bound)
+
+
+def _equal_count_start(method, costs, order, num_bins, per_bin, lower_bound):
+    """(max cost, name, bin_of_item) of one equal-count construction: ``kk``, ``slot`` or ``lpt``."""
+    n = costs.size
+    bins = np.zeros(n, dtype=np.int64)
+    if method == "kk":
+        _kernels.kk(costs, order, num_bins, num_bins, bins)
+    elif method == "slot" and n:  # (no slots to divide by when there are no items)
+        _kernels.slot_lpt(costs, order, num_bins, per_bin, lower_bound, bins)
+    elif method == "lpt":
+        _kernels.lpt(costs, np.ones(n), float(per_bin), order, num_bins, bins)  # a count cap never fails
+    return _max_cost(costs, bins, num_bins), f"equal:{method}", bins
 
 
 def partition_equal_count(costs, num_bins, *, home=None, refine: bool = True, item_bytes=None,
                           gpus_per_node=None) -> Partition:
     """Like :func:`partition`, but every bin gets exactly n/K items (n % K != 0 is an error).
 
-    Two constructions, the better kept (ties: the first): LPT under a count cap of n/K per bin, and
-    equal-cardinality Karmarkar-Karp (the sorted items form n/K runs of K; largest differencing
-    merges whole runs, so every bin receives one item of each run). Then (``refine``) swaps, which
-    keep counts, lower the maximum: sweeps of swaps between the k-th most- and least-loaded bins
-    first (many bins at once), then the local search on the most-loaded bin. ``home`` (itself
+    Constructions: equal-cardinality Karmarkar-Karp (the sorted items form n/K runs of K; largest
+    differencing merges whole runs, so every bin receives one item of each run); the greedy by room
+    per free slot (:func:`_kernels.slot_lpt`, aimed at :func:`equal_count_lower_bound`), which on a
+    heavy tail gives a bin with a long item the short ones (where LPT under a count cap gives it
+    mid-sized ones: up to 8% above the bound on the heavy-tailed mixtures); LPT under a count cap of
+    n/K. The better of the first two (KK alone when it is within 1% of the bound: no tail to fix, and
+    the slot greedy is not built unless needed) is refined (``refine``) by swaps, which keep counts:
+    sweeps of swaps between the k-th most- and least-loaded bins first (many bins at once), then the
+    local search on the most-loaded bin (:func:`_kernels.refine`: one-for-one and two-for-two swaps
+    with partners, then trades with the batch's cheapest items). If that is not within 0.01% of the
+    bound, the other start is refined, then LPT's, and the best kept (a fixed amount of work: the same
+    plan on every rank). Without ``refine``, the better of the first two. ``home`` (itself
     equal-count) is returned when the result would not be strictly better.
     """
     costs = _check_values(costs, "costs")
@@ -415,25 +458,31 @@ def partition_equal_count(costs, num_bins, *, home=None, refine: bool = True, it
             b = int(np.flatnonzero(counts != per_bin)[0])
             raise ValueError(f"home is not equal-count: bin {b} holds {counts[b]} items, expected {per_bin}")
     order = _decreasing(costs)
-    by_lpt = np.zeros(n, dtype=np.int64)
-    _kernels.lpt(costs, np.ones(n), float(per_bin), order, num_bins, by_lpt)  # a count cap never fails
-    by_kk = np.zeros(n, dtype=np.int64)
-    _kernels.kk(costs, order, num_bins, num_bins, by_kk)
-    if _max_cost(costs, by_kk, num_bins) < _max_cost(costs, by_lpt, num_bins):
-        bins, name = by_kk, "equal:kk"
-    else:
-        bins, name = by_lpt, "equal:lpt"
-    memory = np.zeros(n)
     lower_bound = equal_count_lower_bound(costs, num_bins)
-    if refine and n:
-        stop_at = (1.0 + _GOOD_ENOUGH) * lower_bound
-        _kernels.swap_sweeps(costs, order, num_bins, bins, stop_at, _SWAP_SWEEPS, num_bins)
-        _refine(costs, memory, math.inf, num_bins, bins, allow_moves=False, stop_at=stop_at)
-        name += "+refine"
+    good_enough = (1.0 + _GOOD_ENOUGH) * lower_bound
+    memory = np.zeros(n)
+    starts = [_equal_count_start("kk", costs, order, num_bins, per_bin, lower_bound)]
+    if not (refine and starts[0][0] <= (1.0 + _KK_TRUSTED) * lower_bound):
+        starts.append(_equal_count_start("slot", costs, order, num_bins, per_bin, lower_bound))
+        starts.sort(key=lambda start: start[0])
+    bins, name, cost = None, "", math.inf
+    for attempt in range(3):  # the better start refined; if that is not good enough, the other, then LPT
+        if bins is not None and (not refine or not n or cost <= good_enough):
+            break
+        if attempt == len(starts):
+            starts.append(_equal_count_start("slot" if attempt == 1 else "lpt", costs, order, num_bins, per_bin,
+                                             lower_bound))
+        trial_cost, trial_name, trial = starts[attempt]
+        if refine and n:
+            _kernels.swap_sweeps(costs, order, num_bins, trial, good_enough, _SWAP_SWEEPS, num_bins)
+            _refine(costs, memory, math.inf, order, num_bins, trial, allow_moves=False, stop_at=good_enough)
+            trial_cost, trial_name = _max_cost(costs, trial, num_bins), trial_name + "+refine"
+        if trial_cost < cost:
+            bins, name, cost = trial, trial_name, trial_cost
     if home is not None and _max_cost(costs, bins, num_bins) >= _max_cost(costs, home, num_bins):
         bins, name = home.copy(), "home"
     return _result(bins, num_bins, costs, memory, False, lower_bound, home, name, item_bytes,
-                   gpus_per_node)
+                   _nodes(num_bins, gpus_per_node))
 
 
 def partition_equal_count_locality(costs, home, num_bins, gpus_per_node, *, item_bytes,
@@ -447,9 +496,12 @@ def partition_equal_count_locality(costs, home, num_bins, gpus_per_node, *, item
     plan's max per rank; (2) an item that stayed on its node keeps its home rank, one that arrived
     takes a slot an item left on that node; (3) the ranks of each node are evened out the same way,
     and any rank still above the capacity trades with its node first, then anywhere. Counts stay
-    equal throughout. If the capacity ((1 + ``tolerance``) x the reference max) is not met, the
-    reference bins are returned (method ``equal_locality_fallback:...``); a home assignment within
-    it, unchanged (``"home"``).
+    equal throughout; the refinement's trades with the batch's cheapest items (after its node's bins)
+    give a rank with a long item the short ones it needs. If the capacity ((1 + ``tolerance``) x
+    the reference max) is not met, the reference bins go to the ranks the exact placement gives them
+    (the fewest ``item_bytes`` across nodes, then off their GPU; method
+    ``equal_locality_fallback:...+exact``); a home assignment within it is returned unchanged
+    (``"home"``).
     """
     costs = _check_values(costs, "costs")
     n = costs.size
@@ -475,18 +527,20 @@ def partition_equal_count_locality(costs, home, num_bins, gpus_per_node, *, item
         node_target = gpus_per_node * reference.max_cost
         _kernels.swap_sweeps(costs, order, num_nodes, node, node_target, _SWAP_SWEEPS, num_nodes)
         no_memory = np.zeros(n)
-        _refine(costs, no_memory, math.inf, num_nodes, node, allow_moves=False, stop_at=node_target)
+        _refine(costs, no_memory, math.inf, order, num_nodes, node, allow_moves=False, stop_at=node_target)
         bins = home.copy()
         arrived = np.flatnonzero(node != home_node)
         # those that left, by home rank, take the new arrivals, by node then id: node by node, counts match
         bins[arrived[np.argsort(node[arrived], kind="stable")]] = np.sort(home[arrived])
         _kernels.swap_sweeps(costs, order, num_bins, bins, capacity, _SWAP_SWEEPS, gpus_per_node)
-        _refine(costs, no_memory, math.inf, num_bins, bins, allow_moves=False, stop_at=capacity,
+        _refine(costs, no_memory, math.inf, order, num_bins, bins, allow_moves=False, stop_at=capacity,
                 node_size=gpus_per_node)
         name = "equal_locality"
         if _max_cost(costs, bins, num_bins) > capacity:
-            bins, name = reference.bin_of_item, f"equal_locality_fallback:{reference.method}"
-    return _result(bins, num_bins, costs, None, False, lower_bound, home, name, item_bytes, gpus_per_node)
+            bins, name = (_placed(reference.bin_of_item, home, item_bytes, num_bins, gpus_per_node),
+                          f"equal_locality_fallback:{reference.method}+exact")
+    return _result(bins, num_bins, costs, None, False, lower_bound, home, name, item_bytes,
+                   _nodes(num_bins, gpus_per_node))
 
 
 def partition_uniform(costs, home, node_of_bin, *, item_bytes) -> Partition:
@@ -522,10 +576,8 @@ def partition_uniform(costs, home, node_of_bin, *, item_bytes) -> Partition:
         _kernels.fill_quotas(home, np.full(num_bins, cap, dtype=np.int64), node_of_bin, bins_by_node,
                              node_start, bins)
         name = "uniform"
-    part = _result(bins, num_bins, costs, None, False, _lower_bound(costs, num_bins), home, name,
-                   item_bytes, None)
-    inter = float(item_bytes[node_of_bin[bins] != node_of_bin[home]].sum())
-    return dataclasses.replace(part, inter_node_bytes=inter)
+    return _result(bins, num_bins, costs, None, False, _lower_bound(costs, num_bins), home, name, item_bytes,
+                   node_of_bin)
 
 
 def partition_locality(costs, home, num_bins, gpus_per_node, *, item_bytes, memory=None,
@@ -539,8 +591,9 @@ def partition_locality(costs, home, num_bins, gpus_per_node, *, item_bytes, memo
     if they fit there, else to the least-loaded rank anywhere. If a rank is still above the
     capacity, refinement moves work off it, to ranks of its own node first. So bytes cross nodes
     mostly where a node has too much work, and leave their GPU only where a rank has. If the
-    capacity cannot be met, the auto plan itself is returned (method ``locality_fallback:...``);
-    a home assignment already within the capacity is returned unchanged (method ``"home"``).
+    capacity cannot be met, the auto plan's bins go to the ranks the exact placement gives them
+    (method ``locality_fallback:...+exact``); a home assignment already within the capacity is
+    returned unchanged (method ``"home"``).
     """
     costs = _check_values(costs, "costs")
     n = costs.size
@@ -568,10 +621,11 @@ def partition_locality(costs, home, num_bins, gpus_per_node, *, item_bytes, memo
                                           gpus_per_node, capacity, bins)
         name = "locality"
         if failed < 0 and _max_cost(costs, bins, num_bins) > capacity:
-            _refine(costs, memory, cap, num_bins, bins, allow_moves=True, stop_at=capacity,
+            _refine(costs, memory, cap, order, num_bins, bins, allow_moves=True, stop_at=capacity,
                     node_size=gpus_per_node)
             name += "+refine"
         if failed >= 0 or _max_cost(costs, bins, num_bins) > capacity:
-            bins, name = reference, f"locality_fallback:{reference_name}"
+            bins, name = (_placed(reference, home, item_bytes, num_bins, gpus_per_node),
+                          f"locality_fallback:{reference_name}+exact")
     return _result(bins, num_bins, costs, memory, has_memory, _lower_bound(costs, num_bins), home,
-                   name, item_bytes, gpus_per_node)
+                   name, item_bytes, _nodes(num_bins, gpus_per_node))

@@ -40,7 +40,7 @@ except ImportError:  # OR-Tools is optional at run time: only the min-max placem
     cp_model = linear_sum_assignment = min_cost_flow = None
 
 from megatron_orch.balance import _transport
-from megatron_orch.balance.plan import as_index_array
+from megatron_orch.balance.plan import as_index_array, moved_bytes
 from megatron_orch.balance.topology import Topology
 
 METHODS = ("identity", "greedy", "exact", "minmax")
@@ -143,9 +143,11 @@ def placement_cost(traffic: BinTraffic, topology: Topology, rank_of_bin) -> Plac
     if rank_of_bin.shape != (traffic.num_bins,):
         raise ValueError(f"rank_of_bin has shape {rank_of_bin.shape}, expected ({traffic.num_bins},)")
     _check_range(rank_of_bin, topology.num_ranks, "rank_of_bin")
-    inter, busiest, off_gpu = _transport.placement_cost(traffic.bin, traffic.rank, traffic.nbytes, rank_of_bin,
-                                                        topology.node_of_rank, topology.num_nodes)
-    return PlacementCost(inter_node_bytes=int(inter), max_node_inter_bytes=int(busiest), off_gpu_bytes=int(off_gpu))
+    moved = moved_bytes(traffic.rank, rank_of_bin[traffic.bin], traffic.nbytes, topology.node_of_rank)
+    received = np.bincount(topology.node_of_rank, weights=moved.received_inter, minlength=topology.num_nodes)
+    sent = np.bincount(topology.node_of_rank, weights=moved.sent_inter, minlength=topology.num_nodes)
+    return PlacementCost(inter_node_bytes=int(moved.inter_node),
+                         max_node_inter_bytes=int(max(received.max(), sent.max())), off_gpu_bytes=int(moved.off_gpu))
 
 
 def place_bins(traffic: BinTraffic, topology: Topology,

@@ -184,12 +184,14 @@ class Transfer:
         """Number of items ``rank`` receives from each source rank."""
         return np.bincount(self.src.rank[self.dst.rank == rank], minlength=self.num_ranks)
 
-    def traffic_matrix(self, item_bytes=None) -> np.ndarray:
-        """``[src, dst]`` items (or bytes, when ``item_bytes`` is given) moved between rank pairs."""
-        weights = None if item_bytes is None else np.asarray(item_bytes, dtype=np.float64)
+    def traffic_matrix(self) -> np.ndarray:
+        """``[src, dst]`` number of items moved between rank pairs (bytes: :meth:`moved_bytes`)."""
         flat = self.src.rank * self.num_ranks + self.dst.rank
-        out = np.bincount(flat, weights=weights, minlength=self.num_ranks * self.num_ranks)
-        return out.reshape(self.num_ranks, self.num_ranks)
+        return np.bincount(flat, minlength=self.num_ranks * self.num_ranks).reshape(self.num_ranks, self.num_ranks)
+
+    def moved_bytes(self, item_bytes, node_of_rank) -> MovedBytes:
+        """What this transfer sends when item i weighs ``item_bytes[i]`` (:func:`moved_bytes`)."""
+        return moved_bytes(self.src.rank, self.dst.rank, item_bytes, node_of_rank)
 
     def inverse(self) -> "Transfer":
         """The transfer that brings every item back (gradients of a forward move)."""
@@ -200,6 +202,55 @@ class Transfer:
         if not self.dst.same_as(following.src):
             raise ValueError("cannot compose: the second transfer does not start where the first ends")
         return Transfer(src=self.src, dst=following.dst)
+
+
+@dataclass(frozen=True, eq=False)
+class MovedBytes:
+    """What one move of items (each from a source rank to a destination rank) sends: the project's one
+    byte accountant, used by the partitioners' figures, placement, the step plan's report, the benchmarks
+    and the simulator alike.
+
+    ``total``: every item's bytes, moved or not; ``intra_node``: those that leave their GPU and stay on
+    their node (NVLink); ``inter_node``: those that cross nodes (the network). Per rank, ``sent_intra`` /
+    ``received_intra`` on its node and ``sent_inter`` / ``received_inter`` across nodes.
+    """
+
+    total: float
+    intra_node: float
+    inter_node: float
+    sent_intra: np.ndarray
+    received_intra: np.ndarray
+    sent_inter: np.ndarray
+    received_inter: np.ndarray
+
+    @property
+    def off_gpu(self) -> float:
+        """Bytes that leave their GPU."""
+        return self.intra_node + self.inter_node
+
+    def times(self, count: int) -> "MovedBytes":
+        """The bytes of ``count`` such moves (an all-to-all forward and its inverse for the gradients: 2)."""
+        return MovedBytes(count * self.total, count * self.intra_node, count * self.inter_node,
+                          count * self.sent_intra, count * self.received_intra, count * self.sent_inter,
+                          count * self.received_inter)
+
+
+def moved_bytes(src_rank, dst_rank, item_bytes, node_of_rank) -> MovedBytes:
+    """The bytes item i sends moving from rank ``src_rank[i]`` to ``dst_rank[i]``, rank r on node
+    ``node_of_rank[r]`` (see :class:`MovedBytes`)."""
+    src = as_index_array(src_rank, "src_rank")
+    dst = as_index_array(dst_rank, "dst_rank")
+    nbytes = np.asarray(item_bytes, dtype=np.float64)
+    node_of_rank = as_index_array(node_of_rank, "node_of_rank")
+    if not src.shape == dst.shape == nbytes.shape:
+        raise ValueError(f"src_rank, dst_rank and item_bytes differ in shape: {src.shape}, {dst.shape}, {nbytes.shape}")
+    for name, ranks in (("src_rank", src), ("dst_rank", dst)):
+        if ranks.size and (ranks.min() < 0 or ranks.max() >= node_of_rank.size):
+            raise ValueError(f"{name} holds ranks outside 0..{node_of_rank.size - 1}")
+    total, intra, inter, per_rank = _plan_kernels.moved_bytes(
+        np.ascontiguousarray(src), np.ascontiguousarray(dst), np.ascontiguousarray(node_of_rank),
+        np.ascontiguousarray(nbytes))
+    return MovedBytes(float(total), float(intra), float(inter), *per_rank)
 
 
 def checksum(*arrays) -> int:

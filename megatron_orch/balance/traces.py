@@ -15,6 +15,7 @@ import csv
 import gzip
 import hashlib
 import os
+import zlib
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Mapping, Optional, Sequence, Tuple
@@ -139,7 +140,10 @@ def _is_number(cell: str) -> bool:
 
 
 def load_trace(name_or_path: str, traces_dir: Optional[Path] = None) -> Trace:
-    """Load a trace CSV by file name (looked up in the traces dir) or by path, through the .npz cache."""
+    """Load a trace CSV by file name (looked up in the traces dir) or by path, through the .npz cache; or
+    build a :data:`DERIVED_TRACES` trace by its name."""
+    if name_or_path in DERIVED_TRACES:
+        return DERIVED_TRACES[name_or_path].build(traces_dir)
     path = Path(name_or_path)
     if not path.is_file():
         path = Path(traces_dir or default_traces_dir()) / name_or_path
@@ -220,3 +224,84 @@ def load_mixture(specs: Sequence[Tuple[str, float]] = DEFAULT_MIXTURE,
     """Load the traces of ``(file, weight)`` pairs into a mixture (default: :data:`DEFAULT_MIXTURE`)."""
     return TraceMixture(tuple(load_trace(name, traces_dir) for name, _ in specs),
                         tuple(weight for _, weight in specs))
+
+
+@dataclass(frozen=True)
+class DerivedTrace:
+    """Examples made from the real rows of a shipped trace: a selection of them, or runs of them merged.
+
+    Rows of ``source`` whose text columns hold the ``select`` values are taken in file order. Without a
+    ``length_column`` they are the examples. With one, example i starts at selected row i and takes the
+    rows after it (wrapping around at the end) until their ``length_column`` sums to a target drawn
+    log-uniformly in [``low``, ``high``] (a fixed seed per trace: the same examples every time); its
+    sizes are the rows' sums (width and height: the largest), ``drop`` columns zeroed. Every length is
+    a real length or a sum of them; only the selection and the grouping are ours.
+    """
+
+    name: str
+    description: str
+    source: str
+    select: Tuple[Tuple[str, Tuple[str, ...]], ...]  # (text column, the values it may hold): all must hold
+    length_column: Optional[str] = None
+    low: float = 0.0
+    high: float = 0.0
+    drop: Tuple[str, ...] = ()
+
+    def build(self, traces_dir: Optional[Path] = None) -> Trace:
+        rows = load_trace(self.source, traces_dir)
+        keep = np.flatnonzero(np.logical_and.reduce([np.isin(rows[column], values) for column, values in self.select]))
+        if keep.size == 0:
+            raise ValueError(f"derived trace {self.name!r}: no row of {self.source} matches {self.select}")
+        start = np.arange(keep.size)
+        if self.length_column is None:
+            num_rows = np.ones(keep.size, dtype=np.int64)
+        else:  # example i: selected rows i, i + 1, ... (wrapping), the fewest whose lengths reach its target
+            length = rows[self.length_column][keep]
+            rng = np.random.default_rng(zlib.crc32(self.name.encode()))
+            target = np.exp(rng.uniform(np.log(self.low), np.log(self.high), keep.size))
+            prefix = np.concatenate(([0.0], np.cumsum(np.concatenate((length, length)))))
+            num_rows = np.clip(np.searchsorted(prefix, prefix[start] + target) - start, 1, keep.size)
+        runs = np.repeat(start, num_rows)
+        within = np.arange(runs.size) - np.repeat(np.cumsum(num_rows) - num_rows, num_rows)
+        members = keep[(runs + within) % keep.size]
+        numeric = {c: np.bincount(runs, weights=rows[c][members], minlength=keep.size) for c in NUMERIC_COLUMNS}
+        for c in ("width", "height"):  # sizes of one image, not additive
+            numeric[c] = np.zeros(keep.size)
+            np.maximum.at(numeric[c], runs, rows[c][members])
+        for c in self.drop:
+            numeric[c] = np.zeros(keep.size)
+        text = {"source": np.char.add(f"{self.name}:", rows["source"][keep]),
+                "task": rows["task"][keep], "split": rows["split"][keep]}
+        return Trace(self.name, text, numeric)
+
+
+_DOCVQA = (("source", ("internvl_sft/docvqa_train_10k",)),)
+# Built from the shipped rows for the heavy-tailed mixtures (README, "Balancing").
+DERIVED_TRACES = {t.name: t for t in (
+    DerivedTrace("audio_captions_30s", "Clotho and AudioCaps captions of clips up to 30 s (the file's SoundBible "
+                 "clips, up to 41 minutes, left out)", "audio_caption_clotho_audiocaps_soundbible.csv",
+                 (("source", ("clotho_v2", "audiocaps")),)),
+    DerivedTrace("long_documents", "multi-page documents: 16-64 tiles (about 3-13 DocVQA pages of 5 tiles) with "
+                 "the pages' questions and answers", "omnibal_internvl_sft.csv", _DOCVQA, "vision_tiles", 16, 64),
+    DerivedTrace("long_asr", "1-10 minute ASR clips: consecutive LibriSpeech dev/test-clean utterances (file "
+                 "order: by speaker and chapter) with their transcripts", "asr_librispeech_commonvoice.csv",
+                 (("source", ("librispeech",)), ("split", ("dev-clean", "test-clean"))), "audio_sec", 60, 600),
+    DerivedTrace("long_chats", "text-only chats of 4k-16k tokens: consecutive DocVQA conversations, images "
+                 "dropped", "omnibal_internvl_sft.csv", _DOCVQA, "text_tokens", 4096, 16384,
+                 drop=("n_images", "vision_tiles", "vision_tokens", "width", "height")),
+)}
+TAIL_TRACES = ("long_documents", "long_asr", "long_chats")
+
+
+def _heavy_tailed(tail_weight: float) -> Tuple[Tuple[str, float], ...]:
+    """Short examples (image SFT, ASR, audio captions, video QA and captions) at 1 - ``tail_weight``,
+    the long ones of :data:`TAIL_TRACES` sharing ``tail_weight`` equally."""
+    short = (("omnibal_internvl_sft.csv", 0.30), ("asr_librispeech_commonvoice.csv", 0.25),
+             ("audio_captions_30s", 0.20), ("video_qa_nextqa.csv", 0.10), ("video_activitynet_captions_qa.csv", 0.15))
+    return tuple((name, weight * (1.0 - tail_weight)) for name, weight in short) + tuple(
+        (name, tail_weight / len(TAIL_TRACES)) for name in TAIL_TRACES)
+
+
+# Mostly short examples and a heavy tail of long ones: 5% (0.8 per rank of 16: 44% of ranks get none,
+# some three or more), 2% (72% get none; a long example is up to a rank's worth of work among short ones).
+HEAVY_TAILED_MIXTURES = {"heavy-tail": _heavy_tailed(0.05), "heavy-tail-rare": _heavy_tailed(0.02)}

@@ -196,10 +196,3 @@ def phase_items(sizes: StepSizes, phases: ModelPhases) -> Dict[str, PhaseItems]:
                                     tokens * backbone.token_bytes, np.zeros(n, dtype=np.int64))
     return out
 
-
-def phase_bytes(items: Dict[str, PhaseItems], phases: ModelPhases) -> Dict[str, float]:
-    """Bytes each phase brings to its items' ranks if all of them moved: the raw inputs of an encoder
-    phase; for the backbone, the examples' text and the embeddings of their encoder items."""
-    out = {name: float(phase.nbytes.sum()) for name, phase in items.items()}
-    out[phases.backbone.name] += sum(float(items[name].output_nbytes.sum()) for name in phases.encoder_names)
-    return out

@@ -2,7 +2,8 @@
 
     python -m megatron_orch.bench.balance --dp 512 --per-rank 16 --json out.json
 
-Draws a global batch of ``dp * per_rank`` examples from trace CSVs (default: the shipped mixture),
+Draws a global batch of ``dp * per_rank`` examples from trace CSVs (``--mixture``: the shipped one, or a
+heavy-tailed one of balance/traces.py; or ``--trace``),
 DP rank r loading the consecutive block r (upstream Megatron), maps it to the items of every phase
 under a model config (default: the 84B config) and plans each phase with every method:
 
@@ -24,11 +25,17 @@ under a model config (default: the 84B config) and plans each phase with every m
   balancing moves whole examples).
 
 Every method's bin costs are recomputed here from its assignment under the model's cost model
-(training FLOPs), and ``max_over_lb`` uses the same bound for every method: max(total / dp, largest
-item). ``inter_node_bytes_frac`` (methods whose bins are ranks: all but lpt, kk, bs_ffd) is the
-share of the phase's bytes whose item ends on another node than its home rank's; ``moved_bytes_frac``
-the share that leaves its home GPU. For the LLM phase an example gathers its text from its home rank
-and its projected embeddings from the ranks that encoded its items (byte counts: ``phase_items``).
+(training FLOPs). ``max_over_mean`` is the slowest rank over the mean; ``max_over_lb`` uses the same
+bound for every method, max(total / dp, largest item); ``bound_over_mean`` and ``max_over_bound``
+use the method's own bound (:func:`own_bound`): for a phase of equal items (the model's tiles,
+frames and windows) the whole-item floor ceil(n/K) items, for the backbone of an equal-count method
+(``orch_equal_count``, ``orch_equal_locality``, ``verl_kk``) ``equal_count_lower_bound``.
+``inter_node_bytes_frac`` (methods whose bins are ranks: all but lpt, kk, bs_ffd) is the share of
+the phase's bytes that cross nodes, ``moved_bytes_frac`` the share that leaves its GPU, counted
+by the step's own transfers (``step_transfers``, ``Transfer.moved_bytes``: what the trainer's log
+and the simulator count): an encoder phase's raw inputs; for the LLM phase, the text from its home
+rank and the projected embeddings from the ranks that encoded them, twice (forward, and their
+gradients back).
 
 Modeled step time, in training FLOPs of the slowest rank: a per-phase plan synchronises between
 phases (an all-to-all), so its step is the sum over phases of the slowest rank; with ``none`` and
@@ -45,16 +52,18 @@ from typing import Callable, Dict, List, Optional, Sequence
 
 import numpy as np
 
-from megatron_orch.balance.partition import partition
+from megatron_orch.balance.partition import equal_count_lower_bound, partition
+from megatron_orch.balance.plan import Placement
 from megatron_orch.balance.topology import Topology
-from megatron_orch.balance.workload import PhaseItems, StepSizes, phase_bytes, phase_items
+from megatron_orch.balance.workload import PhaseItems, StepSizes, phase_items
 from megatron_orch.bench.common import (PLAN_METHODS, draw_sizes, memory_caps, parser_with_batch_args, report,
-                                        trace_specs, warm_up_partitioners)
-from megatron_orch.orchestrator.step_plan import plan_step
+                                        trace_specs, upstream_plan, warm_up_partitioners)
+from megatron_orch.orchestrator.step_plan import EncoderPhasePlan, StepPlan, plan_step, step_transfers
 
 METHODS = ("none", "lpt", "kk", "bs_ffd", "orch", "orch_equal_count", "orch_locality", "orch_equal_locality",
            "verl_kk")
 RANK_METHODS = ("none", "orch", "orch_equal_count", "orch_locality", "orch_equal_locality", "verl_kk")  # bins are ranks
+EQUAL_COUNT_METHODS = ("orch_equal_count", "orch_equal_locality", "verl_kk")  # per_rank backbone examples per rank
 TRAINER_METHODS = {  # the trainer's flags for each orch row
     "orch": PLAN_METHODS["orch"], "orch_equal_count": PLAN_METHODS["equal_count"],
     "orch_locality": PLAN_METHODS["locality"], "orch_equal_locality": PLAN_METHODS["equal_locality"]}
@@ -101,6 +110,19 @@ def verl_equal_size_kk(workloads, num_bins: int) -> np.ndarray:
     return bins
 
 
+def backbone_only_plan(sizes: StepSizes, upstream: StepPlan) -> StepPlan:
+    """verl-style assignment as a :class:`StepPlan` (no micro-batches, stats, traffic or digest: only its
+    placements and transfers are used): examples balanced on backbone length alone, every encoder item on
+    its example's rank."""
+    dp = int(np.asarray(sizes.counts).size)
+    examples = Placement.from_ranks(verl_equal_size_kk(verl_workload(sizes.num_tokens), dp), dp)
+    encoders = {phase: EncoderPhasePlan(example=enc.example, home=enc.home, encode=examples.expand(enc.example))
+                for phase, enc in upstream.encoders.items()}
+    return StepPlan(examples_home=upstream.examples_home, examples_llm=examples,
+                    microbatch_of_example=np.zeros(sizes.num_examples, dtype=np.int64), num_microbatches=1,
+                    encoders=encoders, backbone=upstream.backbone, stats={}, traffic={}, digest=0)
+
+
 @dataclass(frozen=True)
 class Plan:
     bins: np.ndarray  # bin (rank) of every item of the phase
@@ -117,13 +139,16 @@ def _timed(fn: Callable[[], np.ndarray], repeats: int) -> Plan:
 
 
 def plan_phases(sizes: StepSizes, model, phases: Dict[str, PhaseItems], dp: int, gpus_per_node: int,
-                repeats: int, memory_cap: Dict[str, float]) -> Dict[str, Dict[str, Plan]]:
-    """Every method's plan for every phase (``verl_kk`` is planned on the LLM phase, then inherited)."""
+                repeats: int, memory_cap: Dict[str, float]):
+    """Every method's plan for every phase (``verl_kk`` is planned on the LLM phase, then inherited), and
+    the :class:`StepPlan` of each method whose bins are ranks (what its transfers move)."""
     model_phases = model.phases()
     backbone = model_phases.backbone.name
     llm = phases[backbone]
     verl = _timed(lambda: verl_equal_size_kk(verl_workload(llm.tokens), dp), repeats)
     topology = Topology.uniform(dp, gpus_per_node)
+    steps = {"none": upstream_plan(sizes, backbone)}
+    steps["verl_kk"] = backbone_only_plan(sizes, steps["none"])
     trainer = {}
     per_rank = int(np.asarray(sizes.counts)[0])
     for method, config in TRAINER_METHODS.items():
@@ -136,6 +161,7 @@ def plan_phases(sizes: StepSizes, model, phases: Dict[str, PhaseItems], dp: int,
 
         run()  # untimed: the first call at this size loads kernels and touches fresh memory
         timed = _timed(run, repeats)
+        steps[method] = step_plan[0]
         trainer[method] = {name: Plan(step_plan[0].encoders[name].encode.rank if name in step_plan[0].encoders
                                       else timed.bins, timed.plan_ms) for name in phases}
     plans: Dict[str, Dict[str, Plan]] = {}
@@ -150,43 +176,47 @@ def plan_phases(sizes: StepSizes, model, phases: Dict[str, PhaseItems], dp: int,
         }
         phase_plans = {m: _timed(run, 1 if m == "none" else repeats) for m, run in runs.items()}
         phase_plans.update({method: trainer[method][name] for method in TRAINER_METHODS})
-        phase_plans["verl_kk"] = verl if name == backbone else Plan(verl.bins[items.example], 0.0)
+        phase_plans["verl_kk"] = verl if name == backbone else Plan(steps["verl_kk"].encoders[name].encode.rank, 0.0)
         plans[name] = {m: phase_plans[m] for m in METHODS}
-    return plans
+    return plans, steps
 
 
-def _traffic(phases: Dict[str, PhaseItems], plans, name: str, method: str, backbone: str):
-    """(bytes, source rank, destination rank) of everything the phase's plan moves into place.
+def own_bound(items: PhaseItems, method: str, dp: int, backbone: str) -> float:
+    """The lower bound on the max rank cost that ``method`` can reach on this phase: for items of one cost
+    (the model's tiles, frames and windows), ceil(n/K) of them; for the backbone of an equal-count method,
+    :func:`equal_count_lower_bound`; else max(mean, largest item)."""
+    costs = items.cost
+    if not len(items):
+        return 0.0
+    if costs.min() == costs.max():
+        return -(-len(items) // dp) * float(costs[0])
+    if items.name == backbone and method in EQUAL_COUNT_METHODS:
+        return equal_count_lower_bound(costs, dp)
+    return max(float(costs.sum()) / dp, float(costs.max()))
 
-    Encoder items move their raw input from their home rank. An example of the LLM phase gathers its
-    token ids from its home rank and its projected embeddings from the ranks that encoded its items.
-    """
-    items, bins = phases[name], plans[name][method].bins
-    if name != backbone:
-        return [(items.nbytes, items.home, bins)]
-    flows = [(phases[enc].output_nbytes, plans[enc][method].bins, bins[phases[enc].example])
-             for enc in phases if enc != backbone and len(phases[enc])]
-    return [(items.nbytes, items.home, bins)] + flows
 
-
-def _phase_figures(phases: Dict[str, PhaseItems], plans, name: str, method: str, dp: int,
-                   gpus_per_node: int, backbone: str) -> dict:
+def _phase_figures(phases: Dict[str, PhaseItems], plans, steps: Dict[str, StepPlan], name: str, method: str,
+                   dp: int, gpus_per_node: int, backbone: str) -> dict:
     items, plan = phases[name], plans[name][method]
     loads = np.bincount(plan.bins, weights=items.cost, minlength=dp) if len(items) else np.zeros(dp)
     total = float(items.cost.sum())
     lower_bound = max(total / dp, float(items.cost.max())) if len(items) else 0.0
+    bound = own_bound(items, method, dp, backbone)
     out = {
         "max_over_lb": float(loads.max() / lower_bound) if lower_bound > 0 else 1.0,
         "max_over_mean": float(loads.max() / (total / dp)) if total > 0 else 1.0,
+        "bound_over_mean": bound / (total / dp) if total > 0 else 1.0,
+        "max_over_bound": float(loads.max() / bound) if bound > 0 else 1.0,
         "plan_ms": plan.plan_ms,
         "max_flops": float(loads.max()),
     }
-    if method in RANK_METHODS:
-        flows = _traffic(phases, plans, name, method, backbone)
-        out["bytes"] = float(sum(b.sum() for b, _, _ in flows))
-        out["inter_node_bytes"] = float(sum(b[src // gpus_per_node != dst // gpus_per_node].sum()
-                                            for b, src, dst in flows))
-        out["moved_bytes"] = float(sum(b[src != dst].sum() for b, src, dst in flows))
+    if method in RANK_METHODS:  # what the phase's transfers move into place, per step (Transfer.moved_bytes)
+        node_of_rank = Topology.uniform(dp, gpus_per_node).node_of_rank
+        moved = [move.moved_bytes(node_of_rank).times(move.times) for move in step_transfers(steps[method], phases)
+                 if move.phase == name]
+        out["bytes"] = sum(m.total for m in moved)
+        out["inter_node_bytes"] = sum(m.inter_node for m in moved)
+        out["moved_bytes"] = sum(m.off_gpu for m in moved)
         out["inter_node_bytes_frac"] = out["inter_node_bytes"] / out["bytes"] if out["bytes"] else 0.0
         out["moved_bytes_frac"] = out["moved_bytes"] / out["bytes"] if out["bytes"] else 0.0
     return out
@@ -204,10 +234,10 @@ def run(trace_specs: Sequence[tuple], dp: int, per_rank: int, gpus_per_node: int
     phases = phase_items(sizes, model_phases)
     caps = memory_caps(phases, dp)
     warm_up_partitioners(gpus_per_node)
-    plans = plan_phases(sizes, config, phases, dp, gpus_per_node, repeats, caps)
+    plans, steps = plan_phases(sizes, config, phases, dp, gpus_per_node, repeats, caps)
 
-    result: dict = {name: {m: _phase_figures(phases, plans, name, m, dp, gpus_per_node, backbone) for m in METHODS}
-                    for name in phases}
+    result: dict = {name: {m: _phase_figures(phases, plans, steps, name, m, dp, gpus_per_node, backbone)
+                           for m in METHODS} for name in phases}
     result["step"] = _step_model(phases, plans, dp, result, backbone)
     result["params"] = {
         "traces": [{"trace": t.name, "weight": w} for t, w in zip(mixture.traces, mixture.weights)],
@@ -216,7 +246,7 @@ def run(trace_specs: Sequence[tuple], dp: int, per_rank: int, gpus_per_node: int
         "model_parameters": config.num_parameters()["total"], "seed": seed, "repeats": repeats,
         "items": {name: len(phases[name]) for name in phases},
         "total_flops": {name: float(phases[name].cost.sum()) for name in phases},
-        "total_bytes": phase_bytes(phases, model_phases),
+        "total_bytes": {name: result[name]["none"]["bytes"] for name in phases},
         "memory_cap_bytes": caps,
         "cost_unit": "training FLOPs (3x forward) from the model's shape",
         "notes": {
@@ -229,6 +259,10 @@ def run(trace_specs: Sequence[tuple], dp: int, per_rank: int, gpus_per_node: int
             "step": "per-phase methods: sum over phases of the slowest rank; none and verl_kk: "
                     "slowest rank's sum over phases",
             "max_over_lb": "lower bound max(total/dp, largest item) for every method",
+            "max_over_bound": "each method's own bound: ceil(n/K) items for a phase of equal items, "
+                              "equal_count_lower_bound for the backbone of an equal-count method",
+            "bytes": "per step, every transfer (Transfer.moved_bytes): raw inputs, text, embeddings forward "
+                     "and their gradients back",
         },
     }
     return result
@@ -266,15 +300,16 @@ def format_tables(result: dict) -> str:
              f"seed {p['seed']}", ""]
     for name in p["items"]:
         lines += [f"phase `{name}`: {p['items'][name]} items, {p['total_flops'][name]:.3g} FLOPs, "
-                  f"{p['total_bytes'][name] / 2**30:.2f} GiB", "",
-                  "| method | max/LB | max/mean | plan ms | inter-node bytes | moved bytes |",
-                  "|---|---:|---:|---:|---:|---:|"]
+                  f"{p['total_bytes'][name] / 2**30:.2f} GiB per step", "",
+                  "| method | max/mean | own bound/mean | max/own bound | max/LB | plan ms | inter-node bytes "
+                  "| moved bytes |",
+                  "|---|---:|---:|---:|---:|---:|---:|---:|"]
         for m in METHODS:
             f = result[name][m]
             inter = f"{100 * f['inter_node_bytes_frac']:.1f}%" if "inter_node_bytes_frac" in f else ""
             moved = f"{100 * f['moved_bytes_frac']:.1f}%" if "moved_bytes_frac" in f else ""
-            lines.append(f"| {m} | {f['max_over_lb']:.4f} | {f['max_over_mean']:.4f} | {f['plan_ms']:.2f} | "
-                         f"{inter} | {moved} |")
+            lines.append(f"| {m} | {f['max_over_mean']:.4f} | {f['bound_over_mean']:.4f} | {f['max_over_bound']:.4f} "
+                         f"| {f['max_over_lb']:.4f} | {f['plan_ms']:.2f} | {inter} | {moved} |")
         lines.append("")
     lines += ["modeled step (training FLOPs of the slowest rank)", "",
               "| method | step PFLOP | step/LB | speedup vs none | plan ms (all phases) | inter-node bytes "

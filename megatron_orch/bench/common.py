@@ -14,7 +14,8 @@ from megatron_orch.balance.cost_profile import CostProfile
 from megatron_orch.balance.partition import partition, partition_equal_count, partition_locality
 from megatron_orch.balance.plan import Placement
 from megatron_orch.balance.topology import Topology
-from megatron_orch.balance.traces import DEFAULT_MIXTURE, TraceMixture, load_mixture, parse_trace_spec
+from megatron_orch.balance.traces import (DEFAULT_MIXTURE, DERIVED_TRACES, HEAVY_TAILED_MIXTURES, TraceMixture,
+                                          load_mixture, parse_trace_spec)
 from megatron_orch.balance.workload import ModelPhases, PhaseItems, StepSizes
 from megatron_orch.mllm.config import DEFAULT_MODEL, MLLMConfig, load_model_config, sizes_from_trace, with_encoder_layers
 from megatron_orch.orchestrator.config import OrchestratorConfig
@@ -24,6 +25,9 @@ from megatron_orch.orchestrator.step_plan import EncoderPhasePlan, StepPlan, pla
 # upstream (``none``, :func:`upstream_plan`): per-phase with packed backbone micro-batches (the auto
 # partitioner in every phase); the defaults (equal-count backbone); locality-aware in every phase, with
 # packed and with equal-count backbone micro-batches.
+# The named mixtures of the benchmarks' --mixture: the shipped one, and the heavy-tailed ones.
+MIXTURES = {"shipped": DEFAULT_MIXTURE, **HEAVY_TAILED_MIXTURES}
+
 PLAN_METHODS = {
     "orch": OrchestratorConfig(microbatching="packed", background=False),
     "equal_count": OrchestratorConfig(background=False),
@@ -32,8 +36,8 @@ PLAN_METHODS = {
 }
 
 
-def upstream_plan(sizes: StepSizes) -> StepPlan:
-    """Upstream Megatron as a :class:`StepPlan` (placements only: no stats, digest 0): every item on the
+def upstream_plan(sizes: StepSizes, backbone: str) -> StepPlan:
+    """Upstream Megatron as a :class:`StepPlan` (placements only: no stats or traffic, digest 0): every item on the
     rank that loaded its example, the loader's micro-batches of one example."""
     home = Placement.from_counts(sizes.counts)
     encoders = {}
@@ -42,7 +46,7 @@ def upstream_plan(sizes: StepSizes) -> StepPlan:
         encoders[phase] = EncoderPhasePlan(example=example, home=home.expand(example), encode=home.expand(example))
     per_rank = int(np.asarray(sizes.counts).max(initial=1))
     return StepPlan(examples_home=home, examples_llm=home, microbatch_of_example=home.slot,
-                    num_microbatches=per_rank, encoders=encoders, stats={}, digest=0)
+                    num_microbatches=per_rank, encoders=encoders, backbone=backbone, stats={}, traffic={}, digest=0)
 
 
 def model_phases(config: MLLMConfig, cost_profile: Optional[CostProfile] = None) -> ModelPhases:
@@ -56,7 +60,7 @@ def plan_method(method: str, sizes: StepSizes, model: MLLMConfig, topology: Topo
     """The plan of ``none`` (upstream) or of a :data:`PLAN_METHODS` method, through ``plan_step`` with one
     example per micro-batch."""
     if method == "none":
-        return upstream_plan(sizes)
+        return upstream_plan(sizes, model.phases().backbone.name)
     config = dataclasses.replace(PLAN_METHODS[method], cost_profile=cost_profile)
     return plan_step(sizes, model.phases(), config, topology, micro_batch_size=1,
                      num_microbatches=int(np.asarray(sizes.counts)[0]))
@@ -97,16 +101,24 @@ def parse_layers(parser: argparse.ArgumentParser, text: Optional[str]) -> Option
     return layers
 
 
+def add_trace_args(parser: argparse.ArgumentParser) -> None:
+    """``--mixture`` / ``--trace`` (what :func:`trace_specs` reads) and ``--traces-dir``."""
+    parser.add_argument("--mixture", choices=sorted(MIXTURES), default="shipped",
+                        help="a named mixture: shipped (" + ", ".join(f"{n}:{w}" for n, w in DEFAULT_MIXTURE)
+                             + "; the default) or a heavy-tailed one (balance/traces.py HEAVY_TAILED_MIXTURES)")
+    parser.add_argument("--trace", nargs="+", metavar="CSV[:WEIGHT]",
+                        help="trace CSVs (names in the traces folder, or paths, or derived traces: "
+                             + ", ".join(DERIVED_TRACES) + ") with optional weights, instead of --mixture")
+    parser.add_argument("--traces-dir", default=None,
+                        help="folder of the trace CSVs (default: $MEGATRON_ORCH_TRACES or the gzipped copies "
+                             "in <repo>/data/traces)")
+
+
 def parser_with_batch_args(prog: str, description: str) -> argparse.ArgumentParser:
     """A parser with the inputs that draw and map a global batch (traces, DP, model, seed, JSON)."""
     parser = argparse.ArgumentParser(prog=prog, description=description,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--trace", nargs="+", metavar="CSV[:WEIGHT]",
-                        help="trace CSVs (names in the traces folder, or paths) with optional weights; "
-                             "default: the shipped mixture " + ", ".join(f"{n}:{w}" for n, w in DEFAULT_MIXTURE))
-    parser.add_argument("--traces-dir", default=None,
-                        help="folder of the trace CSVs (default: $MEGATRON_ORCH_TRACES or the gzipped copies "
-                             "in <repo>/data/traces)")
+    add_trace_args(parser)
     parser.add_argument("--dp", type=int, default=512, help="data-parallel size K (default 512)")
     parser.add_argument("--per-rank", type=int, default=16, help="examples per DP rank M (default 16)")
     parser.add_argument("--gpus-per-node", type=int, default=8, help="DP ranks per node G (default 8)")
@@ -117,7 +129,7 @@ def parser_with_batch_args(prog: str, description: str) -> argparse.ArgumentPars
 
 
 def trace_specs(args: argparse.Namespace) -> list:
-    return [parse_trace_spec(s) for s in args.trace] if args.trace else list(DEFAULT_MIXTURE)
+    return [parse_trace_spec(s) for s in args.trace] if args.trace else list(MIXTURES[args.mixture])
 
 
 def report(result: dict, format_tables: Callable[[dict], str], json_path: Optional[str],

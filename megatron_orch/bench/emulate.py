@@ -43,8 +43,8 @@ from megatron_orch.balance.topology import Topology
 from megatron_orch.balance.workload import PhaseItems, StepSizes, phase_items
 from megatron_orch.bench import mfu
 from megatron_orch.bench.calibrate import device_settings
-from megatron_orch.bench.common import (PLAN_METHODS, draw_sizes, effective_layers, model_phases, parse_layers,
-                                        plan_method, report, trace_specs, with_layers)
+from megatron_orch.bench.common import (PLAN_METHODS, add_trace_args, draw_sizes, effective_layers, model_phases,
+                                        parse_layers, plan_method, report, trace_specs, with_layers)
 from megatron_orch.mllm.config import load_model_config
 from megatron_orch.orchestrator.step_plan import StepPlan
 
@@ -260,8 +260,7 @@ def main(argv: Optional[List[str]] = None) -> dict:
     parser.add_argument("--per-rank", type=int, default=16, help="examples per rank M (default 16)")
     parser.add_argument("--gpus-per-node", type=int, default=8, help="for locality and placement (default 8)")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--trace", nargs="+", metavar="CSV[:WEIGHT]", help="trace CSVs (default: shipped mixture)")
-    parser.add_argument("--traces-dir", default=None)
+    add_trace_args(parser)
     parser.add_argument("--cost-profile", default=None, metavar="PROFILE.yaml",
                         help="plan and model with this profile's costs (default: FLOPs)")
     parser.add_argument("--device", choices=["cuda", "cpu"], default="cuda" if torch.cuda.is_available() else "cpu")

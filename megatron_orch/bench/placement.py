@@ -36,9 +36,10 @@ import numpy as np
 from megatron_orch.balance.partition import partition, partition_locality
 from megatron_orch.balance.placement import BinTraffic, PlacementConfig, place_bins, placement_cost
 from megatron_orch.balance.topology import Topology
-from megatron_orch.balance.workload import PhaseItems, phase_bytes, phase_items
+from megatron_orch.balance.workload import PhaseItems, phase_items
 from megatron_orch.bench.common import (draw_sizes, memory_caps, parser_with_batch_args, plan_method, report,
                                         trace_specs, warm_up_partitioners)
+from megatron_orch.orchestrator.step_plan import step_transfers
 
 METHODS = ("identity", "greedy", "exact", "minmax", "locality", "trainer")
 PLACEMENTS = ("identity", "greedy", "exact", "minmax")
@@ -138,7 +139,9 @@ def run(trace_specs: Sequence[tuple], dp: int, per_rank: int, gpus_per_node: int
         "minmax_time_limit_s": minmax_time_limit_s,
         "items": {name: len(phases[name]) for name in phases},
         "balanced_partition": partitions,
-        "total_bytes": phase_bytes(phases, model_phases),
+        "total_bytes": {phase: sum(move.moved_bytes(topology.node_of_rank).total  # one way: what is placed
+                                   for move in step_transfers(trainer_plan, phases) if move.phase == phase)
+                        for phase in model_phases.names},
         "notes": {
             "bins": "identity/greedy/exact/minmax place the bins of one partition(method='auto') per phase",
             "locality": "partition_locality with 1% balance tolerance; solve_ms is that partition's time",

@@ -9,7 +9,8 @@ exactly what the trainer calls: ``plan_step(sizes, model, OrchestratorConfig(), 
 the default flags (every phase, ``auto`` partitioner, ``equal_count`` micro-batches, ``exact``
 placement), a uniform topology of ``--gpus-per-node`` ranks per node, ``--micro-batch-size`` examples
 per micro-batch. Mixtures re-weight the shipped traces (``default``, ``audio-heavy``, ``image-heavy``,
-``video-heavy``), or ``--trace`` gives one of your own.
+``video-heavy``) or add a heavy tail of long examples to short ones (``heavy-tail``,
+``heavy-tail-rare``: ``balance/traces.py``), or ``--trace`` gives one of your own.
 
 Figures, per configuration:
 
@@ -45,7 +46,7 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple
 import numpy as np
 
 from megatron_orch.balance.topology import Topology
-from megatron_orch.balance.traces import DEFAULT_MIXTURE, Trace, load_mixture, parse_trace_spec
+from megatron_orch.balance.traces import DEFAULT_MIXTURE, HEAVY_TAILED_MIXTURES, Trace, load_mixture, parse_trace_spec
 from megatron_orch.balance.workload import StepSizes
 from megatron_orch.bench.common import report
 from megatron_orch.mllm.config import DEFAULT_MODEL, MLLMConfig, load_model_config, sizes_from_trace
@@ -69,6 +70,7 @@ MIXTURES: Dict[str, Tuple[Tuple[str, float], ...]] = {
     "audio-heavy": _reweighted({"asr": 4.0, "audio": 4.0, "music": 4.0}),
     "image-heavy": _reweighted({"omnibal": 4.0, "image": 4.0}),
     "video-heavy": _reweighted({"video": 4.0}),
+    **HEAVY_TAILED_MIXTURES,  # short examples and a tail of long ones (balance/traces.py)
 }
 
 

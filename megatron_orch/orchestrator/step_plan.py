@@ -7,32 +7,31 @@ caller check that cheaply.
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
-from typing import Dict
+from typing import Dict, List
 
 import numpy as np
 
 from megatron_orch.balance import _plan_kernels
 from megatron_orch.balance.partition import (partition, partition_equal_count, partition_equal_count_locality,
-                                              partition_locality, partition_uniform)
+                                              partition_groups, partition_locality, partition_uniform)
 from megatron_orch.balance.placement import PlacementConfig, place_items
-from megatron_orch.balance.plan import Placement, Transfer, checksum
+from megatron_orch.balance.plan import MovedBytes, Placement, Transfer, checksum
 from megatron_orch.balance.topology import Topology
-from megatron_orch.balance.workload import ModelPhases, StepSizes, phase_items
+from megatron_orch.balance.workload import ModelPhases, PhaseItems, StepSizes, phase_items
 from megatron_orch.orchestrator.config import OrchestratorConfig
 
 
 @dataclass(frozen=True)
 class PhaseStats:
-    """Load of one phase across DP ranks before (loader) and after (plan) balancing, and bytes moved."""
+    """Load of one phase across DP ranks before (loader) and after (plan) balancing."""
 
     method: str
     items: int
     max_before: float
     mean: float
     max_after: float
-    intra_node_bytes: float
-    inter_node_bytes: float
 
     @property
     def imbalance_before(self) -> float:
@@ -59,17 +58,20 @@ class StepPlan:
     microbatch_of_example: np.ndarray
     num_microbatches: int
     encoders: Dict[str, EncoderPhasePlan]  # the encoder phases
+    backbone: str                          # the backbone phase's name
     stats: Dict[str, PhaseStats]           # every phase
+    traffic: Dict[str, MovedBytes]         # per step, of every transfer (:func:`step_transfers`; {}: not planned)
     digest: int
 
     def report(self) -> Dict[str, float]:
         """The plan's figures by name, as the log shows them: each phase's modeled cost max/mean over DP
-        before (as loaded) and after (as planned), and the MB moved within and across nodes."""
+        before (as loaded) and after (as planned), and the MB the step's transfers move within and across
+        nodes (all of them: raw inputs, text, embeddings forward and their gradients back)."""
         out = {}
         for phase, stats in self.stats.items():
             out[f"{phase} before"], out[f"{phase} after"] = stats.imbalance_before, stats.imbalance_after
-        out["intra-node MB"] = sum(stats.intra_node_bytes for stats in self.stats.values()) / 1e6
-        out["inter-node MB"] = sum(stats.inter_node_bytes for stats in self.stats.values()) / 1e6
+        out["intra-node MB"] = sum(moved.intra_node for moved in self.traffic.values()) / 1e6
+        out["inter-node MB"] = sum(moved.inter_node for moved in self.traffic.values()) / 1e6
         return out
 
     def text_transfer(self) -> Transfer:
@@ -87,12 +89,35 @@ class StepPlan:
         return Transfer(enc.encode, self.examples_llm.expand(enc.example))
 
 
-def _moved_bytes(home_rank, rank, item_bytes, topology: Topology):
-    """(bytes that leave their GPU within their node, bytes that cross nodes) of items moving home -> rank."""
-    intra, inter = _plan_kernels.moved_bytes(np.ascontiguousarray(home_rank, dtype=np.int64),
-                                             np.ascontiguousarray(rank, dtype=np.int64), topology.node_of_rank,
-                                             np.ascontiguousarray(item_bytes, dtype=np.float64))
-    return float(intra), float(inter)
+@dataclass(frozen=True, eq=False)
+class StepTransfer:
+    """One all-to-all of a step: its name, the phase whose placement it fills, what moves where, each
+    item's bytes, and how many times a step runs it."""
+
+    name: str
+    phase: str
+    transfer: Transfer
+    item_bytes: np.ndarray
+    times: int
+
+    def moved_bytes(self, node_of_rank) -> MovedBytes:
+        """What one all-to-all sends (:meth:`Transfer.moved_bytes`)."""
+        return self.transfer.moved_bytes(self.item_bytes, node_of_rank)
+
+
+def step_transfers(plan: StepPlan, items: Dict[str, PhaseItems]) -> List[StepTransfer]:
+    """Every all-to-all of a step under ``plan``, with the bytes of ``items`` (``phase_items``): each
+    encoder phase's raw inputs (loader rank -> encoder rank), the text (token ids, labels, loss mask:
+    loader rank -> backbone rank) and each encoder phase's embeddings (encoder rank -> backbone rank),
+    twice: forward, and their gradients back by the inverse all-to-all. The trainer's log, the
+    benchmarks and the simulator all count these."""
+    out = [StepTransfer(f"{phase} inputs", phase, plan.input_transfer(phase), items[phase].nbytes, 1)
+           for phase in plan.encoders]
+    backbone = plan.backbone
+    out.append(StepTransfer("text", backbone, plan.text_transfer(), items[backbone].nbytes, 1))
+    out += [StepTransfer(f"{phase} embeddings", backbone, plan.output_transfer(phase), items[phase].output_nbytes, 2)
+            for phase in plan.encoders]
+    return out
 
 
 def _place(bin_of_item, sources, num_ranks, topology, config: OrchestratorConfig):
@@ -142,13 +167,8 @@ def _microbatches(rank_llm, costs, num_tokens, num_ranks, micro_batch_size, num_
         # Longest first (ties by id), so the rows of a micro-batch have similar lengths (little padding).
         return _plan_kernels.longest_first_microbatches(rank_llm, np.ascontiguousarray(num_tokens, dtype=np.int64),
                                                         num_ranks, micro_batch_size)
-    microbatch = np.empty(rank_llm.size, dtype=np.int64)
-    by_rank = np.argsort(rank_llm, kind="stable")
-    bounds = np.searchsorted(rank_llm[by_rank], np.arange(num_ranks + 1))
-    for r in range(num_ranks):
-        ids = by_rank[bounds[r]:bounds[r + 1]]  # ascending ids
-        microbatch[ids] = partition(costs[ids], num_microbatches, method=algorithm).bin_of_item
-    return microbatch
+    # every rank's examples into its micro-batches, as partition(costs of the rank, num_microbatches) would
+    return partition_groups(costs, rank_llm, num_microbatches, method=algorithm)
 
 
 def plan_step(sizes: StepSizes, phases: ModelPhases, config: OrchestratorConfig,
@@ -180,7 +200,7 @@ def plan_step(sizes: StepSizes, phases: ModelPhases, config: OrchestratorConfig,
         encoders[phase] = EncoderPhasePlan(example=example, home=examples_home.expand(example),
                                            encode=Placement.from_ranks(rank, num_ranks))
         rank_of_item[phase] = (example, rank, phase_item.output_nbytes)
-        stats[phase] = _phase_stats(method, costs, home[example], rank, item_bytes, num_ranks, topology)
+        stats[phase] = _phase_stats(method, costs, home[example], rank, num_ranks)
 
     backbone = phases.backbone.name
     llm_costs, text_bytes = items[backbone].cost, items[backbone].nbytes
@@ -188,8 +208,12 @@ def plan_step(sizes: StepSizes, phases: ModelPhases, config: OrchestratorConfig,
     if not config.balances(backbone):
         rank_llm, method = home, "none"
     elif config.locality:
+        # what an example pulls to its backbone rank: its text, and its embeddings (counted from its home
+        # rank: the encoder plans keep items on their node)
+        example_bytes = text_bytes + sum(np.bincount(example, weights=out_bytes, minlength=sizes.num_examples)
+                                         for example, _, out_bytes in rank_of_item.values())
         locality = partition_locality if packed else partition_equal_count_locality
-        part = locality(llm_costs, home, num_ranks, _gpus_per_node(topology), item_bytes=text_bytes)
+        part = locality(llm_costs, home, num_ranks, _gpus_per_node(topology), item_bytes=example_bytes)
         rank_llm, method = part.bin_of_item, part.method
     else:
         part = (partition(llm_costs, num_ranks, method=config.algorithm, home=home) if packed
@@ -210,21 +234,21 @@ def plan_step(sizes: StepSizes, phases: ModelPhases, config: OrchestratorConfig,
                                    num_microbatches, packed, config.algorithm)
     examples_llm = Placement.from_ranks(rank_llm, num_ranks,
                                         key=microbatch * (sizes.num_examples + 1) + np.arange(sizes.num_examples))
-    stats[backbone] = _phase_stats(method, llm_costs, home, rank_llm, text_bytes, num_ranks, topology)
+    stats[backbone] = _phase_stats(method, llm_costs, home, rank_llm, num_ranks)
     digest = checksum(examples_llm.rank, examples_llm.slot, microbatch,
                       *(a for e in encoders.values() for a in (e.encode.rank, e.encode.slot)))
-    return StepPlan(examples_home=examples_home, examples_llm=examples_llm,
-                    microbatch_of_example=microbatch, num_microbatches=num_microbatches,
-                    encoders=encoders, stats=stats, digest=digest)
+    plan = StepPlan(examples_home=examples_home, examples_llm=examples_llm, microbatch_of_example=microbatch,
+                    num_microbatches=num_microbatches, encoders=encoders, backbone=backbone, stats=stats, traffic={},
+                    digest=digest)
+    return dataclasses.replace(plan, traffic={move.name: move.moved_bytes(topology.node_of_rank).times(move.times)
+                                              for move in step_transfers(plan, items)})
 
 
-def _phase_stats(method, costs, home_rank, rank, item_bytes, num_ranks, topology) -> PhaseStats:
+def _phase_stats(method, costs, home_rank, rank, num_ranks) -> PhaseStats:
     before = np.bincount(home_rank, weights=costs, minlength=num_ranks)
     after = np.bincount(rank, weights=costs, minlength=num_ranks)
-    intra, inter = _moved_bytes(home_rank, rank, item_bytes, topology)
     return PhaseStats(method=method, items=int(costs.size), max_before=float(before.max(initial=0)),
-                      mean=float(costs.sum() / num_ranks), max_after=float(after.max(initial=0)),
-                      intra_node_bytes=intra, inter_node_bytes=inter)
+                      mean=float(costs.sum() / num_ranks), max_after=float(after.max(initial=0)))
 
 
 def warm_up(phases: ModelPhases, config: OrchestratorConfig) -> None:

@@ -15,8 +15,8 @@ import sys
 from typing import List, Optional
 
 from megatron_orch.balance.cost_profile import load_cost_profile
-from megatron_orch.balance.traces import DEFAULT_MIXTURE
-from megatron_orch.bench.common import draw_sizes, effective_layers, parse_layers, report, trace_specs, with_layers
+from megatron_orch.bench.common import (add_trace_args, draw_sizes, effective_layers, parse_layers, report, trace_specs,
+                                        with_layers)
 from megatron_orch.mllm.config import load_model_config
 from megatron_orch.sim.cluster import DEFAULT_TFLOPS, METHODS, LinkModel, simulate_step, warm_up_planner
 
@@ -180,10 +180,7 @@ def main(argv: Optional[List[str]] = None) -> dict:
     parser.add_argument("--per-rank", type=int, default=16, help="examples per DP rank (default 16)")
     parser.add_argument("--seeds", default="0,1,2",
                         help="global batches drawn per DP size (default 0,1,2); tables show their mean")
-    parser.add_argument("--trace", nargs="+", metavar="CSV[:WEIGHT]",
-                        help="trace CSVs with optional weights; default: the shipped mixture "
-                             + ", ".join(f"{n}:{w}" for n, w in DEFAULT_MIXTURE))
-    parser.add_argument("--traces-dir", default=None)
+    add_trace_args(parser)
     parser.add_argument("--profile", default=None, metavar="PROFILE.yaml",
                         help="item costs in seconds from bench.calibrate (default: FLOPs at --tflops)")
     parser.add_argument("--tflops", type=float, default=DEFAULT_TFLOPS,

@@ -38,17 +38,17 @@ from __future__ import annotations
 import dataclasses
 import time
 from dataclasses import dataclass
-from typing import Dict, List, Optional, Sequence
+from typing import Dict, Optional, Sequence
 
 import numpy as np
 
 from megatron_orch.balance.cost_profile import CostProfile, rank_seconds
-from megatron_orch.balance.plan import Placement, Transfer
+from megatron_orch.balance.plan import MovedBytes
 from megatron_orch.balance.topology import Topology
 from megatron_orch.balance.workload import PhaseItems, StepSizes, phase_items
-from megatron_orch.bench.balance import verl_equal_size_kk, verl_workload
+from megatron_orch.bench.balance import backbone_only_plan
 from megatron_orch.bench.common import PLAN_METHODS, model_phases, plan_method
-from megatron_orch.orchestrator.step_plan import EncoderPhasePlan, StepPlan, warm_up
+from megatron_orch.orchestrator.step_plan import StepPlan, step_transfers, warm_up
 
 METHODS = ("none", "orch", "equal_count", "locality", "equal_locality", "backbone_only")
 END_TO_END = ("none", "backbone_only")  # each example runs all its phases on one rank
@@ -75,46 +75,12 @@ class LinkModel:
             if getattr(self, f.name) <= 0:
                 raise ValueError(f"link model: {f.name} must be > 0, got {getattr(self, f.name)}")
 
-    def alltoall_seconds(self, transfer: Transfer, item_bytes) -> Dict[str, float]:
-        """Time of one all-to-all moving every item of ``transfer`` (``item_bytes`` each), and its bytes."""
-        src, dst = transfer.src.rank, transfer.dst.rank
-        nbytes = np.asarray(item_bytes, dtype=np.float64)
-        num_ranks = transfer.num_ranks
-        cross = src // self.gpus_per_node != dst // self.gpus_per_node
-        local = ~cross & (src != dst)
-
-        def busiest(mask) -> float:
-            sent = np.bincount(src[mask], weights=nbytes[mask], minlength=num_ranks)
-            received = np.bincount(dst[mask], weights=nbytes[mask], minlength=num_ranks)
-            return np.maximum(sent, received)
-
-        seconds = np.maximum(busiest(local) / (self.nvlink_gbytes_per_s * 1e9),
-                             busiest(cross) / (self.nic_gbits_per_s * 1e9 / 8)).max(initial=0.0)
-        inter, intra = float(nbytes[cross].sum()), float(nbytes[local].sum())
-        latency = self.nic_latency_us if inter else (self.nvlink_latency_us if intra else 0.0)
-        return {"seconds": float(seconds) + latency * 1e-6, "inter_node_bytes": inter, "intra_node_bytes": intra}
-
-
-def backbone_only_plan(sizes: StepSizes, upstream: StepPlan) -> StepPlan:
-    """verl-style assignment as a :class:`StepPlan` (no micro-batches, stats or digest: only its
-    placements and transfers are used): examples balanced on backbone length alone, every encoder item on
-    its example's rank."""
-    dp = int(np.asarray(sizes.counts).size)
-    examples = Placement.from_ranks(verl_equal_size_kk(verl_workload(sizes.num_tokens), dp), dp)
-    encoders = {phase: EncoderPhasePlan(example=enc.example, home=enc.home, encode=examples.expand(enc.example))
-                for phase, enc in upstream.encoders.items()}
-    return StepPlan(examples_home=upstream.examples_home, examples_llm=examples,
-                    microbatch_of_example=np.zeros(sizes.num_examples, dtype=np.int64), num_microbatches=1,
-                    encoders=encoders, stats={}, digest=0)
-
-
-def transfers(plan: StepPlan, items: Dict[str, PhaseItems], backbone: str) -> List[tuple]:
-    """(name, transfer, item bytes, times per step) of every all-to-all the plan makes."""
-    out = [(f"{phase} inputs", plan.input_transfer(phase), items[phase].nbytes, 1) for phase in plan.encoders]
-    out.append(("text", plan.text_transfer(), items[backbone].nbytes, 1))
-    out += [(f"{phase} embeddings", plan.output_transfer(phase), items[phase].output_nbytes, 2)
-            for phase in plan.encoders]  # forward, and the gradients back
-    return out
+    def alltoall_seconds(self, moved: MovedBytes) -> float:
+        """Time of one all-to-all that sends ``moved`` (``Transfer.moved_bytes`` over nodes of ``gpus_per_node``)."""
+        nvlink = np.maximum(moved.sent_intra, moved.received_intra) / (self.nvlink_gbytes_per_s * 1e9)
+        nic = np.maximum(moved.sent_inter, moved.received_inter) / (self.nic_gbits_per_s * 1e9 / 8)
+        latency = self.nic_latency_us if moved.inter_node else (self.nvlink_latency_us if moved.intra_node else 0.0)
+        return float(np.maximum(nvlink, nic).max(initial=0.0)) + latency * 1e-6
 
 
 def phase_rank_seconds(plan: StepPlan, items: Dict[str, PhaseItems], profile: Optional[CostProfile],
@@ -154,9 +120,13 @@ def simulate_step(sizes: StepSizes, model, link: LinkModel, profile: Optional[Co
             compute = float(sum(ranks.values()).max())
         else:
             compute = float(sum(r.max(initial=0.0) for r in ranks.values()))
-        moves = [(name, link.alltoall_seconds(t, b), times)
-                 for name, t, b, times in transfers(plan, items, phases.backbone.name)]
-        comm = sum(times * m["seconds"] for _, m, times in moves)
+        comm, moves = 0.0, {}
+        for move in step_transfers(plan, items):
+            moved = move.moved_bytes(topology.node_of_rank)
+            seconds = link.alltoall_seconds(moved)
+            comm += move.times * seconds
+            moves[move.name] = {"seconds": seconds, "times": move.times, "inter_node_bytes": moved.inter_node,
+                                "intra_node_bytes": moved.intra_node}
         step_before_planning = compute + comm
         exposed = max(0.0, plan_seconds[method] - step_before_planning)
         result[method] = {
@@ -164,8 +134,9 @@ def simulate_step(sizes: StepSizes, model, link: LinkModel, profile: Optional[Co
             "phase_mean_seconds": {p: float(r.mean()) for p, r in ranks.items()},
             "compute_seconds": compute,
             "comm_seconds": comm,
-            "comm": {name: {**m, "times": times} for name, m, times in moves},
-            "inter_node_bytes": sum(times * m["inter_node_bytes"] for _, m, times in moves),
+            "comm": moves,  # per all-to-all; a step runs each ``times`` times
+            "inter_node_bytes": sum(m["times"] * m["inter_node_bytes"] for m in moves.values()),
+            "intra_node_bytes": sum(m["times"] * m["intra_node_bytes"] for m in moves.values()),
             "plan_seconds": plan_seconds[method],
             "exposed_plan_seconds": exposed,
             "step_seconds": step_before_planning + exposed,
@@ -180,8 +151,8 @@ def simulate_step(sizes: StepSizes, model, link: LinkModel, profile: Optional[Co
         slow = dataclasses.replace(link, nic_gbits_per_s=gbits)
         result["nic_sweep"][str(gbits)] = {
             method: result[method]["compute_seconds"] + result[method]["exposed_plan_seconds"] + sum(
-                times * slow.alltoall_seconds(t, b)["seconds"]
-                for _, t, b, times in transfers(plans[method], items, phases.backbone.name))
+                move.times * slow.alltoall_seconds(move.moved_bytes(topology.node_of_rank))
+                for move in step_transfers(plans[method], items))
             for method in METHODS if method not in END_TO_END}
     return result
 

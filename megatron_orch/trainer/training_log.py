@@ -43,7 +43,8 @@ def phase_timers(phases: ModelPhases) -> Tuple[str, ...]:
 
 def post_balancing_fields(phases: ModelPhases) -> Tuple[str, ...]:
     """Post-balancing figures per step: each phase's modeled-cost max/mean over DP before (as loaded) and
-    after (as planned), then :data:`STEP_FIELDS`."""
+    after (as planned), then :data:`STEP_FIELDS` (the MB are ``StepPlan.report``'s: every transfer of the
+    step, raw inputs, text, embeddings forward and their gradients back)."""
     return tuple(f"{name} {what}" for name in phases.names for what in ("before", "after")) + STEP_FIELDS
 
 
