@@ -8,7 +8,7 @@ import torch.distributed as dist
 
 from dist_utils import run_distributed
 from megatron_orch.balance.plan import Placement, Transfer, checksum
-from megatron_orch.comm.alltoall import ItemLayout, all_to_all_items
+from megatron_orch.comm.alltoall import ItemLayout, Route, all_to_all_items, routes_for, start_all_to_all_items, upload_routes
 from megatron_orch.comm.gather import GroupMismatchError, gather_item_sizes
 from megatron_orch.comm.group_topology import group_topology
 
@@ -154,13 +154,14 @@ def _check_size_gather(rank, world):
     starts = np.concatenate(([0], np.cumsum(counts)))
     mine = everything[starts[rank]:starts[rank + 1]]
     for max_count in (None, int(counts.max()) + 2):
-        gathered = gather_item_sizes(mine, max_count=max_count, check=checksum(counts))
+        gathered = gather_item_sizes(mine, max_count=max_count, checks={"check value": checksum(counts)})
+        assert not gathered.failed
         assert np.array_equal(gathered.sizes, everything) and np.array_equal(gathered.counts, counts)
         assert np.array_equal(gathered.home_rank, np.repeat(np.arange(world), counts))
         assert gathered.placement().same_as(Placement.from_counts(counts))
     # Disagreements raise the same error on every rank, and the group stays usable.
     with pytest.raises(GroupMismatchError, match="disagree on the check value"):
-        gather_item_sizes(mine, check=rank)
+        gather_item_sizes(mine, checks={"check value": rank})
     with pytest.raises(GroupMismatchError, match="rank 1 has negative sizes"):
         gather_item_sizes(-np.ones((1, 3), dtype=np.int64) if rank == 1 else mine)
     with pytest.raises(GroupMismatchError, match="more items than max_count"):
@@ -170,6 +171,76 @@ def _check_size_gather(rank, world):
     # Hostnames gathered over the group: every process of this test runs on one node.
     assert group_topology(env={}).node_of_rank.tolist() == [0] * world
     assert np.array_equal(gather_item_sizes(mine).sizes, everything)
+
+
+def _check_async_moves_with_routes_made_ahead(rank, world):
+    """Routes built on the host ahead of time and uploaded once serve the all-to-alls of any row width;
+    several exchanges in flight at once, waited for in any order, give what one exchange at a time gives."""
+    rng = np.random.default_rng(77)
+    transfers = [Transfer(_random_placement(rng, n, world), _random_placement(rng, n, world))
+                 for n in (3 * world, 1, 0, 2 * world)]
+    layouts = [_layouts(rng, t.src.num_items) for t in transfers]
+    routes = [upload_routes(routes_for(t, rank, lay), torch.device("cpu")) for t, lay in zip(transfers, layouts)]
+    items = [[_items(layout, 50 * j + k) for k, layout in enumerate(lay)] for j, lay in enumerate(layouts)]
+    local = [[_packed(it, layout, t.src, rank) for it, layout in zip(its, lay)]
+             for t, lay, its in zip(transfers, layouts, items)]
+    pending = [start_all_to_all_items(x, lay, t, routes=r) for x, lay, t, r in zip(local, layouts, transfers, routes)]
+    for j in reversed(range(len(transfers))):  # completion order is the caller's
+        for k, (got, it, layout) in enumerate(zip(pending[j].wait(), items[j], layouts[j])):
+            assert torch.equal(got, _packed(it, layout, transfers[j].dst, rank)), (rank, j, k)
+    with pytest.raises(RuntimeError, match="already called"):
+        pending[0].wait()
+    # One route, rows of another width (embeddings of another hidden size use the route of the plan).
+    transfer = transfers[0]
+    rows = np.full(transfer.src.num_items, 2, dtype=np.int64)
+    route = upload_routes([Route.build(transfer, rank, [rows])], torch.device("cpu"))
+    for width in (3, 5):
+        layout = ItemLayout(rows, (width,), torch.float32)
+        data = _items(layout, 9 + width)
+        moved, = all_to_all_items([_packed(data, layout, transfer.src, rank)], [layout], transfer, routes=route)
+        assert torch.equal(moved, _packed(data, layout, transfer.dst, rank))
+    # Routes of other streams are refused before the collective.
+    with pytest.raises(ValueError, match="routes for"):
+        all_to_all_items(local[0], layouts[0], transfers[0], routes=routes[0][:1])
+    others = upload_routes(routes_for(transfers[0], (rank + 1) % world, layouts[0]), torch.device("cpu"))
+    if [r.send.local_rows for r in others] != [r.send.local_rows for r in routes[0]]:
+        with pytest.raises(ValueError, match="a route for local rows"):
+            all_to_all_items(local[0], layouts[0], transfers[0], routes=others)
+    with pytest.raises(ValueError, match="not uploaded"):
+        all_to_all_items(local[0], layouts[0], transfers[0], routes=routes_for(transfers[0], rank, layouts[0]))
+
+
+def test_async_moves_with_routes_made_ahead_three_ranks():
+    run_distributed(_check_async_moves_with_routes_made_ahead, 3)
+
+
+def _check_failures_and_peers_reach_every_rank(rank, world):
+    """DP groups {0, 1}, {2, 3}; TP/PP peers {0, 2}, {1, 3}. A rank that failed, or peers that disagree,
+    are known to every rank after the one size gather of its DP group (no world-wide collective)."""
+    dp_groups = [dist.new_group([0, 1]), dist.new_group([2, 3])]
+    peer_groups = [dist.new_group([0, 2]), dist.new_group([1, 3])]
+    dp, peers = dp_groups[rank // 2], peer_groups[rank % 2]
+    mine = np.full((rank % 2 + 1, 2), rank, dtype=np.int64)
+
+    def gather(**kw):
+        return gather_item_sizes(mine, dp, max_count=2, peer_group=peers, **kw)
+
+    ok = gather(checks={"plan digest": 11, "step status": 0})
+    assert not ok.failed and ok.counts.tolist() == [1, 2]
+    assert ok.sizes.tolist() == [[rank // 2 * 2] * 2] + [[rank // 2 * 2 + 1] * 2] * 2
+    for failing in range(world):
+        assert gather(checks={"plan digest": 11}, failed=rank == failing).failed, failing
+    with pytest.raises(GroupMismatchError, match=r"disagree on the plan digest \(TP/PP peers\)"):
+        gather(checks={"plan digest": rank // 2, "step status": 0})
+    with pytest.raises(GroupMismatchError, match=r"disagree on the step status: per rank \[0, 1\]"):
+        gather(checks={"plan digest": 1, "step status": rank % 2})
+    # Without max_count (two collectives) the peers' verdict travels in the header.
+    assert gather_item_sizes(mine, dp, peer_group=peers, failed=rank == 3).failed
+    assert gather_item_sizes(mine, dp, peer_group=peers).counts.tolist() == [1, 2]
+
+
+def test_failures_and_peer_disagreements_reach_every_rank_four_ranks():
+    run_distributed(_check_failures_and_peers_reach_every_rank, 4)
 
 
 def test_size_gather_two_ranks():

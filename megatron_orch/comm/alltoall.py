@@ -10,11 +10,17 @@ holds stream 0's rows for that peer, then stream 1's, ...; inside a stream, item
 wire order. Gradients go back along ``transfer.inverse()``: moving items is a permutation, whose
 adjoint is its inverse (the modality-aware schedule does this itself, after the backbone's backward).
 
-Memory: besides the caller's input and output, at most one flat buffer of one dtype group exists
-at a time: the packed send buffer lives until the collective returns, the receive buffer until it
-is unpacked into slot order, and the next dtype group starts after that. Packing is skipped (the input
-is sent as is) when the wire order already is the input's order, and unpacking is skipped (the output
-is a view of the receive buffer) when the received order already is slot order.
+A :class:`Route` says, for one dtype group on one rank, which rows go where: numpy only, so it is built
+off the training thread (the post-balancing iterator builds a step's routes in its planning thread)
+and its row indices reach the device in one pinned, non-blocking upload (:func:`upload_routes`); a route
+does not depend on the rows' width or dtype, so one route serves any tensors of those item rows.
+
+:func:`start_all_to_all_items` launches the exchange asynchronously and returns a
+:class:`PendingAllToAll`; its :meth:`~PendingAllToAll.wait` gives the outputs, so the caller can compute
+(another encoder) while the bytes travel. :func:`all_to_all_items` is both in one call. Until the wait
+the inputs must not change, and every dtype group's send and receive buffers exist at once; packing is
+skipped (the input is sent as is) when the wire order already is the input's order, and unpacking is
+skipped (the output is a view of the receive buffer) when the received order already is slot order.
 
 Inputs must be on the group's communication device (:func:`~megatron_orch.comm.device.communication_device`:
 the GPU for NCCL, the CPU for gloo); outputs come back there. Every rank must call this with the same
@@ -23,15 +29,16 @@ not part of the autograd graph.
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
-from typing import List, Sequence, Tuple
+from typing import List, Optional, Sequence, Tuple
 
 import numpy as np
 import torch
 import torch.distributed as dist
 
 from megatron_orch.balance.plan import Placement, Transfer
-from megatron_orch.comm.device import communication_device
+from megatron_orch.comm.device import communication_device, host_to_device
 
 
 @dataclass(frozen=True, eq=False)
@@ -62,84 +69,164 @@ class ItemLayout:
 
 
 def all_to_all_items(tensors: Sequence[torch.Tensor], layouts: Sequence[ItemLayout], transfer: Transfer,
-                     group=None) -> Tuple[torch.Tensor, ...]:
+                     group=None, routes: Optional[Sequence["Route"]] = None) -> Tuple[torch.Tensor, ...]:
     """Move every item of every stream from ``transfer.src`` to ``transfer.dst``; returns the packed
     tensors this rank holds afterwards, in destination slot order (one per stream)."""
+    return start_all_to_all_items(tensors, layouts, transfer, group, routes).wait()
+
+
+def start_all_to_all_items(tensors: Sequence[torch.Tensor], layouts: Sequence[ItemLayout], transfer: Transfer,
+                           group=None, routes: Optional[Sequence["Route"]] = None) -> "PendingAllToAll":
+    """Launch :func:`all_to_all_items` without waiting for it. ``routes``: this rank's routes of the
+    transfer, one per dtype group of ``layouts`` (:func:`routes_for`, uploaded); None builds them here."""
     rank = dist.get_rank(group)
     device = communication_device(group)
     _check_inputs(tensors, layouts, transfer, rank, dist.get_world_size(group), device)
-    routes = [_Route.build(transfer, rank, layouts, streams, device)
-              for streams in _dtype_groups(layouts)]
+    groups = _dtype_groups(layouts)
+    if routes is None:
+        routes = upload_routes([Route.build(transfer, rank, [layouts[k].rows for k in streams])
+                                for streams in groups], device)
+    _check_routes(routes, groups, tensors, rank)
+    exchanges = []
     with torch.no_grad():
-        return tuple(_exchange(routes, tensors, layouts, group, device))
+        for streams, route in zip(groups, routes):
+            stream_layouts = [layouts[k] for k in streams]
+            numel = np.array([layout.row_numel for layout in stream_layouts], dtype=np.int64)
+            send_splits, recv_splits = route.send.splits(numel), route.recv.splits(numel)
+            send = _pack(route.send, [tensors[k] for k in streams], stream_layouts, numel, sum(send_splits), device)
+            recv = torch.empty(sum(recv_splits), dtype=stream_layouts[0].dtype, device=device)
+            work = dist.all_to_all_single(recv, send, output_split_sizes=recv_splits, input_split_sizes=send_splits,
+                                          group=group, async_op=True)
+            exchanges.append((streams, route, stream_layouts, numel, send, recv, work))
+    return PendingAllToAll(exchanges, len(layouts), device)
+
+
+class PendingAllToAll:
+    """An all-to-all in flight; :meth:`wait` (once) returns the packed outputs, in stream order. On a GPU
+    the wait makes the current stream wait for the collective (the host does not block); on gloo the host
+    waits for the exchange."""
+
+    def __init__(self, exchanges, num_streams: int, device: torch.device):
+        self._exchanges, self._num_streams, self._device = exchanges, num_streams, device
+
+    def wait(self) -> Tuple[torch.Tensor, ...]:
+        if self._exchanges is None:
+            raise RuntimeError("wait() was already called on this all-to-all")
+        outputs = [None] * self._num_streams
+        exchanges, self._exchanges = self._exchanges, None
+        with torch.no_grad():
+            for streams, route, layouts, numel, send, recv, work in exchanges:
+                work.wait()
+                del send  # the send buffer can go once the collective is done
+                for stream, out in zip(streams, _unpack(route.recv, recv, layouts, numel, self._device)):
+                    outputs[stream] = out
+        return tuple(outputs)
 
 
 @dataclass(frozen=True, eq=False)
 class _Block:
-    """Rows ``rows`` of stream ``stream`` (local packed order) occupy the buffer from element ``offset``."""
+    """Rows ``rows`` of the ``stream``-th stream's local packed tensor, next in buffer order; ``index``
+    holds them on the device once uploaded."""
 
     stream: int
-    offset: int
-    rows: torch.Tensor
-    contiguous_from_zero: bool  # rows == 0..n-1
+    rows: np.ndarray
+    index: Optional[torch.Tensor] = None
 
 
 @dataclass(frozen=True, eq=False)
-class _Route:
-    """One dtype group's exchange on this rank: what goes where in the send and receive buffers."""
+class _Side:
+    """The send (or receive) half of a route: the buffer's blocks in order, the rows of each stream per
+    peer, and each stream's local rows before the exchange (or after)."""
 
-    streams: Tuple[int, ...]
-    send_blocks: Tuple[_Block, ...]
-    recv_blocks: Tuple[_Block, ...]
-    send_splits: Tuple[int, ...]   # elements to each peer
-    recv_splits: Tuple[int, ...]   # elements from each peer
-    send_rows: Tuple[int, ...]     # rows of each stream's packed tensor before the exchange
-    recv_rows: Tuple[int, ...]     # ... and after
+    blocks: Tuple[_Block, ...]
+    peer_rows: np.ndarray          # [streams, ranks]
+    local_rows: Tuple[int, ...]    # per stream
+
+    @property
+    def in_order(self) -> bool:
+        """One block holding one stream's local rows in order fills the buffer: no copy is needed."""
+        return (len(self.blocks) == 1 and self.blocks[0].rows.size == sum(self.local_rows)
+                and bool(np.array_equal(self.blocks[0].rows, np.arange(self.blocks[0].rows.size))))
+
+    def splits(self, numel: np.ndarray) -> List[int]:
+        """Elements to (from) each peer for streams of ``numel`` elements per row."""
+        return (self.peer_rows * numel[:, None]).sum(axis=0).tolist()
+
+    def offsets(self, numel: np.ndarray) -> np.ndarray:
+        """Element offset of each block in the buffer (blocks tile it in order)."""
+        sizes = np.array([block.rows.size * numel[block.stream] for block in self.blocks], dtype=np.int64)
+        return np.cumsum(sizes) - sizes
+
+    def needs_upload(self) -> bool:
+        return not self.in_order
+
+
+@dataclass(frozen=True, eq=False)
+class Route:
+    """One dtype group's exchange on one rank (module docstring): what goes where in the send and the
+    receive buffer, for any row width."""
+
+    send: _Side
+    recv: _Side
+
+    @property
+    def num_streams(self) -> int:
+        return len(self.send.local_rows)
 
     @classmethod
-    def build(cls, transfer: Transfer, rank: int, layouts, streams, device) -> "_Route":
+    def build(cls, transfer: Transfer, rank: int, rows: Sequence[np.ndarray]) -> "Route":
+        """The route of ``rank`` for streams whose item ``i`` has ``rows[s][i]`` rows (host only)."""
         send = transfer.send_items(rank)
         recv = transfer.recv_items(rank)
-        send_blocks, send_splits, send_rows = _blocks(
-            send, transfer.dst.rank[send], transfer.src.items_on(rank), layouts, streams, transfer.num_ranks,
-            device)
-        recv_blocks, recv_splits, recv_rows = _blocks(
-            recv, transfer.src.rank[recv], transfer.dst.items_on(rank), layouts, streams, transfer.num_ranks,
-            device)
-        return cls(tuple(streams), send_blocks, recv_blocks, send_splits, recv_splits, send_rows, recv_rows)
+        return cls(_side(send, transfer.dst.rank[send], transfer.src.items_on(rank), rows, transfer.num_ranks),
+                   _side(recv, transfer.src.rank[recv], transfer.dst.items_on(rank), rows, transfer.num_ranks))
 
 
-def _blocks(wire_items, peer_of_item, local_items, layouts, streams, num_ranks, device):
-    """Buffer blocks of items in wire order (grouped by peer); split sizes per peer; local rows per stream."""
+def routes_for(transfer: Transfer, rank: int, layouts: Sequence[ItemLayout]) -> List[Route]:
+    """``rank``'s routes of ``transfer`` for streams of ``layouts``, one per dtype group (host only)."""
+    return [Route.build(transfer, rank, [layouts[k].rows for k in streams]) for streams in _dtype_groups(layouts)]
+
+
+def upload_routes(routes: Sequence[Route], device: torch.device) -> List[Route]:
+    """``routes`` with their row indices on ``device``: one staging buffer, one copy that does not block
+    (on the CPU, views of the host arrays)."""
+    blocks = [block for route in routes for side in (route.send, route.recv) if side.needs_upload()
+              for block in side.blocks]
+    flat = host_to_device([torch.from_numpy(block.rows) for block in blocks], device, torch.int64, ())
+    starts = np.cumsum([0] + [block.rows.size for block in blocks])
+    uploaded = {id(block): flat[starts[j]:starts[j + 1]] for j, block in enumerate(blocks)}
+
+    def on_device(side: _Side) -> _Side:
+        return dataclasses.replace(side, blocks=tuple(dataclasses.replace(b, index=uploaded.get(id(b)))
+                                                      for b in side.blocks))
+
+    return [Route(on_device(route.send), on_device(route.recv)) for route in routes]
+
+
+def _side(wire_items, peer_of_item, local_items, rows, num_ranks) -> _Side:
+    """Buffer blocks of items in wire order (grouped by peer); rows per stream and peer; local rows."""
     per_peer = np.bincount(peer_of_item, minlength=num_ranks)
     peer_end = np.cumsum(per_peer)
-    elements = np.zeros((len(streams), num_ranks), dtype=np.int64)
+    peer_rows = np.zeros((len(rows), num_ranks), dtype=np.int64)
     starts, local_rows = [], []
-    for s, k in enumerate(streams):
-        rows, numel = layouts[k].rows, layouts[k].row_numel
-        elements[s] = np.bincount(peer_of_item, weights=rows[wire_items] * numel, minlength=num_ranks)
-        start = np.zeros(rows.size, dtype=np.int64)
-        start[local_items] = np.cumsum(rows[local_items]) - rows[local_items]
+    for s, stream_rows in enumerate(rows):
+        stream_rows = np.asarray(stream_rows, dtype=np.int64)
+        peer_rows[s] = np.bincount(peer_of_item, weights=stream_rows[wire_items], minlength=num_ranks)
+        start = np.zeros(stream_rows.size, dtype=np.int64)
+        start[local_items] = np.cumsum(stream_rows[local_items]) - stream_rows[local_items]
         starts.append(start)
-        local_rows.append(int(rows[local_items].sum()))
-    splits = elements.sum(axis=0)
-    offsets = np.cumsum(splits) - splits
-    blocks = []  # (stream, offset, row index) in buffer order, adjacent ones of one stream merged
+        local_rows.append(int(stream_rows[local_items].sum()))
+    blocks = []  # (stream, row index) in buffer order, consecutive ones of one stream merged
     for peer in np.flatnonzero(per_peer):
         items = wire_items[peer_end[peer] - per_peer[peer]:peer_end[peer]]
-        offset = int(offsets[peer])
-        for s, k in enumerate(streams):
-            if elements[s, peer]:
-                index = _row_index(starts[s][items], layouts[k].rows[items])
-                last = blocks[-1] if blocks else None
-                if last and last[0] == k and last[1] + last[2].size * layouts[k].row_numel == offset:
-                    blocks[-1] = (k, last[1], np.concatenate([last[2], index]))
+        for s, stream_rows in enumerate(rows):
+            if peer_rows[s, peer]:
+                index = _row_index(starts[s][items], np.asarray(stream_rows, dtype=np.int64)[items])
+                if blocks and blocks[-1][0] == s:
+                    blocks[-1] = (s, np.concatenate([blocks[-1][1], index]))
                 else:
-                    blocks.append((k, offset, index))
-                offset += int(elements[s, peer])
-    return (tuple(_Block(k, off, torch.from_numpy(index).to(device),
-                         bool(np.array_equal(index, np.arange(index.size)))) for k, off, index in blocks),
-            tuple(int(v) for v in splits), tuple(local_rows))
+                    blocks.append((s, index))
+    return _Side(tuple(_Block(s, index) for s, index in blocks), peer_rows, tuple(local_rows))
 
 
 def _row_index(starts: np.ndarray, counts: np.ndarray) -> np.ndarray:
@@ -148,58 +235,46 @@ def _row_index(starts: np.ndarray, counts: np.ndarray) -> np.ndarray:
     return np.repeat(starts - (np.cumsum(counts) - counts), counts) + np.arange(total, dtype=np.int64)
 
 
-def _exchange(routes, tensors, layouts, group, device) -> List[torch.Tensor]:
-    """Run the routes' all-to-alls one dtype group at a time; packed outputs in stream order (None for
-    streams of no route)."""
-    outputs = [None] * len(layouts)
-    for route in routes:
-        dtype = layouts[route.streams[0]].dtype
-        send = _pack(route, tensors, layouts, dtype, device)
-        recv = torch.empty(sum(route.recv_splits), dtype=dtype, device=device)
-        dist.all_to_all_single(recv, send, output_split_sizes=list(route.recv_splits),
-                               input_split_sizes=list(route.send_splits), group=group)
-        del send  # free the send buffer before the unpacked outputs are allocated
-        for stream, out in zip(route.streams, _unpack(route, recv, layouts, device)):
-            outputs[stream] = out
-        del recv  # free it (unless the outputs are views of it) before the next dtype group
-    return outputs
-
-
-def _pack(route: _Route, tensors, layouts, dtype, device) -> torch.Tensor:
-    total = sum(route.send_splits)
-    if _whole_buffer_in_order(route.send_blocks, layouts, total):
-        return tensors[route.send_blocks[0].stream].contiguous().view(-1)  # wire order already: no copy
-    send = torch.empty(total, dtype=dtype, device=device)
-    for block in route.send_blocks:
+def _pack(side: _Side, tensors, layouts, numel, total: int, device) -> torch.Tensor:
+    if side.in_order:
+        return tensors[side.blocks[0].stream].contiguous().view(-1)  # wire order already: no copy
+    send = torch.empty(total, dtype=layouts[0].dtype, device=device)
+    for block, offset in zip(side.blocks, side.offsets(numel).tolist()):
         layout = layouts[block.stream]
-        size = block.rows.numel() * layout.row_numel
-        torch.index_select(tensors[block.stream], 0, block.rows,
-                           out=send[block.offset:block.offset + size].view(-1, *layout.trailing_shape))
+        size = block.rows.size * int(numel[block.stream])
+        torch.index_select(tensors[block.stream], 0, block.index,
+                           out=send[offset:offset + size].view(-1, *layout.trailing_shape))
     return send
 
 
-def _unpack(route: _Route, recv: torch.Tensor, layouts, device) -> List[torch.Tensor]:
-    if _whole_buffer_in_order(route.recv_blocks, layouts, recv.numel()):
+def _unpack(side: _Side, recv: torch.Tensor, layouts, numel, device) -> List[torch.Tensor]:
+    if side.in_order:
         # Slot order already: the output is the receive buffer (streams without rows come out empty).
-        stream = route.recv_blocks[0].stream
-        return [recv.view(-1, *layouts[s].trailing_shape) if s == stream else
-                torch.empty((0, *layouts[s].trailing_shape), dtype=layouts[s].dtype, device=device)
-                for s in route.streams]
-    outputs = []
-    for stream, rows in zip(route.streams, route.recv_rows):
-        layout = layouts[stream]
-        out = torch.empty((rows, *layout.trailing_shape), dtype=layout.dtype, device=device)
-        for block in (b for b in route.recv_blocks if b.stream == stream):
-            size = block.rows.numel() * layout.row_numel
-            out.index_copy_(0, block.rows, recv[block.offset:block.offset + size].view(-1, *layout.trailing_shape))
-        outputs.append(out)
+        stream = side.blocks[0].stream
+        return [recv.view(-1, *layout.trailing_shape) if s == stream else
+                torch.empty((0, *layout.trailing_shape), dtype=layout.dtype, device=device)
+                for s, layout in enumerate(layouts)]
+    outputs = [torch.empty((rows, *layout.trailing_shape), dtype=layout.dtype, device=device)
+               for rows, layout in zip(side.local_rows, layouts)]
+    for block, offset in zip(side.blocks, side.offsets(numel).tolist()):
+        layout = layouts[block.stream]
+        size = block.rows.size * int(numel[block.stream])
+        outputs[block.stream].index_copy_(0, block.index, recv[offset:offset + size].view(-1, *layout.trailing_shape))
     return outputs
 
 
-def _whole_buffer_in_order(blocks, layouts, total: int) -> bool:
-    """One block, holding a whole stream's rows in order, fills the buffer (so no copy is needed)."""
-    return (len(blocks) == 1 and blocks[0].contiguous_from_zero
-            and blocks[0].rows.numel() * layouts[blocks[0].stream].row_numel == total)
+def _check_routes(routes: Sequence[Route], groups, tensors, rank: int) -> None:
+    """Routes made for these streams: one per dtype group, with the streams' rows on this rank."""
+    if len(routes) != len(groups):
+        raise ValueError(f"rank {rank}: got {len(routes)} routes for {len(groups)} dtype groups of the layouts")
+    for streams, route in zip(groups, routes):
+        rows = tuple(int(tensors[k].shape[0]) for k in streams)
+        if route.send.local_rows != rows:
+            raise ValueError(f"rank {rank}: a route for local rows {route.send.local_rows} was given streams "
+                             f"{list(streams)} of {rows} rows (routes of another transfer or layouts?)")
+        if any(route.send.needs_upload() and b.index is None for b in route.send.blocks) or \
+                any(route.recv.needs_upload() and b.index is None for b in route.recv.blocks):
+            raise ValueError(f"rank {rank}: a route whose indices were not uploaded (upload_routes)")
 
 
 def _dtype_groups(layouts: Sequence[ItemLayout]) -> List[Tuple[int, ...]]:

@@ -1,14 +1,20 @@
-"""The device a process group's collectives take their tensors on: the one place that decides it.
+"""The device a process group's collectives take their tensors on: the one place that decides it, and
+the copies between it and the host.
 
 NCCL communicates CUDA tensors on this rank's GPU, gloo CPU tensors. Every tensor the project hands to
 a collective (size gather, all-to-alls of inputs, embeddings and gradients, digest checks, metrics)
 goes through :func:`communication_device` of its group; nothing else guesses. The device the model
 computes on is a separate notion (the encoders' or the loss's device): on a GPU run with NCCL both are
 the same GPU and every move here is free, on a CPU run with gloo both are the CPU.
+
+Copies never block the host on the hot path of a step: uploads go through pinned host memory without
+blocking (:func:`host_to_device`), and a result the host must read back is copied without blocking and
+waited for only when it is read (:class:`HostCopy`: on a GPU, a wait on an event recorded right after
+the copy, not on everything queued since).
 """
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -32,13 +38,37 @@ def host_to_device(parts: Sequence[torch.Tensor], device: torch.device, dtype: t
 
     For a GPU the concatenation is written into pinned host memory and copied without blocking the
     host (torch's pinned allocator keeps the buffer until the copy is done); for the CPU it is a plain
-    concatenation. ``trailing_shape`` gives the result's shape when ``parts`` is empty.
+    concatenation; any other device gets a copy that does not block (the emulated device of the tests).
+    ``trailing_shape`` gives the result's shape when ``parts`` is empty.
     """
     parts = [part.reshape(-1, *trailing_shape) for part in parts]
-    if device.type != "cuda":
-        host = torch.cat(parts).to(dtype) if parts else torch.empty((0, *trailing_shape), dtype=dtype)
-        return host.to(device)
-    staging = torch.empty((sum(part.shape[0] for part in parts), *trailing_shape), dtype=dtype, pin_memory=True)
+    staging = torch.empty((sum(part.shape[0] for part in parts), *trailing_shape), dtype=dtype,
+                          pin_memory=device.type == "cuda")
     if parts:
         torch.cat(parts, out=staging)
-    return staging.to(device, non_blocking=True)
+    return staging if device.type == "cpu" else staging.to(device, non_blocking=True)
+
+
+class HostCopy:
+    """A tensor copied to the host without blocking; :meth:`result` waits for that copy only.
+
+    On a GPU the copy lands in pinned memory and an event recorded right after it tells when it is
+    done, so the host waits for the work queued before the copy (the collective that produced the
+    tensor), not for what it queued later (encoder kernels). On the CPU the tensor itself is the copy.
+    """
+
+    def __init__(self, tensor: torch.Tensor):
+        self._ready: Optional[torch.cuda.Event] = None
+        if tensor.device.type == "cpu":
+            self._host = tensor
+            return
+        self._host = tensor.to("cpu", non_blocking=True)  # pinned by torch for a CUDA source
+        if tensor.device.type == "cuda":
+            self._ready = torch.cuda.Event()
+            self._ready.record()
+
+    def result(self) -> torch.Tensor:
+        if self._ready is not None:
+            self._ready.synchronize()
+            self._ready = None
+        return self._host
