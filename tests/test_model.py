@@ -74,8 +74,7 @@ def test_embeddings_are_spliced_at_their_placeholders_in_item_order(model):
     vision_embeds = torch.randn(3 * model.spec.rows_per_item("vision"), h)
     audio_embeds = torch.randn(3 * model.spec.rows_per_item("audio"), h)
     with torch.no_grad():
-        spliced = model.embed(batch.tokens, batch.position_ids,
-                              {"vision": vision_embeds, "audio": audio_embeds})  # [s, b, h]
+        spliced = model.embed(batch, {"vision": vision_embeds, "audio": audio_embeds})  # [s, b, h]
         plain = model.backbone.embedding(input_ids=batch.tokens, position_ids=batch.position_ids)
     for token_id, embeds in ((IMAGE_TOKEN_ID, vision_embeds), (AUDIO_TOKEN_ID, audio_embeds)):
         expected = iter(embeds)

@@ -361,7 +361,7 @@ def test_the_schedule_restores_the_model_configs_callbacks():
         return []
 
     step = BalancedStep(microbatches=[], inputs={}, plan=None, rank=0, num_tokens=np.zeros(0, dtype=np.int64),
-                        rows_per_item={})
+                        rows_per_item={}, comm_group=None, moves=None)
     schedule = ModalityAwareSchedule(forward_backward, dp_group=None)
     for fail in (False, False, True):
         try:

@@ -70,7 +70,7 @@ def test_logged_bytes_count_every_transfer_as_the_simulator_does(tmp_path):
     _, _, sizes = draw_sizes(list(DEFAULT_MIXTURE), dp, per_rank, "tiny", 1)
     plan = plan_step(sizes, model.phases(), PLAN_METHODS["equal_count"], Topology.uniform(dp, gpus), 1, per_rank)
     step = BalancedStep(microbatches=[], inputs={}, plan=plan, rank=0, num_tokens=np.asarray(sizes.num_tokens),
-                        rows_per_item={}, timings={"plan": 0.01, "plan_exposed": 0.0, "dispatch": 0.002})
+                        rows_per_item={}, comm_group=None, moves=None, timings={"plan": 0.01, "plan_exposed": 0.0, "dispatch": 0.002})
     meter = LoadMeter(iter([step]), model.phases())
     next(meter)
     figures = dict(zip(post_balancing_fields(model.phases()), meter.take_post_balancing().tolist()))

@@ -33,7 +33,7 @@ import torch.distributed as dist
 from megatron.core import package_info, parallel_state, tensor_parallel
 
 from megatron_orch.bench.common import effective_layers, parse_layers, with_layers
-from megatron_orch.megatron.batch import MicroBatch
+from megatron_orch.megatron.batch import BatchSpec, MicroBatch
 from megatron_orch.mllm.config import BACKBONE_PHASE, BYTE_VOCAB_SIZE, MLLMConfig, load_model_config
 from megatron_orch.mllm.model import ENCODER_MODULES, MLLMModel, ModelParallelSettings, transformer_engine_available
 from megatron_orch.trainer import cpu_harness
@@ -113,12 +113,13 @@ def grid_points(phase: str, config: MLLMConfig, grid: Dict[str, list]) -> Iterat
             yield point, (b, s)
 
 
-def text_batch(b: int, s: int, device: torch.device) -> MicroBatch:
+def text_batch(b: int, s: int, device: torch.device, spec: BatchSpec) -> MicroBatch:
     """``b`` rows of ``s`` random text tokens (no placeholders), every token in the loss."""
     tokens = torch.randint(0, BYTE_VOCAB_SIZE, (b, s), device=device)
+    no_placeholders = {i.phase: torch.zeros((2, 0), dtype=torch.long, device=device) for i in spec.inputs}
     return MicroBatch(tokens=tokens, labels=tokens, loss_mask=torch.ones(b, s, device=device),
                       position_ids=torch.arange(s, device=device).expand(b, s), seq_lengths=torch.full((b,), s),
-                      items={}, item_counts={}, sample_ids=torch.arange(b))
+                      items={}, item_counts={}, sample_ids=torch.arange(b), placeholders=no_placeholders)
 
 
 def phase_call(phase: str, module: torch.nn.Module, config: MLLMConfig, size,
@@ -127,7 +128,7 @@ def phase_call(phase: str, module: torch.nn.Module, config: MLLMConfig, size,
     if phase in config.encoders:
         x = torch.randn(size, *config.encoders[phase].item_shape, device=device)
         return lambda: module(x).sum().backward()
-    batch = text_batch(*size, device)
+    batch = text_batch(*size, device, module.spec)
     return lambda: module(batch, embeds={}).sum().backward()
 
 

@@ -32,21 +32,29 @@ def to_communication_device(tensor: torch.Tensor, group=None) -> torch.Tensor:
     return tensor.to(communication_device(group), non_blocking=True)
 
 
+def stage_on_host(parts: Sequence[torch.Tensor], device: torch.device, dtype: torch.dtype,
+                  trailing_shape: tuple) -> torch.Tensor:
+    """Host tensors concatenated (along dim 0) in ``dtype``, ready to go to ``device``: in pinned memory
+    for a GPU, so that the copy does not block the host (torch's pinned allocator keeps the buffer until
+    the copy is done). Any thread may stage (the post-balancing iterator stages in its reading thread).
+    ``trailing_shape`` gives the result's shape when ``parts`` is empty."""
+    parts = [part.reshape(-1, *trailing_shape) for part in parts]
+    staged = torch.empty((sum(part.shape[0] for part in parts), *trailing_shape), dtype=dtype,
+                         pin_memory=device.type == "cuda")
+    if parts:
+        torch.cat(parts, out=staged)
+    return staged
+
+
+def staged_to_device(staged: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A tensor of :func:`stage_on_host` on ``device``: a copy that does not block (none for the CPU)."""
+    return staged if device.type == "cpu" else staged.to(device, non_blocking=True)
+
+
 def host_to_device(parts: Sequence[torch.Tensor], device: torch.device, dtype: torch.dtype,
                    trailing_shape: tuple) -> torch.Tensor:
-    """Concatenate host tensors (along dim 0) onto ``device``.
-
-    For a GPU the concatenation is written into pinned host memory and copied without blocking the
-    host (torch's pinned allocator keeps the buffer until the copy is done); for the CPU it is a plain
-    concatenation; any other device gets a copy that does not block (the emulated device of the tests).
-    ``trailing_shape`` gives the result's shape when ``parts`` is empty.
-    """
-    parts = [part.reshape(-1, *trailing_shape) for part in parts]
-    staging = torch.empty((sum(part.shape[0] for part in parts), *trailing_shape), dtype=dtype,
-                          pin_memory=device.type == "cuda")
-    if parts:
-        torch.cat(parts, out=staging)
-    return staging if device.type == "cpu" else staging.to(device, non_blocking=True)
+    """Concatenate host tensors onto ``device`` (:func:`stage_on_host`, then :func:`staged_to_device`)."""
+    return staged_to_device(stage_on_host(parts, device, dtype, trailing_shape), device)
 
 
 class HostCopy:

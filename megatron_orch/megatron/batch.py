@@ -165,7 +165,10 @@ class MicroBatch:
     block-diagonal causal (:meth:`attention_mask`); a tail after ``cu_seqlens[-1]`` is padding.
 
     ``items[phase]`` holds every example's items of an encoder phase in example order;
-    ``item_counts[phase][i]`` says how many belong to example ``i``.
+    ``item_counts[phase][i]`` says how many belong to example ``i``; ``placeholders[phase]`` is ``[2, n]``:
+    the (row, column) of each of that phase's placeholders, row by row, i.e. in the order its encoder
+    outputs fill them. Collate finds them on the host, so the model inserts encoder outputs without
+    searching the tokens on its device (a search whose result size the host must wait for).
     """
 
     tokens: torch.Tensor          # [rows, T] int64
@@ -176,6 +179,7 @@ class MicroBatch:
     items: Dict[str, torch.Tensor]         # phase -> [sum n_phase, *item_shape]
     item_counts: Dict[str, torch.Tensor]   # phase -> [n] int64
     sample_ids: torch.Tensor      # [n] int64, global sample index of each example
+    placeholders: Dict[str, torch.Tensor]  # phase -> [2, placeholders] int64 (row, column)
     cu_seqlens: Optional[torch.Tensor] = None  # [n + 1] int32 in the packed layout
 
     @property
@@ -258,6 +262,11 @@ def _stack_items(examples: Sequence[Example], spec: BatchSpec) -> tuple[dict, di
     return items, counts
 
 
+def placeholder_positions(tokens: torch.Tensor, spec: BatchSpec) -> Dict[str, torch.Tensor]:
+    """(row, column) of every encoder phase's placeholders in ``tokens`` [rows, T] (on the host), row-major."""
+    return {i.phase: torch.stack(torch.nonzero(tokens == i.placeholder_id, as_tuple=True)) for i in spec.inputs}
+
+
 def _row_length(needed: int, pad_to: Optional[int], pad_to_multiple_of: int) -> int:
     if pad_to_multiple_of < 1:
         raise ValueError(f"pad_to_multiple_of must be >= 1, got {pad_to_multiple_of}")
@@ -291,7 +300,8 @@ def collate(examples: Sequence[Example], spec: BatchSpec, pad_to: Optional[int] 
     return MicroBatch(tokens=tokens, labels=labels, loss_mask=loss_mask,
                       position_ids=torch.arange(length).expand(rows, length).contiguous(),
                       seq_lengths=lengths, items=items, item_counts=counts,
-                      sample_ids=torch.tensor([e.sample_index for e in examples], dtype=torch.long))
+                      sample_ids=torch.tensor([e.sample_index for e in examples], dtype=torch.long),
+                      placeholders=placeholder_positions(tokens, spec))
 
 
 def collate_packed(examples: Sequence[Example], spec: BatchSpec, pad_to: Optional[int] = None,
@@ -317,4 +327,4 @@ def collate_packed(examples: Sequence[Example], spec: BatchSpec, pad_to: Optiona
     return MicroBatch(tokens=tokens[None], labels=labels[None], loss_mask=loss_mask[None],
                       position_ids=positions[None], seq_lengths=lengths, items=items, item_counts=counts,
                       sample_ids=torch.tensor([e.sample_index for e in examples], dtype=torch.long),
-                      cu_seqlens=cu_seqlens)
+                      placeholders=placeholder_positions(tokens[None], spec), cu_seqlens=cu_seqlens)

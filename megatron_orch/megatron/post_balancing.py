@@ -1,17 +1,26 @@
 """The post-balancing data iterator: wraps Megatron's training data iterator, one global batch per step.
 
-Per step it reads the step's micro-batches from the wrapped iterator, gathers per-example sizes over
-the DP group (one fixed-shape collective), takes the step's plan (computed on the background thread
-while the previous step trained), checks that every rank holds the same plan, and moves:
+Per step, on the training thread, it does one small collective over the DP group and launches the
+step's moves, all asynchronous:
 
-* the raw items of every encoder phase to their encoder-phase rank (first pipeline stage only: the
-  other stages hold no encoders);
-* token ids, labels and loss masks to the backbone-phase rank of their example.
+* **one control collective** (:func:`~megatron_orch.comm.gather.gather_item_sizes`): every rank's status
+  (the next step read, no more data, or failed), the per-example sizes of the *next* step, and the digest
+  of *this* step's plan (computed in the planning thread while the previous step trained), with the
+  TP/PP peers' status and digest reduced into it on the device: a plan that differs between ranks, or a
+  rank whose loader failed anywhere in the job, raises on every rank before any all-to-all could hang;
+* the moves, on a communicator of its own (:class:`ParallelGroups.comm_group`, not the DP group's, on
+  which DDP reduces gradients): raw items of every encoder phase to their encoder-phase rank (first
+  pipeline stage only: the other stages hold no encoders), token ids, labels and loss masks to the
+  backbone-phase rank of their example. Their routes (which row goes where) were built in the planning
+  thread and go to the device in one upload.
 
-It yields a :class:`BalancedStep`: the rank's backbone micro-batches (same number on every DP rank)
-and its encoder inputs, with the transfers the modality-aware schedule uses to send encoder outputs
-straight to the backbone rank of their example. Then it reads the next step's batch, gathers its
-sizes and hands their planning to the background thread.
+It yields a :class:`BalancedStep`: the rank's backbone micro-batches (same number on every DP rank),
+collated on the host when the schedule first asks for them (by then the text has long arrived: the
+host waits for that copy only, not for the encoders queued after it), and its encoder inputs, with the
+moves the modality-aware schedule uses to send encoder outputs straight to the backbone rank of their
+example. Then it hands the next step's sizes to the planning thread and the step after it to the
+reading thread, which reads and checks its examples and stages what they send in (pinned) host memory.
+So the data of three steps is in flight: the one training, the one planned, the one read.
 
 Devices: everything travels on the DP group's communication device (the GPU under NCCL), staged
 through pinned host memory; raw encoder inputs travel in ``input_dtype`` (the encoders' own dtype: they
@@ -24,7 +33,7 @@ from __future__ import annotations
 import itertools
 import time
 from dataclasses import dataclass, field
-from typing import Dict, Iterator, List, Mapping, Optional
+from typing import Callable, Dict, Iterator, List, Mapping, Optional, Sequence, Tuple
 
 import numpy as np
 import torch
@@ -34,17 +43,19 @@ from torch.distributed import ProcessGroup
 from megatron_orch.balance.plan import Transfer
 from megatron_orch.balance.topology import Topology
 from megatron_orch.balance.workload import StepSizes
-from megatron_orch.comm.alltoall import ItemLayout, all_to_all_items
-from megatron_orch.comm.device import communication_device, host_to_device
-from megatron_orch.comm.gather import GroupMismatchError, assert_same_on_all_ranks, gather_item_sizes
+from megatron_orch.comm.alltoall import ItemLayout, Route, routes_for, start_all_to_all_items, upload_routes
+from megatron_orch.comm.communicator import dedicated_group
+from megatron_orch.comm.device import HostCopy, communication_device, stage_on_host, staged_to_device
+from megatron_orch.comm.gather import GroupMismatchError, gather_item_sizes
 from megatron_orch.comm.status import raise_if_any_rank_failed
 from megatron_orch.megatron.batch import BatchSpec, Example, MicroBatch, collate, collate_packed
 from megatron_orch.orchestrator.background import BackgroundPlanner
 from megatron_orch.orchestrator.config import OrchestratorConfig
 from megatron_orch.orchestrator.step_plan import StepPlan, plan_step, warm_up
 
-_OK, _EXHAUSTED = 0, 1  # a rank's status, sent as the size gather's check value
-_STATUS_TEXT = "check values: 0 a step read, 1 no more data"
+_OK, _EXHAUSTED = 0, 1  # a rank's step status, one of the control collective's checks
+_STATUS = "step status (0 a step read, 1 no more data)"
+_DIGEST = "post-balancing plan digest"
 
 
 @dataclass(frozen=True)
@@ -67,13 +78,16 @@ class StepShape:
 @dataclass(frozen=True, eq=False)
 class ParallelGroups:
     """Where this rank balances: its DP group and that group's topology (nodes), whether this pipeline
-    stage holds the encoders, and the group of its TP/PP peers (one DP replica), which must hold the same
-    plan."""
+    stage holds the encoders, the group of its TP/PP peers (one DP replica), which must hold the same
+    plan, and the communicator of post-balancing's own collectives: the DP group's ranks on a communicator
+    of their own, so that its all-to-alls do not queue behind DDP's gradient reductions on the DP group's
+    (None: the iterator creates one, :func:`~megatron_orch.comm.communicator.dedicated_group`)."""
 
     dp_group: ProcessGroup
     topology: Topology
     encoder_stage: bool = True
     peer_group: Optional[ProcessGroup] = None
+    comm_group: Optional[ProcessGroup] = None
 
 
 @dataclass(frozen=True, eq=False)
@@ -92,19 +106,117 @@ class BalancedMicroBatch:
 
 
 @dataclass(frozen=True, eq=False)
-class BalancedStep:
-    """Everything one rank computes in one step under the plan."""
+class Move:
+    """One all-to-all of a step, prepared in the planning thread: what moves where, and this rank's routes
+    (:func:`~megatron_orch.comm.alltoall.routes_for`; on the device once the step is dispatched)."""
 
-    microbatches: List[BalancedMicroBatch]
+    transfer: Transfer
+    routes: Tuple[Route, ...]
+
+    def start(self, tensors: Sequence[torch.Tensor], layouts: Sequence[ItemLayout], group):
+        return start_all_to_all_items(tensors, layouts, self.transfer, group, self.routes)
+
+
+@dataclass(frozen=True, eq=False)
+class StepMoves:
+    """Every all-to-all of one step on this rank: the text, and per encoder phase (encoder stage only) the
+    raw inputs, the outputs to the backbone ranks and their gradients back."""
+
+    text: Move
+    inputs: Dict[str, Move]
+    outputs: Dict[str, Move]
+    gradients: Dict[str, Move]
+
+    def _all(self) -> List[Move]:
+        return [self.text, *self.inputs.values(), *self.outputs.values(), *self.gradients.values()]
+
+    def uploaded(self, device: torch.device) -> "StepMoves":
+        """The same moves with every route's indices on ``device``, in one upload."""
+        moves = self._all()
+        routes = upload_routes([route for move in moves for route in move.routes], device)
+        it = iter(routes)
+        done = [Move(move.transfer, tuple(next(it) for _ in move.routes)) for move in moves]
+        n = len(self.inputs)
+        phases = list(self.inputs)
+        return StepMoves(done[0], dict(zip(phases, done[1:1 + n])), dict(zip(phases, done[1 + n:1 + 2 * n])),
+                         dict(zip(phases, done[1 + 2 * n:])))
+
+
+def _text_layouts(num_tokens: np.ndarray) -> List[ItemLayout]:
+    return [ItemLayout(num_tokens, (2,), torch.long), ItemLayout(num_tokens, (1,), torch.float32)]
+
+
+def prepare_moves(plan: StepPlan, num_tokens: np.ndarray, rows_per_item: Mapping[str, int], rank: int,
+                  encoder_stage: bool) -> StepMoves:
+    """``rank``'s moves of the step (host only: the planning thread calls this after the plan)."""
+    text = plan.text_transfer()
+    phases = list(plan.encoders) if encoder_stage else []
+    inputs, outputs, gradients = {}, {}, {}
+    for phase in phases:
+        transfer = plan.input_transfer(phase)
+        inputs[phase] = Move(transfer, (Route.build(transfer, rank, [np.ones(transfer.src.num_items, np.int64)]),))
+        forward = plan.output_transfer(phase)
+        rows = np.full(forward.src.num_items, rows_per_item[phase], dtype=np.int64)
+        outputs[phase] = Move(forward, (Route.build(forward, rank, [rows]),))
+        backward = forward.inverse()
+        gradients[phase] = Move(backward, (Route.build(backward, rank, [rows]),))
+    return StepMoves(Move(text, tuple(routes_for(text, rank, _text_layouts(num_tokens)))), inputs, outputs,
+                     gradients)
+
+
+class _Collated(Sequence):
+    """A step's backbone micro-batches, collated on the host on first use (their number is the plan's)."""
+
+    def __init__(self, count: int, collate_all: Callable[[], List[BalancedMicroBatch]]):
+        self._count, self._collate_all, self._batches = count, collate_all, None
+
+    def __len__(self) -> int:
+        return self._count
+
+    def __getitem__(self, index):
+        if self._batches is None:
+            self._batches = self._collate_all()
+        return self._batches[index]
+
+
+@dataclass(frozen=True, eq=False)
+class BalancedStep:
+    """Everything one rank computes in one step under the plan; ``moves``: the step's all-to-alls, on
+    ``comm_group`` (None for both: a step without encoder phases on this stage)."""
+
+    microbatches: Sequence[BalancedMicroBatch]
     inputs: Mapping[str, torch.Tensor]  # this rank's encoder-phase items per phase (encoder stage only)
     plan: StepPlan
     rank: int                        # this rank in the DP group
     num_tokens: np.ndarray           # backbone tokens of every example of the global batch
     rows_per_item: Dict[str, int]    # embedding rows one encoder item sends to the backbone
+    comm_group: Optional[ProcessGroup]
+    moves: Optional[StepMoves]
     timings: Dict[str, float] = field(default_factory=dict)  # seconds: plan, plan_exposed, dispatch
 
-    def output_transfer(self, phase: str) -> Transfer:
-        return self.plan.output_transfer(phase)
+
+@dataclass(frozen=True, eq=False)
+class _Read:
+    """One step's input as the reading thread leaves it: its examples, their sizes, what they send
+    (staged on the host), or the error that stopped the read."""
+
+    examples: List[Example]
+    local_sizes: np.ndarray        # [examples, sample index + items per encoder phase + tokens]
+    staged: Dict[str, torch.Tensor]
+    problem: Optional[BaseException] = None
+
+    @property
+    def status(self) -> int:
+        return _OK if self.examples or self.problem is not None else _EXHAUSTED
+
+
+@dataclass(frozen=True, eq=False)
+class _Planned:
+    """A step whose sizes every rank has: what it read, and the sizes of the whole DP group."""
+
+    read: _Read
+    sizes: StepSizes
+    sample_ids: np.ndarray
 
 
 class PostBalancingDataIterator:
@@ -113,7 +225,7 @@ class PostBalancingDataIterator:
     ``spec``: the model's phases and what its batches hold; ``input_dtype``: the dtype raw encoder items
     travel in (the encoders' own; they cast their input to it first); ``compute_device``: where the
     encoders run. Bad settings (a phase in ``config.phases`` the model lacks, a cost profile of another
-    model) raise here, before any collective.
+    model) raise here, before any collective. The iterator reads ``source`` from its reading thread only.
     """
 
     def __init__(self, source: Iterator[MicroBatch], spec: BatchSpec, config: OrchestratorConfig,
@@ -126,9 +238,13 @@ class PostBalancingDataIterator:
         self.compute_device, self.input_dtype = torch.device(compute_device), input_dtype
         self.rank = dist.get_rank(groups.dp_group)
         warm_up(spec.phases, config)  # also checks config.phases and the cost profile against the model
+        self.comm_group = groups.comm_group if groups.comm_group is not None else dedicated_group(groups.dp_group)
+        self.device = communication_device(self.comm_group)
+        self.rows_per_item = {p: spec.rows_per_item(p) for p in spec.phases.encoder_names}
         self.planner = BackgroundPlanner(enabled=config.background)
-        self._next: Optional[tuple] = None  # (examples, sizes, sample ids) of the step being planned
-        self._exhausted = False
+        self.reader = BackgroundPlanner(enabled=config.background)  # reads and stages the step after next
+        self._planned: Optional[_Planned] = None  # the step being planned
+        self._exhausted = False  # no rank has a step left after the one being planned
 
     @property
     def topology(self) -> Topology:
@@ -137,19 +253,41 @@ class PostBalancingDataIterator:
     def __iter__(self):
         return self
 
-    # -- reading and planning -------------------------------------------------------------------
-    def _read_and_submit(self) -> None:
-        """Read the next step's examples, gather their sizes, start planning them.
+    def __next__(self) -> BalancedStep:
+        if self._planned is None and not self._exhausted:  # the first step
+            self.reader.submit(self._read)
+            self._planned = self._agree(self.reader.result(), digest=None)
+            if self._planned is not None:
+                self._start_planning()
+        if self._planned is None:
+            self._shutdown()
+            raise StopIteration
+        current = self._planned
+        plan, moves = self.planner.result()
+        timings = {"plan": self.planner.last_plan_s, "plan_exposed": self.planner.last_exposed_s}
+        # The next step's sizes and this plan's digest in one collective: a plan that differs between
+        # ranks would make the all-to-alls disagree, so it fails loudly here, before any of them.
+        self._planned = self._agree(self.reader.result(), digest=plan.digest)
+        self._exhausted = self._planned is None
+        start = time.perf_counter()
+        step = self._dispatch(plan, moves, current, timings)
+        timings["dispatch"] = time.perf_counter() - start
+        if self._planned is not None:
+            self._start_planning()  # planned and read while this step trains
+        return step
 
-        Whatever happens while reading (a loader error with its manifest line and path, an example
-        that does not fit the model, a step cut short) is agreed on by every rank of the job before
-        any other collective: all ranks raise, the failing rank with its own error, the others quoting
-        it. The status exchange spans the world group, not only the DP group, because the TP/PP peers
-        of a failing rank sit in other DP groups and would otherwise wait in the next collective. A
-        rank out of data enters the size gather with that status as the check value, so an early
-        end on some ranks raises on every rank too.
-        """
-        problem, batches, examples = None, [], []
+    def _shutdown(self) -> None:
+        self._exhausted = True
+        self.planner.shutdown()
+        self.reader.shutdown()
+
+    # -- reading and planning -------------------------------------------------------------------
+    def _read(self) -> _Read:
+        """Read one step's examples, check them against the spec and stage what they send (reading thread).
+        Whatever goes wrong (a loader error with its manifest line and path, an example that does not fit
+        the model, a step cut short) is returned, for every rank to agree on (:meth:`_agree`)."""
+        encoders = self.spec.phases.encoder_names
+        columns = 2 + len(encoders)  # sample index, items of each encoder phase, tokens
         try:
             batches = list(itertools.islice(self.source, self.step.num_microbatches))
             if batches and len(batches) != self.step.num_microbatches:
@@ -158,86 +296,87 @@ class PostBalancingDataIterator:
             examples = [e for b in batches for e in b.examples()]
             for example in examples:
                 self.spec.check(example)
+            local = np.array([[e.sample_index, *(e.num_items(p) for p in encoders), e.num_tokens]
+                              for e in examples], dtype=np.int64).reshape(-1, columns)
+            staged = {"ids": stage_on_host([torch.stack([e.tokens, e.labels], dim=1) for e in examples],
+                                           self.device, torch.long, (2,)),
+                      "mask": stage_on_host([e.loss_mask for e in examples], self.device, torch.float32, (1,))}
+            for encoder_input in self.spec.inputs if self.groups.encoder_stage else ():
+                phase = encoder_input.phase
+                staged[phase] = stage_on_host([e.items.get(phase, self.spec.no_items(phase)) for e in examples],
+                                              self.device, self.input_dtype, encoder_input.item_shape)
+            return _Read(examples, local, staged)
         except Exception as err:  # noqa: BLE001 -- any loader failure must reach the other ranks
-            problem = err
-        raise_if_any_rank_failed(problem, group=None, what="reading the step's input (post-balancing)")
-        status = _OK if batches else _EXHAUSTED
-        encoders = self.spec.phases.encoder_names
-        columns = 2 + len(encoders)  # sample index, items of each encoder phase, tokens
-        local = np.array([[e.sample_index, *(e.num_items(p) for p in encoders), e.num_tokens] for e in examples],
-                         dtype=np.int64).reshape(-1, columns)
+            return _Read([], np.zeros((0, columns), dtype=np.int64), {}, problem=err)
+
+    def _agree(self, read: _Read, digest: Optional[int]) -> Optional[_Planned]:
+        """The control collective (module docstring): ``read``'s status and sizes, ``digest`` (the plan of
+        the step being dispatched; None before the first). Every rank of the job raises alike when any
+        rank failed to read (the failing rank its own error, the others quoting it) or when ranks disagree;
+        None when no rank has data left."""
+        checks = {_STATUS: read.status} if digest is None else {_STATUS: read.status, _DIGEST: digest}
+        peers = self.groups.peer_group
         try:
-            gathered = gather_item_sizes(local, self.groups.dp_group, check=status,
+            gathered = gather_item_sizes(read.local_sizes, self.comm_group, checks=checks,
+                                         failed=read.problem is not None, peer_group=peers,
                                          max_count=self.step.micro_batch_size * self.step.num_microbatches)
         except GroupMismatchError as mismatch:
-            raise GroupMismatchError(f"DP rank {self.rank}: ranks of the DP group disagree on whether a step is "
-                                     f"left or sent bad sizes ({_STATUS_TEXT}): {mismatch}") from None
-        if status == _EXHAUSTED:
-            self._exhausted = True
-            return
+            raise GroupMismatchError(f"DP rank {self.rank}: ranks of the DP group or their TP/PP peers disagree "
+                                     f"on whether a step is left, on the plan or on the sizes: {mismatch}") from None
+        if gathered.failed:  # every rank of the job knows; the messages travel over the world group
+            raise_if_any_rank_failed(read.problem, group=None, what="reading the step's input (post-balancing)")
+        if read.status == _EXHAUSTED:
+            return None
+        encoders = self.spec.phases.encoder_names
         sizes = StepSizes(counts=gathered.counts, num_tokens=gathered.sizes[:, -1],
                           items={p: gathered.sizes[:, 1 + k] for k, p in enumerate(encoders)})
-        self._next = (examples, sizes, gathered.sizes[:, 0])
-        self.planner.submit(lambda: plan_step(sizes, self.spec.phases, self.config, self.topology,
-                                              self.step.micro_batch_size, self.step.num_microbatches))
+        return _Planned(read, sizes, gathered.sizes[:, 0])
 
-    def __next__(self) -> BalancedStep:
-        if self._next is None and not self._exhausted:
-            self._read_and_submit()
-        if self._exhausted:
-            self.planner.shutdown()
-            raise StopIteration
-        examples, sizes, sample_ids = self._next
-        plan = self.planner.result()
-        timings = {"plan": self.planner.last_plan_s, "plan_exposed": self.planner.last_exposed_s}
-        # A plan that differs between ranks would make the all-to-alls disagree: fail loudly first.
-        assert_same_on_all_ranks(plan.digest, self.groups.dp_group, "post-balancing plan digest (DP group)")
-        if self.groups.peer_group is not None:
-            assert_same_on_all_ranks(plan.digest, self.groups.peer_group,
-                                     "post-balancing plan digest (TP/PP peers)")
-        start = time.perf_counter()
-        step = self._dispatch(plan, examples, sizes, sample_ids, timings)
-        timings["dispatch"] = time.perf_counter() - start
-        self._next = None
-        self._read_and_submit()  # prefetch: the next plan is computed while this step trains
-        return step
+    def _start_planning(self) -> None:
+        sizes = self._planned.sizes
+
+        def plan_and_prepare():
+            plan = plan_step(sizes, self.spec.phases, self.config, self.topology, self.step.micro_batch_size,
+                             self.step.num_microbatches)
+            return plan, prepare_moves(plan, sizes.num_tokens, self.rows_per_item, self.rank,
+                                       self.groups.encoder_stage)
+
+        self.planner.submit(plan_and_prepare)
+        self.reader.submit(self._read)
 
     # -- moving data ----------------------------------------------------------------------------
-    def _dispatch(self, plan: StepPlan, examples: List[Example], sizes: StepSizes, sample_ids: np.ndarray,
-                  timings: Dict[str, float]) -> BalancedStep:
-        dp_group = self.groups.dp_group
-        device = communication_device(dp_group)
-        tokens = sizes.num_tokens
-        text_layouts = [ItemLayout(tokens, (2,), torch.long), ItemLayout(tokens, (1,), torch.float32)]
-        local_ids = host_to_device([torch.stack([e.tokens, e.labels], dim=1) for e in examples], device,
-                                   torch.long, (2,))
-        local_mask = host_to_device([e.loss_mask for e in examples], device, torch.float32, (1,))
-        ids, mask = all_to_all_items([local_ids, local_mask], text_layouts, plan.text_transfer(), dp_group)
-        # A few KB: the micro-batches are collated on the host, like the loader's, and forward_step
-        # moves them to the model.
-        ids, mask = ids.cpu(), mask.cpu()
-
-        inputs = {}
+    def _dispatch(self, plan: StepPlan, moves: StepMoves, step: _Planned, timings: Dict[str, float]) -> BalancedStep:
+        moves = moves.uploaded(self.device)
+        staged = step.read.staged
+        text = moves.text.start([staged_to_device(staged["ids"], self.device),
+                                 staged_to_device(staged["mask"], self.device)],
+                                _text_layouts(step.sizes.num_tokens), self.comm_group)
+        pending = {}
         for encoder_input in self.spec.inputs if self.groups.encoder_stage else ():
-            phase, item_shape = encoder_input.phase, encoder_input.item_shape
-            local = host_to_device([e.items.get(phase, self.spec.no_items(phase)) for e in examples], device,
-                                   self.input_dtype, item_shape)
-            layout = ItemLayout(np.ones(plan.encoders[phase].example.size, dtype=np.int64), item_shape,
+            phase = encoder_input.phase
+            layout = ItemLayout(np.ones(plan.encoders[phase].example.size, dtype=np.int64), encoder_input.item_shape,
                                 self.input_dtype)
-            moved, = all_to_all_items([local], [layout], plan.input_transfer(phase), dp_group)
-            inputs[phase] = moved.to(self.compute_device, non_blocking=True)
-        return BalancedStep(microbatches=self._microbatches(plan, ids, mask, sizes, sample_ids), inputs=inputs,
-                            plan=plan, rank=self.rank, num_tokens=sizes.num_tokens,
-                            rows_per_item={p: self.spec.rows_per_item(p) for p in self.spec.phases.encoder_names},
-                            timings=timings)
+            pending[phase] = moves.inputs[phase].start([staged_to_device(staged[phase], self.device)], [layout],
+                                                       self.comm_group)
+        # A few KB, read on the host when the micro-batches are first used: they are collated there, like
+        # the loader's, and forward_step moves them to the model.
+        ids, mask = (HostCopy(tensor) for tensor in text.wait())
+        inputs = {phase: move.wait()[0].to(self.compute_device, non_blocking=True) for phase, move in pending.items()}
+        microbatches = _Collated(plan.num_microbatches,
+                                 lambda: self._microbatches(plan, ids.result(), mask.result(), step))
+        return BalancedStep(microbatches=microbatches, inputs=inputs, plan=plan, rank=self.rank,
+                            num_tokens=step.sizes.num_tokens, rows_per_item=dict(self.rows_per_item),
+                            comm_group=self.comm_group, moves=moves, timings=timings)
 
-    def _microbatches(self, plan: StepPlan, ids: torch.Tensor, mask: torch.Tensor, sizes: StepSizes,
-                      sample_ids: np.ndarray) -> List[BalancedMicroBatch]:
+    def _microbatches(self, plan: StepPlan, ids: torch.Tensor, mask: torch.Tensor,
+                      step: _Planned) -> List[BalancedMicroBatch]:
+        sizes, sample_ids = step.sizes, step.sample_ids
         mine = plan.examples_llm.items_on(self.rank)  # slot order: micro-batch by micro-batch
         lengths = sizes.num_tokens[mine]
         starts = np.concatenate(([0], np.cumsum(lengths)))
         microbatch = plan.microbatch_of_example[mine]
         build = collate_packed if self.config.microbatching == "packed" else collate
+        pin = self.compute_device.type == "cuda"  # so that forward_step's copies do not block
         out = []
         for m in range(plan.num_microbatches):
             chosen = np.flatnonzero(microbatch == m)
@@ -248,7 +387,8 @@ class PostBalancingDataIterator:
             if not batch_examples:  # packed mode: a rank with fewer examples than micro-batches
                 one = torch.full((1,), self.spec.pad_token_id, dtype=torch.long)
                 batch_examples = [Example(sample_index=-1, tokens=one, labels=one, loss_mask=torch.zeros(1))]
+            batch = build(batch_examples, self.spec, pad_to=self.step.pad_to)
             out.append(BalancedMicroBatch(
-                batch=build(batch_examples, self.spec, pad_to=self.step.pad_to),
+                batch=batch.pin_memory() if pin else batch,
                 num_items={p: int(counts[mine[chosen]].sum()) for p, counts in sizes.items.items()}))
         return out

@@ -3,6 +3,8 @@
 On the pipeline stage that holds the encoders, before the backbone schedule of a step it runs every
 encoder phase over the rank's balanced items (the model's ``encode``: :mod:`~megatron_orch.megatron.contract`)
 and sends the outputs, in one all-to-all per phase, straight to the backbone rank of their example.
+The all-to-alls are asynchronous, on post-balancing's own communicator: a phase's outputs travel while
+the next phase encodes, and its gradients travel back while an earlier phase runs its backward.
 The backbone micro-batches get those embeddings as
 leaves that require grad, and Megatron's own schedule (no pipelining, 1F1B, interleaved) runs the
 backbone unchanged. Just before gradients are reduced (the DP all-reduce: ``grad_sync_func`` or
@@ -18,10 +20,11 @@ from typing import Callable, Dict, List, Optional
 
 import numpy as np
 import torch
+import torch.distributed as dist
 from megatron.core.utils import get_model_config
 from torch.distributed import ProcessGroup
 
-from megatron_orch.comm.alltoall import ItemLayout, all_to_all_items
+from megatron_orch.comm.alltoall import ItemLayout
 from megatron_orch.comm.device import to_communication_device
 from megatron_orch.megatron.contract import BalanceableModel
 from megatron_orch.megatron.post_balancing import BalancedMicroBatch, BalancedStep
@@ -77,12 +80,14 @@ class ModalityAwareSchedule:
                              "encoder_stage that of the model?)")
         if encoders:
             start = time.perf_counter()
-            embeds = {}
+            moving = []  # each phase's outputs travel while the next phase encodes
             for phase, inputs in step.inputs.items():
                 with torch.set_grad_enabled(not forward_only and not self.encoder_recompute):
                     outputs = module.encode(phase, inputs)
-                moved = self._move(step, phase, outputs.detach())
-                leaf = moved.requires_grad_(not forward_only)
+                moving.append((phase, inputs, outputs, self._start_move(step, phase, outputs.detach())))
+            embeds = {}
+            for phase, inputs, outputs, move in moving:
+                leaf = move().requires_grad_(not forward_only)
                 embeds[phase] = leaf
                 pending.append((phase, inputs, None if self.encoder_recompute else outputs, leaf))
             microbatches = _attach(step, embeds)
@@ -120,21 +125,29 @@ class ModalityAwareSchedule:
             encoders_backward_once()  # no callback set (or none called): after the backbone schedule
         return result
 
-    def _move(self, step: BalancedStep, phase: str, rows: torch.Tensor, inverse: bool = False) -> torch.Tensor:
-        """Encoder outputs (item by item, in slot order) to the backbone ranks, or their gradients back;
-        they travel on the DP group's communication device and come back on the device of ``rows``."""
-        transfer = step.output_transfer(phase)
-        layout = ItemLayout(np.full(transfer.src.num_items, step.rows_per_item[phase], dtype=np.int64),
+    def _start_move(self, step: BalancedStep, phase: str, rows: torch.Tensor,
+                    inverse: bool = False) -> Callable[[], torch.Tensor]:
+        """Launch the all-to-all of encoder outputs (item by item, in slot order) to the backbone ranks, or
+        of their gradients back, on the step's communicator (not the DP group's, where DDP reduces); the
+        returned function waits for it and gives the rows on the device of ``rows``."""
+        group = step.comm_group
+        if self.dp_group is not None and dist.get_process_group_ranks(group) != dist.get_process_group_ranks(
+                self.dp_group):
+            raise ValueError("the post-balancing step moves its data over a group of other ranks than this "
+                             "schedule's DP group (iterator and schedule of different groups?)")
+        move = (step.moves.gradients if inverse else step.moves.outputs)[phase]
+        layout = ItemLayout(np.full(move.transfer.src.num_items, step.rows_per_item[phase], dtype=np.int64),
                             tuple(rows.shape[1:]), rows.dtype)
-        moved, = all_to_all_items([to_communication_device(rows, self.dp_group)], [layout],
-                                  transfer.inverse() if inverse else transfer, self.dp_group)
-        return moved.to(rows.device, non_blocking=True)
+        pending = move.start([to_communication_device(rows, group)], [layout], group)
+        return lambda: pending.wait()[0].to(rows.device, non_blocking=True)
 
     def _encoders_backward(self, step: BalancedStep, module: BalanceableModel, pending) -> None:
         start = time.perf_counter()
-        for phase, inputs, outputs, leaf in pending:
-            grad = leaf.grad if leaf.grad is not None else torch.zeros_like(leaf)
-            grad_at_encoder = self._move(step, phase, grad, inverse=True)
+        # Every phase's gradients start back at once; each phase's backward hides the later ones' transfer.
+        returning = [self._start_move(step, phase, leaf.grad if leaf.grad is not None else torch.zeros_like(leaf),
+                                      inverse=True) for phase, _, _, leaf in pending]
+        for (phase, inputs, outputs, _), grad_at_encoder in zip(pending, returning):
+            grad_at_encoder = grad_at_encoder()
             if outputs is None:  # recompute
                 outputs = module.encode(phase, inputs)
             if outputs.requires_grad:

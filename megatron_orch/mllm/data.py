@@ -8,6 +8,7 @@ Two datasets produce :class:`~megatron_orch.megatron.batch.Example` objects and,
 from __future__ import annotations
 
 import argparse
+import threading
 from dataclasses import dataclass, field
 from typing import Iterator, List, Optional
 
@@ -179,6 +180,7 @@ class TrainIterator:
         self.dataset, self.config, self.pin_memory = dataset, config, pin_memory
         self.order = SampleOrder(len(dataset), config.seed)
         self.events: List[DataEvent] = []
+        self._events_lock = threading.Lock()  # post-balancing reads ahead on a thread of its own
         sampler = MegatronPretrainingSampler(config.num_samples, consumed_samples, config.micro_batch_size,
                                              data_parallel_rank, data_parallel_size)
         self._positions = iter(sampler)
@@ -204,8 +206,9 @@ class TrainIterator:
 
     def take_events(self, before: int) -> List[DataEvent]:
         """The events of positions below ``before`` (the samples trained so far), removed from :attr:`events`."""
-        taken = [e for e in self.events if e.position < before]
-        self.events = [e for e in self.events if e.position >= before]
+        with self._events_lock:
+            taken = [e for e in self.events if e.position < before]
+            self.events = [e for e in self.events if e.position >= before]
         return taken
 
     def _read(self, position: int) -> Example:
@@ -216,9 +219,11 @@ class TrainIterator:
             if self.config.max_bad_examples == 0:
                 raise
             index, example, note = self._replacement(position, bad)
-            self.events.append(DataEvent(position, True, str(bad), self.dataset.where(index)))
+            with self._events_lock:
+                self.events.append(DataEvent(position, True, str(bad), self.dataset.where(index)))
         if note is not None:
-            self.events.append(DataEvent(position, False, note))
+            with self._events_lock:
+                self.events.append(DataEvent(position, False, note))
         return example
 
     def _replacement(self, position: int, bad: ManifestError):

@@ -300,14 +300,14 @@ class MLLMModel(MegatronModule):
     def _no_embeddings(self, device: torch.device) -> torch.Tensor:
         return torch.zeros(0, self.config.hidden_size, dtype=self.config.params_dtype, device=device)
 
-    def embed(self, tokens: torch.Tensor, position_ids: torch.Tensor,
-              embeds: Mapping[str, torch.Tensor]) -> torch.Tensor:
-        """Backbone input ``[s, b, h]``: token embeddings with each phase's embeddings at its placeholders."""
-        embeddings = self.backbone.embedding(input_ids=tokens, position_ids=position_ids)  # [s, b, h]
+    def embed(self, batch: MicroBatch, embeds: Mapping[str, torch.Tensor]) -> torch.Tensor:
+        """Backbone input ``[s, b, h]``: token embeddings with each phase's embeddings at its placeholders
+        (found at collate time: ``batch.placeholders``, so nothing here waits for the device)."""
+        embeddings = self.backbone.embedding(input_ids=batch.tokens, position_ids=batch.position_ids)  # [s, b, h]
         for encoder_input in self.spec.inputs:
             name = encoder_input.phase
-            values = embeds.get(name, self._no_embeddings(tokens.device))
-            rows, cols = (tokens == encoder_input.placeholder_id).nonzero(as_tuple=True)  # example, then position
+            values = embeds.get(name, self._no_embeddings(batch.tokens.device))
+            rows, cols = batch.placeholders[name]  # example, then position
             if rows.numel() != values.shape[0]:
                 raise ValueError(f"{rows.numel()} {name} placeholder tokens in the micro-batch but "
                                  f"{values.shape[0]} {name} embeddings")
@@ -331,6 +331,6 @@ class MLLMModel(MegatronModule):
         if self.pre_process:
             if embeds is None:
                 embeds = {name: self.encode(name, items) for name, items in batch.items.items()}
-            decoder_input = self.embed(batch.tokens, batch.position_ids, embeds)
+            decoder_input = self.embed(batch, embeds)
         return self.backbone(input_ids=batch.tokens, position_ids=batch.position_ids, attention_mask=attention_mask,
                              decoder_input=decoder_input, labels=batch.labels)

@@ -8,11 +8,13 @@ contract's, :func:`megatron_orch.megatron.contract.forward_step`: the MLLM has n
 from __future__ import annotations
 
 import argparse
+from datetime import timedelta
 from typing import Iterator
 
 import torch
 from megatron.core import parallel_state
 
+from megatron_orch.comm.communicator import dedicated_group
 from megatron_orch.comm.group_topology import group_topology
 from megatron_orch.megatron.batch import MicroBatch
 from megatron_orch.megatron.contract import forward_step  # noqa: F401 -- Megatron's forward_step_func
@@ -76,9 +78,12 @@ def build_post_balancing(args: argparse.Namespace, config: OrchestratorConfig, s
     """
     dp_group = parallel_state.get_data_parallel_group()
     data = data_config(args)
+    # Every rank builds the iterator after initialize_model_parallel (megatron.training: an is_distributed
+    # provider), so every DP group gets its own communicator for the all-to-alls here.
+    comm_group = dedicated_group(dp_group, timeout=timedelta(minutes=args.distributed_timeout_minutes))
     groups = ParallelGroups(dp_group=dp_group, topology=group_topology(dp_group, gpus_per_node=config.gpus_per_node),
                             encoder_stage=parallel_state.is_pipeline_first_stage(),
-                            peer_group=parallel_state.get_model_parallel_group())
+                            peer_group=parallel_state.get_model_parallel_group(), comm_group=comm_group)
     step = StepShape(args.micro_batch_size, args.num_microbatches,
                      pad_to=data.seq_length if data.pad_to_seq_length else None)
     iterator = PostBalancingDataIterator(source, data.layout.spec, config, step, groups,
