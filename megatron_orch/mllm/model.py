@@ -76,6 +76,14 @@ class ModelParallelSettings:
     use_cpu_initialization: bool = True  # full weights drawn on every rank, then split: TP-invariant
     calculate_per_token_loss: bool = True
     transformer_impl: str = "local"  # layer specs: "local" or "transformer_engine"
+    # megatron-core's kernel fusions (Megatron-LM's --no-*-fusion flags; --cross-entropy-loss-fusion): off
+    # here, as on the CPU; the providers turn them on for a GPU run (providers.fusion_settings).
+    bias_gelu_fusion: bool = False
+    bias_swiglu_fusion: bool = False
+    bias_dropout_fusion: bool = False
+    masked_softmax_fusion: bool = False
+    gradient_accumulation_fusion: bool = False
+    cross_entropy_loss_fusion: bool = False
 
 
 def transformer_config(shape: TransformerShape, settings: ModelParallelSettings, *,
@@ -104,11 +112,12 @@ def transformer_config(shape: TransformerShape, settings: ModelParallelSettings,
         init_method_std=settings.init_method_std,
         use_cpu_initialization=settings.use_cpu_initialization,
         calculate_per_token_loss=settings.calculate_per_token_loss,
-        bias_activation_fusion=False,
-        masked_softmax_fusion=False,
-        bias_dropout_fusion=False,
-        apply_rope_fusion=False,
-        gradient_accumulation_fusion=False,
+        bias_activation_fusion=settings.bias_swiglu_fusion if shape.gated_linear_unit else settings.bias_gelu_fusion,
+        masked_softmax_fusion=settings.masked_softmax_fusion,
+        bias_dropout_fusion=settings.bias_dropout_fusion,
+        apply_rope_fusion=False,  # learned absolute positions: Megatron-LM turns it off without RoPE
+        gradient_accumulation_fusion=settings.gradient_accumulation_fusion,
+        cross_entropy_loss_fusion=settings.cross_entropy_loss_fusion,
     )
 
 

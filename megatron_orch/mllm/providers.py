@@ -30,6 +30,24 @@ def runs_on_cpu(args: argparse.Namespace) -> bool:
     return args.distributed_backend == "gloo"
 
 
+def fusion_settings(args: argparse.Namespace) -> dict:
+    """megatron-core's kernel fusions as Megatron-LM sets them: off on the CPU (the fused kernels are
+    GPU code); on a GPU Megatron-LM's flags where its parser gave them (``megatron.training``), else their
+    defaults (on), and the cross-entropy fusion too (no fp32 copy of the logits: ~10 GB at 16k tokens x
+    152k vocabulary). The gradient-accumulation fusion needs Apex's ``fused_weight_gradient_mlp_cuda``
+    (megatron-core's check): Transformer Engine fuses it in its own layers, but the output layer and the
+    projectors are megatron-core's ``ColumnParallelLinear``, which refuses the fusion without Apex."""
+    from megatron.core.tensor_parallel import layers
+
+    names = ("bias_gelu_fusion", "bias_swiglu_fusion", "bias_dropout_fusion", "masked_softmax_fusion",
+             "gradient_accumulation_fusion", "cross_entropy_loss_fusion")
+    if runs_on_cpu(args):
+        return dict.fromkeys(names, False)
+    settings = {name: bool(getattr(args, name, True)) for name in names}
+    settings["gradient_accumulation_fusion"] &= layers._grad_accum_fusion_available
+    return settings
+
+
 def model_parallel_settings(args: argparse.Namespace) -> ModelParallelSettings:
     return ModelParallelSettings(
         tensor_model_parallel_size=args.tensor_model_parallel_size,
@@ -42,6 +60,7 @@ def model_parallel_settings(args: argparse.Namespace) -> ModelParallelSettings:
         use_cpu_initialization=runs_on_cpu(args),
         calculate_per_token_loss=True,
         transformer_impl=args.transformer_impl,
+        **fusion_settings(args),
     )
 
 
