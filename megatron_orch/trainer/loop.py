@@ -38,6 +38,7 @@ from megatron_orch.mllm.data import TooManyBadExamplesError
 from megatron_orch.trainer.checkpointing import (TrainState, load_checkpoint, lock_save_folder, new_run_id, run_config,
                                                  save_checkpoint)
 from megatron_orch.trainer.faults import StepReader, naming_lost_collectives
+from megatron_orch.trainer.timers import EventTimers
 from megatron_orch.trainer.training_log import (IntervalStats, IterationRecord, LoadMeter, TensorBoardLog,
                                                 gather_data_events, load_fields, max_and_mean_over_group, phase_timers,
                                                 post_balancing_fields)
@@ -47,16 +48,16 @@ ForwardStep = Callable[[Iterator, torch.nn.Module], tuple]
 
 def initialize(args: argparse.Namespace) -> None:
     """Process group, model-parallel groups and seeds (Megatron's ``initialize_megatron``)."""
-    device_id = None
     if runs_on_cpu(args):
         from megatron_orch.trainer import cpu_harness
         cpu_harness.install()
     else:
-        device_id = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
-        torch.cuda.set_device(device_id)
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
     if not dist.is_initialized():
-        # device_id binds NCCL to this rank's GPU (barriers and the first collective need no guessing).
-        dist.init_process_group(args.distributed_backend, device_id=device_id,
+        # No device_id, as Megatron-LM: bound to a device, NCCL turns every later new_group into an eager
+        # split of the world's communicator (each group then costs a world-wide collective at creation);
+        # unbound, a group's communicator is set up at its first collective, on the current device.
+        dist.init_process_group(args.distributed_backend,
                                 timeout=timedelta(minutes=args.distributed_timeout_minutes))
     if dist.get_world_size() != args.world_size:
         raise RuntimeError(f"the arguments were validated for world size {args.world_size}, "
@@ -139,6 +140,9 @@ def attach_to_model_config(model: list, optimizer, timers: Timers) -> None:
     """Hooks the schedule reads from the model config: grad sync, loss scaling, timers."""
     config = get_model_config(model[0])
     config.timers = timers
+    # Level-1 timers (forward-backward, all-grads-sync) would put a world barrier, a host sync, in every
+    # step; the step times are per rank anyway (the log line shows max/mean over ranks).
+    config.barrier_with_L1_time = False
     config.grad_scale_func = optimizer.scale_loss
     config.no_sync_func = model[0].no_sync
     config.finalize_model_grads_func = finalize_model_grads
@@ -304,9 +308,10 @@ def _train(args, model, optimizer, scheduler, data_iterator, state, timers, forw
         elapsed = time.perf_counter() - start
         state.iteration += 1
         state.consumed_samples += args.global_batch_size
-        stats.add(elapsed, meter.take(), _phase_seconds(timers, phase_timers(phases)), result["skipped"],
-                  result["lm_loss"], meter.take_post_balancing(), *_report_data_events(args, data_source, state, print_fn))
+        stats.add(elapsed, meter.take(), result["skipped"], result["lm_loss"], meter.take_post_balancing(),
+                  *_report_data_events(args, data_source, state, print_fn))
         if state.iteration % args.log_interval == 0 or state.iteration == args.train_iters:
+            stats.phase_s = _phase_seconds(timers, phase_timers(phases))  # the interval's: timers read here only
             record = _interval_record(args, state, stats, result, optimizer)
             stats = IntervalStats()
             if _logging_rank():
@@ -364,7 +369,7 @@ def pretrain(args: argparse.Namespace, model_provider: Callable = providers.buil
 
 
 def _set_up_and_train(args, model_provider, forward_step, print_fn, lock) -> list[IterationRecord]:
-    timers = Timers(log_level=max(1, args.timing_log_level), log_option="minmax")
+    timers = EventTimers(log_level=max(1, args.timing_log_level), log_option="minmax", cuda=not runs_on_cpu(args))
     model = build_model(args, model_provider)
     optimizer, scheduler = build_optimizer(args, model, timers)
     attach_to_model_config(model, optimizer, timers)

@@ -108,7 +108,7 @@ class IntervalStats:
     bad_examples: int = 0       # skipped and replaced (over the DP group)
     truncated_answers: int = 0  # over the DP group
     load: Optional[torch.Tensor] = None  # per load_fields(), summed
-    phase_s: dict = field(default_factory=dict)
+    phase_s: dict = field(default_factory=dict)  # timer -> seconds over the interval
     post_balancing: Optional[torch.Tensor] = None
 
     @property
@@ -116,9 +116,9 @@ class IntervalStats:
         """Megatron's reported loss: the mean over the interval's iterations (skipped / NaN ones out)."""
         return self.loss_sum / self.loss_iterations if self.loss_iterations else None
 
-    def add(self, elapsed_s: float, load: torch.Tensor, phase_s: dict, skipped: bool,
-            lm_loss: Optional[float], post_balancing: Optional[torch.Tensor] = None, bad_examples: int = 0,
-            truncated_answers: int = 0) -> None:
+    def add(self, elapsed_s: float, load: torch.Tensor, skipped: bool, lm_loss: Optional[float],
+            post_balancing: Optional[torch.Tensor] = None, bad_examples: int = 0, truncated_answers: int = 0) -> None:
+        """One iteration; :attr:`phase_s` is set once per interval (the timers are read on log iterations)."""
         self.bad_examples += bad_examples
         self.truncated_answers += truncated_answers
         nan = lm_loss is not None and not math.isfinite(lm_loss)
@@ -133,8 +133,6 @@ class IntervalStats:
                 self.post_balancing + post_balancing
         self.skipped += int(skipped)
         self.nan += int(nan)
-        for name, seconds in phase_s.items():
-            self.phase_s[name] = self.phase_s.get(name, 0.0) + seconds
 
 
 def gather_data_events(events: List[DataEvent], group) -> List[DataEvent]:
