@@ -1,13 +1,20 @@
-"""Every tensor the project hands to a collective is on its group's communication device.
+"""Every tensor the project hands to a collective is on its group's communication device, and a balanced
+step makes the host wait for the device only where it must.
 
 On a GPU, NCCL refuses CPU tensors; on CPU with gloo any tensor passes, so CI cannot see that class of
 bug directly. These tests train with the communication device emulated as a second device
-(:mod:`comm_device_emulation`): a balanced and an unbalanced run, DP 2, each a few steps with logging
-every step and a checkpoint save, must hand every project collective tensors on that device, move
+(:mod:`comm_device_emulation`): a balanced and an unbalanced run, DP 2, each a few steps with a log line
+at the end and a checkpoint save, must hand every project collective tensors on that device, move
 what arrives there to the compute device before computing with it, and still give equal losses.
+
+The same runs record every host sync a GPU run would have (reads to the host, data-dependent sizes,
+blocking copies to the device, device synchronisations, barriers, event waits): in a step that logs
+nothing, the project's own are exactly the ones listed in :data:`BALANCED_STEP_SYNCS` (and
+:data:`UPSTREAM_STEP_SYNCS`), so a new one fails the test.
 """
 import json
 import warnings
+from collections import Counter
 from pathlib import Path
 
 import pytest
@@ -16,9 +23,10 @@ import torch.distributed as dist
 
 from dist_utils import run_distributed
 
-ITERS = 3
+ITERS = 4
+STEADY_STEPS = (2, 3)  # neither the first step (it fills the iterator's pipeline) nor a logging one
 COMMON = ["--model-config", "tiny", "--seq-length", "192", "--micro-batch-size", "2", "--global-batch-size", "8",
-          "--train-iters", str(ITERS), "--lr", "1e-2", "--log-interval", "1", "--seed", "3",
+          "--train-iters", str(ITERS), "--lr", "1e-2", "--log-interval", str(ITERS), "--seed", "3",
           "--distributed-backend", "gloo",
           "--hidden-dropout", "0", "--attention-dropout", "0"]  # dropout masks follow the computing rank
 
@@ -32,13 +40,22 @@ def _train_on_emulated_device(rank, world_size, argv, out_dir):
 
     from megatron_orch.trainer import arguments, loop as trainer
 
+    train_step, losses = trainer.train_step, []
+
+    def counted_step(*args, **kwargs):
+        log.step += 1  # syncs from here to the next step's start are this step's
+        result = train_step(*args, **kwargs)
+        losses.append(result["lm_loss"])
+        return result
+
+    trainer.train_step = counted_step
     args = arguments.parse_args(argv, world_size=world_size)
     try:
-        records = trainer.pretrain(args, print_fn=lambda line: None)
+        trainer.pretrain(args, print_fn=lambda line: None)
     finally:
         parallel_state.destroy_model_parallel()
     result = {"checked": dict(log.checked), "unchecked": dict(log.unchecked), "violations": list(log.violations),
-              "losses": [r.lm_loss for r in records]}
+              "losses": losses, "syncs": list(log.syncs)}
     # The checker itself: a CPU tensor handed to a collective from checked code is a violation.
     dist.all_reduce(torch.ones(1))
     result["self_check"] = log.violations[len(result["violations"]):]
@@ -83,6 +100,86 @@ def test_unbalanced_training_uses_the_communication_device(baseline):
 
 def test_balanced_training_uses_the_communication_device(balanced):
     _assert_on_communication_device(balanced, balanced=True)
+
+
+# (kind, where) -> count per steady step: ``where`` is the first project frame outside megatron_orch.comm.
+BALANCED_STEP_SYNCS = {
+    # the control collective: status, the next step's sizes, this plan's digest (post_balancing._agree)
+    ("read", "megatron_orch.megatron.post_balancing:_agree"): 1,
+    # the text (ids, mask) read back when the micro-batches are collated: a wait for the event after its copy
+    ("event wait", "megatron_orch.megatron.post_balancing:<lambda>"): 2,
+    # after the optimizer step (which read the gradient norm): the global loss, and the loader's events
+    ("read", "megatron_orch.trainer.loop:train_step"): 1,
+    ("read", "megatron_orch.trainer.training_log:gather_data_events"): 1,
+}
+UPSTREAM_STEP_SYNCS = {
+    ("read", "megatron_orch.trainer.faults:read_step"): 1,  # every rank read its step, or all raise
+    ("read", "megatron_orch.trainer.loop:train_step"): 1,
+    ("read", "megatron_orch.trainer.training_log:gather_data_events"): 1,
+}
+PROJECT = ("megatron_orch", "pretrain_mllm", "test_comm_device")
+
+
+def _project_syncs(result, step):
+    """The project's syncs in ``step``, counted by (kind, where). A sync is the project's when its innermost
+    caller is project code, or when it comes from megatron-core's timers (the trainer picks the timers)."""
+    counts = Counter()
+    for sync in result["syncs"]:
+        stack = sync["stack"]
+        if sync["step"] != step or not (stack[0].startswith(PROJECT) or stack[0].startswith("megatron.core.timers")):
+            continue
+        where = next((f for f in stack if f.startswith(PROJECT) and not f.startswith("megatron_orch.comm.")), stack[0])
+        counts[(sync["kind"], where)] += 1
+    return counts
+
+
+def _assert_step_syncs(results, expected):
+    for rank, result in enumerate(results):
+        for step in STEADY_STEPS:
+            got = _project_syncs(result, step)
+            assert got == Counter(expected), (
+                f"rank {rank}, step {step}: host syncs of the project's code differ from the budget\n"
+                + "\n".join(f"  {n} x {kind} at {where}" for (kind, where), n in sorted(got.items()))
+                + "\nexpected:\n" + "\n".join(f"  {n} x {kind} at {where}" for (kind, where), n in expected.items()))
+
+
+def test_a_balanced_step_syncs_the_host_only_where_it_must(balanced):
+    """Routes uploaded once without blocking, no search of the tokens in the model, no synchronising timers,
+    no barriers, one control collective: a new host sync in the balanced step fails here."""
+    _assert_step_syncs(balanced, BALANCED_STEP_SYNCS)
+
+
+def test_an_upstream_step_syncs_the_host_only_where_it_must(baseline):
+    _assert_step_syncs(baseline, UPSTREAM_STEP_SYNCS)
+
+
+def _syncs_seen(rank, world_size):
+    """The recorder itself: each kind of sync is seen, on the emulated device and inside a module's forward."""
+    warnings.filterwarnings("ignore")
+    import comm_device_emulation
+
+    log = comm_device_emulation.install(project_modules=comm_device_emulation.PROJECT_MODULES + (__name__,))
+    from megatron_orch.comm.device import HostCopy, communication_device
+
+    device = communication_device()
+    x = torch.arange(6, device=device)
+    int(x[1]), x.cpu(), x.nonzero(), x[x > 2], torch.ones(3).to(device), x.to("cpu", non_blocking=True)
+    torch.ones(3).to(device, non_blocking=True)
+    HostCopy(x).result()
+
+    class Searching(torch.nn.Module):
+        def forward(self, tokens):
+            return (tokens == 3).nonzero(), tokens.sum().item()
+
+    Searching()(torch.arange(5))
+    kinds = [sync["kind"] for sync in log.syncs]
+    assert kinds == ["read", "read", "data-dependent size", "data-dependent size", "blocking copy to the device",
+                     "event wait", "data-dependent size (model)", "read (model)"], kinds
+    assert all(sync["stack"][0].startswith(__name__) for sync in log.syncs), log.syncs
+
+
+def test_the_recorder_sees_each_kind_of_host_sync():
+    run_distributed(_syncs_seen, 1)
 
 
 def test_the_checker_flags_a_host_tensor(baseline):
