@@ -1,0 +1,62 @@
+"""Post-balancing's own communicator beside the DP group's, over gloo.
+
+Four ranks, DP groups {0, 1} and {2, 3}: each DP group creates its dedicated group without the other
+group's ranks taking part, the dedicated group holds the same ranks on another communicator (collectives
+issued on the two in opposite orders on the two ranks do not get matched with each other, as they would
+on one communicator), and the schedule refuses a step whose data moves over other ranks than its DP group.
+
+What the dedicated communicator gains on a GPU (an all-to-all that does not queue behind DDP's bucket
+reductions under --overlap-grad-reduce) needs NCCL on GPUs to measure; not here.
+"""
+import numpy as np
+import pytest
+import torch
+import torch.distributed as dist
+
+from dist_utils import run_distributed
+from megatron_orch.comm.communicator import dedicated_group
+from megatron_orch.megatron.post_balancing import BalancedStep
+from megatron_orch.megatron.schedule import ModalityAwareSchedule
+
+
+def _check_dedicated_groups(rank, world):
+    dp_groups = [dist.new_group([0, 1]), dist.new_group([2, 3])]
+    dp = dp_groups[rank // 2]
+    if rank < 2:  # the other DP group creates its own later, on its own: no world-wide step
+        comm = dedicated_group(dp)
+    else:
+        dist.all_reduce(torch.ones(1), group=dp)
+        comm = dedicated_group(dp)
+    assert comm is not dp
+    assert dist.get_process_group_ranks(comm) == dist.get_process_group_ranks(dp) == [rank // 2 * 2, rank // 2 * 2 + 1]
+    assert dist.get_backend(comm) == dist.get_backend(dp) == "gloo"
+
+    # Opposite orders on the two ranks of a DP group: a reduction on the DP group (DDP's) and an
+    # all-to-all on the dedicated group (post-balancing's). On one communicator the first collective of
+    # each rank would be matched with the other rank's first one; on two, each meets its own.
+    local = rank % 2
+    grads = torch.full((3,), 10.0 * (rank + 1))
+    sent = torch.tensor([100.0 * rank, 100.0 * rank + 1])
+    received = torch.empty(2)
+    if local == 0:
+        reduction = dist.all_reduce(grads, group=dp, async_op=True)
+        dist.all_to_all_single(received, sent, group=comm)
+        reduction.wait()
+    else:
+        moving = dist.all_to_all_single(received, sent, group=comm, async_op=True)
+        dist.all_reduce(grads, group=dp)
+        moving.wait()
+    first = rank // 2 * 2
+    assert torch.equal(grads, torch.full((3,), 10.0 * (first + 1) + 10.0 * (first + 2)))
+    assert torch.equal(received, torch.tensor([100.0 * first + local, 100.0 * (first + 1) + local]))
+
+    # The schedule refuses a step whose moves use other ranks than its DP group, before any collective.
+    step = BalancedStep(microbatches=[], inputs={}, plan=None, rank=local, num_tokens=np.zeros(0, dtype=np.int64),
+                        rows_per_item={}, comm_group=dist.group.WORLD,
+                        moves=None)
+    with pytest.raises(ValueError, match="over a group of other ranks than this schedule's DP group"):
+        ModalityAwareSchedule(lambda **kw: [], dp_group=dp)._start_move(step, "vision", torch.zeros(1, 2))
+
+
+def test_each_dp_group_moves_data_on_a_communicator_of_its_own_four_ranks():
+    run_distributed(_check_dedicated_groups, 4)
