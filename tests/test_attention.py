@@ -1,13 +1,16 @@
-"""SDPAttention against megatron-core's DotProductAttention, and the --transformer-impl selection.
+"""SDPAttention against megatron-core's DotProductAttention, packed rows' variable-length attention
+against the dense block-diagonal mask (the reference, built here only), and the --transformer-impl
+selection.
 
-Single CPU process (gloo world of 1 through the CPU harness), fp32: the SDPA math kernel and
-megatron's unfused attention agree to rounding.
+Single CPU process (gloo world of 1 through the CPU harness), fp32: the SDPA kernels and megatron's
+unfused attention agree to rounding.
 """
 import dataclasses
 import warnings
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 warnings.filterwarnings("ignore", message=r".*(Transformer Engine|Apex).*not installed")
 
@@ -24,9 +27,10 @@ from megatron_orch.mllm.config import load_model_config  # noqa: E402
 from megatron_orch.mllm import providers  # noqa: E402
 from megatron_orch.trainer import arguments  # noqa: E402
 from megatron_orch.mllm import model as model_module  # noqa: E402
-from megatron_orch.mllm.attention import SDPAttention  # noqa: E402
-from megatron_orch.megatron.batch import collate, collate_packed  # noqa: E402
-from megatron_orch.mllm.examples import assemble_example  # noqa: E402
+from megatron_orch.mllm import attention as attention_module  # noqa: E402
+from megatron_orch.mllm.attention import SDPAttention, packed_attention  # noqa: E402
+from megatron_orch.megatron.batch import Example, MicroBatch, PackedRowParams, collate, collate_packed  # noqa: E402
+from megatron_orch.mllm.examples import assemble_example, batch_spec  # noqa: E402
 from megatron_orch.mllm.model import (  # noqa: E402
     MLLMModel,
     ModelParallelSettings,
@@ -123,14 +127,171 @@ def test_unsupported_features_are_refused_by_name(world_of_one):
     q = torch.randn(6, 1, 4, 8)
     with pytest.raises(NotImplementedError, match="attention_bias"):
         sdpa(q, q, q, None, attention_bias=torch.zeros(1, 4, 6, 6))
-    with pytest.raises(NotImplementedError, match="packed_seq_params.*'thd'"):
-        sdpa(q, q, q, None, packed_seq_params=PackedSeqParams(qkv_format="thd"))
     with pytest.raises(NotImplementedError, match="as many keys as queries"):
         sdpa(q[:1], q, q, None)
     with pytest.raises(NotImplementedError, match="sliding-window"):
         SDPAttention(dataclasses.replace(config, window_size=(4, 0)), 1, AttnMaskType.causal, "self")
     with pytest.raises(NotImplementedError, match="context parallelism"):
         SDPAttention(dataclasses.replace(config, context_parallel_size=2), 1, AttnMaskType.causal, "self")
+
+
+# --- packed rows: variable-length attention against the dense block-diagonal mask ------------------
+
+def packed_row(lengths, tail=0) -> MicroBatch:
+    """A text-only packed row of examples of ``lengths`` tokens and a padding tail of ``tail``."""
+    examples = [Example(sample_index=i, tokens=torch.full((n,), 7), labels=torch.full((n,), 7), loss_mask=torch.ones(n))
+                for i, n in enumerate(lengths)]
+    return collate_packed(examples, batch_spec(load_model_config("tiny"), 4096), pad_to=sum(lengths) + tail)
+
+
+def dense_reference_mask(lengths, tail, causal=True):
+    """Bool [1, 1, T, T], True = masked: each example attends within itself (causally if ``causal``); the
+    padding tail forms one more block so no row of the reference is empty."""
+    bounds = [0] + torch.tensor(lengths).cumsum(0).tolist()
+    length = bounds[-1] + tail
+    segment = torch.bucketize(torch.arange(length), torch.tensor(bounds[1:]), right=True)
+    allowed = segment[:, None] == segment[None, :]
+    if causal:
+        allowed &= torch.ones(length, length, dtype=torch.bool).tril()
+    return ~allowed[None, None]
+
+
+PACKED_CASES = {
+    # name: (heads, query groups, example lengths, padding tail, mask type)
+    "mha": (4, 4, [5, 7, 8], 0, AttnMaskType.causal),
+    "gqa_with_padding_tail": (8, 2, [9, 15], 5, AttnMaskType.causal),
+    "one_example": (4, 4, [24], 0, AttnMaskType.causal),
+    "many_short_multi_query": (4, 1, [1, 2, 3, 1, 5, 1, 7], 3, AttnMaskType.causal),
+    "bidirectional": (4, 4, [6, 10], 2, AttnMaskType.no_mask),
+}
+
+
+def packed_inputs(heads, groups, length, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    query = torch.randn(length, heads, 8, generator=g)
+    key, value = (torch.randn(length, groups, 8, generator=g) for _ in range(2))
+    return query, key, value
+
+
+def packed_and_reference(case, attention_kwargs=None):
+    """(packed outputs and q/k/v grads, dense-mask reference's, the row's real token count): the upstream
+    gradient is zero on the padding tail, as the loss mask makes it."""
+    heads, groups, lengths, tail, mask_type = PACKED_CASES[case]
+    config = attention_config(heads, groups)
+    sdpa, reference = both_attentions(config, mask_type, **(attention_kwargs or {}))
+    total = sum(lengths)
+    query, key, value = packed_inputs(heads, groups, total + tail)
+    upstream = torch.randn(total + tail, heads * 8, generator=torch.Generator().manual_seed(1))
+    upstream[total:] = 0
+
+    def run(attention, layout, **kwargs):
+        inputs = [t.detach().clone().requires_grad_() for t in (query, key, value)]
+        output = attention(*(layout(t) for t in inputs), attn_mask_type=mask_type, **kwargs).reshape(total + tail, -1)
+        output.backward(upstream)
+        return [output.detach()] + [t.grad for t in inputs]
+
+    mask = dense_reference_mask(lengths, tail, causal=mask_type == AttnMaskType.causal)
+    expected = run(reference, lambda t: t[:, None], attention_mask=mask)  # [T, b=1, heads, d]
+    actual = run(sdpa, lambda t: t, attention_mask=None, packed_seq_params=packed_row(lengths, tail).packed_seq_params())
+    return actual, expected, total
+
+
+def assert_packed_equals_reference(actual, expected, total):
+    """Outputs of the real tokens and every gradient within TOLERANCE; the tail attends to nothing."""
+    assert torch.equal(actual[0][total:], torch.zeros_like(actual[0][total:]))
+    pairs = [("output", actual[0][:total], expected[0][:total])]
+    pairs += list(zip(("query grad", "key grad", "value grad"), actual[1:], expected[1:]))
+    for name, a, e in pairs:
+        assert relative_error(a, e) <= TOLERANCE, (name, relative_error(a, e))
+
+
+@pytest.mark.parametrize("case", list(PACKED_CASES))
+def test_packed_rows_equal_the_dense_mask_reference_forward_and_backward(world_of_one, case):
+    assert not attention_module.uses_varlen_kernel(torch.zeros(1), 0.0)  # CPU: SDPA example by example
+    assert_packed_equals_reference(*packed_and_reference(case))
+
+
+def reference_varlen_attn(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, *, scale=None,
+                          window_size=(-1, -1), enable_gqa=False):
+    """torch's ``varlen_attn`` as its docstring defines it (it runs on CUDA only), written with a dense
+    mask per sequence, and checking the arguments' types as its flash kernel needs them."""
+    assert query.shape[0] == key.shape[0] == int(cu_seq_q[-1]) and cu_seq_q.dtype == torch.int32
+    assert cu_seq_k is cu_seq_q and isinstance(max_q, int) and isinstance(max_k, int)
+    lengths = (cu_seq_q[1:] - cu_seq_q[:-1]).tolist()
+    assert max_q == max_k == max(lengths)
+    assert window_size in ((-1, -1), (-1, 0)) and enable_gqa == (key.shape[1] != query.shape[1])
+    causal = window_size == (-1, 0)
+    out = []
+    for start, n in zip(cu_seq_q[:-1].tolist(), lengths):
+        q, k, v = (t[start:start + n].transpose(0, 1) for t in (query, key, value))
+        k, v = (t.repeat_interleave(q.shape[0] // t.shape[0], dim=0) for t in (k, v))
+        scores = q @ k.transpose(1, 2) * scale
+        if causal:
+            scores = scores.masked_fill(~torch.ones(n, n, dtype=torch.bool).tril(), float("-inf"))
+        out.append((scores.softmax(-1) @ v).transpose(0, 1))
+    return torch.cat(out)
+
+
+@pytest.mark.parametrize("case", ["gqa_with_padding_tail", "many_short_multi_query", "bidirectional"])
+def test_the_varlen_kernel_call_equals_the_dense_mask_reference(world_of_one, monkeypatch, case):
+    """The one-launch path (CUDA bf16 without dropout) with torch's varlen_attn emulated on CPU from its
+    documented contract: the arguments packed_attention passes give the reference's result."""
+    calls = []
+
+    def emulated(*args, **kwargs):
+        calls.append(args[0].shape)
+        return reference_varlen_attn(*args, **kwargs)
+    monkeypatch.setattr(attention_module, "varlen_attn", emulated)
+    monkeypatch.setattr(attention_module, "uses_varlen_kernel", lambda query, dropout: True)
+    actual, expected, total = packed_and_reference(case)
+    assert len(calls) == 1 and calls[0][0] == total  # one launch over the real tokens only
+    assert_packed_equals_reference(actual, expected, total)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="torch's varlen_attn (flash) runs on CUDA only")
+def test_varlen_kernel_on_cuda_equals_sdpa_example_by_example():
+    lengths, tail = [300, 17, 700, 1], 11
+    params = packed_row(lengths, tail).to(torch.device("cuda")).packed_seq_params()
+    query, key, value = (t.cuda().bfloat16().requires_grad_() for t in packed_inputs(8, 2, sum(lengths) + tail))
+    assert attention_module.uses_varlen_kernel(query, 0.0)
+    outputs = []
+    for one_launch in (True, False):
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setattr(attention_module, "uses_varlen_kernel", lambda q, dropout: one_launch)
+            out = packed_attention(query, key, value, params, scale=8 ** -0.5)
+            grads = torch.autograd.grad(out.float().square().sum(), (query, key, value))
+            outputs.append([out.float()] + [g.float() for g in grads])
+    for a, e in zip(*outputs):
+        assert relative_error(a, e) <= 2e-2
+
+
+def test_packed_dropout_only_in_training(world_of_one):
+    sdpa = SDPAttention(attention_config(4, 4, attention_dropout=0.5), 1, AttnMaskType.causal, "self").eval()
+    params = packed_row([5, 9]).packed_seq_params()
+    query, key, value = packed_inputs(4, 4, 14)
+    evaluated = sdpa(query, key, value, None, packed_seq_params=params)
+    reference = DotProductAttention(attention_config(4, 4), 1, AttnMaskType.causal, "self")
+    expected = reference(query[:, None], key[:, None], value[:, None], dense_reference_mask([5, 9], 0))
+    assert relative_error(evaluated, expected.reshape(14, -1)) <= TOLERANCE
+    sdpa.train()
+    assert relative_error(sdpa(query, key, value, None, packed_seq_params=params), evaluated) > 1e-2
+
+
+def test_packed_rows_bad_parameters_are_refused(world_of_one):
+    sdpa = SDPAttention(attention_config(4, 4), 1, AttnMaskType.causal, "self")
+    query, key, value = packed_inputs(4, 4, 12)
+    params = packed_row([5, 7]).packed_seq_params()
+    with pytest.raises(TypeError, match="PackedRowParams"):
+        sdpa(query, key, value, None, packed_seq_params=PackedSeqParams(
+            qkv_format="thd", cu_seqlens_q=params.cu_seqlens_q, cu_seqlens_kv=params.cu_seqlens_q))
+    with pytest.raises(NotImplementedError, match="qkv_format='sbhd'"):
+        sdpa(query, key, value, None, packed_seq_params=dataclasses.replace(params, qkv_format="sbhd"))
+    with pytest.raises(NotImplementedError, match="padded bounds: True"):
+        sdpa(query, key, value, None, packed_seq_params=dataclasses.replace(params, cu_seqlens_q_padded=params.cu_seqlens_q))
+    with pytest.raises(ValueError, match="takes no attention_mask"):
+        sdpa(query, key, value, dense_reference_mask([5, 7], 0), packed_seq_params=params)
+    with pytest.raises(ValueError, match="end within the row"):
+        sdpa(query[:10], key[:10], value[:10], None, packed_seq_params=params)
 
 
 # --- the whole model -------------------------------------------------------------------------------
@@ -162,18 +323,27 @@ def make_example(model, index, vision_items, audio_items, answer_tokens):
     return assemble_example(index, [116, 58, 32], answer, items, spec)
 
 
-def loss_and_grads(model, batch):
+def dense_mask_forward(model, batch):
+    """The reference for a packed row: the backbone with the dense block-diagonal mask, no THD."""
+    lengths = batch.seq_lengths.tolist()
+    embeds = {name: model.encode(name, items) for name, items in batch.items.items()}
+    return model.backbone(input_ids=batch.tokens, position_ids=batch.position_ids,
+                          attention_mask=dense_reference_mask(lengths, batch.tokens.shape[1] - sum(lengths)),
+                          decoder_input=model.embed(batch.tokens, batch.position_ids, embeds), labels=batch.labels)
+
+
+def loss_and_grads(model, batch, forward=None):
     model.zero_grad(set_to_none=True)
-    per_token = model(batch)
+    per_token = (forward or type(model).__call__)(model, batch)
     loss = (per_token * batch.loss_mask).sum()
     loss.backward()
     return loss.detach(), {name: p.grad for name, p in model.named_parameters()}
 
 
-@pytest.mark.parametrize("layout", ["padded_mha", "packed_gqa"])
+@pytest.mark.parametrize("layout", ["padded_mha", "packed_gqa", "packed_with_padding_tail"])
 def test_model_with_sdpa_equals_model_with_megatron_attention(world_of_one, layout):
     config = load_model_config("tiny")
-    if layout == "packed_gqa":
+    if layout != "padded_mha":
         backbone = dataclasses.replace(config.backbone.transformer, num_query_groups=2)
         config = dataclasses.replace(config, backbone=dataclasses.replace(config.backbone, transformer=backbone))
     model = build_model(config)
@@ -185,16 +355,52 @@ def test_model_with_sdpa_equals_model_with_megatron_attention(world_of_one, layo
     assert sorted(a.attn_mask_type.name for a in attentions) == ["causal"] * 2 + ["no_mask"] * 4
 
     examples = [make_example(model, 0, 2, 1, 10), make_example(model, 1, 0, 2, 5), make_example(model, 2, 1, 0, 20)]
-    batch = collate_packed(examples, model.spec) if layout == "packed_gqa" else collate(examples, model.spec)
-    assert (batch.attention_mask() is not None) == (layout == "packed_gqa")
+    if layout == "padded_mha":
+        batch, reference_forward = collate(examples, model.spec), None
+    else:
+        tail = 9 if layout == "packed_with_padding_tail" else 0
+        batch = collate_packed(examples, model.spec, pad_to=sum(e.num_tokens for e in examples) + tail)
+        reference_forward = dense_mask_forward
+    assert (batch.packed_seq_params() is not None) == (layout != "padded_mha")
     loss, grads = loss_and_grads(model, batch)
-    expected_loss, expected_grads = loss_and_grads(reference, batch)
+    expected_loss, expected_grads = loss_and_grads(reference, batch, reference_forward)
     assert relative_error(loss, expected_loss) <= TOLERANCE
     assert grads.keys() == expected_grads.keys()
     for name, grad in grads.items():
         assert grad is not None, name
         error = relative_error(grad, expected_grads[name])
         assert error <= TOLERANCE, (name, error)
+
+
+class LargestTensor(TorchDispatchMode):
+    """Records the shape of the largest tensor any op returns (forward and backward)."""
+
+    def __init__(self):
+        super().__init__()
+        self.numel, self.shape, self.op = 0, None, None
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for tensor in (out if isinstance(out, (tuple, list)) else [out]):
+            if isinstance(tensor, torch.Tensor) and tensor.numel() > self.numel:
+                self.numel, self.shape, self.op = tensor.numel(), tuple(tensor.shape), str(func)
+        return out
+
+
+def test_a_packed_row_allocates_no_t_by_t_tensor(world_of_one):
+    """Forward and backward of the whole model over one packed row of T = 2048 tokens (4 examples): no op
+    returns a tensor of T x T elements or more (a dense mask, its float bias or the scores would). The
+    largest is the logits, T x vocabulary (1024)."""
+    torch.manual_seed(0)
+    model = MLLMModel(load_model_config("tiny"), ModelParallelSettings(), 2048)
+    examples = [make_example(model, i, 2 - i % 3, i % 2, n) for i, n in enumerate((600, 400, 500, 400))]
+    batch = collate_packed(examples, model.spec, pad_to=2048)
+    length = batch.tokens.shape[1]
+    assert length == 2048 and sum(batch.seq_lengths.tolist()) < length  # a padding tail too
+    with LargestTensor() as largest:
+        (model(batch) * batch.loss_mask).sum().backward()
+    assert largest.numel < length * length, (largest.op, largest.shape)
+    assert largest.numel >= length * 1024, (largest.op, largest.shape)  # the mode saw the logits
 
 
 # --- --transformer-impl ----------------------------------------------------------------------------

@@ -52,6 +52,14 @@ from megatron_orch.mllm.config import AudioEncoderConfig, MLLMConfig, VisionEnco
 from megatron_orch.mllm.examples import batch_spec
 
 
+# Why packed rows stay off Transformer Engine (see the README): the THD parameters are megatron's own, but
+# TE's THD kernels, their handling of a padded tail and their dtypes have never run here (no GPU, no TE).
+PACKED_WITH_TRANSFORMER_ENGINE = (
+    "packed rows with transformer_impl='transformer_engine' are not supported yet: they would reach TE as THD "
+    "PackedSeqParams, a path never run in this project (no GPU or Transformer Engine where it is developed); "
+    "use 'local' (variable-length attention) or equal_count micro-batches")
+
+
 @functools.lru_cache(maxsize=None)
 def transformer_engine_available() -> bool:
     """Whether ``import transformer_engine`` succeeds (it decides ``--transformer-impl``'s default)."""
@@ -320,17 +328,17 @@ class MLLMModel(MegatronModule):
         its placeholders (first stage): ``embeds`` from post-balancing's encoder phases, else the
         encoders run over the batch's own items here.
 
-        Right-padded rows attend causally; packed rows (``batch.cu_seqlens``) through a block-diagonal
-        causal mask.
+        Right-padded rows attend causally; a packed row (``batch.cu_seqlens``) goes to the backbone in
+        Megatron's THD layout (:meth:`MicroBatch.packed_seq_params`), each example attending causally to
+        itself (:func:`~megatron_orch.mllm.attention.packed_attention`): no mask is built.
         """
-        attention_mask = batch.attention_mask()
-        if attention_mask is not None and self.transformer_impl == "transformer_engine":
-            raise NotImplementedError("an attention mask (packed rows) with transformer_impl='transformer_engine': "
-                                      "TE's causal attention would ignore it; use 'local'")
+        packed_seq_params = batch.packed_seq_params()
+        if packed_seq_params is not None and self.transformer_impl == "transformer_engine":
+            raise NotImplementedError(PACKED_WITH_TRANSFORMER_ENGINE)
         decoder_input = None
         if self.pre_process:
             if embeds is None:
                 embeds = {name: self.encode(name, items) for name, items in batch.items.items()}
             decoder_input = self.embed(batch.tokens, batch.position_ids, embeds)
-        return self.backbone(input_ids=batch.tokens, position_ids=batch.position_ids, attention_mask=attention_mask,
-                             decoder_input=decoder_input, labels=batch.labels)
+        return self.backbone(input_ids=batch.tokens, position_ids=batch.position_ids, attention_mask=None,
+                             decoder_input=decoder_input, labels=batch.labels, packed_seq_params=packed_seq_params)

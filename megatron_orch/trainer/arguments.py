@@ -335,8 +335,9 @@ def validate_args(args: argparse.Namespace, world_size: int) -> argparse.Namespa
     if (args.transformer_impl == "transformer_engine" and args.orch_config is not None
             and args.orch_config.microbatching == "packed"):
         raise ArgumentError("--orch-microbatching packed is not supported with --transformer-impl "
-                            "transformer_engine (TE's causal attention ignores the block-diagonal mask of "
-                            "packed rows); use --transformer-impl local or --orch-microbatching equal_count")
+                            "transformer_engine (packed rows would reach TE as THD PackedSeqParams, a path "
+                            "not yet run on a GPU); use --transformer-impl local or --orch-microbatching "
+                            "equal_count")
     return args
 
 
