@@ -28,7 +28,7 @@ from megatron_orch.mllm import providers  # noqa: E402
 from megatron_orch.trainer import arguments  # noqa: E402
 from megatron_orch.mllm import model as model_module  # noqa: E402
 from megatron_orch.mllm import attention as attention_module  # noqa: E402
-from megatron_orch.mllm.attention import SDPAttention, packed_attention  # noqa: E402
+from megatron_orch.mllm.attention import SDPAttention, dense_block_diagonal_mask, packed_attention  # noqa: E402
 from megatron_orch.megatron.batch import Example, MicroBatch, PackedRowParams, collate, collate_packed  # noqa: E402
 from megatron_orch.mllm.examples import assemble_example, batch_spec  # noqa: E402
 from megatron_orch.mllm.model import (  # noqa: E402
@@ -53,13 +53,6 @@ def attention_config(heads: int, groups: int, head_dim: int = 8, attention_dropo
                               pipeline_split=False)
 
 
-def block_diagonal_causal_mask(bounds, length):
-    """Bool [1, 1, s, s], True = masked: causal within each [bounds[i], bounds[i+1]) and within the tail."""
-    segment = torch.bucketize(torch.arange(length), torch.tensor(bounds[1:]), right=True)
-    allowed = (segment[:, None] == segment[None, :]) & torch.ones(length, length, dtype=torch.bool).tril()
-    return ~allowed[None, None]
-
-
 def both_attentions(config, mask_type, **kwargs):
     common = dict(config=config, layer_number=1, attn_mask_type=mask_type, attention_type="self", **kwargs)
     return SDPAttention(**common), DotProductAttention(**common)
@@ -76,12 +69,12 @@ def forward_backward(attention, query, key, value, mask):
 CASES = {
     # name: (heads, query groups, batch, seq, mask type, mask or None)
     "causal_no_mask": (4, 4, 2, 24, AttnMaskType.causal, None),
-    "packed_block_diagonal": (4, 4, 1, 24, AttnMaskType.causal, block_diagonal_causal_mask([0, 5, 12, 20], 24)),
-    "per_row_masks": (4, 4, 2, 16, AttnMaskType.causal, torch.cat([block_diagonal_causal_mask([0, 7, 16], 16),
-                                                                  block_diagonal_causal_mask([0, 3, 10], 16)])),
+    "packed_block_diagonal": (4, 4, 1, 24, AttnMaskType.causal, dense_block_diagonal_mask([0, 5, 12, 20], 24)),
+    "per_row_masks": (4, 4, 2, 16, AttnMaskType.causal, torch.cat([dense_block_diagonal_mask([0, 7, 16], 16),
+                                                                  dense_block_diagonal_mask([0, 3, 10], 16)])),
     "bidirectional_no_mask": (4, 4, 2, 17, AttnMaskType.no_mask, None),
     "gqa_causal_no_mask": (8, 2, 2, 24, AttnMaskType.causal, None),
-    "gqa_packed": (8, 2, 1, 24, AttnMaskType.causal, block_diagonal_causal_mask([0, 9, 24], 24)),
+    "gqa_packed": (8, 2, 1, 24, AttnMaskType.causal, dense_block_diagonal_mask([0, 9, 24], 24)),
     "multi_query_bidirectional": (4, 1, 3, 10, AttnMaskType.no_mask, None),
 }
 
@@ -145,15 +138,18 @@ def packed_row(lengths, tail=0) -> MicroBatch:
 
 
 def dense_reference_mask(lengths, tail, causal=True):
-    """Bool [1, 1, T, T], True = masked: each example attends within itself (causally if ``causal``); the
-    padding tail forms one more block so no row of the reference is empty."""
+    """The reference: examples of ``lengths`` tokens then a padding tail, as a dense mask."""
     bounds = [0] + torch.tensor(lengths).cumsum(0).tolist()
-    length = bounds[-1] + tail
-    segment = torch.bucketize(torch.arange(length), torch.tensor(bounds[1:]), right=True)
-    allowed = segment[:, None] == segment[None, :]
-    if causal:
-        allowed &= torch.ones(length, length, dtype=torch.bool).tril()
-    return ~allowed[None, None]
+    return dense_block_diagonal_mask(bounds, bounds[-1] + tail, causal)
+
+
+@pytest.mark.parametrize("causal", [True, False])
+def test_dense_reference_mask_against_owner_of_each_position(causal):
+    lengths, tail = [3, 1, 4], 2
+    owner = [i for i, n in enumerate(lengths) for _ in range(n)] + [-1] * tail
+    expected = torch.tensor([[not (owner[q] == owner[k] and (k <= q or not causal)) for k in range(len(owner))]
+                             for q in range(len(owner))])
+    assert torch.equal(dense_reference_mask(lengths, tail, causal)[0, 0], expected)
 
 
 PACKED_CASES = {

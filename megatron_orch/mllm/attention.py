@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import math
-from typing import Optional
+from typing import Optional, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -161,3 +161,14 @@ def packed_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
     if total < length:
         context = torch.cat([context, context.new_zeros(length - total, *context.shape[1:])])
     return context
+
+
+def dense_block_diagonal_mask(host_cu_seqlens: Sequence[int], length: int, causal: bool = True) -> torch.Tensor:
+    """The dense equivalent of a packed row's attention: bool ``[1, 1, T, T]``, True = masked; each sequence
+    attends within itself (causally if ``causal``), the padding tail forms one more block. A reference for
+    the tests and the benchmark (``T x T``: 256 MiB at 16k tokens), never built in training."""
+    segment = torch.bucketize(torch.arange(length), torch.tensor(host_cu_seqlens[1:], dtype=torch.long), right=True)
+    allowed = segment[:, None] == segment[None, :]
+    if causal:
+        allowed &= torch.ones(length, length, dtype=torch.bool).tril()
+    return ~allowed[None, None]
