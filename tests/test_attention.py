@@ -8,6 +8,7 @@ unfused attention agree to rounding.
 import dataclasses
 import warnings
 
+import numpy as np
 import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -22,7 +23,7 @@ from megatron.core.packed_seq_params import PackedSeqParams  # noqa: E402
 from megatron.core.transformer.dot_product_attention import DotProductAttention  # noqa: E402
 from megatron.core.transformer.enums import AttnMaskType  # noqa: E402
 
-from megatron_orch.balance.cost import TransformerShape  # noqa: E402
+from megatron_orch.balance.cost import TRAINING_FLOPS_PER_FORWARD, TransformerShape  # noqa: E402
 from megatron_orch.mllm.config import load_model_config  # noqa: E402
 from megatron_orch.mllm import providers  # noqa: E402
 from megatron_orch.trainer import arguments  # noqa: E402
@@ -320,12 +321,20 @@ def make_example(model, index, vision_items, audio_items, answer_tokens):
 
 
 def dense_mask_forward(model, batch):
-    """The reference for a packed row: the backbone with the dense block-diagonal mask, no THD."""
+    """The reference for a packed row: the model's forward with the backbone given the dense block-diagonal
+    mask instead of the THD parameters."""
     lengths = batch.seq_lengths.tolist()
-    embeds = {name: model.encode(name, items) for name, items in batch.items.items()}
-    return model.backbone(input_ids=batch.tokens, position_ids=batch.position_ids,
-                          attention_mask=dense_reference_mask(lengths, batch.tokens.shape[1] - sum(lengths)),
-                          decoder_input=model.embed(batch.tokens, batch.position_ids, embeds), labels=batch.labels)
+    mask = dense_reference_mask(lengths, batch.tokens.shape[1] - sum(lengths))
+    backbone = model.backbone
+
+    def with_dense_mask(*args, attention_mask, packed_seq_params, **kwargs):
+        assert attention_mask is None and packed_seq_params is not None
+        return type(backbone).forward(backbone, *args, attention_mask=mask, packed_seq_params=None, **kwargs)
+    backbone.forward = with_dense_mask
+    try:
+        return model(batch)
+    finally:
+        del backbone.forward
 
 
 def loss_and_grads(model, batch, forward=None):
@@ -399,6 +408,141 @@ def test_a_packed_row_allocates_no_t_by_t_tensor(world_of_one):
     assert largest.numel >= length * 1024, (largest.op, largest.shape)  # the mode saw the logits
 
 
+class TransformerEngineTHDContract(torch.nn.Module):
+    """A core attention that takes a packed row the way megatron-core's ``TEDotProductAttention`` hands it to
+    Transformer Engine (which does not run here): only ``PackedSeqParams``' own fields (the base class's,
+    ``dataclasses.fields``), ``qkv_format='thd'``, int32 bounds on the tensors' device, int max lengths, and
+    every token of the row inside a sequence (TE's THD kernels: ``cu_seqlens[-1] == t``); causal becomes
+    ``padding_causal``. It computes from those fields alone (the device ``cu_seqlens``, never
+    ``host_cu_seqlens``), per sequence."""
+
+    def __init__(self, softmax_scale):
+        super().__init__()
+        self.softmax_scale, self.calls = softmax_scale, []
+
+    def forward(self, query, key, value, attention_mask, attn_mask_type=None, attention_bias=None,
+                packed_seq_params=None, **kwargs):
+        te_kwargs = {f.name: getattr(packed_seq_params, f.name) for f in dataclasses.fields(PackedSeqParams)}
+        cu_seqlens = te_kwargs["cu_seqlens_q"]
+        assert attention_mask is None and attention_bias is None and te_kwargs["qkv_format"] == "thd"
+        assert attn_mask_type == AttnMaskType.causal  # TE is asked for padding_causal
+        assert cu_seqlens.dtype == torch.int32 and cu_seqlens.device == query.device
+        assert te_kwargs["cu_seqlens_kv"] is cu_seqlens and te_kwargs["cu_seqlens_q_padded"] is None
+        assert int(cu_seqlens[0]) == 0 and int(cu_seqlens[-1]) == query.shape[0] == key.shape[0]
+        self.calls.append(cu_seqlens.tolist())
+        context = reference_varlen_attn(query, key, value, cu_seqlens, cu_seqlens, te_kwargs["max_seqlen_q"],
+                                        te_kwargs["max_seqlen_kv"], scale=self.softmax_scale, window_size=(-1, 0),
+                                        enable_gqa=key.shape[1] != query.shape[1])
+        return context.reshape(context.shape[0], -1)
+
+
+def test_transformer_engine_contract_of_a_packed_row(world_of_one):
+    """With transformer_impl='transformer_engine' a packed row reaches the backbone's core attention as TE
+    takes it (TransformerEngineTHDContract): the padding tail becomes one more sequence, and the whole
+    model's loss and every gradient equal the dense-mask reference's. What needs a GPU and TE, the kernels
+    themselves: test_transformer_engine_thd_on_cuda_equals_packed_attention."""
+    config = load_model_config("tiny")
+    backbone = dataclasses.replace(config.backbone.transformer, num_query_groups=2)
+    config = dataclasses.replace(config, backbone=dataclasses.replace(config.backbone, transformer=backbone))
+    model = build_model(config)
+    reference, _ = with_megatron_attention(model, config)
+    contracts = []
+    for layer in model.backbone.decoder.layers:
+        contracts.append(TransformerEngineTHDContract(layer.self_attention.core_attention.softmax_scale))
+        layer.self_attention.core_attention = contracts[-1]
+    model.transformer_impl = "transformer_engine"
+    examples = [make_example(model, 0, 2, 1, 10), make_example(model, 1, 0, 2, 5), make_example(model, 2, 1, 0, 20)]
+    total = sum(e.num_tokens for e in examples)
+    batch = collate_packed(examples, model.spec, pad_to=total + 9)
+    loss, grads = loss_and_grads(model, batch)
+    expected_loss, expected_grads = loss_and_grads(reference, batch, dense_mask_forward)
+    bounds = list(batch.host_cu_seqlens)
+    assert [c.calls for c in contracts] == [[bounds + [total + 9]]] * len(contracts)
+    assert relative_error(loss, expected_loss) <= TOLERANCE
+    assert grads.keys() == expected_grads.keys()
+    for name, grad in grads.items():
+        assert relative_error(grad, expected_grads[name]) <= TOLERANCE, name
+
+
+@pytest.mark.skipif(not (torch.cuda.is_available() and model_module.transformer_engine_available()),
+                    reason="Transformer Engine's THD attention needs a GPU and transformer_engine")
+def test_transformer_engine_thd_on_cuda_equals_packed_attention(world_of_one):
+    """megatron-core's TEDotProductAttention over a packed row with a padding tail (bf16): the real tokens'
+    outputs and q/k/v gradients equal packed_attention's. Not run where this project is developed."""
+    from megatron.core.extensions.transformer_engine import TEDotProductAttention
+    lengths, tail, heads, groups = [300, 17, 700, 1], 11, 8, 2
+    config = dataclasses.replace(attention_config(heads, groups, head_dim=64), bf16=True,
+                                 params_dtype=torch.bfloat16)
+    te = TEDotProductAttention(config, layer_number=1, attn_mask_type=AttnMaskType.causal, attention_type="self")
+    on_cuda = packed_row(lengths, tail).to(torch.device("cuda"))
+    total = sum(lengths)
+    generator = torch.Generator().manual_seed(0)
+    query = torch.randn(total + tail, heads, 64, generator=generator)
+    key, value = (torch.randn(total + tail, groups, 64, generator=generator) for _ in range(2))
+    outputs = []
+    for attend in (lambda q, k, v: te(q, k, v, None, attn_mask_type=AttnMaskType.causal,
+                                      packed_seq_params=on_cuda.packed_seq_params(tail_as_sequence=True)),
+                   lambda q, k, v: packed_attention(q, k, v, on_cuda.packed_seq_params(), scale=64 ** -0.5)):
+        inputs = [t.cuda().bfloat16().requires_grad_() for t in (query, key, value)]
+        out = attend(*inputs).reshape(total + tail, -1)[:total].float()
+        grads = torch.autograd.grad(out.square().sum(), inputs)
+        outputs.append([out] + [g[:total].float() for g in grads])
+    for actual, expected in zip(*outputs):
+        assert relative_error(actual, expected) <= 2e-2
+
+
+class AttentionCalls(torch.overrides.TorchFunctionMode):
+    """The (query, key) pairs and FLOPs of every ``scaled_dot_product_attention`` call: 4 * heads * head_dim
+    per pair, s(s+1)/2 pairs for a causal call of s queries, s_q * s_k otherwise."""
+
+    def __init__(self):
+        super().__init__()
+        self.flops, self.causal_calls = 0, 0
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if getattr(func, "__name__", None) == "scaled_dot_product_attention":
+            query, key = args[0], args[1]
+            sq, sk, causal = query.shape[-2], key.shape[-2], kwargs.get("is_causal", False)
+            assert kwargs.get("attn_mask") is None  # no mask: every computed pair is an attended one
+            self.causal_calls += causal
+            self.flops += 4 * query.shape[-3] * query.shape[-1] * (sq * (sq + 1) // 2 if causal else sq * sk)
+        return func(*args, **kwargs)
+
+
+@pytest.mark.parametrize("kernel", ["sdpa_per_example", "varlen_attn"])
+def test_a_packed_rows_modeled_cost_is_what_its_kernel_computes(world_of_one, monkeypatch, kernel):
+    """The planner's backbone cost model (what it balances packed micro-batches with: the sum of the row's
+    examples' costs) has exactly the attention FLOPs the kernel computes for the row: the examples' causal
+    triangles, s(s+1)/2 pairs each, far from the T^2 of a dense mask. varlen_attn (CUDA) is counted from the
+    arguments of its one launch per layer (emulated, as in the tests above)."""
+    config = load_model_config("tiny")
+    model = build_model(config)
+    calls = AttentionCalls()
+    if kernel == "varlen_attn":
+        def counted(query, key, value, cu_q, cu_k, max_q, max_k, *, window_size, **kwargs):
+            assert window_size == (-1, 0)
+            lengths = (cu_q[1:] - cu_q[:-1]).tolist()
+            calls.causal_calls += 1
+            calls.flops += 4 * query.shape[1] * query.shape[2] * sum(n * (n + 1) // 2 for n in lengths)
+            return reference_varlen_attn(query, key, value, cu_q, cu_k, max_q, max_k, window_size=window_size,
+                                         **kwargs)
+        monkeypatch.setattr(attention_module, "varlen_attn", counted)
+        monkeypatch.setattr(attention_module, "uses_varlen_kernel", lambda query, dropout: True)
+    examples = [make_example(model, i, 0, 0, n) for i, n in enumerate((20, 5, 40, 1, 15))]  # text only
+    batch = collate_packed(examples, model.spec, pad_to=SEQ_LENGTH)
+    lengths = np.array(batch.seq_lengths.tolist())
+    with calls:
+        model(batch)
+    shape, cost = config.backbone.transformer, config.phases().backbone.cost
+    assert calls.causal_calls == shape.num_layers * (len(lengths) if kernel == "sdpa_per_example" else 1)
+    row_cost = float(cost.item_cost(lengths).sum())
+    linear = TRAINING_FLOPS_PER_FORWARD * shape.linear_flops_per_token() * lengths.sum()
+    assert row_cost - linear == pytest.approx(TRAINING_FLOPS_PER_FORWARD * calls.flops, rel=1e-12)
+    dense = shape.num_layers * 4 * shape.query_size * SEQ_LENGTH ** 2
+    assert calls.flops < 0.4 * dense  # what the dense mask's kernel computed
+
+
 # --- --transformer-impl ----------------------------------------------------------------------------
 
 ARGV = ["--seq-length", "64", "--micro-batch-size", "1", "--train-iters", "1", "--lr", "1e-3"]
@@ -444,6 +588,6 @@ def test_transformer_engine_when_it_imports(transformer_engine):
     assert arguments.parse_args(ARGV + GPU + local, world_size=1).transformer_impl == "local"
     with pytest.raises(arguments.ArgumentError, match="transformer_engine needs GPUs"):
         arguments.parse_args(ARGV + CPU + ["--transformer-impl", "transformer_engine"], world_size=1)
-    with pytest.raises(arguments.ArgumentError, match="--orch-microbatching packed is not supported with "
-                                                      "--transformer-impl transformer_engine"):
-        arguments.parse_args(ARGV + GPU + ["--orch-post-balancing", "--orch-microbatching", "packed"], world_size=1)
+    # packed rows reach TE's attention as THD PackedSeqParams (test_transformer_engine_contract_of_a_packed_row)
+    packed = arguments.parse_args(ARGV + GPU + ["--orch-post-balancing", "--orch-microbatching", "packed"], world_size=1)
+    assert packed.transformer_impl == "transformer_engine" and packed.orch_config.microbatching == "packed"

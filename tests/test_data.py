@@ -233,6 +233,11 @@ def test_collate_split_roundtrip(examples, packed, extra):
             [i] * e.num_tokens for i, e in enumerate(examples)]
         assert owner[bounds[-1]:] == [-1] * extra
         assert params.max_seqlen_q == params.max_seqlen_kv == longest
+        # Transformer Engine's: the padding tail, if any, is one more sequence
+        te = batch.packed_seq_params(tail_as_sequence=True)
+        te_bounds = list(bounds) + ([total + extra] if extra else [])
+        assert list(te.host_cu_seqlens) == te.cu_seqlens_q.tolist() == te_bounds and te.cu_seqlens_kv is te.cu_seqlens_q
+        assert te.cu_seqlens_q.dtype == torch.int32 and te.max_seqlen_q == max(longest, extra)
         starts = [0] + np.cumsum([e.num_tokens for e in examples]).tolist()
         for i, e in enumerate(examples):
             assert batch.position_ids[0, starts[i]:starts[i + 1]].tolist() == list(range(e.num_tokens))

@@ -242,14 +242,19 @@ class MicroBatch:
         return [ExampleSizes(int(s), {name: c[i] for name, c in counts.items() if c[i]}, int(n), lt)
                 for i, (s, n, lt) in enumerate(zip(self.sample_ids.tolist(), self.seq_lengths.tolist(), loss_tokens))]
 
-    def packed_seq_params(self) -> Optional[PackedRowParams]:
+    def packed_seq_params(self, tail_as_sequence: bool = False) -> Optional[PackedRowParams]:
         """Megatron's THD parameters of the packed row (None when padded): one sequence per example, each
-        attending causally to its own tokens only; the padding tail is in no sequence."""
+        attending causally to its own tokens only. The padding tail is in no sequence, or, with
+        ``tail_as_sequence`` (for Transformer Engine's THD kernels, whose output for a token outside every
+        sequence is not defined), one more sequence that attends only to itself (its loss mask is 0); its
+        bound is appended on the device, so no host-to-device copy."""
         if not self.is_packed:
             return None
-        bounds = self.host_cu_seqlens
+        bounds, cu_seqlens, length = self.host_cu_seqlens, self.cu_seqlens, self.tokens.shape[1]
+        if tail_as_sequence and bounds[-1] < length:
+            bounds, cu_seqlens = (*bounds, length), torch.nn.functional.pad(cu_seqlens, (0, 1), value=length)
         longest = max(end - start for start, end in zip(bounds, bounds[1:]))
-        return PackedRowParams(qkv_format="thd", cu_seqlens_q=self.cu_seqlens, cu_seqlens_kv=self.cu_seqlens,
+        return PackedRowParams(qkv_format="thd", cu_seqlens_q=cu_seqlens, cu_seqlens_kv=cu_seqlens,
                                max_seqlen_q=longest, max_seqlen_kv=longest, host_cu_seqlens=bounds)
 
 

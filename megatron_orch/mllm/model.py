@@ -52,14 +52,6 @@ from megatron_orch.mllm.config import AudioEncoderConfig, MLLMConfig, VisionEnco
 from megatron_orch.mllm.examples import batch_spec
 
 
-# Why packed rows stay off Transformer Engine (see the README): the THD parameters are megatron's own, but
-# TE's THD kernels, their handling of a padded tail and their dtypes have never run here (no GPU, no TE).
-PACKED_WITH_TRANSFORMER_ENGINE = (
-    "packed rows with transformer_impl='transformer_engine' are not supported yet: they would reach TE as THD "
-    "PackedSeqParams, a path never run in this project (no GPU or Transformer Engine where it is developed); "
-    "use 'local' (variable-length attention) or equal_count micro-batches")
-
-
 @functools.lru_cache(maxsize=None)
 def transformer_engine_available() -> bool:
     """Whether ``import transformer_engine`` succeeds (it decides ``--transformer-impl``'s default)."""
@@ -330,11 +322,11 @@ class MLLMModel(MegatronModule):
 
         Right-padded rows attend causally; a packed row (``batch.cu_seqlens``) goes to the backbone in
         Megatron's THD layout (:meth:`MicroBatch.packed_seq_params`), each example attending causally to
-        itself (:func:`~megatron_orch.mllm.attention.packed_attention`): no mask is built.
+        itself: no mask is built. ``local``: :func:`~megatron_orch.mllm.attention.packed_attention`;
+        ``transformer_engine``: megatron-core's ``TEDotProductAttention`` (TE's THD kernels, causal
+        becoming ``padding_causal``), with the padding tail as one more sequence.
         """
-        packed_seq_params = batch.packed_seq_params()
-        if packed_seq_params is not None and self.transformer_impl == "transformer_engine":
-            raise NotImplementedError(PACKED_WITH_TRANSFORMER_ENGINE)
+        packed_seq_params = batch.packed_seq_params(tail_as_sequence=self.transformer_impl == "transformer_engine")
         decoder_input = None
         if self.pre_process:
             if embeds is None:
