@@ -223,16 +223,26 @@ def test_collate_split_roundtrip(examples, packed, extra):
     assert int(padding.sum()) >= batch.tokens.numel() - total
     if packed:
         assert batch.tokens.shape == (1, total + extra)
-        # block-diagonal causal mask against a brute-force owner-of-each-position comparison
+        # the attention's sequences against the owner of each position: example i is sequence i, the tail none
         owner = [i for i, e in enumerate(examples) for _ in range(e.num_tokens)] + [-1] * extra
-        expected = torch.tensor([[not (owner[q] == owner[k] and k <= q) for k in range(len(owner))]
-                                 for q in range(len(owner))])
-        assert torch.equal(batch.attention_mask()[0, 0], expected)
+        params = batch.to(torch.device("cpu")).packed_seq_params()
+        bounds = params.host_cu_seqlens
+        assert params.qkv_format == "thd" and params.cu_seqlens_q.dtype == torch.int32
+        assert params.cu_seqlens_q.tolist() == list(bounds) and params.cu_seqlens_kv is params.cu_seqlens_q
+        assert [owner[start:end] for start, end in zip(bounds, bounds[1:])] == [
+            [i] * e.num_tokens for i, e in enumerate(examples)]
+        assert owner[bounds[-1]:] == [-1] * extra
+        assert params.max_seqlen_q == params.max_seqlen_kv == longest
+        # Transformer Engine's: the padding tail, if any, is one more sequence
+        te = batch.packed_seq_params(tail_as_sequence=True)
+        te_bounds = list(bounds) + ([total + extra] if extra else [])
+        assert list(te.host_cu_seqlens) == te.cu_seqlens_q.tolist() == te_bounds and te.cu_seqlens_kv is te.cu_seqlens_q
+        assert te.cu_seqlens_q.dtype == torch.int32 and te.max_seqlen_q == max(longest, extra)
         starts = [0] + np.cumsum([e.num_tokens for e in examples]).tolist()
         for i, e in enumerate(examples):
             assert batch.position_ids[0, starts[i]:starts[i + 1]].tolist() == list(range(e.num_tokens))
     else:
-        assert batch.tokens.shape == (len(examples), longest + extra) and batch.attention_mask() is None
+        assert batch.tokens.shape == (len(examples), longest + extra) and batch.packed_seq_params() is None
         assert batch.position_ids[0].tolist() == list(range(longest + extra))
 
 

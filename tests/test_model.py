@@ -120,7 +120,7 @@ def test_micro_batch_without_any_media_trains_the_backbone_only(model):
 
 
 def test_packed_rows_match_padded_rows(model):
-    """An explicit block-diagonal attention mask (issue 5's packed mode) gives each example's own loss."""
+    """A packed row (variable-length attention, each example causal on its own) gives each example's own loss."""
     examples = [make_example(model, 0, 1, 1, 7), make_example(model, 1, 2, 0, 3)]
     padded, packed = collate(examples, model.spec), collate_packed(examples, model.spec)
     with torch.no_grad():

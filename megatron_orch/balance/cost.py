@@ -12,7 +12,10 @@ Forward FLOPs of one sequence of ``s`` tokens through ``L`` layers (a multiply-a
   the attention output projection and the FFN (``m = 3`` for a gated/SwiGLU FFN, 2 otherwise), with
   ``q = heads * head_dim`` and ``kv = query_groups * head_dim`` (grouped-query attention);
 * attention part, per attended (query, key) pair and layer: ``4 * q`` (``Q K^T`` and ``A V``). A full
-  (encoder) attention attends ``s^2`` pairs; a causal (decoder) one ``s*(s+1)/2``, about half;
+  (encoder) attention attends ``s^2`` pairs; a causal (decoder) one ``s*(s+1)/2``, about half. A packed
+  backbone row costs the sum of its examples: its kernel attends each example causally on its own
+  (``megatron_orch.mllm.attention.packed_attention``: ``varlen_attn`` or SDPA per example, up to the
+  kernel's tile rounding), not the row's ``T^2`` a dense block-diagonal mask would make it compute;
 * a logits layer of width ``vocab_size`` (backbone only): ``2 * h * vocab_size`` per token.
 
 Training = forward + backward ~= 3x forward.

@@ -9,8 +9,9 @@ without any other metadata. :class:`BatchSpec` says, for one model, the phases, 
 and placeholder id, the pad id and the longest sequence, and checks examples against them.
 
 A :class:`MicroBatch` is what :func:`collate` (right-padded rows) or :func:`collate_packed` (all
-examples concatenated in one row, ``cu_seqlens`` marking the boundaries for block-diagonal causal
-attention) builds from examples; :meth:`MicroBatch.examples` splits it back, which is how single
+examples concatenated in one row, ``cu_seqlens`` marking the boundaries; attention is causal within each
+example, through a variable-length kernel given :class:`PackedRowParams`, never a dense mask) builds from
+examples; :meth:`MicroBatch.examples` splits it back, which is how single
 examples move between data-parallel ranks. :class:`ExampleSizes` is the cheap per-example record the
 balancer plans with; datasets give it without materialising tensors.
 """
@@ -21,6 +22,7 @@ from dataclasses import dataclass, field
 from typing import Dict, Mapping, Optional, Sequence, Tuple
 
 import torch
+from megatron.core.packed_seq_params import PackedSeqParams
 
 from megatron_orch.balance.workload import ModelPhases
 
@@ -154,6 +156,16 @@ class Example:
                             self.num_tokens, int(self.loss_mask.count_nonzero()))
 
 
+@dataclass
+class PackedRowParams(PackedSeqParams):
+    """Megatron-Core's ``PackedSeqParams`` (THD) of a packed row, with ``host_cu_seqlens``: the sequence
+    bounds as host ints, for a kernel launched sequence by sequence or sliced to the real tokens
+    (reading ``cu_seqlens_q`` from the device would stall the host once per layer). Megatron's own code
+    sees the base class's fields only."""
+
+    host_cu_seqlens: Tuple[int, ...] = ()
+
+
 @dataclass(frozen=True, eq=False)
 class MicroBatch:
     """Examples batched for one forward pass.
@@ -161,8 +173,10 @@ class MicroBatch:
     Padded layout (``cu_seqlens is None``): row ``i`` holds example ``i`` right-padded to the row length
     (padding: the spec's pad id, loss_mask 0); plain causal attention suffices since padding comes after
     every real token. Packed layout: one row holding all examples back to back; example ``i`` spans
-    ``cu_seqlens[i]:cu_seqlens[i+1]``, position ids restart at each example, and attention must be
-    block-diagonal causal (:meth:`attention_mask`); a tail after ``cu_seqlens[-1]`` is padding.
+    ``cu_seqlens[i]:cu_seqlens[i+1]``, position ids restart at each example, and attention is causal
+    within each example (:meth:`packed_seq_params`); a tail after ``cu_seqlens[-1]`` is padding.
+    ``cu_seqlens`` travels with the batch (the kernels read it on the device); ``host_cu_seqlens`` holds
+    the same bounds as ints, so launching a kernel or splitting the batch never reads the device.
 
     ``items[phase]`` holds every example's items of an encoder phase in example order;
     ``item_counts[phase][i]`` says how many belong to example ``i``; ``placeholders[phase]`` is ``[2, n]``:
@@ -181,6 +195,7 @@ class MicroBatch:
     sample_ids: torch.Tensor      # [n] int64, global sample index of each example
     placeholders: Dict[str, torch.Tensor]  # phase -> [2, placeholders] int64 (row, column)
     cu_seqlens: Optional[torch.Tensor] = None  # [n + 1] int32 in the packed layout
+    host_cu_seqlens: Tuple[int, ...] = ()      # the same n + 1 bounds as ints (packed layout)
 
     @property
     def num_examples(self) -> int:
@@ -197,7 +212,7 @@ class MicroBatch:
             value = getattr(self, f.name)
             if isinstance(value, dict):
                 changes[f.name] = {name: fn(t) for name, t in value.items()}
-            elif value is not None:
+            elif isinstance(value, torch.Tensor):
                 changes[f.name] = fn(value)
         return dataclasses.replace(self, **changes)
 
@@ -212,7 +227,7 @@ class MicroBatch:
     def _spans(self) -> list[tuple[int, int, int]]:
         """(row, start, end) of each example's tokens."""
         if self.is_packed:
-            bounds = self.cu_seqlens.tolist()
+            bounds = self.host_cu_seqlens
             return [(0, bounds[i], bounds[i + 1]) for i in range(self.num_examples)]
         return [(i, 0, length) for i, length in enumerate(self.seq_lengths.tolist())]
 
@@ -231,21 +246,20 @@ class MicroBatch:
         return [ExampleSizes(int(s), {name: c[i] for name, c in counts.items() if c[i]}, int(n), lt)
                 for i, (s, n, lt) in enumerate(zip(self.sample_ids.tolist(), self.seq_lengths.tolist(), loss_tokens))]
 
-    def attention_mask(self) -> Optional[torch.Tensor]:
-        """Megatron-style bool mask [1, 1, T, T] (True = masked) for the packed layout; None when padded.
-
-        Block-diagonal causal: a token sees earlier tokens of its own example only. The padding tail,
-        if any, forms one more block so no attention row is empty.
-        """
+    def packed_seq_params(self, tail_as_sequence: bool = False) -> Optional[PackedRowParams]:
+        """Megatron's THD parameters of the packed row (None when padded): one sequence per example, each
+        attending causally to its own tokens only. The padding tail is in no sequence, or, with
+        ``tail_as_sequence`` (for Transformer Engine's THD kernels, whose output for a token outside every
+        sequence is not defined), one more sequence that attends only to itself (its loss mask is 0); its
+        bound is appended on the device, so no host-to-device copy."""
         if not self.is_packed:
             return None
-        length = self.tokens.shape[1]
-        device = self.tokens.device
-        bounds = self.cu_seqlens.to(torch.long)
-        segment = torch.bucketize(torch.arange(length, device=device), bounds[1:], right=True)
-        same = segment[:, None] == segment[None, :]
-        causal = torch.ones(length, length, dtype=torch.bool, device=device).tril()
-        return ~(same & causal)[None, None]
+        bounds, cu_seqlens, length = self.host_cu_seqlens, self.cu_seqlens, self.tokens.shape[1]
+        if tail_as_sequence and bounds[-1] < length:
+            bounds, cu_seqlens = (*bounds, length), torch.nn.functional.pad(cu_seqlens, (0, 1), value=length)
+        longest = max(end - start for start, end in zip(bounds, bounds[1:]))
+        return PackedRowParams(qkv_format="thd", cu_seqlens_q=cu_seqlens, cu_seqlens_kv=cu_seqlens,
+                               max_seqlen_q=longest, max_seqlen_kv=longest, host_cu_seqlens=bounds)
 
 
 def _stack_items(examples: Sequence[Example], spec: BatchSpec) -> tuple[dict, dict]:
@@ -306,7 +320,7 @@ def collate(examples: Sequence[Example], spec: BatchSpec, pad_to: Optional[int] 
 
 def collate_packed(examples: Sequence[Example], spec: BatchSpec, pad_to: Optional[int] = None,
                    pad_to_multiple_of: int = 1) -> MicroBatch:
-    """Batch examples back to back in one row [1, T] with ``cu_seqlens`` (block-diagonal causal attention).
+    """Batch examples back to back in one row [1, T] with ``cu_seqlens`` (causal attention per example).
 
     T is ``pad_to`` if given (e.g. a token budget), else the total length rounded up to
     ``pad_to_multiple_of``; the tail is padding (``spec.pad_token_id``) with loss_mask 0.
@@ -321,10 +335,10 @@ def collate_packed(examples: Sequence[Example], spec: BatchSpec, pad_to: Optiona
     labels = torch.cat([e.labels for e in examples] + [pad])
     loss_mask = torch.cat([e.loss_mask.to(torch.float32) for e in examples] + [torch.zeros(pad.numel())])
     positions = torch.cat([torch.arange(n) for n in lengths.tolist()] + [torch.arange(pad.numel())])
-    cu_seqlens = torch.zeros(len(examples) + 1, dtype=torch.int32)
-    cu_seqlens[1:] = torch.cumsum(lengths, 0)
+    bounds = (0, *torch.cumsum(lengths, 0).tolist())
     items, counts = _stack_items(examples, spec)
     return MicroBatch(tokens=tokens[None], labels=labels[None], loss_mask=loss_mask[None],
                       position_ids=positions[None], seq_lengths=lengths, items=items, item_counts=counts,
                       sample_ids=torch.tensor([e.sample_index for e in examples], dtype=torch.long),
-                      placeholders=placeholder_positions(tokens[None], spec), cu_seqlens=cu_seqlens)
+                      placeholders=placeholder_positions(tokens[None], spec),
+                      cu_seqlens=torch.tensor(bounds, dtype=torch.int32), host_cu_seqlens=bounds)

@@ -329,17 +329,17 @@ class MLLMModel(MegatronModule):
         its placeholders (first stage): ``embeds`` from post-balancing's encoder phases, else the
         encoders run over the batch's own items here.
 
-        Right-padded rows attend causally; packed rows (``batch.cu_seqlens``) through a block-diagonal
-        causal mask.
+        Right-padded rows attend causally; a packed row (``batch.cu_seqlens``) goes to the backbone in
+        Megatron's THD layout (:meth:`MicroBatch.packed_seq_params`), each example attending causally to
+        itself: no mask is built. ``local``: :func:`~megatron_orch.mllm.attention.packed_attention`;
+        ``transformer_engine``: megatron-core's ``TEDotProductAttention`` (TE's THD kernels, causal
+        becoming ``padding_causal``), with the padding tail as one more sequence.
         """
-        attention_mask = batch.attention_mask()
-        if attention_mask is not None and self.transformer_impl == "transformer_engine":
-            raise NotImplementedError("an attention mask (packed rows) with transformer_impl='transformer_engine': "
-                                      "TE's causal attention would ignore it; use 'local'")
+        packed_seq_params = batch.packed_seq_params(tail_as_sequence=self.transformer_impl == "transformer_engine")
         decoder_input = None
         if self.pre_process:
             if embeds is None:
                 embeds = {name: self.encode(name, items) for name, items in batch.items.items()}
             decoder_input = self.embed(batch, embeds)
-        return self.backbone(input_ids=batch.tokens, position_ids=batch.position_ids, attention_mask=attention_mask,
-                             decoder_input=decoder_input, labels=batch.labels)
+        return self.backbone(input_ids=batch.tokens, position_ids=batch.position_ids, attention_mask=None,
+                             decoder_input=decoder_input, labels=batch.labels, packed_seq_params=packed_seq_params)

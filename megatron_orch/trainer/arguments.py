@@ -332,11 +332,6 @@ def validate_args(args: argparse.Namespace, world_size: int) -> argparse.Namespa
         import torch
         args.distributed_backend = "nccl" if torch.cuda.is_available() else "gloo"
     _resolve_transformer_impl(args)
-    if (args.transformer_impl == "transformer_engine" and args.orch_config is not None
-            and args.orch_config.microbatching == "packed"):
-        raise ArgumentError("--orch-microbatching packed is not supported with --transformer-impl "
-                            "transformer_engine (TE's causal attention ignores the block-diagonal mask of "
-                            "packed rows); use --transformer-impl local or --orch-microbatching equal_count")
     return args
 
 
