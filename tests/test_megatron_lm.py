@@ -226,8 +226,6 @@ def test_check_args_names_what_post_balancing_cannot_run_with():
                           (dict(perform_rl_step=True), "--perform-rl-step"),
                           (dict(use_torch_fsdp2=True), "--use-torch-fsdp2"),
                           (dict(use_megatron_fsdp=True), "--use-megatron-fsdp"),
-                          (dict(orch_microbatching="packed", transformer_impl="transformer_engine"),
-                           "--orch-microbatching packed with --transformer-impl transformer_engine"),
                           (dict(rampup_batch_size=["4", "4", "100"]), "--rampup-batch-size"),
                           (dict(step_batch_size_schedule="0:4 100:8"), "--step-batch-size-schedule")):
         with pytest.raises(ValueError, match=re.escape(flag)):

@@ -180,10 +180,6 @@ def check_args(args: argparse.Namespace) -> None:
                             "which the deferred encoder backward is not tested with (Megatron DDP is)")
     if getattr(args, "perform_rl_step", False):
         problems.append("--perform-rl-step: RL training builds its own batches")
-    if args.orch_microbatching == "packed" and args.transformer_impl == "transformer_engine":
-        problems.append("--orch-microbatching packed with --transformer-impl transformer_engine: TE's causal "
-                        "attention ignores the block-diagonal mask of packed rows (use --transformer-impl local "
-                        "or --orch-microbatching equal_count)")
     if args.rampup_batch_size is not None:
         problems.append("--rampup-batch-size: a post-balancing step has a fixed number of micro-batches")
     if getattr(args, "step_batch_size_schedule", None) is not None:
