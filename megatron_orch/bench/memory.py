@@ -34,6 +34,7 @@ import argparse
 import contextlib
 import dataclasses
 import functools
+import math
 import sys
 import time
 from datetime import timedelta
@@ -63,10 +64,11 @@ from megatron_orch.trainer import cpu_harness
 META = torch.device("meta")
 GB = 1e9
 
-# The balanced step under the trainer's settings: name -> (what it is, OrchestratorConfig fields).
+# The balanced step under the trainer's settings: name -> (its flags, OrchestratorConfig fields).
 VARIANTS = {
-    "balanced": ("the trainer's default", {}),
+    "balanced": ("the defaults: encoder memory capped at upstream's peak", {}),
     "recompute": ("--orch-encoder-recompute", {"encoder_recompute": True}),
+    "uncapped": ("--orch-encoder-memory-cap inf: every encoder activation kept", {"encoder_memory_cap": math.inf}),
 }
 
 
@@ -78,8 +80,9 @@ class SavedBytes:
     bytes to the current phase and returns a handle whose release (autograd freeing the saved tensor)
     takes them off again."""
 
-    def __init__(self, excluded_storages: set):
+    def __init__(self, excluded_storages: set, encoders: Tuple[str, ...]):
         self.excluded = excluded_storages
+        self.encoders = encoders  # phases whose live bytes are also added up (the encoders')
         self.phase = "other"
         self.refs: Dict[int, list] = {}  # storage -> [handles alive, bytes, phase]
         self.live: Dict[str, int] = {}
@@ -87,6 +90,11 @@ class SavedBytes:
         self.peak_total = 0
         self.at_peak: Dict[str, int] = {}
         self.peak: Dict[str, int] = {}
+        self.live_encoders = 0
+        self.peak_encoders = 0
+
+    def reset_peaks(self) -> None:
+        self.peak_total, self.at_peak, self.peak, self.peak_encoders = 0, {}, {}, 0
 
     def _pack(self, tensor: torch.Tensor):
         storage = tensor.untyped_storage()
@@ -110,6 +118,9 @@ class SavedBytes:
     def _add(self, phase: str, nbytes: int) -> None:
         self.live[phase] = self.live.get(phase, 0) + nbytes
         self.total += nbytes
+        if phase in self.encoders:
+            self.live_encoders += nbytes
+            self.peak_encoders = max(self.peak_encoders, self.live_encoders)
         if nbytes > 0:
             self.peak[phase] = max(self.peak.get(phase, 0), self.live[phase])
             if self.total > self.peak_total:
@@ -292,13 +303,14 @@ def run_rank(model: MetaMLLM, counter: SavedBytes, schedule, data_iterator, num_
     """One rank's step under ``schedule`` (Megatron's or the modality-aware one): its saved-bytes figures."""
     for p in model.parameters():
         p.grad = None
-    counter.peak_total, counter.at_peak, counter.peak = 0, {}, {}
+    counter.reset_peaks()
     with counter.saving():
         schedule(forward_step_func=forward_step, data_iterator=data_iterator, model=model,
                  num_microbatches=num_microbatches, seq_length=seq_length, micro_batch_size=1, forward_only=False)
     if counter.total:
         raise RuntimeError(f"{counter.total} saved bytes still held after the step (a graph was not freed)")
-    return {"peak": counter.peak_total, "at_peak": dict(counter.at_peak), "phase_peak": dict(counter.peak)}
+    return {"peak": counter.peak_total, "at_peak": dict(counter.at_peak), "phase_peak": dict(counter.peak),
+            "encoder_peak": counter.peak_encoders}
 
 
 # -- the benchmark --------------------------------------------------------------------------------------
@@ -325,12 +337,12 @@ def build_model(config: MLLMConfig) -> MetaMLLM:
                         post_process=True).bfloat16()
 
 
-def measure(config: MLLMConfig, sizes, plans: Dict[str, StepPlan], ranks: List[int], per_rank: int,
+def measure(config: MLLMConfig, sizes, plans: Dict[str, Tuple[StepPlan, bool]], ranks: List[int],
             progress=None) -> dict:
-    """Saved-bytes figures of every rank in ``ranks``, upstream and under each plan."""
+    """Saved-bytes figures of every rank in ``ranks``, upstream and under each (plan, encoder recompute)."""
     model = build_model(config)
     spec = model.spec
-    counter = SavedBytes({p.untyped_storage()._cdata for p in model.parameters()})
+    counter = SavedBytes({p.untyped_storage()._cdata for p in model.parameters()}, spec.phases.encoder_names)
     for phase, encoder in model.phase_encoders().items():
         counter.booking(encoder, phase)
     counter.booking(model.backbone, spec.phases.backbone.name)
@@ -342,8 +354,8 @@ def measure(config: MLLMConfig, sizes, plans: Dict[str, StepPlan], ranks: List[i
             loader = upstream_microbatches(sizes, rank, spec, 1)
             out["upstream"][rank] = run_rank(model, counter, megatron_schedule, iter(loader), len(loader),
                                              spec.seq_length)
-            for name, plan in plans.items():
-                schedule = MetaSchedule(megatron_schedule, dp_group=None, encoder_recompute=plan_recompute[name])
+            for name, (plan, recompute) in plans.items():
+                schedule = MetaSchedule(megatron_schedule, dp_group=None, encoder_recompute=recompute)
                 out[name][rank] = run_rank(model, counter, schedule, iter([balanced_step(plan, sizes, rank, spec)]),
                                            plan.num_microbatches, spec.seq_length)
             if progress:
@@ -351,38 +363,45 @@ def measure(config: MLLMConfig, sizes, plans: Dict[str, StepPlan], ranks: List[i
     return out
 
 
-plan_recompute: Dict[str, bool] = {}
-
-
-def summarise(per_rank: dict, phases) -> dict:
-    """Per step (the busiest rank of each figure): peak total, each phase's peak, the encoders' share at the
-    total's peak; and each method's ratio to upstream."""
+def summarise(per_rank: dict, phases, plans: Dict[str, StepPlan]) -> dict:
+    """Per step (the busiest rank of each figure): the peak of all saved bytes, of the encoders' and of each
+    phase's, the encoders' share at the total's peak, the ratios to upstream; and the planner's modeled
+    peak (``StepPlan.memory``, over the measured ranks) beside it."""
     out = {}
     for method, ranks in per_rank.items():
         peak_rank = max(ranks, key=lambda r: ranks[r]["peak"])
+        plan = plans[method if method in plans else next(iter(plans))]
+        modeled = plan.memory.upstream_peak if method == "upstream" else plan.memory.peak
         out[method] = {
             "peak_gb": ranks[peak_rank]["peak"] / GB,
             "peak_rank": peak_rank,
             "encoders_at_peak_gb": sum(ranks[peak_rank]["at_peak"].get(p, 0) for p in phases.encoder_names) / GB,
+            "encoder_peak_gb": max(r["encoder_peak"] for r in ranks.values()) / GB,
             "phase_peak_gb": {p: max(r["phase_peak"].get(p, 0) for r in ranks.values()) / GB for p in phases.names},
-            "encoder_peak_gb": max(sum(r["phase_peak"].get(p, 0) for p in phases.encoder_names)
-                                   for r in ranks.values()) / GB,
+            "modeled_peak_gb": float(modeled[list(ranks)].max()) / GB,
         }
-    for method in out:
-        out[method]["peak_vs_upstream"] = out[method]["peak_gb"] / out["upstream"]["peak_gb"]
+    up = out["upstream"]
+    for figures in out.values():
+        figures["peak_vs_upstream"] = figures["peak_gb"] / up["peak_gb"]
+        figures["encoder_peak_vs_upstream"] = figures["encoder_peak_gb"] / up["encoder_peak_gb"]
+        figures["modeled_vs_upstream"] = figures["modeled_peak_gb"] / up["modeled_peak_gb"]
     return out
 
 
 def format_tables(result: dict) -> str:
     phases = result["phases"]
-    lines = [f"saved-tensor bytes of one step, {result['model']} (layers {result['layers']}), DP {result['dp']}, "
-             f"{result['per_rank']} examples per rank (one per micro-batch), ranks {result['ranks_label']}",
-             f"{'step':<12}{'peak GB':>9}{'x upstream':>11}{'encoders at peak':>18}"
-             + "".join(f"{p + ' peak':>14}" for p in phases)]
-    for method, figures in result["summary"].items():
-        lines.append(f"{method:<12}{figures['peak_gb']:>9.2f}{figures['peak_vs_upstream']:>11.2f}"
-                     f"{figures['encoders_at_peak_gb']:>18.2f}"
-                     + "".join(f"{figures['phase_peak_gb'][p]:>14.2f}" for p in phases))
+    lines = [f"saved-tensor bytes of one step (GB), {result['model']} (layers {result['layers']}), DP {result['dp']}, "
+             f"{result['per_rank']} examples per rank (one per micro-batch), ranks: {result['ranks_label']}",
+             f"{'step':<11}{'peak':>7}{'x up':>6}{'encoders':>10}{'x up':>6}{'at peak':>9}"
+             + "".join(f"{p:>8}" for p in phases) + f"{'modeled':>9}{'x up':>6}"]
+    for method, f in result["summary"].items():
+        lines.append(f"{method:<11}{f['peak_gb']:>7.2f}{f['peak_vs_upstream']:>6.2f}{f['encoder_peak_gb']:>10.2f}"
+                     f"{f['encoder_peak_vs_upstream']:>6.2f}{f['encoders_at_peak_gb']:>9.2f}"
+                     + "".join(f"{f['phase_peak_gb'][p]:>8.2f}" for p in phases)
+                     + f"{f['modeled_peak_gb']:>9.2f}{f['modeled_vs_upstream']:>6.2f}")
+    lines.append("peak: all saved tensors alive at once; encoders: the encoder phases' (the peak of their sum); "
+                 "at peak: the encoders' share of the peak; per phase: each phase's own peak; modeled: the "
+                 "planner's StepPlan.memory peak")
     return "\n".join(lines)
 
 
@@ -397,8 +416,8 @@ def main(argv=None) -> dict:
     parser.add_argument("--per-rank", type=int, default=16, help="examples (= micro-batches) per rank (default 16)")
     parser.add_argument("--gpus-per-node", type=int, default=8)
     parser.add_argument("--ranks", type=int, default=None,
-                        help="measure only this many ranks: the busiest ones upstream and under each plan by modeled "
-                             "encoder items (default: every rank)")
+                        help="measure only this many ranks: the ones of largest modeled peak (StepPlan.memory) "
+                             "upstream and under each plan (default: every rank)")
     parser.add_argument("--variants", default=",".join(VARIANTS),
                         help="balanced steps to measure: " + "; ".join(f"{k}: {v[0]}" for k, v in VARIANTS.items()))
     parser.add_argument("--seed", type=int, default=0)
@@ -416,37 +435,26 @@ def main(argv=None) -> dict:
     plans = {}
     for name in variants:
         config = OrchestratorConfig(background=False, **VARIANTS[name][1])
-        plans[name] = plan_step(sizes, phases, config, topology, micro_batch_size=1, num_microbatches=args.per_rank)
-        plan_recompute[name] = config.encoder_recompute
-    ranks = list(range(args.dp))
-    if args.ranks is not None:
-        ranks = _busiest(sizes, plans, phases, args.ranks)
+        plans[name] = (plan_step(sizes, phases, config, topology, micro_batch_size=1, num_microbatches=args.per_rank),
+                       config.encoder_recompute)
+    ranks = list(range(args.dp)) if args.ranks is None else _busiest([p for p, _ in plans.values()], args.ranks)
     with world_of_one():
-        per_rank = measure(model_config, sizes, plans, ranks, args.per_rank,
-                           progress=lambda line: print(line, file=sys.stderr))
+        per_rank = measure(model_config, sizes, plans, ranks, progress=lambda line: print(line, file=sys.stderr))
     result = {"model": model_config.name, "layers": list(effective_layers(model_config)), "dp": args.dp,
               "per_rank": args.per_rank, "ranks": ranks,
               "ranks_label": "all" if args.ranks is None else f"{len(ranks)} busiest",
               "phases": list(phases.names),
-              "summary": summarise(per_rank, phases),
+              "summary": summarise(per_rank, phases, {name: plan for name, (plan, _) in plans.items()}),
               "per_rank_figures": {m: {str(r): f for r, f in v.items()} for m, v in per_rank.items()}}
     return report(result, format_tables, args.json)
 
 
-def _busiest(sizes, plans, phases, count: int) -> List[int]:
-    """The ranks with most modeled encoder activation bytes, upstream or under a plan (ties: lower rank)."""
-    from megatron_orch.balance.workload import phase_items
-    items = phase_items(sizes, phases)
-    scores = np.zeros(int(np.asarray(sizes.counts).size))
-    for name in phases.encoder_names:
-        scores = np.maximum(scores, np.bincount(items[name].home, weights=items[name].memory, minlength=scores.size))
-    chosen = list(np.argsort(-scores, kind="stable")[:count])
-    for plan in plans.values():
-        load = np.zeros(scores.size)
-        for name in phases.encoder_names:
-            load += np.bincount(plan.encoders[name].encode.rank, weights=items[name].memory, minlength=scores.size)
-        chosen += list(np.argsort(-load, kind="stable")[:count])
-    return sorted({int(r) for r in chosen})
+def _busiest(plans: List[StepPlan], count: int) -> List[int]:
+    """The ``count`` ranks of largest modeled peak upstream and under each plan (``StepPlan.memory``)."""
+    chosen = set()
+    for peak in [plans[0].memory.upstream_peak] + [plan.memory.peak for plan in plans]:
+        chosen.update(int(r) for r in np.argsort(-peak, kind="stable")[:count])
+    return sorted(chosen)
 
 
 if __name__ == "__main__":

@@ -77,7 +77,7 @@ def encode_in_chunks(encode: Callable[[torch.Tensor], torch.Tensor], items: torc
             chunk.outputs = out
         outputs.append(out.detach())
         chunks.append(chunk)
-    return torch.cat(outputs), chunks
+    return (outputs[0] if len(outputs) == 1 else torch.cat(outputs)), chunks
 
 
 def backward_chunk(encode: Callable[[torch.Tensor], torch.Tensor], items: torch.Tensor, chunk: Chunk,
