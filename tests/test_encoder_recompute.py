@@ -5,11 +5,11 @@ the backbone, and the RNG streams go on afterwards as if nothing had been recomp
 
 Two pairs, DP 2 with post-balancing on the scripted stream of ``test_post_balancing``: each rank's items
 of a phase in one chunk, kept against recomputed (``--orch-encoder-recompute``); and in chunks of one item,
-all kept (``--orch-encoder-memory-cap inf``) against all recomputed.
+all kept (``--orch-encoder-memory-cap inf``) against all recomputed. And consequence invariance with
+chunks of one item under the default cap (dropout 0): the same losses and parameters as upstream.
 """
-import torch
 
-from test_post_balancing import BALANCED, assert_invariant, train
+from test_post_balancing import BALANCED, assert_invariant, assert_plan_balances, train
 
 DROPOUT = ["--hidden-dropout", "0.1", "--attention-dropout", "0.1"]
 ONE_CHUNK = ["--orch-encoder-chunk-tokens", "100000"]
@@ -40,3 +40,10 @@ def test_recompute_in_chunks_at_dropout_equals_keeping(tmp_path):
     # chunks draw other dropout masks than one call: the chunking is real
     one_chunk = train(tmp_path, "one_chunk", 2, *BALANCED, *DROPOUT, *ONE_CHUNK)
     assert _largest_difference(kept, one_chunk) > DIFFERENT
+
+
+def test_one_item_chunks_under_the_default_cap_are_invariant(tmp_path):
+    baseline = train(tmp_path, "baseline", 2)
+    chunked = train(tmp_path, "chunked", 2, *BALANCED, *ONE_ITEM_CHUNKS)
+    assert_invariant(chunked, baseline)
+    assert_plan_balances(chunked)
