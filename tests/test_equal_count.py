@@ -16,7 +16,7 @@ from test_partition import brute_force_opt, check_assignment
 def backbone_costs(mixture: str, dp: int, per_rank: int, seed: int) -> np.ndarray:
     """The backbone item costs (training FLOPs of mllm_84b) of a global batch drawn from a mixture."""
     config, _, sizes = draw_sizes(list(HEAVY_TAILED_MIXTURES[mixture]), dp, per_rank, "mllm_84b", seed)
-    return phase_items(sizes, config)["llm"].cost
+    return phase_items(sizes, config.phases())["llm"].cost
 
 
 def cp_sat_equal_count_optimum(costs: np.ndarray, num_bins: int) -> float:

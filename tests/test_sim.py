@@ -76,7 +76,7 @@ def test_bytes_are_one_count_in_report_bench_and_sim():
         bench_off_gpu = sum(bench[phase][bench_method]["moved_bytes"] for phase in TINY.phases().names)
         assert bench_inter == pytest.approx(by_hand["inter"], rel=1e-12)
         assert bench_off_gpu == pytest.approx(by_hand["inter"] + by_hand["intra"], rel=1e-12)
-    verl = backbone_only_plan(sizes, upstream_plan(sizes))
+    verl = backbone_only_plan(sizes, upstream_plan(sizes, TINY.phases().backbone.name))
     for phase in ("vision", "audio"):  # encoder items run on their example's rank: no embeddings move
         np.testing.assert_array_equal(verl.encoders[phase].encode.rank,
                                       verl.examples_llm.rank[verl.encoders[phase].example])
