@@ -37,18 +37,17 @@ import functools
 import math
 import sys
 import time
-from datetime import timedelta
 from typing import Dict, Iterator, List, Optional, Tuple
 
 import numpy as np
 import torch
 import torch.distributed as dist
-from megatron.core import parallel_state, tensor_parallel
 from megatron.core.pipeline_parallel import get_forward_backward_func
 
 from megatron_orch.balance.topology import Topology
 from megatron_orch.bench.common import (add_trace_args, draw_sizes, effective_layers, parse_layers, report,
                                         trace_specs, with_layers)
+from megatron_orch.bench.mfu import world_of_one
 from megatron_orch.megatron.batch import Example, MicroBatch, collate
 from megatron_orch.megatron.contract import loss_func
 from megatron_orch.megatron.post_balancing import BalancedMicroBatch, BalancedStep
@@ -59,7 +58,6 @@ from megatron_orch.mllm.examples import assemble_example
 from megatron_orch.mllm.model import MLLMModel, ModelParallelSettings
 from megatron_orch.orchestrator.config import OrchestratorConfig
 from megatron_orch.orchestrator.step_plan import StepPlan, plan_step
-from megatron_orch.trainer import cpu_harness
 
 META = torch.device("meta")
 GB = 1e9
@@ -314,22 +312,6 @@ def run_rank(model: MetaMLLM, counter: SavedBytes, schedule, data_iterator, num_
 
 
 # -- the benchmark --------------------------------------------------------------------------------------
-@contextlib.contextmanager
-def world_of_one():
-    """A gloo world of one with megatron-core's model-parallel state, under the CPU harness."""
-    cpu_harness.install()
-    store = dist.TCPStore("127.0.0.1", 0, world_size=1, is_master=True, wait_for_workers=False,
-                          timeout=timedelta(seconds=60))
-    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
-    try:
-        parallel_state.initialize_model_parallel(1, 1)
-        tensor_parallel.model_parallel_cuda_manual_seed(0)
-        yield
-    finally:
-        parallel_state.destroy_model_parallel()
-        dist.destroy_process_group()
-
-
 def build_model(config: MLLMConfig) -> MetaMLLM:
     settings = ModelParallelSettings(bf16=True)
     with torch.device(META):
@@ -438,11 +420,12 @@ def main(argv=None) -> dict:
         plans[name] = (plan_step(sizes, phases, config, topology, micro_batch_size=1, num_microbatches=args.per_rank),
                        config.encoder_recompute)
     ranks = list(range(args.dp)) if args.ranks is None else _busiest([p for p, _ in plans.values()], args.ranks)
-    with world_of_one():
+    with world_of_one(torch.device("cpu")):  # on the CPU harness: meta tensors need no device
         per_rank = measure(model_config, sizes, plans, ranks, progress=lambda line: print(line, file=sys.stderr))
     result = {"model": model_config.name, "layers": list(effective_layers(model_config)), "dp": args.dp,
               "per_rank": args.per_rank, "ranks": ranks,
-              "ranks_label": "all" if args.ranks is None else f"{len(ranks)} busiest",
+              "ranks_label": "all" if args.ranks is None else f"{len(ranks)}, the {args.ranks} of largest modeled peak "
+                                                               f"of each step",
               "phases": list(phases.names),
               "summary": summarise(per_rank, phases, {name: plan for name, (plan, _) in plans.items()}),
               "per_rank_figures": {m: {str(r): f for r, f in v.items()} for m, v in per_rank.items()}}
