@@ -173,8 +173,9 @@ class ModalityAwareSchedule:
 
 
 def _no_sync(config) -> Callable[[], contextlib.AbstractContextManager]:
-    """The model config's ``no_sync_func`` (one per model chunk: all of them), as Megatron's schedules take it."""
-    no_sync = config.no_sync_func
+    """The model config's ``no_sync_func`` (one per model chunk: all of them), as Megatron's schedules take it;
+    none (also a config without the field, as a stage's stand-in config may be): gradients sync as usual."""
+    no_sync = getattr(config, "no_sync_func", None)
     if no_sync is None:
         return contextlib.nullcontext
     if isinstance(no_sync, list):
