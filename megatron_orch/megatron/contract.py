@@ -50,7 +50,8 @@ class BalanceableModel(Protocol):
 
     def encode(self, phase: str, items: torch.Tensor) -> torch.Tensor:
         """Items ``[n, *item_shape]`` of encoder phase ``phase`` -> their rows ``[n * output_rows, hidden]``,
-        item by item (``n`` may be 0)."""
+        item by item (``n`` may be 0). Called on consecutive chunks of a rank's items, and again on a chunk to
+        recompute it: its randomness must come from torch's generators or Megatron's RNG tracker (replayed)."""
 
     def forward(self, batch: MicroBatch, embeds: Optional[Mapping[str, torch.Tensor]] = None) -> torch.Tensor:
         """The backbone over ``batch`` (on the model's device) with ``embeds[phase]`` at the placeholders;

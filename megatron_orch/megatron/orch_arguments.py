@@ -39,8 +39,18 @@ def add_orch_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                    help="GPUs per node for the topology (default: torchrun's LOCAL_WORLD_SIZE)")
     g.add_argument("--orch-no-background-planning", action="store_true",
                    help="plan on the training thread instead of overlapping with the previous step")
+    g.add_argument("--orch-encoder-chunk-tokens", type=int, default=None, metavar="N",
+                   help="run each rank's items of an encoder phase in chunks of at most N encoder tokens (whole "
+                        "items); default: as many items as --orch-encoder-memory-cap holds, without a cap as many "
+                        "as upstream's busiest micro-batch of encoders holds")
+    g.add_argument("--orch-encoder-memory-cap", type=float, default=None, metavar="GB",
+                   help="modeled activation memory (10^9 bytes) a rank may hold: encoder chunks kept through the "
+                        "backbone beside its largest micro-batch, or one recomputed chunk (the rest are recomputed "
+                        "for their backward, replaying the RNG); default: upstream's peak at the same global "
+                        "batch; inf: keep every chunk")
     g.add_argument("--orch-encoder-recompute", action="store_true",
-                   help="recompute encoder activations for the backward instead of keeping them")
+                   help="keep no encoder activations through the backbone: every chunk is recomputed for its "
+                        "backward (least memory, one more encoder forward)")
     g.add_argument("--orch-cost-profile", type=str, default=None, metavar="PROFILE.yaml",
                    help="balance item costs measured on the device (python -m megatron_orch.bench.calibrate) "
                         "instead of training FLOPs from the model's shape; refused unless measured on this "
@@ -66,6 +76,8 @@ def orch_config_from_args(args: argparse.Namespace) -> Optional[OrchestratorConf
         locality=args.orch_locality, placement=args.orch_placement,
         placement_time_limit_s=args.orch_placement_time_limit, gpus_per_node=args.orch_gpus_per_node,
         background=not args.orch_no_background_planning, encoder_recompute=args.orch_encoder_recompute,
+        encoder_chunk_tokens=args.orch_encoder_chunk_tokens,
+        encoder_memory_cap=None if args.orch_encoder_memory_cap is None else args.orch_encoder_memory_cap * 1e9,
         cost_profile=None if args.orch_cost_profile is None else load_cost_profile(args.orch_cost_profile))
     _check_gpus_per_node(config.gpus_per_node, getattr(args, "world_size", None),
                          os.environ.get("LOCAL_WORLD_SIZE"))

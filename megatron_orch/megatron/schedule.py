@@ -11,10 +11,18 @@ backbone unchanged. Just before gradients are reduced (the DP all-reduce: ``grad
 ``finalize_model_grads_func`` of the model config, whichever comes first), the embedding gradients
 go back by the inverse all-to-all and the encoders run their backward, so encoder and backbone
 gradients are reduced together, exactly once.
+
+Encoder memory: each phase runs in the plan's chunks (:mod:`~megatron_orch.megatron.encoder_chunks`); the
+chunks the plan keeps hold their activations through the backbone, the others are recomputed for their
+backward, one at a time, after the kept ones have freed theirs. Every chunk's backward but a phase's last
+runs under the model's ``no_sync_func``, so Megatron DDP counts each encoder gradient once per step (as
+it counts a parameter's micro-batches).
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import functools
 import time
 from typing import Callable, Dict, List, Optional
 
@@ -27,6 +35,7 @@ from torch.distributed import ProcessGroup
 from megatron_orch.comm.alltoall import ItemLayout
 from megatron_orch.comm.device import to_communication_device
 from megatron_orch.megatron.contract import BalanceableModel
+from megatron_orch.megatron.encoder_chunks import backward_chunk, encode_in_chunks
 from megatron_orch.megatron.post_balancing import BalancedMicroBatch, BalancedStep
 
 # The model config's callbacks that reduce gradients, which the encoders' backward must precede:
@@ -51,8 +60,8 @@ class ModalityAwareSchedule:
 
     ``data_iterator`` must be a :class:`~megatron_orch.megatron.post_balancing.PostBalancingDataIterator`;
     ``num_microbatches`` is taken from the step (equal on every DP rank by construction).
-    ``encoder_recompute`` keeps only the encoder inputs through the backbone schedule and recomputes
-    encoder activations right before their backward.
+    The encoders run in the chunks of the step's plan; ``encoder_recompute`` keeps none of them (only the
+    encoder inputs stay through the backbone schedule, every chunk is recomputed right before its backward).
     """
 
     def __init__(self, forward_backward_func: Callable, dp_group: ProcessGroup, encoder_recompute: bool = False):
@@ -71,7 +80,7 @@ class ModalityAwareSchedule:
                              f"post-balancing step holds {len(step.microbatches)}")
         module = _unwrap(model)
         self.timings = {}
-        pending = []  # (phase, encoder inputs, encoder outputs or None, moved outputs)
+        pending = []  # (phase, encoder inputs, their chunks, moved outputs)
         microbatches = step.microbatches
         encoders = module.phase_encoders()
         if set(encoders) != set(step.inputs):
@@ -82,14 +91,15 @@ class ModalityAwareSchedule:
             start = time.perf_counter()
             moving = []  # each phase's outputs travel while the next phase encodes
             for phase, inputs in step.inputs.items():
-                with torch.set_grad_enabled(not forward_only and not self.encoder_recompute):
-                    outputs = module.encode(phase, inputs)
-                moving.append((phase, inputs, outputs, self._start_move(step, phase, outputs.detach())))
+                chunk_items, kept_items = self._chunking(step, phase, inputs)
+                outputs, chunks = encode_in_chunks(functools.partial(module.encode, phase), inputs, chunk_items,
+                                                   kept_items, grad=not forward_only)
+                moving.append((phase, inputs, chunks, self._start_move(step, phase, outputs)))
             embeds = {}
-            for phase, inputs, outputs, move in moving:
+            for phase, inputs, chunks, move in moving:
                 leaf = move().requires_grad_(not forward_only)
                 embeds[phase] = leaf
-                pending.append((phase, inputs, None if self.encoder_recompute else outputs, leaf))
+                pending.append((phase, inputs, chunks, leaf))
             microbatches = _attach(step, embeds)
             self.timings["encoders_forward"] = time.perf_counter() - start
 
@@ -100,7 +110,7 @@ class ModalityAwareSchedule:
         def encoders_backward_once():
             if not backward_done:
                 backward_done.append(True)
-                self._encoders_backward(step, module, pending)
+                self._encoders_backward(step, module, pending, _no_sync(config))
 
         def after_encoders_backward(callback):
             def call(*args, **kw):
@@ -141,20 +151,56 @@ class ModalityAwareSchedule:
         pending = move.start([to_communication_device(rows, group)], [layout], group)
         return lambda: pending.wait()[0].to(rows.device, non_blocking=True)
 
-    def _encoders_backward(self, step: BalancedStep, module: BalanceableModel, pending) -> None:
+    def _chunking(self, step: BalancedStep, phase: str, inputs: torch.Tensor):
+        """(items per chunk, items kept) of this rank's items of ``phase`` under the step's plan."""
+        chunks = step.plan.encoders[phase].chunks
+        count = inputs.shape[0]
+        if chunks is None:  # a plan without a memory model: one chunk
+            return max(count, 1), 0 if self.encoder_recompute else count
+        kept = int(chunks.kept[step.rank])
+        if kept > count:
+            raise ValueError(f"DP rank {step.rank}: the plan keeps {kept} {phase} items but the step brings {count}")
+        return chunks.items, 0 if self.encoder_recompute else kept
+
+    def _encoders_backward(self, step: BalancedStep, module: BalanceableModel, pending, no_sync) -> None:
         start = time.perf_counter()
-        # Every phase's gradients start back at once; each phase's backward hides the later ones' transfer.
-        returning = [self._start_move(step, phase, leaf.grad if leaf.grad is not None else torch.zeros_like(leaf),
-                                      inverse=True) for phase, _, _, leaf in pending]
-        for (phase, inputs, outputs, _), grad_at_encoder in zip(pending, returning):
-            grad_at_encoder = grad_at_encoder()
-            if outputs is None:  # recompute
-                outputs = module.encode(phase, inputs)
-            if outputs.requires_grad:
-                torch.autograd.backward(outputs, grad_at_encoder.to(outputs.dtype))
-            else:  # no items of this phase on this rank in this step
+        # Every phase's gradients start back at once; the first chunks' backward hides the later transfers.
+        returning = {phase: self._start_move(step, phase, leaf.grad if leaf.grad is not None else torch.zeros_like(leaf),
+                                             inverse=True) for phase, _, _, leaf in pending}
+        grads = {}
+        # kept chunks first, of every phase: their activations are freed before any chunk is recomputed
+        order = [(phase, inputs, chunk) for kept in (True, False) for phase, inputs, chunks, _ in pending
+                 for chunk in chunks if chunk.kept == kept]
+        last = {phase: i for i, (phase, _, _) in enumerate(order)}
+        for i, (phase, inputs, chunk) in enumerate(order):
+            if phase not in grads:
+                grads[phase] = returning[phase]()
+            rows = step.rows_per_item[phase]
+            with contextlib.nullcontext() if last[phase] == i else no_sync():
+                backward_chunk(functools.partial(module.encode, phase), inputs, chunk,
+                               grads[phase][chunk.start * rows:chunk.stop * rows])
+        for phase, _, chunks, _ in pending:
+            if phase not in grads:  # a phase without chunks: its (empty) transfer still completes
+                returning[phase]()
+            if not chunks:  # no items of this phase on this rank in this step
                 _zero_gradients(module.phase_encoders()[phase])
         self.timings["encoders_backward"] = time.perf_counter() - start
+
+
+def _no_sync(config) -> Callable[[], contextlib.AbstractContextManager]:
+    """The model config's ``no_sync_func`` (one per model chunk: all of them), as Megatron's schedules take it;
+    none (also a config without the field, as a stage's stand-in config may be): gradients sync as usual."""
+    no_sync = getattr(config, "no_sync_func", None)
+    if no_sync is None:
+        return contextlib.nullcontext
+    if isinstance(no_sync, list):
+        def all_chunks():
+            stack = contextlib.ExitStack()
+            for func in no_sync:
+                stack.enter_context(func())
+            return stack
+        return all_chunks
+    return no_sync
 
 
 def _zero_gradients(encoder: torch.nn.Module) -> None:

@@ -5,9 +5,11 @@ import math
 from dataclasses import dataclass
 from typing import Optional, Tuple
 
+import numpy as np
+
 from megatron_orch.balance.cost_profile import CostProfile
 from megatron_orch.balance.placement import METHODS as PLACEMENT_METHODS
-from megatron_orch.balance.workload import ModelPhases
+from megatron_orch.balance.workload import EncoderPhase, ModelPhases
 
 ALGORITHMS = ("auto", "lpt", "kk", "bs_ffd")
 MICROBATCHING = ("equal_count", "packed")
@@ -28,8 +30,12 @@ class OrchestratorConfig:
     of the plain plan's balance) instead of partition + placement. ``placement``: how balanced bins
     are mapped to ranks (``identity``, ``greedy``, ``exact`` min-total inter-node bytes, ``minmax``
     busiest node). ``background``: plan step k+1 on a CPU thread while step k trains.
-    ``encoder_recompute``: keep only encoder inputs and recompute encoder activations for the
-    backward. ``cost_profile``: item costs measured on the device (``--orch-cost-profile``,
+    ``encoder_chunk_tokens`` / ``encoder_memory_cap`` (bytes; ``math.inf``: no cap) / ``encoder_recompute``:
+    how the encoder phases bound their activation memory (:mod:`megatron_orch.orchestrator.step_plan`:
+    each rank runs its items of a phase in chunks, keeps the activations of the chunks that fit beside
+    its backbone micro-batches under the cap and recomputes the others for their backward; the cap
+    defaults to what upstream needs at the same global batch, ``encoder_recompute`` keeps none).
+    ``cost_profile``: item costs measured on the device (``--orch-cost-profile``,
     :mod:`megatron_orch.balance.cost_profile`) instead of training FLOPs.
     """
 
@@ -42,6 +48,8 @@ class OrchestratorConfig:
     gpus_per_node: Optional[int] = None
     background: bool = True
     encoder_recompute: bool = False
+    encoder_chunk_tokens: Optional[int] = None
+    encoder_memory_cap: Optional[float] = None
     cost_profile: Optional[CostProfile] = None
 
     def __post_init__(self):
@@ -62,14 +70,45 @@ class OrchestratorConfig:
             raise ValueError(f"--orch-placement-time-limit must be > 0, got {self.placement_time_limit_s}")
         if self.gpus_per_node is not None and self.gpus_per_node < 1:
             raise ValueError(f"--orch-gpus-per-node must be >= 1, got {self.gpus_per_node}")
+        chunk = self.encoder_chunk_tokens
+        if chunk is not None and (isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 1):
+            raise ValueError(f"--orch-encoder-chunk-tokens must be an int >= 1, got {chunk!r}")
+        cap = self.encoder_memory_cap
+        if cap is not None and not (cap > 0):  # inf: no cap; NaN fails too
+            raise ValueError(f"--orch-encoder-memory-cap must be > 0 (inf: no cap), got {cap / 1e9} GB")
 
     def balances(self, phase: str) -> bool:
         """Whether phase ``phase`` is rebalanced (the others keep the loader's assignment)."""
         return self.phases is None or phase in self.phases
 
+    def check_memory(self, phases: ModelPhases) -> None:
+        """Raise ValueError unless one item of every encoder phase fits a chunk: its tokens within
+        ``encoder_chunk_tokens``, its modeled activation bytes (and a whole chunk's) within ``encoder_memory_cap``."""
+        cap = self.encoder_memory_cap
+        for phase in phases.encoders:
+            tokens = self.encoder_chunk_tokens
+            if tokens is not None and phase.item_tokens > tokens:
+                raise ValueError(f"--orch-encoder-chunk-tokens {tokens}: an item of encoder phase {phase.name} "
+                                 f"runs {phase.item_tokens} tokens; a chunk holds at least one item")
+            if cap is None or math.isinf(cap):
+                continue
+            per_item = item_memory(phase)
+            items = 1 if tokens is None else tokens // phase.item_tokens
+            if items * per_item > cap:
+                what = "an item" if items == 1 else f"a chunk of {items} items (--orch-encoder-chunk-tokens {tokens})"
+                raise ValueError(f"--orch-encoder-memory-cap {cap / 1e9:g} GB: {what} of encoder phase {phase.name} "
+                                 f"needs {items * per_item / 1e9:.3g} GB of activations (modeled)")
+
     def check_phases(self, phases: ModelPhases) -> None:
-        """Raise ValueError unless every phase named in ``phases`` (``--orch-phases``) is one of the model's."""
+        """Raise ValueError unless the settings fit the model's phases: every phase named in ``phases``
+        (``--orch-phases``) is one of the model's, and its encoder items fit a chunk (:meth:`check_memory`)."""
         unknown = [name for name in self.phases or () if name not in phases.names]
         if unknown:
             raise ValueError(f"--orch-phases: the model has no phase {', '.join(map(repr, unknown))}; its phases "
                              f"are {','.join(phases.names)}")
+        self.check_memory(phases)
+
+
+def item_memory(phase: EncoderPhase) -> float:
+    """Modeled activation bytes of one item of an encoder phase (its cost model's)."""
+    return float(np.asarray(phase.cost.item_memory(np.array([phase.item_tokens])), dtype=np.float64).reshape(-1)[0])

@@ -8,8 +8,9 @@ caller check that cheaply.
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass
-from typing import Dict, List
+from typing import Dict, List, Optional
 
 import numpy as np
 
@@ -43,12 +44,43 @@ class PhaseStats:
 
 
 @dataclass(frozen=True, eq=False)
+class EncoderChunks:
+    """How every rank runs its items of one encoder phase: in chunks of ``items`` consecutive items (slot
+    order); on rank r the first ``kept[r]`` items (whole chunks, or all of them) keep their activations
+    through the backbone, the others run without and are recomputed, chunk by chunk, for their backward."""
+
+    items: int
+    kept: np.ndarray  # per rank
+
+
+@dataclass(frozen=True, eq=False)
 class EncoderPhasePlan:
-    """Items of one encoder phase: their example, where they are loaded and where they are encoded."""
+    """Items of one encoder phase: their example, where they are loaded and where they are encoded, and
+    in which chunks (None: each rank's items in one chunk, kept)."""
 
     example: np.ndarray
     home: Placement
     encode: Placement
+    chunks: Optional[EncoderChunks] = None
+
+
+@dataclass(frozen=True, eq=False)
+class StepMemory:
+    """Modeled activation bytes of a step on every DP rank (the phases' cost models, ``PhaseItems.memory``):
+    each phase's own peak and the step's peak (what is alive at once), under the plan and upstream (the
+    loader's micro-batches, each encoding its own items), and the cap the plan kept the encoders under.
+
+    Upstream, micro-batch m holds its encoders' activations and its backbone's at once. Under the plan,
+    a rank holds its kept encoder chunks through all its backbone micro-batches, then one recomputed chunk
+    at a time. Backbone micro-batches of rows padded to their longest example count that length for every
+    row (packed ones: their examples). No pipelining: a first pipeline stage with several micro-batches
+    in flight holds more, upstream as balanced."""
+
+    phase_peak: Dict[str, np.ndarray]
+    peak: np.ndarray
+    upstream_phase_peak: Dict[str, np.ndarray]
+    upstream_peak: np.ndarray
+    encoder_cap: float
 
 
 @dataclass(frozen=True, eq=False)
@@ -62,6 +94,7 @@ class StepPlan:
     stats: Dict[str, PhaseStats]           # every phase
     traffic: Dict[str, MovedBytes]         # per step, of every transfer (:func:`step_transfers`; {}: not planned)
     digest: int
+    memory: Optional[StepMemory] = None    # modeled activation bytes (None: not planned)
 
     def report(self) -> Dict[str, float]:
         """The plan's figures by name, as the log shows them: each phase's modeled cost max/mean over DP
@@ -227,21 +260,100 @@ def plan_step(sizes: StepSizes, phases: ModelPhases, config: OrchestratorConfig,
                 sources.append((part.bin_of_item[example], enc_rank, out_bytes))
             rank_llm = _place(part.bin_of_item, sources, num_ranks, topology, config)
 
+    home_microbatch = np.arange(sizes.num_examples) % expected // micro_batch_size  # the loader's
     if rank_llm is home and not packed:
-        microbatch = np.arange(sizes.num_examples) % expected // micro_batch_size  # the loader's
+        microbatch = home_microbatch
     else:
         microbatch = _microbatches(rank_llm, llm_costs, sizes.num_tokens, num_ranks, micro_batch_size,
                                    num_microbatches, packed, config.algorithm)
     examples_llm = Placement.from_ranks(rank_llm, num_ranks,
                                         key=microbatch * (sizes.num_examples + 1) + np.arange(sizes.num_examples))
     stats[backbone] = _phase_stats(method, llm_costs, home, rank_llm, num_ranks)
+    chunks, memory = _plan_memory(items, phases, encoders, rank_llm, microbatch, home_microbatch, num_ranks,
+                                  num_microbatches, packed, config)
+    encoders = {phase: dataclasses.replace(plan, chunks=chunks[phase]) for phase, plan in encoders.items()}
     digest = checksum(examples_llm.rank, examples_llm.slot, microbatch,
-                      *(a for e in encoders.values() for a in (e.encode.rank, e.encode.slot)))
+                      *(a for e in encoders.values() for a in (e.encode.rank, e.encode.slot, e.chunks.kept)),
+                      np.array([e.chunks.items for e in encoders.values()], dtype=np.int64))
     plan = StepPlan(examples_home=examples_home, examples_llm=examples_llm, microbatch_of_example=microbatch,
                     num_microbatches=num_microbatches, encoders=encoders, backbone=backbone, stats=stats, traffic={},
-                    digest=digest)
+                    digest=digest, memory=memory)
     return dataclasses.replace(plan, traffic={move.name: move.moved_bytes(topology.node_of_rank).times(move.times)
                                               for move in step_transfers(plan, items)})
+
+
+def _plan_memory(items: Dict[str, PhaseItems], phases: ModelPhases, encoders: Dict[str, EncoderPhasePlan],
+                 rank_llm: np.ndarray, microbatch: np.ndarray, home_microbatch: np.ndarray, num_ranks: int,
+                 num_microbatches: int, packed: bool, config: OrchestratorConfig):
+    """The chunks of every encoder phase and the step's modeled memory (:class:`StepMemory`).
+
+    The cap is ``config.encoder_memory_cap``, else upstream's peak at this global batch (its busiest
+    micro-batch of encoders and backbone). A chunk holds ``encoder_chunk_tokens`` worth of items, else as
+    many as the cap holds (without a cap given: as upstream's busiest micro-batch of encoders holds, so
+    no chunk needs more than upstream's encoders ever do). Each rank keeps whole chunks, phase by phase,
+    while they fit beside its largest backbone micro-batch under the cap (none with ``encoder_recompute``).
+    """
+    backbone = phases.backbone.name
+    cells = num_ranks * num_microbatches  # (rank, micro-batch)
+
+    def per_rank(per_cell: np.ndarray) -> np.ndarray:
+        return per_cell.reshape(num_ranks, num_microbatches).max(axis=1)
+
+    llm = items[backbone]
+    upstream_key = llm.home * num_microbatches + home_microbatch
+    upstream_encoders = {p: np.bincount(upstream_key[items[p].example], weights=items[p].memory, minlength=cells)
+                         for p in encoders}
+    upstream_backbone = _microbatch_memory(upstream_key, llm.memory, cells, padded=True)
+    encoders_per_cell = sum(upstream_encoders.values(), np.zeros(cells))
+    upstream_peak = per_rank(encoders_per_cell + upstream_backbone)
+    backbone_peak = per_rank(_microbatch_memory(rank_llm * num_microbatches + microbatch, llm.memory, cells,
+                                                padded=not packed))
+    given = config.encoder_memory_cap
+    cap = float(upstream_peak.max(initial=0.0)) if given is None else float(given)
+    chunk_budget = float(encoders_per_cell.max(initial=0.0)) if given is None else cap
+    keep_left = np.zeros(num_ranks) if config.encoder_recompute else np.maximum(cap - backbone_peak, 0.0)
+
+    chunks, phase_peak = {}, {}
+    kept_bytes, largest_recomputed = np.zeros(num_ranks), np.zeros(num_ranks)
+    for phase in phases.encoders:
+        count = np.bincount(encoders[phase.name].encode.rank, minlength=num_ranks)
+        per_item = float(items[phase.name].memory[0]) if len(items[phase.name]) else 0.0
+        chunk_items = _chunk_items(phase.item_tokens, per_item, chunk_budget, int(count.max(initial=0)),
+                                   config.encoder_chunk_tokens)
+        fit = count if per_item == 0 else np.minimum(np.floor(keep_left / per_item), count).astype(np.int64)
+        kept = np.where(fit >= count, count, fit // chunk_items * chunk_items)
+        keep_left = keep_left - kept * per_item
+        recomputed = np.minimum(chunk_items, count - kept) * per_item
+        phase_peak[phase.name] = np.maximum(kept * per_item, recomputed)
+        kept_bytes += kept * per_item
+        largest_recomputed = np.maximum(largest_recomputed, recomputed)
+        chunks[phase.name] = EncoderChunks(items=chunk_items, kept=kept.astype(np.int64))
+    phase_peak[backbone] = backbone_peak
+    upstream_phase_peak = {p: per_rank(v) for p, v in upstream_encoders.items()}
+    upstream_phase_peak[backbone] = per_rank(upstream_backbone)
+    memory = StepMemory(phase_peak=phase_peak, peak=np.maximum(kept_bytes + backbone_peak, largest_recomputed),
+                        upstream_phase_peak=upstream_phase_peak, upstream_peak=upstream_peak, encoder_cap=cap)
+    return chunks, memory
+
+
+def _chunk_items(item_tokens: int, per_item: float, budget: float, most: int, chunk_tokens) -> int:
+    """Items of one encoder chunk: ``chunk_tokens`` worth if given, else as many as ``budget`` bytes hold (at
+    least one; ``most``, a rank's largest share, when memory is free or unbounded)."""
+    if chunk_tokens is not None:
+        return max(1, chunk_tokens // item_tokens)
+    if per_item == 0 or math.isinf(budget):
+        return max(1, most)
+    return max(1, min(int(budget // per_item), most))
+
+
+def _microbatch_memory(key: np.ndarray, memory: np.ndarray, cells: int, padded: bool) -> np.ndarray:
+    """Modeled activation bytes of every (rank, micro-batch) cell ``key`` of examples of ``memory`` bytes: rows
+    padded to their longest example (``padded``), or the examples back to back."""
+    if not padded:
+        return np.bincount(key, weights=memory, minlength=cells)
+    longest = np.zeros(cells)
+    np.maximum.at(longest, key, memory)
+    return np.bincount(key, minlength=cells) * longest
 
 
 def _phase_stats(method, costs, home_rank, rank, num_ranks) -> PhaseStats:

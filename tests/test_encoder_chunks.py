@@ -1,0 +1,80 @@
+"""Encoder chunks with recompute, on one process: a toy encoder that draws dropout masks from the CPU
+generator and from Megatron's RNG tracker gives, kept or recomputed (all chunks or some), the same
+outputs, the same parameter gradients and the same RNG states after the step; without the replay it
+does not (the test can fail)."""
+import pytest
+import torch
+import torch.nn.functional as F
+
+from megatron_orch.trainer import cpu_harness
+
+cpu_harness.install()
+
+from megatron.core import tensor_parallel  # noqa: E402
+
+from megatron_orch.megatron import encoder_chunks  # noqa: E402
+from megatron_orch.megatron.encoder_chunks import backward_chunk, encode_in_chunks  # noqa: E402
+
+
+class ToyEncoder(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        g = torch.Generator().manual_seed(0)
+        self.inner = torch.nn.Parameter(torch.randn(8, 16, generator=g))
+        self.outer = torch.nn.Parameter(torch.randn(16, 4, generator=g))
+
+    def forward(self, items):
+        x = F.dropout(torch.tanh(items @ self.inner), p=0.3)  # the CPU generator
+        with tensor_parallel.get_cuda_rng_tracker().fork():  # a model-parallel stream
+            x = F.dropout(x, p=0.3)
+        return (x @ self.outer).reshape(-1, 2)  # two output rows per item
+
+
+def _rng_after():
+    return torch.get_rng_state(), dict(tensor_parallel.get_cuda_rng_tracker().get_states())
+
+
+def run(kept_items, chunk_items=2, n=7):
+    """Outputs, parameter gradients and the RNG states after a step of ``n`` items."""
+    torch.manual_seed(1)
+    tensor_parallel.model_parallel_cuda_manual_seed(1)
+    encoder = ToyEncoder()
+    items = torch.randn(n, 8, generator=torch.Generator().manual_seed(2))
+    outputs, chunks = encode_in_chunks(encoder, items, chunk_items, kept_items, grad=True)
+    torch.rand(3)  # the backbone draws from the streams meanwhile
+    with tensor_parallel.get_cuda_rng_tracker().fork():
+        torch.rand(3)
+    grad = torch.randn(outputs.shape, generator=torch.Generator().manual_seed(3))
+    for chunk in reversed(chunks):
+        backward_chunk(encoder, items, chunk, grad[2 * chunk.start:2 * chunk.stop])
+    return outputs, {name: p.grad.clone() for name, p in encoder.named_parameters()}, _rng_after()
+
+
+def assert_same(a, b):
+    torch.testing.assert_close(a[0], b[0], rtol=0, atol=0)
+    for name in a[1]:
+        torch.testing.assert_close(a[1][name], b[1][name], rtol=1e-6, atol=1e-7)
+    assert torch.equal(a[2][0], b[2][0])
+    assert a[2][1].keys() == b[2][1].keys() and all(torch.equal(a[2][1][k], b[2][1][k]) for k in a[2][1])
+
+
+@pytest.mark.parametrize("kept_items", [0, 2, 4])
+def test_recompute_replays_every_rng_state(world_of_one, kept_items):
+    assert_same(run(kept_items), run(kept_items=7))
+
+
+def test_without_the_replay_gradients_differ(world_of_one, monkeypatch):
+    kept = run(kept_items=7)
+    monkeypatch.setattr(encoder_chunks.RngStates, "restore", lambda self: None)
+    replay_off = run(kept_items=0)
+    torch.testing.assert_close(replay_off[0], kept[0], rtol=0, atol=0)  # the forward is the same
+    assert any(not torch.allclose(replay_off[1][name], kept[1][name]) for name in kept[1])
+
+
+def test_no_items_and_no_grad():
+    encoder = ToyEncoder()
+    outputs, chunks = encode_in_chunks(encoder, torch.zeros(0, 8), 2, 0, grad=True)
+    assert outputs.shape == (0, 2) and chunks == []
+    outputs, chunks = encode_in_chunks(encoder, torch.randn(5, 8), 2, 5, grad=False)
+    assert outputs.shape == (10, 2) and not outputs.requires_grad
+    assert [(c.start, c.stop, c.kept) for c in chunks] == [(0, 2, False), (2, 4, False), (4, 5, False)]
