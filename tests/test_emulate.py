@@ -93,15 +93,16 @@ def test_calibrate_writes_the_profile_point_by_point_and_a_partial_one_is_refuse
             for point, size in mfu.grid_points(phase, config, grid):
                 if len(seen) == stop_after:
                     raise KeyboardInterrupt("stopped by a time limit")
-                point.ms = 2.0 + 0.5 * point.tokens / 100  # more tokens, more time: a fit exists
+                point.ms, point.tflops = 2.0 + 0.5 * point.tokens / 100, 1.0  # more tokens, more time: a fit
                 on_point(point)
-                seen.append(yaml.safe_load(path.read_text()) if path.exists() else None)
+                seen.append(yaml.safe_load(path.read_text()))
         return []
 
     monkeypatch.setattr(mfu, "run", lambda *a: fake_run(*a, stop_after=3))
     with pytest.raises(KeyboardInterrupt):
         calibrate.main(["--model", "tiny", "--device", "cpu", "--out", str(path)])
-    assert len(seen) == 3 and seen[0] is None  # one vision point fits nothing (2 coefficients): no file yet
+    assert len(seen) == 3 and seen[0]["phases"] == {}  # one vision point fits nothing (2 coefficients)
+    assert "no fit yet of phase(s) vision, audio, llm" in seen[0]["notes"]
     partial = yaml.safe_load(path.read_text())
     assert list(partial["phases"]) == ["vision"] and partial["phases"]["vision"]["num_points"] == 2
     assert "no fit yet of phase(s) audio, llm" in partial["notes"] and "vision 2, audio 1, llm 0" in partial["notes"]
