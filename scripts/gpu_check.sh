@@ -69,12 +69,13 @@ step resume "${limits[7]}" "$PY" scripts/check_resume.py --nproc "$nproc" --out 
   --distributed-backend "$backend" "${precision[@]}"
 [ "$mode" = cpu ] || step sdpa_kernels 30 "$PY" scripts/check_sdpa_kernels.py
 
-# headline STEP [PATTERN]: the step's last line matching PATTERN (default: its last line of its own) for
-# summary.txt.
+# headline STEP [PATTERN]: for summary.txt, the step's last line matching PATTERN, else its last line of
+# its own (a failed step's error).
 headline() {
   [ -f "$work/$1.log" ] || return 0
   local line
   line=$(grep -v "^== $1: " "$work/$1.log" | grep -E -- "${2:-.}" | tail -n 1)
+  [ -n "$line" ] || line=$(grep -v "^== $1: " "$work/$1.log" | grep . | tail -n 1)
   summarize "$1: ${line:-(no output)}"
 }
 for name in train_bf16 train_fp32 recompute_dropout; do headline "$name" "largest relative loss difference"; done
