@@ -32,16 +32,17 @@ cd "$(dirname "$0")/.."
 source scripts/device_steps.sh
 
 launch=("$PY" -m megatron_orch.trainer.launch --standalone)
-step env 15 bash -c '"$0" -c "import sys, torch; print(\"python\", sys.version.split()[0], \"| torch\", torch.__version__,
-\"| cuda\", torch.version.cuda, \"|\", torch.cuda.get_device_name() if torch.cuda.is_available() else \"no GPU\")"
-  "$0" -c "import megatron.core; print(\"megatron-core\", megatron.core.__version__)"
-  ! command -v nvidia-smi >/dev/null || nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv' "$PY"
-
+env_py='import subprocess, sys, torch, megatron.core
+print("python", sys.version.split()[0], "| torch", torch.__version__, "| cuda", torch.version.cuda, "| megatron-core",
+      megatron.core.__version__, "|", torch.cuda.get_device_name() if torch.cuda.is_available() else "no GPU")
+if torch.cuda.is_available():
+    subprocess.run(["nvidia-smi", "--query-gpu=name,memory.total,driver_version", "--format=csv"])'
+step env "$( [ "$mode" = cpu ] && echo 90 || echo 20 )" "$PY" -c "$env_py"
 if [ "$mode" = cpu ]; then
   nproc=2 backend=gloo fp32_rtol=1e-5 precision=() limits=(240 240 240 300 400 120 120 240)
   memory_opts=(--model tiny) packed_lengths=2048
 else
-  nproc=1 backend=nccl fp32_rtol=1e-3 precision=(--bf16) limits=(60 60 60 45 120 45 30 75)
+  nproc=1 backend=nccl fp32_rtol=1e-3 precision=(--bf16) limits=(60 60 60 45 120 45 25 75)
   memory_opts=(--model mllm_10b --layers 2,2,2) packed_lengths=8192,16384
 fi
 train=(--global-batch-size 8 --train-iters 8 --distributed-backend "$backend")
