@@ -39,7 +39,7 @@ if torch.cuda.is_available():
     subprocess.run(["nvidia-smi", "--query-gpu=name,memory.total,driver_version", "--format=csv"])'
 step env "$( [ "$mode" = cpu ] && echo 90 || echo 20 )" "$PY" -c "$env_py"
 if [ "$mode" = cpu ]; then
-  nproc=2 backend=gloo fp32_rtol=1e-5 precision=() limits=(240 240 240 300 400 120 120 240)
+  nproc=2 backend=gloo fp32_rtol=1e-5 precision=() limits=(420 420 420 600 600 150 180 600)
   memory_opts=(--model tiny) packed_lengths=2048
 else
   nproc=1 backend=nccl fp32_rtol=1e-3 precision=(--bf16) limits=(60 60 60 45 120 45 25 75)
