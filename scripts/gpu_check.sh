@@ -42,7 +42,7 @@ if [ "$mode" = cpu ]; then
   nproc=2 backend=gloo fp32_rtol=1e-5 precision=() limits=(420 420 420 600 600 150 180 600)
   memory_opts=(--model tiny) packed_lengths=2048
 else
-  nproc=1 backend=nccl fp32_rtol=1e-3 precision=(--bf16) limits=(60 60 60 45 120 45 25 75)
+  nproc=1 backend=nccl fp32_rtol=1e-3 precision=(--bf16) limits=(70 70 60 40 105 40 25 85)
   memory_opts=(--model mllm_10b --layers 2,2,2) packed_lengths=8192,16384
 fi
 train=(--global-batch-size 8 --train-iters 8 --distributed-backend "$backend")
@@ -68,7 +68,7 @@ step alltoall "${limits[6]}" "${launch[@]}" --nproc-per-node "$nproc" scripts/ch
   --json "$work/alltoall.json"
 step resume "${limits[7]}" "$PY" scripts/check_resume.py --nproc "$nproc" --out "$work/resume" -- \
   --distributed-backend "$backend" "${precision[@]}"
-[ "$mode" = cpu ] || step sdpa_kernels 30 "$PY" scripts/check_sdpa_kernels.py
+[ "$mode" = cpu ] || step sdpa_kernels 25 "$PY" scripts/check_sdpa_kernels.py
 
 # headline STEP [PATTERN]: for summary.txt, the step's last line matching PATTERN, else its last line of
 # its own (a failed step's error).
