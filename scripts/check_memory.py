@@ -90,8 +90,8 @@ def main(argv=None) -> None:
         gpu = torch.cuda.is_available()
     cap = args.cap_gb if args.cap_gb is not None else (4.0 if gpu else 0.05)
     model = reduced_depth_config(args.model, args.layers, args.out) if args.layers else args.model
-    common = compare_baseline.DEFAULT_FLAGS + (GPU_FLAGS if gpu else CPU_FLAGS) + extra + [
-        "--model-config", str(model), "--train-iters", str(args.iters), "--log-interval", "1"]
+    common = (compare_baseline.DEFAULT_FLAGS + ["--lr-warmup-iters", "1"] + (GPU_FLAGS if gpu else CPU_FLAGS) + extra
+              + ["--model-config", str(model), "--train-iters", str(args.iters), "--log-interval", "1"])
     runs = {"baseline": common, "balanced": common + ["--orch-post-balancing"],
             "capped": common + ["--orch-post-balancing", "--orch-encoder-memory-cap", f"{cap:g}"]}
     args.out.mkdir(parents=True, exist_ok=True)
