@@ -6,7 +6,7 @@ them (``--exit-interval``) and saves (``--save``); ``resumed`` loads that checkp
 trains to the end. The resumed iterations' losses and grad norms (as the iteration lines print them)
 must equal the straight run's exactly (``--rtol`` 0); the first half against the straight run is the
 control: if it differs too, the device is not deterministic run to run and resume is not to blame.
-Writes ``resume.json`` in ``--out``; the last line is PASSED or FAILED (exit status 1). gloo with 2
+Writes ``resume.json`` in ``--out`` (the checkpoint is removed at the end unless ``--keep-checkpoint``); the last line is PASSED or FAILED (exit status 1). gloo with 2
 ranks on CPU, NCCL with 1 on one GPU (``-- --distributed-backend nccl``). Paths are relative to the
 current folder.
 
@@ -55,6 +55,8 @@ def main(argv=None) -> None:
     parser.add_argument("--iters", type=int, default=6, help="iterations of the straight run (even, >= 2)")
     parser.add_argument("--out", type=Path, default=Path("runs") / "resume", help="logs, checkpoint, resume.json")
     parser.add_argument("--rtol", type=float, default=0.0, help="largest relative difference accepted (default 0)")
+    parser.add_argument("--keep-checkpoint", action="store_true",
+                        help="keep OUT/checkpoint (default: removed at the end, so that OUT stays small)")
     parser.add_argument("flags", nargs=argparse.REMAINDER, help="extra pretrain_mllm.py flags after --")
     args = parser.parse_args(argv)
     if args.iters < 2 or args.iters % 2:
@@ -71,6 +73,8 @@ def main(argv=None) -> None:
     shutil.rmtree(ckpt, ignore_errors=True)
     figures = {name: _figures(compare_baseline.run(name, args.nproc, flags, args.out), args.out / f"{name}.log")
                for name, flags in runs.items()}
+    if not args.keep_checkpoint:
+        shutil.rmtree(ckpt, ignore_errors=True)
     resumed_its = range(half + 1, args.iters + 1)
     control = _worst(figures["straight"], figures["first_half"], range(1, half + 1))
     resumed = _worst(figures["straight"], figures["resumed"], resumed_its)
