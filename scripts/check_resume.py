@@ -6,9 +6,9 @@ them (``--exit-interval``) and saves (``--save``); ``resumed`` loads that checkp
 trains to the end. The resumed iterations' losses and grad norms (as the iteration lines print them)
 must equal the straight run's exactly (``--rtol`` 0); the first half against the straight run is the
 control: if it differs too, the device is not deterministic run to run and resume is not to blame.
-Writes ``resume.json`` in ``--out`` (the checkpoint is removed at the end unless ``--keep-checkpoint``); the last line is PASSED or FAILED (exit status 1). gloo with 2
-ranks on CPU, NCCL with 1 on one GPU (``-- --distributed-backend nccl``). Paths are relative to the
-current folder.
+Writes ``resume.json`` in ``--out`` (the checkpoint is removed at the end unless
+``--keep-checkpoint``); the last line is PASSED or FAILED (exit status 1). gloo with 2 ranks on CPU,
+NCCL with 1 on one GPU (``-- --distributed-backend nccl``). Paths are relative to the current folder.
 
     python scripts/check_resume.py [--nproc 2] [--iters 6] [--out runs/resume] [-- extra pretrain_mllm.py flags]
 """

@@ -175,7 +175,8 @@ def main(argv=None) -> None:
         indent=1))
     print(f"[compare] logs and compare.json in {args.out.resolve()}")
     if len(baseline) != len(balanced) or not worst <= args.rtol:
-        raise SystemExit(f"[compare] FAILED: {'post-balancing' if default else args.compare_flags} changed the losses (largest relative difference "
+        what = "post-balancing" if default else args.compare_flags
+        raise SystemExit(f"[compare] FAILED: {what} changed the losses (largest relative difference "
                          f"{worst:.1e} > tolerance {args.rtol:.0e})" if len(baseline) == len(balanced) else
                          f"[compare] FAILED: {len(baseline)} {first} and {len(balanced)} {second} iterations")
     print(f"[compare] PASSED: the losses of all {steps} iterations agree within {args.rtol:.0e}")

@@ -71,7 +71,8 @@ finish() {
     echo "$script_name ($mode): steps' limits $planned_s s of $step_budget_s s, ran $SECONDS s; logs and files" \
       "in $script_base.tar.gz"
     [ -f "$work/summary_lines.txt" ] && cat "$work/summary_lines.txt"
-    if [ ${#failed[@]} -eq 0 ]; then echo PASSED; else echo "FAILED: $(IFS=';'; echo "${failed[*]}" | sed 's/;/; /g')"; fi
+    if [ ${#failed[@]} -eq 0 ]; then echo PASSED
+    else echo "FAILED: $(IFS=';'; echo "${failed[*]}" | sed 's/;/; /g')"; fi
   } > "$out/summary.txt"
   cp "$out/summary.txt" "$work/summary.txt"
   cat "$out/summary.txt"

@@ -32,7 +32,8 @@ else
 fi
 profile="$work/profile.yaml"
 plots=1
-[ "$dry_run" = 1 ] || "$PY" -c "import matplotlib" 2>/dev/null || { plots=0; echo "matplotlib does not import: JSON only, no plots"; }
+[ "$dry_run" = 1 ] || "$PY" -c "import matplotlib" 2>/dev/null \
+  || { plots=0; echo "matplotlib does not import: JSON only, no plots"; }
 plot() { [ "$plots" -eq 1 ] && echo --plot "$work/$1"; }  # plot NAME.png: the --plot flag, when plots work
 step calibrate "${limits[0]}" "$PY" -m megatron_orch.bench.calibrate "${model[@]}" "${device[@]}" --warmup 1 \
   --repeats 3 --out "$profile"

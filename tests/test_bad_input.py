@@ -245,8 +245,8 @@ def test_compare_script_compares_the_flags_it_is_given(monkeypatch, capsys, tmp_
     def run(name, nproc, flags, out):
         launched[name] = flags
         return [{"iteration": 1, "lm_loss": 7.0, "elapsed_ms": 10.0, "time_ms": {},
-                 "post_balancing": {**{f"{p} {w}": 1.0 for p in ("vision", "audio", "llm") for w in ("before", "after")},
-                                    "plan exposed ms": 0.0}}]
+                 "post_balancing": {**{f"{p} {w}": 1.0 for p in ("vision", "audio", "llm")
+                                       for w in ("before", "after")}, "plan exposed ms": 0.0}}]
 
     monkeypatch.setattr(compare, "run", run)
     extra = ["--orch-post-balancing", "--hidden-dropout", "0.1"]
@@ -256,13 +256,15 @@ def test_compare_script_compares_the_flags_it_is_given(monkeypatch, capsys, tmp_
     assert launched["without"] == compare.DEFAULT_FLAGS + extra
     assert launched["with"] == compare.DEFAULT_FLAGS + extra + ["--orch-encoder-recompute", "--seed", "7"]
     assert "lm loss without / with (must agree)" in out.splitlines()[1], out
-    assert "with = also --orch-encoder-recompute --seed 7" in out and out.splitlines()[-1].startswith("[compare] PASSED")
+    assert "with = also --orch-encoder-recompute --seed 7" in out
+    assert out.splitlines()[-1].startswith("[compare] PASSED")
     result = json.loads((tmp_path / "compare.json").read_text())
     assert result["run_names"] == ["without", "with"] and result["compare_flags"][0] == "--orch-encoder-recompute"
 
     launched.clear()
     compare.main(["--out", str(tmp_path)])  # the default: upstream against post-balancing
-    assert launched == {"baseline": compare.DEFAULT_FLAGS, "balanced": compare.DEFAULT_FLAGS + ["--orch-post-balancing"]}
+    assert launched == {"baseline": compare.DEFAULT_FLAGS,
+                        "balanced": compare.DEFAULT_FLAGS + ["--orch-post-balancing"]}
     assert "lm loss off / on (must agree)" in capsys.readouterr().out
     for argv, message in ((["--compare-flags", "--orch-encoder-recompute"], "expected one argument"),
                           (["--compare-flags="], "--compare-flags is empty")):

@@ -101,7 +101,8 @@ def test_a_device_script_leaves_a_summary_and_one_tarball_of_its_logs(tmp_path):
 
     over = _fake_device_script(tmp_path, "step first 300 true\nstep second 300 true")  # 600 s: over 540
     proc = run(["bash", str(over), str(tmp_path / "gpu_out")], cwd=tmp_path, env_extra={"PYTHON": sys.executable})
-    assert proc.returncode == 1 and "== second: NOT RUN: its limit of 300 s would bring the steps to 600 s" in proc.stdout
+    assert proc.returncode == 1
+    assert "== second: NOT RUN: its limit of 300 s would bring the steps to 600 s" in proc.stdout
     assert (tmp_path / "gpu_out" / "summary.txt").read_text().splitlines()[-1] == \
         "FAILED: second (not run: over the time budget)"
 
