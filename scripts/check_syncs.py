@@ -1,7 +1,7 @@
 """Every host-device synchronisation of the training step, with where it comes from (CUDA only).
 
-The torchrun target: runs pretrain_mllm.py's compact trainer with the pretrain_mllm.py flags after
-``--``, ``megatron_orch.trainer.loop.train_step`` wrapped so that from step ``--from-step`` on (default
+The torchrun target: runs pretrain_mllm.py's compact trainer with scripts/compare_baseline.py's default
+flags (the tiny model) followed by the pretrain_mllm.py flags after ``--``, ``megatron_orch.trainer.loop.train_step`` wrapped so that from step ``--from-step`` on (default
 3: the first steps allocate and warm up) each step runs under ``torch.cuda.set_sync_debug_mode("warn")``.
 Every "called a synchronizing CUDA operation" warning is recorded with a short stack: the innermost
 megatron_orch frames, and the frame that called into torch. Rank 0 prints a table of call sites with
@@ -30,6 +30,9 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(REPO / "scripts"))
+
+import compare_baseline  # noqa: E402  (scripts/: the default training flags; stdlib only at import)
 
 PROG = "check_syncs.py"
 SYNC_MESSAGE = "called a synchronizing CUDA operation"  # torch's sync debug warning (c10/cuda)
@@ -136,6 +139,7 @@ def main(argv=None) -> int:
     from megatron_orch.trainer import loop
     recorder = SyncRecorder(args.from_step, args.frames)
     loop.train_step = recorder.wrap(loop.train_step)
+    flags = compare_baseline.DEFAULT_FLAGS + flags
     sys.argv = ["pretrain_mllm.py", *flags]
     pretrain_mllm.main()  # a failed run exits here with the trainer's one-line error
     report = recorder.report(args.allow)
