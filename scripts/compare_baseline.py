@@ -7,13 +7,22 @@ ranks; writes everything as JSON. The last line is PASSED, or FAILED if a loss d
 tolerance (default: fp32 reduction order; bf16 runs need a looser one, since encoders batch other items
 together and GEMMs round differently). Paths are relative to the current folder.
 
-    python scripts/compare_baseline.py [--nproc 4] [--out runs/compare] [--rtol 1e-5] [-- extra pretrain_mllm.py flags]
+``--compare-flags`` says what the second run adds (default ``--orch-post-balancing``), so the same script
+compares any two settings that must not change the losses, e.g. encoder recompute on and off with dropout,
+post-balancing in both runs (give it with ``=``, since its value starts with ``--``)::
+
+    python scripts/compare_baseline.py --compare-flags=--orch-encoder-recompute -- --orch-post-balancing \
+        --hidden-dropout 0.1 --attention-dropout 0.1
+
+    python scripts/compare_baseline.py [--nproc 4] [--out runs/compare] [--rtol 1e-5] [--compare-flags=FLAGS]
+                                       [-- extra pretrain_mllm.py flags]
 """
 from __future__ import annotations
 
 import argparse
 import json
 import os
+import shlex
 import subprocess
 import sys
 from pathlib import Path
@@ -27,7 +36,7 @@ DEFAULT_FLAGS = ["--model-config", "tiny", "--seq-length", "256", "--micro-batch
                  "--clip-grad", "1.0", "--log-interval", "1", "--seed", "1234",
                  # dropout masks follow the rank that computes an example: off, the two runs agree exactly
                  "--hidden-dropout", "0", "--attention-dropout", "0"]
-BALANCING_FLAGS = ["--orch-post-balancing"]
+BALANCING_FLAGS = "--orch-post-balancing"  # what the second run adds, by default
 # What the launcher (megatron_orch.trainer.launch) prints last when ranks fail.
 _FAILURE_PREFIXES = ("pretrain_mllm.py: error", "torchrun: rank")
 
@@ -67,16 +76,20 @@ def _pair(t) -> str:
     return "-" if t is None else f"{t[0]:.1f}/{t[1]:.1f}"
 
 
+def _cost(record: dict, key: str) -> str:
+    figures = record["post_balancing"]
+    return "-" if figures is None else f"{figures[key]:.2f}"
+
+
 # The table's column groups: (title, [(column, width, cell(baseline record, balanced record))]).
-# off = upstream (post-balancing off), on = post-balancing on.
+# off = the first run (default: upstream, post-balancing off), on = the second (the --compare-flags added).
 _COLUMNS = [
-    ("lm loss off / on (must agree)", [
+    ("lm loss {off} / {on} (must agree)", [
         ("off", 12, lambda off, on: f"{off['lm_loss']:.6f}"),
         ("on", 12, lambda off, on: f"{on['lm_loss']:.6f}"),
         ("rel diff", 8, lambda off, on: f"{abs(on['lm_loss'] - off['lm_loss']) / abs(off['lm_loss']):.1e}")]),
     ("modeled cost max/mean over DP, before->after", [
-        (phase, 12, lambda off, on, p=phase: f"{on['post_balancing'][p + ' before']:.2f}->"
-                                             f"{on['post_balancing'][p + ' after']:.2f}")
+        (phase, 12, lambda off, on, p=phase: f"{_cost(on, p + ' before')}->{_cost(on, p + ' after')}")
         for phase in ("vision", "audio", "llm")]),
     ("measured ms/iter", [
         ("off", 7, lambda off, on: f"{off['elapsed_ms']:.1f}"),
@@ -88,10 +101,12 @@ _COLUMNS = [
 ]
 
 
-def table(baseline: list, balanced: list) -> str:
-    """Two header lines (column groups, then columns), then one row per iteration."""
+def table(baseline: list, balanced: list, names=("off", "on")) -> str:
+    """Two header lines (column groups, then columns), then one row per iteration; ``names``: what the
+    first title calls the two runs."""
+    titles = [title.format(off=names[0], on=names[1]) for title, _ in _COLUMNS]
     widths = [sum(width + 1 for _, width, _ in columns) - 1 for _, columns in _COLUMNS]
-    widths = [max(w, len(title)) for w, (title, _) in zip(widths, _COLUMNS)]
+    widths = [max(w, len(title)) for w, title in zip(widths, titles)]
 
     def row(first: str, cells: list) -> str:
         return " | ".join([f"{first:>4}", *(f"{cell:>{w}}" for cell, w in zip(cells, widths))]).rstrip()
@@ -99,7 +114,7 @@ def table(baseline: list, balanced: list) -> str:
     def group(columns, texts, width) -> str:
         return " ".join(f"{t:>{w}}" for (_, w, _), t in zip(columns, texts)).rjust(width)
 
-    rows = [row("", [f"{title:<{w}}" for (title, _), w in zip(_COLUMNS, widths)]),
+    rows = [row("", [f"{title:<{w}}" for title, w in zip(titles, widths)]),
             row("iter", [group(columns, [c for c, _, _ in columns], w) for (_, columns), w in zip(_COLUMNS, widths)])]
     for off, on in zip(baseline, balanced):
         rows.append(row(str(off["iteration"]), [group(columns, [cell(off, on) for _, _, cell in columns], w)
@@ -114,41 +129,56 @@ def main(argv=None) -> None:
     parser.add_argument("--out", type=Path, default=REPO / "runs" / "compare", help="logs and compare.json")
     parser.add_argument("--rtol", type=float, default=1e-5,
                         help="largest relative loss difference accepted (default 1e-5: fp32 on CPU)")
+    parser.add_argument("--compare-flags", default=BALANCING_FLAGS, metavar="FLAGS",
+                        help="pretrain_mllm.py flags the second run adds (one string, give it as "
+                             f"--compare-flags=FLAGS); default {BALANCING_FLAGS}")
     parser.add_argument("flags", nargs=argparse.REMAINDER, help="extra pretrain_mllm.py flags after --")
     parser.add_argument("--parse-only", action="store_true", help=argparse.SUPPRESS)  # compare_baseline.sh
     args = parser.parse_args(argv)
+    compare = shlex.split(args.compare_flags)
+    if not compare:
+        parser.error("--compare-flags is empty: the two runs would be the same")
     if args.parse_only:  # the options are fine (checked with the standard library only, before the set-up)
         return
     extra = args.flags[1:] if args.flags[:1] == ["--"] else args.flags
-    for flags in (DEFAULT_FLAGS + extra, DEFAULT_FLAGS + extra + BALANCING_FLAGS):
+    default = args.compare_flags == BALANCING_FLAGS
+    # The runs' names (logs, table): upstream vs balanced, or without vs with the compared flags.
+    first, second = ("baseline", "balanced") if default else ("without", "with")
+    for flags in (DEFAULT_FLAGS + extra, DEFAULT_FLAGS + extra + compare):
         check_flags(args.nproc, flags)
     args.out.mkdir(parents=True, exist_ok=True)
-    baseline = run("baseline", args.nproc, DEFAULT_FLAGS + extra, args.out)
-    balanced = run("balanced", args.nproc, DEFAULT_FLAGS + extra + BALANCING_FLAGS, args.out)
-    print(table(baseline, balanced))
+    baseline = run(first, args.nproc, DEFAULT_FLAGS + extra, args.out)
+    balanced = run(second, args.nproc, DEFAULT_FLAGS + extra + compare, args.out)
+    if not default:
+        print(f"[compare] runs: {first} = the flags of both, {second} = also {args.compare_flags}")
+    print(table(baseline, balanced, ("off", "on") if default else (first, second)))
     steps = len(balanced)
     mean = lambda values: sum(values) / len(values)  # noqa: E731
-    summary = {phase: {"before": mean([r["post_balancing"][f"{phase} before"] for r in balanced]),
-                       "after": mean([r["post_balancing"][f"{phase} after"] for r in balanced])}
-               for phase in ("vision", "audio", "llm")}
-    exposed = mean([r["post_balancing"]["plan exposed ms"] for r in balanced[1:] or balanced])
     step_ms = mean([r["elapsed_ms"] for r in balanced[1:] or balanced])
+    summary, exposed = None, None
+    if balanced[0]["post_balancing"] is not None:  # the second run balances
+        summary = {phase: {"before": mean([r["post_balancing"][f"{phase} before"] for r in balanced]),
+                           "after": mean([r["post_balancing"][f"{phase} after"] for r in balanced])}
+                   for phase in ("vision", "audio", "llm")}
+        exposed = mean([r["post_balancing"]["plan exposed ms"] for r in balanced[1:] or balanced])
+        print(f"[compare] {steps} iterations, modeled cost max/mean over DP (mean of the iterations), before->after "
+              "balancing: " + ", ".join(f"{p} {v['before']:.2f}->{v['after']:.2f}" for p, v in summary.items()))
+        print(f"[compare] measured exposed planning {exposed:.2f} ms of a {step_ms:.1f} ms step "
+              f"({100 * exposed / step_ms:.2f}%, first step excluded: nothing to overlap with)")
     worst = max(abs(on["lm_loss"] - off["lm_loss"]) / abs(off["lm_loss"]) for off, on in zip(baseline, balanced))
-    print(f"[compare] {steps} iterations, modeled cost max/mean over DP (mean of the iterations), before->after "
-          "balancing: " + ", ".join(f"{p} {v['before']:.2f}->{v['after']:.2f}" for p, v in summary.items()))
-    print(f"[compare] measured exposed planning {exposed:.2f} ms of a {step_ms:.1f} ms step "
-          f"({100 * exposed / step_ms:.2f}%, first step excluded: nothing to overlap with)")
     print(f"[compare] largest relative loss difference {worst:.1e} (tolerance {args.rtol:.0e})")
     (args.out / "compare.json").write_text(json.dumps(
-        {"flags": DEFAULT_FLAGS + extra, "nproc": args.nproc, "baseline": baseline, "balanced": balanced,
+        {"flags": DEFAULT_FLAGS + extra, "compare_flags": compare, "run_names": [first, second],
+         "nproc": args.nproc, "baseline": baseline, "balanced": balanced,
          "imbalance": summary, "exposed_plan_ms": exposed, "step_ms": step_ms, "max_rel_loss_diff": worst,
          "rtol": args.rtol},
         indent=1))
     print(f"[compare] logs and compare.json in {args.out.resolve()}")
     if len(baseline) != len(balanced) or not worst <= args.rtol:
-        raise SystemExit(f"[compare] FAILED: post-balancing changed the losses (largest relative difference "
+        what = "post-balancing" if default else args.compare_flags
+        raise SystemExit(f"[compare] FAILED: {what} changed the losses (largest relative difference "
                          f"{worst:.1e} > tolerance {args.rtol:.0e})" if len(baseline) == len(balanced) else
-                         f"[compare] FAILED: {len(baseline)} baseline and {len(balanced)} balanced iterations")
+                         f"[compare] FAILED: {len(baseline)} {first} and {len(balanced)} {second} iterations")
     print(f"[compare] PASSED: the losses of all {steps} iterations agree within {args.rtol:.0e}")
 
 

@@ -1,50 +1,89 @@
 #!/usr/bin/env bash
-# The prepared GPU check (issue 8): one script, no network, under 6 minutes on one H200.
+# The prepared GPU check (issues 8, 18): one script for one device call (no network, at most 600 s, at
+# most 8 files back) on one H200. NOT YET RUN ON A GPU (no GPU was lent to the sessions that wrote it).
 #   bash scripts/gpu_check.sh OUT_DIR          # on a GPU machine (NCCL, one GPU)
-#   bash scripts/gpu_check.sh --cpu OUT_DIR    # the same steps on CPU (gloo, DP 2, tiny shapes)
+#   bash scripts/gpu_check.sh --cpu OUT_DIR    # the same steps on CPU (gloo, 2 ranks, tiny shapes)
 # Options in any order; OUT_DIR is relative to the current folder; --help prints this.
-# (a) the tiny MLLM trained 8 steps with post-balancing off and on, bf16 and fp32, losses compared
-#     (bf16 within 2e-2: the balanced run encodes a step's items in other batches, so GEMMs round
-#     differently; fp32 within 1e-3 on GPU, where cuDNN convolutions may use TF32; 1e-5 on CPU);
-# (b) the SDPA core attention runs on the fused kernels (scripts/check_sdpa_kernels.py; GPU only) and
-#     the MFU benchmark of each phase (python -m megatron_orch.bench.mfu);
-# (c) everything under OUT_DIR: env.txt, train_{bf16,fp32}/ (logs, compare.json), one log per step,
-#     mfu.json, summary.txt.
-# Runs every step even after a failure, then exits non-zero if any failed. Python: $PYTHON, else
-# .venv/bin/python, else python3. Where megatron.core does not import and .whl/ exists (the device
-# machine: see scripts/fetch_device_wheels.sh), the wheels are installed into /tmp/site first.
+# Steps (scripts/device_steps.sh: each under its own time limit, the limits adding up to at most 540 s
+# on a GPU; every step runs even after a failure):
+#   train_bf16, train_fp32  the tiny MLLM trained 8 steps with post-balancing off and on, losses compared
+#       (bf16 within 2e-2: the balanced run encodes a step's items in other batches, so GEMMs round
+#       differently; fp32 within 1e-3 on GPU, where cuDNN convolutions may use TF32; 1e-5 on CPU);
+#   recompute_dropout  encoder recompute off and on, dropout 0.1, post-balancing in both: same losses;
+#   syncs      three balanced steps under torch.cuda.set_sync_debug_mode("warn"), every sync listed
+#       (scripts/check_syncs.py); on CPU, where no CUDA sync can be observed, the emulated-device test
+#       tests/test_comm_device.py instead;
+#   memory     max allocated of baseline / balanced / balanced with --orch-encoder-memory-cap runs at
+#       mllm_10b widths, reduced depth (scripts/check_memory.py; the tiny model on CPU: no CUDA figures);
+#   packed     python -m megatron_orch.bench.packed_attention at 8k-16k rows (2k on CPU);
+#   alltoall   all_to_all_items over NCCL (gloo, 2 ranks, on CPU) against an all_gather reference, bf16,
+#       fp32, int64, empty splits (scripts/check_alltoall.py);
+#   resume     N iterations straight = N/2, save, resume to N (scripts/check_resume.py);
+#   sdpa_kernels  the SDPA core attention on the fused kernels (scripts/check_sdpa_kernels.py; GPU only).
+# OUT_DIR then holds exactly two files: summary.txt (each step's headline figures, then PASSED or the
+# failed steps) and gpu_check.tar.gz (every step's log and files; env.log: versions and the GPU). Exits
+# non-zero if a step failed. Python: $PYTHON, else .venv/bin/python, else python3. Where megatron.core
+# does not import and .whl/ exists (the device machine: see scripts/fetch_device_wheels.sh), the wheels
+# are installed into /tmp/site first. ORCH_DEVICE_DRY_RUN=1 lists the steps and their limits and runs nothing.
 set -uo pipefail
 source "$(dirname "$0")/cli.sh"
 device_options "$@"
 cd "$(dirname "$0")/.."
-mkdir -p "$out" || exit 1
 source scripts/device_steps.sh
 
-{ date -u; "$PY" -c "import sys, torch; print('python', sys.version.split()[0], '| torch', torch.__version__,
-'| cuda', torch.version.cuda, '|', torch.cuda.get_device_name() if torch.cuda.is_available() else 'no GPU')"
-  "$PY" -c "import megatron.core; print('megatron-core', megatron.core.__version__)"
-  command -v nvidia-smi >/dev/null && nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv
-} > "$out/env.txt" 2>&1
-cat "$out/env.txt"
-
+launch=("$PY" -m megatron_orch.trainer.launch --standalone)
+env_py='import subprocess, sys, torch, megatron.core
+print("python", sys.version.split()[0], "| torch", torch.__version__, "| cuda", torch.version.cuda, "| megatron-core",
+      megatron.core.__version__, "|", torch.cuda.get_device_name() if torch.cuda.is_available() else "no GPU")
+if torch.cuda.is_available():
+    subprocess.run(["nvidia-smi", "--query-gpu=name,memory.total,driver_version", "--format=csv"])'
+step env "$( [ "$mode" = cpu ] && echo 90 || echo 20 )" "$PY" -c "$env_py"
 if [ "$mode" = cpu ]; then
-  step train_fp32 300 "$PY" scripts/compare_baseline.py --nproc 2 --out "$out/train_fp32" --rtol 1e-5 -- \
-    --global-batch-size 8 --train-iters 8 --distributed-backend gloo
-  step train_bf16 300 "$PY" scripts/compare_baseline.py --nproc 2 --out "$out/train_bf16" --rtol 2e-2 -- \
-    --global-batch-size 8 --train-iters 8 --distributed-backend gloo --bf16
-  step mfu 300 "$PY" -m megatron_orch.bench.mfu --model tiny --quick --device cpu --json "$out/mfu.json"
+  nproc=2 backend=gloo fp32_rtol=1e-5 precision=() limits=(420 420 420 600 600 150 180 600)
+  memory_opts=(--model tiny) packed_lengths=2048
 else
-  step train_bf16 150 "$PY" scripts/compare_baseline.py --nproc 1 --out "$out/train_bf16" --rtol 2e-2 -- \
-    --global-batch-size 8 --train-iters 8 --distributed-backend nccl --bf16
-  step train_fp32 150 "$PY" scripts/compare_baseline.py --nproc 1 --out "$out/train_fp32" --rtol 1e-3 -- \
-    --global-batch-size 8 --train-iters 8 --distributed-backend nccl
-  step sdpa_kernels 60 "$PY" scripts/check_sdpa_kernels.py
-  step mfu 240 "$PY" -m megatron_orch.bench.mfu --model mllm_10b --layers 12,8,4 --device cuda --warmup 1 --repeats 3 \
-    --json "$out/mfu.json"
+  nproc=1 backend=nccl fp32_rtol=1e-3 precision=(--bf16) limits=(70 70 60 40 105 40 25 85)
+  memory_opts=(--model mllm_10b --layers 2,2,2) packed_lengths=8192,16384
 fi
+train=(--global-batch-size 8 --train-iters 8 --distributed-backend "$backend")
+step train_bf16 "${limits[0]}" "$PY" scripts/compare_baseline.py --nproc "$nproc" --out "$work/train_bf16" \
+  --rtol 2e-2 -- "${train[@]}" --bf16
+step train_fp32 "${limits[1]}" "$PY" scripts/compare_baseline.py --nproc "$nproc" --out "$work/train_fp32" \
+  --rtol "$fp32_rtol" -- "${train[@]}"
+step recompute_dropout "${limits[2]}" "$PY" scripts/compare_baseline.py --nproc "$nproc" \
+  --out "$work/recompute_dropout" --rtol "$fp32_rtol" --compare-flags=--orch-encoder-recompute -- \
+  --global-batch-size 8 --train-iters 4 --distributed-backend "$backend" --orch-post-balancing \
+  --hidden-dropout 0.1 --attention-dropout 0.1
+if [ "$mode" = cpu ]; then
+  step syncs "${limits[3]}" "$PY" -m pytest -q -p no:cacheprovider tests/test_comm_device.py
+else
+  step syncs "${limits[3]}" "${launch[@]}" --nproc-per-node 1 scripts/check_syncs.py --json "$work/syncs.json" -- \
+    --global-batch-size 8 --train-iters 5 --log-interval 5 --distributed-backend nccl --bf16 --orch-post-balancing
+fi
+step memory "${limits[4]}" "$PY" scripts/check_memory.py "${memory_opts[@]}" --nproc "$nproc" \
+  --out "$work/memory" -- --distributed-backend "$backend" "${precision[@]}"
+step packed "${limits[5]}" "$PY" -m megatron_orch.bench.packed_attention --device "${mode/gpu/cuda}" \
+  --lengths "$packed_lengths"
+step alltoall "${limits[6]}" "${launch[@]}" --nproc-per-node "$nproc" scripts/check_alltoall.py \
+  --json "$work/alltoall.json"
+step resume "${limits[7]}" "$PY" scripts/check_resume.py --nproc "$nproc" --out "$work/resume" -- \
+  --distributed-backend "$backend" "${precision[@]}"
+[ "$mode" = cpu ] || step sdpa_kernels 25 "$PY" scripts/check_sdpa_kernels.py
 
-{ echo "gpu_check ($mode) in $out"
-  grep -h "largest relative loss difference" "$out"/train_*.log
-  if [ ${#failed[@]} -eq 0 ]; then echo "PASSED"; else printf 'FAILED: %s\n' "${failed[@]}"; fi
-} | tee "$out/summary.txt"
-[ ${#failed[@]} -eq 0 ]
+# headline STEP [PATTERN]: for summary.txt, the step's last line matching PATTERN, else its last line of
+# its own (a failed step's error).
+headline() {
+  [ -f "$work/$1.log" ] || return 0
+  local line
+  line=$(grep -v "^== $1: " "$work/$1.log" | grep -E -- "${2:-.}" | tail -n 1)
+  [ -n "$line" ] || line=$(grep -v "^== $1: " "$work/$1.log" | grep . | tail -n 1)
+  summarize "$1: ${line:-(no output)}"
+}
+for name in train_bf16 train_fp32 recompute_dropout; do headline "$name" "largest relative loss difference"; done
+headline syncs
+headline memory
+headline packed
+headline alltoall
+headline resume
+headline sdpa_kernels
+finish

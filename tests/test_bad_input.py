@@ -232,6 +232,46 @@ def test_compare_script_checks_both_runs_before_torchrun(tmp_path):
     assert "[compare]" not in proc.stdout and not out.exists()
 
 
+def test_compare_script_compares_the_flags_it_is_given(monkeypatch, capsys, tmp_path):
+    """--compare-flags: what the second run adds (default post-balancing), checked and launched as given;
+    the table and the JSON name the runs by it."""
+    import importlib.util
+    spec = importlib.util.spec_from_file_location("compare_under_test", REPO / "scripts" / "compare_baseline.py")
+    compare = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(compare)
+    checked, launched = [], {}
+    monkeypatch.setattr(compare, "check_flags", lambda nproc, flags: checked.append(flags))
+
+    def run(name, nproc, flags, out):
+        launched[name] = flags
+        return [{"iteration": 1, "lm_loss": 7.0, "elapsed_ms": 10.0, "time_ms": {},
+                 "post_balancing": {**{f"{p} {w}": 1.0 for p in ("vision", "audio", "llm")
+                                       for w in ("before", "after")}, "plan exposed ms": 0.0}}]
+
+    monkeypatch.setattr(compare, "run", run)
+    extra = ["--orch-post-balancing", "--hidden-dropout", "0.1"]
+    compare.main(["--out", str(tmp_path), "--compare-flags=--orch-encoder-recompute --seed 7", "--", *extra])
+    out = capsys.readouterr().out
+    assert list(launched) == ["without", "with"] and checked == list(launched.values())
+    assert launched["without"] == compare.DEFAULT_FLAGS + extra
+    assert launched["with"] == compare.DEFAULT_FLAGS + extra + ["--orch-encoder-recompute", "--seed", "7"]
+    assert "lm loss without / with (must agree)" in out.splitlines()[1], out
+    assert "with = also --orch-encoder-recompute --seed 7" in out
+    assert out.splitlines()[-1].startswith("[compare] PASSED")
+    result = json.loads((tmp_path / "compare.json").read_text())
+    assert result["run_names"] == ["without", "with"] and result["compare_flags"][0] == "--orch-encoder-recompute"
+
+    launched.clear()
+    compare.main(["--out", str(tmp_path)])  # the default: upstream against post-balancing
+    assert launched == {"baseline": compare.DEFAULT_FLAGS,
+                        "balanced": compare.DEFAULT_FLAGS + ["--orch-post-balancing"]}
+    assert "lm loss off / on (must agree)" in capsys.readouterr().out
+    for argv, message in ((["--compare-flags", "--orch-encoder-recompute"], "expected one argument"),
+                          (["--compare-flags="], "--compare-flags is empty")):
+        proc = run_script([sys.executable, "scripts/compare_baseline.py", "--parse-only", *argv])
+        assert proc.returncode == 2 and message in proc.stderr.splitlines()[-1], proc.stderr
+
+
 def test_readme_lists_the_megatron_flags_the_compact_trainer_accepts():
     """README "Training" lists, group by group, exactly the Megatron-LM flags of the compact trainer's parser."""
     import argparse

@@ -5,6 +5,7 @@ import warnings
 
 import numpy as np
 import pytest
+import yaml
 
 warnings.filterwarnings("ignore", message=r".*(Transformer Engine|Apex).*not installed")
 
@@ -75,3 +76,44 @@ def check_consistent(result, items, profile):
         assert figures["step"]["measured_speedup"] == pytest.approx(steps["none"] / steps[method])  # one upstream
         assert figures["step"]["speedup_prediction_error"] == pytest.approx(
             figures["step"]["modeled_speedup"] / figures["step"]["measured_speedup"] - 1)
+
+
+def test_calibrate_writes_the_profile_point_by_point_and_a_partial_one_is_refused(tmp_path, monkeypatch):
+    """A calibration stopped midway (a device call's time limit) leaves the phases it could fit, with a note
+    naming what is missing; loading it fails naming a missing phase. Measurement is faked: seconds from
+    known coefficients, and the run stops after the third point."""
+    from megatron_orch.bench import mfu
+
+    path = tmp_path / "profile.yaml"
+    monkeypatch.setattr(calibrate, "CPU_GRID", {"vit": [1, 8], "whisper": [1, 8], "llm": [(1, 16), (1, 64), (1, 128)]})
+    seen = []
+
+    def fake_run(config, device, settings, grid, warmup, repeats, peak, on_point, stop_after=None):
+        for phase in config.phases().names:
+            for point, size in mfu.grid_points(phase, config, grid):
+                if len(seen) == stop_after:
+                    raise KeyboardInterrupt("stopped by a time limit")
+                point.ms, point.tflops = 2.0 + 0.5 * point.tokens / 100, 1.0  # more tokens, more time: a fit
+                on_point(point)
+                seen.append(yaml.safe_load(path.read_text()))
+        return []
+
+    monkeypatch.setattr(mfu, "run", lambda *a: fake_run(*a, stop_after=3))
+    with pytest.raises(KeyboardInterrupt):
+        calibrate.main(["--model", "tiny", "--device", "cpu", "--out", str(path)])
+    assert len(seen) == 3 and seen[0]["phases"] == {}  # one vision point fits nothing (2 coefficients)
+    assert "no fit yet of phase(s) vision, audio, llm" in seen[0]["notes"]
+    partial = yaml.safe_load(path.read_text())
+    assert list(partial["phases"]) == ["vision"] and partial["phases"]["vision"]["num_points"] == 2
+    assert "no fit yet of phase(s) audio, llm" in partial["notes"] and "vision 2, audio 1, llm 0" in partial["notes"]
+    with pytest.raises(ValueError, match=r"phases\.audio: missing \(the measured model has this phase\); its notes: "
+                                         r"PARTIAL profile"):
+        load_cost_profile(str(path))
+
+    seen.clear()
+    monkeypatch.setattr(mfu, "run", lambda *a: fake_run(*a))
+    calibrate.main(["--model", "tiny", "--device", "cpu", "--out", str(path)])
+    assert len(seen) == 7 and "notes" in seen[-2] and list(seen[-2]["phases"]) == ["vision", "audio"]
+    final = yaml.safe_load(path.read_text())
+    assert "notes" not in final and final["phases"]["llm"]["num_points"] == 3
+    assert set(load_cost_profile(str(path), load_model_config("tiny").phases()).phases) == set(PHASES)

@@ -50,6 +50,63 @@ def test_device_scripts_take_options_in_any_order_and_refuse_unknown_ones(script
     assert list(tmp_path.iterdir()) == [], "a refused or --help run wrote something"
 
 
+@pytest.mark.parametrize("script", ["gpu_check.sh", "gpu_costs.sh"])
+@pytest.mark.parametrize("mode", ["gpu", "cpu"])
+def test_device_scripts_steps_fit_one_device_call(script, mode, tmp_path):
+    """A dry run lists every step and its limit: on a GPU they add up to at most 540 s (a device call runs
+    at most 600 s), no step is refused for the budget, and nothing is written. Old code: 12 and 11 files
+    in OUT and limits adding up to 600 and 590 s."""
+    out = tmp_path / "out"
+    proc = run(["bash", str(REPO / "scripts" / script), *(["--cpu"] if mode == "cpu" else []), str(out)],
+               cwd=tmp_path, env_extra={"ORCH_DEVICE_DRY_RUN": "1"})
+    assert proc.returncode == 0 and proc.stderr == "", proc
+    lines = proc.stdout.splitlines()
+    steps = {line.split()[1]: int(line.split()[2]) for line in lines if line.startswith("step ")}
+    budget = 540 if mode == "gpu" else 3600
+    assert lines[-1] == f"total {sum(steps.values())} of {budget} s" and len(steps) == len(lines) - 1, lines
+    assert "NOT RUN" not in proc.stdout and sum(steps.values()) <= budget
+    if mode == "gpu" and script == "gpu_check.sh":
+        assert set(steps) == {"env", "train_bf16", "train_fp32", "recompute_dropout", "syncs", "memory", "packed",
+                              "alltoall", "resume", "sdpa_kernels"}, steps
+    assert list(tmp_path.iterdir()) == [], "a dry run wrote something"
+
+
+def _fake_device_script(tmp_path, steps: str) -> Path:
+    """A device script of the given steps, on device_steps.sh as gpu_check.sh uses it."""
+    script = tmp_path / "fake_check.sh"
+    script.write_text("set -uo pipefail\n"
+                      f'source {REPO}/scripts/cli.sh\ndevice_options "$@"\ncd {REPO}\n'
+                      f"source scripts/device_steps.sh\n{steps}\nfinish\n")
+    return script
+
+
+def test_a_device_script_leaves_a_summary_and_one_tarball_of_its_logs(tmp_path):
+    import tarfile
+    script = _fake_device_script(tmp_path, 'step hello 10 bash -c "echo hi > $work/hello.txt; echo said hi"\n'
+                                           'step broken 10 bash -c "echo about to fail; exit 3"\n'
+                                           'summarize "hello: $(tail -n 1 $work/hello.txt)"')
+    out = tmp_path / "out"
+    proc = run(["bash", str(script), "--cpu", str(out)], cwd=tmp_path, env_extra={"PYTHON": sys.executable})
+    assert proc.returncode == 1, proc
+    assert sorted(p.name for p in out.iterdir()) == ["fake_check.tar.gz", "summary.txt"]
+    summary = (out / "summary.txt").read_text().splitlines()
+    assert summary[1].startswith("fake_check.sh (cpu): steps' limits 20 s of 3600 s"), summary
+    assert summary[2:] == ["hello: hi", "FAILED: broken (exit 3)"], summary
+    with tarfile.open(out / "fake_check.tar.gz") as tar:
+        names = sorted(tar.getnames())
+        assert names == ["fake_check", "fake_check/broken.log", "fake_check/hello.log", "fake_check/hello.txt",
+                         "fake_check/summary.txt", "fake_check/summary_lines.txt"], names
+        assert tar.extractfile("fake_check/broken.log").read().decode().splitlines() == [
+            "about to fail", "== broken: exit 3 after 0 s (limit 10 s)"]
+
+    over = _fake_device_script(tmp_path, "step first 300 true\nstep second 300 true")  # 600 s: over 540
+    proc = run(["bash", str(over), str(tmp_path / "gpu_out")], cwd=tmp_path, env_extra={"PYTHON": sys.executable})
+    assert proc.returncode == 1
+    assert "== second: NOT RUN: its limit of 300 s would bring the steps to 600 s" in proc.stdout
+    assert (tmp_path / "gpu_out" / "summary.txt").read_text().splitlines()[-1] == \
+        "FAILED: second (not run: over the time budget)"
+
+
 def test_device_options_resolve_out_dir_against_the_callers_folder(tmp_path):
     for args in (["--cpu", "rel/out"], ["rel/out", "--cpu"]):
         proc = run(["bash", "-c", f'source {REPO}/scripts/cli.sh; device_options "$@"; echo "$mode $out"', "x",

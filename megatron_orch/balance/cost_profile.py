@@ -244,7 +244,8 @@ def cost_profile_from_dict(data, source: str = "<dict>") -> CostProfile:
     if not isinstance(phases, dict):
         fail("phases", f"expected a mapping, got {type(phases).__name__}")
     for phase in sorted(set(shape) - set(phases)):
-        fail(f"phases.{phase}", "missing (the measured model has this phase)")
+        notes = f"; its notes: {data['notes']}" if data.get("notes") else ""
+        fail(f"phases.{phase}", f"missing (the measured model has this phase){notes}")
     for phase in sorted(set(phases) - set(shape)):
         fail(f"phases.{phase}", "the measured model (model.shape) has no such phase")
     fits = {}

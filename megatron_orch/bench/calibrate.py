@@ -11,7 +11,11 @@ over calls of n items, the backbone over calls of b sequences of s tokens. Per p
     call seconds = [encoders: call_overhead] + n * (c0 + c1*s + c2*s^2)
 
 and writes the fit, its relative residuals, every measured point with its fitted value, the device
-and the phases it was measured on. ``--orch-cost-profile`` (training), ``bench.emulate
+and the phases it was measured on. The profile is rewritten after every measured point, with the phases
+that can be fit so far and a ``notes`` field saying that it is partial (the phases still missing, the
+points measured): a run stopped midway (a time limit) leaves what it measured, which
+:func:`~megatron_orch.balance.cost_profile.load_cost_profile` refuses, naming a missing phase, until
+the final write drops the note. ``--orch-cost-profile`` (training), ``bench.emulate
 --cost-profile`` and ``megatron_orch.sim --profile`` read it. CPU timings are noisy on a shared
 machine; ``--threads`` (default 1 on CPU) pins torch's intra-op threads so that calibration and
 emulation run alike.
@@ -19,9 +23,10 @@ emulation run alike.
 from __future__ import annotations
 
 import argparse
+import copy
 import sys
 import time
-from typing import Dict, List, Optional
+from typing import Callable, Dict, List, Optional
 
 import torch
 import yaml
@@ -56,21 +61,26 @@ def device_settings(device_name: str, threads: Optional[int]) -> tuple:
 
 
 def measure(config: MLLMConfig, device: torch.device, settings: ModelParallelSettings, grid: Dict[str, list],
-            warmup: int, repeats: int) -> Dict[str, List[dict]]:
-    """Measured points of every phase: ``{"items", "seq_len", "seconds"}`` per call that ran."""
+            warmup: int, repeats: int,
+            on_point: Callable[[Dict[str, List[dict]]], None] = lambda points: None) -> Dict[str, List[dict]]:
+    """Measured points of every phase: ``{"items", "seq_len", "seconds"}`` per call that ran;
+    ``on_point(points so far)`` after each call that ran."""
     phases = config.phases().names
     sizes = {phase: [size for _, size in mfu.grid_points(phase, config, grid)] for phase in phases}
     points: Dict[str, List[dict]] = {phase: [] for phase in phases}
     item_tokens = {name: encoder.item_tokens for name, encoder in config.encoders.items()}
     peak = mfu.DEFAULT_PEAK_TFLOPS if device.type == "cuda" else None  # a CPU has no assumed peak: no MFU
-    measured = mfu.run(config, device, settings, grid, warmup, repeats, peak,
-                       lambda point: print(mfu.format_point(point), flush=True))
-    for point in measured:
+
+    def add(point: mfu.Point) -> None:
+        print(mfu.format_point(point), flush=True)
         size = sizes[point.phase].pop(0)
         if point.status != "ok":
-            continue
+            return
         items, seq_len = (size, item_tokens[point.phase]) if point.phase in item_tokens else size
         points[point.phase].append({"items": int(items), "seq_len": int(seq_len), "seconds": point.ms / 1e3})
+        on_point(points)
+
+    mfu.run(config, device, settings, grid, warmup, repeats, peak, add)
     return points
 
 
@@ -86,6 +96,26 @@ def fit_points(points: Dict[str, List[dict]], backbone: str) -> Dict[str, PhaseF
             row["fitted_seconds"] = float(fits[phase].call_overhead
                                           + row["items"] * fits[phase].item_seconds(row["seq_len"]))
     return fits
+
+
+def partial_fits(points: Dict[str, List[dict]], backbone: str) -> tuple:
+    """(fits of the phases whose points can be fit so far, their points with fitted values, the phases
+    that cannot be fit yet); ``points`` is left as it is."""
+    fits, fitted, missing = {}, {}, []
+    for phase, rows in points.items():
+        rows = copy.deepcopy(rows)
+        try:
+            fits.update(fit_points({phase: rows}, backbone))
+            fitted[phase] = rows
+        except ValueError:  # no point yet, or fewer points than coefficients
+            missing.append(phase)
+    return fits, fitted, missing
+
+
+def partial_note(points: Dict[str, List[dict]], missing: List[str]) -> str:
+    measured = ", ".join(f"{phase} {len(rows)}" for phase, rows in points.items())
+    return (f"PARTIAL profile, written while calibrating: no fit yet of phase(s) {', '.join(missing)}; points "
+            f"measured so far: {measured}. A finished run rewrites it without this note.")
 
 
 def format_fits(fits: Dict[str, PhaseFit], points: Dict[str, List[dict]]) -> str:
@@ -128,15 +158,25 @@ def main(argv: Optional[List[str]] = None) -> dict:
     except ValueError as err:
         parser.error(str(err))
     grid = {"gpu": GPU_GRID, "cpu": CPU_GRID}[args.grid or ("gpu" if args.device == "cuda" else "cpu")]
+    command = "python -m megatron_orch.bench.calibrate " + " ".join(sys.argv[1:] if argv is None else argv)
+
+    def write(fits, points, **notes) -> dict:
+        document = profile_dict(device_name, "bf16" if settings.bf16 else "fp32", config.name, config.phases(),
+                                fits, points, measured_at=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+                                command=command, **notes)
+        with open(args.out, "w") as f:
+            yaml.safe_dump(document, f, sort_keys=False)
+        return document
+
+    def write_partial(points) -> None:
+        fits, fitted, missing = partial_fits(points, BACKBONE_PHASE)
+        if missing:  # the last point of a full run is written once, below, without a note
+            write(fits, fitted, notes=partial_note(points, missing))
+
     with mfu.world_of_one(device):
-        points = measure(config, device, settings, grid, args.warmup, args.repeats)
+        points = measure(config, device, settings, grid, args.warmup, args.repeats, write_partial)
     fits = fit_points(points, BACKBONE_PHASE)
-    document = profile_dict(device_name, "bf16" if settings.bf16 else "fp32", config.name, config.phases(), fits,
-                            points, measured_at=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-                            command="python -m megatron_orch.bench.calibrate " + " ".join(
-                                sys.argv[1:] if argv is None else argv))
-    with open(args.out, "w") as f:
-        yaml.safe_dump(document, f, sort_keys=False)
+    document = write(fits, points)
     print(f"[calibrate] {config.name} layers {effective_layers(config)} on {device_name}")
     print(format_fits(fits, points))
     print(f"[calibrate] wrote {args.out}", file=sys.stderr)

@@ -40,8 +40,8 @@ from megatron_orch.trainer.checkpointing import (TrainState, load_checkpoint, lo
 from megatron_orch.trainer.faults import StepReader, naming_lost_collectives
 from megatron_orch.trainer.timers import EventTimers
 from megatron_orch.trainer.training_log import (IntervalStats, IterationRecord, LoadMeter, TensorBoardLog,
-                                                gather_data_events, load_fields, max_and_mean_over_group, phase_timers,
-                                                post_balancing_fields)
+                                                gather_data_events, load_fields, max_and_mean_over_group, memory_report,
+                                                phase_timers, post_balancing_fields)
 
 ForwardStep = Callable[[Iterator, torch.nn.Module], tuple]
 
@@ -297,6 +297,7 @@ def _train(args, model, optimizer, scheduler, data_iterator, state, timers, forw
     for chunk in model:
         chunk.train()
     exit_interval_reached = False
+    report_memory = not runs_on_cpu(args)  # Megatron-LM's report_memory_flag: CUDA memory after the first logs
     while state.iteration < args.train_iters:
         if args.exit_interval and state.iteration > first_iteration and state.iteration % args.exit_interval == 0:
             exit_interval_reached = True
@@ -319,6 +320,10 @@ def _train(args, model, optimizer, scheduler, data_iterator, state, timers, forw
                 records.append(record)
                 if tensorboard is not None:
                     tensorboard.write(record)
+            if report_memory:  # as Megatron-LM: on DP rank 0, until an iteration past the first has been logged
+                if parallel_state.get_data_parallel_rank() == 0:
+                    print_fn(memory_report(f"(after {state.iteration} iterations)"))
+                report_memory = state.iteration <= first_iteration + 1
         if args.save and args.save_interval and state.iteration % args.save_interval == 0:
             _save(args, state, model, optimizer, scheduler, print_fn, config, lock)
     saved_last = args.save_interval and state.iteration % args.save_interval == 0

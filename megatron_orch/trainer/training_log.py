@@ -292,3 +292,15 @@ def parse_iteration_line(line: str) -> Optional[dict]:
                    "plan exposed ms": float(plan.group(2)), "dispatch ms": float(fields["dispatch ms"])})
         out["post_balancing"] = pb
     return out
+
+
+def memory_report(name: str) -> str:
+    """Megatron-LM's ``report_memory`` line (megatron/training/utils.py) of this rank's CUDA memory:
+    ``[Rank r] (after N iterations) memory (MB) | allocated: ... | max allocated: ... | reserved: ... |
+    max reserved: ...``."""
+    mb = 1024.0 * 1024.0
+    return (f"[Rank {torch.distributed.get_rank()}] {name} memory (MB)"
+            f" | allocated: {torch.cuda.memory_allocated() / mb:.2f}"
+            f" | max allocated: {torch.cuda.max_memory_allocated() / mb:.2f}"
+            f" | reserved: {torch.cuda.memory_reserved() / mb:.2f}"
+            f" | max reserved: {torch.cuda.max_memory_reserved() / mb:.2f}")
