@@ -13,7 +13,7 @@
 #   syncs      three balanced steps under torch.cuda.set_sync_debug_mode("warn"), every sync listed
 #       (scripts/check_syncs.py); on CPU, where no CUDA sync can be observed, the emulated-device test
 #       tests/test_comm_device.py instead;
-#   memory     max allocated of baseline / balanced / balanced with --orch-encoder-memory-cap runs at
+#   memory     max allocated of baseline / balanced (chunked encoders) / --orch-encoder-memory-cap inf runs at
 #       mllm_10b widths, reduced depth (scripts/check_memory.py; the tiny model on CPU: no CUDA figures);
 #   packed     python -m megatron_orch.bench.packed_attention at 8k-16k rows (2k on CPU);
 #   alltoall   all_to_all_items over NCCL (gloo, 2 ranks, on CPU) against an all_gather reference, bf16,
