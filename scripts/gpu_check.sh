@@ -12,7 +12,8 @@
 #   recompute_dropout  encoder recompute off and on, dropout 0.1, post-balancing in both: same losses;
 #   syncs      three balanced steps under torch.cuda.set_sync_debug_mode("warn"), every sync listed
 #       (scripts/check_syncs.py); on CPU, where no CUDA sync can be observed, the emulated-device test
-#       tests/test_comm_device.py instead;
+#       tests/test_comm_device.py instead; the syncs that test budgets per step are allowed (the control
+#       collective of post_balancing._agree, the loss read in train_step, gather_data_events);
 #   memory     max allocated of baseline / balanced (chunked encoders) / --orch-encoder-memory-cap inf runs at
 #       mllm_10b widths, reduced depth (scripts/check_memory.py; the tiny model on CPU: no CUDA figures);
 #   packed     python -m megatron_orch.bench.packed_attention at 8k-16k rows (2k on CPU);
@@ -57,7 +58,8 @@ step recompute_dropout "${limits[2]}" "$PY" scripts/compare_baseline.py --nproc 
 if [ "$mode" = cpu ]; then
   step syncs "${limits[3]}" "$PY" -m pytest -q -p no:cacheprovider tests/test_comm_device.py
 else
-  step syncs "${limits[3]}" "${launch[@]}" --nproc-per-node 1 scripts/check_syncs.py --json "$work/syncs.json" -- \
+  step syncs "${limits[3]}" "${launch[@]}" --nproc-per-node 1 scripts/check_syncs.py --json "$work/syncs.json" \
+    --allow " _agree" --allow " train_step" --allow " gather_data_events" -- \
     --global-batch-size 8 --train-iters 5 --log-interval 5 --distributed-backend nccl --bf16 --orch-post-balancing
 fi
 step memory "${limits[4]}" "$PY" scripts/check_memory.py "${memory_opts[@]}" --nproc "$nproc" \
