@@ -1,9 +1,10 @@
 """Post-balancing's own communicator beside the DP group's, over gloo.
 
-Four ranks, DP groups {0, 1} and {2, 3}: each DP group creates its dedicated group without the other
-group's ranks taking part, the dedicated group holds the same ranks on another communicator (collectives
-issued on the two in opposite orders on the two ranks do not get matched with each other, as they would
-on one communicator), and the schedule refuses a step whose data moves over other ranks than its DP group.
+Four ranks, DP groups {0, 1} and {2, 3}: every rank asks for its DP group's dedicated group (after a
+group the ranks of a DP group hold differently), the dedicated group holds the same ranks on another
+communicator (collectives issued on the two in opposite orders on the two ranks do not get matched with
+each other, as they would on one communicator), the schedule refuses a step whose data moves over other
+ranks than its DP group, and DP groups that overlap are refused on every rank.
 
 What the dedicated communicator gains on a GPU (an all-to-all that does not queue behind DDP's bucket
 reductions under --overlap-grad-reduce) needs NCCL on GPUs to measure; not here.
@@ -22,11 +23,14 @@ from megatron_orch.megatron.schedule import ModalityAwareSchedule
 def _check_dedicated_groups(rank, world):
     dp_groups = [dist.new_group([0, 1]), dist.new_group([2, 3])]
     dp = dp_groups[rank // 2]
-    if rank < 2:  # the other DP group creates its own later, on its own: no world-wide step
-        comm = dedicated_group(dp)
-    else:
-        dist.all_reduce(torch.ones(1), group=dp)
-        comm = dedicated_group(dp)
+    # A group the DP group's ranks made before and only one of them has let go (as ranks hold after a job
+    # re-initialized its model-parallel groups): a group made by the members alone
+    # (use_local_synchronization) would now be named differently on the two ranks, which would wait for
+    # each other until the store timed out.
+    earlier = dist.new_group(dist.get_process_group_ranks(dp), use_local_synchronization=True)
+    if rank % 2:
+        dist.destroy_process_group(earlier)
+    comm = dedicated_group(dp)
     assert comm is not dp
     assert dist.get_process_group_ranks(comm) == dist.get_process_group_ranks(dp) == [rank // 2 * 2, rank // 2 * 2 + 1]
     assert dist.get_backend(comm) == dist.get_backend(dp) == "gloo"
@@ -56,6 +60,11 @@ def _check_dedicated_groups(rank, world):
                         moves=None)
     with pytest.raises(ValueError, match="over a group of other ranks than this schedule's DP group"):
         ModalityAwareSchedule(lambda **kw: [], dp_group=dp)._start_move(step, "vision", torch.zeros(1, 2))
+
+    # DP groups that overlap are refused on every rank, before any group is made.
+    first_three, last_two = dist.new_group([0, 1, 2]), dist.new_group([2, 3])
+    with pytest.raises(ValueError, match=r"disjoint DP groups, one per rank; the ranks gave \[\(0, 1, 2\), \(2, 3\)\]"):
+        dedicated_group(first_three if rank < 3 else last_two)
 
 
 def test_each_dp_group_moves_data_on_a_communicator_of_its_own_four_ranks():

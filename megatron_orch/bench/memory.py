@@ -12,12 +12,12 @@ modules are the trainer's (:class:`~megatron_orch.mllm.model.MLLMModel`, megatro
 dropout 0) at the model's widths, and the schedules are the trainer's; only the tensors are on PyTorch's
 ``meta`` device: shapes and dtypes without values, so a rank of mllm_10b at full depth costs seconds and
 no memory, and what autograd saves is exactly what it saves on a device. Three things are stood in, each
-only for meta tensors: the all-to-alls of the balanced step (the schedule's ``_move``) give the rank
+only for meta tensors: the all-to-alls of the balanced step (the schedule's ``_start_move``) give the rank
 the rows it would receive; the collectives over a group of one (the vocabulary-parallel cross-entropy's
 all-reduce) return their input; and the core attention saves what a fused (flash) kernel saves (query,
 key, value, output and the fp32 log-sum-exp), since PyTorch runs attention on meta tensors through its
 math path, which keeps the [s, s] probabilities no GPU kernel keeps. The placeholder positions, which
-need values, are read off the host copy of each micro-batch.
+need values, are found at collate time, on the host, as in training.
 
 Every tensor autograd saves is counted once per storage (tensors that share one, such as a layer's input
 saved by two operations, count once), from the moment it is saved until autograd frees it; parameters
@@ -37,7 +37,7 @@ import functools
 import math
 import sys
 import time
-from typing import Dict, Iterator, List, Optional, Tuple
+from typing import Dict, Iterator, List, Tuple
 
 import numpy as np
 import torch
@@ -210,32 +210,11 @@ def meta_stand_ins():
             setattr(owner, name, stock)
 
 
-class MetaMLLM(MLLMModel):
-    """The trainer's model whose placeholder positions come from the host copy of the micro-batch
-    (``host_tokens``, set by :func:`forward_step`): on meta tensors ``nonzero`` has no values to read."""
-
-    host_tokens: Optional[torch.Tensor] = None
-
-    def embed(self, tokens, position_ids, embeds):
-        embeddings = self.backbone.embedding(input_ids=tokens, position_ids=position_ids)
-        for encoder_input in self.spec.inputs:
-            values = embeds.get(encoder_input.phase)
-            rows, cols = (self.host_tokens == encoder_input.placeholder_id).nonzero(as_tuple=True)
-            if values is None or rows.numel() != values.shape[0]:
-                raise ValueError(f"{rows.numel()} {encoder_input.phase} placeholders, "
-                                 f"{None if values is None else values.shape[0]} embeddings")
-            if rows.numel():
-                embeddings = embeddings.index_put((cols.to(tokens.device), rows.to(tokens.device)),
-                                                  values.to(embeddings.dtype))
-        return embeddings
-
-
-def forward_step(data_iterator: Iterator, model: MetaMLLM):
+def forward_step(data_iterator: Iterator, model: MLLMModel):
     """``contract.forward_step`` on meta tensors: the loss token count stays on the host (the schedule adds
-    it up), the placeholder positions come from the host tokens."""
+    it up)."""
     item = next(data_iterator)
     batch, embeds = (item.batch, item.embeds) if isinstance(item, BalancedMicroBatch) else (item, None)
-    model.host_tokens = batch.tokens
     if embeds is None:
         embeds = {phase: model.encode(phase, items.to(META)) for phase, items in batch.items.items()}
     output = model(batch.to(META), embeds=embeds)
@@ -251,12 +230,13 @@ class MetaSchedule(ModalityAwareSchedule):
     """The modality-aware schedule with its all-to-alls stood in: a rank gets the embedding rows its
     backbone micro-batches take, and back the gradient rows of the items it encoded."""
 
-    def _move(self, step: BalancedStep, phase: str, rows: torch.Tensor, inverse: bool = False) -> torch.Tensor:
+    def _start_move(self, step: BalancedStep, phase: str, rows: torch.Tensor, inverse: bool = False):
         if inverse:
             count = step.inputs[phase].shape[0]
         else:
             count = sum(mb.num_items[phase] for mb in step.microbatches)
-        return torch.zeros(count * step.rows_per_item[phase], *rows.shape[1:], dtype=rows.dtype, device=META)
+        moved = torch.zeros(count * step.rows_per_item[phase], *rows.shape[1:], dtype=rows.dtype, device=META)
+        return lambda: moved
 
 
 # -- the step of one rank -------------------------------------------------------------------------------
@@ -293,10 +273,11 @@ def balanced_step(plan: StepPlan, sizes, rank: int, spec) -> BalancedStep:
     inputs = {p: torch.empty(int(plan.encoders[p].encode.items_on(rank).size), *spec.input(p).item_shape,
                              device=META) for p in spec.phases.encoder_names}
     return BalancedStep(microbatches=mbs, inputs=inputs, plan=plan, rank=rank, num_tokens=sizes.num_tokens,
-                        rows_per_item={p: spec.rows_per_item(p) for p in spec.phases.encoder_names})
+                        rows_per_item={p: spec.rows_per_item(p) for p in spec.phases.encoder_names},
+                        comm_group=None, moves=None)
 
 
-def run_rank(model: MetaMLLM, counter: SavedBytes, schedule, data_iterator, num_microbatches: int,
+def run_rank(model: MLLMModel, counter: SavedBytes, schedule, data_iterator, num_microbatches: int,
              seq_length: int) -> dict:
     """One rank's step under ``schedule`` (Megatron's or the modality-aware one): its saved-bytes figures."""
     for p in model.parameters():
@@ -312,10 +293,10 @@ def run_rank(model: MetaMLLM, counter: SavedBytes, schedule, data_iterator, num_
 
 
 # -- the benchmark --------------------------------------------------------------------------------------
-def build_model(config: MLLMConfig) -> MetaMLLM:
+def build_model(config: MLLMConfig) -> MLLMModel:
     settings = ModelParallelSettings(bf16=True)
     with torch.device(META):
-        return MetaMLLM(config, settings, config.backbone.max_position_embeddings, pre_process=True,
+        return MLLMModel(config, settings, config.backbone.max_position_embeddings, pre_process=True,
                         post_process=True).bfloat16()
 
 

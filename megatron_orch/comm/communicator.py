@@ -18,12 +18,22 @@ from torch.distributed import ProcessGroup
 def dedicated_group(group: ProcessGroup, timeout: Optional[timedelta] = None) -> ProcessGroup:
     """A new group of ``group``'s ranks on the same backend, a different communicator.
 
-    Only ``group``'s members take part (every one of them must call this, in the same order as their
-    other group creations): each DP group creates its own, every rank of the job belongs to exactly one,
-    so calling this on every rank after ``initialize_model_parallel`` creates all of them. Under NCCL the
-    communicator itself is set up at its first collective. ``timeout``: that of the job's groups (the
-    backend's default when None).
+    Created as Megatron creates its groups: every rank of the job calls this once, each with its own DP
+    group, after ``initialize_model_parallel``; the DP groups are gathered over the world and every rank
+    creates each of them, in one order, keeping its own. (A group made by its members alone,
+    ``use_local_synchronization``, is named after the groups each process already holds, which differ
+    between ranks once a job has re-initialized its model-parallel groups: the members then wait for each
+    other under different names until the store times out.) DP groups that overlap are refused on every
+    rank. Under NCCL the communicator itself is set up at its first collective. ``timeout``: that of the
+    job's groups (the backend's default when None).
     """
+    ranks = tuple(dist.get_process_group_ranks(group))
+    gathered = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, ranks)
+    groups = sorted(set(gathered))
+    members = [rank for g in groups for rank in g]
+    if len(members) != len(set(members)):
+        raise ValueError(f"post-balancing needs disjoint DP groups, one per rank; the ranks gave {groups}")
     extra = {} if timeout is None else {"timeout": timeout}
-    return dist.new_group(dist.get_process_group_ranks(group), backend=dist.get_backend(group),
-                          use_local_synchronization=True, **extra)
+    created = {g: dist.new_group(list(g), backend=dist.get_backend(group), **extra) for g in groups}
+    return created[ranks]
