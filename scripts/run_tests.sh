@@ -16,5 +16,5 @@ case "${1:-}" in
 esac
 bash scripts/setup_env.sh "${setup[@]}"
 venv="$(bash scripts/setup_env.sh "${setup[@]}" --print-venv)"
-echo "run_tests.sh: $("$venv/bin/python" -c 'import sys, importlib.metadata as m; print(f"Python {sys.version.split()[0]}, torch {m.version("torch")}, megatron-core {m.version("megatron-core")}")')"
+echo "run_tests.sh: $("$venv/bin/python" -c 'import sys, importlib.metadata as m; print("Python %s, torch %s, megatron-core %s" % (sys.version.split()[0], m.version("torch"), m.version("megatron-core")))')"
 exec "$venv/bin/python" -m pytest -q tests "$@"
