@@ -9,6 +9,10 @@ settings.register_profile("no_deadline", deadline=None)
 settings.load_profile("no_deadline")
 
 
+def pytest_configure(config):
+    config.addinivalue_line("markers", "distributed: starts processes (torch.distributed over gloo)")
+
+
 @pytest.fixture(scope="module")
 def world_of_one():
     """A gloo world of one process with megatron-core's model-parallel state (TP 1, PP 1) and RNG tracker,
