@@ -136,3 +136,44 @@ def test_item_flops_of_the_tiny_model_by_hand():
     audio = encoder(32) + projector(8, 4 * h)    # 64 frames / stride 2; 4 tokens stacked per LLM token
     assert config.encoder_cost("vision").item_cost(17) == 3 * vision
     assert config.encoder_cost("audio").item_cost(32) == 3 * audio
+
+
+def moe(**overrides) -> TransformerShape:
+    fields = dict(num_layers=1, hidden_size=8, ffn_hidden_size=32, num_attention_heads=2, causal=True,
+                  num_experts=4, moe_router_topk=2, moe_ffn_hidden_size=4)
+    return TransformerShape(**{**fields, **overrides})
+
+
+def test_moe_flops_count_the_active_parameters_by_hand():
+    shape = moe()
+    # QKV 2*8*24 = 384, proj 2*8*8 = 128; router 2*8*4 = 64, two experts of width 4: 2 * 2*(2*8*4) = 256
+    assert shape.linear_flops_per_token() == 384 + 128 + 64 + 256
+    # every expert's weights are parameters, two of them are active: router 32 + 4 (resp. 2) * 64
+    assert shape.num_parameters() == 8 * 24 + 8 * 8 + 32 + 4 * 64 + 2 * 8 + 8
+    assert shape.num_active_parameters() == 8 * 24 + 8 * 8 + 32 + 2 * 64 + 2 * 8 + 8
+    # activations (elements): norms 16, QKV in 8, QKV 24, attn out 8, FFN in 8, per routed copy 8 + 2*4
+    assert shape.activation_bytes_per_token() == 2 * (64 + 2 * 16) + 4 * 2 + 8 * 4
+    # tokens to their two experts and back, bf16
+    assert shape.expert_dispatch_bytes_per_token() == 2 * 2 * 8 * 2
+    shared = moe(moe_shared_expert_intermediate_size=6, gated_linear_unit=True)
+    assert shared.linear_flops_per_token() == 384 + 128 + 64 + 2 * 2 * (3 * 8 * 4) + 2 * 3 * 8 * 6
+
+
+@given(st.integers(1, 8), st.integers(1, 4000))
+def test_moe_of_topk_narrow_experts_costs_a_dense_ffn_plus_its_router(topk, s):
+    dense = TransformerShape(num_layers=3, hidden_size=16, ffn_hidden_size=8 * topk, num_attention_heads=4, causal=True)
+    sparse = replace(dense, num_experts=8, moe_router_topk=topk, moe_ffn_hidden_size=8)
+    router = 3 * 2 * 16 * 8
+    assert sparse.forward_flops(s) == pytest.approx(dense.forward_flops(s) + router * s)
+    assert dense.expert_dispatch_bytes_per_token() == 0 and dense.num_active_parameters() == dense.num_parameters()
+
+
+def test_moe_shape_checks_and_signature():
+    with pytest.raises(ValueError, match="moe_router_topk=5 must be in 1..num_experts=4"):
+        moe(moe_router_topk=5)
+    with pytest.raises(ValueError, match="moe_ffn_hidden_size=4 needs num_experts"):
+        moe(num_experts=None)
+    from megatron_orch.balance.cost import TransformerCost
+    dense = TransformerCost(small(True)).signature()
+    assert "num_experts" not in dense  # the signatures of dense phases (and the profiles measured on them) stay
+    assert TransformerCost(moe()).signature()["num_experts"] == 4

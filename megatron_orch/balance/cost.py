@@ -20,6 +20,16 @@ Forward FLOPs of one sequence of ``s`` tokens through ``L`` layers (a multiply-a
 
 Training = forward + backward ~= 3x forward.
 
+A mixture-of-experts FFN (``num_experts`` set, every layer; Megatron-Core's MoE layer) runs each token
+through its router (``2 * h * num_experts``: the gate's logits) and ``moe_router_topk`` experts of width
+``moe_ffn_hidden_size`` (default ``ffn_hidden_size``), plus a shared expert of width
+``moe_shared_expert_intermediate_size`` if set: the *active* parameters' FLOPs, what a token costs whichever
+experts it picks. The expert dispatch (the all-to-all of tokens to their experts over the expert-parallel
+group, and back) moves ``2 * topk * h`` values per token and layer inside one model replica; it is linear in
+tokens like the FFN itself, so balancing tokens balances it, and it is none of post-balancing's moves (the
+plan's byte accounting, ``StepPlan.traffic``, counts only those: :meth:`TransformerShape.expert_dispatch_bytes_per_token`
+is the model's, reported apart).
+
 Activation memory per token and layer follows Korthikanti et al. 2022 ("Reducing Activation
 Recomputation in Large Transformer Models", Table 2; bf16 = 2 bytes per element) with today's
 practice: flash attention (the ``5*a*s`` softmax/dropout terms become one fp32 log-sum-exp per head),
@@ -28,6 +38,9 @@ no dropout masks, grouped-query K/V and a gated FFN. Bytes stored per token and 
 ``4*heads`` log-sum-exp, ``2h`` FFN input, and ``2*(2f) + 2f`` (gated: both FC1 halves and the
 activation output) or ``2f + 2f`` (non-gated: FC1 output and activation output). For the classic
 GPT shape (f = 4h, MHA) this is ``32h + 4a`` bytes, the paper's ``34h`` minus its two dropout masks.
+An MoE FFN keeps, per token, its input ``h``, each of its ``topk`` routed copies (the permuted input ``h``
+and the expert's FC1 output and activation as above, of width ``moe_ffn_hidden_size``), the shared expert's
+as a dense FFN, and the router's fp32 logits and probabilities (``8 * num_experts`` bytes).
 """
 from __future__ import annotations
 
@@ -61,11 +74,20 @@ class TransformerShape:
     kv_channels: Optional[int] = None  # head dim; None: hidden_size // num_attention_heads
     gated_linear_unit: bool = False  # SwiGLU-style FFN with two input projections
     vocab_size: int = 0  # width of the logits layer (backbone); 0 for encoders
+    num_experts: Optional[int] = None  # None: a dense FFN; else every layer's FFN is a mixture of experts
+    moe_router_topk: int = 2  # experts each token runs
+    moe_ffn_hidden_size: Optional[int] = None  # one expert's FFN width; None: ffn_hidden_size
+    moe_shared_expert_intermediate_size: Optional[int] = None  # a shared expert every token runs; None: none
 
     def __post_init__(self):
         for name in ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads"):
             if int(getattr(self, name)) < 1:
                 raise ValueError(f"TransformerShape.{name} must be >= 1, got {getattr(self, name)}")
+        if self.num_experts is not None and not 1 <= self.moe_router_topk <= self.num_experts:
+            raise ValueError(f"moe_router_topk={self.moe_router_topk} must be in 1..num_experts={self.num_experts}")
+        for name in ("moe_ffn_hidden_size", "moe_shared_expert_intermediate_size"):
+            if getattr(self, name) is not None and (self.num_experts is None or getattr(self, name) < 1):
+                raise ValueError(f"TransformerShape.{name}={getattr(self, name)} needs num_experts and must be >= 1")
         if self.num_query_groups is not None and (
                 self.num_query_groups < 1 or self.num_attention_heads % self.num_query_groups):
             raise ValueError(f"num_query_groups={self.num_query_groups} must divide "
@@ -92,11 +114,41 @@ class TransformerShape:
     def _ffn_inputs(self) -> int:
         return 2 if self.gated_linear_unit else 1
 
+    @property
+    def is_moe(self) -> bool:
+        return self.num_experts is not None
+
+    @property
+    def expert_ffn_hidden_size(self) -> int:
+        """One expert's FFN width (MoE)."""
+        return self.moe_ffn_hidden_size or self.ffn_hidden_size
+
+    def _ffn_weights(self, width: int) -> int:
+        """Weights of one FFN of ``width`` (FC1, gated or not, and FC2)."""
+        return (self._ffn_inputs + 1) * self.hidden_size * width
+
+    def _active_ffn_weights(self) -> int:
+        """The FFN weights one token multiplies with: the dense FFN, or the router, its top-k experts and the
+        shared expert."""
+        if not self.is_moe:
+            return self._ffn_weights(self.ffn_hidden_size)
+        shared = self.moe_shared_expert_intermediate_size
+        return (self.hidden_size * self.num_experts + self.moe_router_topk * self._ffn_weights(self.expert_ffn_hidden_size)
+                + (self._ffn_weights(shared) if shared else 0))
+
     def linear_flops_per_token(self) -> float:
-        """Forward FLOPs per token that do not depend on the sequence length (all layers + logits)."""
-        h, q, kv, f = self.hidden_size, self.query_size, self.kv_size, self.ffn_hidden_size
-        per_layer = 2 * (h * (q + 2 * kv) + q * h + (self._ffn_inputs + 1) * h * f)
+        """Forward FLOPs per token that do not depend on the sequence length (all layers + logits); an MoE
+        FFN counts the active parameters only (router, top-k experts, shared expert)."""
+        h, q, kv = self.hidden_size, self.query_size, self.kv_size
+        per_layer = 2 * (h * (q + 2 * kv) + q * h + self._active_ffn_weights())
         return float(self.num_layers * per_layer + 2 * h * self.vocab_size)
+
+    def expert_dispatch_bytes_per_token(self, bytes_per_element: int = BF16_BYTES) -> float:
+        """Bytes one token sends to its experts and receives back in the forward, all layers (0 for a dense
+        FFN): the MoE layers' own all-to-all inside a model replica, not a post-balancing move."""
+        if not self.is_moe:
+            return 0.0
+        return float(self.num_layers * 2 * self.moe_router_topk * self.hidden_size * bytes_per_element)
 
     def attended_pairs(self, seq_len) -> np.ndarray:
         """(query, key) pairs one sequence attends: s^2 (full) or s(s+1)/2 (causal)."""
@@ -115,9 +167,16 @@ class TransformerShape:
 
     def activation_bytes_per_token(self) -> float:
         """Activation bytes kept for backward per token, all layers (see the module docstring)."""
-        h, q, kv, f = self.hidden_size, self.query_size, self.kv_size, self.ffn_hidden_size
-        elements = 2 * h + h + (q + 2 * kv) + q + h + (self._ffn_inputs + 1) * f
-        per_layer = BF16_BYTES * elements + 4 * self.num_attention_heads
+        h, q, kv = self.hidden_size, self.query_size, self.kv_size
+        ffn = (self._ffn_inputs + 1) * self.ffn_hidden_size
+        router = 0
+        if self.is_moe:
+            shared = self.moe_shared_expert_intermediate_size
+            ffn = (self.moe_router_topk * (h + (self._ffn_inputs + 1) * self.expert_ffn_hidden_size)
+                   + ((self._ffn_inputs + 1) * shared if shared else 0))
+            router = 8 * self.num_experts  # fp32 logits and probabilities
+        elements = 2 * h + h + (q + 2 * kv) + q + h + ffn
+        per_layer = BF16_BYTES * elements + 4 * self.num_attention_heads + router
         return float(self.num_layers * per_layer)
 
     def activation_bytes(self, seq_len) -> np.ndarray:
@@ -125,13 +184,24 @@ class TransformerShape:
         return self.activation_bytes_per_token() * _lengths(seq_len)
 
     def num_parameters(self) -> int:
-        """Weights of the layers (QKV, projection, FFN, two norms each) and a final norm.
+        """Weights of the layers (QKV, projection, FFN, two norms each) and a final norm; an MoE FFN is the
+        router, every expert and the shared expert.
 
         Biases are left out (< 0.1% of any shape here); embeddings are counted by the model config.
         """
-        h, q, kv, f = self.hidden_size, self.query_size, self.kv_size, self.ffn_hidden_size
-        per_layer = h * (q + 2 * kv) + q * h + (self._ffn_inputs + 1) * h * f + 2 * h
+        h, q, kv = self.hidden_size, self.query_size, self.kv_size
+        ffn = self._ffn_weights(self.ffn_hidden_size)
+        if self.is_moe:
+            shared = self.moe_shared_expert_intermediate_size
+            ffn = (h * self.num_experts + self.num_experts * self._ffn_weights(self.expert_ffn_hidden_size)
+                   + (self._ffn_weights(shared) if shared else 0))
+        per_layer = h * (q + 2 * kv) + q * h + ffn + 2 * h
         return self.num_layers * per_layer + h
+
+    def num_active_parameters(self) -> int:
+        """The weights one token multiplies with (:meth:`num_parameters` for a dense FFN)."""
+        h, q, kv = self.hidden_size, self.query_size, self.kv_size
+        return self.num_layers * (h * (q + 2 * kv) + q * h + self._active_ffn_weights() + 2 * h) + h
 
 
 @dataclass(frozen=True)
@@ -184,6 +254,7 @@ class CostModel(Protocol):
 
 _SHAPE_FIELDS = ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "num_query_groups",
                  "kv_channels", "gated_linear_unit", "vocab_size")
+_MOE_FIELDS = ("num_experts", "moe_router_topk", "moe_ffn_hidden_size", "moe_shared_expert_intermediate_size")
 
 
 @dataclass(frozen=True)
@@ -215,7 +286,8 @@ class TransformerCost:
                          float(self.projector.activation_bytes(self.projector_tokens)))
 
     def signature(self) -> Dict[str, object]:
-        out = {name: getattr(self.transformer, name) for name in _SHAPE_FIELDS}
+        fields = _SHAPE_FIELDS + (_MOE_FIELDS if self.transformer.is_moe else ())  # a dense shape's as ever
+        out = {name: getattr(self.transformer, name) for name in fields}
         if self.projector is not None:
             out["projector_ffn_hidden_size"] = self.projector.ffn_hidden_size
         out.update(self.details)
