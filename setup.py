@@ -22,6 +22,7 @@ setup(
         "pyyaml>=6.0",
         "tensorboard>=2.15",
         "matplotlib>=3.8",  # plots of bench.emulate and megatron_orch.sim
+        "einops>=0.8",  # megatron-core's Megatron-FSDP builds its device mesh with it (--use-megatron-fsdp)
     ],
     extras_require={
         # six, regex, pydantic: what Megatron-LM's megatron.training imports beyond megatron-core (the

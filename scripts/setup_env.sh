@@ -31,8 +31,8 @@ while [ $# -gt 0 ]; do
 done
 
 case "$mcore" in
-  0.19.2) python_version=3.12; venv=.venv; packages=(torch==2.13.0 triton megatron-core==0.19.2) ;;
-  0.16.1) python_version=3.11; venv=.venv-mcore0.16; packages=(torch==2.13.0 megatron-core==0.16.1) ;;
+  0.19.2) python_version=3.12; venv=.venv; packages=(torch==2.13.0 triton megatron-core==0.19.2 einops==0.8.1) ;;
+  0.16.1) python_version=3.11; venv=.venv-mcore0.16; packages=(torch==2.13.0 megatron-core==0.16.1 einops==0.8.1) ;;
   *) die "--megatron-core $mcore is not a tested set-up: choose 0.19.2 (Python 3.12, the default) or 0.16.1 (Python 3.11)" ;;
 esac
 

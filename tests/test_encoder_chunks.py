@@ -13,7 +13,7 @@ cpu_harness.install()
 from megatron.core import tensor_parallel  # noqa: E402
 
 from megatron_orch.megatron import encoder_chunks  # noqa: E402
-from megatron_orch.megatron.encoder_chunks import backward_chunk, encode_in_chunks  # noqa: E402
+from megatron_orch.megatron.encoder_chunks import backward_chunk, chunk_bounds, encode_in_chunks  # noqa: E402
 
 
 class ToyEncoder(torch.nn.Module):
@@ -40,7 +40,7 @@ def run(kept_items, chunk_items=2, n=7):
     tensor_parallel.model_parallel_cuda_manual_seed(1)
     encoder = ToyEncoder()
     items = torch.randn(n, 8, generator=torch.Generator().manual_seed(2))
-    outputs, chunks = encode_in_chunks(encoder, items, chunk_items, kept_items, grad=True)
+    outputs, chunks = encode_in_chunks(encoder, items, chunk_bounds(n, chunk_items, kept_items), grad=True)
     torch.rand(3)  # the backbone draws from the streams meanwhile
     with tensor_parallel.get_cuda_rng_tracker().fork():
         torch.rand(3)
@@ -73,8 +73,8 @@ def test_without_the_replay_gradients_differ(world_of_one, monkeypatch):
 
 def test_no_items_and_no_grad():
     encoder = ToyEncoder()
-    outputs, chunks = encode_in_chunks(encoder, torch.zeros(0, 8), 2, 0, grad=True)
+    outputs, chunks = encode_in_chunks(encoder, torch.zeros(0, 8), chunk_bounds(0, 2, 0), grad=True)
     assert outputs.shape == (0, 2) and chunks == []
-    outputs, chunks = encode_in_chunks(encoder, torch.randn(5, 8), 2, 5, grad=False)
+    outputs, chunks = encode_in_chunks(encoder, torch.randn(5, 8), chunk_bounds(5, 2, 5), grad=False)
     assert outputs.shape == (10, 2) and not outputs.requires_grad
     assert [(c.start, c.stop, c.kept) for c in chunks] == [(0, 2, False), (2, 4, False), (4, 5, False)]

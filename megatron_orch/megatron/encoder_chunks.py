@@ -14,7 +14,7 @@ of keeping the activations (what Megatron's ``tensor_parallel.checkpoint`` does 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, Dict, List, Optional, Tuple
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 from megatron.core import tensor_parallel
@@ -58,19 +58,34 @@ class Chunk:
         return self.outputs is not None
 
 
-def encode_in_chunks(encode: Callable[[torch.Tensor], torch.Tensor], items: torch.Tensor, chunk_items: int,
-                     kept_items: int, grad: bool) -> Tuple[torch.Tensor, List[Chunk]]:
-    """The outputs of ``encode`` over ``items`` (detached, item by item) and its chunks of ``chunk_items``:
-    the first ``kept_items`` items with autograd (when ``grad``), the rest without. No items: the empty output
-    of ``encode`` and no chunks."""
-    if items.shape[0] == 0:
+@dataclass(frozen=True)
+class ChunkBounds:
+    """Items ``start:stop`` run as one chunk; ``keep``: its activations stay for the backward."""
+
+    start: int
+    stop: int
+    keep: bool
+
+
+def chunk_bounds(count: int, chunk_items: int, kept_items: int) -> List[ChunkBounds]:
+    """``count`` items in chunks of ``chunk_items`` consecutive items, the first ``kept_items`` items kept."""
+    return [ChunkBounds(start, min(start + chunk_items, count), min(start + chunk_items, count) <= kept_items)
+            for start in range(0, count, chunk_items)]
+
+
+def encode_in_chunks(encode: Callable[[torch.Tensor], torch.Tensor], items: torch.Tensor,
+                     bounds: Sequence[ChunkBounds], grad: bool) -> Tuple[torch.Tensor, List[Chunk]]:
+    """The outputs of ``encode`` over ``items`` (detached, item by item) and its chunks (``bounds``, which
+    cover the items in order): the kept ones with autograd (when ``grad``), the others without. No chunks: the
+    empty output of ``encode`` over no items."""
+    if not bounds:
         with torch.no_grad():
-            return encode(items), []
+            return encode(items[:0]), []
     outputs, chunks = [], []
-    for start in range(0, items.shape[0], chunk_items):
-        stop = min(start + chunk_items, items.shape[0])
+    for bound in bounds:
+        start, stop = bound.start, bound.stop
         chunk = Chunk(start, stop, RngStates.capture(items.device))
-        keep = grad and stop <= kept_items
+        keep = grad and bound.keep
         with torch.set_grad_enabled(keep):
             out = encode(items[start:stop])
         if keep:

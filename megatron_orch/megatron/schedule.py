@@ -16,7 +16,8 @@ Encoder memory: each phase runs in the plan's chunks (:mod:`~megatron_orch.megat
 chunks the plan keeps hold their activations through the backbone, the others are recomputed for their
 backward, one at a time, after the kept ones have freed theirs. Every chunk's backward but a phase's last
 runs under the model's ``no_sync_func``, so Megatron DDP counts each encoder gradient once per step (as
-it counts a parameter's micro-batches).
+it counts a parameter's micro-batches). With parameters sharded over DP (torch FSDP2, Megatron-FSDP) every
+rank runs the same chunks, phase after phase (:mod:`~megatron_orch.megatron.sharding`).
 """
 from __future__ import annotations
 
@@ -35,8 +36,9 @@ from torch.distributed import ProcessGroup
 from megatron_orch.comm.alltoall import ItemLayout
 from megatron_orch.comm.device import to_communication_device
 from megatron_orch.megatron.contract import BalanceableModel
-from megatron_orch.megatron.encoder_chunks import backward_chunk, encode_in_chunks
+from megatron_orch.megatron.encoder_chunks import ChunkBounds, backward_chunk, chunk_bounds, encode_in_chunks
 from megatron_orch.megatron.post_balancing import BalancedMicroBatch, BalancedStep
+from megatron_orch.megatron.sharding import aligned_chunks, pad_items, sharded_encode, sharding_of
 
 # The model config's callbacks that reduce gradients, which the encoders' backward must precede:
 # grad_sync_func fires first where it is set (--overlap-grad-reduce: 1F1B on later pipeline stages,
@@ -79,8 +81,10 @@ class ModalityAwareSchedule:
             raise ValueError(f"the schedule was asked for {num_microbatches} micro-batches but the "
                              f"post-balancing step holds {len(step.microbatches)}")
         module = _unwrap(model)
+        model_chunk = model[0] if isinstance(model, (list, tuple)) else model
+        sharded = sharding_of(model_chunk) is not None
         self.timings = {}
-        pending = []  # (phase, encoder inputs, their chunks, moved outputs)
+        pending = []  # (phase, encode, encoder inputs, their chunks, moved outputs)
         microbatches = step.microbatches
         encoders = module.phase_encoders()
         if set(encoders) != set(step.inputs):
@@ -91,15 +95,18 @@ class ModalityAwareSchedule:
             start = time.perf_counter()
             moving = []  # each phase's outputs travel while the next phase encodes
             for phase, inputs in step.inputs.items():
-                chunk_items, kept_items = self._chunking(step, phase, inputs)
-                outputs, chunks = encode_in_chunks(functools.partial(module.encode, phase), inputs, chunk_items,
-                                                   kept_items, grad=not forward_only)
-                moving.append((phase, inputs, chunks, self._start_move(step, phase, outputs)))
+                bounds = self._chunking(step, phase, inputs, sharded)
+                encode = functools.partial(module.encode, phase)
+                if sharded:  # every rank runs the same chunks, through the wrapper's hooks
+                    encode, inputs = sharded_encode(model_chunk, encode), pad_items(inputs, bounds)
+                outputs, chunks = encode_in_chunks(encode, inputs, bounds, grad=not forward_only)
+                rows = step.inputs[phase].shape[0] * step.rows_per_item[phase]  # a padding chunk's rows go nowhere
+                moving.append((phase, encode, inputs, chunks, self._start_move(step, phase, outputs[:rows])))
             embeds = {}
-            for phase, inputs, chunks, move in moving:
+            for phase, encode, inputs, chunks, move in moving:
                 leaf = move().requires_grad_(not forward_only)
                 embeds[phase] = leaf
-                pending.append((phase, inputs, chunks, leaf))
+                pending.append((phase, encode, inputs, chunks, leaf))
             microbatches = _attach(step, embeds)
             self.timings["encoders_forward"] = time.perf_counter() - start
 
@@ -110,7 +117,7 @@ class ModalityAwareSchedule:
         def encoders_backward_once():
             if not backward_done:
                 backward_done.append(True)
-                self._encoders_backward(step, module, pending, _no_sync(config))
+                self._encoders_backward(step, module, pending, _no_sync(config), sharded)
 
         def after_encoders_backward(callback):
             def call(*args, **kw):
@@ -151,35 +158,50 @@ class ModalityAwareSchedule:
         pending = move.start([to_communication_device(rows, group)], [layout], group)
         return lambda: pending.wait()[0].to(rows.device, non_blocking=True)
 
-    def _chunking(self, step: BalancedStep, phase: str, inputs: torch.Tensor):
-        """(items per chunk, items kept) of this rank's items of ``phase`` under the step's plan."""
+    def _chunking(self, step: BalancedStep, phase: str, inputs: torch.Tensor, sharded: bool) -> List[ChunkBounds]:
+        """This rank's chunks of ``phase`` under the step's plan; with sharded parameters the chunks every rank
+        runs alike (:func:`~megatron_orch.megatron.sharding.aligned_chunks`)."""
         chunks = step.plan.encoders[phase].chunks
         count = inputs.shape[0]
-        if chunks is None:  # a plan without a memory model: one chunk
-            return max(count, 1), 0 if self.encoder_recompute else count
-        kept = int(chunks.kept[step.rank])
-        if kept > count:
-            raise ValueError(f"DP rank {step.rank}: the plan keeps {kept} {phase} items but the step brings {count}")
-        return chunks.items, 0 if self.encoder_recompute else kept
+        encoded = step.plan.encoders[phase].encode
+        counts = np.bincount(encoded.rank, minlength=encoded.num_ranks)
+        if counts[step.rank] != count:
+            raise ValueError(f"DP rank {step.rank}: the plan encodes {counts[step.rank]} {phase} items here but the "
+                             f"step brings {count}")
+        if chunks is None:  # a plan without a memory model: one chunk per rank
+            chunk_items, kept = max(int(counts.max(initial=0)), 1), counts
+        else:
+            chunk_items, kept = chunks.items, chunks.kept
+        if int(kept[step.rank]) > count:
+            raise ValueError(f"DP rank {step.rank}: the plan keeps {kept[step.rank]} {phase} items but the step "
+                             f"brings {count}")
+        kept = np.zeros_like(counts) if self.encoder_recompute else np.asarray(kept)
+        if sharded:
+            return aligned_chunks(counts, chunk_items, kept, step.rank)
+        return chunk_bounds(count, chunk_items, int(kept[step.rank]))
 
-    def _encoders_backward(self, step: BalancedStep, module: BalanceableModel, pending, no_sync) -> None:
+    def _encoders_backward(self, step: BalancedStep, module: BalanceableModel, pending, no_sync,
+                           sharded: bool) -> None:
         start = time.perf_counter()
         # Every phase's gradients start back at once; the first chunks' backward hides the later transfers.
         returning = {phase: self._start_move(step, phase, leaf.grad if leaf.grad is not None else torch.zeros_like(leaf),
-                                             inverse=True) for phase, _, _, leaf in pending}
+                                             inverse=True) for phase, _, _, _, leaf in pending}
         grads = {}
-        # kept chunks first, of every phase: their activations are freed before any chunk is recomputed
-        order = [(phase, inputs, chunk) for kept in (True, False) for phase, inputs, chunks, _ in pending
+        # Kept chunks first, of every phase: their activations are freed before any chunk is recomputed. With
+        # sharded parameters phase after phase (kept chunks first), the same order on every rank.
+        order = [(phase, encode, inputs, chunk) for kept in (True, False) for phase, encode, inputs, chunks, _ in pending
                  for chunk in chunks if chunk.kept == kept]
-        last = {phase: i for i, (phase, _, _) in enumerate(order)}
-        for i, (phase, inputs, chunk) in enumerate(order):
-            if phase not in grads:
-                grads[phase] = returning[phase]()
+        if sharded:
+            names = [phase for phase, *_ in pending]
+            order.sort(key=lambda entry: names.index(entry[0]))  # stable: kept chunks stay first in a phase
+        last = {phase: i for i, (phase, *_) in enumerate(order)}
+        for i, (phase, encode, inputs, chunk) in enumerate(order):
             rows = step.rows_per_item[phase]
+            if phase not in grads:  # a padding chunk's rows (sharded) get a zero gradient
+                grads[phase] = _zero_padded(returning[phase](), inputs.shape[0] * rows)
             with contextlib.nullcontext() if last[phase] == i else no_sync():
-                backward_chunk(functools.partial(module.encode, phase), inputs, chunk,
-                               grads[phase][chunk.start * rows:chunk.stop * rows])
-        for phase, _, chunks, _ in pending:
+                backward_chunk(encode, inputs, chunk, grads[phase][chunk.start * rows:chunk.stop * rows])
+        for phase, _, _, chunks, _ in pending:
             if phase not in grads:  # a phase without chunks: its (empty) transfer still completes
                 returning[phase]()
             if not chunks:  # no items of this phase on this rank in this step
@@ -201,6 +223,13 @@ def _no_sync(config) -> Callable[[], contextlib.AbstractContextManager]:
             return stack
         return all_chunks
     return no_sync
+
+
+def _zero_padded(rows: torch.Tensor, length: int) -> torch.Tensor:
+    """``rows`` followed by zero rows up to ``length``."""
+    if rows.shape[0] >= length:
+        return rows
+    return torch.cat([rows, rows.new_zeros(length - rows.shape[0], *rows.shape[1:])])
 
 
 def _zero_gradients(encoder: torch.nn.Module) -> None:

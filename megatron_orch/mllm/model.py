@@ -76,6 +76,9 @@ class ModelParallelSettings:
     use_cpu_initialization: bool = True  # full weights drawn on every rank, then split: TP-invariant
     calculate_per_token_loss: bool = True
     transformer_impl: str = "local"  # layer specs: "local" or "transformer_engine"
+    # Parameters sharded over DP (Megatron-FSDP, torch FSDP2): gathering a module's parameters is a collective,
+    # so every encoder runs in every micro-batch, over one zero item when it has none (MLLMModel.forward).
+    sharded_parameters: bool = False
     # megatron-core's kernel fusions (Megatron-LM's --no-*-fusion flags; --cross-entropy-loss-fusion): off
     # here, as on the CPU; the providers turn them on for a GPU run (providers.fusion_settings).
     bias_gelu_fusion: bool = False
@@ -118,6 +121,7 @@ def transformer_config(shape: TransformerShape, settings: ModelParallelSettings,
         apply_rope_fusion=False,  # learned absolute positions: Megatron-LM turns it off without RoPE
         gradient_accumulation_fusion=settings.gradient_accumulation_fusion,
         cross_entropy_loss_fusion=settings.cross_entropy_loss_fusion,
+        transformer_impl=settings.transformer_impl,  # FSDP2's wrapper picks its units by it
     )
 
 
@@ -261,6 +265,7 @@ class MLLMModel(MegatronModule):
             post_process = parallel_state.is_pipeline_last_stage()
         self.pre_process, self.post_process = pre_process, post_process
         self.transformer_impl = settings.transformer_impl
+        self.sharded_parameters = settings.sharded_parameters
         self.spec = batch_spec(model_config, max_sequence_length)  # checks the config's item shapes
         self.encoders = torch.nn.ModuleDict()  # phase name -> encoder, on the first pipeline stage
         if pre_process:
@@ -306,6 +311,12 @@ class MLLMModel(MegatronModule):
             return self._no_embeddings(items.device)
         return self.encoders[phase](items)
 
+    def _idle_encoder_output(self, phase: str, device: torch.device) -> torch.Tensor:
+        """Encoder ``phase`` over one zero item: with sharded parameters a micro-batch without items of a phase
+        still runs its encoder (gathering its parameters is a collective of the DP group)."""
+        shape = next(i.item_shape for i in self.spec.inputs if i.phase == phase)
+        return self.encoders[phase](torch.zeros(1, *shape, device=device))
+
     def _no_embeddings(self, device: torch.device) -> torch.Tensor:
         return torch.zeros(0, self.config.hidden_size, dtype=self.config.params_dtype, device=device)
 
@@ -338,8 +349,17 @@ class MLLMModel(MegatronModule):
         packed_seq_params = batch.packed_seq_params(tail_as_sequence=self.transformer_impl == "transformer_engine")
         decoder_input = None
         if self.pre_process:
-            if embeds is None:
-                embeds = {name: self.encode(name, items) for name, items in batch.items.items()}
+            idle = []
+            if embeds is None:  # the encoders in the config's order, on every rank the same with sharded parameters
+                embeds = {}
+                for name in self.encoders:
+                    items = batch.items.get(name)
+                    if self.sharded_parameters and (items is None or items.shape[0] == 0):
+                        idle.append(self._idle_encoder_output(name, batch.tokens.device))
+                    elif items is not None:
+                        embeds[name] = self.encode(name, items)
             decoder_input = self.embed(batch, embeds)
+            for output in idle:  # joins the graph with a zero gradient: its backward's collectives run too
+                decoder_input = decoder_input + 0.0 * output.sum()
         return self.backbone(input_ids=batch.tokens, position_ids=batch.position_ids, attention_mask=None,
                              decoder_input=decoder_input, labels=batch.labels, packed_seq_params=packed_seq_params)

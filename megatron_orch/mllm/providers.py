@@ -60,6 +60,7 @@ def model_parallel_settings(args: argparse.Namespace) -> ModelParallelSettings:
         use_cpu_initialization=runs_on_cpu(args),
         calculate_per_token_loss=True,
         transformer_impl=args.transformer_impl,
+        sharded_parameters=bool(getattr(args, "use_torch_fsdp2", False) or getattr(args, "use_megatron_fsdp", False)),
         **fusion_settings(args),
     )
 

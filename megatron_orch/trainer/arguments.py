@@ -33,6 +33,8 @@ from megatron_orch.mllm.config import MLLMConfig, load_model_config
 
 ArgsProvider = Callable[[argparse.ArgumentParser], argparse.ArgumentParser]
 
+SHARDING_STRATEGIES = ("no_shard", "optim", "optim_grads", "optim_grads_params")  # Megatron-FSDP's
+
 # Backbone shape flags and the TransformerShape field each one overrides.
 _BACKBONE_SHAPE_FLAGS = {
     "num_layers": "num_layers",
@@ -98,6 +100,13 @@ def add_megatron_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParse
     g.add_argument("--tensor-model-parallel-size", type=int, default=1)
     g.add_argument("--pipeline-model-parallel-size", type=int, default=1)
     g.add_argument("--use-distributed-optimizer", action="store_true")
+    g.add_argument("--use-torch-fsdp2", action="store_true",
+                   help="shard parameters, gradients and optimizer state over DP with torch FSDP2 "
+                        "(megatron-core's TorchFullyShardedDataParallel)")
+    g.add_argument("--use-megatron-fsdp", action="store_true",
+                   help="shard over DP with Megatron-FSDP (turns on --use-distributed-optimizer, as Megatron-LM)")
+    g.add_argument("--data-parallel-sharding-strategy", choices=SHARDING_STRATEGIES, default="optim_grads_params",
+                   help="what Megatron-FSDP shards: optimizer state, + gradients, + parameters (Megatron-LM's default)")
     g.add_argument("--distributed-backend", choices=["nccl", "gloo"], default=None,
                    help="nccl: train on GPUs; gloo: train on CPU through megatron_orch.trainer.cpu_harness. "
                         "Default: nccl when a GPU is visible, else gloo")
@@ -319,6 +328,7 @@ def validate_args(args: argparse.Namespace, world_size: int) -> argparse.Namespa
         _in_range(args, name, 0.0, 1.0, high_open=True)
     if args.data_path is not None and not Path(args.data_path).is_file():
         raise ArgumentError(f"--data-path {args.data_path}: no such file (a JSONL manifest)")
+    _check_sharded_data_parallel(args)
     args.calculate_per_token_loss = True
     args.mllm_config = resolve_model_config(args)
     try:
@@ -333,6 +343,37 @@ def validate_args(args: argparse.Namespace, world_size: int) -> argparse.Namespa
         args.distributed_backend = "nccl" if torch.cuda.is_available() else "gloo"
     _resolve_transformer_impl(args)
     return args
+
+
+def _check_sharded_data_parallel(args: argparse.Namespace) -> None:
+    """FSDP2 or Megatron-FSDP, as Megatron-LM combines them with the other flags; what the compact trainer
+    does not do with them (model parallelism, its checkpoints of whole parameters per rank) is refused."""
+    sharded = [flag for flag in ("use_torch_fsdp2", "use_megatron_fsdp") if getattr(args, flag)]
+    if not sharded:
+        if args.data_parallel_sharding_strategy != "optim_grads_params":
+            raise ArgumentError("--data-parallel-sharding-strategy is Megatron-FSDP's: it needs --use-megatron-fsdp")
+        return
+    flags = " and ".join(f"--{flag.replace('_', '-')}" for flag in sharded)
+    if len(sharded) > 1:
+        raise ArgumentError(f"{flags} exclude each other (torch FSDP2 or Megatron-FSDP)")
+    if args.use_torch_fsdp2 and args.use_distributed_optimizer:
+        raise ArgumentError("--use-torch-fsdp2 shards the optimizer state itself: it does not take "
+                            "--use-distributed-optimizer (as in Megatron-LM)")
+    if args.use_torch_fsdp2 and args.data_parallel_sharding_strategy != "optim_grads_params":
+        raise ArgumentError("--data-parallel-sharding-strategy is Megatron-FSDP's: torch FSDP2 shards parameters, "
+                            "gradients and optimizer state")
+    if args.use_megatron_fsdp:
+        args.use_distributed_optimizer = True  # Megatron-LM: Megatron-FSDP runs the distributed optimizer
+        if args.optimizer != "adam":
+            raise ArgumentError(f"--use-megatron-fsdp runs the distributed optimizer, which megatron-core builds for "
+                                f"--optimizer adam only, got {args.optimizer}")
+    if args.tensor_model_parallel_size > 1 or args.pipeline_model_parallel_size > 1:
+        raise ArgumentError(f"{flags}: the compact trainer shards over data parallelism only (TP 1, PP 1); "
+                            "sharding with TP or PP runs under --orch-trainer megatron-lm")
+    for flag in ("save", "load"):
+        if getattr(args, flag) is not None:
+            raise ArgumentError(f"--{flag} with {flags}: the compact trainer's checkpoints hold whole parameters per "
+                                "rank; sharded checkpoints are Megatron-LM's (--orch-trainer megatron-lm)")
 
 
 def _resolve_transformer_impl(args: argparse.Namespace) -> None:

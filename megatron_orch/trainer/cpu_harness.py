@@ -54,6 +54,14 @@ CPU build of torch each of those raises. The redirects, and why each is needed:
    clip_grad_norm`` and ``ChainedOptimizer.step`` run with ``Tensor.type()`` reporting CPU float
    tensors under the CUDA names (only while those run), so ``--bf16``, gradient clipping and the
    distributed optimizer work on CPU.
+6. **Sharded data parallelism (distributed.torch_fully_sharded_data_parallel,
+   distributed.fsdp).** Both wrappers build their ``DeviceMesh`` with ``device_type="cuda"``; their
+   module-global ``DeviceMesh`` becomes one that builds a CPU mesh (FSDP2 then keeps the parameters on the
+   CPU). Megatron-FSDP's own modules (``distributed.fsdp.src.megatron_fsdp``) format
+   ``f"cuda:{torch.cuda.current_device()}"``, so in their view ``current_device()`` is the index 0 (the
+   devices it names map to the CPU in the factories, as everywhere); their streams' ``record_event()``
+   gives an event whose ``wait``/``synchronize`` do nothing; and ``validate_uneven_dtensor`` (a check of
+   the shards' bounds, one all-reduce) runs with ``Tensor.cuda()`` leaving the tensor on the CPU.
 """
 
 from __future__ import annotations
@@ -81,6 +89,8 @@ _MEGATRON_PACKAGES = (
     "megatron.core.models.gpt.gpt_layer_specs",
     "megatron.core.models.vision.multimodal_projector",
     "megatron.core.distributed",
+    "megatron.core.distributed.torch_fully_sharded_data_parallel",
+    "megatron.core.distributed.fsdp.mcore_fsdp_adapter",
     "megatron.core.optimizer",
     "megatron.core.optimizer_param_scheduler",
     "megatron.core.pipeline_parallel",
@@ -134,7 +144,26 @@ class _NullStream:
         pass
 
     def record_event(self, event=None):
-        return event
+        return _NullEvent() if event is None else event
+
+
+class _NullEvent:
+    """Stands in for a CUDA event recorded on a :class:`_NullStream`: the work before it is done."""
+
+    def __init__(self, *args, **kwargs):
+        pass
+
+    def record(self, stream=None):
+        pass
+
+    def wait(self, stream=None):
+        pass
+
+    def synchronize(self):
+        pass
+
+    def query(self):
+        return True
 
 
 class _CpuCuda(types.ModuleType):
@@ -179,6 +208,7 @@ class _CpuCuda(types.ModuleType):
         torch.manual_seed(seed)
 
     Stream = _NullStream
+    Event = _NullEvent
 
     @staticmethod
     def stream(stream=None):
@@ -193,10 +223,18 @@ class _CpuCuda(types.ModuleType):
         return _NullStream()
 
 
-def _make_cpu_torch() -> types.ModuleType:
+class _CpuCudaIndexed(_CpuCuda):
+    """``torch.cuda`` as Megatron-FSDP's modules see it (redirect 6): the current device is the index 0."""
+
+    @staticmethod
+    def current_device():
+        return 0
+
+
+def _make_cpu_torch(cuda: _CpuCuda) -> types.ModuleType:
     view = types.ModuleType("torch")
     view.__dict__.update(torch.__dict__)
-    view.cuda = _CpuCuda()
+    view.cuda = cuda
     for name in _FACTORIES:
         setattr(view, name, _cpu_factory(getattr(torch, name)))
     # Submodules imported lazily into torch later (torch._dynamo, ...) are found on torch itself.
@@ -204,15 +242,53 @@ def _make_cpu_torch() -> types.ModuleType:
     return view
 
 
-CPU_TORCH = _make_cpu_torch()
+CPU_TORCH = _make_cpu_torch(_CpuCuda())
 """The view of ``torch`` bound as ``torch`` inside megatron.core modules (redirect 1)."""
+_MEGATRON_FSDP_TORCH = _make_cpu_torch(_CpuCudaIndexed())
+_MEGATRON_FSDP = "megatron.core.distributed.fsdp.src.megatron_fsdp"
 
 
 def _redirect_module_torch() -> None:
     for name, module in list(sys.modules.items()):
         if (name == "megatron.core" or name.startswith("megatron.core.")) and module is not None:
             if getattr(module, "torch", None) is torch:
-                module.torch = CPU_TORCH
+                module.torch = _MEGATRON_FSDP_TORCH if name.startswith(_MEGATRON_FSDP) else CPU_TORCH
+
+
+class _CpuDeviceMesh:
+    """``DeviceMesh`` as the sharded data-parallel wrappers see it (redirect 6): a mesh over the CPU."""
+
+    @staticmethod
+    def from_group(group, device_type, *args, **kwargs):
+        from torch.distributed import DeviceMesh
+        return DeviceMesh.from_group(group, "cpu", *args, **kwargs)
+
+
+def _with_cuda_tensor_method_on_cpu(fn):
+    """Run ``fn`` with ``Tensor.cuda()`` returning the tensor itself (redirect 6)."""
+
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        real = torch.Tensor.cuda
+        torch.Tensor.cuda = lambda self, *a, **k: self
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            torch.Tensor.cuda = real
+
+    return wrapper
+
+
+def _redirect_sharded_data_parallel() -> None:
+    """Redirect 6, for the wrappers this megatron-core has."""
+    from megatron.core.distributed import torch_fully_sharded_data_parallel
+    from megatron.core.distributed.fsdp import mcore_fsdp_adapter
+
+    torch_fully_sharded_data_parallel.DeviceMesh = _CpuDeviceMesh
+    mcore_fsdp_adapter.DeviceMesh = _CpuDeviceMesh
+    if mcore_fsdp_adapter.HAVE_MEGATRON_FSDP:
+        buffers = importlib.import_module(f"{_MEGATRON_FSDP}.param_and_grad_buffer")
+        buffers.validate_uneven_dtensor = _with_cuda_tensor_method_on_cpu(buffers.validate_uneven_dtensor)
 
 
 def _get_cpu_rng_state(device=None, clone=False, graph_safe=False):
@@ -316,6 +392,8 @@ def install() -> None:
     rerun_state_machine.initialize_rerun_state_machine(
         mode=rerun_state_machine.RerunMode.DISABLED
     )
+
+    _redirect_sharded_data_parallel()
 
     torch.Tensor.type = _tensor_type_with_cuda_names
     _wrap_once(optimizer.Float16OptimizerWithFloat16Params, "__init__")

@@ -20,7 +20,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 from megatron.core import parallel_state, tensor_parallel
-from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
+from megatron.core.distributed import finalize_model_grads
 from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 from megatron.core.pipeline_parallel import get_forward_backward_func
@@ -37,6 +37,7 @@ from megatron_orch.comm.status import raise_if_any_rank_failed
 from megatron_orch.mllm.data import TooManyBadExamplesError
 from megatron_orch.trainer.checkpointing import (TrainState, load_checkpoint, lock_save_folder, new_run_id, run_config,
                                                  save_checkpoint)
+from megatron_orch.trainer.data_parallel import wrap_data_parallel
 from megatron_orch.trainer.faults import StepReader, naming_lost_collectives
 from megatron_orch.trainer.timers import EventTimers
 from megatron_orch.trainer.training_log import (IntervalStats, IterationRecord, LoadMeter, TensorBoardLog,
@@ -87,7 +88,8 @@ def shutdown() -> None:
 
 
 def build_model(args: argparse.Namespace, model_provider: Callable = providers.build_model) -> list:
-    """This rank's model chunk (one: no virtual pipeline), in bf16 if asked, wrapped in Megatron DDP.
+    """This rank's model chunk (one: no virtual pipeline), in bf16 if asked, wrapped in Megatron DDP, torch FSDP2
+    or Megatron-FSDP (:func:`~megatron_orch.trainer.data_parallel.wrap_data_parallel`).
 
     A rank whose ``model_provider`` fails (a bad config, out of memory) raises on every rank: the
     outcome is agreed before the wrapping and the optimizer, which run collectives.
@@ -100,12 +102,11 @@ def build_model(args: argparse.Namespace, model_provider: Callable = providers.b
         error = err
     raise_if_any_rank_failed(error, what="building the model")
     config = module.config
-    module.to(providers.compute_device(args))  # the encoders' plain torch layers are built on the CPU
+    device = providers.compute_device(args)
+    module.to(device)  # the encoders' plain torch layers are built on the CPU
     if args.bf16:
         module = Float16Module(config, module)
-    ddp_config = DistributedDataParallelConfig(grad_reduce_in_fp32=args.bf16, overlap_grad_reduce=False,
-                                               use_distributed_optimizer=args.use_distributed_optimizer)
-    return [DistributedDataParallel(config=config, ddp_config=ddp_config, module=module)]
+    return [wrap_data_parallel(args, config, module, device)]
 
 
 def build_optimizer(args: argparse.Namespace, model: list, timers: Optional[Timers] = None):

@@ -1,0 +1,120 @@
+"""Post-balancing with parameters sharded over DP: torch FSDP2 and Megatron-FSDP (``--use-torch-fsdp2``,
+``--use-megatron-fsdp``) in the compact trainer, on CPU over gloo, DP 4.
+
+Each wrapper is trained upstream and with post-balancing, and both runs are compared with Megatron DDP on
+the same data (dropout 0: masks follow the computing rank): the losses of every step and all parameters
+after the last agree within 1e-5. The scripted steps (``test_post_balancing``) have no images anywhere,
+audio on one rank only, then one example far longer than a fair share: ranks run an encoder over no items
+of their own, which with sharded parameters must still join its gathers and reduce-scatters.
+"""
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+
+from dist_utils import run_distributed
+from test_post_balancing import BALANCED, COMMON, MBS, NUM_MB, SCENARIOS, scripted_iterator
+
+pytestmark = pytest.mark.distributed
+warnings.filterwarnings("ignore", message=r".*(Transformer Engine|Apex).*not installed")
+
+ITERS = 3  # no images anywhere, audio on one rank only, one example longer than a fair share
+FLAGS = ["--train-iters", str(ITERS), "--optimizer", "adam"]  # the distributed optimizer is built for Adam only
+TIMEOUT_S = 300.0
+
+
+def _train(rank, world_size, argv, out_dir):
+    warnings.filterwarnings("ignore")
+    from megatron.core import parallel_state
+    from torch.distributed.tensor import DTensor
+
+    from megatron_orch.mllm import providers
+    from megatron_orch.trainer import arguments, loop as trainer
+
+    providers.build_train_data_iterator = scripted_iterator
+    built, held = [], []
+
+    def model_provider(args, pre_process, post_process):
+        built.append(providers.build_model(args, pre_process, post_process))
+        return built[-1]
+
+    args = arguments.parse_args(argv, world_size=world_size)
+    if args.orch_config is not None:
+        _watch_gathered_encoder_layers(held)
+    lines = []
+    try:
+        records = trainer.pretrain(args, model_provider=model_provider, print_fn=lines.append)
+        # whole parameters (a collective over the shards: every rank takes part)
+        state = {name: (p.full_tensor() if isinstance(p, DTensor) else p).detach().clone()
+                 for name, p in built[0].named_parameters()}
+    finally:
+        parallel_state.destroy_model_parallel()
+    torch.save(state, Path(out_dir) / f"params_rank{rank}.pt")
+    torch.save(held, Path(out_dir) / f"held_rank{rank}.pt")
+    if records:
+        torch.save({"losses": {r.iteration: r.lm_loss for r in records},
+                    "post_balancing": [r.post_balancing for r in records]}, Path(out_dir) / "log.pt")
+
+
+def _watch_gathered_encoder_layers(held: list) -> None:
+    """Record, when the backbone schedule starts (the encoders' forward is over), the encoder layers whose
+    gathered FSDP2 parameters are still held: none may be (upstream frees them after each forward)."""
+    from megatron_orch.megatron import schedule
+
+    def gathered_layers(model_chunk) -> list:
+        module = schedule._unwrap([model_chunk])
+        return [f"{phase}.{name}" for phase, encoder in module.phase_encoders().items()
+                for name, layer in encoder.named_modules() if hasattr(layer, "_get_fsdp_state")
+                and any(group.is_unsharded for group in layer._get_fsdp_state()._fsdp_param_groups)]
+
+    original = schedule.ModalityAwareSchedule.__init__
+
+    def init(self, forward_backward_func, *args, **kwargs):
+        def watched(**kw):
+            held.append(gathered_layers(kw["model"][0]))
+            return forward_backward_func(**kw)
+        original(self, watched, *args, **kwargs)
+
+    schedule.ModalityAwareSchedule.__init__ = init
+
+
+def train(tmp_path: Path, name: str, *flags: str) -> dict:
+    out_dir = tmp_path / name
+    out_dir.mkdir()
+    global_batch = ["--global-batch-size", str(MBS * NUM_MB * 4)]
+    run_distributed(_train, 4, COMMON + global_batch + FLAGS + list(flags), str(out_dir), timeout_s=TIMEOUT_S)
+    log = torch.load(out_dir / "log.pt")
+    log["params"] = [torch.load(out_dir / f"params_rank{r}.pt") for r in range(4)]
+    log["held"] = [torch.load(out_dir / f"held_rank{r}.pt") for r in range(4)]
+    return log
+
+
+def assert_same_training(got: dict, want: dict, rtol: float = 1e-5):
+    assert sorted(got["losses"]) == list(range(1, ITERS + 1))
+    for iteration, loss in want["losses"].items():
+        assert got["losses"][iteration] == pytest.approx(loss, rel=rtol), (iteration, got["losses"], want["losses"])
+    for rank, (params, reference) in enumerate(zip(got["params"], want["params"])):
+        assert params.keys() == reference.keys()
+        for name in reference:
+            torch.testing.assert_close(params[name], reference[name], rtol=rtol, atol=1e-6,
+                                       msg=lambda m: f"rank {rank} parameter {name}: {m}")
+
+
+@pytest.fixture(scope="module")
+def ddp(tmp_path_factory):
+    return train(tmp_path_factory.mktemp("ddp"), "ddp")
+
+
+@pytest.mark.parametrize("wrapper", ["--use-torch-fsdp2", "--use-megatron-fsdp"])
+def test_sharded_training_equals_ddp_upstream_and_balanced(ddp, wrapper, tmp_path):
+    upstream = train(tmp_path, "upstream", wrapper)
+    balanced = train(tmp_path, "balanced", wrapper, *BALANCED)
+    assert_same_training(upstream, ddp)
+    assert_same_training(balanced, ddp)
+    assert ddp["losses"][ITERS] < ddp["losses"][1]  # the runs train: not two idle models
+    long_step = balanced["post_balancing"][SCENARIOS.index("one_long_example")]
+    assert long_step["intra-node MB"] + long_step["inter-node MB"] > 0, long_step
+    assert long_step["llm after"] < long_step["llm before"], long_step
+    if wrapper == "--use-torch-fsdp2":
+        assert all(steps == [[]] * ITERS for steps in balanced["held"]), balanced["held"]
