@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import argparse
 from datetime import timedelta
-from typing import Iterator
+from typing import Iterator, Optional
 
 import torch
 from megatron.core import parallel_state
@@ -65,10 +65,12 @@ def model_parallel_settings(args: argparse.Namespace) -> ModelParallelSettings:
     )
 
 
-def build_model(args: argparse.Namespace, pre_process: bool = True, post_process: bool = True) -> MLLMModel:
-    """This pipeline stage's part of the MLLM (Megatron's ``model_provider(pre_process, post_process)``)."""
+def build_model(args: argparse.Namespace, pre_process: bool = True, post_process: bool = True,
+                vp_stage: Optional[int] = None) -> MLLMModel:
+    """This pipeline stage's part of the MLLM, its model chunk ``vp_stage`` with virtual pipeline stages
+    (Megatron's ``model_provider(pre_process, post_process, vp_stage)``)."""
     return MLLMModel(args.mllm_config, model_parallel_settings(args), args.seq_length,
-                     pre_process=pre_process, post_process=post_process)
+                     pre_process=pre_process, post_process=post_process, vp_stage=vp_stage)
 
 
 def build_train_data_iterator(args: argparse.Namespace, consumed_samples: int, data_parallel_rank: int,

@@ -28,7 +28,8 @@ refreshed for :data:`LOCK_STALE_S` seconds (its holder refreshes it every :data:
 stale and taken over. Holding the lock, rank 0 removes the temporary files of interrupted saves.
 
 Resuming checks the run against the checkpoint's (Megatron-LM's ``check_checkpoint_args`` and
-``OptimizerParamScheduler`` checks, extended): the model, sequence length, seed, data path (and the
+``OptimizerParamScheduler`` checks, extended): the model (and its backbone's megatron-core class:
+``GPTModel`` before 0.19, ``HybridModel`` from 0.19), sequence length, seed, data path (and the
 manifest's content, unless ``--allow-changed-data``), precision and optimizer layout must match; the
 LR/weight-decay schedule and what defines it (``--train-iters``, ``--global-batch-size``, the ``--lr*``
 flags, ``--weight-decay``) must match unless ``--override-opt_param-scheduler`` (this run's schedule)
@@ -67,6 +68,7 @@ from megatron.core import parallel_state, tensor_parallel
 from megatron_orch.comm.gather import all_gather_to_host
 from megatron_orch.comm.status import describe, raise_if_any_rank_failed
 from megatron_orch.mllm.manifest import manifest_identity
+from megatron_orch.mllm.model import BACKBONE_MODULE
 
 TRACKER_FILENAME = "latest_checkpointed_iteration.txt"
 CHECKSUMS_FILENAME = "checksums.json"
@@ -104,7 +106,8 @@ def run_config(args) -> dict:
     """What a resumed run is checked against: the fixed and schedule flags, the model, the --orch-* flags."""
     config = {name: getattr(args, name, None) for name in FIXED_FLAGS + SCHEDULE_FLAGS}
     config["data_identity"] = manifest_identity(args.data_path) if args.data_path else None
-    config["model_config"] = _flatten(dataclasses.asdict(args.mllm_config))
+    # the backbone's megatron-core class too: GPTModel's and HybridModel's parameters are named differently
+    config["model_config"] = {**_flatten(dataclasses.asdict(args.mllm_config)), "backbone.module": BACKBONE_MODULE}
     config["orch"] = {name: value for name, value in sorted(vars(args).items())
                       if name.startswith("orch_") and name != "orch_config"}
     return config
