@@ -91,6 +91,15 @@ def main_megatron_lm() -> None:
             shape.kv_channels = None
         config = arguments.resolve_model_config(shape)
         configured, resolved = load_model_config(args.model_config).backbone.transformer, config.backbone.transformer
+        if resolved.is_moe and args.num_experts is None:
+            raise ValueError(f"--model-config {args.model_config} has a mixture-of-experts backbone: pass "
+                             f"--num-experts {resolved.num_experts} (Megatron-LM sets up its MoE training from it)")
+        if resolved.is_moe and (args.moe_layer_freq != 1 or args.moe_shared_expert_intermediate_size
+                                != resolved.moe_shared_expert_intermediate_size):
+            raise ValueError("the MLLM's MoE backbone has an MoE FFN in every layer and the config's shared expert "
+                             f"({resolved.moe_shared_expert_intermediate_size}): --moe-layer-freq "
+                             f"{args.moe_layer_freq}, --moe-shared-expert-intermediate-size "
+                             f"{args.moe_shared_expert_intermediate_size}")
         changed = [f"{field.name} {getattr(configured, field.name)} -> {getattr(resolved, field.name)}"
                    for field in dataclasses.fields(resolved)
                    if getattr(configured, field.name) != getattr(resolved, field.name)]

@@ -15,7 +15,7 @@
 script_base=${script_name%.sh}
 work="$out/$script_base"
 dry_run=${ORCH_DEVICE_DRY_RUN:-0}
-if [ "$mode" = gpu ]; then step_budget_s=540 deadline_s=575; else step_budget_s=3600 deadline_s=4200; fi
+if [ "$mode" = gpu ]; then step_budget_s=540 deadline_s=575; else step_budget_s=4400 deadline_s=5000; fi
 planned_s=0
 failed=()
 if [ "$dry_run" != 1 ]; then

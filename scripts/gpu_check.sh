@@ -20,6 +20,11 @@
 #   alltoall   all_to_all_items over NCCL (gloo, 2 ranks, on CPU) against an all_gather reference, bf16,
 #       fp32, int64, empty splits (scripts/check_alltoall.py);
 #   resume     N iterations straight = N/2, save, resume to N (scripts/check_resume.py);
+#   fsdp       Megatron-FSDP (--use-megatron-fsdp, parameters, gradients and optimizer state sharded), post-balancing
+#       off and on: losses compared (world size 1 runs the sharded code paths: the aligned encoder chunks
+#       through the wrapper's hooks; the CPU tests run FSDP2 and Megatron-FSDP at DP 4);
+#   moe        the MoE backbone (configs/tiny_moe.yaml: 4 experts, top-2, seq_aux_loss and z-loss, the all-to-all
+#       dispatcher, the distributed optimizer), post-balancing off and on: losses compared (EP 2 x DP 2 on CPU);
 #   sdpa_kernels  the SDPA core attention on the fused kernels (scripts/check_sdpa_kernels.py; GPU only).
 # OUT_DIR then holds exactly two files: summary.txt (each step's headline figures, then PASSED or the
 # failed steps) and gpu_check.tar.gz (every step's log and files; env.log: versions and the GPU). Exits
@@ -38,14 +43,14 @@ print("python", sys.version.split()[0], "| torch", torch.__version__, "| cuda", 
       megatron.core.__version__, "|", torch.cuda.get_device_name() if torch.cuda.is_available() else "no GPU")
 if torch.cuda.is_available():
     subprocess.run(["nvidia-smi", "--query-gpu=name,memory.total,driver_version", "--format=csv"])'
-step env "$( [ "$mode" = cpu ] && echo 90 || echo 20 )" "$PY" -c "$env_py"
 if [ "$mode" = cpu ]; then
-  nproc=2 backend=gloo fp32_rtol=1e-5 precision=() limits=(420 420 420 600 600 150 180 600)
-  memory_opts=(--model tiny) packed_lengths=2048
+  nproc=2 backend=gloo fp32_rtol=1e-5 precision=() limits=(420 420 420 600 600 150 180 600 400 400) env_s=90
+  memory_opts=(--model tiny) packed_lengths=2048 sdpa_s=0
 else
-  nproc=1 backend=nccl fp32_rtol=1e-3 precision=(--bf16) limits=(70 70 60 40 105 40 25 85)
-  memory_opts=(--model mllm_10b --layers 2,2,2) packed_lengths=8192,16384
+  nproc=1 backend=nccl fp32_rtol=1e-3 precision=(--bf16) limits=(60 60 50 35 90 35 20 70 45 45) env_s=15
+  memory_opts=(--model mllm_10b --layers 2,2,2) packed_lengths=8192,16384 sdpa_s=15
 fi
+step env "$env_s" "$PY" -c "$env_py"
 train=(--global-batch-size 8 --train-iters 8 --distributed-backend "$backend")
 step train_bf16 "${limits[0]}" "$PY" scripts/compare_baseline.py --nproc "$nproc" --out "$work/train_bf16" \
   --rtol 2e-2 -- "${train[@]}" --bf16
@@ -70,7 +75,14 @@ step alltoall "${limits[6]}" "${launch[@]}" --nproc-per-node "$nproc" scripts/ch
   --json "$work/alltoall.json"
 step resume "${limits[7]}" "$PY" scripts/check_resume.py --nproc "$nproc" --out "$work/resume" -- \
   --distributed-backend "$backend" "${precision[@]}"
-[ "$mode" = cpu ] || step sdpa_kernels 25 "$PY" scripts/check_sdpa_kernels.py
+short=(--global-batch-size 8 --train-iters 4 --distributed-backend "$backend")
+step fsdp "${limits[8]}" "$PY" scripts/compare_baseline.py --nproc "$nproc" --out "$work/fsdp" --rtol "$fp32_rtol" -- \
+  "${short[@]}" --use-megatron-fsdp --optimizer adam
+step moe "${limits[9]}" "$PY" scripts/compare_baseline.py --nproc "$nproc" --out "$work/moe" --rtol "$fp32_rtol" -- \
+  "${short[@]}" --model-config tiny_moe --expert-model-parallel-size "$nproc" --use-distributed-optimizer \
+  --moe-token-dispatcher-type alltoall --moe-router-load-balancing-type seq_aux_loss --moe-aux-loss-coeff 1e-2 \
+  --moe-z-loss-coeff 1e-3
+[ "$mode" = cpu ] || step sdpa_kernels "$sdpa_s" "$PY" scripts/check_sdpa_kernels.py
 
 # headline STEP [PATTERN]: for summary.txt, the step's last line matching PATTERN, else its last line of
 # its own (a failed step's error).
@@ -81,7 +93,9 @@ headline() {
   [ -n "$line" ] || line=$(grep -v "^== $1: " "$work/$1.log" | grep . | tail -n 1)
   summarize "$1: ${line:-(no output)}"
 }
-for name in train_bf16 train_fp32 recompute_dropout; do headline "$name" "largest relative loss difference"; done
+for name in train_bf16 train_fp32 recompute_dropout fsdp moe; do
+  headline "$name" "largest relative loss difference"
+done
 headline syncs
 headline memory
 headline packed

@@ -214,6 +214,13 @@ def test_check_args_names_what_post_balancing_cannot_run_with():
                                           moe_expert_rank_capacity_factor=None, perform_rl_step=False,
                                           use_torch_fsdp2=False, use_megatron_fsdp=False,
                                           step_batch_size_schedule=None))
+    for sharded in ("use_torch_fsdp2", "use_megatron_fsdp"):  # the schedule runs with sharded parameters
+        megatron_lm.check_args(_megatron_args(**{sharded: True}))
+    moe = dict(num_experts=4, moe_router_load_balancing_type="aux_loss", moe_aux_loss_coeff=0.0,
+               moe_z_loss_coeff=None, moe_expert_capacity_factor=None)
+    megatron_lm.check_args(_megatron_args(**moe))  # Megatron-LM's defaults: no load-balancing loss
+    megatron_lm.check_args(_megatron_args(**{**moe, "moe_router_load_balancing_type": ["seq_aux_loss"],
+                                             "moe_aux_loss_coeff": [1e-2], "moe_z_loss_coeff": 1e-3}))
     for changes, flag in ((dict(dataloader_type="single"), "--dataloader-type single"),
                           (dict(calculate_per_token_loss=False), "--calculate-per-token-loss is required"),
                           (dict(virtual_pipeline_model_parallel_size=2), "virtual pipeline stages"),
@@ -224,8 +231,12 @@ def test_check_args_names_what_post_balancing_cannot_run_with():
                           (dict(cuda_graph_impl="local", cuda_graph_scope=["full_iteration"]), "full-iteration CUDA graphs"),
                           (dict(moe_expert_rank_capacity_factor=1.5), "--moe-expert-rank-capacity-factor"),
                           (dict(perform_rl_step=True), "--perform-rl-step"),
-                          (dict(use_torch_fsdp2=True), "--use-torch-fsdp2"),
-                          (dict(use_megatron_fsdp=True), "--use-megatron-fsdp"),
+                          (dict(moe, moe_aux_loss_coeff=1e-2), "aux_loss with --moe-aux-loss-coeff 0.01: the "
+                                                                   "micro-batch-level load-balancing loss"),
+                          (dict(moe, moe_router_load_balancing_type=["global_aux_loss"], moe_aux_loss_coeff=[1e-2]),
+                           "global_aux_loss"),
+                          (dict(moe, moe_router_load_balancing_type="sinkhorn"), "sinkhorn"),
+                          (dict(moe, moe_expert_capacity_factor=1.0), "--moe-expert-capacity-factor 1"),
                           (dict(rampup_batch_size=["4", "4", "100"]), "--rampup-batch-size"),
                           (dict(step_batch_size_schedule="0:4 100:8"), "--step-batch-size-schedule")):
         with pytest.raises(ValueError, match=re.escape(flag)):

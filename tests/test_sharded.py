@@ -7,6 +7,7 @@ after the last agree within 1e-5. The scripted steps (``test_post_balancing``) h
 audio on one rank only, then one example far longer than a fair share: ranks run an encoder over no items
 of their own, which with sharded parameters must still join its gathers and reduce-scatters.
 """
+import re
 import warnings
 from pathlib import Path
 
@@ -16,7 +17,6 @@ import torch
 from dist_utils import run_distributed
 from test_post_balancing import BALANCED, COMMON, MBS, NUM_MB, SCENARIOS, scripted_iterator
 
-pytestmark = pytest.mark.distributed
 warnings.filterwarnings("ignore", message=r".*(Transformer Engine|Apex).*not installed")
 
 ITERS = 3  # no images anywhere, audio on one rank only, one example longer than a fair share
@@ -101,11 +101,28 @@ def assert_same_training(got: dict, want: dict, rtol: float = 1e-5):
                                        msg=lambda m: f"rank {rank} parameter {name}: {m}")
 
 
+def test_sharding_flags_are_checked_as_megatron_lm_checks_them():
+    from megatron_orch.trainer import arguments
+
+    base = COMMON + FLAGS + ["--global-batch-size", "8"]
+    args = arguments.parse_args(base + ["--use-megatron-fsdp"], world_size=2)
+    assert args.use_distributed_optimizer and args.data_parallel_sharding_strategy == "optim_grads_params"
+    for flags, message in ((["--use-torch-fsdp2", "--use-megatron-fsdp"], "exclude each other"),
+                           (["--use-torch-fsdp2", "--use-distributed-optimizer"], "does not take --use-distributed"),
+                           (["--data-parallel-sharding-strategy", "optim"], "needs --use-megatron-fsdp"),
+                           (["--use-megatron-fsdp", "--optimizer", "sgd"], "--optimizer adam only"),
+                           (["--use-torch-fsdp2", "--tensor-model-parallel-size", "2"], "over data parallelism only"),
+                           (["--use-megatron-fsdp", "--save", "ckpt"], "--save with --use-megatron-fsdp")):
+        with pytest.raises(arguments.ArgumentError, match=re.escape(message)):
+            arguments.parse_args(base + flags, world_size=2)
+
+
 @pytest.fixture(scope="module")
 def ddp(tmp_path_factory):
     return train(tmp_path_factory.mktemp("ddp"), "ddp")
 
 
+@pytest.mark.distributed
 @pytest.mark.parametrize("wrapper", ["--use-torch-fsdp2", "--use-megatron-fsdp"])
 def test_sharded_training_equals_ddp_upstream_and_balanced(ddp, wrapper, tmp_path):
     upstream = train(tmp_path, "upstream", wrapper)

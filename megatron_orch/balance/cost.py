@@ -27,8 +27,8 @@ through its router (``2 * h * num_experts``: the gate's logits) and ``moe_router
 experts it picks. The expert dispatch (the all-to-all of tokens to their experts over the expert-parallel
 group, and back) moves ``2 * topk * h`` values per token and layer inside one model replica; it is linear in
 tokens like the FFN itself, so balancing tokens balances it, and it is none of post-balancing's moves (the
-plan's byte accounting, ``StepPlan.traffic``, counts only those: :meth:`TransformerShape.expert_dispatch_bytes_per_token`
-is the model's, reported apart).
+plan's byte accounting, ``StepPlan.traffic``, counts only those;
+:meth:`TransformerShape.expert_dispatch_bytes_per_token` is the model's own traffic).
 
 Activation memory per token and layer follows Korthikanti et al. 2022 ("Reducing Activation
 Recomputation in Large Transformer Models", Table 2; bf16 = 2 bytes per element) with today's
@@ -133,8 +133,8 @@ class TransformerShape:
         if not self.is_moe:
             return self._ffn_weights(self.ffn_hidden_size)
         shared = self.moe_shared_expert_intermediate_size
-        return (self.hidden_size * self.num_experts + self.moe_router_topk * self._ffn_weights(self.expert_ffn_hidden_size)
-                + (self._ffn_weights(shared) if shared else 0))
+        experts = self.moe_router_topk * self._ffn_weights(self.expert_ffn_hidden_size)
+        return self.hidden_size * self.num_experts + experts + (self._ffn_weights(shared) if shared else 0)
 
     def linear_flops_per_token(self) -> float:
         """Forward FLOPs per token that do not depend on the sequence length (all layers + logits); an MoE

@@ -22,7 +22,10 @@ accepts: up to 0.17 ``pretrain(provider, model_provider, ..., extra_args_provide
 parses the command line itself; from 0.18 the caller parses (``parse_and_validate_args``), builds a
 ``PretrainConfigContainer`` (``pretrain_cfg_container_from_args``) and calls ``pretrain(container, ...)``.
 
-:func:`check_args` refuses the Megatron-LM settings these hooks do not support, naming the flag.
+:func:`check_args` refuses the Megatron-LM settings these hooks do not support, naming the flag. Sharded data
+parallelism (``--use-torch-fsdp2``, ``--use-megatron-fsdp``) runs as the schedule's encoders need it
+(:mod:`~megatron_orch.megatron.sharding`); an MoE backbone's settings whose losses change with an example's
+placement are refused (:mod:`~megatron_orch.megatron.moe`).
 """
 from __future__ import annotations
 
@@ -36,6 +39,7 @@ from typing import Callable, Dict, Iterator, Optional
 
 from megatron.core import parallel_state
 
+from megatron_orch.megatron.moe import placement_dependent_moe_settings
 from megatron_orch.megatron.schedule import ModalityAwareSchedule
 
 WRAPPER_ARGUMENT = "forward_backward_func_wrapper"
@@ -174,10 +178,9 @@ def check_args(args: argparse.Namespace) -> None:
     if getattr(args, "moe_expert_rank_capacity_factor", None) is not None:
         problems.append("--moe-expert-rank-capacity-factor: its PagedStashRunner re-runs a step's "
                         "forward-backward on overflow, which would run the encoders and all-to-alls again")
-    for flag in ("use_torch_fsdp2", "use_megatron_fsdp"):
-        if getattr(args, flag, False):
-            problems.append(f"--{flag.replace('_', '-')}: FSDP reduces gradients from its own backward hooks, "
-                            "which the deferred encoder backward is not tested with (Megatron DDP is)")
+    if getattr(args, "num_experts", None) is not None:
+        packed = getattr(getattr(args, "orch_config", None), "microbatching", None) == "packed"
+        problems.extend(placement_dependent_moe_settings(args, packed))
     if getattr(args, "perform_rl_step", False):
         problems.append("--perform-rl-step: RL training builds its own batches")
     if args.rampup_batch_size is not None:

@@ -184,13 +184,13 @@ class ModalityAwareSchedule:
                            sharded: bool) -> None:
         start = time.perf_counter()
         # Every phase's gradients start back at once; the first chunks' backward hides the later transfers.
-        returning = {phase: self._start_move(step, phase, leaf.grad if leaf.grad is not None else torch.zeros_like(leaf),
+        returning = {phase: self._start_move(step, phase, torch.zeros_like(leaf) if leaf.grad is None else leaf.grad,
                                              inverse=True) for phase, _, _, _, leaf in pending}
         grads = {}
         # Kept chunks first, of every phase: their activations are freed before any chunk is recomputed. With
         # sharded parameters phase after phase (kept chunks first), the same order on every rank.
-        order = [(phase, encode, inputs, chunk) for kept in (True, False) for phase, encode, inputs, chunks, _ in pending
-                 for chunk in chunks if chunk.kept == kept]
+        order = [(phase, encode, inputs, chunk) for kept in (True, False)
+                 for phase, encode, inputs, chunks, _ in pending for chunk in chunks if chunk.kept == kept]
         if sharded:
             names = [phase for phase, *_ in pending]
             order.sort(key=lambda entry: names.index(entry[0]))  # stable: kept chunks stay first in a phase

@@ -10,7 +10,7 @@ Loaded from ``configs/<name>.yaml``::
     encoders:                 # phase name -> encoder, in the order they run
       vision: {kind: vit, media: [images, video], placeholder_id: 260, ...}
       audio: {kind: whisper, placeholder_id: 259, ...}
-    backbone: {...}
+    backbone: {...}           # transformer.num_experts etc.: a mixture-of-experts backbone (tiny_moe)
 
 Each encoder takes some of the media of the data (``images`` and ``video`` for a ViT, ``audio`` for a
 Whisper-style encoder), each medium goes to at most one encoder (a separate video encoder is one more
@@ -283,6 +283,8 @@ def _check_shape(shape: TransformerShape, causal: bool) -> None:
         raise ValueError(f"transformer.causal must be {causal} for this phase, got {shape.causal}")
     if not causal and shape.vocab_size:
         raise ValueError("transformer.vocab_size must be 0 (encoders have no logits layer)")
+    if not causal and shape.is_moe:
+        raise ValueError("transformer.num_experts: the encoders are dense (a mixture of experts is the backbone's)")
 
 
 def _check_encoder(encoder, causal: bool) -> None:

@@ -15,6 +15,7 @@ from typing import Iterator, List, Optional
 import numpy as np
 
 from megatron_orch.megatron.batch import Example, MicroBatch, collate
+from megatron_orch.megatron.moe import pads_rows_to_seq_length
 from megatron_orch.mllm.examples import ExampleLayout, example_layout
 from megatron_orch.mllm.manifest import InputLimits, ManifestDataset, ManifestError, image_tiling
 from megatron_orch.mllm.synthetic import SyntheticMultimodalDataset
@@ -68,7 +69,7 @@ class DataConfig:
     num_samples: int  # samples the run consumes in total (train_iters * global_batch_size)
     seed: int = 1234
     manifest: Optional[str] = None  # JSONL manifest of the user's data; None: the synthetic default
-    pad_to_seq_length: bool = False  # rows of exactly seq_length tokens (pipeline parallelism needs it)
+    pad_to_seq_length: bool = False  # rows of exactly seq_length tokens (pipeline parallelism, MoE backbones)
     max_num_tiles: int = 6  # tiles per image (--max-num-tiles)
     limits: InputLimits = field(default_factory=InputLimits)  # what one manifest example may hold
     max_bad_examples: int = 0  # --max-bad-examples: 0, a bad example ends the run; else it is replaced
@@ -85,8 +86,10 @@ def data_config(args: argparse.Namespace) -> DataConfig:
                       micro_batch_size=args.micro_batch_size,
                       num_samples=args.train_iters * args.global_batch_size, seed=args.seed,
                       manifest=_manifest_path(args.data_path),
-                      # 1F1B sends fixed [seq_length, micro_batch_size, hidden] tensors between stages.
-                      pad_to_seq_length=args.pipeline_model_parallel_size > 1,
+                      # 1F1B sends fixed [seq_length, micro_batch_size, hidden] tensors between stages; an
+                      # MoE backbone's per-sequence losses count a row's padding (megatron_orch.megatron.moe).
+                      pad_to_seq_length=(args.pipeline_model_parallel_size > 1
+                                         or pads_rows_to_seq_length(args.mllm_config.backbone.transformer.num_experts)),
                       max_num_tiles=args.max_num_tiles,
                       limits=InputLimits(max_image_pixels=args.max_image_pixels,
                                          max_audio_seconds=args.max_audio_seconds,

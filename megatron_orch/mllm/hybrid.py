@@ -8,9 +8,10 @@ of the backbone is two layers of the stack, an attention layer (``*``: its norm,
 residual add) then an MLP layer (``-``: its norm, the MLP and the residual add). :func:`hybrid_stack_spec`
 cuts megatron-core's GPT layer spec into these two halves, so the stack computes what the GPT layers
 compute, with the same modules created in the same order (the same initial weights, drawn from the same
-generator), and the final norm is the GPT block's. The config counts the stack's layers
-(``num_layers`` = 2 x transformer layers) with ``is_hybrid_model``, as megatron-core's hybrid models do;
-with it the output-layer init is std / sqrt(stack layers), GPTModel's std / sqrt(2 x transformer layers).
+generator), and the final norm is the GPT block's; an MoE backbone's FFN half is an MoE layer (``E``). The
+config counts the stack's layers (``num_layers`` = 2 x transformer layers) with ``is_hybrid_model``, as
+megatron-core's hybrid models do; with it the output-layer init is std / sqrt(stack layers), GPTModel's
+std / sqrt(2 x transformer layers).
 
 Parameter names differ from ``GPTModel``'s: transformer layer ``i`` is ``decoder.layers.{2i}`` (its
 attention and input norm) and ``decoder.layers.{2i+1}`` (its MLP and pre-MLP norm), and the final norm is
@@ -28,7 +29,7 @@ from megatron.core.ssm.mlp_layer import MLPLayer
 from megatron.core.transformer.identity_op import IdentityFuncOp, IdentityOp
 from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_block import LayerNormImpl
-from megatron.core.transformer.transformer_layer import TransformerLayer
+from megatron.core.transformer.transformer_layer import MoETransformerLayer, TransformerLayer
 
 from megatron_orch.balance.cost import TransformerShape
 
@@ -36,13 +37,19 @@ from megatron_orch.balance.cost import TransformerShape
 TRANSFORMER_LAYER = Symbols.ATTENTION + Symbols.MLP
 
 
-def backbone_layer_pattern(num_layers: int, pipeline_segments: int) -> str:
+# An MoE backbone's transformer layer: its attention layer, then its MoE layer.
+MOE_TRANSFORMER_LAYER = Symbols.ATTENTION + Symbols.MOE
+
+
+def backbone_layer_pattern(num_layers: int, pipeline_segments: int, moe: bool = False) -> str:
     """The ``hybrid_layer_pattern`` of a backbone of ``num_layers`` transformer layers split evenly into
-    ``pipeline_segments`` (PP x VPP) pipeline segments; the one place the backbone's pattern is made."""
+    ``pipeline_segments`` (PP x VPP) pipeline segments; the one place the backbone's pattern is made.
+    ``moe``: every layer's FFN is megatron-core's MoE layer (``E``)."""
     if pipeline_segments < 1 or num_layers % pipeline_segments:
         raise ValueError(f"the backbone's {num_layers} layers do not split evenly into {pipeline_segments} pipeline "
                          "segments (pipeline stages x virtual stages)")
-    return Symbols.PIPE.join([TRANSFORMER_LAYER * (num_layers // pipeline_segments)] * pipeline_segments)
+    layer = MOE_TRANSFORMER_LAYER if moe else TRANSFORMER_LAYER
+    return Symbols.PIPE.join([layer * (num_layers // pipeline_segments)] * pipeline_segments)
 
 
 def hybrid_config_fields(shape: TransformerShape) -> dict:
@@ -62,12 +69,14 @@ class BackboneHybridStack(HybridStack):
                                             eps=config.layernorm_epsilon)
 
 
-def hybrid_stack_spec(layer_spec: ModuleSpec) -> ModuleSpec:
-    """The stack spec whose attention and MLP layers are the two halves of the GPT layer ``layer_spec``."""
+def hybrid_stack_spec(layer_spec: ModuleSpec, moe: bool = False) -> ModuleSpec:
+    """The stack spec whose attention and MLP layers are the two halves of the GPT layer ``layer_spec``;
+    ``moe``: its FFN half (megatron-core's MoE layer) is the stack's MoE layer (``MoETransformerLayer``)."""
     parts = layer_spec.submodules
     attention = dataclasses.replace(parts, pre_mlp_layernorm=IdentityOp, mlp=IdentityOp, mlp_bda=IdentityFuncOp)
     mlp = dataclasses.replace(parts, input_layernorm=IdentityOp, self_attention=IdentityOp,
                               self_attn_bda=IdentityFuncOp)
+    ffn = {"moe_layer": ModuleSpec(module=MoETransformerLayer, submodules=mlp)} if moe else \
+        {"mlp_layer": ModuleSpec(module=MLPLayer, submodules=mlp)}
     return ModuleSpec(module=BackboneHybridStack, submodules=HybridStackSubmodules(
-        attention_layer=ModuleSpec(module=TransformerLayer, submodules=attention),
-        mlp_layer=ModuleSpec(module=MLPLayer, submodules=mlp)))
+        attention_layer=ModuleSpec(module=TransformerLayer, submodules=attention), **ffn))

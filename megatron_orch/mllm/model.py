@@ -27,7 +27,7 @@ import dataclasses
 import functools
 import importlib.util
 from dataclasses import dataclass
-from typing import Dict, Mapping, Optional
+from typing import Dict, Mapping, Optional, Tuple, Union
 
 import torch
 import torch.nn.functional as F
@@ -92,6 +92,13 @@ class ModelParallelSettings:
     # Parameters sharded over DP (Megatron-FSDP, torch FSDP2): gathering a module's parameters is a collective,
     # so every encoder runs in every micro-batch, over one zero item when it has none (MLLMModel.forward).
     sharded_parameters: bool = False
+    # An MoE backbone (num_experts in its shape): expert parallelism and Megatron-LM's MoE flags, its defaults.
+    expert_model_parallel_size: int = 1
+    moe_router_load_balancing_type: Union[str, Tuple[str, ...]] = "aux_loss"
+    moe_aux_loss_coeff: Union[float, Tuple[float, ...]] = 0.0
+    moe_z_loss_coeff: Optional[float] = None
+    moe_token_dispatcher_type: str = "allgather"
+    moe_expert_capacity_factor: Optional[float] = None
     # megatron-core's kernel fusions (Megatron-LM's --no-*-fusion flags; --cross-entropy-loss-fusion): off
     # here, as on the CPU; the providers turn them on for a GPU run (providers.fusion_settings).
     bias_gelu_fusion: bool = False
@@ -115,6 +122,7 @@ def transformer_config(shape: TransformerShape, settings: ModelParallelSettings,
     layers = {"num_layers": shape.num_layers, **(hybrid_config_fields(shape) if hybrid else {})}
     return TransformerConfig(
         **layers,
+        **_moe_config_fields(shape, settings),
         hidden_size=shape.hidden_size,
         ffn_hidden_size=shape.ffn_hidden_size,
         num_attention_heads=shape.num_attention_heads,
@@ -146,6 +154,24 @@ def transformer_config(shape: TransformerShape, settings: ModelParallelSettings,
     )
 
 
+def _moe_config_fields(shape: TransformerShape, settings: ModelParallelSettings) -> dict:
+    """The ``TransformerConfig`` fields of an MoE stack: its shape, expert parallelism and Megatron-LM's MoE
+    training flags (``ModelParallelSettings.moe_*``); none for a dense one. Its linear layers have no biases, as
+    in Megatron-LM's MoE recipes (``--disable-bias-linear``): megatron-core 0.19's experts add an expert's bias
+    under the router's per-token scale in place on a view of the output, which autograd refuses."""
+    if not shape.is_moe:
+        return {}
+    return dict(add_bias_linear=False, num_moe_experts=shape.num_experts, moe_router_topk=shape.moe_router_topk,
+                moe_ffn_hidden_size=shape.expert_ffn_hidden_size,
+                moe_shared_expert_intermediate_size=shape.moe_shared_expert_intermediate_size,
+                moe_grouped_gemm=settings.transformer_impl == "transformer_engine",
+                expert_model_parallel_size=settings.expert_model_parallel_size,
+                moe_router_load_balancing_type=settings.moe_router_load_balancing_type,
+                moe_aux_loss_coeff=settings.moe_aux_loss_coeff, moe_z_loss_coeff=settings.moe_z_loss_coeff,
+                moe_token_dispatcher_type=settings.moe_token_dispatcher_type,
+                moe_expert_capacity_factor=settings.moe_expert_capacity_factor)
+
+
 def _projector_config(ffn_hidden_size: int, backbone: TransformerShape,
                       settings: ModelParallelSettings) -> TransformerConfig:
     shape = TransformerShape(num_layers=1, hidden_size=backbone.hidden_size, ffn_hidden_size=ffn_hidden_size,
@@ -154,21 +180,26 @@ def _projector_config(ffn_hidden_size: int, backbone: TransformerShape,
     return transformer_config(shape, settings, pipeline_split=False)
 
 
-def transformer_layer_spec(transformer_impl: str, *, encoder: bool) -> ModuleSpec:
+def transformer_layer_spec(transformer_impl: str, *, encoder: bool, num_experts: Optional[int] = None) -> ModuleSpec:
     """The layer spec of the backbone (causal) or of an encoder (bidirectional, no mask).
 
     ``local``: megatron-core's local GPT / ViT layers with :class:`SDPAttention` as core attention.
     ``transformer_engine``: megatron-core's TE GPT / ViT layers (TE's fused attention); untested
-    here, since the development machines have neither Transformer Engine nor a GPU.
+    here, since the development machines have neither Transformer Engine nor a GPU. ``num_experts``
+    (the backbone): megatron-core's MoE layer as the FFN (its router, its experts: ``SequentialMLP`` of the
+    local layers, Transformer Engine's grouped GEMM experts ``TEGroupedMLP``, and its load-balancing losses).
     """
+    moe = {} if num_experts is None else {"num_experts": num_experts,
+                                          "moe_grouped_gemm": transformer_impl == "transformer_engine"}
     if transformer_impl == "local":
-        spec = get_vit_layer_with_local_spec() if encoder else get_gpt_layer_local_spec()
+        spec = get_vit_layer_with_local_spec() if encoder else get_gpt_layer_local_spec(**moe)
         core_attention = SDPAttention
     elif transformer_impl == "transformer_engine":
         if not transformer_engine_available():
             raise RuntimeError("transformer_impl='transformer_engine' needs Transformer Engine, which does not "
                                "import here; use 'local'")
-        spec = get_vit_layer_with_transformer_engine_spec() if encoder else get_gpt_layer_with_transformer_engine_spec()
+        spec = (get_vit_layer_with_transformer_engine_spec() if encoder
+                else get_gpt_layer_with_transformer_engine_spec(**moe))
         core_attention = spec.submodules.self_attention.submodules.core_attention
     else:
         raise ValueError(f"transformer_impl must be 'local' or 'transformer_engine', got {transformer_impl!r}")
@@ -306,11 +337,14 @@ class MLLMModel(MegatronModule):
             position_embedding_type="learned_absolute",
             vp_stage=vp_stage,
         )
-        layer_spec = transformer_layer_spec(settings.transformer_impl, encoder=False)
+        layer_spec = transformer_layer_spec(settings.transformer_impl, encoder=False,
+                                            num_experts=backbone_shape.num_experts)
         if HYBRID_BACKBONE:
             segments = settings.pipeline_model_parallel_size * (settings.virtual_pipeline_model_parallel_size or 1)
-            self.backbone = HybridModel(hybrid_stack_spec=hybrid_stack_spec(layer_spec),
-                                        hybrid_layer_pattern=backbone_layer_pattern(backbone_shape.num_layers, segments),
+            moe = backbone_shape.is_moe
+            self.backbone = HybridModel(hybrid_stack_spec=hybrid_stack_spec(layer_spec, moe=moe),
+                                        hybrid_layer_pattern=backbone_layer_pattern(backbone_shape.num_layers, segments,
+                                                                                    moe=moe),
                                         **backbone)
         else:
             self.backbone = GPTModel(transformer_layer_spec=layer_spec, **backbone)

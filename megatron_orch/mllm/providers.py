@@ -48,6 +48,17 @@ def fusion_settings(args: argparse.Namespace) -> dict:
     return settings
 
 
+def moe_settings(args: argparse.Namespace) -> dict:
+    """Expert parallelism and the MoE flags (Megatron-LM's names, both launches) for an MoE backbone."""
+    names = ("moe_router_load_balancing_type", "moe_aux_loss_coeff", "moe_z_loss_coeff", "moe_token_dispatcher_type",
+             "moe_expert_capacity_factor")
+    settings = {name: getattr(args, name) for name in names if hasattr(args, name)}
+    for name in ("moe_router_load_balancing_type", "moe_aux_loss_coeff"):  # Megatron-LM: one value or a list
+        if isinstance(settings.get(name), list):
+            settings[name] = tuple(settings[name])
+    return {"expert_model_parallel_size": getattr(args, "expert_model_parallel_size", 1), **settings}
+
+
 def model_parallel_settings(args: argparse.Namespace) -> ModelParallelSettings:
     return ModelParallelSettings(
         tensor_model_parallel_size=args.tensor_model_parallel_size,
@@ -61,6 +72,7 @@ def model_parallel_settings(args: argparse.Namespace) -> ModelParallelSettings:
         calculate_per_token_loss=True,
         transformer_impl=args.transformer_impl,
         sharded_parameters=bool(getattr(args, "use_torch_fsdp2", False) or getattr(args, "use_megatron_fsdp", False)),
+        **moe_settings(args),
         **fusion_settings(args),
     )
 

@@ -43,7 +43,11 @@ _BACKBONE_SHAPE_FLAGS = {
     "num_attention_heads": "num_attention_heads",
     "num_query_groups": "num_query_groups",
     "kv_channels": "kv_channels",
+    "num_experts": "num_experts",
+    "moe_router_topk": "moe_router_topk",
+    "moe_ffn_hidden_size": "moe_ffn_hidden_size",
 }
+LOAD_BALANCING_TYPES = ("aux_loss", "seq_aux_loss", "global_aux_loss", "sinkhorn", "none")  # Megatron-LM's
 
 
 class ArgumentError(ValueError):
@@ -91,6 +95,19 @@ def add_megatron_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParse
                    help="layer specs: megatron-core's local layers with torch SDPA attention, or Transformer "
                         "Engine's. Default: transformer_engine when it imports and the run is on GPUs, else local")
 
+    g = parser.add_argument_group("mixture of experts (the backbone's FFN; Megatron-LM's names and defaults)")
+    g.add_argument("--num-experts", type=int, default=None, help="experts per MoE layer; default: the model config's")
+    g.add_argument("--moe-router-topk", type=int, default=None, help="experts per token; default: the model config's")
+    g.add_argument("--moe-ffn-hidden-size", type=int, default=None,
+                   help="one expert's FFN width; default: the model config's")
+    g.add_argument("--moe-router-load-balancing-type", choices=LOAD_BALANCING_TYPES, default="aux_loss",
+                   help="with post-balancing: seq_aux_loss or none (README: mixture-of-experts backbones)")
+    g.add_argument("--moe-aux-loss-coeff", type=float, default=0.0)
+    g.add_argument("--moe-z-loss-coeff", type=float, default=None)
+    g.add_argument("--moe-token-dispatcher-type", choices=["allgather", "alltoall"], default="allgather")
+    g.add_argument("--moe-expert-capacity-factor", type=float, default=None,
+                   help="drop tokens over capacity (refused with post-balancing); default: dropless")
+
     g = parser.add_argument_group("data")
     g.add_argument("--data-path", type=str, default=None,
                    help="JSONL manifest of the user's examples (one path); default: synthetic examples "
@@ -99,6 +116,8 @@ def add_megatron_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParse
     g = parser.add_argument_group("parallelism")
     g.add_argument("--tensor-model-parallel-size", type=int, default=1)
     g.add_argument("--pipeline-model-parallel-size", type=int, default=1)
+    g.add_argument("--expert-model-parallel-size", type=int, default=1,
+                   help="expert parallelism of an MoE backbone, inside data parallelism (it divides the DP size)")
     g.add_argument("--use-distributed-optimizer", action="store_true")
     g.add_argument("--use-torch-fsdp2", action="store_true",
                    help="shard parameters, gradients and optimizer state over DP with torch FSDP2 "
@@ -281,7 +300,8 @@ def _in_range(args: argparse.Namespace, name: str, low: float, high: float = mat
 def validate_args(args: argparse.Namespace, world_size: int) -> argparse.Namespace:
     """Check consistency; derive ``data_parallel_size``, ``num_microbatches`` and ``mllm_config`` (the
     loaded ``--model-config`` with the backbone shape flags applied)."""
-    _positive(args, "tensor_model_parallel_size", "pipeline_model_parallel_size", "micro_batch_size",
+    _positive(args, "tensor_model_parallel_size", "pipeline_model_parallel_size", "expert_model_parallel_size",
+              "micro_batch_size",
               "global_batch_size", "train_iters", "exit_interval", "seq_length", "log_interval", "save_interval",
               "make_vocab_size_divisible_by", "max_num_tiles", "max_image_pixels",
               "max_vision_items_per_sample", "keep_last_checkpoints", *_BACKBONE_SHAPE_FLAGS)
@@ -337,12 +357,41 @@ def validate_args(args: argparse.Namespace, world_size: int) -> argparse.Namespa
             args.orch_config.check_phases(args.mllm_config.phases())
     except ValueError as err:
         raise ArgumentError(str(err)) from err
+    _check_mixture_of_experts(args)
     # Last, the checks that need torch (is a GPU visible?) or megatron (does Transformer Engine import?).
     if args.distributed_backend is None:
         import torch
         args.distributed_backend = "nccl" if torch.cuda.is_available() else "gloo"
     _resolve_transformer_impl(args)
     return args
+
+
+def _check_mixture_of_experts(args: argparse.Namespace) -> None:
+    """Expert parallelism and the MoE flags against the backbone (``--model-config`` and the shape flags);
+    with post-balancing, the settings whose losses would change with an example's placement are refused
+    (:func:`~megatron_orch.megatron.moe.placement_dependent_moe_settings`)."""
+    from megatron_orch.megatron.moe import placement_dependent_moe_settings
+
+    shape, ep = args.mllm_config.backbone.transformer, args.expert_model_parallel_size
+    if not shape.is_moe:
+        if ep > 1:
+            raise ArgumentError(f"--expert-model-parallel-size {ep} needs a mixture-of-experts backbone "
+                                "(--num-experts, or a --model-config whose backbone has num_experts)")
+        return
+    if shape.num_experts % ep or args.data_parallel_size % ep:
+        raise ArgumentError(f"--expert-model-parallel-size {ep} must divide the {shape.num_experts} experts and the "
+                            f"data-parallel size {args.data_parallel_size} (expert parallelism runs inside DP)")
+    if args.tensor_model_parallel_size > 1:
+        raise ArgumentError("an MoE backbone with --tensor-model-parallel-size > 1 needs sequence parallelism, which "
+                            "the compact trainer does not run; use --orch-trainer megatron-lm")
+    if args.use_torch_fsdp2 and ep > 1:
+        raise ArgumentError("--use-torch-fsdp2 with --expert-model-parallel-size > 1 (not supported by "
+                            "megatron-core's FSDP2 wrapper, as in Megatron-LM)")
+    if args.orch_config is not None:
+        problems = placement_dependent_moe_settings(args, packed=args.orch_config.microbatching == "packed")
+        if problems:
+            raise ArgumentError("with --orch-post-balancing, the MoE backbone's results would change with where an "
+                                "example runs: " + "; ".join(problems))
 
 
 def _check_sharded_data_parallel(args: argparse.Namespace) -> None:

@@ -62,6 +62,9 @@ CPU build of torch each of those raises. The redirects, and why each is needed:
    devices it names map to the CPU in the factories, as everywhere); their streams' ``record_event()``
    gives an event whose ``wait``/``synchronize`` do nothing; and ``validate_uneven_dtensor`` (a check of
    the shards' bounds, one all-reduce) runs with ``Tensor.cuda()`` leaving the tensor on the CPU.
+7. **MoE router without Transformer Engine (transformer.moe.moe_utils, 0.16.1).** Its router gating tests
+   ``te_general_gemm is not None`` but binds the name only when Transformer Engine imports (a NameError
+   without it); the name is bound to None, which selects its own torch matmul.
 """
 
 from __future__ import annotations
@@ -85,6 +88,7 @@ _MEGATRON_PACKAGES = (
     "megatron.core.parallel_state",
     "megatron.core.tensor_parallel",
     "megatron.core.transformer",
+    "megatron.core.transformer.moe.moe_utils",
     "megatron.core.models.gpt.gpt_model",
     "megatron.core.models.gpt.gpt_layer_specs",
     "megatron.core.models.vision.multimodal_projector",
@@ -394,6 +398,9 @@ def install() -> None:
     )
 
     _redirect_sharded_data_parallel()
+    from megatron.core.transformer.moe import moe_utils
+    if not hasattr(moe_utils, "te_general_gemm"):
+        moe_utils.te_general_gemm = None
 
     torch.Tensor.type = _tensor_type_with_cuda_names
     _wrap_once(optimizer.Float16OptimizerWithFloat16Params, "__init__")

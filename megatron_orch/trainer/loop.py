@@ -68,6 +68,7 @@ def initialize(args: argparse.Namespace) -> None:
     parallel_state.initialize_model_parallel(
         tensor_model_parallel_size=args.tensor_model_parallel_size,
         pipeline_model_parallel_size=args.pipeline_model_parallel_size,
+        expert_model_parallel_size=args.expert_model_parallel_size,
         distributed_timeout_minutes=args.distributed_timeout_minutes)
     set_random_seed(args.seed)
 
