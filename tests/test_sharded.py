@@ -20,14 +20,16 @@ from test_post_balancing import BALANCED, COMMON, MBS, NUM_MB, SCENARIOS, script
 warnings.filterwarnings("ignore", message=r".*(Transformer Engine|Apex).*not installed")
 
 ITERS = 3  # no images anywhere, audio on one rank only, one example longer than a fair share
-FLAGS = ["--train-iters", str(ITERS), "--optimizer", "adam"]  # the distributed optimizer is built for Adam only
+# The distributed optimizer (and so Megatron-FSDP) is built for Adam only. Adam's step g / (sqrt(v) + eps) turns
+# the rounding noise of a near-zero gradient (other reduction orders: other DP wrappers, other placements) into
+# a step of up to the learning rate; eps 1e-4 keeps such steps proportional to the gradient.
+FLAGS = ["--train-iters", str(ITERS), "--optimizer", "adam", "--adam-eps", "1e-4"]
 TIMEOUT_S = 300.0
 
 
 def _train(rank, world_size, argv, out_dir):
     warnings.filterwarnings("ignore")
     from megatron.core import parallel_state
-    from torch.distributed.tensor import DTensor
 
     from megatron_orch.mllm import providers
     from megatron_orch.trainer import arguments, loop as trainer
@@ -45,9 +47,11 @@ def _train(rank, world_size, argv, out_dir):
     lines = []
     try:
         records = trainer.pretrain(args, model_provider=model_provider, print_fn=lines.append)
-        # whole parameters (a collective over the shards: every rank takes part)
-        state = {name: (p.full_tensor() if isinstance(p, DTensor) else p).detach().clone()
-                 for name, p in built[0].named_parameters()}
+        # Whole parameters (a collective over the shards: every rank takes part). The state dict: Megatron-FSDP
+        # puts its sharded parameters in place for it (after a step the module holds its gathered buffers' views).
+        values = built[0].state_dict(keep_vars=True)
+        state = {name: _whole(values[name], args.use_megatron_fsdp).detach().clone()
+                 for name, _ in built[0].named_parameters()}
     finally:
         parallel_state.destroy_model_parallel()
     torch.save(state, Path(out_dir) / f"params_rank{rank}.pt")
@@ -55,6 +59,31 @@ def _train(rank, world_size, argv, out_dir):
     if records:
         torch.save({"losses": {r.iteration: r.lm_loss for r in records},
                     "post_balancing": [r.post_balancing for r in records]}, Path(out_dir) / "log.pt")
+
+
+def _whole(param, megatron_fsdp: bool) -> torch.Tensor:
+    """A parameter's whole value: FSDP2 shards each parameter evenly (``full_tensor``); Megatron-FSDP shards
+    its flat buffers, so a parameter's shards are uneven, which gloo's all-gather does not take
+    (megatron-core's ``uneven_dtensor_to_full_tensor``: "ProcessGroupGloo::allgather: invalid tensor size").
+    Each rank puts its shard at its offsets into zeros, and a sum over the shard groups assembles the whole:
+    the shards are disjoint, so the sum adds only zeros (exact)."""
+    import torch.distributed as dist
+    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor.placement_types import Shard, _StridedShard
+
+    if not isinstance(param, DTensor):
+        return param
+    if not megatron_fsdp:
+        return param.full_tensor()
+    from megatron.core.distributed.fsdp.src.megatron_fsdp.uneven_dtensor import gather_and_compute_chunk_metadata
+
+    chunk = gather_and_compute_chunk_metadata(param)
+    whole = torch.zeros(param.shape, dtype=param.dtype)
+    whole[tuple(slice(o, o + n) for o, n in zip(chunk.offsets, chunk.sizes))] = param.to_local()
+    for mesh_dim, placement in enumerate(param.placements):
+        if isinstance(placement, (Shard, _StridedShard)):
+            dist.all_reduce(whole, group=param.device_mesh.get_group(mesh_dim))
+    return whole
 
 
 def _watch_gathered_encoder_layers(held: list) -> None:

@@ -62,9 +62,11 @@ CPU build of torch each of those raises. The redirects, and why each is needed:
    devices it names map to the CPU in the factories, as everywhere); their streams' ``record_event()``
    gives an event whose ``wait``/``synchronize`` do nothing; and ``validate_uneven_dtensor`` (a check of
    the shards' bounds, one all-reduce) runs with ``Tensor.cuda()`` leaving the tensor on the CPU.
-7. **MoE router without Transformer Engine (transformer.moe.moe_utils, 0.16.1).** Its router gating tests
-   ``te_general_gemm is not None`` but binds the name only when Transformer Engine imports (a NameError
-   without it); the name is bound to None, which selects its own torch matmul.
+7. **MoE layers (transformer.moe).** 0.16.1's router gating tests ``te_general_gemm is not None`` but binds
+   the name only when Transformer Engine imports (a NameError without it): the name is bound to None,
+   which selects its own torch matmul. The all-to-all token dispatcher moves its split sizes to the host
+   as numpy arrays only from CUDA tensors (``maybe_move_tensor_to_cpu``); CPU tensors stayed tensors,
+   which ``all_to_all_single`` does not take: in the dispatcher's view they become numpy arrays too.
 """
 
 from __future__ import annotations
@@ -89,6 +91,7 @@ _MEGATRON_PACKAGES = (
     "megatron.core.tensor_parallel",
     "megatron.core.transformer",
     "megatron.core.transformer.moe.moe_utils",
+    "megatron.core.transformer.moe.token_dispatcher",
     "megatron.core.models.gpt.gpt_model",
     "megatron.core.models.gpt.gpt_layer_specs",
     "megatron.core.models.vision.multimodal_projector",
@@ -369,6 +372,15 @@ def _wrap_once(owner, attr: str) -> None:
         setattr(owner, attr, _with_cuda_type_names(fn))
 
 
+def _host_copy_as_on_cuda(tensor, as_numpy=False, record_stream=False):
+    """megatron-core's ``maybe_move_tensor_to_cpu`` as it behaves for a CUDA tensor (redirect 7)."""
+    from megatron.core.transformer.moe import moe_utils
+
+    if as_numpy and torch.is_tensor(tensor) and not tensor.is_cuda:
+        return tensor.numpy()
+    return moe_utils.maybe_move_tensor_to_cpu(tensor, as_numpy=as_numpy, record_stream=record_stream)
+
+
 _installed = False
 
 
@@ -398,9 +410,10 @@ def install() -> None:
     )
 
     _redirect_sharded_data_parallel()
-    from megatron.core.transformer.moe import moe_utils
+    from megatron.core.transformer.moe import moe_utils, token_dispatcher
     if not hasattr(moe_utils, "te_general_gemm"):
         moe_utils.te_general_gemm = None
+    token_dispatcher.maybe_move_tensor_to_cpu = _host_copy_as_on_cuda
 
     torch.Tensor.type = _tensor_type_with_cuda_names
     _wrap_once(optimizer.Float16OptimizerWithFloat16Params, "__init__")
