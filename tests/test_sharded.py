@@ -128,6 +128,10 @@ def assert_same_training(got: dict, want: dict, rtol: float = 1e-5):
         for name in reference:
             torch.testing.assert_close(params[name], reference[name], rtol=rtol, atol=1e-6,
                                        msg=lambda m: f"rank {rank} parameter {name}: {m}")
+    loss_diff = max(abs(got["losses"][i] - loss) / abs(loss) for i, loss in want["losses"].items())
+    param_diff = max((params[name] - reference[name]).abs().max().item()
+                     for params, reference in zip(got["params"], want["params"]) for name in reference)
+    print(f"largest relative loss difference {loss_diff:.2e}, largest parameter difference {param_diff:.2e}")
 
 
 def test_sharding_flags_are_checked_as_megatron_lm_checks_them():

@@ -57,14 +57,20 @@ def sharded_encode(model_chunk: torch.nn.Module, encode: Callable[[torch.Tensor]
     wrapper = model_chunk
     while not isinstance(wrapper, (TorchFullyShardedDataParallel, FullyShardedDataParallel)):
         wrapper = wrapper.module
-    # FSDP2: the root unit is the wrapped module; Megatron-FSDP: MegatronFSDP.forward puts the module's
-    # parameters in place, then calls the module its hooks are registered on.
-    caller = wrapper.module
-    root = caller if isinstance(wrapper, TorchFullyShardedDataParallel) else caller.module
+    # FSDP2: the root unit is the wrapped module. Megatron-FSDP: the module inside ``MegatronFSDP``, whose
+    # ``forward`` puts the module's parameters back in place (after an optimizer step), then calls the module:
+    # through its hooks from megatron-core 0.17 on, ``module.forward`` past them in 0.16.1, where the root's
+    # pre-backward hook (it reduces the gradients of the parameters a backward does not reach) is then left to
+    # a backbone layer's output and never runs for an encoder chunk. Calling the root itself runs it on every
+    # release.
+    megatron_fsdp = None if isinstance(wrapper, TorchFullyShardedDataParallel) else wrapper.module
+    root = wrapper.module if megatron_fsdp is None else megatron_fsdp.module
 
     def call(items: torch.Tensor) -> torch.Tensor:
+        if megatron_fsdp is not None:
+            megatron_fsdp._replace_param_with_raw_if_needed()  # what MegatronFSDP.forward does first
         with _forward_as(root, encode):
-            return caller(items)
+            return root(items)
 
     return call
 

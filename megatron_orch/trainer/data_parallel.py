@@ -32,6 +32,11 @@ class PerTokenTorchFSDP(TorchFullyShardedDataParallel):
             if param.grad is not None:
                 param.grad.to_local().mul_(factor)
 
+    def finish_grad_sync(self, force_all_reduce: bool = False) -> None:
+        """FSDP2 reduce-scatters in each unit's backward: nothing is left to reduce here. (megatron-core
+        0.16.1's wrapper takes no ``force_all_reduce``, which its own ``finalize_model_grads`` passes.)"""
+        super().finish_grad_sync()
+
 
 def wrap_data_parallel(args: argparse.Namespace, config, module: MegatronModule,
                        device: torch.device) -> MegatronModule:
