@@ -162,6 +162,7 @@ def test_sharded_training_equals_ddp_upstream_and_balanced(ddp, wrapper, tmp_pat
     balanced = train(tmp_path, "balanced", wrapper, *BALANCED)
     assert_same_training(upstream, ddp)
     assert_same_training(balanced, ddp)
+    assert_same_training(balanced, upstream)
     assert ddp["losses"][ITERS] < ddp["losses"][1]  # the runs train: not two idle models
     long_step = balanced["post_balancing"][SCENARIOS.index("one_long_example")]
     assert long_step["intra-node MB"] + long_step["inter-node MB"] > 0, long_step
