@@ -60,7 +60,7 @@ def main_megatron_lm() -> None:
     from megatron.core.num_microbatches_calculator import get_num_microbatches
     from megatron.training import get_args, print_rank_0
 
-    from megatron_orch.mllm.config import load_model_config
+    from megatron_orch.mllm.config import is_shipped_config, load_model_config
     from megatron_orch.megatron import megatron_lm
     from megatron_orch.megatron.orch_arguments import orch_config_from_args
     from megatron_orch.mllm import providers
@@ -68,6 +68,7 @@ def main_megatron_lm() -> None:
     from megatron_orch.trainer import arguments
 
     post_balancing = "--orch-post-balancing" in sys.argv[1:]  # Megatron's parser takes no abbreviations
+    shadow = "--orch-shadow" in sys.argv[1:]  # plans through the same hooks, trains upstream
     if not post_balancing and "--overlap-grad-reduce" in sys.argv[1:]:
         # Megatron DDP then reduces a bucket once each of its parameters reported a gradient in the last
         # micro-batch, and asserts after the first step that every parameter did. Without post-balancing
@@ -105,7 +106,7 @@ def main_megatron_lm() -> None:
         if not hasattr(args, "mllm_config"):
             try:
                 args.mllm_config = resolve_model(args)
-                args.orch_config = orch_config_from_args(args)
+                args.orch_config = orch_config_from_args(args, verify_by_default=not is_shipped_config(args.model_config))
                 if args.orch_config is not None:
                     megatron_lm.check_args(args)
             except ValueError as err:  # ArgumentError included
@@ -124,7 +125,8 @@ def main_megatron_lm() -> None:
             train, _ = providers.build_post_balancing(args, args.orch_config, train, forward_backward_func=None)
         return train
 
-    wrapper = megatron_lm.schedule_wrapper(lambda: mllm_args().orch_config.encoder_recompute) if post_balancing else None
+    wrapper = (megatron_lm.schedule_wrapper(lambda: mllm_args().orch_config.encoder_recompute)
+               if post_balancing or shadow else None)
     megatron_lm.pretrain(megatron_lm.external_data_provider(build_train_iterator), model_provider,
                          ModelType.encoder_or_decoder, providers.forward_step,
                          extra_args_provider=arguments.add_mllm_args, args_defaults={"dataloader_type": "external"},

@@ -328,6 +328,7 @@ def test_the_schedule_restores_the_model_configs_callbacks():
 
     import numpy as np
 
+    from megatron_orch.megatron.contract import MegatronModelMixin
     from megatron_orch.megatron.post_balancing import BalancedStep
     from megatron_orch.megatron.schedule import ModalityAwareSchedule
 
@@ -339,9 +340,10 @@ def test_the_schedule_restores_the_model_configs_callbacks():
     def grad_sync(*args):
         calls.append("sync")
 
-    config = SimpleNamespace(finalize_model_grads_func=finalize, grad_sync_func=[grad_sync, grad_sync])
+    config = SimpleNamespace(finalize_model_grads_func=finalize, grad_sync_func=[grad_sync, grad_sync],
+                             calculate_per_token_loss=True)
 
-    class LaterStage(torch.nn.Module):  # no encoders: nothing to run but the callbacks
+    class LaterStage(MegatronModelMixin, torch.nn.Module):  # no encoders: nothing to run but the callbacks
         def __init__(self):
             super().__init__()
             self.config = config
@@ -352,6 +354,9 @@ def test_the_schedule_restores_the_model_configs_callbacks():
         def encode(self, phase, items):
             raise AssertionError("a stage without encoders encodes nothing")
 
+        def forward(self, batch, embeds=None):
+            raise AssertionError("the stand-in schedule runs no forward")
+
     def forward_backward(fail=False, **kwargs):
         calls.append(config.finalize_model_grads_func is finalize)  # wrapped during the call
         config.grad_sync_func[1]()
@@ -360,7 +365,8 @@ def test_the_schedule_restores_the_model_configs_callbacks():
             raise RuntimeError("a failing step")
         return []
 
-    step = BalancedStep(microbatches=[], inputs={}, plan=None, rank=0, num_tokens=np.zeros(0, dtype=np.int64),
+    step = BalancedStep(microbatches=[], inputs={}, plan=SimpleNamespace(encoders={}), rank=0,
+                        num_tokens=np.zeros(0, dtype=np.int64),
                         rows_per_item={}, comm_group=None, moves=None)
     schedule = ModalityAwareSchedule(forward_backward, dp_group=None)
     for fail in (False, False, True):

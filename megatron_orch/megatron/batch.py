@@ -47,12 +47,14 @@ class EncoderInput:
 class BatchSpec:
     """What every batch of a model provides (the batch half of the contract): the model's ``phases``; for
     each encoder phase, in the same order, its :class:`EncoderInput`; the pad token id of padded rows; the
-    longest example (backbone tokens)."""
+    longest example (backbone tokens); ``packed_rows_refused``: why the model cannot take packed rows
+    (None: it can), which the post-balancing iterator says when it is built for packed micro-batches."""
 
     phases: ModelPhases
     inputs: Tuple[EncoderInput, ...]
     pad_token_id: int
     seq_length: int
+    packed_rows_refused: Optional[str] = None
 
     def __post_init__(self):
         object.__setattr__(self, "inputs", tuple(self.inputs))

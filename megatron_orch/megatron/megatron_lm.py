@@ -12,7 +12,9 @@ Three hooks:
   Where the checkout carries ``patches/<release>/`` (``scripts/apply_patches.sh``), through the patch's
   ``pretrain(..., forward_backward_func_wrapper=...)``; where no patched ``train()`` is found (a pip
   wheel's ``megatron/training``, Megatron-LM main), by the same wrapper installed at run time
-  (:func:`runtime_schedule_hook`). :func:`pretrain` picks one and rank 0 prints which;
+  (:func:`runtime_schedule_hook`: ``train()`` found through decorators; a hook that never fires is an
+  error). :func:`pretrain` picks one and rank 0 prints which when it fires; a post-balancing step that
+  reaches a stock schedule anyway raises :class:`~megatron_orch.megatron.post_balancing.StockScheduleError`;
 * **deferred encoder backward**: the schedule wraps ``config.finalize_model_grads_func`` and
   ``config.grad_sync_func`` for the duration of each call, which ``train()`` sets once before its
   loop, so the encoders' backward runs before either one reduces gradients.
@@ -78,23 +80,42 @@ def schedule_wrapper(encoder_recompute: Callable[[], bool]) -> Callable[[Callabl
     return wrap
 
 
+class HookNeverFiredError(RuntimeError):
+    """The run-time schedule hook's block ended without ``train()`` having asked for its schedule."""
+
+
 @contextlib.contextmanager
 def runtime_schedule_hook(training, wrapper: Callable[[Callable], Callable]):
     """For the duration of the block, ``train()`` of the module ``training`` (``megatron.training.training``)
     gets ``wrapper(schedule)`` from its call of ``get_forward_backward_func``; every other caller
-    (``evaluate()``) gets the stock schedule. No file changes: what the patch does, done at run time."""
+    (``evaluate()``) gets the stock schedule. No file changes: what the patch does, done at run time.
+
+    ``train()`` is told by its code object, through any decorators (``inspect.unwrap``: those made with
+    ``functools.wraps``). A block that ends without ``train()``'s call having been answered raises
+    :class:`HookNeverFiredError`: the run got no modality-aware schedule."""
     stock = training.get_forward_backward_func
-    train_code = training.train.__code__
+    train = inspect.unwrap(training.train)
+    fired = []
 
     def get_forward_backward_func(*args, **kwargs):
         schedule = stock(*args, **kwargs)
-        return wrapper(schedule) if sys._getframe(1).f_code is train_code else schedule
+        if sys._getframe(1).f_code is not train.__code__:
+            return schedule
+        fired.append(True)
+        return wrapper(schedule)
 
     training.get_forward_backward_func = get_forward_backward_func
     try:
         yield
     finally:
         training.get_forward_backward_func = stock
+    if not fired:
+        code = train.__code__
+        raise HookNeverFiredError(
+            f"post-balancing's run-time schedule hook never fired: train() ({code.co_filename}:{code.co_firstlineno}) "
+            "did not ask get_forward_backward_func for its schedule (a train() changed, or wrapped by a decorator "
+            "without functools.wraps), so nothing ran the modality-aware schedule; apply the patch of patches/ "
+            "(scripts/apply_patches.sh) or pass forward_backward_func_wrapper to a patched pretrain()")
 
 
 def pretrain(train_valid_test_dataset_provider: Callable, model_provider: Callable, model_type,
@@ -133,12 +154,13 @@ def pretrain(train_valid_test_dataset_provider: Callable, model_provider: Callab
         return run(**{WRAPPER_ARGUMENT: wrapper})
     wrapper = _announcing(forward_backward_func_wrapper, announce,
                           f"{api}, schedule hook: installed at run time (no patched train() in "
-                          f"{inspect.getsourcefile(training)})")
+                          f"{inspect.getsourcefile(training)}), fired in train()")
     with runtime_schedule_hook(training, wrapper):
         run()
 
 
 def _announcing(wrapper: Callable, announce: Callable[[str], None], line: str) -> Callable:
+    """``wrapper``, announcing ``line`` when it is applied (when the hook fires: train() asked for its schedule)."""
     def wrap(forward_backward_func):
         announce(f"> post-balancing in megatron.training: {line}")
         return wrapper(forward_backward_func)
@@ -185,7 +207,8 @@ def check_args(args: argparse.Namespace) -> None:
     if getattr(args, "step_batch_size_schedule", None) is not None:
         problems.append("--step-batch-size-schedule: a post-balancing step has a fixed number of micro-batches")
     if problems:
-        raise ValueError("with --orch-post-balancing: " + "; ".join(problems))
+        raise ValueError(f"with --orch-{'shadow' if getattr(args, 'orch_shadow', False) else 'post-balancing'}: "
+                         + "; ".join(problems))
 
 
 def _full_iteration_cuda_graph(args: argparse.Namespace) -> bool:

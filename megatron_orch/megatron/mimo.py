@@ -38,7 +38,8 @@ Megatron's schedules, the others would break the invariance):
   not a slice of the whole batch's;
 * a modality submodule left out of ``modalities``: a balanced micro-batch carries no raw items;
 * packed rows: 0.19's colocated forward drops the attention mask (packing goes through its THD
-  ``packing_kwargs``), so block-diagonal attention would silently become causal over the whole row.
+  ``packing_kwargs``), so block-diagonal attention would silently become causal over the whole row (the
+  batch spec says so: the post-balancing iterator refuses packed micro-batches when it is built).
 """
 from __future__ import annotations
 
@@ -59,6 +60,8 @@ if TYPE_CHECKING:
     from megatron.core.models.mimo import MimoModel
 
 LANGUAGE_PHASE = "language"  # MIMO's key of its language module (0.19: MIMO_LANGUAGE_MODULE_KEY)
+PACKED_ROWS_REFUSED = ("packed rows with a MimoModel: its colocated forward (0.19) drops the attention mask, so "
+                       "block-diagonal attention is not kept; use equal_count micro-batches")
 
 
 @dataclass(frozen=True)
@@ -105,7 +108,8 @@ class MimoBalancing(MegatronModule):
         """What the model's batches hold: each modality's items, placeholders at its special token id."""
         inputs = tuple(EncoderInput(m.name, m.item_shape, self.mimo.special_token_ids[m.name])
                        for m in self.modalities)
-        return BatchSpec(self.phases, inputs, pad_token_id=pad_token_id, seq_length=seq_length)
+        return BatchSpec(self.phases, inputs, pad_token_id=pad_token_id, seq_length=seq_length,
+                         packed_rows_refused=PACKED_ROWS_REFUSED)
 
     def set_input_tensor(self, input_tensor) -> None:
         self.mimo.set_input_tensor(input_tensor)
@@ -129,9 +133,7 @@ class MimoBalancing(MegatronModule):
         """``MimoModel.forward`` over ``batch``: on its raw items (upstream), or with ``embeds`` in place of
         its modality submodules' outputs (module docstring). Returns the language model's output."""
         if batch.is_packed:
-            raise NotImplementedError("packed rows with a MimoModel: its colocated forward (0.19) drops the "
-                                      "attention mask, so block-diagonal attention is not kept; use equal_count "
-                                      "micro-batches")
+            raise NotImplementedError(PACKED_ROWS_REFUSED)
         if embeds is None:
             modality_inputs = {m.name: {m.encoder: {m.keyword: batch.items[m.name]}}
                                for m in self.modalities if batch.items[m.name].shape[0]}

@@ -12,6 +12,11 @@ backbone unchanged. Just before gradients are reduced (the DP all-reduce: ``grad
 go back by the inverse all-to-all and the encoders run their backward, so encoder and backbone
 gradients are reduced together, exactly once.
 
+Before the first step and on it, the schedule checks the model (:mod:`~megatron_orch.megatron.first_step`:
+the contract, per-token loss, item-by-item encoders, their parameters, and with ``verify_first_step`` the
+loader's against the balanced layout of the first batch). A :class:`~megatron_orch.megatron.post_balancing.
+ShadowStep` (shadow mode) runs as loaded, through Megatron's schedule alone.
+
 Encoder memory: each phase runs in the plan's chunks (:mod:`~megatron_orch.megatron.encoder_chunks`); the
 chunks the plan keeps hold their activations through the backbone, the others are recomputed for their
 backward, one at a time, after the kept ones have freed theirs. Every chunk's backward but a phase's last
@@ -34,25 +39,15 @@ from torch.distributed import ProcessGroup
 
 from megatron_orch.comm.alltoall import ItemLayout
 from megatron_orch.comm.device import to_communication_device
-from megatron_orch.megatron.contract import BalanceableModel
+from megatron_orch.megatron import first_step
+from megatron_orch.megatron.contract import BalanceableModel, check_model
 from megatron_orch.megatron.encoder_chunks import backward_chunk, encode_in_chunks
-from megatron_orch.megatron.post_balancing import BalancedMicroBatch, BalancedStep
+from megatron_orch.megatron.post_balancing import BalancedMicroBatch, BalancedStep, ShadowStep
 
 # The model config's callbacks that reduce gradients, which the encoders' backward must precede:
 # grad_sync_func fires first where it is set (--overlap-grad-reduce: 1F1B on later pipeline stages,
 # the interleaved schedule), finalize_model_grads_func always ends the schedule.
 _GRAD_CALLBACKS = ("grad_sync_func", "finalize_model_grads_func")
-
-
-def _unwrap(model) -> BalanceableModel:
-    """The model inside Megatron's wrappers (DDP, Float16Module), which must meet the contract."""
-    module = model[0] if isinstance(model, (list, tuple)) else model
-    while hasattr(module, "module"):
-        module = module.module
-    if not isinstance(module, BalanceableModel):
-        raise TypeError(f"post-balancing needs a model that meets megatron_orch.megatron.BalanceableModel "
-                        f"(phase_encoders, encode, forward(batch, embeds)); {type(module).__name__} does not")
-    return module
 
 
 class ModalityAwareSchedule:
@@ -62,23 +57,50 @@ class ModalityAwareSchedule:
     ``num_microbatches`` is taken from the step (equal on every DP rank by construction).
     The encoders run in the chunks of the step's plan; ``encoder_recompute`` keeps none of them (only the
     encoder inputs stay through the backbone schedule, every chunk is recomputed right before its backward).
+    ``announce`` gets the checked first step's line (default: printed on global rank 0); ``first_step_check``
+    then holds its figures.
     """
 
-    def __init__(self, forward_backward_func: Callable, dp_group: ProcessGroup, encoder_recompute: bool = False):
+    def __init__(self, forward_backward_func: Callable, dp_group: ProcessGroup, encoder_recompute: bool = False,
+                 announce: Callable[[str], None] = first_step.print_on_rank_0):
         self.forward_backward_func = forward_backward_func
         self.dp_group = dp_group
         self.encoder_recompute = encoder_recompute
+        self.announce = announce
         self.last_step: Optional[BalancedStep] = None
         self.timings: Dict[str, float] = {}
+        self.first_step_check: Optional[dict] = None
+        self._model_checked = False
+        self._encoder_checks = first_step.EncoderChecks()
 
     def __call__(self, *, forward_step_func, data_iterator, model, num_microbatches, forward_only=False,
                  **kwargs):
+        if not self._model_checked:  # before the first step's collectives
+            first_step.check_model_and_config(model)
+            self._model_checked = True
         step: BalancedStep = next(data_iterator)
         self.last_step = step
         if num_microbatches != len(step.microbatches):
             raise ValueError(f"the schedule was asked for {num_microbatches} micro-batches but the "
                              f"post-balancing step holds {len(step.microbatches)}")
-        module = _unwrap(model)
+        if isinstance(step, ShadowStep):  # planned, not moved: the micro-batches as loaded, upstream
+            return self.forward_backward_func(forward_step_func=forward_step_func, data_iterator=iter(step.microbatches),
+                                              model=model, num_microbatches=num_microbatches,
+                                              forward_only=forward_only, **kwargs)
+        module = check_model(model)
+        self._encoder_checks.run(module, step)
+        run = functools.partial(self._run, step, module, forward_step_func, model, forward_only, kwargs)
+        if step.home is not None and not forward_only:
+            result, self.first_step_check = first_step.checked_step(
+                run, self.forward_backward_func, step, module, model, forward_step_func, self.dp_group, kwargs,
+                self.announce)
+            return result
+        return run()
+
+    def _run(self, step: BalancedStep, module: BalanceableModel, forward_step_func, model, forward_only: bool,
+             kwargs: dict, captured: Optional[dict] = None):
+        """The balanced step: encoders, their outputs to the backbone ranks, Megatron's schedule, the encoders'
+        backward; ``captured`` (the checked first step) gets each phase's received outputs."""
         self.timings = {}
         pending = []  # (phase, encoder inputs, their chunks, moved outputs)
         microbatches = step.microbatches
@@ -99,6 +121,8 @@ class ModalityAwareSchedule:
             for phase, inputs, chunks, move in moving:
                 leaf = move().requires_grad_(not forward_only)
                 embeds[phase] = leaf
+                if captured is not None:
+                    captured[phase] = leaf.detach()
                 pending.append((phase, inputs, chunks, leaf))
             microbatches = _attach(step, embeds)
             self.timings["encoders_forward"] = time.perf_counter() - start

@@ -12,14 +12,11 @@ from datetime import timedelta
 from typing import Iterator
 
 import torch
-from megatron.core import parallel_state
 
-from megatron_orch.comm.communicator import dedicated_group
-from megatron_orch.comm.group_topology import group_topology
+from megatron_orch.megatron.any_loop import post_balance
 from megatron_orch.megatron.batch import MicroBatch
 from megatron_orch.megatron.contract import forward_step  # noqa: F401 -- Megatron's forward_step_func
-from megatron_orch.megatron.post_balancing import ParallelGroups, PostBalancingDataIterator, StepShape
-from megatron_orch.megatron.schedule import ModalityAwareSchedule
+from megatron_orch.megatron.post_balancing import StepShape
 from megatron_orch.mllm.data import TrainIterator, build_train_iterator, data_config
 from megatron_orch.mllm.model import MLLMModel, ModelParallelSettings
 from megatron_orch.orchestrator.config import OrchestratorConfig
@@ -90,23 +87,19 @@ def compute_device(args: argparse.Namespace) -> torch.device:
 
 def build_post_balancing(args: argparse.Namespace, config: OrchestratorConfig, source: Iterator[MicroBatch],
                          forward_backward_func):
-    """Wrap the loader's iterator and the forward-backward function for post-balancing.
+    """Wrap the loader's iterator and the forward-backward function for post-balancing
+    (:func:`~megatron_orch.megatron.any_loop.post_balance`).
 
-    Returns the :class:`PostBalancingDataIterator` (hand it to the schedule as the data iterator) and
-    the :class:`ModalityAwareSchedule` (call it instead of ``get_forward_backward_func()``'s result).
+    Returns the post-balancing data iterator (hand it to the schedule as the data iterator) and
+    the modality-aware schedule (call it instead of ``get_forward_backward_func()``'s result).
+    Every rank builds the iterator after initialize_model_parallel (megatron.training: an is_distributed
+    provider), so every DP group gets its own communicator for the all-to-alls.
     """
-    dp_group = parallel_state.get_data_parallel_group()
     data = data_config(args)
-    # Every rank builds the iterator after initialize_model_parallel (megatron.training: an is_distributed
-    # provider), so every DP group gets its own communicator for the all-to-alls here.
-    comm_group = dedicated_group(dp_group, timeout=timedelta(minutes=args.distributed_timeout_minutes))
-    groups = ParallelGroups(dp_group=dp_group, topology=group_topology(dp_group, gpus_per_node=config.gpus_per_node),
-                            encoder_stage=parallel_state.is_pipeline_first_stage(),
-                            peer_group=parallel_state.get_model_parallel_group(), comm_group=comm_group)
     step = StepShape(args.micro_batch_size, args.num_microbatches,
                      pad_to=data.seq_length if data.pad_to_seq_length else None)
-    iterator = PostBalancingDataIterator(source, data.layout.spec, config, step, groups,
-                                         compute_device=compute_device(args),
-                                         input_dtype=torch.bfloat16 if args.bf16 else torch.float32)
-    schedule = ModalityAwareSchedule(forward_backward_func, dp_group, encoder_recompute=config.encoder_recompute)
+    schedule, iterator = post_balance(forward_backward_func, source, data.layout.spec, step, config=config,
+                                      compute_device=compute_device(args),
+                                      input_dtype=torch.bfloat16 if args.bf16 else torch.float32,
+                                      timeout=timedelta(minutes=args.distributed_timeout_minutes))
     return iterator, schedule

@@ -36,7 +36,11 @@ class OrchestratorConfig:
     its backbone micro-batches under the cap and recomputes the others for their backward; the cap
     defaults to what upstream needs at the same global batch, ``encoder_recompute`` keeps none).
     ``cost_profile``: item costs measured on the device (``--orch-cost-profile``,
-    :mod:`megatron_orch.balance.cost_profile`) instead of training FLOPs.
+    :mod:`megatron_orch.balance.cost_profile`) instead of training FLOPs. ``shadow``: plan every step and
+    report what balancing would gain, but train on the loader's assignment, moving nothing
+    (``--orch-shadow``). ``verify_first_step``: the first step runs the loader's (upstream) and the balanced
+    layout on the same batch and stops the run unless their losses, gradients and encoder outputs agree
+    (``--orch-verify-first-step``; on by default here, off on the command line for the shipped configs).
     """
 
     phases: Optional[Tuple[str, ...]] = None
@@ -51,6 +55,8 @@ class OrchestratorConfig:
     encoder_chunk_tokens: Optional[int] = None
     encoder_memory_cap: Optional[float] = None
     cost_profile: Optional[CostProfile] = None
+    shadow: bool = False
+    verify_first_step: bool = True
 
     def __post_init__(self):
         if self.phases is not None:

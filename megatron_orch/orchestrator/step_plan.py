@@ -10,7 +10,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from dataclasses import dataclass
-from typing import Dict, List, Optional
+from typing import Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
@@ -95,16 +95,20 @@ class StepPlan:
     traffic: Dict[str, MovedBytes]         # per step, of every transfer (:func:`step_transfers`; {}: not planned)
     digest: int
     memory: Optional[StepMemory] = None    # modeled activation bytes (None: not planned)
+    step_time: Tuple[float, float] = (0.0, 0.0)  # modeled, as loaded and as planned (:func:`_step_time`)
 
     def report(self) -> Dict[str, float]:
         """The plan's figures by name, as the log shows them: each phase's modeled cost max/mean over DP
-        before (as loaded) and after (as planned), and the MB the step's transfers move within and across
-        nodes (all of them: raw inputs, text, embeddings forward and their gradients back)."""
+        before (as loaded) and after (as planned), the MB the step's transfers move within and across
+        nodes (all of them: raw inputs, text, embeddings forward and their gradients back), and the share of
+        the modeled step time the plan saves (``step_time``)."""
         out = {}
         for phase, stats in self.stats.items():
             out[f"{phase} before"], out[f"{phase} after"] = stats.imbalance_before, stats.imbalance_after
         out["intra-node MB"] = sum(moved.intra_node for moved in self.traffic.values()) / 1e6
         out["inter-node MB"] = sum(moved.inter_node for moved in self.traffic.values()) / 1e6
+        before, after = self.step_time
+        out["step saved %"] = 100.0 * (1.0 - after / before) if before > 0 else 0.0
         return out
 
     def text_transfer(self) -> Transfer:
@@ -223,7 +227,7 @@ def plan_step(sizes: StepSizes, phases: ModelPhases, config: OrchestratorConfig,
     items = phase_items(sizes, phases)
     examples_home = Placement.from_counts(counts)
     home = examples_home.rank
-    encoders, stats, rank_of_item = {}, {}, {}
+    encoders, stats, rank_of_item, loads = {}, {}, {}, []
 
     for phase in phases.encoder_names:
         phase_item = items[phase]
@@ -234,6 +238,7 @@ def plan_step(sizes: StepSizes, phases: ModelPhases, config: OrchestratorConfig,
                                            encode=Placement.from_ranks(rank, num_ranks))
         rank_of_item[phase] = (example, rank, phase_item.output_nbytes)
         stats[phase] = _phase_stats(method, costs, home[example], rank, num_ranks)
+        loads.append((costs, home[example], rank))
 
     backbone = phases.backbone.name
     llm_costs, text_bytes = items[backbone].cost, items[backbone].nbytes
@@ -269,6 +274,7 @@ def plan_step(sizes: StepSizes, phases: ModelPhases, config: OrchestratorConfig,
     examples_llm = Placement.from_ranks(rank_llm, num_ranks,
                                         key=microbatch * (sizes.num_examples + 1) + np.arange(sizes.num_examples))
     stats[backbone] = _phase_stats(method, llm_costs, home, rank_llm, num_ranks)
+    loads.append((llm_costs, home, rank_llm))
     chunks, memory = _plan_memory(items, phases, encoders, rank_llm, microbatch, home_microbatch, num_ranks,
                                   num_microbatches, packed, config)
     encoders = {phase: dataclasses.replace(plan, chunks=chunks[phase]) for phase, plan in encoders.items()}
@@ -277,7 +283,7 @@ def plan_step(sizes: StepSizes, phases: ModelPhases, config: OrchestratorConfig,
                       np.array([e.chunks.items for e in encoders.values()], dtype=np.int64))
     plan = StepPlan(examples_home=examples_home, examples_llm=examples_llm, microbatch_of_example=microbatch,
                     num_microbatches=num_microbatches, encoders=encoders, backbone=backbone, stats=stats, traffic={},
-                    digest=digest, memory=memory)
+                    digest=digest, memory=memory, step_time=_step_time(loads, num_ranks))
     return dataclasses.replace(plan, traffic={move.name: move.moved_bytes(topology.node_of_rank).times(move.times)
                                               for move in step_transfers(plan, items)})
 
@@ -354,6 +360,17 @@ def _microbatch_memory(key: np.ndarray, memory: np.ndarray, cells: int, padded: 
     longest = np.zeros(cells)
     np.maximum.at(longest, key, memory)
     return np.bincount(key, minlength=cells) * longest
+
+
+def _step_time(loads: Sequence[Tuple[np.ndarray, np.ndarray, np.ndarray]], num_ranks: int) -> Tuple[float, float]:
+    """Modeled step time from each phase's (item costs, rank as loaded, rank as planned), in the cost models'
+    unit, the lower estimate for upstream: as loaded, the busiest rank's phases back to back (ranks wait for
+    each other once, at the gradient reduction); as planned, the sum of each phase's busiest rank (every
+    phase's moves make the ranks wait for each other)."""
+    before = sum((np.bincount(home, weights=costs, minlength=num_ranks) for costs, home, _ in loads),
+                 np.zeros(num_ranks))
+    after = sum(float(np.bincount(rank, weights=costs, minlength=num_ranks).max(initial=0)) for costs, _, rank in loads)
+    return float(before.max(initial=0)), after
 
 
 def _phase_stats(method, costs, home_rank, rank, num_ranks) -> PhaseStats:

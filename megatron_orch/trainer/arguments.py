@@ -29,7 +29,7 @@ from typing import Callable, Iterable, NoReturn, Optional, Sequence
 
 from megatron_orch.megatron.orch_arguments import add_orch_args, orch_config_from_args
 from megatron_orch.mllm.check_data import add_data_args
-from megatron_orch.mllm.config import MLLMConfig, load_model_config
+from megatron_orch.mllm.config import MLLMConfig, is_shipped_config, load_model_config
 
 ArgsProvider = Callable[[argparse.ArgumentParser], argparse.ArgumentParser]
 
@@ -322,7 +322,7 @@ def validate_args(args: argparse.Namespace, world_size: int) -> argparse.Namespa
     args.calculate_per_token_loss = True
     args.mllm_config = resolve_model_config(args)
     try:
-        args.orch_config = orch_config_from_args(args)
+        args.orch_config = orch_config_from_args(args, verify_by_default=not is_shipped_config(args.model_config))
         if args.orch_config is not None:
             args.orch_config.check_phases(args.mllm_config.phases())
     except ValueError as err:

@@ -414,7 +414,8 @@ def _set_up_and_train(args, model_provider, forward_step, print_fn, lock) -> lis
             args, args.orch_config, data_iterator, forward_backward_func)
         if dist.get_rank() == 0:
             topology = data_iterator.topology
-            print_fn(f" > post-balancing on: {args.orch_config} | DP group: {topology.num_ranks} ranks on "
+            mode = "shadow mode (every step planned and logged, nothing moved)" if args.orch_config.shadow else "on"
+            print_fn(f" > post-balancing {mode}: {args.orch_config} | DP group: {topology.num_ranks} ranks on "
                      f"{topology.num_nodes} node(s)")
     else:
         data_iterator = StepReader(data_iterator, args.num_microbatches)
