@@ -170,22 +170,25 @@ from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 from megatron.core.pipeline_parallel import get_forward_backward_func
 from megatron.core.utils import get_model_config
 
-from megatron_orch.megatron import StepShape, forward_step, post_balance
+from megatron_orch.megatron import OrchestratorConfig, StepShape, forward_step, post_balance
 
 
-def setup(module, data_iterator, spec: BatchSpec, balanced: bool, ddp_config=DistributedDataParallelConfig()):
-    """What the training loop's setup does (as Megatron-Bridge's), plus post_balance."""
+def setup(module, data_iterator, spec: BatchSpec, balanced: bool, ddp_config=DistributedDataParallelConfig(),
+          config=OrchestratorConfig()):
+    """What the training loop's setup does (as Megatron-Bridge's), plus post_balance (``config``: the planner's
+    settings, shadow mode, the checked first step)."""
     model = [DistributedDataParallel(config=module.config, ddp_config=ddp_config, module=module)]
     optimizer = get_megatron_optimizer(OptimizerConfig(optimizer="sgd", lr=0.05, params_dtype=torch.float32), model)
-    config = get_model_config(model[0])              # the callbacks megatron-core's schedules call
-    config.no_sync_func = model[0].no_sync
-    config.finalize_model_grads_func = finalize_model_grads
-    config.grad_scale_func = optimizer.scale_loss
+    model_config = get_model_config(model[0])        # the callbacks megatron-core's schedules call
+    model_config.no_sync_func = model[0].no_sync
+    model_config.finalize_model_grads_func = finalize_model_grads
+    model_config.grad_scale_func = optimizer.scale_loss
     forward_backward_func = get_forward_backward_func(parallel_state.get_pipeline_model_parallel_world_size(),
                                                       parallel_state.get_virtual_pipeline_model_parallel_world_size())
     if balanced:
         forward_backward_func, data_iterator = post_balance(
-            forward_backward_func, data_iterator, spec, StepShape(MICRO_BATCH, MICRO_BATCHES), model=model)
+            forward_backward_func, data_iterator, spec, StepShape(MICRO_BATCH, MICRO_BATCHES), model=model,
+            config=config)
     return model, optimizer, forward_backward_func, data_iterator
 
 

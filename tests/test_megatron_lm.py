@@ -277,6 +277,39 @@ def test_runtime_schedule_hook_wraps_train_only_and_restores():
     assert training.train() == (stock_schedule, stock_schedule)
 
 
+def test_runtime_schedule_hook_sees_through_decorators_and_never_fired_is_an_error():
+    """A train() decorated with functools.wraps (Megatron-LM main decorates evaluate()) still gets the wrapped
+    schedule; a decorator that hides train() (no __wrapped__) leaves the hook unfired, which is an error when
+    the block ends instead of a run on the stock schedule."""
+    from megatron_orch.megatron import megatron_lm
+
+    def stock_schedule(**kwargs):
+        return "stock"
+
+    source = ("import functools\n"
+              "def logged(f):\n    @functools.wraps(f)\n    def run(*a, **k):\n        return f(*a, **k)\n    return run\n"
+              "def opaque(f):\n    def run(*a, **k):\n        return f(*a, **k)\n    return run\n"
+              "@DECORATOR\ndef train():\n    return get_forward_backward_func()\n")
+
+    def training_module(decorator):
+        training = types.ModuleType("training")
+        training.get_forward_backward_func = lambda: stock_schedule
+        exec(compile(source.replace("DECORATOR", decorator), "training.py", "exec"), training.__dict__)
+        return training
+
+    training = training_module("logged")
+    with megatron_lm.runtime_schedule_hook(training, lambda schedule: ("wrapped", schedule)):
+        assert training.train() == ("wrapped", stock_schedule)
+    training = training_module("opaque")
+    with pytest.raises(megatron_lm.HookNeverFiredError, match=r"hook never fired: train\(\) \(training.py:\d+\) "
+                                                               r"did not ask get_forward_backward_func"):
+        with megatron_lm.runtime_schedule_hook(training, lambda schedule: ("wrapped", schedule)):
+            assert training.train() is stock_schedule
+    with pytest.raises(megatron_lm.HookNeverFiredError):  # nor is a block that never trains
+        with megatron_lm.runtime_schedule_hook(training_module("logged"), lambda schedule: schedule):
+            pass
+
+
 def _pretrain_runs(rank, world_size, tree, layouts, out_dir):
     """Megatron-LM's pretrain through pretrain_mllm.main_megatron_lm, once per run of each layout
     ``((tp, pp), runs)``, in these ranks; what each run did goes to ``out_dir/rank<r>.json``."""
