@@ -43,6 +43,7 @@ ARGV = [CHANGED.get(previous, value) for previous, value in zip([None, *README_F
     "--seed", str(SEED), "--distributed-backend", "gloo"]
 RUNS = {"upstream": [], "post-balancing": ["--orch-post-balancing"],
         "post-balancing, overlapped grad reduce": ["--orch-post-balancing", "--overlap-grad-reduce"]}
+SHADOW = {"post-balancing shadow": ["--orch-shadow"]}  # planned by the schedule hook, trained upstream
 # The project's compact trainer on the same flags (those it has): it must reproduce megatron.training.
 COMPACT = "compact trainer"
 COMPACT_ARGV = ["--model-config", "tiny", "--seq-length", "128", "--micro-batch-size", "1", "--global-batch-size", "4",
@@ -366,7 +367,7 @@ def _megatron_lm_run(pretrain_mllm, world_size, parallel, name) -> dict:
     megatron.training.print_rank_0 = print_rank_0
     doubles.prepare_run(*parallel, seed=SEED)
     sys.argv = ["pretrain_mllm.py", *ARGV, "--tensor-model-parallel-size", str(parallel[0]),
-                "--pipeline-model-parallel-size", str(parallel[1]), *RUNS[name]]
+                "--pipeline-model-parallel-size", str(parallel[1]), *{**RUNS, **SHADOW}[name]]
     try:
         pretrain_mllm.main_megatron_lm()
     finally:
@@ -424,8 +425,9 @@ def test_megatron_training_dp2(files, patched_tree, tmp_path):
 
 def test_megatron_training_dp2_with_the_runtime_hook(unpatched_tree, tmp_path):
     """No patch (the wheel's own megatron.training, or an unpatched copy): the schedule hook is installed
-    at run time, and post-balancing again reproduces the upstream losses."""
-    layout = ((1, 1), ["upstream", "post-balancing"])
+    at run time, and post-balancing again reproduces the upstream losses; shadow mode goes through the same
+    hook and trains upstream."""
+    layout = ((1, 1), ["upstream", "post-balancing", *SHADOW])
     run_distributed(_pretrain_runs, 2, None if unpatched_tree is None else str(unpatched_tree), [layout],
                     str(tmp_path), timeout_s=300)
     _check_runs(tmp_path, 2, *layout, hook="schedule hook: installed at run time (no patched train()")
