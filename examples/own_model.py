@@ -173,10 +173,10 @@ from megatron.core.utils import get_model_config
 from megatron_orch.megatron import OrchestratorConfig, StepShape, forward_step, post_balance
 
 
-def setup(module, data_iterator, spec: BatchSpec, balanced: bool, ddp_config=DistributedDataParallelConfig(),
-          config=OrchestratorConfig()):
+def setup(module, data_iterator, spec: BatchSpec, balanced: bool, ddp_config=None, config=OrchestratorConfig()):
     """What the training loop's setup does (as Megatron-Bridge's), plus post_balance (``config``: the planner's
     settings, shadow mode, the checked first step)."""
+    ddp_config = DistributedDataParallelConfig() if ddp_config is None else ddp_config
     model = [DistributedDataParallel(config=module.config, ddp_config=ddp_config, module=module)]
     optimizer = get_megatron_optimizer(OptimizerConfig(optimizer="sgd", lr=0.05, params_dtype=torch.float32), model)
     model_config = get_model_config(model[0])        # the callbacks megatron-core's schedules call

@@ -5,7 +5,8 @@
   ``--overlap-grad-reduce`` and one image in the global batch, the rank without it fails inside DDP) stop
   on the first step, on every rank, before any encoder output moves;
 * the checked first step stops an adapter that scales the inserted embeddings by 0.999 at step 1, and on a
-  correct model costs one more forward-backward (the upstream one) and trains what the unchecked run trains.
+  correct model costs one more forward-backward (the upstream one) and trains what the unchecked run trains,
+  also with Megatron DDP's overlapped gradient reduction.
 """
 import sys
 import warnings
@@ -35,59 +36,85 @@ def _count_moves() -> list:
     return moves
 
 
-def _traps(rank, world_size):
+def _one_image_a_step(rank: int, steps: int) -> list:
+    """Micro-batches of two ranks whose every global batch holds one image, on rank 0 (``own_model``'s data)."""
+    import own_model
+    spec = own_model.batch_spec()
+    none = [i for i in range(400) if own_model.example(i).num_items("image") == 0][:7 * steps]
+    one = [i for i in range(400) if own_model.example(i).num_items("image") == 1][:steps]
+    batches = []
+    for step in range(steps):
+        mine = ([one[step]] + none[7 * step:7 * step + 7])[rank * 4:rank * 4 + 4]
+        batches += [own_model.collate([own_model.example(i) for i in mine[m * 2:m * 2 + 2]], spec) for m in range(2)]
+    return batches
+
+
+def _encoder_giving_s_b_h(rank, world_size):
     warnings.filterwarnings("ignore")
     from megatron.core import parallel_state
-    from megatron.core.distributed import DistributedDataParallelConfig
 
     import mimo_model
     import own_model
     from megatron_orch.comm.status import PeerFailedError
 
+    class SBHViT(own_model.PatchViT):
+        def forward(self, tiles):
+            return super().forward(tiles).transpose(0, 1)  # Megatron's [s, n, h], as it leaves the block
+
+    def sbh_mimo():
+        model = mimo_model.build_mimo(SBHViT)
+        own_model.redirect_for_cpu()
+        return model
+
     moves = _count_moves()
     own_model.initialize()
     try:
-        class SBHViT(own_model.PatchViT):
-            def forward(self, tiles):
-                return super().forward(tiles).transpose(0, 1)  # Megatron's [s, n, h], as it leaves the block
-
-        def sbh_mimo():
-            model = mimo_model.build_mimo(SBHViT)
-            own_model.redirect_for_cpu()
-            return model
-
         with pytest.raises((ValueError, PeerFailedError), match=r"encode\('image', items\) is not item by item"):
             own_model.train(True, 1, sbh_mimo, mimo_model.spec_of)
-        assert moves == []
-
-        class ProjectorOutside(own_model.TinyLlava):
-            def phase_encoders(self):
-                return {"image": self.image_encoder.vit}
-
-        spec = own_model.batch_spec()
-        none = [i for i in range(200) if own_model.example(i).num_items("image") == 0][:7]
-        one = next(i for i in range(200) if own_model.example(i).num_items("image") == 1)
-        mine = ([one] + none)[rank * 4:rank * 4 + 4]  # the global batch holds one image, on rank 0
-        batches = iter([own_model.collate([own_model.example(i) for i in mine[m * 2:m * 2 + 2]], spec)
-                        for m in range(2)])
-        model, optimizer, schedule, data = own_model.setup(
-            own_model.build_model(ProjectorOutside), batches, spec, balanced=True,
-            ddp_config=DistributedDataParallelConfig(overlap_grad_reduce=True))
-        with pytest.raises((ValueError, PeerFailedError), match=r"encode\('image', items\) uses parameters outside "
-                           r"phase_encoders\(\)\['image'\]: image_encoder\.projector\."):
-            own_model.train_step(schedule, data, model, optimizer)
         assert moves == []
     finally:
         parallel_state.destroy_model_parallel()
 
 
-def test_first_step_traps_stop_every_rank_before_the_moves():
-    run_distributed(_traps, 2, timeout_s=TIMEOUT_S)
+def test_an_encoder_giving_s_b_h_stops_every_rank_before_the_moves():
+    run_distributed(_encoder_giving_s_b_h, 2, timeout_s=TIMEOUT_S)
+
+
+def _projector_outside_phase_encoders(rank, world_size):
+    warnings.filterwarnings("ignore")
+    from megatron.core import parallel_state
+    from megatron.core.distributed import DistributedDataParallelConfig
+
+    import own_model
+    from megatron_orch.comm.status import PeerFailedError
+
+    class ProjectorOutside(own_model.TinyLlava):
+        def phase_encoders(self):
+            return {"image": self.image_encoder.vit}
+
+    moves = _count_moves()
+    own_model.initialize()
+    try:
+        model, optimizer, schedule, data = own_model.setup(  # two steps: DDP's own check comes at step 2
+            own_model.build_model(ProjectorOutside), iter(_one_image_a_step(rank, 2)), own_model.batch_spec(),
+            balanced=True, ddp_config=DistributedDataParallelConfig(overlap_grad_reduce=True))
+        with pytest.raises((ValueError, PeerFailedError), match=r"encode\('image', items\) uses parameters outside "
+                           r"phase_encoders\(\)\['image'\]: image_encoder\.projector\."):
+            for _ in range(2):
+                own_model.train_step(schedule, data, model, optimizer)
+        assert moves == []  # on the first step
+    finally:
+        parallel_state.destroy_model_parallel()
+
+
+def test_a_projector_outside_phase_encoders_stops_every_rank_before_the_moves():
+    run_distributed(_projector_outside_phase_encoders, 2, timeout_s=TIMEOUT_S)
 
 
 def _checked(rank, world_size, out_dir):
     warnings.filterwarnings("ignore")
     from megatron.core import parallel_state
+    from megatron.core.distributed import DistributedDataParallelConfig
 
     import own_model
     from megatron_orch.megatron import FirstStepMismatchError, OrchestratorConfig
@@ -105,7 +132,7 @@ def _checked(rank, world_size, out_dir):
 
     own_model.get_forward_backward_func = counting_schedule
 
-    def run(model_class, verify: bool, iters: int):
+    def run(model_class, verify: bool, iters: int, data=None, ddp_config=None):
         counts.update(schedule=0, backbone=0, encoded=0)
         torch.manual_seed(7)
         module = own_model.build_model(model_class)
@@ -113,8 +140,8 @@ def _checked(rank, world_size, out_dir):
         module.image_encoder.register_forward_pre_hook(
             lambda _, inputs: counts.__setitem__("encoded", counts["encoded"] + inputs[0].shape[0]))
         spec = own_model.batch_spec()
-        data = own_model.microbatches(spec, rank, world_size, iters)
-        model, optimizer, schedule, data = own_model.setup(module, data, spec, True,
+        data = own_model.microbatches(spec, rank, world_size, iters) if data is None else data
+        model, optimizer, schedule, data = own_model.setup(module, data, spec, True, ddp_config=ddp_config,
                                                            config=OrchestratorConfig(verify_first_step=verify))
         losses, per_step = [], []
         for _ in range(iters):
@@ -141,8 +168,12 @@ def _checked(rank, world_size, out_dir):
         wrong = dict(counts)
         home_items = sum(b.items["image"].shape[0]
                          for b in list(own_model.microbatches(own_model.batch_spec(), rank, world_size, 1)))
-        torch.save({"checked": checked, "unchecked": unchecked, "wrong": wrong, "home_items": home_items},
-                   Path(out_dir) / f"rank{rank}.pt")
+        # Megatron DDP's overlapped reduction, on data whose upstream layout leaves rank 1's encoder without
+        # gradients: DDP calibrates it on the balanced run, as without the check
+        overlapped = [run(None, verify, 2, iter(_one_image_a_step(rank, 2)), DistributedDataParallelConfig(
+            overlap_grad_reduce=True))["losses"] for verify in (True, False)]
+        torch.save({"checked": checked, "unchecked": unchecked, "wrong": wrong, "home_items": home_items,
+                    "overlapped": overlapped}, Path(out_dir) / f"rank{rank}.pt")
     finally:
         parallel_state.destroy_model_parallel()
 
@@ -169,3 +200,4 @@ def test_the_checked_first_step_stops_a_wrong_adapter_at_the_cost_of_one_step(tm
             assert second[key] - first[key] == unchecked["per_step"][1][key] - plain[key], key
         # the wrong adapter stopped within step 1, after the two runs of it
         assert got["wrong"]["schedule"] == 2, got["wrong"]
+        assert got["overlapped"][0] == got["overlapped"][1], got["overlapped"]

@@ -22,7 +22,8 @@ with one line naming the fix, instead of training differently from upstream or f
   forward-backward of the step, and one forward of the encoders without gradients when ``forward(batch)``
   does not encode through ``encode`` (so its outputs cannot be recorded). With dropout in the model both
   layouts run with dropout off (masks follow the rank that computes an example, so no two layouts agree
-  with it on), and so does the step trained on.
+  with it on), and so does the step trained on. Megatron DDP's overlapped reduction is off for the upstream
+  run (its gradients are reduced when the schedule ends), so that DDP calibrates it on the balanced one.
 """
 from __future__ import annotations
 
@@ -140,6 +141,9 @@ def check_encode(module: BalanceableModel, phase: str, items: torch.Tensor, rows
     """Raise ValueError (naming the fix) unless ``encode(phase, ·)`` is item by item on a few of ``items`` and
     uses parameters of ``phase_encoders()[phase]`` only (module docstring). One item is checked as two copies
     of it: rows of ``[s, b, h]`` flattened interleave the items, so even two equal items give other rows."""
+    if phase not in module.phase_encoders():
+        raise ValueError(f"post-balancing: phase_encoders() has no module of encoder phase {phase!r} (it has "
+                         f"{sorted(module.phase_encoders())}); return it on the pipeline stage that encodes")
     sample = items[:3] if items.shape[0] > 1 else torch.cat([items, items])
     n = sample.shape[0]
     with _dropout_off([module]), _rng_unchanged(), torch.enable_grad():
@@ -228,6 +232,22 @@ def _gradient_norms(chunks: Sequence[torch.nn.Module], module: BalanceableModel,
         for param, grad in _reduced_gradients(chunk):
             parts[owner.get(id(param), len(phases))].append(grad.double().pow(2).sum())
     return np.array([float(torch.stack(p).sum()) if p else 0.0 for p in parts])
+
+
+@contextlib.contextmanager
+def _reduced_at_the_end(chunks: Sequence[torch.nn.Module]) -> Iterator[None]:
+    """Megatron DDP's overlapped gradient reduction off for the block (its gradients reduced when the schedule
+    finishes, as without it): DDP calibrates the overlapped reduction on its first step, recording which
+    parameters report a gradient in the last micro-batch, and that step must be a balanced one (the upstream
+    layout may skip an encoder in its last micro-batch, which DDP would then refuse)."""
+    configs = [c.ddp_config for c in chunks if getattr(getattr(c, "ddp_config", None), "overlap_grad_reduce", False)]
+    for config in configs:
+        config.overlap_grad_reduce = False
+    try:
+        yield
+    finally:
+        for config in configs:
+            config.overlap_grad_reduce = True
 
 
 def _zero_gradients(chunks: Sequence[torch.nn.Module]) -> None:
@@ -321,14 +341,15 @@ def checked_step(run_balanced: Callable[[dict], list], forward_backward_func: Ca
     dropout = _has_dropout(chunks)
     grads_reduced = config.finalize_model_grads_func is not None
     with _dropout_off(chunks) if dropout else contextlib.nullcontext():
-        with _recording_encode(module, phases) as recorded, _rng_unchanged():
-            home_losses = forward_backward_func(forward_step_func=forward_step_func, data_iterator=iter(step.home),
-                                                model=model, num_microbatches=len(step.home), forward_only=False,
-                                                **kwargs)
-        home_grads = _gradient_norms(chunks, module, phases)
-        home_rows = _home_outputs(module, step, recorded)
-        del recorded
-        _zero_gradients(chunks)
+        with _reduced_at_the_end(chunks):
+            with _recording_encode(module, phases) as recorded, _rng_unchanged():
+                home_losses = forward_backward_func(forward_step_func=forward_step_func,
+                                                    data_iterator=iter(step.home), model=model,
+                                                    num_microbatches=len(step.home), forward_only=False, **kwargs)
+            home_grads = _gradient_norms(chunks, module, phases)
+            home_rows = _home_outputs(module, step, recorded)
+            del recorded
+            _zero_gradients(chunks)
         captured: Dict[str, torch.Tensor] = {}
         losses = run_balanced(captured)
         balanced_grads = _gradient_norms(chunks, module, phases)
