@@ -106,7 +106,8 @@ def main_megatron_lm() -> None:
         if not hasattr(args, "mllm_config"):
             try:
                 args.mllm_config = resolve_model(args)
-                args.orch_config = orch_config_from_args(args, verify_by_default=not is_shipped_config(args.model_config))
+                args.orch_config = orch_config_from_args(
+                    args, verify_by_default=not is_shipped_config(args.model_config))
                 if args.orch_config is not None:
                     megatron_lm.check_args(args)
             except ValueError as err:  # ArgumentError included

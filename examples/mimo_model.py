@@ -10,7 +10,8 @@ from __future__ import annotations
 import warnings
 
 import own_model
-from own_model import IMAGE_TOKEN, PAD_TOKEN, PATCH_DIM, PATCHES, SEQ_LENGTH, VOCAB, PatchViT, shapes, transformer_config
+from own_model import (IMAGE_TOKEN, PAD_TOKEN, PATCH_DIM, PATCHES, SEQ_LENGTH, VOCAB, PatchViT, shapes,
+                       transformer_config)
 
 warnings.filterwarnings("ignore", message=".*experimental.*")
 
@@ -34,7 +35,8 @@ def build_mimo(encoder=PatchViT):
         "encoders": {"vit": ModuleSpec(module=encoder, params={"config": transformer_config(vit)})},
         "input_projections": [ModuleSpec(module=MultimodalProjector, submodules=MLPSubmodules(
             linear_fc1=ColumnParallelLinear, linear_fc2=RowParallelLinear), params={
-                "config": transformer_config(llm, num_layers=1), "projector_type": "mlp", "input_size": vit.hidden_size})]})
+                "config": transformer_config(llm, num_layers=1), "projector_type": "mlp",
+                "input_size": vit.hidden_size})]})
     language = ModuleSpec(module=GPTModel, params={
         "config": transformer_config(llm), "transformer_layer_spec": get_gpt_layer_local_spec(), "vocab_size": VOCAB,
         "max_sequence_length": SEQ_LENGTH, "position_embedding_type": "rope"})

@@ -136,7 +136,8 @@ def _checked(rank, world_size, out_dir):
         counts.update(schedule=0, backbone=0, encoded=0)
         torch.manual_seed(7)
         module = own_model.build_model(model_class)
-        module.language_model.register_forward_pre_hook(lambda *_: counts.__setitem__("backbone", counts["backbone"] + 1))
+        module.language_model.register_forward_pre_hook(
+            lambda *_: counts.__setitem__("backbone", counts["backbone"] + 1))
         module.image_encoder.register_forward_pre_hook(
             lambda _, inputs: counts.__setitem__("encoded", counts["encoded"] + inputs[0].shape[0]))
         spec = own_model.batch_spec()

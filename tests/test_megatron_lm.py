@@ -288,7 +288,8 @@ def test_runtime_schedule_hook_sees_through_decorators_and_never_fired_is_an_err
         return "stock"
 
     source = ("import functools\n"
-              "def logged(f):\n    @functools.wraps(f)\n    def run(*a, **k):\n        return f(*a, **k)\n    return run\n"
+              "def logged(f):\n    @functools.wraps(f)\n"
+              "    def run(*a, **k):\n        return f(*a, **k)\n    return run\n"
               "def opaque(f):\n    def run(*a, **k):\n        return f(*a, **k)\n    return run\n"
               "@DECORATOR\ndef train():\n    return get_forward_backward_func()\n")
 

@@ -318,9 +318,10 @@ def _loss_totals(losses: Sequence[Mapping[str, torch.Tensor]]) -> Dict[str, torc
 def _loss_difference(home, balanced, dp_group) -> float:
     """Largest relative difference of the global per-token losses (last pipeline stage; 0 elsewhere)."""
     home, balanced = _loss_totals(home), _loss_totals(balanced)
-    if not home or home.keys() != balanced.keys():
-        return math.inf if home.keys() != balanced.keys() else 0.0
-    totals = torch.stack([torch.stack([home[k], balanced[k]]) for k in home])  # [keys, layout, sum/count]
+    if not home:  # not the last pipeline stage (the same on every rank of its DP group)
+        return 0.0
+    missing = torch.full((2,), math.nan, dtype=torch.float64)  # a key the balanced run did not report
+    totals = torch.stack([torch.stack([home[k], balanced.get(k, missing).to(home[k].device)]) for k in home])
     totals = to_communication_device(totals, dp_group)
     dist.all_reduce(totals, group=dp_group)
     totals = totals.cpu()

@@ -15,9 +15,9 @@ step's moves, all asynchronous:
   thread and go to the device in one upload.
 
 It yields a :class:`BalancedStep` (in shadow mode, ``config.shadow``, a :class:`ShadowStep`: the step
-planned, logged and left as loaded, nothing moved): the rank's backbone micro-batches (same number on every DP rank),
-collated on the host when the schedule first asks for them (by then the text has long arrived: the
-host waits for that copy only, not for the encoders queued after it), and its encoder inputs, with the
+planned, logged and left as loaded, nothing moved): the rank's backbone micro-batches (same number on
+every DP rank), collated on the host when the schedule first asks for them (by then the text has long
+arrived: the host waits for that copy only, not for the encoders queued after it), and its encoder inputs, with the
 moves the modality-aware schedule uses to send encoder outputs straight to the backbone rank of their
 example. Then it hands the next step's sizes to the planning thread and the step after it to the
 reading thread, which reads and checks its examples and stages what they send in (pinned) host memory.

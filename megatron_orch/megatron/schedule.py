@@ -14,8 +14,8 @@ gradients are reduced together, exactly once.
 
 Before the first step and on it, the schedule checks the model (:mod:`~megatron_orch.megatron.first_step`:
 the contract, per-token loss, item-by-item encoders, their parameters, and with ``verify_first_step`` the
-loader's against the balanced layout of the first batch). A :class:`~megatron_orch.megatron.post_balancing.
-ShadowStep` (shadow mode) runs as loaded, through Megatron's schedule alone.
+loader's against the balanced layout of the first batch). A shadow mode step
+(:class:`~megatron_orch.megatron.post_balancing.ShadowStep`) runs as loaded, through Megatron's schedule alone.
 
 Encoder memory: each phase runs in the plan's chunks (:mod:`~megatron_orch.megatron.encoder_chunks`); the
 chunks the plan keeps hold their activations through the backbone, the others are recomputed for their
@@ -84,9 +84,9 @@ class ModalityAwareSchedule:
             raise ValueError(f"the schedule was asked for {num_microbatches} micro-batches but the "
                              f"post-balancing step holds {len(step.microbatches)}")
         if isinstance(step, ShadowStep):  # planned, not moved: the micro-batches as loaded, upstream
-            return self.forward_backward_func(forward_step_func=forward_step_func, data_iterator=iter(step.microbatches),
-                                              model=model, num_microbatches=num_microbatches,
-                                              forward_only=forward_only, **kwargs)
+            return self.forward_backward_func(forward_step_func=forward_step_func,
+                                              data_iterator=iter(step.microbatches), model=model,
+                                              num_microbatches=num_microbatches, forward_only=forward_only, **kwargs)
         module = check_model(model)
         self._encoder_checks.run(module, step)
         run = functools.partial(self._run, step, module, forward_step_func, model, forward_only, kwargs)

@@ -308,9 +308,9 @@ def parse_iteration_line(line: str) -> Optional[dict]:
         intra, inter = fields[_MOVED if applied else _WOULD_MOVE].split("/")
         plan = re.match(rf"{_NUMBER} \(exposed {_NUMBER}\)", fields["plan ms"])
         pb.update({"intra-node MB": float(intra), "inter-node MB": float(inter),
-                   "step saved %": float(fields["modeled step time saved"].rstrip("%")), "plan ms": float(plan.group(1)),
-                   "plan exposed ms": float(plan.group(2)), "dispatch ms": float(fields["dispatch ms"]),
-                   "applied": float(applied)})
+                   "step saved %": float(fields["modeled step time saved"].rstrip("%")),
+                   "plan ms": float(plan.group(1)), "plan exposed ms": float(plan.group(2)),
+                   "dispatch ms": float(fields["dispatch ms"]), "applied": float(applied)})
         out["post_balancing"] = pb
     return out
 
