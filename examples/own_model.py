@@ -178,7 +178,9 @@ def setup(module, data_iterator, spec: BatchSpec, balanced: bool, ddp_config=Non
     settings, shadow mode, the checked first step)."""
     ddp_config = DistributedDataParallelConfig() if ddp_config is None else ddp_config
     model = [DistributedDataParallel(config=module.config, ddp_config=ddp_config, module=module)]
-    optimizer = get_megatron_optimizer(OptimizerConfig(optimizer="sgd", lr=0.05, params_dtype=torch.float32), model)
+    optimizer = get_megatron_optimizer(OptimizerConfig(optimizer="adam", lr=2e-3, params_dtype=torch.float32,
+                                                       use_distributed_optimizer=ddp_config.use_distributed_optimizer),
+                                       model)
     model_config = get_model_config(model[0])        # the callbacks megatron-core's schedules call
     model_config.no_sync_func = model[0].no_sync
     model_config.finalize_model_grads_func = finalize_model_grads

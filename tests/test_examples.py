@@ -13,11 +13,11 @@ import numpy as np
 import pytest
 import torch
 
+import example_modules  # noqa: F401 -- examples/ on the path
 from dist_utils import run_distributed, scaled
 
 pytestmark = pytest.mark.distributed
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO / "examples"))
 warnings.filterwarnings("ignore", message=r".*(Transformer Engine|Apex).*not installed")
 
 

@@ -6,19 +6,18 @@
   on the first step, on every rank, before any encoder output moves;
 * the checked first step stops an adapter that scales the inserted embeddings by 0.999 at step 1, and on a
   correct model costs one more forward-backward (the upstream one) and trains what the unchecked run trains,
-  also with Megatron DDP's overlapped gradient reduction.
+  also with Megatron DDP's overlapped gradient reduction and with the distributed optimizer.
 """
-import sys
 import warnings
 from pathlib import Path
 
 import pytest
 import torch
 
+import example_modules  # noqa: F401 -- examples/ on the path
 from dist_utils import run_distributed
 
 pytestmark = pytest.mark.distributed
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
 warnings.filterwarnings("ignore", message=r".*(Transformer Engine|Apex).*not installed")
 TIMEOUT_S = 240.0
 
@@ -53,9 +52,11 @@ def _encoder_giving_s_b_h(rank, world_size):
     warnings.filterwarnings("ignore")
     from megatron.core import parallel_state
 
-    import mimo_model
     import own_model
+    from example_modules import mimo_example
     from megatron_orch.comm.status import PeerFailedError
+
+    mimo_model = mimo_example()
 
     class SBHViT(own_model.PatchViT):
         def forward(self, tiles):
@@ -173,8 +174,10 @@ def _checked(rank, world_size, out_dir):
         # gradients: DDP calibrates it on the balanced run, as without the check
         overlapped = [run(None, verify, 2, iter(_one_image_a_step(rank, 2)), DistributedDataParallelConfig(
             overlap_grad_reduce=True))["losses"] for verify in (True, False)]
+        # the distributed optimizer: each rank compares the gradients in its own shard of every bucket
+        sharded = run(None, True, 2, ddp_config=DistributedDataParallelConfig(use_distributed_optimizer=True))
         torch.save({"checked": checked, "unchecked": unchecked, "wrong": wrong, "home_items": home_items,
-                    "overlapped": overlapped}, Path(out_dir) / f"rank{rank}.pt")
+                    "overlapped": overlapped, "sharded": sharded}, Path(out_dir) / f"rank{rank}.pt")
     finally:
         parallel_state.destroy_model_parallel()
 
@@ -202,3 +205,6 @@ def test_the_checked_first_step_stops_a_wrong_adapter_at_the_cost_of_one_step(tm
         # the wrong adapter stopped within step 1, after the two runs of it
         assert got["wrong"]["schedule"] == 2, got["wrong"]
         assert got["overlapped"][0] == got["overlapped"][1], got["overlapped"]
+        sharded = got["sharded"]
+        assert sharded["check"]["gradient norms"] <= 1e-5 and sharded["check"]["loss"] <= 1e-5, sharded["check"]
+        assert sharded["losses"] == pytest.approx(unchecked["losses"], rel=1e-6)

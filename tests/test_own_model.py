@@ -4,7 +4,6 @@ before any collective, in one line naming the fix; a post-balancing step that re
 so; the flags of shadow mode and of the checked first step; the README's code is the examples' own.
 Single-process (a gloo world of one); the multi-rank traps are in ``test_first_step.py``."""
 import re
-import sys
 import textwrap
 import warnings
 from pathlib import Path
@@ -12,8 +11,9 @@ from pathlib import Path
 import pytest
 import torch
 
+import example_modules  # noqa: F401 -- examples/ on the path
+
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO / "examples"))
 warnings.filterwarnings("ignore", message=r".*(Transformer Engine|Apex).*not installed")
 
 
@@ -87,7 +87,7 @@ def test_packed_rows_with_mimo_are_refused_when_the_iterator_is_built(harness, w
     first forward after the step's moves."""
     import torch.distributed as dist
 
-    import mimo_model
+    from example_modules import mimo_example
     from megatron_orch.balance.topology import Topology
     from megatron_orch.megatron import OrchestratorConfig, ParallelGroups, PostBalancingDataIterator, StepShape
     from megatron_orch.megatron import post_balancing
@@ -96,7 +96,7 @@ def test_packed_rows_with_mimo_are_refused_when_the_iterator_is_built(harness, w
         raise AssertionError("a collective before the refusal")
 
     monkeypatch.setattr(post_balancing, "dedicated_group", no_collective)
-    spec = mimo_model.spec_of(mimo_model.build())
+    spec = mimo_example().spec_of(mimo_example().build())
     with pytest.raises(NotImplementedError, match="--orch-microbatching packed: packed rows with a MimoModel"):
         PostBalancingDataIterator(_unread(), spec, OrchestratorConfig(microbatching="packed"), StepShape(2, 2),
                                   ParallelGroups(dist.group.WORLD, Topology.uniform(1, 1)),
