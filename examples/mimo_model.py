@@ -1,7 +1,7 @@
 """Megatron-Core's own ``MimoModel`` (an image modality submodule and a GPT language model), balanced by
 ``MimoBalancing`` and trained by the same hand-written loop as ``own_model.py`` (imported from beside it).
 
-    torchrun --nproc-per-node 2 examples/mimo_model.py                # balancing off, then on, same init
+    torchrun --nproc-per-node 2 examples/mimo_model.py                # balancing on, then off, same init
 
 Runs on CPU (gloo) or GPUs (NCCL); prints both runs' losses and their largest relative difference.
 """

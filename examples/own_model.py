@@ -3,7 +3,7 @@ trained with post-balancing by a hand-written loop shaped like Megatron-Bridge's
 ``get_forward_backward_func(pp, vp)`` itself, and :func:`megatron_orch.megatron.post_balance` wraps that
 schedule and the data iterator.
 
-    torchrun --nproc-per-node 2 examples/own_model.py                 # balancing off, then on, same init
+    torchrun --nproc-per-node 2 examples/own_model.py                 # balancing on, then off, same init
     torchrun --nproc-per-node 2 examples/own_model.py --iters 8 --balanced-only
 
 Runs on CPU (gloo, megatron-core through the project's CPU harness) or on GPUs (NCCL). It prints the loss

@@ -23,7 +23,7 @@ warnings.filterwarnings("ignore", message=r".*(Transformer Engine|Apex).*not ins
 
 @pytest.mark.parametrize("example", ["own_model.py", "mimo_model.py"])
 def test_example_runs_with_torchrun(example):
-    """A complete DP-2 run, balancing off then on from the same weights: the checked first step passes and
+    """A complete DP-2 run, balancing on then off from the same weights: the checked first step passes and
     the losses agree."""
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
     result = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
