@@ -9,14 +9,13 @@ import shutil
 import tarfile
 from pathlib import Path
 
-import numpy as np
 import pytest
 import torch
 
 from megatron.energon import WorkerConfig, get_loader, get_val_dataset
 
 from megatron_orch.mllm import energon
-from megatron_orch.mllm.check_data import check_manifest
+from megatron_orch.mllm.check_data import check_energon, check_manifest
 from megatron_orch.mllm.config import load_model_config
 from megatron_orch.mllm.data import DataConfig, build_train_iterator, checked_dataset, example_reader
 from megatron_orch.mllm.manifest import ManifestDataset, ManifestError, MediaBytes
@@ -83,7 +82,7 @@ def test_check_data_finds_the_same_bad_examples_in_both(decode):
     config = data_config(EXAMPLE, refuse_long_answers=False)
     manifest = ManifestDataset(EXAMPLE / "manifest.jsonl", config.layout, example_reader(config).tiling)
     jsonl = check_manifest(manifest, decode=decode, workers=2)
-    from_energon = energon.check_dataset(checked_dataset(data_config(EXAMPLE / "energon")), decode=decode)
+    from_energon = check_energon(checked_dataset(data_config(EXAMPLE / "energon")), decode=decode)
     assert from_energon.checked == jsonl.checked == 21
     a = _reasons(jsonl.bad, r"\S+manifest.jsonl:(\d+): ")
     b = _reasons(from_energon.bad, r"\S+/energon/shard_00\d.tar:(\d+): ")
@@ -264,7 +263,7 @@ def test_a_sample_without_its_json_part_is_a_bad_sample_named(tmp_path):
                                           shuffle_seed=None, workers=1)
     for name in ("dataset.yaml", "sample_loader.py"):
         shutil.copy(EXAMPLE / "energon" / ".nv-meta" / name, folder / ".nv-meta" / name)
-    report = energon.check_dataset(checked_dataset(data_config(folder)))
+    report = check_energon(checked_dataset(data_config(folder)))
     assert report.bad[0] == f"{folder}/shard_000.tar:000001: the sample has no .json part (its manifest entry)"
 
 

@@ -95,6 +95,23 @@ def check_manifest(dataset, decode: bool = False, workers: int = 8,
     return report
 
 
+def check_energon(dataset, decode: bool = False, workers: int = 0,
+                  progress: Optional[Callable[[int, int, int], None]] = None) -> CheckReport:
+    """Check every sample of an :class:`~megatron_orch.mllm.energon.EnergonDataset` (its train split) as
+    training does, on ``workers`` Energon loader processes (0: this one); the report lists bad samples and
+    truncated answers in the dataset's order."""
+    report, outcomes, total = CheckReport(), [], len(dataset)
+    for checked in dataset.checked_samples(decode, workers):
+        outcomes.append(checked)
+        report.checked += 1
+        if progress is not None:
+            progress(report.checked, total, sum(o.bad is not None for o in outcomes))
+    outcomes.sort(key=lambda o: o.index)
+    report.bad = [o.bad for o in outcomes if o.bad is not None]
+    report.truncated = [o.note for o in outcomes if o.note is not None]
+    return report
+
+
 class _Progress:
     """``checked 1200/5000 examples (24%), 2 bad`` on stderr: rewritten in place on a terminal (10 per
     second at most), else one line per tenth."""
@@ -165,8 +182,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         return 2
     start = time.perf_counter()
     if energon:
-        from megatron_orch.mllm.energon import check_dataset
-        report = check_dataset(dataset, decode=args.decode, workers=args.workers if args.workers > 1 else 0,
+        report = check_energon(dataset, decode=args.decode, workers=args.workers if args.workers > 1 else 0,
                                progress=_Progress())
     else:
         report = check_manifest(dataset, decode=args.decode, workers=args.workers, progress=_Progress())

@@ -280,22 +280,6 @@ class EnergonDataset:
         return iter(get_loader(dataset))
 
 
-def check_dataset(dataset: EnergonDataset, decode: bool = False, workers: int = 0, progress=None):
-    """``check_data`` over an Energon dataset: a :class:`~megatron_orch.mllm.check_data.CheckReport` of every
-    sample, bad ones and truncated answers in the dataset's order."""
-    from megatron_orch.mllm.check_data import CheckReport
-    report, outcomes, total = CheckReport(), [], len(dataset)
-    for checked in dataset.checked_samples(decode, workers):
-        outcomes.append(checked)
-        report.checked += 1
-        if progress is not None:
-            progress(report.checked, total, sum(o.bad is not None for o in outcomes))
-    outcomes.sort(key=lambda o: o.index)
-    report.bad = [o.bad for o in outcomes if o.bad is not None]
-    report.truncated = [o.note for o in outcomes if o.note is not None]
-    return report
-
-
 class EnergonTrainIterator(DataEvents):
     """This DP rank's micro-batches from an Energon dataset (the module docstring), numbered in Megatron's
     sample order from ``consumed_samples`` on (of micro-batch step ``k``, rank ``r`` holds samples
