@@ -403,9 +403,9 @@ def _set_up_and_train(args, model_provider, forward_step, print_fn, lock) -> lis
         print_fn(_describe(args, model))
     data_iterator, error = None, None
     try:  # the manifest is read here: a bad one raises on every rank, with its line and path
+        restored = {} if state.loader_state is None else {"loader_state": state.loader_state}  # an Energon loader's
         data_iterator = providers.build_train_data_iterator(
-            args, state.consumed_samples, parallel_state.get_data_parallel_rank(), args.data_parallel_size,
-            loader_state=state.loader_state)
+            args, state.consumed_samples, parallel_state.get_data_parallel_rank(), args.data_parallel_size, **restored)
     except Exception as err:  # noqa: BLE001
         error = err
     raise_if_any_rank_failed(error, what="building the training data iterator")
