@@ -239,10 +239,10 @@ def test_vqa_captioning_and_interleaved_samples_become_the_manifest_entries_they
 
 
 def test_an_unsupported_sample_type_is_refused_when_the_dataset_opens(tmp_path):
-    folder = _prepare(tmp_path / "text", {"t1": {"txt": b"hello"}},
-                      "sample_type:\n  __module__: megatron.energon\n  __class__: TextSample\nfield_map:\n  text: txt\n")
-    with pytest.raises(ManifestError, match=r"sample type TextSample \(its .nv-meta/dataset.yaml\) is not supported; "
-                                            r"use one of MultimodalSample, VQASample, CaptioningSample, InterleavedSample"):
+    folder = _prepare(tmp_path / "text", {"t1": {"txt": b"hello"}}, "sample_type:\n  __module__: megatron.energon\n"
+                      "  __class__: TextSample\nfield_map:\n  text: txt\n")
+    with pytest.raises(ManifestError, match=r"sample type TextSample \(its .nv-meta/dataset.yaml\) is not supported; use "
+                                            r"one of MultimodalSample, VQASample, CaptioningSample, InterleavedSample"):
         checked_dataset(data_config(folder))
 
 
@@ -259,8 +259,8 @@ def test_a_sample_without_its_json_part_is_a_bad_sample_named(tmp_path):
             target.addfile(member, io.BytesIO(data))
     shutil.rmtree(folder / ".nv-meta")
     from megatron.energon.flavors.webdataset.base_webdataset import BaseWebdatasetFactory
-    BaseWebdatasetFactory.prepare_dataset(folder, ["shard_000.tar", "shard_001.tar"], split_parts_ratio=[("train", 1.0)],
-                                          shuffle_seed=None, workers=1)
+    BaseWebdatasetFactory.prepare_dataset(folder, ["shard_000.tar", "shard_001.tar"],
+                                          split_parts_ratio=[("train", 1.0)], shuffle_seed=None, workers=1)
     for name in ("dataset.yaml", "sample_loader.py"):
         shutil.copy(EXAMPLE / "energon" / ".nv-meta" / name, folder / ".nv-meta" / name)
     report = check_energon(checked_dataset(data_config(folder)))
