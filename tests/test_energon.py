@@ -241,8 +241,9 @@ def test_vqa_captioning_and_interleaved_samples_become_the_manifest_entries_they
 def test_an_unsupported_sample_type_is_refused_when_the_dataset_opens(tmp_path):
     folder = _prepare(tmp_path / "text", {"t1": {"txt": b"hello"}}, "sample_type:\n  __module__: megatron.energon\n"
                       "  __class__: TextSample\nfield_map:\n  text: txt\n")
-    with pytest.raises(ManifestError, match=r"sample type TextSample \(its .nv-meta/dataset.yaml\) is not supported; use "
-                                            r"one of MultimodalSample, VQASample, CaptioningSample, InterleavedSample"):
+    with pytest.raises(ManifestError, match=r"sample type TextSample \(its .nv-meta/dataset.yaml\) is not "
+                                            r"supported; use one of MultimodalSample, VQASample, CaptioningSample, "
+                                            r"InterleavedSample"):
         checked_dataset(data_config(folder))
 
 
