@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import argparse
 from datetime import timedelta
-from typing import Iterator
+from typing import Iterator, Optional
 
 import torch
 from megatron.core import parallel_state
@@ -20,7 +20,7 @@ from megatron_orch.megatron.batch import MicroBatch
 from megatron_orch.megatron.contract import forward_step  # noqa: F401 -- Megatron's forward_step_func
 from megatron_orch.megatron.post_balancing import ParallelGroups, PostBalancingDataIterator, StepShape
 from megatron_orch.megatron.schedule import ModalityAwareSchedule
-from megatron_orch.mllm.data import TrainIterator, build_train_iterator, data_config
+from megatron_orch.mllm.data import DataEvents, build_train_iterator, data_config
 from megatron_orch.mllm.model import MLLMModel, ModelParallelSettings
 from megatron_orch.orchestrator.config import OrchestratorConfig
 
@@ -71,16 +71,19 @@ def build_model(args: argparse.Namespace, pre_process: bool = True, post_process
 
 
 def build_train_data_iterator(args: argparse.Namespace, consumed_samples: int, data_parallel_rank: int,
-                              data_parallel_size: int) -> TrainIterator:
+                              data_parallel_size: int, loader_state: Optional[dict] = None) -> DataEvents:
     """This DP rank's training micro-batches from ``consumed_samples`` on (same on its TP/PP peers): a
-    :class:`~megatron_orch.mllm.data.TrainIterator`, whose events the trainer takes.
+    :class:`~megatron_orch.mllm.data.TrainIterator`, or over an Energon dataset an
+    :class:`~megatron_orch.mllm.energon.EnergonTrainIterator` restored to ``loader_state`` (what its
+    ``loader_state`` gave for the checkpoint); the trainer takes their events.
 
     On GPUs without post-balancing the batches come in pinned memory, so ``forward_step``'s copies to
     the GPU do not block the host (post-balancing stages what it sends itself).
     """
     pin_memory = not runs_on_cpu(args) and getattr(args, "orch_config", None) is None
     return build_train_iterator(data_config(args), consumed_samples, data_parallel_rank, data_parallel_size,
-                                pin_memory)
+                                pin_memory, data_parallel_group=parallel_state.get_data_parallel_group(),
+                                loader_state=loader_state)
 
 
 def compute_device(args: argparse.Namespace) -> torch.device:

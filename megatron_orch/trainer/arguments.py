@@ -91,8 +91,9 @@ def add_megatron_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParse
 
     g = parser.add_argument_group("data")
     g.add_argument("--data-path", type=str, default=None,
-                   help="JSONL manifest of the user's examples (one path); default: synthetic examples "
-                        "with modality lengths drawn from the real traces")
+                   help="JSONL manifest of the user's examples, or an Energon dataset (a folder with .nv-meta; "
+                        "the energon extra); default: synthetic examples with modality lengths drawn from the "
+                        "real traces")
 
     g = parser.add_argument_group("parallelism")
     g.add_argument("--tensor-model-parallel-size", type=int, default=1)
@@ -238,7 +239,7 @@ def check_data_or_exit(args: argparse.Namespace) -> None:
     from megatron_orch.mllm.data import checked_dataset, data_config
     try:
         checked_dataset(data_config(args))
-    except (OSError, ValueError) as err:
+    except (OSError, ValueError, ImportError) as err:  # ImportError: an Energon dataset without the extra
         exit_with_error(str(err))
 
 
@@ -317,8 +318,10 @@ def validate_args(args: argparse.Namespace, world_size: int) -> argparse.Namespa
             raise ArgumentError(f"--{name.replace('_', '-')} needs --{needs} (the checkpoint directory)")
     for name in ("hidden_dropout", "attention_dropout"):
         _in_range(args, name, 0.0, 1.0, high_open=True)
-    if args.data_path is not None and not Path(args.data_path).is_file():
-        raise ArgumentError(f"--data-path {args.data_path}: no such file (a JSONL manifest)")
+    data_path = None if args.data_path is None else Path(args.data_path)
+    if data_path is not None and not (data_path.is_file() or (data_path / ".nv-meta").is_dir()):
+        raise ArgumentError(f"--data-path {args.data_path}: no such file (a JSONL manifest) or Energon dataset "
+                            "(a folder with .nv-meta)")
     args.calculate_per_token_loss = True
     args.mllm_config = resolve_model_config(args)
     try:

@@ -39,8 +39,9 @@ With the distributed optimizer each rank's file also holds its own shard of the 
 (main parameters and moments, megatron-core's "dp_reshardable" per-bucket layout): no gather.
 
 A checkpoint resumes only under the same TP/PP/DP sizes. Resuming restores the RNG streams, the
-consumed-sample count (from which the data iterator restarts exactly) and the counts of skipped bad
-examples and truncated answers, so the losses after resuming are the ones an uninterrupted run produces.
+consumed-sample count (from which the data iterator restarts exactly; an Energon loader from its own
+state, saved in each rank's file as plain types) and the counts of skipped bad examples and truncated
+answers, so the losses after resuming are the ones an uninterrupted run produces.
 """
 from __future__ import annotations
 
@@ -66,7 +67,7 @@ from megatron.core import parallel_state, tensor_parallel
 
 from megatron_orch.comm.gather import all_gather_to_host
 from megatron_orch.comm.status import describe, raise_if_any_rank_failed
-from megatron_orch.mllm.manifest import manifest_identity
+from megatron_orch.mllm.data import data_identity
 
 TRACKER_FILENAME = "latest_checkpointed_iteration.txt"
 CHECKSUMS_FILENAME = "checksums.json"
@@ -97,13 +98,14 @@ class TrainState:
     run_id: str = ""              # one per run, kept across resumes; in every checkpoint file
     bad_examples: int = 0         # skipped so far (--max-bad-examples)
     truncated_answers: int = 0    # answers cut to --seq-length so far
+    loader_state: Optional[dict] = None  # the data loader's own state (plain types), where it has one
     notes: List[str] = field(default_factory=list)  # what loading decided that the user should read
 
 
 def run_config(args) -> dict:
     """What a resumed run is checked against: the fixed and schedule flags, the model, the --orch-* flags."""
     config = {name: getattr(args, name, None) for name in FIXED_FLAGS + SCHEDULE_FLAGS}
-    config["data_identity"] = manifest_identity(args.data_path) if args.data_path else None
+    config["data_identity"] = data_identity(args.data_path) if args.data_path else None
     config["model_config"] = _flatten(dataclasses.asdict(args.mllm_config))
     config["orch"] = {name: value for name, value in sorted(vars(args).items())
                       if name.startswith("orch_") and name != "orch_config"}
@@ -352,6 +354,7 @@ def save_checkpoint(root: str, state: TrainState, model: list, optimizer, schedu
             "consumed_samples": state.consumed_samples,
             "bad_examples": state.bad_examples,
             "truncated_answers": state.truncated_answers,
+            "loader_state": state.loader_state,
             "parallel_sizes": _parallel_sizes(),
             "model": [chunk.state_dict() for chunk in model],
             "optimizer": optimizer.state_dict(),
@@ -548,7 +551,8 @@ def load_checkpoint(root: str, model: list, optimizer, scheduler, use_distribute
     raise_if_any_rank_failed(error, what=f"loading the checkpoint under {root}")
     return TrainState(iteration=payload["iteration"], consumed_samples=payload["consumed_samples"],
                       run_id=checksums["run_id"], bad_examples=payload["bad_examples"],
-                      truncated_answers=payload["truncated_answers"], notes=notes)
+                      truncated_answers=payload["truncated_answers"], loader_state=payload.get("loader_state"),
+                      notes=notes)
 
 
 class SaveFolderLock:

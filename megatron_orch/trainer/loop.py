@@ -325,10 +325,10 @@ def _train(args, model, optimizer, scheduler, data_iterator, state, timers, forw
                     print_fn(memory_report(f"(after {state.iteration} iterations)"))
                 report_memory = state.iteration <= first_iteration + 1
         if args.save and args.save_interval and state.iteration % args.save_interval == 0:
-            _save(args, state, model, optimizer, scheduler, print_fn, config, lock)
+            _save(args, state, model, optimizer, scheduler, print_fn, config, lock, data_source)
     saved_last = args.save_interval and state.iteration % args.save_interval == 0
     if args.save and state.iteration > first_iteration and not saved_last:
-        _save(args, state, model, optimizer, scheduler, print_fn, config, lock)
+        _save(args, state, model, optimizer, scheduler, print_fn, config, lock, data_source)
     if exit_interval_reached and _logging_rank():
         print_fn(f"[exiting program at iteration {state.iteration} (--exit-interval {args.exit_interval})] "
                  f"datetime: {_now()} ")
@@ -342,8 +342,11 @@ def _now() -> str:
 
 
 def _save(args, state: TrainState, model: list, optimizer, scheduler, print_fn: Callable[[str], None], config,
-          lock) -> None:
-    """save_checkpoint with Megatron-LM's lines before and after (from the rank that logs the iterations)."""
+          lock, data_source) -> None:
+    """save_checkpoint with Megatron-LM's lines before and after (from the rank that logs the iterations),
+    and the loader's state after the samples trained so far where it has one (an Energon loader)."""
+    if hasattr(data_source, "loader_state"):
+        state.loader_state = data_source.loader_state(state.consumed_samples)
     if _logging_rank():
         print_fn(f"[{_now()}] saving checkpoint at iteration {state.iteration:7d} to {args.save}")
     save_checkpoint(args.save, state, model, optimizer, scheduler, args.use_distributed_optimizer, config, lock,
@@ -400,8 +403,9 @@ def _set_up_and_train(args, model_provider, forward_step, print_fn, lock) -> lis
         print_fn(_describe(args, model))
     data_iterator, error = None, None
     try:  # the manifest is read here: a bad one raises on every rank, with its line and path
+        restored = {} if state.loader_state is None else {"loader_state": state.loader_state}  # an Energon loader's
         data_iterator = providers.build_train_data_iterator(
-            args, state.consumed_samples, parallel_state.get_data_parallel_rank(), args.data_parallel_size)
+            args, state.consumed_samples, parallel_state.get_data_parallel_rank(), args.data_parallel_size, **restored)
     except Exception as err:  # noqa: BLE001
         error = err
     raise_if_any_rank_failed(error, what="building the training data iterator")
