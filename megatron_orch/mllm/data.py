@@ -10,7 +10,7 @@ from __future__ import annotations
 import argparse
 import threading
 from dataclasses import dataclass, field
-from typing import Iterator, List, Optional
+from typing import Dict, Iterator, List, Optional
 
 import numpy as np
 
@@ -210,6 +210,13 @@ class TrainIterator:
             taken = [e for e in self.events if e.position < before]
             self.events = [e for e in self.events if e.position >= before]
         return taken
+
+    def describe_samples(self, positions: range, replaced: Dict[int, str], shown: int = 8) -> str:
+        """Where the samples at ``positions`` come from (``dataset.where``: a manifest's lines), the first
+        ``shown`` of them; ``replaced``: the replacement's ``where`` of a position whose example was skipped."""
+        wheres = [replaced.get(p) or self.dataset.where(self.order[p]) for p in positions[:shown]]
+        more = f" (and {len(positions) - shown} more)" if len(positions) > shown else ""
+        return ", ".join(wheres) + more
 
     def _read(self, position: int) -> Example:
         index = self.order[position]
