@@ -354,6 +354,9 @@ def test_the_main_job_says_what_its_columns_are_and_ends_with_passed_or_failed(m
 
 def test_a_failed_run_of_the_main_job_ends_with_the_failing_ranks_line(monkeypatch, capsys, tmp_path):
     compare = _compare_module()
+    import megatron_orch.trainer.training_log  # noqa: F401 -- what run() imports (megatron.core, which runs git
+    # at import), before subprocess.run is replaced below; its warnings are not the run's output
+    capsys.readouterr()
 
     def launched(command, env, stdout, stderr):
         stdout.write(" iteration        1/      20 | ...\n[rank1]: noise\npretrain_mllm.py: error on rank 1: "
