@@ -147,6 +147,22 @@ def test_the_loader_state_is_kept_from_the_samples_trained_on():
         iterator.loader_state(2)
 
 
+def test_the_samples_of_the_last_trained_batch_are_named_by_this_rank():
+    """What a non-finite step's message names (the trainer's describe_samples): this rank's samples of the
+    batch just trained, also after their events were taken, and the other ranks' positions not at all."""
+    config = data_config(EXAMPLE / "energon", micro_batch_size=1, num_samples=40, max_bad_examples=100)
+    iterator = build_train_iterator(config, 0, 1, 2)
+    batches = [next(iterator) for _ in range(4)]  # positions 1, 3, 5, 7 are this rank's
+    iterator.take_events(before=4)  # the first global batch of 4 samples trained
+    named = iterator.describe_samples(range(0, 4), {})
+    keys = [int(name.rsplit(":", 1)[1]) for name in named.split(" (DP rank")[0].split(", ")]
+    assert len(keys) == 2 and named.endswith("(DP rank 1's; each rank names its own)")
+    assert iterator.describe_samples(range(0, 4), {3: "replacement"}).startswith(named.split(", ")[0] + ", replacement")
+    iterator.take_events(before=8)  # the next batch trained: the first one's samples are no longer held
+    assert iterator.describe_samples(range(0, 4), {}).startswith(" (DP rank 1's")
+    assert len(batches) == 4
+
+
 def test_resuming_without_the_loader_state_or_with_another_ranks_is_refused():
     config = data_config(EXAMPLE / "energon", micro_batch_size=1, max_bad_examples=100)
     with pytest.raises(ValueError, match=r"resuming an Energon dataset at 4 consumed samples needs the loader state"):

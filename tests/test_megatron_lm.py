@@ -3,7 +3,10 @@ schedule hook, and ``pretrain_mllm.py``'s ``megatron.training`` path with post-b
 
 The release under test is the installed megatron-core's (:func:`megatron_lm_doubles.megatron_lm_files_or_skip`):
 0.19.2's wheel ships its ``megatron/training`` (the ``pretrain(cfg_container, ...)`` API), and for 0.16.1 the
-tag's files come from ``../shared/megatron-lm`` (the ``extra_args_provider`` API); CI runs both set-ups.
+tag's files come from ``../shared/megatron-lm`` (the ``extra_args_provider`` API); CI runs both set-ups. With a
+Megatron-LM main checkout first on ``PYTHONPATH`` (its ``megatron/``: core and training) the tests run on main:
+the patch tests skip, saying why (main has no patch by design), and the training runs go through the run-time
+hook.
 The training runs go through Megatron-LM's own ``megatron.training.pretrain`` (from a patched copy of those
 files, or the unpatched ones with the run-time hook, on CPU over gloo with the test doubles of
 ``megatron_lm_doubles``): DP 2, PP 2 x DP 2 and TP 2 x DP 2, post-balancing off (upstream) then on in the same
@@ -72,14 +75,31 @@ def files():
 
 
 @pytest.fixture(scope="module")
-def patched_tree(files, tmp_path_factory):
-    return doubles.patched_copy(files, tmp_path_factory.mktemp("megatron_lm") / files.release)
+def released(files):
+    """The files of a release that ``patches/`` holds a patch for; main or a fork: the test skips, saying why."""
+    if files.release is None:
+        pytest.skip(files.no_patch_reason())
+    return files
 
 
 @pytest.fixture(scope="module")
 def unpatched_tree(files, tmp_path_factory):
-    """The release's files without the patch: the wheel's own (None: nothing to put on sys.path), or a copy."""
-    return None if files.from_wheel else doubles.unpatched_copy(files, tmp_path_factory.mktemp("megatron_lm") / "stock")
+    """The files without the patch: the wheel's or the checkout's own (None: nothing to put on sys.path), or a
+    copy."""
+    return None if files.on_path else doubles.unpatched_copy(files, tmp_path_factory.mktemp("megatron_lm") / "stock")
+
+
+RUNTIME_HOOK = "schedule hook: installed at run time (no patched train()"
+
+
+@pytest.fixture(scope="module")
+def hooked_tree(files, tmp_path_factory):
+    """(tree, the hook the run announces) of the training runs: a patched copy of the release's files, or
+    for a checkout of main or a fork (no patch) the checkout itself with the run-time hook."""
+    if files.release is None:
+        return None, RUNTIME_HOOK
+    tree = doubles.patched_copy(files, tmp_path_factory.mktemp("megatron_lm") / files.release)
+    return str(tree), f"schedule hook: the patch of patches/{files.release}"
 
 
 @pytest.mark.parametrize("release", RELEASES)
@@ -97,12 +117,13 @@ def test_every_patch_is_one_full_index_diff_of_training_py_with_its_release_name
     assert list(others.values()).count(pre) == 1, "two folders for one training.py"
 
 
-def test_patch_made_against_the_installed_release(files):
-    (path, pre, _), = _patch_index(files.patch)
-    assert pre == doubles.hash_object(files.root / path)
+def test_patch_made_against_the_installed_release(released):
+    (path, pre, _), = _patch_index(released.patch)
+    assert pre == doubles.hash_object(released.root / path)
 
 
-def test_patch_applies_and_compiles(files, tmp_path):
+def test_patch_applies_and_compiles(released, tmp_path):
+    files = released
     copy = doubles.unpatched_copy(files, tmp_path / "tree")
     # git apply from inside the copy, outside any work tree (see apply_patches.sh)
     check = subprocess.run(["git", "apply", "--check", str(files.patch)], cwd=copy, capture_output=True, text=True,
@@ -128,7 +149,8 @@ def test_patch_applies_and_compiles(files, tmp_path):
     assert len(applied) == 2 and "wrapper" not in "".join(applied[1]), "evaluate() keeps the stock schedule"
 
 
-def test_apply_patches_is_idempotent_also_inside_another_work_tree(files, tmp_path):
+def test_apply_patches_is_idempotent_also_inside_another_work_tree(released, tmp_path):
+    files = released
     # A copy inside this repository's work tree (ignored runs/): git apply must still patch it.
     inside = REPO / "runs" / f"test_megatron_lm_{os.getpid()}"
     try:
@@ -144,9 +166,10 @@ def test_apply_patches_is_idempotent_also_inside_another_work_tree(files, tmp_pa
         shutil.rmtree(inside, ignore_errors=True)
 
 
-def test_apply_patches_takes_a_fork_with_other_commits(files, tmp_path):
+def test_apply_patches_takes_a_fork_with_other_commits(released, tmp_path):
     """A git checkout whose HEAD is not the tag (a fork: the release's files, then an unrelated commit)
     gets its release's patch, with a note that HEAD is not the tag's commit."""
+    files = released
     fork = doubles.unpatched_copy(files, tmp_path / "fork")
     _git(fork, "init", "-q")
     _git(fork, "add", "-A")
@@ -275,6 +298,12 @@ def test_runtime_schedule_hook_wraps_train_only_and_restores():
     assert in_train == ("wrapped", stock_schedule) and in_evaluate is stock_schedule and wrapped == [stock_schedule]
     assert training.get_forward_backward_func is original
     assert training.train() == (stock_schedule, stock_schedule)
+    # a training run that fails inside the block leaves the module as it was too
+    with pytest.raises(RuntimeError, match="a failing run"):
+        with megatron_lm.runtime_schedule_hook(training, wrapper):
+            assert training.train()[0] == ("wrapped", stock_schedule)
+            raise RuntimeError("a failing run")
+    assert training.get_forward_backward_func is original
 
 
 def _pretrain_runs(rank, world_size, tree, layouts, out_dir):
@@ -378,10 +407,12 @@ def _check_runs(out_dir: Path, world_size: int, parallel, runs, hook: str) -> No
         assert hook in announced, announced
 
 
-def test_megatron_training_dp2(files, patched_tree, tmp_path):
+@pytest.mark.distributed
+def test_megatron_training_dp2(hooked_tree, tmp_path):
+    tree, hook = hooked_tree
     layout = ((1, 1), [*RUNS, COMPACT])
-    run_distributed(_pretrain_runs, 2, str(patched_tree), [layout], str(tmp_path), timeout_s=400)
-    _check_runs(tmp_path, 2, *layout, hook=f"schedule hook: the patch of patches/{files.release}")
+    run_distributed(_pretrain_runs, 2, tree, [layout], str(tmp_path), timeout_s=400)
+    _check_runs(tmp_path, 2, *layout, hook=hook)
     overlapped = [json.loads((tmp_path / f"rank{r}.json").read_text())[str(layout[0])]
                   ["post-balancing, overlapped grad reduce"] for r in range(2)]
     # a rank without items of an encoder phase in some step gave that encoder zero gradients, which
@@ -389,21 +420,24 @@ def test_megatron_training_dp2(files, patched_tree, tmp_path):
     assert sum(r["zero_gradients"] for r in overlapped) > 0
 
 
+@pytest.mark.distributed
 def test_megatron_training_dp2_with_the_runtime_hook(unpatched_tree, tmp_path):
     """No patch (the wheel's own megatron.training, or an unpatched copy): the schedule hook is installed
     at run time, and post-balancing again reproduces the upstream losses."""
     layout = ((1, 1), ["upstream", "post-balancing"])
     run_distributed(_pretrain_runs, 2, None if unpatched_tree is None else str(unpatched_tree), [layout],
                     str(tmp_path), timeout_s=300)
-    _check_runs(tmp_path, 2, *layout, hook="schedule hook: installed at run time (no patched train()")
+    _check_runs(tmp_path, 2, *layout, hook=RUNTIME_HOOK)
 
 
-def test_megatron_training_pp2_dp2_and_tp2_dp2(files, patched_tree, tmp_path):
+@pytest.mark.distributed
+def test_megatron_training_pp2_dp2_and_tp2_dp2(hooked_tree, tmp_path):
     """Four ranks, two layouts one after the other in the same processes (saves starting them twice)."""
+    tree, hook = hooked_tree
     layouts = [((1, 2), ["upstream", "post-balancing"]), ((2, 1), ["upstream", "post-balancing"])]
-    run_distributed(_pretrain_runs, 4, str(patched_tree), layouts, str(tmp_path), timeout_s=500)
+    run_distributed(_pretrain_runs, 4, tree, layouts, str(tmp_path), timeout_s=500)
     for layout in layouts:
-        _check_runs(tmp_path, 4, *layout, hook=f"schedule hook: the patch of patches/{files.release}")
+        _check_runs(tmp_path, 4, *layout, hook=hook)
 
 
 def test_trainer_is_chosen_by_flag_not_by_machine():

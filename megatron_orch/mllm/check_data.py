@@ -6,10 +6,12 @@ it when it reads it.
         [--refuse-long-answers] [--decode] [--workers N]
 
 Each example's files are checked from their headers (a missing or unreadable file, an image above
-``--max-image-pixels``, too many tiles, a log-mel array with the wrong mel bins or too long, prompt and
-media that do not fit ``--seq-length``, declared ``sizes`` that differ from the files), on a pool of
-threads, with a progress line on stderr. ``--decode`` loads every example as training does (image
-pixels decoded, arrays read), which also finds truncated or corrupt image data behind a good header.
+``--max-image-pixels``, too many tiles, a log-mel array with the wrong mel bins or too long, an array
+of a complex or signed integer dtype, prompt and media that do not fit ``--seq-length``, declared
+``sizes`` that differ from the files), on a pool of threads, with a progress line on stderr.
+``--decode`` loads every example as training does (image pixels decoded, arrays read), which also finds
+truncated or corrupt image data behind a good header and NaN or infinite values in arrays (named with
+the first bad index).
 Every bad line is printed as ``manifest.jsonl:LINE: reason``, then a summary; the exit status is 1 if
 any line is bad, 0 otherwise (2: the command line or a line's JSON is wrong: the manifest is parsed
 first and stops at such a line). Answers longer than ``--seq-length`` allows are counted (training

@@ -14,7 +14,7 @@ import argparse
 import threading
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Iterator, List, Optional
+from typing import Dict, Iterator, List, Optional
 
 import numpy as np
 
@@ -259,6 +259,13 @@ class TrainIterator(DataEvents):
         return (f" > the dataset holds {len(self.dataset)} examples, the run trains on {self.config.num_samples} "
                 f"samples: {epochs} epochs, the first in the dataset's order, each later one in a new order "
                 f"seeded by --seed {self.config.seed} and the epoch")
+
+    def describe_samples(self, positions: range, replaced: Dict[int, str], shown: int = 8) -> str:
+        """Where the samples at ``positions`` come from (``dataset.where``: a manifest's lines), the first
+        ``shown`` of them; ``replaced``: the replacement's ``where`` of a position whose example was skipped."""
+        wheres = [replaced.get(p) or self.dataset.where(self.order[p]) for p in positions[:shown]]
+        more = f" (and {len(positions) - shown} more)" if len(positions) > shown else ""
+        return ", ".join(wheres) + more
 
     def _read(self, position: int) -> Example:
         index = self.order[position]

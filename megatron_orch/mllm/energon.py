@@ -314,6 +314,8 @@ class EnergonTrainIterator(DataEvents):
         self._states_lock = threading.Lock()
         self._states = collections.deque([(self._step, plain_state(self.loader.save_state_rank()))],
                                          maxlen=MAX_PENDING_STATES)
+        self._wheres: Dict[int, str] = {}  # position -> sample, of the batches read since the last trained one
+        self._trained = consumed_samples
         self._batches = iter(self.loader)
         self._pad_to = config.seq_length if config.pad_to_seq_length else None
         self._spec = config.layout.spec
@@ -336,7 +338,8 @@ class EnergonTrainIterator(DataEvents):
             raise StopIteration
         start = self._step * self._per_step + self.rank * self.config.micro_batch_size
         examples = []
-        for slot, encoded in enumerate(next(self._batches)):
+        batch_samples = next(self._batches)
+        for slot, encoded in enumerate(batch_samples):
             position = start + slot
             if encoded.problem is not None:
                 raise ManifestError(encoded.problem)
@@ -349,6 +352,7 @@ class EnergonTrainIterator(DataEvents):
         state = plain_state(self.loader.save_state_rank())
         with self._states_lock:
             self._states.append((self._step, state))
+            self._wheres.update((start + slot, encoded.where) for slot, encoded in enumerate(batch_samples))
         batch = collate(examples, self._spec, pad_to=self._pad_to)
         return batch.pin_memory() if self.pin_memory else batch
 
@@ -357,7 +361,19 @@ class EnergonTrainIterator(DataEvents):
         with self._states_lock:
             while len(self._states) > 1 and self._states[1][0] * self._per_step <= before:
                 self._states.popleft()
+            # the samples of the last trained batch stay nameable (describe_samples) until the next one
+            self._wheres = {p: w for p, w in self._wheres.items() if p >= self._trained}
+            self._trained = before
         return super().take_events(before)
+
+    def describe_samples(self, positions: range, replaced: Dict[int, str], shown: int = 8) -> str:
+        """Where this DP rank's samples among ``positions`` come from (``<dataset>/<shard>:<key>``), the first
+        ``shown`` of them; the other ranks' samples are known to them only (Energon's order is each rank's
+        loader state, not a function of the position)."""
+        with self._states_lock:
+            wheres = [replaced.get(p) or self._wheres[p] for p in positions if p in self._wheres]
+        more = f" (and {len(wheres) - shown} more)" if len(wheres) > shown else ""
+        return ", ".join(wheres[:shown]) + more + f" (DP rank {self.rank}'s; each rank names its own)"
 
     def loader_state(self, consumed_samples: int) -> dict:
         """The loader's state after ``consumed_samples`` (the samples trained so far), as plain types, for the

@@ -341,8 +341,10 @@ class ManifestDataset(ExampleReader):
     preprocessing. Each array is cut into fixed windows of the model's length, the last one zero-padded.
     Relative paths are relative to the manifest's folder. Text is tokenized with ``tokenizer.encode``
     (default :class:`ByteTokenizer`; a custom tokenizer must never produce the special ids
-    ``BYTE_VOCAB_SIZE..min_vocab_size-1`` of the layout). An answer too long for ``layout.seq_length`` is truncated
-    (the EOS kept; :meth:`read` says so), or refused with ``refuse_long_answers``; media and prompt that
+    ``BYTE_VOCAB_SIZE..min_vocab_size-1`` of the layout). A ``.npy`` array must be of a real floating or an
+    unsigned integer dtype (checked from its header: complex and signed integer arrays are refused) and
+    finite once converted to float32 (checked as it is loaded; the error names the first bad index). An
+    answer too long for ``layout.seq_length`` is truncated (the EOS kept; :meth:`read` says so), or refused with ``refuse_long_answers``; media and prompt that
     do not fit are an error. :meth:`check` makes every check loading an example makes, from the headers.
 
     :meth:`example_sizes` reads no pixels or mel frames: it takes the optional ``sizes`` field, else
@@ -415,9 +417,10 @@ def _decode_line(raw: bytes, where: str) -> str:
 def _image_size(path: MediaSource, where: str, limits: InputLimits) -> tuple[int, int]:
     """(width, height) from the file header only, within ``limits``."""
     if path.suffix == ".npy":
-        shape, _ = _npy_header(path, where)
+        shape, dtype = _npy_header(path, where)
         if len(shape) not in (2, 3) or min(shape[:2]) < 1:
             raise ManifestError(f"{where}: image {path} has shape {shape}, expected [H, W] or [H, W, C]")
+        _check_dtype(dtype, f"{where}: image {path}")
         width, height = shape[1], shape[0]
     else:
         with _open_image(path, where) as image:
@@ -433,6 +436,7 @@ def _load_tiles(path: MediaSource, where: str, tiling: ImageTiling, limits: Inpu
     _image_size(path, where, limits)
     if path.suffix == ".npy":
         pixels = _npy_memmap(path, where)
+        _check_finite(pixels, f"{where}: image {path}", "pixel values")
     else:
         with _open_image(path, where) as image:
             try:  # 16-bit grey stays 16-bit: convert() would clip it at 255
@@ -508,9 +512,10 @@ def _mel_shape(path: MediaSource, where: str, layout: ExampleLayout, limits: Inp
     if path.suffix != ".npy":
         raise ManifestError(f"{where}: audio {path} must be a .npy log-mel array [frames, mel_bins]; decode "
                             "audio and extract mel features in preprocessing")
-    mel, _ = _npy_header(path, where)
+    mel, dtype = _npy_header(path, where)
     if len(mel) != 2 or mel[0] < 1 or mel[1] != mel_bins:
         raise ManifestError(f"{where}: audio {path} has shape {mel}, expected [frames >= 1, {mel_bins}]")
+    _check_dtype(dtype, f"{where}: audio {path}")
     seconds = mel[0] / MEL_FRAMES_PER_SECOND
     if seconds > limits.max_audio_seconds:
         raise ManifestError(f"{where}: audio {path} holds {seconds} s of log-mel frames ({mel[0]} at "
@@ -521,7 +526,37 @@ def _mel_shape(path: MediaSource, where: str, layout: ExampleLayout, limits: Inp
 
 def _load_mel(path: MediaSource, where: str, layout: ExampleLayout, limits: InputLimits) -> np.ndarray:
     _mel_shape(path, where, layout, limits)
-    return _npy_memmap(path, where)
+    mel = _npy_memmap(path, where)
+    _check_finite(mel, f"{where}: audio {path}", "log-mel frames")
+    return mel
+
+
+def _check_dtype(dtype: np.dtype, what: str) -> None:
+    """Pixel and log-mel arrays hold real floating or unsigned integer values (from the ``.npy`` header)."""
+    if dtype.kind in "fu" and dtype.fields is None and dtype.shape == ():
+        return
+    why = {"c": " (complex: its imaginary part would be dropped)",
+           "i": " (signed integers are neither pixel values nor log-mel frames)"}.get(dtype.kind, "")
+    raise ManifestError(f"{what} has dtype {dtype}{why}; pixel and log-mel arrays must be of a real floating or an "
+                        "unsigned integer dtype")
+
+
+_FINITE_CHECK_ROWS = 256  # rows converted at a time: a large image is checked without a float copy of it
+
+
+def _check_finite(array: np.ndarray, what: str, values: str) -> None:
+    """Every value of a floating array is finite once converted to float32, as the model takes it (a
+    float64 beyond float32's range is not); else raise naming the first bad index. Integers always are."""
+    if array.dtype.kind != "f":
+        return
+    for start in range(0, array.shape[0], _FINITE_CHECK_ROWS):
+        block = np.asarray(array[start:start + _FINITE_CHECK_ROWS])
+        bad = np.argwhere(~np.isfinite(block.astype(np.float32)))
+        if bad.size:
+            index = [start + int(bad[0][0]), *map(int, bad[0][1:])]
+            value = float(block[tuple(bad[0])])
+            shown = f"{value:g} ({array.dtype}, beyond float32's range)" if math.isfinite(value) else str(value)
+            raise ManifestError(f"{what} holds {shown} at index {index}: {values} must be finite")
 
 
 def _windows(mel: np.ndarray, frames_per_window: int) -> np.ndarray:

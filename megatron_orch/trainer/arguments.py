@@ -115,6 +115,9 @@ def add_megatron_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParse
                    help="stop (saving a checkpoint if --save) once the iteration is a multiple of this")
     g.add_argument("--seed", type=int, default=1234)
     g.add_argument("--bf16", action="store_true")
+    g.add_argument("--no-check-for-nan-in-loss-and-grad", action="store_false", dest="check_for_nan_in_loss_and_grad",
+                   help="train on after a step whose loss or grad norm is NaN or infinite (counted in the iteration "
+                        "lines); by default, as Megatron-LM, such a step stops the run before it saves")
     g.add_argument("--calculate-per-token-loss", action="store_true",
                    help="always on here: the loss is the sum of token losses over the global number of "
                         "loss tokens, which makes moving examples between ranks loss-invariant")
@@ -157,6 +160,10 @@ def add_megatron_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParse
                    help="on --load, resume from this iteration instead of the latest complete one")
     g.add_argument("--keep-last-checkpoints", type=int, default=None,
                    help="after each save, delete all but the last K complete iterations under --save (default: keep all)")
+    g.add_argument("--allow-overwrite-checkpoints", action="store_true",
+                   help="let a run save into a --save folder that holds complete checkpoints of another run (or that "
+                        "no marker names): its saves replace the iterations of the same number and the marker. "
+                        "Without it such a run is refused before its first step")
     g.add_argument("--allow-changed-data", action="store_true",
                    help="on --load, train on although the --data-path manifest's content differs from the "
                         "checkpoint's (its sample positions then name other examples)")
@@ -313,8 +320,9 @@ def validate_args(args: argparse.Namespace, world_size: int) -> argparse.Namespa
     if args.override_opt_param_scheduler and args.use_checkpoint_opt_param_scheduler:
         raise ArgumentError("--override-opt_param-scheduler and --use-checkpoint-opt_param-scheduler exclude each "
                             "other (this run's LR schedule, or the checkpoint's)")
-    for name, needs in (("save_interval", "save"), ("keep_last_checkpoints", "save"), ("ckpt_step", "load")):
-        if getattr(args, name) is not None and getattr(args, needs) is None:
+    for name, needs in (("save_interval", "save"), ("keep_last_checkpoints", "save"), ("ckpt_step", "load"),
+                        ("allow_overwrite_checkpoints", "save")):
+        if getattr(args, name) not in (None, False) and getattr(args, needs) is None:
             raise ArgumentError(f"--{name.replace('_', '-')} needs --{needs} (the checkpoint directory)")
     for name in ("hidden_dropout", "attention_dropout"):
         _in_range(args, name, 0.0, 1.0, high_open=True)

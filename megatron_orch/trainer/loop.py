@@ -10,11 +10,12 @@ TensorBoard scalars and checkpoint save/resume.
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import random
 import time
 from datetime import datetime, timedelta
-from typing import Callable, Iterator, Optional
+from typing import Callable, Iterator, List, Optional
 
 import numpy as np
 import torch
@@ -34,9 +35,9 @@ from megatron_orch.comm.gather import all_gather_to_host
 from megatron_orch.mllm import providers
 from megatron_orch.mllm.providers import runs_on_cpu
 from megatron_orch.comm.status import raise_if_any_rank_failed
-from megatron_orch.mllm.data import TooManyBadExamplesError
-from megatron_orch.trainer.checkpointing import (TrainState, load_checkpoint, lock_save_folder, new_run_id, run_config,
-                                                 save_checkpoint)
+from megatron_orch.mllm.data import DataEvent, TooManyBadExamplesError
+from megatron_orch.trainer.checkpointing import (TrainState, check_save_folder, load_checkpoint, lock_save_folder,
+                                                 new_run_id, run_config, save_checkpoint)
 from megatron_orch.trainer.faults import StepReader, naming_lost_collectives
 from megatron_orch.trainer.timers import EventTimers
 from megatron_orch.trainer.training_log import (IntervalStats, IterationRecord, LoadMeter, TensorBoardLog,
@@ -259,14 +260,14 @@ def train(args: argparse.Namespace, model: list, optimizer, scheduler, data_iter
                       forward_backward_func, read_step, data_source, lock, config)
 
 
-def _report_data_events(args, data_source, state: TrainState, print_fn) -> tuple[int, int]:
-    """(bad examples skipped, answers truncated) by the samples trained so far, over every DP rank.
+def _report_data_events(args, data_source, state: TrainState, print_fn) -> List[DataEvent]:
+    """The events (bad examples skipped, answers truncated) of the samples trained so far, over every DP rank.
 
     Every rank of a DP group gets the same events (its TP/PP peers read the same samples), so every
     rank counts alike and raises alike once more than ``--max-bad-examples`` were skipped; the logging
     rank prints each skip and the run's first truncated answer."""
     if data_source is None:  # a loader without events (every rank builds the same kind)
-        return 0, 0
+        return []
     events = gather_data_events(data_source.take_events(state.consumed_samples),
                                 parallel_state.get_data_parallel_group())
     skipped = [e for e in events if e.skipped]
@@ -285,7 +286,30 @@ def _report_data_events(args, data_source, state: TrainState, print_fn) -> tuple
         raise TooManyBadExamplesError(
             f"{state.bad_examples} bad examples by iteration {state.iteration}, more than --max-bad-examples "
             f"{args.max_bad_examples}; the last: {last}")
-    return len(skipped), len(truncated)
+    return events
+
+
+class NonFiniteStepError(ValueError):
+    """A step whose loss or gradient norm is NaN or infinite (Megatron-LM's --check-for-nan-in-loss-and-grad)."""
+
+
+def _stop_if_not_finite(args, state: TrainState, result: dict, data_source, events: List[DataEvent]) -> None:
+    """Raise :class:`NonFiniteStepError` naming the iteration and its examples if its loss or grad norm is
+    not finite, before anything saves it. The grad norm is global (every rank raises alike); the loss is
+    known on the last pipeline stage (a non-finite loss with finite gradients stops that stage there,
+    and the other stages at their next collective with it)."""
+    bad = [f"the {what} is {float(value)}" for what, value in (("lm loss", result["lm_loss"]),
+                                                                ("grad norm", result["grad_norm"]))
+           if value is not None and not math.isfinite(float(value))]
+    if not bad:
+        return
+    examples = ""
+    if data_source is not None:
+        first = state.consumed_samples - args.global_batch_size
+        replaced = {event.position: event.replacement for event in events if event.skipped}
+        examples = f"; its examples: {data_source.describe_samples(range(first, state.consumed_samples), replaced)}"
+    raise NonFiniteStepError(f"iteration {state.iteration}: {' and '.join(bad)}{examples}; the run stops before "
+                             "saving it (--no-check-for-nan-in-loss-and-grad trains on)")
 
 
 def _train(args, model, optimizer, scheduler, data_iterator, state, timers, forward_step, print_fn,
@@ -309,8 +333,11 @@ def _train(args, model, optimizer, scheduler, data_iterator, state, timers, forw
         elapsed = time.perf_counter() - start
         state.iteration += 1
         state.consumed_samples += args.global_batch_size
+        events = _report_data_events(args, data_source, state, print_fn)
         stats.add(elapsed, meter.take(), result["skipped"], result["lm_loss"], meter.take_post_balancing(),
-                  *_report_data_events(args, data_source, state, print_fn))
+                  sum(e.skipped for e in events), sum(not e.skipped for e in events))
+        if args.check_for_nan_in_loss_and_grad:
+            _stop_if_not_finite(args, state, result, data_source, events)
         if state.iteration % args.log_interval == 0 or state.iteration == args.train_iters:
             stats.phase_s = _phase_seconds(timers, phase_timers(phases))  # the interval's: timers read here only
             record = _interval_record(args, state, stats, result, optimizer)
@@ -346,7 +373,7 @@ def _save(args, state: TrainState, model: list, optimizer, scheduler, print_fn: 
     """save_checkpoint with Megatron-LM's lines before and after (from the rank that logs the iterations),
     and the loader's state after the samples trained so far where it has one (an Energon loader)."""
     if hasattr(data_source, "loader_state"):
-        state.loader_state = data_source.loader_state(state.consumed_samples)
+        state.rank_state["loader"] = data_source.loader_state(state.consumed_samples)
     if _logging_rank():
         print_fn(f"[{_now()}] saving checkpoint at iteration {state.iteration:7d} to {args.save}")
     save_checkpoint(args.save, state, model, optimizer, scheduler, args.use_distributed_optimizer, config, lock,
@@ -399,11 +426,14 @@ def _set_up_and_train(args, model_provider, forward_step, print_fn, lock) -> lis
                              "to train further")
     if not state.run_id:
         state.run_id = new_run_id()
+    if args.save:  # saved work of another run is replaced only when the user says so
+        for note in check_save_folder(args.save, state.run_id, args.allow_overwrite_checkpoints):  # rank 0's
+            print_fn(note)
     if dist.get_rank() == 0:
         print_fn(_describe(args, model))
     data_iterator, error = None, None
     try:  # the manifest is read here: a bad one raises on every rank, with its line and path
-        restored = {} if state.loader_state is None else {"loader_state": state.loader_state}  # an Energon loader's
+        restored = {"loader_state": state.rank_state["loader"]} if "loader" in state.rank_state else {}  # Energon's
         data_iterator = providers.build_train_data_iterator(
             args, state.consumed_samples, parallel_state.get_data_parallel_rank(), args.data_parallel_size, **restored)
     except Exception as err:  # noqa: BLE001
