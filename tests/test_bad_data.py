@@ -160,7 +160,7 @@ def test_training_refuses_the_same_arrays_naming_the_line(tmp_path):
 
     path = _bad_arrays_manifest(tmp_path)
     config = DataConfig(load_model_config("tiny"), seq_length=128, micro_batch_size=1, num_samples=1 + len(BAD_ARRAYS),
-                        manifest=str(path))
+                        data_path=str(path))
     for line, (_, _, message) in enumerate(BAD_ARRAYS.values(), start=2):
         loader = build_train_iterator(config, consumed_samples=line - 1, data_parallel_rank=0, data_parallel_size=1)
         with pytest.raises(ManifestError, match=rf"\S+m.jsonl:{line}: {message}"):
