@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
-from typing import Dict, Mapping, Tuple
+from typing import Callable, Dict, Mapping, Tuple
 
 import numpy as np
 
@@ -156,6 +156,23 @@ class PhaseItems:
 
     def __len__(self) -> int:
         return int(self.example.size)
+
+
+def check_sequence_length(num_tokens: int, seq_length: int, where: str) -> None:
+    """Refuse an example of more than ``seq_length`` backbone tokens, as training does (``BatchSpec.check``,
+    on every example it reads); the benchmarks and the simulator refuse a drawn example the same way."""
+    if num_tokens > seq_length:
+        raise ValueError(f"{where}: {num_tokens} tokens exceed seq_length {seq_length}")
+
+
+def check_sequence_lengths(num_tokens, seq_length: int, where: Callable[[int], str]) -> None:
+    """:func:`check_sequence_length` of every example of a batch (``where(i)`` names example i): the first
+    one too long is refused."""
+    num_tokens = np.asarray(num_tokens)
+    over = np.flatnonzero(num_tokens > seq_length)
+    if over.size:
+        i = int(over[0])
+        check_sequence_length(int(num_tokens[i]), seq_length, where(i))
 
 
 def _modeled(phase, tokens: np.ndarray) -> Tuple[np.ndarray, np.ndarray]:

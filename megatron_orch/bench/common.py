@@ -21,18 +21,19 @@ from megatron_orch.mllm.config import DEFAULT_MODEL, MLLMConfig, load_model_conf
 from megatron_orch.orchestrator.config import OrchestratorConfig
 from megatron_orch.orchestrator.step_plan import EncoderPhasePlan, StepPlan, plan_step
 
-# The trainer's balancing methods as plan_step configurations (bench.emulate, megatron_orch.sim), beside
-# upstream (``none``, :func:`upstream_plan`): per-phase with packed backbone micro-batches (the auto
-# partitioner in every phase); the defaults (equal-count backbone); locality-aware in every phase, with
-# packed and with equal-count backbone micro-batches.
 # The named mixtures of the benchmarks' --mixture: the shipped one, and the heavy-tailed ones.
 MIXTURES = {"shipped": DEFAULT_MIXTURE, **HEAVY_TAILED_MIXTURES}
 
+# The trainer's balancing methods as plan_step configurations (bench.balance, bench.emulate, megatron_orch.sim),
+# beside upstream (``none``, :func:`upstream_plan`): the defaults (packed backbone micro-batches, the auto
+# partitioner in every phase); equal-count backbone micro-batches; locality-aware in every phase, with packed and
+# with equal-count backbone micro-batches.
+DEFAULT_METHOD = "orch"
 PLAN_METHODS = {
-    "orch": OrchestratorConfig(microbatching="packed", background=False),
-    "equal_count": OrchestratorConfig(background=False),
-    "locality": OrchestratorConfig(microbatching="packed", locality=True, background=False),
-    "equal_locality": OrchestratorConfig(locality=True, background=False),
+    "orch": OrchestratorConfig(background=False),
+    "equal_count": OrchestratorConfig(microbatching="equal_count", background=False),
+    "locality": OrchestratorConfig(locality=True, background=False),
+    "equal_locality": OrchestratorConfig(microbatching="equal_count", locality=True, background=False),
 }
 
 

@@ -237,7 +237,7 @@ def plan_step(sizes: StepSizes, phases: ModelPhases, config: OrchestratorConfig,
 
     backbone = phases.backbone.name
     llm_costs, text_bytes = items[backbone].cost, items[backbone].nbytes
-    packed = config.microbatching == "packed"
+    packed = config.packed
     if not config.balances(backbone):
         rank_llm, method = home, "none"
     elif config.locality:
