@@ -223,12 +223,12 @@ def _phase_figures(phases: Dict[str, PhaseItems], plans, steps: Dict[str, StepPl
 
 
 def run(trace_specs: Sequence[tuple], dp: int, per_rank: int, gpus_per_node: int, model: str, seed: int,
-        repeats: int = 3, traces_dir: Optional[str] = None) -> dict:
+        repeats: int = 3, traces_dir: Optional[str] = None, seq_length: Optional[int] = None) -> dict:
     """Run the benchmark and return its JSON-ready result."""
     if dp < 1 or per_rank < 1 or gpus_per_node < 1 or repeats < 1:
         raise ValueError(f"--dp, --per-rank, --gpus-per-node and --repeats must be >= 1, got "
                          f"{dp}, {per_rank}, {gpus_per_node}, {repeats}")
-    config, mixture, sizes = draw_sizes(trace_specs, dp, per_rank, model, seed, traces_dir)
+    config, mixture, sizes = draw_sizes(trace_specs, dp, per_rank, model, seed, traces_dir, seq_length)
     model_phases = config.phases()
     backbone = model_phases.backbone.name
     phases = phase_items(sizes, model_phases)
@@ -329,8 +329,11 @@ def main(argv: Optional[List[str]] = None) -> dict:
     parser.add_argument("--repeats", type=int, default=3, help="timed runs per plan; the fastest counts")
     args = parser.parse_args(argv)
     specs = trace_specs(args)
-    result = run(specs, args.dp, args.per_rank, args.gpus_per_node, args.model, args.seed, args.repeats,
-                 args.traces_dir)
+    try:
+        result = run(specs, args.dp, args.per_rank, args.gpus_per_node, args.model, args.seed, args.repeats,
+                     args.traces_dir, args.seq_length)
+    except ValueError as err:  # e.g. an example longer than --seq-length: refused, as training refuses it
+        parser.error(str(err))
     return report(result, format_tables, args.json)
 
 

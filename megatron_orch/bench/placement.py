@@ -79,12 +79,12 @@ def _locality_bins(items: PhaseItems, dp: int, gpus_per_node: int, cap: float):
 
 
 def run(trace_specs: Sequence[tuple], dp: int, per_rank: int, gpus_per_node: int, model: str, seed: int,
-        minmax_time_limit_s: float = 1.0, traces_dir: Optional[str] = None) -> dict:
+        minmax_time_limit_s: float = 1.0, traces_dir: Optional[str] = None, seq_length: Optional[int] = None) -> dict:
     """Run the benchmark and return its JSON-ready result ``{phase: {method: {field: value}}, params}``."""
     if dp < 1 or per_rank < 1 or gpus_per_node < 1 or minmax_time_limit_s < 0:
         raise ValueError(f"--dp, --per-rank, --gpus-per-node must be >= 1 and --minmax-time-limit >= 0, "
                          f"got {dp}, {per_rank}, {gpus_per_node}, {minmax_time_limit_s}")
-    config, mixture, sizes = draw_sizes(trace_specs, dp, per_rank, model, seed, traces_dir)
+    config, mixture, sizes = draw_sizes(trace_specs, dp, per_rank, model, seed, traces_dir, seq_length)
     model_phases = config.phases()
     backbone = model_phases.backbone.name
     phases = phase_items(sizes, model_phases)
@@ -188,8 +188,11 @@ def main(argv: Optional[List[str]] = None) -> dict:
     parser.add_argument("--minmax-time-limit", type=float, default=1.0, help="seconds for min-max (default 1)")
     args = parser.parse_args(argv)
     specs = trace_specs(args)
-    result = run(specs, args.dp, args.per_rank, args.gpus_per_node, args.model, args.seed,
-                 args.minmax_time_limit, args.traces_dir)
+    try:
+        result = run(specs, args.dp, args.per_rank, args.gpus_per_node, args.model, args.seed,
+                     args.minmax_time_limit, args.traces_dir, args.seq_length)
+    except ValueError as err:  # e.g. an example longer than --seq-length: refused, as training refuses it
+        parser.error(str(err))
     return report(result, format_tables, args.json)
 
 

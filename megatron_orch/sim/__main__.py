@@ -222,7 +222,11 @@ def main(argv: Optional[List[str]] = None) -> dict:
     for dp in dps:
         runs = []
         for seed in seeds:
-            _, _, sizes = draw_sizes(trace_specs(args), dp, args.per_rank, args.model, seed, args.traces_dir)
+            try:
+                _, _, sizes = draw_sizes(trace_specs(args), dp, args.per_rank, args.model, seed, args.traces_dir,
+                                         args.seq_length)
+            except ValueError as err:  # an example longer than --seq-length: refused, as training refuses it
+                parser.error(str(err))
             runs.append(simulate_step(sizes, model, link, profile, args.tflops, sweep))
         result["dp"][str(dp)], result["per_seed"][str(dp)] = mean_over_runs(runs), runs
         print(f"[sim] DP {dp} done", file=sys.stderr, flush=True)
