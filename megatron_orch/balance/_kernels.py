@@ -18,6 +18,7 @@ _JIT = dict(cache=True, nogil=True)
 _INLINE = dict(_JIT, inline="always")
 _PAIR_ITEMS = 32  # two-for-two swaps are tried between bins of at most this many items (496 pairs each)
 _PAIR_PARTNERS = 2  # with the least-loaded this many partners (the largest gaps): each costs a sort of its pairs
+_WIDEN = 4  # a refinement step that finds nothing with its partners tries this many times as many
 
 
 # ---------------------------------------------------------------------------------------------
@@ -936,13 +937,14 @@ def refine(costs, memory, memory_cap, num_bins, bin_of_item, allow_moves, stop_a
     (keeps counts) and, if ``allow_moves``, one item moved from M to b; (``allow_moves``) one item
     of M for several of b or several of M for one of b (found greedily; what evening out items of a
     few fixed sizes takes); two items of M for two of b (bins of at most :data:`_PAIR_ITEMS` items,
-    the :data:`_PAIR_PARTNERS` least-loaded partners, :func:`_pair_swap`); last, one item of M for one of the batch's cheapest items, wherever it is
-    (:func:`_cheapest_swap`: the last ``cheapest_scan`` items of ``order``, items by decreasing
-    cost, outside M). Partners (:func:`_partners`) hold their bins' typical items, where a bin with
-    one long item needs the batch's shortest for its other slots. With ``node_size > 0`` (bin r on
+    the :data:`_PAIR_PARTNERS` least-loaded partners, :func:`_pair_swap`); last, one item of M for one
+    of the batch's cheapest items, wherever it is (:func:`_cheapest_swap`: the last ``cheapest_scan``
+    items of ``order``, items by decreasing cost, outside M). Partners (:func:`_partners`) hold their
+    bins' typical items, where a bin with one long item needs the batch's shortest for its other slots. With ``node_size > 0`` (bin r on
     node r // node_size) the rounds run with the bins of M's node first (every item of the node: no
-    round of cheapest items there), then anywhere with ``partners`` least-loaded bins. Stops at a
-    local optimum, once the maximum is at most ``stop_at``, or after ``max_steps``.
+    round of cheapest items there), then anywhere with ``partners`` least-loaded bins (a step that
+    finds nothing there tries :data:`_WIDEN` times as many). Stops at a local optimum, once the maximum
+    is at most ``stop_at``, or after ``max_steps``.
     """
     n = costs.size
     load = np.zeros(num_bins)
@@ -969,12 +971,13 @@ def refine(costs, memory, memory_cap, num_bins, bin_of_item, allow_moves, stop_a
     chosen = np.empty(n, dtype=np.int64)
     best_out = np.empty(n, dtype=np.int64)  # items of the best exchange going M -> b
     best_in = np.empty(n, dtype=np.int64)   # and b -> M
-    plist = np.empty(max(partners, node_size), dtype=np.int64)
+    plist = np.empty(max(_WIDEN * partners, node_size), dtype=np.int64)
     num_pairs = _PAIR_ITEMS * (_PAIR_ITEMS - 1) // 2
     top_pairs = (np.empty(num_pairs), np.empty(num_pairs, dtype=np.int64), np.empty(num_pairs, dtype=np.int64))
     partner_pairs = (np.empty(num_pairs), np.empty(num_pairs, dtype=np.int64), np.empty(num_pairs, dtype=np.int64))
 
     steps = 0
+    width = partners  # partners anywhere: widened once when they give nothing
     while steps < max_steps:
         top = rank[num_bins - 1]
         best = load[top]
@@ -988,7 +991,7 @@ def refine(costs, memory, memory_cap, num_bins, bin_of_item, allow_moves, stop_a
                 break
             if scope == 0 and node_size <= 0:
                 continue
-            num_p = _partners(load, rank, top, node_size if scope == 0 else 0, partners, plist)
+            num_p = _partners(load, rank, top, node_size if scope == 0 else 0, width, plist)
             for kind in range(4):  # 0: moves and swaps; 1: one for several; 2: two for two; 3: the cheapest items
                 if best_b >= 0:
                     break
@@ -1019,7 +1022,11 @@ def refine(costs, memory, memory_cap, num_bins, bin_of_item, allow_moves, stop_a
                     if o >= 0:
                         best_b, num_out, num_in = b, o, i
         if best_b < 0:
+            if width == partners and _WIDEN > 1:
+                width = _WIDEN * partners  # stuck among the least-loaded: the step again with more of them
+                continue
             break
+        width = partners
         top_load, partner_load = load[top], load[best_b]
         for k in range(num_out + num_in):
             item = best_out[k] if k < num_out else best_in[k - num_out]
@@ -1267,10 +1274,12 @@ def bs_ffd(costs, memory, memory_cap, order, num_bins, upper, rel_tol, max_round
 
 
 @numba.njit(**_JIT)
-def _partition_one(costs, num_bins, method, good_enough_rel, rel_tol, max_rounds, partners, cheapest_scan, bins):
+def _partition_one(costs, num_bins, method, good_enough_rel, settled_rel, rel_tol, max_rounds, max_sweeps, partners,
+                   cheapest_scan, bins):
     """partition(costs, num_bins, method=METHOD_CODES[method]) without memory or home, into ``bins``:
-    ``auto`` is lpt, kk and bs_ffd, each refined, the best kept (stopping within ``good_enough_rel`` of
-    the pigeonhole bound); the others construct only."""
+    ``auto`` is lpt, kk and bs_ffd, each refined (swap sweeps, then the local search, stopping within
+    ``good_enough_rel`` of the pigeonhole bound) until one is within ``settled_rel``, the best kept; the
+    others construct only."""
     n = costs.size
     order = np.argsort(-costs, kind="mergesort")
     memory = np.zeros(n)
@@ -1283,11 +1292,12 @@ def _partition_one(costs, num_bins, method, good_enough_rel, rel_tol, max_rounds
     if method == 3:
         bs_ffd(costs, memory, np.inf, order, num_bins, np.inf, rel_tol, max_rounds, bins)
         return
-    good_enough = (1.0 + good_enough_rel) * pigeonhole_bound(costs, order, num_bins)
+    bound = pigeonhole_bound(costs, order, num_bins)
+    good_enough, settled = (1.0 + good_enough_rel) * bound, (1.0 + settled_rel) * bound
     trial = np.zeros(n, dtype=np.int64)
     best_cost = np.inf
     for construction in range(3):
-        if best_cost <= good_enough:
+        if best_cost <= settled:
             break
         trial[:] = 0
         if construction == 0:
@@ -1297,6 +1307,7 @@ def _partition_one(costs, num_bins, method, good_enough_rel, rel_tol, max_rounds
         elif bs_ffd(costs, memory, np.inf, order, num_bins, best_cost, rel_tol, max_rounds, trial) != -1:
             continue
         if n > 0:
+            swap_sweeps(costs, order, num_bins, trial, good_enough, max_sweeps, num_bins)
             refine(costs, memory, np.inf, num_bins, trial, True, good_enough, partners, 0, n + num_bins, order,
                    cheapest_scan)
         cost = _max_load(costs, trial, num_bins)
@@ -1306,11 +1317,36 @@ def _partition_one(costs, num_bins, method, good_enough_rel, rel_tol, max_rounds
 
 
 @numba.njit(**_JIT)
-def partition_groups(costs, group, num_groups, num_bins, method, good_enough_rel, rel_tol, max_rounds, partners,
-                     cheapest_scan, bin_of_item):
+def _one_per_bin(costs, items, num_bins, bin_of_item):
+    """A group of at most ``num_bins`` items of positive cost: item t by decreasing cost (ties: smaller id)
+    in bin t, what ``auto`` gives it (LPT's assignment, at the bound: its largest item). Returns whether it
+    applied."""
+    m = items.size
+    if m > num_bins:
+        return False
+    for k in range(m):
+        if not costs[items[k]] > 0.0:
+            return False
+    order = items.copy()
+    for u in range(1, m):  # insertion sort by decreasing cost, stable (items come by increasing id)
+        item = order[u]
+        v = u
+        while v > 0 and costs[order[v - 1]] < costs[item]:
+            order[v] = order[v - 1]
+            v -= 1
+        order[v] = item
+    for t in range(m):
+        bin_of_item[order[t]] = t
+    return True
+
+
+@numba.njit(**_JIT)
+def partition_groups(costs, group, num_groups, num_bins, method, good_enough_rel, settled_rel, rel_tol, max_rounds,
+                     max_sweeps, partners, cheapest_scan, bin_of_item):
     """The items of each group (item i in group ``group[i]``; a group's items by increasing id, as
     partition() would see ``costs[group == g]``) partitioned into ``num_bins`` bins on their own
-    (:func:`_partition_one`)."""
+    (:func:`_partition_one`; under ``auto`` a group of at most ``num_bins`` items directly:
+    :func:`_one_per_bin`)."""
     start = np.zeros(num_groups + 1, dtype=np.int64)
     for i in range(group.size):
         start[group[i] + 1] += 1
@@ -1323,10 +1359,13 @@ def partition_groups(costs, group, num_groups, num_bins, method, good_enough_rel
         fill[group[i]] += 1
     for g in range(num_groups):
         items = members[start[g]:start[g + 1]]
+        if method == 0 and _one_per_bin(costs, items, num_bins, bin_of_item):
+            continue
         local = np.empty(items.size)
         for k in range(items.size):
             local[k] = costs[items[k]]
         bins = np.zeros(items.size, dtype=np.int64)
-        _partition_one(local, num_bins, method, good_enough_rel, rel_tol, max_rounds, partners, cheapest_scan, bins)
+        _partition_one(local, num_bins, method, good_enough_rel, settled_rel, rel_tol, max_rounds, max_sweeps,
+                       partners, cheapest_scan, bins)
         for k in range(items.size):
             bin_of_item[items[k]] = bins[k]

@@ -6,8 +6,8 @@ constructive methods are offered, plus a local-search refinement on top:
 * ``lpt``: greedy longest-processing-time (each item, largest first, to the least-loaded bin);
 * ``kk``: Karmarkar-Karp largest differencing, K-way;
 * ``bs_ffd``: binary search on the bin capacity, first-fit decreasing at each capacity;
-* ``auto``: each of the three refined by local search (exchanges out of the most-loaded bin), and
-  the best kept.
+* ``auto``: each of the three refined (swap sweeps between many bins at once, then local search:
+  exchanges out of the most-loaded bin), until one is within 0.2% of the lower bound; the best kept.
 
 Variants: :func:`partition_equal_count` (every bin gets exactly n/K items, for fixed micro-batch
 sizes), :func:`partition_locality` and :func:`partition_equal_count_locality` (bins are ranks; items
@@ -37,7 +37,8 @@ _REFINE_PARTNERS = 8         # least-loaded bins tried as move/swap partners of 
 _KK_TRUSTED = 0.01           # equal-count KK this close to the bound is refined before the slot greedy is built
 _CHEAPEST_SCAN = 1024        # then the batch's cheapest items (outside the most-loaded bin) tried as swaps
 _BS_FFD_REL_TOL = 1e-3       # binary search stops when capacity is known within this fraction
-_GOOD_ENOUGH = 1e-4          # this close to a lower bound, auto and refinement stop: nothing to gain
+_GOOD_ENOUGH = 1e-4          # this close to a lower bound, refinement stops: nothing to gain
+_AUTO_SETTLED = 2e-3         # this close, auto tries no further construction (each costs ~10-30 ms at DP 2560)
 _BS_FFD_MAX_ROUNDS = 40
 
 
@@ -281,11 +282,13 @@ _CONSTRUCT = {"lpt": _lpt, "kk": _kk, "bs_ffd": _bs_ffd}
 # ----------------------------------------------------------------------------------------------
 
 def _auto(costs, memory, cap, order, num_bins, refine: bool):
-    """Each constructive method's result (refined), the best kept: (bin_of_item, name, max cost)."""
+    """Each constructive method's result (refined), the best kept, until one is within :data:`_AUTO_SETTLED`
+    of the bound: (bin_of_item, name, max cost)."""
     best, best_cost, winner, reasons = None, math.inf, None, []
-    good_enough = (1.0 + _GOOD_ENOUGH) * _kernels.pigeonhole_bound(costs, order, num_bins)
+    bound = _kernels.pigeonhole_bound(costs, order, num_bins)
+    good_enough, settled = (1.0 + _GOOD_ENOUGH) * bound, (1.0 + _AUTO_SETTLED) * bound
     for name in METHODS:
-        if best_cost <= good_enough:
+        if best_cost <= settled:
             break
         try:
             bins = _CONSTRUCT[name](costs, memory, cap, order, num_bins,
@@ -296,6 +299,8 @@ def _auto(costs, memory, cap, order, num_bins, refine: bool):
         if bins is None:
             continue
         if refine:
+            if cap == math.inf:  # (swaps keep counts, not memory)
+                _kernels.swap_sweeps(costs, order, num_bins, bins, good_enough, _SWAP_SWEEPS, num_bins)
             _refine(costs, memory, cap, order, num_bins, bins, allow_moves=True, stop_at=good_enough)
         cost = _max_cost(costs, bins, num_bins)
         if cost < best_cost:
@@ -320,9 +325,11 @@ def partition(costs, num_bins, *, method: str = "auto", memory=None, memory_cap=
     """Assign every item to one of ``num_bins`` bins, minimising the maximum bin cost.
 
     ``method``: ``"lpt"``, ``"kk"``, ``"bs_ffd"`` or ``"auto"``: each of the three that honours the
-    memory cap, refined, the best kept (ties: in that order). ``refine`` (default: only for
-    ``auto``) lowers the maximum by local search out of the fullest bin. Both stop once a result
-    is within 0.01% of a lower bound (one tight for equal items): nothing is left to gain.
+    memory cap, refined, in that order until one is within 0.2% of the lower bound, the best kept
+    (ties: the earlier). ``refine`` (default: only for
+    ``auto``) lowers the maximum by swap sweeps (without a memory cap: many bins at once,
+    :func:`_kernels.swap_sweeps`), then by local search out of the fullest bin. Both stop once a
+    result is within 0.01% of a lower bound (one tight for equal items): nothing is left to gain.
 
     ``memory``/``memory_cap``: per-item memory and the per-bin cap every result honours (a method
     that cannot raises ValueError). ``home``: the upstream assignment; the result is never worse:
@@ -350,8 +357,10 @@ def partition(costs, num_bins, *, method: str = "auto", memory=None, memory_cap=
             raise ValueError(str(err)) from None
         name = method
         if refine:
-            _refine(costs, memory, cap, order, num_bins, bins, allow_moves=True,
-                    stop_at=(1.0 + _GOOD_ENOUGH) * _kernels.pigeonhole_bound(costs, order, num_bins))
+            stop_at = (1.0 + _GOOD_ENOUGH) * _kernels.pigeonhole_bound(costs, order, num_bins)
+            if cap == math.inf:
+                _kernels.swap_sweeps(costs, order, num_bins, bins, stop_at, _SWAP_SWEEPS, num_bins)
+            _refine(costs, memory, cap, order, num_bins, bins, allow_moves=True, stop_at=stop_at)
             name += "+refine"
         cost = _max_cost(costs, bins, num_bins)
     bins, name, _ = _home_if_not_worse(bins, name, cost, costs, memory, cap, num_bins, home)
@@ -378,8 +387,8 @@ def partition_groups(costs, group, num_bins, *, method: str = "auto") -> np.ndar
         raise ValueError(f"unknown method {method!r}; choose one of {_kernels.METHOD_CODES}")
     bins = np.zeros(costs.size, dtype=np.int64)
     _kernels.partition_groups(costs, group, int(group.max(initial=-1)) + 1, num_bins,
-                              _kernels.METHOD_CODES.index(method), _GOOD_ENOUGH, _BS_FFD_REL_TOL, _BS_FFD_MAX_ROUNDS,
-                              _REFINE_PARTNERS, _CHEAPEST_SCAN, bins)
+                              _kernels.METHOD_CODES.index(method), _GOOD_ENOUGH, _AUTO_SETTLED, _BS_FFD_REL_TOL,
+                              _BS_FFD_MAX_ROUNDS, _SWAP_SWEEPS, _REFINE_PARTNERS, _CHEAPEST_SCAN, bins)
     return bins
 
 
@@ -565,19 +574,24 @@ def partition_uniform(costs, home, node_of_bin, *, item_bytes) -> Partition:
                          f"(costs {costs.min()}..{costs.max()}, bytes {item_bytes.min()}..{item_bytes.max()})")
     if node_of_bin.min() < 0:
         raise ValueError(f"node_of_bin holds a negative node id {node_of_bin.min()}")
-    cap = -(-n // num_bins)
-    if n == 0 or np.bincount(home, minlength=num_bins).max() <= cap:
-        bins, name = home.copy(), "home"
-    else:
-        num_nodes = int(node_of_bin.max()) + 1
-        bins_by_node = np.argsort(node_of_bin, kind="stable")
-        node_start = np.searchsorted(node_of_bin[bins_by_node], np.arange(num_nodes + 1))
-        bins = np.empty(n, dtype=np.int64)
-        _kernels.fill_quotas(home, np.full(num_bins, cap, dtype=np.int64), node_of_bin, bins_by_node,
-                             node_start, bins)
-        name = "uniform"
+    bins, name = uniform_bins(home, node_of_bin)
     return _result(bins, num_bins, costs, None, False, _lower_bound(costs, num_bins), home, name, item_bytes,
                    node_of_bin)
+
+
+def uniform_bins(home: np.ndarray, node_of_bin: np.ndarray):
+    """(bin_of_item, method) of :func:`partition_uniform` for valid int64 ``home`` and ``node_of_bin`` (the
+    trainer's path: its inputs are checked where they are built, and it needs no figures)."""
+    n, num_bins = home.size, node_of_bin.size
+    cap = -(-n // num_bins)
+    if n == 0 or np.bincount(home, minlength=num_bins).max() <= cap:
+        return home, "home"
+    num_nodes = int(node_of_bin.max()) + 1
+    bins_by_node = np.argsort(node_of_bin, kind="stable")
+    node_start = np.searchsorted(node_of_bin[bins_by_node], np.arange(num_nodes + 1))
+    bins = np.empty(n, dtype=np.int64)
+    _kernels.fill_quotas(home, np.full(num_bins, cap, dtype=np.int64), node_of_bin, bins_by_node, node_start, bins)
+    return bins, "uniform"
 
 
 def partition_locality(costs, home, num_bins, gpus_per_node, *, item_bytes, memory=None,

@@ -16,7 +16,7 @@ import numpy as np
 
 from megatron_orch.balance import _plan_kernels
 from megatron_orch.balance.partition import (partition, partition_equal_count, partition_equal_count_locality,
-                                              partition_groups, partition_locality, partition_uniform)
+                                              partition_groups, partition_locality, uniform_bins)
 from megatron_orch.balance.placement import PlacementConfig, place_items
 from megatron_orch.balance.plan import MovedBytes, Placement, Transfer, checksum
 from megatron_orch.balance.topology import Topology
@@ -166,8 +166,7 @@ def _balance_encoder(costs, home_rank, item_bytes, num_ranks, topology, config, 
     if not balanced or costs.size == 0:
         return home_rank, "none"
     if config.algorithm == "auto" and _all_equal(costs) and _all_equal(item_bytes):
-        part = partition_uniform(costs, home_rank, topology.node_of_rank, item_bytes=item_bytes)
-        return part.bin_of_item, part.method
+        return uniform_bins(np.ascontiguousarray(home_rank, dtype=np.int64), topology.node_of_rank)
     if config.locality:
         part = partition_locality(costs, home_rank, num_ranks, _gpus_per_node(topology),
                                   item_bytes=item_bytes)
@@ -177,6 +176,19 @@ def _balance_encoder(costs, home_rank, item_bytes, num_ranks, topology, config, 
         return home_rank, "home"
     return _place(part.bin_of_item, [(part.bin_of_item, home_rank, item_bytes)], num_ranks,
                   topology, config), part.method
+
+
+def _example_sources(home: np.ndarray, text_bytes: np.ndarray, rank_of_item):
+    """What every example pulls to its backbone rank, as (example, source rank, int64 bytes) arrays: its text
+    and the embeddings of its items encoded on its home rank in one triple per example, each item encoded
+    elsewhere in its own (``rank_of_item``: each encoder phase's (example, encoder rank, output bytes))."""
+    at_home = np.array(text_bytes, dtype=np.int64)
+    examples, sources, nbytes = [np.arange(home.size, dtype=np.int64)], [home], [at_home]
+    for example, enc_rank, out_bytes in rank_of_item.values():
+        away = _plan_kernels.sources_by_example(home, at_home, example, enc_rank, out_bytes)
+        for out, values in zip((examples, sources, nbytes), away):
+            out.append(values)
+    return np.concatenate(examples), np.concatenate(sources), np.concatenate(nbytes)
 
 
 def _all_equal(values: np.ndarray) -> bool:
@@ -255,10 +267,9 @@ def plan_step(sizes: StepSizes, phases: ModelPhases, config: OrchestratorConfig,
         if part.method == "home":
             rank_llm = home
         else:
-            sources = [(part.bin_of_item, home, text_bytes)]
-            for example, enc_rank, out_bytes in rank_of_item.values():
-                sources.append((part.bin_of_item[example], enc_rank, out_bytes))
-            rank_llm = _place(part.bin_of_item, sources, num_ranks, topology, config)
+            example, source, nbytes = _example_sources(home, text_bytes, rank_of_item)
+            rank_llm = _place(part.bin_of_item, [(part.bin_of_item[example], source, nbytes)], num_ranks, topology,
+                              config)
 
     home_microbatch = np.arange(sizes.num_examples) % expected // micro_batch_size  # the loader's
     if rank_llm is home and not packed:
@@ -357,10 +368,10 @@ def _microbatch_memory(key: np.ndarray, memory: np.ndarray, cells: int, padded: 
 
 
 def _phase_stats(method, costs, home_rank, rank, num_ranks) -> PhaseStats:
-    before = np.bincount(home_rank, weights=costs, minlength=num_ranks)
-    after = np.bincount(rank, weights=costs, minlength=num_ranks)
-    return PhaseStats(method=method, items=int(costs.size), max_before=float(before.max(initial=0)),
-                      mean=float(costs.sum() / num_ranks), max_after=float(after.max(initial=0)))
+    return PhaseStats(method=method, items=int(costs.size), max_before=_plan_kernels.rank_loads_max(home_rank, costs,
+                                                                                                     num_ranks),
+                      mean=float(costs.sum() / num_ranks),
+                      max_after=_plan_kernels.rank_loads_max(rank, costs, num_ranks))
 
 
 def warm_up(phases: ModelPhases, config: OrchestratorConfig) -> None:
