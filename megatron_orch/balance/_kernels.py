@@ -941,10 +941,10 @@ def refine(costs, memory, memory_cap, num_bins, bin_of_item, allow_moves, stop_a
     of the batch's cheapest items, wherever it is (:func:`_cheapest_swap`: the last ``cheapest_scan``
     items of ``order``, items by decreasing cost, outside M). Partners (:func:`_partners`) hold their
     bins' typical items, where a bin with one long item needs the batch's shortest for its other slots.
-    With ``node_size > 0`` (bin r on node r // node_size) the rounds run with the bins of M's node first (every item of the node: no
-    round of cheapest items there), then anywhere with ``partners`` least-loaded bins (a step that
-    finds nothing there tries :data:`_WIDEN` times as many). Stops at a local optimum, once the maximum
-    is at most ``stop_at``, or after ``max_steps``.
+    With ``node_size > 0`` (bin r on node r // node_size) the rounds run with the bins of M's node
+    first (every item of the node: no round of cheapest items there), then anywhere with ``partners``
+    least-loaded bins (a step that finds nothing there tries :data:`_WIDEN` times as many). Stops at a
+    local optimum, once the maximum is at most ``stop_at``, or after ``max_steps``.
     """
     n = costs.size
     load = np.zeros(num_bins)
