@@ -18,7 +18,7 @@ _JIT = dict(cache=True, nogil=True)
 _INLINE = dict(_JIT, inline="always")
 _PAIR_ITEMS = 32  # two-for-two swaps are tried between bins of at most this many items (496 pairs each)
 _PAIR_PARTNERS = 2  # with the least-loaded this many partners (the largest gaps): each costs a sort of its pairs
-_WIDEN = 4  # a refinement step that finds nothing with its partners tries this many times as many
+_WIDEN = 8  # a refinement step that finds nothing with its partners tries this many times as many (up to all)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -644,7 +644,7 @@ def _greedy_subset(costs, memory, items, count, target, limit, chosen):
 
 @numba.njit(**_INLINE)
 def _exchange_with(costs, memory, memory_cap, load, bin_mem, top, b, top_items, num_top, partner_items,
-                   num_b, kind, allow_moves, chosen, best, best_out, best_in):
+                   num_b, kind, allow_moves, swap_cap, chosen, best, best_out, best_in):
     """Best exchange between the top bin and bin ``b`` that beats ``best`` (the larger new load).
 
     ``kind`` 0: moves (if ``allow_moves``) and one-for-one swaps; 1: one-for-several either way.
@@ -697,6 +697,8 @@ def _exchange_with(costs, memory, memory_cap, load, bin_mem, top, b, top_items, 
     up = 0  # first item of b with cost >= target; targets rise with the top item's cost
     for t in range(num_top):
         i = top_items[t]
+        if costs[i] > swap_cap:  # (items by increasing cost: the rest cost more)
+            break
         target = costs[i] - 0.5 * gap
         while up < num_b and costs[partner_items[up]] < target:
             up += 1
@@ -926,7 +928,7 @@ def swap_sweeps(costs, order, num_bins, bin_of_item, stop_at, max_sweeps, group_
 
 @numba.njit(**_JIT)
 def refine(costs, memory, memory_cap, num_bins, bin_of_item, allow_moves, stop_at, partners, node_size,
-           max_steps, order, cheapest_scan):
+           max_steps, order, cheapest_scan, cross_swap_cap=np.inf):
     """Lower the maximum bin cost by local search, in place; returns the number of steps taken.
 
     Each step takes the most-loaded bin M and applies the exchange with one partner bin b that
@@ -943,8 +945,11 @@ def refine(costs, memory, memory_cap, num_bins, bin_of_item, allow_moves, stop_a
     bins' typical items, where a bin with one long item needs the batch's shortest for its other slots.
     With ``node_size > 0`` (bin r on node r // node_size) the rounds run with the bins of M's node
     first (every item of the node: no round of cheapest items there), then anywhere with ``partners``
-    least-loaded bins (a step that finds nothing there tries :data:`_WIDEN` times as many). Stops at a
-    local optimum, once the maximum is at most ``stop_at``, or after ``max_steps``.
+    least-loaded bins (a step that finds nothing there tries :data:`_WIDEN` times as many, and so on up
+    to every bin); there, with a finite ``cross_swap_cap``, only moves, trades with the cheapest items
+    and one-for-one swaps of items costing at most that (a swap that evens out two bins across nodes
+    can move two long items, many bytes, for a small difference). Stops at a local optimum, once the
+    maximum is at most ``stop_at``, or after ``max_steps``.
     """
     n = costs.size
     load = np.zeros(num_bins)
@@ -971,7 +976,7 @@ def refine(costs, memory, memory_cap, num_bins, bin_of_item, allow_moves, stop_a
     chosen = np.empty(n, dtype=np.int64)
     best_out = np.empty(n, dtype=np.int64)  # items of the best exchange going M -> b
     best_in = np.empty(n, dtype=np.int64)   # and b -> M
-    plist = np.empty(max(_WIDEN * partners, node_size), dtype=np.int64)
+    plist = np.empty(max(num_bins, node_size), dtype=np.int64)
     num_pairs = _PAIR_ITEMS * (_PAIR_ITEMS - 1) // 2
     top_pairs = (np.empty(num_pairs), np.empty(num_pairs, dtype=np.int64), np.empty(num_pairs, dtype=np.int64))
     partner_pairs = (np.empty(num_pairs), np.empty(num_pairs, dtype=np.int64), np.empty(num_pairs, dtype=np.int64))
@@ -996,7 +1001,8 @@ def refine(costs, memory, memory_cap, num_bins, bin_of_item, allow_moves, stop_a
                 if best_b >= 0:
                     break
                 if ((kind == 1 and not allow_moves) or (kind == 2 and not 2 <= num_top <= _PAIR_ITEMS)
-                        or (kind == 3 and scope == 0)):  # (on M's node, partners are all its bins: every item)
+                        or (kind == 3 and scope == 0)  # (on M's node, partners are all its bins: every item)
+                        or (kind in (1, 2) and scope == 1 and cross_swap_cap < np.inf)):
                     continue
                 if kind == 3:
                     best, b = _cheapest_swap(costs, memory, memory_cap, load, bin_mem, bin_of_item, top, top_items,
@@ -1006,12 +1012,13 @@ def refine(costs, memory, memory_cap, num_bins, bin_of_item, allow_moves, stop_a
                     continue
                 if kind == 2 and num_top_pairs < 0:
                     num_top_pairs = _pair_sums(costs, top_items, num_top, top_pairs[0], top_pairs[1], top_pairs[2])
-                for q in range(num_p if kind < 2 else min(num_p, _PAIR_PARTNERS)):
+                for q in range(num_p if kind < 2 else min(num_p, _PAIR_PARTNERS * width // partners)):
                     b = plist[q]
                     num_b = _gather_sorted(head, nxt, costs, b, partner_items)
                     if kind < 2:
                         best, o, i = _exchange_with(costs, memory, memory_cap, load, bin_mem, top, b, top_items,
-                                                    num_top, partner_items, num_b, kind, allow_moves, chosen,
+                                                    num_top, partner_items, num_b, kind, allow_moves,
+                                                    np.inf if scope == 0 else cross_swap_cap, chosen,
                                                     best, best_out, best_in)
                     elif 2 <= num_b <= _PAIR_ITEMS:
                         best, o = _pair_swap(costs, memory, memory_cap, load, bin_mem, top, b, partner_items, num_b,
@@ -1022,8 +1029,8 @@ def refine(costs, memory, memory_cap, num_bins, bin_of_item, allow_moves, stop_a
                     if o >= 0:
                         best_b, num_out, num_in = b, o, i
         if best_b < 0:
-            if width == partners and _WIDEN > 1:
-                width = _WIDEN * partners  # stuck among the least-loaded: the step again with more of them
+            if width < num_bins - 1:
+                width = min(num_bins - 1, _WIDEN * width)  # stuck among the least-loaded: again with more of them
                 continue
             break
         width = partners
@@ -1103,44 +1110,32 @@ def fill_quotas(home, quota, node_of_bin, bins_by_node, node_start, bin_of_item)
 
 
 # ---------------------------------------------------------------------------------------------
-# Locality: keep items at home up to a capacity, then place the overflow near home.
+# Locality: LPT that keeps items at home, then on their node, where the balance allows.
 # ---------------------------------------------------------------------------------------------
 
 @numba.njit(**_JIT)
-def place_near_home(costs, memory, memory_cap, home, order, keep_order, num_bins, gpus_per_node, capacity,
-                    bin_of_item):
-    """Keep items on their home rank while it stays within ``capacity``, then place the rest.
-
-    ``keep_order``: items grouped by home rank, in the order they should be kept. Each overflow item
-    (in ``order``: by decreasing cost, ties by id) goes to the least-loaded rank of its home node if
-    it fits under ``capacity``, else the least-loaded rank anywhere if it fits, else the
-    least-loaded of the two (its node's on ties). Returns -1, or an item no rank has memory room for.
-    """
+def lpt_near_home(costs, memory, memory_cap, home, order, num_bins, gpus_per_node, target, bin_of_item):
+    """LPT that prefers home: items in ``order`` (decreasing cost, ties by id), each to its home rank if
+    that stays within ``target`` (and the memory cap), else to the least-loaded rank of its home node with
+    memory room if that does, else to the least-loaded rank anywhere with memory room (LPT's own choice).
+    Rank r is on node r // gpus_per_node. A rank keeps its largest items; what leaves goes first to its
+    node; the last, smallest items even the ranks out as LPT does (with ``target`` = the mean, the max ends
+    within about an item of it). Returns -1, or an item no rank has memory room for."""
     load = np.zeros(num_bins)
     bin_mem = np.zeros(num_bins)
-    overflow = np.zeros(costs.size, dtype=np.bool_)
-    for item in keep_order:
-        r = home[item]
-        if load[r] + costs[item] <= capacity and bin_mem[r] + memory[item] <= memory_cap:
-            bin_of_item[item] = r
-            load[r] += costs[item]
-            bin_mem[r] += memory[item]
-        else:
-            overflow[item] = True
-
-    tree_load, tree_room, width = _tree_new(load, memory_cap - bin_mem)
+    tree_load, tree_room, width = _tree_new(load, np.full(num_bins, memory_cap))
     for item in order:
-        if not overflow[item]:
-            continue
         c, m = costs[item], memory[item]
-        lo = (home[item] // gpus_per_node) * gpus_per_node
-        r = _tree_least_loaded(tree_load, tree_room, width, lo, min(num_bins, lo + gpus_per_node), m)
-        if r < 0 or load[r] + c > capacity:
-            g = _tree_least_loaded(tree_load, tree_room, width, 0, num_bins, m)
-            if g < 0:
-                return item
-            if r < 0 or load[g] + c <= capacity or load[g] < load[r]:
-                r = g
+        r = home[item]
+        if load[r] + c > target or bin_mem[r] + m > memory_cap:
+            lo = (r // gpus_per_node) * gpus_per_node
+            r = _tree_least_loaded(tree_load, tree_room, width, lo, min(num_bins, lo + gpus_per_node), m)
+            if r < 0 or load[r] + c > target:
+                g = _tree_least_loaded(tree_load, tree_room, width, 0, num_bins, m)
+                if g < 0:
+                    return item
+                if r < 0 or load[g] < load[r]:
+                    r = g
         bin_of_item[item] = r
         load[r] += c
         bin_mem[r] += m

@@ -13,6 +13,7 @@ import numpy as np
 from megatron_orch.balance.cost_profile import CostProfile
 from megatron_orch.balance.partition import partition, partition_equal_count, partition_locality
 from megatron_orch.balance.plan import Placement
+from megatron_orch.balance.step_model import StepModel
 from megatron_orch.balance.topology import Topology
 from megatron_orch.balance.traces import (DERIVED_TRACES, HEAVY_TAILED_MIXTURES, SHIPPED_MIXTURE, Trace,
                                           TraceMixture, load_mixture, parse_trace_spec)
@@ -72,12 +73,13 @@ def model_phases(config: MLLMConfig, cost_profile: Optional[CostProfile] = None)
 
 
 def plan_method(method: str, sizes: StepSizes, model: MLLMConfig, topology: Topology,
-                cost_profile: Optional[CostProfile] = None) -> StepPlan:
+                cost_profile: Optional[CostProfile] = None, step_model: Optional[StepModel] = None) -> StepPlan:
     """The plan of ``none`` (upstream) or of a :data:`PLAN_METHODS` method, through ``plan_step`` with one
-    example per micro-batch."""
+    example per micro-batch (``step_model``: the cluster its locality-aware plans are judged on)."""
     if method == "none":
         return upstream_plan(sizes, model.phases().backbone.name)
-    config = dataclasses.replace(PLAN_METHODS[method], cost_profile=cost_profile)
+    config = dataclasses.replace(PLAN_METHODS[method], cost_profile=cost_profile,
+                                 step_model=step_model or PLAN_METHODS[method].step_model)
     return plan_step(sizes, model.phases(), config, topology, micro_batch_size=1,
                      num_microbatches=int(np.asarray(sizes.counts)[0]))
 

@@ -10,6 +10,7 @@ import numpy as np
 
 from megatron_orch.balance.cost_profile import CostProfile
 from megatron_orch.balance.placement import METHODS as PLACEMENT_METHODS
+from megatron_orch.balance.step_model import StepModel
 from megatron_orch.balance.workload import EncoderPhase, ModelPhases
 
 ALGORITHMS = ("auto", "lpt", "kk", "bs_ffd")
@@ -29,9 +30,10 @@ class OrchestratorConfig:
     ``equal_count`` keeps ``micro_batch_size`` examples per backbone micro-batch (any attention);
     ``auto`` (the default) is ``packed`` wherever the backbone takes packed rows
     (:meth:`resolve_microbatching`: the post-balancing iterator decides for its model; ``plan_step``
-    plans ``auto`` as ``packed``). ``locality``: balance
-    every phase with a locality-aware partitioner (bins are ranks, few bytes cross nodes, within 1%
-    of the plain plan's balance) instead of partition + placement. ``placement``: how balanced bins
+    plans ``auto`` as ``packed``). ``locality``: balance every phase with a locality-aware partitioner
+    (bins are ranks, few bytes cross nodes, as balanced as the plain plan) instead of partition +
+    placement; the backbone's is kept only where ``step_model`` finds the step no slower than with the
+    plain plan at any NIC bandwidth up to its link's (else the plain plan). ``placement``: how balanced bins
     are mapped to ranks (``identity``, ``greedy``, ``exact`` min-total inter-node bytes, ``minmax``
     busiest node). ``background``: plan step k+1 on a CPU thread while step k trains.
     ``encoder_chunk_tokens`` / ``encoder_memory_cap`` (bytes; ``math.inf``: no cap) / ``encoder_recompute``:
@@ -40,7 +42,8 @@ class OrchestratorConfig:
     its backbone micro-batches under the cap and recomputes the others for their backward; the cap
     defaults to what upstream needs at the same global batch, ``encoder_recompute`` keeps none).
     ``cost_profile``: item costs measured on the device (``--orch-cost-profile``,
-    :mod:`megatron_orch.balance.cost_profile`) instead of training FLOPs.
+    :mod:`megatron_orch.balance.cost_profile`) instead of training FLOPs. ``step_model``: how a step's time
+    is modeled (:mod:`megatron_orch.balance.step_model`: links, achieved FLOP rate, layout).
     """
 
     phases: Optional[Tuple[str, ...]] = None
@@ -55,6 +58,7 @@ class OrchestratorConfig:
     encoder_chunk_tokens: Optional[int] = None
     encoder_memory_cap: Optional[float] = None
     cost_profile: Optional[CostProfile] = None
+    step_model: StepModel = StepModel()
 
     def __post_init__(self):
         if self.phases is not None:

@@ -18,7 +18,8 @@ from megatron_orch.balance import _plan_kernels
 from megatron_orch.balance.partition import (partition, partition_equal_count, partition_equal_count_locality,
                                               partition_groups, partition_locality, uniform_bins)
 from megatron_orch.balance.placement import PlacementConfig, place_items
-from megatron_orch.balance.plan import MovedBytes, Placement, Transfer, checksum
+from megatron_orch.balance.plan import MovedBytes, Placement, Transfer, checksum, moved_bytes
+from megatron_orch.balance.step_model import Busiest
 from megatron_orch.balance.topology import Topology
 from megatron_orch.balance.workload import ModelPhases, PhaseItems, StepSizes, phase_items
 from megatron_orch.orchestrator.config import OrchestratorConfig
@@ -191,6 +192,58 @@ def _example_sources(home: np.ndarray, text_bytes: np.ndarray, rank_of_item):
     return np.concatenate(examples), np.concatenate(sources), np.concatenate(nbytes)
 
 
+def _pull_rank(home: np.ndarray, text_bytes: np.ndarray, rank_of_item) -> np.ndarray:
+    """For every example, the rank that holds most of the bytes it pulls to its backbone rank (its text on its
+    home rank, its embeddings where its items were encoded; ties: home, then the lower rank)."""
+    example, source, nbytes = _example_sources(home, text_bytes, rank_of_item)
+    num_ranks = int(home.max(initial=0)) + 1
+    keys, inverse = np.unique(example * num_ranks + source, return_inverse=True)
+    total = np.bincount(inverse.reshape(-1), weights=nbytes, minlength=keys.size)
+    pair_example, pair_rank = keys // num_ranks, keys % num_ranks
+    at_home = pair_rank == home[pair_example]
+    # per example, the pair of most bytes (home first on ties, then the lower rank): the last after this sort
+    order = np.lexsort((-pair_rank, at_home, total, pair_example))
+    last = np.flatnonzero(np.diff(np.append(pair_example[order], -1)) != 0)
+    pull = home.copy()
+    pull[pair_example[order[last]]] = pair_rank[order[last]]
+    return pull
+
+
+def _never_slower(candidate: np.ndarray, reference: np.ndarray, items: Dict[str, PhaseItems], rank_of_item,
+                  home: np.ndarray, topology: Topology, num_microbatches: int, config: OrchestratorConfig) -> bool:
+    """Whether backbone ranks ``candidate`` make a step that :attr:`OrchestratorConfig.step_model` models no
+    slower than ``reference`` at any NIC bandwidth from its lowest to its link's (the encoder plans are the
+    same for both: only the backbone's compute, its text and the embeddings it pulls differ)."""
+    model = config.step_model
+    in_seconds = config.cost_profile is not None
+    node = topology.node_of_rank
+    num_ranks = topology.num_ranks
+    backbone = [name for name in items if name not in rank_of_item][0]
+    encoders = [(phase, model.compute_seconds(_plan_kernels.rank_loads_max(rank, items[phase].cost, num_ranks),
+                                              in_seconds)) for phase, (_, rank, _) in rank_of_item.items()]
+
+    inputs = [Busiest.of(moved_bytes(home[example], rank, items[phase].nbytes, node))
+              for phase, (example, rank, _) in rank_of_item.items()]
+
+    def figures(rank_llm):
+        compute = model.compute_seconds(_plan_kernels.rank_loads_max(rank_llm, items[backbone].cost, num_ranks),
+                                        in_seconds)
+        embeddings = {phase: Busiest.of(moved_bytes(rank, rank_llm[example], out_bytes, node))
+                      for phase, (example, rank, out_bytes) in rank_of_item.items()}
+        text = Busiest.of(moved_bytes(home, rank_llm, items[backbone].nbytes, node))
+        return compute, embeddings, inputs + [text]
+
+    ours, theirs = figures(candidate), figures(reference)
+    moves = [*ours[1].values(), *theirs[1].values(), *ours[2], *theirs[2]]
+    for nic in model.nic_breakpoints(moves, model.lowest_nic_gbits_per_s):
+        at = model.with_nic(nic)
+        mine = at.step(encoders, ours[0], num_microbatches, ours[1], ours[2])["step"]
+        other = at.step(encoders, theirs[0], num_microbatches, theirs[1], theirs[2])["step"]
+        if mine > other * (1.0 + 1e-12):
+            return False
+    return True
+
+
 def _all_equal(values: np.ndarray) -> bool:
     return values.min() == values.max()
 
@@ -252,14 +305,6 @@ def plan_step(sizes: StepSizes, phases: ModelPhases, config: OrchestratorConfig,
     packed = config.packed
     if not config.balances(backbone):
         rank_llm, method = home, "none"
-    elif config.locality:
-        # what an example pulls to its backbone rank: its text, and its embeddings (counted from its home
-        # rank: the encoder plans keep items on their node)
-        example_bytes = text_bytes + sum(np.bincount(example, weights=out_bytes, minlength=sizes.num_examples)
-                                         for example, _, out_bytes in rank_of_item.values())
-        locality = partition_locality if packed else partition_equal_count_locality
-        part = locality(llm_costs, home, num_ranks, _gpus_per_node(topology), item_bytes=example_bytes)
-        rank_llm, method = part.bin_of_item, part.method
     else:
         part = (partition(llm_costs, num_ranks, method=config.algorithm, home=home) if packed
                 else partition_equal_count(llm_costs, num_ranks, home=home))
@@ -270,6 +315,22 @@ def plan_step(sizes: StepSizes, phases: ModelPhases, config: OrchestratorConfig,
             example, source, nbytes = _example_sources(home, text_bytes, rank_of_item)
             rank_llm = _place(part.bin_of_item, [(part.bin_of_item[example], source, nbytes)], num_ranks, topology,
                               config)
+        if config.locality and part.method != "home":
+            # what an example pulls to its backbone rank: its text, and its embeddings (counted from its home
+            # rank: the encoder plans keep items on their node)
+            example_bytes = text_bytes + sum(np.bincount(example, weights=out_bytes, minlength=sizes.num_examples)
+                                             for example, _, out_bytes in rank_of_item.values())
+            if packed:  # from the rank that holds most of an example's bytes (its encoders may have run elsewhere)
+                near = partition_locality(llm_costs, _pull_rank(home, text_bytes, rank_of_item), num_ranks,
+                                          _gpus_per_node(topology), item_bytes=example_bytes, reference=part)
+            else:  # (counts are kept: from the loader's ranks)
+                near = partition_equal_count_locality(llm_costs, home, num_ranks, _gpus_per_node(topology),
+                                                      item_bytes=example_bytes, reference=part)
+            if near.method.startswith(("locality_fallback", "equal_locality_fallback")) or not _never_slower(
+                    near.bin_of_item, rank_llm, items, rank_of_item, home, topology, num_microbatches, config):
+                method = f"{part.method}+placed ({near.method} not faster)"
+            else:
+                rank_llm, method = near.bin_of_item, near.method
 
     home_microbatch = np.arange(sizes.num_examples) % expected // micro_batch_size  # the loader's
     if rank_llm is home and not packed:
