@@ -10,7 +10,7 @@ from hypothesis import given, settings, strategies as st
 from megatron_orch.balance.step_model import Busiest, LinkModel, StepModel
 from megatron_orch.balance.topology import Topology
 from megatron_orch.balance.workload import StepSizes, phase_items
-from megatron_orch.bench.common import PLAN_METHODS, draw_sizes
+from megatron_orch.bench.common import MIXTURES, PLAN_METHODS, draw_sizes
 from megatron_orch.mllm.config import load_model_config
 from megatron_orch.orchestrator.step_plan import plan_step, step_transfers
 
@@ -62,11 +62,13 @@ def modeled_step(plan, items, model: StepModel, topology: Topology) -> float:
 @settings(max_examples=40, deadline=None)
 @given(st.data())
 def test_the_locality_plan_is_never_slower_than_the_plain_plan(data):
-    gpus, nodes, per_rank = data.draw(st.sampled_from([2, 4])), data.draw(st.integers(2, 4)), data.draw(st.integers(1, 6))
+    gpus, nodes = data.draw(st.sampled_from([2, 4])), data.draw(st.integers(2, 4))
+    per_rank = data.draw(st.integers(1, 6))
     dp, n = gpus * nodes, gpus * nodes * per_rank
     sizes = StepSizes(counts=np.full(dp, per_rank), num_tokens=np.array(data.draw(st.lists(
         st.integers(1, 900), min_size=n, max_size=n))), items={
-        phase: np.array(data.draw(st.lists(st.integers(0, 5), min_size=n, max_size=n))) for phase in ("vision", "audio")})
+        phase: np.array(data.draw(st.lists(st.integers(0, 5), min_size=n, max_size=n)))
+        for phase in ("vision", "audio")})
     sizes = StepSizes(sizes.counts, sizes.items, sizes.num_tokens + sum(
         sizes.items[p] * TINY.phases().encoder(p).output_rows for p in sizes.items))
     # a slow network makes bytes matter: a slower locality plan would show
@@ -87,8 +89,7 @@ def test_the_locality_plan_is_never_slower_than_the_plain_plan(data):
 def test_a_realistic_locality_plan_is_kept_and_moves_few_bytes_across_nodes():
     """A heavy-tailed DP 64 batch of the 84B model: the locality plan is kept (as balanced, no slower at any
     bandwidth) and sends a small share of the plain plan's bytes across nodes."""
-    config, _, sizes = draw_sizes(list(__import__("megatron_orch.bench.common", fromlist=["MIXTURES"]).MIXTURES[
-        "heavy-tail"]), 64, 16, "mllm_84b", 1)
+    config, _, sizes = draw_sizes(list(MIXTURES["heavy-tail"]), 64, 16, "mllm_84b", 1)
     topology = Topology.uniform(64, 8)
     near = plan_step(sizes, config.phases(), PLAN_METHODS["locality"], topology, 1, 16)
     plain = plan_step(sizes, config.phases(), PLAN_METHODS["orch"], topology, 1, 16)

@@ -104,7 +104,8 @@ def format_tables(result: dict) -> str:
             lines.append(f"| {dp} | {p['gpus'][dp] if dp in p['gpus'] else p['gpus'][int(dp)]} | {m} | "
                          + " | ".join(f"{ph[q]:.4g}" for q in phases) + " | "
                          f"{f['compute_seconds']:.4g} | {f['exposed_comm_seconds']:.3g} | "
-                         f"{f['pipeline_bubble_seconds']:.3g} | {f['grad_reduce_seconds']:.3g} | {f['plan_seconds']:.3f} "
+                         f"{f['pipeline_bubble_seconds']:.3g} | {f['grad_reduce_seconds']:.3g} | "
+                         f"{f['plan_seconds']:.3f} "
                          f"({f['exposed_plan_seconds']:.3f}) | {f['step_seconds']:.4g} | {f['speedup']:.3f} | "
                          + " / ".join(f"{f['phase_speedup'][q]:.2f}" for q in phases) + " |")
     sweep = [g for g in result["dp"][sorted(result["dp"], key=int)[0]]["nic_sweep"]]
@@ -114,8 +115,8 @@ def format_tables(result: dict) -> str:
         for dp in sorted(result["dp"], key=int):
             s = result["dp"][dp]["nic_sweep"]
             lines.append(f"| {dp} | " + " | ".join(
-                f"{s[g]['orch']:.4g} / {s[g]['locality']:.4g} ({s[g]['equal_count']:.4g} / {s[g]['equal_locality']:.4g})"
-                for g in sweep) + " |")
+                f"{s[g]['orch']:.4g} / {s[g]['locality']:.4g} "
+                f"({s[g]['equal_count']:.4g} / {s[g]['equal_locality']:.4g})" for g in sweep) + " |")
     if p.get("paper"):
         lines += ["", "paper configuration, step speedup over upstream Megatron:", "",
                   "| system | configuration | step speedup |", "|---|---|---:|"]
@@ -154,8 +155,9 @@ def findings(checks: dict) -> List[str]:
     lines.append("[sim] locality-aware plans vs their plain counterparts (" + ", ".join(
         f"{near} vs {plain}" for near, plain in c["pairs"]) + ") on every batch and swept bandwidth: " +
         ("never slower" if not c["slower"] else f"slower in {len(c['slower'])} cases: {worse}"))
-    lines.append(f"[sim] equal_locality vs orch: slower in {len(c['equal_locality_slower_than_orch'])} of the batch x "
-                 "bandwidth cases (equal-count micro-batches, whose bound a long example can lift above a packed plan's)")
+    lines.append(f"[sim] equal_locality vs orch: slower in {len(c['equal_locality_slower_than_orch'])} of the batch "
+                 "x bandwidth cases (equal-count micro-batches: a long example can lift their bound above a packed "
+                 "plan's)")
     return lines
 
 
@@ -173,7 +175,8 @@ def _plain_log_axis(axis, values) -> None:
 
 def plot(result: dict, path: str) -> None:
     """Left: each balancing method's step speedup over upstream by DP size (methods offset sideways, each its
-    own marker and line, so that equal values stay visible); right: locality's step over orch's by inter-node bandwidth."""
+    own marker and line, so that equal values stay visible); right: locality's step over orch's by inter-node
+    bandwidth."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
