@@ -122,6 +122,13 @@ def lpt(costs, memory, memory_cap, order, num_bins, bin_of_item):
             b = rest + k if rest + k < num_bins else rest + k - num_bins
             load[k] = per_bin[0] + first if b < rest else per_bin[0]
             ids[k] = b
+    if memory_cap == np.inf:  # no bin ever lacks room: the least-loaded bin, nothing held aside
+        for t in range(start, n):
+            item = order[t]
+            bin_of_item[item] = ids[0]
+            load[0] += costs[item]
+            _sift_down(load, ids, size, 0)
+        return -1
     for t in range(start, n):
         item = order[t]
         held = 0

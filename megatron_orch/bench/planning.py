@@ -85,13 +85,13 @@ def draw_step(trace_specs: Sequence[Tuple[str, float]], dp: int, per_rank: int, 
 
 
 def reference_workload() -> float:
-    """CPU seconds of a fixed piece of numpy work (sorting, gathers and sums over 2^18 float64, about the
-    planner's kind of work): timed beside every plan, so a loaded machine's inflation is measured in the
-    same run."""
+    """CPU seconds of a fixed piece of numpy work (sorting, gathers and sums over 2^16 float64, the planner's
+    kind of work, ~10 ms): timed beside every plan, so a loaded machine's inflation is measured in the same
+    run."""
     rng = np.random.default_rng(0)
-    values = rng.random(1 << 18)
+    values = rng.random(1 << 16)
     start = time.process_time()
-    for _ in range(4):
+    for _ in range(2):
         order = np.argsort(values, kind="stable")
         np.bincount(order % 2560, weights=values[order], minlength=2560).max()
     return time.process_time() - start
