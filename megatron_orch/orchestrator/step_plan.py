@@ -209,11 +209,12 @@ def _pull_rank(home: np.ndarray, text_bytes: np.ndarray, rank_of_item) -> np.nda
     return pull
 
 
-def _never_slower(candidate: np.ndarray, reference: np.ndarray, items: Dict[str, PhaseItems], rank_of_item,
-                  home: np.ndarray, topology: Topology, num_microbatches: int, config: OrchestratorConfig) -> bool:
-    """Whether backbone ranks ``candidate`` make a step that :attr:`OrchestratorConfig.step_model` models no
-    slower than ``reference`` at any NIC bandwidth from its lowest to its link's (the encoder plans are the
-    same for both: only the backbone's compute, its text and the embeddings it pulls differ)."""
+def _slower_by(candidate: np.ndarray, reference: np.ndarray, items: Dict[str, PhaseItems], rank_of_item,
+               home: np.ndarray, topology: Topology, num_microbatches: int, config: OrchestratorConfig):
+    """How much slower backbone ranks ``candidate`` make a step than ``reference`` at worst, as
+    :attr:`OrchestratorConfig.step_model` models it over the NIC bandwidths from its lowest to its link's:
+    (relative slowdown, at which Gb/s); 0 or less: never slower. (The encoder plans are the same for both:
+    only the backbone's compute, its text and the embeddings it pulls differ.)"""
     model = config.step_model
     in_seconds = config.cost_profile is not None
     node = topology.node_of_rank
@@ -235,13 +236,15 @@ def _never_slower(candidate: np.ndarray, reference: np.ndarray, items: Dict[str,
 
     ours, theirs = figures(candidate), figures(reference)
     moves = [*ours[1].values(), *theirs[1].values(), *ours[2], *theirs[2]]
+    worst = (-np.inf, model.link.nic_gbits_per_s)
     for nic in model.nic_breakpoints(moves, model.lowest_nic_gbits_per_s):
         at = model.with_nic(nic)
         mine = at.step(encoders, ours[0], num_microbatches, ours[1], ours[2])["step"]
         other = at.step(encoders, theirs[0], num_microbatches, theirs[1], theirs[2])["step"]
-        if mine > other * (1.0 + 1e-12):
-            return False
-    return True
+        excess = mine / other - 1.0 if other > 0 else 0.0
+        if excess > worst[0]:
+            worst = (excess if excess > 1e-12 else min(excess, 0.0), float(nic))
+    return worst
 
 
 def _all_equal(values: np.ndarray) -> bool:
@@ -326,9 +329,12 @@ def plan_step(sizes: StepSizes, phases: ModelPhases, config: OrchestratorConfig,
             else:  # (counts are kept: from the loader's ranks)
                 near = partition_equal_count_locality(llm_costs, home, num_ranks, _gpus_per_node(topology),
                                                       item_bytes=example_bytes, reference=part)
-            if near.method.startswith(("locality_fallback", "equal_locality_fallback")) or not _never_slower(
-                    near.bin_of_item, rank_llm, items, rank_of_item, home, topology, num_microbatches, config):
-                method = f"{part.method}+placed ({near.method} not faster)"
+            slower = None if near.method.startswith(("locality_fallback", "equal_locality_fallback")) else \
+                _slower_by(near.bin_of_item, rank_llm, items, rank_of_item, home, topology, num_microbatches, config)
+            if slower is None:
+                method = f"{part.method}+placed ({near.method}: capacity not met)"
+            elif slower[0] > 0:
+                method = f"{part.method}+placed ({near.method} {100 * slower[0]:.2g}% slower at {slower[1]:.3g} Gb/s)"
             else:
                 rank_llm, method = near.bin_of_item, near.method
 
