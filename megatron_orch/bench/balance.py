@@ -256,6 +256,8 @@ def run(trace_specs: Sequence[tuple], dp: int, per_rank: int, gpus_per_node: int
         "default": DEFAULT,
         "items": {name: len(phases[name]) for name in phases},
         "total_flops": {name: float(phases[name].cost.sum()) for name in phases},
+        "largest_over_mean": {name: float(phases[name].cost.max(initial=0.0) / (phases[name].cost.sum() / dp))
+                              if len(phases[name]) else 0.0 for name in phases},
         "total_bytes": {name: result[name]["none"]["bytes"] for name in phases},
         "memory_cap_bytes": caps,
         "cost_unit": "training FLOPs (3x forward) from the model's shape",
