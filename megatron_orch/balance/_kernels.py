@@ -18,7 +18,7 @@ _JIT = dict(cache=True, nogil=True)
 _INLINE = dict(_JIT, inline="always")
 _PAIR_ITEMS = 32  # two-for-two swaps are tried between bins of at most this many items (496 pairs each)
 _PAIR_PARTNERS = 2  # with the least-loaded this many partners (the largest gaps): each costs a sort of its pairs
-_WIDEN = 8  # a refinement step that finds nothing with its partners tries this many times as many (up to all)
+_WIDEN = 8  # a refinement step that finds nothing with its partners tries this many times as many
 
 
 # ---------------------------------------------------------------------------------------------
@@ -952,8 +952,8 @@ def refine(costs, memory, memory_cap, num_bins, bin_of_item, allow_moves, stop_a
     bins' typical items, where a bin with one long item needs the batch's shortest for its other slots.
     With ``node_size > 0`` (bin r on node r // node_size) the rounds run with the bins of M's node
     first (every item of the node: no round of cheapest items there), then anywhere with ``partners``
-    least-loaded bins (a step that finds nothing there tries :data:`_WIDEN` times as many, and so on up
-    to every bin); there, with a finite ``cross_swap_cap``, only moves, trades with the cheapest items
+    least-loaded bins (a step that finds nothing there tries :data:`_WIDEN` times as many; with
+    ``node_size``, and so on up to every bin); there, with a finite ``cross_swap_cap``, only moves, trades with the cheapest items
     and one-for-one swaps of items costing at most that (a swap that evens out two bins across nodes
     can move two long items, many bytes, for a small difference). Stops at a local optimum, once the
     maximum is at most ``stop_at``, or after ``max_steps``.
@@ -989,7 +989,10 @@ def refine(costs, memory, memory_cap, num_bins, bin_of_item, allow_moves, stop_a
     partner_pairs = (np.empty(num_pairs), np.empty(num_pairs, dtype=np.int64), np.empty(num_pairs, dtype=np.int64))
 
     steps = 0
-    width = partners  # partners anywhere: widened once when they give nothing
+    width = partners  # partners anywhere: widened when they give nothing, up to every bin with node_size (the
+    # locality refinements, which start far from balance), else _WIDEN times (a plain plan stuck within its
+    # tolerance of a bound it may not reach)
+    widest = num_bins - 1 if node_size > 0 else min(num_bins - 1, _WIDEN * partners)
     while steps < max_steps:
         top = rank[num_bins - 1]
         best = load[top]
@@ -1036,8 +1039,8 @@ def refine(costs, memory, memory_cap, num_bins, bin_of_item, allow_moves, stop_a
                     if o >= 0:
                         best_b, num_out, num_in = b, o, i
         if best_b < 0:
-            if width < num_bins - 1:
-                width = min(num_bins - 1, _WIDEN * width)  # stuck among the least-loaded: again with more of them
+            if width < widest:
+                width = min(widest, _WIDEN * width)  # stuck among the least-loaded: again with more of them
                 continue
             break
         width = partners
