@@ -192,11 +192,10 @@ def _example_sources(home: np.ndarray, text_bytes: np.ndarray, rank_of_item):
     return np.concatenate(examples), np.concatenate(sources), np.concatenate(nbytes)
 
 
-def _pull_rank(home: np.ndarray, text_bytes: np.ndarray, rank_of_item) -> np.ndarray:
+def _pull_rank(home: np.ndarray, text_bytes: np.ndarray, rank_of_item, num_ranks: int) -> np.ndarray:
     """For every example, the rank that holds most of the bytes it pulls to its backbone rank (its text on its
     home rank, its embeddings where its items were encoded; ties: home, then the lower rank)."""
     example, source, nbytes = _example_sources(home, text_bytes, rank_of_item)
-    num_ranks = int(home.max(initial=0)) + 1
     keys, inverse = np.unique(example * num_ranks + source, return_inverse=True)
     total = np.bincount(inverse.reshape(-1), weights=nbytes, minlength=keys.size)
     pair_example, pair_rank = keys // num_ranks, keys % num_ranks
@@ -324,7 +323,7 @@ def plan_step(sizes: StepSizes, phases: ModelPhases, config: OrchestratorConfig,
             example_bytes = text_bytes + sum(np.bincount(example, weights=out_bytes, minlength=sizes.num_examples)
                                              for example, _, out_bytes in rank_of_item.values())
             if packed:  # from the rank that holds most of an example's bytes (its encoders may have run elsewhere)
-                near = partition_locality(llm_costs, _pull_rank(home, text_bytes, rank_of_item), num_ranks,
+                near = partition_locality(llm_costs, _pull_rank(home, text_bytes, rank_of_item, num_ranks), num_ranks,
                                           _gpus_per_node(topology), item_bytes=example_bytes, reference=part)
             else:  # (counts are kept: from the loader's ranks)
                 near = partition_equal_count_locality(llm_costs, home, num_ranks, _gpus_per_node(topology),
