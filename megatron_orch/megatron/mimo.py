@@ -59,6 +59,10 @@ if TYPE_CHECKING:
     from megatron.core.models.mimo import MimoModel
 
 LANGUAGE_PHASE = "language"  # MIMO's key of its language module (0.19: MIMO_LANGUAGE_MODULE_KEY)
+# Why --orch-microbatching auto gives a MimoModel equal-count micro-batches (and packed is refused).
+CANNOT_PACK = ("MimoBalancing does not hand packed rows to MimoModel: its colocated forward takes no THD parameters "
+               "(0.16.1) or takes them as packing_kwargs that the adapter does not pass (0.19), and drops the "
+               "attention mask, so a packed row would attend across its examples")
 
 
 @dataclass(frozen=True)
@@ -105,7 +109,8 @@ class MimoBalancing(MegatronModule):
         """What the model's batches hold: each modality's items, placeholders at its special token id."""
         inputs = tuple(EncoderInput(m.name, m.item_shape, self.mimo.special_token_ids[m.name])
                        for m in self.modalities)
-        return BatchSpec(self.phases, inputs, pad_token_id=pad_token_id, seq_length=seq_length)
+        return BatchSpec(self.phases, inputs, pad_token_id=pad_token_id, seq_length=seq_length,
+                         cannot_pack=CANNOT_PACK)
 
     def set_input_tensor(self, input_tensor) -> None:
         self.mimo.set_input_tensor(input_tensor)
