@@ -80,7 +80,10 @@ class ModelParallelSettings:
     tensor_model_parallel_size: int = 1
     pipeline_model_parallel_size: int = 1
     virtual_pipeline_model_parallel_size: Optional[int] = None  # model chunks per pipeline rank (None: one)
-    overlap_p2p_comm: bool = True  # with virtual stages (Megatron-LM's default, --no-overlap-p2p-communication)
+    # with virtual stages, Megatron-LM's --no-overlap-p2p-communication and
+    # --microbatch-group-size-per-virtual-pipeline-stage (None: the pipeline size)
+    overlap_p2p_comm: bool = True
+    microbatch_group_size_per_vp_stage: Optional[int] = None
     bf16: bool = False
     hidden_dropout: float = 0.0
     attention_dropout: float = 0.0
@@ -122,6 +125,7 @@ def transformer_config(shape: TransformerShape, settings: ModelParallelSettings,
         tensor_model_parallel_size=settings.tensor_model_parallel_size,
         pipeline_model_parallel_size=settings.pipeline_model_parallel_size if pipeline_split else 1,
         virtual_pipeline_model_parallel_size=virtual,
+        microbatch_group_size_per_vp_stage=settings.microbatch_group_size_per_vp_stage if pipeline_split else None,
         # Megatron-LM's pairing: overlapped point-to-point sends with virtual stages, batched ones without
         overlap_p2p_comm=overlap_p2p,
         batch_p2p_comm=not overlap_p2p,

@@ -52,6 +52,10 @@ def model_parallel_settings(args: argparse.Namespace) -> ModelParallelSettings:
     return ModelParallelSettings(
         tensor_model_parallel_size=args.tensor_model_parallel_size,
         pipeline_model_parallel_size=args.pipeline_model_parallel_size,
+        virtual_pipeline_model_parallel_size=args.virtual_pipeline_model_parallel_size,
+        # Megatron-LM's flags (the compact trainer keeps Megatron-LM's defaults)
+        overlap_p2p_comm=getattr(args, "overlap_p2p_comm", True),
+        microbatch_group_size_per_vp_stage=getattr(args, "microbatch_group_size_per_vp_stage", None),
         bf16=args.bf16,
         hidden_dropout=args.hidden_dropout,
         attention_dropout=args.attention_dropout,

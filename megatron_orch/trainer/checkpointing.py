@@ -39,9 +39,10 @@ mismatch is reported with both values.
 With the distributed optimizer each rank's file also holds its own shard of the optimizer state
 (main parameters and moments, megatron-core's "dp_reshardable" per-bucket layout): no gather.
 
-A checkpoint resumes only under the same TP/PP/DP sizes. Resuming restores the RNG streams, the
-consumed-sample count (from which the data iterator restarts exactly) and the counts of skipped bad
-examples and truncated answers, so the losses after resuming are the ones an uninterrupted run produces.
+A checkpoint resumes only under the same TP/PP/DP sizes and virtual pipeline stages. Resuming restores
+the RNG streams, the consumed-sample count (from which the data iterator restarts exactly) and the counts
+of skipped bad examples and truncated answers, so the losses after resuming are the ones an uninterrupted
+run produces.
 """
 from __future__ import annotations
 
@@ -188,9 +189,13 @@ def _parallel_ranks() -> dict:
 
 
 def _parallel_sizes() -> dict:
-    return {"tp": parallel_state.get_tensor_model_parallel_world_size(),
-            "pp": parallel_state.get_pipeline_model_parallel_world_size(),
-            "dp": parallel_state.get_data_parallel_world_size()}
+    sizes = {"tp": parallel_state.get_tensor_model_parallel_world_size(),
+             "pp": parallel_state.get_pipeline_model_parallel_world_size(),
+             "dp": parallel_state.get_data_parallel_world_size()}
+    virtual = parallel_state.get_virtual_pipeline_model_parallel_world_size()
+    if virtual is not None:  # model chunks per pipeline rank, recorded where there are several
+        sizes["vpp"] = virtual
+    return sizes
 
 
 def _iteration_dir(root: str, iteration: int) -> Path:
@@ -446,7 +451,7 @@ def _verified_rank_file(root: str, iteration: int, checksums: dict) -> dict:
     if checksums["parallel_sizes"] != _parallel_sizes():
         raise CheckpointError(f"iteration {iteration} under {root} was saved with parallel sizes "
                               f"{checksums['parallel_sizes']}, this run has {_parallel_sizes()}; resume with the same "
-                              "--tensor/--pipeline-model-parallel-size and data-parallel size")
+                              "--tensor/--pipeline-model-parallel-size, virtual pipeline stages and data-parallel size")
     if not path.is_file():
         raise CheckpointError(f"checkpoint file {path} is missing (iteration {iteration} under {root}); "
                               f"{_previous_complete(root, iteration)}")
