@@ -7,7 +7,9 @@ tag's files come from ``../shared/megatron-lm`` (the ``extra_args_provider`` API
 The training runs go through Megatron-LM's own ``megatron.training.pretrain`` (from a patched copy of those
 files, or the unpatched ones with the run-time hook, on CPU over gloo with the test doubles of
 ``megatron_lm_doubles``): DP 2, PP 2 x DP 2 and TP 2 x DP 2, post-balancing off (upstream) then on in the same
-spawned ranks, fp32 and dropout 0, and the losses of every iteration must agree within 1e-5. DP 2 also runs
+spawned ranks, fp32, SGD and dropout 0, and the losses of every iteration and every rank's parameters after the
+run must agree within 1e-5; PP 2 x VPP 2 x DP 2 (virtual pipeline stages) too, on scripted steps, also with
+``--overlap-grad-reduce``. DP 2 also runs
 post-balancing with ``--overlap-grad-reduce``, including a step where a rank gets no items of an encoder phase,
 and the project's compact trainer on the same flags, which must reproduce megatron.training's losses.
 """

@@ -9,7 +9,8 @@ every parameter after the run, within 1e-5: the chunks' layers are the reference
 reproduces the upstream interleaved run; on the step with every heavy example on one DP rank the plan moved
 data and lowered each phase's modeled max/mean. The steps are test_post_balancing's scripted edge cases:
 all heavy examples on one rank, no images anywhere (the vision encoder's zero gradients in the first
-chunk), audio on one rank only. The command-line checks of Megatron's rules run without processes.
+chunk), audio on one rank only. The command-line checks of Megatron's rules and the schedule's handling of
+several chunks (stand-in chunks) run in this process.
 """
 import re
 import warnings
@@ -22,7 +23,6 @@ from dist_utils import run_distributed
 from test_post_balancing import SCENARIOS, scripted_example
 from test_train import stage_state
 
-pytestmark = pytest.mark.distributed
 warnings.filterwarnings("ignore", message=r".*(Transformer Engine|Apex).*not installed")
 
 STEPS = ("heavy_on_one_rank", "no_images", "audio_on_one_rank")
@@ -126,6 +126,7 @@ def assert_same(got: dict, want: dict, rtol: float = 1e-5) -> None:
                 torch.testing.assert_close(other, value, rtol=rtol, atol=1e-6, msg=lambda m: f"{name}: {m}")
 
 
+@pytest.mark.distributed
 def test_interleaved_pipeline_reproduces_the_reference_and_post_balancing_reproduces_it(tmp_path):
     reference = train(tmp_path, "reference", DP, load_initial_state=False)
     upstream = train(tmp_path, "interleaved", 2 * DP, *INTERLEAVED)
@@ -162,3 +163,52 @@ def test_megatrons_rules_for_virtual_stages_are_checked_on_the_command_line(flag
         arguments.parse_args(COMMON + flags, world_size=world_size)
     args = arguments.parse_args(COMMON + INTERLEAVED, world_size=4)
     assert (args.virtual_pipeline_model_parallel_size, args.num_microbatches) == (2, NUM_MB)
+
+
+def test_the_schedule_feeds_every_chunk_and_runs_the_encoders_backward_from_the_first_chunk():
+    """Two stand-in chunks without encoders: megatron-core's schedule gets one iterator per chunk over the step's
+    micro-batches; a grad_sync_func given as one callable is spread over the chunks for the call, the first
+    chunk's wrapped (it runs the encoders' backward), the others as given, and restored afterwards; iterators
+    for the later chunks are refused before the step is read."""
+    from types import SimpleNamespace
+
+    import numpy as np
+
+    from megatron_orch.megatron.post_balancing import BalancedStep
+    from megatron_orch.megatron.schedule import ModalityAwareSchedule
+
+    def grad_sync(*args):
+        pass
+
+    config = SimpleNamespace(finalize_model_grads_func=None, grad_sync_func=grad_sync, no_sync_func=None)
+
+    class Chunk(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.config = config
+
+        def phase_encoders(self):
+            return {}
+
+        def encode(self, phase, items):
+            raise AssertionError("no encoders here")
+
+    seen = {}
+
+    def interleaved(*, data_iterator, model, num_microbatches, **kwargs):
+        seen["batches"] = [list(iterator) for iterator in data_iterator]
+        seen["grad_sync"] = list(config.grad_sync_func)
+        return []
+
+    microbatches = ["micro-batch 0", "micro-batch 1"]
+    step = BalancedStep(microbatches=microbatches, inputs={}, plan=None, rank=0, num_tokens=np.zeros(0, dtype=np.int64),
+                        rows_per_item={}, comm_group=None, moves=None)
+    schedule, chunks = ModalityAwareSchedule(interleaved, dp_group=None), [Chunk(), Chunk()]
+    schedule(forward_step_func=None, data_iterator=[iter([step]), None], model=chunks, num_microbatches=2)
+    assert seen["batches"] == [microbatches, microbatches]
+    assert seen["grad_sync"][0] is not grad_sync and seen["grad_sync"][1] is grad_sync
+    assert config.grad_sync_func is grad_sync
+    steps = iter([step])
+    with pytest.raises(ValueError, match="takes its steps from the first chunk's data iterator"):
+        schedule(forward_step_func=None, data_iterator=[steps, iter([])], model=chunks, num_microbatches=2)
+    assert next(steps) is step  # refused before the step (and its collectives) was read
