@@ -15,7 +15,8 @@ backbone's examples and move the embeddings in between; without ``embeds`` :meth
 encodes the batch's own items first (upstream Megatron behaviour).
 
 Parallelism: the encoders and projectors live on the first pipeline stage, in its first model chunk
-(virtual pipeline stage 0); tensor parallelism comes from Megatron's column/row-parallel layers. Sequence parallelism is not supported.
+(virtual pipeline stage 0); tensor parallelism comes from Megatron's column/row-parallel layers. Sequence
+parallelism is not supported.
 
 Layer specs (:func:`transformer_layer_spec`, Megatron's ``--transformer-impl``): ``local`` is
 megatron-core's local layers with :class:`~megatron_orch.mllm.attention.SDPAttention` as core
