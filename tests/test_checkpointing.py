@@ -751,3 +751,23 @@ def test_replicated_state_digest_sees_the_optimizer_state():
     assert replicated_state_digest(optimizer, scheduler, progress) != digest
     buffer[0, 0] -= 1e-6
     assert replicated_state_digest(optimizer, scheduler, {**progress, "consumed_samples": 4}) != digest
+
+
+def test_a_checkpoint_of_the_other_backbone_class_is_refused_naming_both():
+    """GPTModel (megatron-core before 0.19) and HybridModel (0.19+) name the backbone's parameters differently:
+    a checkpoint of one does not resume on the other, and the refusal says so before anything is loaded."""
+    import copy
+
+    from megatron_orch.mllm.model import BACKBONE_MODULE
+    from megatron_orch.trainer import arguments
+    from megatron_orch.trainer.checkpointing import CheckpointError, check_run_config, run_config
+
+    current = run_config(arguments.parse_args(COMMON, world_size=1))
+    assert current["model_config"]["backbone.module"] == BACKBONE_MODULE
+    other = {"GPTModel": "HybridModel", "HybridModel": "GPTModel"}[BACKBONE_MODULE]
+    saved = copy.deepcopy(current)
+    saved["model_config"]["backbone.module"] = other
+    with pytest.raises(CheckpointError, match=re.escape(f"model config backbone.module: checkpoint {other!r}, "
+                                                        f"this run {BACKBONE_MODULE!r}")):
+        check_run_config(saved, current, Path("iter_0000002"), "match")
+    assert check_run_config(copy.deepcopy(current), current, Path("iter_0000002"), "match") == []

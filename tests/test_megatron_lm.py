@@ -10,7 +10,9 @@ hook.
 The training runs go through Megatron-LM's own ``megatron.training.pretrain`` (from a patched copy of those
 files, or the unpatched ones with the run-time hook, on CPU over gloo with the test doubles of
 ``megatron_lm_doubles``): DP 2, PP 2 x DP 2 and TP 2 x DP 2, post-balancing off (upstream) then on in the same
-spawned ranks, fp32 and dropout 0, and the losses of every iteration must agree within 1e-5. DP 2 also runs
+spawned ranks, fp32, SGD and dropout 0, and the losses of every iteration and every rank's parameters after the
+run must agree within 1e-5; PP 2 x VPP 2 x DP 2 (virtual pipeline stages) too, on scripted steps, also with
+``--overlap-grad-reduce``. DP 2 also runs
 post-balancing with ``--overlap-grad-reduce``, including a step where a rank gets no items of an encoder phase,
 and the project's compact trainer on the same flags, which must reproduce megatron.training's losses.
 """
@@ -27,6 +29,7 @@ import warnings
 from pathlib import Path
 
 import pytest
+import torch
 
 import megatron_lm_doubles as doubles
 from dist_utils import run_distributed, scaled
@@ -42,15 +45,18 @@ TOLERANCE = 1e-5
 # CPU. Dropout 0 and no evaluation, as there; the rerun state machine keeps Megatron's default mode.
 README_FLAGS = re.search(r'^FLAGS="(.*?)"$', (REPO / "README.md").read_text(), re.M | re.S).group(1).replace("\\\n", " ").split()
 CHANGED = {"--global-batch-size": "4", "--train-iters": str(ITERS)}
+# SGD: the runs' parameters are compared too, and Adam's update normalises each gradient element, so an element
+# whose gradient is reduction-order noise moves by different amounts in two runs that agree.
 ARGV = [CHANGED.get(previous, value) for previous, value in zip([None, *README_FLAGS], README_FLAGS)] + [
-    "--seed", str(SEED), "--distributed-backend", "gloo"]
+    "--seed", str(SEED), "--distributed-backend", "gloo", "--optimizer", "sgd"]
 RUNS = {"upstream": [], "post-balancing": ["--orch-post-balancing"],
         "post-balancing, overlapped grad reduce": ["--orch-post-balancing", "--overlap-grad-reduce"]}
 # The project's compact trainer on the same flags (those it has): it must reproduce megatron.training.
 COMPACT = "compact trainer"
+VPP_LAYERS = 4  # the backbone's layers with virtual pipeline stages: one per model chunk at PP 2 x VPP 2
 COMPACT_ARGV = ["--model-config", "tiny", "--seq-length", "128", "--micro-batch-size", "1", "--global-batch-size", "4",
                 "--train-iters", str(ITERS), "--lr", "2e-3", "--log-interval", "1", "--seed", str(SEED),
-                "--distributed-backend", "gloo", "--transformer-impl", "local",
+                "--distributed-backend", "gloo", "--transformer-impl", "local", "--optimizer", "sgd",
                 "--hidden-dropout", "0", "--attention-dropout", "0"]
 
 
@@ -232,6 +238,8 @@ def test_check_args_names_what_post_balancing_cannot_run_with():
     from megatron_orch.megatron import megatron_lm
 
     megatron_lm.check_args(_megatron_args())
+    interleaving = dict(pipeline_model_parallel_size=2, micro_batch_size=1, data_parallel_size=2)
+    megatron_lm.check_args(_megatron_args(virtual_pipeline_model_parallel_size=2, **interleaving, global_batch_size=4))
     megatron_lm.check_args(_megatron_args(hybrid_context_parallel=False, sequence_packing_scheduler=None,
                                           cuda_graph_impl="local", cuda_graph_scope=["attn"],
                                           moe_expert_rank_capacity_factor=None, perform_rl_step=False,
@@ -239,7 +247,8 @@ def test_check_args_names_what_post_balancing_cannot_run_with():
                                           step_batch_size_schedule=None))
     for changes, flag in ((dict(dataloader_type="single"), "--dataloader-type single"),
                           (dict(calculate_per_token_loss=False), "--calculate-per-token-loss is required"),
-                          (dict(virtual_pipeline_model_parallel_size=2), "virtual pipeline stages"),
+                          (dict(virtual_pipeline_model_parallel_size=2, **interleaving, global_batch_size=2),
+                           "virtual pipeline stages with 1 micro-batches per step"),
                           (dict(context_parallel_size=2), "--context-parallel-size 2"),
                           (dict(hybrid_context_parallel=True), "--hybrid-context-parallel"),
                           (dict(sequence_packing_scheduler="dp_balanced"), "--sequence-packing-scheduler dp_balanced"),
@@ -308,18 +317,21 @@ def test_runtime_schedule_hook_wraps_train_only_and_restores():
 
 def _pretrain_runs(rank, world_size, tree, layouts, out_dir):
     """Megatron-LM's pretrain through pretrain_mllm.main_megatron_lm, once per run of each layout
-    ``((tp, pp), runs)``, in these ranks; what each run did goes to ``out_dir/rank<r>.json``."""
+    ``((tp, pp), runs)``, or ``((tp, pp, vpp), runs)`` with virtual pipeline stages (a 4-layer backbone, the
+    scripted steps of test_virtual_pipeline), in these ranks; what each run did goes to ``out_dir/rank<r>.json``."""
     warnings.filterwarnings("ignore")
     doubles.install(None if tree is None else Path(tree))
     spec = importlib.util.spec_from_file_location("pretrain_mllm", REPO / "pretrain_mllm.py")
     pretrain_mllm = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(pretrain_mllm)
-    results = {}
+    results, params = {}, {}
     for parallel, runs in layouts:
         for name in runs:
             run = _compact_run if name == COMPACT else _megatron_lm_run
             results.setdefault(str(parallel), {})[name] = run(pretrain_mllm, world_size, parallel, name)
+            params.setdefault(str(parallel), {})[name] = results[str(parallel)][name].pop("params", None)
     (Path(out_dir) / f"rank{rank}.json").write_text(json.dumps(results))
+    torch.save(params, Path(out_dir) / f"params{rank}.pt")  # each run's parameters after its last step
 
 
 def _megatron_lm_run(pretrain_mllm, world_size, parallel, name) -> dict:
@@ -329,10 +341,12 @@ def _megatron_lm_run(pretrain_mllm, world_size, parallel, name) -> dict:
 
     from megatron_orch.megatron import schedule
     from megatron_orch.megatron.schedule import ModalityAwareSchedule
+    from megatron_orch.mllm import providers
+    from test_virtual_pipeline import scripted_iterator
 
     import megatron.training
 
-    record = {"losses": [], "schedule": [], "moved_items": 0, "zero_gradients": 0, "hook": []}
+    record = {"losses": [], "schedule": [], "moved_items": 0, "zero_gradients": 0, "hook": [], "reports": []}
     stock_train_step, stock_zero_gradients = training.train_step, schedule._zero_gradients
     stock_print_rank_0 = megatron.training.print_rank_0
 
@@ -341,12 +355,17 @@ def _megatron_lm_run(pretrain_mllm, world_size, parallel, name) -> dict:
             record["hook"].append(message)
         stock_print_rank_0(message)
 
-    def train_step(*args, **kwargs):  # positional as train() calls it: the schedule is the 7th
+    def train_step(*args, **kwargs):  # positional as train() calls it: the model chunks 3rd, the schedule 7th
         out = stock_train_step(*args, **kwargs)
-        schedule_used = args[6]
+        model, schedule_used = args[2], args[6]
         record["schedule"].append(type(schedule_used).__name__)
+        stock = schedule_used.forward_backward_func if isinstance(schedule_used, ModalityAwareSchedule) else schedule_used
+        record["megatron_schedule"], record["chunks"] = stock.__name__, len(model)
+        record["params"] = {f"chunk{i}.{n}": p.detach().clone() for i, chunk in enumerate(model)
+                            for n, p in chunk.named_parameters()}
         if isinstance(schedule_used, ModalityAwareSchedule):
             plan = schedule_used.last_step.plan
+            record["reports"].append(plan.report())
             for transfer in (plan.text_transfer(), *(plan.input_transfer(p) for p in plan.encoders)):
                 traffic = transfer.traffic_matrix()
                 record["moved_items"] += int(traffic.sum() - traffic.trace())
@@ -358,16 +377,23 @@ def _megatron_lm_run(pretrain_mllm, world_size, parallel, name) -> dict:
         record["zero_gradients"] += 1
         stock_zero_gradients(encoder)
 
+    tp, pp, *virtual = parallel
+    flags = ["--tensor-model-parallel-size", str(tp), "--pipeline-model-parallel-size", str(pp)]
+    stock_data = providers.build_train_data_iterator
+    if virtual:
+        flags += ["--num-layers", str(VPP_LAYERS), "--num-layers-per-virtual-pipeline-stage",
+                  str(VPP_LAYERS // (pp * virtual[0]))]
+        providers.build_train_data_iterator = scripted_iterator
     training.train_step, schedule._zero_gradients = train_step, zero_gradients
     megatron.training.print_rank_0 = print_rank_0
-    doubles.prepare_run(*parallel, seed=SEED)
-    sys.argv = ["pretrain_mllm.py", *ARGV, "--tensor-model-parallel-size", str(parallel[0]),
-                "--pipeline-model-parallel-size", str(parallel[1]), *RUNS[name]]
+    doubles.prepare_run(tp, pp, seed=SEED, virtual_pipeline_model_parallel_size=virtual[0] if virtual else None)
+    sys.argv = ["pretrain_mllm.py", *ARGV, *flags, *RUNS[name]]
     try:
         pretrain_mllm.main_megatron_lm()
     finally:
         training.train_step, schedule._zero_gradients = stock_train_step, stock_zero_gradients
         megatron.training.print_rank_0 = stock_print_rank_0
+        providers.build_train_data_iterator = stock_data
         doubles.reset()
     return record
 
@@ -386,7 +412,16 @@ def _compact_run(pretrain_mllm, world_size, parallel, name) -> dict:
 
 
 def _check_runs(out_dir: Path, world_size: int, parallel, runs, hook: str) -> None:
+    """Every megatron.training run of the layout: the upstream run's losses and, on every rank, its parameters
+    after the run (within 1e-5), the schedule each used, and that the balanced runs moved data."""
     ranks = [json.loads((out_dir / f"rank{r}.json").read_text())[str(parallel)] for r in range(world_size)]
+    for rank in range(world_size):
+        params = torch.load(out_dir / f"params{rank}.pt")[str(parallel)]
+        for name in [run for run in runs[1:] if run != COMPACT]:
+            assert params[name].keys() == params["upstream"].keys(), name
+            for key, value in params["upstream"].items():
+                torch.testing.assert_close(params[name][key], value, rtol=TOLERANCE, atol=1e-6,
+                                           msg=lambda m: f"{parallel} {name}, rank {rank}, {key}: {m}")
     last = ranks[-1]  # on the last pipeline stage (and the compact trainer's logging rank)
     upstream = last["upstream"]["losses"]
     assert len(upstream) == ITERS
@@ -431,13 +466,30 @@ def test_megatron_training_dp2_with_the_runtime_hook(unpatched_tree, tmp_path):
 
 
 @pytest.mark.distributed
-def test_megatron_training_pp2_dp2_and_tp2_dp2(hooked_tree, tmp_path):
-    """Four ranks, two layouts one after the other in the same processes (saves starting them twice)."""
+def test_megatron_training_pp2_dp2_tp2_dp2_and_pp2_vpp2_dp2(hooked_tree, tmp_path):
+    """Four ranks, three layouts one after the other in the same processes (saves starting them three times).
+    PP 2 x VPP 2 x DP 2 (Megatron-LM's --num-layers-per-virtual-pipeline-stage over a 4-layer backbone: two
+    model chunks per rank, megatron-core's interleaved schedule) on the scripted steps of test_virtual_pipeline,
+    also with --overlap-grad-reduce (a grad_sync_func per chunk: the encoders' backward runs from the first
+    chunk's); its step with every heavy example on one DP rank moved data and lowered each phase's max/mean."""
+    from test_virtual_pipeline import STEPS
+
     tree, hook = hooked_tree
-    layouts = [((1, 2), ["upstream", "post-balancing"]), ((2, 1), ["upstream", "post-balancing"])]
-    run_distributed(_pretrain_runs, 4, tree, layouts, str(tmp_path), timeout_s=500)
+
+    interleaved = ((1, 2, 2), ["upstream", "post-balancing", "post-balancing, overlapped grad reduce"])
+    layouts = [((1, 2), ["upstream", "post-balancing"]), ((2, 1), ["upstream", "post-balancing"]), interleaved]
+    run_distributed(_pretrain_runs, 4, tree, layouts, str(tmp_path), timeout_s=700)
     for layout in layouts:
         _check_runs(tmp_path, 4, *layout, hook=hook)
+    ranks = [json.loads((tmp_path / f"rank{r}.json").read_text())[str(interleaved[0])] for r in range(4)]
+    for run in interleaved[1]:
+        assert all(r[run]["chunks"] == 2 for r in ranks), run
+        assert {r[run]["megatron_schedule"] for r in ranks} == {"forward_backward_pipelining_with_interleaving"}, run
+    for run in interleaved[1][1:]:
+        heavy = ranks[0][run]["reports"][STEPS.index("heavy_on_one_rank")]
+        assert heavy["intra-node MB"] + heavy["inter-node MB"] > 0, heavy
+        for phase in ("vision", "audio", "llm"):
+            assert heavy[f"{phase} after"] < heavy[f"{phase} before"], (run, heavy)
 
 
 def test_trainer_is_chosen_by_flag_not_by_machine():

@@ -1,12 +1,13 @@
 """Megatron-Core's ``MimoModel`` (``megatron.core.models.mimo``, 0.16.1 and 0.19.x), balanced out of the box.
 
-A ``MimoModel`` holds named modality submodules (each: its encoders and an input projection) and a
-language model. Its forward runs them all on one micro-batch: every modality submodule over that
-micro-batch's raw inputs (``modality_inputs[name][encoder][keyword]``), text embeddings from the
-language model's embedding, each modality's embeddings scattered at its ``special_token_ids``
-placeholder in token order (``align_embeddings_by_token_positions``), then the language model. Its own
-cross-layout communication moves encoder outputs by equal batch slices, relying on a uniform token
-count per sample (``mimo/comm/colocated_communicator.py``, 0.19).
+A ``MimoModel`` holds named modality submodules (each: its encoders and an input projection) and a language
+model (``GPTModel`` or, 0.19+, ``HybridModel``: the adapter reads only what both have). Its forward runs
+them all on one micro-batch: every modality submodule over that micro-batch's raw inputs
+(``modality_inputs[name][encoder][keyword]``), text embeddings from the language model's embedding, each
+modality's embeddings scattered at its ``special_token_ids`` placeholder in token order
+(``align_embeddings_by_token_positions``), then the language model. Its own cross-layout communication moves
+encoder outputs by equal batch slices, relying on a uniform token count per sample
+(``mimo/comm/colocated_communicator.py``, 0.19).
 
 :class:`MimoBalancing` wraps one so that it meets the contract (:mod:`megatron_orch.megatron.contract`):
 

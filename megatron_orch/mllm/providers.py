@@ -52,6 +52,10 @@ def model_parallel_settings(args: argparse.Namespace) -> ModelParallelSettings:
     return ModelParallelSettings(
         tensor_model_parallel_size=args.tensor_model_parallel_size,
         pipeline_model_parallel_size=args.pipeline_model_parallel_size,
+        virtual_pipeline_model_parallel_size=args.virtual_pipeline_model_parallel_size,
+        # Megatron-LM's flags (the compact trainer keeps Megatron-LM's defaults)
+        overlap_p2p_comm=getattr(args, "overlap_p2p_comm", True),
+        microbatch_group_size_per_vp_stage=getattr(args, "microbatch_group_size_per_vp_stage", None),
         bf16=args.bf16,
         hidden_dropout=args.hidden_dropout,
         attention_dropout=args.attention_dropout,
@@ -64,10 +68,12 @@ def model_parallel_settings(args: argparse.Namespace) -> ModelParallelSettings:
     )
 
 
-def build_model(args: argparse.Namespace, pre_process: bool = True, post_process: bool = True) -> MLLMModel:
-    """This pipeline stage's part of the MLLM (Megatron's ``model_provider(pre_process, post_process)``)."""
+def build_model(args: argparse.Namespace, pre_process: bool = True, post_process: bool = True,
+                vp_stage: Optional[int] = None) -> MLLMModel:
+    """This pipeline stage's part of the MLLM, its model chunk ``vp_stage`` with virtual pipeline stages
+    (Megatron's ``model_provider(pre_process, post_process, vp_stage)``)."""
     return MLLMModel(args.mllm_config, model_parallel_settings(args), args.seq_length,
-                     pre_process=pre_process, post_process=post_process)
+                     pre_process=pre_process, post_process=post_process, vp_stage=vp_stage)
 
 
 def build_train_data_iterator(args: argparse.Namespace, consumed_samples: int, data_parallel_rank: int,

@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import Callable, Iterable, NoReturn, Optional, Sequence
 
 from megatron_orch.megatron.orch_arguments import add_orch_args, orch_config_from_args
+from megatron_orch.megatron.pipeline_layout import check_interleaved_microbatches, virtual_pipeline_size
 from megatron_orch.mllm.check_data import add_data_args
 from megatron_orch.mllm.config import MLLMConfig, load_model_config
 
@@ -98,6 +99,10 @@ def add_megatron_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParse
     g = parser.add_argument_group("parallelism")
     g.add_argument("--tensor-model-parallel-size", type=int, default=1)
     g.add_argument("--pipeline-model-parallel-size", type=int, default=1)
+    g.add_argument("--num-layers-per-virtual-pipeline-stage", type=int, default=None,
+                   help="virtual pipeline stages (Megatron's interleaved 1F1B): backbone layers per model chunk")
+    g.add_argument("--num-virtual-stages-per-pipeline-rank", type=int, default=None,
+                   help="virtual pipeline stages: model chunks per pipeline rank")
     g.add_argument("--use-distributed-optimizer", action="store_true")
     g.add_argument("--distributed-backend", choices=["nccl", "gloo"], default=None,
                    help="nccl: train on GPUs; gloo: train on CPU through megatron_orch.trainer.cpu_harness. "
@@ -332,6 +337,14 @@ def validate_args(args: argparse.Namespace, world_size: int) -> argparse.Namespa
                             "(a folder with .nv-meta)")
     args.calculate_per_token_loss = True
     args.mllm_config = resolve_model_config(args)
+    try:
+        args.virtual_pipeline_model_parallel_size = virtual_pipeline_size(
+            args.mllm_config.backbone.transformer.num_layers, args.pipeline_model_parallel_size,
+            args.num_layers_per_virtual_pipeline_stage, args.num_virtual_stages_per_pipeline_rank)
+        if args.virtual_pipeline_model_parallel_size is not None:
+            check_interleaved_microbatches(args.num_microbatches, args.pipeline_model_parallel_size)
+    except ValueError as err:
+        raise ArgumentError(str(err)) from None
     try:
         args.orch_config = orch_config_from_args(args)
         if args.orch_config is not None:

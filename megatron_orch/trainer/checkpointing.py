@@ -42,7 +42,8 @@ refreshed for :data:`LOCK_STALE_S` seconds (its holder refreshes it every :data:
 stale and taken over. Holding the lock, rank 0 removes the temporary files of interrupted saves.
 
 Resuming checks the run against the checkpoint's (Megatron-LM's ``check_checkpoint_args`` and
-``OptimizerParamScheduler`` checks, extended): the model, sequence length, seed, data path (and the
+``OptimizerParamScheduler`` checks, extended): the model (and its backbone's megatron-core class:
+``GPTModel`` before 0.19, ``HybridModel`` from 0.19), sequence length, seed, data path (and the
 manifest's content, unless ``--allow-changed-data``), precision and optimizer layout must match; the
 LR/weight-decay schedule and what defines it (``--train-iters``, ``--global-batch-size``, the ``--lr*``
 flags, ``--weight-decay``) must match unless ``--override-opt_param-scheduler`` (this run's schedule)
@@ -52,10 +53,10 @@ mismatch is reported with both values.
 With the distributed optimizer each rank's file also holds its own shard of the optimizer state
 (main parameters and moments, megatron-core's "dp_reshardable" per-bucket layout): no gather.
 
-A checkpoint resumes only under the same TP/PP/DP sizes. Resuming restores the RNG streams, the
-consumed-sample count (from which the data iterator restarts exactly; an Energon loader from its own
-state, saved in each rank's file as plain types) and the counts of skipped bad examples and truncated
-answers, so the losses after resuming are the ones an uninterrupted run produces.
+A checkpoint resumes only under the same TP/PP/DP sizes and virtual pipeline stages. Resuming restores
+the RNG streams, the consumed-sample count (from which the data iterator restarts exactly; an Energon
+loader from its own state, saved in each rank's file as plain types) and the counts of skipped bad
+examples and truncated answers, so the losses after resuming are the ones an uninterrupted run produces.
 """
 from __future__ import annotations
 
@@ -85,6 +86,7 @@ from megatron.core import parallel_state, tensor_parallel
 from megatron_orch.comm.gather import all_gather_to_host
 from megatron_orch.comm.status import describe, raise_if_any_rank_failed
 from megatron_orch.mllm.data import data_identity
+from megatron_orch.mllm.model import BACKBONE_MODULE
 
 TRACKER_FILENAME = "latest_checkpointed_iteration.txt"
 CHECKSUMS_FILENAME = "checksums.json"
@@ -126,7 +128,8 @@ def run_config(args) -> dict:
     """What a resumed run is checked against: the fixed and schedule flags, the model, the --orch-* flags."""
     config = {name: getattr(args, name, None) for name in FIXED_FLAGS + SCHEDULE_FLAGS}
     config["data_identity"] = data_identity(args.data_path) if args.data_path else None
-    config["model_config"] = _flatten(dataclasses.asdict(args.mllm_config))
+    # the backbone's megatron-core class too: GPTModel's and HybridModel's parameters are named differently
+    config["model_config"] = {**_flatten(dataclasses.asdict(args.mllm_config)), "backbone.module": BACKBONE_MODULE}
     config["orch"] = {name: value for name, value in sorted(vars(args).items())
                       if name.startswith("orch_") and name != "orch_config"}
     return config
@@ -207,9 +210,13 @@ def _parallel_ranks() -> dict:
 
 
 def _parallel_sizes() -> dict:
-    return {"tp": parallel_state.get_tensor_model_parallel_world_size(),
-            "pp": parallel_state.get_pipeline_model_parallel_world_size(),
-            "dp": parallel_state.get_data_parallel_world_size()}
+    sizes = {"tp": parallel_state.get_tensor_model_parallel_world_size(),
+             "pp": parallel_state.get_pipeline_model_parallel_world_size(),
+             "dp": parallel_state.get_data_parallel_world_size()}
+    virtual = parallel_state.get_virtual_pipeline_model_parallel_world_size()
+    if virtual is not None:  # model chunks per pipeline rank, recorded where there are several
+        sizes["vpp"] = virtual
+    return sizes
 
 
 def _iteration_dir(root: str, iteration: int) -> Path:
@@ -513,7 +520,7 @@ def _verified_rank_file(root: str, iteration: int, checksums: dict, safe_types: 
     if checksums["parallel_sizes"] != _parallel_sizes():
         raise CheckpointError(f"iteration {iteration} under {root} was saved with parallel sizes "
                               f"{checksums['parallel_sizes']}, this run has {_parallel_sizes()}; resume with the same "
-                              "--tensor/--pipeline-model-parallel-size and data-parallel size")
+                              "--tensor/--pipeline-model-parallel-size, virtual pipeline stages and data-parallel size")
     if not path.is_file():
         raise CheckpointError(f"checkpoint file {path} is missing (iteration {iteration} under {root}); "
                               f"{_previous_complete(root, iteration)}")

@@ -3,7 +3,8 @@
 It does what ``megatron.training.pretrain`` does for this model, with megatron-core's own parts:
 ``parallel_state`` (gloo on CPU, through :mod:`~megatron_orch.trainer.cpu_harness`), Megatron DDP,
 ``get_megatron_optimizer`` (optionally the distributed optimizer), ``OptimizerParamScheduler``,
-``get_forward_backward_func()`` (no pipelining, or 1F1B with pipeline parallelism),
+``get_forward_backward_func()`` (no pipelining, 1F1B with pipeline parallelism, or the interleaved 1F1B
+with virtual pipeline stages: one model chunk per virtual stage, as Megatron-LM's ``get_model``),
 ``finalize_model_grads`` with per-token loss normalisation, Megatron timers, iteration log lines,
 TensorBoard scalars and checkpoint save/resume.
 """
@@ -35,6 +36,7 @@ from megatron_orch.comm.gather import all_gather_to_host
 from megatron_orch.mllm import providers
 from megatron_orch.mllm.providers import runs_on_cpu
 from megatron_orch.comm.status import raise_if_any_rank_failed
+from megatron_orch.megatron.schedule import data_iterators
 from megatron_orch.mllm.data import DataEvent, TooManyBadExamplesError
 from megatron_orch.trainer.checkpointing import (TrainState, check_save_folder, load_checkpoint, lock_save_folder,
                                                  new_run_id, run_config, save_checkpoint)
@@ -68,6 +70,7 @@ def initialize(args: argparse.Namespace) -> None:
     parallel_state.initialize_model_parallel(
         tensor_model_parallel_size=args.tensor_model_parallel_size,
         pipeline_model_parallel_size=args.pipeline_model_parallel_size,
+        virtual_pipeline_model_parallel_size=args.virtual_pipeline_model_parallel_size,
         distributed_timeout_minutes=args.distributed_timeout_minutes)
     set_random_seed(args.seed)
 
@@ -88,25 +91,37 @@ def shutdown() -> None:
 
 
 def build_model(args: argparse.Namespace, model_provider: Callable = providers.build_model) -> list:
-    """This rank's model chunk (one: no virtual pipeline), in bf16 if asked, wrapped in Megatron DDP.
+    """This rank's model chunks, in bf16 if asked, each wrapped in Megatron DDP: one, or one per virtual
+    pipeline stage (``model_provider(args, pre_process, post_process, vp_stage=...)``, as Megatron-LM's
+    ``get_model`` builds them, bucketing the first chunk's gradients only).
 
     A rank whose ``model_provider`` fails (a bad config, out of memory) raises on every rank: the
     outcome is agreed before the wrapping and the optimizer, which run collectives.
     """
-    module, error = None, None
+    chunks, error = [], None
     try:
-        module = model_provider(args, pre_process=parallel_state.is_pipeline_first_stage(),
-                                post_process=parallel_state.is_pipeline_last_stage())
+        if args.virtual_pipeline_model_parallel_size is None:
+            chunks.append(model_provider(args, pre_process=parallel_state.is_pipeline_first_stage(),
+                                         post_process=parallel_state.is_pipeline_last_stage()))
+        for vp_stage in range(args.virtual_pipeline_model_parallel_size or 0):
+            chunk = {"ignore_virtual": False, "vp_stage": vp_stage}
+            chunks.append(model_provider(args, pre_process=parallel_state.is_pipeline_first_stage(**chunk),
+                                         post_process=parallel_state.is_pipeline_last_stage(**chunk),
+                                         vp_stage=vp_stage))
     except Exception as err:  # noqa: BLE001
         error = err
     raise_if_any_rank_failed(error, what="building the model")
-    config = module.config
-    module.to(providers.compute_device(args))  # the encoders' plain torch layers are built on the CPU
-    if args.bf16:
-        module = Float16Module(config, module)
     ddp_config = DistributedDataParallelConfig(grad_reduce_in_fp32=args.bf16, overlap_grad_reduce=False,
                                                use_distributed_optimizer=args.use_distributed_optimizer)
-    return [DistributedDataParallel(config=config, ddp_config=ddp_config, module=module)]
+    model = []
+    for index, module in enumerate(chunks):
+        config = module.config
+        module.to(providers.compute_device(args))  # the encoders' plain torch layers are built on the CPU
+        if args.bf16:
+            module = Float16Module(config, module)
+        model.append(DistributedDataParallel(config=config, ddp_config=ddp_config, module=module,
+                                             disable_bucketing=index > 0))
+    return model
 
 
 def build_optimizer(args: argparse.Namespace, model: list, timers: Optional[Timers] = None):
@@ -145,7 +160,7 @@ def attach_to_model_config(model: list, optimizer, timers: Timers) -> None:
     # step; the step times are per rank anyway (the log line shows max/mean over ranks).
     config.barrier_with_L1_time = False
     config.grad_scale_func = optimizer.scale_loss
-    config.no_sync_func = model[0].no_sync
+    config.no_sync_func = [chunk.no_sync for chunk in model] if len(model) > 1 else model[0].no_sync
     config.finalize_model_grads_func = finalize_model_grads
     if not config.calculate_per_token_loss:
         raise ValueError("the MLLM trains with per-token loss normalisation (calculate_per_token_loss)")
@@ -453,6 +468,8 @@ def _set_up_and_train(args, model_provider, forward_step, print_fn, lock) -> lis
     else:
         data_iterator = StepReader(data_iterator, args.num_microbatches)
         read_step = data_iterator.read_step
+        if len(model) > 1:
+            forward_backward_func = feeding_every_chunk(forward_backward_func)
     # megatron.training hands the schedule its iterator wrapped by the rerun machinery; so do we, so the
     # post-balancing iterator is exercised exactly as it is there.
     data_iterator = RerunDataIterator(data_iterator)
@@ -460,10 +477,23 @@ def _set_up_and_train(args, model_provider, forward_step, print_fn, lock) -> lis
                  forward_backward_func, read_step, data_source, lock, config)
 
 
+def feeding_every_chunk(forward_backward_func: Callable) -> Callable:
+    """The interleaved schedule for an upstream step: megatron-core's takes one data iterator per model chunk
+    (Megatron-LM gives every chunk a loader over the same samples); here each micro-batch of the step is read
+    once, so counted once, and every chunk iterates over them (:func:`~megatron_orch.megatron.schedule.data_iterators`,
+    as the modality-aware schedule feeds a balanced step)."""
+    def run(*, data_iterator, model, num_microbatches, **kwargs):
+        microbatches = [next(data_iterator) for _ in range(num_microbatches)]
+        return forward_backward_func(data_iterator=data_iterators(microbatches, model), model=model,
+                                     num_microbatches=num_microbatches, **kwargs)
+    return run
+
+
 def _describe(args: argparse.Namespace, model: list) -> str:
     params = sum(p.numel() for chunk in model for p in chunk.parameters())
+    virtual = f" (x {len(model)} virtual stages)" if len(model) > 1 else ""
     return (f" > model config {args.mllm_config.name}: {params} parameters on rank 0 | world size "
             f"{args.world_size} = TP {args.tensor_model_parallel_size} x PP "
-            f"{args.pipeline_model_parallel_size} x DP {args.data_parallel_size} | global batch "
+            f"{args.pipeline_model_parallel_size}{virtual} x DP {args.data_parallel_size} | global batch "
             f"{args.global_batch_size} = micro-batch {args.micro_batch_size} x {args.num_microbatches} "
             f"micro-batches x DP {args.data_parallel_size}")
