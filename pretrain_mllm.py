@@ -116,7 +116,8 @@ def main_megatron_lm() -> None:
         return args
 
     def model_provider(pre_process=True, post_process=True, vp_stage=None, **unused):
-        return providers.build_model(mllm_args(), pre_process=pre_process, post_process=post_process)
+        return providers.build_model(mllm_args(), pre_process=pre_process, post_process=post_process,
+                                     vp_stage=vp_stage)
 
     def build_train_iterator():
         args = mllm_args()
@@ -126,9 +127,9 @@ def main_megatron_lm() -> None:
             train, _ = providers.build_post_balancing(args, args.orch_config, train, forward_backward_func=None)
         return train
 
-    wrapper = (megatron_lm.schedule_wrapper(lambda: mllm_args().orch_config.encoder_recompute)
-               if post_balancing or shadow else None)
-    megatron_lm.pretrain(megatron_lm.external_data_provider(build_train_iterator), model_provider,
+    hooked = post_balancing or shadow  # the modality-aware schedule takes the steps of the first model chunk
+    wrapper = megatron_lm.schedule_wrapper(lambda: mllm_args().orch_config.encoder_recompute) if hooked else None
+    megatron_lm.pretrain(megatron_lm.external_data_provider(build_train_iterator, hooked), model_provider,
                          ModelType.encoder_or_decoder, providers.forward_step,
                          extra_args_provider=arguments.add_mllm_args, args_defaults={"dataloader_type": "external"},
                          forward_backward_func_wrapper=wrapper, announce=print_rank_0)

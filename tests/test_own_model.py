@@ -83,24 +83,30 @@ def test_model_type_and_set_input_tensor_are_named_with_the_mixin(harness, world
 
 
 def test_packed_rows_with_mimo_are_refused_when_the_iterator_is_built(harness, world_of_one, monkeypatch):
-    """Refused at build time, before the iterator's first collective (it makes its communicator), not in the
-    first forward after the step's moves."""
+    """Refused at build time, before the first collective of the iterator (it makes its communicator) and of
+    post_balance (the DP group's topology, the communicator), not in the first forward after the step's moves."""
     import torch.distributed as dist
 
     from example_modules import mimo_example
     from megatron_orch.balance.topology import Topology
-    from megatron_orch.megatron import OrchestratorConfig, ParallelGroups, PostBalancingDataIterator, StepShape
-    from megatron_orch.megatron import post_balancing
+    from megatron_orch.megatron import (OrchestratorConfig, ParallelGroups, PostBalancingDataIterator, StepShape,
+                                        any_loop, post_balance, post_balancing)
 
     def no_collective(*args, **kwargs):
         raise AssertionError("a collective before the refusal")
 
-    monkeypatch.setattr(post_balancing, "dedicated_group", no_collective)
+    for module, name in ((post_balancing, "dedicated_group"), (any_loop, "dedicated_group"),
+                         (any_loop, "group_topology")):
+        monkeypatch.setattr(module, name, no_collective)
     spec = mimo_example().spec_of(mimo_example().build())
-    with pytest.raises(NotImplementedError, match="--orch-microbatching packed: packed rows with a MimoModel"):
-        PostBalancingDataIterator(_unread(), spec, OrchestratorConfig(microbatching="packed"), StepShape(2, 2),
+    packed = OrchestratorConfig(microbatching="packed")
+    refusal = "--orch-microbatching packed: MimoBalancing does not hand packed rows to MimoModel"
+    with pytest.raises(ValueError, match=refusal):
+        PostBalancingDataIterator(_unread(), spec, packed, StepShape(2, 2),
                                   ParallelGroups(dist.group.WORLD, Topology.uniform(1, 1)),
                                   compute_device=torch.device("cpu"))
+    with pytest.raises(ValueError, match=refusal):
+        post_balance(None, _unread(), spec, StepShape(2, 2), config=packed)
 
 
 def test_a_balanced_step_reaching_a_stock_schedule_says_so(harness, world_of_one):

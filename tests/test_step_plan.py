@@ -12,8 +12,9 @@ from megatron_orch.orchestrator.step_plan import plan_step
 
 TINY = load_model_config("tiny").phases()
 CONFIGS = [OrchestratorConfig(background=False),
-           OrchestratorConfig(microbatching="packed", background=False),
+           OrchestratorConfig(microbatching="equal_count", background=False),
            OrchestratorConfig(locality=True, background=False),
+           OrchestratorConfig(microbatching="equal_count", locality=True, background=False),
            OrchestratorConfig(placement="minmax", background=False),
            OrchestratorConfig(phases=("vision",), background=False)]
 
@@ -164,3 +165,14 @@ def test_three_encoder_phases_are_planned_and_balanced():
         check_plan(plan, sizes, config, mbs, num_mb)
         assert list(plan.stats) == ["vision", "video", "audio", "llm"]
         assert plan.stats["video"].imbalance_after < 1.1 < plan.stats["video"].imbalance_before
+
+
+def test_auto_micro_batching_packs_unless_the_backbone_cannot():
+    auto = OrchestratorConfig()
+    assert auto.microbatching == "auto" and auto.packed  # plan_step plans auto as packed
+    assert auto.resolve_microbatching(None).microbatching == "packed"
+    assert auto.resolve_microbatching("its forward takes no THD parameters").microbatching == "equal_count"
+    equal = OrchestratorConfig(microbatching="equal_count")
+    assert equal.resolve_microbatching(None) is equal and not equal.packed
+    with pytest.raises(ValueError, match="--orch-microbatching packed: its forward takes no THD parameters"):
+        OrchestratorConfig(microbatching="packed").resolve_microbatching("its forward takes no THD parameters")

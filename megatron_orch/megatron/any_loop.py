@@ -32,7 +32,8 @@ from megatron_orch.comm.communicator import dedicated_group
 from megatron_orch.comm.group_topology import group_topology
 from megatron_orch.megatron.batch import BatchSpec, MicroBatch
 from megatron_orch.megatron.first_step import check_model_and_config, print_on_rank_0
-from megatron_orch.megatron.post_balancing import ParallelGroups, PostBalancingDataIterator, StepShape
+from megatron_orch.megatron.post_balancing import (ParallelGroups, PostBalancingDataIterator, StepShape,
+                                                   resolve_microbatching)
 from megatron_orch.megatron.schedule import ModalityAwareSchedule
 from megatron_orch.orchestrator.config import OrchestratorConfig
 
@@ -50,7 +51,7 @@ def post_balance(forward_backward_func: Optional[Callable], data_iterator: Itera
     pipeline stage, the TP/PP peers, and a communicator of the DP group's ranks (``timeout``: its collectives').
 
     ``model`` (optional): checked now (the contract, per-token loss), else on the schedule's first call; either
-    way before any collective. ``compute_device``: where the encoders run (default: this rank's GPU, else the
+    way before any collective, as packed micro-batches for a model that cannot take them are refused. ``compute_device``: where the encoders run (default: this rank's GPU, else the
     CPU); ``input_dtype``: what raw encoder items travel in (the encoders' own dtype). ``config``: the
     planner's settings, shadow mode (``shadow=True``) and the checked first step (``verify_first_step``, on
     by default); ``announce`` gets the checked first step's line. Call every collective-making part of this on
@@ -58,6 +59,7 @@ def post_balance(forward_backward_func: Optional[Callable], data_iterator: Itera
     """
     if model is not None:
         check_model_and_config(model)
+    resolve_microbatching(spec, config, step)  # packed rows the model cannot take: refused before the collectives
     if compute_device is None:
         compute_device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else \
             torch.device("cpu")

@@ -235,19 +235,27 @@ def _gradient_norms(chunks: Sequence[torch.nn.Module], module: BalanceableModel,
 
 
 @contextlib.contextmanager
-def _reduced_at_the_end(chunks: Sequence[torch.nn.Module]) -> Iterator[None]:
+def _reduced_at_the_end(chunks: Sequence[torch.nn.Module], model_config) -> Iterator[None]:
     """Megatron DDP's overlapped gradient reduction off for the block (its gradients reduced when the schedule
     finishes, as without it): DDP calibrates the overlapped reduction on its first step, recording which
     parameters report a gradient in the last micro-batch, and that step must be a balanced one (the upstream
-    layout may skip an encoder in its last micro-batch, which DDP would then refuse)."""
-    configs = [c.ddp_config for c in chunks if getattr(getattr(c, "ddp_config", None), "overlap_grad_reduce", False)]
+    layout may skip an encoder in its last micro-batch, which DDP would then refuse). The model config's
+    ``grad_sync_func`` is unset with it: without the overlap, DDP's ``start_grad_sync`` reduces at once, and
+    ``finalize_model_grads_func`` would reduce the same gradients again."""
+    configs = list({id(c.ddp_config): c.ddp_config for c in chunks
+                    if getattr(getattr(c, "ddp_config", None), "overlap_grad_reduce", False)}.values())
+    grad_sync = getattr(model_config, "grad_sync_func", None)
     for config in configs:
         config.overlap_grad_reduce = False
+    if configs and grad_sync is not None:
+        model_config.grad_sync_func = None
     try:
         yield
     finally:
         for config in configs:
             config.overlap_grad_reduce = True
+        if configs and grad_sync is not None:
+            model_config.grad_sync_func = grad_sync
 
 
 def _zero_gradients(chunks: Sequence[torch.nn.Module]) -> None:
@@ -329,24 +337,22 @@ def _loss_difference(home, balanced, dp_group) -> float:
     return float(((loss[:, 1] - loss[:, 0]).abs() / loss[:, 0].abs().clamp_min(1e-30)).max())
 
 
-def checked_step(run_balanced: Callable[[dict], list], forward_backward_func: Callable, step: BalancedStep,
-                 module: BalanceableModel, model, forward_step_func, dp_group, kwargs: dict,
+def checked_step(run_home: Callable[[], list], run_balanced: Callable[[dict], list], step: BalancedStep,
+                 module: BalanceableModel, chunks: Sequence[torch.nn.Module], dp_group,
                  announce: Callable[[str], None]) -> Tuple[list, dict]:
-    """The checked first step (module docstring): the loader's layout through ``forward_backward_func``, then
-    ``run_balanced(captured)`` (the modality-aware schedule's own run, which fills ``captured`` with each
-    phase's received encoder outputs), compared; returns the balanced run's result, whose gradients the step
-    keeps, and the figures compared. Raises :class:`FirstStepMismatchError` on every rank when they differ."""
-    chunks = list(model) if isinstance(model, (list, tuple)) else [model]
+    """The checked first step (module docstring): ``run_home()`` (megatron-core's own schedule over the loader's
+    micro-batches ``step.home``, every model chunk fed them), then ``run_balanced(captured)`` (the
+    modality-aware schedule's own run, which fills ``captured`` with each phase's received encoder outputs),
+    compared; returns the balanced run's result, whose gradients the step keeps, and the figures compared.
+    Raises :class:`FirstStepMismatchError` on every rank when they differ."""
     config = get_model_config(chunks[0])
     phases, backbone = list(step.plan.encoders), step.plan.backbone
     dropout = _has_dropout(chunks)
     grads_reduced = config.finalize_model_grads_func is not None
     with _dropout_off(chunks) if dropout else contextlib.nullcontext():
-        with _reduced_at_the_end(chunks):
+        with _reduced_at_the_end(chunks, config):
             with _recording_encode(module, phases) as recorded, _rng_unchanged():
-                home_losses = forward_backward_func(forward_step_func=forward_step_func,
-                                                    data_iterator=iter(step.home), model=model,
-                                                    num_microbatches=len(step.home), forward_only=False, **kwargs)
+                home_losses = run_home()
             home_grads = _gradient_norms(chunks, module, phases)
             home_rows = _home_outputs(module, step, recorded)
             del recorded

@@ -1,12 +1,13 @@
 """Megatron-Core's ``MimoModel`` (``megatron.core.models.mimo``, 0.16.1 and 0.19.x), balanced out of the box.
 
-A ``MimoModel`` holds named modality submodules (each: its encoders and an input projection) and a
-language model. Its forward runs them all on one micro-batch: every modality submodule over that
-micro-batch's raw inputs (``modality_inputs[name][encoder][keyword]``), text embeddings from the
-language model's embedding, each modality's embeddings scattered at its ``special_token_ids``
-placeholder in token order (``align_embeddings_by_token_positions``), then the language model. Its own
-cross-layout communication moves encoder outputs by equal batch slices, relying on a uniform token
-count per sample (``mimo/comm/colocated_communicator.py``, 0.19).
+A ``MimoModel`` holds named modality submodules (each: its encoders and an input projection) and a language
+model (``GPTModel`` or, 0.19+, ``HybridModel``: the adapter reads only what both have). Its forward runs
+them all on one micro-batch: every modality submodule over that micro-batch's raw inputs
+(``modality_inputs[name][encoder][keyword]``), text embeddings from the language model's embedding, each
+modality's embeddings scattered at its ``special_token_ids`` placeholder in token order
+(``align_embeddings_by_token_positions``), then the language model. Its own cross-layout communication moves
+encoder outputs by equal batch slices, relying on a uniform token count per sample
+(``mimo/comm/colocated_communicator.py``, 0.19).
 
 :class:`MimoBalancing` wraps one so that it meets the contract (:mod:`megatron_orch.megatron.contract`):
 
@@ -39,7 +40,8 @@ Megatron's schedules, the others would break the invariance):
 * a modality submodule left out of ``modalities``: a balanced micro-batch carries no raw items;
 * packed rows: 0.19's colocated forward drops the attention mask (packing goes through its THD
   ``packing_kwargs``), so block-diagonal attention would silently become causal over the whole row (the
-  batch spec says so: the post-balancing iterator refuses packed micro-batches when it is built).
+  batch spec's ``cannot_pack`` says so: ``--orch-microbatching auto`` gives equal-count micro-batches and
+  the post-balancing iterator refuses ``packed`` when it is built, before any collective).
 """
 from __future__ import annotations
 
@@ -60,8 +62,10 @@ if TYPE_CHECKING:
     from megatron.core.models.mimo import MimoModel
 
 LANGUAGE_PHASE = "language"  # MIMO's key of its language module (0.19: MIMO_LANGUAGE_MODULE_KEY)
-PACKED_ROWS_REFUSED = ("packed rows with a MimoModel: its colocated forward (0.19) drops the attention mask, so "
-                       "block-diagonal attention is not kept; use equal_count micro-batches")
+# Why --orch-microbatching auto gives a MimoModel equal-count micro-batches (and packed is refused).
+CANNOT_PACK = ("MimoBalancing does not hand packed rows to MimoModel: its colocated forward takes no THD parameters "
+               "(0.16.1) or takes them as packing_kwargs that the adapter does not pass (0.19), and drops the "
+               "attention mask, so a packed row would attend across its examples")
 
 
 @dataclass(frozen=True)
@@ -109,7 +113,7 @@ class MimoBalancing(MegatronModule):
         inputs = tuple(EncoderInput(m.name, m.item_shape, self.mimo.special_token_ids[m.name])
                        for m in self.modalities)
         return BatchSpec(self.phases, inputs, pad_token_id=pad_token_id, seq_length=seq_length,
-                         packed_rows_refused=PACKED_ROWS_REFUSED)
+                         cannot_pack=CANNOT_PACK)
 
     def set_input_tensor(self, input_tensor) -> None:
         self.mimo.set_input_tensor(input_tensor)
@@ -133,7 +137,7 @@ class MimoBalancing(MegatronModule):
         """``MimoModel.forward`` over ``batch``: on its raw items (upstream), or with ``embeds`` in place of
         its modality submodules' outputs (module docstring). Returns the language model's output."""
         if batch.is_packed:
-            raise NotImplementedError(PACKED_ROWS_REFUSED)
+            raise NotImplementedError(CANNOT_PACK)
         if embeds is None:
             modality_inputs = {m.name: {m.encoder: {m.keyword: batch.items[m.name]}}
                                for m in self.modalities if batch.items[m.name].shape[0]}

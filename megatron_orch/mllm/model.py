@@ -1,5 +1,6 @@
 """The multimodal LLM on megatron-core: its configured encoders (ViTs, audio encoders) with projectors,
-and a GPT backbone.
+and a GPT backbone: megatron-core's ``HybridModel`` where it has one (0.19+, :mod:`megatron_orch.mllm.hybrid`:
+the same layers as a hybrid layer pattern, the same numerics), ``GPTModel`` before (:data:`HYBRID_BACKBONE`).
 
 Every item (an image tile, a video frame, an audio window) is encoded independently, so an encoder
 takes a variable number of items per rank and never pads an example to the longest one. The
@@ -13,8 +14,9 @@ with ``embeds``), so an orchestrator can run the encoders over a different set o
 backbone's examples and move the embeddings in between; without ``embeds`` :meth:`MLLMModel.forward`
 encodes the batch's own items first (upstream Megatron behaviour).
 
-Parallelism: the encoders and projectors live on the first pipeline stage; tensor parallelism comes
-from Megatron's column/row-parallel layers. Sequence parallelism is not supported.
+Parallelism: the encoders and projectors live on the first pipeline stage, in its first model chunk
+(virtual pipeline stage 0); tensor parallelism comes from Megatron's column/row-parallel layers. Sequence
+parallelism is not supported.
 
 Layer specs (:func:`transformer_layer_spec`, Megatron's ``--transformer-impl``): ``local`` is
 megatron-core's local layers with :class:`~megatron_orch.mllm.attention.SDPAttention` as core
@@ -24,6 +26,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import importlib.util
 from dataclasses import dataclass
 from typing import Dict, Mapping, Optional
 
@@ -51,6 +54,15 @@ from megatron_orch.mllm.attention import SDPAttention
 from megatron_orch.mllm.config import AudioEncoderConfig, MLLMConfig, VisionEncoderConfig
 from megatron_orch.mllm.examples import batch_spec
 
+# The backbone's megatron-core class: HybridModel where megatron-core has it (0.19+), else GPTModel. Their
+# parameters are named differently (megatron_orch.mllm.hybrid), so a checkpoint resumes on the same class only.
+HYBRID_BACKBONE = importlib.util.find_spec("megatron.core.models.hybrid") is not None
+BACKBONE_MODULE = "HybridModel" if HYBRID_BACKBONE else "GPTModel"
+if HYBRID_BACKBONE:
+    from megatron.core.models.hybrid.hybrid_model import HybridModel
+
+    from megatron_orch.mllm.hybrid import backbone_layer_pattern, hybrid_config_fields, hybrid_stack_spec
+
 
 @functools.lru_cache(maxsize=None)
 def transformer_engine_available() -> bool:
@@ -68,6 +80,11 @@ class ModelParallelSettings:
 
     tensor_model_parallel_size: int = 1
     pipeline_model_parallel_size: int = 1
+    virtual_pipeline_model_parallel_size: Optional[int] = None  # model chunks per pipeline rank (None: one)
+    # with virtual stages, Megatron-LM's --no-overlap-p2p-communication and
+    # --microbatch-group-size-per-virtual-pipeline-stage (None: the pipeline size)
+    overlap_p2p_comm: bool = True
+    microbatch_group_size_per_vp_stage: Optional[int] = None
     bf16: bool = False
     hidden_dropout: float = 0.0
     attention_dropout: float = 0.0
@@ -87,14 +104,18 @@ class ModelParallelSettings:
 
 
 def transformer_config(shape: TransformerShape, settings: ModelParallelSettings, *,
-                       pipeline_split: bool) -> TransformerConfig:
+                       pipeline_split: bool, hybrid: bool = False) -> TransformerConfig:
     """A Megatron ``TransformerConfig`` for one transformer stack of the model.
 
-    ``pipeline_split``: whether the stack's layers are divided over the pipeline stages (the
-    backbone) or all sit on the first stage (encoders, projectors).
+    ``pipeline_split``: whether the stack's layers are divided over the pipeline stages and their
+    virtual stages (the backbone) or all sit on the first stage (encoders, projectors). ``hybrid``: the
+    config of a ``HybridModel`` stack (:func:`megatron_orch.mllm.hybrid.hybrid_config_fields`).
     """
+    virtual = settings.virtual_pipeline_model_parallel_size if pipeline_split else None
+    overlap_p2p = virtual is not None and settings.overlap_p2p_comm
+    layers = {"num_layers": shape.num_layers, **(hybrid_config_fields(shape) if hybrid else {})}
     return TransformerConfig(
-        num_layers=shape.num_layers,
+        **layers,
         hidden_size=shape.hidden_size,
         ffn_hidden_size=shape.ffn_hidden_size,
         num_attention_heads=shape.num_attention_heads,
@@ -104,6 +125,11 @@ def transformer_config(shape: TransformerShape, settings: ModelParallelSettings,
         activation_func=F.silu if shape.gated_linear_unit else F.gelu,
         tensor_model_parallel_size=settings.tensor_model_parallel_size,
         pipeline_model_parallel_size=settings.pipeline_model_parallel_size if pipeline_split else 1,
+        virtual_pipeline_model_parallel_size=virtual,
+        microbatch_group_size_per_vp_stage=settings.microbatch_group_size_per_vp_stage if pipeline_split else None,
+        # Megatron-LM's pairing: overlapped point-to-point sends with virtual stages, batched ones without
+        overlap_p2p_comm=overlap_p2p,
+        batch_p2p_comm=not overlap_p2p,
         pipeline_dtype=torch.bfloat16 if settings.bf16 else torch.float32,
         params_dtype=torch.bfloat16 if settings.bf16 else torch.float32,
         bf16=settings.bf16,
@@ -243,22 +269,26 @@ ENCODER_MODULES = {VisionEncoderConfig: VisionEncoder, AudioEncoderConfig: Audio
 
 
 class MLLMModel(MegatronModule):
-    """Encoders (first pipeline stage only) + GPT backbone; ``config`` is the backbone's.
+    """Encoders (first pipeline stage only) + the backbone; ``config`` is the backbone's.
 
-    On the last pipeline stage :meth:`forward` returns the per-token loss ``[b, s]`` when labels are
-    given (logits otherwise); on other stages the hidden states sent to the next stage.
+    ``vp_stage``: which model chunk of this pipeline rank this is, with virtual pipeline stages (the
+    encoders go to chunk 0 of the first stage). On the last pipeline stage :meth:`forward` returns the
+    per-token loss ``[b, s]`` when labels are given (logits otherwise); on other stages the hidden states
+    sent to the next stage.
     """
 
     def __init__(self, model_config: MLLMConfig, settings: ModelParallelSettings, max_sequence_length: int,
-                 pre_process: Optional[bool] = None, post_process: Optional[bool] = None):
+                 pre_process: Optional[bool] = None, post_process: Optional[bool] = None,
+                 vp_stage: Optional[int] = None):
         backbone_shape = model_config.backbone.transformer
-        config = transformer_config(backbone_shape, settings, pipeline_split=True)
+        config = transformer_config(backbone_shape, settings, pipeline_split=True, hybrid=HYBRID_BACKBONE)
         super().__init__(config=config)
         self.model_type = ModelType.encoder_or_decoder  # read by megatron-core's schedules
+        chunk = {"ignore_virtual": vp_stage is None, "vp_stage": vp_stage}
         if pre_process is None:
-            pre_process = parallel_state.is_pipeline_first_stage()
+            pre_process = parallel_state.is_pipeline_first_stage(**chunk)
         if post_process is None:
-            post_process = parallel_state.is_pipeline_last_stage()
+            post_process = parallel_state.is_pipeline_last_stage(**chunk)
         self.pre_process, self.post_process = pre_process, post_process
         self.transformer_impl = settings.transformer_impl
         self.spec = batch_spec(model_config, max_sequence_length)  # checks the config's item shapes
@@ -266,16 +296,24 @@ class MLLMModel(MegatronModule):
         if pre_process:
             for name, encoder in model_config.encoders.items():
                 self.encoders[name] = ENCODER_MODULES[type(encoder)](encoder, backbone_shape, settings)
-        self.backbone = GPTModel(
+        backbone = dict(
             config=config,
-            transformer_layer_spec=transformer_layer_spec(settings.transformer_impl, encoder=False),
             vocab_size=padded_vocab_size(backbone_shape.vocab_size, settings),
             max_sequence_length=model_config.backbone.max_position_embeddings,
             pre_process=pre_process,
             post_process=post_process,
             share_embeddings_and_output_weights=not model_config.backbone.untie_embeddings_and_output_weights,
             position_embedding_type="learned_absolute",
+            vp_stage=vp_stage,
         )
+        layer_spec = transformer_layer_spec(settings.transformer_impl, encoder=False)
+        if HYBRID_BACKBONE:
+            segments = settings.pipeline_model_parallel_size * (settings.virtual_pipeline_model_parallel_size or 1)
+            self.backbone = HybridModel(hybrid_stack_spec=hybrid_stack_spec(layer_spec),
+                                        hybrid_layer_pattern=backbone_layer_pattern(backbone_shape.num_layers, segments),
+                                        **backbone)
+        else:
+            self.backbone = GPTModel(transformer_layer_spec=layer_spec, **backbone)
 
     def set_input_tensor(self, input_tensor) -> None:
         self.backbone.set_input_tensor(input_tensor)
@@ -325,7 +363,7 @@ class MLLMModel(MegatronModule):
         return embeddings
 
     def forward(self, batch: MicroBatch, embeds: Optional[Mapping[str, torch.Tensor]] = None) -> torch.Tensor:
-        """The GPT backbone over ``batch`` (on the model's device) with each encoder phase's embeddings at
+        """The backbone over ``batch`` (on the model's device) with each encoder phase's embeddings at
         its placeholders (first stage): ``embeds`` from post-balancing's encoder phases, else the
         encoders run over the batch's own items here.
 
