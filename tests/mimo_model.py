@@ -64,8 +64,9 @@ def shapes():
 
 
 def build_mimo(tensor_model_parallel_size: int = 1, pre_process: bool = True, post_process: bool = True,
-               encoders_of_images=("vit",)):
-    """The tiny MimoModel (``encoders_of_images``: the names of the image submodule's encoders)."""
+               encoders_of_images=("vit",), sequence_parallel: bool = False):
+    """The tiny MimoModel (``encoders_of_images``: the names of the image submodule's encoders); with
+    ``sequence_parallel`` its language model's embedding does not scatter (MIMO shards the combined input)."""
     warnings.filterwarnings("ignore", message=".*experimental.*")
     from megatron.core.models.gpt.gpt_model import GPTModel
     from megatron.core.models.mimo import MimoModel, MimoModelConfig
@@ -77,9 +78,11 @@ def build_mimo(tensor_model_parallel_size: int = 1, pre_process: bool = True, po
     from megatron.core.transformer.spec_utils import ModuleSpec
 
     from megatron_orch.balance.cost import TransformerShape
-    from megatron_orch.mllm.model import ModelParallelSettings, padded_vocab_size, transformer_config, transformer_layer_spec
+    from megatron_orch.mllm.model import (ModelParallelSettings, backbone_layer_spec, padded_vocab_size,
+                                          transformer_config)
 
-    settings = ModelParallelSettings(tensor_model_parallel_size=tensor_model_parallel_size)
+    settings = ModelParallelSettings(tensor_model_parallel_size=tensor_model_parallel_size,
+                                     sequence_parallel=sequence_parallel)
     encoder, language = shapes()
     encoder_config = transformer_config(encoder, settings, pipeline_split=False)
     language_config = transformer_config(language, settings, pipeline_split=True)
@@ -103,9 +106,10 @@ def build_mimo(tensor_model_parallel_size: int = 1, pre_process: bool = True, po
                                                                         "frames": FRAMES, "stack": STACK})},
         "input_projections": [projector()]})
     language_model = ModuleSpec(module=GPTModel, params={
-        "config": language_config, "transformer_layer_spec": transformer_layer_spec("local", encoder=False),
+        "config": language_config, "transformer_layer_spec": backbone_layer_spec("local", language_config),
         "vocab_size": padded_vocab_size(VOCAB, settings), "max_sequence_length": SEQ_LENGTH,
-        "pre_process": pre_process, "post_process": post_process, "position_embedding_type": "rope"})
+        "pre_process": pre_process, "post_process": post_process, "position_embedding_type": "rope",
+        "scatter_embedding_sequence_parallel": not sequence_parallel})
     return MimoModel(MimoModelConfig(language_model_spec=language_model,
                                      modality_submodules_spec={"images": images, "audio": audio},
                                      special_token_ids=dict(PLACEHOLDERS)))
@@ -124,7 +128,8 @@ def modalities():
                          cost=FunctionCost(lambda s: encoder.train_flops(s), memory=encoder.activation_bytes)))
 
 
-def balanced_mimo(tensor_model_parallel_size: int = 1):
+def balanced_mimo(tensor_model_parallel_size: int = 1, sequence_parallel: bool = False):
     from megatron_orch.balance.cost import TransformerCost
     from megatron_orch.megatron.mimo import MimoBalancing
-    return MimoBalancing(build_mimo(tensor_model_parallel_size), modalities(), TransformerCost(shapes()[1]))
+    return MimoBalancing(build_mimo(tensor_model_parallel_size, sequence_parallel=sequence_parallel), modalities(),
+                         TransformerCost(shapes()[1]))

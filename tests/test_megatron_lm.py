@@ -303,7 +303,7 @@ def _megatron_lm_run(pretrain_mllm, world_size, parallel, name) -> dict:
 
     import megatron.training
 
-    record = {"losses": [], "schedule": [], "moved_items": 0, "zero_gradients": 0, "hook": []}
+    record = {"losses": [], "schedule": [], "moved_items": 0, "zero_gradients": 0, "hook": [], "sequence_parallel": []}
     stock_train_step, stock_zero_gradients = training.train_step, schedule._zero_gradients
     stock_print_rank_0 = megatron.training.print_rank_0
 
@@ -316,6 +316,7 @@ def _megatron_lm_run(pretrain_mllm, world_size, parallel, name) -> dict:
         out = stock_train_step(*args, **kwargs)
         schedule_used = args[6]
         record["schedule"].append(type(schedule_used).__name__)
+        record["sequence_parallel"].append(args[5].sequence_parallel)  # the model config train() runs with
         if isinstance(schedule_used, ModalityAwareSchedule):
             plan = schedule_used.last_step.plan
             for transfer in (plan.text_transfer(), *(plan.input_transfer(p) for p in plan.encoders)):
@@ -331,9 +332,9 @@ def _megatron_lm_run(pretrain_mllm, world_size, parallel, name) -> dict:
 
     training.train_step, schedule._zero_gradients = train_step, zero_gradients
     megatron.training.print_rank_0 = print_rank_0
-    doubles.prepare_run(*parallel, seed=SEED)
+    doubles.prepare_run(*parallel[:2], seed=SEED)
     sys.argv = ["pretrain_mllm.py", *ARGV, "--tensor-model-parallel-size", str(parallel[0]),
-                "--pipeline-model-parallel-size", str(parallel[1]), *RUNS[name]]
+                "--pipeline-model-parallel-size", str(parallel[1]), *parallel[2:], *RUNS[name]]
     try:
         pretrain_mllm.main_megatron_lm()
     finally:
@@ -399,11 +400,18 @@ def test_megatron_training_dp2_with_the_runtime_hook(unpatched_tree, tmp_path):
 
 
 def test_megatron_training_pp2_dp2_and_tp2_dp2(files, patched_tree, tmp_path):
-    """Four ranks, two layouts one after the other in the same processes (saves starting them twice)."""
-    layouts = [((1, 2), ["upstream", "post-balancing"]), ((2, 1), ["upstream", "post-balancing"])]
-    run_distributed(_pretrain_runs, 4, str(patched_tree), layouts, str(tmp_path), timeout_s=500)
+    """Four ranks, three layouts one after the other in the same processes (saves starting them thrice): PP 2 x
+    DP 2, TP 2 x DP 2 and TP 2 with sequence parallelism x DP 2."""
+    layouts = [((1, 2), ["upstream", "post-balancing"]), ((2, 1), ["upstream", "post-balancing"]),
+               ((2, 1, "--sequence-parallel"), ["upstream", "post-balancing"])]
+    run_distributed(_pretrain_runs, 4, str(patched_tree), layouts, str(tmp_path), timeout_s=700)
     for layout in layouts:
         _check_runs(tmp_path, 4, *layout, hook=f"schedule hook: the patch of patches/{files.release}")
+    last = json.loads((tmp_path / "rank3.json").read_text())
+    tp2, sp = last[str(layouts[1][0])]["upstream"], last[str(layouts[2][0])]["upstream"]
+    assert sp["sequence_parallel"] == [True] * ITERS and tp2["sequence_parallel"] == [False] * ITERS
+    for step, (off, on) in enumerate(zip(tp2["losses"], sp["losses"]), 1):  # sequence parallelism changes no number
+        assert abs(on - off) <= TOLERANCE * abs(off), f"TP 2 with sequence parallelism, iteration {step}: {on} vs {off}"
 
 
 def test_trainer_is_chosen_by_flag_not_by_machine():

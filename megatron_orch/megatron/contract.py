@@ -20,8 +20,11 @@ tokens in item order. Padded rows use the spec's ``pad_token_id``.
 encoders by phase name on the pipeline stage that holds them; ``encode(phase, items)`` runs one phase
 over any number of its items and returns their rows item by item; ``forward(batch, embeds=None)`` runs
 the backbone with ``embeds[phase]`` inserted at that phase's placeholders (``embeds=None``: the model
-encodes ``batch.items`` itself, the upstream path). An encoder without items on a rank in a step gets
-zero gradients (Megatron DDP's ``--overlap-grad-reduce`` needs every parameter to report each step).
+encodes ``batch.items`` itself, the upstream path). Under sequence or context parallelism every rank of a
+DP replica gets the whole micro-batch and ``forward`` returns the per-token loss of the rank's part of the
+sequence, in megatron-core's layout (:class:`~megatron_orch.megatron.sequence_layout.SequenceLayout`). An
+encoder without items on a rank in a step gets zero gradients (Megatron DDP's ``--overlap-grad-reduce`` needs
+every parameter to report each step).
 
 **forward_step** (Megatron's ``forward_step_func``): what ``next(data_iterator)`` returns is a
 :class:`~megatron_orch.megatron.post_balancing.BalancedMicroBatch` under post-balancing (its ``batch``
@@ -39,6 +42,7 @@ import torch
 
 from megatron_orch.megatron.batch import MicroBatch
 from megatron_orch.megatron.post_balancing import BalancedMicroBatch
+from megatron_orch.megatron.sequence_layout import SequenceLayout
 
 
 @runtime_checkable
@@ -75,8 +79,11 @@ def loss_func(loss_mask: torch.Tensor, output_tensor: torch.Tensor):
 def forward_step(data_iterator: Iterator, model: torch.nn.Module):
     """One micro-batch through a :class:`BalanceableModel` (Megatron's ``forward_step_func``): a
     :class:`BalancedMicroBatch` brings the encoder outputs of its examples, a plain ``MicroBatch`` its raw
-    items."""
+    items. Under sequence or context parallelism the loss is that of this rank's part of the sequence, whose
+    loss mask :class:`~megatron_orch.megatron.sequence_layout.SequenceLayout` gives (megatron-core's layout)."""
     item = next(data_iterator)
     batch, embeds = (item.batch, item.embeds) if isinstance(item, BalancedMicroBatch) else (item, None)
     batch = batch.to(next(model.parameters()).device)
-    return model(batch, embeds=embeds), functools.partial(loss_func, batch.loss_mask)
+    layout = SequenceLayout.of_model(getattr(model, "config", None))  # Megatron's wrappers keep the config
+    loss_mask = batch.loss_mask if layout.is_whole else layout.shard(batch).loss_mask
+    return model(batch, embeds=embeds), functools.partial(loss_func, loss_mask)

@@ -52,6 +52,8 @@ def model_parallel_settings(args: argparse.Namespace) -> ModelParallelSettings:
     return ModelParallelSettings(
         tensor_model_parallel_size=args.tensor_model_parallel_size,
         pipeline_model_parallel_size=args.pipeline_model_parallel_size,
+        sequence_parallel=args.sequence_parallel,
+        context_parallel_size=args.context_parallel_size,
         bf16=args.bf16,
         hidden_dropout=args.hidden_dropout,
         attention_dropout=args.attention_dropout,
