@@ -45,7 +45,8 @@ RUNS = {"upstream": [], "post-balancing": ["--orch-post-balancing"],
         "post-balancing, overlapped grad reduce": ["--orch-post-balancing", "--overlap-grad-reduce"]}
 # The project's compact trainer on the same flags (those it has): it must reproduce megatron.training.
 COMPACT = "compact trainer"
-COMPACT_ARGV = ["--model-config", "tiny", "--seq-length", "128", "--micro-batch-size", "1", "--global-batch-size", "4",
+COMPACT_ARGV = ["--model-config", "tiny", "--seq-length", "128", "--max-position-embeddings", "128",
+                "--micro-batch-size", "1", "--global-batch-size", "4",
                 "--train-iters", str(ITERS), "--lr", "2e-3", "--log-interval", "1", "--seed", str(SEED),
                 "--distributed-backend", "gloo", "--transformer-impl", "local",
                 "--hidden-dropout", "0", "--attention-dropout", "0"]

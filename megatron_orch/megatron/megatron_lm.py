@@ -145,6 +145,14 @@ def _announcing(wrapper: Callable, announce: Callable[[str], None], line: str) -
     return wrap
 
 
+# The Megatron-LM flags (argparse destinations) check_args refuses with post-balancing, of any release.
+POST_BALANCING_REFUSALS = ("dataloader_type", "calculate_per_token_loss", "num_layers_per_virtual_pipeline_stage",
+                           "num_virtual_stages_per_pipeline_rank", "context_parallel_size", "hybrid_context_parallel",
+                           "sequence_packing_scheduler", "cuda_graph_impl", "cuda_graph_scope",
+                           "moe_expert_rank_capacity_factor", "use_torch_fsdp2", "use_megatron_fsdp", "perform_rl_step",
+                           "rampup_batch_size", "step_batch_size_schedule")
+
+
 def check_args(args: argparse.Namespace) -> None:
     """Raise ValueError naming the Megatron-LM flag that post-balancing cannot run with. Flags of a newer
     release are read with ``getattr``: an older release simply has none of them."""

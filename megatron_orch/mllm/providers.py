@@ -59,7 +59,7 @@ def model_parallel_settings(args: argparse.Namespace) -> ModelParallelSettings:
         attention_dropout=args.attention_dropout,
         init_method_std=args.init_method_std,
         make_vocab_size_divisible_by=args.make_vocab_size_divisible_by,
-        use_cpu_initialization=runs_on_cpu(args),
+        use_cpu_initialization=runs_on_cpu(args) or bool(getattr(args, "use_cpu_initialization", False)),
         calculate_per_token_loss=True,
         transformer_impl=args.transformer_impl,
         **fusion_settings(args),

@@ -79,6 +79,8 @@ def add_megatron_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParse
     g.add_argument("--num-query-groups", type=int, default=None, help="grouped-query attention")
     g.add_argument("--kv-channels", type=int, default=None)
     g.add_argument("--seq-length", type=int, required=True, help="longest backbone sequence (tokens)")
+    g.add_argument("--max-position-embeddings", type=int, default=None,
+                   help="rows of the backbone's learned position embeddings (default: --model-config's)")
     g.add_argument("--make-vocab-size-divisible-by", type=int, default=128)
     g.add_argument("--init-method-std", type=float, default=0.02)
     g.add_argument("--hidden-dropout", type=float, default=0.1,
@@ -279,10 +281,9 @@ def validate_args(args: argparse.Namespace, world_size: int) -> argparse.Namespa
     """Check consistency; derive ``data_parallel_size``, ``num_microbatches`` and ``mllm_config`` (the
     loaded ``--model-config`` with the backbone shape flags applied)."""
     _positive(args, "tensor_model_parallel_size", "pipeline_model_parallel_size", "context_parallel_size",
-              "micro_batch_size",
-              "global_batch_size", "train_iters", "exit_interval", "seq_length", "log_interval", "save_interval",
+              "micro_batch_size", "global_batch_size", "train_iters", "exit_interval", "seq_length", "log_interval", "save_interval",
               "make_vocab_size_divisible_by", "max_num_tiles", "max_image_pixels",
-              "max_vision_items_per_sample", "keep_last_checkpoints", *_BACKBONE_SHAPE_FLAGS)
+              "max_vision_items_per_sample", "keep_last_checkpoints", "max_position_embeddings", *_BACKBONE_SHAPE_FLAGS)
     for name in ("max_bad_examples", "ckpt_step"):
         if getattr(args, name) is not None and getattr(args, name) < 0:
             raise ArgumentError(f"--{name.replace('_', '-')} must be >= 0, got {getattr(args, name)}")
@@ -396,16 +397,18 @@ def resolve_model_config(args: argparse.Namespace) -> MLLMConfig:
 
 
 def backbone_overrides(config: MLLMConfig, args: argparse.Namespace) -> MLLMConfig:
-    """``config`` with the backbone shape flags given on the command line applied."""
+    """``config`` with the backbone shape flags and ``--max-position-embeddings`` given on the command line applied."""
     changes = {field: getattr(args, flag) for flag, field in _BACKBONE_SHAPE_FLAGS.items()
                if getattr(args, flag) is not None}
-    if not changes:
-        return config
-    try:
-        shape = dataclasses.replace(config.backbone.transformer, **changes)
-    except ValueError as err:
-        raise ArgumentError(f"backbone shape flags {changes}: {err}") from None
-    return dataclasses.replace(config, backbone=dataclasses.replace(config.backbone, transformer=shape))
+    backbone = config.backbone
+    if changes:
+        try:
+            backbone = dataclasses.replace(backbone, transformer=dataclasses.replace(backbone.transformer, **changes))
+        except ValueError as err:
+            raise ArgumentError(f"backbone shape flags {changes}: {err}") from None
+    if args.max_position_embeddings is not None:
+        backbone = dataclasses.replace(backbone, max_position_embeddings=args.max_position_embeddings)
+    return config if backbone is config.backbone else dataclasses.replace(config, backbone=backbone)
 
 
 def _check_tensor_parallel(config: MLLMConfig, tp: int) -> None:
