@@ -218,7 +218,6 @@ def test_check_args_names_what_post_balancing_cannot_run_with():
     for changes, flag in ((dict(dataloader_type="single"), "--dataloader-type single"),
                           (dict(calculate_per_token_loss=False), "--calculate-per-token-loss is required"),
                           (dict(virtual_pipeline_model_parallel_size=2), "virtual pipeline stages"),
-                          (dict(context_parallel_size=2), "--context-parallel-size 2"),
                           (dict(hybrid_context_parallel=True), "--hybrid-context-parallel"),
                           (dict(sequence_packing_scheduler="dp_balanced"), "--sequence-packing-scheduler dp_balanced"),
                           (dict(cuda_graph_impl="full_iteration"), "full-iteration CUDA graphs"),

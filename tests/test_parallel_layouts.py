@@ -49,8 +49,8 @@ def scripted_iterator(args, consumed_samples, dp_rank, dp_size):
 
 
 def _train_runs(rank, world_size, runs, out_dir):
-    """Each run ``(name, argv)`` in turn in these ranks: rank 0's parameters (a TP rank 0 of the first DP
-    replica holds the same shards in every layout with its TP size) and the logging rank's records."""
+    """Each run ``(name, argv)`` in turn in these ranks: rank 0's parameters (TP rank 0, CP rank 0 of the first
+    DP replica: the same shards in every layout of its TP size) and the logging rank's records."""
     warnings.filterwarnings("ignore")
     from megatron.core import parallel_state
 
@@ -121,3 +121,30 @@ def test_tp2_sequence_parallel_dp2_is_invariant_and_equals_tp2(tmp_path):
     assert_plan_balances(logs["balanced"])
     assert_same_run(logs["upstream"], logs["tp2"], 2)  # sequence parallelism changes no number
     assert logs["upstream"]["losses"][2] != logs["upstream"]["losses"][1]
+
+
+@pytest.fixture(scope="module")
+def dp2_whole(tmp_path_factory):
+    """The whole-sequence run at the same global batch (CP 1 x DP 2): what CP 2 x DP 2 must reproduce."""
+    return train(tmp_path_factory.mktemp("dp2"), 2, [("dp2", ["--train-iters", "2"])], timeout_s=240)["dp2"]
+
+
+def test_cp2_dp2_padded_and_packed_rows_are_invariant_and_equal_cp1(dp2_whole, tmp_path):
+    iters = ["--train-iters", "2"]
+    logs = train(tmp_path, 4, [("upstream", CP + iters), ("balanced", CP + iters + BALANCED),
+                               ("packed", CP + iters + BALANCED + ["--orch-microbatching", "packed"])], timeout_s=480)
+    assert all(logs[name]["layout"] == (False, 2) for name in logs)
+    for name in ("balanced", "packed"):
+        assert_same_run(logs[name], logs["upstream"], 2)
+        assert_plan_balances(logs[name])
+    assert_same_run(logs["upstream"], dp2_whole, 2)  # the CP shards are exact
+
+
+def test_tp2_sequence_parallel_cp2_dp2_is_invariant(tmp_path):
+    """Eight ranks, one step (the heavy one): sequence and context parallelism together."""
+    iters = ["--train-iters", "1"]
+    logs = train(tmp_path, 8, [("upstream", SP + CP + iters), ("balanced", SP + CP + iters + BALANCED)],
+                 timeout_s=600)
+    assert logs["upstream"]["layout"] == logs["balanced"]["layout"] == (True, 2)
+    assert_same_run(logs["balanced"], logs["upstream"], 1)
+    assert_plan_balances(logs["balanced"])

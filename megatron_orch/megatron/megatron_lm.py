@@ -147,7 +147,7 @@ def _announcing(wrapper: Callable, announce: Callable[[str], None], line: str) -
 
 # The Megatron-LM flags (argparse destinations) check_args refuses with post-balancing, of any release.
 POST_BALANCING_REFUSALS = ("dataloader_type", "calculate_per_token_loss", "num_layers_per_virtual_pipeline_stage",
-                           "num_virtual_stages_per_pipeline_rank", "context_parallel_size", "hybrid_context_parallel",
+                           "num_virtual_stages_per_pipeline_rank", "hybrid_context_parallel",
                            "sequence_packing_scheduler", "cuda_graph_impl", "cuda_graph_scope",
                            "moe_expert_rank_capacity_factor", "use_torch_fsdp2", "use_megatron_fsdp", "perform_rl_step",
                            "rampup_batch_size", "step_batch_size_schedule")
@@ -166,9 +166,6 @@ def check_args(args: argparse.Namespace) -> None:
     if args.virtual_pipeline_model_parallel_size is not None:
         problems.append("virtual pipeline stages (--num-layers-per-virtual-pipeline-stage / "
                         "--num-virtual-stages-per-pipeline-rank): one model chunk per rank only")
-    if args.context_parallel_size > 1:
-        problems.append(f"--context-parallel-size {args.context_parallel_size}: post-balancing moves whole "
-                        "examples between DP ranks, context parallelism is not supported")
     if getattr(args, "hybrid_context_parallel", False):
         problems.append("--hybrid-context-parallel: it regroups the data iterator's sequences over DP x CP "
                         "ranks (HybridCPDataLoaderWrapper), which would undo the post-balancing plan")

@@ -78,7 +78,8 @@ def orch_config_from_args(args: argparse.Namespace) -> Optional[OrchestratorConf
         background=not args.orch_no_background_planning, encoder_recompute=args.orch_encoder_recompute,
         encoder_chunk_tokens=args.orch_encoder_chunk_tokens,
         encoder_memory_cap=None if args.orch_encoder_memory_cap is None else args.orch_encoder_memory_cap * 1e9,
-        cost_profile=None if args.orch_cost_profile is None else load_cost_profile(args.orch_cost_profile))
+        cost_profile=None if args.orch_cost_profile is None else load_cost_profile(args.orch_cost_profile),
+        context_parallel_size=getattr(args, "context_parallel_size", 1))
     _check_gpus_per_node(config.gpus_per_node, getattr(args, "world_size", None),
                          os.environ.get("LOCAL_WORLD_SIZE"))
     if config.microbatching == "packed" and args.pipeline_model_parallel_size > 1:

@@ -14,7 +14,7 @@ from typing import Iterator
 import torch
 from megatron.core import parallel_state
 
-from megatron_orch.comm.communicator import dedicated_group
+from megatron_orch.comm.communicator import dedicated_group, replica_group
 from megatron_orch.comm.group_topology import group_topology
 from megatron_orch.megatron.batch import MicroBatch
 from megatron_orch.megatron.contract import forward_step  # noqa: F401 -- Megatron's forward_step_func
@@ -101,10 +101,14 @@ def build_post_balancing(args: argparse.Namespace, config: OrchestratorConfig, s
     data = data_config(args)
     # Every rank builds the iterator after initialize_model_parallel (megatron.training: an is_distributed
     # provider), so every DP group gets its own communicator for the all-to-alls here.
-    comm_group = dedicated_group(dp_group, timeout=timedelta(minutes=args.distributed_timeout_minutes))
+    timeout = timedelta(minutes=args.distributed_timeout_minutes)
+    comm_group = dedicated_group(dp_group, timeout=timeout)
+    # The peers that must hold the same plan: TP x PP (megatron-core's model-parallel group), x CP with CP.
+    peers = (parallel_state.get_model_parallel_group() if parallel_state.get_context_parallel_world_size() == 1
+             else replica_group(dp_group, timeout=timeout))
     groups = ParallelGroups(dp_group=dp_group, topology=group_topology(dp_group, gpus_per_node=config.gpus_per_node),
-                            encoder_stage=parallel_state.is_pipeline_first_stage(),
-                            peer_group=parallel_state.get_model_parallel_group(), comm_group=comm_group)
+                            encoder_stage=parallel_state.is_pipeline_first_stage(), peer_group=peers,
+                            comm_group=comm_group)
     step = StepShape(args.micro_batch_size, args.num_microbatches,
                      pad_to=data.seq_length if data.pad_to_seq_length else None)
     iterator = PostBalancingDataIterator(source, data.layout.spec, config, step, groups,

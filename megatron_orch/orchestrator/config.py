@@ -36,7 +36,9 @@ class OrchestratorConfig:
     its backbone micro-batches under the cap and recomputes the others for their backward; the cap
     defaults to what upstream needs at the same global batch, ``encoder_recompute`` keeps none).
     ``cost_profile``: item costs measured on the device (``--orch-cost-profile``,
-    :mod:`megatron_orch.balance.cost_profile`) instead of training FLOPs.
+    :mod:`megatron_orch.balance.cost_profile`) instead of training FLOPs. ``context_parallel_size``: the
+    backbone's (``--context-parallel-size``): its costs and memory are planned per CP rank
+    (:class:`~megatron_orch.balance.cost.ContextParallelCost`).
     """
 
     phases: Optional[Tuple[str, ...]] = None
@@ -51,6 +53,7 @@ class OrchestratorConfig:
     encoder_chunk_tokens: Optional[int] = None
     encoder_memory_cap: Optional[float] = None
     cost_profile: Optional[CostProfile] = None
+    context_parallel_size: int = 1
 
     def __post_init__(self):
         if self.phases is not None:
@@ -73,6 +76,8 @@ class OrchestratorConfig:
         chunk = self.encoder_chunk_tokens
         if chunk is not None and (isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 1):
             raise ValueError(f"--orch-encoder-chunk-tokens must be an int >= 1, got {chunk!r}")
+        if self.context_parallel_size < 1:
+            raise ValueError(f"--context-parallel-size must be >= 1, got {self.context_parallel_size}")
         cap = self.encoder_memory_cap
         if cap is not None and not (cap > 0):  # inf: no cap; NaN fails too
             raise ValueError(f"--orch-encoder-memory-cap must be > 0 (inf: no cap), got {cap / 1e9} GB")
