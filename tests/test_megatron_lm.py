@@ -332,7 +332,9 @@ def _megatron_lm_run(pretrain_mllm, world_size, parallel, name) -> dict:
 
     training.train_step, schedule._zero_gradients = train_step, zero_gradients
     megatron.training.print_rank_0 = print_rank_0
-    doubles.prepare_run(*parallel[:2], seed=SEED)
+    extra = list(parallel[2:])
+    cp = int(extra[extra.index("--context-parallel-size") + 1]) if "--context-parallel-size" in extra else 1
+    doubles.prepare_run(*parallel[:2], seed=SEED, context_parallel_size=cp)
     sys.argv = ["pretrain_mllm.py", *ARGV, "--tensor-model-parallel-size", str(parallel[0]),
                 "--pipeline-model-parallel-size", str(parallel[1]), *parallel[2:], *RUNS[name]]
     try:
@@ -400,10 +402,11 @@ def test_megatron_training_dp2_with_the_runtime_hook(unpatched_tree, tmp_path):
 
 
 def test_megatron_training_pp2_dp2_and_tp2_dp2(files, patched_tree, tmp_path):
-    """Four ranks, three layouts one after the other in the same processes (saves starting them thrice): PP 2 x
-    DP 2, TP 2 x DP 2 and TP 2 with sequence parallelism x DP 2."""
+    """Four ranks, four layouts one after the other in the same processes (saves starting them four times): PP 2 x
+    DP 2, TP 2 x DP 2, TP 2 with sequence parallelism x DP 2 and CP 2 x DP 2."""
     layouts = [((1, 2), ["upstream", "post-balancing"]), ((2, 1), ["upstream", "post-balancing"]),
-               ((2, 1, "--sequence-parallel"), ["upstream", "post-balancing"])]
+               ((2, 1, "--sequence-parallel"), ["upstream", "post-balancing"]),
+               ((1, 1, "--context-parallel-size", "2"), ["upstream", "post-balancing"])]
     run_distributed(_pretrain_runs, 4, str(patched_tree), layouts, str(tmp_path), timeout_s=700)
     for layout in layouts:
         _check_runs(tmp_path, 4, *layout, hook=f"schedule hook: the patch of patches/{files.release}")

@@ -91,8 +91,9 @@ def train(tmp_path: Path, world_size: int, runs, timeout_s: float) -> dict:
     return logs
 
 
-def assert_same_run(got: dict, want: dict, iterations: int):
-    """Equal losses at every iteration and equal parameters (rank 0's) within :data:`TOLERANCE`."""
+def assert_same_run(got: dict, want: dict, iterations: int, what: str):
+    """Equal losses at every iteration and equal parameters (rank 0's) within :data:`TOLERANCE`; prints the
+    largest differences (``pytest -s`` shows them)."""
     assert sorted(got["losses"]) == sorted(want["losses"]) == list(range(1, iterations + 1))
     for iteration, loss in want["losses"].items():
         assert got["losses"][iteration] == pytest.approx(loss, rel=TOLERANCE), (iteration, got["losses"],
@@ -101,6 +102,9 @@ def assert_same_run(got: dict, want: dict, iterations: int):
     for name, value in want["params"].items():
         torch.testing.assert_close(got["params"][name], value, rtol=TOLERANCE, atol=1e-6,
                                    msg=lambda m: f"parameter {name}: {m}")
+    loss = max(abs(got["losses"][i] - want["losses"][i]) / abs(want["losses"][i]) for i in want["losses"])
+    param = max(float((got["params"][n] - v).abs().max()) for n, v in want["params"].items())
+    print(f"{what}: largest relative loss difference {loss:.1e}, largest parameter difference {param:.1e}")
 
 
 def assert_plan_balances(balanced: dict):
@@ -110,6 +114,9 @@ def assert_plan_balances(balanced: dict):
     for phase in ("vision", "audio", "llm"):
         assert heavy[f"{phase} before"] > 1.3, heavy
         assert heavy[f"{phase} after"] < heavy[f"{phase} before"], heavy
+    print("heavy step, modeled max/mean before->after: " + ", ".join(
+        f"{p} {heavy[f'{p} before']:.2f}->{heavy[f'{p} after']:.2f}" for p in ("vision", "audio", "llm")) +
+        f"; moved MB {heavy['intra-node MB'] + heavy['inter-node MB']:.3f}")
 
 
 def test_tp2_sequence_parallel_dp2_is_invariant_and_equals_tp2(tmp_path):
@@ -117,9 +124,9 @@ def test_tp2_sequence_parallel_dp2_is_invariant_and_equals_tp2(tmp_path):
     logs = train(tmp_path, 4, [("upstream", SP + iters), ("balanced", SP + iters + BALANCED),
                                ("tp2", SP[:2] + iters)], timeout_s=420)
     assert logs["balanced"]["layout"] == logs["upstream"]["layout"] == (True, 1) and logs["tp2"]["layout"] == (False, 1)
-    assert_same_run(logs["balanced"], logs["upstream"], 2)
+    assert_same_run(logs["balanced"], logs["upstream"], 2, "TP 2 + SP x DP 2, post-balancing on / off")
     assert_plan_balances(logs["balanced"])
-    assert_same_run(logs["upstream"], logs["tp2"], 2)  # sequence parallelism changes no number
+    assert_same_run(logs["upstream"], logs["tp2"], 2, "TP 2 + SP / TP 2")  # sequence parallelism changes no number
     assert logs["upstream"]["losses"][2] != logs["upstream"]["losses"][1]
 
 
@@ -135,9 +142,9 @@ def test_cp2_dp2_padded_and_packed_rows_are_invariant_and_equal_cp1(dp2_whole, t
                                ("packed", CP + iters + BALANCED + ["--orch-microbatching", "packed"])], timeout_s=480)
     assert all(logs[name]["layout"] == (False, 2) for name in logs)
     for name in ("balanced", "packed"):
-        assert_same_run(logs[name], logs["upstream"], 2)
+        assert_same_run(logs[name], logs["upstream"], 2, f"CP 2 x DP 2, post-balancing on ({name}) / off")
         assert_plan_balances(logs[name])
-    assert_same_run(logs["upstream"], dp2_whole, 2)  # the CP shards are exact
+    assert_same_run(logs["upstream"], dp2_whole, 2, "CP 2 / CP 1 at DP 2")  # the CP shards are exact
 
 
 def test_tp2_sequence_parallel_cp2_dp2_is_invariant(tmp_path):
@@ -146,5 +153,5 @@ def test_tp2_sequence_parallel_cp2_dp2_is_invariant(tmp_path):
     logs = train(tmp_path, 8, [("upstream", SP + CP + iters), ("balanced", SP + CP + iters + BALANCED)],
                  timeout_s=600)
     assert logs["upstream"]["layout"] == logs["balanced"]["layout"] == (True, 2)
-    assert_same_run(logs["balanced"], logs["upstream"], 1)
+    assert_same_run(logs["balanced"], logs["upstream"], 1, "TP 2 + SP x CP 2 x DP 2, post-balancing on / off")
     assert_plan_balances(logs["balanced"])

@@ -138,8 +138,8 @@ class SequenceLayout:
             return batch
         pad = functools.partial(torch.nn.functional.pad, pad=(0, extra))
         return dataclasses.replace(batch, tokens=pad(batch.tokens, value=pad_token_id),
-                                   labels=pad(batch.labels, value=pad_token_id),
-                                   loss_mask=pad(batch.loss_mask, value=0), position_ids=pad(batch.position_ids, value=0))
+                                   labels=pad(batch.labels, value=pad_token_id), loss_mask=pad(batch.loss_mask, value=0),
+                                   position_ids=pad(batch.position_ids, value=0))
 
     def local_positions(self, sequences) -> np.ndarray:
         """The positions of a padded row this CP rank keeps, given the row's sequences ``(start, end)`` (each a

@@ -17,6 +17,10 @@ kernel (:func:`packed_attention`): on CUDA in bf16/fp16 without attention dropou
 per layer, tiles only inside each example's causal triangle); otherwise (CPU, fp32, attention dropout,
 which ``varlen_attn`` does not take, or an older torch) SDPA example by example (``is_causal``: flash on CUDA and on CPU
 without dropout, the math kernel over one example's ``s x s`` with dropout on CPU).
+
+Context parallelism (the backbone's ``--context-parallel-size``) on CPU: :func:`context_parallel_attention`
+all-gathers keys and values over the CP group and attends each local query exactly (the CPU path; on GPUs
+context parallelism runs Transformer Engine's attention, ``--transformer-impl transformer_engine``).
 """
 from __future__ import annotations
 
@@ -58,8 +62,9 @@ class SDPAttention(MegatronModule):
     d]``, no mask, output ``[t, heads * d]`` (:func:`packed_attention`).
 
     No parameters and no state: a model's checkpoint is the same with it or ``DotProductAttention``.
-    ``layer_number``, ``attention_type``, ``cp_comm_type`` and ``pg_collection`` are accepted for the
-    spec interface; the heads come from the tensors. Query-key layer scaling is an fp16 range trick whose scale
+    ``layer_number``, ``attention_type`` and ``cp_comm_type`` are accepted for the spec interface; the heads
+    come from the tensors. With context parallelism (``config.context_parallel_size > 1``) the attention is
+    :func:`context_parallel_attention` over ``pg_collection``'s CP group (megatron-core's, without one). Query-key layer scaling is an fp16 range trick whose scale
     cancels in megatron's softmax; SDPA keeps its softmax in fp32, so it is not needed here.
     """
 
@@ -96,8 +101,9 @@ class SDPAttention(MegatronModule):
         rng = tensor_parallel.get_cuda_rng_tracker().fork() if dropout else contextlib.nullcontext()
         if self.cp_group is not None:
             if attention_mask is not None or attn_mask_type != AttnMaskType.causal:
-                raise NotImplementedError("SDPAttention: context parallelism takes causal attention without a mask "
-                                          f"(got attn_mask_type={attn_mask_type}, a mask: {attention_mask is not None})")
+                raise NotImplementedError(f"SDPAttention: context parallelism takes causal attention without a mask "
+                                          f"(got attn_mask_type={attn_mask_type}, a mask: "
+                                          f"{attention_mask is not None})")
             with rng:
                 context = context_parallel_attention(query, key, value, self.cp_group, packed_seq_params,
                                                      scale=self.softmax_scale, dropout=dropout)

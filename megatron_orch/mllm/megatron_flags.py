@@ -86,7 +86,7 @@ READ_BY_TRAINER = _names("""
     eval_iters eval_interval start_eval_at_iter eval_global_batch_size eval_micro_batch_size skip_train
     full_validation multiple_validation_sets validation_set_names
     rerun_mode error_injection_rate error_injection_type check_for_spiky_loss
-    iterations_to_skip freeze_all_layers data_parallel_random_init batch_invariant_mode
+    freeze_all_layers data_parallel_random_init batch_invariant_mode
 """)
 
 NO_MATH = _names("""
@@ -132,14 +132,16 @@ NO_MATH = _names("""
     tokenizer_hf_include_special_tokens use_tokenizer_model_from_checkpoint_args
     inference_batch_times_seqlen_threshold max_tokens_to_oom output_bert_embeddings bert_embedder_type
     use_legacy_static_engine inference_max_requests inference_max_batch_size inference_max_seq_length
-    inference_dynamic_batching inference_dynamic_batching_buffer_size_gb inference_dynamic_batching_paused_buffer_size_gb
+    inference_dynamic_batching inference_dynamic_batching_buffer_size_gb
+    inference_dynamic_batching_paused_buffer_size_gb
     inference_dynamic_batching_mamba_memory_ratio inference_dynamic_batching_block_size
     inference_dynamic_batching_max_requests inference_dynamic_batching_max_tokens
     inference_dynamic_batching_num_cuda_graphs inference_dynamic_batching_track_paused_request_events
     inference_dynamic_batching_track_generated_token_events decode_only_cuda_graphs inference_cuda_graph_all_prefills
     inference_cuda_graph_max_tokens inference_dynamic_batching_unified_memory_level enable_chunked_prefill
     disable_chunked_prefill num_speculative_tokens inference_dynamic_batching_enable_prefix_caching
-    inference_dynamic_batching_prefix_caching_eviction_policy inference_dynamic_batching_prefix_caching_coordinator_policy
+    inference_dynamic_batching_prefix_caching_eviction_policy
+    inference_dynamic_batching_prefix_caching_coordinator_policy
     inference_dynamic_batching_prefix_caching_routing_alpha inference_dynamic_batching_prefix_caching_mamba_gb
     inference_dynamic_batching_cuda_graph_mixed_prefill_count inference_dynamic_batching_cuda_graph_sizing_distribution
     inference_dynamic_batching_cuda_graph_max_tokens inference_dynamic_batching_sampling_backend
@@ -237,7 +239,8 @@ REFUSED: Dict[str, str] = {
         moe_ncclep_static_shape moe_ncclep_zero_copy moe_mlp_glu_interleave_size moe_expert_rank_capacity_factor
         moe_use_upcycling moe_upcycling_granularity moe_paged_stash moe_paged_stash_page_size
         moe_paged_stash_buffer_size_factor_cuda moe_paged_stash_buffer_size_factor_cpu use_fused_weighted_squared_relu
-        overlap_moe_expert_parallel_comm overlap_dispatch_backward_with_experts_wgrad ep_overlap_early_attn_memory_release
+        overlap_moe_expert_parallel_comm overlap_dispatch_backward_with_experts_wgrad
+        ep_overlap_early_attn_memory_release
         high_priority_a2a_comm_stream expert_model_parallel_size expert_tensor_parallel_size
         expert_tensor_parallel_num_weight_shards
     """), _MOE),
@@ -269,7 +272,8 @@ REFUSED: Dict[str, str] = {
     """), _PARALLEL),
     **dict.fromkeys(_names("""
         split train_data_path valid_data_path test_data_path data_args_path per_split_data_args_path mock_data
-        phase_transition_iterations sample_rate reset_position_ids reset_attention_mask dataloader_inter_document_masking
+        phase_transition_iterations sample_rate reset_position_ids reset_attention_mask
+        dataloader_inter_document_masking
         eod_mask_loss create_attention_mask_in_dataloader allow_ambiguous_pad_tokens fim_data fim_rate fim_spm_rate
         fim_split_sample fim_fragment_rate fim_no_prefix fim_prefix_token fim_middle_token fim_suffix_token
         fim_pad_token fim_eod_token
@@ -283,6 +287,8 @@ REFUSED: Dict[str, str] = {
         enable_experimental te_rng_tracker
     """), _OTHER_LOOP),
     **dict.fromkeys(_names("train_samples batch_size warmup"), _SAMPLES),
+    "iterations_to_skip": "megatron.training runs a skipped iteration through Megatron-LM's GPT batch code "
+                          "(get_batch_on_this_tp_rank), which the MLLM's batches are not",
 }
 
 
@@ -315,6 +321,10 @@ def refusals_of(args: argparse.Namespace, parser: argparse.ArgumentParser) -> Li
         if dest in REFUSED and dest not in seen and getattr(args, dest) != getattr(defaults, dest):
             seen.add(dest)
             problems.append(f"{_long_option(action)} ({getattr(args, dest)!r}): {REFUSED[dest]}")
+    if args.context_parallel_size > 1 and args.transformer_impl == "local" and args.distributed_backend != "gloo":
+        problems.append(f"--context-parallel-size {args.context_parallel_size} with --transformer-impl local: on GPUs "
+                        "context parallelism runs Transformer Engine's attention (--transformer-impl "
+                        "transformer_engine); the local attention's context-parallel path is the CPU one (gloo)")
     if not args.calculate_per_token_loss:
         problems.append("--calculate-per-token-loss is required: the MLLM normalises its loss by the number of loss "
                         "tokens (without the flag Megatron-LM would average per micro-batch)")

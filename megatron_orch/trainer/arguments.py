@@ -281,9 +281,10 @@ def validate_args(args: argparse.Namespace, world_size: int) -> argparse.Namespa
     """Check consistency; derive ``data_parallel_size``, ``num_microbatches`` and ``mllm_config`` (the
     loaded ``--model-config`` with the backbone shape flags applied)."""
     _positive(args, "tensor_model_parallel_size", "pipeline_model_parallel_size", "context_parallel_size",
-              "micro_batch_size", "global_batch_size", "train_iters", "exit_interval", "seq_length", "log_interval", "save_interval",
-              "make_vocab_size_divisible_by", "max_num_tiles", "max_image_pixels",
-              "max_vision_items_per_sample", "keep_last_checkpoints", "max_position_embeddings", *_BACKBONE_SHAPE_FLAGS)
+              "micro_batch_size", "global_batch_size", "train_iters", "exit_interval", "seq_length", "log_interval",
+              "save_interval", "make_vocab_size_divisible_by", "max_num_tiles", "max_image_pixels",
+              "max_vision_items_per_sample", "keep_last_checkpoints", "max_position_embeddings",
+              *_BACKBONE_SHAPE_FLAGS)
     for name in ("max_bad_examples", "ckpt_step"):
         if getattr(args, name) is not None and getattr(args, name) < 0:
             raise ArgumentError(f"--{name.replace('_', '-')} must be >= 0, got {getattr(args, name)}")
