@@ -54,12 +54,19 @@ def _train_runs(rank, world_size, runs, out_dir):
     warnings.filterwarnings("ignore")
     from megatron.core import parallel_state
 
-    from megatron_orch.mllm import providers
+    from megatron_orch.mllm import attention, providers
     from megatron_orch.trainer import arguments, loop as trainer
 
     providers.build_train_data_iterator = scripted_iterator
+    stock_attention = attention.context_parallel_attention
     for name, argv in runs:
-        built = []
+        built, calls = [], {"padded": 0, "packed": 0}
+
+        def context_parallel_attention(*args, **kwargs):  # which CP path the run took
+            calls["packed" if args[4] is not None else "padded"] += 1
+            return stock_attention(*args, **kwargs)
+
+        attention.context_parallel_attention = context_parallel_attention
 
         def model_provider(args, pre_process, post_process):
             built.append(providers.build_model(args, pre_process, post_process))
@@ -77,7 +84,9 @@ def _train_runs(rank, world_size, runs, out_dir):
             config = built[0].config  # the backbone's: what its layers were built for
             torch.save({"losses": {r.iteration: r.lm_loss for r in records},
                         "post_balancing": [r.post_balancing for r in records],
-                        "layout": (config.sequence_parallel, config.context_parallel_size)}, out / "log.pt")
+                        "layout": (config.sequence_parallel, config.context_parallel_size),
+                        "cp_attention_calls": calls}, out / "log.pt")
+    attention.context_parallel_attention = stock_attention
 
 
 def train(tmp_path: Path, world_size: int, runs, timeout_s: float) -> dict:
@@ -141,6 +150,9 @@ def test_cp2_dp2_padded_and_packed_rows_are_invariant_and_equal_cp1(dp2_whole, t
     logs = train(tmp_path, 4, [("upstream", CP + iters), ("balanced", CP + iters + BALANCED),
                                ("packed", CP + iters + BALANCED + ["--orch-microbatching", "packed"])], timeout_s=480)
     assert all(logs[name]["layout"] == (False, 2) for name in logs)
+    calls = {name: logs[name]["cp_attention_calls"] for name in logs}  # the CPU path, THD for packed rows
+    assert calls["upstream"]["padded"] > 0 and calls["balanced"]["padded"] > 0 and calls["packed"]["packed"] > 0, calls
+    assert calls["upstream"]["packed"] == calls["balanced"]["packed"] == calls["packed"]["padded"] == 0, calls
     for name in ("balanced", "packed"):
         assert_same_run(logs[name], logs["upstream"], 2, f"CP 2 x DP 2, post-balancing on ({name}) / off")
         assert_plan_balances(logs[name])
