@@ -119,7 +119,8 @@ def main_megatron_lm() -> None:
         return args
 
     def model_provider(pre_process=True, post_process=True, vp_stage=None, **unused):
-        return providers.build_model(mllm_args(), pre_process=pre_process, post_process=post_process)
+        return providers.build_model(mllm_args(), pre_process=pre_process, post_process=post_process,
+                                     vp_stage=vp_stage)
 
     def build_train_iterator():
         args = mllm_args()
@@ -130,7 +131,7 @@ def main_megatron_lm() -> None:
         return train
 
     wrapper = megatron_lm.schedule_wrapper(lambda: mllm_args().orch_config.encoder_recompute) if post_balancing else None
-    megatron_lm.pretrain(megatron_lm.external_data_provider(build_train_iterator), model_provider,
+    megatron_lm.pretrain(megatron_lm.external_data_provider(build_train_iterator, post_balancing), model_provider,
                          ModelType.encoder_or_decoder, providers.forward_step,
                          extra_args_provider=arguments.add_mllm_args, args_defaults={"dataloader_type": "external"},
                          forward_backward_func_wrapper=wrapper, announce=print_rank_0)

@@ -1,7 +1,9 @@
 """A tiny Megatron-Core MimoModel for the MIMO adapter's tests, built from megatron-core's own classes: a
 ``VisionModalitySubmodules`` (a patch ViT, an MLP projector) named ``images``, an
-``AudioModalitySubmodules`` (a frame-stacking transformer, an MLP projector) named ``audio``, and a GPT
-language model (RoPE), each a 2-layer transformer of megatron-core's local layers on CPU."""
+``AudioModalitySubmodules`` (a frame-stacking transformer, an MLP projector) named ``audio``, and a
+language model (RoPE) on the MLLM backbone's class: ``HybridModel`` where megatron-core has it (0.19+, with
+the backbone's layer pattern and stack spec), else ``GPTModel``; each a 2-layer transformer of
+megatron-core's local layers on CPU."""
 from __future__ import annotations
 
 import warnings
@@ -78,14 +80,14 @@ def build_mimo(tensor_model_parallel_size: int = 1, pre_process: bool = True, po
     from megatron.core.transformer.spec_utils import ModuleSpec
 
     from megatron_orch.balance.cost import TransformerShape
-    from megatron_orch.mllm.model import (ModelParallelSettings, backbone_layer_spec, padded_vocab_size,
+    from megatron_orch.mllm.model import (HYBRID_BACKBONE, ModelParallelSettings, backbone_spec, padded_vocab_size,
                                           transformer_config)
 
     settings = ModelParallelSettings(tensor_model_parallel_size=tensor_model_parallel_size,
                                      sequence_parallel=sequence_parallel)
     encoder, language = shapes()
     encoder_config = transformer_config(encoder, settings, pipeline_split=False)
-    language_config = transformer_config(language, settings, pipeline_split=True)
+    language_config = transformer_config(language, settings, pipeline_split=True, hybrid=HYBRID_BACKBONE)
     projector_config = transformer_config(
         TransformerShape(num_layers=1, hidden_size=language.hidden_size, ffn_hidden_size=64,
                          num_attention_heads=language.num_attention_heads, causal=False), settings, pipeline_split=False)
@@ -105,11 +107,15 @@ def build_mimo(tensor_model_parallel_size: int = 1, pre_process: bool = True, po
         "encoders": {"frames": ModuleSpec(module=FrameEncoder, params={"config": encoder_config, "mel_bins": MEL_BINS,
                                                                         "frames": FRAMES, "stack": STACK})},
         "input_projections": [projector()]})
-    language_model = ModuleSpec(module=GPTModel, params={
-        "config": language_config, "transformer_layer_spec": backbone_layer_spec("local", language_config),
-        "vocab_size": padded_vocab_size(VOCAB, settings), "max_sequence_length": SEQ_LENGTH,
-        "pre_process": pre_process, "post_process": post_process, "position_embedding_type": "rope",
-        "scatter_embedding_sequence_parallel": not sequence_parallel})
+    if HYBRID_BACKBONE:
+        from megatron.core.models.hybrid.hybrid_model import HybridModel as LanguageModel
+    else:
+        LanguageModel = GPTModel
+    language_model = ModuleSpec(module=LanguageModel, params={
+        "config": language_config, "vocab_size": padded_vocab_size(VOCAB, settings),
+        "max_sequence_length": SEQ_LENGTH, "pre_process": pre_process, "post_process": post_process,
+        "position_embedding_type": "rope", "scatter_embedding_sequence_parallel": not sequence_parallel,
+        **backbone_spec("local", language, language_config)})
     return MimoModel(MimoModelConfig(language_model_spec=language_model,
                                      modality_submodules_spec={"images": images, "audio": audio},
                                      special_token_ids=dict(PLACEHOLDERS)))

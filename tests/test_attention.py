@@ -447,9 +447,9 @@ def test_transformer_engine_contract_of_a_packed_row(world_of_one):
     model = build_model(config)
     reference, _ = with_megatron_attention(model, config)
     contracts = []
-    for layer in model.backbone.decoder.layers:
-        contracts.append(TransformerEngineTHDContract(layer.self_attention.core_attention.softmax_scale))
-        layer.self_attention.core_attention = contracts[-1]
+    for attention in [m for m in model.backbone.modules() if hasattr(m, "core_attention")]:  # HybridModel's
+        contracts.append(TransformerEngineTHDContract(attention.core_attention.softmax_scale))  # MLP layers: none
+        attention.core_attention = contracts[-1]
     model.transformer_impl = "transformer_engine"
     examples = [make_example(model, 0, 2, 1, 10), make_example(model, 1, 0, 2, 5), make_example(model, 2, 1, 0, 20)]
     total = sum(e.num_tokens for e in examples)

@@ -192,6 +192,11 @@ def test_what_would_break_invariance_is_refused(harness, world_of_one):
     packed = collate_packed([scripted_example(0, 0, j, spec, j) for j in range(2)], spec)
     with pytest.raises(NotImplementedError, match="packed rows with a MimoModel"):
         model(packed)
+    # --orch-microbatching auto gives it equal-count micro-batches; packed ones are refused, saying why
+    from megatron_orch.orchestrator.config import OrchestratorConfig
+    assert OrchestratorConfig().resolve_microbatching(spec.cannot_pack).microbatching == "equal_count"
+    with pytest.raises(ValueError, match="packed: MimoBalancing does not hand packed rows to MimoModel"):
+        OrchestratorConfig(microbatching="packed").resolve_microbatching(spec.cannot_pack)
     with pytest.raises(ValueError, match="placeholder ids .* and pad id 1000 must be distinct"):
         dataclasses.replace(spec, pad_token_id=1000)
 

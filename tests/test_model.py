@@ -1,6 +1,7 @@
 """The MLLM on megatron-core, single CPU process (gloo world of 1 through the CPU harness)."""
 import itertools
 import math
+import re
 import warnings
 
 import pytest
@@ -18,6 +19,7 @@ from megatron_orch.megatron.batch import collate, collate_packed  # noqa: E402
 from megatron_orch.megatron.contract import BalanceableModel, forward_step, loss_func  # noqa: E402
 from megatron_orch.mllm.config import load_model_config  # noqa: E402
 from megatron_orch.mllm.examples import assemble_example  # noqa: E402
+from megatron_orch.mllm import model as model_module  # noqa: E402
 from megatron_orch.mllm.model import MLLMModel, ModelParallelSettings  # noqa: E402
 from megatron_orch.trainer import arguments, loop as trainer  # noqa: E402
 
@@ -155,3 +157,43 @@ def test_built_model_has_the_parameters_its_config_counts(model):
     built = sum(p.numel() for p in model.parameters())
     counted = TINY.num_parameters()["total"]
     assert counted <= built <= 1.01 * counted, (counted, built)
+
+
+def gpt_name(hybrid_name: str) -> str:
+    """The GPTModel backbone's name of a HybridModel backbone's parameter (megatron_orch.mllm.hybrid): stack
+    layers 2i (attention) and 2i + 1 (MLP) are transformer layer i; final_norm is final_layernorm."""
+    layer = re.match(r"backbone\.decoder\.layers\.(\d+)\.(.*)", hybrid_name)
+    if layer:
+        return f"backbone.decoder.layers.{int(layer.group(1)) // 2}.{layer.group(2)}"
+    return hybrid_name.replace("backbone.decoder.final_norm.", "backbone.decoder.final_layernorm.")
+
+
+@pytest.mark.skipif(not model_module.HYBRID_BACKBONE, reason="this megatron-core has no HybridModel (before 0.19): "
+                    "the backbone is GPTModel, nothing to compare")
+def test_the_hybrid_backbone_is_the_gpt_backbone(world_of_one, monkeypatch):
+    """HybridModel's stack of attention and MLP layers draws the GPTModel backbone's initial weights (every
+    parameter, bit for bit, under GPTModel's names) and gives its loss and gradients, bit for bit, on a batch
+    with images and audio, so the figures measured with GPTModel hold."""
+    def build(hybrid):
+        monkeypatch.setattr(model_module, "HYBRID_BACKBONE", hybrid)
+        torch.manual_seed(3)
+        tensor_parallel.model_parallel_cuda_manual_seed(3)
+        return MLLMModel(TINY, ModelParallelSettings(), SEQ_LENGTH)
+
+    hybrid, gpt = build(True), build(False)
+    assert type(hybrid.backbone).__name__ == "HybridModel" and type(gpt.backbone).__name__ == "GPTModel"
+    assert hybrid.backbone.hybrid_layer_pattern == "*-*-"
+    hybrid_params = {gpt_name(name): p for name, p in hybrid.named_parameters()}
+    gpt_params = dict(gpt.named_parameters())
+    assert hybrid_params.keys() == gpt_params.keys()
+    for name, param in gpt_params.items():
+        assert torch.equal(hybrid_params[name], param), name
+    batch = collate([make_example(gpt, 0, 2, 1, 10), make_example(gpt, 1, 0, 2, 5)], gpt.spec)
+    losses = {}
+    for name, model in (("hybrid", hybrid), ("gpt", gpt)):
+        loss, _, _ = loss_func(batch.loss_mask, run(model, batch))
+        loss.backward()
+        losses[name] = loss.detach()
+    assert torch.equal(losses["hybrid"], losses["gpt"]), losses  # the same operations in the same order
+    for name, param in gpt_params.items():
+        assert torch.equal(hybrid_params[name].grad, param.grad), name

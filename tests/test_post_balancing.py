@@ -4,7 +4,8 @@ the parameters after every step of the upstream run (balancing off), on CPU over
 The data is a scripted stream whose steps are the edge cases of DESIGN.md section 4: a step with no
 images anywhere, audio on one rank only, one example far longer than a fair share, all heavy examples
 on one rank, then an ordinary mixed step. Layouts: DP 4, TP 2 x DP 2, PP 2 x DP 2 (1F1B), DP 1; modes:
-equal-count micro-batches, packed micro-batches with encoder recompute and locality-aware balancing; and
+equal-count micro-batches, packed micro-batches (the default where rows are not of a fixed length) with
+encoder recompute and locality-aware balancing; and
 the three-encoder config (``tiny_video``: video frames as their own encoder phase) at DP 4.
 """
 import re
@@ -146,7 +147,7 @@ def dp4_baseline(tmp_path_factory):
 
 
 def test_dp4_equal_count_is_invariant_and_balances(dp4_baseline, tmp_path):
-    balanced = train(tmp_path, "balanced", 4, *BALANCED)
+    balanced = train(tmp_path, "balanced", 4, *BALANCED, "--orch-microbatching", "equal_count")
     assert_invariant(balanced, dp4_baseline)
     # Loss decreases over the run, so the comparison is not between two idle models.
     assert dp4_baseline["losses"][ITERS] < dp4_baseline["losses"][1]
@@ -167,6 +168,7 @@ def test_dp4_packed_recompute_locality_is_invariant(dp4_baseline, tmp_path):
 @pytest.mark.parametrize("layout", [("--tensor-model-parallel-size", "2"),
                                     ("--pipeline-model-parallel-size", "2")], ids=["tp2_dp2", "pp2_dp2"])
 def test_model_parallel_layouts_are_invariant(layout, tmp_path):
+    """The default micro-batching: packed rows under TP 2, equal-count ones under PP 2 (fixed-length rows)."""
     baseline = train(tmp_path, "baseline", 4, *layout)
     balanced = train(tmp_path, "balanced", 4, *layout, *BALANCED, "--orch-placement", "minmax")
     assert_invariant(balanced, baseline)
@@ -175,10 +177,11 @@ def test_model_parallel_layouts_are_invariant(layout, tmp_path):
 
 def test_three_encoder_config_is_invariant_and_balances(tmp_path):
     """tiny_video (vision tiles, video frames and audio windows, each its own encoder phase): DP 4,
-    upstream against post-balancing, equal-count and packed with encoder recompute."""
+    upstream against post-balancing, equal-count and (the default) packed with encoder recompute."""
     three = ["--model-config", "tiny_video"]
     baseline = train(tmp_path, "baseline", 4, *three)
-    for name, flags in (("balanced", ()), ("packed", ("--orch-microbatching", "packed", "--orch-encoder-recompute"))):
+    for name, flags in (("equal_count", ("--orch-microbatching", "equal_count")),
+                        ("packed", ("--orch-encoder-recompute",))):
         balanced = train(tmp_path, name, 4, *three, *BALANCED, *flags)
         assert_invariant(balanced, baseline)
         assert_plan_balances(balanced, phases=("vision", "video", "audio", "llm"))

@@ -12,8 +12,9 @@ from megatron_orch.orchestrator.step_plan import plan_step
 
 TINY = load_model_config("tiny").phases()
 CONFIGS = [OrchestratorConfig(background=False),
-           OrchestratorConfig(microbatching="packed", background=False),
+           OrchestratorConfig(microbatching="equal_count", background=False),
            OrchestratorConfig(locality=True, background=False),
+           OrchestratorConfig(microbatching="equal_count", locality=True, background=False),
            OrchestratorConfig(placement="minmax", background=False),
            OrchestratorConfig(phases=("vision",), background=False)]
 
@@ -179,3 +180,14 @@ def test_the_backbone_is_planned_per_context_parallel_rank():
         assert split.stats[phase].mean == pytest.approx(whole.stats[phase].mean)
     with pytest.raises(ValueError, match="--context-parallel-size must be >= 1"):
         OrchestratorConfig(context_parallel_size=0)
+
+
+def test_auto_micro_batching_packs_unless_the_backbone_cannot():
+    auto = OrchestratorConfig()
+    assert auto.microbatching == "auto" and auto.packed  # plan_step plans auto as packed
+    assert auto.resolve_microbatching(None).microbatching == "packed"
+    assert auto.resolve_microbatching("its forward takes no THD parameters").microbatching == "equal_count"
+    equal = OrchestratorConfig(microbatching="equal_count")
+    assert equal.resolve_microbatching(None) is equal and not equal.packed
+    with pytest.raises(ValueError, match="--orch-microbatching packed: its forward takes no THD parameters"):
+        OrchestratorConfig(microbatching="packed").resolve_microbatching("its forward takes no THD parameters")

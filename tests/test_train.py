@@ -35,21 +35,27 @@ def _quiet_warnings():
     warnings.filterwarnings("ignore", category=UserWarning)
 
 
-def _stage_state(full_state: dict, pp_rank: int, pp_size: int, num_layers: int) -> dict:
-    """The reference (PP 1) state dict entries that pipeline stage ``pp_rank`` holds, renumbered."""
-    per_stage = num_layers // pp_size
-    first, last = pp_rank == 0, pp_rank == pp_size - 1
+def stage_state(full_state: dict, pp_rank: int, pp_size: int, vp_stage: int = 0, vp_size: int = 1) -> dict:
+    """The reference (PP 1) state dict entries that model chunk ``vp_stage`` of pipeline stage ``pp_rank``
+    holds, renumbered. The backbone's stack layers (GPTModel's transformer layers, or HybridModel's attention
+    and MLP layers) split into PP x VPP equal segments; segment ``vp_stage * pp_size + pp_rank`` is the chunk's."""
+    layers = 1 + max(int(m.group(1)) for key in full_state
+                     if (m := re.match(r"backbone\.decoder\.layers\.(\d+)\.", key)))
+    per_chunk = layers // (pp_size * vp_size)
+    first_layer = (vp_stage * pp_size + pp_rank) * per_chunk
+    first = pp_rank == 0 and vp_stage == 0
+    last = pp_rank == pp_size - 1 and vp_stage == vp_size - 1
     out = {}
     for key, value in full_state.items():
         layer = re.match(r"backbone\.decoder\.layers\.(\d+)\.(.*)", key)
         if layer:
-            index = int(layer.group(1)) - pp_rank * per_stage
-            if 0 <= index < per_stage:
+            index = int(layer.group(1)) - first_layer
+            if 0 <= index < per_chunk:
                 out[f"backbone.decoder.layers.{index}.{layer.group(2)}"] = value
         elif key.startswith(("encoders.", "backbone.embedding.")):
             if first:
                 out[key] = value
-        elif key.startswith(("backbone.decoder.final_layernorm.", "backbone.output_layer.")):
+        elif key.startswith(("backbone.decoder.", "backbone.output_layer.")):  # the final norm, the logits
             if last:
                 out[key] = value
         else:
@@ -71,9 +77,8 @@ def _train(rank, world_size, argv, out_dir, save_initial_state=None, load_initia
             torch.save(model.state_dict(), save_initial_state)
         if load_initial_state:
             full = torch.load(load_initial_state)
-            model.load_state_dict(_stage_state(full, parallel_state.get_pipeline_model_parallel_rank(),
-                                               args.pipeline_model_parallel_size,
-                                               args.mllm_config.backbone.transformer.num_layers))
+            model.load_state_dict(stage_state(full, parallel_state.get_pipeline_model_parallel_rank(),
+                                              args.pipeline_model_parallel_size))
         return model
 
     args = arguments.parse_args(argv, world_size=world_size)

@@ -36,6 +36,7 @@ from typing import Callable, Dict, Iterator, Optional
 
 from megatron.core import parallel_state
 
+from megatron_orch.megatron.pipeline_layout import check_interleaved_microbatches
 from megatron_orch.megatron.schedule import ModalityAwareSchedule
 
 WRAPPER_ARGUMENT = "forward_backward_func_wrapper"
@@ -146,8 +147,7 @@ def _announcing(wrapper: Callable, announce: Callable[[str], None], line: str) -
 
 
 # The Megatron-LM flags (argparse destinations) check_args refuses with post-balancing, of any release.
-POST_BALANCING_REFUSALS = ("dataloader_type", "calculate_per_token_loss", "num_layers_per_virtual_pipeline_stage",
-                           "num_virtual_stages_per_pipeline_rank", "hybrid_context_parallel",
+POST_BALANCING_REFUSALS = ("dataloader_type", "calculate_per_token_loss", "hybrid_context_parallel",
                            "sequence_packing_scheduler", "cuda_graph_impl", "cuda_graph_scope",
                            "moe_expert_rank_capacity_factor", "use_torch_fsdp2", "use_megatron_fsdp", "perform_rl_step",
                            "rampup_batch_size", "step_batch_size_schedule")
@@ -163,9 +163,13 @@ def check_args(args: argparse.Namespace) -> None:
     if not args.calculate_per_token_loss:
         problems.append("--calculate-per-token-loss is required: the loss is normalised by the global number of "
                         "loss tokens, which is what makes moving examples between DP ranks loss-invariant")
-    if args.virtual_pipeline_model_parallel_size is not None:
-        problems.append("virtual pipeline stages (--num-layers-per-virtual-pipeline-stage / "
-                        "--num-virtual-stages-per-pipeline-rank): one model chunk per rank only")
+    if args.virtual_pipeline_model_parallel_size is not None:  # the step's plan and moves run before the schedule
+        try:
+            check_interleaved_microbatches(args.global_batch_size // (args.micro_batch_size * args.data_parallel_size),
+                                           args.pipeline_model_parallel_size,
+                                           getattr(args, "microbatch_group_size_per_vp_stage", None))
+        except ValueError as err:
+            problems.append(str(err))
     if getattr(args, "hybrid_context_parallel", False):
         problems.append("--hybrid-context-parallel: it regroups the data iterator's sequences over DP x CP "
                         "ranks (HybridCPDataLoaderWrapper), which would undo the post-balancing plan")
@@ -201,11 +205,17 @@ def _full_iteration_cuda_graph(args: argparse.Namespace) -> bool:
     return impl == "full_iteration" or (impl == "local" and any("full_iteration" in str(s) for s in scope))
 
 
-def external_data_provider(build_train_iterator: Callable[[], Iterator]) -> Callable:
+def external_data_provider(build_train_iterator: Callable[[], Iterator], post_balancing: bool) -> Callable:
     """Megatron-LM's ``train_valid_test_datasets_provider`` for ``--dataloader-type external``: the
-    training iterator ``build_train_iterator()`` returns, no validation or test data."""
+    training iterator ``build_train_iterator()`` returns, no validation or test data. With virtual pipeline
+    stages Megatron-LM asks once per model chunk (``vp_stage``): upstream every chunk gets an iterator of its
+    own over the same samples (as Megatron-LM's loaders); with post-balancing the first chunk gets the
+    iterator and the others None, since the modality-aware schedule feeds every chunk the first chunk's
+    balanced steps."""
 
     def train_valid_test_data_provider(train_val_test_num_samples, vp_stage=None):
+        if post_balancing and vp_stage:
+            return None, None, None
         return build_train_iterator(), None, None
 
     train_valid_test_data_provider.is_distributed = True

@@ -1,12 +1,13 @@
 """Megatron-Core's ``MimoModel`` (``megatron.core.models.mimo``, 0.16.1 and 0.19.x), balanced out of the box.
 
-A ``MimoModel`` holds named modality submodules (each: its encoders and an input projection) and a
-language model. Its forward runs them all on one micro-batch: every modality submodule over that
-micro-batch's raw inputs (``modality_inputs[name][encoder][keyword]``), text embeddings from the
-language model's embedding, each modality's embeddings scattered at its ``special_token_ids``
-placeholder in token order (``align_embeddings_by_token_positions``), then the language model. Its own
-cross-layout communication moves encoder outputs by equal batch slices, relying on a uniform token
-count per sample (``mimo/comm/colocated_communicator.py``, 0.19).
+A ``MimoModel`` holds named modality submodules (each: its encoders and an input projection) and a language
+model (``GPTModel`` or, 0.19+, ``HybridModel``: the adapter reads only what both have). Its forward runs
+them all on one micro-batch: every modality submodule over that micro-batch's raw inputs
+(``modality_inputs[name][encoder][keyword]``), text embeddings from the language model's embedding, each
+modality's embeddings scattered at its ``special_token_ids`` placeholder in token order
+(``align_embeddings_by_token_positions``), then the language model. Its own cross-layout communication moves
+encoder outputs by equal batch slices, relying on a uniform token count per sample
+(``mimo/comm/colocated_communicator.py``, 0.19).
 
 :class:`MimoBalancing` wraps one so that it meets the contract (:mod:`megatron_orch.megatron.contract`):
 
@@ -69,6 +70,10 @@ if TYPE_CHECKING:
     from megatron.core.models.mimo import MimoModel
 
 LANGUAGE_PHASE = "language"  # MIMO's key of its language module (0.19: MIMO_LANGUAGE_MODULE_KEY)
+# Why --orch-microbatching auto gives a MimoModel equal-count micro-batches (and packed is refused).
+CANNOT_PACK = ("MimoBalancing does not hand packed rows to MimoModel: its colocated forward takes no THD parameters "
+               "(0.16.1) or takes them as packing_kwargs that the adapter does not pass (0.19), and drops the "
+               "attention mask, so a packed row would attend across its examples")
 
 
 @dataclass(frozen=True)
@@ -116,7 +121,8 @@ class MimoBalancing(MegatronModule):
         id also pads rows for sequence and context parallelism)."""
         inputs = tuple(EncoderInput(m.name, m.item_shape, self.mimo.special_token_ids[m.name])
                        for m in self.modalities)
-        spec = BatchSpec(self.phases, inputs, pad_token_id=pad_token_id, seq_length=seq_length)
+        spec = BatchSpec(self.phases, inputs, pad_token_id=pad_token_id, seq_length=seq_length,
+                         cannot_pack=CANNOT_PACK)
         self.pad_token_id = pad_token_id
         return spec
 

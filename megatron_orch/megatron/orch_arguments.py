@@ -23,12 +23,14 @@ def add_orch_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                         "whose items all cost the same (the model's tiles, frames, audio windows) is spread by "
                         "count, each rank keeping its own items up to ceil(n/DP) and the rest filling its node "
                         "first (optimal balance and bytes); otherwise the best of lpt, kk, bs_ffd")
-    g.add_argument("--orch-microbatching", choices=MICROBATCHING, default="equal_count",
-                   help="equal_count: micro-batch-size examples per backbone micro-batch; packed: one "
-                        "packed row per micro-batch with a variable number of examples")
+    g.add_argument("--orch-microbatching", choices=MICROBATCHING, default="auto",
+                   help="packed: one packed row per backbone micro-batch with a variable number of examples "
+                        "(each attends to itself only); equal_count: micro-batch-size examples per micro-batch; "
+                        "auto (default): packed where the backbone takes packed rows, else equal_count (the "
+                        "reason is logged once: pipeline parallelism, a MimoModel)")
     g.add_argument("--orch-locality", action="store_true",
                    help="locality-aware balancing: within 1%% of the plain plan's balance, keep items on their "
-                        "node/GPU (every phase: equal_count backbone examples move between nodes first, then "
+                        "node/GPU (every phase: backbone examples move between nodes first, then "
                         "inside them; encoder phases of equal items are planned this way already)")
     g.add_argument("--orch-placement", choices=PLACEMENT_METHODS, default="exact",
                    help="bins -> ranks: identity, greedy, exact (min total inter-node bytes), minmax "

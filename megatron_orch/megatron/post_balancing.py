@@ -31,6 +31,7 @@ encoders run), text on the host, where the backbone micro-batches are built as t
 from __future__ import annotations
 
 import itertools
+import logging
 import time
 from dataclasses import dataclass, field
 from typing import Callable, Dict, Iterator, List, Mapping, Optional, Sequence, Tuple
@@ -52,6 +53,15 @@ from megatron_orch.megatron.batch import BatchSpec, Example, MicroBatch, collate
 from megatron_orch.orchestrator.background import BackgroundPlanner
 from megatron_orch.orchestrator.config import OrchestratorConfig
 from megatron_orch.orchestrator.step_plan import StepPlan, plan_step, warm_up
+
+_LOGGED: set = set()  # messages logged once per process
+
+
+def _log_once(message: str) -> None:
+    if message not in _LOGGED:
+        _LOGGED.add(message)
+        logging.getLogger("megatron_orch").warning(message)
+
 
 _OK, _EXHAUSTED = 0, 1  # a rank's step status, one of the control collective's checks
 _STATUS = "step status (0 a step read, 1 no more data)"
@@ -225,12 +235,24 @@ class PostBalancingDataIterator:
     ``spec``: the model's phases and what its batches hold; ``input_dtype``: the dtype raw encoder items
     travel in (the encoders' own; they cast their input to it first); ``compute_device``: where the
     encoders run. Bad settings (a phase in ``config.phases`` the model lacks, a cost profile of another
-    model) raise here, before any collective. The iterator reads ``source`` from its reading thread only.
+    model, packed micro-batches for a backbone that cannot take them) raise here, before any collective.
+    ``--orch-microbatching auto`` becomes packed unless ``spec.cannot_pack`` or fixed-length rows
+    (``step.pad_to``) speak against it; DP rank 0 logs the reason once. The iterator reads ``source`` from
+    its reading thread only.
     """
 
     def __init__(self, source: Iterator[MicroBatch], spec: BatchSpec, config: OrchestratorConfig,
                  step: StepShape, groups: ParallelGroups, *, compute_device: torch.device,
                  input_dtype: torch.dtype = torch.float32):
+        cannot_pack = spec.cannot_pack
+        if cannot_pack is None and step.pad_to is not None and config.microbatching == "auto":
+            cannot_pack = (f"rows of a fixed length ({step.pad_to} tokens, as pipeline parallelism sends them) do "
+                           "not bound a packed row's length")
+        resolved = config.resolve_microbatching(cannot_pack)
+        if resolved.microbatching != config.microbatching and cannot_pack is not None \
+                and dist.get_rank(groups.dp_group) == 0:
+            _log_once(f"post-balancing: equal-count backbone micro-batches (--orch-microbatching auto): {cannot_pack}")
+        config = resolved
         if config.microbatching == "packed" and step.pad_to is not None:
             # one packed row carries a micro-batch's token budget
             step = StepShape(step.micro_batch_size, step.num_microbatches, step.pad_to * step.micro_batch_size)
@@ -375,7 +397,7 @@ class PostBalancingDataIterator:
         lengths = sizes.num_tokens[mine]
         starts = np.concatenate(([0], np.cumsum(lengths)))
         microbatch = plan.microbatch_of_example[mine]
-        build = collate_packed if self.config.microbatching == "packed" else collate
+        build = collate_packed if self.config.packed else collate
         pin = self.compute_device.type == "cuda"  # so that forward_step's copies do not block
         out = []
         for m in range(plan.num_microbatches):

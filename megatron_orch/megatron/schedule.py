@@ -12,6 +12,15 @@ backbone unchanged. Just before gradients are reduced (the DP all-reduce: ``grad
 go back by the inverse all-to-all and the encoders run their backward, so encoder and backbone
 gradients are reduced together, exactly once.
 
+Virtual pipeline stages (the interleaved schedule, several model chunks per pipeline rank): the encoders
+are in the first chunk (virtual stage 0) of the first pipeline stage; every chunk reads the step's
+balanced micro-batches, each through its own iterator as megatron-core's interleaved schedule takes them
+(the first chunk uses their embeddings, the last their labels). The first chunk's backward ends last, so
+only its ``grad_sync_func`` (and ``finalize_model_grads_func``) runs the encoders' backward, under its
+``no_sync_func``: the encoder parameters are that chunk's. The interleaved schedule with a
+``grad_sync_func`` (``--overlap-grad-reduce``) runs every backward under ``no_sync`` and then syncs the chunk
+explicitly; so does the encoders' backward it triggers.
+
 Encoder memory: each phase runs in the plan's chunks (:mod:`~megatron_orch.megatron.encoder_chunks`); the
 chunks the plan keeps hold their activations through the backbone, the others are recomputed for their
 backward, one at a time, after the kept ones have freed theirs. Every chunk's backward but a phase's last
@@ -24,7 +33,7 @@ import contextlib
 import dataclasses
 import functools
 import time
-from typing import Callable, Dict, List, Optional
+from typing import Callable, Dict, Iterator, List, Optional
 
 import numpy as np
 import torch
@@ -73,7 +82,7 @@ class ModalityAwareSchedule:
 
     def __call__(self, *, forward_step_func, data_iterator, model, num_microbatches, forward_only=False,
                  **kwargs):
-        step: BalancedStep = next(data_iterator)
+        step: BalancedStep = next(_step_iterator(data_iterator))
         self.last_step = step
         if num_microbatches != len(step.microbatches):
             raise ValueError(f"the schedule was asked for {num_microbatches} micro-batches but the "
@@ -103,30 +112,37 @@ class ModalityAwareSchedule:
             microbatches = _attach(step, embeds)
             self.timings["encoders_forward"] = time.perf_counter() - start
 
-        config = get_model_config(model[0] if isinstance(model, (list, tuple)) else model)
+        chunks = list(model) if isinstance(model, (list, tuple)) else [model]
+        config = get_model_config(chunks[0])
         callbacks = {name: getattr(config, name) for name in _GRAD_CALLBACKS}
         backward_done = []
 
-        def encoders_backward_once():
+        def encoders_backward_once(synced: bool = True):
             if not backward_done:
                 backward_done.append(True)
-                self._encoders_backward(step, module, pending, _no_sync(config))
+                self._encoders_backward(step, module, pending, _no_sync(config), synced)
 
-        def after_encoders_backward(callback):
+        def after_encoders_backward(callback, synced: bool = True):
             def call(*args, **kw):
-                encoders_backward_once()
+                encoders_backward_once(synced)
                 return callback(*args, **kw)
             return call
 
         if not forward_only:  # whichever callback reduces gradients first runs the encoders' backward
             for name, callback in callbacks.items():
-                if isinstance(callback, list):  # one per model chunk
-                    setattr(config, name, [after_encoders_backward(c) for c in callback])
+                if name == "grad_sync_func" and callback is not None and len(chunks) > 1 and not isinstance(
+                        callback, list):
+                    callback = [callback] * len(chunks)  # as the interleaved schedule spreads it over the chunks
+                if isinstance(callback, list):  # one per model chunk: the first chunk's (the encoders')
+                    # the interleaved schedule syncs a chunk by its grad_sync_func alone, after running every
+                    # backward of the chunk under no_sync: so do the encoders' backward then
+                    synced = not (name == "grad_sync_func" and len(chunks) > 1)
+                    setattr(config, name, [after_encoders_backward(callback[0], synced), *callback[1:]])
                 elif callback is not None:
                     setattr(config, name, after_encoders_backward(callback))
         try:
             result = self.forward_backward_func(
-                forward_step_func=forward_step_func, data_iterator=iter(microbatches), model=model,
+                forward_step_func=forward_step_func, data_iterator=data_iterators(microbatches, chunks), model=model,
                 num_microbatches=len(microbatches), forward_only=forward_only, **kwargs)
         finally:
             for name, callback in callbacks.items():
@@ -162,7 +178,11 @@ class ModalityAwareSchedule:
             raise ValueError(f"DP rank {step.rank}: the plan keeps {kept} {phase} items but the step brings {count}")
         return chunks.items, 0 if self.encoder_recompute else kept
 
-    def _encoders_backward(self, step: BalancedStep, module: BalanceableModel, pending, no_sync) -> None:
+    def _encoders_backward(self, step: BalancedStep, module: BalanceableModel, pending, no_sync,
+                           synced: bool) -> None:
+        """Every encoder chunk's backward; a phase's last one (and an idle encoder's zero gradients) outside
+        ``no_sync`` where ``synced`` (Megatron DDP then counts them, as it counts the backbone's last micro-batch),
+        all of them under it where not (the interleaved schedule's explicit grad sync follows)."""
         start = time.perf_counter()
         # Every phase's gradients start back at once; the first chunks' backward hides the later transfers.
         returning = {phase: self._start_move(step, phase, leaf.grad if leaf.grad is not None else torch.zeros_like(leaf),
@@ -176,31 +196,48 @@ class ModalityAwareSchedule:
             if phase not in grads:
                 grads[phase] = returning[phase]()
             rows = step.rows_per_item[phase]
-            with contextlib.nullcontext() if last[phase] == i else no_sync():
+            with contextlib.nullcontext() if synced and last[phase] == i else no_sync():
                 backward_chunk(functools.partial(module.encode, phase), inputs, chunk,
                                grads[phase][chunk.start * rows:chunk.stop * rows])
         for phase, _, chunks, _ in pending:
             if phase not in grads:  # a phase without chunks: its (empty) transfer still completes
                 returning[phase]()
             if not chunks:  # no items of this phase on this rank in this step
-                _zero_gradients(module.phase_encoders()[phase])
+                with contextlib.nullcontext() if synced else no_sync():
+                    _zero_gradients(module.phase_encoders()[phase])
         self.timings["encoders_backward"] = time.perf_counter() - start
 
 
+def _step_iterator(data_iterator) -> Iterator[BalancedStep]:
+    """The iterator of post-balancing steps: ``data_iterator``, or, given one iterator per model chunk
+    (``megatron.training`` with virtual pipeline stages), the first chunk's; the step feeds every chunk, so
+    the others must be None (checked before the step's collectives)."""
+    if not isinstance(data_iterator, (list, tuple)):
+        return data_iterator
+    if not data_iterator or any(it is not None for it in data_iterator[1:]):
+        raise ValueError(f"post-balancing with {len(data_iterator)} model chunks takes its steps from the first "
+                         "chunk's data iterator and gives every chunk its micro-batches: the data provider must "
+                         "return the post-balancing iterator for vp_stage 0 and None for the others "
+                         "(megatron_orch.megatron.megatron_lm.external_data_provider does)")
+    return data_iterator[0]
+
+
+def data_iterators(microbatches: List, model: List[torch.nn.Module]):
+    """The data iterator(s) megatron-core's schedule takes for one step's ``microbatches``: one iterator, or
+    with several model chunks (the interleaved schedule) one per chunk over the same micro-batches."""
+    if len(model) == 1:
+        return iter(microbatches)
+    return [iter(microbatches) for _ in model]
+
+
 def _no_sync(config) -> Callable[[], contextlib.AbstractContextManager]:
-    """The model config's ``no_sync_func`` (one per model chunk: all of them), as Megatron's schedules take it;
-    none (also a config without the field, as a stage's stand-in config may be): gradients sync as usual."""
+    """The model config's ``no_sync_func`` (one per model chunk: the first chunk's, which holds the encoders),
+    as Megatron's schedules take it; none (also a config without the field, as a stage's stand-in config may
+    be): gradients sync as usual."""
     no_sync = getattr(config, "no_sync_func", None)
     if no_sync is None:
         return contextlib.nullcontext
-    if isinstance(no_sync, list):
-        def all_chunks():
-            stack = contextlib.ExitStack()
-            for func in no_sync:
-                stack.enter_context(func())
-            return stack
-        return all_chunks
-    return no_sync
+    return no_sync[0] if isinstance(no_sync, list) else no_sync
 
 
 def _zero_gradients(encoder: torch.nn.Module) -> None:

@@ -33,6 +33,8 @@ def _names(text: str) -> frozenset:
 
 READ_BY_MODEL = _names("""
     tensor_model_parallel_size pipeline_model_parallel_size sequence_parallel context_parallel_size
+    num_layers_per_virtual_pipeline_stage num_virtual_stages_per_pipeline_rank microbatch_group_size_per_vp_stage
+    overlap_p2p_comm
     num_layers hidden_size ffn_hidden_size num_attention_heads group_query_attention num_query_groups kv_channels
     max_position_embeddings untie_embeddings_and_output_weights vocab_size make_vocab_size_divisible_by
     hidden_dropout attention_dropout bf16 init_method_std use_cpu_initialization transformer_impl
@@ -116,7 +118,7 @@ NO_MATH = _names("""
     distributed_timeout_seconds_after_init nccl_communicator_config_path use_sharp sharp_enabled_group
     high_priority_stream_groups nccl_ub disable_symmetric_registration fsdp_manual_registration
     create_all_gather_group tp_comm_bootstrap_backend pipeline_model_parallel_comm_backend
-    use_ring_exchange_p2p overlap_p2p_comm overlap_p2p_comm_warmup_flush scatter_gather_tensors_in_pipeline
+    use_ring_exchange_p2p overlap_p2p_comm_warmup_flush scatter_gather_tensors_in_pipeline
     enable_msc disable_msc_deprecated empty_unused_memory_level manual_gc manual_gc_interval manual_gc_eval
     train_sync_interval check_weight_hash_across_dp_replicas_interval gpu_sniff_test_interval
     result_rejected_tracker_filename save_params_interval save_activations_interval save_tokens_per_expert_interval
@@ -267,8 +269,7 @@ REFUSED: Dict[str, str] = {
     **dict.fromkeys(_names("""
         hierarchical_context_parallel_sizes hybrid_context_parallel max_seqlen_per_dp_cp_rank
         tensor_parallel_num_weight_shards decoder_first_pipeline_num_layers decoder_last_pipeline_num_layers
-        pipeline_model_parallel_layout num_layers_per_virtual_pipeline_stage num_virtual_stages_per_pipeline_rank
-        microbatch_group_size_per_vp_stage
+        pipeline_model_parallel_layout
     """), _PARALLEL),
     **dict.fromkeys(_names("""
         split train_data_path valid_data_path test_data_path data_args_path per_split_data_args_path mock_data

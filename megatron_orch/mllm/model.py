@@ -1,5 +1,6 @@
 """The multimodal LLM on megatron-core: its configured encoders (ViTs, audio encoders) with projectors,
-and a GPT backbone.
+and a GPT backbone: megatron-core's ``HybridModel`` where it has one (0.19+, :mod:`megatron_orch.mllm.hybrid`:
+the same layers as a hybrid layer pattern, the same numerics), ``GPTModel`` before (:data:`HYBRID_BACKBONE`).
 
 Every item (an image tile, a video frame, an audio window) is encoded independently, so an encoder
 takes a variable number of items per rank and never pads an example to the longest one. The
@@ -13,12 +14,13 @@ with ``embeds``), so an orchestrator can run the encoders over a different set o
 backbone's examples and move the embeddings in between; without ``embeds`` :meth:`MLLMModel.forward`
 encodes the batch's own items first (upstream Megatron behaviour).
 
-Parallelism: the encoders and projectors live on the first pipeline stage; tensor parallelism comes
-from Megatron's column/row-parallel layers. Sequence and context parallelism are the backbone's only (as
-Megatron-LM's multimodal models run their vision encoders): its token embeddings are computed for the rank's
-part of the sequence (:class:`~megatron_orch.megatron.sequence_layout.SequenceLayout`, megatron-core's layout)
-and each encoder output is spliced in where its placeholder lands in that part; the encoders run over all
-the micro-batch's items on every CP rank, with TP but without SP.
+Parallelism: the encoders and projectors live on the first pipeline stage, in its first model chunk
+(virtual pipeline stage 0); tensor parallelism comes from Megatron's column/row-parallel layers. Sequence
+and context parallelism are the backbone's only (as Megatron-LM's multimodal models run their vision
+encoders): its token embeddings are computed for the rank's part of the sequence
+(:class:`~megatron_orch.megatron.sequence_layout.SequenceLayout`, megatron-core's layout) and each encoder
+output is spliced in where its placeholder lands in that part; the encoders run over all the micro-batch's
+items on every CP rank, with TP but without SP.
 
 Layer specs (:func:`transformer_layer_spec`, Megatron's ``--transformer-impl``): ``local`` is
 megatron-core's local layers with :class:`~megatron_orch.mllm.attention.SDPAttention` as core
@@ -28,6 +30,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import importlib.util
 from dataclasses import dataclass
 from typing import Dict, Mapping, Optional
 
@@ -43,10 +46,10 @@ from megatron.core.models.vision.vit_layer_specs import (get_vit_layer_with_loca
                                                          get_vit_layer_with_transformer_engine_spec)
 from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
 from megatron.core.transformer.enums import AttnMaskType
+from megatron.core.transformer.identity_op import IdentityOp
 from megatron.core.transformer.mlp import MLPSubmodules
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.spec_utils import ModuleSpec
-from megatron.core.transformer.identity_op import IdentityOp
 from megatron.core.transformer.transformer_block import (TransformerBlock, TransformerBlockSubmodules,
                                                          get_num_layers_to_build)
 from megatron.core.transformer.transformer_config import TransformerConfig
@@ -57,6 +60,15 @@ from megatron_orch.megatron.sequence_layout import SequenceLayout, SequenceShard
 from megatron_orch.mllm.attention import SDPAttention
 from megatron_orch.mllm.config import AudioEncoderConfig, MLLMConfig, VisionEncoderConfig
 from megatron_orch.mllm.examples import batch_spec
+
+# The backbone's megatron-core class: HybridModel where megatron-core has it (0.19+), else GPTModel. Their
+# parameters are named differently (megatron_orch.mllm.hybrid), so a checkpoint resumes on the same class only.
+HYBRID_BACKBONE = importlib.util.find_spec("megatron.core.models.hybrid") is not None
+BACKBONE_MODULE = "HybridModel" if HYBRID_BACKBONE else "GPTModel"
+if HYBRID_BACKBONE:
+    from megatron.core.models.hybrid.hybrid_model import HybridModel
+
+    from megatron_orch.mllm.hybrid import backbone_layer_pattern, hybrid_config_fields, hybrid_stack_spec
 
 
 @functools.lru_cache(maxsize=None)
@@ -75,6 +87,11 @@ class ModelParallelSettings:
 
     tensor_model_parallel_size: int = 1
     pipeline_model_parallel_size: int = 1
+    virtual_pipeline_model_parallel_size: Optional[int] = None  # model chunks per pipeline rank (None: one)
+    # with virtual stages, Megatron-LM's --no-overlap-p2p-communication and
+    # --microbatch-group-size-per-virtual-pipeline-stage (None: the pipeline size)
+    overlap_p2p_comm: bool = True
+    microbatch_group_size_per_vp_stage: Optional[int] = None
     bf16: bool = False
     hidden_dropout: float = 0.0
     attention_dropout: float = 0.0
@@ -96,15 +113,19 @@ class ModelParallelSettings:
 
 
 def transformer_config(shape: TransformerShape, settings: ModelParallelSettings, *,
-                       pipeline_split: bool) -> TransformerConfig:
+                       pipeline_split: bool, hybrid: bool = False) -> TransformerConfig:
     """A Megatron ``TransformerConfig`` for one transformer stack of the model.
 
-    ``pipeline_split``: whether the stack's layers are divided over the pipeline stages, and its sequence
-    over SP and CP ranks (the backbone), or all sit on the first stage, with whole sequences (encoders,
-    projectors).
+    ``pipeline_split``: whether the stack's layers are divided over the pipeline stages and their
+    virtual stages, and its sequence over SP and CP ranks (the backbone), or all sit on the first stage,
+    with whole sequences (encoders, projectors). ``hybrid``: the config of a ``HybridModel`` stack
+    (:func:`megatron_orch.mllm.hybrid.hybrid_config_fields`).
     """
+    virtual = settings.virtual_pipeline_model_parallel_size if pipeline_split else None
+    overlap_p2p = virtual is not None and settings.overlap_p2p_comm
+    layers = {"num_layers": shape.num_layers, **(hybrid_config_fields(shape) if hybrid else {})}
     return TransformerConfig(
-        num_layers=shape.num_layers,
+        **layers,
         hidden_size=shape.hidden_size,
         ffn_hidden_size=shape.ffn_hidden_size,
         num_attention_heads=shape.num_attention_heads,
@@ -116,6 +137,11 @@ def transformer_config(shape: TransformerShape, settings: ModelParallelSettings,
         pipeline_model_parallel_size=settings.pipeline_model_parallel_size if pipeline_split else 1,
         sequence_parallel=settings.sequence_parallel and pipeline_split,
         context_parallel_size=settings.context_parallel_size if pipeline_split else 1,
+        virtual_pipeline_model_parallel_size=virtual,
+        microbatch_group_size_per_vp_stage=settings.microbatch_group_size_per_vp_stage if pipeline_split else None,
+        # Megatron-LM's pairing: overlapped point-to-point sends with virtual stages, batched ones without
+        overlap_p2p_comm=overlap_p2p,
+        batch_p2p_comm=not overlap_p2p,
         pipeline_dtype=torch.bfloat16 if settings.bf16 else torch.float32,
         params_dtype=torch.bfloat16 if settings.bf16 else torch.float32,
         bf16=settings.bf16,
@@ -185,15 +211,22 @@ def transformer_layer_spec(transformer_impl: str, *, encoder: bool) -> ModuleSpe
     return dataclasses.replace(spec, submodules=dataclasses.replace(spec.submodules, self_attention=attention))
 
 
-def backbone_layer_spec(transformer_impl: str, config: TransformerConfig,
-                        vp_stage: Optional[int] = None) -> ModuleSpec | TransformerBlockSubmodules:
-    """The backbone's spec: :func:`transformer_layer_spec`'s; ``local`` gives this pipeline stage's layers and
-    the final norm (:class:`LayerNorm`, which takes sequence parallelism) as a block."""
+def backbone_spec(transformer_impl: str, shape: TransformerShape, config: TransformerConfig,
+                  vp_stage: Optional[int] = None) -> dict:
+    """The layer arguments of the backbone's class for :func:`transformer_layer_spec`'s layers: ``HybridModel``'s
+    stack spec and layer pattern (0.19+, :mod:`megatron_orch.mllm.hybrid`), ``GPTModel``'s layer spec before.
+    ``local`` ends the stack in :class:`LayerNorm`, which takes sequence parallelism (megatron-core's torch norm
+    refuses it); on ``GPTModel`` that is a block spec of this model chunk's layers."""
     layer = transformer_layer_spec(transformer_impl, encoder=False)
-    if transformer_impl != "local":
-        return layer
-    return TransformerBlockSubmodules(layer_specs=[layer] * get_num_layers_to_build(config, vp_stage),
-                                      layer_norm=LayerNorm)
+    local = transformer_impl == "local"
+    if HYBRID_BACKBONE:
+        segments = config.pipeline_model_parallel_size * (config.virtual_pipeline_model_parallel_size or 1)
+        return {"hybrid_stack_spec": hybrid_stack_spec(layer, **({"final_norm": LayerNorm} if local else {})),
+                "hybrid_layer_pattern": backbone_layer_pattern(shape.num_layers, segments)}
+    if local:
+        layer = TransformerBlockSubmodules(layer_specs=[layer] * get_num_layers_to_build(config, vp_stage),
+                                           layer_norm=LayerNorm)
+    return {"transformer_layer_spec": layer}
 
 
 def _projector_submodules() -> MLPSubmodules:
@@ -284,22 +317,26 @@ ENCODER_MODULES = {VisionEncoderConfig: VisionEncoder, AudioEncoderConfig: Audio
 
 
 class MLLMModel(MegatronModule):
-    """Encoders (first pipeline stage only) + GPT backbone; ``config`` is the backbone's.
+    """Encoders (first pipeline stage only) + the backbone; ``config`` is the backbone's.
 
-    On the last pipeline stage :meth:`forward` returns the per-token loss ``[b, s]`` when labels are
-    given (logits otherwise); on other stages the hidden states sent to the next stage.
+    ``vp_stage``: which model chunk of this pipeline rank this is, with virtual pipeline stages (the
+    encoders go to chunk 0 of the first stage). On the last pipeline stage :meth:`forward` returns the
+    per-token loss ``[b, s]`` when labels are given (logits otherwise); on other stages the hidden states
+    sent to the next stage.
     """
 
     def __init__(self, model_config: MLLMConfig, settings: ModelParallelSettings, max_sequence_length: int,
-                 pre_process: Optional[bool] = None, post_process: Optional[bool] = None):
+                 pre_process: Optional[bool] = None, post_process: Optional[bool] = None,
+                 vp_stage: Optional[int] = None):
         backbone_shape = model_config.backbone.transformer
-        config = transformer_config(backbone_shape, settings, pipeline_split=True)
+        config = transformer_config(backbone_shape, settings, pipeline_split=True, hybrid=HYBRID_BACKBONE)
         super().__init__(config=config)
         self.model_type = ModelType.encoder_or_decoder  # read by megatron-core's schedules
+        chunk = {"ignore_virtual": vp_stage is None, "vp_stage": vp_stage}
         if pre_process is None:
-            pre_process = parallel_state.is_pipeline_first_stage()
+            pre_process = parallel_state.is_pipeline_first_stage(**chunk)
         if post_process is None:
-            post_process = parallel_state.is_pipeline_last_stage()
+            post_process = parallel_state.is_pipeline_last_stage(**chunk)
         self.pre_process, self.post_process = pre_process, post_process
         self.transformer_impl = settings.transformer_impl
         self.spec = batch_spec(model_config, max_sequence_length)  # checks the config's item shapes
@@ -307,16 +344,18 @@ class MLLMModel(MegatronModule):
         if pre_process:
             for name, encoder in model_config.encoders.items():
                 self.encoders[name] = ENCODER_MODULES[type(encoder)](encoder, backbone_shape, settings)
-        self.backbone = GPTModel(
+        backbone = dict(
             config=config,
-            transformer_layer_spec=backbone_layer_spec(settings.transformer_impl, config),
             vocab_size=padded_vocab_size(backbone_shape.vocab_size, settings),
             max_sequence_length=model_config.backbone.max_position_embeddings,
             pre_process=pre_process,
             post_process=post_process,
             share_embeddings_and_output_weights=not model_config.backbone.untie_embeddings_and_output_weights,
             position_embedding_type="learned_absolute",
+            vp_stage=vp_stage,
         )
+        layers = backbone_spec(settings.transformer_impl, backbone_shape, config, vp_stage)
+        self.backbone = (HybridModel if HYBRID_BACKBONE else GPTModel)(**layers, **backbone)
 
     def set_input_tensor(self, input_tensor) -> None:
         self.backbone.set_input_tensor(input_tensor)
@@ -379,7 +418,7 @@ class MLLMModel(MegatronModule):
         return embeddings if shard is None else embeddings[:-1]
 
     def forward(self, batch: MicroBatch, embeds: Optional[Mapping[str, torch.Tensor]] = None) -> torch.Tensor:
-        """The GPT backbone over ``batch`` (on the model's device) with each encoder phase's embeddings at
+        """The backbone over ``batch`` (on the model's device) with each encoder phase's embeddings at
         its placeholders (first stage): ``embeds`` from post-balancing's encoder phases, else the
         encoders run over the batch's own items here.
 

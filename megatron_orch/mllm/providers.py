@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import argparse
 from datetime import timedelta
-from typing import Iterator
+from typing import Iterator, Optional
 
 import torch
 from megatron.core import parallel_state
@@ -20,7 +20,7 @@ from megatron_orch.megatron.batch import MicroBatch
 from megatron_orch.megatron.contract import forward_step  # noqa: F401 -- Megatron's forward_step_func
 from megatron_orch.megatron.post_balancing import ParallelGroups, PostBalancingDataIterator, StepShape
 from megatron_orch.megatron.schedule import ModalityAwareSchedule
-from megatron_orch.mllm.data import TrainIterator, build_train_iterator, data_config
+from megatron_orch.mllm.data import DataEvents, build_train_iterator, data_config
 from megatron_orch.mllm.model import MLLMModel, ModelParallelSettings
 from megatron_orch.orchestrator.config import OrchestratorConfig
 
@@ -52,6 +52,10 @@ def model_parallel_settings(args: argparse.Namespace) -> ModelParallelSettings:
     return ModelParallelSettings(
         tensor_model_parallel_size=args.tensor_model_parallel_size,
         pipeline_model_parallel_size=args.pipeline_model_parallel_size,
+        virtual_pipeline_model_parallel_size=args.virtual_pipeline_model_parallel_size,
+        # Megatron-LM's flags (the compact trainer keeps Megatron-LM's defaults)
+        overlap_p2p_comm=getattr(args, "overlap_p2p_comm", True),
+        microbatch_group_size_per_vp_stage=getattr(args, "microbatch_group_size_per_vp_stage", None),
         sequence_parallel=args.sequence_parallel,
         context_parallel_size=args.context_parallel_size,
         bf16=args.bf16,
@@ -66,23 +70,28 @@ def model_parallel_settings(args: argparse.Namespace) -> ModelParallelSettings:
     )
 
 
-def build_model(args: argparse.Namespace, pre_process: bool = True, post_process: bool = True) -> MLLMModel:
-    """This pipeline stage's part of the MLLM (Megatron's ``model_provider(pre_process, post_process)``)."""
+def build_model(args: argparse.Namespace, pre_process: bool = True, post_process: bool = True,
+                vp_stage: Optional[int] = None) -> MLLMModel:
+    """This pipeline stage's part of the MLLM, its model chunk ``vp_stage`` with virtual pipeline stages
+    (Megatron's ``model_provider(pre_process, post_process, vp_stage)``)."""
     return MLLMModel(args.mllm_config, model_parallel_settings(args), args.seq_length,
-                     pre_process=pre_process, post_process=post_process)
+                     pre_process=pre_process, post_process=post_process, vp_stage=vp_stage)
 
 
 def build_train_data_iterator(args: argparse.Namespace, consumed_samples: int, data_parallel_rank: int,
-                              data_parallel_size: int) -> TrainIterator:
+                              data_parallel_size: int, loader_state: Optional[dict] = None) -> DataEvents:
     """This DP rank's training micro-batches from ``consumed_samples`` on (same on its TP/PP peers): a
-    :class:`~megatron_orch.mllm.data.TrainIterator`, whose events the trainer takes.
+    :class:`~megatron_orch.mllm.data.TrainIterator`, or over an Energon dataset an
+    :class:`~megatron_orch.mllm.energon.EnergonTrainIterator` restored to ``loader_state`` (what its
+    ``loader_state`` gave for the checkpoint); the trainer takes their events.
 
     On GPUs without post-balancing the batches come in pinned memory, so ``forward_step``'s copies to
     the GPU do not block the host (post-balancing stages what it sends itself).
     """
     pin_memory = not runs_on_cpu(args) and getattr(args, "orch_config", None) is None
     return build_train_iterator(data_config(args), consumed_samples, data_parallel_rank, data_parallel_size,
-                                pin_memory)
+                                pin_memory, data_parallel_group=parallel_state.get_data_parallel_group(),
+                                loader_state=loader_state)
 
 
 def compute_device(args: argparse.Namespace) -> torch.device:

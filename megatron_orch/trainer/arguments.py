@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import Callable, Iterable, NoReturn, Optional, Sequence
 
 from megatron_orch.megatron.orch_arguments import add_orch_args, orch_config_from_args
+from megatron_orch.megatron.pipeline_layout import check_interleaved_microbatches, virtual_pipeline_size
 from megatron_orch.mllm.check_data import add_data_args
 from megatron_orch.mllm.config import MLLMConfig, load_model_config
 
@@ -93,12 +94,17 @@ def add_megatron_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParse
 
     g = parser.add_argument_group("data")
     g.add_argument("--data-path", type=str, default=None,
-                   help="JSONL manifest of the user's examples (one path); default: synthetic examples "
-                        "with modality lengths drawn from the real traces")
+                   help="JSONL manifest of the user's examples, or an Energon dataset (a folder with .nv-meta; "
+                        "the energon extra); default: synthetic examples with modality lengths drawn from the "
+                        "real traces")
 
     g = parser.add_argument_group("parallelism")
     g.add_argument("--tensor-model-parallel-size", type=int, default=1)
     g.add_argument("--pipeline-model-parallel-size", type=int, default=1)
+    g.add_argument("--num-layers-per-virtual-pipeline-stage", type=int, default=None,
+                   help="virtual pipeline stages (Megatron's interleaved 1F1B): backbone layers per model chunk")
+    g.add_argument("--num-virtual-stages-per-pipeline-rank", type=int, default=None,
+                   help="virtual pipeline stages: model chunks per pipeline rank")
     g.add_argument("--sequence-parallel", action="store_true",
                    help="split the backbone's sequence over the TP ranks outside attention and the MLPs (Megatron's "
                         "sequence parallelism; needs --tensor-model-parallel-size > 1)")
@@ -122,6 +128,9 @@ def add_megatron_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParse
                    help="stop (saving a checkpoint if --save) once the iteration is a multiple of this")
     g.add_argument("--seed", type=int, default=1234)
     g.add_argument("--bf16", action="store_true")
+    g.add_argument("--no-check-for-nan-in-loss-and-grad", action="store_false", dest="check_for_nan_in_loss_and_grad",
+                   help="train on after a step whose loss or grad norm is NaN or infinite (counted in the iteration "
+                        "lines); by default, as Megatron-LM, such a step stops the run before it saves")
     g.add_argument("--calculate-per-token-loss", action="store_true",
                    help="always on here: the loss is the sum of token losses over the global number of "
                         "loss tokens, which makes moving examples between ranks loss-invariant")
@@ -164,6 +173,10 @@ def add_megatron_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParse
                    help="on --load, resume from this iteration instead of the latest complete one")
     g.add_argument("--keep-last-checkpoints", type=int, default=None,
                    help="after each save, delete all but the last K complete iterations under --save (default: keep all)")
+    g.add_argument("--allow-overwrite-checkpoints", action="store_true",
+                   help="let a run save into a --save folder that holds complete checkpoints of another run (or that "
+                        "no marker names): its saves replace the iterations of the same number and the marker. "
+                        "Without it such a run is refused before its first step")
     g.add_argument("--allow-changed-data", action="store_true",
                    help="on --load, train on although the --data-path manifest's content differs from the "
                         "checkpoint's (its sample positions then name other examples)")
@@ -246,7 +259,7 @@ def check_data_or_exit(args: argparse.Namespace) -> None:
     from megatron_orch.mllm.data import checked_dataset, data_config
     try:
         checked_dataset(data_config(args))
-    except (OSError, ValueError) as err:
+    except (OSError, ValueError, ImportError) as err:  # ImportError: an Energon dataset without the extra
         exit_with_error(str(err))
 
 
@@ -323,15 +336,26 @@ def validate_args(args: argparse.Namespace, world_size: int) -> argparse.Namespa
     if args.override_opt_param_scheduler and args.use_checkpoint_opt_param_scheduler:
         raise ArgumentError("--override-opt_param-scheduler and --use-checkpoint-opt_param-scheduler exclude each "
                             "other (this run's LR schedule, or the checkpoint's)")
-    for name, needs in (("save_interval", "save"), ("keep_last_checkpoints", "save"), ("ckpt_step", "load")):
-        if getattr(args, name) is not None and getattr(args, needs) is None:
+    for name, needs in (("save_interval", "save"), ("keep_last_checkpoints", "save"), ("ckpt_step", "load"),
+                        ("allow_overwrite_checkpoints", "save")):
+        if getattr(args, name) not in (None, False) and getattr(args, needs) is None:
             raise ArgumentError(f"--{name.replace('_', '-')} needs --{needs} (the checkpoint directory)")
     for name in ("hidden_dropout", "attention_dropout"):
         _in_range(args, name, 0.0, 1.0, high_open=True)
-    if args.data_path is not None and not Path(args.data_path).is_file():
-        raise ArgumentError(f"--data-path {args.data_path}: no such file (a JSONL manifest)")
+    data_path = None if args.data_path is None else Path(args.data_path)
+    if data_path is not None and not (data_path.is_file() or (data_path / ".nv-meta").is_dir()):
+        raise ArgumentError(f"--data-path {args.data_path}: no such file (a JSONL manifest) or Energon dataset "
+                            "(a folder with .nv-meta)")
     args.calculate_per_token_loss = True
     args.mllm_config = resolve_model_config(args)
+    try:
+        args.virtual_pipeline_model_parallel_size = virtual_pipeline_size(
+            args.mllm_config.backbone.transformer.num_layers, args.pipeline_model_parallel_size,
+            args.num_layers_per_virtual_pipeline_stage, args.num_virtual_stages_per_pipeline_rank)
+        if args.virtual_pipeline_model_parallel_size is not None:
+            check_interleaved_microbatches(args.num_microbatches, args.pipeline_model_parallel_size)
+    except ValueError as err:
+        raise ArgumentError(str(err)) from None
     try:
         args.orch_config = orch_config_from_args(args)
         if args.orch_config is not None:
