@@ -5,6 +5,7 @@ and how ``pretrain_mllm.py`` and the launch scripts report it (one line, exit st
 import gzip
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -157,11 +158,14 @@ def test_balance_benchmark_refuses_a_bad_row_it_would_never_draw(tmp_path, monke
     rows[-1]["text_tokens"] = -7
     write_trace(tmp_path / "asr.csv", rows)
     out = tmp_path / "bench.json"
-    with pytest.raises(ValueError, match=r"asr.csv: row 200 \(line 201\), column 'text_tokens': -7.0 is negative"):
+    with pytest.raises(SystemExit) as exit_info:
         main(["--trace", "asr.csv", "--traces-dir", str(tmp_path), "--dp", "1", "--per-rank", "1",
               "--gpus-per-node", "1", "--model", "tiny", "--repeats", "1", "--json", str(out)])
+    assert exit_info.value.code == 2
     assert not out.exists()
-    assert capsys.readouterr().out == ""
+    printed = capsys.readouterr()
+    assert printed.out == ""
+    assert re.search(r"asr.csv: row 200 \(line 201\), column 'text_tokens': -7.0 is negative", printed.err)
 
 
 # -------------------------------------------------------------------------------------- pretrain_mllm.py
