@@ -63,7 +63,7 @@ def main_megatron_lm() -> None:
     from megatron_orch.mllm.config import is_shipped_config, load_model_config
     from megatron_orch.megatron import megatron_lm
     from megatron_orch.megatron.orch_arguments import orch_config_from_args
-    from megatron_orch.mllm import providers
+    from megatron_orch.mllm import megatron_flags, providers
     from megatron_orch.mllm.model import transformer_engine_available
     from megatron_orch.trainer import arguments
 
@@ -79,10 +79,14 @@ def main_megatron_lm() -> None:
                  "Megatron DDP's overlapped reduction asserts against; drop the flag (the numerics are the "
                  "same) or add --orch-post-balancing")
 
+    refused = megatron_flags.refusals(sys.argv[1:], arguments.add_mllm_args)  # parsing only: before any collective
+    if refused:
+        sys.exit("pretrain_mllm.py: error: " + "; ".join(refused))
+
     def resolve_model(args):
-        """The --model-config with Megatron-LM's shape flags applied; rank 0 prints what they changed.
-        Megatron-LM's --num-query-groups (default 1) counts only with --group-query-attention, else
-        attention is multi-head, and it fills --kv-channels with hidden size / heads, as the config does."""
+        """The --model-config with Megatron-LM's shape flags and --max-position-embeddings applied; rank 0 prints
+        what they changed. Megatron-LM's --num-query-groups (default 1) counts only with --group-query-attention,
+        else attention is multi-head, and it fills --kv-channels with hidden size / heads, as the config does."""
         if args.transformer_impl == "transformer_engine" and not transformer_engine_available():
             raise ValueError("--transformer-impl transformer_engine (Megatron-LM's default): Transformer Engine "
                              "does not import here; pass --transformer-impl local")
@@ -91,10 +95,11 @@ def main_megatron_lm() -> None:
         if args.kv_channels == args.hidden_size // args.num_attention_heads:
             shape.kv_channels = None
         config = arguments.resolve_model_config(shape)
-        configured, resolved = load_model_config(args.model_config).backbone.transformer, config.backbone.transformer
-        changed = [f"{field.name} {getattr(configured, field.name)} -> {getattr(resolved, field.name)}"
-                   for field in dataclasses.fields(resolved)
-                   if getattr(configured, field.name) != getattr(resolved, field.name)]
+        configured, resolved = load_model_config(args.model_config).backbone, config.backbone
+        changed = [f"{name} {getattr(before, name)} -> {getattr(after, name)}"
+                   for before, after in ((configured.transformer, resolved.transformer), (configured, resolved))
+                   for name in (field.name for field in dataclasses.fields(after) if field.name != "transformer")
+                   if getattr(before, name) != getattr(after, name)]
         if changed:
             print_rank_0(f" > backbone of --model-config {args.model_config} overridden by Megatron-LM's shape "
                          f"flags: {', '.join(changed)}")

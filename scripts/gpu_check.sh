@@ -20,7 +20,12 @@
 #   alltoall   all_to_all_items over NCCL (gloo, 2 ranks, on CPU) against an all_gather reference, bf16,
 #       fp32, int64, empty splits (scripts/check_alltoall.py);
 #   resume     N iterations straight = N/2, save, resume to N (scripts/check_resume.py);
-#   sdpa_kernels  the SDPA core attention on the fused kernels (scripts/check_sdpa_kernels.py; GPU only).
+#   sdpa_kernels  the SDPA core attention on the fused kernels (scripts/check_sdpa_kernels.py; GPU only);
+#   context_parallel  for CP 2 and 4, padded and packed rows, one CP shard at a time in one process: the shard's
+#       positions against Transformer Engine's thd_get_partitioned_indices, TE's attention per shard against TE
+#       on the whole row, the CPU path's shard attention against SDPA (scripts/check_context_parallel.py; on CPU
+#       the last only). NOT RUN by this script, because they need more than one GPU: TE's context-parallel
+#       exchange across CP ranks, CP and SP over NCCL, and the CP / SP training invariance on GPUs.
 # OUT_DIR then holds exactly two files: summary.txt (each step's headline figures, then PASSED or the
 # failed steps) and gpu_check.tar.gz (every step's log and files; env.log: versions and the GPU). Exits
 # non-zero if a step failed. Python: $PYTHON, else .venv/bin/python, else python3. Where megatron.core
@@ -40,11 +45,11 @@ if torch.cuda.is_available():
     subprocess.run(["nvidia-smi", "--query-gpu=name,memory.total,driver_version", "--format=csv"])'
 step env "$( [ "$mode" = cpu ] && echo 90 || echo 20 )" "$PY" -c "$env_py"
 if [ "$mode" = cpu ]; then
-  nproc=2 backend=gloo fp32_rtol=1e-5 precision=() limits=(420 420 420 600 600 150 180 600)
-  memory_opts=(--model tiny) packed_lengths=2048
+  nproc=2 backend=gloo fp32_rtol=1e-5 precision=() limits=(420 420 420 600 600 150 180 600 120)
+  memory_opts=(--model tiny) packed_lengths=2048 cp_length=256
 else
-  nproc=1 backend=nccl fp32_rtol=1e-3 precision=(--bf16) limits=(70 70 60 40 105 40 25 85)
-  memory_opts=(--model mllm_10b --layers 2,2,2) packed_lengths=8192,16384
+  nproc=1 backend=nccl fp32_rtol=1e-3 precision=(--bf16) limits=(70 70 60 40 95 30 25 85 20)
+  memory_opts=(--model mllm_10b --layers 2,2,2) packed_lengths=8192,16384 cp_length=4096
 fi
 train=(--global-batch-size 8 --train-iters 8 --distributed-backend "$backend")
 step train_bf16 "${limits[0]}" "$PY" scripts/compare_baseline.py --nproc "$nproc" --out "$work/train_bf16" \
@@ -71,6 +76,8 @@ step alltoall "${limits[6]}" "${launch[@]}" --nproc-per-node "$nproc" scripts/ch
 step resume "${limits[7]}" "$PY" scripts/check_resume.py --nproc "$nproc" --out "$work/resume" -- \
   --distributed-backend "$backend" "${precision[@]}"
 [ "$mode" = cpu ] || step sdpa_kernels 25 "$PY" scripts/check_sdpa_kernels.py
+step context_parallel "${limits[8]}" "$PY" scripts/check_context_parallel.py --device "${mode/gpu/cuda}" \
+  --length "$cp_length" --json "$work/context_parallel.json"
 
 # headline STEP [PATTERN]: for summary.txt, the step's last line matching PATTERN, else its last line of
 # its own (a failed step's error).
@@ -88,4 +95,7 @@ headline packed
 headline alltoall
 headline resume
 headline sdpa_kernels
+headline context_parallel "^(PASSED|FAILED)"
+summarize "not run (they need more than one GPU): TE's context-parallel exchange across CP ranks, CP and SP over" \
+  "NCCL, the CP / SP training invariance on GPUs (on CPU over gloo: tests/test_parallel_layouts.py)"
 finish

@@ -197,7 +197,7 @@ def install(tree: Optional[Path]) -> None:
 
 
 def prepare_run(tensor_model_parallel_size: int, pipeline_model_parallel_size: int, seed: int,
-                virtual_pipeline_model_parallel_size: Optional[int] = None) -> None:
+                virtual_pipeline_model_parallel_size: Optional[int] = None, context_parallel_size: int = 1) -> None:
     """Before each ``pretrain()`` in a spawned rank of an initialised gloo group: torchrun's environment
     (Megatron-LM's parser reads the world size and rank from it), and what Megatron-LM's initialisation
     skips without CUDA: model-parallel groups and the RNG tracker, seeded as ``_set_random_seed`` would
@@ -214,7 +214,8 @@ def prepare_run(tensor_model_parallel_size: int, pipeline_model_parallel_size: i
     # Megatron-LM initialises the rerun state machine from --rerun-mode; the CPU harness made one already.
     rerun_state_machine.destroy_rerun_state_machine()
     parallel_state.initialize_model_parallel(tensor_model_parallel_size, pipeline_model_parallel_size,
-                                             virtual_pipeline_model_parallel_size=virtual_pipeline_model_parallel_size)
+                                             virtual_pipeline_model_parallel_size=virtual_pipeline_model_parallel_size,
+                                             context_parallel_size=context_parallel_size)
     tensor_parallel.model_parallel_cuda_manual_seed(seed + 100 * parallel_state.get_pipeline_model_parallel_rank())
 
 

@@ -136,3 +136,24 @@ def test_item_flops_of_the_tiny_model_by_hand():
     audio = encoder(32) + projector(8, 4 * h)    # 64 frames / stride 2; 4 tokens stacked per LLM token
     assert config.encoder_cost("vision").item_cost(17) == 3 * vision
     assert config.encoder_cost("audio").item_cost(32) == 3 * audio
+
+
+@given(st.integers(1, 200), st.sampled_from([1, 2, 3, 4]))
+def test_context_parallel_cost_is_each_cp_ranks_share_of_its_zigzag_chunks(tokens, cp):
+    """Per CP rank: the example padded to 2 x CP, the rank's two zig-zag chunks (r and 2C-1-r), counted pair by
+    pair: the same on every rank, and the whole padded example's cost and memory over C."""
+    from megatron_orch.balance.cost import ContextParallelCost, TransformerCost
+
+    shape, multiple = small(True), 2 * cp if cp > 1 else 1
+    padded = -(-tokens // multiple) * multiple
+    chunk = padded // (2 * cp) if cp > 1 else padded
+    cost = ContextParallelCost(TransformerCost(shape), cp)
+    for rank in range(cp):
+        chunks = (rank, 2 * cp - 1 - rank) if cp > 1 else (0,)
+        queries = np.concatenate([np.arange(c * chunk, (c + 1) * chunk) for c in chunks])
+        pairs = float((queries + 1).sum())  # query at position p attends keys 0..p
+        flops = 3 * (shape.linear_flops_per_token() * queries.size + shape.num_layers * 4 * shape.query_size * pairs)
+        assert cost.item_cost(np.array([tokens]))[0] == pytest.approx(flops, rel=1e-12)
+        assert cost.item_memory(np.array([tokens]))[0] == pytest.approx(
+            shape.activation_bytes_per_token() * queries.size, rel=1e-12)
+    assert cost.signature() == TransformerCost(shape).signature()

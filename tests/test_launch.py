@@ -67,7 +67,7 @@ def test_device_scripts_steps_fit_one_device_call(script, mode, tmp_path):
     assert "NOT RUN" not in proc.stdout and sum(steps.values()) <= budget
     if mode == "gpu" and script == "gpu_check.sh":
         assert set(steps) == {"env", "train_bf16", "train_fp32", "recompute_dropout", "syncs", "memory", "packed",
-                              "alltoall", "resume", "sdpa_kernels"}, steps
+                              "alltoall", "resume", "sdpa_kernels", "context_parallel"}, steps
     assert list(tmp_path.iterdir()) == [], "a dry run wrote something"
 
 

@@ -9,12 +9,12 @@ the patch tests skip, saying why (main has no patch by design), and the training
 hook.
 The training runs go through Megatron-LM's own ``megatron.training.pretrain`` (from a patched copy of those
 files, or the unpatched ones with the run-time hook, on CPU over gloo with the test doubles of
-``megatron_lm_doubles``): DP 2, PP 2 x DP 2 and TP 2 x DP 2, post-balancing off (upstream) then on in the same
-spawned ranks, fp32, SGD and dropout 0, and the losses of every iteration and every rank's parameters after the
-run must agree within 1e-5; PP 2 x VPP 2 x DP 2 (virtual pipeline stages) too, on scripted steps, also with
-``--overlap-grad-reduce``. DP 2 also runs
-post-balancing with ``--overlap-grad-reduce``, including a step where a rank gets no items of an encoder phase,
-and the project's compact trainer on the same flags, which must reproduce megatron.training's losses.
+``megatron_lm_doubles``): DP 2, PP 2 x DP 2, TP 2 x DP 2, TP 2 + SP x DP 2 and CP 2 x DP 2, post-balancing off
+(upstream) then on in the same spawned ranks, fp32, SGD and dropout 0, and the losses of every iteration and
+every rank's parameters after the run must agree within 1e-5; PP 2 x VPP 2 x DP 2 (virtual pipeline stages)
+too, on scripted steps, also with ``--overlap-grad-reduce``. DP 2 also runs post-balancing with
+``--overlap-grad-reduce``, including a step where a rank gets no items of an encoder phase, and the project's
+compact trainer on the same flags, which must reproduce megatron.training's losses.
 """
 import importlib.util
 import json
@@ -55,7 +55,8 @@ SHADOW = {"post-balancing shadow": ["--orch-shadow"]}  # planned by the schedule
 # The project's compact trainer on the same flags (those it has): it must reproduce megatron.training.
 COMPACT = "compact trainer"
 VPP_LAYERS = 4  # the backbone's layers with virtual pipeline stages: one per model chunk at PP 2 x VPP 2
-COMPACT_ARGV = ["--model-config", "tiny", "--seq-length", "128", "--micro-batch-size", "1", "--global-batch-size", "4",
+COMPACT_ARGV = ["--model-config", "tiny", "--seq-length", "128", "--max-position-embeddings", "128",
+                "--micro-batch-size", "1", "--global-batch-size", "4",
                 "--train-iters", str(ITERS), "--lr", "2e-3", "--log-interval", "1", "--seed", str(SEED),
                 "--distributed-backend", "gloo", "--transformer-impl", "local", "--optimizer", "sgd",
                 "--hidden-dropout", "0", "--attention-dropout", "0"]
@@ -250,7 +251,6 @@ def test_check_args_names_what_post_balancing_cannot_run_with():
                           (dict(calculate_per_token_loss=False), "--calculate-per-token-loss is required"),
                           (dict(virtual_pipeline_model_parallel_size=2, **interleaving, global_batch_size=2),
                            "virtual pipeline stages with 1 micro-batches per step"),
-                          (dict(context_parallel_size=2), "--context-parallel-size 2"),
                           (dict(hybrid_context_parallel=True), "--hybrid-context-parallel"),
                           (dict(sequence_packing_scheduler="dp_balanced"), "--sequence-packing-scheduler dp_balanced"),
                           (dict(cuda_graph_impl="full_iteration"), "full-iteration CUDA graphs"),
@@ -381,7 +381,8 @@ def _megatron_lm_run(pretrain_mllm, world_size, parallel, name) -> dict:
 
     import megatron.training
 
-    record = {"losses": [], "schedule": [], "moved_items": 0, "zero_gradients": 0, "hook": [], "reports": []}
+    record = {"losses": [], "schedule": [], "moved_items": 0, "zero_gradients": 0, "hook": [], "reports": [],
+              "sequence_parallel": []}
     stock_train_step, stock_zero_gradients = training.train_step, schedule._zero_gradients
     stock_print_rank_0 = megatron.training.print_rank_0
 
@@ -398,6 +399,7 @@ def _megatron_lm_run(pretrain_mllm, world_size, parallel, name) -> dict:
         record["megatron_schedule"], record["chunks"] = stock.__name__, len(model)
         record["params"] = {f"chunk{i}.{n}": p.detach().clone() for i, chunk in enumerate(model)
                             for n, p in chunk.named_parameters()}
+        record["sequence_parallel"].append(args[5].sequence_parallel)  # the model config train() runs with
         if isinstance(schedule_used, ModalityAwareSchedule):
             plan = schedule_used.last_step.plan
             record["reports"].append(plan.report())
@@ -412,7 +414,9 @@ def _megatron_lm_run(pretrain_mllm, world_size, parallel, name) -> dict:
         record["zero_gradients"] += 1
         stock_zero_gradients(encoder)
 
-    tp, pp, *virtual = parallel
+    tp, pp, *rest = parallel  # (TP, PP[, VPP][, Megatron-LM flags of the layout])
+    virtual = [v for v in rest if isinstance(v, int)]
+    extra = [flag for flag in rest if isinstance(flag, str)]
     flags = ["--tensor-model-parallel-size", str(tp), "--pipeline-model-parallel-size", str(pp)]
     stock_data = providers.build_train_data_iterator
     if virtual:
@@ -421,8 +425,10 @@ def _megatron_lm_run(pretrain_mllm, world_size, parallel, name) -> dict:
         providers.build_train_data_iterator = scripted_iterator
     training.train_step, schedule._zero_gradients = train_step, zero_gradients
     megatron.training.print_rank_0 = print_rank_0
-    doubles.prepare_run(tp, pp, seed=SEED, virtual_pipeline_model_parallel_size=virtual[0] if virtual else None)
-    sys.argv = ["pretrain_mllm.py", *ARGV, *flags, *{**RUNS, **SHADOW}[name]]
+    cp = int(extra[extra.index("--context-parallel-size") + 1]) if "--context-parallel-size" in extra else 1
+    doubles.prepare_run(tp, pp, seed=SEED, virtual_pipeline_model_parallel_size=virtual[0] if virtual else None,
+                        context_parallel_size=cp)
+    sys.argv = ["pretrain_mllm.py", *ARGV, *flags, *extra, *{**RUNS, **SHADOW}[name]]
     try:
         pretrain_mllm.main_megatron_lm()
     finally:
@@ -526,6 +532,23 @@ def test_megatron_training_pp2_dp2_tp2_dp2_and_pp2_vpp2_dp2(hooked_tree, tmp_pat
         assert heavy["intra-node MB"] + heavy["inter-node MB"] > 0, heavy
         for phase in ("vision", "audio", "llm"):
             assert heavy[f"{phase} after"] < heavy[f"{phase} before"], (run, heavy)
+
+
+@pytest.mark.distributed
+def test_megatron_training_tp2_sequence_parallel_dp2_and_cp2_dp2(hooked_tree, tmp_path):
+    """Four ranks, two layouts one after the other in the same processes: TP 2 with sequence parallelism x DP 2
+    (the model config megatron.training trains with has it on) and CP 2 x DP 2."""
+    tree, hook = hooked_tree
+    layouts = [((2, 1, "--sequence-parallel"), ["upstream", "post-balancing"]),
+               ((1, 1, "--context-parallel-size", "2"), ["upstream", "post-balancing"])]
+    run_distributed(_pretrain_runs, 4, tree, layouts, str(tmp_path), timeout_s=600)
+    for layout in layouts:
+        _check_runs(tmp_path, 4, *layout, hook=hook)
+    ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(4)]
+    for rank in ranks:
+        for name in layouts[0][1]:
+            assert rank[str(layouts[0][0])][name]["sequence_parallel"] == [True] * ITERS, name
+            assert rank[str(layouts[1][0])][name]["sequence_parallel"] == [False] * ITERS, name
 
 
 def test_trainer_is_chosen_by_flag_not_by_machine():

@@ -28,7 +28,7 @@ from typing import Callable, Iterator, Optional, Tuple
 import torch
 from megatron.core import parallel_state
 
-from megatron_orch.comm.communicator import dedicated_group
+from megatron_orch.comm.communicator import dedicated_group, replica_group
 from megatron_orch.comm.group_topology import group_topology
 from megatron_orch.megatron.batch import BatchSpec, MicroBatch
 from megatron_orch.megatron.first_step import check_model_and_config, print_on_rank_0
@@ -51,8 +51,8 @@ def post_balance(forward_backward_func: Optional[Callable], data_iterator: Itera
     pipeline stage, the TP/PP peers, and a communicator of the DP group's ranks (``timeout``: its collectives').
 
     ``model`` (optional): checked now (the contract, per-token loss), else on the schedule's first call; either
-    way before any collective, as packed micro-batches for a model that cannot take them are refused. ``compute_device``: where the encoders run (default: this rank's GPU, else the
-    CPU); ``input_dtype``: what raw encoder items travel in (the encoders' own dtype). ``config``: the
+    way before any collective, as packed micro-batches for a model that cannot take them are refused.
+    ``compute_device``: where the encoders run (default: this rank's GPU, else the CPU); ``input_dtype``: what raw encoder items travel in (the encoders' own dtype). ``config``: the
     planner's settings, shadow mode (``shadow=True``) and the checked first step (``verify_first_step``, on
     by default); ``announce`` gets the checked first step's line. Call every collective-making part of this on
     every rank, after ``parallel_state.initialize_model_parallel``.
@@ -65,9 +65,12 @@ def post_balance(forward_backward_func: Optional[Callable], data_iterator: Itera
             torch.device("cpu")
     dp_group = parallel_state.get_data_parallel_group()
     comm_group = dedicated_group(dp_group, timeout=timeout)
+    # The peers that must hold the same plan: TP x PP (megatron-core's model-parallel group), x CP with CP.
+    peers = (parallel_state.get_model_parallel_group() if parallel_state.get_context_parallel_world_size() == 1
+             else replica_group(dp_group, timeout=timeout))
     groups = ParallelGroups(dp_group=dp_group, topology=group_topology(dp_group, gpus_per_node=config.gpus_per_node),
-                            encoder_stage=parallel_state.is_pipeline_first_stage(),
-                            peer_group=parallel_state.get_model_parallel_group(), comm_group=comm_group)
+                            encoder_stage=parallel_state.is_pipeline_first_stage(), peer_group=peers,
+                            comm_group=comm_group)
     iterator = PostBalancingDataIterator(data_iterator, spec, config, step, groups, compute_device=compute_device,
                                          input_dtype=input_dtype)
     schedule = ModalityAwareSchedule(forward_backward_func, dp_group, encoder_recompute=config.encoder_recompute,

@@ -22,10 +22,12 @@ belongs to its phase's module); ``encode(phase, items)`` runs one phase over any
 returns their rows item by item; ``forward(batch, embeds=None)`` runs the backbone with ``embeds[phase]``
 inserted at that phase's placeholders (``embeds=None``: the model encodes ``batch.items`` itself, the
 upstream path); ``model_type`` and ``set_input_tensor``, which megatron-core's schedules read
-(:class:`MegatronModelMixin` provides both). An encoder without items on a rank in a step gets zero
-gradients (Megatron DDP's ``--overlap-grad-reduce`` needs every parameter to report each step).
-:func:`check_model` refuses a model that lacks a member, naming it; the modality-aware schedule checks
-the rest on the first step (:mod:`~megatron_orch.megatron.first_step`).
+(:class:`MegatronModelMixin` provides both). Under sequence or context parallelism every rank of a DP replica
+gets the whole micro-batch and ``forward`` returns the per-token loss of the rank's part of the sequence, in
+megatron-core's layout (:class:`~megatron_orch.megatron.sequence_layout.SequenceLayout`). An encoder without
+items on a rank in a step gets zero gradients (Megatron DDP's ``--overlap-grad-reduce`` needs every parameter
+to report each step). :func:`check_model` refuses a model that lacks a member, naming it; the modality-aware
+schedule checks the rest on the first step (:mod:`~megatron_orch.megatron.first_step`).
 
 **forward_step** (Megatron's ``forward_step_func``): what ``next(data_iterator)`` returns is a
 :class:`~megatron_orch.megatron.post_balancing.BalancedMicroBatch` under post-balancing (its ``batch``
@@ -44,6 +46,7 @@ from megatron.core.enums import ModelType
 
 from megatron_orch.megatron.batch import MicroBatch
 from megatron_orch.megatron.post_balancing import BalancedMicroBatch, BalancedStep, stock_schedule_error
+from megatron_orch.megatron.sequence_layout import SequenceLayout
 
 
 @runtime_checkable
@@ -123,10 +126,13 @@ def loss_func(loss_mask: torch.Tensor, output_tensor: torch.Tensor):
 def forward_step(data_iterator: Iterator, model: torch.nn.Module):
     """One micro-batch through a :class:`BalanceableModel` (Megatron's ``forward_step_func``): a
     :class:`BalancedMicroBatch` brings the encoder outputs of its examples, a plain ``MicroBatch`` its raw
-    items."""
+    items. Under sequence or context parallelism the loss is that of this rank's part of the sequence, whose
+    loss mask :class:`~megatron_orch.megatron.sequence_layout.SequenceLayout` gives (megatron-core's layout)."""
     item = next(data_iterator)
     if isinstance(item, BalancedStep):
         raise stock_schedule_error()
     batch, embeds = (item.batch, item.embeds) if isinstance(item, BalancedMicroBatch) else (item, None)
     batch = batch.to(next(model.parameters()).device)
-    return model(batch, embeds=embeds), functools.partial(loss_func, batch.loss_mask)
+    layout = SequenceLayout.of_model(getattr(model, "config", None))  # Megatron's wrappers keep the config
+    loss_mask = batch.loss_mask if layout.is_whole else layout.shard(batch).loss_mask
+    return model(batch, embeds=embeds), functools.partial(loss_func, loss_mask)

@@ -168,6 +168,13 @@ def _announcing(wrapper: Callable, announce: Callable[[str], None], line: str) -
     return wrap
 
 
+# The Megatron-LM flags (argparse destinations) check_args refuses with post-balancing, of any release.
+POST_BALANCING_REFUSALS = ("dataloader_type", "calculate_per_token_loss", "hybrid_context_parallel",
+                           "sequence_packing_scheduler", "cuda_graph_impl", "cuda_graph_scope",
+                           "moe_expert_rank_capacity_factor", "use_torch_fsdp2", "use_megatron_fsdp", "perform_rl_step",
+                           "rampup_batch_size", "step_batch_size_schedule")
+
+
 def check_args(args: argparse.Namespace) -> None:
     """Raise ValueError naming the Megatron-LM flag that post-balancing cannot run with. Flags of a newer
     release are read with ``getattr``: an older release simply has none of them."""
@@ -185,9 +192,6 @@ def check_args(args: argparse.Namespace) -> None:
                                            getattr(args, "microbatch_group_size_per_vp_stage", None))
         except ValueError as err:
             problems.append(str(err))
-    if args.context_parallel_size > 1:
-        problems.append(f"--context-parallel-size {args.context_parallel_size}: post-balancing moves whole "
-                        "examples between DP ranks, context parallelism is not supported")
     if getattr(args, "hybrid_context_parallel", False):
         problems.append("--hybrid-context-parallel: it regroups the data iterator's sequences over DP x CP "
                         "ranks (HybridCPDataLoaderWrapper), which would undo the post-balancing plan")

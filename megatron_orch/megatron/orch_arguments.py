@@ -100,7 +100,8 @@ def orch_config_from_args(args: argparse.Namespace, verify_by_default: bool = Fa
         encoder_chunk_tokens=args.orch_encoder_chunk_tokens,
         encoder_memory_cap=None if args.orch_encoder_memory_cap is None else args.orch_encoder_memory_cap * 1e9,
         cost_profile=None if args.orch_cost_profile is None else load_cost_profile(args.orch_cost_profile),
-        shadow=args.orch_shadow, verify_first_step=verify and not args.orch_shadow)
+        shadow=args.orch_shadow, verify_first_step=verify and not args.orch_shadow,
+        context_parallel_size=getattr(args, "context_parallel_size", 1))
     _check_gpus_per_node(config.gpus_per_node, getattr(args, "world_size", None),
                          os.environ.get("LOCAL_WORLD_SIZE"))
     if config.microbatching == "packed" and args.pipeline_model_parallel_size > 1:

@@ -48,6 +48,8 @@ class OrchestratorConfig:
     (``--orch-shadow``). ``verify_first_step``: the first step runs the loader's (upstream) and the balanced
     layout on the same batch and stops the run unless their losses, gradients and encoder outputs agree
     (``--orch-verify-first-step``; on by default here, off on the command line for the shipped configs).
+    ``context_parallel_size``: the backbone's (``--context-parallel-size``): its costs and memory are planned
+    per CP rank (:class:`~megatron_orch.balance.cost.ContextParallelCost`).
     """
 
     phases: Optional[Tuple[str, ...]] = None
@@ -62,6 +64,7 @@ class OrchestratorConfig:
     encoder_chunk_tokens: Optional[int] = None
     encoder_memory_cap: Optional[float] = None
     cost_profile: Optional[CostProfile] = None
+    context_parallel_size: int = 1
     step_model: StepModel = StepModel()
     shadow: bool = False
     verify_first_step: bool = True
@@ -87,6 +90,8 @@ class OrchestratorConfig:
         chunk = self.encoder_chunk_tokens
         if chunk is not None and (isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 1):
             raise ValueError(f"--orch-encoder-chunk-tokens must be an int >= 1, got {chunk!r}")
+        if self.context_parallel_size < 1:
+            raise ValueError(f"--context-parallel-size must be >= 1, got {self.context_parallel_size}")
         cap = self.encoder_memory_cap
         if cap is not None and not (cap > 0):  # inf: no cap; NaN fails too
             raise ValueError(f"--orch-encoder-memory-cap must be > 0 (inf: no cap), got {cap / 1e9} GB")

@@ -15,6 +15,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 import numpy as np
 
 from megatron_orch.balance import _plan_kernels
+from megatron_orch.balance.cost import ContextParallelCost
 from megatron_orch.balance.partition import (partition, partition_equal_count, partition_equal_count_locality,
                                               partition_groups, partition_locality, uniform_bins)
 from megatron_orch.balance.placement import PlacementConfig, place_items
@@ -291,6 +292,9 @@ def plan_step(sizes: StepSizes, phases: ModelPhases, config: OrchestratorConfig,
     config.check_phases(phases)
     if config.cost_profile is not None:
         phases = config.cost_profile.apply(phases)
+    if config.context_parallel_size > 1:  # the backbone's cost and memory on each CP rank
+        backbone_cost = ContextParallelCost(phases.backbone.cost, config.context_parallel_size)
+        phases = dataclasses.replace(phases, backbone=dataclasses.replace(phases.backbone, cost=backbone_cost))
     items = phase_items(sizes, phases)
     examples_home = Placement.from_counts(counts)
     home = examples_home.rank

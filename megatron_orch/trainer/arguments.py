@@ -80,6 +80,8 @@ def add_megatron_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParse
     g.add_argument("--num-query-groups", type=int, default=None, help="grouped-query attention")
     g.add_argument("--kv-channels", type=int, default=None)
     g.add_argument("--seq-length", type=int, required=True, help="longest backbone sequence (tokens)")
+    g.add_argument("--max-position-embeddings", type=int, default=None,
+                   help="rows of the backbone's learned position embeddings (default: --model-config's)")
     g.add_argument("--make-vocab-size-divisible-by", type=int, default=128)
     g.add_argument("--init-method-std", type=float, default=0.02)
     g.add_argument("--hidden-dropout", type=float, default=0.1,
@@ -103,6 +105,12 @@ def add_megatron_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParse
                    help="virtual pipeline stages (Megatron's interleaved 1F1B): backbone layers per model chunk")
     g.add_argument("--num-virtual-stages-per-pipeline-rank", type=int, default=None,
                    help="virtual pipeline stages: model chunks per pipeline rank")
+    g.add_argument("--sequence-parallel", action="store_true",
+                   help="split the backbone's sequence over the TP ranks outside attention and the MLPs (Megatron's "
+                        "sequence parallelism; needs --tensor-model-parallel-size > 1)")
+    g.add_argument("--context-parallel-size", type=int, default=1,
+                   help="split each backbone sequence over this many ranks (Megatron's 2 x CP zig-zag chunks); the "
+                        "encoders run whole on every CP rank. On GPUs it needs --transformer-impl transformer_engine")
     g.add_argument("--use-distributed-optimizer", action="store_true")
     g.add_argument("--distributed-backend", choices=["nccl", "gloo"], default=None,
                    help="nccl: train on GPUs; gloo: train on CPU through megatron_orch.trainer.cpu_harness. "
@@ -285,10 +293,11 @@ def _in_range(args: argparse.Namespace, name: str, low: float, high: float = mat
 def validate_args(args: argparse.Namespace, world_size: int) -> argparse.Namespace:
     """Check consistency; derive ``data_parallel_size``, ``num_microbatches`` and ``mllm_config`` (the
     loaded ``--model-config`` with the backbone shape flags applied)."""
-    _positive(args, "tensor_model_parallel_size", "pipeline_model_parallel_size", "micro_batch_size",
-              "global_batch_size", "train_iters", "exit_interval", "seq_length", "log_interval", "save_interval",
-              "make_vocab_size_divisible_by", "max_num_tiles", "max_image_pixels",
-              "max_vision_items_per_sample", "keep_last_checkpoints", *_BACKBONE_SHAPE_FLAGS)
+    _positive(args, "tensor_model_parallel_size", "pipeline_model_parallel_size", "context_parallel_size",
+              "micro_batch_size", "global_batch_size", "train_iters", "exit_interval", "seq_length", "log_interval",
+              "save_interval", "make_vocab_size_divisible_by", "max_num_tiles", "max_image_pixels",
+              "max_vision_items_per_sample", "keep_last_checkpoints", "max_position_embeddings",
+              *_BACKBONE_SHAPE_FLAGS)
     for name in ("max_bad_examples", "ckpt_step"):
         if getattr(args, name) is not None and getattr(args, name) < 0:
             raise ArgumentError(f"--{name.replace('_', '-')} must be >= 0, got {getattr(args, name)}")
@@ -298,11 +307,13 @@ def validate_args(args: argparse.Namespace, world_size: int) -> argparse.Namespa
         _in_range(args, name, 0.0, 1.0, high_open=True)
     for name in ("adam_eps", "init_method_std", "max_audio_seconds"):
         _in_range(args, name, 0.0, low_open=True)
-    model_parallel = args.tensor_model_parallel_size * args.pipeline_model_parallel_size
+    model_parallel = args.tensor_model_parallel_size * args.pipeline_model_parallel_size * args.context_parallel_size
     if world_size % model_parallel:
         raise ArgumentError(f"world size {world_size} is not divisible by --tensor-model-parallel-size "
                             f"({args.tensor_model_parallel_size}) x --pipeline-model-parallel-size "
-                            f"({args.pipeline_model_parallel_size}) = {model_parallel}")
+                            f"({args.pipeline_model_parallel_size}) x --context-parallel-size "
+                            f"({args.context_parallel_size}) = {model_parallel}")
+    _check_sequence_split(args)
     args.world_size = world_size
     args.data_parallel_size = world_size // model_parallel
     per_step = args.micro_batch_size * args.data_parallel_size
@@ -359,6 +370,20 @@ def validate_args(args: argparse.Namespace, world_size: int) -> argparse.Namespa
     return args
 
 
+def _check_sequence_split(args: argparse.Namespace) -> None:
+    """Sequence parallelism needs TP; a row's length is padded to a multiple of 2 x CP (x TP with SP), which
+    ``--seq-length`` must be (Megatron-LM asks 2 x CP of it; rows are exactly that long with PP)."""
+    if args.sequence_parallel and args.tensor_model_parallel_size == 1:
+        raise ArgumentError("--sequence-parallel needs --tensor-model-parallel-size > 1 (it splits the sequence "
+                            "over the TP ranks)")
+    cp, tp = args.context_parallel_size, args.tensor_model_parallel_size
+    multiple = (2 * cp if cp > 1 else 1) * (tp if args.sequence_parallel else 1)
+    if args.seq_length % multiple:
+        parts = ([f"2 x --context-parallel-size {cp}"] if cp > 1 else []) + (
+            [f"--tensor-model-parallel-size {tp} (--sequence-parallel)"] if args.sequence_parallel else [])
+        raise ArgumentError(f"--seq-length {args.seq_length} is not a multiple of {' x '.join(parts)} = {multiple}")
+
+
 def _resolve_transformer_impl(args: argparse.Namespace) -> None:
     """Default: Transformer Engine's layers on GPUs when it imports, else the local ones."""
     if args.transformer_impl is None:
@@ -371,6 +396,11 @@ def _resolve_transformer_impl(args: argparse.Namespace) -> None:
         if _runs_on_cpu(args):
             raise ArgumentError("--transformer-impl transformer_engine needs GPUs (--distributed-backend nccl); "
                                 "a gloo run trains on CPU: use --transformer-impl local")
+    if args.context_parallel_size > 1 and args.transformer_impl == "local" and not _runs_on_cpu(args):
+        raise ArgumentError(f"--context-parallel-size {args.context_parallel_size} on GPUs runs Transformer Engine's "
+                            "context-parallel attention (as Megatron does): use --transformer-impl transformer_engine; "
+                            "--transformer-impl local's context-parallel attention is the CPU path (it gathers "
+                            "every key and value)")
 
 
 def resolve_model_config(args: argparse.Namespace) -> MLLMConfig:
@@ -392,16 +422,18 @@ def resolve_model_config(args: argparse.Namespace) -> MLLMConfig:
 
 
 def backbone_overrides(config: MLLMConfig, args: argparse.Namespace) -> MLLMConfig:
-    """``config`` with the backbone shape flags given on the command line applied."""
+    """``config`` with the backbone shape flags and ``--max-position-embeddings`` given on the command line applied."""
     changes = {field: getattr(args, flag) for flag, field in _BACKBONE_SHAPE_FLAGS.items()
                if getattr(args, flag) is not None}
-    if not changes:
-        return config
-    try:
-        shape = dataclasses.replace(config.backbone.transformer, **changes)
-    except ValueError as err:
-        raise ArgumentError(f"backbone shape flags {changes}: {err}") from None
-    return dataclasses.replace(config, backbone=dataclasses.replace(config.backbone, transformer=shape))
+    backbone = config.backbone
+    if changes:
+        try:
+            backbone = dataclasses.replace(backbone, transformer=dataclasses.replace(backbone.transformer, **changes))
+        except ValueError as err:
+            raise ArgumentError(f"backbone shape flags {changes}: {err}") from None
+    if args.max_position_embeddings is not None:
+        backbone = dataclasses.replace(backbone, max_position_embeddings=args.max_position_embeddings)
+    return config if backbone is config.backbone else dataclasses.replace(config, backbone=backbone)
 
 
 def _check_tensor_parallel(config: MLLMConfig, tp: int) -> None:

@@ -71,6 +71,7 @@ def initialize(args: argparse.Namespace) -> None:
         tensor_model_parallel_size=args.tensor_model_parallel_size,
         pipeline_model_parallel_size=args.pipeline_model_parallel_size,
         virtual_pipeline_model_parallel_size=args.virtual_pipeline_model_parallel_size,
+        context_parallel_size=args.context_parallel_size,
         distributed_timeout_minutes=args.distributed_timeout_minutes)
     set_random_seed(args.seed)
 
@@ -196,8 +197,8 @@ def train_step(forward_step: ForwardStep, data_iterator: Iterator, model: list, 
     if update_successful:
         scheduler.step(increment=args.global_batch_size)
     lm_loss = None
-    if parallel_state.is_pipeline_last_stage():  # sum of token losses / number of loss tokens, over DP
-        dp_group = parallel_state.get_data_parallel_group()
+    if parallel_state.is_pipeline_last_stage():  # sum of token losses / number of loss tokens, over DP (x CP)
+        dp_group = parallel_state.get_data_parallel_group(with_context_parallel=True)
         report = to_communication_device(torch.stack([x["lm loss"] for x in losses]).sum(dim=0).double(), dp_group)
         dist.all_reduce(report, group=dp_group)
         report = report.cpu()
@@ -494,7 +495,8 @@ def _describe(args: argparse.Namespace, model: list) -> str:
     params = sum(p.numel() for chunk in model for p in chunk.parameters())
     virtual = f" (x {len(model)} virtual stages)" if len(model) > 1 else ""
     return (f" > model config {args.mllm_config.name}: {params} parameters on rank 0 | world size "
-            f"{args.world_size} = TP {args.tensor_model_parallel_size} x PP "
-            f"{args.pipeline_model_parallel_size}{virtual} x DP {args.data_parallel_size} | global batch "
+            f"{args.world_size} = TP {args.tensor_model_parallel_size}{' (sequence parallel)' * args.sequence_parallel}"
+            f" x CP {args.context_parallel_size} x PP {args.pipeline_model_parallel_size}{virtual} x DP "
+            f"{args.data_parallel_size} | global batch "
             f"{args.global_batch_size} = micro-batch {args.micro_batch_size} x {args.num_microbatches} "
             f"micro-batches x DP {args.data_parallel_size}")
