@@ -60,14 +60,15 @@ def main_megatron_lm() -> None:
     from megatron.core.num_microbatches_calculator import get_num_microbatches
     from megatron.training import get_args, print_rank_0
 
-    from megatron_orch.mllm.config import load_model_config
+    from megatron_orch.mllm.config import is_shipped_config, load_model_config
     from megatron_orch.megatron import megatron_lm
     from megatron_orch.megatron.orch_arguments import orch_config_from_args
-    from megatron_orch.mllm import providers
+    from megatron_orch.mllm import megatron_flags, providers
     from megatron_orch.mllm.model import transformer_engine_available
     from megatron_orch.trainer import arguments
 
     post_balancing = "--orch-post-balancing" in sys.argv[1:]  # Megatron's parser takes no abbreviations
+    shadow = "--orch-shadow" in sys.argv[1:]  # plans through the same hooks, trains upstream
     if not post_balancing and "--overlap-grad-reduce" in sys.argv[1:]:
         # Megatron DDP then reduces a bucket once each of its parameters reported a gradient in the last
         # micro-batch, and asserts after the first step that every parameter did. Without post-balancing
@@ -78,10 +79,14 @@ def main_megatron_lm() -> None:
                  "Megatron DDP's overlapped reduction asserts against; drop the flag (the numerics are the "
                  "same) or add --orch-post-balancing")
 
+    refused = megatron_flags.refusals(sys.argv[1:], arguments.add_mllm_args)  # parsing only: before any collective
+    if refused:
+        sys.exit("pretrain_mllm.py: error: " + "; ".join(refused))
+
     def resolve_model(args):
-        """The --model-config with Megatron-LM's shape flags applied; rank 0 prints what they changed.
-        Megatron-LM's --num-query-groups (default 1) counts only with --group-query-attention, else
-        attention is multi-head, and it fills --kv-channels with hidden size / heads, as the config does."""
+        """The --model-config with Megatron-LM's shape flags and --max-position-embeddings applied; rank 0 prints
+        what they changed. Megatron-LM's --num-query-groups (default 1) counts only with --group-query-attention,
+        else attention is multi-head, and it fills --kv-channels with hidden size / heads, as the config does."""
         if args.transformer_impl == "transformer_engine" and not transformer_engine_available():
             raise ValueError("--transformer-impl transformer_engine (Megatron-LM's default): Transformer Engine "
                              "does not import here; pass --transformer-impl local")
@@ -90,19 +95,21 @@ def main_megatron_lm() -> None:
         if args.kv_channels == args.hidden_size // args.num_attention_heads:
             shape.kv_channels = None
         config = arguments.resolve_model_config(shape)
-        configured, resolved = load_model_config(args.model_config).backbone.transformer, config.backbone.transformer
-        if resolved.is_moe and args.num_experts is None:
+        configured, resolved = load_model_config(args.model_config).backbone, config.backbone
+        moe = resolved.transformer
+        if moe.is_moe and args.num_experts is None:
             raise ValueError(f"--model-config {args.model_config} has a mixture-of-experts backbone: pass "
-                             f"--num-experts {resolved.num_experts} (Megatron-LM sets up its MoE training from it)")
-        if resolved.is_moe and (args.moe_layer_freq != 1 or args.moe_shared_expert_intermediate_size
-                                != resolved.moe_shared_expert_intermediate_size):
+                             f"--num-experts {moe.num_experts} (Megatron-LM sets up its MoE training from it)")
+        if moe.is_moe and (args.moe_layer_freq != 1 or args.moe_shared_expert_intermediate_size
+                           != moe.moe_shared_expert_intermediate_size):
             raise ValueError("the MLLM's MoE backbone has an MoE FFN in every layer and the config's shared expert "
-                             f"({resolved.moe_shared_expert_intermediate_size}): --moe-layer-freq "
+                             f"({moe.moe_shared_expert_intermediate_size}): --moe-layer-freq "
                              f"{args.moe_layer_freq}, --moe-shared-expert-intermediate-size "
                              f"{args.moe_shared_expert_intermediate_size}")
-        changed = [f"{field.name} {getattr(configured, field.name)} -> {getattr(resolved, field.name)}"
-                   for field in dataclasses.fields(resolved)
-                   if getattr(configured, field.name) != getattr(resolved, field.name)]
+        changed = [f"{name} {getattr(before, name)} -> {getattr(after, name)}"
+                   for before, after in ((configured.transformer, resolved.transformer), (configured, resolved))
+                   for name in (field.name for field in dataclasses.fields(after) if field.name != "transformer")
+                   if getattr(before, name) != getattr(after, name)]
         if changed:
             print_rank_0(f" > backbone of --model-config {args.model_config} overridden by Megatron-LM's shape "
                          f"flags: {', '.join(changed)}")
@@ -114,7 +121,8 @@ def main_megatron_lm() -> None:
         if not hasattr(args, "mllm_config"):
             try:
                 args.mllm_config = resolve_model(args)
-                args.orch_config = orch_config_from_args(args)
+                args.orch_config = orch_config_from_args(
+                    args, verify_by_default=not is_shipped_config(args.model_config))
                 if args.orch_config is not None:
                     megatron_lm.check_args(args)
             except ValueError as err:  # ArgumentError included
@@ -123,7 +131,8 @@ def main_megatron_lm() -> None:
         return args
 
     def model_provider(pre_process=True, post_process=True, vp_stage=None, **unused):
-        return providers.build_model(mllm_args(), pre_process=pre_process, post_process=post_process)
+        return providers.build_model(mllm_args(), pre_process=pre_process, post_process=post_process,
+                                     vp_stage=vp_stage)
 
     def build_train_iterator():
         args = mllm_args()
@@ -133,8 +142,9 @@ def main_megatron_lm() -> None:
             train, _ = providers.build_post_balancing(args, args.orch_config, train, forward_backward_func=None)
         return train
 
-    wrapper = megatron_lm.schedule_wrapper(lambda: mllm_args().orch_config.encoder_recompute) if post_balancing else None
-    megatron_lm.pretrain(megatron_lm.external_data_provider(build_train_iterator), model_provider,
+    hooked = post_balancing or shadow  # the modality-aware schedule takes the steps of the first model chunk
+    wrapper = megatron_lm.schedule_wrapper(lambda: mllm_args().orch_config.encoder_recompute) if hooked else None
+    megatron_lm.pretrain(megatron_lm.external_data_provider(build_train_iterator, hooked), model_provider,
                          ModelType.encoder_or_decoder, providers.forward_step,
                          extra_args_provider=arguments.add_mllm_args, args_defaults={"dataloader_type": "external"},
                          forward_backward_func_wrapper=wrapper, announce=print_rank_0)

@@ -31,5 +31,7 @@ setup(
         # apex is a GPU-only extra built from source: see README ("GPU extras").
         # The range megatron-core 0.16.1 .. 0.19.x is tested with (0.16.1's pin starts at 2.9).
         "gpu": ["transformer-engine[pytorch]>=2.9,<3"],
+        # Energon datasets as --data-path (megatron_orch.mllm.energon); pure Python, tested with 7.4.1.
+        "energon": ["megatron-energon>=7.4,<8"],
     },
 )

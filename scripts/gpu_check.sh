@@ -25,7 +25,12 @@
 #       through the wrapper's hooks; the CPU tests run FSDP2 and Megatron-FSDP at DP 4);
 #   moe        the MoE backbone (configs/tiny_moe.yaml: 4 experts, top-2, seq_aux_loss and z-loss, the all-to-all
 #       dispatcher, the distributed optimizer), post-balancing off and on: losses compared (EP 2 x DP 2 on CPU);
-#   sdpa_kernels  the SDPA core attention on the fused kernels (scripts/check_sdpa_kernels.py; GPU only).
+#   sdpa_kernels  the SDPA core attention on the fused kernels (scripts/check_sdpa_kernels.py; GPU only);
+#   context_parallel  for CP 2 and 4, padded and packed rows, one CP shard at a time in one process: the shard's
+#       positions against Transformer Engine's thd_get_partitioned_indices, TE's attention per shard against TE
+#       on the whole row, the CPU path's shard attention against SDPA (scripts/check_context_parallel.py; on CPU
+#       the last only). NOT RUN by this script, because they need more than one GPU: TE's context-parallel
+#       exchange across CP ranks, CP and SP over NCCL, and the CP / SP training invariance on GPUs.
 # OUT_DIR then holds exactly two files: summary.txt (each step's headline figures, then PASSED or the
 # failed steps) and gpu_check.tar.gz (every step's log and files; env.log: versions and the GPU). Exits
 # non-zero if a step failed. Python: $PYTHON, else .venv/bin/python, else python3. Where megatron.core
@@ -44,11 +49,11 @@ print("python", sys.version.split()[0], "| torch", torch.__version__, "| cuda", 
 if torch.cuda.is_available():
     subprocess.run(["nvidia-smi", "--query-gpu=name,memory.total,driver_version", "--format=csv"])'
 if [ "$mode" = cpu ]; then
-  nproc=2 backend=gloo fp32_rtol=1e-5 precision=() limits=(420 420 420 600 600 150 180 600 400 400) env_s=90
-  memory_opts=(--model tiny) packed_lengths=2048 sdpa_s=0
+  nproc=2 backend=gloo fp32_rtol=1e-5 precision=() limits=(420 420 420 600 600 150 180 600 400 400 120) env_s=90
+  memory_opts=(--model tiny) packed_lengths=2048 sdpa_s=0 cp_length=256
 else
-  nproc=1 backend=nccl fp32_rtol=1e-3 precision=(--bf16) limits=(60 60 50 35 90 35 20 70 45 45) env_s=15
-  memory_opts=(--model mllm_10b --layers 2,2,2) packed_lengths=8192,16384 sdpa_s=15
+  nproc=1 backend=nccl fp32_rtol=1e-3 precision=(--bf16) limits=(60 60 50 35 85 30 20 70 40 40 15) env_s=15
+  memory_opts=(--model mllm_10b --layers 2,2,2) packed_lengths=8192,16384 sdpa_s=20 cp_length=4096
 fi
 step env "$env_s" "$PY" -c "$env_py"
 train=(--global-batch-size 8 --train-iters 8 --distributed-backend "$backend")
@@ -83,6 +88,8 @@ step moe "${limits[9]}" "$PY" scripts/compare_baseline.py --nproc "$nproc" --out
   --moe-token-dispatcher-type alltoall --moe-router-load-balancing-type seq_aux_loss --moe-aux-loss-coeff 1e-2 \
   --moe-z-loss-coeff 1e-3
 [ "$mode" = cpu ] || step sdpa_kernels "$sdpa_s" "$PY" scripts/check_sdpa_kernels.py
+step context_parallel "${limits[10]}" "$PY" scripts/check_context_parallel.py --device "${mode/gpu/cuda}" \
+  --length "$cp_length" --json "$work/context_parallel.json"
 
 # headline STEP [PATTERN]: for summary.txt, the step's last line matching PATTERN, else its last line of
 # its own (a failed step's error).
@@ -102,4 +109,7 @@ headline packed
 headline alltoall
 headline resume
 headline sdpa_kernels
+headline context_parallel "^(PASSED|FAILED)"
+summarize "not run (they need more than one GPU): TE's context-parallel exchange across CP ranks, CP and SP over" \
+  "NCCL, the CP / SP training invariance on GPUs (on CPU over gloo: tests/test_parallel_layouts.py)"
 finish

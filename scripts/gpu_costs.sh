@@ -7,7 +7,7 @@
 # Steps, most valuable first, each under its own time limit so that a slow one cannot starve the rest
 # (scripts/device_steps.sh: the limits add up to at most 540 s on a GPU). The emulations time each
 # distinct call once (--timing shape; backbone lengths in 32-token buckets), plan upstream and the
-# trainer's default equal_count plan with the profile and with FLOPs (--compare-flops: both judged on
+# trainer's default plan (orch: packed) with the profile and with FLOPs (--compare-flops: both judged on
 # the same measurements):
 #   calibrate -> profile.yaml, rewritten after every point (a partial one says so in its notes);
 #   emulate DP 64; the simulator with the profile at DP 64, 512, 2560; emulate DP 512 (one timed call per
@@ -27,7 +27,7 @@ if [ "$mode" = cpu ]; then
   last_opts=(--warmup 1 --repeats 1)
 else
   model=(--model mllm_10b --layers 12,8,4); device=(--device cuda); dps=(64 512); limits=(120 180 60 180)
-  emulate_opts=(--per-rank 16 --timing shape --llm-bucket 32 --methods equal_count --compare-flops)
+  emulate_opts=(--per-rank 16 --timing shape --llm-bucket 32 --methods orch --compare-flops)
   first_opts=(--warmup 1 --repeats 1); last_opts=(--warmup 0 --repeats 1)
 fi
 profile="$work/profile.yaml"

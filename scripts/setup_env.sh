@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Create the repository's virtual environment (once) and install the package with its test extra.
+# Create the repository's virtual environment (once) and install the package with its test and energon extras.
 #
 #   bash scripts/setup_env.sh [--megatron-core VERSION] [--print-venv]
 #
@@ -8,6 +8,7 @@
 #                     it runs on CPU), triton (megatron-core >= 0.18 imports it), megatron-core 0.19.2
 #   0.16.1            Python 3.11, venv .venv-mcore0.16: torch 2.13.0 (the CPU build on this project's
 #                     machines), megatron-core 0.16.1 (the newest release for Python 3.11)
+# Both: megatron-energon 7.4.1 (pure Python; Energon datasets as --data-path, and its tests).
 # --print-venv prints the set-up's venv folder and does nothing else.
 # Python is $PYTHON when set, else python3.X on PATH, else pyenv's; none found is a one-line error.
 # Idempotent: a second call only re-checks the stamp. MEGATRON_ORCH_SKIP_SETUP=1 skips the check where
@@ -30,9 +31,10 @@ while [ $# -gt 0 ]; do
   esac
 done
 
+energon=megatron-energon==7.4.1
 case "$mcore" in
-  0.19.2) python_version=3.12; venv=.venv; packages=(torch==2.13.0 triton megatron-core==0.19.2 einops==0.8.1) ;;
-  0.16.1) python_version=3.11; venv=.venv-mcore0.16; packages=(torch==2.13.0 megatron-core==0.16.1 einops==0.8.1) ;;
+  0.19.2) python_version=3.12; venv=.venv; packages=(torch==2.13.0 triton megatron-core==0.19.2 einops==0.8.1 "$energon") ;;
+  0.16.1) python_version=3.11; venv=.venv-mcore0.16; packages=(torch==2.13.0 megatron-core==0.16.1 einops==0.8.1 "$energon") ;;
   *) die "--megatron-core $mcore is not a tested set-up: choose 0.19.2 (Python 3.12, the default) or 0.16.1 (Python 3.11)" ;;
 esac
 
@@ -75,6 +77,6 @@ if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$wanted" ] || [ setup.py -nt "$s
   # The exact versions first, so the package's ranges install nothing more (on Python 3.11 pip takes the
   # local CPU build of torch, instead of resolving a CUDA one).
   "$venv/bin/python" -m pip install -q "${packages[@]}"
-  "$venv/bin/python" -m pip install -q -e '.[test]'
+  "$venv/bin/python" -m pip install -q -e '.[test,energon]'
   echo "$wanted" > "$stamp"
 fi

@@ -4,7 +4,10 @@ over gloo.
 Tests only, never product code. Where the Megatron-LM files come from (:func:`megatron_lm_files_or_skip`):
 megatron-core wheels from 0.17 on ship ``megatron/training`` (0.19.2's equals core_v0.19.0's byte for
 byte), and the tests use the installed wheel's own; the 0.16.1 wheel lacks it, and the tests take the tag's
-unmodified files from ``../shared/megatron-lm/core_v0.16.1`` (:data:`SHARED_TREE`). Either is copied to a
+unmodified files from ``../shared/megatron-lm/core_v0.16.1`` (:data:`SHARED_TREE`). A Megatron-LM checkout
+first on ``PYTHONPATH`` (main, or a fork) is used as it is: its ``training.py`` is the pre-image of no
+``patches/`` folder (main has no patch by design), so the patch tests skip and the training tests run
+through the run-time hook. Either is copied to a
 temporary folder, patched with ``scripts/apply_patches.sh`` (:func:`patched_copy`), and put first on
 ``sys.path`` (:func:`install`): ``megatron`` is a namespace package (no ``__init__.py`` in the wheel or the
 tree), so ``megatron.core`` comes from the wheel and ``megatron.training`` from the copy; ``install(None)``
@@ -52,49 +55,73 @@ BASE_FILE = "megatron/training/training.py"
 
 @dataclasses.dataclass(frozen=True)
 class MegatronLMFiles:
-    """The Megatron-LM files of the installed megatron-core's release: ``root`` holds ``megatron/training``
-    (the wheel's site-packages, or :data:`SHARED_TREE`); ``release`` is the ``patches/`` folder made for them."""
+    """The Megatron-LM files under test: ``root`` holds ``megatron/training`` (the wheel's site-packages, a
+    checkout on ``PYTHONPATH``, or :data:`SHARED_TREE`); ``release`` is the ``patches/`` folder made for them
+    (None: a checkout of main or a fork, which no patch is made for); ``on_path``: importable where they are
+    (the wheel's or the checkout's), so the unpatched tests put nothing on ``sys.path``."""
     root: Path
-    release: str
-    from_wheel: bool
+    release: Optional[str]
+    on_path: bool
 
     @property
     def patch(self) -> Path:
         return REPO / "patches" / self.release / "0001-forward-backward-func-wrapper.patch"
+
+    def no_patch_reason(self) -> Optional[str]:
+        """Why no patch test runs on these files (None: they are a release's)."""
+        if self.release is not None:
+            return None
+        return (f"{self.root / BASE_FILE} is the training.py of no patches/ folder (Megatron-LM main or a fork: no "
+                "patch is made for it, by design; post-balancing reaches its train() through the run-time hook)")
 
 
 def hash_object(path: Path) -> str:
     return subprocess.run(["git", "hash-object", str(path)], check=True, capture_output=True, text=True).stdout.strip()
 
 
-def _release_of(training_file: Path) -> str:
-    """The patches/ folder whose pre-image is ``training_file``; no folder is an error, never a skip."""
+def _release_of(training_file: Path, required: bool) -> Optional[str]:
+    """The patches/ folder whose pre-image is ``training_file``; None if there is none, an error if a
+    release's (a wheel's, the shared tree's) file has no folder: that is a missing patch, never a skip."""
     blob = hash_object(training_file)
     for patch in sorted((REPO / "patches").glob("core_v*/*.patch")):
         if f"index {blob}.." in patch.read_text():
             return patch.parent.name
-    raise AssertionError(f"{training_file} (blob {blob}) is the training.py of no patches/ folder")
+    if required:
+        raise AssertionError(f"{training_file} (blob {blob}) is the training.py of no patches/ folder")
+    return None
+
+
+def _from_installed_wheel(training_file: Path) -> bool:
+    """Whether ``training_file`` is the installed megatron-core wheel's (not a checkout's on the path)."""
+    import importlib.metadata
+    try:
+        shipped = importlib.metadata.distribution("megatron-core").locate_file(BASE_FILE)
+    except importlib.metadata.PackageNotFoundError:
+        return False
+    return Path(shipped).resolve() == training_file.resolve()
 
 
 def megatron_lm_files_or_skip() -> MegatronLMFiles:
-    """The installed wheel's ``megatron/training`` (megatron-core >= 0.17), else the shared 0.16.1 files, or
-    skip the calling test saying why."""
+    """The ``megatron/training`` that imports (a checkout first on the path, else the megatron-core >= 0.17
+    wheel's), else the shared 0.16.1 files, or skip the calling test saying why."""
     import pytest
 
     spec = importlib.util.find_spec("megatron.training")
     if spec is not None and spec.origin is not None:
         root = Path(spec.origin).parents[2]
-        return MegatronLMFiles(root, _release_of(root / BASE_FILE), from_wheel=True)
+        training_file = root / BASE_FILE
+        return MegatronLMFiles(root, _release_of(training_file, required=_from_installed_wheel(training_file)),
+                               on_path=True)
     if not (SHARED_TREE / BASE_FILE).is_file():
         pytest.skip(f"the installed megatron-core ships no megatron/training and the Megatron-LM core_v0.16.1 "
                     f"files are not at {SHARED_TREE} (CI clones them next to the repository as "
                     "../shared/megatron-lm); the megatron.training tests need one of them")
-    return MegatronLMFiles(SHARED_TREE, _release_of(SHARED_TREE / BASE_FILE), from_wheel=False)
+    return MegatronLMFiles(SHARED_TREE, _release_of(SHARED_TREE / BASE_FILE, required=True), on_path=False)
 
 
 def unpatched_copy(files: MegatronLMFiles, destination: Path) -> Path:
     """A writable copy of the release's Megatron-LM files at ``destination`` (a tree holding ``megatron/``)."""
-    if files.from_wheel:
+    if files.on_path:
         shutil.copytree(files.root / "megatron" / "training", destination / "megatron" / "training")
     else:
         shutil.copytree(files.root, destination)
@@ -169,7 +196,8 @@ def install(tree: Optional[Path]) -> None:
     _installed_tree = (tree,)
 
 
-def prepare_run(tensor_model_parallel_size: int, pipeline_model_parallel_size: int, seed: int) -> None:
+def prepare_run(tensor_model_parallel_size: int, pipeline_model_parallel_size: int, seed: int,
+                virtual_pipeline_model_parallel_size: Optional[int] = None, context_parallel_size: int = 1) -> None:
     """Before each ``pretrain()`` in a spawned rank of an initialised gloo group: torchrun's environment
     (Megatron-LM's parser reads the world size and rank from it), and what Megatron-LM's initialisation
     skips without CUDA: model-parallel groups and the RNG tracker, seeded as ``_set_random_seed`` would
@@ -185,7 +213,9 @@ def prepare_run(tensor_model_parallel_size: int, pipeline_model_parallel_size: i
 
     # Megatron-LM initialises the rerun state machine from --rerun-mode; the CPU harness made one already.
     rerun_state_machine.destroy_rerun_state_machine()
-    parallel_state.initialize_model_parallel(tensor_model_parallel_size, pipeline_model_parallel_size)
+    parallel_state.initialize_model_parallel(tensor_model_parallel_size, pipeline_model_parallel_size,
+                                             virtual_pipeline_model_parallel_size=virtual_pipeline_model_parallel_size,
+                                             context_parallel_size=context_parallel_size)
     tensor_parallel.model_parallel_cuda_manual_seed(seed + 100 * parallel_state.get_pipeline_model_parallel_rank())
 
 

@@ -66,8 +66,9 @@ def shapes():
 
 
 def build_mimo(tensor_model_parallel_size: int = 1, pre_process: bool = True, post_process: bool = True,
-               encoders_of_images=("vit",)):
-    """The tiny MimoModel (``encoders_of_images``: the names of the image submodule's encoders)."""
+               encoders_of_images=("vit",), sequence_parallel: bool = False):
+    """The tiny MimoModel (``encoders_of_images``: the names of the image submodule's encoders); with
+    ``sequence_parallel`` its language model's embedding does not scatter (MIMO shards the combined input)."""
     warnings.filterwarnings("ignore", message=".*experimental.*")
     from megatron.core.models.gpt.gpt_model import GPTModel
     from megatron.core.models.mimo import MimoModel, MimoModelConfig
@@ -79,10 +80,11 @@ def build_mimo(tensor_model_parallel_size: int = 1, pre_process: bool = True, po
     from megatron.core.transformer.spec_utils import ModuleSpec
 
     from megatron_orch.balance.cost import TransformerShape
-    from megatron_orch.mllm.model import (HYBRID_BACKBONE, ModelParallelSettings, padded_vocab_size, transformer_config,
-                                          transformer_layer_spec)
+    from megatron_orch.mllm.model import (HYBRID_BACKBONE, ModelParallelSettings, backbone_spec, padded_vocab_size,
+                                          transformer_config)
 
-    settings = ModelParallelSettings(tensor_model_parallel_size=tensor_model_parallel_size)
+    settings = ModelParallelSettings(tensor_model_parallel_size=tensor_model_parallel_size,
+                                     sequence_parallel=sequence_parallel)
     encoder, language = shapes()
     encoder_config = transformer_config(encoder, settings, pipeline_split=False)
     language_config = transformer_config(language, settings, pipeline_split=True, hybrid=HYBRID_BACKBONE)
@@ -105,19 +107,15 @@ def build_mimo(tensor_model_parallel_size: int = 1, pre_process: bool = True, po
         "encoders": {"frames": ModuleSpec(module=FrameEncoder, params={"config": encoder_config, "mel_bins": MEL_BINS,
                                                                         "frames": FRAMES, "stack": STACK})},
         "input_projections": [projector()]})
-    layer_spec = transformer_layer_spec("local", encoder=False)
-    common = {"config": language_config, "vocab_size": padded_vocab_size(VOCAB, settings),
-              "max_sequence_length": SEQ_LENGTH, "pre_process": pre_process, "post_process": post_process,
-              "position_embedding_type": "rope"}
     if HYBRID_BACKBONE:
-        from megatron.core.models.hybrid.hybrid_model import HybridModel
-
-        from megatron_orch.mllm.hybrid import backbone_layer_pattern, hybrid_stack_spec
-        language_model = ModuleSpec(module=HybridModel, params={
-            **common, "hybrid_stack_spec": hybrid_stack_spec(layer_spec),
-            "hybrid_layer_pattern": backbone_layer_pattern(language.num_layers, 1)})
+        from megatron.core.models.hybrid.hybrid_model import HybridModel as LanguageModel
     else:
-        language_model = ModuleSpec(module=GPTModel, params={**common, "transformer_layer_spec": layer_spec})
+        LanguageModel = GPTModel
+    language_model = ModuleSpec(module=LanguageModel, params={
+        "config": language_config, "vocab_size": padded_vocab_size(VOCAB, settings),
+        "max_sequence_length": SEQ_LENGTH, "pre_process": pre_process, "post_process": post_process,
+        "position_embedding_type": "rope", "scatter_embedding_sequence_parallel": not sequence_parallel,
+        **backbone_spec("local", language, language_config)})
     return MimoModel(MimoModelConfig(language_model_spec=language_model,
                                      modality_submodules_spec={"images": images, "audio": audio},
                                      special_token_ids=dict(PLACEHOLDERS)))
@@ -136,7 +134,8 @@ def modalities():
                          cost=FunctionCost(lambda s: encoder.train_flops(s), memory=encoder.activation_bytes)))
 
 
-def balanced_mimo(tensor_model_parallel_size: int = 1):
+def balanced_mimo(tensor_model_parallel_size: int = 1, sequence_parallel: bool = False):
     from megatron_orch.balance.cost import TransformerCost
     from megatron_orch.megatron.mimo import MimoBalancing
-    return MimoBalancing(build_mimo(tensor_model_parallel_size), modalities(), TransformerCost(shapes()[1]))
+    return MimoBalancing(build_mimo(tensor_model_parallel_size, sequence_parallel=sequence_parallel), modalities(),
+                         TransformerCost(shapes()[1]))

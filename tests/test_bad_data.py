@@ -101,6 +101,73 @@ def test_check_data_passes_good_data_and_stops_at_a_line_that_does_not_parse(tmp
     assert re.search(r"m.jsonl:8: not valid JSON", out) and "checking stops at it" in err, (out, err)
 
 
+BAD_ARRAYS = {  # file: (array, refused from the header, what the message says)
+    "nan_mel.npy": (np.where(np.arange(1600).reshape(100, 16) == 7 * 16 + 3, np.nan, 0.5).astype(np.float32), False,
+                    r"audio \S+nan_mel.npy holds nan at index \[7, 3\]: log-mel frames must be finite"),
+    "inf_mel.npy": (np.where(np.arange(1600).reshape(100, 16) == 99 * 16, -np.inf, 0.5), False,
+                    r"audio \S+inf_mel.npy holds -inf at index \[99, 0\]: log-mel frames must be finite"),
+    "big_mel.npy": (np.where(np.arange(1600).reshape(100, 16) == 40, 1e300, 0.5), False,
+                    r"audio \S+big_mel.npy holds 1e\+300 \(float64, beyond float32's range\) at index \[2, 8\]"),
+    "int64_mel.npy": (np.full((100, 16), 2 ** 62, dtype=np.int64), True,
+                      r"audio \S+int64_mel.npy has dtype int64 \(signed integers are neither pixel values nor "
+                      r"log-mel frames\); pixel and log-mel arrays must be of a real floating or an unsigned integer "
+                      r"dtype"),
+    "complex_mel.npy": (np.full((100, 16), 1 + 2j, dtype=np.complex64), True,
+                        r"audio \S+complex_mel.npy has dtype complex64 \(complex: its imaginary part would be "
+                        r"dropped\)"),
+    "nan_image.npy": (np.where(np.arange(16 * 16 * 3).reshape(16, 16, 3) == 5 * 48 + 4 * 3 + 2, np.nan, 0.25), False,
+                      r"image \S+nan_image.npy holds nan at index \[5, 4, 2\]: pixel values must be finite"),
+    "int64_image.npy": (np.full((16, 16, 3), 300, dtype=np.int64), True, r"image \S+int64_image.npy has dtype int64"),
+}
+
+
+def _bad_arrays_manifest(folder: Path) -> Path:
+    """A good example, then one per entry of :data:`BAD_ARRAYS` (lines 2...)."""
+    path = write_data(folder, missing_lines=())
+    lines = path.read_text().splitlines(keepends=True)[:1]
+    for name, (array, _, _) in BAD_ARRAYS.items():
+        np.save(folder / name, array)
+        key = "images" if "image" in name else "audio"
+        lines.append(json.dumps({"text": "fine", key: [name]}) + "\n")
+    path.write_text("".join(lines))
+    return path
+
+
+def test_check_data_refuses_non_finite_and_wrongly_typed_arrays(tmp_path, capsys):
+    """Complex and signed integer dtypes from the header alone; NaN, infinite and beyond-float32 values
+    with --decode, as training reads them, naming the line, the file and the first bad index."""
+    from megatron_orch.mllm import check_data
+
+    path = _bad_arrays_manifest(tmp_path)
+    argv = ["--data-path", str(path), "--seq-length", "128", "--workers", "2"]
+    for decode in (False, True):
+        assert check_data.main(argv + (["--decode"] if decode else [])) == 1
+        out = capsys.readouterr().out
+        bad = [line for line in out.splitlines() if re.match(r"\S+m.jsonl:\d+: ", line)]
+        expected = [(line, message) for line, (_, header, message) in enumerate(BAD_ARRAYS.values(), start=2)
+                    if header or decode]
+        assert len(bad) == len(expected), out
+        for found, (line, message) in zip(bad, expected):
+            assert re.match(rf"\S+m.jsonl:{line}: {message}", found), (found, message)
+
+
+def test_training_refuses_the_same_arrays_naming_the_line(tmp_path):
+    """The trainer's loader (every sample in turn, as training reads them) stops at each bad array with the
+    line check_data names."""
+    from megatron_orch.mllm.config import load_model_config
+    from megatron_orch.mllm.data import DataConfig, build_train_iterator
+    from megatron_orch.mllm.manifest import ManifestError
+
+    path = _bad_arrays_manifest(tmp_path)
+    config = DataConfig(load_model_config("tiny"), seq_length=128, micro_batch_size=1, num_samples=1 + len(BAD_ARRAYS),
+                        data_path=str(path))
+    for line, (_, _, message) in enumerate(BAD_ARRAYS.values(), start=2):
+        loader = build_train_iterator(config, consumed_samples=line - 1, data_parallel_rank=0, data_parallel_size=1)
+        with pytest.raises(ManifestError, match=rf"\S+m.jsonl:{line}: {message}"):
+            next(loader)
+    next(build_train_iterator(config, consumed_samples=0, data_parallel_rank=0, data_parallel_size=1))  # line 1
+
+
 # ------------------------------------------------------------------------------------------ training over it
 
 RUNS = {
@@ -112,14 +179,16 @@ RUNS = {
     "too_many": ["--max-bad-examples", "1"],                       # a manifest with two bad lines
     "changed_data": ["--max-bad-examples", "1"],                   # + --load; lines 3 and 4 swapped
     "allowed_changed_data": ["--max-bad-examples", "1", "--allow-changed-data"],  # + --load
+    "nan_mel": [],                                                  # line 2's log-mel array holds a NaN
 }
+DATA = {"too_many": "two_bad.jsonl", "nan_mel": "nan_mel.jsonl"}  # else m.jsonl
 
 
 def _train_over_bad_data(rank, world_size, out_dir):
     warnings.filterwarnings("ignore")
     out = Path(out_dir)
     for name, flags in RUNS.items():
-        data = out / ("two_bad.jsonl" if name == "too_many" else "m.jsonl")
+        data = out / DATA.get(name, "m.jsonl")
         flags = flags + ["--data-path", str(data)]
         if name == "first":
             flags += ["--save", str(out / "checkpoint")]
@@ -143,6 +212,11 @@ def runs(tmp_path_factory):
     out = tmp_path_factory.mktemp("bad_data")
     write_data(out)
     write_data(out, missing_lines=(2, 3), name="two_bad.jsonl")
+    nan_mel = write_data(out, missing_lines=(), name="nan_mel.jsonl")
+    np.save(out / "nan_mel.npy", BAD_ARRAYS["nan_mel.npy"][0])
+    lines = nan_mel.read_text().splitlines(keepends=True)
+    lines[1] = json.dumps({"text": "example number 1", "audio": ["nan_mel.npy"]}) + "\n"
+    nan_mel.write_text("".join(lines))
     # The precondition of the scenario: the second epoch's first sample (the run's last) is not the bad
     # example again, so --max-bad-examples 1 suffices.
     assert SampleOrder(NUM_EXAMPLES, SEED)[NUM_EXAMPLES] != 1
@@ -154,6 +228,7 @@ def _skip_lines(result):
     return [line for line in result["lines"] if "bad example skipped" in line]
 
 
+@pytest.mark.distributed
 def test_a_run_with_max_bad_examples_completes_reporting_the_skip(runs):
     out, results = runs
     whole = results["whole"][1]  # the logging rank
@@ -173,6 +248,7 @@ def test_a_run_with_max_bad_examples_completes_reporting_the_skip(runs):
     assert [(e.step, e.value) for e in events.Scalars("bad-examples-skipped")] == [(1, 1), (2, 0), (3, 0), (4, 0)]
 
 
+@pytest.mark.distributed
 def test_resume_after_a_skip_is_exact(runs):
     """Dropout is on: equal losses need the RNG streams restored as well as the data order."""
     _, results = runs
@@ -182,6 +258,7 @@ def test_resume_after_a_skip_is_exact(runs):
     assert len(_skip_lines(first)) == 1 and _skip_lines(second) == []
 
 
+@pytest.mark.distributed
 def test_post_balancing_reports_the_skip_once(runs):
     _, results = runs
     balanced = results["balanced"][1]
@@ -189,6 +266,7 @@ def test_post_balancing_reports_the_skip_once(runs):
     assert balanced["skipped"] == {1: 1, 2: 0, 3: 0, 4: 0} and len(_skip_lines(balanced)) == 1
 
 
+@pytest.mark.distributed
 def test_without_max_bad_examples_a_bad_example_ends_the_run_in_one_line(runs):
     _, results = runs
     reader, other = results["strict"][1]["error"], results["strict"][0]["error"]  # DP rank 1 reads sample 1
@@ -197,6 +275,17 @@ def test_without_max_bad_examples_a_bad_example_ends_the_run_in_one_line(runs):
     assert reader.split(": ", 1)[1] in other
 
 
+@pytest.mark.distributed
+def test_training_refuses_a_nan_mel_frame_naming_its_line(runs):
+    _, results = runs
+    reader, other = results["nan_mel"][1]["error"], results["nan_mel"][0]["error"]  # DP rank 1 reads sample 1
+    assert re.fullmatch(r"ManifestError: \S+nan_mel.jsonl:2: audio \S+nan_mel.npy holds nan at index \[7, 3\]: "
+                        r"log-mel frames must be finite", reader), reader
+    assert other.startswith("PeerFailedError: reading the step's input failed on rank(s) [1]"), other
+    assert not any(line.startswith(" iteration") for r in results["nan_mel"] for line in r["lines"])
+
+
+@pytest.mark.distributed
 def test_more_bad_examples_than_allowed_stop_the_run_on_every_rank(runs):
     _, results = runs
     for rank, result in enumerate(results["too_many"]):
@@ -205,6 +294,7 @@ def test_more_bad_examples_than_allowed_stop_the_run_on_every_rank(runs):
                             result.get("error", "")), (rank, result)
 
 
+@pytest.mark.distributed
 def test_resuming_over_a_changed_manifest_is_refused_unless_allowed(runs):
     _, results = runs
     for rank, result in enumerate(results["changed_data"]):

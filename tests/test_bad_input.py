@@ -5,6 +5,7 @@ and how ``pretrain_mllm.py`` and the launch scripts report it (one line, exit st
 import gzip
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -81,6 +82,35 @@ def test_flags_out_of_range_are_named(flags, message):
     assert message in str(raised.value)
 
 
+@pytest.mark.parametrize("flags, world_size, message", [
+    (["--sequence-parallel"], 2, "--sequence-parallel needs --tensor-model-parallel-size > 1"),
+    (["--context-parallel-size", "2", "--seq-length", "130"], 2,
+     "--seq-length 130 is not a multiple of 2 x --context-parallel-size 2 = 4"),
+    (["--tensor-model-parallel-size", "2", "--sequence-parallel", "--context-parallel-size", "2", "--seq-length",
+      "132"], 4, "--seq-length 132 is not a multiple of 2 x --context-parallel-size 2 x --tensor-model-parallel-size "
+                 "2 (--sequence-parallel) = 8"),
+    (["--context-parallel-size", "2"], 3, "world size 3 is not divisible by --tensor-model-parallel-size (1) x "
+                                          "--pipeline-model-parallel-size (1) x --context-parallel-size (2) = 2"),
+    (["--context-parallel-size", "0"], 1, "--context-parallel-size must be >= 1"),
+    (["--context-parallel-size", "2", "--distributed-backend", "nccl", "--transformer-impl", "local"], 2,
+     "--context-parallel-size 2 on GPUs runs Transformer Engine's context-parallel attention"),
+    (["--max-position-embeddings", "100"], 1, "--seq-length 128 exceeds the backbone's max_position_embeddings (100)"),
+])
+def test_parallel_layout_flags_are_checked(flags, world_size, message):
+    with pytest.raises(arguments.ArgumentError) as raised:
+        parse(*flags, world_size=world_size)
+    assert message in str(raised.value)
+
+
+def test_layout_flags_set_the_data_parallel_size_and_the_backbone():
+    args = parse("--tensor-model-parallel-size", "2", "--sequence-parallel", "--context-parallel-size", "2",
+                 "--max-position-embeddings", "512", world_size=8)
+    assert (args.data_parallel_size, args.sequence_parallel, args.context_parallel_size) == (2, True, 2)
+    assert args.mllm_config.backbone.max_position_embeddings == 512
+    assert args.orch_config is None and parse(*BALANCED, "--context-parallel-size", "2", world_size=2) \
+        .orch_config.context_parallel_size == 2
+
+
 def test_required_flags_are_an_argument_error():
     with pytest.raises(arguments.ArgumentError, match="the following arguments are required: --seq-length"):
         arguments.parse_args(["--micro-batch-size", "1", "--train-iters", "1", "--lr", "1"], world_size=1)
@@ -128,11 +158,14 @@ def test_balance_benchmark_refuses_a_bad_row_it_would_never_draw(tmp_path, monke
     rows[-1]["text_tokens"] = -7
     write_trace(tmp_path / "asr.csv", rows)
     out = tmp_path / "bench.json"
-    with pytest.raises(ValueError, match=r"asr.csv: row 200 \(line 201\), column 'text_tokens': -7.0 is negative"):
+    with pytest.raises(SystemExit) as exit_info:
         main(["--trace", "asr.csv", "--traces-dir", str(tmp_path), "--dp", "1", "--per-rank", "1",
               "--gpus-per-node", "1", "--model", "tiny", "--repeats", "1", "--json", str(out)])
+    assert exit_info.value.code == 2
     assert not out.exists()
-    assert capsys.readouterr().out == ""
+    printed = capsys.readouterr()
+    assert printed.out == ""
+    assert re.search(r"asr.csv: row 200 \(line 201\), column 'text_tokens': -7.0 is negative", printed.err)
 
 
 # -------------------------------------------------------------------------------------- pretrain_mllm.py

@@ -1,11 +1,12 @@
 """The balancing benchmark: a small run produces valid JSON with every phase and method; verl's KK."""
 import json
 import math
+import re
 
 import numpy as np
 import pytest
 
-from megatron_orch.balance.traces import NUMERIC_COLUMNS, TEXT_COLUMNS
+from megatron_orch.balance.traces import NUMERIC_COLUMNS, TEXT_COLUMNS, load_mixture
 from megatron_orch.bench.balance import METHODS, RANK_METHODS, main, verl_equal_size_kk, verl_workload
 from megatron_orch.bench.common import draw_sizes
 from megatron_orch.balance.workload import phase_items
@@ -81,3 +82,31 @@ def test_verl_kk_by_hand_and_equal_size():
 
 def test_verl_workload():
     np.testing.assert_array_equal(verl_workload([0, 1, 100]), [0, 24577, 2457600 + 10000])
+
+
+def test_benchmarks_and_simulator_refuse_what_training_refuses(traces_dir, capsys):
+    """An example longer than the sequence length: training's own check (BatchSpec.check) refuses it, and so,
+    with the same message, do the benchmarks and the simulator (they used to plan it)."""
+    import torch
+
+    from megatron_orch.bench import planning
+    from megatron_orch.megatron.batch import Example
+    from megatron_orch.mllm.examples import batch_spec
+    from megatron_orch.mllm.config import load_model_config
+    from megatron_orch.sim import __main__ as sim_main
+
+    tokens = torch.zeros(300, dtype=torch.long)
+    with pytest.raises(ValueError) as training:
+        batch_spec(load_model_config("tiny"), 256).check(Example(7, tokens, tokens, torch.ones(300)))
+    assert str(training.value) == "example 7: 300 tokens exceed seq_length 256"
+    message = r": example \d+ \(DP rank \d+, [^)]*\): \d+ tokens exceed seq_length 256"
+    trace = ["--trace", "img.csv:0.5", "asr.csv:0.3", "video.csv:0.2", "--traces-dir", str(traces_dir)]
+    for run in (lambda: main(trace + ["--dp", "8", "--per-rank", "4", "--model", "mllm_84b", "--seq-length", "256"]),
+                lambda: sim_main.main(trace + ["--dp", "8", "--per-rank", "4", "--model", "mllm_84b", "--seeds", "0",
+                                               "--seq-length", "256"])):
+        with pytest.raises(SystemExit):
+            run()
+        assert re.search(message, capsys.readouterr().err)
+    rows = load_mixture([("img.csv", 1.0)], traces_dir).draw(8, 0)
+    with pytest.raises(ValueError, match=message):
+        planning.batch_sizes(rows, 2, 4, load_model_config("mllm_84b"), seq_length=256)

@@ -4,11 +4,11 @@ import json
 import numpy as np
 
 from megatron_orch.bench.planning import MIXTURES, PROBES, draw_step, format_tables, run
-from megatron_orch.balance.traces import DEFAULT_MIXTURE, HEAVY_TAILED_MIXTURES
+from megatron_orch.balance.traces import HEAVY_TAILED_MIXTURES, SHIPPED_MIXTURE
 
 
 def test_planning_benchmark_reports_every_configuration():
-    result = run([16], per_rank=2, gpus_per_node=4, seeds=[0, 1], mixtures={"default": MIXTURES["default"],
+    result = run([16], per_rank=2, gpus_per_node=4, seeds=[0, 1], mixtures={"shipped": MIXTURES["shipped"],
                                                                          "audio-heavy": MIXTURES["audio-heavy"]},
                  repeats=1)
     json.dumps(result)
@@ -21,16 +21,17 @@ def test_planning_benchmark_reports_every_configuration():
             assert set(probe) == {"planning", "idle", "beside"}
             assert all(len(probe[name]["max_gap_ms_each"]) == 1 for name in probe)
         assert set(r["items"]) == {"vision", "audio", "llm"} and r["items"]["llm"] == 32
-    assert "dp 16: worst plan CPU" in format_tables(result)
+    assert "dp 16: plan CPU median" in format_tables(result) and "load average" in format_tables(result)
+    assert all(r["reference_cpu_ms"]["min"] > 0 for r in result["runs"])
 
 
 def test_mixtures_reweight_the_shipped_traces():
-    names = [name for name, _ in DEFAULT_MIXTURE]
+    names = [name for name, _ in SHIPPED_MIXTURE]
     for mixture, specs in MIXTURES.items():
         if mixture not in HEAVY_TAILED_MIXTURES:
             assert [name for name, _ in specs] == names
     audio = dict(MIXTURES["audio-heavy"])
-    assert audio["asr_librispeech_commonvoice.csv"] == 4 * dict(DEFAULT_MIXTURE)["asr_librispeech_commonvoice.csv"]
+    assert audio["asr_librispeech_commonvoice.csv"] == 4 * dict(SHIPPED_MIXTURE)["asr_librispeech_commonvoice.csv"]
     _, sizes = draw_step(list(MIXTURES["audio-heavy"]), dp=8, per_rank=4, model="mllm_84b", seed=0)
     assert np.asarray(sizes.counts).tolist() == [4] * 8
 
@@ -38,10 +39,10 @@ def test_mixtures_reweight_the_shipped_traces():
 def test_the_table_is_printed_once(capsys):
     """A row per configuration as it is done, then the targets (old code: the rows again, as a table)."""
     from megatron_orch.bench.planning import main
-    main(["--dp", "16", "--per-rank", "2", "--gpus-per-node", "4", "--seeds", "0", "--mixtures", "default",
+    main(["--dp", "16", "--per-rank", "2", "--gpus-per-node", "4", "--seeds", "0", "--mixtures", "shipped",
           "--repeats", "1", "--probes", "sleep"])
     captured = capsys.readouterr()
     text = captured.out + captured.err
     assert text.count("plan_step CPU (median, max of repeats)") == 1, text
-    assert sum(line.startswith("   16 default ") for line in text.splitlines()) == 1, text
-    assert captured.out.rstrip().splitlines()[-1].startswith("dp 16: worst plan CPU"), text
+    assert sum(line.startswith("   16 shipped ") for line in text.splitlines()) == 1, text
+    assert captured.out.rstrip().splitlines()[-1].startswith("dp 16: plan CPU median"), text

@@ -13,10 +13,12 @@ taking over a stale lock), from a damaged rank file, from the previous iteration
 from a folder mixing two runs' files and from replicas that differ; a DP 1 run then tries the DP 2
 checkpoint.
 """
+import dataclasses
 import errno
 import hashlib
 import json
 import os
+import pickle
 import re
 import resource
 import signal
@@ -50,7 +52,13 @@ RESUMES = {
     "ckpt_step": ["--ckpt-step", "1", "--exit-interval", "2"],
     "mixed_runs": ["--exit-interval", "3"],
     "diverged": ["--exit-interval", "3"],
+    "forged_checksums": ["--exit-interval", "3"],   # rank 1's momentum changed, its sha256 in checksums.json too
+    "forged_digest": ["--exit-interval", "3"],      # ... and checksums.json's keyed digest recomputed
+    "no_marker": ["--exit-interval", "3"],          # + --save; the marker deleted
+    "fresh_into_used": ["--exit-interval", "3"],    # no --load, + --save of the first run's checkpoints
+    "nan_grad": ["--save-interval", "1"],           # no --load, + a --save of its own; a NaN gradient in step 2
 }
+FRESH = ("fresh_into_used", "nan_grad")  # runs without --load
 RANK_FILES = ("mp_rank_00_000_dp_000.pt", "mp_rank_00_000_dp_001.pt")
 
 
@@ -81,7 +89,7 @@ def _prepare(name: str, out: Path) -> None:
         (checkpoint / "iter_0000003" / f".{RANK_FILES[1]}.tmp-4242").write_bytes(b"half")
         (checkpoint / ".latest_checkpointed_iteration.txt.tmp-4242").write_bytes(b"")
     if name == "damaged":  # 4 KB of flipped bytes in one rank's file, same size
-        for rank_file in RANK_FILES:
+        for rank_file in (*RANK_FILES, "checksums.json"):
             (out / f"good_{rank_file}").write_bytes((iteration_2 / rank_file).read_bytes())
         data = bytearray((iteration_2 / RANK_FILES[0]).read_bytes())
         middle = len(data) // 2
@@ -90,14 +98,69 @@ def _prepare(name: str, out: Path) -> None:
     if name == "mixed_runs":  # rank 1's file of another run (the pruned one) dropped into the folder
         (iteration_2 / RANK_FILES[0]).write_bytes((out / f"good_{RANK_FILES[0]}").read_bytes())
         (iteration_2 / RANK_FILES[1]).write_bytes((out / "pruned" / "iter_0000004" / RANK_FILES[1]).read_bytes())
-    if name == "diverged":  # rank 1's replica differs, its checksum rewritten to match
+    if name == "diverged":  # rank 1's replica differs, its checksum rewritten to match (as a forger would)
         payload = torch.load(out / f"good_{RANK_FILES[1]}", weights_only=False)
         key = next(k for k, v in payload["model"][0].items() if torch.is_floating_point(v) and v.numel() > 1)
         payload["model"][0][key] = payload["model"][0][key] + 1e-3
         torch.save(payload, iteration_2 / RANK_FILES[1])
-        checksums = json.loads((iteration_2 / "checksums.json").read_text())
-        checksums["sha256"][RANK_FILES[1]] = hashlib.sha256((iteration_2 / RANK_FILES[1]).read_bytes()).hexdigest()
-        (iteration_2 / "checksums.json").write_text(json.dumps(checksums))
+        _forge_checksums(iteration_2, RANK_FILES[1])
+    if name in ("forged_checksums", "forged_digest"):  # rank 1's optimizer state damaged (one momentum value)
+        _restore_good_files(out)
+        payload = torch.load(out / f"good_{RANK_FILES[1]}", weights_only=False)
+        momentum = _first_float_tensor(payload["optimizer"])
+        momentum.view(-1)[0] += 1e-3
+        torch.save(payload, iteration_2 / RANK_FILES[1])
+        if name == "forged_checksums":  # the file's sha256 edited into checksums.json, nothing else
+            checksums = json.loads((iteration_2 / "checksums.json").read_text())
+            checksums["sha256"][RANK_FILES[1]] = hashlib.sha256((iteration_2 / RANK_FILES[1]).read_bytes()).hexdigest()
+            (iteration_2 / "checksums.json").write_text(json.dumps(checksums))
+        else:
+            _forge_checksums(iteration_2, RANK_FILES[1])
+    if name == "no_marker":
+        _restore_good_files(out)
+        (checkpoint / "latest_checkpointed_iteration.txt").unlink()
+    if name == "fresh_into_used":
+        (checkpoint / "latest_checkpointed_iteration.txt").write_text("2\n")
+    if name in ("no_marker", "fresh_into_used"):
+        (out / f"{name}_before.json").write_text(json.dumps(_hashes(checkpoint)))
+
+
+def _restore_good_files(out: Path) -> None:
+    for name in (*RANK_FILES, "checksums.json"):
+        (out / "checkpoint" / "iter_0000002" / name).write_bytes((out / f"good_{name}").read_bytes())
+
+
+def _first_float_tensor(tree):
+    if isinstance(tree, torch.Tensor):
+        return tree if torch.is_floating_point(tree) and tree.numel() else None
+    values = tree.values() if isinstance(tree, dict) else tree if isinstance(tree, (list, tuple)) else ()
+    return next((found for found in map(_first_float_tensor, values) if found is not None), None)
+
+
+def _hashes(folder: Path) -> dict:
+    return {p.relative_to(folder).as_posix(): hashlib.sha256(p.read_bytes()).hexdigest()
+            for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+def _poisoned_train_step(rank: int):
+    """train_step with a NaN in one gradient of DP rank 0 in the second step (every rank's grad norm is NaN
+    once DP has reduced it)."""
+    from megatron_orch.trainer import loop
+
+    stock, steps = loop.train_step, []
+
+    def train_step(forward_step, data_iterator, model, *args, **kwargs):
+        steps.append(True)
+        if len(steps) != 2 or rank != 0:
+            return stock(forward_step, data_iterator, model, *args, **kwargs)
+        param = max(model[0].parameters(), key=torch.numel)  # the word embeddings: a gradient every step
+        handle = param.register_hook(lambda grad: grad * float("nan"))
+        try:
+            return stock(forward_step, data_iterator, model, *args, **kwargs)
+        finally:
+            handle.remove()
+
+    return stock, train_step
 
 
 def _pretrain(name, flags, world_size, rank, out):
@@ -126,18 +189,26 @@ def _resumes(rank, world_size, out_dir):
     _pretrain("first", ["--exit-interval", "2", "--save", checkpoint, "--save-interval", "1"], world_size, rank, out)
     _pretrain("pruned", ["--save", str(out / "pruned"), "--save-interval", "1", "--keep-last-checkpoints", "2"],
               world_size, rank, out)
+    from megatron_orch.trainer import loop
     for name, flags in RESUMES.items():
         if rank == 0:
             _prepare(name, out)
-        if name in ("locked", "failed_save"):
+        if name in ("locked", "failed_save", "no_marker", "fresh_into_used"):
             flags = flags + ["--save", checkpoint]
+        if name == "nan_grad":
+            flags = flags + ["--save", str(out / "nan")]
+            stock, loop.train_step = _poisoned_train_step(rank)
         if name == "failed_save":
             disk_full.append(True)
         torch.distributed.barrier()
-        _pretrain(name, flags + ["--load", checkpoint], world_size, rank, out)
+        _pretrain(name, flags + ([] if name in FRESH else ["--load", checkpoint]), world_size, rank, out)
         disk_full.clear()
+        if name == "nan_grad":
+            loop.train_step = stock
         if name == "locked" and rank == 0:
             (out / "checkpoint" / "megatron_orch.lock").unlink()
+        if name in ("no_marker", "fresh_into_used") and rank == 0:
+            (out / f"{name}_after.json").write_text(json.dumps(_hashes(Path(checkpoint))))
 
 
 def _resume_with_dp1(rank, world_size, out_dir):
@@ -154,6 +225,7 @@ def resumes(tmp_path_factory):
                  for name in ["first", "pruned", *RESUMES, "dp1"]}
 
 
+@pytest.mark.distributed
 def test_save_is_atomic_and_writes_the_checksums_then_the_marker_last(resumes):
     out, runs = resumes
     assert all("error" not in result for result in runs["first"]), runs["first"]
@@ -178,6 +250,7 @@ def test_save_is_atomic_and_writes_the_checksums_then_the_marker_last(resumes):
     assert lines[-1].startswith("[exiting program at iteration 2 (--exit-interval 2)] datetime: "), lines
 
 
+@pytest.mark.distributed
 def test_every_file_of_a_run_carries_its_run_id(resumes):
     out, _ = resumes
     run_ids = set()
@@ -190,6 +263,7 @@ def test_every_file_of_a_run_carries_its_run_id(resumes):
     assert len(run_ids) == 2 and all(len(run_id) == 32 for run_id in run_ids)
 
 
+@pytest.mark.distributed
 def test_keep_last_checkpoints_prunes_older_iterations(resumes):
     out, runs = resumes
     assert all("error" not in result for result in runs["pruned"]), runs["pruned"]
@@ -197,6 +271,7 @@ def test_keep_last_checkpoints_prunes_older_iterations(resumes):
                                                                  "latest_checkpointed_iteration.txt"]
 
 
+@pytest.mark.distributed
 def test_changed_flags_are_refused_naming_both_values_on_every_rank(resumes):
     _, runs = resumes
     for rank, result in enumerate(runs["changed"]):
@@ -212,6 +287,7 @@ def test_changed_flags_are_refused_naming_both_values_on_every_rank(resumes):
     assert runs["changed"][0]["error"] == runs["changed"][1]["error"]
 
 
+@pytest.mark.distributed
 def test_a_finished_run_says_there_is_nothing_left_to_train(resumes):
     out, runs = resumes
     for result in runs["finished"]:
@@ -220,6 +296,7 @@ def test_a_finished_run_says_there_is_nothing_left_to_train(resumes):
                                        "--train-iters to train further"), result
 
 
+@pytest.mark.distributed
 def test_scheduler_flags_pick_this_runs_or_the_checkpoints_schedule(resumes):
     _, runs = resumes
     override, checkpoint = runs["override"][1], runs["use_checkpoint"][1]  # rank 1 logs
@@ -231,6 +308,7 @@ def test_scheduler_flags_pick_this_runs_or_the_checkpoints_schedule(resumes):
     assert any("LR schedule: the checkpoint's" in line for line in checkpoint["lines"]), checkpoint["lines"]
 
 
+@pytest.mark.distributed
 def test_interrupted_save_is_skipped_and_said(resumes):
     _, runs = resumes
     result = runs["interrupted_save"][1]
@@ -241,6 +319,7 @@ def test_interrupted_save_is_skipped_and_said(resumes):
     assert any("resumed from" in line and "at iteration 2" in line for line in result["lines"]), result["lines"]
 
 
+@pytest.mark.distributed
 def test_a_save_folder_held_by_a_live_run_is_refused_naming_host_and_pid(resumes):
     _, runs = resumes
     for rank, result in enumerate(runs["locked"]):
@@ -249,6 +328,7 @@ def test_a_save_folder_held_by_a_live_run_is_refused_naming_host_and_pid(resumes
     assert runs["locked"][1]["error"].startswith("PeerFailedError: taking the lock of --save")
 
 
+@pytest.mark.distributed
 def test_failed_write_raises_on_every_rank_and_leaves_the_marker(resumes):
     out, runs = resumes
     for rank, result in enumerate(runs["failed_save"]):
@@ -258,6 +338,7 @@ def test_failed_write_raises_on_every_rank_and_leaves_the_marker(resumes):
     assert (out / "checkpoint" / "latest_checkpointed_iteration.txt").read_text() == "2\n"
 
 
+@pytest.mark.distributed
 def test_a_stale_lock_is_taken_over_and_old_temporary_files_removed(resumes):
     out, runs = resumes
     lines = runs["failed_save"][0]["lines"]  # rank 0 holds the lock
@@ -267,17 +348,20 @@ def test_a_stale_lock_is_taken_over_and_old_temporary_files_removed(resumes):
     assert not (out / "checkpoint" / "megatron_orch.lock").exists()  # released although the run failed
 
 
+@pytest.mark.distributed
 def test_a_damaged_rank_file_is_named_on_every_rank_with_the_previous_iteration(resumes):
     _, runs = resumes
     for rank, result in enumerate(runs["damaged"]):
         error = result.get("error", "")
         assert re.search(r"checkpoint file \S+/iter_0000002/mp_rank_00_000_dp_000\.pt does not match its checksum "
-                         r"in checksums.json .*damaged since it was written; the previous complete iteration is 1: "
-                         r"resume from it with --ckpt-step 1", error), (rank, error)
+                         r"in checksums.json .*damaged since it was written, or a file of another run or iteration "
+                         r"\(not read\); the previous complete iteration is 1: resume from it with --ckpt-step 1",
+                         error), (rank, error)
         assert not any("resumed from" in line for line in result["lines"]), (rank, result["lines"])
     assert runs["damaged"][1]["error"].startswith("PeerFailedError: loading the checkpoint under")
 
 
+@pytest.mark.distributed
 def test_ckpt_step_resumes_the_earlier_iteration_exactly(resumes):
     _, runs = resumes
     first, resumed = runs["first"][1], runs["ckpt_step"][1]
@@ -286,14 +370,17 @@ def test_ckpt_step_resumes_the_earlier_iteration_exactly(resumes):
     assert any("resumed from" in line and "at iteration 1" in line for line in resumed["lines"]), resumed["lines"]
 
 
+@pytest.mark.distributed
 def test_a_folder_mixing_two_runs_is_refused(resumes):
+    """Another run's rank file is refused by its checksum, unread: which run it is from is not asked of it."""
     _, runs = resumes
     for rank, result in enumerate(runs["mixed_runs"]):
-        assert re.search(r"iter_0000002/mp_rank_00_000_dp_001\.pt belongs to run [0-9a-f]{32}, the checkpoint of "
-                         r"iteration 2 to run [0-9a-f]{32}: the folder mixes two runs' files",
+        assert re.search(r"iter_0000002/mp_rank_00_000_dp_001\.pt does not match its checksum in checksums.json "
+                         r".*: damaged since it was written, or a file of another run or iteration \(not read\)",
                          result.get("error", "")), (rank, result)
 
 
+@pytest.mark.distributed
 def test_replicas_that_differ_over_dp_are_refused(resumes):
     _, runs = resumes
     for rank, result in enumerate(runs["diverged"]):
@@ -302,6 +389,56 @@ def test_replicas_that_differ_over_dp_are_refused(resumes):
         assert not any("resumed from" in line for line in result["lines"]), (rank, result["lines"])
 
 
+@pytest.mark.distributed
+def test_checksums_edited_to_match_a_damaged_optimizer_file_are_refused_at_resume(resumes):
+    """Editing the damaged file's sha256 into checksums.json breaks its keyed digest; recomputing that too
+    (knowing the scheme) leaves the optimizer state of the DP replicas differing: refused before a step."""
+    _, runs = resumes
+    for rank, result in enumerate(runs["forged_checksums"]):
+        assert re.search(r"\S+/iter_0000002/checksums.json was edited or damaged since it was written \(its digest "
+                         r"does not match its content\); the previous complete iteration is 1",
+                         result.get("error", "")), (rank, result)
+    for rank, result in enumerate(runs["forged_digest"]):
+        assert re.search(r"after loading \S+/iter_0000002, the optimizer state, LR schedule or progress counters "
+                         r"differ over the DP group \(global ranks \[0, 1\], hash per rank .*: its rank files hold "
+                         r"replicas that diverged; the previous complete iteration is 1", result.get("error", "")), \
+            (rank, result)
+    for result in runs["forged_checksums"] + runs["forged_digest"]:
+        assert not any("resumed from" in line or line.startswith(" iteration") for line in result["lines"]), result
+
+
+@pytest.mark.distributed
+def test_a_deleted_marker_or_a_fresh_run_into_a_used_folder_is_refused_and_overwrites_nothing(resumes):
+    out, runs = resumes
+    for rank, result in enumerate(runs["no_marker"]):
+        assert re.search(r"--load \S+/checkpoint holds complete checkpoints \(iterations 1, 2 of run [0-9a-f]{12}"
+                         r"\.\.\.\) but no latest_checkpointed_iteration.txt, .*: resume from the newest with "
+                         r"--ckpt-step 2, or start a new run without --load \(--allow-overwrite-checkpoints lets it "
+                         r"save into that folder\)", result.get("error", "")), (rank, result)
+    for rank, result in enumerate(runs["fresh_into_used"]):
+        assert re.search(r"--save \S+/checkpoint holds complete checkpoints of another run \(iterations 1, 2 of run "
+                         r"[0-9a-f]{12}\.\.\.\): resume that run with --load \S+/checkpoint, or pass "
+                         r"--allow-overwrite-checkpoints to save this run there", result.get("error", "")), \
+            (rank, result)
+    for name in ("no_marker", "fresh_into_used"):
+        before, after = (json.loads((out / f"{name}_{when}.json").read_text()) for when in ("before", "after"))
+        assert after == before and len(before) >= 5, name  # every file of both iterations, byte for byte
+        assert not any(line.startswith(" iteration") for result in runs[name] for line in result["lines"]), name
+
+
+@pytest.mark.distributed
+def test_a_nan_grad_norm_stops_the_run_before_its_next_save(resumes):
+    out, runs = resumes
+    errors = [result.get("error", "") for result in runs["nan_grad"]]
+    assert errors[0] == errors[1], errors  # the grad norm is global: every rank stops alike, one line
+    assert re.fullmatch(r"NonFiniteStepError: iteration 2: the grad norm is nan; its examples: synthetic example 2, "
+                        r"synthetic example 3; the run stops before saving it \(--no-check-for-nan-in-loss-and-grad "
+                        r"trains on\)", errors[0]), errors[0]
+    assert (out / "nan" / "latest_checkpointed_iteration.txt").read_text() == "1\n"
+    assert sorted(p.name for p in (out / "nan").glob("iter_*")) == ["iter_0000001"]
+
+
+@pytest.mark.distributed
 def test_other_parallel_sizes_are_refused(resumes):
     _, runs = resumes
     error = runs["dp1"][0].get("error", "")
@@ -438,6 +575,182 @@ def test_the_holder_refreshes_its_lock(tmp_path, monkeypatch):
         assert time.time() - lock.path.stat().st_mtime < 100
     finally:
         lock.release()
+
+
+# ------------------------------------------------------------------ one process: what loading runs and refuses
+
+class _Planted:
+    """A pickle that would create ``path`` when unpickled (a rank file dropped into a checkpoint folder)."""
+
+    def __init__(self, path):
+        self.path = str(path)
+
+    def __reduce__(self):
+        return (open, (self.path, "w"))
+
+
+def _tiny_run():
+    """A model, an SGD optimizer with momentum (state to replicate) and an LR schedule, after one step."""
+    torch.manual_seed(0)
+    model = [torch.nn.Linear(4, 3)]
+    optimizer = torch.optim.SGD(model[0].parameters(), lr=0.1, momentum=0.9)
+    scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=1)
+    model[0](torch.ones(2, 4)).sum().backward()
+    optimizer.step()
+    scheduler.step()
+    return model, optimizer, scheduler
+
+
+def _saved(root: Path, iterations=(1,), run_id="a" * 32, rank_state=None):
+    from megatron_orch.trainer.checkpointing import TrainState, save_checkpoint
+
+    model, optimizer, scheduler = _tiny_run()
+    for iteration in iterations:
+        save_checkpoint(str(root), TrainState(iteration=iteration, consumed_samples=2 * iteration, run_id=run_id,
+                                              rank_state=rank_state or {}), model, optimizer, scheduler, False)
+    return model, optimizer, scheduler
+
+
+def _load(root: Path, **kwargs):
+    from megatron_orch.trainer.checkpointing import load_checkpoint
+
+    model, optimizer, scheduler = _tiny_run()
+    return load_checkpoint(str(root), model, optimizer, scheduler, False, **kwargs)
+
+
+def _files(root: Path) -> dict:
+    return {p.relative_to(root).as_posix(): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()}
+
+
+def _forge_checksums(folder: Path, rank_file: str) -> None:
+    """What a forger who knows the scheme does: the rank file's sha256 and the keyed digest recomputed."""
+    from megatron_orch.trainer.checkpointing import checksums_digest
+
+    checksums = json.loads((folder / "checksums.json").read_text())
+    checksums["sha256"][rank_file] = hashlib.sha256((folder / rank_file).read_bytes()).hexdigest()
+    checksums["digest"] = checksums_digest(checksums)
+    (folder / "checksums.json").write_text(json.dumps(checksums))
+
+
+@pytest.fixture
+def one_rank(request):
+    """A gloo world of one process with megatron-core's state, on CPU (the harness first)."""
+    from megatron_orch.trainer import cpu_harness
+    cpu_harness.install()
+    request.getfixturevalue("world_of_one")
+
+
+def test_a_planted_pickle_runs_no_code(one_rank, tmp_path):
+    """A ``__reduce__`` payload as the rank file: refused by its checksum; with checksums.json edited to
+    match, by the keyed digest; with both forged, by ``weights_only`` -- never unpickled with code."""
+    from megatron_orch.trainer.checkpointing import CheckpointError
+
+    root = tmp_path / "ck"
+    _saved(root)
+    folder, rank_file = root / "iter_0000001", RANK_FILES[0]
+    created = tmp_path / "created_by_the_pickle"
+    (folder / rank_file).write_bytes(pickle.dumps(_Planted(created)))
+    assert len((folder / rank_file).read_bytes()) < 2000
+    with pytest.raises(CheckpointError, match=rf"checkpoint file {re.escape(str(folder / rank_file))} does not match "
+                                              r"its checksum in checksums.json .*\(not read\)"):
+        _load(root)
+    checksums = json.loads((folder / "checksums.json").read_text())
+    checksums["sha256"][rank_file] = hashlib.sha256((folder / rank_file).read_bytes()).hexdigest()
+    (folder / "checksums.json").write_text(json.dumps(checksums))
+    with pytest.raises(CheckpointError, match=rf"{re.escape(str(folder / 'checksums.json'))} was edited or damaged "
+                                              r"since it was written \(its digest does not match its content\)"):
+        _load(root)
+    _forge_checksums(folder, rank_file)
+    refused = r"holds objects other than tensors, numbers, strings and containers \(Unsupported "
+    with pytest.raises(CheckpointError, match=rf"{re.escape(str(folder / rank_file))} {refused}operand \d+\): "
+                                              "not read"):
+        _load(root)
+    # the same payload in torch's own (zip) format: torch's weights_only unpickler names the refused global
+    torch.save({"model": _Planted(created)}, folder / rank_file)
+    _forge_checksums(folder, rank_file)
+    with pytest.raises(CheckpointError, match=rf"{re.escape(str(folder / rank_file))} {refused}global: GLOBAL "
+                                              r"_?io.open\): not read"):
+        _load(root)
+    assert not created.exists(), "the planted pickle ran"
+    pickle.loads(pickle.dumps(_Planted(created)))  # not vacuous: unpickled, the payload does create the file
+    assert created.exists()
+
+
+def test_a_rank_state_is_restored_and_its_classes_must_be_allowed(one_rank, tmp_path):
+    from megatron_orch.trainer.checkpointing import CheckpointError
+
+    position = _LoaderPosition(epoch=2, offset=7)
+    _saved(tmp_path, rank_state={"loader": position, "seen": torch.arange(3)})
+    with pytest.raises(CheckpointError, match=r"holds objects other than tensors.*_LoaderPosition"):
+        _load(tmp_path)
+    state = _load(tmp_path, safe_types=[_LoaderPosition])
+    assert state.rank_state["loader"] == position and torch.equal(state.rank_state["seen"], torch.arange(3))
+    assert (state.iteration, state.consumed_samples, state.run_id) == (1, 2, "a" * 32)
+
+
+@dataclasses.dataclass
+class _LoaderPosition:
+    epoch: int
+    offset: int
+
+
+def test_saved_work_no_marker_names_is_refused_with_the_choices(one_rank, tmp_path):
+    from megatron_orch.trainer.checkpointing import CheckpointError
+
+    _saved(tmp_path, iterations=(2, 4))
+    (tmp_path / "latest_checkpointed_iteration.txt").unlink()
+    before = _files(tmp_path)
+    with pytest.raises(CheckpointError, match=r"--load \S+ holds complete checkpoints \(iterations 2, 4 of run a{12}"
+                                              r"\.\.\.\) but no latest_checkpointed_iteration.txt.*: resume from the "
+                                              r"newest with --ckpt-step 4, or start a new run without --load "
+                                              r"\(--allow-overwrite-checkpoints lets it save into that folder\)"):
+        _load(tmp_path)
+    assert _load(tmp_path, step=4).iteration == 4
+    # a complete iteration of the marker's run newer than the marker (the marker's update failed)
+    (tmp_path / "latest_checkpointed_iteration.txt").write_text("2\n")
+    with pytest.raises(CheckpointError, match=r"iteration 4 of run a{12}\.\.\. newer than "
+                                              r"latest_checkpointed_iteration.txt's iteration 2 .*: resume from the "
+                                              r"newest with --ckpt-step 4, or from the marker's with --ckpt-step 2"):
+        _load(tmp_path)
+    (tmp_path / "latest_checkpointed_iteration.txt").unlink()
+    assert _files(tmp_path) == before
+
+
+def test_a_run_saving_over_another_runs_checkpoints_is_refused_unless_allowed(one_rank, tmp_path):
+    from megatron_orch.trainer.checkpointing import CheckpointError, check_save_folder
+
+    _saved(tmp_path, iterations=(2, 4), run_id="b" * 32)
+    with pytest.raises(CheckpointError, match=r"--save \S+ holds complete checkpoints of another run \(iterations 2, "
+                                              r"4 of run b{12}\.\.\.\): resume that run with --load \S+, or pass "
+                                              r"--allow-overwrite-checkpoints to save this run there"):
+        check_save_folder(str(tmp_path), "c" * 32, allow_overwrite=False)
+    assert check_save_folder(str(tmp_path), "b" * 32, allow_overwrite=False) == []  # its own folder
+    notes = check_save_folder(str(tmp_path), "c" * 32, allow_overwrite=True)
+    assert "this run saves over the complete checkpoints of another run" in notes[0], notes
+    # once this run's save is the marker's, the other run's iterations left there are noted, not refused
+    _saved(tmp_path, iterations=(1,), run_id="c" * 32)
+    assert check_save_folder(str(tmp_path), "c" * 32, allow_overwrite=False) == []
+    state = _load(tmp_path)
+    assert state.iteration == 1 and state.run_id == "c" * 32
+    assert any("skipping iterations 2, 4 of run b" in note and "complete checkpoints of another run" in note
+               for note in state.notes), state.notes
+    (tmp_path / "latest_checkpointed_iteration.txt").unlink()
+    with pytest.raises(CheckpointError, match=r"resume that run with --load \S+ --ckpt-step 4"):
+        check_save_folder(str(tmp_path), "d" * 32, allow_overwrite=False)
+
+
+def test_replicated_state_digest_sees_the_optimizer_state():
+    from megatron_orch.trainer.checkpointing import replicated_state_digest
+
+    _, optimizer, scheduler = _tiny_run()
+    progress = {"iteration": 1, "consumed_samples": 2}
+    digest = replicated_state_digest(optimizer, scheduler, progress)
+    assert replicated_state_digest(optimizer, scheduler, dict(progress)) == digest
+    buffer = next(iter(optimizer.state.values()))["momentum_buffer"]
+    buffer[0, 0] += 1e-6
+    assert replicated_state_digest(optimizer, scheduler, progress) != digest
+    buffer[0, 0] -= 1e-6
+    assert replicated_state_digest(optimizer, scheduler, {**progress, "consumed_samples": 4}) != digest
 
 
 def test_a_checkpoint_of_the_other_backbone_class_is_refused_naming_both():

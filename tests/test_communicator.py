@@ -67,5 +67,33 @@ def _check_dedicated_groups(rank, world):
         dedicated_group(first_three if rank < 3 else last_two)
 
 
+@pytest.mark.distributed
 def test_each_dp_group_moves_data_on_a_communicator_of_its_own_four_ranks():
     run_distributed(_check_dedicated_groups, 4)
+
+
+def _iterator_on_its_own_communicator(rank, world):
+    """A post-balancing iterator given only the DP group moves its data on a group of its own."""
+    import warnings
+    warnings.filterwarnings("ignore")
+    from megatron_orch.balance.topology import Topology
+    from megatron_orch.megatron.post_balancing import ParallelGroups, PostBalancingDataIterator, StepShape
+    from megatron_orch.mllm.config import load_model_config
+    from megatron_orch.mllm.data import DataConfig, build_train_iterator
+    from megatron_orch.orchestrator.config import OrchestratorConfig
+
+    dp = dist.new_group([0, 1])
+    config = DataConfig(load_model_config("tiny"), seq_length=192, micro_batch_size=1, num_samples=4)
+    source = build_train_iterator(config, consumed_samples=0, data_parallel_rank=rank, data_parallel_size=world)
+    iterator = PostBalancingDataIterator(source, config.layout.spec, OrchestratorConfig(background=False),
+                                         StepShape(1, 1), ParallelGroups(dp, Topology.uniform(world, 1)),
+                                         compute_device=torch.device("cpu"))
+    step = next(iterator)
+    assert iterator.comm_group is not dp and step.comm_group is iterator.comm_group
+    assert dist.get_process_group_ranks(step.comm_group) == dist.get_process_group_ranks(dp) == [0, 1]
+    assert step.plan.num_microbatches == 1
+
+
+@pytest.mark.distributed
+def test_the_iterator_moves_its_data_on_a_communicator_of_its_own():
+    run_distributed(_iterator_on_its_own_communicator, 2)

@@ -177,3 +177,24 @@ def test_moe_shape_checks_and_signature():
     dense = TransformerCost(small(True)).signature()
     assert "num_experts" not in dense  # the signatures of dense phases (and the profiles measured on them) stay
     assert TransformerCost(moe()).signature()["num_experts"] == 4
+
+
+@given(st.integers(1, 200), st.sampled_from([1, 2, 3, 4]))
+def test_context_parallel_cost_is_each_cp_ranks_share_of_its_zigzag_chunks(tokens, cp):
+    """Per CP rank: the example padded to 2 x CP, the rank's two zig-zag chunks (r and 2C-1-r), counted pair by
+    pair: the same on every rank, and the whole padded example's cost and memory over C."""
+    from megatron_orch.balance.cost import ContextParallelCost, TransformerCost
+
+    shape, multiple = small(True), 2 * cp if cp > 1 else 1
+    padded = -(-tokens // multiple) * multiple
+    chunk = padded // (2 * cp) if cp > 1 else padded
+    cost = ContextParallelCost(TransformerCost(shape), cp)
+    for rank in range(cp):
+        chunks = (rank, 2 * cp - 1 - rank) if cp > 1 else (0,)
+        queries = np.concatenate([np.arange(c * chunk, (c + 1) * chunk) for c in chunks])
+        pairs = float((queries + 1).sum())  # query at position p attends keys 0..p
+        flops = 3 * (shape.linear_flops_per_token() * queries.size + shape.num_layers * 4 * shape.query_size * pairs)
+        assert cost.item_cost(np.array([tokens]))[0] == pytest.approx(flops, rel=1e-12)
+        assert cost.item_memory(np.array([tokens]))[0] == pytest.approx(
+            shape.activation_bytes_per_token() * queries.size, rel=1e-12)
+    assert cost.signature() == TransformerCost(shape).signature()

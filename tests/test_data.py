@@ -434,7 +434,7 @@ def test_manifest_tokenizer_hook(manifest_dir):
 def test_train_iterator_on_a_manifest(manifest_dir):
     entries = [{"text": f"example {i}", "audio": ["speech.npy"] if i % 2 else []} for i in range(8)]
     path = write_manifest(manifest_dir / "m.jsonl", entries)
-    config = DataConfig(TINY, seq_length=SEQ, micro_batch_size=2, num_samples=8, manifest=str(path))
+    config = DataConfig(TINY, seq_length=SEQ, micro_batch_size=2, num_samples=8, data_path=str(path))
     batches = list(build_train_iterator(config, 0, 1, 2))
     assert [b.sample_ids.tolist() for b in batches] == [[2, 3], [6, 7]]
     assert batches[0].item_counts["audio"].tolist() == [0, 3]
@@ -449,7 +449,7 @@ def _trained_ids(config, consumed=0, dp=2):
 
 def test_a_run_longer_than_the_manifest_wraps_with_a_seeded_order_per_epoch(manifest_dir):
     path = write_manifest(manifest_dir / "m.jsonl", [{"text": f"example {i}"} for i in range(8)])
-    config = DataConfig(TINY, seq_length=SEQ, micro_batch_size=2, num_samples=32, manifest=str(path), seed=3)
+    config = DataConfig(TINY, seq_length=SEQ, micro_batch_size=2, num_samples=32, data_path=str(path), seed=3)
     ids = _trained_ids(config)
     epochs = [ids[e * 8:(e + 1) * 8] for e in range(4)]
     assert epochs[0] == list(range(8))  # the file's order first
@@ -469,7 +469,7 @@ def manifest_with_a_missing_image(manifest_dir):
 
 def test_a_bad_example_ends_the_run_naming_its_line(manifest_with_a_missing_image):
     config = DataConfig(TINY, seq_length=SEQ, micro_batch_size=2, num_samples=8,
-                        manifest=str(manifest_with_a_missing_image))
+                        data_path=str(manifest_with_a_missing_image))
     iterator = build_train_iterator(config, 0, 0, 2)
     next(iterator)  # samples 0, 1
     with pytest.raises(ManifestError, match=r"^\S+m.jsonl:6: image file \S+gone.png does not exist$"):
@@ -480,7 +480,7 @@ def test_a_skipped_example_is_replaced_alike_on_every_rank_and_after_resuming(ma
     from megatron_orch.mllm.data import SampleOrder
 
     config = DataConfig(TINY, seq_length=SEQ, micro_batch_size=2, num_samples=16,
-                        manifest=str(manifest_with_a_missing_image), max_bad_examples=1, seed=9)
+                        data_path=str(manifest_with_a_missing_image), max_bad_examples=1, seed=9)
     runs = [[list(build_train_iterator(config, 0, rank, 2)) for rank in range(2)] for _ in range(2)]
     for rank in range(2):  # a TP/PP peer (the same DP rank) reads the same examples
         assert [b.sample_ids.tolist() for b in runs[0][rank]] == [b.sample_ids.tolist() for b in runs[1][rank]]
@@ -505,7 +505,7 @@ def test_a_skipped_example_is_replaced_alike_on_every_rank_and_after_resuming(ma
 
 def test_take_events_keeps_those_of_samples_not_trained_yet(manifest_with_a_missing_image):
     config = DataConfig(TINY, seq_length=SEQ, micro_batch_size=2, num_samples=8,
-                        manifest=str(manifest_with_a_missing_image), max_bad_examples=3)
+                        data_path=str(manifest_with_a_missing_image), max_bad_examples=3)
     iterator = build_train_iterator(config, 0, 0, 2)
     next(iterator), next(iterator)  # read up to sample 5 (a prefetching iterator reads ahead)
     assert iterator.take_events(before=4) == []
@@ -514,7 +514,7 @@ def test_take_events_keeps_those_of_samples_not_trained_yet(manifest_with_a_miss
 
 def test_replacements_that_are_all_bad_end_the_run(manifest_dir):
     path = write_manifest(manifest_dir / "m.jsonl", [{"text": "a", "images": ["gone.png"]}] * 3)
-    config = DataConfig(TINY, seq_length=SEQ, micro_batch_size=1, num_samples=3, manifest=str(path),
+    config = DataConfig(TINY, seq_length=SEQ, micro_batch_size=1, num_samples=3, data_path=str(path),
                         max_bad_examples=5)
     with pytest.raises(ManifestError, match=r"m.jsonl:1: image file .* does not exist; and 16 seeded draws of a "
                                             r"replacement were bad too \(the last: \S+m.jsonl:\d: image file"):
@@ -523,7 +523,7 @@ def test_replacements_that_are_all_bad_end_the_run(manifest_dir):
 
 def test_long_answers_are_truncated_and_said_or_refused(manifest_dir):
     path = write_manifest(manifest_dir / "m.jsonl", [{"text": "short"}, {"text": "x" * 1000}])
-    config = DataConfig(TINY, seq_length=SEQ, micro_batch_size=1, num_samples=2, manifest=str(path))
+    config = DataConfig(TINY, seq_length=SEQ, micro_batch_size=1, num_samples=2, data_path=str(path))
     iterator = build_train_iterator(config, 0, 0, 1)
     short, long = next(iterator), next(iterator)
     assert long.tokens.shape[1] == SEQ and short.tokens.shape[1] < SEQ

@@ -11,7 +11,9 @@ from megatron_orch.balance.traces import (DERIVED_TRACES, HEAVY_TAILED_MIXTURES,
 def test_examples_are_runs_of_real_rows(name):
     spec = DERIVED_TRACES[name]
     derived, source = load_trace(name), load_trace(spec.source)
-    keep = np.flatnonzero(np.logical_and.reduce([np.isin(source[c], v) for c, v in spec.select]))
+    keep = np.flatnonzero(np.logical_and.reduce([np.isin(source[c], v) for c, v in spec.select]
+                                                + [source[c] <= bound for c, bound in spec.at_most]
+                                                + [np.ones(len(source), dtype=bool)]))
     assert len(derived) == keep.size > 0
     rng = np.random.default_rng(0)
     for i in rng.choice(keep.size, 40, replace=False):
@@ -36,8 +38,9 @@ def test_examples_are_runs_of_real_rows(name):
 
 
 def test_mixtures_are_short_examples_and_a_tail():
-    for tail_weight, specs in zip((0.05, 0.02), (HEAVY_TAILED_MIXTURES["heavy-tail"],
-                                                 HEAVY_TAILED_MIXTURES["heavy-tail-rare"])):
+    for tail_weight, specs in zip((0.05, 0.02, 0.15), (HEAVY_TAILED_MIXTURES["heavy-tail"],
+                                                       HEAVY_TAILED_MIXTURES["heavy-tail-rare"],
+                                                       HEAVY_TAILED_MIXTURES["heavy-tail-harsh"])):
         mixture = load_mixture(specs)
         weights = dict(zip((t.name for t in mixture.traces), mixture.weights))
         assert sum(weights[name] for name in TAIL_TRACES) == pytest.approx(tail_weight)
@@ -50,3 +53,13 @@ def test_a_selection_that_matches_nothing_is_refused():
     with pytest.raises(ValueError, match="no row of asr_librispeech_commonvoice.csv matches"):
         spec.build()
     assert isinstance(load_trace("long_asr"), Trace)
+
+
+def test_the_shipped_benchmark_mixture_leaves_out_only_the_clip_training_refuses():
+    from megatron_orch.balance.traces import AUDIO_CAPTIONS, DEFAULT_MIXTURE, SHIPPED_MIXTURE
+
+    full, kept = load_trace(AUDIO_CAPTIONS), load_trace("audio_captions_20min")
+    assert len(full) - len(kept) == 1 and full["audio_sec"].max() > 40 * 60 >= 20 * 60 >= kept["audio_sec"].max()
+    assert [w for _, w in SHIPPED_MIXTURE] == [w for _, w in DEFAULT_MIXTURE]
+    assert [n for n, _ in SHIPPED_MIXTURE] == [("audio_captions_20min" if n == AUDIO_CAPTIONS else n)
+                                               for n, _ in DEFAULT_MIXTURE]

@@ -78,3 +78,35 @@ def test_no_items_and_no_grad():
     outputs, chunks = encode_in_chunks(encoder, torch.randn(5, 8), chunk_bounds(5, 2, 5), grad=False)
     assert outputs.shape == (10, 2) and not outputs.requires_grad
     assert [(c.start, c.stop, c.kept) for c in chunks] == [(0, 2, False), (2, 4, False), (4, 5, False)]
+
+
+def test_the_planned_number_of_items_keeps_its_activations():
+    """The chunks whose items all fall within ``kept_items`` keep their graphs, the others do not (a plan
+    that keeps 4 items of chunks of 2 keeps two chunks; keeping all 7 keeps the last, short chunk too)."""
+    encoder = ToyEncoder()
+    items = torch.randn(7, 8)
+    for kept_items, kept in ((0, [False] * 4), (3, [True, False, False, False]), (4, [True, True, False, False]),
+                             (7, [True] * 4)):
+        outputs, chunks = encode_in_chunks(encoder, items, chunk_bounds(7, 2, kept_items), grad=True)
+        assert [(c.start, c.stop) for c in chunks] == [(0, 2), (2, 4), (4, 6), (6, 7)]
+        assert [c.kept for c in chunks] == kept, kept_items
+        assert all(c.outputs.requires_grad for c in chunks if c.kept)
+
+
+def test_rng_states_of_a_cuda_chunk_replay_its_devices_generator(world_of_one, monkeypatch):
+    """A chunk on a CUDA device draws from that device's generator: capture and restore it (faked here by
+    CPU generators behind torch.cuda's get/set_rng_state, one per device; the other device is left alone)."""
+    generators = {0: torch.Generator().manual_seed(10), 1: torch.Generator().manual_seed(11)}
+
+    def index(device):
+        return torch.device(device).index
+
+    monkeypatch.setattr(torch.cuda, "get_rng_state", lambda device="cuda": generators[index(device)].get_state())
+    monkeypatch.setattr(torch.cuda, "set_rng_state",
+                        lambda state, device="cuda": generators[index(device)].set_state(state))
+    states = encoder_chunks.RngStates.capture(torch.device("cuda", 1))
+    first_draw = torch.rand(4, generator=generators[1])
+    other_device = torch.rand(4, generator=generators[0])
+    states.restore()
+    assert torch.equal(torch.rand(4, generator=generators[1]), first_draw)  # replayed
+    assert not torch.equal(torch.rand(4, generator=generators[0]), other_device)  # not touched

@@ -28,7 +28,9 @@ BUILD_ERROR = "out of memory while building the vision encoder (simulated)"
 
 
 def _stuck_in_encoder(rank, world_size, out_dir):
-    """Rank 1 sleeps in its second vision-encoder forward (iteration 2) far longer than the timeout."""
+    """Rank 1 sleeps in its second vision-encoder forward of training (iteration 2; the schedule's check of
+    the encoders on the first step encodes a few items with the model in eval mode first) far longer than
+    the timeout."""
     warnings.filterwarnings("ignore")
     from megatron.core import parallel_state
 
@@ -41,7 +43,8 @@ def _stuck_in_encoder(rank, world_size, out_dir):
             encode, calls = model.encode, []
 
             def stuck_on_second_call(phase, items):
-                calls.append(phase)
+                if model.training:
+                    calls.append(phase)
                 if calls.count("vision") == 2 and phase == "vision":
                     (Path(out_dir) / "stuck_since").write_text(repr(time.time()))
                     time.sleep(600)
@@ -78,6 +81,7 @@ def test_rank_stuck_in_an_encoder_is_named_within_twice_the_timeout(tmp_path):
     # schedule, whose error surfaces where the schedule waits for it.
     assert re.search(r"ranks 0 in the wait for an asynchronous collective at megatron_orch/comm/alltoall\.py:\d+ "
                      r"called from megatron_orch/megatron/schedule\.py:\d+ <lambda> <- "
+                     r"megatron_orch/megatron/schedule\.py:\d+ _run <- "
                      r"megatron_orch/megatron/schedule\.py:\d+ __call__", report), report[-3000:]
 
 

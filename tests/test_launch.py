@@ -67,7 +67,7 @@ def test_device_scripts_steps_fit_one_device_call(script, mode, tmp_path):
     assert "NOT RUN" not in proc.stdout and sum(steps.values()) <= budget
     if mode == "gpu" and script == "gpu_check.sh":
         assert set(steps) == {"env", "train_bf16", "train_fp32", "recompute_dropout", "syncs", "memory", "packed",
-                              "alltoall", "resume", "fsdp", "moe", "sdpa_kernels"}, steps
+                              "alltoall", "resume", "fsdp", "moe", "sdpa_kernels", "context_parallel"}, steps
     assert list(tmp_path.iterdir()) == [], "a dry run wrote something"
 
 
@@ -234,12 +234,32 @@ def test_launcher_names_ranks_that_ended_without_a_message_first(monkeypatch, tm
     lines = launch.failure_lines(killed)
     assert lines[0].startswith("torchrun: rank 1 was killed by SIGKILL without an error message (out of memory?)")
     assert lines[-1] == "pretrain_mllm.py: error on rank 0: iteration 3: a collective failed on rank 0 ..."
+    assert launch._exit_status(killed) == 128 + signal.SIGKILL  # the killed rank's, not its peer's 1
+    # torchrun's SIGTERM to the other ranks once one was killed: the killed rank's status, as the shell says it
+    assert launch._exit_status({0: f(0, -signal.SIGTERM), 1: f(1, -signal.SIGKILL)}) == 137
+    assert launch._exit_status({0: f(0, -signal.SIGTERM), 1: f(1, 3)}) == 3  # exited on its own, no message
     stopped = {0: f(0, -signal.SIGTERM), 1: f(1, -signal.SIGTERM)}  # from outside: said, though torchrun's own
     assert launch.failure_lines(stopped) == [
         "torchrun: ranks 0-1 were killed by SIGTERM without an error message (ORCH_DEBUG=1: tracebacks and "
         "torchrun's report)"]
     assert launch._exit_status(stopped) == 128 + signal.SIGTERM
     assert launch.rank_ranges([0, 1, 2, 5, 7, 8]) == "0-2,5,7-8"
+
+
+@pytest.mark.distributed
+def test_the_launcher_exits_with_the_status_of_a_rank_killed_by_sigkill(tmp_path):
+    """Rank 1 kills itself with SIGKILL (as the out-of-memory killer would) while rank 0 waits: torchrun
+    stops rank 0 with SIGTERM; the launcher names rank 1 and exits with 137, a shell's status for SIGKILL."""
+    script = tmp_path / "killed.py"
+    script.write_text("import os, signal, time\n"
+                      "if os.environ['RANK'] == '1':\n    os.kill(os.getpid(), signal.SIGKILL)\n"
+                      "time.sleep(60)\n")
+    proc = run([sys.executable, "-m", "megatron_orch.trainer.launch", "--standalone", "--nproc-per-node", "2",
+                str(script)], cwd=tmp_path, env_extra={"PYTHONPATH": str(REPO)}, timeout=60)
+    assert proc.returncode == 137, (proc.returncode, proc.stderr[-2000:])
+    assert proc.stderr.splitlines()[-1].startswith("torchrun: rank 1 was killed by SIGKILL without an error message "
+                                                   "(out of memory?)"), proc.stderr[-2000:]
+    _assert_no_report(proc)
 
 
 # ---------------------------------------------------------------------------------- end to end
@@ -334,6 +354,9 @@ def test_the_main_job_says_what_its_columns_are_and_ends_with_passed_or_failed(m
 
 def test_a_failed_run_of_the_main_job_ends_with_the_failing_ranks_line(monkeypatch, capsys, tmp_path):
     compare = _compare_module()
+    import megatron_orch.trainer.training_log  # noqa: F401 -- what run() imports (megatron.core, which runs git
+    # at import), before subprocess.run is replaced below; its warnings are not the run's output
+    capsys.readouterr()
 
     def launched(command, env, stdout, stderr):
         stdout.write(" iteration        1/      20 | ...\n[rank1]: noise\npretrain_mllm.py: error on rank 1: "

@@ -3,13 +3,18 @@ schedule hook, and ``pretrain_mllm.py``'s ``megatron.training`` path with post-b
 
 The release under test is the installed megatron-core's (:func:`megatron_lm_doubles.megatron_lm_files_or_skip`):
 0.19.2's wheel ships its ``megatron/training`` (the ``pretrain(cfg_container, ...)`` API), and for 0.16.1 the
-tag's files come from ``../shared/megatron-lm`` (the ``extra_args_provider`` API); CI runs both set-ups.
+tag's files come from ``../shared/megatron-lm`` (the ``extra_args_provider`` API); CI runs both set-ups. With a
+Megatron-LM main checkout first on ``PYTHONPATH`` (its ``megatron/``: core and training) the tests run on main:
+the patch tests skip, saying why (main has no patch by design), and the training runs go through the run-time
+hook.
 The training runs go through Megatron-LM's own ``megatron.training.pretrain`` (from a patched copy of those
 files, or the unpatched ones with the run-time hook, on CPU over gloo with the test doubles of
-``megatron_lm_doubles``): DP 2, PP 2 x DP 2 and TP 2 x DP 2, post-balancing off (upstream) then on in the same
-spawned ranks, fp32 and dropout 0, and the losses of every iteration must agree within 1e-5. DP 2 also runs
-post-balancing with ``--overlap-grad-reduce``, including a step where a rank gets no items of an encoder phase,
-and the project's compact trainer on the same flags, which must reproduce megatron.training's losses.
+``megatron_lm_doubles``): DP 2, PP 2 x DP 2, TP 2 x DP 2, TP 2 + SP x DP 2 and CP 2 x DP 2, post-balancing off
+(upstream) then on in the same spawned ranks, fp32, SGD and dropout 0, and the losses of every iteration and
+every rank's parameters after the run must agree within 1e-5; PP 2 x VPP 2 x DP 2 (virtual pipeline stages)
+too, on scripted steps, also with ``--overlap-grad-reduce``. DP 2 also runs post-balancing with
+``--overlap-grad-reduce``, including a step where a rank gets no items of an encoder phase, and the project's
+compact trainer on the same flags, which must reproduce megatron.training's losses.
 """
 import importlib.util
 import json
@@ -24,6 +29,7 @@ import warnings
 from pathlib import Path
 
 import pytest
+import torch
 
 import megatron_lm_doubles as doubles
 from dist_utils import run_distributed, scaled
@@ -39,15 +45,20 @@ TOLERANCE = 1e-5
 # CPU. Dropout 0 and no evaluation, as there; the rerun state machine keeps Megatron's default mode.
 README_FLAGS = re.search(r'^FLAGS="(.*?)"$', (REPO / "README.md").read_text(), re.M | re.S).group(1).replace("\\\n", " ").split()
 CHANGED = {"--global-batch-size": "4", "--train-iters": str(ITERS)}
+# SGD: the runs' parameters are compared too, and Adam's update normalises each gradient element, so an element
+# whose gradient is reduction-order noise moves by different amounts in two runs that agree.
 ARGV = [CHANGED.get(previous, value) for previous, value in zip([None, *README_FLAGS], README_FLAGS)] + [
-    "--seed", str(SEED), "--distributed-backend", "gloo"]
+    "--seed", str(SEED), "--distributed-backend", "gloo", "--optimizer", "sgd"]
 RUNS = {"upstream": [], "post-balancing": ["--orch-post-balancing"],
         "post-balancing, overlapped grad reduce": ["--orch-post-balancing", "--overlap-grad-reduce"]}
+SHADOW = {"post-balancing shadow": ["--orch-shadow"]}  # planned by the schedule hook, trained upstream
 # The project's compact trainer on the same flags (those it has): it must reproduce megatron.training.
 COMPACT = "compact trainer"
-COMPACT_ARGV = ["--model-config", "tiny", "--seq-length", "128", "--micro-batch-size", "1", "--global-batch-size", "4",
+VPP_LAYERS = 4  # the backbone's layers with virtual pipeline stages: one per model chunk at PP 2 x VPP 2
+COMPACT_ARGV = ["--model-config", "tiny", "--seq-length", "128", "--max-position-embeddings", "128",
+                "--micro-batch-size", "1", "--global-batch-size", "4",
                 "--train-iters", str(ITERS), "--lr", "2e-3", "--log-interval", "1", "--seed", str(SEED),
-                "--distributed-backend", "gloo", "--transformer-impl", "local",
+                "--distributed-backend", "gloo", "--transformer-impl", "local", "--optimizer", "sgd",
                 "--hidden-dropout", "0", "--attention-dropout", "0"]
 
 
@@ -72,14 +83,31 @@ def files():
 
 
 @pytest.fixture(scope="module")
-def patched_tree(files, tmp_path_factory):
-    return doubles.patched_copy(files, tmp_path_factory.mktemp("megatron_lm") / files.release)
+def released(files):
+    """The files of a release that ``patches/`` holds a patch for; main or a fork: the test skips, saying why."""
+    if files.release is None:
+        pytest.skip(files.no_patch_reason())
+    return files
 
 
 @pytest.fixture(scope="module")
 def unpatched_tree(files, tmp_path_factory):
-    """The release's files without the patch: the wheel's own (None: nothing to put on sys.path), or a copy."""
-    return None if files.from_wheel else doubles.unpatched_copy(files, tmp_path_factory.mktemp("megatron_lm") / "stock")
+    """The files without the patch: the wheel's or the checkout's own (None: nothing to put on sys.path), or a
+    copy."""
+    return None if files.on_path else doubles.unpatched_copy(files, tmp_path_factory.mktemp("megatron_lm") / "stock")
+
+
+RUNTIME_HOOK = "schedule hook: installed at run time (no patched train()"
+
+
+@pytest.fixture(scope="module")
+def hooked_tree(files, tmp_path_factory):
+    """(tree, the hook the run announces) of the training runs: a patched copy of the release's files, or
+    for a checkout of main or a fork (no patch) the checkout itself with the run-time hook."""
+    if files.release is None:
+        return None, RUNTIME_HOOK
+    tree = doubles.patched_copy(files, tmp_path_factory.mktemp("megatron_lm") / files.release)
+    return str(tree), f"schedule hook: the patch of patches/{files.release}"
 
 
 @pytest.mark.parametrize("release", RELEASES)
@@ -97,12 +125,13 @@ def test_every_patch_is_one_full_index_diff_of_training_py_with_its_release_name
     assert list(others.values()).count(pre) == 1, "two folders for one training.py"
 
 
-def test_patch_made_against_the_installed_release(files):
-    (path, pre, _), = _patch_index(files.patch)
-    assert pre == doubles.hash_object(files.root / path)
+def test_patch_made_against_the_installed_release(released):
+    (path, pre, _), = _patch_index(released.patch)
+    assert pre == doubles.hash_object(released.root / path)
 
 
-def test_patch_applies_and_compiles(files, tmp_path):
+def test_patch_applies_and_compiles(released, tmp_path):
+    files = released
     copy = doubles.unpatched_copy(files, tmp_path / "tree")
     # git apply from inside the copy, outside any work tree (see apply_patches.sh)
     check = subprocess.run(["git", "apply", "--check", str(files.patch)], cwd=copy, capture_output=True, text=True,
@@ -128,7 +157,8 @@ def test_patch_applies_and_compiles(files, tmp_path):
     assert len(applied) == 2 and "wrapper" not in "".join(applied[1]), "evaluate() keeps the stock schedule"
 
 
-def test_apply_patches_is_idempotent_also_inside_another_work_tree(files, tmp_path):
+def test_apply_patches_is_idempotent_also_inside_another_work_tree(released, tmp_path):
+    files = released
     # A copy inside this repository's work tree (ignored runs/): git apply must still patch it.
     inside = REPO / "runs" / f"test_megatron_lm_{os.getpid()}"
     try:
@@ -144,9 +174,10 @@ def test_apply_patches_is_idempotent_also_inside_another_work_tree(files, tmp_pa
         shutil.rmtree(inside, ignore_errors=True)
 
 
-def test_apply_patches_takes_a_fork_with_other_commits(files, tmp_path):
+def test_apply_patches_takes_a_fork_with_other_commits(released, tmp_path):
     """A git checkout whose HEAD is not the tag (a fork: the release's files, then an unrelated commit)
     gets its release's patch, with a note that HEAD is not the tag's commit."""
+    files = released
     fork = doubles.unpatched_copy(files, tmp_path / "fork")
     _git(fork, "init", "-q")
     _git(fork, "add", "-A")
@@ -209,6 +240,8 @@ def test_check_args_names_what_post_balancing_cannot_run_with():
     from megatron_orch.megatron import megatron_lm
 
     megatron_lm.check_args(_megatron_args())
+    interleaving = dict(pipeline_model_parallel_size=2, micro_batch_size=1, data_parallel_size=2)
+    megatron_lm.check_args(_megatron_args(virtual_pipeline_model_parallel_size=2, **interleaving, global_batch_size=4))
     megatron_lm.check_args(_megatron_args(hybrid_context_parallel=False, sequence_packing_scheduler=None,
                                           cuda_graph_impl="local", cuda_graph_scope=["attn"],
                                           moe_expert_rank_capacity_factor=None, perform_rl_step=False,
@@ -223,8 +256,8 @@ def test_check_args_names_what_post_balancing_cannot_run_with():
                                              "moe_aux_loss_coeff": [1e-2], "moe_z_loss_coeff": 1e-3}))
     for changes, flag in ((dict(dataloader_type="single"), "--dataloader-type single"),
                           (dict(calculate_per_token_loss=False), "--calculate-per-token-loss is required"),
-                          (dict(virtual_pipeline_model_parallel_size=2), "virtual pipeline stages"),
-                          (dict(context_parallel_size=2), "--context-parallel-size 2"),
+                          (dict(virtual_pipeline_model_parallel_size=2, **interleaving, global_batch_size=2),
+                           "virtual pipeline stages with 1 micro-batches per step"),
                           (dict(hybrid_context_parallel=True), "--hybrid-context-parallel"),
                           (dict(sequence_packing_scheduler="dp_balanced"), "--sequence-packing-scheduler dp_balanced"),
                           (dict(cuda_graph_impl="full_iteration"), "full-iteration CUDA graphs"),
@@ -286,22 +319,65 @@ def test_runtime_schedule_hook_wraps_train_only_and_restores():
     assert in_train == ("wrapped", stock_schedule) and in_evaluate is stock_schedule and wrapped == [stock_schedule]
     assert training.get_forward_backward_func is original
     assert training.train() == (stock_schedule, stock_schedule)
+    # a training run that fails inside the block leaves the module as it was too
+    with pytest.raises(RuntimeError, match="a failing run"):
+        with megatron_lm.runtime_schedule_hook(training, wrapper):
+            assert training.train()[0] == ("wrapped", stock_schedule)
+            raise RuntimeError("a failing run")
+    assert training.get_forward_backward_func is original
+
+
+def test_runtime_schedule_hook_sees_through_decorators_and_never_fired_is_an_error():
+    """A train() decorated with functools.wraps (Megatron-LM main decorates evaluate()) still gets the wrapped
+    schedule; a decorator that hides train() (no __wrapped__) leaves the hook unfired, which is an error when
+    the block ends instead of a run on the stock schedule."""
+    from megatron_orch.megatron import megatron_lm
+
+    def stock_schedule(**kwargs):
+        return "stock"
+
+    source = ("import functools\n"
+              "def logged(f):\n    @functools.wraps(f)\n"
+              "    def run(*a, **k):\n        return f(*a, **k)\n    return run\n"
+              "def opaque(f):\n    def run(*a, **k):\n        return f(*a, **k)\n    return run\n"
+              "@DECORATOR\ndef train():\n    return get_forward_backward_func()\n")
+
+    def training_module(decorator):
+        training = types.ModuleType("training")
+        training.get_forward_backward_func = lambda: stock_schedule
+        exec(compile(source.replace("DECORATOR", decorator), "training.py", "exec"), training.__dict__)
+        return training
+
+    training = training_module("logged")
+    with megatron_lm.runtime_schedule_hook(training, lambda schedule: ("wrapped", schedule)):
+        assert training.train() == ("wrapped", stock_schedule)
+    training = training_module("opaque")
+    with pytest.raises(megatron_lm.HookNeverFiredError, match=r"hook never fired: train\(\) \(training.py:\d+\) "
+                                                               r"did not ask get_forward_backward_func"):
+        with megatron_lm.runtime_schedule_hook(training, lambda schedule: ("wrapped", schedule)):
+            assert training.train() is stock_schedule
+    with pytest.raises(megatron_lm.HookNeverFiredError):  # nor is a block that never trains
+        with megatron_lm.runtime_schedule_hook(training_module("logged"), lambda schedule: schedule):
+            pass
 
 
 def _pretrain_runs(rank, world_size, tree, layouts, out_dir):
     """Megatron-LM's pretrain through pretrain_mllm.main_megatron_lm, once per run of each layout
-    ``((tp, pp), runs)``, in these ranks; what each run did goes to ``out_dir/rank<r>.json``."""
+    ``((tp, pp), runs)``, or ``((tp, pp, vpp), runs)`` with virtual pipeline stages (a 4-layer backbone, the
+    scripted steps of test_virtual_pipeline), in these ranks; what each run did goes to ``out_dir/rank<r>.json``."""
     warnings.filterwarnings("ignore")
     doubles.install(None if tree is None else Path(tree))
     spec = importlib.util.spec_from_file_location("pretrain_mllm", REPO / "pretrain_mllm.py")
     pretrain_mllm = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(pretrain_mllm)
-    results = {}
+    results, params = {}, {}
     for parallel, runs in layouts:
         for name in runs:
             run = _compact_run if name == COMPACT else _megatron_lm_run
             results.setdefault(str(parallel), {})[name] = run(pretrain_mllm, world_size, parallel, name)
+            params.setdefault(str(parallel), {})[name] = results[str(parallel)][name].pop("params", None)
     (Path(out_dir) / f"rank{rank}.json").write_text(json.dumps(results))
+    torch.save(params, Path(out_dir) / f"params{rank}.pt")  # each run's parameters after its last step
 
 
 def _megatron_lm_run(pretrain_mllm, world_size, parallel, name) -> dict:
@@ -311,10 +387,13 @@ def _megatron_lm_run(pretrain_mllm, world_size, parallel, name) -> dict:
 
     from megatron_orch.megatron import schedule
     from megatron_orch.megatron.schedule import ModalityAwareSchedule
+    from megatron_orch.mllm import providers
+    from test_virtual_pipeline import scripted_iterator
 
     import megatron.training
 
-    record = {"losses": [], "schedule": [], "moved_items": 0, "zero_gradients": 0, "hook": []}
+    record = {"losses": [], "schedule": [], "moved_items": 0, "zero_gradients": 0, "hook": [], "reports": [],
+              "sequence_parallel": []}
     stock_train_step, stock_zero_gradients = training.train_step, schedule._zero_gradients
     stock_print_rank_0 = megatron.training.print_rank_0
 
@@ -323,12 +402,18 @@ def _megatron_lm_run(pretrain_mllm, world_size, parallel, name) -> dict:
             record["hook"].append(message)
         stock_print_rank_0(message)
 
-    def train_step(*args, **kwargs):  # positional as train() calls it: the schedule is the 7th
+    def train_step(*args, **kwargs):  # positional as train() calls it: the model chunks 3rd, the schedule 7th
         out = stock_train_step(*args, **kwargs)
-        schedule_used = args[6]
+        model, schedule_used = args[2], args[6]
         record["schedule"].append(type(schedule_used).__name__)
+        stock = schedule_used.forward_backward_func if isinstance(schedule_used, ModalityAwareSchedule) else schedule_used
+        record["megatron_schedule"], record["chunks"] = stock.__name__, len(model)
+        record["params"] = {f"chunk{i}.{n}": p.detach().clone() for i, chunk in enumerate(model)
+                            for n, p in chunk.named_parameters()}
+        record["sequence_parallel"].append(args[5].sequence_parallel)  # the model config train() runs with
         if isinstance(schedule_used, ModalityAwareSchedule):
             plan = schedule_used.last_step.plan
+            record["reports"].append(plan.report())
             for transfer in (plan.text_transfer(), *(plan.input_transfer(p) for p in plan.encoders)):
                 traffic = transfer.traffic_matrix()
                 record["moved_items"] += int(traffic.sum() - traffic.trace())
@@ -340,16 +425,27 @@ def _megatron_lm_run(pretrain_mllm, world_size, parallel, name) -> dict:
         record["zero_gradients"] += 1
         stock_zero_gradients(encoder)
 
+    tp, pp, *rest = parallel  # (TP, PP[, VPP][, Megatron-LM flags of the layout])
+    virtual = [v for v in rest if isinstance(v, int)]
+    extra = [flag for flag in rest if isinstance(flag, str)]
+    flags = ["--tensor-model-parallel-size", str(tp), "--pipeline-model-parallel-size", str(pp)]
+    stock_data = providers.build_train_data_iterator
+    if virtual:
+        flags += ["--num-layers", str(VPP_LAYERS), "--num-layers-per-virtual-pipeline-stage",
+                  str(VPP_LAYERS // (pp * virtual[0]))]
+        providers.build_train_data_iterator = scripted_iterator
     training.train_step, schedule._zero_gradients = train_step, zero_gradients
     megatron.training.print_rank_0 = print_rank_0
-    doubles.prepare_run(*parallel, seed=SEED)
-    sys.argv = ["pretrain_mllm.py", *ARGV, "--tensor-model-parallel-size", str(parallel[0]),
-                "--pipeline-model-parallel-size", str(parallel[1]), *RUNS[name]]
+    cp = int(extra[extra.index("--context-parallel-size") + 1]) if "--context-parallel-size" in extra else 1
+    doubles.prepare_run(tp, pp, seed=SEED, virtual_pipeline_model_parallel_size=virtual[0] if virtual else None,
+                        context_parallel_size=cp)
+    sys.argv = ["pretrain_mllm.py", *ARGV, *flags, *extra, *{**RUNS, **SHADOW}[name]]
     try:
         pretrain_mllm.main_megatron_lm()
     finally:
         training.train_step, schedule._zero_gradients = stock_train_step, stock_zero_gradients
         megatron.training.print_rank_0 = stock_print_rank_0
+        providers.build_train_data_iterator = stock_data
         doubles.reset()
     return record
 
@@ -368,7 +464,16 @@ def _compact_run(pretrain_mllm, world_size, parallel, name) -> dict:
 
 
 def _check_runs(out_dir: Path, world_size: int, parallel, runs, hook: str) -> None:
+    """Every megatron.training run of the layout: the upstream run's losses and, on every rank, its parameters
+    after the run (within 1e-5), the schedule each used, and that the balanced runs moved data."""
     ranks = [json.loads((out_dir / f"rank{r}.json").read_text())[str(parallel)] for r in range(world_size)]
+    for rank in range(world_size):
+        params = torch.load(out_dir / f"params{rank}.pt")[str(parallel)]
+        for name in [run for run in runs[1:] if run != COMPACT]:
+            assert params[name].keys() == params["upstream"].keys(), name
+            for key, value in params["upstream"].items():
+                torch.testing.assert_close(params[name][key], value, rtol=TOLERANCE, atol=1e-6,
+                                           msg=lambda m: f"{parallel} {name}, rank {rank}, {key}: {m}")
     last = ranks[-1]  # on the last pipeline stage (and the compact trainer's logging rank)
     upstream = last["upstream"]["losses"]
     assert len(upstream) == ITERS
@@ -389,10 +494,12 @@ def _check_runs(out_dir: Path, world_size: int, parallel, runs, hook: str) -> No
         assert hook in announced, announced
 
 
-def test_megatron_training_dp2(files, patched_tree, tmp_path):
+@pytest.mark.distributed
+def test_megatron_training_dp2(hooked_tree, tmp_path):
+    tree, hook = hooked_tree
     layout = ((1, 1), [*RUNS, COMPACT])
-    run_distributed(_pretrain_runs, 2, str(patched_tree), [layout], str(tmp_path), timeout_s=400)
-    _check_runs(tmp_path, 2, *layout, hook=f"schedule hook: the patch of patches/{files.release}")
+    run_distributed(_pretrain_runs, 2, tree, [layout], str(tmp_path), timeout_s=400)
+    _check_runs(tmp_path, 2, *layout, hook=hook)
     overlapped = [json.loads((tmp_path / f"rank{r}.json").read_text())[str(layout[0])]
                   ["post-balancing, overlapped grad reduce"] for r in range(2)]
     # a rank without items of an encoder phase in some step gave that encoder zero gradients, which
@@ -400,21 +507,59 @@ def test_megatron_training_dp2(files, patched_tree, tmp_path):
     assert sum(r["zero_gradients"] for r in overlapped) > 0
 
 
+@pytest.mark.distributed
 def test_megatron_training_dp2_with_the_runtime_hook(unpatched_tree, tmp_path):
     """No patch (the wheel's own megatron.training, or an unpatched copy): the schedule hook is installed
-    at run time, and post-balancing again reproduces the upstream losses."""
-    layout = ((1, 1), ["upstream", "post-balancing"])
+    at run time, and post-balancing again reproduces the upstream losses; shadow mode goes through the same
+    hook and trains upstream."""
+    layout = ((1, 1), ["upstream", "post-balancing", *SHADOW])
     run_distributed(_pretrain_runs, 2, None if unpatched_tree is None else str(unpatched_tree), [layout],
                     str(tmp_path), timeout_s=300)
-    _check_runs(tmp_path, 2, *layout, hook="schedule hook: installed at run time (no patched train()")
+    _check_runs(tmp_path, 2, *layout, hook=RUNTIME_HOOK)
 
 
-def test_megatron_training_pp2_dp2_and_tp2_dp2(files, patched_tree, tmp_path):
-    """Four ranks, two layouts one after the other in the same processes (saves starting them twice)."""
-    layouts = [((1, 2), ["upstream", "post-balancing"]), ((2, 1), ["upstream", "post-balancing"])]
-    run_distributed(_pretrain_runs, 4, str(patched_tree), layouts, str(tmp_path), timeout_s=500)
+@pytest.mark.distributed
+def test_megatron_training_pp2_dp2_tp2_dp2_and_pp2_vpp2_dp2(hooked_tree, tmp_path):
+    """Four ranks, three layouts one after the other in the same processes (saves starting them three times).
+    PP 2 x VPP 2 x DP 2 (Megatron-LM's --num-layers-per-virtual-pipeline-stage over a 4-layer backbone: two
+    model chunks per rank, megatron-core's interleaved schedule) on the scripted steps of test_virtual_pipeline,
+    also with --overlap-grad-reduce (a grad_sync_func per chunk: the encoders' backward runs from the first
+    chunk's); its step with every heavy example on one DP rank moved data and lowered each phase's max/mean."""
+    from test_virtual_pipeline import STEPS
+
+    tree, hook = hooked_tree
+
+    interleaved = ((1, 2, 2), ["upstream", "post-balancing", "post-balancing, overlapped grad reduce"])
+    layouts = [((1, 2), ["upstream", "post-balancing"]), ((2, 1), ["upstream", "post-balancing"]), interleaved]
+    run_distributed(_pretrain_runs, 4, tree, layouts, str(tmp_path), timeout_s=700)
     for layout in layouts:
-        _check_runs(tmp_path, 4, *layout, hook=f"schedule hook: the patch of patches/{files.release}")
+        _check_runs(tmp_path, 4, *layout, hook=hook)
+    ranks = [json.loads((tmp_path / f"rank{r}.json").read_text())[str(interleaved[0])] for r in range(4)]
+    for run in interleaved[1]:
+        assert all(r[run]["chunks"] == 2 for r in ranks), run
+        assert {r[run]["megatron_schedule"] for r in ranks} == {"forward_backward_pipelining_with_interleaving"}, run
+    for run in interleaved[1][1:]:
+        heavy = ranks[0][run]["reports"][STEPS.index("heavy_on_one_rank")]
+        assert heavy["intra-node MB"] + heavy["inter-node MB"] > 0, heavy
+        for phase in ("vision", "audio", "llm"):
+            assert heavy[f"{phase} after"] < heavy[f"{phase} before"], (run, heavy)
+
+
+@pytest.mark.distributed
+def test_megatron_training_tp2_sequence_parallel_dp2_and_cp2_dp2(hooked_tree, tmp_path):
+    """Four ranks, two layouts one after the other in the same processes: TP 2 with sequence parallelism x DP 2
+    (the model config megatron.training trains with has it on) and CP 2 x DP 2."""
+    tree, hook = hooked_tree
+    layouts = [((2, 1, "--sequence-parallel"), ["upstream", "post-balancing"]),
+               ((1, 1, "--context-parallel-size", "2"), ["upstream", "post-balancing"])]
+    run_distributed(_pretrain_runs, 4, tree, layouts, str(tmp_path), timeout_s=600)
+    for layout in layouts:
+        _check_runs(tmp_path, 4, *layout, hook=hook)
+    ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(4)]
+    for rank in ranks:
+        for name in layouts[0][1]:
+            assert rank[str(layouts[0][0])][name]["sequence_parallel"] == [True] * ITERS, name
+            assert rank[str(layouts[1][0])][name]["sequence_parallel"] == [False] * ITERS, name
 
 
 def test_trainer_is_chosen_by_flag_not_by_machine():

@@ -46,7 +46,7 @@ def scripted_example(step: int, dp_rank: int, position: int, spec, sample_index:
     return assemble_example(sample_index, prompt, torch.randint(0, 256, (answer,), generator=g).tolist(), items, spec)
 
 
-def _train(rank, world_size, tp, balanced, out_dir):
+def _train(rank, world_size, tp, sp, balanced, out_dir):
     warnings.filterwarnings("ignore")
     from megatron.core import parallel_state
     from megatron.core.pipeline_parallel import get_forward_backward_func
@@ -58,14 +58,14 @@ def _train(rank, world_size, tp, balanced, out_dir):
     from mimo_model import balanced_mimo
 
     dp = world_size // tp
-    args = arguments.parse_args(FLAGS + ["--tensor-model-parallel-size", str(tp),
+    args = arguments.parse_args(FLAGS + ["--tensor-model-parallel-size", str(tp), *["--sequence-parallel"] * sp,
                                          "--global-batch-size", str(MBS * NUM_MB * dp)], world_size=world_size)
     trainer.initialize(args)
     try:
         built = []
 
         def model_provider(args, pre_process, post_process):
-            built.append(balanced_mimo(tp))
+            built.append(balanced_mimo(tp, sp))
             cpu_harness.install()  # megatron.core.models.mimo was imported just now
             return built[-1]
 
@@ -100,16 +100,25 @@ def _train(rank, world_size, tp, balanced, out_dir):
         parallel_state.destroy_model_parallel()
 
 
-def train(tmp_path: Path, name: str, tp: int, balanced: bool) -> list:
+def train(tmp_path: Path, name: str, tp: int, sp: bool, balanced: bool) -> list:
     out = tmp_path / name
     out.mkdir()
-    run_distributed(_train, 4, tp, balanced, str(out), timeout_s=TIMEOUT_S)
+    run_distributed(_train, 4, tp, sp, balanced, str(out), timeout_s=TIMEOUT_S)
     return [torch.load(out / f"rank{r}.pt") for r in range(4)]
 
 
-@pytest.mark.parametrize("tp", [1, 2], ids=["dp4", "tp2_dp2"])
-def test_mimo_upstream_and_balanced_agree_and_the_plan_balances(tp, tmp_path):
-    upstream, balanced = train(tmp_path, "upstream", tp, False), train(tmp_path, "balanced", tp, True)
+def _mimo_shards_its_input() -> bool:
+    """0.19's MimoModel shards the language model's input for sequence and context parallelism; 0.16.1's not."""
+    from megatron.core.models.mimo.model import base
+    return hasattr(base, "PartitionAdapter")
+
+
+@pytest.mark.parametrize("tp, sp", [(1, False), (2, False), (2, True)], ids=["dp4", "tp2_dp2", "tp2_sp_dp2"])
+def test_mimo_upstream_and_balanced_agree_and_the_plan_balances(tp, sp, tmp_path):
+    if sp and not _mimo_shards_its_input():
+        pytest.skip("this megatron-core's MimoModel (0.16) does not shard for sequence parallelism, which the "
+                    "adapter refuses (test_sequence_or_context_parallelism_needs_a_mimo_that_shards)")
+    upstream, balanced = train(tmp_path, "upstream", tp, sp, False), train(tmp_path, "balanced", tp, sp, True)
     assert upstream[0]["losses"][-1] < upstream[0]["losses"][0]  # it learns: not two idle models
     for rank, (got, want) in enumerate(zip(balanced, upstream)):
         assert got["losses"] == pytest.approx(want["losses"], rel=1e-5), rank
@@ -181,7 +190,30 @@ def test_what_would_break_invariance_is_refused(harness, world_of_one):
     model = balanced_mimo()
     spec = model.batch_spec(SEQ_LENGTH, PAD_TOKEN_ID)
     packed = collate_packed([scripted_example(0, 0, j, spec, j) for j in range(2)], spec)
-    with pytest.raises(NotImplementedError, match="packed rows with a MimoModel"):
+    with pytest.raises(NotImplementedError, match="MimoBalancing does not hand packed rows to MimoModel"):
         model(packed)
+    # --orch-microbatching auto gives it equal-count micro-batches; packed ones are refused, saying why
+    from megatron_orch.orchestrator.config import OrchestratorConfig
+    assert OrchestratorConfig().resolve_microbatching(spec.cannot_pack).microbatching == "equal_count"
+    with pytest.raises(ValueError, match="packed: MimoBalancing does not hand packed rows to MimoModel"):
+        OrchestratorConfig(microbatching="packed").resolve_microbatching(spec.cannot_pack)
     with pytest.raises(ValueError, match="placeholder ids .* and pad id 1000 must be distinct"):
         dataclasses.replace(spec, pad_token_id=1000)
+
+
+def test_sequence_or_context_parallelism_needs_a_mimo_that_shards(harness, world_of_one):
+    """0.16.1's MimoModel runs its language model on the whole sequence: the adapter refuses SP and CP there;
+    0.19's shards it itself, and the adapter takes it."""
+    from megatron_orch.balance.cost import TransformerCost
+    from megatron_orch.megatron.mimo import MimoBalancing
+    from mimo_model import build_mimo, modalities, shapes
+
+    for setting in ({"sequence_parallel": True}, {"context_parallel_size": 2}):
+        mimo = build_mimo()
+        for name, value in setting.items():
+            setattr(mimo.config, name, value)
+        if _mimo_shards_its_input():
+            MimoBalancing(mimo, modalities(), TransformerCost(shapes()[1]))
+        else:
+            with pytest.raises(NotImplementedError, match="does not shard the language model's input"):
+                MimoBalancing(mimo, modalities(), TransformerCost(shapes()[1]))

@@ -4,7 +4,8 @@ the parameters after every step of the upstream run (balancing off), on CPU over
 The data is a scripted stream whose steps are the edge cases of DESIGN.md section 4: a step with no
 images anywhere, audio on one rank only, one example far longer than a fair share, all heavy examples
 on one rank, then an ordinary mixed step. Layouts: DP 4, TP 2 x DP 2, PP 2 x DP 2 (1F1B), DP 1; modes:
-equal-count micro-batches, packed micro-batches with encoder recompute and locality-aware balancing; and
+equal-count micro-batches, packed micro-batches (the default where rows are not of a fixed length) with
+encoder recompute and locality-aware balancing; and
 the three-encoder config (``tiny_video``: video frames as their own encoder phase) at DP 4.
 """
 import re
@@ -146,7 +147,7 @@ def dp4_baseline(tmp_path_factory):
 
 
 def test_dp4_equal_count_is_invariant_and_balances(dp4_baseline, tmp_path):
-    balanced = train(tmp_path, "balanced", 4, *BALANCED)
+    balanced = train(tmp_path, "balanced", 4, *BALANCED, "--orch-microbatching", "equal_count")
     assert_invariant(balanced, dp4_baseline)
     # Loss decreases over the run, so the comparison is not between two idle models.
     assert dp4_baseline["losses"][ITERS] < dp4_baseline["losses"][1]
@@ -167,6 +168,7 @@ def test_dp4_packed_recompute_locality_is_invariant(dp4_baseline, tmp_path):
 @pytest.mark.parametrize("layout", [("--tensor-model-parallel-size", "2"),
                                     ("--pipeline-model-parallel-size", "2")], ids=["tp2_dp2", "pp2_dp2"])
 def test_model_parallel_layouts_are_invariant(layout, tmp_path):
+    """The default micro-batching: packed rows under TP 2, equal-count ones under PP 2 (fixed-length rows)."""
     baseline = train(tmp_path, "baseline", 4, *layout)
     balanced = train(tmp_path, "balanced", 4, *layout, *BALANCED, "--orch-placement", "minmax")
     assert_invariant(balanced, baseline)
@@ -175,10 +177,11 @@ def test_model_parallel_layouts_are_invariant(layout, tmp_path):
 
 def test_three_encoder_config_is_invariant_and_balances(tmp_path):
     """tiny_video (vision tiles, video frames and audio windows, each its own encoder phase): DP 4,
-    upstream against post-balancing, equal-count and packed with encoder recompute."""
+    upstream against post-balancing, equal-count and (the default) packed with encoder recompute."""
     three = ["--model-config", "tiny_video"]
     baseline = train(tmp_path, "baseline", 4, *three)
-    for name, flags in (("balanced", ()), ("packed", ("--orch-microbatching", "packed", "--orch-encoder-recompute"))):
+    for name, flags in (("equal_count", ("--orch-microbatching", "equal_count")),
+                        ("packed", ("--orch-encoder-recompute",))):
         balanced = train(tmp_path, name, 4, *three, *BALANCED, *flags)
         assert_invariant(balanced, baseline)
         assert_plan_balances(balanced, phases=("vision", "video", "audio", "llm"))
@@ -328,6 +331,7 @@ def test_the_schedule_restores_the_model_configs_callbacks():
 
     import numpy as np
 
+    from megatron_orch.megatron.contract import MegatronModelMixin
     from megatron_orch.megatron.post_balancing import BalancedStep
     from megatron_orch.megatron.schedule import ModalityAwareSchedule
 
@@ -339,9 +343,10 @@ def test_the_schedule_restores_the_model_configs_callbacks():
     def grad_sync(*args):
         calls.append("sync")
 
-    config = SimpleNamespace(finalize_model_grads_func=finalize, grad_sync_func=[grad_sync, grad_sync])
+    config = SimpleNamespace(finalize_model_grads_func=finalize, grad_sync_func=[grad_sync, grad_sync],
+                             calculate_per_token_loss=True)
 
-    class LaterStage(torch.nn.Module):  # no encoders: nothing to run but the callbacks
+    class LaterStage(MegatronModelMixin, torch.nn.Module):  # no encoders: nothing to run but the callbacks
         def __init__(self):
             super().__init__()
             self.config = config
@@ -352,6 +357,9 @@ def test_the_schedule_restores_the_model_configs_callbacks():
         def encode(self, phase, items):
             raise AssertionError("a stage without encoders encodes nothing")
 
+        def forward(self, batch, embeds=None):
+            raise AssertionError("the stand-in schedule runs no forward")
+
     def forward_backward(fail=False, **kwargs):
         calls.append(config.finalize_model_grads_func is finalize)  # wrapped during the call
         config.grad_sync_func[1]()
@@ -360,7 +368,8 @@ def test_the_schedule_restores_the_model_configs_callbacks():
             raise RuntimeError("a failing step")
         return []
 
-    step = BalancedStep(microbatches=[], inputs={}, plan=None, rank=0, num_tokens=np.zeros(0, dtype=np.int64),
+    step = BalancedStep(microbatches=[], inputs={}, plan=SimpleNamespace(encoders={}), rank=0,
+                        num_tokens=np.zeros(0, dtype=np.int64),
                         rows_per_item={}, comm_group=None, moves=None)
     schedule = ModalityAwareSchedule(forward_backward, dp_group=None)
     for fail in (False, False, True):

@@ -90,9 +90,10 @@ def _watch_gathered_encoder_layers(held: list) -> None:
     """Record, when the backbone schedule starts (the encoders' forward is over), the encoder layers whose
     gathered FSDP2 parameters are still held: none may be (upstream frees them after each forward)."""
     from megatron_orch.megatron import schedule
+    from megatron_orch.megatron.contract import check_model
 
     def gathered_layers(model_chunk) -> list:
-        module = schedule._unwrap([model_chunk])
+        module = check_model([model_chunk])
         return [f"{phase}.{name}" for phase, encoder in module.phase_encoders().items()
                 for name, layer in encoder.named_modules() if hasattr(layer, "_get_fsdp_state")
                 and any(group.is_unsharded for group in layer._get_fsdp_state()._fsdp_param_groups)]

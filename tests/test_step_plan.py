@@ -12,8 +12,9 @@ from megatron_orch.orchestrator.step_plan import plan_step
 
 TINY = load_model_config("tiny").phases()
 CONFIGS = [OrchestratorConfig(background=False),
-           OrchestratorConfig(microbatching="packed", background=False),
+           OrchestratorConfig(microbatching="equal_count", background=False),
            OrchestratorConfig(locality=True, background=False),
+           OrchestratorConfig(microbatching="equal_count", locality=True, background=False),
            OrchestratorConfig(placement="minmax", background=False),
            OrchestratorConfig(phases=("vision",), background=False)]
 
@@ -164,3 +165,29 @@ def test_three_encoder_phases_are_planned_and_balanced():
         check_plan(plan, sizes, config, mbs, num_mb)
         assert list(plan.stats) == ["vision", "video", "audio", "llm"]
         assert plan.stats["video"].imbalance_after < 1.1 < plan.stats["video"].imbalance_before
+
+
+def test_the_backbone_is_planned_per_context_parallel_rank():
+    """With CP 2 every example's backbone cost and memory are halved (lengths a multiple of 4): the same plan,
+    half the per-rank figures; the encoder phases are untouched (encoders run whole on every CP rank)."""
+    sizes = sizes_of([1, 0, 3, 2], [0, 2, 1, 0], [40, 12, 96, 20], 2)
+    whole, split = (plan_step(sizes, TINY, OrchestratorConfig(background=False, context_parallel_size=cp),
+                              Topology.uniform(2, 1), 1, 2) for cp in (1, 2))
+    assert np.array_equal(whole.examples_llm.rank, split.examples_llm.rank)
+    assert split.stats["llm"].mean == pytest.approx(whole.stats["llm"].mean / 2)
+    assert split.memory.phase_peak["llm"] == pytest.approx(whole.memory.phase_peak["llm"] / 2)
+    for phase in ("vision", "audio"):
+        assert split.stats[phase].mean == pytest.approx(whole.stats[phase].mean)
+    with pytest.raises(ValueError, match="--context-parallel-size must be >= 1"):
+        OrchestratorConfig(context_parallel_size=0)
+
+
+def test_auto_micro_batching_packs_unless_the_backbone_cannot():
+    auto = OrchestratorConfig()
+    assert auto.microbatching == "auto" and auto.packed  # plan_step plans auto as packed
+    assert auto.resolve_microbatching(None).microbatching == "packed"
+    assert auto.resolve_microbatching("its forward takes no THD parameters").microbatching == "equal_count"
+    equal = OrchestratorConfig(microbatching="equal_count")
+    assert equal.resolve_microbatching(None) is equal and not equal.packed
+    with pytest.raises(ValueError, match="--orch-microbatching packed: its forward takes no THD parameters"):
+        OrchestratorConfig(microbatching="packed").resolve_microbatching("its forward takes no THD parameters")

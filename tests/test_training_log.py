@@ -20,18 +20,22 @@ def record(post_balancing, phases=TINY):
         phase_ms_mean={"vision-encoder-forward": 10.0, "forward-backward": 99.0}, post_balancing=post_balancing)
 
 
-@pytest.mark.parametrize("balanced", [False, True])
+@pytest.mark.parametrize("balanced", [None, 1.0, 0.0], ids=["upstream", "balanced", "shadow"])
 def test_line_round_trips(balanced):
-    figures = dict(zip(post_balancing_fields(TINY), (1.8, 1.01, 2.0, 1.1, 1.3, 1.0, 0.25, 0.5, 12.5, 0.1, 3.5)))
-    line = record(figures if balanced else None).line(20)
+    figures = dict(zip(post_balancing_fields(TINY),
+                       (1.8, 1.01, 2.0, 1.1, 1.3, 1.0, 0.25, 0.5, 23.4, 12.5, 0.1, 3.5, balanced)))
+    line = record(figures if balanced is not None else None).line(20)
     assert line.startswith(" iteration        7/      20 |")
     parsed = parse_iteration_line(line)
     assert parsed["iteration"] == 7 and parsed["lm_loss"] == pytest.approx(5.4321)
     assert parsed["elapsed_ms"] == pytest.approx(312.5)
     assert parsed["load"] == {"vision items": (3.0, 2.5), "audio items": (9.0, 8.0), "llm tokens": (700.0, 650.0)}
     assert parsed["time_ms"] == {"vision-encoder-forward": (20.5, 10.0), "forward-backward": (100.5, 99.0)}
-    if balanced:
+    if balanced is not None:
         assert parsed["post_balancing"] == pytest.approx(figures)
+        shadow = "post-balancing shadow (planned, not applied) cost max/mean" in line
+        assert shadow == (not balanced) and ("would move MB" in line) == shadow, line
+        assert "modeled step time saved: 23.4%" in line
     else:
         assert "post_balancing" not in parsed
     assert parse_iteration_line(" > model config tiny: 1 parameters") is None
@@ -44,7 +48,7 @@ def test_fields_follow_the_configured_phases():
     fields = post_balancing_fields(three)
     assert fields[:8] == ("vision before", "vision after", "video before", "video after", "audio before",
                           "audio after", "llm before", "llm after")
-    figures = dict(zip(fields, (1.8, 1.01, 1.6, 1.05, 2.0, 1.1, 1.3, 1.0, 0.25, 0.5, 12.5, 0.1, 3.5)))
+    figures = dict(zip(fields, (1.8, 1.01, 1.6, 1.05, 2.0, 1.1, 1.3, 1.0, 0.25, 0.5, 20.0, 12.5, 0.1, 3.5, 1.0)))
     parsed = parse_iteration_line(record(figures, three).line(20))
     assert parsed["post_balancing"] == pytest.approx(figures)
     assert list(parsed["load"]) == list(load_fields(three))

@@ -18,6 +18,7 @@ _JIT = dict(cache=True, nogil=True)
 _INLINE = dict(_JIT, inline="always")
 _PAIR_ITEMS = 32  # two-for-two swaps are tried between bins of at most this many items (496 pairs each)
 _PAIR_PARTNERS = 2  # with the least-loaded this many partners (the largest gaps): each costs a sort of its pairs
+_WIDEN = 8  # a refinement step that finds nothing with its partners tries this many times as many
 
 
 # ---------------------------------------------------------------------------------------------
@@ -121,6 +122,13 @@ def lpt(costs, memory, memory_cap, order, num_bins, bin_of_item):
             b = rest + k if rest + k < num_bins else rest + k - num_bins
             load[k] = per_bin[0] + first if b < rest else per_bin[0]
             ids[k] = b
+    if memory_cap == np.inf:  # no bin ever lacks room: the least-loaded bin, nothing held aside
+        for t in range(start, n):
+            item = order[t]
+            bin_of_item[item] = ids[0]
+            load[0] += costs[item]
+            _sift_down(load, ids, size, 0)
+        return -1
     for t in range(start, n):
         item = order[t]
         held = 0
@@ -643,7 +651,7 @@ def _greedy_subset(costs, memory, items, count, target, limit, chosen):
 
 @numba.njit(**_INLINE)
 def _exchange_with(costs, memory, memory_cap, load, bin_mem, top, b, top_items, num_top, partner_items,
-                   num_b, kind, allow_moves, chosen, best, best_out, best_in):
+                   num_b, kind, allow_moves, swap_cap, chosen, best, best_out, best_in):
     """Best exchange between the top bin and bin ``b`` that beats ``best`` (the larger new load).
 
     ``kind`` 0: moves (if ``allow_moves``) and one-for-one swaps; 1: one-for-several either way.
@@ -696,6 +704,8 @@ def _exchange_with(costs, memory, memory_cap, load, bin_mem, top, b, top_items, 
     up = 0  # first item of b with cost >= target; targets rise with the top item's cost
     for t in range(num_top):
         i = top_items[t]
+        if costs[i] > swap_cap:  # (items by increasing cost: the rest cost more)
+            break
         target = costs[i] - 0.5 * gap
         while up < num_b and costs[partner_items[up]] < target:
             up += 1
@@ -925,7 +935,7 @@ def swap_sweeps(costs, order, num_bins, bin_of_item, stop_at, max_sweeps, group_
 
 @numba.njit(**_JIT)
 def refine(costs, memory, memory_cap, num_bins, bin_of_item, allow_moves, stop_at, partners, node_size,
-           max_steps, order, cheapest_scan):
+           max_steps, order, cheapest_scan, cross_swap_cap=np.inf):
     """Lower the maximum bin cost by local search, in place; returns the number of steps taken.
 
     Each step takes the most-loaded bin M and applies the exchange with one partner bin b that
@@ -936,13 +946,17 @@ def refine(costs, memory, memory_cap, num_bins, bin_of_item, allow_moves, stop_a
     (keeps counts) and, if ``allow_moves``, one item moved from M to b; (``allow_moves``) one item
     of M for several of b or several of M for one of b (found greedily; what evening out items of a
     few fixed sizes takes); two items of M for two of b (bins of at most :data:`_PAIR_ITEMS` items,
-    the :data:`_PAIR_PARTNERS` least-loaded partners, :func:`_pair_swap`); last, one item of M for one of the batch's cheapest items, wherever it is
-    (:func:`_cheapest_swap`: the last ``cheapest_scan`` items of ``order``, items by decreasing
-    cost, outside M). Partners (:func:`_partners`) hold their bins' typical items, where a bin with
-    one long item needs the batch's shortest for its other slots. With ``node_size > 0`` (bin r on
-    node r // node_size) the rounds run with the bins of M's node first (every item of the node: no
-    round of cheapest items there), then anywhere with ``partners`` least-loaded bins. Stops at a
-    local optimum, once the maximum is at most ``stop_at``, or after ``max_steps``.
+    the :data:`_PAIR_PARTNERS` least-loaded partners, :func:`_pair_swap`); last, one item of M for one
+    of the batch's cheapest items, wherever it is (:func:`_cheapest_swap`: the last ``cheapest_scan``
+    items of ``order``, items by decreasing cost, outside M). Partners (:func:`_partners`) hold their
+    bins' typical items, where a bin with one long item needs the batch's shortest for its other slots.
+    With ``node_size > 0`` (bin r on node r // node_size) the rounds run with the bins of M's node
+    first (every item of the node: no round of cheapest items there), then anywhere with ``partners``
+    least-loaded bins (a step that finds nothing there tries :data:`_WIDEN` times as many; with
+    ``node_size``, and so on up to every bin); there, with a finite ``cross_swap_cap``, only moves, trades with the cheapest items
+    and one-for-one swaps of items costing at most that (a swap that evens out two bins across nodes
+    can move two long items, many bytes, for a small difference). Stops at a local optimum, once the
+    maximum is at most ``stop_at``, or after ``max_steps``.
     """
     n = costs.size
     load = np.zeros(num_bins)
@@ -969,12 +983,16 @@ def refine(costs, memory, memory_cap, num_bins, bin_of_item, allow_moves, stop_a
     chosen = np.empty(n, dtype=np.int64)
     best_out = np.empty(n, dtype=np.int64)  # items of the best exchange going M -> b
     best_in = np.empty(n, dtype=np.int64)   # and b -> M
-    plist = np.empty(max(partners, node_size), dtype=np.int64)
+    plist = np.empty(max(num_bins, node_size), dtype=np.int64)
     num_pairs = _PAIR_ITEMS * (_PAIR_ITEMS - 1) // 2
     top_pairs = (np.empty(num_pairs), np.empty(num_pairs, dtype=np.int64), np.empty(num_pairs, dtype=np.int64))
     partner_pairs = (np.empty(num_pairs), np.empty(num_pairs, dtype=np.int64), np.empty(num_pairs, dtype=np.int64))
 
     steps = 0
+    width = partners  # partners anywhere: widened when they give nothing, up to every bin with node_size (the
+    # locality refinements, which start far from balance), else _WIDEN times (a plain plan stuck within its
+    # tolerance of a bound it may not reach)
+    widest = num_bins - 1 if node_size > 0 else min(num_bins - 1, _WIDEN * partners)
     while steps < max_steps:
         top = rank[num_bins - 1]
         best = load[top]
@@ -988,12 +1006,13 @@ def refine(costs, memory, memory_cap, num_bins, bin_of_item, allow_moves, stop_a
                 break
             if scope == 0 and node_size <= 0:
                 continue
-            num_p = _partners(load, rank, top, node_size if scope == 0 else 0, partners, plist)
+            num_p = _partners(load, rank, top, node_size if scope == 0 else 0, width, plist)
             for kind in range(4):  # 0: moves and swaps; 1: one for several; 2: two for two; 3: the cheapest items
                 if best_b >= 0:
                     break
                 if ((kind == 1 and not allow_moves) or (kind == 2 and not 2 <= num_top <= _PAIR_ITEMS)
-                        or (kind == 3 and scope == 0)):  # (on M's node, partners are all its bins: every item)
+                        or (kind == 3 and scope == 0)  # (on M's node, partners are all its bins: every item)
+                        or (kind in (1, 2) and scope == 1 and cross_swap_cap < np.inf)):
                     continue
                 if kind == 3:
                     best, b = _cheapest_swap(costs, memory, memory_cap, load, bin_mem, bin_of_item, top, top_items,
@@ -1003,12 +1022,13 @@ def refine(costs, memory, memory_cap, num_bins, bin_of_item, allow_moves, stop_a
                     continue
                 if kind == 2 and num_top_pairs < 0:
                     num_top_pairs = _pair_sums(costs, top_items, num_top, top_pairs[0], top_pairs[1], top_pairs[2])
-                for q in range(num_p if kind < 2 else min(num_p, _PAIR_PARTNERS)):
+                for q in range(num_p if kind < 2 else min(num_p, _PAIR_PARTNERS * width // partners)):
                     b = plist[q]
                     num_b = _gather_sorted(head, nxt, costs, b, partner_items)
                     if kind < 2:
                         best, o, i = _exchange_with(costs, memory, memory_cap, load, bin_mem, top, b, top_items,
-                                                    num_top, partner_items, num_b, kind, allow_moves, chosen,
+                                                    num_top, partner_items, num_b, kind, allow_moves,
+                                                    np.inf if scope == 0 else cross_swap_cap, chosen,
                                                     best, best_out, best_in)
                     elif 2 <= num_b <= _PAIR_ITEMS:
                         best, o = _pair_swap(costs, memory, memory_cap, load, bin_mem, top, b, partner_items, num_b,
@@ -1019,7 +1039,11 @@ def refine(costs, memory, memory_cap, num_bins, bin_of_item, allow_moves, stop_a
                     if o >= 0:
                         best_b, num_out, num_in = b, o, i
         if best_b < 0:
+            if width < widest:
+                width = min(widest, _WIDEN * width)  # stuck among the least-loaded: again with more of them
+                continue
             break
+        width = partners
         top_load, partner_load = load[top], load[best_b]
         for k in range(num_out + num_in):
             item = best_out[k] if k < num_out else best_in[k - num_out]
@@ -1096,44 +1120,32 @@ def fill_quotas(home, quota, node_of_bin, bins_by_node, node_start, bin_of_item)
 
 
 # ---------------------------------------------------------------------------------------------
-# Locality: keep items at home up to a capacity, then place the overflow near home.
+# Locality: LPT that keeps items at home, then on their node, where the balance allows.
 # ---------------------------------------------------------------------------------------------
 
 @numba.njit(**_JIT)
-def place_near_home(costs, memory, memory_cap, home, order, keep_order, num_bins, gpus_per_node, capacity,
-                    bin_of_item):
-    """Keep items on their home rank while it stays within ``capacity``, then place the rest.
-
-    ``keep_order``: items grouped by home rank, in the order they should be kept. Each overflow item
-    (in ``order``: by decreasing cost, ties by id) goes to the least-loaded rank of its home node if
-    it fits under ``capacity``, else the least-loaded rank anywhere if it fits, else the
-    least-loaded of the two (its node's on ties). Returns -1, or an item no rank has memory room for.
-    """
+def lpt_near_home(costs, memory, memory_cap, home, order, num_bins, gpus_per_node, target, bin_of_item):
+    """LPT that prefers home: items in ``order`` (decreasing cost, ties by id), each to its home rank if
+    that stays within ``target`` (and the memory cap), else to the least-loaded rank of its home node with
+    memory room if that does, else to the least-loaded rank anywhere with memory room (LPT's own choice).
+    Rank r is on node r // gpus_per_node. A rank keeps its largest items; what leaves goes first to its
+    node; the last, smallest items even the ranks out as LPT does (with ``target`` = the mean, the max ends
+    within about an item of it). Returns -1, or an item no rank has memory room for."""
     load = np.zeros(num_bins)
     bin_mem = np.zeros(num_bins)
-    overflow = np.zeros(costs.size, dtype=np.bool_)
-    for item in keep_order:
-        r = home[item]
-        if load[r] + costs[item] <= capacity and bin_mem[r] + memory[item] <= memory_cap:
-            bin_of_item[item] = r
-            load[r] += costs[item]
-            bin_mem[r] += memory[item]
-        else:
-            overflow[item] = True
-
-    tree_load, tree_room, width = _tree_new(load, memory_cap - bin_mem)
+    tree_load, tree_room, width = _tree_new(load, np.full(num_bins, memory_cap))
     for item in order:
-        if not overflow[item]:
-            continue
         c, m = costs[item], memory[item]
-        lo = (home[item] // gpus_per_node) * gpus_per_node
-        r = _tree_least_loaded(tree_load, tree_room, width, lo, min(num_bins, lo + gpus_per_node), m)
-        if r < 0 or load[r] + c > capacity:
-            g = _tree_least_loaded(tree_load, tree_room, width, 0, num_bins, m)
-            if g < 0:
-                return item
-            if r < 0 or load[g] + c <= capacity or load[g] < load[r]:
-                r = g
+        r = home[item]
+        if load[r] + c > target or bin_mem[r] + m > memory_cap:
+            lo = (r // gpus_per_node) * gpus_per_node
+            r = _tree_least_loaded(tree_load, tree_room, width, lo, min(num_bins, lo + gpus_per_node), m)
+            if r < 0 or load[r] + c > target:
+                g = _tree_least_loaded(tree_load, tree_room, width, 0, num_bins, m)
+                if g < 0:
+                    return item
+                if r < 0 or load[g] < load[r]:
+                    r = g
         bin_of_item[item] = r
         load[r] += c
         bin_mem[r] += m
@@ -1267,10 +1279,12 @@ def bs_ffd(costs, memory, memory_cap, order, num_bins, upper, rel_tol, max_round
 
 
 @numba.njit(**_JIT)
-def _partition_one(costs, num_bins, method, good_enough_rel, rel_tol, max_rounds, partners, cheapest_scan, bins):
+def _partition_one(costs, num_bins, method, good_enough_rel, settled_rel, rel_tol, max_rounds, max_sweeps, partners,
+                   cheapest_scan, bins):
     """partition(costs, num_bins, method=METHOD_CODES[method]) without memory or home, into ``bins``:
-    ``auto`` is lpt, kk and bs_ffd, each refined, the best kept (stopping within ``good_enough_rel`` of
-    the pigeonhole bound); the others construct only."""
+    ``auto`` is lpt, kk and bs_ffd, each refined (swap sweeps, then the local search, stopping within
+    ``good_enough_rel`` of the pigeonhole bound) until one is within ``settled_rel``, the best kept; the
+    others construct only."""
     n = costs.size
     order = np.argsort(-costs, kind="mergesort")
     memory = np.zeros(n)
@@ -1283,11 +1297,12 @@ def _partition_one(costs, num_bins, method, good_enough_rel, rel_tol, max_rounds
     if method == 3:
         bs_ffd(costs, memory, np.inf, order, num_bins, np.inf, rel_tol, max_rounds, bins)
         return
-    good_enough = (1.0 + good_enough_rel) * pigeonhole_bound(costs, order, num_bins)
+    bound = pigeonhole_bound(costs, order, num_bins)
+    good_enough, settled = (1.0 + good_enough_rel) * bound, (1.0 + settled_rel) * bound
     trial = np.zeros(n, dtype=np.int64)
     best_cost = np.inf
     for construction in range(3):
-        if best_cost <= good_enough:
+        if best_cost <= settled:
             break
         trial[:] = 0
         if construction == 0:
@@ -1297,6 +1312,7 @@ def _partition_one(costs, num_bins, method, good_enough_rel, rel_tol, max_rounds
         elif bs_ffd(costs, memory, np.inf, order, num_bins, best_cost, rel_tol, max_rounds, trial) != -1:
             continue
         if n > 0:
+            swap_sweeps(costs, order, num_bins, trial, good_enough, max_sweeps, num_bins)
             refine(costs, memory, np.inf, num_bins, trial, True, good_enough, partners, 0, n + num_bins, order,
                    cheapest_scan)
         cost = _max_load(costs, trial, num_bins)
@@ -1306,11 +1322,36 @@ def _partition_one(costs, num_bins, method, good_enough_rel, rel_tol, max_rounds
 
 
 @numba.njit(**_JIT)
-def partition_groups(costs, group, num_groups, num_bins, method, good_enough_rel, rel_tol, max_rounds, partners,
-                     cheapest_scan, bin_of_item):
+def _one_per_bin(costs, items, num_bins, bin_of_item):
+    """A group of at most ``num_bins`` items of positive cost: item t by decreasing cost (ties: smaller id)
+    in bin t, what ``auto`` gives it (LPT's assignment, at the bound: its largest item). Returns whether it
+    applied."""
+    m = items.size
+    if m > num_bins:
+        return False
+    for k in range(m):
+        if not costs[items[k]] > 0.0:
+            return False
+    order = items.copy()
+    for u in range(1, m):  # insertion sort by decreasing cost, stable (items come by increasing id)
+        item = order[u]
+        v = u
+        while v > 0 and costs[order[v - 1]] < costs[item]:
+            order[v] = order[v - 1]
+            v -= 1
+        order[v] = item
+    for t in range(m):
+        bin_of_item[order[t]] = t
+    return True
+
+
+@numba.njit(**_JIT)
+def partition_groups(costs, group, num_groups, num_bins, method, good_enough_rel, settled_rel, rel_tol, max_rounds,
+                     max_sweeps, partners, cheapest_scan, bin_of_item):
     """The items of each group (item i in group ``group[i]``; a group's items by increasing id, as
     partition() would see ``costs[group == g]``) partitioned into ``num_bins`` bins on their own
-    (:func:`_partition_one`)."""
+    (:func:`_partition_one`; under ``auto`` a group of at most ``num_bins`` items directly:
+    :func:`_one_per_bin`)."""
     start = np.zeros(num_groups + 1, dtype=np.int64)
     for i in range(group.size):
         start[group[i] + 1] += 1
@@ -1323,10 +1364,13 @@ def partition_groups(costs, group, num_groups, num_bins, method, good_enough_rel
         fill[group[i]] += 1
     for g in range(num_groups):
         items = members[start[g]:start[g + 1]]
+        if method == 0 and _one_per_bin(costs, items, num_bins, bin_of_item):
+            continue
         local = np.empty(items.size)
         for k in range(items.size):
             local[k] = costs[items[k]]
         bins = np.zeros(items.size, dtype=np.int64)
-        _partition_one(local, num_bins, method, good_enough_rel, rel_tol, max_rounds, partners, cheapest_scan, bins)
+        _partition_one(local, num_bins, method, good_enough_rel, settled_rel, rel_tol, max_rounds, max_sweeps,
+                       partners, cheapest_scan, bins)
         for k in range(items.size):
             bin_of_item[items[k]] = bins[k]

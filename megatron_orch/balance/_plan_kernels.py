@@ -125,3 +125,51 @@ def moved_bytes(src_rank, dst_rank, node_of_rank, nbytes):
             per_rank[2, src] += b
             per_rank[3, dst] += b
     return total, intra, inter, per_rank
+
+
+@numba.njit(**_JIT)
+def rank_loads_max(rank, weights, num_ranks):
+    """The largest per-rank sum of ``weights`` (``np.bincount(rank, weights).max()``, summed in item order as
+    numpy sums, so bit for bit the same; 0 for no items)."""
+    load = np.zeros(num_ranks)
+    for i in range(rank.size):
+        load[rank[i]] += weights[i]
+    return load.max() if num_ranks else 0.0
+
+
+@numba.njit(**_JIT)
+def sources_by_example(home, at_home, example, item_rank, item_bytes):
+    """Adds to ``at_home[e]`` the bytes of the items of example e computed on its home rank, and returns the
+    others as (example, rank, bytes) arrays."""
+    away = 0
+    for j in range(example.size):
+        if item_rank[j] != home[example[j]]:
+            away += 1
+    out_example = np.empty(away, dtype=np.int64)
+    out_rank = np.empty(away, dtype=np.int64)
+    out_bytes = np.empty(away, dtype=np.int64)
+    k = 0
+    for j in range(example.size):
+        e = example[j]
+        if item_rank[j] == home[e]:
+            at_home[e] += item_bytes[j]
+        else:
+            out_example[k] = e
+            out_rank[k] = item_rank[j]
+            out_bytes[k] = item_bytes[j]
+            k += 1
+    return out_example, out_rank, out_bytes
+
+
+@numba.njit(**_JIT)
+def fingerprint(values):
+    """A 64-bit fingerprint of int64 ``values`` (order-sensitive; a word at a time, so a pass costs a
+    fraction of a byte-wise CRC): what a plan digest hashes."""
+    h = np.uint64(0xCBF29CE484222325)
+    prime = np.uint64(0x100000001B3)
+    golden = np.uint64(0x9E3779B97F4A7C15)
+    for i in range(values.size):
+        x = np.uint64(values[i]) * golden
+        x ^= x >> np.uint64(29)
+        h = (h ^ x) * prime
+    return h

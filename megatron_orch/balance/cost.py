@@ -312,3 +312,33 @@ class FunctionCost:
 
     def signature(self) -> Dict[str, object]:
         return dict(self.signature_fields)
+
+
+@dataclass(frozen=True)
+class ContextParallelCost:
+    """A backbone cost model per context-parallel rank: an example of ``s`` tokens is padded to a multiple of
+    ``2C`` and cut into ``2C`` chunks, each CP rank computing two (megatron-core's zig-zag), so every rank
+    runs ``s' / C`` of its tokens and, causally, exactly ``1 / C`` of its attended pairs (chunks ``r`` and
+    ``2C-1-r`` attend ``c^2 (2C-1) + c (c+1)`` pairs for any ``r``). Cost and activation memory are therefore
+    the whole padded example's divided by ``C`` (the exchange of keys and values between CP ranks is not
+    modeled). ``base``: the cost model of whole sequences."""
+
+    base: CostModel
+    context_parallel_size: int
+
+    def __post_init__(self):
+        if self.context_parallel_size < 1:
+            raise ValueError(f"context_parallel_size must be >= 1, got {self.context_parallel_size}")
+
+    def padded(self, tokens) -> np.ndarray:
+        multiple = 2 * self.context_parallel_size if self.context_parallel_size > 1 else 1
+        return np.ceil(_lengths(tokens) / multiple) * multiple
+
+    def item_cost(self, tokens) -> np.ndarray:
+        return np.asarray(self.base.item_cost(self.padded(tokens)), dtype=np.float64) / self.context_parallel_size
+
+    def item_memory(self, tokens) -> np.ndarray:
+        return np.asarray(self.base.item_memory(self.padded(tokens)), dtype=np.float64) / self.context_parallel_size
+
+    def signature(self) -> Dict[str, object]:
+        return self.base.signature()

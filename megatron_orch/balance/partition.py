@@ -6,8 +6,8 @@ constructive methods are offered, plus a local-search refinement on top:
 * ``lpt``: greedy longest-processing-time (each item, largest first, to the least-loaded bin);
 * ``kk``: Karmarkar-Karp largest differencing, K-way;
 * ``bs_ffd``: binary search on the bin capacity, first-fit decreasing at each capacity;
-* ``auto``: each of the three refined by local search (exchanges out of the most-loaded bin), and
-  the best kept.
+* ``auto``: each of the three refined (swap sweeps between many bins at once, then local search:
+  exchanges out of the most-loaded bin), until one is within 0.2% of the lower bound; the best kept.
 
 Variants: :func:`partition_equal_count` (every bin gets exactly n/K items, for fixed micro-batch
 sizes), :func:`partition_locality` and :func:`partition_equal_count_locality` (bins are ranks; items
@@ -36,8 +36,10 @@ _SWAP_SWEEPS = 16           # at most this many swap sweeps before the local sea
 _REFINE_PARTNERS = 8         # least-loaded bins tried as move/swap partners of the most-loaded one
 _KK_TRUSTED = 0.01           # equal-count KK this close to the bound is refined before the slot greedy is built
 _CHEAPEST_SCAN = 1024        # then the batch's cheapest items (outside the most-loaded bin) tried as swaps
+_LOCALITY_SWAP_CAPS = (0.0, 0.02, 0.1, math.inf)  # locality refinement: costliest swap across nodes, x the mean
 _BS_FFD_REL_TOL = 1e-3       # binary search stops when capacity is known within this fraction
-_GOOD_ENOUGH = 1e-4          # this close to a lower bound, auto and refinement stop: nothing to gain
+_GOOD_ENOUGH = 1e-4          # this close to a lower bound, refinement stops: nothing to gain
+_AUTO_SETTLED = 2e-3         # this close, auto tries no further construction (each costs ~10-30 ms at DP 2560)
 _BS_FFD_MAX_ROUNDS = 40
 
 
@@ -173,8 +175,9 @@ def _check_gpus_per_node(gpus_per_node) -> int:
 # ----------------------------------------------------------------------------------------------
 
 def _decreasing(costs: np.ndarray) -> np.ndarray:
-    """Item ids by decreasing cost, ties by increasing id."""
-    return np.argsort(-costs, kind="stable").astype(np.int64, copy=False)
+    """Item ids by decreasing cost, ties by increasing id (checked costs are finite and >= 0, so their bits
+    order as int64 as the numbers do: numpy sorts those faster; + 0.0 turns a -0.0 into 0.0)."""
+    return np.argsort(-(costs + 0.0).view(np.int64), kind="stable").astype(np.int64, copy=False)
 
 
 def _lower_bound(costs: np.ndarray, num_bins: int) -> float:
@@ -190,9 +193,9 @@ def _fits_memory(bins: np.ndarray, memory: np.ndarray, cap: float, num_bins: int
 
 
 def _refine(costs, memory, cap, order, num_bins, bins, *, allow_moves: bool, stop_at: float,
-            node_size: int = 0) -> None:
+            node_size: int = 0, cross_swap_cap: float = math.inf) -> None:
     _kernels.refine(costs, memory, cap, num_bins, bins, allow_moves, stop_at, _REFINE_PARTNERS, node_size,
-                    costs.size + num_bins, order, _CHEAPEST_SCAN)
+                    costs.size + num_bins, order, _CHEAPEST_SCAN, cross_swap_cap)
 
 
 def _nodes(num_bins: int, gpus_per_node: Optional[int]) -> Optional[np.ndarray]:
@@ -281,11 +284,13 @@ _CONSTRUCT = {"lpt": _lpt, "kk": _kk, "bs_ffd": _bs_ffd}
 # ----------------------------------------------------------------------------------------------
 
 def _auto(costs, memory, cap, order, num_bins, refine: bool):
-    """Each constructive method's result (refined), the best kept: (bin_of_item, name, max cost)."""
+    """Each constructive method's result (refined), the best kept, until one is within :data:`_AUTO_SETTLED`
+    of the bound: (bin_of_item, name, max cost)."""
     best, best_cost, winner, reasons = None, math.inf, None, []
-    good_enough = (1.0 + _GOOD_ENOUGH) * _kernels.pigeonhole_bound(costs, order, num_bins)
+    bound = _kernels.pigeonhole_bound(costs, order, num_bins)
+    good_enough, settled = (1.0 + _GOOD_ENOUGH) * bound, (1.0 + _AUTO_SETTLED) * bound
     for name in METHODS:
-        if best_cost <= good_enough:
+        if best_cost <= settled:
             break
         try:
             bins = _CONSTRUCT[name](costs, memory, cap, order, num_bins,
@@ -296,6 +301,8 @@ def _auto(costs, memory, cap, order, num_bins, refine: bool):
         if bins is None:
             continue
         if refine:
+            if cap == math.inf:  # (swaps keep counts, not memory)
+                _kernels.swap_sweeps(costs, order, num_bins, bins, good_enough, _SWAP_SWEEPS, num_bins)
             _refine(costs, memory, cap, order, num_bins, bins, allow_moves=True, stop_at=good_enough)
         cost = _max_cost(costs, bins, num_bins)
         if cost < best_cost:
@@ -320,9 +327,11 @@ def partition(costs, num_bins, *, method: str = "auto", memory=None, memory_cap=
     """Assign every item to one of ``num_bins`` bins, minimising the maximum bin cost.
 
     ``method``: ``"lpt"``, ``"kk"``, ``"bs_ffd"`` or ``"auto"``: each of the three that honours the
-    memory cap, refined, the best kept (ties: in that order). ``refine`` (default: only for
-    ``auto``) lowers the maximum by local search out of the fullest bin. Both stop once a result
-    is within 0.01% of a lower bound (one tight for equal items): nothing is left to gain.
+    memory cap, refined, in that order until one is within 0.2% of the lower bound, the best kept
+    (ties: the earlier). ``refine`` (default: only for
+    ``auto``) lowers the maximum by swap sweeps (without a memory cap: many bins at once,
+    :func:`_kernels.swap_sweeps`), then by local search out of the fullest bin. Both stop once a
+    result is within 0.01% of a lower bound (one tight for equal items): nothing is left to gain.
 
     ``memory``/``memory_cap``: per-item memory and the per-bin cap every result honours (a method
     that cannot raises ValueError). ``home``: the upstream assignment; the result is never worse:
@@ -350,8 +359,10 @@ def partition(costs, num_bins, *, method: str = "auto", memory=None, memory_cap=
             raise ValueError(str(err)) from None
         name = method
         if refine:
-            _refine(costs, memory, cap, order, num_bins, bins, allow_moves=True,
-                    stop_at=(1.0 + _GOOD_ENOUGH) * _kernels.pigeonhole_bound(costs, order, num_bins))
+            stop_at = (1.0 + _GOOD_ENOUGH) * _kernels.pigeonhole_bound(costs, order, num_bins)
+            if cap == math.inf:
+                _kernels.swap_sweeps(costs, order, num_bins, bins, stop_at, _SWAP_SWEEPS, num_bins)
+            _refine(costs, memory, cap, order, num_bins, bins, allow_moves=True, stop_at=stop_at)
             name += "+refine"
         cost = _max_cost(costs, bins, num_bins)
     bins, name, _ = _home_if_not_worse(bins, name, cost, costs, memory, cap, num_bins, home)
@@ -378,8 +389,8 @@ def partition_groups(costs, group, num_bins, *, method: str = "auto") -> np.ndar
         raise ValueError(f"unknown method {method!r}; choose one of {_kernels.METHOD_CODES}")
     bins = np.zeros(costs.size, dtype=np.int64)
     _kernels.partition_groups(costs, group, int(group.max(initial=-1)) + 1, num_bins,
-                              _kernels.METHOD_CODES.index(method), _GOOD_ENOUGH, _BS_FFD_REL_TOL, _BS_FFD_MAX_ROUNDS,
-                              _REFINE_PARTNERS, _CHEAPEST_SCAN, bins)
+                              _kernels.METHOD_CODES.index(method), _GOOD_ENOUGH, _AUTO_SETTLED, _BS_FFD_REL_TOL,
+                              _BS_FFD_MAX_ROUNDS, _SWAP_SWEEPS, _REFINE_PARTNERS, _CHEAPEST_SCAN, bins)
     return bins
 
 
@@ -485,9 +496,10 @@ def partition_equal_count(costs, num_bins, *, home=None, refine: bool = True, it
                    _nodes(num_bins, gpus_per_node))
 
 
-def partition_equal_count_locality(costs, home, num_bins, gpus_per_node, *, item_bytes,
-                                   tolerance: float = 0.01) -> Partition:
-    """Like :func:`partition_equal_count` (within ``tolerance`` of its max), moving few items across nodes.
+def partition_equal_count_locality(costs, home, num_bins, gpus_per_node, *, item_bytes, tolerance: float = 0.0,
+                                   reference: Optional[Partition] = None) -> Partition:
+    """Like :func:`partition_equal_count` (at most ``tolerance`` above its max: by default as well), moving few
+    items across nodes.
 
     Bins are ranks, rank r on node r // gpus_per_node, and ``home`` is equal-count. Balance moves
     work between nodes first and then inside them, so that only what a node has too much of leaves
@@ -495,10 +507,11 @@ def partition_equal_count_locality(costs, home, num_bins, gpus_per_node, *, item
     home contents (:func:`_kernels.swap_sweeps`, then :func:`_kernels.refine`) down to the reference
     plan's max per rank; (2) an item that stayed on its node keeps its home rank, one that arrived
     takes a slot an item left on that node; (3) the ranks of each node are evened out the same way,
-    and any rank still above the capacity trades with its node first, then anywhere. Counts stay
-    equal throughout; the refinement's trades with the batch's cheapest items (after its node's bins)
-    give a rank with a long item the short ones it needs. If the capacity ((1 + ``tolerance``) x
-    the reference max) is not met, the reference bins go to the ranks the exact placement gives them
+    and any rank still above the capacity trades with its node first, then anywhere (swapping only small
+    items across nodes as long as that suffices). Counts stay equal throughout; the refinement's trades with the
+    batch's cheapest items (after its node's bins) give a rank with a long item the short ones it needs.
+    If the capacity ((1 + ``tolerance``) x the max of ``reference``, default ``partition_equal_count(costs,
+    num_bins, home=home)``) is not met, the reference bins go to the ranks the exact placement gives them
     (the fewest ``item_bytes`` across nodes, then off their GPU; method
     ``equal_locality_fallback:...+exact``); a home assignment within it is returned unchanged
     (``"home"``).
@@ -514,7 +527,10 @@ def partition_equal_count_locality(costs, home, num_bins, gpus_per_node, *, item
     tolerance = float(tolerance)
     if not tolerance >= 0:
         raise ValueError(f"tolerance must be >= 0, got {tolerance}")
-    reference = partition_equal_count(costs, num_bins, home=home)  # checks that home is equal-count
+    if reference is None:
+        reference = partition_equal_count(costs, num_bins, home=home)  # checks that home is equal-count
+    elif (np.bincount(home, minlength=num_bins) != n // num_bins).any() or n % num_bins:
+        raise ValueError("equal-count locality needs an equal-count home (the same number of items on every rank)")
     capacity = (1.0 + tolerance) * reference.max_cost
     lower_bound = reference.lower_bound
     if reference.method == "home" or _max_cost(costs, home, num_bins) <= capacity:
@@ -533,8 +549,11 @@ def partition_equal_count_locality(costs, home, num_bins, gpus_per_node, *, item
         # those that left, by home rank, take the new arrivals, by node then id: node by node, counts match
         bins[arrived[np.argsort(node[arrived], kind="stable")]] = np.sort(home[arrived])
         _kernels.swap_sweeps(costs, order, num_bins, bins, capacity, _SWAP_SWEEPS, gpus_per_node)
-        _refine(costs, no_memory, math.inf, order, num_bins, bins, allow_moves=False, stop_at=capacity,
-                node_size=gpus_per_node)
+        mean = float(costs.sum()) / num_bins
+        for swap_cap in _LOCALITY_SWAP_CAPS:  # across nodes, swaps of small items first (as partition_locality)
+            if _max_cost(costs, bins, num_bins) > capacity:
+                _refine(costs, no_memory, math.inf, order, num_bins, bins, allow_moves=False, stop_at=capacity,
+                        node_size=gpus_per_node, cross_swap_cap=swap_cap * mean if swap_cap < math.inf else math.inf)
         name = "equal_locality"
         if _max_cost(costs, bins, num_bins) > capacity:
             bins, name = (_placed(reference.bin_of_item, home, item_bytes, num_bins, gpus_per_node),
@@ -565,35 +584,43 @@ def partition_uniform(costs, home, node_of_bin, *, item_bytes) -> Partition:
                          f"(costs {costs.min()}..{costs.max()}, bytes {item_bytes.min()}..{item_bytes.max()})")
     if node_of_bin.min() < 0:
         raise ValueError(f"node_of_bin holds a negative node id {node_of_bin.min()}")
-    cap = -(-n // num_bins)
-    if n == 0 or np.bincount(home, minlength=num_bins).max() <= cap:
-        bins, name = home.copy(), "home"
-    else:
-        num_nodes = int(node_of_bin.max()) + 1
-        bins_by_node = np.argsort(node_of_bin, kind="stable")
-        node_start = np.searchsorted(node_of_bin[bins_by_node], np.arange(num_nodes + 1))
-        bins = np.empty(n, dtype=np.int64)
-        _kernels.fill_quotas(home, np.full(num_bins, cap, dtype=np.int64), node_of_bin, bins_by_node,
-                             node_start, bins)
-        name = "uniform"
+    bins, name = uniform_bins(home, node_of_bin)
     return _result(bins, num_bins, costs, None, False, _lower_bound(costs, num_bins), home, name, item_bytes,
                    node_of_bin)
 
 
+def uniform_bins(home: np.ndarray, node_of_bin: np.ndarray):
+    """(bin_of_item, method) of :func:`partition_uniform` for valid int64 ``home`` and ``node_of_bin`` (the
+    trainer's path: its inputs are checked where they are built, and it needs no figures)."""
+    n, num_bins = home.size, node_of_bin.size
+    cap = -(-n // num_bins)
+    if n == 0 or np.bincount(home, minlength=num_bins).max() <= cap:
+        return home, "home"
+    num_nodes = int(node_of_bin.max()) + 1
+    bins_by_node = np.argsort(node_of_bin, kind="stable")
+    node_start = np.searchsorted(node_of_bin[bins_by_node], np.arange(num_nodes + 1))
+    bins = np.empty(n, dtype=np.int64)
+    _kernels.fill_quotas(home, np.full(num_bins, cap, dtype=np.int64), node_of_bin, bins_by_node, node_start, bins)
+    return bins, "uniform"
+
+
 def partition_locality(costs, home, num_bins, gpus_per_node, *, item_bytes, memory=None,
-                       memory_cap=None, tolerance: float = 0.01) -> Partition:
-    """Balance like ``partition(method='auto')`` (within ``tolerance``) while moving few bytes.
+                       memory_cap=None, tolerance: float = 0.0, reference: Optional[Partition] = None) -> Partition:
+    """Balance like ``partition(method='auto')`` (at most ``tolerance`` above its max: by default as well)
+    while moving few bytes.
 
     Bins are ranks here: rank r lives on node r // gpus_per_node and item i starts on ``home[i]``.
-    The capacity is (1 + tolerance) x the auto plan's max cost. Each rank keeps its items, the
-    most costly first, while its load stays within the capacity (so what leaves is the smaller,
-    easily placed work); the rest go, largest first, to the least-loaded rank of their home node
-    if they fit there, else to the least-loaded rank anywhere. If a rank is still above the
-    capacity, refinement moves work off it, to ranks of its own node first. So bytes cross nodes
-    mostly where a node has too much work, and leave their GPU only where a rank has. If the
-    capacity cannot be met, the auto plan's bins go to the ranks the exact placement gives them
-    (method ``locality_fallback:...+exact``); a home assignment already within the capacity is
-    returned unchanged (method ``"home"``).
+    The capacity is (1 + tolerance) x the max cost of ``reference`` (default: ``partition(costs, num_bins,
+    home=home, memory=..., memory_cap=...)``, the plain plan). Items go, largest first, to their home
+    rank while it stays within the mean load, else to the least-loaded rank of their node if that does,
+    else to the least-loaded rank anywhere (:func:`_kernels.lpt_near_home`: a rank keeps its largest
+    items, what leaves goes to its node first, and the smallest items, last, even the ranks out as LPT
+    does); then refinement takes the most-loaded ranks down to the capacity, with the ranks of their own
+    node first, swapping only small items across nodes as long as that suffices (a swap of two long
+    items is many bytes on two ranks' links). So bytes cross nodes mostly where a node has too much
+    work, and leave their GPU only where a rank has. If the capacity cannot be met, the reference's bins
+    go to the ranks the exact placement gives them (method ``locality_fallback:...+exact``); a home
+    assignment already within the capacity is returned unchanged (method ``"home"``).
     """
     costs = _check_values(costs, "costs")
     n = costs.size
@@ -607,25 +634,29 @@ def partition_locality(costs, home, num_bins, gpus_per_node, *, item_bytes, memo
     memory, cap, has_memory = _check_memory(memory, memory_cap, n)
 
     order = _decreasing(costs)
-    reference, reference_name, reference_cost = _home_if_not_worse(
-        *_auto(costs, memory, cap, order, num_bins, refine=n > 0), costs, memory, cap, num_bins, home)
-    capacity = (1.0 + tolerance) * reference_cost
-    if reference_name == "home" or (_fits_memory(home, memory, cap, num_bins)
-                                    and _max_cost(costs, home, num_bins) <= capacity):
+    if reference is None:
+        bins, name, cost = _home_if_not_worse(*_auto(costs, memory, cap, order, num_bins, refine=n > 0), costs,
+                                              memory, cap, num_bins, home)
+        reference = Partition(bins, num_bins, np.bincount(bins, weights=costs, minlength=num_bins), 0.0, math.nan,
+                              name)
+    capacity = (1.0 + tolerance) * reference.max_cost
+    if reference.method == "home" or (_fits_memory(home, memory, cap, num_bins)
+                                      and _max_cost(costs, home, num_bins) <= capacity):
         bins, name = home.copy(), "home"
     else:
-        # each rank's items by decreasing cost (ties by id): ``order`` stably regrouped by home
-        keep_order = order[np.argsort(home[order], kind="stable")]
         bins = np.empty(n, dtype=np.int64)
-        failed = _kernels.place_near_home(costs, memory, cap, home, order, keep_order, num_bins,
-                                          gpus_per_node, capacity, bins)
+        mean = float(costs.sum()) / num_bins
+        failed = _kernels.lpt_near_home(costs, memory, cap, home, order, num_bins, gpus_per_node, mean, bins)
         name = "locality"
-        if failed < 0 and _max_cost(costs, bins, num_bins) > capacity:
-            _refine(costs, memory, cap, order, num_bins, bins, allow_moves=True, stop_at=capacity,
-                    node_size=gpus_per_node)
-            name += "+refine"
+        # across nodes, swaps of small items only at first (two long items swapped to even out two ranks are
+        # many bytes on two links), then of any
+        for swap_cap in _LOCALITY_SWAP_CAPS:
+            if failed < 0 and _max_cost(costs, bins, num_bins) > capacity:
+                _refine(costs, memory, cap, order, num_bins, bins, allow_moves=True, stop_at=capacity,
+                        node_size=gpus_per_node, cross_swap_cap=swap_cap * mean if swap_cap < math.inf else math.inf)
+                name = "locality+refine"
         if failed >= 0 or _max_cost(costs, bins, num_bins) > capacity:
-            bins, name = (_placed(reference, home, item_bytes, num_bins, gpus_per_node),
-                          f"locality_fallback:{reference_name}+exact")
+            bins, name = (_placed(reference.bin_of_item, home, item_bytes, num_bins, gpus_per_node),
+                          f"locality_fallback:{reference.method}+exact")
     return _result(bins, num_bins, costs, memory, has_memory, _lower_bound(costs, num_bins), home,
                    name, item_bytes, _nodes(num_bins, gpus_per_node))

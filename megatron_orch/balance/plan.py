@@ -255,10 +255,10 @@ def moved_bytes(src_rank, dst_rank, item_bytes, node_of_rank) -> MovedBytes:
 
 def checksum(*arrays) -> int:
     """Deterministic 32-bit check value of integer arrays (shape-sensitive): a plan's digest, which ranks
-    compare instead of the plan itself."""
+    compare instead of the plan itself (each array's shape and its 64-bit fingerprint, CRC-32'd)."""
     value = 0
     for array in arrays:
         array = np.ascontiguousarray(array, dtype=np.int64)
         value = zlib.crc32(np.asarray(array.shape, dtype=np.int64).tobytes(), value)
-        value = zlib.crc32(array.tobytes(), value)
+        value = zlib.crc32(np.uint64(_plan_kernels.fingerprint(array.reshape(-1))).tobytes(), value)
     return value

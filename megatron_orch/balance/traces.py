@@ -230,7 +230,8 @@ def load_mixture(specs: Sequence[Tuple[str, float]] = DEFAULT_MIXTURE,
 class DerivedTrace:
     """Examples made from the real rows of a shipped trace: a selection of them, or runs of them merged.
 
-    Rows of ``source`` whose text columns hold the ``select`` values are taken in file order. Without a
+    Rows of ``source`` whose text columns hold the ``select`` values (and whose numeric columns are at most
+    their ``at_most`` values) are taken in file order. Without a
     ``length_column`` they are the examples. With one, example i starts at selected row i and takes the
     rows after it (wrapping around at the end) until their ``length_column`` sums to a target drawn
     log-uniformly in [``low``, ``high``] (a fixed seed per trace: the same examples every time); its
@@ -246,12 +247,16 @@ class DerivedTrace:
     low: float = 0.0
     high: float = 0.0
     drop: Tuple[str, ...] = ()
+    at_most: Tuple[Tuple[str, float], ...] = ()  # (numeric column, its largest value kept)
 
     def build(self, traces_dir: Optional[Path] = None) -> Trace:
         rows = load_trace(self.source, traces_dir)
-        keep = np.flatnonzero(np.logical_and.reduce([np.isin(rows[column], values) for column, values in self.select]))
+        kept = [np.isin(rows[column], values) for column, values in self.select]
+        kept += [rows[column] <= bound for column, bound in self.at_most]
+        keep = np.flatnonzero(np.logical_and.reduce(kept + [np.ones(len(rows), dtype=bool)]))
         if keep.size == 0:
-            raise ValueError(f"derived trace {self.name!r}: no row of {self.source} matches {self.select}")
+            raise ValueError(f"derived trace {self.name!r}: no row of {self.source} matches {self.select}"
+                             + (f" within {self.at_most}" if self.at_most else ""))
         start = np.arange(keep.size)
         if self.length_column is None:
             num_rows = np.ones(keep.size, dtype=np.int64)
@@ -276,8 +281,12 @@ class DerivedTrace:
 
 
 _DOCVQA = (("source", ("internvl_sft/docvqa_train_10k",)),)
-# Built from the shipped rows for the heavy-tailed mixtures (README, "Balancing").
+AUDIO_CAPTIONS = "audio_caption_clotho_audiocaps_soundbible.csv"
+# Built from the shipped rows for the benchmarks' mixtures (docs/benchmarks.md).
 DERIVED_TRACES = {t.name: t for t in (
+    DerivedTrace("audio_captions_20min", "Clotho, AudioCaps and SoundBible captions of clips up to 20 minutes (the "
+                 "file's one clip of 41 minutes needs 61.5k backbone tokens: beyond the models' 32k positions, "
+                 "training refuses it)", AUDIO_CAPTIONS, (), at_most=(("audio_sec", 1200.0),)),
     DerivedTrace("audio_captions_30s", "Clotho and AudioCaps captions of clips up to 30 s (the file's SoundBible "
                  "clips, up to 41 minutes, left out)", "audio_caption_clotho_audiocaps_soundbible.csv",
                  (("source", ("clotho_v2", "audiocaps")),)),
@@ -303,5 +312,11 @@ def _heavy_tailed(tail_weight: float) -> Tuple[Tuple[str, float], ...]:
 
 
 # Mostly short examples and a heavy tail of long ones: 5% (0.8 per rank of 16: 44% of ranks get none,
-# some three or more), 2% (72% get none; a long example is up to a rank's worth of work among short ones).
-HEAVY_TAILED_MIXTURES = {"heavy-tail": _heavy_tailed(0.05), "heavy-tail-rare": _heavy_tailed(0.02)}
+# some three or more), 2% (72% get none; a long example is up to a rank's worth of work among short ones),
+# 15% (2.4 per rank: most ranks hold several long examples, 7% none).
+HEAVY_TAILED_MIXTURES = {"heavy-tail": _heavy_tailed(0.05), "heavy-tail-rare": _heavy_tailed(0.02),
+                         "heavy-tail-harsh": _heavy_tailed(0.15)}
+# The shipped mixture as a trainable global batch: DEFAULT_MIXTURE with the audio captions whose clips fit the
+# models' 32k backbone positions (the benchmarks refuse an example training would refuse).
+SHIPPED_MIXTURE: Tuple[Tuple[str, float], ...] = tuple(
+    ("audio_captions_20min" if name == AUDIO_CAPTIONS else name, weight) for name, weight in DEFAULT_MIXTURE)

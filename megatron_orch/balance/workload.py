@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
-from typing import Dict, Mapping, Tuple
+from typing import Callable, Dict, Mapping, Tuple
 
 import numpy as np
 
@@ -158,6 +158,23 @@ class PhaseItems:
         return int(self.example.size)
 
 
+def check_sequence_length(num_tokens: int, seq_length: int, where: str) -> None:
+    """Refuse an example of more than ``seq_length`` backbone tokens, as training does (``BatchSpec.check``,
+    on every example it reads); the benchmarks and the simulator refuse a drawn example the same way."""
+    if num_tokens > seq_length:
+        raise ValueError(f"{where}: {num_tokens} tokens exceed seq_length {seq_length}")
+
+
+def check_sequence_lengths(num_tokens, seq_length: int, where: Callable[[int], str]) -> None:
+    """:func:`check_sequence_length` of every example of a batch (``where(i)`` names example i): the first
+    one too long is refused."""
+    num_tokens = np.asarray(num_tokens)
+    over = np.flatnonzero(num_tokens > seq_length)
+    if over.size:
+        i = int(over[0])
+        check_sequence_length(int(num_tokens[i]), seq_length, where(i))
+
+
 def _modeled(phase, tokens: np.ndarray) -> Tuple[np.ndarray, np.ndarray]:
     """(cost, memory) of items of ``tokens`` tokens under the phase's cost model, checked."""
     out = []
@@ -184,7 +201,9 @@ def phase_items(sizes: StepSizes, phases: ModelPhases) -> Dict[str, PhaseItems]:
         counts = np.asarray(sizes.items.get(phase.name, np.zeros(n)), dtype=np.int64)
         example = np.repeat(np.arange(n, dtype=np.int64), counts)
         tokens = np.full(example.size, phase.item_tokens, dtype=np.int64)
-        cost, memory = _modeled(phase, tokens)
+        # every item of the phase runs the same tokens: one item's figures
+        one_cost, one_memory = _modeled(phase, np.array([phase.item_tokens], dtype=np.int64))
+        cost, memory = np.full(example.size, one_cost[0]), np.full(example.size, one_memory[0])
         out[phase.name] = PhaseItems(phase.name, example, home[example], tokens, cost, memory,
                                      np.full(example.size, phase.input_bytes, dtype=np.int64),
                                      np.full(example.size, phase.output_rows * phase.output_row_bytes,

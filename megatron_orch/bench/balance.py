@@ -11,10 +11,10 @@ under a model config (default: the 84B config) and plans each phase with every m
 * ``lpt``, ``kk``, ``bs_ffd``: the constructive partitioners alone on each phase (no refinement, no
   home fallback, bins not placed on ranks).
 * ``orch``, ``orch_equal_count``, ``orch_locality``: what the trainer runs, ``plan_step`` with the
-  flags of :data:`~megatron_orch.bench.common.PLAN_METHODS` (``orch``: packed backbone micro-batches;
-  ``orch_equal_count``: the defaults, ``per_rank`` examples per rank in the backbone;
-  ``orch_locality``: ``--orch-locality`` with packed micro-batches; ``orch_equal_locality``:
-  ``--orch-locality`` with the default equal-count micro-batches), placement included, over
+  flags of :data:`~megatron_orch.bench.common.PLAN_METHODS` (``orch``: the defaults, packed backbone
+  micro-batches; ``orch_equal_count``: ``--orch-microbatching equal_count``, ``per_rank`` examples per
+  rank in the backbone; ``orch_locality``: ``--orch-locality`` with packed micro-batches;
+  ``orch_equal_locality``: ``--orch-locality`` with equal-count micro-batches), placement included, over
   ``--gpus-per-node`` ranks per node. Encoder phases of equal items (the model's tiles, frames and
   windows) are planned exactly by ``partition_uniform`` in all three. Plan time is the whole
   ``plan_step`` (all phases), shown on every phase.
@@ -40,7 +40,9 @@ gradients back).
 Modeled step time, in training FLOPs of the slowest rank: a per-phase plan synchronises between
 phases (an all-to-all), so its step is the sum over phases of the slowest rank; with ``none`` and
 ``verl_kk`` every rank runs its own examples end to end, so their step is the slowest rank's sum over
-phases (which favours them). ``speedup`` is relative to ``none``.
+phases (which favours them). ``speedup`` is relative to ``none``. ``default`` sets the defaults' speedup
+(``params.default``) beside the best method's; ``step.<method>.backbone_method`` says how each trainer row
+planned the backbone (a locality-aware plan not kept: ``...+placed (... not faster)``).
 """
 from __future__ import annotations
 
@@ -67,6 +69,7 @@ EQUAL_COUNT_METHODS = ("orch_equal_count", "orch_equal_locality", "verl_kk")  # 
 TRAINER_METHODS = {  # the trainer's flags for each orch row
     "orch": PLAN_METHODS["orch"], "orch_equal_count": PLAN_METHODS["equal_count"],
     "orch_locality": PLAN_METHODS["locality"], "orch_equal_locality": PLAN_METHODS["equal_locality"]}
+DEFAULT = "orch"  # the trainer's defaults (bench.common.DEFAULT_METHOD)
 VERL_LINEAR_COEFF = 24576  # verl's calculate_workload: 24576 * s + s^2 (a 7B model, hidden 4096)
 
 
@@ -223,12 +226,12 @@ def _phase_figures(phases: Dict[str, PhaseItems], plans, steps: Dict[str, StepPl
 
 
 def run(trace_specs: Sequence[tuple], dp: int, per_rank: int, gpus_per_node: int, model: str, seed: int,
-        repeats: int = 3, traces_dir: Optional[str] = None) -> dict:
+        repeats: int = 3, traces_dir: Optional[str] = None, seq_length: Optional[int] = None) -> dict:
     """Run the benchmark and return its JSON-ready result."""
     if dp < 1 or per_rank < 1 or gpus_per_node < 1 or repeats < 1:
         raise ValueError(f"--dp, --per-rank, --gpus-per-node and --repeats must be >= 1, got "
                          f"{dp}, {per_rank}, {gpus_per_node}, {repeats}")
-    config, mixture, sizes = draw_sizes(trace_specs, dp, per_rank, model, seed, traces_dir)
+    config, mixture, sizes = draw_sizes(trace_specs, dp, per_rank, model, seed, traces_dir, seq_length)
     model_phases = config.phases()
     backbone = model_phases.backbone.name
     phases = phase_items(sizes, model_phases)
@@ -239,20 +242,29 @@ def run(trace_specs: Sequence[tuple], dp: int, per_rank: int, gpus_per_node: int
     result: dict = {name: {m: _phase_figures(phases, plans, steps, name, m, dp, gpus_per_node, backbone)
                            for m in METHODS} for name in phases}
     result["step"] = _step_model(phases, plans, dp, result, backbone)
+    for method in TRAINER_METHODS:  # how the trainer's plan balanced the backbone (a locality plan: kept or not)
+        result["step"][method]["backbone_method"] = steps[method].stats[backbone].method
+    best = max(METHODS, key=lambda m: result["step"][m]["speedup"])
+    result["default"] = {"method": DEFAULT, "best": best, "speedup": result["step"][DEFAULT]["speedup"],
+                         "best_speedup": result["step"][best]["speedup"],
+                         "within": result["step"][DEFAULT]["speedup"] / result["step"][best]["speedup"]}
     result["params"] = {
         "traces": [{"trace": t.name, "weight": w} for t, w in zip(mixture.traces, mixture.weights)],
         "dp": dp, "per_rank": per_rank, "num_examples": dp * per_rank, "gpus_per_node": gpus_per_node,
         "model": config.name, "model_shaped_after": config.shaped_after,
         "model_parameters": config.num_parameters()["total"], "seed": seed, "repeats": repeats,
+        "default": DEFAULT,
         "items": {name: len(phases[name]) for name in phases},
         "total_flops": {name: float(phases[name].cost.sum()) for name in phases},
+        "largest_over_mean": {name: float(phases[name].cost.max(initial=0.0) / (phases[name].cost.sum() / dp))
+                              if len(phases[name]) else 0.0 for name in phases},
         "total_bytes": {name: result[name]["none"]["bytes"] for name in phases},
         "memory_cap_bytes": caps,
         "cost_unit": "training FLOPs (3x forward) from the model's shape",
         "notes": {
-            "orch*": "the trainer's plan_step (placement included; plan_ms: all phases); orch and orch_locality "
-                     "with packed backbone micro-batches, orch_equal_count and orch_equal_locality with the "
-                     "default equal-count ones",
+            "orch*": "the trainer's plan_step (placement included; plan_ms: all phases); orch (the defaults) and "
+                     "orch_locality with packed backbone micro-batches, orch_equal_count and orch_equal_locality "
+                     "with equal-count ones",
             "verl_kk": "planned on llm tokens with 24576*s+s^2; encoder items follow their example",
             "memory_cap": "per phase, upstream's peak per-rank activation memory (lpt, bs_ffd honour it; kk "
                           "ignores memory; the trainer's plan_step plans without a memory cap)",
@@ -321,6 +333,10 @@ def format_tables(result: dict) -> str:
         moved = f"{100 * s['moved_bytes_frac']:.1f}%" if "moved_bytes_frac" in s else ""
         lines.append(f"| {m} | {s['flops'] / 1e15:.1f} | {s['over_lb']:.4f} | {s['speedup']:.3f} | "
                      f"{s['plan_ms']:.2f} | {inter} | {moved} |")
+    d = result["default"]
+    lines += ["", f"the default ({d['method']}) step speedup {d['speedup']:.4f}, the best method's ({d['best']}) "
+              f"{d['best_speedup']:.4f}: {100 * (1 - d['within']):.2f}% below it",
+              "backbone plans: " + ", ".join(f"{m} {result['step'][m]['backbone_method']}" for m in TRAINER_METHODS)]
     return "\n".join(lines)
 
 
@@ -329,8 +345,11 @@ def main(argv: Optional[List[str]] = None) -> dict:
     parser.add_argument("--repeats", type=int, default=3, help="timed runs per plan; the fastest counts")
     args = parser.parse_args(argv)
     specs = trace_specs(args)
-    result = run(specs, args.dp, args.per_rank, args.gpus_per_node, args.model, args.seed, args.repeats,
-                 args.traces_dir)
+    try:
+        result = run(specs, args.dp, args.per_rank, args.gpus_per_node, args.model, args.seed, args.repeats,
+                     args.traces_dir, args.seq_length)
+    except ValueError as err:  # e.g. an example longer than --seq-length: refused, as training refuses it
+        parser.error(str(err))
     return report(result, format_tables, args.json)
 
 

@@ -13,26 +13,43 @@ import numpy as np
 from megatron_orch.balance.cost_profile import CostProfile
 from megatron_orch.balance.partition import partition, partition_equal_count, partition_locality
 from megatron_orch.balance.plan import Placement
+from megatron_orch.balance.step_model import StepModel
 from megatron_orch.balance.topology import Topology
-from megatron_orch.balance.traces import (DEFAULT_MIXTURE, DERIVED_TRACES, HEAVY_TAILED_MIXTURES, TraceMixture,
-                                          load_mixture, parse_trace_spec)
-from megatron_orch.balance.workload import ModelPhases, PhaseItems, StepSizes
+from megatron_orch.balance.traces import (DERIVED_TRACES, HEAVY_TAILED_MIXTURES, SHIPPED_MIXTURE, Trace,
+                                          TraceMixture, load_mixture, parse_trace_spec)
+from megatron_orch.balance.workload import ModelPhases, PhaseItems, StepSizes, check_sequence_lengths
 from megatron_orch.mllm.config import DEFAULT_MODEL, MLLMConfig, load_model_config, sizes_from_trace, with_encoder_layers
 from megatron_orch.orchestrator.config import OrchestratorConfig
 from megatron_orch.orchestrator.step_plan import EncoderPhasePlan, StepPlan, plan_step
 
-# The trainer's balancing methods as plan_step configurations (bench.emulate, megatron_orch.sim), beside
-# upstream (``none``, :func:`upstream_plan`): per-phase with packed backbone micro-batches (the auto
-# partitioner in every phase); the defaults (equal-count backbone); locality-aware in every phase, with
-# packed and with equal-count backbone micro-batches.
-# The named mixtures of the benchmarks' --mixture: the shipped one, and the heavy-tailed ones.
-MIXTURES = {"shipped": DEFAULT_MIXTURE, **HEAVY_TAILED_MIXTURES}
 
+
+def _reweighted(factors: Dict[str, float]) -> Tuple[Tuple[str, float], ...]:
+    """The shipped mixture with the weight of every trace whose name contains a key multiplied."""
+    return tuple((name, weight * next((f for key, f in factors.items() if key in name), 1.0))
+                 for name, weight in SHIPPED_MIXTURE)
+
+
+# The named mixtures of the benchmarks and the simulator (--mixture): the shipped one (every example trainable:
+# SHIPPED_MIXTURE), re-weightings of it, and the heavy-tailed ones (balance/traces.py).
+MIXTURES: Dict[str, Tuple[Tuple[str, float], ...]] = {
+    "shipped": SHIPPED_MIXTURE,
+    "audio-heavy": _reweighted({"asr": 4.0, "audio": 4.0, "music": 4.0}),
+    "image-heavy": _reweighted({"omnibal": 4.0, "image": 4.0}),
+    "video-heavy": _reweighted({"video": 4.0}),
+    **HEAVY_TAILED_MIXTURES,
+}
+
+# The trainer's balancing methods as plan_step configurations (bench.balance, bench.emulate, megatron_orch.sim),
+# beside upstream (``none``, :func:`upstream_plan`): the defaults (packed backbone micro-batches, the auto
+# partitioner in every phase); equal-count backbone micro-batches; locality-aware in every phase, with packed and
+# with equal-count backbone micro-batches.
+DEFAULT_METHOD = "orch"
 PLAN_METHODS = {
-    "orch": OrchestratorConfig(microbatching="packed", background=False),
-    "equal_count": OrchestratorConfig(background=False),
-    "locality": OrchestratorConfig(microbatching="packed", locality=True, background=False),
-    "equal_locality": OrchestratorConfig(locality=True, background=False),
+    "orch": OrchestratorConfig(background=False),
+    "equal_count": OrchestratorConfig(microbatching="equal_count", background=False),
+    "locality": OrchestratorConfig(locality=True, background=False),
+    "equal_locality": OrchestratorConfig(microbatching="equal_count", locality=True, background=False),
 }
 
 
@@ -56,12 +73,13 @@ def model_phases(config: MLLMConfig, cost_profile: Optional[CostProfile] = None)
 
 
 def plan_method(method: str, sizes: StepSizes, model: MLLMConfig, topology: Topology,
-                cost_profile: Optional[CostProfile] = None) -> StepPlan:
+                cost_profile: Optional[CostProfile] = None, step_model: Optional[StepModel] = None) -> StepPlan:
     """The plan of ``none`` (upstream) or of a :data:`PLAN_METHODS` method, through ``plan_step`` with one
-    example per micro-batch."""
+    example per micro-batch (``step_model``: the cluster its locality-aware plans are judged on)."""
     if method == "none":
         return upstream_plan(sizes, model.phases().backbone.name)
-    config = dataclasses.replace(PLAN_METHODS[method], cost_profile=cost_profile)
+    config = dataclasses.replace(PLAN_METHODS[method], cost_profile=cost_profile,
+                                 step_model=step_model or PLAN_METHODS[method].step_model)
     return plan_step(sizes, model.phases(), config, topology, micro_batch_size=1,
                      num_microbatches=int(np.asarray(sizes.counts)[0]))
 
@@ -103,15 +121,19 @@ def parse_layers(parser: argparse.ArgumentParser, text: Optional[str]) -> Option
 
 def add_trace_args(parser: argparse.ArgumentParser) -> None:
     """``--mixture`` / ``--trace`` (what :func:`trace_specs` reads) and ``--traces-dir``."""
-    parser.add_argument("--mixture", choices=sorted(MIXTURES), default="shipped",
-                        help="a named mixture: shipped (" + ", ".join(f"{n}:{w}" for n, w in DEFAULT_MIXTURE)
-                             + "; the default) or a heavy-tailed one (balance/traces.py HEAVY_TAILED_MIXTURES)")
+    parser.add_argument("--mixture", choices=list(MIXTURES), default="shipped",
+                        help="a named mixture: shipped (" + ", ".join(f"{n}:{w}" for n, w in SHIPPED_MIXTURE)
+                             + "; the default), a re-weighting of it (audio-, image-, video-heavy: x4) or a "
+                             "heavy-tailed one (balance/traces.py HEAVY_TAILED_MIXTURES)")
     parser.add_argument("--trace", nargs="+", metavar="CSV[:WEIGHT]",
                         help="trace CSVs (names in the traces folder, or paths, or derived traces: "
                              + ", ".join(DERIVED_TRACES) + ") with optional weights, instead of --mixture")
     parser.add_argument("--traces-dir", default=None,
                         help="folder of the trace CSVs (default: $MEGATRON_ORCH_TRACES or the gzipped copies "
                              "in <repo>/data/traces)")
+    parser.add_argument("--seq-length", type=int, default=None,
+                        help="backbone sequence length (default: the model's max_position_embeddings); a drawn "
+                             "example longer than this is refused, as training refuses it")
 
 
 def parser_with_batch_args(prog: str, description: str) -> argparse.ArgumentParser:
@@ -147,12 +169,26 @@ def report(result: dict, format_tables: Callable[[dict], str], json_path: Option
 
 
 def draw_sizes(trace_specs: Sequence[tuple], dp: int, per_rank: int, model: str, seed: int,
-               traces_dir: Optional[str] = None) -> Tuple[MLLMConfig, TraceMixture, StepSizes]:
+               traces_dir: Optional[str] = None,
+               seq_length: Optional[int] = None) -> Tuple[MLLMConfig, TraceMixture, StepSizes]:
     """The sizes of a random global batch of ``dp * per_rank`` examples, as the trainer gathers them (DP
-    rank r loads the r-th consecutive block, as upstream Megatron does)."""
+    rank r loads the r-th consecutive block, as upstream Megatron does); an example longer than ``seq_length``
+    (default: the model's positions) is refused (:func:`batch_sizes`)."""
     config = load_model_config(model)
     mixture = load_mixture(trace_specs, traces_dir)
-    return config, mixture, sizes_from_trace(mixture.draw(dp * per_rank, seed), np.full(dp, per_rank), config)
+    return config, mixture, batch_sizes(mixture.draw(dp * per_rank, seed), dp, per_rank, config, seq_length)
+
+
+def batch_sizes(rows: Trace, dp: int, per_rank: int, config: MLLMConfig,
+                seq_length: Optional[int] = None) -> StepSizes:
+    """The sizes the trainer gathers for a global batch of trace rows, DP rank r holding rows ``[r * per_rank,
+    (r + 1) * per_rank)``; an example of more than ``seq_length`` backbone tokens (default: the model's
+    ``max_position_embeddings``) is refused with training's own check and message."""
+    sizes = sizes_from_trace(rows, np.full(dp, per_rank, dtype=np.int64), config)
+    limit = config.backbone.max_position_embeddings if seq_length is None else seq_length
+    check_sequence_lengths(sizes.num_tokens, limit, lambda i: (
+        f"{rows.name}: example {i} (DP rank {i // per_rank}, {rows['source'][i]} {rows['task'][i]})"))
+    return sizes
 
 
 def memory_caps(phases: Dict[str, PhaseItems], dp: int) -> Dict[str, float]:

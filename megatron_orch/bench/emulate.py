@@ -291,7 +291,8 @@ def main(argv: Optional[List[str]] = None) -> dict:
     threads = args.threads if args.threads is not None else (1 if args.device == "cpu" else None)
     try:
         device, settings, device_name = device_settings(args.device, threads)
-        _, _, sizes = draw_sizes(trace_specs(args), args.dp, args.per_rank, args.model, args.seed, args.traces_dir)
+        _, _, sizes = draw_sizes(trace_specs(args), args.dp, args.per_rank, args.model, args.seed, args.traces_dir,
+                                 args.seq_length)
         config = with_layers(load_model_config(args.model), layers)
         profile = None if args.cost_profile is None else load_cost_profile(args.cost_profile, config.phases())
     except ValueError as err:

@@ -390,8 +390,11 @@ def main(argv=None) -> dict:
     unknown = sorted(set(variants) - set(VARIANTS))
     if unknown:
         parser.error(f"--variants: unknown {unknown}; choose from {sorted(VARIANTS)}")
-    model_config, _, sizes = draw_sizes(trace_specs(args), args.dp, args.per_rank, args.model, args.seed,
-                                        args.traces_dir)
+    try:
+        model_config, _, sizes = draw_sizes(trace_specs(args), args.dp, args.per_rank, args.model, args.seed,
+                                            args.traces_dir, args.seq_length)
+    except ValueError as err:  # e.g. an example longer than --seq-length: refused, as training refuses it
+        parser.error(str(err))
     model_config = with_layers(model_config, parse_layers(parser, args.layers))
     phases = model_config.phases()
     topology = Topology.uniform(args.dp, args.gpus_per_node)

@@ -12,10 +12,10 @@ consecutive ranks per node) by each method:
 * ``greedy``: heaviest same-node, then same-GPU byte counts first; never worse than identity.
 * ``exact``: fewest inter-node bytes (min-cost flow), then fewest off-GPU bytes inside nodes.
 * ``minmax``: least loaded busiest node (CP-SAT, ``--minmax-time-limit`` seconds, warm-started).
-* ``locality``: not a placement: ``partition_locality`` balances with bins that are ranks (1%
-  balance tolerance), trading balance for locality; its ``solve_ms`` is that partition's time.
+* ``locality``: not a placement: ``partition_locality`` balances with bins that are ranks (as balanced
+  as the ``auto`` plan), keeping items near home; its ``solve_ms`` is that partition's time.
 * ``trainer``: what the trainer runs with its defaults, ``plan_step`` (encoder phases of equal items
-  by ``partition_uniform``, whose bins are ranks; the backbone equal-count, then ``exact``
+  by ``partition_uniform``, whose bins are ranks; the backbone packed, ``auto``, then ``exact``
   placement); its ``solve_ms`` is the whole ``plan_step`` (all phases), shown on every phase.
 
 Traffic of a phase: an encoder item's raw input moves from its home rank to its bin's rank; an
@@ -79,21 +79,21 @@ def _locality_bins(items: PhaseItems, dp: int, gpus_per_node: int, cap: float):
 
 
 def run(trace_specs: Sequence[tuple], dp: int, per_rank: int, gpus_per_node: int, model: str, seed: int,
-        minmax_time_limit_s: float = 1.0, traces_dir: Optional[str] = None) -> dict:
+        minmax_time_limit_s: float = 1.0, traces_dir: Optional[str] = None, seq_length: Optional[int] = None) -> dict:
     """Run the benchmark and return its JSON-ready result ``{phase: {method: {field: value}}, params}``."""
     if dp < 1 or per_rank < 1 or gpus_per_node < 1 or minmax_time_limit_s < 0:
         raise ValueError(f"--dp, --per-rank, --gpus-per-node must be >= 1 and --minmax-time-limit >= 0, "
                          f"got {dp}, {per_rank}, {gpus_per_node}, {minmax_time_limit_s}")
-    config, mixture, sizes = draw_sizes(trace_specs, dp, per_rank, model, seed, traces_dir)
+    config, mixture, sizes = draw_sizes(trace_specs, dp, per_rank, model, seed, traces_dir, seq_length)
     model_phases = config.phases()
     backbone = model_phases.backbone.name
     phases = phase_items(sizes, model_phases)
     topology = Topology.uniform(dp, gpus_per_node)
     caps = memory_caps(phases, dp)
     _warm_up(gpus_per_node)
-    plan_method("equal_count", sizes, config, topology)  # untimed: loads kernels, touches memory
+    plan_method("orch", sizes, config, topology)  # untimed: loads kernels, touches memory
     start = time.perf_counter()
-    trainer_plan = plan_method("equal_count", sizes, config, topology)
+    trainer_plan = plan_method("orch", sizes, config, topology)
     trainer_ms = 1e3 * (time.perf_counter() - start)
     trainer_ranks = {name: trainer_plan.encoders[name].encode.rank for name in model_phases.encoder_names}
     trainer_ranks[backbone] = trainer_plan.examples_llm.rank
@@ -188,8 +188,11 @@ def main(argv: Optional[List[str]] = None) -> dict:
     parser.add_argument("--minmax-time-limit", type=float, default=1.0, help="seconds for min-max (default 1)")
     args = parser.parse_args(argv)
     specs = trace_specs(args)
-    result = run(specs, args.dp, args.per_rank, args.gpus_per_node, args.model, args.seed,
-                 args.minmax_time_limit, args.traces_dir)
+    try:
+        result = run(specs, args.dp, args.per_rank, args.gpus_per_node, args.model, args.seed,
+                     args.minmax_time_limit, args.traces_dir, args.seq_length)
+    except ValueError as err:  # e.g. an example longer than --seq-length: refused, as training refuses it
+        parser.error(str(err))
     return report(result, format_tables, args.json)
 
 

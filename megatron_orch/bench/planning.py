@@ -4,29 +4,33 @@ and how long it stalls a training loop's Python while it runs in the background.
     python -m megatron_orch.bench.planning --dp 512 2560 --per-rank 16 --gpus-per-node 8 --seeds 0 1 2 --json out.json
 
 For every (DP size, mixture, seed) it draws a global batch of ``dp * per_rank`` examples (DP rank r
-loads the r-th consecutive block), builds the sizes the trainer gathers (:func:`step_sizes`) and calls
-exactly what the trainer calls: ``plan_step(sizes, model, OrchestratorConfig(), topology, ...)`` with
-the default flags (every phase, ``auto`` partitioner, ``equal_count`` micro-batches, ``exact``
-placement), a uniform topology of ``--gpus-per-node`` ranks per node, ``--micro-batch-size`` examples
-per micro-batch. Mixtures re-weight the shipped traces (``default``, ``audio-heavy``, ``image-heavy``,
-``video-heavy``) or add a heavy tail of long examples to short ones (``heavy-tail``,
-``heavy-tail-rare``: ``balance/traces.py``), or ``--trace`` gives one of your own.
+loads the r-th consecutive block), builds the sizes the trainer gathers (``bench.common.batch_sizes``,
+which refuses an example training would refuse) and calls exactly what the trainer calls:
+``plan_step(sizes, model, OrchestratorConfig(), topology, ...)`` with the default flags (every phase,
+``auto`` partitioner, packed micro-batches, ``exact`` placement), a uniform topology of
+``--gpus-per-node`` ranks per node, ``--micro-batch-size`` examples per micro-batch. Mixtures: the
+benchmarks' own (``bench.common.MIXTURES``: the shipped one and re-weightings of it, the heavy-tailed
+ones of ``balance/traces.py``), or ``--trace`` gives one of your own.
 
 Figures, per configuration:
 
 * ``plan_cpu_ms``: CPU time of ``plan_step`` on its own (``time.process_time`` of the whole process,
-  nothing else running), over ``--repeats`` runs after one untimed run; ``plan_wall_ms`` likewise;
-  ``plan_sys_ms`` and ``page_faults``: the kernel's share of that CPU time, mostly page faults of
-  freshly allocated arrays (``--retain-freed-memory`` keeps freed memory in the process instead).
+  nothing else running), over ``--repeats`` runs after one untimed run, median and worst against the
+  targets; ``plan_wall_ms`` likewise; ``plan_sys_ms`` and ``page_faults``: the kernel's share of that CPU
+  time, mostly page faults of freshly allocated arrays (``--retain-freed-memory`` keeps freed memory in
+  the process instead).
+* ``reference_cpu_ms``: a fixed piece of numpy work (:func:`reference_workload`) timed right after each
+  plan: how much a loaded machine inflates CPU times in this run (its min over the run against its
+  median), and the load average (``os.getloadavg``) before and after each configuration.
 * the stall: a main thread runs a probe loop of small Python work while :class:`BackgroundPlanner`
   plans the same step on its thread (as the trainer does while a step trains), and records the
   longest gap between two of its iterations. Two controls, side by side in the same run: the same
   loop, as long, with nothing planning (``idle``), and while the same plan runs in a forked process
   (``beside``: the same CPU contention, no shared GIL). What ``planning`` shows above ``beside`` is
-  the GIL's share of the stall; the rest is the machine (preemption, a busy core). Two probes: ``sleep`` (``time.sleep(1 ms)``
-  per iteration: a loop that waits on the GPU) and ``numpy`` (a tight loop of short numpy ops: a loop
-  busy launching kernels). ``bg_plan_cpu_ms``/``bg_plan_wall_ms``: the background plan's thread CPU
-  and wall time meanwhile. Each figure is the worst over the repeats.
+  the GIL's share of the stall; the rest is the machine (preemption, a busy core). Two probes:
+  ``sleep`` (``time.sleep(1 ms)`` per iteration: a loop that waits on the GPU) and ``numpy`` (a tight
+  loop of short numpy ops: a loop busy launching kernels). ``bg_plan_cpu_ms``/``bg_plan_wall_ms``: the
+  background plan's thread CPU and wall time meanwhile. Each figure is the worst over the repeats.
 * the plan digest (equal over repeats and between the foreground and background runs: deterministic).
 
 On a small shared VM the idle loop alone sees gaps of several ms (preemption, steal time): read the
@@ -37,6 +41,7 @@ from __future__ import annotations
 import argparse
 import ctypes
 import multiprocessing
+import os
 import resource
 import statistics
 import threading
@@ -46,32 +51,18 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple
 import numpy as np
 
 from megatron_orch.balance.topology import Topology
-from megatron_orch.balance.traces import DEFAULT_MIXTURE, HEAVY_TAILED_MIXTURES, Trace, load_mixture, parse_trace_spec
+from megatron_orch.balance.traces import load_mixture, parse_trace_spec
 from megatron_orch.balance.workload import StepSizes
-from megatron_orch.bench.common import report
+from megatron_orch.bench.common import MIXTURES, batch_sizes, draw_sizes, report
 from megatron_orch.mllm.config import DEFAULT_MODEL, MLLMConfig, load_model_config, sizes_from_trace
 from megatron_orch.orchestrator.background import BackgroundPlanner
 from megatron_orch.orchestrator.config import OrchestratorConfig
 from megatron_orch.orchestrator.step_plan import plan_step, warm_up
 
 PROBES = ("sleep", "numpy")
-TARGET_CPU_MS = 100.0   # issue 12: all phases at DP 2560 x 16 in < 100 ms CPU on one core
-TARGET_STALL_MS = 5.0   # and the main thread's longest stall < 5 ms
-
-
-def _reweighted(factors: Dict[str, float]) -> Tuple[Tuple[str, float], ...]:
-    """The shipped mixture with the weight of every trace whose name contains a key multiplied."""
-    return tuple((name, weight * next((f for key, f in factors.items() if key in name), 1.0))
-                 for name, weight in DEFAULT_MIXTURE)
-
-
-MIXTURES: Dict[str, Tuple[Tuple[str, float], ...]] = {
-    "default": DEFAULT_MIXTURE,
-    "audio-heavy": _reweighted({"asr": 4.0, "audio": 4.0, "music": 4.0}),
-    "image-heavy": _reweighted({"omnibal": 4.0, "image": 4.0}),
-    "video-heavy": _reweighted({"video": 4.0}),
-    **HEAVY_TAILED_MIXTURES,  # short examples and a tail of long ones (balance/traces.py)
-}
+TARGET_MEDIAN_CPU_MS = 50.0  # the default plan_step at DP 2560 x 16: median CPU on one core of an idle machine
+TARGET_WORST_CPU_MS = 70.0   # and its worst repeat
+TARGET_STALL_MS = 5.0        # the main thread's longest stall while it plans in the background
 
 
 def retain_freed_memory() -> bool:
@@ -86,18 +77,24 @@ def retain_freed_memory() -> bool:
         return False
 
 
-def step_sizes(rows: Trace, dp: int, per_rank: int, model: MLLMConfig) -> StepSizes:
-    """The sizes the trainer gathers over the DP group for a global batch of trace rows, DP rank r
-    holding rows ``[r * per_rank, (r + 1) * per_rank)``. (The one place that builds them here.)"""
-    return sizes_from_trace(rows, np.full(dp, per_rank, dtype=np.int64), model)
-
-
 def draw_step(trace_specs: Sequence[Tuple[str, float]], dp: int, per_rank: int, model: str, seed: int,
               traces_dir: Optional[str] = None) -> Tuple[MLLMConfig, StepSizes]:
     """A random global batch of a mixture, as the trainer sees it: (model config, sizes)."""
-    config = load_model_config(model)
-    rows = load_mixture(trace_specs, traces_dir).draw(dp * per_rank, seed)
-    return config, step_sizes(rows, dp, per_rank, config)
+    config, _, sizes = draw_sizes(trace_specs, dp, per_rank, model, seed, traces_dir)
+    return config, sizes
+
+
+def reference_workload() -> float:
+    """CPU seconds of a fixed piece of numpy work (sorting, gathers and sums over 2^16 float64, the planner's
+    kind of work, ~10 ms): timed beside every plan, so a loaded machine's inflation is measured in the same
+    run."""
+    rng = np.random.default_rng(0)
+    values = rng.random(1 << 16)
+    start = time.process_time()
+    for _ in range(2):
+        order = np.argsort(values, kind="stable")
+        np.bincount(order % 2560, weights=values[order], minlength=2560).max()
+    return time.process_time() - start
 
 
 # -------------------------------------------------------------------------------------------------
@@ -173,7 +170,8 @@ def _stall(kind: str, plan_fn: Callable[[], object]):
 
 def run_one(model: MLLMConfig, sizes: StepSizes, gpus_per_node: int, micro_batch_size: int,
             repeats: int = 3, probes: Sequence[str] = PROBES) -> dict:
-    """Time ``plan_step`` on one global batch (foreground CPU/wall, background stalls)."""
+    """Time ``plan_step`` on one global batch (foreground CPU/wall beside the reference workload, background
+    stalls)."""
     dp = int(np.asarray(sizes.counts).size)
     per_rank = int(np.asarray(sizes.counts)[0])
     if per_rank % micro_batch_size:
@@ -184,9 +182,10 @@ def run_one(model: MLLMConfig, sizes: StepSizes, gpus_per_node: int, micro_batch
     def plan():
         return plan_step(sizes, model.phases(), config, topology, micro_batch_size, per_rank // micro_batch_size)
 
+    load_before = os.getloadavg()[0]
     first = plan()  # untimed: first touches of memory at this size
     digests = {first.digest}
-    cpu, wall, sys_cpu, faults = [], [], [], []
+    cpu, wall, sys_cpu, faults, reference = [], [], [], [], []
     for _ in range(repeats):
         start_usage = resource.getrusage(resource.RUSAGE_SELF)
         start_cpu, start_wall = time.process_time(), time.perf_counter()
@@ -196,6 +195,7 @@ def run_one(model: MLLMConfig, sizes: StepSizes, gpus_per_node: int, micro_batch
         usage = resource.getrusage(resource.RUSAGE_SELF)
         sys_cpu.append(1e3 * (usage.ru_stime - start_usage.ru_stime))
         faults.append(usage.ru_minflt - start_usage.ru_minflt)
+        reference.append(1e3 * reference_workload())
     stalls = {}
     for kind in probes:
         runs = {"planning": [], "idle": [], "beside": []}
@@ -212,14 +212,20 @@ def run_one(model: MLLMConfig, sizes: StepSizes, gpus_per_node: int, micro_batch
         "dp": dp, "per_rank": per_rank,
         "items": {phase: stats.items for phase, stats in first.stats.items()},
         "methods": {phase: stats.method for phase, stats in first.stats.items()},
-        "plan_cpu_ms": {"min": min(cpu), "median": statistics.median(cpu), "max": max(cpu), "all": cpu},
-        "plan_wall_ms": {"min": min(wall), "median": statistics.median(wall), "max": max(wall), "all": wall},
+        "plan_cpu_ms": _spread(cpu),
+        "plan_wall_ms": _spread(wall),
         "plan_sys_ms": {"median": statistics.median(sys_cpu), "all": sys_cpu},  # kernel time: page faults
         "page_faults": {"median": statistics.median(faults), "all": faults},
+        "reference_cpu_ms": _spread(reference),
+        "load_average": {"before": load_before, "after": os.getloadavg()[0]},
         "stall": stalls,
         "digest": first.digest,
         "deterministic": len(digests) == 1,
     }
+
+
+def _spread(values: List[float]) -> dict:
+    return {"min": min(values), "median": statistics.median(values), "max": max(values), "all": values}
 
 
 def run(dps: Sequence[int], per_rank: int, gpus_per_node: int, seeds: Sequence[int], mixtures: Dict[str, tuple],
@@ -235,7 +241,7 @@ def run(dps: Sequence[int], per_rank: int, gpus_per_node: int, seeds: Sequence[i
         for name, specs in mixtures.items():
             mixture = load_mixture(specs, traces_dir)
             for seed in seeds:
-                sizes = step_sizes(mixture.draw(dp * per_rank, seed), dp, per_rank, config)
+                sizes = batch_sizes(mixture.draw(dp * per_rank, seed), dp, per_rank, config)
                 result = dict(run_one(config, sizes, gpus_per_node, micro_batch_size, repeats, probes),
                               mixture=name, seed=seed)
                 runs.append(result)
@@ -246,17 +252,21 @@ def run(dps: Sequence[int], per_rank: int, gpus_per_node: int, seeds: Sequence[i
         "micro_batch_size": micro_batch_size, "model": config.name, "repeats": repeats,
         "mixtures": {name: [{"trace": t, "weight": w} for t, w in specs] for name, specs in mixtures.items()},
         "orchestrator_config": repr(OrchestratorConfig()),
-        "targets": {"plan_cpu_ms": TARGET_CPU_MS, "max_stall_ms": TARGET_STALL_MS},
+        "cpus": os.cpu_count(),
+        "targets": {"median_plan_cpu_ms": TARGET_MEDIAN_CPU_MS, "worst_plan_cpu_ms": TARGET_WORST_CPU_MS,
+                    "max_stall_ms": TARGET_STALL_MS},
         "notes": {
             "plan_cpu_ms": "process CPU time of plan_step alone, after one untimed run",
+            "reference_cpu_ms": "a fixed numpy workload timed after each plan: its median over its min is the "
+                                "inflation the machine's load caused in this run",
             "stall": "longest gap between iterations of a main-thread probe loop while BackgroundPlanner "
                      "plans (planning), of the same loop with nothing planning (idle) and while the plan runs "
                      "in a forked process (beside: same CPU contention, no shared GIL), worst of the repeats",
         }}}
 
 
-HEADER = (f"{'dp':>5} {'mixture':<12} {'seed':>4} {'vision':>7} {'audio':>6} {'llm':>6} "
-          f"{'cpu ms':>7} {'(max)':>7} {'sys ms':>7} {'wall ms':>8}")
+HEADER = (f"{'dp':>5} {'mixture':<16} {'seed':>4} {'vision':>7} {'audio':>6} {'llm':>6} "
+          f"{'cpu ms':>7} {'(max)':>7} {'ref ms':>7} {'sys ms':>7} {'wall ms':>8} {'load':>5}")
 
 
 def _header(probes: Sequence[str]) -> str:
@@ -264,9 +274,10 @@ def _header(probes: Sequence[str]) -> str:
 
 
 def _row(r: dict, probes: Sequence[str]) -> str:
-    cells = (f"{r['dp']:>5} {r['mixture']:<12} {r['seed']:>4} {r['items']['vision']:>7} {r['items']['audio']:>6} "
+    cells = (f"{r['dp']:>5} {r['mixture']:<16} {r['seed']:>4} {r['items']['vision']:>7} {r['items']['audio']:>6} "
              f"{r['items']['llm']:>6} {r['plan_cpu_ms']['median']:>7.1f} {r['plan_cpu_ms']['max']:>7.1f} "
-             f"{r.get('plan_sys_ms', {}).get('median', float('nan')):>7.1f} {r['plan_wall_ms']['median']:>8.1f}")
+             f"{r['reference_cpu_ms']['median']:>7.1f} {r['plan_sys_ms']['median']:>7.1f} "
+             f"{r['plan_wall_ms']['median']:>8.1f} {r['load_average']['after']:>5.1f}")
     for kind in probes:
         s = r["stall"][kind]
         cells += (f" {s['planning']['max_gap_ms']:>9.2f} {s['planning']['median_max_gap_ms']:>6.2f}"
@@ -275,23 +286,31 @@ def _row(r: dict, probes: Sequence[str]) -> str:
 
 
 def _title(probes: Sequence[str]) -> List[str]:
-    return ["plan_step CPU (median, max of repeats), its kernel (page fault) share and wall; main-thread longest "
-            "gap (ms) while planning in the background (worst and median over repeats) vs idle and vs planning "
-            "in a forked process (worst)", _header(probes)]
+    return ["plan_step CPU (median, max of repeats), the reference workload's CPU beside it, the plan's kernel (page "
+            "fault) share and wall, the 1-minute load average; main-thread longest gap (ms) while planning in the "
+            "background (worst and median over repeats) vs idle and vs planning in a forked process (worst)",
+            _header(probes)]
 
 
 def _summary(result: dict) -> List[str]:
-    """Each DP size's worst figures against the targets."""
+    """Each DP size's figures against the targets, and the load they were measured under."""
     probes = list(result["runs"][0]["stall"]) if result["runs"] else []
     lines = []
     for dp in result["params"]["dp"]:
         mine = [r for r in result["runs"] if r["dp"] == dp]
         if not mine:
             continue
+        worst_median = max(r["plan_cpu_ms"]["median"] for r in mine)
         worst_cpu = max(r["plan_cpu_ms"]["max"] for r in mine)
         worst_stall = max(r["stall"][k]["planning"]["max_gap_ms"] for r in mine for k in probes) if probes else 0.0
-        lines.append(f"dp {dp}: worst plan CPU {worst_cpu:.1f} ms (target < {TARGET_CPU_MS:.0f}), worst main-thread "
-                     f"gap while planning {worst_stall:.2f} ms (target < {TARGET_STALL_MS:.0f})")
+        reference = [x for r in mine for x in r["reference_cpu_ms"]["all"]]
+        loads = [x for r in mine for x in r["load_average"].values()]
+        inflation = statistics.median(reference) / min(reference)
+        lines.append(f"dp {dp}: plan CPU median {worst_median:.1f} ms at most (target < {TARGET_MEDIAN_CPU_MS:.0f}), "
+                     f"worst {worst_cpu:.1f} ms (target < {TARGET_WORST_CPU_MS:.0f}); worst main-thread gap while "
+                     f"planning {worst_stall:.2f} ms (target < {TARGET_STALL_MS:.0f}); measured under a load average "
+                     f"of {min(loads):.1f}-{max(loads):.1f} on {result['params']['cpus']} CPUs, the reference "
+                     f"workload's median {inflation:.2f}x its fastest run")
     return lines
 
 
@@ -308,8 +327,8 @@ def main(argv: Optional[Sequence[str]] = None) -> dict:
     parser.add_argument("--gpus-per-node", type=int, default=8, help="DP ranks per node (default 8)")
     parser.add_argument("--micro-batch-size", type=int, default=1, help="examples per micro-batch (default 1)")
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
-    parser.add_argument("--mixtures", nargs="+", choices=sorted(MIXTURES), default=list(MIXTURES),
-                        help="re-weightings of the shipped traces (default: all)")
+    parser.add_argument("--mixtures", nargs="+", choices=list(MIXTURES), default=list(MIXTURES),
+                        help="the benchmarks' mixtures (bench.common.MIXTURES; default: all)")
     parser.add_argument("--trace", nargs="+", metavar="CSV[:WEIGHT]",
                         help="a mixture of your own (trace CSVs with weights), run instead of --mixtures")
     parser.add_argument("--traces-dir", default=None, help="folder of the trace CSVs")
@@ -325,9 +344,12 @@ def main(argv: Optional[Sequence[str]] = None) -> dict:
     mixtures = ({"custom": tuple(parse_trace_spec(s) for s in args.trace)} if args.trace
                 else {name: MIXTURES[name] for name in args.mixtures})
     print("\n".join(_title(args.probes)), flush=True)  # the table, a row as each configuration is done
-    result = run(args.dp, args.per_rank, args.gpus_per_node, args.seeds, mixtures, args.model,
-                 args.micro_batch_size, args.repeats, args.probes, args.traces_dir,
-                 log=lambda line: print(line, flush=True))
+    try:
+        result = run(args.dp, args.per_rank, args.gpus_per_node, args.seeds, mixtures, args.model,
+                     args.micro_batch_size, args.repeats, args.probes, args.traces_dir,
+                     log=lambda line: print(line, flush=True))
+    except ValueError as err:  # e.g. an example longer than the model's positions: refused, as training does
+        parser.error(str(err))
     result["params"]["retain_freed_memory"] = retained
     return report(result, lambda r: "\n".join(_summary(r)), args.json)
 

@@ -27,13 +27,32 @@ def dedicated_group(group: ProcessGroup, timeout: Optional[timedelta] = None) ->
     rank. Under NCCL the communicator itself is set up at its first collective. ``timeout``: that of the
     job's groups (the backend's default when None).
     """
+    return _create_each(_dp_groups(group), tuple(dist.get_process_group_ranks(group)), group, timeout)
+
+
+def replica_group(group: ProcessGroup, timeout: Optional[timedelta] = None) -> ProcessGroup:
+    """The group of this rank's DP replica: the ranks that sit where this one sits in every DP group (its TP,
+    CP and PP peers, which hold the same examples), created as :func:`dedicated_group` creates groups."""
+    groups = _dp_groups(group)
+    replicas = sorted({tuple(sorted(g[i] for g in groups)) for i in range(len(groups[0]))})
+    mine = next(r for r in replicas if dist.get_rank() in r)
+    return _create_each(replicas, mine, group, timeout)
+
+
+def _dp_groups(group: ProcessGroup) -> list:
+    """Every rank's DP group (``group`` on each), gathered over the world, in one order; overlapping or unequal
+    ones are refused on every rank."""
     ranks = tuple(dist.get_process_group_ranks(group))
     gathered = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, ranks)
     groups = sorted(set(gathered))
     members = [rank for g in groups for rank in g]
-    if len(members) != len(set(members)):
+    if len(members) != len(set(members)) or len({len(g) for g in groups}) != 1:
         raise ValueError(f"post-balancing needs disjoint DP groups, one per rank; the ranks gave {groups}")
+    return groups
+
+
+def _create_each(groups, mine, like: ProcessGroup, timeout: Optional[timedelta]) -> ProcessGroup:
     extra = {} if timeout is None else {"timeout": timeout}
-    created = {g: dist.new_group(list(g), backend=dist.get_backend(group), **extra) for g in groups}
-    return created[ranks]
+    created = {g: dist.new_group(list(g), backend=dist.get_backend(like), **extra) for g in groups}
+    return created[mine]

@@ -7,6 +7,10 @@ what the model provides, what ``forward_step`` receives).
 * :class:`ModalityAwareSchedule` wraps ``get_forward_backward_func()``: encoders over the rank's
   balanced items, their outputs to the backbone rank of their example, Megatron's schedule for the
   backbone, then the encoders' backward before gradients are finalised;
+* :func:`post_balance` wraps both for any loop that calls megatron-core's schedule itself (your own,
+  Megatron-Bridge's shape): :mod:`megatron_orch.megatron.any_loop` says which model-config callbacks it needs;
+* :mod:`~megatron_orch.megatron.first_step`: the model's mistakes refused before training or on the first
+  step, and the checked first step (the loader's against the balanced layout of one batch);
 * :class:`MimoBalancing` makes Megatron-Core's ``MimoModel`` such a model;
 * the ``--orch-*`` flags (:func:`add_orch_args`, Megatron's ``extra_args_provider`` convention) and
   the config they build (:func:`orch_config_from_args`).
@@ -27,11 +31,15 @@ _EXPORTS = {
     "megatron_orch.orchestrator.config": ("OrchestratorConfig",),
     "megatron_orch.megatron.batch": ("BatchSpec", "EncoderInput", "Example", "ExampleSizes", "MicroBatch",
                                      "collate", "collate_packed"),
-    "megatron_orch.megatron.contract": ("BalanceableModel", "forward_step", "loss_func"),
+    "megatron_orch.megatron.any_loop": ("post_balance",),
+    "megatron_orch.megatron.contract": ("BalanceableModel", "MegatronModelMixin", "check_model", "forward_step",
+                                        "loss_func"),
+    "megatron_orch.megatron.first_step": ("FirstStepMismatchError",),
     "megatron_orch.megatron.mimo": ("MimoBalancing", "MimoModality"),
     "megatron_orch.megatron.orch_arguments": ("add_orch_args", "orch_config_from_args"),
     "megatron_orch.megatron.post_balancing": ("BalancedMicroBatch", "BalancedStep", "ParallelGroups",
-                                              "PostBalancingDataIterator", "StepShape"),
+                                              "PostBalancingDataIterator", "ShadowStep", "StepShape",
+                                              "StockScheduleError"),
     "megatron_orch.megatron.schedule": ("ModalityAwareSchedule",),
 }
 _MODULE_OF = {name: module for module, names in _EXPORTS.items() for name in names}

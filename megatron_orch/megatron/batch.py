@@ -24,7 +24,7 @@ from typing import Dict, Mapping, Optional, Sequence, Tuple
 import torch
 from megatron.core.packed_seq_params import PackedSeqParams
 
-from megatron_orch.balance.workload import ModelPhases
+from megatron_orch.balance.workload import ModelPhases, check_sequence_length
 
 
 @dataclass(frozen=True)
@@ -47,12 +47,14 @@ class EncoderInput:
 class BatchSpec:
     """What every batch of a model provides (the batch half of the contract): the model's ``phases``; for
     each encoder phase, in the same order, its :class:`EncoderInput`; the pad token id of padded rows; the
-    longest example (backbone tokens)."""
+    longest example (backbone tokens); ``cannot_pack``: why the model's backbone cannot take packed rows
+    (:func:`collate_packed`), None where it can (``--orch-microbatching auto`` then packs)."""
 
     phases: ModelPhases
     inputs: Tuple[EncoderInput, ...]
     pad_token_id: int
     seq_length: int
+    cannot_pack: Optional[str] = None
 
     def __post_init__(self):
         object.__setattr__(self, "inputs", tuple(self.inputs))
@@ -87,8 +89,7 @@ class BatchSpec:
         if unknown:
             raise ValueError(f"{where}: items of {unknown}, which are not encoder phases of the model "
                              f"({list(self.phases.encoder_names)})")
-        if example.num_tokens > self.seq_length:
-            raise ValueError(f"{where}: {example.num_tokens} tokens exceed seq_length {self.seq_length}")
+        check_sequence_length(example.num_tokens, self.seq_length, where)
         for encoder_input in self.inputs:
             phase = encoder_input.phase
             items = example.items.get(phase)

@@ -17,11 +17,17 @@ each, built by :func:`~megatron_orch.megatron.batch.collate`); each example hold
 tokens in item order. Padded rows use the spec's ``pad_token_id``.
 
 **Model** (:class:`BalanceableModel`, the module inside Megatron's DDP / Float16Module wrappers): its
-encoders by phase name on the pipeline stage that holds them; ``encode(phase, items)`` runs one phase
-over any number of its items and returns their rows item by item; ``forward(batch, embeds=None)`` runs
-the backbone with ``embeds[phase]`` inserted at that phase's placeholders (``embeds=None``: the model
-encodes ``batch.items`` itself, the upstream path). An encoder without items on a rank in a step gets
-zero gradients (Megatron DDP's ``--overlap-grad-reduce`` needs every parameter to report each step).
+encoders by phase name on the pipeline stage that holds them (every parameter that ``encode`` uses
+belongs to its phase's module); ``encode(phase, items)`` runs one phase over any number of its items and
+returns their rows item by item; ``forward(batch, embeds=None)`` runs the backbone with ``embeds[phase]``
+inserted at that phase's placeholders (``embeds=None``: the model encodes ``batch.items`` itself, the
+upstream path); ``model_type`` and ``set_input_tensor``, which megatron-core's schedules read
+(:class:`MegatronModelMixin` provides both). Under sequence or context parallelism every rank of a DP replica
+gets the whole micro-batch and ``forward`` returns the per-token loss of the rank's part of the sequence, in
+megatron-core's layout (:class:`~megatron_orch.megatron.sequence_layout.SequenceLayout`). An encoder without
+items on a rank in a step gets zero gradients (Megatron DDP's ``--overlap-grad-reduce`` needs every parameter
+to report each step). :func:`check_model` refuses a model that lacks a member, naming it; the modality-aware
+schedule checks the rest on the first step (:mod:`~megatron_orch.megatron.first_step`).
 
 **forward_step** (Megatron's ``forward_step_func``): what ``next(data_iterator)`` returns is a
 :class:`~megatron_orch.megatron.post_balancing.BalancedMicroBatch` under post-balancing (its ``batch``
@@ -36,9 +42,11 @@ import functools
 from typing import Iterator, Mapping, Optional, Protocol, runtime_checkable
 
 import torch
+from megatron.core.enums import ModelType
 
 from megatron_orch.megatron.batch import MicroBatch
-from megatron_orch.megatron.post_balancing import BalancedMicroBatch
+from megatron_orch.megatron.post_balancing import BalancedMicroBatch, BalancedStep, stock_schedule_error
+from megatron_orch.megatron.sequence_layout import SequenceLayout
 
 
 @runtime_checkable
@@ -56,6 +64,49 @@ class BalanceableModel(Protocol):
     def forward(self, batch: MicroBatch, embeds: Optional[Mapping[str, torch.Tensor]] = None) -> torch.Tensor:
         """The backbone over ``batch`` (on the model's device) with ``embeds[phase]`` at the placeholders;
         the per-token loss ``[b, s]`` on the last pipeline stage, else the hidden states it sends on."""
+
+    model_type: ModelType  # megatron-core's schedules read it (ModelType.encoder_or_decoder)
+
+    def set_input_tensor(self, input_tensor) -> None:
+        """Pipeline parallelism: the previous stage's output, for the backbone (megatron-core's schedules
+        call it before every forward, also without pipelining)."""
+
+
+class MegatronModelMixin:
+    """``model_type`` and ``set_input_tensor`` as megatron-core's schedules read them, for a model whose
+    backbone is ``self.language_model`` (as Megatron-Core's ``LLaVAModel`` and ``MimoModel`` name theirs):
+    ``class MyVLM(MegatronModelMixin, MegatronModule)``."""
+
+    model_type = ModelType.encoder_or_decoder
+
+    def set_input_tensor(self, input_tensor) -> None:
+        self.language_model.set_input_tensor(input_tensor)
+
+
+_MEMBERS = {"phase_encoders": "phase_encoders()", "encode": "encode(phase, items)",
+            "forward": "forward(batch, embeds)", "model_type": "model_type", "set_input_tensor": "set_input_tensor"}
+
+
+def unwrapped(model) -> torch.nn.Module:
+    """The module inside Megatron's wrappers (DDP, Float16Module) of ``model`` (a model chunk or a list of them:
+    the first)."""
+    module = model[0] if isinstance(model, (list, tuple)) else model
+    while hasattr(module, "module"):
+        module = module.module
+    return module
+
+
+def check_model(model) -> BalanceableModel:
+    """The model inside Megatron's wrappers, or a TypeError naming every member of :class:`BalanceableModel`
+    it lacks (megatron-core itself would fail later without a hint: ``couldn't find attribute model_type``)."""
+    module = unwrapped(model)
+    missing = [call for name, call in _MEMBERS.items() if not hasattr(module, name)]
+    if missing:
+        fix = (" (inherit megatron_orch.megatron.MegatronModelMixin for model_type and set_input_tensor)"
+               if {"model_type", "set_input_tensor"} & {m.split("(")[0] for m in missing} else "")
+        raise TypeError(f"post-balancing: {type(module).__name__} lacks {', '.join(missing)} of "
+                        f"megatron_orch.megatron.BalanceableModel{fix}")
+    return module
 
 
 def loss_func(loss_mask: torch.Tensor, output_tensor: torch.Tensor):
@@ -75,8 +126,13 @@ def loss_func(loss_mask: torch.Tensor, output_tensor: torch.Tensor):
 def forward_step(data_iterator: Iterator, model: torch.nn.Module):
     """One micro-batch through a :class:`BalanceableModel` (Megatron's ``forward_step_func``): a
     :class:`BalancedMicroBatch` brings the encoder outputs of its examples, a plain ``MicroBatch`` its raw
-    items."""
+    items. Under sequence or context parallelism the loss is that of this rank's part of the sequence, whose
+    loss mask :class:`~megatron_orch.megatron.sequence_layout.SequenceLayout` gives (megatron-core's layout)."""
     item = next(data_iterator)
+    if isinstance(item, BalancedStep):
+        raise stock_schedule_error()
     batch, embeds = (item.batch, item.embeds) if isinstance(item, BalancedMicroBatch) else (item, None)
     batch = batch.to(next(model.parameters()).device)
-    return model(batch, embeds=embeds), functools.partial(loss_func, batch.loss_mask)
+    layout = SequenceLayout.of_model(getattr(model, "config", None))  # Megatron's wrappers keep the config
+    loss_mask = batch.loss_mask if layout.is_whole else layout.shard(batch).loss_mask
+    return model(batch, embeds=embeds), functools.partial(loss_func, loss_mask)

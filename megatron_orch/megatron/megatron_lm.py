@@ -12,7 +12,9 @@ Three hooks:
   Where the checkout carries ``patches/<release>/`` (``scripts/apply_patches.sh``), through the patch's
   ``pretrain(..., forward_backward_func_wrapper=...)``; where no patched ``train()`` is found (a pip
   wheel's ``megatron/training``, Megatron-LM main), by the same wrapper installed at run time
-  (:func:`runtime_schedule_hook`). :func:`pretrain` picks one and rank 0 prints which;
+  (:func:`runtime_schedule_hook`: ``train()`` found through decorators; a hook that never fires is an
+  error). :func:`pretrain` picks one and rank 0 prints which when it fires; a post-balancing step that
+  reaches a stock schedule anyway raises :class:`~megatron_orch.megatron.post_balancing.StockScheduleError`;
 * **deferred encoder backward**: the schedule wraps ``config.finalize_model_grads_func`` and
   ``config.grad_sync_func`` for the duration of each call, which ``train()`` sets once before its
   loop, so the encoders' backward runs before either one reduces gradients.
@@ -40,6 +42,7 @@ from typing import Callable, Dict, Iterator, Optional
 from megatron.core import parallel_state
 
 from megatron_orch.megatron.moe import placement_dependent_moe_settings
+from megatron_orch.megatron.pipeline_layout import check_interleaved_microbatches
 from megatron_orch.megatron.schedule import ModalityAwareSchedule
 
 WRAPPER_ARGUMENT = "forward_backward_func_wrapper"
@@ -82,23 +85,42 @@ def schedule_wrapper(encoder_recompute: Callable[[], bool]) -> Callable[[Callabl
     return wrap
 
 
+class HookNeverFiredError(RuntimeError):
+    """The run-time schedule hook's block ended without ``train()`` having asked for its schedule."""
+
+
 @contextlib.contextmanager
 def runtime_schedule_hook(training, wrapper: Callable[[Callable], Callable]):
     """For the duration of the block, ``train()`` of the module ``training`` (``megatron.training.training``)
     gets ``wrapper(schedule)`` from its call of ``get_forward_backward_func``; every other caller
-    (``evaluate()``) gets the stock schedule. No file changes: what the patch does, done at run time."""
+    (``evaluate()``) gets the stock schedule. No file changes: what the patch does, done at run time.
+
+    ``train()`` is told by its code object, through any decorators (``inspect.unwrap``: those made with
+    ``functools.wraps``). A block that ends without ``train()``'s call having been answered raises
+    :class:`HookNeverFiredError`: the run got no modality-aware schedule."""
     stock = training.get_forward_backward_func
-    train_code = training.train.__code__
+    train = inspect.unwrap(training.train)
+    fired = []
 
     def get_forward_backward_func(*args, **kwargs):
         schedule = stock(*args, **kwargs)
-        return wrapper(schedule) if sys._getframe(1).f_code is train_code else schedule
+        if sys._getframe(1).f_code is not train.__code__:
+            return schedule
+        fired.append(True)
+        return wrapper(schedule)
 
     training.get_forward_backward_func = get_forward_backward_func
     try:
         yield
     finally:
         training.get_forward_backward_func = stock
+    if not fired:
+        code = train.__code__
+        raise HookNeverFiredError(
+            f"post-balancing's run-time schedule hook never fired: train() ({code.co_filename}:{code.co_firstlineno}) "
+            "did not ask get_forward_backward_func for its schedule (a train() changed, or wrapped by a decorator "
+            "without functools.wraps), so nothing ran the modality-aware schedule; apply the patch of patches/ "
+            "(scripts/apply_patches.sh) or pass forward_backward_func_wrapper to a patched pretrain()")
 
 
 def pretrain(train_valid_test_dataset_provider: Callable, model_provider: Callable, model_type,
@@ -137,16 +159,25 @@ def pretrain(train_valid_test_dataset_provider: Callable, model_provider: Callab
         return run(**{WRAPPER_ARGUMENT: wrapper})
     wrapper = _announcing(forward_backward_func_wrapper, announce,
                           f"{api}, schedule hook: installed at run time (no patched train() in "
-                          f"{inspect.getsourcefile(training)})")
+                          f"{inspect.getsourcefile(training)}), fired in train()")
     with runtime_schedule_hook(training, wrapper):
         run()
 
 
 def _announcing(wrapper: Callable, announce: Callable[[str], None], line: str) -> Callable:
+    """``wrapper``, announcing ``line`` when it is applied (when the hook fires: train() asked for its schedule)."""
     def wrap(forward_backward_func):
         announce(f"> post-balancing in megatron.training: {line}")
         return wrapper(forward_backward_func)
     return wrap
+
+
+# The Megatron-LM flags (argparse destinations) check_args refuses with post-balancing, of any release.
+POST_BALANCING_REFUSALS = ("dataloader_type", "calculate_per_token_loss", "hybrid_context_parallel",
+                           "sequence_packing_scheduler", "cuda_graph_impl", "cuda_graph_scope",
+                           "moe_expert_rank_capacity_factor", "moe_router_load_balancing_type", "moe_aux_loss_coeff",
+                           "moe_z_loss_coeff", "moe_expert_capacity_factor", "perform_rl_step", "rampup_batch_size",
+                           "step_batch_size_schedule")
 
 
 def check_args(args: argparse.Namespace) -> None:
@@ -159,12 +190,13 @@ def check_args(args: argparse.Namespace) -> None:
     if not args.calculate_per_token_loss:
         problems.append("--calculate-per-token-loss is required: the loss is normalised by the global number of "
                         "loss tokens, which is what makes moving examples between DP ranks loss-invariant")
-    if args.virtual_pipeline_model_parallel_size is not None:
-        problems.append("virtual pipeline stages (--num-layers-per-virtual-pipeline-stage / "
-                        "--num-virtual-stages-per-pipeline-rank): one model chunk per rank only")
-    if args.context_parallel_size > 1:
-        problems.append(f"--context-parallel-size {args.context_parallel_size}: post-balancing moves whole "
-                        "examples between DP ranks, context parallelism is not supported")
+    if args.virtual_pipeline_model_parallel_size is not None:  # the step's plan and moves run before the schedule
+        try:
+            check_interleaved_microbatches(args.global_batch_size // (args.micro_batch_size * args.data_parallel_size),
+                                           args.pipeline_model_parallel_size,
+                                           getattr(args, "microbatch_group_size_per_vp_stage", None))
+        except ValueError as err:
+            problems.append(str(err))
     if getattr(args, "hybrid_context_parallel", False):
         problems.append("--hybrid-context-parallel: it regroups the data iterator's sequences over DP x CP "
                         "ranks (HybridCPDataLoaderWrapper), which would undo the post-balancing plan")
@@ -188,7 +220,8 @@ def check_args(args: argparse.Namespace) -> None:
     if getattr(args, "step_batch_size_schedule", None) is not None:
         problems.append("--step-batch-size-schedule: a post-balancing step has a fixed number of micro-batches")
     if problems:
-        raise ValueError("with --orch-post-balancing: " + "; ".join(problems))
+        raise ValueError(f"with --orch-{'shadow' if getattr(args, 'orch_shadow', False) else 'post-balancing'}: "
+                         + "; ".join(problems))
 
 
 def _full_iteration_cuda_graph(args: argparse.Namespace) -> bool:
@@ -199,11 +232,17 @@ def _full_iteration_cuda_graph(args: argparse.Namespace) -> bool:
     return impl == "full_iteration" or (impl == "local" and any("full_iteration" in str(s) for s in scope))
 
 
-def external_data_provider(build_train_iterator: Callable[[], Iterator]) -> Callable:
+def external_data_provider(build_train_iterator: Callable[[], Iterator], post_balancing: bool) -> Callable:
     """Megatron-LM's ``train_valid_test_datasets_provider`` for ``--dataloader-type external``: the
-    training iterator ``build_train_iterator()`` returns, no validation or test data."""
+    training iterator ``build_train_iterator()`` returns, no validation or test data. With virtual pipeline
+    stages Megatron-LM asks once per model chunk (``vp_stage``): upstream every chunk gets an iterator of its
+    own over the same samples (as Megatron-LM's loaders); with post-balancing (shadow mode too) the first
+    chunk gets the iterator and the others None, since the modality-aware schedule feeds every chunk the
+    first chunk's steps."""
 
     def train_valid_test_data_provider(train_val_test_num_samples, vp_stage=None):
+        if post_balancing and vp_stage:
+            return None, None, None
         return build_train_iterator(), None, None
 
     train_valid_test_data_provider.is_distributed = True

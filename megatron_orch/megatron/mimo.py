@@ -1,12 +1,13 @@
 """Megatron-Core's ``MimoModel`` (``megatron.core.models.mimo``, 0.16.1 and 0.19.x), balanced out of the box.
 
-A ``MimoModel`` holds named modality submodules (each: its encoders and an input projection) and a
-language model (``GPTModel`` or, 0.19+, ``HybridModel``: the adapter reads only what both have). Its forward runs them all on one micro-batch: every modality submodule over that
-micro-batch's raw inputs (``modality_inputs[name][encoder][keyword]``), text embeddings from the
-language model's embedding, each modality's embeddings scattered at its ``special_token_ids``
-placeholder in token order (``align_embeddings_by_token_positions``), then the language model. Its own
-cross-layout communication moves encoder outputs by equal batch slices, relying on a uniform token
-count per sample (``mimo/comm/colocated_communicator.py``, 0.19).
+A ``MimoModel`` holds named modality submodules (each: its encoders and an input projection) and a language
+model (``GPTModel`` or, 0.19+, ``HybridModel``: the adapter reads only what both have). Its forward runs
+them all on one micro-batch: every modality submodule over that micro-batch's raw inputs
+(``modality_inputs[name][encoder][keyword]``), text embeddings from the language model's embedding, each
+modality's embeddings scattered at its ``special_token_ids`` placeholder in token order
+(``align_embeddings_by_token_positions``), then the language model. Its own cross-layout communication moves
+encoder outputs by equal batch slices, relying on a uniform token count per sample
+(``mimo/comm/colocated_communicator.py``, 0.19).
 
 :class:`MimoBalancing` wraps one so that it meets the contract (:mod:`megatron_orch.megatron.contract`):
 
@@ -38,7 +39,18 @@ Megatron's schedules, the others would break the invariance):
   not a slice of the whole batch's;
 * a modality submodule left out of ``modalities``: a balanced micro-batch carries no raw items;
 * packed rows: 0.19's colocated forward drops the attention mask (packing goes through its THD
-  ``packing_kwargs``), so block-diagonal attention would silently become causal over the whole row.
+  ``packing_kwargs``), so block-diagonal attention would silently become causal over the whole row (the
+  batch spec's ``cannot_pack`` says so: ``--orch-microbatching auto`` gives equal-count micro-batches and
+  the post-balancing iterator refuses ``packed`` when it is built, before any collective).
+* sequence or context parallelism with 0.16.1's MimoModel, which does not shard the language model's input
+  (0.19's shards it itself: its language model must then be built with
+  ``scatter_embedding_sequence_parallel=False``, which MIMO asks for).
+
+Under sequence or context parallelism (0.19) every rank of a replica gets the whole micro-batch, its rows
+padded at the end to the multiple MIMO's sharding needs (2 x CP, x TP with SP; pad tokens of the batch
+spec's pad id, loss mask 0); MIMO then shards the combined embeddings, the labels and the loss mask as
+megatron-core does, the same layout whose loss mask ``forward_step`` applies
+(:class:`~megatron_orch.megatron.sequence_layout.SequenceLayout`).
 """
 from __future__ import annotations
 
@@ -54,11 +66,16 @@ from megatron.core.transformer.module import MegatronModule
 from megatron_orch.balance.cost import CostModel
 from megatron_orch.balance.workload import BackbonePhase, EncoderPhase, ModelPhases
 from megatron_orch.megatron.batch import BatchSpec, EncoderInput, MicroBatch
+from megatron_orch.megatron.sequence_layout import SequenceLayout
 
 if TYPE_CHECKING:
     from megatron.core.models.mimo import MimoModel
 
 LANGUAGE_PHASE = "language"  # MIMO's key of its language module (0.19: MIMO_LANGUAGE_MODULE_KEY)
+# Why --orch-microbatching auto gives a MimoModel equal-count micro-batches (and packed is refused).
+CANNOT_PACK = ("MimoBalancing does not hand packed rows to MimoModel: its colocated forward takes no THD parameters "
+               "(0.16.1) or takes them as packing_kwargs that the adapter does not pass (0.19), and drops the "
+               "attention mask, so a packed row would attend across its examples")
 
 
 @dataclass(frozen=True)
@@ -102,10 +119,14 @@ class MimoBalancing(MegatronModule):
         self.phases = ModelPhases(encoders, BackbonePhase(LANGUAGE_PHASE, backbone_cost, token_bytes=token_bytes))
 
     def batch_spec(self, seq_length: int, pad_token_id: int) -> BatchSpec:
-        """What the model's batches hold: each modality's items, placeholders at its special token id."""
+        """What the model's batches hold: each modality's items, placeholders at its special token id (the pad
+        id also pads rows for sequence and context parallelism)."""
         inputs = tuple(EncoderInput(m.name, m.item_shape, self.mimo.special_token_ids[m.name])
                        for m in self.modalities)
-        return BatchSpec(self.phases, inputs, pad_token_id=pad_token_id, seq_length=seq_length)
+        spec = BatchSpec(self.phases, inputs, pad_token_id=pad_token_id, seq_length=seq_length,
+                         cannot_pack=CANNOT_PACK)
+        self.pad_token_id = pad_token_id
+        return spec
 
     def set_input_tensor(self, input_tensor) -> None:
         self.mimo.set_input_tensor(input_tensor)
@@ -129,9 +150,13 @@ class MimoBalancing(MegatronModule):
         """``MimoModel.forward`` over ``batch``: on its raw items (upstream), or with ``embeds`` in place of
         its modality submodules' outputs (module docstring). Returns the language model's output."""
         if batch.is_packed:
-            raise NotImplementedError("packed rows with a MimoModel: its colocated forward (0.19) drops the "
-                                      "attention mask, so block-diagonal attention is not kept; use equal_count "
-                                      "micro-batches")
+            raise NotImplementedError(CANNOT_PACK)
+        layout = SequenceLayout.of_model(self.config)
+        if not layout.is_whole:
+            if not hasattr(self, "pad_token_id"):
+                raise RuntimeError("MimoBalancing: call batch_spec() first; its pad id pads the rows for sequence "
+                                   "and context parallelism")
+            batch = layout.padded_rows(batch, self.pad_token_id)
         if embeds is None:
             modality_inputs = {m.name: {m.encoder: {m.keyword: batch.items[m.name]}}
                                for m in self.modalities if batch.items[m.name].shape[0]}
@@ -170,6 +195,11 @@ def _check_supported(mimo, modalities: Sequence[MimoModality]) -> None:
         raise NotImplementedError(
             "MimoBalancing: module_to_grid_map is set; per-module grids move encoder outputs between module "
             "layouts by MIMO's own communicators (equal batch slices), which post-balancing replaces")
+    config = mimo.config
+    if (config.sequence_parallel or config.context_parallel_size > 1) and not hasattr(mimo, "partition_adapter"):
+        raise NotImplementedError(
+            "MimoBalancing: sequence or context parallelism with this release's MimoModel (megatron-core 0.16), which "
+            "does not shard the language model's input; 0.19's MimoModel does")
     names = [m.name for m in modalities]
     if sorted(names) != sorted(mimo.modality_submodules) or len(set(names)) != len(names):
         raise ValueError(f"MimoBalancing: modalities {names} must name every modality submodule of the model "

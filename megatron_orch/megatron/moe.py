@@ -15,8 +15,9 @@ Placement-free, allowed with post-balancing:
   one example: equal-count micro-batches, and an MoE backbone's rows are ``--seq-length`` tokens each
   (:func:`pads_rows_to_seq_length`), so each example's loss is the same wherever it runs;
 * the z-loss (``--moe-z-loss-coeff``): per token, over those same rows;
-* the expert bias (``--moe-router-enable-expert-bias``): updated from the step's token counts per expert,
-  summed over every micro-batch and the DP group.
+* (the expert bias, ``--moe-router-enable-expert-bias``, would be too: it is updated from the step's token
+  counts per expert, summed over every micro-batch and the DP group; the MLLM does not build it, and the
+  Megatron-LM launch refuses the flag with the others it does not read: ``megatron_orch.mllm.megatron_flags``.)
 
 Placement-dependent, refused with post-balancing (:func:`placement_dependent_moe_settings`), naming each:
 

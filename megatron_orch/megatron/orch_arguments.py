@@ -15,6 +15,16 @@ def add_orch_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     g.add_argument("--orch-post-balancing", action="store_true",
                    help="master switch: rebalance every phase across DP ranks after the global batch is "
                         "drawn (off = upstream Megatron behaviour)")
+    g.add_argument("--orch-shadow", action="store_true",
+                   help="shadow mode, instead of --orch-post-balancing: plan every step and log what balancing would "
+                        "gain (each phase's cost max/mean before->after, the MB it would move, the modeled step time "
+                        "saved) while training on the loader's assignment, moving nothing")
+    g.add_argument("--orch-verify-first-step", action="store_true",
+                   help="run the first step in the loader's (upstream) and in the balanced layout on the same batch, "
+                        "stop unless losses, gradient norms and encoder outputs agree within the dtype's tolerance, "
+                        "then train on the balanced one (default: on for a model config outside configs/)")
+    g.add_argument("--orch-no-verify-first-step", action="store_true",
+                   help="do not check the first step (the default for the configs in configs/)")
     g.add_argument("--orch-phases", type=str, default=None,
                    help="comma-separated names of the phases to rebalance, as the model's configuration names "
                         "them; default: every phase of the model")
@@ -23,12 +33,14 @@ def add_orch_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                         "whose items all cost the same (the model's tiles, frames, audio windows) is spread by "
                         "count, each rank keeping its own items up to ceil(n/DP) and the rest filling its node "
                         "first (optimal balance and bytes); otherwise the best of lpt, kk, bs_ffd")
-    g.add_argument("--orch-microbatching", choices=MICROBATCHING, default="equal_count",
-                   help="equal_count: micro-batch-size examples per backbone micro-batch; packed: one "
-                        "packed row per micro-batch with a variable number of examples")
+    g.add_argument("--orch-microbatching", choices=MICROBATCHING, default="auto",
+                   help="packed: one packed row per backbone micro-batch with a variable number of examples "
+                        "(each attends to itself only); equal_count: micro-batch-size examples per micro-batch; "
+                        "auto (default): packed where the backbone takes packed rows, else equal_count (the "
+                        "reason is logged once: pipeline parallelism, a MimoModel)")
     g.add_argument("--orch-locality", action="store_true",
                    help="locality-aware balancing: within 1%% of the plain plan's balance, keep items on their "
-                        "node/GPU (every phase: equal_count backbone examples move between nodes first, then "
+                        "node/GPU (every phase: backbone examples move between nodes first, then "
                         "inside them; encoder phases of equal items are planned this way already)")
     g.add_argument("--orch-placement", choices=PLACEMENT_METHODS, default="exact",
                    help="bins -> ranks: identity, greedy, exact (min total inter-node bytes), minmax "
@@ -58,18 +70,27 @@ def add_orch_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     return parser
 
 
-def orch_config_from_args(args: argparse.Namespace) -> Optional[OrchestratorConfig]:
-    """The orchestrator config of a parsed command line (None when post-balancing is off).
+def orch_config_from_args(args: argparse.Namespace, verify_by_default: bool = False) -> Optional[OrchestratorConfig]:
+    """The orchestrator config of a parsed command line (None when post-balancing and shadow mode are off).
+    ``verify_by_default``: whether the first step is checked without ``--orch-verify-first-step`` (a model of
+    the caller's own making; the shipped configs are tested against upstream already).
 
     Inconsistent flags raise ValueError naming them, e.g. an ``--orch-*`` setting without the switch.
     """
     defaults = add_orch_args(argparse.ArgumentParser()).parse_args([])
-    if not args.orch_post_balancing:
+    if args.orch_post_balancing and args.orch_shadow:
+        raise ValueError("--orch-shadow and --orch-post-balancing exclude each other (shadow mode plans without "
+                         "moving anything; post-balancing moves): give one")
+    if args.orch_verify_first_step and args.orch_no_verify_first_step:
+        raise ValueError("--orch-verify-first-step and --orch-no-verify-first-step exclude each other")
+    if not (args.orch_post_balancing or args.orch_shadow):
         changed = [name for name, value in vars(defaults).items() if getattr(args, name) != value]
         if changed:
             flags = ", ".join("--" + name.replace("_", "-") for name in changed)
-            raise ValueError(f"{flags} given without --orch-post-balancing (which turns post-balancing on)")
+            raise ValueError(f"{flags} given without --orch-post-balancing (which turns post-balancing on) or "
+                             "--orch-shadow")
         return None
+    verify = args.orch_verify_first_step or (verify_by_default and not args.orch_no_verify_first_step)
     phases = None if args.orch_phases is None else tuple(p.strip() for p in args.orch_phases.split(",") if p.strip())
     config = OrchestratorConfig(
         phases=phases, algorithm=args.orch_algorithm, microbatching=args.orch_microbatching,
@@ -78,7 +99,9 @@ def orch_config_from_args(args: argparse.Namespace) -> Optional[OrchestratorConf
         background=not args.orch_no_background_planning, encoder_recompute=args.orch_encoder_recompute,
         encoder_chunk_tokens=args.orch_encoder_chunk_tokens,
         encoder_memory_cap=None if args.orch_encoder_memory_cap is None else args.orch_encoder_memory_cap * 1e9,
-        cost_profile=None if args.orch_cost_profile is None else load_cost_profile(args.orch_cost_profile))
+        cost_profile=None if args.orch_cost_profile is None else load_cost_profile(args.orch_cost_profile),
+        shadow=args.orch_shadow, verify_first_step=verify and not args.orch_shadow,
+        context_parallel_size=getattr(args, "context_parallel_size", 1))
     _check_gpus_per_node(config.gpus_per_node, getattr(args, "world_size", None),
                          os.environ.get("LOCAL_WORLD_SIZE"))
     if config.microbatching == "packed" and args.pipeline_model_parallel_size > 1:

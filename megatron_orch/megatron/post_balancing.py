@@ -14,9 +14,10 @@ step's moves, all asynchronous:
   backbone-phase rank of their example. Their routes (which row goes where) were built in the planning
   thread and go to the device in one upload.
 
-It yields a :class:`BalancedStep`: the rank's backbone micro-batches (same number on every DP rank),
-collated on the host when the schedule first asks for them (by then the text has long arrived: the
-host waits for that copy only, not for the encoders queued after it), and its encoder inputs, with the
+It yields a :class:`BalancedStep` (in shadow mode, ``config.shadow``, a :class:`ShadowStep`: the step
+planned, logged and left as loaded, nothing moved): the rank's backbone micro-batches (same number on
+every DP rank), collated on the host when the schedule first asks for them (by then the text has long
+arrived: the host waits for that copy only, not for the encoders queued after it), and its encoder inputs, with the
 moves the modality-aware schedule uses to send encoder outputs straight to the backbone rank of their
 example. Then it hands the next step's sizes to the planning thread and the step after it to the
 reading thread, which reads and checks its examples and stages what they send in (pinned) host memory.
@@ -31,9 +32,10 @@ encoders run), text on the host, where the backbone micro-batches are built as t
 from __future__ import annotations
 
 import itertools
+import logging
 import time
 from dataclasses import dataclass, field
-from typing import Callable, Dict, Iterator, List, Mapping, Optional, Sequence, Tuple
+from typing import Callable, Dict, Iterator, List, Mapping, Optional, Sequence, Tuple, Union
 
 import numpy as np
 import torch
@@ -52,6 +54,15 @@ from megatron_orch.megatron.batch import BatchSpec, Example, MicroBatch, collate
 from megatron_orch.orchestrator.background import BackgroundPlanner
 from megatron_orch.orchestrator.config import OrchestratorConfig
 from megatron_orch.orchestrator.step_plan import StepPlan, plan_step, warm_up
+
+_LOGGED: set = set()  # messages logged once per process
+
+
+def _log_once(message: str) -> None:
+    if message not in _LOGGED:
+        _LOGGED.add(message)
+        logging.getLogger("megatron_orch").warning(message)
+
 
 _OK, _EXHAUSTED = 0, 1  # a rank's step status, one of the control collective's checks
 _STATUS = "step status (0 a step read, 1 no more data)"
@@ -179,10 +190,35 @@ class _Collated(Sequence):
         return self._batches[index]
 
 
+class StockScheduleError(RuntimeError):
+    """A post-balancing step reached a schedule that does not take one (megatron-core's own)."""
+
+
+def stock_schedule_error() -> StockScheduleError:
+    return StockScheduleError(
+        "a post-balancing step reached megatron-core's own schedule (forward_step got the whole step the "
+        "PostBalancingDataIterator yields): call the schedule through megatron_orch.megatron.ModalityAwareSchedule "
+        "(post_balance() returns it; under megatron.training the patch or the run-time hook installs it)")
+
+
+class _WholeStep:
+    """What a schedule takes whole: reading it as a micro-batch (``batch.tokens``, ``batch["tokens"]``), as a
+    stock schedule's ``forward_step`` would, raises :class:`StockScheduleError` instead of an AttributeError."""
+
+    def __getattr__(self, name: str):
+        if name.startswith("__"):
+            raise AttributeError(name)
+        raise stock_schedule_error()
+
+    def __getitem__(self, key):
+        raise stock_schedule_error()
+
+
 @dataclass(frozen=True, eq=False)
-class BalancedStep:
+class BalancedStep(_WholeStep):
     """Everything one rank computes in one step under the plan; ``moves``: the step's all-to-alls, on
-    ``comm_group`` (None for both: a step without encoder phases on this stage)."""
+    ``comm_group`` (None for both: a step without encoder phases on this stage); ``home``: the rank's
+    micro-batches as loaded, on the step the schedule checks (``config.verify_first_step``), else None."""
 
     microbatches: Sequence[BalancedMicroBatch]
     inputs: Mapping[str, torch.Tensor]  # this rank's encoder-phase items per phase (encoder stage only)
@@ -193,6 +229,19 @@ class BalancedStep:
     comm_group: Optional[ProcessGroup]
     moves: Optional[StepMoves]
     timings: Dict[str, float] = field(default_factory=dict)  # seconds: plan, plan_exposed, dispatch
+    home: Optional[Sequence[MicroBatch]] = None
+
+
+@dataclass(frozen=True, eq=False)
+class ShadowStep(_WholeStep):
+    """A step of shadow mode: the rank's micro-batches as loaded (``microbatches``, which the schedule runs
+    as they are: upstream), and the plan post-balancing would have run them under (its figures are logged)."""
+
+    microbatches: Sequence[MicroBatch]
+    plan: StepPlan
+    rank: int
+    num_tokens: np.ndarray
+    timings: Dict[str, float] = field(default_factory=dict)
 
 
 @dataclass(frozen=True, eq=False)
@@ -204,6 +253,7 @@ class _Read:
     local_sizes: np.ndarray        # [examples, sample index + items per encoder phase + tokens]
     staged: Dict[str, torch.Tensor]
     problem: Optional[BaseException] = None
+    batches: List[MicroBatch] = field(default_factory=list)  # as loaded
 
     @property
     def status(self) -> int:
@@ -219,18 +269,40 @@ class _Planned:
     sample_ids: np.ndarray
 
 
+def resolve_microbatching(spec: BatchSpec, config: OrchestratorConfig,
+                          step: StepShape) -> Tuple[OrchestratorConfig, Optional[str]]:
+    """``config`` with ``--orch-microbatching auto`` decided for the model (packed unless ``spec.cannot_pack``
+    or fixed-length rows, ``step.pad_to``, speak against it), and why ``auto`` did not become packed (None:
+    it did, or was not asked). ``packed`` where it cannot be raises ValueError naming the reason; no
+    collective runs here, so every entry point refuses before its first one."""
+    cannot_pack = spec.cannot_pack
+    if cannot_pack is None and step.pad_to is not None and config.microbatching == "auto":
+        cannot_pack = (f"rows of a fixed length ({step.pad_to} tokens, as pipeline parallelism sends them) do "
+                       "not bound a packed row's length")
+    resolved = config.resolve_microbatching(cannot_pack)
+    return resolved, cannot_pack if resolved.microbatching != config.microbatching else None
+
+
 class PostBalancingDataIterator:
     """Iterator of :class:`BalancedStep` over an iterator of this DP rank's loader micro-batches.
 
     ``spec``: the model's phases and what its batches hold; ``input_dtype``: the dtype raw encoder items
     travel in (the encoders' own; they cast their input to it first); ``compute_device``: where the
     encoders run. Bad settings (a phase in ``config.phases`` the model lacks, a cost profile of another
-    model) raise here, before any collective. The iterator reads ``source`` from its reading thread only.
+    model, packed micro-batches for a backbone that cannot take them) raise here, before any collective.
+    ``--orch-microbatching auto`` becomes packed unless ``spec.cannot_pack`` or fixed-length rows
+    (``step.pad_to``) speak against it; DP rank 0 logs the reason once. The iterator reads ``source`` from
+    its reading thread only.
     """
 
     def __init__(self, source: Iterator[MicroBatch], spec: BatchSpec, config: OrchestratorConfig,
                  step: StepShape, groups: ParallelGroups, *, compute_device: torch.device,
                  input_dtype: torch.dtype = torch.float32):
+        resolved, why_not_packed = resolve_microbatching(spec, config, step)
+        if why_not_packed is not None and dist.get_rank(groups.dp_group) == 0:
+            _log_once(f"post-balancing: equal-count backbone micro-batches (--orch-microbatching auto): "
+                      f"{why_not_packed}")
+        config = resolved
         if config.microbatching == "packed" and step.pad_to is not None:
             # one packed row carries a micro-batch's token budget
             step = StepShape(step.micro_batch_size, step.num_microbatches, step.pad_to * step.micro_batch_size)
@@ -245,6 +317,7 @@ class PostBalancingDataIterator:
         self.reader = BackgroundPlanner(enabled=config.background)  # reads and stages the step after next
         self._planned: Optional[_Planned] = None  # the step being planned
         self._exhausted = False  # no rank has a step left after the one being planned
+        self._keep_home = config.verify_first_step and not config.shadow  # the first step's, for the check
 
     @property
     def topology(self) -> Topology:
@@ -253,7 +326,7 @@ class PostBalancingDataIterator:
     def __iter__(self):
         return self
 
-    def __next__(self) -> BalancedStep:
+    def __next__(self) -> Union[BalancedStep, ShadowStep]:
         if self._planned is None and not self._exhausted:  # the first step
             self.reader.submit(self._read)
             self._planned = self._agree(self.reader.result(), digest=None)
@@ -298,6 +371,8 @@ class PostBalancingDataIterator:
                 self.spec.check(example)
             local = np.array([[e.sample_index, *(e.num_items(p) for p in encoders), e.num_tokens]
                               for e in examples], dtype=np.int64).reshape(-1, columns)
+            if self.config.shadow:  # nothing moves
+                return _Read(examples, local, {}, batches=batches)
             staged = {"ids": stage_on_host([torch.stack([e.tokens, e.labels], dim=1) for e in examples],
                                            self.device, torch.long, (2,)),
                       "mask": stage_on_host([e.loss_mask for e in examples], self.device, torch.float32, (1,))}
@@ -305,7 +380,7 @@ class PostBalancingDataIterator:
                 phase = encoder_input.phase
                 staged[phase] = stage_on_host([e.items.get(phase, self.spec.no_items(phase)) for e in examples],
                                               self.device, self.input_dtype, encoder_input.item_shape)
-            return _Read(examples, local, staged)
+            return _Read(examples, local, staged, batches=batches)
         except Exception as err:  # noqa: BLE001 -- any loader failure must reach the other ranks
             return _Read([], np.zeros((0, columns), dtype=np.int64), {}, problem=err)
 
@@ -338,6 +413,8 @@ class PostBalancingDataIterator:
         def plan_and_prepare():
             plan = plan_step(sizes, self.spec.phases, self.config, self.topology, self.step.micro_batch_size,
                              self.step.num_microbatches)
+            if self.config.shadow:
+                return plan, None
             return plan, prepare_moves(plan, sizes.num_tokens, self.rows_per_item, self.rank,
                                        self.groups.encoder_stage)
 
@@ -345,7 +422,11 @@ class PostBalancingDataIterator:
         self.reader.submit(self._read)
 
     # -- moving data ----------------------------------------------------------------------------
-    def _dispatch(self, plan: StepPlan, moves: StepMoves, step: _Planned, timings: Dict[str, float]) -> BalancedStep:
+    def _dispatch(self, plan: StepPlan, moves: Optional[StepMoves], step: _Planned,
+                  timings: Dict[str, float]) -> Union[BalancedStep, ShadowStep]:
+        if moves is None:  # shadow mode
+            return ShadowStep(microbatches=step.read.batches, plan=plan, rank=self.rank,
+                              num_tokens=step.sizes.num_tokens, timings=timings)
         moves = moves.uploaded(self.device)
         staged = step.read.staged
         text = moves.text.start([staged_to_device(staged["ids"], self.device),
@@ -364,9 +445,10 @@ class PostBalancingDataIterator:
         inputs = {phase: move.wait()[0].to(self.compute_device, non_blocking=True) for phase, move in pending.items()}
         microbatches = _Collated(plan.num_microbatches,
                                  lambda: self._microbatches(plan, ids.result(), mask.result(), step))
+        home, self._keep_home = (step.read.batches if self._keep_home else None), False
         return BalancedStep(microbatches=microbatches, inputs=inputs, plan=plan, rank=self.rank,
                             num_tokens=step.sizes.num_tokens, rows_per_item=dict(self.rows_per_item),
-                            comm_group=self.comm_group, moves=moves, timings=timings)
+                            comm_group=self.comm_group, moves=moves, timings=timings, home=home)
 
     def _microbatches(self, plan: StepPlan, ids: torch.Tensor, mask: torch.Tensor,
                       step: _Planned) -> List[BalancedMicroBatch]:
@@ -375,7 +457,7 @@ class PostBalancingDataIterator:
         lengths = sizes.num_tokens[mine]
         starts = np.concatenate(([0], np.cumsum(lengths)))
         microbatch = plan.microbatch_of_example[mine]
-        build = collate_packed if self.config.microbatching == "packed" else collate
+        build = collate_packed if self.config.packed else collate
         pin = self.compute_device.type == "cuda"  # so that forward_step's copies do not block
         out = []
         for m in range(plan.num_microbatches):

@@ -12,6 +12,21 @@ backbone unchanged. Just before gradients are reduced (the DP all-reduce: ``grad
 go back by the inverse all-to-all and the encoders run their backward, so encoder and backbone
 gradients are reduced together, exactly once.
 
+Virtual pipeline stages (the interleaved schedule, several model chunks per pipeline rank): the encoders
+are in the first chunk (virtual stage 0) of the first pipeline stage; every chunk reads the step's
+balanced micro-batches, each through its own iterator as megatron-core's interleaved schedule takes them
+(the first chunk uses their embeddings, the last their labels). The first chunk's backward ends last, so
+only its ``grad_sync_func`` (and ``finalize_model_grads_func``) runs the encoders' backward, under its
+``no_sync_func``: the encoder parameters are that chunk's. The interleaved schedule with a
+``grad_sync_func`` (``--overlap-grad-reduce``) runs every backward under ``no_sync`` and then syncs the chunk
+explicitly; so does the encoders' backward it triggers.
+
+Before the first step and on it, the schedule checks the model (:mod:`~megatron_orch.megatron.first_step`:
+the contract, per-token loss, item-by-item encoders, their parameters, and with ``verify_first_step`` the
+loader's against the balanced layout of the first batch, every model chunk fed as above). A shadow mode
+step (:class:`~megatron_orch.megatron.post_balancing.ShadowStep`) runs as loaded, through Megatron's
+schedule alone.
+
 Encoder memory: each phase runs in the plan's chunks (:mod:`~megatron_orch.megatron.encoder_chunks`); the
 chunks the plan keeps hold their activations through the backbone, the others are recomputed for their
 backward, one at a time, after the kept ones have freed theirs. Every chunk's backward but a phase's last
@@ -25,7 +40,7 @@ import contextlib
 import dataclasses
 import functools
 import time
-from typing import Callable, Dict, List, Optional
+from typing import Callable, Dict, Iterator, List, Optional
 
 import numpy as np
 import torch
@@ -35,26 +50,16 @@ from torch.distributed import ProcessGroup
 
 from megatron_orch.comm.alltoall import ItemLayout
 from megatron_orch.comm.device import to_communication_device
-from megatron_orch.megatron.contract import BalanceableModel
+from megatron_orch.megatron import first_step
+from megatron_orch.megatron.contract import BalanceableModel, check_model
 from megatron_orch.megatron.encoder_chunks import ChunkBounds, backward_chunk, chunk_bounds, encode_in_chunks
-from megatron_orch.megatron.post_balancing import BalancedMicroBatch, BalancedStep
+from megatron_orch.megatron.post_balancing import BalancedMicroBatch, BalancedStep, ShadowStep
 from megatron_orch.megatron.sharding import aligned_chunks, pad_items, sharded_encode, sharding_of
 
 # The model config's callbacks that reduce gradients, which the encoders' backward must precede:
 # grad_sync_func fires first where it is set (--overlap-grad-reduce: 1F1B on later pipeline stages,
 # the interleaved schedule), finalize_model_grads_func always ends the schedule.
 _GRAD_CALLBACKS = ("grad_sync_func", "finalize_model_grads_func")
-
-
-def _unwrap(model) -> BalanceableModel:
-    """The model inside Megatron's wrappers (DDP, Float16Module), which must meet the contract."""
-    module = model[0] if isinstance(model, (list, tuple)) else model
-    while hasattr(module, "module"):
-        module = module.module
-    if not isinstance(module, BalanceableModel):
-        raise TypeError(f"post-balancing needs a model that meets megatron_orch.megatron.BalanceableModel "
-                        f"(phase_encoders, encode, forward(batch, embeds)); {type(module).__name__} does not")
-    return module
 
 
 class ModalityAwareSchedule:
@@ -64,24 +69,55 @@ class ModalityAwareSchedule:
     ``num_microbatches`` is taken from the step (equal on every DP rank by construction).
     The encoders run in the chunks of the step's plan; ``encoder_recompute`` keeps none of them (only the
     encoder inputs stay through the backbone schedule, every chunk is recomputed right before its backward).
+    ``announce`` gets the checked first step's line (default: printed on global rank 0); ``first_step_check``
+    then holds its figures.
     """
 
-    def __init__(self, forward_backward_func: Callable, dp_group: ProcessGroup, encoder_recompute: bool = False):
+    def __init__(self, forward_backward_func: Callable, dp_group: ProcessGroup, encoder_recompute: bool = False,
+                 announce: Callable[[str], None] = first_step.print_on_rank_0):
         self.forward_backward_func = forward_backward_func
         self.dp_group = dp_group
         self.encoder_recompute = encoder_recompute
+        self.announce = announce
         self.last_step: Optional[BalancedStep] = None
         self.timings: Dict[str, float] = {}
+        self.first_step_check: Optional[dict] = None
+        self._model_checked = False
+        self._encoder_checks = first_step.EncoderChecks()
 
     def __call__(self, *, forward_step_func, data_iterator, model, num_microbatches, forward_only=False,
                  **kwargs):
-        step: BalancedStep = next(data_iterator)
+        if not self._model_checked:  # before the first step's collectives
+            first_step.check_model_and_config(model)
+            self._model_checked = True
+        step: BalancedStep = next(_step_iterator(data_iterator))
         self.last_step = step
         if num_microbatches != len(step.microbatches):
             raise ValueError(f"the schedule was asked for {num_microbatches} micro-batches but the "
                              f"post-balancing step holds {len(step.microbatches)}")
-        module = _unwrap(model)
-        model_chunk = model[0] if isinstance(model, (list, tuple)) else model
+        if isinstance(step, ShadowStep):  # planned, not moved: the micro-batches as loaded, upstream
+            return self.forward_backward_func(forward_step_func=forward_step_func,
+                                              data_iterator=data_iterators(step.microbatches, model_chunks(model)),
+                                              model=model, num_microbatches=num_microbatches,
+                                              forward_only=forward_only, **kwargs)
+        module = check_model(model)
+        self._encoder_checks.run(module, step)
+        run = functools.partial(self._run, step, module, forward_step_func, model, forward_only, kwargs)
+        if step.home is not None and not forward_only:
+            chunks = model_chunks(model)
+            home = functools.partial(self.forward_backward_func, forward_step_func=forward_step_func,
+                                     data_iterator=data_iterators(step.home, chunks), model=model,
+                                     num_microbatches=len(step.home), forward_only=False, **kwargs)
+            result, self.first_step_check = first_step.checked_step(home, run, step, module, chunks, self.dp_group,
+                                                                    self.announce)
+            return result
+        return run()
+
+    def _run(self, step: BalancedStep, module: BalanceableModel, forward_step_func, model, forward_only: bool,
+             kwargs: dict, captured: Optional[dict] = None):
+        """The balanced step: encoders, their outputs to the backbone ranks, Megatron's schedule, the encoders'
+        backward; ``captured`` (the checked first step) gets each phase's received outputs."""
+        model_chunk = model_chunks(model)[0]  # the encoders' chunk
         sharded = sharding_of(model_chunk) is not None
         self.timings = {}
         pending = []  # (phase, encode, encoder inputs, their chunks, moved outputs)
@@ -106,34 +142,43 @@ class ModalityAwareSchedule:
             for phase, encode, inputs, chunks, move in moving:
                 leaf = move().requires_grad_(not forward_only)
                 embeds[phase] = leaf
+                if captured is not None:
+                    captured[phase] = leaf.detach()
                 pending.append((phase, encode, inputs, chunks, leaf))
             microbatches = _attach(step, embeds)
             self.timings["encoders_forward"] = time.perf_counter() - start
 
-        config = get_model_config(model[0] if isinstance(model, (list, tuple)) else model)
+        chunks = model_chunks(model)
+        config = get_model_config(chunks[0])
         callbacks = {name: getattr(config, name) for name in _GRAD_CALLBACKS}
         backward_done = []
 
-        def encoders_backward_once():
+        def encoders_backward_once(synced: bool = True):
             if not backward_done:
                 backward_done.append(True)
-                self._encoders_backward(step, module, pending, _no_sync(config), sharded)
+                self._encoders_backward(step, module, pending, _no_sync(config), synced, sharded)
 
-        def after_encoders_backward(callback):
+        def after_encoders_backward(callback, synced: bool = True):
             def call(*args, **kw):
-                encoders_backward_once()
+                encoders_backward_once(synced)
                 return callback(*args, **kw)
             return call
 
         if not forward_only:  # whichever callback reduces gradients first runs the encoders' backward
             for name, callback in callbacks.items():
-                if isinstance(callback, list):  # one per model chunk
-                    setattr(config, name, [after_encoders_backward(c) for c in callback])
+                if name == "grad_sync_func" and callback is not None and len(chunks) > 1 and not isinstance(
+                        callback, list):
+                    callback = [callback] * len(chunks)  # as the interleaved schedule spreads it over the chunks
+                if isinstance(callback, list):  # one per model chunk: the first chunk's (the encoders')
+                    # the interleaved schedule syncs a chunk by its grad_sync_func alone, after running every
+                    # backward of the chunk under no_sync: so do the encoders' backward then
+                    synced = not (name == "grad_sync_func" and len(chunks) > 1)
+                    setattr(config, name, [after_encoders_backward(callback[0], synced), *callback[1:]])
                 elif callback is not None:
                     setattr(config, name, after_encoders_backward(callback))
         try:
             result = self.forward_backward_func(
-                forward_step_func=forward_step_func, data_iterator=iter(microbatches), model=model,
+                forward_step_func=forward_step_func, data_iterator=data_iterators(microbatches, chunks), model=model,
                 num_microbatches=len(microbatches), forward_only=forward_only, **kwargs)
         finally:
             for name, callback in callbacks.items():
@@ -181,7 +226,11 @@ class ModalityAwareSchedule:
         return chunk_bounds(count, chunk_items, int(kept[step.rank]))
 
     def _encoders_backward(self, step: BalancedStep, module: BalanceableModel, pending, no_sync,
-                           sharded: bool) -> None:
+                           synced: bool, sharded: bool = False) -> None:
+        """Every encoder chunk's backward; a phase's last one (and an idle encoder's zero gradients) outside
+        ``no_sync`` where ``synced`` (Megatron DDP then counts them, as it counts the backbone's last micro-batch),
+        all of them under it where not (the interleaved schedule's explicit grad sync follows). ``sharded``:
+        phase after phase, the same order on every rank."""
         start = time.perf_counter()
         # Every phase's gradients start back at once; the first chunks' backward hides the later transfers.
         returning = {phase: self._start_move(step, phase, torch.zeros_like(leaf) if leaf.grad is None else leaf.grad,
@@ -199,30 +248,52 @@ class ModalityAwareSchedule:
             rows = step.rows_per_item[phase]
             if phase not in grads:  # a padding chunk's rows (sharded) get a zero gradient
                 grads[phase] = _zero_padded(returning[phase](), inputs.shape[0] * rows)
-            with contextlib.nullcontext() if last[phase] == i else no_sync():
+            with contextlib.nullcontext() if synced and last[phase] == i else no_sync():
                 backward_chunk(encode, inputs, chunk, grads[phase][chunk.start * rows:chunk.stop * rows])
         for phase, _, _, chunks, _ in pending:
             if phase not in grads:  # a phase without chunks: its (empty) transfer still completes
                 returning[phase]()
             if not chunks:  # no items of this phase on this rank in this step
-                _zero_gradients(module.phase_encoders()[phase])
+                with contextlib.nullcontext() if synced else no_sync():
+                    _zero_gradients(module.phase_encoders()[phase])
         self.timings["encoders_backward"] = time.perf_counter() - start
 
 
+def _step_iterator(data_iterator) -> Iterator[BalancedStep]:
+    """The iterator of post-balancing steps: ``data_iterator``, or, given one iterator per model chunk
+    (``megatron.training`` with virtual pipeline stages), the first chunk's; the step feeds every chunk, so
+    the others must be None (checked before the step's collectives)."""
+    if not isinstance(data_iterator, (list, tuple)):
+        return data_iterator
+    if not data_iterator or any(it is not None for it in data_iterator[1:]):
+        raise ValueError(f"post-balancing with {len(data_iterator)} model chunks takes its steps from the first "
+                         "chunk's data iterator and gives every chunk its micro-batches: the data provider must "
+                         "return the post-balancing iterator for vp_stage 0 and None for the others "
+                         "(megatron_orch.megatron.megatron_lm.external_data_provider does)")
+    return data_iterator[0]
+
+
+def model_chunks(model) -> List[torch.nn.Module]:
+    """The model chunks a megatron-core schedule is given (one module, or one per virtual pipeline stage)."""
+    return list(model) if isinstance(model, (list, tuple)) else [model]
+
+
+def data_iterators(microbatches: List, model: List[torch.nn.Module]):
+    """The data iterator(s) megatron-core's schedule takes for one step's ``microbatches``: one iterator, or
+    with several model chunks (the interleaved schedule) one per chunk over the same micro-batches."""
+    if len(model) == 1:
+        return iter(microbatches)
+    return [iter(microbatches) for _ in model]
+
+
 def _no_sync(config) -> Callable[[], contextlib.AbstractContextManager]:
-    """The model config's ``no_sync_func`` (one per model chunk: all of them), as Megatron's schedules take it;
-    none (also a config without the field, as a stage's stand-in config may be): gradients sync as usual."""
+    """The model config's ``no_sync_func`` (one per model chunk: the first chunk's, which holds the encoders),
+    as Megatron's schedules take it; none (also a config without the field, as a stage's stand-in config may
+    be): gradients sync as usual."""
     no_sync = getattr(config, "no_sync_func", None)
     if no_sync is None:
         return contextlib.nullcontext
-    if isinstance(no_sync, list):
-        def all_chunks():
-            stack = contextlib.ExitStack()
-            for func in no_sync:
-                stack.enter_context(func())
-            return stack
-        return all_chunks
-    return no_sync
+    return no_sync[0] if isinstance(no_sync, list) else no_sync
 
 
 def _zero_padded(rows: torch.Tensor, length: int) -> torch.Tensor:

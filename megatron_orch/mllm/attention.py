@@ -17,16 +17,22 @@ kernel (:func:`packed_attention`): on CUDA in bf16/fp16 without attention dropou
 per layer, tiles only inside each example's causal triangle); otherwise (CPU, fp32, attention dropout,
 which ``varlen_attn`` does not take, or an older torch) SDPA example by example (``is_causal``: flash on CUDA and on CPU
 without dropout, the math kernel over one example's ``s x s`` with dropout on CPU).
+
+Context parallelism (the backbone's ``--context-parallel-size``) on CPU: :func:`context_parallel_attention`
+all-gathers keys and values over the CP group and attends each local query exactly (the CPU path; on GPUs
+context parallelism runs Transformer Engine's attention, ``--transformer-impl transformer_engine``).
 """
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 from typing import Optional, Sequence
 
+import numpy as np
 import torch
 import torch.nn.functional as F
-from megatron.core import tensor_parallel
+from megatron.core import parallel_state, tensor_parallel
 from megatron.core.packed_seq_params import PackedSeqParams
 from megatron.core.process_groups_config import ProcessGroupCollection
 from megatron.core.transformer.enums import AttnMaskType
@@ -34,6 +40,7 @@ from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 from megatron_orch.megatron.batch import PackedRowParams
+from megatron_orch.megatron.sequence_layout import SequenceLayout
 
 try:
     from torch.nn.attention.varlen import varlen_attn  # torch >= 2.9; setup.py allows 2.6
@@ -55,8 +62,9 @@ class SDPAttention(MegatronModule):
     d]``, no mask, output ``[t, heads * d]`` (:func:`packed_attention`).
 
     No parameters and no state: a model's checkpoint is the same with it or ``DotProductAttention``.
-    ``layer_number``, ``attention_type``, ``cp_comm_type`` and ``pg_collection`` are accepted for the
-    spec interface; the heads come from the tensors. Query-key layer scaling is an fp16 range trick whose scale
+    ``layer_number``, ``attention_type`` and ``cp_comm_type`` are accepted for the spec interface; the heads
+    come from the tensors. With context parallelism (``config.context_parallel_size > 1``) the attention is
+    :func:`context_parallel_attention` over ``pg_collection``'s CP group (megatron-core's, without one). Query-key layer scaling is an fp16 range trick whose scale
     cancels in megatron's softmax; SDPA keeps its softmax in fp32, so it is not needed here.
     """
 
@@ -66,8 +74,6 @@ class SDPAttention(MegatronModule):
                  pg_collection: Optional[ProcessGroupCollection] = None):
         super().__init__(config=config)
         unsupported = []
-        if config.context_parallel_size > 1:
-            unsupported.append(f"context parallelism (context_parallel_size={config.context_parallel_size})")
         if config.window_size is not None:
             unsupported.append(f"sliding-window attention (window_size={config.window_size})")
         if config.softmax_type != "vanilla":
@@ -77,6 +83,9 @@ class SDPAttention(MegatronModule):
                                       f"{', '.join(unsupported)}; use --transformer-impl transformer_engine")
         self.layer_number = layer_number
         self.attn_mask_type = attn_mask_type
+        self.cp_group = None  # context parallelism: the CPU path (context_parallel_attention)
+        if config.context_parallel_size > 1:
+            self.cp_group = getattr(pg_collection, "cp", None) or parallel_state.get_context_parallel_group()
         self.softmax_scale = 1.0 / math.sqrt(config.kv_channels) if softmax_scale is None else softmax_scale
         self.attention_dropout = config.attention_dropout if attention_dropout is None else attention_dropout
 
@@ -90,6 +99,15 @@ class SDPAttention(MegatronModule):
         dropout = self.attention_dropout if self.training else 0.0
         # Each TP rank holds different heads: draw dropout from the model-parallel RNG, like megatron.
         rng = tensor_parallel.get_cuda_rng_tracker().fork() if dropout else contextlib.nullcontext()
+        if self.cp_group is not None:
+            if attention_mask is not None or attn_mask_type != AttnMaskType.causal:
+                raise NotImplementedError(f"SDPAttention: context parallelism takes causal attention without a mask "
+                                          f"(got attn_mask_type={attn_mask_type}, a mask: "
+                                          f"{attention_mask is not None})")
+            with rng:
+                context = context_parallel_attention(query, key, value, self.cp_group, packed_seq_params,
+                                                     scale=self.softmax_scale, dropout=dropout)
+            return context.reshape(*context.shape[:-2], -1)
         if packed_seq_params is not None:
             if attention_mask is not None:
                 raise ValueError("SDPAttention: a packed row (packed_seq_params) takes no attention_mask")
@@ -115,6 +133,73 @@ class SDPAttention(MegatronModule):
                 query, key, value, attn_mask=mask, dropout_p=dropout, is_causal=is_causal,
                 scale=self.softmax_scale, enable_gqa=key.shape[1] != heads)
         return context.permute(2, 0, 1, 3).reshape(sq, b, heads * head_dim)
+
+
+def context_parallel_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, group,
+                               packed_seq_params: Optional[PackedRowParams], *, scale: float,
+                               dropout: float = 0.0) -> torch.Tensor:
+    """Causal attention of this CP rank's queries, exactly: the CPU path of context parallelism.
+
+    The rank holds its part of each sequence in megatron-core's layout
+    (:class:`~megatron_orch.megatron.sequence_layout.SequenceLayout`: chunks ``r`` and ``2C-1-r`` of a padded row,
+    or of every sequence of a packed row, whose ``host_cu_seqlens`` are the whole row's padded bounds): query
+    ``[s / C, b, heads, d]`` (THD: ``[t / C, heads, d]``), key/value likewise with the query groups. Keys and
+    values are all-gathered over ``group`` (megatron-core's ``gather_from_sequence_parallel_region``, whose
+    backward sums their gradients back to the rank that holds them), put in sequence order, and each local query
+    attends to the keys of its sequence at its position or before. On GPUs context parallelism runs Transformer
+    Engine's attention instead (``--transformer-impl transformer_engine``); this gathers every key and value.
+    """
+    if query.is_cuda:
+        raise NotImplementedError("SDPAttention's context-parallel attention is the CPU path (it gathers every key "
+                                  "and value); on GPUs use --transformer-impl transformer_engine (TE's attention)")
+    cp, rank = torch.distributed.get_world_size(group), torch.distributed.get_rank(group)
+    thd = packed_seq_params is not None
+    if thd:  # one row: [t, n, d] -> [t, 1, n, d]
+        query, key, value = (t.unsqueeze(1) for t in (query, key, value))
+        sequences = tuple(zip(packed_seq_params.host_cu_seqlens, packed_seq_params.host_cu_seqlens[1:]))
+    else:
+        sequences = ((0, query.shape[0] * cp),)
+    if sequences[-1][1] != query.shape[0] * cp:
+        raise ValueError(f"context-parallel attention: {query.shape[0]} local tokens x CP {cp}, but the sequences "
+                         f"end at {sequences[-1][1]}")
+    order, _ = _context_parallel_order(cp, rank, sequences)
+    key, value = (tensor_parallel.gather_from_sequence_parallel_region(t, True, group)[order] for t in (key, value))
+    context = attend_context_parallel_shard(query, key, value, cp, rank, sequences, scale=scale, dropout=dropout)
+    return context[:, 0] if thd else context
+
+
+def attend_context_parallel_shard(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, cp: int, rank: int,
+                                  sequences, *, scale: float, dropout: float = 0.0) -> torch.Tensor:
+    """CP rank ``rank``'s queries ``[s / C, b, heads, d]`` (megatron-core's layout of ``sequences``, the whole row's
+    ``(start, end)``) against the whole row's keys and values ``[s, b, groups, d]`` in sequence order: each query
+    attends causally within its sequence. Output ``[s / C, b, heads, d]``."""
+    _, local = _context_parallel_order(cp, rank, tuple(sequences))
+    heads = query.shape[2]
+    key, value = (t.repeat_interleave(heads // t.shape[2], dim=2) for t in (key, value))
+    parts = []
+    for (start, end), (first, last) in zip(sequences, local):
+        positions = torch.from_numpy(_positions(cp, rank, ((start, end),)) - start).to(query.device)
+        allowed = positions[:, None] >= torch.arange(end - start, device=query.device)[None, :]  # [queries, keys]
+        q, k, v = (t.permute(1, 2, 0, 3) for t in (query[first:last], key[start:end], value[start:end]))
+        parts.append(F.scaled_dot_product_attention(q, k, v, attn_mask=allowed, dropout_p=dropout, scale=scale)
+                     .permute(2, 0, 1, 3))
+    return torch.cat(parts)
+
+
+def _positions(cp: int, rank: int, sequences) -> np.ndarray:
+    return SequenceLayout(cp, rank).local_positions(sequences)
+
+
+@functools.lru_cache(maxsize=256)
+def _context_parallel_order(cp: int, rank: int, sequences):
+    """(``order``: the gathered tokens' indices in sequence order, ``local``: each sequence's ``(first, last)``
+    local token range on this rank)."""
+    gathered = np.concatenate([_positions(cp, r, sequences) for r in range(cp)])
+    order = np.empty_like(gathered)
+    order[gathered] = np.arange(gathered.size)
+    sizes = [(end - start) // cp for start, end in sequences]
+    bounds = np.concatenate(([0], np.cumsum(sizes)))
+    return torch.from_numpy(order), tuple(zip(bounds[:-1].tolist(), bounds[1:].tolist()))
 
 
 def uses_varlen_kernel(query: torch.Tensor, dropout: float) -> bool:

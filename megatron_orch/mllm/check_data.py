@@ -1,18 +1,26 @@
-"""Check a JSONL manifest before training on it, every example as the trainer checks it when it reads it.
+"""Check a JSONL manifest or an Energon dataset before training on it, every example as the trainer checks
+it when it reads it.
 
     python -m megatron_orch.mllm.check_data --data-path train.jsonl --seq-length 2048 [--model-config M]
         [--max-num-tiles N --max-image-pixels N --max-audio-seconds S --max-vision-items-per-sample N]
         [--refuse-long-answers] [--decode] [--workers N]
 
 Each example's files are checked from their headers (a missing or unreadable file, an image above
-``--max-image-pixels``, too many tiles, a log-mel array with the wrong mel bins or too long, prompt and
-media that do not fit ``--seq-length``, declared ``sizes`` that differ from the files), on a pool of
-threads, with a progress line on stderr. ``--decode`` loads every example as training does (image
-pixels decoded, arrays read), which also finds truncated or corrupt image data behind a good header.
+``--max-image-pixels``, too many tiles, a log-mel array with the wrong mel bins or too long, an array
+of a complex or signed integer dtype, prompt and media that do not fit ``--seq-length``, declared
+``sizes`` that differ from the files), on a pool of threads, with a progress line on stderr.
+``--decode`` loads every example as training does (image pixels decoded, arrays read), which also finds
+truncated or corrupt image data behind a good header and NaN or infinite values in arrays (named with
+the first bad index).
 Every bad line is printed as ``manifest.jsonl:LINE: reason``, then a summary; the exit status is 1 if
 any line is bad, 0 otherwise (2: the command line or a line's JSON is wrong: the manifest is parsed
 first and stops at such a line). Answers longer than ``--seq-length`` allows are counted (training
 truncates them, keeping the EOS), or bad with ``--refuse-long-answers``.
+
+An Energon dataset (a folder with ``.nv-meta``; the ``energon`` extra) is checked sample by sample, its
+train split in the dataset's order, by the task encoder training uses
+(:mod:`megatron_orch.mllm.energon`); a bad sample is printed as ``<dataset>/<shard>:<key>: reason``, and
+``--workers`` counts Energon's loader processes (0 or 1: this process).
 
 :func:`add_data_args` defines the data flags shared with ``pretrain_mllm.py``. This module imports
 torch only when a check runs, so ``megatron_orch.trainer.arguments`` can take the flags from it.
@@ -89,6 +97,23 @@ def check_manifest(dataset, decode: bool = False, workers: int = 8,
     return report
 
 
+def check_energon(dataset, decode: bool = False, workers: int = 0,
+                  progress: Optional[Callable[[int, int, int], None]] = None) -> CheckReport:
+    """Check every sample of an :class:`~megatron_orch.mllm.energon.EnergonDataset` (its train split) as
+    training does, on ``workers`` Energon loader processes (0: this one); the report lists bad samples and
+    truncated answers in the dataset's order."""
+    report, outcomes, total = CheckReport(), [], len(dataset)
+    for checked in dataset.checked_samples(decode, workers):
+        outcomes.append(checked)
+        report.checked += 1
+        if progress is not None:
+            progress(report.checked, total, sum(o.bad is not None for o in outcomes))
+    outcomes.sort(key=lambda o: o.index)
+    report.bad = [o.bad for o in outcomes if o.bad is not None]
+    report.truncated = [o.note for o in outcomes if o.note is not None]
+    return report
+
+
 class _Progress:
     """``checked 1200/5000 examples (24%), 2 bad`` on stderr: rewritten in place on a terminal (10 per
     second at most), else one line per tenth."""
@@ -113,41 +138,56 @@ class _Progress:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m megatron_orch.mllm.check_data", allow_abbrev=False,
-                                     description="Check every example of a JSONL manifest as training would.")
-    parser.add_argument("--data-path", required=True, help="the JSONL manifest")
+                                     description="Check every example of a JSONL manifest or an Energon dataset "
+                                                 "as training would.")
+    parser.add_argument("--data-path", required=True, help="the JSONL manifest, or an Energon dataset's folder")
     parser.add_argument("--model-config", default="tiny", help="name in configs/ or a YAML path (as pretrain_mllm.py)")
     parser.add_argument("--seq-length", type=int, required=True, help="longest backbone sequence (tokens)")
     parser.add_argument("--decode", action="store_true",
                         help="load every example (decode images, read arrays), not only the file headers")
     parser.add_argument("--workers", type=int, default=min(32, 2 * (os.cpu_count() or 1)),
-                        help="threads reading files (default: twice the CPU count, at most 32)")
+                        help="threads reading files (default: twice the CPU count, at most 32); of an Energon "
+                             "dataset: loader processes (0 or 1: this process)")
     add_data_args(parser)
     return parser
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     args = build_parser().parse_args(argv)
+    from megatron_orch import quiet_megatron_core_warnings
+    quiet_megatron_core_warnings()
     from megatron_orch.mllm.config import load_model_config
+    from megatron_orch.mllm.data import is_energon_dataset
     from megatron_orch.mllm.examples import example_layout
-    from megatron_orch.mllm.manifest import InputLimits, ManifestDataset, ManifestError, image_tiling
+    from megatron_orch.mllm.manifest import ExampleReader, InputLimits, ManifestDataset, ManifestError, image_tiling
 
-    prog = "check_data"
+    prog, energon = "check_data", is_energon_dataset(args.data_path)
     try:
         model_config = load_model_config(args.model_config)
         limits = InputLimits(max_image_pixels=args.max_image_pixels, max_audio_seconds=args.max_audio_seconds,
                              max_vision_items_per_sample=args.max_vision_items_per_sample)
-        dataset = ManifestDataset(args.data_path, example_layout(model_config, args.seq_length),
-                                  image_tiling(model_config, args.max_num_tiles), limits=limits,
-                                  refuse_long_answers=args.refuse_long_answers)
+        reading = (example_layout(model_config, args.seq_length), image_tiling(model_config, args.max_num_tiles))
+        if energon:
+            from megatron_orch.mllm.energon import EnergonDataset
+            dataset = EnergonDataset(args.data_path, ExampleReader(*reading, limits=limits,
+                                                                   refuse_long_answers=args.refuse_long_answers))
+        else:
+            dataset = ManifestDataset(args.data_path, *reading, limits=limits,
+                                      refuse_long_answers=args.refuse_long_answers)
     except ManifestError as err:
         print(err, flush=True)
-        print(f"{prog}: error: the manifest does not parse at this line (checking stops at it)", file=sys.stderr)
+        what = "the dataset does not open" if energon else "the manifest does not parse at this line"
+        print(f"{prog}: error: {what} (checking stops at it)", file=sys.stderr)
         return 2
-    except (OSError, ValueError, TypeError) as err:
+    except (OSError, ValueError, TypeError, ImportError) as err:
         print(f"{prog}: error: {err}", file=sys.stderr)
         return 2
     start = time.perf_counter()
-    report = check_manifest(dataset, decode=args.decode, workers=args.workers, progress=_Progress())
+    if energon:
+        report = check_energon(dataset, decode=args.decode, workers=args.workers if args.workers > 1 else 0,
+                               progress=_Progress())
+    else:
+        report = check_manifest(dataset, decode=args.decode, workers=args.workers, progress=_Progress())
     for line in report.bad:
         print(line, flush=True)
     shown = report.truncated[:10]

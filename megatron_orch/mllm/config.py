@@ -338,6 +338,11 @@ def model_config_path(name_or_path: str) -> Path:
     return CONFIGS_DIR / f"{name_or_path}.yaml"
 
 
+def is_shipped_config(name_or_path: str) -> bool:
+    """Whether ``name_or_path`` is one of the configs in ``configs/`` (tested against upstream by the suite)."""
+    return model_config_path(name_or_path).resolve().parent == CONFIGS_DIR.resolve()
+
+
 def load_model_config(name_or_path: str = DEFAULT_MODEL) -> MLLMConfig:
     """Load an MLLM config by name (``tiny``, ``tiny_video``, ``mllm_10b``, ...) or YAML path."""
     path = model_config_path(name_or_path)

@@ -3,21 +3,26 @@
 Two datasets produce :class:`~megatron_orch.megatron.batch.Example` objects and, for planning, their
 :class:`~megatron_orch.megatron.batch.ExampleSizes` without materialising any tensor:
 :class:`~megatron_orch.mllm.synthetic.SyntheticMultimodalDataset` (the embedded default) and
-:class:`~megatron_orch.mllm.manifest.ManifestDataset` (users' own data from a JSONL manifest).
+:class:`~megatron_orch.mllm.manifest.ManifestDataset` (users' own data from a JSONL manifest), read in
+Megatron's sample order by :class:`TrainIterator`. An Energon dataset (a folder with ``.nv-meta``) is read
+by Energon's own loader instead, each DP rank its own part of the shards
+(:class:`~megatron_orch.mllm.energon.EnergonTrainIterator`, with the optional ``energon`` extra).
 """
 from __future__ import annotations
 
 import argparse
 import threading
 from dataclasses import dataclass, field
-from typing import Iterator, List, Optional
+from pathlib import Path
+from typing import Dict, Iterator, List, Optional
 
 import numpy as np
 
 from megatron_orch.megatron.batch import Example, MicroBatch, collate
 from megatron_orch.megatron.moe import pads_rows_to_seq_length
 from megatron_orch.mllm.examples import ExampleLayout, example_layout
-from megatron_orch.mllm.manifest import InputLimits, ManifestDataset, ManifestError, image_tiling
+from megatron_orch.mllm.manifest import (ExampleReader, InputLimits, ManifestDataset, ManifestError, image_tiling,
+                                         manifest_identity)
 from megatron_orch.mllm.synthetic import SyntheticMultimodalDataset
 
 
@@ -68,7 +73,7 @@ class DataConfig:
     micro_batch_size: int
     num_samples: int  # samples the run consumes in total (train_iters * global_batch_size)
     seed: int = 1234
-    manifest: Optional[str] = None  # JSONL manifest of the user's data; None: the synthetic default
+    data_path: Optional[str] = None  # --data-path: a JSONL manifest or an Energon dataset; None: synthetic
     pad_to_seq_length: bool = False  # rows of exactly seq_length tokens (pipeline parallelism, MoE backbones)
     max_num_tiles: int = 6  # tiles per image (--max-num-tiles)
     limits: InputLimits = field(default_factory=InputLimits)  # what one manifest example may hold
@@ -85,7 +90,7 @@ def data_config(args: argparse.Namespace) -> DataConfig:
     return DataConfig(model_config=args.mllm_config, seq_length=args.seq_length,
                       micro_batch_size=args.micro_batch_size,
                       num_samples=args.train_iters * args.global_batch_size, seed=args.seed,
-                      manifest=_manifest_path(args.data_path),
+                      data_path=_data_path(args.data_path),
                       # 1F1B sends fixed [seq_length, micro_batch_size, hidden] tensors between stages; an
                       # MoE backbone's per-sequence losses count a row's padding (megatron_orch.megatron.moe).
                       pad_to_seq_length=(args.pipeline_model_parallel_size > 1
@@ -97,20 +102,45 @@ def data_config(args: argparse.Namespace) -> DataConfig:
                       max_bad_examples=args.max_bad_examples, refuse_long_answers=args.refuse_long_answers)
 
 
-def _manifest_path(data_path):
-    """``--data-path``: one manifest path (Megatron-LM's parser gives a list)."""
+def _data_path(data_path):
+    """``--data-path``: one manifest or Energon dataset (Megatron-LM's parser gives a list)."""
     if isinstance(data_path, (list, tuple)):
         if len(data_path) > 1:
-            raise ValueError(f"--data-path takes one JSONL manifest here, got {len(data_path)} paths: {data_path}")
+            raise ValueError(f"--data-path takes one JSONL manifest or Energon dataset here, got {len(data_path)} "
+                             f"paths: {data_path}")
         return data_path[0] if data_path else None
     return data_path
 
 
+def is_energon_dataset(path) -> bool:
+    """Whether ``path`` is an Energon dataset: a folder with the ``.nv-meta`` that ``energon prepare`` writes."""
+    return path is not None and (Path(path) / ".nv-meta").is_dir()
+
+
+def data_identity(path) -> dict:
+    """What identifies the content of ``--data-path`` in checkpoints (a manifest's or an Energon dataset's)."""
+    if is_energon_dataset(path):
+        from megatron_orch.mllm.energon import energon_identity
+        return energon_identity(path)
+    return manifest_identity(path)
+
+
+def example_reader(config: DataConfig) -> ExampleReader:
+    """How the examples of ``config``'s data are read and checked (its model's layout, tiling and limits)."""
+    return ExampleReader(config.layout, image_tiling(config.model_config, config.max_num_tiles), limits=config.limits,
+                         refuse_long_answers=config.refuse_long_answers)
+
+
 def checked_dataset(config: DataConfig):
     """The dataset a :class:`DataConfig` names: the user's manifest (parsed and checked line by line
-    here, before any model is built), else the synthetic default."""
-    if config.manifest is not None:
-        return ManifestDataset(config.manifest, config.layout, image_tiling(config.model_config, config.max_num_tiles),
+    here, before any model is built), an Energon dataset (its metadata read and its sample type
+    checked here), else the synthetic default."""
+    if is_energon_dataset(config.data_path):
+        from megatron_orch.mllm.energon import EnergonDataset
+        return EnergonDataset(config.data_path, example_reader(config))
+    if config.data_path is not None:
+        return ManifestDataset(config.data_path, config.layout,
+                               image_tiling(config.model_config, config.max_num_tiles),
                                limits=config.limits, refuse_long_answers=config.refuse_long_answers)
     return SyntheticMultimodalDataset(config.model_config, config.num_samples, config.seed,
                                       seq_length=config.seq_length)
@@ -167,7 +197,34 @@ class DataEvent:
     replacement: Optional[str] = None
 
 
-class TrainIterator:
+class DataEvents:
+    """What one DP rank's loader reports to the trainer: :class:`DataEvent` objects by sample position,
+    collected as its examples are read (post-balancing reads ahead on a thread of its own) and taken once
+    those samples are trained (:meth:`take_events`), and its state for a checkpoint (:meth:`loader_state`)."""
+
+    def __init__(self):
+        self.events: List[DataEvent] = []
+        self._events_lock = threading.Lock()
+
+    def _report(self, event: DataEvent) -> None:
+        with self._events_lock:
+            self.events.append(event)
+
+    def take_events(self, before: int) -> List[DataEvent]:
+        """The events of positions below ``before`` (the samples trained so far), removed from :attr:`events`."""
+        with self._events_lock:
+            taken = [e for e in self.events if e.position < before]
+            self.events = [e for e in self.events if e.position >= before]
+        return taken
+
+    def loader_state(self, consumed_samples: int) -> Optional[dict]:
+        """What a checkpoint saves of the loader after ``consumed_samples`` (the samples trained so far);
+        None: nothing, a resumed run restarts from its consumed-sample count (a loader whose order is a
+        function of the sample position)."""
+        return None
+
+
+class TrainIterator(DataEvents):
     """This DP rank's micro-batches, in Megatron's order (:class:`MegatronPretrainingSampler` over
     :class:`SampleOrder` positions), starting after ``consumed_samples``.
 
@@ -180,10 +237,9 @@ class TrainIterator:
 
     def __init__(self, dataset, config: DataConfig, consumed_samples: int, data_parallel_rank: int,
                  data_parallel_size: int, pin_memory: bool = False):
+        super().__init__()
         self.dataset, self.config, self.pin_memory = dataset, config, pin_memory
         self.order = SampleOrder(len(dataset), config.seed)
-        self.events: List[DataEvent] = []
-        self._events_lock = threading.Lock()  # post-balancing reads ahead on a thread of its own
         sampler = MegatronPretrainingSampler(config.num_samples, consumed_samples, config.micro_batch_size,
                                              data_parallel_rank, data_parallel_size)
         self._positions = iter(sampler)
@@ -207,12 +263,12 @@ class TrainIterator:
                 f"samples: {epochs} epochs, the first in the dataset's order, each later one in a new order "
                 f"seeded by --seed {self.config.seed} and the epoch")
 
-    def take_events(self, before: int) -> List[DataEvent]:
-        """The events of positions below ``before`` (the samples trained so far), removed from :attr:`events`."""
-        with self._events_lock:
-            taken = [e for e in self.events if e.position < before]
-            self.events = [e for e in self.events if e.position >= before]
-        return taken
+    def describe_samples(self, positions: range, replaced: Dict[int, str], shown: int = 8) -> str:
+        """Where the samples at ``positions`` come from (``dataset.where``: a manifest's lines), the first
+        ``shown`` of them; ``replaced``: the replacement's ``where`` of a position whose example was skipped."""
+        wheres = [replaced.get(p) or self.dataset.where(self.order[p]) for p in positions[:shown]]
+        more = f" (and {len(positions) - shown} more)" if len(positions) > shown else ""
+        return ", ".join(wheres) + more
 
     def _read(self, position: int) -> Example:
         index = self.order[position]
@@ -222,11 +278,9 @@ class TrainIterator:
             if self.config.max_bad_examples == 0:
                 raise
             index, example, note = self._replacement(position, bad)
-            with self._events_lock:
-                self.events.append(DataEvent(position, True, str(bad), self.dataset.where(index)))
+            self._report(DataEvent(position, True, str(bad), self.dataset.where(index)))
         if note is not None:
-            with self._events_lock:
-                self.events.append(DataEvent(position, False, note))
+            self._report(DataEvent(position, False, note))
         return example
 
     def _replacement(self, position: int, bad: ManifestError):
@@ -241,8 +295,16 @@ class TrainIterator:
 
 
 def build_train_iterator(config: DataConfig, consumed_samples: int, data_parallel_rank: int,
-                         data_parallel_size: int, pin_memory: bool = False) -> TrainIterator:
-    """This DP rank's micro-batches, in Megatron's order, starting after ``consumed_samples``
-    (``pin_memory``: batches in pinned host memory, for asynchronous copies to a GPU)."""
-    return TrainIterator(checked_dataset(config), config, consumed_samples, data_parallel_rank, data_parallel_size,
-                         pin_memory)
+                         data_parallel_size: int, pin_memory: bool = False, *, data_parallel_group=None,
+                         loader_state: Optional[dict] = None) -> DataEvents:
+    """This DP rank's micro-batches from ``consumed_samples`` on (``pin_memory``: in pinned host memory, for
+    asynchronous copies to a GPU): a :class:`TrainIterator` in Megatron's order, or for an Energon dataset
+    an :class:`~megatron_orch.mllm.energon.EnergonTrainIterator` over this rank's part of the shards
+    (``data_parallel_group``: the rank's DP group, for Energon's ``WorkerConfig``), restored to
+    ``loader_state`` (what its ``loader_state`` returned when the checkpoint was saved)."""
+    dataset = checked_dataset(config)
+    if is_energon_dataset(config.data_path):
+        from megatron_orch.mllm.energon import EnergonTrainIterator
+        return EnergonTrainIterator(dataset, config, consumed_samples, data_parallel_rank, data_parallel_size,
+                                    pin_memory, data_parallel_group=data_parallel_group, loader_state=loader_state)
+    return TrainIterator(dataset, config, consumed_samples, data_parallel_rank, data_parallel_size, pin_memory)

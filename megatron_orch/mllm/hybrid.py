@@ -58,25 +58,27 @@ def hybrid_config_fields(shape: TransformerShape) -> dict:
 
 
 class BackboneHybridStack(HybridStack):
-    """megatron-core's ``HybridStack`` with the GPT block's final norm (``LayerNormImpl``: Transformer Engine's
-    where it imports, else Apex's or torch's); megatron-core's own builds Transformer Engine's always."""
+    """megatron-core's ``HybridStack`` with the final norm its spec names (megatron-core's own builds Transformer
+    Engine's always)."""
 
-    def __init__(self, config, submodules: HybridStackSubmodules, *args, post_layer_norm: bool = True, **kwargs):
+    def __init__(self, config, submodules: HybridStackSubmodules, *args, final_norm: type,
+                 post_layer_norm: bool = True, **kwargs):
         super().__init__(config, submodules, *args, post_layer_norm=False, **kwargs)
         self.post_layer_norm = post_layer_norm
         if self.post_process and post_layer_norm:
-            self.final_norm = LayerNormImpl(config=config, hidden_size=config.hidden_size,
-                                            eps=config.layernorm_epsilon)
+            self.final_norm = final_norm(config=config, hidden_size=config.hidden_size, eps=config.layernorm_epsilon)
 
 
-def hybrid_stack_spec(layer_spec: ModuleSpec, moe: bool = False) -> ModuleSpec:
-    """The stack spec whose attention and MLP layers are the two halves of the GPT layer ``layer_spec``;
-    ``moe``: its FFN half (megatron-core's MoE layer) is the stack's MoE layer (``MoETransformerLayer``)."""
+def hybrid_stack_spec(layer_spec: ModuleSpec, final_norm: type = LayerNormImpl, moe: bool = False) -> ModuleSpec:
+    """The stack spec whose attention and MLP layers are the two halves of the GPT layer ``layer_spec``, ending
+    in ``final_norm`` (default the GPT block's: ``LayerNormImpl``, Transformer Engine's where it imports, else
+    Apex's or torch's); ``moe``: its FFN half (megatron-core's MoE layer) is the stack's MoE layer
+    (``MoETransformerLayer``)."""
     parts = layer_spec.submodules
     attention = dataclasses.replace(parts, pre_mlp_layernorm=IdentityOp, mlp=IdentityOp, mlp_bda=IdentityFuncOp)
     mlp = dataclasses.replace(parts, input_layernorm=IdentityOp, self_attention=IdentityOp,
                               self_attn_bda=IdentityFuncOp)
     ffn = {"moe_layer": ModuleSpec(module=MoETransformerLayer, submodules=mlp)} if moe else \
         {"mlp_layer": ModuleSpec(module=MLPLayer, submodules=mlp)}
-    return ModuleSpec(module=BackboneHybridStack, submodules=HybridStackSubmodules(
+    return ModuleSpec(module=BackboneHybridStack, params={"final_norm": final_norm}, submodules=HybridStackSubmodules(
         attention_layer=ModuleSpec(module=TransformerLayer, submodules=attention), **ffn))

@@ -2,13 +2,14 @@
 from __future__ import annotations
 
 import hashlib
+import io
 import json
 import math
 import os
 import threading
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Optional
+from typing import Callable, Optional, Union
 
 import numpy as np
 import torch
@@ -122,70 +123,73 @@ class ManifestError(ValueError):
 
 
 @dataclass(frozen=True)
+class MediaBytes:
+    """A media file held in memory (a part of a WebDataset sample), read like a file path: ``data`` None
+    is a file that is missing. ``name`` says which file it is in messages; a ``.npy`` array is known by
+    its magic bytes, whatever the name."""
+
+    name: str
+    data: Optional[bytes]
+
+    @property
+    def suffix(self) -> str:
+        return ".npy" if self.data is not None and self.data.startswith(b"\x93NUMPY") else Path(self.name).suffix
+
+    def is_file(self) -> bool:
+        return self.data is not None
+
+    def open(self, mode: str = "rb") -> io.BytesIO:
+        return _NamedBytes(self.data, self.name)
+
+    def __str__(self) -> str:
+        return self.name
+
+
+class _NamedBytes(io.BytesIO):
+    """In-memory file bytes that name their file in readers' messages (Pillow's "cannot identify image file")."""
+
+    def __init__(self, data: bytes, name: str):
+        super().__init__(data)
+        self._name = name
+
+    def __repr__(self) -> str:
+        return repr(self._name)
+
+
+MediaSource = Union[Path, MediaBytes]
+
+
+@dataclass(frozen=True)
 class _ManifestRecord:
     where: str  # "manifest.jsonl:12"
     text: str
     prompt: str
-    images: tuple[Path, ...]
-    audio: tuple[Path, ...]
+    images: tuple[MediaSource, ...]
+    audio: tuple[MediaSource, ...]
     sizes: Optional[dict]
 
 
-class ManifestDataset:
-    """Examples from a JSONL manifest, one JSON object per line (blank lines are skipped)::
+class ExampleReader:
+    """How one entry of the manifest schema (:class:`ManifestDataset`) becomes an example, wherever the
+    entry and its media come from: a JSONL line and files (:class:`ManifestDataset`), or an Energon
+    sample and the parts of its WebDataset sample (:mod:`megatron_orch.mllm.energon`). Every check, size
+    and limit is made here, the same for both."""
 
-        {"text": "a cat on a mat", "prompt": "describe:", "images": ["img/0.png"], "audio": ["mel/0.npy"],
-         "sizes": {"vision_items": 3, "audio_items": 2, "text_tokens": 14}}
-
-    ``text`` (required) is the answer the loss is computed on; ``prompt`` (optional) precedes the media
-    and is not trained on. ``images`` are image files read with PIL (any format it knows) or ``.npy``
-    arrays [H, W, C] / [H, W] of pixel values; integer pixels are scaled to [0, 1] (16-bit ones, uint16
-    arrays and 16-bit PNGs, by 1/65535, other integers by 1/255). Each image becomes
-    :class:`ImageTiling` tiles. ``audio`` are ``.npy`` log-mel arrays [frames, mel_bins] (the model's
-    frame rate and mel bins): raw audio decoding and mel extraction are left to the user's
-    preprocessing. Each array is cut into fixed windows of the model's length, the last one zero-padded.
-    Relative paths are relative to the manifest's folder. Text is tokenized with ``tokenizer.encode``
-    (default :class:`ByteTokenizer`; a custom tokenizer must never produce the special ids
-    ``BYTE_VOCAB_SIZE..min_vocab_size-1`` of the layout). An answer too long for ``layout.seq_length`` is truncated
-    (the EOS kept; :meth:`read` says so), or refused with ``refuse_long_answers``; media and prompt that
-    do not fit are an error. :meth:`check` makes every check loading an example makes, from the headers.
-
-    :meth:`example_sizes` reads no pixels or mel frames: it takes the optional ``sizes`` field, else
-    image headers (PIL, or the ``.npy`` header) and ``.npy`` headers. Declared sizes are checked against
-    the real ones when the example is loaded. :class:`InputLimits` bound what an example may hold; they
-    are checked from the headers (and the ``sizes`` field) before any data is read, and a rejection
-    names the line, the file and the flag of the limit. Images are cut into tiles before their pixels
-    are converted to float (a ``.npy`` image is read through a memory map), so loading never holds a
-    float copy of a large image.
-    """
-
-    def __init__(self, path, layout: ExampleLayout, tiling: ImageTiling, tokenizer=None,
+    def __init__(self, layout: ExampleLayout, tiling: ImageTiling, tokenizer=None,
                  limits: InputLimits = InputLimits(), refuse_long_answers: bool = False):
-        self.path = Path(path)
         self.layout = layout
         self.tiling = tiling
         self.limits = limits
         self.refuse_long_answers = refuse_long_answers
         self.tokenizer = ByteTokenizer() if tokenizer is None else tokenizer
-        image_shape = layout.input_of("images", f"manifest {self.path}").item_shape
+        image_shape = layout.input_of("images", "the data").item_shape
         if ((tiling.tile_px // tiling.patch_px) ** 2, tiling.channels * tiling.patch_px ** 2) != image_shape:
             raise ValueError(f"image tiling {tiling} does not give vision items of shape {image_shape}")
-        if not self.path.is_file():
-            raise FileNotFoundError(f"manifest {self.path} does not exist")
-        self.records: list[_ManifestRecord] = []
-        with open(self.path, "rb") as f:
-            for line_number, raw in enumerate(f, start=1):
-                line = _decode_line(raw, f"{self.path}:{line_number}")
-                if line.strip():
-                    self.records.append(self._parse(line, f"{self.path}:{line_number}"))
-        if not self.records:
-            raise ManifestError(f"{self.path}: the manifest holds no examples")
 
-    def _parse(self, line: str, where: str) -> _ManifestRecord:
-        try:  # without its newline: JSON cut short would be reported at "line 2 column 1"
-            entry = json.loads(line.rstrip("\r\n"))
-        except json.JSONDecodeError as err:
-            raise ManifestError(f"{where}: not valid JSON ({err.msg} at column {err.pos + 1})") from None
+    def parse_entry(self, entry, where: str, media: Callable[[str], MediaSource]) -> _ManifestRecord:
+        """The record of one manifest entry (a parsed JSON object) found at ``where``; ``media(name)`` is
+        the file an ``images`` or ``audio`` name refers to. Raises :class:`ManifestError` for wrong keys
+        or types."""
         if not isinstance(entry, dict):
             raise ManifestError(f"{where}: expected a JSON object, got {type(entry).__name__}")
         unknown = sorted(set(entry) - _MANIFEST_KEYS)
@@ -200,7 +204,7 @@ class ManifestDataset:
             value = entry.get(key, [])
             if not isinstance(value, list) or not all(isinstance(p, str) and p for p in value):
                 raise ManifestError(f"{where}: '{key}' must be a list of file paths, got {value!r}")
-            paths[key] = tuple(self.path.parent / p for p in value)
+            paths[key] = tuple(media(p) for p in value)
         sizes = entry.get("sizes")
         if sizes is not None:
             if not isinstance(sizes, dict) or set(sizes) != _SIZE_KEYS:
@@ -212,13 +216,6 @@ class ManifestDataset:
             self._check_vision_items(sizes["vision_items"], where, "'sizes' declares")
         return _ManifestRecord(where, entry["text"], entry.get("prompt", ""), paths["images"], paths["audio"],
                                sizes)
-
-    def __len__(self) -> int:
-        return len(self.records)
-
-    def where(self, sample_index: int) -> str:
-        """``manifest.jsonl:12``: the line of example ``sample_index``."""
-        return self.records[sample_index].where
 
     def _check_vision_items(self, count: int, where: str, what: str) -> None:
         limit = self.limits.max_vision_items_per_sample
@@ -280,9 +277,9 @@ class ManifestDataset:
             raise ManifestError(f"{record.where}: declared 'sizes' differ from the data "
                                 f"(declared, real): {wrong}")
 
-    def example_sizes(self, sample_index: int) -> ExampleSizes:
-        """Sizes of example ``sample_index`` from the ``sizes`` field or file headers; loads no data."""
-        record = self.records[sample_index]
+    def record_sizes(self, record: _ManifestRecord, sample_index: int) -> ExampleSizes:
+        """Sizes of ``record`` (as example ``sample_index``) from its ``sizes`` field or its media's headers;
+        loads no data."""
         prompt_tokens = len(self._encode(record.prompt, record.where))
         if record.sizes is not None:
             vision_items, audio_items = record.sizes["vision_items"], record.sizes["audio_items"]
@@ -293,13 +290,12 @@ class ManifestDataset:
             answer_tokens = len(self._encode(record.text, record.where))
         return self._fit(record, sample_index, prompt_tokens, vision_items, audio_items, answer_tokens)[0]
 
-    def check(self, sample_index: int, decode: bool = False) -> Optional[str]:
-        """Every check loading example ``sample_index`` makes, from the file headers (``decode``: by
-        loading it); raises :class:`ManifestError` naming the line and the reason. Returns the note of a
-        truncated answer, or None."""
+    def check_record(self, record: _ManifestRecord, sample_index: int, decode: bool = False) -> Optional[str]:
+        """Every check loading ``record`` makes, from its media's headers (``decode``: by loading it);
+        raises :class:`ManifestError` naming where it is and the reason. Returns the note of a truncated
+        answer, or None."""
         if decode:
-            return self.read(sample_index)[1]
-        record = self.records[sample_index]
+            return self.read_record(record, sample_index)[1]
         prompt_tokens = len(self._encode(record.prompt, record.where))
         vision_items, audio_items = self._vision_items(record), self._audio_windows(record)
         answer_tokens = len(self._encode(record.text, record.where))
@@ -308,12 +304,8 @@ class ManifestDataset:
                                           "text_tokens": answer_tokens})
         return self._fit(record, sample_index, prompt_tokens, vision_items, audio_items, answer_tokens)[1]
 
-    def __getitem__(self, sample_index: int) -> Example:
-        return self.read(sample_index)[0]
-
-    def read(self, sample_index: int) -> tuple[Example, Optional[str]]:
-        """Example ``sample_index`` and the note of its truncated answer (None if it fit)."""
-        record = self.records[sample_index]
+    def read_record(self, record: _ManifestRecord, sample_index: int) -> tuple[Example, Optional[str]]:
+        """``record`` as example ``sample_index``, and the note of its truncated answer (None if it fit)."""
         prompt = self._encode(record.prompt, record.where)
         answer = self._encode(record.text, record.where)
         self._vision_items(record)
@@ -332,6 +324,86 @@ class ManifestDataset:
                                 self._by_phase(vision, audio, record.where), self.layout.spec), note
 
 
+
+
+class ManifestDataset(ExampleReader):
+    """Examples from a JSONL manifest, one JSON object per line (blank lines are skipped)::
+
+        {"text": "a cat on a mat", "prompt": "describe:", "images": ["img/0.png"], "audio": ["mel/0.npy"],
+         "sizes": {"vision_items": 3, "audio_items": 2, "text_tokens": 14}}
+
+    ``text`` (required) is the answer the loss is computed on; ``prompt`` (optional) precedes the media
+    and is not trained on. ``images`` are image files read with PIL (any format it knows) or ``.npy``
+    arrays [H, W, C] / [H, W] of pixel values; integer pixels are scaled to [0, 1] (16-bit ones, uint16
+    arrays and 16-bit PNGs, by 1/65535, other integers by 1/255). Each image becomes
+    :class:`ImageTiling` tiles. ``audio`` are ``.npy`` log-mel arrays [frames, mel_bins] (the model's
+    frame rate and mel bins): raw audio decoding and mel extraction are left to the user's
+    preprocessing. Each array is cut into fixed windows of the model's length, the last one zero-padded.
+    Relative paths are relative to the manifest's folder. Text is tokenized with ``tokenizer.encode``
+    (default :class:`ByteTokenizer`; a custom tokenizer must never produce the special ids
+    ``BYTE_VOCAB_SIZE..min_vocab_size-1`` of the layout). A ``.npy`` array must be of a real floating or an
+    unsigned integer dtype (checked from its header: complex and signed integer arrays are refused) and
+    finite once converted to float32 (checked as it is loaded; the error names the first bad index). An
+    answer too long for ``layout.seq_length`` is truncated (the EOS kept; :meth:`read` says so), or refused with ``refuse_long_answers``; media and prompt that
+    do not fit are an error. :meth:`check` makes every check loading an example makes, from the headers.
+
+    :meth:`example_sizes` reads no pixels or mel frames: it takes the optional ``sizes`` field, else
+    image headers (PIL, or the ``.npy`` header) and ``.npy`` headers. Declared sizes are checked against
+    the real ones when the example is loaded. :class:`InputLimits` bound what an example may hold; they
+    are checked from the headers (and the ``sizes`` field) before any data is read, and a rejection
+    names the line, the file and the flag of the limit. Images are cut into tiles before their pixels
+    are converted to float (a ``.npy`` image is read through a memory map), so loading never holds a
+    float copy of a large image.
+    """
+
+    def __init__(self, path, layout: ExampleLayout, tiling: ImageTiling, tokenizer=None,
+                 limits: InputLimits = InputLimits(), refuse_long_answers: bool = False):
+        self.path = Path(path)
+        layout.input_of("images", f"manifest {self.path}")
+        super().__init__(layout, tiling, tokenizer, limits, refuse_long_answers)
+        if not self.path.is_file():
+            raise FileNotFoundError(f"manifest {self.path} does not exist")
+        self.records: list[_ManifestRecord] = []
+        with open(self.path, "rb") as f:
+            for line_number, raw in enumerate(f, start=1):
+                line = _decode_line(raw, f"{self.path}:{line_number}")
+                if line.strip():
+                    self.records.append(self._parse(line, f"{self.path}:{line_number}"))
+        if not self.records:
+            raise ManifestError(f"{self.path}: the manifest holds no examples")
+
+    def _parse(self, line: str, where: str) -> _ManifestRecord:
+        try:  # without its newline: JSON cut short would be reported at "line 2 column 1"
+            entry = json.loads(line.rstrip("\r\n"))
+        except json.JSONDecodeError as err:
+            raise ManifestError(f"{where}: not valid JSON ({err.msg} at column {err.pos + 1})") from None
+        return self.parse_entry(entry, where, lambda name: self.path.parent / name)
+
+    def __len__(self) -> int:
+        return len(self.records)
+
+    def where(self, sample_index: int) -> str:
+        """``manifest.jsonl:12``: the line of example ``sample_index``."""
+        return self.records[sample_index].where
+
+    def example_sizes(self, sample_index: int) -> ExampleSizes:
+        """Sizes of example ``sample_index`` from the ``sizes`` field or file headers; loads no data."""
+        return self.record_sizes(self.records[sample_index], sample_index)
+
+    def check(self, sample_index: int, decode: bool = False) -> Optional[str]:
+        """Every check loading example ``sample_index`` makes, from the file headers (``decode``: by
+        loading it); raises :class:`ManifestError` naming the line and the reason. Returns the note of a
+        truncated answer, or None."""
+        return self.check_record(self.records[sample_index], sample_index, decode)
+
+    def __getitem__(self, sample_index: int) -> Example:
+        return self.read(sample_index)[0]
+
+    def read(self, sample_index: int) -> tuple[Example, Optional[str]]:
+        """Example ``sample_index`` and the note of its truncated answer (None if it fit)."""
+        return self.read_record(self.records[sample_index], sample_index)
+
+
 def _decode_line(raw: bytes, where: str) -> str:
     """A manifest line as text; not UTF-8: an error naming the line, the column and the byte."""
     try:
@@ -342,12 +414,13 @@ def _decode_line(raw: bytes, where: str) -> str:
                             "write the manifest in UTF-8") from None
 
 
-def _image_size(path: Path, where: str, limits: InputLimits) -> tuple[int, int]:
+def _image_size(path: MediaSource, where: str, limits: InputLimits) -> tuple[int, int]:
     """(width, height) from the file header only, within ``limits``."""
     if path.suffix == ".npy":
-        shape, _ = _npy_header(path, where)
+        shape, dtype = _npy_header(path, where)
         if len(shape) not in (2, 3) or min(shape[:2]) < 1:
             raise ManifestError(f"{where}: image {path} has shape {shape}, expected [H, W] or [H, W, C]")
+        _check_dtype(dtype, f"{where}: image {path}")
         width, height = shape[1], shape[0]
     else:
         with _open_image(path, where) as image:
@@ -358,11 +431,12 @@ def _image_size(path: Path, where: str, limits: InputLimits) -> tuple[int, int]:
     return width, height
 
 
-def _load_tiles(path: Path, where: str, tiling: ImageTiling, limits: InputLimits) -> np.ndarray:
+def _load_tiles(path: MediaSource, where: str, tiling: ImageTiling, limits: InputLimits) -> np.ndarray:
     """The vision items of one image: sized from its header, cut into tiles, then converted to float."""
     _image_size(path, where, limits)
     if path.suffix == ".npy":
         pixels = _npy_memmap(path, where)
+        _check_finite(pixels, f"{where}: image {path}", "pixel values")
     else:
         with _open_image(path, where) as image:
             try:  # 16-bit grey stays 16-bit: convert() would clip it at 255
@@ -392,7 +466,7 @@ def _pixel_scale(dtype: np.dtype) -> float:
 _PIL_OPEN_LOCK = threading.Lock()
 
 
-def _open_image(path: Path, where: str):
+def _open_image(path: MediaSource, where: str):
     try:
         from PIL import Image
     except ImportError:
@@ -403,19 +477,19 @@ def _open_image(path: Path, where: str):
     with _PIL_OPEN_LOCK:
         saved, Image.MAX_IMAGE_PIXELS = Image.MAX_IMAGE_PIXELS, None
         try:
-            return Image.open(path)
+            return Image.open(path if isinstance(path, Path) else path.open())
         except (OSError, ValueError) as err:
             raise ManifestError(f"{where}: cannot read image {path}: {err}") from None
         finally:
             Image.MAX_IMAGE_PIXELS = saved
 
 
-def _npy_header(path: Path, where: str) -> tuple[tuple[int, ...], np.dtype]:
+def _npy_header(path: MediaSource, where: str) -> tuple[tuple[int, ...], np.dtype]:
     """(shape, dtype) of a .npy file from its header; reads no data."""
     if not path.is_file():
         raise ManifestError(f"{where}: file {path} does not exist")
     try:
-        with open(path, "rb") as f:
+        with path.open("rb") as f:
             version = np.lib.format.read_magic(f)
             read_header = np.lib.format.read_array_header_1_0 if version == (1, 0) else \
                 np.lib.format.read_array_header_2_0
@@ -425,22 +499,23 @@ def _npy_header(path: Path, where: str) -> tuple[tuple[int, ...], np.dtype]:
     return tuple(shape), dtype
 
 
-def _npy_memmap(path: Path, where: str) -> np.ndarray:
-    """The array of a .npy file, memory-mapped: only what is indexed is read."""
+def _npy_memmap(path: MediaSource, where: str) -> np.ndarray:
+    """The array of a .npy file, memory-mapped: only what is indexed is read (in memory already: as it is)."""
     try:
-        return np.load(path, mmap_mode="r")
+        return np.load(path, mmap_mode="r") if isinstance(path, Path) else np.load(path.open(), allow_pickle=False)
     except (OSError, ValueError) as err:
         raise ManifestError(f"{where}: cannot read {path} as a .npy array: {err}") from None
 
 
-def _mel_shape(path: Path, where: str, layout: ExampleLayout, limits: InputLimits) -> tuple[int, int]:
+def _mel_shape(path: MediaSource, where: str, layout: ExampleLayout, limits: InputLimits) -> tuple[int, int]:
     mel_bins = layout.input_of("audio", where).item_shape[1]
     if path.suffix != ".npy":
         raise ManifestError(f"{where}: audio {path} must be a .npy log-mel array [frames, mel_bins]; decode "
                             "audio and extract mel features in preprocessing")
-    mel, _ = _npy_header(path, where)
+    mel, dtype = _npy_header(path, where)
     if len(mel) != 2 or mel[0] < 1 or mel[1] != mel_bins:
         raise ManifestError(f"{where}: audio {path} has shape {mel}, expected [frames >= 1, {mel_bins}]")
+    _check_dtype(dtype, f"{where}: audio {path}")
     seconds = mel[0] / MEL_FRAMES_PER_SECOND
     if seconds > limits.max_audio_seconds:
         raise ManifestError(f"{where}: audio {path} holds {seconds} s of log-mel frames ({mel[0]} at "
@@ -449,9 +524,39 @@ def _mel_shape(path: Path, where: str, layout: ExampleLayout, limits: InputLimit
     return mel
 
 
-def _load_mel(path: Path, where: str, layout: ExampleLayout, limits: InputLimits) -> np.ndarray:
+def _load_mel(path: MediaSource, where: str, layout: ExampleLayout, limits: InputLimits) -> np.ndarray:
     _mel_shape(path, where, layout, limits)
-    return _npy_memmap(path, where)
+    mel = _npy_memmap(path, where)
+    _check_finite(mel, f"{where}: audio {path}", "log-mel frames")
+    return mel
+
+
+def _check_dtype(dtype: np.dtype, what: str) -> None:
+    """Pixel and log-mel arrays hold real floating or unsigned integer values (from the ``.npy`` header)."""
+    if dtype.kind in "fu" and dtype.fields is None and dtype.shape == ():
+        return
+    why = {"c": " (complex: its imaginary part would be dropped)",
+           "i": " (signed integers are neither pixel values nor log-mel frames)"}.get(dtype.kind, "")
+    raise ManifestError(f"{what} has dtype {dtype}{why}; pixel and log-mel arrays must be of a real floating or an "
+                        "unsigned integer dtype")
+
+
+_FINITE_CHECK_ROWS = 256  # rows converted at a time: a large image is checked without a float copy of it
+
+
+def _check_finite(array: np.ndarray, what: str, values: str) -> None:
+    """Every value of a floating array is finite once converted to float32, as the model takes it (a
+    float64 beyond float32's range is not); else raise naming the first bad index. Integers always are."""
+    if array.dtype.kind != "f":
+        return
+    for start in range(0, array.shape[0], _FINITE_CHECK_ROWS):
+        block = np.asarray(array[start:start + _FINITE_CHECK_ROWS])
+        bad = np.argwhere(~np.isfinite(block.astype(np.float32)))
+        if bad.size:
+            index = [start + int(bad[0][0]), *map(int, bad[0][1:])]
+            value = float(block[tuple(bad[0])])
+            shown = f"{value:g} ({array.dtype}, beyond float32's range)" if math.isfinite(value) else str(value)
+            raise ManifestError(f"{what} holds {shown} at index {index}: {values} must be finite")
 
 
 def _windows(mel: np.ndarray, frames_per_window: int) -> np.ndarray:

@@ -15,7 +15,12 @@ backbone's examples and move the embeddings in between; without ``embeds`` :meth
 encodes the batch's own items first (upstream Megatron behaviour).
 
 Parallelism: the encoders and projectors live on the first pipeline stage, in its first model chunk
-(virtual pipeline stage 0); tensor parallelism comes from Megatron's column/row-parallel layers. Sequence parallelism is not supported.
+(virtual pipeline stage 0); tensor parallelism comes from Megatron's column/row-parallel layers. Sequence
+and context parallelism are the backbone's only (as Megatron-LM's multimodal models run their vision
+encoders): its token embeddings are computed for the rank's part of the sequence
+(:class:`~megatron_orch.megatron.sequence_layout.SequenceLayout`, megatron-core's layout) and each encoder
+output is spliced in where its placeholder lands in that part; the encoders run over all the micro-batch's
+items on every CP rank, with TP but without SP.
 
 Layer specs (:func:`transformer_layer_spec`, Megatron's ``--transformer-impl``): ``local`` is
 megatron-core's local layers with :class:`~megatron_orch.mllm.attention.SDPAttention` as core
@@ -31,7 +36,7 @@ from typing import Dict, Mapping, Optional, Tuple, Union
 
 import torch
 import torch.nn.functional as F
-from megatron.core import parallel_state
+from megatron.core import parallel_state, tensor_parallel
 from megatron.core.enums import ModelType
 from megatron.core.models.gpt.gpt_layer_specs import (get_gpt_layer_local_spec,
                                                       get_gpt_layer_with_transformer_engine_spec)
@@ -41,14 +46,17 @@ from megatron.core.models.vision.vit_layer_specs import (get_vit_layer_with_loca
                                                          get_vit_layer_with_transformer_engine_spec)
 from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
 from megatron.core.transformer.enums import AttnMaskType
+from megatron.core.transformer.identity_op import IdentityOp
 from megatron.core.transformer.mlp import MLPSubmodules
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.spec_utils import ModuleSpec
-from megatron.core.transformer.transformer_block import TransformerBlock
+from megatron.core.transformer.transformer_block import (TransformerBlock, TransformerBlockSubmodules,
+                                                         get_num_layers_to_build)
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 from megatron_orch.balance.cost import TransformerShape
 from megatron_orch.megatron.batch import MicroBatch
+from megatron_orch.megatron.sequence_layout import SequenceLayout, SequenceShard
 from megatron_orch.mllm.attention import SDPAttention
 from megatron_orch.mllm.config import AudioEncoderConfig, MLLMConfig, VisionEncoderConfig
 from megatron_orch.mllm.examples import batch_spec
@@ -80,12 +88,17 @@ class ModelParallelSettings:
     tensor_model_parallel_size: int = 1
     pipeline_model_parallel_size: int = 1
     virtual_pipeline_model_parallel_size: Optional[int] = None  # model chunks per pipeline rank (None: one)
-    overlap_p2p_comm: bool = True  # with virtual stages (Megatron-LM's default, --no-overlap-p2p-communication)
+    # with virtual stages, Megatron-LM's --no-overlap-p2p-communication and
+    # --microbatch-group-size-per-virtual-pipeline-stage (None: the pipeline size)
+    overlap_p2p_comm: bool = True
+    microbatch_group_size_per_vp_stage: Optional[int] = None
     bf16: bool = False
     hidden_dropout: float = 0.0
     attention_dropout: float = 0.0
     init_method_std: float = 0.02
     make_vocab_size_divisible_by: int = 128
+    sequence_parallel: bool = False  # the backbone's (Megatron's --sequence-parallel); encoders never
+    context_parallel_size: int = 1   # the backbone's; the encoders run whole sequences on every CP rank
     use_cpu_initialization: bool = True  # full weights drawn on every rank, then split: TP-invariant
     calculate_per_token_loss: bool = True
     transformer_impl: str = "local"  # layer specs: "local" or "transformer_engine"
@@ -114,8 +127,9 @@ def transformer_config(shape: TransformerShape, settings: ModelParallelSettings,
     """A Megatron ``TransformerConfig`` for one transformer stack of the model.
 
     ``pipeline_split``: whether the stack's layers are divided over the pipeline stages and their
-    virtual stages (the backbone) or all sit on the first stage (encoders, projectors). ``hybrid``: the
-    config of a ``HybridModel`` stack (:func:`megatron_orch.mllm.hybrid.hybrid_config_fields`).
+    virtual stages, and its sequence over SP and CP ranks (the backbone), or all sit on the first stage,
+    with whole sequences (encoders, projectors). ``hybrid``: the config of a ``HybridModel`` stack
+    (:func:`megatron_orch.mllm.hybrid.hybrid_config_fields`).
     """
     virtual = settings.virtual_pipeline_model_parallel_size if pipeline_split else None
     overlap_p2p = virtual is not None and settings.overlap_p2p_comm
@@ -132,7 +146,10 @@ def transformer_config(shape: TransformerShape, settings: ModelParallelSettings,
         activation_func=F.silu if shape.gated_linear_unit else F.gelu,
         tensor_model_parallel_size=settings.tensor_model_parallel_size,
         pipeline_model_parallel_size=settings.pipeline_model_parallel_size if pipeline_split else 1,
+        sequence_parallel=settings.sequence_parallel and pipeline_split,
+        context_parallel_size=settings.context_parallel_size if pipeline_split else 1,
         virtual_pipeline_model_parallel_size=virtual,
+        microbatch_group_size_per_vp_stage=settings.microbatch_group_size_per_vp_stage if pipeline_split else None,
         # Megatron-LM's pairing: overlapped point-to-point sends with virtual stages, batched ones without
         overlap_p2p_comm=overlap_p2p,
         batch_p2p_comm=not overlap_p2p,
@@ -180,10 +197,25 @@ def _projector_config(ffn_hidden_size: int, backbone: TransformerShape,
     return transformer_config(shape, settings, pipeline_split=False)
 
 
+class LayerNorm(torch.nn.LayerNorm):
+    """torch's LayerNorm built as megatron-core builds its norms (``config``, ``hidden_size``, ``eps``), with its
+    weights marked ``sequence_parallel`` under sequence parallelism as megatron-core's fused norms mark theirs:
+    each TP rank then normalises its part of the sequence and ``finalize_model_grads`` sums their gradients over
+    the TP group. The norm of the local layer specs (megatron-core's torch norm refuses sequence parallelism)."""
+
+    def __init__(self, config: TransformerConfig, hidden_size: int, eps: float = 1e-5, **unused):
+        if config.normalization != "LayerNorm":
+            raise ValueError(f"LayerNorm: normalization={config.normalization!r}")
+        super().__init__(hidden_size, eps=eps)
+        for parameter in self.parameters():
+            parameter.sequence_parallel = config.sequence_parallel
+
+
 def transformer_layer_spec(transformer_impl: str, *, encoder: bool, num_experts: Optional[int] = None) -> ModuleSpec:
     """The layer spec of the backbone (causal) or of an encoder (bidirectional, no mask).
 
-    ``local``: megatron-core's local GPT / ViT layers with :class:`SDPAttention` as core attention.
+    ``local``: megatron-core's local GPT / ViT layers with :class:`SDPAttention` as core attention and
+    :class:`LayerNorm` as norm.
     ``transformer_engine``: megatron-core's TE GPT / ViT layers (TE's fused attention); untested
     here, since the development machines have neither Transformer Engine nor a GPU. ``num_experts``
     (the backbone): megatron-core's MoE layer as the FFN (its router, its experts: ``SequentialMLP`` of the
@@ -193,6 +225,9 @@ def transformer_layer_spec(transformer_impl: str, *, encoder: bool, num_experts:
                                           "moe_grouped_gemm": transformer_impl == "transformer_engine"}
     if transformer_impl == "local":
         spec = get_vit_layer_with_local_spec() if encoder else get_gpt_layer_local_spec(**moe)
+        spec = dataclasses.replace(spec, submodules=dataclasses.replace(
+            spec.submodules, input_layernorm=LayerNorm,
+            pre_mlp_layernorm=LayerNorm if spec.submodules.pre_mlp_layernorm is not IdentityOp else IdentityOp))
         core_attention = SDPAttention
     elif transformer_impl == "transformer_engine":
         if not transformer_engine_available():
@@ -209,6 +244,26 @@ def transformer_layer_spec(transformer_impl: str, *, encoder: bool, num_experts:
                            "attn_mask_type": AttnMaskType.no_mask if encoder else AttnMaskType.causal},
         submodules=dataclasses.replace(attention.submodules, core_attention=core_attention))
     return dataclasses.replace(spec, submodules=dataclasses.replace(spec.submodules, self_attention=attention))
+
+
+def backbone_spec(transformer_impl: str, shape: TransformerShape, config: TransformerConfig,
+                  vp_stage: Optional[int] = None) -> dict:
+    """The layer arguments of the backbone's class for :func:`transformer_layer_spec`'s layers: ``HybridModel``'s
+    stack spec and layer pattern (0.19+, :mod:`megatron_orch.mllm.hybrid`), ``GPTModel``'s layer spec before.
+    ``local`` ends the stack in :class:`LayerNorm`, which takes sequence parallelism (megatron-core's torch norm
+    refuses it); on ``GPTModel`` that is a block spec of this model chunk's layers. An MoE ``shape``: every
+    layer's FFN is megatron-core's MoE layer (``HybridModel``'s ``E`` layers)."""
+    layer = transformer_layer_spec(transformer_impl, encoder=False, num_experts=shape.num_experts)
+    local = transformer_impl == "local"
+    if HYBRID_BACKBONE:
+        segments = config.pipeline_model_parallel_size * (config.virtual_pipeline_model_parallel_size or 1)
+        return {"hybrid_stack_spec": hybrid_stack_spec(layer, moe=shape.is_moe,
+                                                       **({"final_norm": LayerNorm} if local else {})),
+                "hybrid_layer_pattern": backbone_layer_pattern(shape.num_layers, segments, moe=shape.is_moe)}
+    if local:
+        layer = TransformerBlockSubmodules(layer_specs=[layer] * get_num_layers_to_build(config, vp_stage),
+                                           layer_norm=LayerNorm)
+    return {"transformer_layer_spec": layer}
 
 
 def _projector_submodules() -> MLPSubmodules:
@@ -337,17 +392,8 @@ class MLLMModel(MegatronModule):
             position_embedding_type="learned_absolute",
             vp_stage=vp_stage,
         )
-        layer_spec = transformer_layer_spec(settings.transformer_impl, encoder=False,
-                                            num_experts=backbone_shape.num_experts)
-        if HYBRID_BACKBONE:
-            segments = settings.pipeline_model_parallel_size * (settings.virtual_pipeline_model_parallel_size or 1)
-            moe = backbone_shape.is_moe
-            self.backbone = HybridModel(hybrid_stack_spec=hybrid_stack_spec(layer_spec, moe=moe),
-                                        hybrid_layer_pattern=backbone_layer_pattern(backbone_shape.num_layers, segments,
-                                                                                    moe=moe),
-                                        **backbone)
-        else:
-            self.backbone = GPTModel(transformer_layer_spec=layer_spec, **backbone)
+        layers = backbone_spec(settings.transformer_impl, backbone_shape, config, vp_stage)
+        self.backbone = (HybridModel if HYBRID_BACKBONE else GPTModel)(**layers, **backbone)
 
     def set_input_tensor(self, input_tensor) -> None:
         self.backbone.set_input_tensor(input_tensor)
@@ -387,10 +433,19 @@ class MLLMModel(MegatronModule):
     def _no_embeddings(self, device: torch.device) -> torch.Tensor:
         return torch.zeros(0, self.config.hidden_size, dtype=self.config.params_dtype, device=device)
 
-    def embed(self, batch: MicroBatch, embeds: Mapping[str, torch.Tensor]) -> torch.Tensor:
+    def embed(self, batch: MicroBatch, embeds: Mapping[str, torch.Tensor],
+              shard: Optional[SequenceShard] = None) -> torch.Tensor:
         """Backbone input ``[s, b, h]``: token embeddings with each phase's embeddings at its placeholders
-        (found at collate time: ``batch.placeholders``, so nothing here waits for the device)."""
-        embeddings = self.backbone.embedding(input_ids=batch.tokens, position_ids=batch.position_ids)  # [s, b, h]
+        (found at collate time: ``batch.placeholders``, so nothing here waits for the device).
+
+        With a ``shard`` (sequence or context parallelism) the embeddings are those of this rank's part of
+        the sequence, and each encoder row goes where its placeholder lands in it (one spare row takes those
+        held by other ranks, then is dropped); under sequence parallelism each TP rank holds other rows of
+        the encoder outputs, whose gradients are summed over the TP group on the way back."""
+        tokens, positions = (batch.tokens, batch.position_ids) if shard is None else (shard.tokens, shard.position_ids)
+        embeddings = self.backbone.embedding(input_ids=tokens, position_ids=positions)  # [s, b, h]
+        if shard is not None:
+            embeddings = torch.cat([embeddings, embeddings.new_zeros(1, *embeddings.shape[1:])])
         for encoder_input in self.spec.inputs:
             name = encoder_input.phase
             values = embeds.get(name, self._no_embeddings(batch.tokens.device))
@@ -398,9 +453,13 @@ class MLLMModel(MegatronModule):
             if rows.numel() != values.shape[0]:
                 raise ValueError(f"{rows.numel()} {name} placeholder tokens in the micro-batch but "
                                  f"{values.shape[0]} {name} embeddings")
+            if shard is not None:
+                cols, rows = shard.placeholders[name]  # slot in this rank's part, row
+                if self.config.sequence_parallel:
+                    values = tensor_parallel.copy_to_tensor_model_parallel_region(values)
             if rows.numel():
                 embeddings = embeddings.index_put((cols, rows), values.to(embeddings.dtype))
-        return embeddings
+        return embeddings if shard is None else embeddings[:-1]
 
     def forward(self, batch: MicroBatch, embeds: Optional[Mapping[str, torch.Tensor]] = None) -> torch.Tensor:
         """The backbone over ``batch`` (on the model's device) with each encoder phase's embeddings at
@@ -412,8 +471,13 @@ class MLLMModel(MegatronModule):
         itself: no mask is built. ``local``: :func:`~megatron_orch.mllm.attention.packed_attention`;
         ``transformer_engine``: megatron-core's ``TEDotProductAttention`` (TE's THD kernels, causal
         becoming ``padding_causal``), with the padding tail as one more sequence.
+
+        With sequence or context parallelism every rank of the replica gets the whole micro-batch and runs
+        its part of the sequence (:meth:`SequenceLayout.shard`); the per-token loss is that part's.
         """
-        packed_seq_params = batch.packed_seq_params(tail_as_sequence=self.transformer_impl == "transformer_engine")
+        tail_as_sequence = self.transformer_impl == "transformer_engine"
+        layout = SequenceLayout.of_model(self.config)
+        shard = None if layout.is_whole else layout.shard(batch, self.spec.pad_token_id, tail_as_sequence)
         decoder_input = None
         if self.pre_process:
             idle = []
@@ -425,8 +489,13 @@ class MLLMModel(MegatronModule):
                         idle.append(self._idle_encoder_output(name, batch.tokens.device))
                     elif items is not None:
                         embeds[name] = self.encode(name, items)
-            decoder_input = self.embed(batch, embeds)
+            decoder_input = self.embed(batch, embeds, shard)
             for output in idle:  # joins the graph with a zero gradient: its backward's collectives run too
                 decoder_input = decoder_input + 0.0 * output.sum()
-        return self.backbone(input_ids=batch.tokens, position_ids=batch.position_ids, attention_mask=None,
-                             decoder_input=decoder_input, labels=batch.labels, packed_seq_params=packed_seq_params)
+        if shard is None:
+            return self.backbone(input_ids=batch.tokens, position_ids=batch.position_ids, attention_mask=None,
+                                 decoder_input=decoder_input, labels=batch.labels,
+                                 packed_seq_params=batch.packed_seq_params(tail_as_sequence=tail_as_sequence))
+        return self.backbone(input_ids=shard.tokens, position_ids=shard.position_ids, attention_mask=None,
+                             decoder_input=decoder_input, labels=shard.labels,
+                             packed_seq_params=shard.packed_seq_params)

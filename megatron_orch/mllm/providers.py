@@ -14,13 +14,11 @@ from typing import Iterator, Optional
 import torch
 from megatron.core import parallel_state
 
-from megatron_orch.comm.communicator import dedicated_group
-from megatron_orch.comm.group_topology import group_topology
+from megatron_orch.megatron.any_loop import post_balance
 from megatron_orch.megatron.batch import MicroBatch
 from megatron_orch.megatron.contract import forward_step  # noqa: F401 -- Megatron's forward_step_func
-from megatron_orch.megatron.post_balancing import ParallelGroups, PostBalancingDataIterator, StepShape
-from megatron_orch.megatron.schedule import ModalityAwareSchedule
-from megatron_orch.mllm.data import TrainIterator, build_train_iterator, data_config
+from megatron_orch.megatron.post_balancing import StepShape
+from megatron_orch.mllm.data import DataEvents, build_train_iterator, data_config
 from megatron_orch.mllm.model import MLLMModel, ModelParallelSettings
 from megatron_orch.orchestrator.config import OrchestratorConfig
 
@@ -63,12 +61,18 @@ def model_parallel_settings(args: argparse.Namespace) -> ModelParallelSettings:
     return ModelParallelSettings(
         tensor_model_parallel_size=args.tensor_model_parallel_size,
         pipeline_model_parallel_size=args.pipeline_model_parallel_size,
+        virtual_pipeline_model_parallel_size=args.virtual_pipeline_model_parallel_size,
+        # Megatron-LM's flags (the compact trainer keeps Megatron-LM's defaults)
+        overlap_p2p_comm=getattr(args, "overlap_p2p_comm", True),
+        microbatch_group_size_per_vp_stage=getattr(args, "microbatch_group_size_per_vp_stage", None),
+        sequence_parallel=args.sequence_parallel,
+        context_parallel_size=args.context_parallel_size,
         bf16=args.bf16,
         hidden_dropout=args.hidden_dropout,
         attention_dropout=args.attention_dropout,
         init_method_std=args.init_method_std,
         make_vocab_size_divisible_by=args.make_vocab_size_divisible_by,
-        use_cpu_initialization=runs_on_cpu(args),
+        use_cpu_initialization=runs_on_cpu(args) or bool(getattr(args, "use_cpu_initialization", False)),
         calculate_per_token_loss=True,
         transformer_impl=args.transformer_impl,
         sharded_parameters=bool(getattr(args, "use_torch_fsdp2", False) or getattr(args, "use_megatron_fsdp", False)),
@@ -86,16 +90,19 @@ def build_model(args: argparse.Namespace, pre_process: bool = True, post_process
 
 
 def build_train_data_iterator(args: argparse.Namespace, consumed_samples: int, data_parallel_rank: int,
-                              data_parallel_size: int) -> TrainIterator:
+                              data_parallel_size: int, loader_state: Optional[dict] = None) -> DataEvents:
     """This DP rank's training micro-batches from ``consumed_samples`` on (same on its TP/PP peers): a
-    :class:`~megatron_orch.mllm.data.TrainIterator`, whose events the trainer takes.
+    :class:`~megatron_orch.mllm.data.TrainIterator`, or over an Energon dataset an
+    :class:`~megatron_orch.mllm.energon.EnergonTrainIterator` restored to ``loader_state`` (what its
+    ``loader_state`` gave for the checkpoint); the trainer takes their events.
 
     On GPUs without post-balancing the batches come in pinned memory, so ``forward_step``'s copies to
     the GPU do not block the host (post-balancing stages what it sends itself).
     """
     pin_memory = not runs_on_cpu(args) and getattr(args, "orch_config", None) is None
     return build_train_iterator(data_config(args), consumed_samples, data_parallel_rank, data_parallel_size,
-                                pin_memory)
+                                pin_memory, data_parallel_group=parallel_state.get_data_parallel_group(),
+                                loader_state=loader_state)
 
 
 def compute_device(args: argparse.Namespace) -> torch.device:
@@ -105,23 +112,19 @@ def compute_device(args: argparse.Namespace) -> torch.device:
 
 def build_post_balancing(args: argparse.Namespace, config: OrchestratorConfig, source: Iterator[MicroBatch],
                          forward_backward_func):
-    """Wrap the loader's iterator and the forward-backward function for post-balancing.
+    """Wrap the loader's iterator and the forward-backward function for post-balancing
+    (:func:`~megatron_orch.megatron.any_loop.post_balance`).
 
-    Returns the :class:`PostBalancingDataIterator` (hand it to the schedule as the data iterator) and
-    the :class:`ModalityAwareSchedule` (call it instead of ``get_forward_backward_func()``'s result).
+    Returns the post-balancing data iterator (hand it to the schedule as the data iterator) and
+    the modality-aware schedule (call it instead of ``get_forward_backward_func()``'s result).
+    Every rank builds the iterator after initialize_model_parallel (megatron.training: an is_distributed
+    provider), so every DP group gets its own communicator for the all-to-alls.
     """
-    dp_group = parallel_state.get_data_parallel_group()
     data = data_config(args)
-    # Every rank builds the iterator after initialize_model_parallel (megatron.training: an is_distributed
-    # provider), so every DP group gets its own communicator for the all-to-alls here.
-    comm_group = dedicated_group(dp_group, timeout=timedelta(minutes=args.distributed_timeout_minutes))
-    groups = ParallelGroups(dp_group=dp_group, topology=group_topology(dp_group, gpus_per_node=config.gpus_per_node),
-                            encoder_stage=parallel_state.is_pipeline_first_stage(),
-                            peer_group=parallel_state.get_model_parallel_group(), comm_group=comm_group)
     step = StepShape(args.micro_batch_size, args.num_microbatches,
                      pad_to=data.seq_length if data.pad_to_seq_length else None)
-    iterator = PostBalancingDataIterator(source, data.layout.spec, config, step, groups,
-                                         compute_device=compute_device(args),
-                                         input_dtype=torch.bfloat16 if args.bf16 else torch.float32)
-    schedule = ModalityAwareSchedule(forward_backward_func, dp_group, encoder_recompute=config.encoder_recompute)
+    schedule, iterator = post_balance(forward_backward_func, source, data.layout.spec, step, config=config,
+                                      compute_device=compute_device(args),
+                                      input_dtype=torch.bfloat16 if args.bf16 else torch.float32,
+                                      timeout=timedelta(minutes=args.distributed_timeout_minutes))
     return iterator, schedule

@@ -144,6 +144,10 @@ class SyntheticMultimodalDataset:
         return layout_sizes(i, self.prompt_tokens, {p: int(counts[i]) for p, counts in self.items.items()},
                             int(self.answer_tokens[i]), self.layout.spec)
 
+    def where(self, sample_index: int) -> str:
+        """How a message names example ``sample_index`` (a manifest names its line)."""
+        return f"synthetic example {self._check_index(sample_index)}"
+
     def read(self, sample_index: int) -> tuple[Example, None]:
         """Example ``sample_index`` and no truncation note (its answer is drawn to fit)."""
         return self[sample_index], None

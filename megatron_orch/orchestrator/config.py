@@ -1,6 +1,7 @@
 """What the orchestrator balances and how: one frozen dataclass, filled from the ``--orch-*`` flags."""
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 from typing import Optional, Tuple
@@ -9,10 +10,11 @@ import numpy as np
 
 from megatron_orch.balance.cost_profile import CostProfile
 from megatron_orch.balance.placement import METHODS as PLACEMENT_METHODS
+from megatron_orch.balance.step_model import StepModel
 from megatron_orch.balance.workload import EncoderPhase, ModelPhases
 
 ALGORITHMS = ("auto", "lpt", "kk", "bs_ffd")
-MICROBATCHING = ("equal_count", "packed")
+MICROBATCHING = ("auto", "packed", "equal_count")
 
 
 @dataclass(frozen=True)
@@ -23,11 +25,15 @@ class OrchestratorConfig:
     loader's assignment (:meth:`check_phases` refuses a name the model has no phase of). ``algorithm``: the
     partitioner of the encoder phases (and of the backbone in ``packed`` mode); under ``auto``, an
     encoder phase of equal items is planned exactly by ``partition_uniform`` (no placement needed).
-    ``microbatching``: ``equal_count`` keeps ``micro_batch_size`` examples per backbone micro-batch
-    (any attention); ``packed`` gives each rank the same number of micro-batches, each one packed
-    row of a variable number of examples (block-diagonal causal attention). ``locality``: balance
-    every phase with a locality-aware partitioner (bins are ranks, few bytes cross nodes, within 1%
-    of the plain plan's balance) instead of partition + placement. ``placement``: how balanced bins
+    ``microbatching``: ``packed`` gives each rank the same number of micro-batches, each one packed
+    row of a variable number of examples (each attends causally to itself: variable-length attention);
+    ``equal_count`` keeps ``micro_batch_size`` examples per backbone micro-batch (any attention);
+    ``auto`` (the default) is ``packed`` wherever the backbone takes packed rows
+    (:meth:`resolve_microbatching`: the post-balancing iterator decides for its model; ``plan_step``
+    plans ``auto`` as ``packed``). ``locality``: balance every phase with a locality-aware partitioner
+    (bins are ranks, few bytes cross nodes, as balanced as the plain plan) instead of partition +
+    placement; the backbone's is kept only where ``step_model`` finds the step no slower than with the
+    plain plan at any NIC bandwidth up to its link's (else the plain plan). ``placement``: how balanced bins
     are mapped to ranks (``identity``, ``greedy``, ``exact`` min-total inter-node bytes, ``minmax``
     busiest node). ``background``: plan step k+1 on a CPU thread while step k trains.
     ``encoder_chunk_tokens`` / ``encoder_memory_cap`` (bytes; ``math.inf``: no cap) / ``encoder_recompute``:
@@ -36,12 +42,19 @@ class OrchestratorConfig:
     its backbone micro-batches under the cap and recomputes the others for their backward; the cap
     defaults to what upstream needs at the same global batch, ``encoder_recompute`` keeps none).
     ``cost_profile``: item costs measured on the device (``--orch-cost-profile``,
-    :mod:`megatron_orch.balance.cost_profile`) instead of training FLOPs.
+    :mod:`megatron_orch.balance.cost_profile`) instead of training FLOPs. ``step_model``: how a step's time
+    is modeled (:mod:`megatron_orch.balance.step_model`: links, achieved FLOP rate, layout). ``shadow``: plan
+    every step and report what balancing would gain, but train on the loader's assignment, moving nothing
+    (``--orch-shadow``). ``verify_first_step``: the first step runs the loader's (upstream) and the balanced
+    layout on the same batch and stops the run unless their losses, gradients and encoder outputs agree
+    (``--orch-verify-first-step``; on by default here, off on the command line for the shipped configs).
+    ``context_parallel_size``: the backbone's (``--context-parallel-size``): its costs and memory are planned
+    per CP rank (:class:`~megatron_orch.balance.cost.ContextParallelCost`).
     """
 
     phases: Optional[Tuple[str, ...]] = None
     algorithm: str = "auto"
-    microbatching: str = "equal_count"
+    microbatching: str = "auto"
     locality: bool = False
     placement: str = "exact"
     placement_time_limit_s: float = 1.0
@@ -51,6 +64,10 @@ class OrchestratorConfig:
     encoder_chunk_tokens: Optional[int] = None
     encoder_memory_cap: Optional[float] = None
     cost_profile: Optional[CostProfile] = None
+    context_parallel_size: int = 1
+    step_model: StepModel = StepModel()
+    shadow: bool = False
+    verify_first_step: bool = True
 
     def __post_init__(self):
         if self.phases is not None:
@@ -73,9 +90,26 @@ class OrchestratorConfig:
         chunk = self.encoder_chunk_tokens
         if chunk is not None and (isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 1):
             raise ValueError(f"--orch-encoder-chunk-tokens must be an int >= 1, got {chunk!r}")
+        if self.context_parallel_size < 1:
+            raise ValueError(f"--context-parallel-size must be >= 1, got {self.context_parallel_size}")
         cap = self.encoder_memory_cap
         if cap is not None and not (cap > 0):  # inf: no cap; NaN fails too
             raise ValueError(f"--orch-encoder-memory-cap must be > 0 (inf: no cap), got {cap / 1e9} GB")
+
+    @property
+    def packed(self) -> bool:
+        """Whether the backbone's micro-batches are packed rows (``auto`` plans as ``packed``)."""
+        return self.microbatching != "equal_count"
+
+    def resolve_microbatching(self, cannot_pack: Optional[str]) -> "OrchestratorConfig":
+        """This config with ``auto`` decided for a backbone: ``packed``, or ``equal_count`` where ``cannot_pack``
+        says why the backbone cannot take packed rows (None: it can). ``packed`` asked for such a backbone
+        raises ValueError with that reason."""
+        if cannot_pack is None:
+            return self if self.microbatching != "auto" else dataclasses.replace(self, microbatching="packed")
+        if self.microbatching == "packed":
+            raise ValueError(f"--orch-microbatching packed: {cannot_pack}")
+        return dataclasses.replace(self, microbatching="equal_count")
 
     def balances(self, phase: str) -> bool:
         """Whether phase ``phase`` is rebalanced (the others keep the loader's assignment)."""

@@ -10,15 +10,17 @@ from __future__ import annotations
 import dataclasses
 import math
 from dataclasses import dataclass
-from typing import Dict, List, Optional
+from typing import Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
 from megatron_orch.balance import _plan_kernels
+from megatron_orch.balance.cost import ContextParallelCost
 from megatron_orch.balance.partition import (partition, partition_equal_count, partition_equal_count_locality,
-                                              partition_groups, partition_locality, partition_uniform)
+                                              partition_groups, partition_locality, uniform_bins)
 from megatron_orch.balance.placement import PlacementConfig, place_items
-from megatron_orch.balance.plan import MovedBytes, Placement, Transfer, checksum
+from megatron_orch.balance.plan import MovedBytes, Placement, Transfer, checksum, moved_bytes
+from megatron_orch.balance.step_model import Busiest
 from megatron_orch.balance.topology import Topology
 from megatron_orch.balance.workload import ModelPhases, PhaseItems, StepSizes, phase_items
 from megatron_orch.orchestrator.config import OrchestratorConfig
@@ -95,16 +97,20 @@ class StepPlan:
     traffic: Dict[str, MovedBytes]         # per step, of every transfer (:func:`step_transfers`; {}: not planned)
     digest: int
     memory: Optional[StepMemory] = None    # modeled activation bytes (None: not planned)
+    step_time: Tuple[float, float] = (0.0, 0.0)  # modeled, as loaded and as planned (:func:`_step_time`)
 
     def report(self) -> Dict[str, float]:
         """The plan's figures by name, as the log shows them: each phase's modeled cost max/mean over DP
-        before (as loaded) and after (as planned), and the MB the step's transfers move within and across
-        nodes (all of them: raw inputs, text, embeddings forward and their gradients back)."""
+        before (as loaded) and after (as planned), the MB the step's transfers move within and across
+        nodes (all of them: raw inputs, text, embeddings forward and their gradients back), and the share of
+        the modeled step time the plan saves (``step_time``)."""
         out = {}
         for phase, stats in self.stats.items():
             out[f"{phase} before"], out[f"{phase} after"] = stats.imbalance_before, stats.imbalance_after
         out["intra-node MB"] = sum(moved.intra_node for moved in self.traffic.values()) / 1e6
         out["inter-node MB"] = sum(moved.inter_node for moved in self.traffic.values()) / 1e6
+        before, after = self.step_time
+        out["step saved %"] = 100.0 * (1.0 - after / before) if before > 0 else 0.0
         return out
 
     def text_transfer(self) -> Transfer:
@@ -166,8 +172,7 @@ def _balance_encoder(costs, home_rank, item_bytes, num_ranks, topology, config, 
     if not balanced or costs.size == 0:
         return home_rank, "none"
     if config.algorithm == "auto" and _all_equal(costs) and _all_equal(item_bytes):
-        part = partition_uniform(costs, home_rank, topology.node_of_rank, item_bytes=item_bytes)
-        return part.bin_of_item, part.method
+        return uniform_bins(np.ascontiguousarray(home_rank, dtype=np.int64), topology.node_of_rank)
     if config.locality:
         part = partition_locality(costs, home_rank, num_ranks, _gpus_per_node(topology),
                                   item_bytes=item_bytes)
@@ -177,6 +182,73 @@ def _balance_encoder(costs, home_rank, item_bytes, num_ranks, topology, config, 
         return home_rank, "home"
     return _place(part.bin_of_item, [(part.bin_of_item, home_rank, item_bytes)], num_ranks,
                   topology, config), part.method
+
+
+def _example_sources(home: np.ndarray, text_bytes: np.ndarray, rank_of_item):
+    """What every example pulls to its backbone rank, as (example, source rank, int64 bytes) arrays: its text
+    and the embeddings of its items encoded on its home rank in one triple per example, each item encoded
+    elsewhere in its own (``rank_of_item``: each encoder phase's (example, encoder rank, output bytes))."""
+    at_home = np.array(text_bytes, dtype=np.int64)
+    examples, sources, nbytes = [np.arange(home.size, dtype=np.int64)], [home], [at_home]
+    for example, enc_rank, out_bytes in rank_of_item.values():
+        away = _plan_kernels.sources_by_example(home, at_home, example, enc_rank, out_bytes)
+        for out, values in zip((examples, sources, nbytes), away):
+            out.append(values)
+    return np.concatenate(examples), np.concatenate(sources), np.concatenate(nbytes)
+
+
+def _pull_rank(home: np.ndarray, text_bytes: np.ndarray, rank_of_item, num_ranks: int) -> np.ndarray:
+    """For every example, the rank that holds most of the bytes it pulls to its backbone rank (its text on its
+    home rank, its embeddings where its items were encoded; ties: home, then the lower rank)."""
+    example, source, nbytes = _example_sources(home, text_bytes, rank_of_item)
+    keys, inverse = np.unique(example * num_ranks + source, return_inverse=True)
+    total = np.bincount(inverse.reshape(-1), weights=nbytes, minlength=keys.size)
+    pair_example, pair_rank = keys // num_ranks, keys % num_ranks
+    at_home = pair_rank == home[pair_example]
+    # per example, the pair of most bytes (home first on ties, then the lower rank): the last after this sort
+    order = np.lexsort((-pair_rank, at_home, total, pair_example))
+    last = np.flatnonzero(np.diff(np.append(pair_example[order], -1)) != 0)
+    pull = home.copy()
+    pull[pair_example[order[last]]] = pair_rank[order[last]]
+    return pull
+
+
+def _slower_by(candidate: np.ndarray, reference: np.ndarray, items: Dict[str, PhaseItems], rank_of_item,
+               home: np.ndarray, topology: Topology, num_microbatches: int, config: OrchestratorConfig):
+    """How much slower backbone ranks ``candidate`` make a step than ``reference`` at worst, as
+    :attr:`OrchestratorConfig.step_model` models it over the NIC bandwidths from its lowest to its link's:
+    (relative slowdown, at which Gb/s); 0 or less: never slower. (The encoder plans are the same for both:
+    only the backbone's compute, its text and the embeddings it pulls differ.)"""
+    model = config.step_model
+    in_seconds = config.cost_profile is not None
+    node = topology.node_of_rank
+    num_ranks = topology.num_ranks
+    backbone = [name for name in items if name not in rank_of_item][0]
+    encoders = [(phase, model.compute_seconds(_plan_kernels.rank_loads_max(rank, items[phase].cost, num_ranks),
+                                              in_seconds)) for phase, (_, rank, _) in rank_of_item.items()]
+
+    inputs = [Busiest.of(moved_bytes(home[example], rank, items[phase].nbytes, node))
+              for phase, (example, rank, _) in rank_of_item.items()]
+
+    def figures(rank_llm):
+        compute = model.compute_seconds(_plan_kernels.rank_loads_max(rank_llm, items[backbone].cost, num_ranks),
+                                        in_seconds)
+        embeddings = {phase: Busiest.of(moved_bytes(rank, rank_llm[example], out_bytes, node))
+                      for phase, (example, rank, out_bytes) in rank_of_item.items()}
+        text = Busiest.of(moved_bytes(home, rank_llm, items[backbone].nbytes, node))
+        return compute, embeddings, inputs + [text]
+
+    ours, theirs = figures(candidate), figures(reference)
+    moves = [*ours[1].values(), *theirs[1].values(), *ours[2], *theirs[2]]
+    worst = (-np.inf, model.link.nic_gbits_per_s)
+    for nic in model.nic_breakpoints(moves, model.lowest_nic_gbits_per_s):
+        at = model.with_nic(nic)
+        mine = at.step(encoders, ours[0], num_microbatches, ours[1], ours[2])["step"]
+        other = at.step(encoders, theirs[0], num_microbatches, theirs[1], theirs[2])["step"]
+        excess = mine / other - 1.0 if other > 0 else 0.0
+        if excess > worst[0]:
+            worst = (excess if excess > 1e-12 else min(excess, 0.0), float(nic))
+    return worst
 
 
 def _all_equal(values: np.ndarray) -> bool:
@@ -220,10 +292,13 @@ def plan_step(sizes: StepSizes, phases: ModelPhases, config: OrchestratorConfig,
     config.check_phases(phases)
     if config.cost_profile is not None:
         phases = config.cost_profile.apply(phases)
+    if config.context_parallel_size > 1:  # the backbone's cost and memory on each CP rank
+        backbone_cost = ContextParallelCost(phases.backbone.cost, config.context_parallel_size)
+        phases = dataclasses.replace(phases, backbone=dataclasses.replace(phases.backbone, cost=backbone_cost))
     items = phase_items(sizes, phases)
     examples_home = Placement.from_counts(counts)
     home = examples_home.rank
-    encoders, stats, rank_of_item = {}, {}, {}
+    encoders, stats, rank_of_item, loads = {}, {}, {}, []
 
     for phase in phases.encoder_names:
         phase_item = items[phase]
@@ -234,20 +309,13 @@ def plan_step(sizes: StepSizes, phases: ModelPhases, config: OrchestratorConfig,
                                            encode=Placement.from_ranks(rank, num_ranks))
         rank_of_item[phase] = (example, rank, phase_item.output_nbytes)
         stats[phase] = _phase_stats(method, costs, home[example], rank, num_ranks)
+        loads.append((costs, home[example], rank))
 
     backbone = phases.backbone.name
     llm_costs, text_bytes = items[backbone].cost, items[backbone].nbytes
-    packed = config.microbatching == "packed"
+    packed = config.packed
     if not config.balances(backbone):
         rank_llm, method = home, "none"
-    elif config.locality:
-        # what an example pulls to its backbone rank: its text, and its embeddings (counted from its home
-        # rank: the encoder plans keep items on their node)
-        example_bytes = text_bytes + sum(np.bincount(example, weights=out_bytes, minlength=sizes.num_examples)
-                                         for example, _, out_bytes in rank_of_item.values())
-        locality = partition_locality if packed else partition_equal_count_locality
-        part = locality(llm_costs, home, num_ranks, _gpus_per_node(topology), item_bytes=example_bytes)
-        rank_llm, method = part.bin_of_item, part.method
     else:
         part = (partition(llm_costs, num_ranks, method=config.algorithm, home=home) if packed
                 else partition_equal_count(llm_costs, num_ranks, home=home))
@@ -255,10 +323,28 @@ def plan_step(sizes: StepSizes, phases: ModelPhases, config: OrchestratorConfig,
         if part.method == "home":
             rank_llm = home
         else:
-            sources = [(part.bin_of_item, home, text_bytes)]
-            for example, enc_rank, out_bytes in rank_of_item.values():
-                sources.append((part.bin_of_item[example], enc_rank, out_bytes))
-            rank_llm = _place(part.bin_of_item, sources, num_ranks, topology, config)
+            example, source, nbytes = _example_sources(home, text_bytes, rank_of_item)
+            rank_llm = _place(part.bin_of_item, [(part.bin_of_item[example], source, nbytes)], num_ranks, topology,
+                              config)
+        if config.locality and part.method != "home":
+            # what an example pulls to its backbone rank: its text, and its embeddings (counted from its home
+            # rank: the encoder plans keep items on their node)
+            example_bytes = text_bytes + sum(np.bincount(example, weights=out_bytes, minlength=sizes.num_examples)
+                                             for example, _, out_bytes in rank_of_item.values())
+            if packed:  # from the rank that holds most of an example's bytes (its encoders may have run elsewhere)
+                near = partition_locality(llm_costs, _pull_rank(home, text_bytes, rank_of_item, num_ranks), num_ranks,
+                                          _gpus_per_node(topology), item_bytes=example_bytes, reference=part)
+            else:  # (counts are kept: from the loader's ranks)
+                near = partition_equal_count_locality(llm_costs, home, num_ranks, _gpus_per_node(topology),
+                                                      item_bytes=example_bytes, reference=part)
+            slower = None if near.method.startswith(("locality_fallback", "equal_locality_fallback")) else \
+                _slower_by(near.bin_of_item, rank_llm, items, rank_of_item, home, topology, num_microbatches, config)
+            if slower is None:
+                method = f"{part.method}+placed ({near.method}: capacity not met)"
+            elif slower[0] > 0:
+                method = f"{part.method}+placed ({near.method} {100 * slower[0]:.2g}% slower at {slower[1]:.3g} Gb/s)"
+            else:
+                rank_llm, method = near.bin_of_item, near.method
 
     home_microbatch = np.arange(sizes.num_examples) % expected // micro_batch_size  # the loader's
     if rank_llm is home and not packed:
@@ -269,6 +355,7 @@ def plan_step(sizes: StepSizes, phases: ModelPhases, config: OrchestratorConfig,
     examples_llm = Placement.from_ranks(rank_llm, num_ranks,
                                         key=microbatch * (sizes.num_examples + 1) + np.arange(sizes.num_examples))
     stats[backbone] = _phase_stats(method, llm_costs, home, rank_llm, num_ranks)
+    loads.append((llm_costs, home, rank_llm))
     chunks, memory = _plan_memory(items, phases, encoders, rank_llm, microbatch, home_microbatch, num_ranks,
                                   num_microbatches, packed, config)
     encoders = {phase: dataclasses.replace(plan, chunks=chunks[phase]) for phase, plan in encoders.items()}
@@ -277,7 +364,7 @@ def plan_step(sizes: StepSizes, phases: ModelPhases, config: OrchestratorConfig,
                       np.array([e.chunks.items for e in encoders.values()], dtype=np.int64))
     plan = StepPlan(examples_home=examples_home, examples_llm=examples_llm, microbatch_of_example=microbatch,
                     num_microbatches=num_microbatches, encoders=encoders, backbone=backbone, stats=stats, traffic={},
-                    digest=digest, memory=memory)
+                    digest=digest, memory=memory, step_time=_step_time(loads, num_ranks))
     return dataclasses.replace(plan, traffic={move.name: move.moved_bytes(topology.node_of_rank).times(move.times)
                                               for move in step_transfers(plan, items)})
 
@@ -356,11 +443,22 @@ def _microbatch_memory(key: np.ndarray, memory: np.ndarray, cells: int, padded: 
     return np.bincount(key, minlength=cells) * longest
 
 
+def _step_time(loads: Sequence[Tuple[np.ndarray, np.ndarray, np.ndarray]], num_ranks: int) -> Tuple[float, float]:
+    """Modeled step time from each phase's (item costs, rank as loaded, rank as planned), in the cost models'
+    unit, the lower estimate for upstream: as loaded, the busiest rank's phases back to back (ranks wait for
+    each other once, at the gradient reduction); as planned, the sum of each phase's busiest rank (every
+    phase's moves make the ranks wait for each other)."""
+    before = sum((np.bincount(home, weights=costs, minlength=num_ranks) for costs, home, _ in loads),
+                 np.zeros(num_ranks))
+    after = sum(float(np.bincount(rank, weights=costs, minlength=num_ranks).max(initial=0)) for costs, _, rank in loads)
+    return float(before.max(initial=0)), after
+
+
 def _phase_stats(method, costs, home_rank, rank, num_ranks) -> PhaseStats:
-    before = np.bincount(home_rank, weights=costs, minlength=num_ranks)
-    after = np.bincount(rank, weights=costs, minlength=num_ranks)
-    return PhaseStats(method=method, items=int(costs.size), max_before=float(before.max(initial=0)),
-                      mean=float(costs.sum() / num_ranks), max_after=float(after.max(initial=0)))
+    return PhaseStats(method=method, items=int(costs.size), max_before=_plan_kernels.rank_loads_max(home_rank, costs,
+                                                                                                     num_ranks),
+                      mean=float(costs.sum() / num_ranks),
+                      max_after=_plan_kernels.rank_loads_max(rank, costs, num_ranks))
 
 
 def warm_up(phases: ModelPhases, config: OrchestratorConfig) -> None:

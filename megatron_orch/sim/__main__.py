@@ -11,6 +11,7 @@ JSON's ``checks`` also say whether the direction held).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import sys
 from typing import List, Optional
 
@@ -18,9 +19,16 @@ from megatron_orch.balance.cost_profile import load_cost_profile
 from megatron_orch.bench.common import (add_trace_args, draw_sizes, effective_layers, parse_layers, report, trace_specs,
                                         with_layers)
 from megatron_orch.mllm.config import load_model_config
-from megatron_orch.sim.cluster import DEFAULT_TFLOPS, METHODS, LinkModel, simulate_step, warm_up_planner
+from megatron_orch.sim.cluster import DEFAULT_TFLOPS, METHODS, LinkModel, StepModel, simulate_step, warm_up_planner
 
 PER_PHASE = ("orch", "equal_count", "locality", "equal_locality")
+# each locality-aware method and its plain counterpart (equal-count micro-batches can be slower than packed ones
+# by their own bound: equal_locality against orch is reported beside)
+LOCALITY_PAIRS = (("locality", "orch"), ("equal_locality", "equal_count"))
+# Published step speedups over Megatron-LM, set beside the paper configuration's simulated one.
+PUBLISHED = (("OrchMLLM (arXiv 2503.23830)", "84B MLLM, three modalities, 2560 H100 GPUs", 3.1),
+             ("DistTrain (arXiv 2408.04275)", "72B multimodal LLM, 1172 GPUs", 2.2))
+PAPER = {"model": "mllm_84b", "dp": "80", "tensor_parallel": 8, "pipeline_stages": 4, "per_rank": 16}
 
 
 def _numbers(parser, text: str, kind, what: str) -> list:
@@ -34,21 +42,33 @@ def _numbers(parser, text: str, kind, what: str) -> list:
 
 
 def mean_over_runs(runs: List[dict]):
-    """The figures of several simulated batches, averaged leaf by leaf."""
+    """The figures of several simulated batches, averaged leaf by leaf (text: the distinct values, joined)."""
     if isinstance(runs[0], dict):
         return {key: mean_over_runs([run[key] for run in runs]) for key in runs[0]}
+    if isinstance(runs[0], str):
+        return " | ".join(dict.fromkeys(runs))
     return sum(runs) / len(runs)
 
 
 def checks(result: dict) -> dict:
-    """The direction of published results, each with the figures it rests on."""
+    """The direction of published results, and that locality-aware plans are never slower than their plain
+    counterparts, each with the figures it rests on."""
     dps = sorted(result["dp"], key=int)
     speedups = {dp: {m: result["dp"][dp][m]["speedup"] for m in METHODS} for dp in dps}
     per_phase = {dp: max(speedups[dp][m] for m in PER_PHASE) for dp in dps}
     orch = [speedups[dp]["orch"] for dp in dps]
+    slower, equal_vs_orch = [], []  # (dp, seed, NIC Gb/s, method, its step, the other's): every batch, bandwidth
+    for dp in dps:
+        for seed, run in zip(result["params"]["seeds"], result["per_seed"][dp]):
+            for gbits, steps in run["nic_sweep"].items():
+                for near, plain in LOCALITY_PAIRS:
+                    if steps[near] > steps[plain] * (1 + 1e-9):
+                        slower.append([dp, seed, float(gbits), near, steps[near], steps[plain]])
+                if steps["equal_locality"] > steps["orch"] * (1 + 1e-9):
+                    equal_vs_orch.append([dp, seed, float(gbits), "equal_locality", steps["equal_locality"],
+                                          steps["orch"]])
     lowest = min((float(g) for g in result["dp"][dps[0]]["nic_sweep"]), default=None)
-    multi_node = [dp for dp in dps if int(dp) > result["params"]["link"]["gpus_per_node"]]  # else nothing crosses
-    scarce = {dp: result["dp"][dp]["nic_sweep"][str(lowest)] for dp in multi_node} if lowest is not None else {}
+    scarce = {dp: result["dp"][dp]["nic_sweep"][str(lowest)] for dp in dps} if lowest is not None else {}
     return {
         "per_phase_at_least_backbone_only": {
             "held": all(per_phase[dp] >= speedups[dp]["backbone_only"] for dp in dps),
@@ -56,40 +76,56 @@ def checks(result: dict) -> dict:
             "backbone_only_speedup": {dp: speedups[dp]["backbone_only"] for dp in dps}},
         "speedup_grows_with_dp": {"held": all(b >= a for a, b in zip(orch, orch[1:])),
                                   "orch_speedup": dict(zip(dps, orch))},
-        "locality_wins_when_inter_node_is_scarce": {
-            "held": bool(scarce) and all(s["locality"] < s["orch"] for s in scarce.values()),
+        "locality_never_slower": {
+            "held": not slower, "slower": slower, "pairs": [list(p) for p in LOCALITY_PAIRS],
+            "equal_locality_slower_than_orch": equal_vs_orch,
             "nic_gbits_per_s": lowest, "step_seconds": scarce},
     }
 
 
 def format_tables(result: dict) -> str:
     p = result["params"]
-    link = p["link"]
+    link, layout = p["link"], p["step_model"]
     first = result["dp"][sorted(result["dp"], key=int)[0]]
     phases = list(first[METHODS[0]]["phase_seconds"])
-    lines = [f"[sim] model {p['model']} (layers {tuple(p['layers'])}), {p['per_rank']} examples per rank, "
-             f"mean over seeds {p['seeds']}, "
-             f"costs: {p['costs']}; links: {link['gpus_per_node']} GPUs/node, NVLink "
-             f"{link['nvlink_gbytes_per_s']:g} GB/s, NIC {link['nic_gbits_per_s']:g} Gb/s per GPU", "",
-             "| DP | method | " + " | ".join(f"{q} s" for q in phases) + " | compute s | comm s | plan s (exposed) | "
-             "step s | speedup | " + " / ".join(phases) + " speedup |",
-             "|---:|---|" + "---:|" * len(phases) + "---:|---:|---:|---:|---:|---|"]
+    lines = [f"[sim] model {p['model']} (layers {tuple(p['layers'])}), {p['per_rank']} examples per DP rank, "
+             f"mean over seeds {p['seeds']}, costs: {p['costs']}; a DP rank is TP {layout['tensor_parallel']} x PP "
+             f"{layout['pipeline_stages']} (virtual {layout['virtual_stages']}) GPUs; links: {link['gpus_per_node']} "
+             f"GPUs/node, NVLink {link['nvlink_gbytes_per_s']:g} GB/s, NIC {link['nic_gbits_per_s']:g} Gb/s per GPU; "
+             f"transfers {'overlapped as the schedule overlaps them' if layout['overlap'] else 'all exposed'}"
+             + (", FSDP" if layout["fsdp"] else ""), "",
+             "| DP | GPUs | method | " + " | ".join(f"{q} s" for q in phases) + " | compute s | exposed comm s | "
+             "bubble s | grad reduce s | plan s (exposed) | step s | speedup | " + " / ".join(phases) + " speedup |",
+             "|---:|---:|---|" + "---:|" * len(phases) + "---:|---:|---:|---:|---:|---:|---:|---|"]
     for dp in sorted(result["dp"], key=int):
         for m in METHODS:
             f = result["dp"][dp][m]
             ph = f["phase_seconds"]
-            lines.append(f"| {dp} | {m} | " + " | ".join(f"{ph[q]:.4g}" for q in phases) + " | "
-                         f"{f['compute_seconds']:.4g} | {f['comm_seconds']:.3g} | {f['plan_seconds']:.3f} "
+            lines.append(f"| {dp} | {p['gpus'][dp] if dp in p['gpus'] else p['gpus'][int(dp)]} | {m} | "
+                         + " | ".join(f"{ph[q]:.4g}" for q in phases) + " | "
+                         f"{f['compute_seconds']:.4g} | {f['exposed_comm_seconds']:.3g} | "
+                         f"{f['pipeline_bubble_seconds']:.3g} | {f['grad_reduce_seconds']:.3g} | "
+                         f"{f['plan_seconds']:.3f} "
                          f"({f['exposed_plan_seconds']:.3f}) | {f['step_seconds']:.4g} | {f['speedup']:.3f} | "
                          + " / ".join(f"{f['phase_speedup'][q]:.2f}" for q in phases) + " |")
     sweep = [g for g in result["dp"][sorted(result["dp"], key=int)[0]]["nic_sweep"]]
     if sweep:
-        lines += ["", "step s of orch / locality at NIC Gb/s per GPU:", "",
+        lines += ["", "step s of orch / locality (equal_count / equal_locality) at NIC Gb/s per GPU:", "",
                   "| DP | " + " | ".join(f"{g} Gb/s" for g in sweep) + " |", "|---:|" + "---:|" * len(sweep)]
         for dp in sorted(result["dp"], key=int):
             s = result["dp"][dp]["nic_sweep"]
-            lines.append(f"| {dp} | " + " | ".join(f"{s[g]['orch']:.4g} / {s[g]['locality']:.4g}" for g in sweep)
-                         + " |")
+            lines.append(f"| {dp} | " + " | ".join(
+                f"{s[g]['orch']:.4g} / {s[g]['locality']:.4g} "
+                f"({s[g]['equal_count']:.4g} / {s[g]['equal_locality']:.4g})" for g in sweep) + " |")
+    if p.get("paper"):
+        lines += ["", "paper configuration, step speedup over upstream Megatron:", "",
+                  "| system | configuration | step speedup |", "|---|---|---:|"]
+        for dp in sorted(result["dp"], key=int):
+            gpus = p["gpus"][dp] if dp in p["gpus"] else p["gpus"][int(dp)]
+            lines.append(f"| this simulator, orch (defaults) | {p['model']}, {gpus} GPUs (DP {dp} x TP "
+                         f"{layout['tensor_parallel']} x PP {layout['pipeline_stages']}) | "
+                         f"{result['dp'][dp]['orch']['speedup']:.2f}x |")
+        lines += [f"| {name} (published) | {what} | {speedup:.1f}x |" for name, what, speedup in p["published"]]
     return "\n".join(lines + [""] + findings(result["checks"]))
 
 
@@ -109,13 +145,19 @@ def findings(checks: dict) -> List[str]:
     lines.append("[sim] step speedup of orch by DP size, published: grows with DP: " + ", ".join(
         f"DP {dp} {orch[dp]:.4g}" + (f" ({_change(orch[dp], orch[dps[i - 1]])})" if i else "")
         for i, dp in enumerate(dps)))
-    c = checks["locality_wins_when_inter_node_is_scarce"]
-    scarce = ("published: locality faster where inter-node bandwidth is scarce: " + ", ".join(
-        f"DP {dp} {s['locality']:.4g} vs {s['orch']:.4g} ({_change(s['locality'], s['orch'])})"
-        for dp, s in c["step_seconds"].items()) if c["step_seconds"] else
-        "no DP size spans more than one node: nothing crosses nodes")
+    c = checks["locality_never_slower"]
+    scarce = ", ".join(f"DP {dp} {s['locality']:.4g} vs {s['orch']:.4g} ({_change(s['locality'], s['orch'])})"
+                       for dp, s in c["step_seconds"].items())
     lines.append(f"[sim] step s of locality vs orch at the lowest NIC bandwidth swept ({c['nic_gbits_per_s']:g} Gb/s "
-                 f"per GPU), {scarce}")
+                 f"per GPU): {scarce}")
+    worse = "; ".join(f"DP {dp} seed {seed} at {g:g} Gb/s: {near} {a:.4g} s vs {b:.4g} s"
+                      for dp, seed, g, near, a, b in c["slower"][:6])
+    lines.append("[sim] locality-aware plans vs their plain counterparts (" + ", ".join(
+        f"{near} vs {plain}" for near, plain in c["pairs"]) + ") on every batch and swept bandwidth: " +
+        ("never slower" if not c["slower"] else f"slower in {len(c['slower'])} cases: {worse}"))
+    lines.append(f"[sim] equal_locality vs orch: slower in {len(c['equal_locality_slower_than_orch'])} of the batch "
+                 "x bandwidth cases (equal-count micro-batches: a long example can lift their bound above a packed "
+                 "plan's)")
     return lines
 
 
@@ -133,7 +175,8 @@ def _plain_log_axis(axis, values) -> None:
 
 def plot(result: dict, path: str) -> None:
     """Left: each balancing method's step speedup over upstream by DP size (methods offset sideways, each its
-    own marker and line, so that equal values stay visible); right: locality's step over orch's by inter-node bandwidth."""
+    own marker and line, so that equal values stay visible); right: locality's step over orch's by inter-node
+    bandwidth."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -170,6 +213,19 @@ def plot(result: dict, path: str) -> None:
     plt.close(fig)
 
 
+def step_model_of(model, link: LinkModel, args: argparse.Namespace) -> StepModel:
+    """The simulated cluster's step model: the layout flags, and the bf16 gradients one GPU reduces (the
+    backbone's over its tensor- and pipeline-parallel GPUs, the encoders' over the first stage's TP group)."""
+    params = model.num_parameters()
+    encoders = sum(params[name] for name in model.encoders)
+    tp, pp = args.tensor_parallel, args.pipeline_stages
+    grads = 0.0 if args.no_grad_reduce else 2.0 * (params[model.phases().backbone.name] / (tp * pp) + encoders / tp)
+    return StepModel(link=link, tflops=args.tflops, tensor_parallel=tp, pipeline_stages=pp,
+                     virtual_stages=args.virtual_stages, grad_bytes=grads,
+                     encoder_grad_bytes=0.0 if args.no_grad_reduce else 2.0 * encoders / tp, fsdp=args.fsdp,
+                     overlap=not args.no_overlap)
+
+
 def main(argv: Optional[List[str]] = None) -> dict:
     parser = argparse.ArgumentParser(prog="python -m megatron_orch.sim", description=__doc__.splitlines()[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -194,10 +250,23 @@ def main(argv: Optional[List[str]] = None) -> dict:
     parser.add_argument("--nvlink-latency-us", type=float, default=defaults.nvlink_latency_us)
     parser.add_argument("--nic-latency-us", type=float, default=defaults.nic_latency_us)
     parser.add_argument("--nic-sweep", default="400,100,25,10,5,1",
-                        help="NIC Gb/s per GPU at which orch and locality are also compared")
+                        help="NIC Gb/s per GPU at which every method is also simulated (locality vs plain)")
+    parser.add_argument("--tensor-parallel", type=int, default=1, help="GPUs of a replica's tensor-parallel group")
+    parser.add_argument("--pipeline-stages", type=int, default=1, help="pipeline stages of a replica (1F1B)")
+    parser.add_argument("--virtual-stages", type=int, default=1, help="model chunks per stage (interleaved 1F1B)")
+    parser.add_argument("--fsdp", action="store_true", help="parameters gathered per layer (Megatron-FSDP / FSDP2)")
+    parser.add_argument("--no-overlap", action="store_true",
+                        help="every transfer and the gradient reduction exposed (no overlap with compute)")
+    parser.add_argument("--no-grad-reduce", action="store_true", help="leave the gradient reduction out")
+    parser.add_argument("--paper", action="store_true",
+                        help="the OrchMLLM paper's configuration: mllm_84b (three modalities) on 2560 GPUs, assumed "
+                             "TP 8 x PP 4 (DP 80), 16 examples per DP rank; printed beside the published speedups")
     parser.add_argument("--json", default=None, metavar="OUT")
     parser.add_argument("--plot", default=None, metavar="OUT.png")
     args = parser.parse_args(argv)
+    if args.paper:
+        for key, value in PAPER.items():
+            setattr(args, key, value)
     dps = _numbers(parser, args.dp, int, "--dp")
     sweep = _numbers(parser, args.nic_sweep, float, "--nic-sweep")
     seeds = [int(x) for x in args.seeds.split(",") if x.strip()] if args.seeds.replace(",", "").isdigit() else []
@@ -210,20 +279,28 @@ def main(argv: Optional[List[str]] = None) -> dict:
                          args.nvlink_latency_us, args.nic_latency_us)
         model = with_layers(load_model_config(args.model), parse_layers(parser, args.layers))
         profile = None if args.profile is None else load_cost_profile(args.profile, model.phases())
+        cluster = step_model_of(model, link, args)
     except ValueError as err:
         parser.error(str(err))
     warm_up_planner(model)
     result = {"params": {
         "model": model.name, "layers": effective_layers(model), "dp": dps, "per_rank": args.per_rank, "seeds": seeds,
         "traces": [list(spec) for spec in trace_specs(args)], "link": vars(link) | {},
+        "step_model": {f.name: getattr(cluster, f.name) for f in dataclasses.fields(cluster) if f.name != "link"},
+        "gpus": {dp: dp * cluster.tensor_parallel * cluster.pipeline_stages for dp in dps},
+        "paper": args.paper, "published": [list(p) for p in PUBLISHED],
         "costs": (f"profile {args.profile} ({profile.device}, {profile.dtype})" if profile
                   else f"training FLOPs at an assumed {args.tflops:g} TFLOP/s per GPU"),
         "nic_sweep_gbits_per_s": sweep}, "dp": {}, "per_seed": {}}
     for dp in dps:
         runs = []
         for seed in seeds:
-            _, _, sizes = draw_sizes(trace_specs(args), dp, args.per_rank, args.model, seed, args.traces_dir)
-            runs.append(simulate_step(sizes, model, link, profile, args.tflops, sweep))
+            try:
+                _, _, sizes = draw_sizes(trace_specs(args), dp, args.per_rank, args.model, seed, args.traces_dir,
+                                         args.seq_length)
+            except ValueError as err:  # an example longer than --seq-length: refused, as training refuses it
+                parser.error(str(err))
+            runs.append(simulate_step(sizes, model, link, profile, args.tflops, sweep, cluster))
         result["dp"][str(dp)], result["per_seed"][str(dp)] = mean_over_runs(runs), runs
         print(f"[sim] DP {dp} done", file=sys.stderr, flush=True)
     result["checks"] = checks(result)

@@ -28,8 +28,9 @@ from pathlib import Path
 from typing import Callable, Iterable, NoReturn, Optional, Sequence
 
 from megatron_orch.megatron.orch_arguments import add_orch_args, orch_config_from_args
+from megatron_orch.megatron.pipeline_layout import check_interleaved_microbatches, virtual_pipeline_size
 from megatron_orch.mllm.check_data import add_data_args
-from megatron_orch.mllm.config import MLLMConfig, load_model_config
+from megatron_orch.mllm.config import MLLMConfig, is_shipped_config, load_model_config
 
 ArgsProvider = Callable[[argparse.ArgumentParser], argparse.ArgumentParser]
 
@@ -85,6 +86,8 @@ def add_megatron_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParse
     g.add_argument("--num-query-groups", type=int, default=None, help="grouped-query attention")
     g.add_argument("--kv-channels", type=int, default=None)
     g.add_argument("--seq-length", type=int, required=True, help="longest backbone sequence (tokens)")
+    g.add_argument("--max-position-embeddings", type=int, default=None,
+                   help="rows of the backbone's learned position embeddings (default: --model-config's)")
     g.add_argument("--make-vocab-size-divisible-by", type=int, default=128)
     g.add_argument("--init-method-std", type=float, default=0.02)
     g.add_argument("--hidden-dropout", type=float, default=0.1,
@@ -110,12 +113,23 @@ def add_megatron_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParse
 
     g = parser.add_argument_group("data")
     g.add_argument("--data-path", type=str, default=None,
-                   help="JSONL manifest of the user's examples (one path); default: synthetic examples "
-                        "with modality lengths drawn from the real traces")
+                   help="JSONL manifest of the user's examples, or an Energon dataset (a folder with .nv-meta; "
+                        "the energon extra); default: synthetic examples with modality lengths drawn from the "
+                        "real traces")
 
     g = parser.add_argument_group("parallelism")
     g.add_argument("--tensor-model-parallel-size", type=int, default=1)
     g.add_argument("--pipeline-model-parallel-size", type=int, default=1)
+    g.add_argument("--num-layers-per-virtual-pipeline-stage", type=int, default=None,
+                   help="virtual pipeline stages (Megatron's interleaved 1F1B): backbone layers per model chunk")
+    g.add_argument("--num-virtual-stages-per-pipeline-rank", type=int, default=None,
+                   help="virtual pipeline stages: model chunks per pipeline rank")
+    g.add_argument("--sequence-parallel", action="store_true",
+                   help="split the backbone's sequence over the TP ranks outside attention and the MLPs (Megatron's "
+                        "sequence parallelism; needs --tensor-model-parallel-size > 1)")
+    g.add_argument("--context-parallel-size", type=int, default=1,
+                   help="split each backbone sequence over this many ranks (Megatron's 2 x CP zig-zag chunks); the "
+                        "encoders run whole on every CP rank. On GPUs it needs --transformer-impl transformer_engine")
     g.add_argument("--expert-model-parallel-size", type=int, default=1,
                    help="expert parallelism of an MoE backbone, inside data parallelism (it divides the DP size)")
     g.add_argument("--use-distributed-optimizer", action="store_true")
@@ -142,6 +156,9 @@ def add_megatron_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParse
                    help="stop (saving a checkpoint if --save) once the iteration is a multiple of this")
     g.add_argument("--seed", type=int, default=1234)
     g.add_argument("--bf16", action="store_true")
+    g.add_argument("--no-check-for-nan-in-loss-and-grad", action="store_false", dest="check_for_nan_in_loss_and_grad",
+                   help="train on after a step whose loss or grad norm is NaN or infinite (counted in the iteration "
+                        "lines); by default, as Megatron-LM, such a step stops the run before it saves")
     g.add_argument("--calculate-per-token-loss", action="store_true",
                    help="always on here: the loss is the sum of token losses over the global number of "
                         "loss tokens, which makes moving examples between ranks loss-invariant")
@@ -184,6 +201,10 @@ def add_megatron_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParse
                    help="on --load, resume from this iteration instead of the latest complete one")
     g.add_argument("--keep-last-checkpoints", type=int, default=None,
                    help="after each save, delete all but the last K complete iterations under --save (default: keep all)")
+    g.add_argument("--allow-overwrite-checkpoints", action="store_true",
+                   help="let a run save into a --save folder that holds complete checkpoints of another run (or that "
+                        "no marker names): its saves replace the iterations of the same number and the marker. "
+                        "Without it such a run is refused before its first step")
     g.add_argument("--allow-changed-data", action="store_true",
                    help="on --load, train on although the --data-path manifest's content differs from the "
                         "checkpoint's (its sample positions then name other examples)")
@@ -266,7 +287,7 @@ def check_data_or_exit(args: argparse.Namespace) -> None:
     from megatron_orch.mllm.data import checked_dataset, data_config
     try:
         checked_dataset(data_config(args))
-    except (OSError, ValueError) as err:
+    except (OSError, ValueError, ImportError) as err:  # ImportError: an Energon dataset without the extra
         exit_with_error(str(err))
 
 
@@ -300,11 +321,11 @@ def _in_range(args: argparse.Namespace, name: str, low: float, high: float = mat
 def validate_args(args: argparse.Namespace, world_size: int) -> argparse.Namespace:
     """Check consistency; derive ``data_parallel_size``, ``num_microbatches`` and ``mllm_config`` (the
     loaded ``--model-config`` with the backbone shape flags applied)."""
-    _positive(args, "tensor_model_parallel_size", "pipeline_model_parallel_size", "expert_model_parallel_size",
-              "micro_batch_size",
-              "global_batch_size", "train_iters", "exit_interval", "seq_length", "log_interval", "save_interval",
-              "make_vocab_size_divisible_by", "max_num_tiles", "max_image_pixels",
-              "max_vision_items_per_sample", "keep_last_checkpoints", *_BACKBONE_SHAPE_FLAGS)
+    _positive(args, "tensor_model_parallel_size", "pipeline_model_parallel_size", "context_parallel_size",
+              "expert_model_parallel_size", "micro_batch_size", "global_batch_size", "train_iters", "exit_interval",
+              "seq_length", "log_interval", "save_interval", "make_vocab_size_divisible_by", "max_num_tiles",
+              "max_image_pixels", "max_vision_items_per_sample", "keep_last_checkpoints", "max_position_embeddings",
+              *_BACKBONE_SHAPE_FLAGS)
     for name in ("max_bad_examples", "ckpt_step"):
         if getattr(args, name) is not None and getattr(args, name) < 0:
             raise ArgumentError(f"--{name.replace('_', '-')} must be >= 0, got {getattr(args, name)}")
@@ -314,11 +335,13 @@ def validate_args(args: argparse.Namespace, world_size: int) -> argparse.Namespa
         _in_range(args, name, 0.0, 1.0, high_open=True)
     for name in ("adam_eps", "init_method_std", "max_audio_seconds"):
         _in_range(args, name, 0.0, low_open=True)
-    model_parallel = args.tensor_model_parallel_size * args.pipeline_model_parallel_size
+    model_parallel = args.tensor_model_parallel_size * args.pipeline_model_parallel_size * args.context_parallel_size
     if world_size % model_parallel:
         raise ArgumentError(f"world size {world_size} is not divisible by --tensor-model-parallel-size "
                             f"({args.tensor_model_parallel_size}) x --pipeline-model-parallel-size "
-                            f"({args.pipeline_model_parallel_size}) = {model_parallel}")
+                            f"({args.pipeline_model_parallel_size}) x --context-parallel-size "
+                            f"({args.context_parallel_size}) = {model_parallel}")
+    _check_sequence_split(args)
     args.world_size = world_size
     args.data_parallel_size = world_size // model_parallel
     per_step = args.micro_batch_size * args.data_parallel_size
@@ -341,18 +364,29 @@ def validate_args(args: argparse.Namespace, world_size: int) -> argparse.Namespa
     if args.override_opt_param_scheduler and args.use_checkpoint_opt_param_scheduler:
         raise ArgumentError("--override-opt_param-scheduler and --use-checkpoint-opt_param-scheduler exclude each "
                             "other (this run's LR schedule, or the checkpoint's)")
-    for name, needs in (("save_interval", "save"), ("keep_last_checkpoints", "save"), ("ckpt_step", "load")):
-        if getattr(args, name) is not None and getattr(args, needs) is None:
+    for name, needs in (("save_interval", "save"), ("keep_last_checkpoints", "save"), ("ckpt_step", "load"),
+                        ("allow_overwrite_checkpoints", "save")):
+        if getattr(args, name) not in (None, False) and getattr(args, needs) is None:
             raise ArgumentError(f"--{name.replace('_', '-')} needs --{needs} (the checkpoint directory)")
     for name in ("hidden_dropout", "attention_dropout"):
         _in_range(args, name, 0.0, 1.0, high_open=True)
-    if args.data_path is not None and not Path(args.data_path).is_file():
-        raise ArgumentError(f"--data-path {args.data_path}: no such file (a JSONL manifest)")
+    data_path = None if args.data_path is None else Path(args.data_path)
+    if data_path is not None and not (data_path.is_file() or (data_path / ".nv-meta").is_dir()):
+        raise ArgumentError(f"--data-path {args.data_path}: no such file (a JSONL manifest) or Energon dataset "
+                            "(a folder with .nv-meta)")
     _check_sharded_data_parallel(args)
     args.calculate_per_token_loss = True
     args.mllm_config = resolve_model_config(args)
     try:
-        args.orch_config = orch_config_from_args(args)
+        args.virtual_pipeline_model_parallel_size = virtual_pipeline_size(
+            args.mllm_config.backbone.transformer.num_layers, args.pipeline_model_parallel_size,
+            args.num_layers_per_virtual_pipeline_stage, args.num_virtual_stages_per_pipeline_rank)
+        if args.virtual_pipeline_model_parallel_size is not None:
+            check_interleaved_microbatches(args.num_microbatches, args.pipeline_model_parallel_size)
+    except ValueError as err:
+        raise ArgumentError(str(err)) from None
+    try:
+        args.orch_config = orch_config_from_args(args, verify_by_default=not is_shipped_config(args.model_config))
         if args.orch_config is not None:
             args.orch_config.check_phases(args.mllm_config.phases())
     except ValueError as err:
@@ -382,8 +416,9 @@ def _check_mixture_of_experts(args: argparse.Namespace) -> None:
         raise ArgumentError(f"--expert-model-parallel-size {ep} must divide the {shape.num_experts} experts and the "
                             f"data-parallel size {args.data_parallel_size} (expert parallelism runs inside DP)")
     if args.tensor_model_parallel_size > 1:
-        raise ArgumentError("an MoE backbone with --tensor-model-parallel-size > 1 needs sequence parallelism, which "
-                            "the compact trainer does not run; use --orch-trainer megatron-lm")
+        raise ArgumentError("the compact trainer runs an MoE backbone with TP 1 (megatron-core's MoE layer with "
+                            "--tensor-model-parallel-size > 1 needs sequence parallelism, not tested here with MoE); "
+                            "use --orch-trainer megatron-lm")
     if args.use_torch_fsdp2 and ep > 1:
         raise ArgumentError("--use-torch-fsdp2 with --expert-model-parallel-size > 1 (not supported by "
                             "megatron-core's FSDP2 wrapper, as in Megatron-LM)")
@@ -416,13 +451,27 @@ def _check_sharded_data_parallel(args: argparse.Namespace) -> None:
         if args.optimizer != "adam":
             raise ArgumentError(f"--use-megatron-fsdp runs the distributed optimizer, which megatron-core builds for "
                                 f"--optimizer adam only, got {args.optimizer}")
-    if args.tensor_model_parallel_size > 1 or args.pipeline_model_parallel_size > 1:
-        raise ArgumentError(f"{flags}: the compact trainer shards over data parallelism only (TP 1, PP 1); "
-                            "sharding with TP or PP runs under --orch-trainer megatron-lm")
+    if args.tensor_model_parallel_size > 1 or args.pipeline_model_parallel_size > 1 or args.context_parallel_size > 1:
+        raise ArgumentError(f"{flags}: the compact trainer shards over data parallelism only (TP 1, PP 1, CP 1); "
+                            "sharding with TP, PP or CP runs under --orch-trainer megatron-lm")
     for flag in ("save", "load"):
         if getattr(args, flag) is not None:
             raise ArgumentError(f"--{flag} with {flags}: the compact trainer's checkpoints hold whole parameters per "
                                 "rank; sharded checkpoints are Megatron-LM's (--orch-trainer megatron-lm)")
+
+
+def _check_sequence_split(args: argparse.Namespace) -> None:
+    """Sequence parallelism needs TP; a row's length is padded to a multiple of 2 x CP (x TP with SP), which
+    ``--seq-length`` must be (Megatron-LM asks 2 x CP of it; rows are exactly that long with PP)."""
+    if args.sequence_parallel and args.tensor_model_parallel_size == 1:
+        raise ArgumentError("--sequence-parallel needs --tensor-model-parallel-size > 1 (it splits the sequence "
+                            "over the TP ranks)")
+    cp, tp = args.context_parallel_size, args.tensor_model_parallel_size
+    multiple = (2 * cp if cp > 1 else 1) * (tp if args.sequence_parallel else 1)
+    if args.seq_length % multiple:
+        parts = ([f"2 x --context-parallel-size {cp}"] if cp > 1 else []) + (
+            [f"--tensor-model-parallel-size {tp} (--sequence-parallel)"] if args.sequence_parallel else [])
+        raise ArgumentError(f"--seq-length {args.seq_length} is not a multiple of {' x '.join(parts)} = {multiple}")
 
 
 def _resolve_transformer_impl(args: argparse.Namespace) -> None:
@@ -437,6 +486,11 @@ def _resolve_transformer_impl(args: argparse.Namespace) -> None:
         if _runs_on_cpu(args):
             raise ArgumentError("--transformer-impl transformer_engine needs GPUs (--distributed-backend nccl); "
                                 "a gloo run trains on CPU: use --transformer-impl local")
+    if args.context_parallel_size > 1 and args.transformer_impl == "local" and not _runs_on_cpu(args):
+        raise ArgumentError(f"--context-parallel-size {args.context_parallel_size} on GPUs runs Transformer Engine's "
+                            "context-parallel attention (as Megatron does): use --transformer-impl transformer_engine; "
+                            "--transformer-impl local's context-parallel attention is the CPU path (it gathers "
+                            "every key and value)")
 
 
 def resolve_model_config(args: argparse.Namespace) -> MLLMConfig:
@@ -458,16 +512,18 @@ def resolve_model_config(args: argparse.Namespace) -> MLLMConfig:
 
 
 def backbone_overrides(config: MLLMConfig, args: argparse.Namespace) -> MLLMConfig:
-    """``config`` with the backbone shape flags given on the command line applied."""
+    """``config`` with the backbone shape flags and ``--max-position-embeddings`` given on the command line applied."""
     changes = {field: getattr(args, flag) for flag, field in _BACKBONE_SHAPE_FLAGS.items()
                if getattr(args, flag) is not None}
-    if not changes:
-        return config
-    try:
-        shape = dataclasses.replace(config.backbone.transformer, **changes)
-    except ValueError as err:
-        raise ArgumentError(f"backbone shape flags {changes}: {err}") from None
-    return dataclasses.replace(config, backbone=dataclasses.replace(config.backbone, transformer=shape))
+    backbone = config.backbone
+    if changes:
+        try:
+            backbone = dataclasses.replace(backbone, transformer=dataclasses.replace(backbone.transformer, **changes))
+        except ValueError as err:
+            raise ArgumentError(f"backbone shape flags {changes}: {err}") from None
+    if args.max_position_embeddings is not None:
+        backbone = dataclasses.replace(backbone, max_position_embeddings=args.max_position_embeddings)
+    return config if backbone is config.backbone else dataclasses.replace(config, backbone=backbone)
 
 
 def _check_tensor_parallel(config: MLLMConfig, tp: int) -> None:

@@ -1,26 +1,40 @@
-"""Checkpoint save/resume for the compact trainer: one ``torch.save`` file per rank, verified at load.
+"""Checkpoint save/resume for the compact trainer: one ``torch.save`` file per rank, verified before it is read.
 
 Layout (Megatron-LM's legacy naming, plus the DP rank since every rank writes its own file)::
 
     <dir>/latest_checkpointed_iteration.txt
     <dir>/megatron_orch.lock                        the run that saves here: host, pid (while it lives)
-    <dir>/iter_0000010/mp_rank_<tp>_<pp>_dp_<dp>.pt  model, optimizer, scheduler, progress, RNG, run config, run id
-    <dir>/iter_0000010/checksums.json                run id, parallel sizes, sha256 of every rank file
+    <dir>/iter_0000010/mp_rank_<tp>_<pp>_dp_<dp>.pt  model, optimizer, scheduler, progress, RNG, run config, run id,
+                                                     this rank's own state (``TrainState.rank_state``)
+    <dir>/iter_0000010/checksums.json                run id, parallel sizes, sha256 of every rank file, and a digest
+                                                     of all that keyed with the run id
 
 Saving is atomic: each rank writes a temporary file, fsyncs it and renames it into place; once every
-rank has (agreed over the world group), rank 0 writes ``checksums.json`` (every rank's file digest)
-and then the marker ``latest_checkpointed_iteration.txt``, the same way. So the marker only ever names
-a complete, verifiable iteration; an ``iter_*`` folder newer than the marker is an interrupted save,
-which ``--load`` skips (and says so). A full disk is reported as the operating system's "No space left
-on device" with the file's path (torch's serializer would say "unexpected pos ..."). With
-``--keep-last-checkpoints K`` rank 0 then deletes all but the last K complete iterations.
+rank has (agreed over the world group), rank 0 writes ``checksums.json`` and then the marker
+``latest_checkpointed_iteration.txt``, the same way. So the marker only ever names a complete,
+verifiable iteration; an ``iter_*`` folder newer than the marker without ``checksums.json`` is an
+interrupted save, which ``--load`` skips (and says so). A full disk is reported as the operating
+system's "No space left on device" with the file's path (torch's serializer would say "unexpected pos
+..."). With ``--keep-last-checkpoints K`` rank 0 then deletes all but the last K complete iterations.
 
-Loading is verified and agreed: every rank checks its file against ``checksums.json`` (a damaged file
-is named, with the previous complete iteration to resume from with ``--ckpt-step``), that it belongs
-to the same run as the others (a run id in every file: a folder mixing two runs' files is refused),
-the parallel sizes and the run config, then all ranks learn whether any failed (the failing rank's
-message is raised on every rank) before anything is restored or reported. After restoring, a hash of
-the parameters is compared over each DP group: replicas that differ are refused.
+Loading runs nothing from the folder: ``checksums.json`` is JSON, checked against its own keyed digest
+(an edit that does not recompute it, e.g. a rank file's sha256 replaced by hand, is refused); a rank
+file is hashed and compared with it before it is read, and read with ``torch.load(weights_only=True)``
+(tensors, numbers, strings and containers, plus the classes the caller allows by name), so a planted
+pickle is refused unread. The run id and the parallel sizes come from ``checksums.json``, never from an
+unverified file. A damaged file is named, with the previous complete iteration to resume from with
+``--ckpt-step``. Then the parallel sizes and the run config are checked and all ranks learn whether
+any failed (the failing rank's message is raised on every rank) before anything is restored or
+reported. After restoring, the ranks of each DP group compare a hash of what they must hold alike: the
+parameters, and the optimizer state (its replicated part under the distributed optimizer), the LR
+schedule and the progress counters. Replicas that differ are refused before the first step. The keyed
+digest is no signature (anyone who knows the scheme can recompute it); this comparison is the check
+behind it.
+
+Saved work is never replaced by accident: complete iterations under ``--load`` without a marker, or
+complete iterations of the marker's run newer than the marker, are refused with the iterations and
+the ``--ckpt-step`` choices; a run whose ``--save`` holds complete checkpoints of another run is
+refused unless ``--allow-overwrite-checkpoints`` (:func:`check_save_folder`).
 
 One run per ``--save`` folder: rank 0 holds :class:`SaveFolderLock` while the run lives; a second run
 is refused with the holder's host and pid. A lock whose process is gone (same host) or that was not
@@ -39,8 +53,9 @@ mismatch is reported with both values.
 With the distributed optimizer each rank's file also holds its own shard of the optimizer state
 (main parameters and moments, megatron-core's "dp_reshardable" per-bucket layout): no gather.
 
-A checkpoint resumes only under the same TP/PP/DP sizes. Resuming restores the RNG streams, the
-consumed-sample count (from which the data iterator restarts exactly) and the counts of skipped bad
+A checkpoint resumes only under the same TP/PP/DP sizes and virtual pipeline stages. Resuming restores
+the RNG streams, the consumed-sample count (from which the data iterator restarts exactly; an Energon
+loader from its own state, saved in each rank's file as plain types) and the counts of skipped bad
 examples and truncated answers, so the losses after resuming are the ones an uninterrupted run produces.
 """
 from __future__ import annotations
@@ -48,8 +63,11 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import hashlib
+import hmac
 import json
+import re
 import os
+import pickle
 import random
 import shutil
 import socket
@@ -58,7 +76,7 @@ import time
 import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Dict, List, Optional
+from typing import Callable, Dict, List, Optional, Sequence
 
 import numpy as np
 import torch
@@ -67,12 +85,13 @@ from megatron.core import parallel_state, tensor_parallel
 
 from megatron_orch.comm.gather import all_gather_to_host
 from megatron_orch.comm.status import describe, raise_if_any_rank_failed
-from megatron_orch.mllm.manifest import manifest_identity
+from megatron_orch.mllm.data import data_identity
 from megatron_orch.mllm.model import BACKBONE_MODULE
 
 TRACKER_FILENAME = "latest_checkpointed_iteration.txt"
 CHECKSUMS_FILENAME = "checksums.json"
 LOCK_FILENAME = "megatron_orch.lock"
+FORMAT = 2  # of rank files and checksums.json: rank files read with weights_only, checksums.json keyed
 LOCK_HEARTBEAT_S = 30.0  # the holder refreshes the lock's modification time this often
 LOCK_STALE_S = 300.0     # a lock not refreshed for this long is stale (its holder stopped or died)
 
@@ -100,12 +119,15 @@ class TrainState:
     bad_examples: int = 0         # skipped so far (--max-bad-examples)
     truncated_answers: int = 0    # answers cut to --seq-length so far
     notes: List[str] = field(default_factory=list)  # what loading decided that the user should read
+    # This rank's own state, saved in its file and restored by name (e.g. a data loader's position): tensors,
+    # numbers, strings and containers of them, or classes passed to load_checkpoint's ``safe_types``.
+    rank_state: Dict[str, object] = field(default_factory=dict)
 
 
 def run_config(args) -> dict:
     """What a resumed run is checked against: the fixed and schedule flags, the model, the --orch-* flags."""
     config = {name: getattr(args, name, None) for name in FIXED_FLAGS + SCHEDULE_FLAGS}
-    config["data_identity"] = manifest_identity(args.data_path) if args.data_path else None
+    config["data_identity"] = data_identity(args.data_path) if args.data_path else None
     # the backbone's megatron-core class too: GPTModel's and HybridModel's parameters are named differently
     config["model_config"] = {**_flatten(dataclasses.asdict(args.mllm_config)), "backbone.module": BACKBONE_MODULE}
     config["orch"] = {name: value for name, value in sorted(vars(args).items())
@@ -188,9 +210,13 @@ def _parallel_ranks() -> dict:
 
 
 def _parallel_sizes() -> dict:
-    return {"tp": parallel_state.get_tensor_model_parallel_world_size(),
-            "pp": parallel_state.get_pipeline_model_parallel_world_size(),
-            "dp": parallel_state.get_data_parallel_world_size()}
+    sizes = {"tp": parallel_state.get_tensor_model_parallel_world_size(),
+             "pp": parallel_state.get_pipeline_model_parallel_world_size(),
+             "dp": parallel_state.get_data_parallel_world_size()}
+    virtual = parallel_state.get_virtual_pipeline_model_parallel_world_size()
+    if virtual is not None:  # model chunks per pipeline rank, recorded where there are several
+        sizes["vpp"] = virtual
+    return sizes
 
 
 def _iteration_dir(root: str, iteration: int) -> Path:
@@ -237,8 +263,12 @@ def load_distributed_optimizer_shards(optimizer, shards: list) -> None:
 
 
 def rng_state() -> dict:
-    state = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state(),
-             "tracker": tensor_parallel.get_cuda_rng_tracker().get_states()}
+    """Every RNG stream of this rank, as tensors, numbers and containers (what ``weights_only`` loads)."""
+    name, keys, position, has_gauss, cached_gaussian = np.random.get_state()
+    state = {"python": random.getstate(),
+             "numpy": {"name": name, "keys": torch.from_numpy(keys.astype(np.int64)), "position": int(position),
+                       "has_gauss": int(has_gauss), "cached_gaussian": float(cached_gaussian)},
+             "torch": torch.get_rng_state(), "tracker": tensor_parallel.get_cuda_rng_tracker().get_states()}
     if torch.cuda.is_available():
         state["cuda"] = torch.cuda.get_rng_state()
     return state
@@ -246,7 +276,9 @@ def rng_state() -> dict:
 
 def set_rng_state(state: dict) -> None:
     random.setstate(state["python"])
-    np.random.set_state(state["numpy"])
+    numpy_state = state["numpy"]
+    np.random.set_state((numpy_state["name"], numpy_state["keys"].numpy().astype(np.uint32),
+                         numpy_state["position"], numpy_state["has_gauss"], numpy_state["cached_gaussian"]))
     torch.set_rng_state(state["torch"])
     tensor_parallel.get_cuda_rng_tracker().set_states(state["tracker"])
     if torch.cuda.is_available():
@@ -317,6 +349,13 @@ def _gather_digests(digest: str) -> Dict[str, str]:
     return {_rank_file_name(*row[:3]): bytes(row[3:]).hex() for row in all_gather_to_host(row).tolist()}
 
 
+def checksums_digest(checksums: dict) -> str:
+    """HMAC-SHA256, keyed with the run id, of everything in ``checksums`` but its ``digest``: an edit of
+    ``checksums.json`` that does not recompute it is refused. No signature (the scheme is public)."""
+    content = json.dumps({k: v for k, v in checksums.items() if k != "digest"}, sort_keys=True).encode()
+    return hmac.new(str(checksums.get("run_id")).encode(), content, hashlib.sha256).hexdigest()
+
+
 def _complete_iterations(root: str) -> List[int]:
     """Iterations under ``root`` whose ``checksums.json`` was written (every rank file saved), ascending."""
     found = []
@@ -325,6 +364,27 @@ def _complete_iterations(root: str) -> List[int]:
         if number.isdigit() and (folder / CHECKSUMS_FILENAME).is_file():
             found.append(int(number))
     return sorted(found)
+
+
+def _runs_of_complete_iterations(root: str) -> Dict[int, Optional[str]]:
+    """``{complete iteration: its run id}`` under ``root``; None where ``checksums.json`` does not verify."""
+    runs = {}
+    for iteration in _complete_iterations(root):
+        try:
+            runs[iteration] = _read_checksums(root, iteration)["run_id"]
+        except CheckpointError:
+            runs[iteration] = None
+    return runs
+
+
+def _describe_runs(runs: Dict[int, Optional[str]]) -> str:
+    """``iterations 2, 4 of run 3f2a...`` per run (``of no verifiable run`` where checksums.json does not verify)."""
+    by_run: Dict[Optional[str], List[int]] = {}
+    for iteration, run in sorted(runs.items()):
+        by_run.setdefault(run, []).append(iteration)
+    return "; ".join(f"iteration{'s' if len(its) > 1 else ''} {', '.join(map(str, its))} "
+                     + (f"of run {run[:12]}..." if run else "whose checksums.json does not verify")
+                     for run, its in by_run.items())
 
 
 def _prune(root: str, iteration: int, keep: int) -> None:
@@ -350,6 +410,7 @@ def save_checkpoint(root: str, state: TrainState, model: list, optimizer, schedu
     raise_if_any_rank_failed(error, what=f"saving checkpoint iteration {state.iteration}")
     try:  # gathering the state runs no collective (the distributed optimizer's shard is this rank's own)
         payload = {
+            "format": FORMAT,
             "run_id": state.run_id,
             "iteration": state.iteration,
             "consumed_samples": state.consumed_samples,
@@ -362,6 +423,7 @@ def save_checkpoint(root: str, state: TrainState, model: list, optimizer, schedu
             "rng": rng_state(),
             "distributed_optimizer": distributed_optimizer_shards(optimizer) if use_distributed_optimizer else None,
             "run_config": config,
+            "rank_state": state.rank_state,
         }
         path.parent.mkdir(parents=True, exist_ok=True)
         write_atomically(path, lambda handle: torch.save(payload, handle))
@@ -371,8 +433,9 @@ def save_checkpoint(root: str, state: TrainState, model: list, optimizer, schedu
     raise_if_any_rank_failed(error, what=f"saving checkpoint iteration {state.iteration}")
     digests = _gather_digests(digest)
     if dist.get_rank() == 0:
-        checksums = {"run_id": state.run_id, "iteration": state.iteration, "parallel_sizes": _parallel_sizes(),
-                     "sha256": digests}
+        checksums = {"format": FORMAT, "run_id": state.run_id, "iteration": state.iteration,
+                     "parallel_sizes": _parallel_sizes(), "sha256": digests}
+        checksums["digest"] = checksums_digest(checksums)
         contents = ((path.parent / CHECKSUMS_FILENAME, json.dumps(checksums, indent=1).encode()),
                     (Path(root) / TRACKER_FILENAME, f"{state.iteration}\n".encode()))
         try:
@@ -400,36 +463,38 @@ def latest_iteration(root: str) -> Optional[int]:
 
 
 def _interrupted_saves(root: str, latest: Optional[int]) -> List[str]:
-    """``iter_*`` folders newer than the marker's iteration: saves that never completed."""
+    """``iter_*`` folders newer than the marker's iteration without ``checksums.json``: saves that never
+    completed."""
     found = []
     for folder in sorted(Path(root).glob("iter_*")):
         number = folder.name[len("iter_"):]
-        if number.isdigit() and (latest is None or int(number) > latest):
+        if number.isdigit() and (latest is None or int(number) > latest) \
+                and not (folder / CHECKSUMS_FILENAME).is_file():
             found.append(folder.name)
     return found
 
 
-def _read_rank_file(path: Path) -> dict:
-    try:
-        payload = torch.load(path, map_location="cpu", weights_only=False)
-    except Exception as err:  # noqa: BLE001 -- torch.load raises many kinds on a damaged file
-        raise CheckpointError(f"cannot read checkpoint file {path} (truncated or corrupt?): {describe(err)}") from err
-    if not isinstance(payload, dict) or "model" not in payload:
-        raise CheckpointError(f"checkpoint file {path} does not hold a megatron-orch checkpoint")
-    return payload
-
-
 def _read_checksums(root: str, iteration: int) -> dict:
+    """``iter_N/checksums.json``, verified against its keyed digest (JSON: reading it runs nothing)."""
     path = _iteration_dir(root, iteration) / CHECKSUMS_FILENAME
     if not path.is_file():
         complete = _complete_iterations(root)
         raise CheckpointError(f"{path} is missing: iteration {iteration} under {root} is not a complete checkpoint "
-                              f"(saved by an older version, or not at all; complete iterations: {complete or 'none'})")
+                              f"(complete iterations: {complete or 'none'})")
     try:
         checksums = json.loads(path.read_text())
         checksums["run_id"], checksums["parallel_sizes"], checksums["sha256"]  # noqa: B018 -- present
     except (OSError, ValueError, KeyError, TypeError) as err:
         raise CheckpointError(f"cannot read {path} (damaged?): {describe(err)}") from None
+    if checksums.get("format") != FORMAT:
+        raise CheckpointError(f"{path} is of checkpoint format {checksums.get('format', 1)}, this version reads "
+                              f"format {FORMAT} (rank files it can verify before reading them)")
+    if not hmac.compare_digest(str(checksums.get("digest")), checksums_digest(checksums)):
+        raise CheckpointError(f"{path} was edited or damaged since it was written (its digest does not match its "
+                              f"content); {_previous_complete(root, iteration)}")
+    if checksums.get("iteration") != iteration:
+        raise CheckpointError(f"{path} is the checksums file of iteration {checksums.get('iteration')}, not of "
+                              f"{iteration} (copied from another folder?)")
     return checksums
 
 
@@ -440,32 +505,46 @@ def _previous_complete(root: str, iteration: int) -> str:
     return f"the previous complete iteration is {earlier[-1]}: resume from it with --ckpt-step {earlier[-1]}"
 
 
-def _verified_rank_file(root: str, iteration: int, checksums: dict) -> dict:
-    """This rank's payload of ``iteration``, after its digest and run id were checked against ``checksums``."""
+def _weights_only_refusal(error: BaseException) -> str:
+    """torch's many-line refusal of an unsafe pickle, as the line that names what the file holds."""
+    text = str(error)
+    found = re.search(r"Unsupported (?:global: GLOBAL|operand) \S+", text)
+    return found.group(0) if found else text.strip().splitlines()[0] if text.strip() else type(error).__name__
+
+
+def _verified_rank_file(root: str, iteration: int, checksums: dict, safe_types: Sequence = ()) -> dict:
+    """This rank's payload of ``iteration``: hashed and compared with ``checksums`` first, then read with
+    ``weights_only`` (tensors, numbers, strings, containers, and ``safe_types``), so that nothing in an
+    unverified or planted file runs."""
     path = _rank_file(root, iteration)
     if checksums["parallel_sizes"] != _parallel_sizes():
         raise CheckpointError(f"iteration {iteration} under {root} was saved with parallel sizes "
                               f"{checksums['parallel_sizes']}, this run has {_parallel_sizes()}; resume with the same "
-                              "--tensor/--pipeline-model-parallel-size and data-parallel size")
+                              "--tensor/--pipeline-model-parallel-size, virtual pipeline stages and data-parallel size")
     if not path.is_file():
         raise CheckpointError(f"checkpoint file {path} is missing (iteration {iteration} under {root}); "
                               f"{_previous_complete(root, iteration)}")
-    expected, found = checksums["sha256"].get(path.name), file_sha256(path)
-    if found != expected:
-        try:
-            other_run = _read_rank_file(path).get("run_id")
-        except CheckpointError:
-            other_run = None
-        if other_run is not None and other_run != checksums["run_id"]:
-            raise CheckpointError(f"{path} belongs to run {other_run}, the checkpoint of iteration {iteration} to run "
-                                  f"{checksums['run_id']}: the folder mixes two runs' files")
-        raise CheckpointError(f"checkpoint file {path} does not match its checksum in {CHECKSUMS_FILENAME} (sha256 "
-                              f"{found[:16]}..., saved {str(expected)[:16]}...): damaged since it was written; "
-                              f"{_previous_complete(root, iteration)}")
-    payload = _read_rank_file(path)
-    if payload.get("run_id") != checksums["run_id"]:
-        raise CheckpointError(f"{path} belongs to run {payload.get('run_id')}, the checkpoint of iteration "
-                              f"{iteration} to run {checksums['run_id']}: the folder mixes two runs' files")
+    expected = checksums["sha256"].get(path.name)
+    try:
+        with open(path, "rb") as handle:  # one handle: what was hashed is what is read
+            found = hashlib.file_digest(handle, "sha256").hexdigest()
+            if found != expected:
+                raise CheckpointError(
+                    f"checkpoint file {path} does not match its checksum in {CHECKSUMS_FILENAME} (sha256 "
+                    f"{found[:16]}..., saved {str(expected)[:16]}...): damaged since it was written, or a file of "
+                    f"another run or iteration (not read); {_previous_complete(root, iteration)}")
+            handle.seek(0)
+            with torch.serialization.safe_globals(list(safe_types)):
+                payload = torch.load(handle, map_location="cpu", weights_only=True)
+    except CheckpointError:
+        raise
+    except pickle.UnpicklingError as err:
+        raise CheckpointError(f"checkpoint file {path} holds objects other than tensors, numbers, strings and "
+                              f"containers ({_weights_only_refusal(err)}): not read") from None
+    except Exception as err:  # noqa: BLE001 -- torch.load raises many kinds on a damaged file
+        raise CheckpointError(f"cannot read checkpoint file {path} (truncated or corrupt?): {describe(err)}") from err
+    if not isinstance(payload, dict) or payload.get("format") != FORMAT or "model" not in payload:
+        raise CheckpointError(f"checkpoint file {path} does not hold a megatron-orch checkpoint of format {FORMAT}")
     return payload
 
 
@@ -475,51 +554,117 @@ def parameters_digest(model: list) -> int:
     for chunk in model:
         for name, param in chunk.named_parameters():
             digest.update(name.encode())
-            digest.update(param.detach().reshape(-1).contiguous().cpu().view(torch.uint8).numpy().tobytes())
+            _update_digest(digest, param.detach())
     return int.from_bytes(digest.digest()[:8], "little") >> 1
 
 
-def _check_replicas_agree(model: list, path: Path) -> None:
-    """Raise :class:`CheckpointError` on every rank of the DP group unless its parameters are equal."""
+def _update_digest(digest, value) -> None:
+    """Hash ``value`` (tensors, containers, scalars) into ``digest``, the same on every rank that holds it."""
+    if isinstance(value, torch.Tensor):
+        digest.update(f"tensor {value.dtype} {tuple(value.shape)}:".encode())
+        digest.update(value.detach().reshape(-1).contiguous().cpu().view(torch.uint8).numpy().tobytes())
+    elif isinstance(value, dict):
+        digest.update(b"{")
+        for key in sorted(value, key=repr):
+            digest.update(repr(key).encode() + b":")
+            _update_digest(digest, value[key])
+        digest.update(b"}")
+    elif isinstance(value, (list, tuple)):
+        digest.update(b"[")
+        for item in value:
+            _update_digest(digest, item)
+        digest.update(b"]")
+    else:
+        digest.update(repr(value).encode() + b",")
+
+
+def replicated_state_digest(optimizer, scheduler, progress: dict) -> int:
+    """A 63-bit hash of the state every replica of a DP group holds alike besides the parameters: the
+    optimizer's (under the distributed optimizer its replicated part, without this rank's shard), the LR
+    schedule's and the progress counters."""
+    digest = hashlib.sha256()
+    _update_digest(digest, [optimizer.state_dict(), scheduler.state_dict(), progress])
+    return int.from_bytes(digest.digest()[:8], "little") >> 1
+
+
+def _check_replicas_agree(model: list, optimizer, scheduler, progress: dict, path: Path, root: str,
+                          iteration: int) -> None:
+    """Raise :class:`CheckpointError` on every rank of the DP group unless its parameters, optimizer state,
+    schedule and progress are equal (:func:`replicated_state_digest`)."""
     group = parallel_state.get_data_parallel_group()
-    digests = all_gather_to_host(torch.tensor([parameters_digest(model)], dtype=torch.int64), group).reshape(-1)
-    if (digests != digests[0]).any():
-        ranks = dist.get_process_group_ranks(group)
-        raise CheckpointError(f"after loading {path.parent}, the parameters differ over the DP group (global ranks "
-                              f"{ranks}, hash per rank {[hex(int(d)) for d in digests]}): its rank files hold "
-                              "replicas that diverged")
+    mine = torch.tensor([parameters_digest(model), replicated_state_digest(optimizer, scheduler, progress)],
+                        dtype=torch.int64)
+    digests = all_gather_to_host(mine, group)
+    ranks = dist.get_process_group_ranks(group)
+    for column, what in ((0, "the parameters"), (1, "the optimizer state, LR schedule or progress counters")):
+        if (digests[:, column] != digests[0, column]).any():
+            hashes = [hex(int(d)) for d in digests[:, column]]
+            raise CheckpointError(f"after loading {path.parent}, {what} differ over the DP group (global ranks "
+                                  f"{ranks}, hash per rank {hashes}): its rank files hold replicas that diverged; "
+                                  f"{_previous_complete(root, iteration)}")
+
+
+def _iteration_to_load(root: str, step: Optional[int], notes: List[str]) -> Optional[int]:
+    """The iteration ``--load root`` resumes from (``step``: ``--ckpt-step``), or None for none at all.
+    Refuses to pass over saved work: complete iterations and no marker, or complete iterations of the
+    marker's run newer than the marker."""
+    latest = latest_iteration(root)
+    skipped = _interrupted_saves(root, latest)
+    if skipped:
+        notes.append(f" > skipping {', '.join(skipped)} under {root}: newer than the last complete "
+                     f"checkpoint ({TRACKER_FILENAME}: {latest}), an interrupted save")
+    if step is not None:
+        return step
+    runs = _runs_of_complete_iterations(root)
+    if latest is None:
+        if runs:
+            raise CheckpointError(
+                f"--load {root} holds complete checkpoints ({_describe_runs(runs)}) but no {TRACKER_FILENAME}, "
+                f"which names the one to resume from (deleted?): resume from the newest with --ckpt-step "
+                f"{max(runs)}, or start a new run without --load (--allow-overwrite-checkpoints lets it save "
+                "into that folder)")
+        notes.append(f" > no checkpoint under {root} ({TRACKER_FILENAME} missing): training starts from iteration 0")
+        return None
+    newer = {i: run for i, run in runs.items() if i > latest}
+    owner = runs.get(latest)
+    mine = {i: run for i, run in newer.items() if run is None or run == owner}
+    if mine:
+        raise CheckpointError(
+            f"--load {root}: {_describe_runs(mine)} newer than {TRACKER_FILENAME}'s iteration {latest} (of the same "
+            f"run, or unverifiable): resume from the newest with --ckpt-step {max(mine)}, or from the marker's with "
+            f"--ckpt-step {latest}")
+    if newer:
+        notes.append(f" > skipping {_describe_runs(newer)} under {root}: complete checkpoints of another run, "
+                     f"newer than {TRACKER_FILENAME}'s iteration {latest} (a run saved here with "
+                     "--allow-overwrite-checkpoints)")
+    return latest
 
 
 def load_checkpoint(root: str, model: list, optimizer, scheduler, use_distributed_optimizer: bool,
                     config: Optional[dict] = None, scheduler_source: str = "match", step: Optional[int] = None,
-                    allow_changed_data: bool = False) -> TrainState:
+                    allow_changed_data: bool = False, safe_types: Sequence = ()) -> TrainState:
     """Restore the latest complete checkpoint under ``root`` (``step``: that iteration instead); a fresh
-    :class:`TrainState` if there is none.
+    :class:`TrainState` if there is none (saved work that no marker names is refused: see the module
+    docstring).
 
-    Every rank reads and checks its own file (present, its digest and run id as ``checksums.json``
-    says, same parallel layout, same run config -- see :func:`check_run_config`) before any
-    collective; then all ranks agree, so a problem on one rank raises on every rank with that rank's
-    message. After restoring, the parameters are compared over each DP group. ``TrainState.notes``
-    says what the load decided (an interrupted save skipped, which LR schedule applies).
+    Every rank verifies and reads its own file (``checksums.json`` against its digest, the file against
+    ``checksums.json``, then ``torch.load(weights_only=True)`` with ``safe_types`` -- classes a
+    ``TrainState.rank_state`` holds -- allowed), checks the parallel layout and the run config (see
+    :func:`check_run_config`) before any collective; then all ranks agree, so a problem on one rank
+    raises on every rank with that rank's message. After restoring, each DP group compares its
+    parameters, optimizer state, schedule and progress. ``TrainState.notes`` says what the load decided
+    (an interrupted save skipped, which LR schedule applies).
     """
     error, payload, notes, checksums, iteration = None, None, [], None, None
     try:
-        latest = latest_iteration(root)
-        skipped = _interrupted_saves(root, latest)
-        if skipped:
-            notes.append(f" > skipping {', '.join(skipped)} under {root}: newer than the last complete "
-                         f"checkpoint ({TRACKER_FILENAME}: {latest}), an interrupted save")
-        iteration = latest if step is None else step
-        if iteration is None:
-            notes.append(f" > no complete checkpoint under {root} ({TRACKER_FILENAME} missing): "
-                         "training starts from iteration 0")
-        else:
+        iteration = _iteration_to_load(root, step, notes)
+        if iteration is not None:
             checksums = _read_checksums(root, iteration)
-            payload = _verified_rank_file(root, iteration, checksums)
+            payload = _verified_rank_file(root, iteration, checksums, safe_types)
             if config is not None:
                 if payload.get("run_config") is None:
                     raise CheckpointError(f"{_rank_file(root, iteration)} holds no run config to check this run "
-                                          "against (saved by an older version)")
+                                          "against")
                 # the iteration's folder, not the rank file: every rank's refusal reads the same
                 notes += check_run_config(payload["run_config"], config, _rank_file(root, iteration).parent,
                                           scheduler_source, allow_changed_data)
@@ -544,14 +689,41 @@ def load_checkpoint(root: str, model: list, optimizer, scheduler, use_distribute
     except Exception as err:  # noqa: BLE001
         error = CheckpointError(f"cannot restore {path}: {describe(err)}")
     raise_if_any_rank_failed(error, what=f"loading the checkpoint under {root}")
+    progress = {name: payload[name] for name in ("iteration", "consumed_samples", "bad_examples", "truncated_answers")}
     try:
-        _check_replicas_agree(model, path)
+        _check_replicas_agree(model, optimizer, scheduler, progress, path, root, iteration)
     except CheckpointError as err:
         error = err
     raise_if_any_rank_failed(error, what=f"loading the checkpoint under {root}")
     return TrainState(iteration=payload["iteration"], consumed_samples=payload["consumed_samples"],
                       run_id=checksums["run_id"], bad_examples=payload["bad_examples"],
-                      truncated_answers=payload["truncated_answers"], notes=notes)
+                      truncated_answers=payload["truncated_answers"], notes=notes,
+                      rank_state=payload["rank_state"])
+
+
+def check_save_folder(root: str, run_id: str, allow_overwrite: bool) -> List[str]:
+    """Refuse, on every rank, a run whose ``--save root`` holds complete checkpoints of another run (unless
+    ``allow_overwrite``: ``--allow-overwrite-checkpoints``); returns notes to print. A folder whose marker
+    names an iteration of this run is this run's (other runs' iterations in it were allowed before)."""
+    notes, error = [], None
+    if dist.get_rank() == 0:
+        try:
+            runs = _runs_of_complete_iterations(root)
+            latest = latest_iteration(root)
+            others = {i: run for i, run in runs.items() if run != run_id}
+            if others and (latest is None or runs.get(latest) != run_id):
+                if not allow_overwrite:
+                    resume = f"--load {root}" + ("" if latest is not None else f" --ckpt-step {max(others)}")
+                    raise CheckpointError(
+                        f"--save {root} holds complete checkpoints of another run ({_describe_runs(others)}): resume "
+                        f"that run with {resume}, or pass --allow-overwrite-checkpoints to save this run there (its "
+                        "saves replace the iterations of the same number and the marker)")
+                notes.append(f" > --save {root}: this run saves over the complete checkpoints of another run "
+                             f"({_describe_runs(others)}) (--allow-overwrite-checkpoints)")
+        except Exception as err:  # noqa: BLE001 -- every rank must learn of it
+            error = err if isinstance(err, CheckpointError) else CheckpointError(f"--save {root}: {describe(err)}")
+    raise_if_any_rank_failed(error, what=f"checking --save {root}")
+    return notes
 
 
 class SaveFolderLock:

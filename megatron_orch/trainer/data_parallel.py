@@ -38,10 +38,11 @@ class PerTokenTorchFSDP(TorchFullyShardedDataParallel):
         super().finish_grad_sync()
 
 
-def wrap_data_parallel(args: argparse.Namespace, config, module: MegatronModule,
-                       device: torch.device) -> MegatronModule:
-    """``module`` (this rank's model chunk, on ``device``; ``config`` its transformer config) in the
-    data-parallel wrapper the flags ask for."""
+def wrap_data_parallel(args: argparse.Namespace, config, module: MegatronModule, device: torch.device,
+                       disable_bucketing: bool = False) -> MegatronModule:
+    """``module`` (one of this rank's model chunks, on ``device``; ``config`` its transformer config) in the
+    data-parallel wrapper the flags ask for; ``disable_bucketing``: Megatron DDP's, for the model chunks after
+    the first (sharding runs one model chunk)."""
     if args.use_torch_fsdp2:
         return PerTokenTorchFSDP(config, TorchFullyShardedDataParallelConfig(reshard_after_forward=True), module)
     if args.use_megatron_fsdp:
@@ -51,4 +52,5 @@ def wrap_data_parallel(args: argparse.Namespace, config, module: MegatronModule,
         return FullyShardedDataParallel(config=config, ddp_config=ddp_config, module=module, device=device)
     ddp_config = DistributedDataParallelConfig(grad_reduce_in_fp32=args.bf16, overlap_grad_reduce=False,
                                                use_distributed_optimizer=args.use_distributed_optimizer)
-    return DistributedDataParallel(config=config, ddp_config=ddp_config, module=module)
+    return DistributedDataParallel(config=config, ddp_config=ddp_config, module=module,
+                                   disable_bucketing=disable_bucketing)

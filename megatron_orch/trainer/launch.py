@@ -8,7 +8,8 @@ quotes in its report); the rank also prints it, unless this launcher started it.
 ``python -m megatron_orch.trainer.launch TORCHRUN_ARGS... pretrain_mllm.py FLAGS...`` is torchrun with
 its own log lines and report left out: when ranks fail it prints, last, each distinct message once with
 the ranks that had it (a rank's own error, not the ranks that only quote it), after any rank that ended
-by a signal without one (killed: out of memory?), and exits with the failing rank's status. No Python
+by a signal without one (killed: out of memory?), and exits with the failing rank's status
+(:func:`_exit_status`: 137 for a rank killed by SIGKILL, 1 for a rank's error). No Python
 traceback is printed. ``ORCH_DEBUG=1`` asks for them: every rank's traceback and torchrun's report, as
 plain torchrun prints them.
 
@@ -78,14 +79,24 @@ def report_exception(prog: str, error: BaseException) -> None:
     report_failure(prog, one_line(error), rank=int(os.environ.get("RANK", "0")), quoted=quoted)
 
 
-def failure_lines(failures: Dict[int, object]) -> List[str]:
-    """What the launcher prints for torchrun's failures (global rank -> ``ProcessFailure``)."""
-    reports = {rank: _report(f) for rank, f in sorted(failures.items()) if _report(f) is not None}
-    # torchrun stops the other ranks with SIGTERM once one failed: not a failure of theirs
+def _silent_failures(failures: Dict[int, object], reports: Dict[int, dict]) -> Dict[int, int]:
+    """``{rank: exit code}`` of the ranks that ended without a message, but for torchrun's SIGTERM to the
+    others once one failed; every rank if all were stopped from outside."""
     silent = {rank: f.exitcode for rank, f in sorted(failures.items())
               if rank not in reports and f.exitcode != -signal.SIGTERM}
     if not reports and not silent:  # every rank was stopped from outside
         silent = {rank: f.exitcode for rank, f in sorted(failures.items())}
+    return silent
+
+
+def _reports(failures: Dict[int, object]) -> Dict[int, dict]:
+    return {rank: _report(f) for rank, f in sorted(failures.items()) if _report(f) is not None}
+
+
+def failure_lines(failures: Dict[int, object]) -> List[str]:
+    """What the launcher prints for torchrun's failures (global rank -> ``ProcessFailure``)."""
+    reports = _reports(failures)
+    silent = _silent_failures(failures, reports)
     lines = []
     for code in sorted(set(silent.values())):
         ranks = [r for r, c in silent.items() if c == code]
@@ -104,12 +115,17 @@ def failure_lines(failures: Dict[int, object]) -> List[str]:
 
 
 def _exit_status(failures: Dict[int, object]) -> int:
-    """1 when a rank reported its error (it may have been stopped by torchrun's SIGTERM after it did), else
-    the status of the first rank that failed (128 + the signal's number for a signal)."""
-    if any(_report(failure) is not None for failure in failures.values()):
-        return max([1] + [f.exitcode for f in failures.values() if _report(f) is not None and f.exitcode > 1])
-    code = failures[min(failures)].exitcode
-    return 128 - code if code < 0 else (code or 1)
+    """The failing rank's status, as a shell reports it: a rank that ended without a message (killed, e.g.
+    out of memory, or exited on its own) is the one named first, with 128 + the signal's number for a
+    signal (137 for SIGKILL) or its exit status; else the ranks that reported their error: 1 (2 for a
+    command-line error). Ranks torchrun stopped with SIGTERM after the failure do not count; all of them
+    stopped from outside: 143."""
+    reports = _reports(failures)
+    silent = _silent_failures(failures, reports)
+    if silent:
+        code = silent[min(silent)]
+        return 128 - code if code < 0 else (code or 1)
+    return max([1] + [failures[rank].exitcode for rank in reports if failures[rank].exitcode > 1])
 
 
 def _report(failure) -> Optional[dict]:

@@ -3,18 +3,20 @@
 It does what ``megatron.training.pretrain`` does for this model, with megatron-core's own parts:
 ``parallel_state`` (gloo on CPU, through :mod:`~megatron_orch.trainer.cpu_harness`), Megatron DDP,
 ``get_megatron_optimizer`` (optionally the distributed optimizer), ``OptimizerParamScheduler``,
-``get_forward_backward_func()`` (no pipelining, or 1F1B with pipeline parallelism),
+``get_forward_backward_func()`` (no pipelining, 1F1B with pipeline parallelism, or the interleaved 1F1B
+with virtual pipeline stages: one model chunk per virtual stage, as Megatron-LM's ``get_model``),
 ``finalize_model_grads`` with per-token loss normalisation, Megatron timers, iteration log lines,
 TensorBoard scalars and checkpoint save/resume.
 """
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import random
 import time
 from datetime import datetime, timedelta
-from typing import Callable, Iterator, Optional
+from typing import Callable, Iterator, List, Optional
 
 import numpy as np
 import torch
@@ -34,9 +36,10 @@ from megatron_orch.comm.gather import all_gather_to_host
 from megatron_orch.mllm import providers
 from megatron_orch.mllm.providers import runs_on_cpu
 from megatron_orch.comm.status import raise_if_any_rank_failed
-from megatron_orch.mllm.data import TooManyBadExamplesError
-from megatron_orch.trainer.checkpointing import (TrainState, load_checkpoint, lock_save_folder, new_run_id, run_config,
-                                                 save_checkpoint)
+from megatron_orch.megatron.schedule import data_iterators
+from megatron_orch.mllm.data import DataEvent, TooManyBadExamplesError
+from megatron_orch.trainer.checkpointing import (TrainState, check_save_folder, load_checkpoint, lock_save_folder,
+                                                 new_run_id, run_config, save_checkpoint)
 from megatron_orch.trainer.data_parallel import wrap_data_parallel
 from megatron_orch.trainer.faults import StepReader, naming_lost_collectives
 from megatron_orch.trainer.timers import EventTimers
@@ -68,6 +71,8 @@ def initialize(args: argparse.Namespace) -> None:
     parallel_state.initialize_model_parallel(
         tensor_model_parallel_size=args.tensor_model_parallel_size,
         pipeline_model_parallel_size=args.pipeline_model_parallel_size,
+        virtual_pipeline_model_parallel_size=args.virtual_pipeline_model_parallel_size,
+        context_parallel_size=args.context_parallel_size,
         expert_model_parallel_size=args.expert_model_parallel_size,
         distributed_timeout_minutes=args.distributed_timeout_minutes)
     set_random_seed(args.seed)
@@ -89,25 +94,36 @@ def shutdown() -> None:
 
 
 def build_model(args: argparse.Namespace, model_provider: Callable = providers.build_model) -> list:
-    """This rank's model chunk (one: no virtual pipeline), in bf16 if asked, wrapped in Megatron DDP, torch FSDP2
-    or Megatron-FSDP (:func:`~megatron_orch.trainer.data_parallel.wrap_data_parallel`).
+    """This rank's model chunks, in bf16 if asked, each wrapped in Megatron DDP, torch FSDP2 or Megatron-FSDP
+    (:func:`~megatron_orch.trainer.data_parallel.wrap_data_parallel`): one, or one per virtual pipeline stage
+    (``model_provider(args, pre_process, post_process, vp_stage=...)``, as Megatron-LM's ``get_model`` builds
+    them, bucketing the first chunk's gradients only).
 
     A rank whose ``model_provider`` fails (a bad config, out of memory) raises on every rank: the
     outcome is agreed before the wrapping and the optimizer, which run collectives.
     """
-    module, error = None, None
+    chunks, error = [], None
     try:
-        module = model_provider(args, pre_process=parallel_state.is_pipeline_first_stage(),
-                                post_process=parallel_state.is_pipeline_last_stage())
+        if args.virtual_pipeline_model_parallel_size is None:
+            chunks.append(model_provider(args, pre_process=parallel_state.is_pipeline_first_stage(),
+                                         post_process=parallel_state.is_pipeline_last_stage()))
+        for vp_stage in range(args.virtual_pipeline_model_parallel_size or 0):
+            chunk = {"ignore_virtual": False, "vp_stage": vp_stage}
+            chunks.append(model_provider(args, pre_process=parallel_state.is_pipeline_first_stage(**chunk),
+                                         post_process=parallel_state.is_pipeline_last_stage(**chunk),
+                                         vp_stage=vp_stage))
     except Exception as err:  # noqa: BLE001
         error = err
     raise_if_any_rank_failed(error, what="building the model")
-    config = module.config
     device = providers.compute_device(args)
-    module.to(device)  # the encoders' plain torch layers are built on the CPU
-    if args.bf16:
-        module = Float16Module(config, module)
-    return [wrap_data_parallel(args, config, module, device)]
+    model = []
+    for index, module in enumerate(chunks):
+        config = module.config
+        module.to(device)  # the encoders' plain torch layers are built on the CPU
+        if args.bf16:
+            module = Float16Module(config, module)
+        model.append(wrap_data_parallel(args, config, module, device, disable_bucketing=index > 0))
+    return model
 
 
 def build_optimizer(args: argparse.Namespace, model: list, timers: Optional[Timers] = None):
@@ -146,7 +162,7 @@ def attach_to_model_config(model: list, optimizer, timers: Timers) -> None:
     # step; the step times are per rank anyway (the log line shows max/mean over ranks).
     config.barrier_with_L1_time = False
     config.grad_scale_func = optimizer.scale_loss
-    config.no_sync_func = model[0].no_sync
+    config.no_sync_func = [chunk.no_sync for chunk in model] if len(model) > 1 else model[0].no_sync
     config.finalize_model_grads_func = finalize_model_grads
     if not config.calculate_per_token_loss:
         raise ValueError("the MLLM trains with per-token loss normalisation (calculate_per_token_loss)")
@@ -182,8 +198,8 @@ def train_step(forward_step: ForwardStep, data_iterator: Iterator, model: list, 
     if update_successful:
         scheduler.step(increment=args.global_batch_size)
     lm_loss = None
-    if parallel_state.is_pipeline_last_stage():  # sum of token losses / number of loss tokens, over DP
-        dp_group = parallel_state.get_data_parallel_group()
+    if parallel_state.is_pipeline_last_stage():  # sum of token losses / number of loss tokens, over DP (x CP)
+        dp_group = parallel_state.get_data_parallel_group(with_context_parallel=True)
         report = to_communication_device(torch.stack([x["lm loss"] for x in losses]).sum(dim=0).double(), dp_group)
         dist.all_reduce(report, group=dp_group)
         report = report.cpu()
@@ -261,14 +277,14 @@ def train(args: argparse.Namespace, model: list, optimizer, scheduler, data_iter
                       forward_backward_func, read_step, data_source, lock, config)
 
 
-def _report_data_events(args, data_source, state: TrainState, print_fn) -> tuple[int, int]:
-    """(bad examples skipped, answers truncated) by the samples trained so far, over every DP rank.
+def _report_data_events(args, data_source, state: TrainState, print_fn) -> List[DataEvent]:
+    """The events (bad examples skipped, answers truncated) of the samples trained so far, over every DP rank.
 
     Every rank of a DP group gets the same events (its TP/PP peers read the same samples), so every
     rank counts alike and raises alike once more than ``--max-bad-examples`` were skipped; the logging
     rank prints each skip and the run's first truncated answer."""
     if data_source is None:  # a loader without events (every rank builds the same kind)
-        return 0, 0
+        return []
     events = gather_data_events(data_source.take_events(state.consumed_samples),
                                 parallel_state.get_data_parallel_group())
     skipped = [e for e in events if e.skipped]
@@ -287,7 +303,30 @@ def _report_data_events(args, data_source, state: TrainState, print_fn) -> tuple
         raise TooManyBadExamplesError(
             f"{state.bad_examples} bad examples by iteration {state.iteration}, more than --max-bad-examples "
             f"{args.max_bad_examples}; the last: {last}")
-    return len(skipped), len(truncated)
+    return events
+
+
+class NonFiniteStepError(ValueError):
+    """A step whose loss or gradient norm is NaN or infinite (Megatron-LM's --check-for-nan-in-loss-and-grad)."""
+
+
+def _stop_if_not_finite(args, state: TrainState, result: dict, data_source, events: List[DataEvent]) -> None:
+    """Raise :class:`NonFiniteStepError` naming the iteration and its examples if its loss or grad norm is
+    not finite, before anything saves it. The grad norm is global (every rank raises alike); the loss is
+    known on the last pipeline stage (a non-finite loss with finite gradients stops that stage there,
+    and the other stages at their next collective with it)."""
+    bad = [f"the {what} is {float(value)}" for what, value in (("lm loss", result["lm_loss"]),
+                                                                ("grad norm", result["grad_norm"]))
+           if value is not None and not math.isfinite(float(value))]
+    if not bad:
+        return
+    examples = ""
+    if data_source is not None:
+        first = state.consumed_samples - args.global_batch_size
+        replaced = {event.position: event.replacement for event in events if event.skipped}
+        examples = f"; its examples: {data_source.describe_samples(range(first, state.consumed_samples), replaced)}"
+    raise NonFiniteStepError(f"iteration {state.iteration}: {' and '.join(bad)}{examples}; the run stops before "
+                             "saving it (--no-check-for-nan-in-loss-and-grad trains on)")
 
 
 def _train(args, model, optimizer, scheduler, data_iterator, state, timers, forward_step, print_fn,
@@ -311,8 +350,11 @@ def _train(args, model, optimizer, scheduler, data_iterator, state, timers, forw
         elapsed = time.perf_counter() - start
         state.iteration += 1
         state.consumed_samples += args.global_batch_size
+        events = _report_data_events(args, data_source, state, print_fn)
         stats.add(elapsed, meter.take(), result["skipped"], result["lm_loss"], meter.take_post_balancing(),
-                  *_report_data_events(args, data_source, state, print_fn))
+                  sum(e.skipped for e in events), sum(not e.skipped for e in events))
+        if args.check_for_nan_in_loss_and_grad:
+            _stop_if_not_finite(args, state, result, data_source, events)
         if state.iteration % args.log_interval == 0 or state.iteration == args.train_iters:
             stats.phase_s = _phase_seconds(timers, phase_timers(phases))  # the interval's: timers read here only
             record = _interval_record(args, state, stats, result, optimizer)
@@ -327,10 +369,10 @@ def _train(args, model, optimizer, scheduler, data_iterator, state, timers, forw
                     print_fn(memory_report(f"(after {state.iteration} iterations)"))
                 report_memory = state.iteration <= first_iteration + 1
         if args.save and args.save_interval and state.iteration % args.save_interval == 0:
-            _save(args, state, model, optimizer, scheduler, print_fn, config, lock)
+            _save(args, state, model, optimizer, scheduler, print_fn, config, lock, data_source)
     saved_last = args.save_interval and state.iteration % args.save_interval == 0
     if args.save and state.iteration > first_iteration and not saved_last:
-        _save(args, state, model, optimizer, scheduler, print_fn, config, lock)
+        _save(args, state, model, optimizer, scheduler, print_fn, config, lock, data_source)
     if exit_interval_reached and _logging_rank():
         print_fn(f"[exiting program at iteration {state.iteration} (--exit-interval {args.exit_interval})] "
                  f"datetime: {_now()} ")
@@ -344,8 +386,11 @@ def _now() -> str:
 
 
 def _save(args, state: TrainState, model: list, optimizer, scheduler, print_fn: Callable[[str], None], config,
-          lock) -> None:
-    """save_checkpoint with Megatron-LM's lines before and after (from the rank that logs the iterations)."""
+          lock, data_source) -> None:
+    """save_checkpoint with Megatron-LM's lines before and after (from the rank that logs the iterations),
+    and the loader's state after the samples trained so far where it has one (an Energon loader)."""
+    if hasattr(data_source, "loader_state"):
+        state.rank_state["loader"] = data_source.loader_state(state.consumed_samples)
     if _logging_rank():
         print_fn(f"[{_now()}] saving checkpoint at iteration {state.iteration:7d} to {args.save}")
     save_checkpoint(args.save, state, model, optimizer, scheduler, args.use_distributed_optimizer, config, lock,
@@ -398,12 +443,16 @@ def _set_up_and_train(args, model_provider, forward_step, print_fn, lock) -> lis
                              "to train further")
     if not state.run_id:
         state.run_id = new_run_id()
+    if args.save:  # saved work of another run is replaced only when the user says so
+        for note in check_save_folder(args.save, state.run_id, args.allow_overwrite_checkpoints):  # rank 0's
+            print_fn(note)
     if dist.get_rank() == 0:
         print_fn(_describe(args, model))
     data_iterator, error = None, None
     try:  # the manifest is read here: a bad one raises on every rank, with its line and path
+        restored = {"loader_state": state.rank_state["loader"]} if "loader" in state.rank_state else {}  # Energon's
         data_iterator = providers.build_train_data_iterator(
-            args, state.consumed_samples, parallel_state.get_data_parallel_rank(), args.data_parallel_size)
+            args, state.consumed_samples, parallel_state.get_data_parallel_rank(), args.data_parallel_size, **restored)
     except Exception as err:  # noqa: BLE001
         error = err
     raise_if_any_rank_failed(error, what="building the training data iterator")
@@ -416,11 +465,14 @@ def _set_up_and_train(args, model_provider, forward_step, print_fn, lock) -> lis
             args, args.orch_config, data_iterator, forward_backward_func)
         if dist.get_rank() == 0:
             topology = data_iterator.topology
-            print_fn(f" > post-balancing on: {args.orch_config} | DP group: {topology.num_ranks} ranks on "
+            mode = "shadow mode (every step planned and logged, nothing moved)" if args.orch_config.shadow else "on"
+            print_fn(f" > post-balancing {mode}: {args.orch_config} | DP group: {topology.num_ranks} ranks on "
                      f"{topology.num_nodes} node(s)")
     else:
         data_iterator = StepReader(data_iterator, args.num_microbatches)
         read_step = data_iterator.read_step
+        if len(model) > 1:
+            forward_backward_func = feeding_every_chunk(forward_backward_func)
     # megatron.training hands the schedule its iterator wrapped by the rerun machinery; so do we, so the
     # post-balancing iterator is exercised exactly as it is there.
     data_iterator = RerunDataIterator(data_iterator)
@@ -428,10 +480,24 @@ def _set_up_and_train(args, model_provider, forward_step, print_fn, lock) -> lis
                  forward_backward_func, read_step, data_source, lock, config)
 
 
+def feeding_every_chunk(forward_backward_func: Callable) -> Callable:
+    """The interleaved schedule for an upstream step: megatron-core's takes one data iterator per model chunk
+    (Megatron-LM gives every chunk a loader over the same samples); here each micro-batch of the step is read
+    once, so counted once, and every chunk iterates over them (:func:`~megatron_orch.megatron.schedule.data_iterators`,
+    as the modality-aware schedule feeds a balanced step)."""
+    def run(*, data_iterator, model, num_microbatches, **kwargs):
+        microbatches = [next(data_iterator) for _ in range(num_microbatches)]
+        return forward_backward_func(data_iterator=data_iterators(microbatches, model), model=model,
+                                     num_microbatches=num_microbatches, **kwargs)
+    return run
+
+
 def _describe(args: argparse.Namespace, model: list) -> str:
     params = sum(p.numel() for chunk in model for p in chunk.parameters())
+    virtual = f" (x {len(model)} virtual stages)" if len(model) > 1 else ""
     return (f" > model config {args.mllm_config.name}: {params} parameters on rank 0 | world size "
-            f"{args.world_size} = TP {args.tensor_model_parallel_size} x PP "
-            f"{args.pipeline_model_parallel_size} x DP {args.data_parallel_size} | global batch "
+            f"{args.world_size} = TP {args.tensor_model_parallel_size}{' (sequence parallel)' * args.sequence_parallel}"
+            f" x CP {args.context_parallel_size} x PP {args.pipeline_model_parallel_size}{virtual} x DP "
+            f"{args.data_parallel_size} | global batch "
             f"{args.global_batch_size} = micro-batch {args.micro_batch_size} x {args.num_microbatches} "
             f"micro-batches x DP {args.data_parallel_size}")

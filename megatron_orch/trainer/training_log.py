@@ -19,15 +19,16 @@ import torch
 
 from megatron_orch.balance.workload import ModelPhases
 from megatron_orch.comm.gather import all_gather_to_host
-from megatron_orch.megatron.post_balancing import BalancedStep
+from megatron_orch.megatron.post_balancing import BalancedStep, ShadowStep
 from megatron_orch.mllm.data import DataEvent
 
 # Timers of the whole step (Megatron timer names, recorded by megatron-core's schedule /
 # finalize_model_grads and the trainer), shown after each encoder phase's forward timer.
 STEP_TIMERS = ("forward-backward", "forward-compute", "backward-compute", "all-grads-sync", "optimizer")
-# Post-balancing figures per step besides each phase's imbalance: bytes moved, and this rank's planning
-# / dispatch times.
-STEP_FIELDS = ("intra-node MB", "inter-node MB", "plan ms", "plan exposed ms", "dispatch ms")
+# Post-balancing figures per step besides each phase's imbalance: bytes moved, the modeled step time saved,
+# this rank's planning / dispatch times, and whether the plan was applied (0: shadow mode, planned only).
+STEP_FIELDS = ("intra-node MB", "inter-node MB", "step saved %", "plan ms", "plan exposed ms", "dispatch ms",
+               "applied")
 
 
 def load_fields(phases: ModelPhases) -> Tuple[str, ...]:
@@ -43,8 +44,9 @@ def phase_timers(phases: ModelPhases) -> Tuple[str, ...]:
 
 def post_balancing_fields(phases: ModelPhases) -> Tuple[str, ...]:
     """Post-balancing figures per step: each phase's modeled-cost max/mean over DP before (as loaded) and
-    after (as planned), then :data:`STEP_FIELDS` (the MB are ``StepPlan.report``'s: every transfer of the
-    step, raw inputs, text, embeddings forward and their gradients back)."""
+    after (as planned), then :data:`STEP_FIELDS` (the MB and the step time saved are ``StepPlan.report``'s:
+    every transfer of the step, raw inputs, text, embeddings forward and their gradients back; in shadow
+    mode what the plan would move and save)."""
     return tuple(f"{name} {what}" for name in phases.names for what in ("before", "after")) + STEP_FIELDS
 
 
@@ -53,7 +55,8 @@ class LoadMeter:
 
     Without post-balancing the iterator yields micro-batches (the loader's assignment); with it,
     one :class:`BalancedStep` per step, whose plan says what this rank encodes and which examples
-    its backbone runs, and whose statistics say how unbalanced the step was before.
+    its backbone runs, and whose statistics say how unbalanced the step was before; in shadow mode one
+    :class:`ShadowStep`, whose micro-batches are the loader's and whose plan says what balancing would do.
     """
 
     def __init__(self, iterator: Iterator, phases: ModelPhases):
@@ -74,15 +77,23 @@ class LoadMeter:
             self.counts += torch.tensor([*(plan.encoders[phase].encode.counts()[rank]
                                            for phase in self.phases.encoder_names),
                                          float(item.num_tokens[mine].sum())], dtype=torch.float64)
-            figures = dict(plan.report(), **{"plan ms": item.timings["plan"] * 1e3,
-                                             "plan exposed ms": item.timings["plan_exposed"] * 1e3,
-                                             "dispatch ms": item.timings["dispatch"] * 1e3})
+        elif isinstance(item, ShadowStep):
+            for microbatch in item.microbatches:
+                self._count(microbatch)
+        else:
+            self._count(item)
+        if isinstance(item, (BalancedStep, ShadowStep)):
+            figures = dict(item.plan.report(), **{"plan ms": item.timings["plan"] * 1e3,
+                                                  "plan exposed ms": item.timings["plan_exposed"] * 1e3,
+                                                  "dispatch ms": item.timings.get("dispatch", 0.0) * 1e3,
+                                                  "applied": float(isinstance(item, BalancedStep))})
             step = torch.tensor([figures[name] for name in self.fields], dtype=torch.float64)
             self.post_balancing = step if self.post_balancing is None else self.post_balancing + step
-        else:
-            self.counts += torch.tensor([*(item.items[phase].shape[0] for phase in self.phases.encoder_names),
-                                         float(item.seq_lengths.sum())], dtype=torch.float64)
         return item
+
+    def _count(self, microbatch) -> None:
+        self.counts += torch.tensor([*(microbatch.items[phase].shape[0] for phase in self.phases.encoder_names),
+                                     float(microbatch.seq_lengths.sum())], dtype=torch.float64)
 
     def take(self) -> torch.Tensor:
         """Counts since the last call."""
@@ -207,11 +218,18 @@ class IterationRecord:
             pb = self.post_balancing
             imbalance = ", ".join(f"{phase} {pb[phase + ' before']:.2f}->{pb[phase + ' after']:.2f}"
                                   for phase in (name[:-len(" before")] for name in pb if name.endswith(" before")))
-            parts += [f" post-balancing cost max/mean over DP before->after: {imbalance}",
-                      f" moved MB intra/inter node: {pb['intra-node MB']:.2f}/{pb['inter-node MB']:.2f}",
+            applied = pb["applied"] >= 0.5
+            parts += [f" {_COST if applied else _SHADOW_COST}: {imbalance}",
+                      f" {_MOVED if applied else _WOULD_MOVE}: {pb['intra-node MB']:.2f}/{pb['inter-node MB']:.2f}",
+                      f" modeled step time saved: {pb['step saved %']:.1f}%",
                       f" plan ms: {pb['plan ms']:.1f} (exposed {pb['plan exposed ms']:.1f})",
                       f" dispatch ms: {pb['dispatch ms']:.1f}"]
         return "".join(f"{part} |" for part in parts)
+
+
+_COST = "post-balancing cost max/mean over DP before->after"
+_SHADOW_COST = "post-balancing shadow (planned, not applied) cost max/mean over DP before->after"
+_MOVED, _WOULD_MOVE = "moved MB intra/inter node", "would move MB intra/inter node"
 
 
 def _ratio(maximum: float, mean: float) -> str:
@@ -281,15 +299,18 @@ def parse_iteration_line(line: str) -> Optional[dict]:
     for name, high, mean in re.findall(rf"\s*([a-z][a-z0-9_-]*) {_NUMBER}/{_NUMBER}",
                                        fields.get("time per iteration (ms) max/mean over ranks", "")):
         out["time_ms"][name] = (float(high), float(mean))
-    key = "post-balancing cost max/mean over DP before->after"
-    if key in fields:
+    applied = _COST in fields
+    if applied or _SHADOW_COST in fields:
         pb = {}
-        for phase, before, after in re.findall(rf"([a-z][a-z0-9_]*) {_NUMBER}->{_NUMBER}", fields[key]):
+        for phase, before, after in re.findall(rf"([a-z][a-z0-9_]*) {_NUMBER}->{_NUMBER}",
+                                               fields[_COST if applied else _SHADOW_COST]):
             pb[f"{phase} before"], pb[f"{phase} after"] = float(before), float(after)
-        intra, inter = fields["moved MB intra/inter node"].split("/")
+        intra, inter = fields[_MOVED if applied else _WOULD_MOVE].split("/")
         plan = re.match(rf"{_NUMBER} \(exposed {_NUMBER}\)", fields["plan ms"])
-        pb.update({"intra-node MB": float(intra), "inter-node MB": float(inter), "plan ms": float(plan.group(1)),
-                   "plan exposed ms": float(plan.group(2)), "dispatch ms": float(fields["dispatch ms"])})
+        pb.update({"intra-node MB": float(intra), "inter-node MB": float(inter),
+                   "step saved %": float(fields["modeled step time saved"].rstrip("%")),
+                   "plan ms": float(plan.group(1)), "plan exposed ms": float(plan.group(2)),
+                   "dispatch ms": float(fields["dispatch ms"]), "applied": float(applied)})
         out["post_balancing"] = pb
     return out
 

@@ -1,0 +1,78 @@
+"""Post-balancing for any training loop that calls megatron-core's schedule itself (your own loop, or one
+shaped like Megatron-Bridge's ``train_step``): one call, :func:`post_balance`, wraps the forward-backward
+function and the data iterator; the loop then calls the returned schedule exactly as it called megatron-core's.
+
+What the loop already does for megatron-core is what post-balancing needs, with one addition
+(``calculate_per_token_loss``); :func:`post_balance` and the schedule's first call check it:
+
+* the model config (``get_model_config(model[0])``, a ``TransformerConfig``) has
+  ``calculate_per_token_loss=True``; the loss function returns ``(sum of token losses, number of loss
+  tokens, {name: [sum, count]})`` (:func:`~megatron_orch.megatron.contract.loss_func` does);
+* the model config's callbacks, set once before the loop as Megatron-LM's and Bridge's setup do:
+  ``finalize_model_grads_func = megatron.core.distributed.finalize_model_grads`` (the DP reduction of the
+  gradients, and the per-token division; the encoders' backward runs right before it, or before
+  ``grad_sync_func`` where that is set, so encoder and backbone gradients are reduced together once),
+  ``no_sync_func = ddp_model.no_sync`` (encoder chunks accumulate without reducing), ``grad_scale_func =
+  optimizer.scale_loss``; with Megatron DDP's ``overlap_grad_reduce``, ``grad_sync_func`` as usual;
+* per step, the loop zeroes the gradients (``zero_grad_buffer()`` of each DDP chunk, ``optimizer.zero_grad()``),
+  calls the schedule with ``num_microbatches`` equal to the :class:`StepShape`'s, then ``optimizer.step()``;
+  the data iterator it passes is the one :func:`post_balance` returned (or Megatron's ``RerunDataIterator``
+  around it), and ``forward_step`` is :func:`~megatron_orch.megatron.contract.forward_step` or one that
+  handles a :class:`~megatron_orch.megatron.post_balancing.BalancedMicroBatch` the same way.
+"""
+from __future__ import annotations
+
+from datetime import timedelta
+from typing import Callable, Iterator, Optional, Tuple
+
+import torch
+from megatron.core import parallel_state
+
+from megatron_orch.comm.communicator import dedicated_group, replica_group
+from megatron_orch.comm.group_topology import group_topology
+from megatron_orch.megatron.batch import BatchSpec, MicroBatch
+from megatron_orch.megatron.first_step import check_model_and_config, print_on_rank_0
+from megatron_orch.megatron.post_balancing import (ParallelGroups, PostBalancingDataIterator, StepShape,
+                                                   resolve_microbatching)
+from megatron_orch.megatron.schedule import ModalityAwareSchedule
+from megatron_orch.orchestrator.config import OrchestratorConfig
+
+
+def post_balance(forward_backward_func: Optional[Callable], data_iterator: Iterator[MicroBatch], spec: BatchSpec,
+                 step: StepShape, *, model=None, config: OrchestratorConfig = OrchestratorConfig(),
+                 compute_device: Optional[torch.device] = None, input_dtype: torch.dtype = torch.float32,
+                 timeout: Optional[timedelta] = None,
+                 announce: Callable[[str], None] = print_on_rank_0) -> Tuple[ModalityAwareSchedule,
+                                                                              PostBalancingDataIterator]:
+    """The modality-aware schedule around ``forward_backward_func`` (``get_forward_backward_func(pp, vp)``'s
+    result) and the post-balancing iterator around this DP rank's ``data_iterator`` (micro-batches of
+    ``spec``, ``step.num_microbatches`` per step), for megatron-core's parallel state as initialised: the DP
+    group, its topology (``config.gpus_per_node``, else the processes per node), the encoders on the first
+    pipeline stage, the TP/PP peers, and a communicator of the DP group's ranks (``timeout``: its collectives').
+
+    ``model`` (optional): checked now (the contract, per-token loss), else on the schedule's first call; either
+    way before any collective, as packed micro-batches for a model that cannot take them are refused.
+    ``compute_device``: where the encoders run (default: this rank's GPU, else the CPU); ``input_dtype``: what raw encoder items travel in (the encoders' own dtype). ``config``: the
+    planner's settings, shadow mode (``shadow=True``) and the checked first step (``verify_first_step``, on
+    by default); ``announce`` gets the checked first step's line. Call every collective-making part of this on
+    every rank, after ``parallel_state.initialize_model_parallel``.
+    """
+    if model is not None:
+        check_model_and_config(model)
+    resolve_microbatching(spec, config, step)  # packed rows the model cannot take: refused before the collectives
+    if compute_device is None:
+        compute_device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else \
+            torch.device("cpu")
+    dp_group = parallel_state.get_data_parallel_group()
+    comm_group = dedicated_group(dp_group, timeout=timeout)
+    # The peers that must hold the same plan: TP x PP (megatron-core's model-parallel group), x CP with CP.
+    peers = (parallel_state.get_model_parallel_group() if parallel_state.get_context_parallel_world_size() == 1
+             else replica_group(dp_group, timeout=timeout))
+    groups = ParallelGroups(dp_group=dp_group, topology=group_topology(dp_group, gpus_per_node=config.gpus_per_node),
+                            encoder_stage=parallel_state.is_pipeline_first_stage(), peer_group=peers,
+                            comm_group=comm_group)
+    iterator = PostBalancingDataIterator(data_iterator, spec, config, step, groups, compute_device=compute_device,
+                                         input_dtype=input_dtype)
+    schedule = ModalityAwareSchedule(forward_backward_func, dp_group, encoder_recompute=config.encoder_recompute,
+                                     announce=announce)
+    return schedule, iterator

@@ -1,0 +1,407 @@
+"""What the modality-aware schedule checks before and on the first steps: a model's mistake stops the run
+with one line naming the fix, instead of training differently from upstream or failing late.
+
+* **Before the first step's collectives** (:func:`check_model_and_config`): the model meets the contract
+  (:func:`~megatron_orch.megatron.contract.check_model`: ``phase_encoders``, ``encode``, ``forward``,
+  ``model_type``, ``set_input_tensor``) and its config normalises the loss per token
+  (``calculate_per_token_loss``, which makes moving examples between DP ranks loss-invariant).
+* **On the first step with items of an encoder phase** (:class:`EncoderChecks`), on each rank holding some:
+  a few items encoded together give the rows they give one at a time (``encode`` is item by item, e.g.
+  ``[n * rows, hidden]``, not Megatron's ``[s, b, h]`` flattened as it comes), and every parameter the
+  encode reaches (its autograd graph) belongs to the phase's module in ``phase_encoders()`` (a rank without
+  items of the phase gives that module zero gradients; a parameter outside it reports none, on which Megatron
+  DDP's overlapped reduction fails). Every rank of the job agrees on the outcome in one collective, so all
+  of them stop together, before the step's moves.
+* **The checked first step** (:func:`checked_step`, ``OrchestratorConfig.verify_first_step``,
+  ``--orch-verify-first-step``): the first step runs twice on the same batch, the loader's (upstream)
+  layout through megatron-core's own schedule, then the balanced one, which the step trains on. They must
+  agree within the dtype's tolerance (:func:`tolerance`), phase by phase: each encoder phase's outputs (the
+  balanced ones moved back to the rank that loaded their example), the loss, the backbone's and then each
+  encoder's gradient norm; the first that differs stops the run, named. This catches what no rule above
+  lists (an adapter whose ``forward(batch, embeds)`` is not its ``forward(batch)``). Its cost: one more
+  forward-backward of the step, and one forward of the encoders without gradients when ``forward(batch)``
+  does not encode through ``encode`` (so its outputs cannot be recorded). With dropout in the model both
+  layouts run with dropout off (masks follow the rank that computes an example, so no two layouts agree
+  with it on), and so does the step trained on. Megatron DDP's overlapped reduction is off for the upstream
+  run (its gradients are reduced when the schedule ends), so that DDP calibrates it on the balanced one.
+"""
+from __future__ import annotations
+
+import contextlib
+import math
+from typing import Callable, Dict, Iterator, List, Mapping, Optional, Sequence, Tuple
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from megatron.core import tensor_parallel
+from megatron.core.utils import get_model_config
+
+from megatron_orch.balance.plan import Transfer
+from megatron_orch.comm.alltoall import ItemLayout, all_to_all_items
+from megatron_orch.comm.device import to_communication_device
+from megatron_orch.comm.status import raise_if_any_rank_failed
+from megatron_orch.megatron.contract import BalanceableModel, check_model
+from megatron_orch.megatron.post_balancing import BalancedStep
+
+FLAG = "--orch-verify-first-step"
+
+
+class FirstStepMismatchError(RuntimeError):
+    """The loader's and the balanced layout of the checked first step differ (the message names the phase)."""
+
+
+def print_on_rank_0(line: str) -> None:
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        print(line, flush=True)
+
+
+def check_model_and_config(model) -> BalanceableModel:
+    """The contract's members, and per-token loss normalisation in the model config: raises before any
+    collective (the same on every rank), naming what to change."""
+    module = check_model(model)
+    config = get_model_config(model[0] if isinstance(model, (list, tuple)) else model)
+    if not getattr(config, "calculate_per_token_loss", False):
+        raise ValueError("post-balancing needs calculate_per_token_loss=True in the model's TransformerConfig "
+                         "(Megatron-LM: --calculate-per-token-loss): the loss must be normalised by the global "
+                         "number of loss tokens for moving examples between DP ranks to change nothing")
+    return module
+
+
+def tolerance(dtype: torch.dtype, device: torch.device) -> float:
+    """Relative difference two layouts of a step may show: reduction order only (fp32 on the CPU: 1e-5; with
+    TF32 on a GPU: 5e-3), or the rounding of 16-bit parameters."""
+    if dtype == torch.bfloat16:
+        return 2e-2
+    if dtype == torch.float16:
+        return 1e-2
+    tf32 = device.type == "cuda" and (torch.backends.cuda.matmul.allow_tf32 or torch.backends.cudnn.allow_tf32)
+    return 5e-3 if tf32 else 1e-5
+
+
+def _relative(got: torch.Tensor, want: torch.Tensor) -> float:
+    """Largest absolute difference relative to the largest magnitude of ``want`` (inf for other shapes)."""
+    if got.shape != want.shape:
+        return math.inf
+    if want.numel() == 0:
+        return 0.0
+    got, want = got.double(), want.double()
+    return float((got - want).abs().max() / want.abs().max().clamp_min(1e-30))
+
+
+@contextlib.contextmanager
+def _dropout_off(modules: Sequence[torch.nn.Module]) -> Iterator[None]:
+    """Every module in eval mode (dropout off) for the duration, then as it was."""
+    modes = [(m, m.training) for root in modules for m in root.modules()]
+    for m, _ in modes:
+        m.training = False
+    try:
+        yield
+    finally:
+        for m, mode in modes:
+            m.training = mode
+
+
+@contextlib.contextmanager
+def _rng_unchanged() -> Iterator[None]:
+    """torch's generators and Megatron's RNG tracker as they were before the block, after it."""
+    tracker = tensor_parallel.get_cuda_rng_tracker()
+    states = tracker.get_states()
+    devices = [torch.cuda.current_device()] if torch.cuda.is_available() and torch.cuda.is_initialized() else []
+    with torch.random.fork_rng(devices=devices):
+        try:
+            yield
+        finally:
+            tracker.set_states(states)
+
+
+def _has_dropout(modules: Sequence[torch.nn.Module]) -> bool:
+    return any((isinstance(m, torch.nn.Dropout) and m.p > 0) or getattr(m, "hidden_dropout", 0) > 0
+               for root in modules for m in root.modules())
+
+
+# -- the encoders, on the first step with items of each phase ----------------------------------------
+
+def _parameters_reached(rows: torch.Tensor) -> set:
+    """ids of the leaves (parameters) ``rows``' autograd graph reaches; nothing runs backward."""
+    found, seen, stack = set(), set(), [rows.grad_fn]
+    while stack:
+        node = stack.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        variable = getattr(node, "variable", None)  # an AccumulateGrad node: a leaf that requires grad
+        if variable is not None:
+            found.add(id(variable))
+        stack.extend(parent for parent, _ in node.next_functions)
+    return found
+
+
+def check_encode(module: BalanceableModel, phase: str, items: torch.Tensor, rows_per_item: int) -> None:
+    """Raise ValueError (naming the fix) unless ``encode(phase, ·)`` is item by item on a few of ``items`` and
+    uses parameters of ``phase_encoders()[phase]`` only (module docstring). One item is checked as two copies
+    of it: rows of ``[s, b, h]`` flattened interleave the items, so even two equal items give other rows."""
+    if phase not in module.phase_encoders():
+        raise ValueError(f"post-balancing: phase_encoders() has no module of encoder phase {phase!r} (it has "
+                         f"{sorted(module.phase_encoders())}); return it on the pipeline stage that encodes")
+    sample = items[:3] if items.shape[0] > 1 else torch.cat([items, items])
+    n = sample.shape[0]
+    with _dropout_off([module]), _rng_unchanged(), torch.enable_grad():
+        together = module.encode(phase, sample)
+        with torch.no_grad():
+            apart = torch.cat([module.encode(phase, sample[i:i + 1]) for i in range(n)])
+    where = f"post-balancing: encode({phase!r}, items)"
+    if together.dim() != 2 or together.shape[0] != n * rows_per_item:
+        raise ValueError(f"{where} gave rows of shape {tuple(together.shape)} for {n} items; expected "
+                         f"[{n} x {rows_per_item} rows, hidden] (the phase's output_rows per item, item by item)")
+    difference = _relative(together.detach(), apart)
+    if difference > 10 * tolerance(together.dtype, together.device):
+        raise ValueError(f"{where} is not item by item: {n} items encoded together give other rows than one at a "
+                         f"time (largest relative difference {difference:.1e}); return each item's "
+                         f"{rows_per_item} rows after the other, [n * {rows_per_item}, hidden] (an encoder output in "
+                         "Megatron's [s, b, h] layout must become [b, s, h] before it is flattened)")
+    reached = _parameters_reached(together)
+    own = {id(p) for p in module.phase_encoders()[phase].parameters()}
+    outside = [name for name, p in module.named_parameters() if id(p) in reached and id(p) not in own]
+    if outside:
+        shown = ", ".join(outside[:3]) + (f" and {len(outside) - 3} more" if len(outside) > 3 else "")
+        raise ValueError(f"{where} uses parameters outside phase_encoders()[{phase!r}]: {shown}; return a module "
+                         f"that holds every parameter encode({phase!r}) uses (e.g. the encoder and its projector in "
+                         "one module) as phase_encoders()[" + repr(phase) + "]: a rank without items of the phase "
+                         "gives that module zero gradients, and a parameter outside it none")
+
+
+class EncoderChecks:
+    """:func:`check_encode` once per encoder phase, on the first step whose global batch holds items of it
+    (the plan says which, the same on every rank), agreed by every rank of the job."""
+
+    def __init__(self):
+        self.pending: Optional[set] = None  # phases not checked yet (None: no step seen)
+
+    def run(self, module: BalanceableModel, step: BalancedStep) -> None:
+        encoders = step.plan.encoders
+        if self.pending is None:
+            self.pending = set(encoders)
+        due = [phase for phase in encoders if phase in self.pending and encoders[phase].example.size]
+        if not due:
+            return
+        self.pending -= set(due)
+        problem = None
+        try:
+            for phase in due:
+                items = step.inputs.get(phase)
+                if items is not None and items.shape[0]:
+                    check_encode(module, phase, items, step.rows_per_item[phase])
+        except Exception as err:  # noqa: BLE001 -- every rank must stop, not only those with items
+            problem = err
+        raise_if_any_rank_failed(problem, what="post-balancing's check of the encoders")
+
+
+# -- the checked first step ---------------------------------------------------------------------------
+
+def _reduced_gradients(chunk: torch.nn.Module) -> Iterator[Tuple[torch.nn.Parameter, torch.Tensor]]:
+    """(parameter, the part of its gradient this rank holds reduced over DP after the step): Megatron DDP's
+    ``main_grad`` (with the distributed optimizer, the part inside this rank's shard of each bucket, the
+    only part its reduce-scatter reduced), else ``.grad``."""
+    ddp_config = getattr(chunk, "ddp_config", None)
+    if ddp_config is not None and ddp_config.use_distributed_optimizer:
+        for buffer in [*chunk.buffers, *chunk.expert_parallel_buffers]:
+            size, rank = dist.get_world_size(buffer.data_parallel_group), dist.get_rank(buffer.data_parallel_group)
+            for param, (start, end, bucket_id) in buffer.param_index_map.items():
+                bucket = buffer.buckets[bucket_id]
+                shard = bucket.grad_data.numel() // size
+                low = bucket.offset + rank * shard
+                start, end = max(start, low), min(end, low + shard)
+                if start < end:
+                    yield param, buffer.grad_data[start:end]
+        return
+    for param in chunk.parameters():
+        grad = getattr(param, "main_grad", None)
+        grad = param.grad if grad is None else grad
+        if grad is not None:
+            yield param, grad
+
+
+def _gradient_norms(chunks: Sequence[torch.nn.Module], module: BalanceableModel, phases: Sequence[str]) -> np.ndarray:
+    """Squared norm of this rank's reduced gradients per encoder phase (its module's parameters), then of the
+    rest (the backbone)."""
+    encoders = module.phase_encoders()
+    owner = {id(p): k for k, phase in enumerate(phases) if phase in encoders for p in encoders[phase].parameters()}
+    parts: List[List[torch.Tensor]] = [[] for _ in range(len(phases) + 1)]
+    for chunk in chunks:
+        for param, grad in _reduced_gradients(chunk):
+            parts[owner.get(id(param), len(phases))].append(grad.double().pow(2).sum())
+    return np.array([float(torch.stack(p).sum()) if p else 0.0 for p in parts])
+
+
+@contextlib.contextmanager
+def _reduced_at_the_end(chunks: Sequence[torch.nn.Module], model_config) -> Iterator[None]:
+    """Megatron DDP's overlapped gradient reduction off for the block (its gradients reduced when the schedule
+    finishes, as without it): DDP calibrates the overlapped reduction on its first step, recording which
+    parameters report a gradient in the last micro-batch, and that step must be a balanced one (the upstream
+    layout may skip an encoder in its last micro-batch, which DDP would then refuse). The model config's
+    ``grad_sync_func`` is unset with it: without the overlap, DDP's ``start_grad_sync`` reduces at once, and
+    ``finalize_model_grads_func`` would reduce the same gradients again."""
+    configs = list({id(c.ddp_config): c.ddp_config for c in chunks
+                    if getattr(getattr(c, "ddp_config", None), "overlap_grad_reduce", False)}.values())
+    grad_sync = getattr(model_config, "grad_sync_func", None)
+    for config in configs:
+        config.overlap_grad_reduce = False
+    if configs and grad_sync is not None:
+        model_config.grad_sync_func = None
+    try:
+        yield
+    finally:
+        for config in configs:
+            config.overlap_grad_reduce = True
+        if configs and grad_sync is not None:
+            model_config.grad_sync_func = grad_sync
+
+
+def _zero_gradients(chunks: Sequence[torch.nn.Module]) -> None:
+    for chunk in chunks:
+        if hasattr(chunk, "zero_grad_buffer"):
+            chunk.zero_grad_buffer()
+        for param in chunk.parameters():
+            param.grad = None
+
+
+@contextlib.contextmanager
+def _recording_encode(module: BalanceableModel, phases: Sequence[str]) -> Iterator[Dict[str, List[torch.Tensor]]]:
+    """The rows every ``module.encode`` call gives during the block, by phase (the upstream ``forward(batch)``
+    of most models encodes through it)."""
+    recorded: Dict[str, List[torch.Tensor]] = {phase: [] for phase in phases}
+    encode = module.encode
+
+    def recording(phase, items):
+        rows = encode(phase, items)
+        if phase in recorded:
+            recorded[phase].append(rows.detach())
+        return rows
+
+    module.encode = recording
+    try:
+        yield recorded
+    finally:
+        del module.encode
+
+
+def _home_outputs(module: BalanceableModel, step: BalancedStep, recorded: Mapping[str, List[torch.Tensor]]):
+    """Each encoder phase's rows of this rank's loaded items, in the loader's order: as recorded during the
+    upstream pass where that saw each item once, else encoded here without gradients."""
+    device = next(module.parameters()).device
+    out = {}
+    for phase in step.inputs:
+        items = [mb.items[phase] for mb in step.home]
+        expected = sum(i.shape[0] for i in items) * step.rows_per_item[phase]
+        rows = torch.cat(recorded[phase]) if recorded[phase] else None
+        if rows is None or rows.shape[0] != expected:
+            with torch.no_grad(), _rng_unchanged():
+                rows = torch.cat([module.encode(phase, i.to(device)) for i in items])
+        out[phase] = rows
+    return out
+
+
+def _moved_home(step: BalancedStep, phase: str, rows: torch.Tensor) -> torch.Tensor:
+    """The balanced rows of ``phase`` (on the backbone rank of their example, as the schedule received them)
+    moved to the rank that loaded their example, in the loader's order."""
+    encoder = step.plan.encoders[phase]
+    transfer = Transfer(step.plan.examples_llm.expand(encoder.example), encoder.home)
+    layout = ItemLayout(np.full(encoder.example.size, step.rows_per_item[phase], dtype=np.int64),
+                        tuple(rows.shape[1:]), rows.dtype)
+    moved, = all_to_all_items([to_communication_device(rows, step.comm_group)], [layout], transfer, step.comm_group)
+    return moved.to(rows.device)
+
+
+def _loss_totals(losses: Sequence[Mapping[str, torch.Tensor]]) -> Dict[str, torch.Tensor]:
+    """Per reported key, the sum over micro-batches of its per-token ``[sum, count]``."""
+    out = {}
+    for key in (losses[0] if losses else {}):
+        values = [x[key].reshape(-1) for x in losses]
+        if values[0].numel() == 2:
+            out[key] = torch.stack(values).sum(dim=0).double()
+    return out
+
+
+def _loss_difference(home, balanced, dp_group) -> float:
+    """Largest relative difference of the global per-token losses (last pipeline stage; 0 elsewhere)."""
+    home, balanced = _loss_totals(home), _loss_totals(balanced)
+    if not home:  # not the last pipeline stage (the same on every rank of its DP group)
+        return 0.0
+    missing = torch.full((2,), math.nan, dtype=torch.float64)  # a key the balanced run did not report
+    totals = torch.stack([torch.stack([home[k], balanced.get(k, missing).to(home[k].device)]) for k in home])
+    totals = to_communication_device(totals, dp_group)
+    dist.all_reduce(totals, group=dp_group)
+    totals = totals.cpu()
+    loss = totals[..., 0] / totals[..., 1].clamp_min(1)
+    return float(((loss[:, 1] - loss[:, 0]).abs() / loss[:, 0].abs().clamp_min(1e-30)).max())
+
+
+def checked_step(run_home: Callable[[], list], run_balanced: Callable[[dict], list], step: BalancedStep,
+                 module: BalanceableModel, chunks: Sequence[torch.nn.Module], dp_group,
+                 announce: Callable[[str], None]) -> Tuple[list, dict]:
+    """The checked first step (module docstring): ``run_home()`` (megatron-core's own schedule over the loader's
+    micro-batches ``step.home``, every model chunk fed them), then ``run_balanced(captured)`` (the
+    modality-aware schedule's own run, which fills ``captured`` with each phase's received encoder outputs),
+    compared; returns the balanced run's result, whose gradients the step keeps, and the figures compared.
+    Raises :class:`FirstStepMismatchError` on every rank when they differ."""
+    config = get_model_config(chunks[0])
+    phases, backbone = list(step.plan.encoders), step.plan.backbone
+    dropout = _has_dropout(chunks)
+    grads_reduced = config.finalize_model_grads_func is not None
+    with _dropout_off(chunks) if dropout else contextlib.nullcontext():
+        with _reduced_at_the_end(chunks, config):
+            with _recording_encode(module, phases) as recorded, _rng_unchanged():
+                home_losses = run_home()
+            home_grads = _gradient_norms(chunks, module, phases)
+            home_rows = _home_outputs(module, step, recorded)
+            del recorded
+            _zero_gradients(chunks)
+        captured: Dict[str, torch.Tensor] = {}
+        losses = run_balanced(captured)
+        balanced_grads = _gradient_norms(chunks, module, phases)
+    outputs = np.zeros(len(phases))
+    for k, phase in enumerate(phases):
+        if phase in captured:  # the encoder stage
+            outputs[k] = _relative(_moved_home(step, phase, captured[phase]), home_rows[phase])
+    grads = np.abs(np.sqrt(balanced_grads) - np.sqrt(home_grads)) / np.maximum(np.sqrt(home_grads), 1e-30)
+    if not grads_reduced:  # gradients stay where computed: no layout-independent figure to compare
+        grads[:] = 0.0
+    figures = np.concatenate([outputs, [_loss_difference(home_losses, losses, dp_group)], grads[-1:], grads[:-1]])
+    figures = torch.tensor(np.nan_to_num(figures, nan=math.inf), dtype=torch.float64)
+    figures = to_communication_device(figures, None)
+    dist.all_reduce(figures, op=dist.ReduceOp.MAX)  # every rank of the job, the same verdict
+    figures = figures.cpu().numpy()
+    device = next(module.parameters()).device
+    limit = tolerance(config.params_dtype, device)
+    names = ([(phase, "its encoder outputs") for phase in phases] + [(backbone, "the loss"),
+             (backbone, "its gradient norm")] + [(phase, "its gradient norm") for phase in phases])
+    for (phase, what), value in zip(names, figures):
+        if value > limit:
+            raise FirstStepMismatchError(_mismatch(phase, what, value, limit, phase == backbone))
+    result = {"encoder outputs": dict(zip(phases, figures[:len(phases)].tolist())), "loss": float(figures[len(phases)]),
+              "gradient norms": float(figures[len(phases) + 1:].max(initial=0.0)), "tolerance": limit}
+    notes = ("; dropout off for the check" if dropout else "") + (
+        "" if grads_reduced else "; gradients not compared: the model config reduces none (finalize_model_grads_func "
+        "is None)")
+    announce(f"> post-balancing: first step checked ({FLAG}): the loader's and the balanced layout agree (largest "
+             f"relative differences: loss {result['loss']:.1e}, gradient norms {result['gradient norms']:.1e}, "
+             f"encoder outputs {max(result['encoder outputs'].values(), default=0.0):.1e}; tolerance {limit:.0e}"
+             f"{notes}); training on the balanced layout")
+    return losses, result
+
+
+def _mismatch(phase: str, what: str, value: float, limit: float, backbone: bool) -> str:
+    if what == "its encoder outputs":
+        fix = (f"encode({phase!r}, items) must give each item the rows it gives alone, whichever items share the "
+               "call (no statistics over the items in a call, no randomness but dropout)")
+    elif backbone:
+        fix = ("every encoder phase's outputs agree, so forward(batch, embeds) must give what forward(batch) gives "
+               "when embeds[phase] = encode(phase, batch.items[phase]), inserted at the phase's placeholders "
+               "example by example, row-major")
+    else:
+        fix = (f"its outputs agree, so the gradient forward(batch, embeds) gives embeds[{phase!r}] must be the one "
+               "forward(batch) gives the encoder's outputs")
+    return (f"post-balancing's checked first step ({FLAG}): phase {phase!r} differs between the loader's and the "
+            f"balanced layout of the same batch: {what} (largest relative difference {value:.1e} > {limit:.0e}); "
+            f"{fix}")

@@ -1,0 +1,81 @@
+"""The encoders' backward as Megatron DDP counts gradients: every chunk of a phase but its last runs under
+the model's ``no_sync_func``, so a parameter reports its gradient ready once per step, after all of it
+has accumulated. (Under ``--overlap-grad-reduce`` DDP starts a bucket's reduction at that report: one
+made after the phase's first chunk would reduce a partial gradient.) One process, no collectives: the
+schedule's transfers are replaced by the gradients themselves, and ``no_sync`` is a stand-in that
+records, as DDP would, the gradient each parameter holds when it reports ready."""
+import contextlib
+import functools
+import types
+
+import numpy as np
+import torch
+
+from megatron_orch.megatron.encoder_chunks import chunk_bounds, encode_in_chunks
+from megatron_orch.megatron.schedule import ModalityAwareSchedule
+
+
+class TwoEncoders(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.encoders = torch.nn.ModuleDict({"vision": torch.nn.Linear(3, 2), "audio": torch.nn.Linear(3, 2)})
+
+    def phase_encoders(self):
+        return dict(self.encoders)
+
+    def encode(self, phase, items):
+        return torch.tanh(self.encoders[phase](items))  # one output row per item
+
+
+class RecordingNoSync:
+    """``no_sync`` as DDP's: outside it, a parameter whose gradient accumulated reports ready (the
+    reduction of its bucket would start); ``reported[name]`` holds the gradient it had then."""
+
+    def __init__(self, module):
+        self.inside, self.reported = False, {}
+        for name, param in module.named_parameters():
+            param.register_post_accumulate_grad_hook(lambda p, name=name: self._ready(name, p))
+
+    def _ready(self, name, param):
+        if not self.inside:
+            self.reported.setdefault(name, []).append(param.grad.clone())
+
+    @contextlib.contextmanager
+    def __call__(self):
+        self.inside = True
+        try:
+            yield
+        finally:
+            self.inside = False
+
+
+def test_a_phases_gradients_report_ready_once_after_its_last_chunk():
+    module = TwoEncoders()
+    items = {"vision": torch.randn(5, 3), "audio": torch.randn(3, 3)}
+    chunking = {"vision": (2, 2), "audio": (1, 3)}  # (items per chunk, items kept): kept and recomputed chunks
+    pending = []
+    for phase, inputs in items.items():
+        encode = functools.partial(module.encode, phase)
+        outputs, chunks = encode_in_chunks(encode, inputs, chunk_bounds(inputs.shape[0], *chunking[phase]), grad=True)
+        leaf = outputs.detach().requires_grad_()
+        leaf.grad = torch.randn(outputs.shape, generator=torch.Generator().manual_seed(len(pending)))
+        pending.append((phase, encode, inputs, chunks, leaf))
+    assert [len(chunks) for _, _, _, chunks, _ in pending] == [3, 3]
+
+    schedule = ModalityAwareSchedule(lambda **kwargs: [], dp_group=None)
+    grads = {phase: leaf.grad for phase, _, _, _, leaf in pending}
+    schedule._start_move = lambda step, phase, rows, inverse=False: (lambda: grads[phase])
+    no_sync = RecordingNoSync(module)
+    step = types.SimpleNamespace(rows_per_item={"vision": 1, "audio": 1}, num_tokens=np.zeros(0))
+    schedule._encoders_backward(step, module, pending, no_sync, synced=True)
+
+    # the whole step's gradient, computed in one backward as a reference
+    reference = TwoEncoders()
+    for phase, inputs in items.items():
+        torch.autograd.backward(reference.encode(phase, inputs), grads[phase])
+    expected = dict(reference.named_parameters())
+    for name, param in module.named_parameters():
+        torch.testing.assert_close(param.grad, expected[name].grad)
+        assert len(no_sync.reported.get(name, [])) == 1, (name, len(no_sync.reported.get(name, [])))
+        torch.testing.assert_close(no_sync.reported[name][0], param.grad, msg=lambda m: f"{name} reported early: {m}")

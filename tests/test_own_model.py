@@ -1,0 +1,182 @@
+"""A model of one's own (``examples/own_model.py``: LLaVA-style, on megatron-core; ``examples/mimo_model.py``:
+Megatron-Core's MimoModel): the mistakes that used to train silently differently or fail late are refused
+before any collective, in one line naming the fix; a post-balancing step that reaches a stock schedule says
+so; the flags of shadow mode and of the checked first step; the README's code is the examples' own.
+Single-process (a gloo world of one); the multi-rank traps are in ``test_first_step.py``."""
+import re
+import textwrap
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+
+import example_modules  # noqa: F401 -- examples/ on the path
+
+REPO = Path(__file__).resolve().parents[1]
+warnings.filterwarnings("ignore", message=r".*(Transformer Engine|Apex).*not installed")
+
+
+@pytest.fixture(scope="module")
+def harness():
+    from megatron_orch.trainer import cpu_harness
+    cpu_harness.install()
+
+
+def _unread():
+    """A data iterator that fails the test when read: a check that must come before any collective (the
+    post-balancing iterator's first read gathers sizes over the DP group)."""
+    raise AssertionError("the data iterator was read: the check came after the first collective")
+    yield
+
+
+def _schedule_call(model):
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    from megatron_orch.megatron import ModalityAwareSchedule, forward_step
+    schedule = ModalityAwareSchedule(get_forward_backward_func(), dp_group=None)
+    return schedule(forward_step_func=forward_step, data_iterator=_unread(), model=[model], num_microbatches=2)
+
+
+def test_calculate_per_token_loss_is_required_before_the_first_collective(harness, world_of_one):
+    """Without per-token normalisation balanced and upstream runs diverge (7.5e-3 in the loss): refused by the
+    schedule itself, and by post_balance when it is given the model."""
+    import own_model
+
+    from megatron_orch.megatron import StepShape, post_balance
+
+    vit, llm = own_model.shapes()
+    model = own_model.TinyLlava(own_model.transformer_config(vit), own_model.transformer_config(llm, num_layers=1),
+                                own_model.transformer_config(llm, calculate_per_token_loss=False))
+    with pytest.raises(ValueError, match=r"needs calculate_per_token_loss=True .*--calculate-per-token-loss"):
+        _schedule_call(model)
+    with pytest.raises(ValueError, match="needs calculate_per_token_loss=True"):
+        post_balance(None, _unread(), own_model.batch_spec(), StepShape(2, 2), model=[model])
+
+
+def test_model_type_and_set_input_tensor_are_named_with_the_mixin(harness, world_of_one):
+    """A model with phase_encoders, encode and forward but neither model_type nor set_input_tensor (the shape of
+    the README's old example): megatron-core would fail inside its schedule, ``couldn't find attribute
+    model_type``; refused before the first collective, naming both and the mixin that provides them."""
+    import own_model
+    from megatron.core.transformer.module import MegatronModule
+
+    from megatron_orch.megatron import check_model
+
+    class MyVLM(MegatronModule):
+        def __init__(self):
+            inner = own_model.build_model()
+            super().__init__(config=inner.config)
+            self.image_encoder, self.language_model = inner.image_encoder, inner.language_model
+
+        phase_encoders = own_model.TinyLlava.phase_encoders
+        encode = own_model.TinyLlava.encode
+        forward = own_model.TinyLlava.forward
+
+    with pytest.raises(TypeError, match=re.escape(
+            "MyVLM lacks model_type, set_input_tensor of megatron_orch.megatron.BalanceableModel (inherit "
+            "megatron_orch.megatron.MegatronModelMixin")):
+        _schedule_call(MyVLM())
+    model = own_model.build_model()  # with the mixin: both there, and set_input_tensor reaches the GPT
+    assert check_model(model) is model and model.model_type.name == "encoder_or_decoder"
+    model.set_input_tensor([None])
+
+
+def test_packed_rows_with_mimo_are_refused_when_the_iterator_is_built(harness, world_of_one, monkeypatch):
+    """Refused at build time, before the first collective of the iterator (it makes its communicator) and of
+    post_balance (the DP group's topology, the communicator), not in the first forward after the step's moves."""
+    import torch.distributed as dist
+
+    from example_modules import mimo_example
+    from megatron_orch.balance.topology import Topology
+    from megatron_orch.megatron import (OrchestratorConfig, ParallelGroups, PostBalancingDataIterator, StepShape,
+                                        any_loop, post_balance, post_balancing)
+
+    def no_collective(*args, **kwargs):
+        raise AssertionError("a collective before the refusal")
+
+    for module, name in ((post_balancing, "dedicated_group"), (any_loop, "dedicated_group"),
+                         (any_loop, "group_topology")):
+        monkeypatch.setattr(module, name, no_collective)
+    spec = mimo_example().spec_of(mimo_example().build())
+    packed = OrchestratorConfig(microbatching="packed")
+    refusal = "--orch-microbatching packed: MimoBalancing does not hand packed rows to MimoModel"
+    with pytest.raises(ValueError, match=refusal):
+        PostBalancingDataIterator(_unread(), spec, packed, StepShape(2, 2),
+                                  ParallelGroups(dist.group.WORLD, Topology.uniform(1, 1)),
+                                  compute_device=torch.device("cpu"))
+    with pytest.raises(ValueError, match=refusal):
+        post_balance(None, _unread(), spec, StepShape(2, 2), config=packed)
+
+
+def test_a_balanced_step_reaching_a_stock_schedule_says_so(harness, world_of_one):
+    """megatron-core's own schedule handed the post-balancing iterator (no modality-aware schedule around it):
+    the project's forward_step, and a user's that reads the step as a micro-batch, raise StockScheduleError."""
+    import numpy as np
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    import own_model
+    from megatron_orch.megatron import BalancedStep, StockScheduleError, forward_step
+
+    step = BalancedStep(microbatches=[], inputs={}, plan=None, rank=0, num_tokens=np.zeros(0, dtype=np.int64),
+                        rows_per_item={}, comm_group=None, moves=None)
+
+    def users_forward_step(data_iterator, model):
+        batch = next(data_iterator)
+        return model(batch.to(torch.device("cpu"))), None
+
+    for step_func in (forward_step, users_forward_step):
+        with pytest.raises(StockScheduleError, match="reached megatron-core's own schedule .*ModalityAwareSchedule"):
+            get_forward_backward_func()(forward_step_func=step_func, data_iterator=iter([step]),
+                                        model=[own_model.build_model()], num_microbatches=1, seq_length=8,
+                                        micro_batch_size=1, forward_only=True)
+    with pytest.raises(StockScheduleError):
+        step["tokens"]
+
+
+def test_shadow_and_checked_first_step_flags(tmp_path):
+    """--orch-shadow is a switch of its own (exclusive with --orch-post-balancing, taking the planner's flags);
+    the first step is checked by default for a model config outside configs/, not for the shipped ones."""
+    from megatron_orch.trainer import arguments
+
+    common = ["--seq-length", "192", "--micro-batch-size", "2", "--train-iters", "2", "--lr", "1e-3",
+              "--distributed-backend", "gloo"]
+    shadow = arguments.parse_args(common + ["--orch-shadow", "--orch-locality"], world_size=2).orch_config
+    assert shadow.shadow and shadow.locality and not shadow.verify_first_step
+    with pytest.raises(arguments.ArgumentError, match="--orch-shadow and --orch-post-balancing exclude each other"):
+        arguments.parse_args(common + ["--orch-shadow", "--orch-post-balancing"], world_size=2)
+    with pytest.raises(arguments.ArgumentError, match="--orch-verify-first-step given without --orch-post-balancing"):
+        arguments.parse_args(common + ["--orch-verify-first-step"], world_size=2)
+    shipped = arguments.parse_args(common + ["--orch-post-balancing"], world_size=2).orch_config
+    checked = arguments.parse_args(common + ["--orch-post-balancing", "--orch-verify-first-step"], world_size=2)
+    assert not shipped.verify_first_step and checked.orch_config.verify_first_step
+    (tmp_path / "mine.yaml").write_text((REPO / "configs" / "tiny.yaml").read_text())  # a config of one's own
+    own = ["--model-config", str(tmp_path / "mine.yaml")]
+    own_config = arguments.parse_args(common + own + ["--orch-post-balancing"], world_size=2).orch_config
+    unchecked = arguments.parse_args(common + own + ["--orch-post-balancing", "--orch-no-verify-first-step"],
+                                     world_size=2).orch_config
+    assert own_config.verify_first_step and not unchecked.verify_first_step
+
+
+def _regions():
+    """(example file, region) of every ``# readme: REGION`` ... ``# readme: end`` in examples/."""
+    return [(f"examples/{path.name}", region) for path in sorted((REPO / "examples").glob("*.py"))
+            for region in re.findall(r"^ *# readme: (\w+)$", path.read_text(), re.M) if region != "end"]
+
+
+@pytest.mark.parametrize("path,region", _regions())
+def test_the_readme_quotes_the_examples(path, region):
+    """The README's own-model code is excerpted from the examples (which CI runs), so it cannot go stale: every
+    region the examples mark is quoted once, verbatim (dedented), after ``<!-- excerpt: FILE REGION -->``."""
+    source = (REPO / path).read_text()
+    match = re.search(rf"^( *)# readme: {region}\n(.*?)^\1# readme: end\n", source, re.S | re.M)
+    assert match, f"{path}: region {region} has no end"
+    quoted = re.findall(rf"<!-- excerpt: {re.escape(path)} {region} -->\n```python\n(.*?)```",
+                        (REPO / "README.md").read_text(), re.S)
+    assert len(quoted) == 1, f"the README quotes {path} {region} {len(quoted)} times"
+    assert quoted[0] == textwrap.dedent(match.group(2)), f"the README's {path} {region} differs from the file"
+
+
+def test_every_readme_excerpt_names_a_region():
+    readme = (REPO / "README.md").read_text()
+    assert set(re.findall(r"<!-- excerpt: (\S+) (\S+) -->", readme)) == set(_regions())

@@ -1,0 +1,169 @@
+"""Consequence invariance in the layouts large runs use, on the compact trainer, CPU over gloo: sequence
+parallelism (TP 2 + SP x DP 2), context parallelism (CP 2 x DP 2, padded rows and packed rows) and both
+(TP 2 + SP x CP 2 x DP 2, 8 ranks, one step). Post-balancing off against on, fp32, dropout 0 (dropout masks
+follow the rank that computes an example): the losses of every step and every parameter after the run agree
+within 1e-5, and on the step with every heavy example on DP rank 0 the plan moved data and lowered each
+phase's modeled max/mean. The layouts also reproduce the whole-sequence run: SP on against off, CP 2 against
+CP 1 at the same global batch (the shards are exact).
+
+The runs of one layout share their spawned ranks (one after the other), to start the processes once. The
+data is ``test_post_balancing``'s scripted stream from its heavy step on.
+"""
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+
+from dist_utils import run_distributed
+from test_post_balancing import SCENARIOS, scripted_example
+
+pytestmark = pytest.mark.distributed
+warnings.filterwarnings("ignore", message=r".*(Transformer Engine|Apex).*not installed")
+
+FIRST_STEP = SCENARIOS.index("heavy_on_one_rank")  # then "mixed"
+MBS, NUM_MB, DP = 2, 2, 2
+COMMON = ["--model-config", "tiny", "--seq-length", "192", "--micro-batch-size", str(MBS),
+          "--global-batch-size", str(MBS * NUM_MB * DP), "--lr", "1e-2", "--lr-warmup-iters", "0",
+          "--log-interval", "1", "--seed", "5", "--distributed-backend", "gloo", "--optimizer", "sgd",
+          "--hidden-dropout", "0", "--attention-dropout", "0"]
+BALANCED = ["--orch-post-balancing", "--orch-gpus-per-node", "2"]
+SP = ["--tensor-model-parallel-size", "2", "--sequence-parallel"]
+CP = ["--context-parallel-size", "2"]
+TOLERANCE = 1e-5
+
+
+def scripted_iterator(args, consumed_samples, dp_rank, dp_size):
+    """This DP rank's micro-batches of the scripted stream from its heavy step on (same on its TP/CP/PP peers)."""
+    from megatron_orch.megatron.batch import collate
+    from megatron_orch.mllm import providers
+
+    data = providers.data_config(args)
+    spec, per_rank = data.layout.spec, MBS * args.num_microbatches
+    for step in range(consumed_samples // args.global_batch_size, args.train_iters):
+        for m in range(args.num_microbatches):
+            examples = [scripted_example(FIRST_STEP + step, dp_rank, m * MBS + j, spec,
+                                         step * args.global_batch_size + dp_rank * per_rank + m * MBS + j)
+                        for j in range(MBS)]
+            yield collate(examples, spec, pad_to=data.seq_length if data.pad_to_seq_length else None)
+
+
+def _train_runs(rank, world_size, runs, out_dir):
+    """Each run ``(name, argv)`` in turn in these ranks: rank 0's parameters (TP rank 0, CP rank 0 of the first
+    DP replica: the same shards in every layout of its TP size) and the logging rank's records."""
+    warnings.filterwarnings("ignore")
+    from megatron.core import parallel_state
+
+    from megatron_orch.mllm import attention, providers
+    from megatron_orch.trainer import arguments, loop as trainer
+
+    providers.build_train_data_iterator = scripted_iterator
+    stock_attention = attention.context_parallel_attention
+    for name, argv in runs:
+        built, calls = [], {"padded": 0, "packed": 0}
+
+        def context_parallel_attention(*args, **kwargs):  # which CP path the run took
+            calls["packed" if args[4] is not None else "padded"] += 1
+            return stock_attention(*args, **kwargs)
+
+        attention.context_parallel_attention = context_parallel_attention
+
+        def model_provider(args, pre_process, post_process):
+            built.append(providers.build_model(args, pre_process, post_process))
+            return built[-1]
+
+        args = arguments.parse_args(COMMON + list(argv), world_size=world_size)
+        try:
+            records = trainer.pretrain(args, model_provider=model_provider, print_fn=lambda line: None)
+        finally:
+            parallel_state.destroy_model_parallel()
+        out = Path(out_dir) / name
+        out.mkdir(exist_ok=True)
+        torch.save({n: p.detach().clone() for n, p in built[0].named_parameters()}, out / f"params_rank{rank}.pt")
+        if records:
+            config = built[0].config  # the backbone's: what its layers were built for
+            torch.save({"losses": {r.iteration: r.lm_loss for r in records},
+                        "post_balancing": [r.post_balancing for r in records],
+                        "layout": (config.sequence_parallel, config.context_parallel_size),
+                        "cp_attention_calls": calls}, out / "log.pt")
+    attention.context_parallel_attention = stock_attention
+
+
+def train(tmp_path: Path, world_size: int, runs, timeout_s: float) -> dict:
+    """``runs``: ``(name, flags)`` trained one after the other in one spawn of ``world_size`` ranks."""
+    run_distributed(_train_runs, world_size, [(name, list(flags)) for name, flags in runs], str(tmp_path),
+                    timeout_s=timeout_s)
+    logs = {}
+    for name, _ in runs:
+        logs[name] = torch.load(tmp_path / name / "log.pt")
+        logs[name]["params"] = torch.load(tmp_path / name / "params_rank0.pt")
+    return logs
+
+
+def assert_same_run(got: dict, want: dict, iterations: int, what: str):
+    """Equal losses at every iteration and equal parameters (rank 0's) within :data:`TOLERANCE`; prints the
+    largest differences (``pytest -s`` shows them)."""
+    assert sorted(got["losses"]) == sorted(want["losses"]) == list(range(1, iterations + 1))
+    for iteration, loss in want["losses"].items():
+        assert got["losses"][iteration] == pytest.approx(loss, rel=TOLERANCE), (iteration, got["losses"],
+                                                                                 want["losses"])
+    assert got["params"].keys() == want["params"].keys()
+    for name, value in want["params"].items():
+        torch.testing.assert_close(got["params"][name], value, rtol=TOLERANCE, atol=1e-6,
+                                   msg=lambda m: f"parameter {name}: {m}")
+    loss = max(abs(got["losses"][i] - want["losses"][i]) / abs(want["losses"][i]) for i in want["losses"])
+    param = max(float((got["params"][n] - v).abs().max()) for n, v in want["params"].items())
+    print(f"{what}: largest relative loss difference {loss:.1e}, largest parameter difference {param:.1e}")
+
+
+def assert_plan_balances(balanced: dict):
+    """The heavy step (the first): the plan moved data off DP rank 0 and lowered every phase's max/mean."""
+    heavy = balanced["post_balancing"][0]
+    assert heavy["intra-node MB"] + heavy["inter-node MB"] > 0, heavy
+    for phase in ("vision", "audio", "llm"):
+        assert heavy[f"{phase} before"] > 1.3, heavy
+        assert heavy[f"{phase} after"] < heavy[f"{phase} before"], heavy
+    print("heavy step, modeled max/mean before->after: " + ", ".join(
+        f"{p} {heavy[f'{p} before']:.2f}->{heavy[f'{p} after']:.2f}" for p in ("vision", "audio", "llm")) +
+        f"; moved MB {heavy['intra-node MB'] + heavy['inter-node MB']:.3f}")
+
+
+def test_tp2_sequence_parallel_dp2_is_invariant_and_equals_tp2(tmp_path):
+    iters = ["--train-iters", "2"]
+    logs = train(tmp_path, 4, [("upstream", SP + iters), ("balanced", SP + iters + BALANCED),
+                               ("tp2", SP[:2] + iters)], timeout_s=420)
+    assert logs["balanced"]["layout"] == logs["upstream"]["layout"] == (True, 1) and logs["tp2"]["layout"] == (False, 1)
+    assert_same_run(logs["balanced"], logs["upstream"], 2, "TP 2 + SP x DP 2, post-balancing on / off")
+    assert_plan_balances(logs["balanced"])
+    assert_same_run(logs["upstream"], logs["tp2"], 2, "TP 2 + SP / TP 2")  # sequence parallelism changes no number
+    assert logs["upstream"]["losses"][2] != logs["upstream"]["losses"][1]
+
+
+@pytest.fixture(scope="module")
+def dp2_whole(tmp_path_factory):
+    """The whole-sequence run at the same global batch (CP 1 x DP 2): what CP 2 x DP 2 must reproduce."""
+    return train(tmp_path_factory.mktemp("dp2"), 2, [("dp2", ["--train-iters", "2"])], timeout_s=240)["dp2"]
+
+
+def test_cp2_dp2_padded_and_packed_rows_are_invariant_and_equal_cp1(dp2_whole, tmp_path):
+    iters = ["--train-iters", "2"]
+    logs = train(tmp_path, 4, [("upstream", CP + iters), ("balanced", CP + iters + BALANCED),
+                               ("packed", CP + iters + BALANCED + ["--orch-microbatching", "packed"])], timeout_s=480)
+    assert all(logs[name]["layout"] == (False, 2) for name in logs)
+    calls = {name: logs[name]["cp_attention_calls"] for name in logs}  # the CPU path, THD for packed rows
+    assert calls["upstream"]["padded"] > 0 and calls["balanced"]["padded"] > 0 and calls["packed"]["packed"] > 0, calls
+    assert calls["upstream"]["packed"] == calls["balanced"]["packed"] == calls["packed"]["padded"] == 0, calls
+    for name in ("balanced", "packed"):
+        assert_same_run(logs[name], logs["upstream"], 2, f"CP 2 x DP 2, post-balancing on ({name}) / off")
+        assert_plan_balances(logs[name])
+    assert_same_run(logs["upstream"], dp2_whole, 2, "CP 2 / CP 1 at DP 2")  # the CP shards are exact
+
+
+def test_tp2_sequence_parallel_cp2_dp2_is_invariant(tmp_path):
+    """Eight ranks, one step (the heavy one): sequence and context parallelism together."""
+    iters = ["--train-iters", "1"]
+    logs = train(tmp_path, 8, [("upstream", SP + CP + iters), ("balanced", SP + CP + iters + BALANCED)],
+                 timeout_s=600)
+    assert logs["upstream"]["layout"] == logs["balanced"]["layout"] == (True, 2)
+    assert_same_run(logs["balanced"], logs["upstream"], 1, "TP 2 + SP x CP 2 x DP 2, post-balancing on / off")
+    assert_plan_balances(logs["balanced"])
