@@ -141,12 +141,17 @@ def test_sharding_flags_are_checked_as_megatron_lm_checks_them():
     base = COMMON + FLAGS + ["--global-batch-size", "8"]
     args = arguments.parse_args(base + ["--use-megatron-fsdp"], world_size=2)
     assert args.use_distributed_optimizer and args.data_parallel_sharding_strategy == "optim_grads_params"
+    # the checked first step is off with sharded parameters, also for a model config of the user's own
+    args = arguments.parse_args(base + ["--use-torch-fsdp2", "--orch-post-balancing"], world_size=2)
+    assert args.orch_config is not None and not args.orch_config.verify_first_step
     for flags, message in ((["--use-torch-fsdp2", "--use-megatron-fsdp"], "exclude each other"),
                            (["--use-torch-fsdp2", "--use-distributed-optimizer"], "does not take --use-distributed"),
                            (["--data-parallel-sharding-strategy", "optim"], "needs --use-megatron-fsdp"),
                            (["--use-megatron-fsdp", "--optimizer", "sgd"], "--optimizer adam only"),
                            (["--use-torch-fsdp2", "--tensor-model-parallel-size", "2"], "over data parallelism only"),
-                           (["--use-megatron-fsdp", "--save", "ckpt"], "--save with --use-megatron-fsdp")):
+                           (["--use-megatron-fsdp", "--save", "ckpt"], "--save with --use-megatron-fsdp"),
+                           (["--use-torch-fsdp2", "--orch-post-balancing", "--orch-verify-first-step"],
+                            "--orch-verify-first-step with --use-torch-fsdp2")):
         with pytest.raises(arguments.ArgumentError, match=re.escape(message)):
             arguments.parse_args(base + flags, world_size=2)
 

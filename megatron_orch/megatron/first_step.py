@@ -5,7 +5,8 @@ with one line naming the fix, instead of training differently from upstream or f
   (:func:`~megatron_orch.megatron.contract.check_model`: ``phase_encoders``, ``encode``, ``forward``,
   ``model_type``, ``set_input_tensor``) and its config normalises the loss per token
   (``calculate_per_token_loss``, which makes moving examples between DP ranks loss-invariant).
-* **On the first step with items of an encoder phase** (:class:`EncoderChecks`), on each rank holding some:
+* **On the first step with items of an encoder phase** (:class:`EncoderChecks`), on each rank holding some
+  (every rank, with parameters sharded over DP: :func:`check_encode`):
   a few items encoded together give the rows they give one at a time (``encode`` is item by item, e.g.
   ``[n * rows, hidden]``, not Megatron's ``[s, b, h]`` flattened as it comes), and every parameter the
   encode reaches (its autograd graph) belongs to the phase's module in ``phase_encoders()`` (a rank without
@@ -28,6 +29,7 @@ with one line naming the fix, instead of training differently from upstream or f
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 from typing import Callable, Dict, Iterator, List, Mapping, Optional, Sequence, Tuple
 
@@ -137,19 +139,28 @@ def _parameters_reached(rows: torch.Tensor) -> set:
     return found
 
 
-def check_encode(module: BalanceableModel, phase: str, items: torch.Tensor, rows_per_item: int) -> None:
+def check_encode(module: BalanceableModel, phase: str, items: torch.Tensor, rows_per_item: int,
+                 sharded_encode: Optional[Callable[[torch.Tensor], torch.Tensor]] = None) -> None:
     """Raise ValueError (naming the fix) unless ``encode(phase, ·)`` is item by item on a few of ``items`` and
     uses parameters of ``phase_encoders()[phase]`` only (module docstring). One item is checked as two copies
-    of it: rows of ``[s, b, h]`` flattened interleave the items, so even two equal items give other rows."""
+    of it: rows of ``[s, b, h]`` flattened interleave the items, so even two equal items give other rows.
+
+    ``sharded_encode``: the phase's encode through a sharded wrapper (parameters sharded over DP are gathered by
+    collectives, so every rank runs this check, with the same calls): three items, zero items past the rank's
+    own, without gradients. The parameter check is left out there: with sharded parameters every rank runs
+    every encoder phase in every step, so no gradient depends on which module ``phase_encoders()`` names."""
     if phase not in module.phase_encoders():
         raise ValueError(f"post-balancing: phase_encoders() has no module of encoder phase {phase!r} (it has "
                          f"{sorted(module.phase_encoders())}); return it on the pipeline stage that encodes")
     sample = items[:3] if items.shape[0] > 1 else torch.cat([items, items])
+    encode = functools.partial(module.encode, phase) if sharded_encode is None else sharded_encode
+    if sharded_encode is not None:
+        sample = torch.cat([sample, sample.new_zeros(3 - sample.shape[0], *sample.shape[1:])])
     n = sample.shape[0]
-    with _dropout_off([module]), _rng_unchanged(), torch.enable_grad():
-        together = module.encode(phase, sample)
+    with _dropout_off([module]), _rng_unchanged(), torch.set_grad_enabled(sharded_encode is None):
+        together = encode(sample)
         with torch.no_grad():
-            apart = torch.cat([module.encode(phase, sample[i:i + 1]) for i in range(n)])
+            apart = torch.cat([encode(sample[i:i + 1]) for i in range(n)])
     where = f"post-balancing: encode({phase!r}, items)"
     if together.dim() != 2 or together.shape[0] != n * rows_per_item:
         raise ValueError(f"{where} gave rows of shape {tuple(together.shape)} for {n} items; expected "
@@ -160,6 +171,8 @@ def check_encode(module: BalanceableModel, phase: str, items: torch.Tensor, rows
                          f"time (largest relative difference {difference:.1e}); return each item's "
                          f"{rows_per_item} rows after the other, [n * {rows_per_item}, hidden] (an encoder output in "
                          "Megatron's [s, b, h] layout must become [b, s, h] before it is flattened)")
+    if sharded_encode is not None:
+        return
     reached = _parameters_reached(together)
     own = {id(p) for p in module.phase_encoders()[phase].parameters()}
     outside = [name for name, p in module.named_parameters() if id(p) in reached and id(p) not in own]
@@ -178,7 +191,10 @@ class EncoderChecks:
     def __init__(self):
         self.pending: Optional[set] = None  # phases not checked yet (None: no step seen)
 
-    def run(self, module: BalanceableModel, step: BalancedStep) -> None:
+    def run(self, module: BalanceableModel, step: BalancedStep,
+            sharded_encode: Optional[Callable[[str], Callable[[torch.Tensor], torch.Tensor]]] = None) -> None:
+        """``sharded_encode(phase)``: the phase's encode through a sharded wrapper, for every rank
+        (:func:`check_encode`)."""
         encoders = step.plan.encoders
         if self.pending is None:
             self.pending = set(encoders)
@@ -190,7 +206,9 @@ class EncoderChecks:
         try:
             for phase in due:
                 items = step.inputs.get(phase)
-                if items is not None and items.shape[0]:
+                if sharded_encode is not None and items is not None:
+                    check_encode(module, phase, items, step.rows_per_item[phase], sharded_encode(phase))
+                elif items is not None and items.shape[0]:
                     check_encode(module, phase, items, step.rows_per_item[phase])
         except Exception as err:  # noqa: BLE001 -- every rank must stop, not only those with items
             problem = err

@@ -90,7 +90,14 @@ def orch_config_from_args(args: argparse.Namespace, verify_by_default: bool = Fa
             raise ValueError(f"{flags} given without --orch-post-balancing (which turns post-balancing on) or "
                              "--orch-shadow")
         return None
-    verify = args.orch_verify_first_step or (verify_by_default and not args.orch_no_verify_first_step)
+    sharded = [f"--{name.replace('_', '-')}" for name in ("use_torch_fsdp2", "use_megatron_fsdp")
+               if getattr(args, name, False)]
+    if sharded and args.orch_verify_first_step:
+        raise ValueError(f"--orch-verify-first-step with {sharded[0]}: the checked first step compares each rank's "
+                         "own gradients and encodes outside the wrapper's collectives, which sharded parameters do "
+                         "not allow (not supported; without it the first step is not checked)")
+    verify = not sharded and (args.orch_verify_first_step
+                              or (verify_by_default and not args.orch_no_verify_first_step))
     phases = None if args.orch_phases is None else tuple(p.strip() for p in args.orch_phases.split(",") if p.strip())
     config = OrchestratorConfig(
         phases=phases, algorithm=args.orch_algorithm, microbatching=args.orch_microbatching,

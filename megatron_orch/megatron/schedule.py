@@ -101,7 +101,12 @@ class ModalityAwareSchedule:
                                               model=model, num_microbatches=num_microbatches,
                                               forward_only=forward_only, **kwargs)
         module = check_model(model)
-        self._encoder_checks.run(module, step)
+        model_chunk = model_chunks(model)[0]  # the encoders' chunk
+        if sharding_of(model_chunk) is None:
+            self._encoder_checks.run(module, step)
+        else:  # every rank, through the wrapper
+            self._encoder_checks.run(module, step, lambda phase: sharded_encode(
+                model_chunk, functools.partial(module.encode, phase)))
         run = functools.partial(self._run, step, module, forward_step_func, model, forward_only, kwargs)
         if step.home is not None and not forward_only:
             chunks = model_chunks(model)
