@@ -67,7 +67,7 @@ def test_a_phases_gradients_report_ready_once_after_its_last_chunk():
     schedule._start_move = lambda step, phase, rows, inverse=False: (lambda: grads[phase])
     no_sync = RecordingNoSync(module)
     step = types.SimpleNamespace(rows_per_item={"vision": 1, "audio": 1}, num_tokens=np.zeros(0))
-    schedule._encoders_backward(step, module, pending, no_sync)
+    schedule._encoders_backward(step, module, pending, no_sync, synced=True)
 
     # the whole step's gradient, computed in one backward as a reference
     reference = TwoEncoders()
