@@ -125,8 +125,9 @@ def test_unsupported_features_are_refused_by_name(world_of_one):
         sdpa(q[:1], q, q, None)
     with pytest.raises(NotImplementedError, match="sliding-window"):
         SDPAttention(dataclasses.replace(config, window_size=(4, 0)), 1, AttnMaskType.causal, "self")
-    with pytest.raises(NotImplementedError, match="context parallelism"):
-        SDPAttention(dataclasses.replace(config, context_parallel_size=2), 1, AttnMaskType.causal, "self")
+    cp_sdpa = SDPAttention(dataclasses.replace(config, context_parallel_size=2), 1, AttnMaskType.causal, "self")
+    with pytest.raises(NotImplementedError, match="context parallelism takes causal attention without a mask"):
+        cp_sdpa(q, q, q, torch.ones(1, 1, 6, 6, dtype=torch.bool))
 
 
 # --- packed rows: variable-length attention against the dense block-diagonal mask ------------------

@@ -24,7 +24,11 @@ def test_every_point_is_timed_with_the_cost_models_flops(tmp_path, monkeypatch, 
 
     def spy_build(phase, *args):
         module = build_phase(phase, *args)
-        built_layers[phase] = module.config.num_layers
+        per_layer = 1
+        if getattr(module.config, "is_hybrid_model", False):  # a HybridModel (0.19+) counts attention and MLP layers
+            from megatron_orch.mllm.hybrid import TRANSFORMER_LAYER
+            per_layer = len(TRANSFORMER_LAYER)
+        built_layers[phase] = module.config.num_layers // per_layer
         return module
 
     def call_or_oom(phase, module, config, size, device):

@@ -61,7 +61,7 @@ print(json.dumps({
 @pytest.fixture(scope="module")
 def audit():
     files = doubles.megatron_lm_files_or_skip()
-    tree = "" if files.from_wheel else str(files.root)
+    tree = "" if files.on_path else str(files.root)
     result = subprocess.run([sys.executable, "-c", PROBE, tree, json.dumps(README_FLAGS)], cwd=REPO,
                             capture_output=True, text=True, timeout=scaled(300))
     assert result.returncode == 0, result.stderr[-3000:]
@@ -106,7 +106,7 @@ def test_a_command_line_is_refused_flag_by_flag(audit):
 def test_the_launch_refuses_in_one_line_before_any_collective():
     """main_megatron_lm with a refused flag: one line naming it, from parsing alone (no process group exists)."""
     files = doubles.megatron_lm_files_or_skip()
-    tree = None if files.from_wheel else str(files.root)
+    tree = None if files.on_path else str(files.root)
     code = ("import sys, pathlib, runpy; sys.path.insert(0, 'tests'); import megatron_lm_doubles as d\n"
             f"d.install(None if {tree!r} is None else pathlib.Path({tree!r}))\n"
             "import torch.distributed as dist\n"

@@ -147,7 +147,8 @@ def dp2_whole(tmp_path_factory):
 
 def test_cp2_dp2_padded_and_packed_rows_are_invariant_and_equal_cp1(dp2_whole, tmp_path):
     iters = ["--train-iters", "2"]
-    logs = train(tmp_path, 4, [("upstream", CP + iters), ("balanced", CP + iters + BALANCED),
+    logs = train(tmp_path, 4, [("upstream", CP + iters),
+                               ("balanced", CP + iters + BALANCED + ["--orch-microbatching", "equal_count"]),
                                ("packed", CP + iters + BALANCED + ["--orch-microbatching", "packed"])], timeout_s=480)
     assert all(logs[name]["layout"] == (False, 2) for name in logs)
     calls = {name: logs[name]["cp_attention_calls"] for name in logs}  # the CPU path, THD for packed rows

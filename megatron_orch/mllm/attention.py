@@ -64,8 +64,9 @@ class SDPAttention(MegatronModule):
     No parameters and no state: a model's checkpoint is the same with it or ``DotProductAttention``.
     ``layer_number``, ``attention_type`` and ``cp_comm_type`` are accepted for the spec interface; the heads
     come from the tensors. With context parallelism (``config.context_parallel_size > 1``) the attention is
-    :func:`context_parallel_attention` over ``pg_collection``'s CP group (megatron-core's, without one). Query-key layer scaling is an fp16 range trick whose scale
-    cancels in megatron's softmax; SDPA keeps its softmax in fp32, so it is not needed here.
+    :func:`context_parallel_attention` over ``pg_collection``'s CP group (megatron-core's, without one).
+    Query-key layer scaling is an fp16 range trick whose scale cancels in megatron's softmax; SDPA keeps its
+    softmax in fp32, so it is not needed here.
     """
 
     def __init__(self, config: TransformerConfig, layer_number: int, attn_mask_type: AttnMaskType,
