@@ -95,9 +95,9 @@ def test_every_refused_flag_is_refused_by_name_when_it_differs_from_the_default(
 def test_a_command_line_is_refused_flag_by_flag(audit):
     assert audit["readme"] == [], audit["readme"]  # the README's launch line trains
     problems = audit["command_line"]
-    assert [p.split(" ", 1)[0] for p in problems] == ["--swiglu", "--moe-router-score-function",
+    assert [p.split(" ", 1)[0] for p in problems] == ["--moe-router-score-function", "--swiglu",
                                                       "--calculate-per-token-loss", "--vocab-size"], problems
-    assert "architecture comes from --model-config" in problems[0] and "MoE backbone" in problems[1]
+    assert "MoE backbone" in problems[0] and "architecture comes from --model-config" in problems[1]
     assert "vocab_size 1024" in problems[3]
     # an MoE backbone's shape, expert parallelism, losses and dispatcher are read, and so is sharding
     assert audit["moe"] == [], audit["moe"]
