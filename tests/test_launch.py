@@ -90,7 +90,7 @@ def test_a_device_script_leaves_a_summary_and_one_tarball_of_its_logs(tmp_path):
     assert proc.returncode == 1, proc
     assert sorted(p.name for p in out.iterdir()) == ["fake_check.tar.gz", "summary.txt"]
     summary = (out / "summary.txt").read_text().splitlines()
-    assert summary[1].startswith("fake_check.sh (cpu): steps' limits 20 s of 3600 s"), summary
+    assert summary[1].startswith("fake_check.sh (cpu): steps' limits 20 s of 4400 s"), summary
     assert summary[2:] == ["hello: hi", "FAILED: broken (exit 3)"], summary
     with tarfile.open(out / "fake_check.tar.gz") as tar:
         names = sorted(tar.getnames())
