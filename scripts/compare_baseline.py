@@ -123,7 +123,9 @@ def table(baseline: list, balanced: list, names=("off", "on")) -> str:
 
 
 def main(argv=None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    # the script the user ran names itself in usage and errors (run_main.sh, compare_baseline.sh set it)
+    parser = argparse.ArgumentParser(prog=os.environ.get("ORCH_SCRIPT_NAME") or None,
+                                     description=__doc__.splitlines()[0])
     parser.add_argument("--nproc", type=int, default=int(os.environ.get("NPROC", "4")),
                         help="processes (DP size with the default flags); default 4 or $NPROC")
     parser.add_argument("--out", type=Path, default=REPO / "runs" / "compare", help="logs and compare.json")

@@ -5,6 +5,7 @@
 #   bash scripts/compare_baseline.sh [--nproc N] [--out DIR] [--rtol X] [-- extra pretrain_mllm.py flags]
 set -euo pipefail
 repo=$(cd "$(dirname "$0")/.." && pwd)
+export ORCH_SCRIPT_NAME=${ORCH_SCRIPT_NAME:-compare_baseline.sh}  # (usage and errors name the script run)
 for arg in "$@"; do
   case $arg in
     --) break ;;

@@ -3,4 +3,4 @@
 # the tiny MLLM (CPU, gloo, DP 4, data drawn from the real length traces). Takes compare_baseline.sh's
 # options (--help lists them); the last line says PASSED or FAILED.
 set -euo pipefail
-exec bash "$(dirname "$0")/compare_baseline.sh" "$@"
+ORCH_SCRIPT_NAME=run_main.sh exec bash "$(dirname "$0")/compare_baseline.sh" "$@"

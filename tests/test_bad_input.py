@@ -55,6 +55,27 @@ def test_orch_gpus_per_node_must_fit_the_launch(monkeypatch):
     assert parse(*BALANCED, "--orch-gpus-per-node", "4", world_size=4).orch_config.gpus_per_node == 4
 
 
+@pytest.mark.parametrize("flag, value", [("--orch-placement", "exact"), ("--orch-placement", "greedy"),
+                                         ("--orch-algorithm", "auto"), ("--orch-microbatching", "auto"),
+                                         ("--orch-placement-time-limit", "1"), ("--orch-locality", None)])
+def test_an_orch_flag_given_without_the_switch_is_refused_even_at_its_default(flag, value):
+    """Old code: --orch-placement exact (its default) without --orch-post-balancing was accepted, greedy refused."""
+    given = [flag] + ([value] if value is not None else [])
+    with pytest.raises(arguments.ArgumentError, match=f"^{flag} given without --orch-post-balancing"):
+        parse(*given)
+    assert parse(*BALANCED, *given).orch_config is not None
+
+
+def test_the_orch_flags_defaults_apply_when_not_given():
+    assert parse().orch_config is None
+    args = parse(*BALANCED)
+    config = args.orch_config
+    assert (config.algorithm, config.microbatching, config.placement, config.placement_time_limit_s) == \
+        ("auto", "auto", "exact", 1.0)
+    assert (args.orch_algorithm, args.orch_microbatching, args.orch_placement, args.orch_placement_time_limit) == \
+        ("auto", "auto", "exact", 1.0)  # as a checkpoint records them, given or not
+
+
 @pytest.mark.parametrize("flags, message", [
     (["--lr", "nan"], "--lr must be a finite number in [0, inf), got nan"),
     (["--lr=-1e-3"], "--lr must be a finite number in [0, inf)"),

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from megatron_orch.balance.traces import NUMERIC_COLUMNS, TEXT_COLUMNS, load_mixture
-from megatron_orch.bench.balance import METHODS, RANK_METHODS, main, verl_equal_size_kk, verl_workload
+from megatron_orch.bench.balance import COMPARED_METHODS, RANK_METHODS, main, verl_equal_size_kk, verl_workload
 from megatron_orch.bench.common import draw_sizes
 from megatron_orch.balance.workload import phase_items
 
@@ -40,7 +40,7 @@ def test_small_run_writes_every_phase_and_method(traces_dir, tmp_path, model, ca
     assert [t["weight"] for t in result["params"]["traces"]] == [0.5, 0.3, 0.2]
     phases = ("vision", "audio", "llm")  # the model's, as its config names them
     for phase in phases:
-        assert set(result[phase]) == set(METHODS)
+        assert set(result[phase]) == set(COMPARED_METHODS)
         for method, fields in result[phase].items():
             for field in ("max_over_lb", "max_over_mean", "plan_ms"):
                 assert math.isfinite(fields[field]) and fields[field] >= 0, (phase, method, field)
@@ -49,7 +49,7 @@ def test_small_run_writes_every_phase_and_method(traces_dir, tmp_path, model, ca
         assert result[phase]["orch"]["max_over_lb"] <= result[phase]["none"]["max_over_lb"] + 1e-12
         assert result[phase]["none"]["inter_node_bytes_frac"] == 0.0
     assert result["params"]["items"]["llm"] == 32
-    assert set(result["step"]) == set(METHODS)
+    assert set(result["step"]) == set(COMPARED_METHODS)
     # The modeled step against a reference computed here from the same drawn batch: upstream (none)
     # runs each example end to end on its loading rank, so its step is the busiest rank's sum over
     # phases; a per-phase method's step is the sum over phases of its busiest rank.
@@ -58,7 +58,7 @@ def test_small_run_writes_every_phase_and_method(traces_dir, tmp_path, model, ca
     items = phase_items(sizes, config.phases())
     upstream = sum(np.bincount(items[p].home, weights=items[p].cost, minlength=8) for p in phases).max()
     assert result["step"]["none"]["flops"] == pytest.approx(upstream, rel=1e-12)
-    for method in set(METHODS) - {"none", "verl_kk"}:
+    for method in set(COMPARED_METHODS) - {"none", "verl_kk"}:
         step = sum(result[p][method]["max_over_mean"] * result["params"]["total_flops"][p] / 8 for p in phases)
         assert result["step"][method]["flops"] == pytest.approx(step, rel=1e-9), method
         assert result["step"][method]["speedup"] == pytest.approx(upstream / step, rel=1e-9), method

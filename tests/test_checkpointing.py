@@ -293,7 +293,9 @@ def test_a_finished_run_says_there_is_nothing_left_to_train(resumes):
     for result in runs["finished"]:
         assert result.get("error") == (f"ValueError: nothing left to train: the checkpoint under --load "
                                        f"{out / 'checkpoint'} is at iteration 2 and --train-iters is 2; raise "
-                                       "--train-iters to train further"), result
+                                       "--train-iters to train further, with --override-opt_param-scheduler "
+                                       "(--train-iters is part of the LR schedule, which must otherwise match the "
+                                       "checkpoint's)"), result
 
 
 @pytest.mark.distributed

@@ -39,10 +39,11 @@ def test_calibrate_then_emulate_on_cpu(tmp_path, monkeypatch):
     result = json.loads(out.read_text())
     assert result == json.loads(json.dumps(returned)) and png.stat().st_size > 10_000
     assert result["params"]["device"].startswith("cpu") and result["params"]["timing"] == "rank"
-    assert list(result["methods"]) == list(emulate.METHODS)
+    assert list(result["methods"]) == list(emulate.EMULATED_METHODS)
     check_consistent(result, items, profile)
     by_shape = emulate.main(common + ["--timing", "shape", "--llm-bucket", "16", "--compare-flops"])
-    assert list(by_shape["methods"]) == list(emulate.METHODS) + [m + emulate.FLOPS for m in emulate.METHODS]
+    methods = list(emulate.EMULATED_METHODS)
+    assert list(by_shape["methods"]) == methods + [m + emulate.FLOPS for m in methods]
     assert by_shape["methods"]["none_flops"]["phases"]["llm"]["measured_seconds"] == \
         by_shape["methods"]["none"]["phases"]["llm"]["measured_seconds"]  # one upstream, timed once
     check_consistent(by_shape, items, profile)

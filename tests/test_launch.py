@@ -134,11 +134,15 @@ def test_train_script_help_is_printed_once(tmp_path):
     assert refused.stderr == "train_tiny_cpu.sh: error: --nproc (or NPROC) must be a positive integer, got 'two'\n"
 
 
-def test_compare_script_refuses_unknown_options(tmp_path):
-    """run_main.sh -> compare_baseline.sh: checked by the standard library's argparse (before the set-up)."""
-    proc = run(["bash", str(REPO / "scripts" / "run_main.sh"), "--nproc", "2", "--train-iters", "3"], cwd=tmp_path)
+@pytest.mark.parametrize("script", ["run_main.sh", "compare_baseline.sh"])
+def test_compare_script_refuses_unknown_options(script, tmp_path):
+    """run_main.sh -> compare_baseline.sh: checked by the standard library's argparse (before the set-up), the
+    usage and the error naming the script run (old code: compare_baseline.py)."""
+    proc = run(["bash", str(REPO / "scripts" / script), "--nproc", "2", "--train-iters", "3"], cwd=tmp_path)
     assert proc.returncode == 2, proc
-    assert proc.stderr.splitlines()[-1].startswith("compare_baseline.py: error: unrecognized arguments: --train-iters")
+    assert proc.stderr.splitlines()[-1].startswith(f"{script}: error: unrecognized arguments: --train-iters")
+    helped = run(["bash", str(REPO / "scripts" / script), "--help"], cwd=tmp_path)
+    assert helped.returncode == 0 and helped.stdout.startswith(f"usage: {script} [-h] [--nproc NPROC]"), helped
     assert list(tmp_path.iterdir()) == []
 
 
@@ -307,8 +311,16 @@ def test_saving_to_a_relative_folder_and_resuming_with_nothing_left(tmp_path):
     assert resumed.returncode == 1, resumed.stderr[-3000:]
     assert resumed.stderr.splitlines()[-1] == (
         "pretrain_mllm.py: error on ranks 0-1: nothing left to train: the checkpoint under --load ck is at "
-        "iteration 1 and --train-iters is 1; raise --train-iters to train further"), resumed.stderr[-3000:]
+        "iteration 1 and --train-iters is 1; raise --train-iters to train further, with "
+        "--override-opt_param-scheduler (--train-iters is part of the LR schedule, which must otherwise match the "
+        "checkpoint's)"), resumed.stderr[-3000:]
     _assert_no_report(resumed)
+    # the hint followed: the next refusal (the LR schedule differs from the checkpoint's) does not come
+    further = run(TRAIN + ["--load", "ck", "--train-iters", "2", "--override-opt_param-scheduler"], cwd=tmp_path,
+                  timeout=120)
+    assert further.returncode == 0, further.stderr[-3000:]
+    assert "resumed from ck at iteration 1" in further.stdout and " iteration        2/       2 |" in further.stdout, \
+        further.stdout[-3000:]
 
 
 # ------------------------------------------------------------------------------ the main job's output

@@ -6,9 +6,11 @@ import numpy as np
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from megatron_orch.balance.partition import (METHODS, equal_count_lower_bound, partition,
+from megatron_orch.balance.partition import (equal_count_lower_bound, partition,
                                              partition_equal_count, partition_locality)
+from megatron_orch.balance.registry import PARTITIONERS
 
+METHODS = tuple(entry.name for entry in PARTITIONERS.builtins())  # lpt, kk, bs_ffd
 ALL_METHODS = METHODS + ("auto",)
 
 
@@ -393,7 +395,7 @@ def test_other_bad_input_is_refused_clearly():
         partition([1.0], 0)
     with pytest.raises(ValueError, match="num_bins must be an int"):
         partition([1.0], 2.5)
-    with pytest.raises(ValueError, match="unknown method"):
+    with pytest.raises(ValueError, match="unknown partitioner 'greedy'; choose one of auto, lpt, kk, bs_ffd"):
         partition([1.0], 2, method="greedy")
     with pytest.raises(ValueError, match="one-dimensional"):
         partition([[1.0, 2.0]], 2)

@@ -4,14 +4,21 @@ import numpy as np
 import pytest
 from hypothesis import given, settings, strategies as st
 
+from megatron_orch.balance import _kernels
 from megatron_orch.balance.partition import partition, partition_groups
+from megatron_orch.balance.registry import PARTITIONERS
 from megatron_orch.balance.topology import Topology
 from megatron_orch.balance.traces import HEAVY_TAILED_MIXTURES
 from megatron_orch.balance.workload import phase_items
 from megatron_orch.bench.common import PLAN_METHODS, draw_sizes
 from megatron_orch.orchestrator.step_plan import plan_step
 
-METHODS = ("auto", "lpt", "kk", "bs_ffd")
+METHODS = ("auto",) + tuple(entry.name for entry in PARTITIONERS.builtins())
+
+
+def test_the_compiled_methods_are_the_built_in_partitioners():
+    """partition_groups compiles auto and every built-in partitioner (a registered one runs group by group)."""
+    assert _kernels.METHOD_CODES == METHODS == ("auto", "lpt", "kk", "bs_ffd")
 
 
 def per_group_in_python(costs, group, num_bins, method):
@@ -49,5 +56,5 @@ def test_bad_input_is_refused():
         partition_groups([1.0, 2.0], [0], 2)
     with pytest.raises(ValueError, match="must be >= 0"):
         partition_groups([1.0, 2.0], [0, -1], 2)
-    with pytest.raises(ValueError, match="unknown method"):
+    with pytest.raises(ValueError, match="unknown partitioner 'best'"):
         partition_groups([1.0], [0], 2, method="best")

@@ -6,9 +6,11 @@ import pytest
 from hypothesis import given, settings, strategies as st
 
 from megatron_orch.balance import placement as placement_module
-from megatron_orch.balance.placement import (METHODS, BinTraffic, PlacementConfig, place_bins,
-                                          placement_cost)
+from megatron_orch.balance.placement import BinTraffic, PlacementConfig, place_bins, placement_cost
+from megatron_orch.balance.registry import PLACEMENTS
 from megatron_orch.balance.topology import Topology
+
+METHODS = tuple(entry.name for entry in PLACEMENTS.builtins())  # identity, greedy, exact, minmax
 
 
 @st.composite
@@ -162,7 +164,7 @@ def test_placement_benchmark_orders_methods_as_their_guarantees_say():
     import json
 
     from megatron_orch.balance.traces import DEFAULT_MIXTURE
-    from megatron_orch.bench.placement import FIELDS, METHODS as BENCH_METHODS, run
+    from megatron_orch.bench.placement import COMPARED_PLACEMENTS as BENCH_METHODS, FIELDS, run
 
     result = run(list(DEFAULT_MIXTURE), dp=16, per_rank=2, gpus_per_node=4, model="mllm_84b", seed=0,
                  minmax_time_limit_s=0.5)

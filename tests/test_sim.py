@@ -20,7 +20,7 @@ from megatron_orch.bench.common import PLAN_METHODS, draw_sizes, upstream_plan
 from megatron_orch.mllm.config import load_model_config
 from megatron_orch.orchestrator.step_plan import plan_step
 from megatron_orch.sim import __main__ as sim_main
-from megatron_orch.sim.cluster import METHODS, LinkModel, simulate_step
+from megatron_orch.sim.cluster import SIM_METHODS, LinkModel, simulate_step
 
 TINY = load_model_config("tiny")
 PHASES = ("vision", "audio", "llm")  # tiny's phases
@@ -97,7 +97,7 @@ def test_small_run_gives_consistent_json(tmp_path):
     assert set(result["dp"]) == {"8", "16"} and len(result["per_seed"]["16"]) == 2
     assert result["params"]["costs"].startswith(f"profile {profile}")
     for dp, runs in result["per_seed"].items():
-        for method in METHODS:  # the table shows the mean over seeds
+        for method in SIM_METHODS:  # the table shows the mean over seeds
             assert result["dp"][dp][method]["speedup"] == pytest.approx(np.mean([r[method]["speedup"] for r in runs]))
         for figures in runs:
             check_run(figures)
@@ -111,10 +111,10 @@ def test_small_run_gives_consistent_json(tmp_path):
 def check_run(figures):
     """One simulated batch: every figure adds up (DP only: the step is its compute, the transfers the schedule
     leaves exposed and the gradient reduction)."""
-    assert set(figures) == set(METHODS) | {"nic_sweep"}
+    assert set(figures) == set(SIM_METHODS) | {"nic_sweep"}
     none = figures["none"]
     assert none["comm_seconds"] == 0 and none["speedup"] == 1 and none["plan_seconds"] == 0
-    for method in METHODS:
+    for method in SIM_METHODS:
         f = figures[method]
         assert f["speedup"] == pytest.approx(none["step_seconds"] / f["step_seconds"])
         assert f["step_seconds"] == pytest.approx(f["parts"]["step"] + f["exposed_plan_seconds"])

@@ -1,13 +1,15 @@
 """Assign the items of one phase to K data-parallel bins, minimising the most-loaded bin.
 
 This is multiway number partitioning (P||Cmax) with an optional per-bin memory cap. Three
-constructive methods are offered, plus a local-search refinement on top:
+constructive methods are built in (registered in :data:`megatron_orch.balance.registry.PARTITIONERS`, where a
+user's partitioner registers too), plus a local-search refinement on top:
 
 * ``lpt``: greedy longest-processing-time (each item, largest first, to the least-loaded bin);
 * ``kk``: Karmarkar-Karp largest differencing, K-way;
 * ``bs_ffd``: binary search on the bin capacity, first-fit decreasing at each capacity;
 * ``auto``: each of the three refined (swap sweeps between many bins at once, then local search:
-  exchanges out of the most-loaded bin), until one is within 0.2% of the lower bound; the best kept.
+  exchanges out of the most-loaded bin), until one is within 0.2% of the lower bound; the best kept
+  (registered partitioners do not take part: they are picked by name).
 
 Variants: :func:`partition_equal_count` (every bin gets exactly n/K items, for fixed micro-batch
 sizes), :func:`partition_locality` and :func:`partition_equal_count_locality` (bins are ranks; items
@@ -29,9 +31,9 @@ import numpy as np
 from megatron_orch.balance import _kernels
 from megatron_orch.balance.placement import PlacementConfig, place_items
 from megatron_orch.balance.plan import moved_bytes
+from megatron_orch.balance.registry import PARTITIONERS, Entry
 from megatron_orch.balance.topology import Topology
 
-METHODS = ("lpt", "kk", "bs_ffd")
 _SWAP_SWEEPS = 16           # at most this many swap sweeps before the local search (a sweep: ~1 ms at DP 2560)
 _REFINE_PARTNERS = 8         # least-loaded bins tried as move/swap partners of the most-loaded one
 _KK_TRUSTED = 0.01           # equal-count KK this close to the bound is refined before the slot greedy is built
@@ -88,10 +90,6 @@ class Partition:
     def counts(self) -> np.ndarray:
         """Number of items in each bin."""
         return np.bincount(self.bin_of_item, minlength=self.num_bins)
-
-    def items_in(self, b: int) -> np.ndarray:
-        """Ids of the items in bin ``b``, ascending."""
-        return np.flatnonzero(self.bin_of_item == b)
 
 
 def _ratio(num: float, den: float, empty: float = 1.0) -> float:
@@ -240,10 +238,16 @@ def _placed(bin_of_item, home, item_bytes, num_bins: int, gpus_per_node: int) ->
 
 
 # ----------------------------------------------------------------------------------------------
-# The three constructive methods (each returns bin_of_item or raises _Infeasible)
+# The three constructive methods, registered in this order (the order ``auto`` tries them). Each takes a
+# registered partitioner's arguments (megatron_orch.balance.registry) and, from this module, the items by
+# decreasing cost (``order``) and ``auto``'s best max so far (``upper``); returns bin_of_item or raises
+# _Infeasible.
 # ----------------------------------------------------------------------------------------------
 
-def _lpt(costs, memory, cap, order, num_bins, upper=None):
+@PARTITIONERS.register("lpt", _builtin=True)
+def _lpt(costs, num_bins, memory, cap, *, order=None, upper=None):
+    """Longest processing time first: each item, largest first, to the least-loaded bin with memory room."""
+    order = _decreasing(costs) if order is None else order
     bins = np.empty(costs.size, dtype=np.int64)
     item = _kernels.lpt(costs, memory, cap, order, num_bins, bins)
     if item >= 0:
@@ -252,7 +256,10 @@ def _lpt(costs, memory, cap, order, num_bins, upper=None):
     return bins
 
 
-def _kk(costs, memory, cap, order, num_bins, upper=None):
+@PARTITIONERS.register("kk", _builtin=True)
+def _kk(costs, num_bins, memory, cap, *, order=None, upper=None):
+    """Karmarkar-Karp largest differencing, K-way (ignores memory: refused where it exceeds the cap)."""
+    order = _decreasing(costs) if order is None else order
     bins = np.zeros(costs.size, dtype=np.int64)
     _kernels.kk(costs, order, 1, num_bins, bins)
     if not _fits_memory(bins, memory, cap, num_bins):
@@ -261,10 +268,14 @@ def _kk(costs, memory, cap, order, num_bins, upper=None):
     return bins
 
 
-def _bs_ffd(costs, memory, cap, order, num_bins, upper=None):
-    """Smallest capacity (to a relative tolerance) at which first-fit decreasing places every item
+@PARTITIONERS.register("bs_ffd", _builtin=True)
+def _bs_ffd(costs, num_bins, memory, cap, *, order=None, upper=None):
+    """Binary search on the bin capacity, first-fit decreasing at each capacity.
+
+    The smallest capacity (to a relative tolerance) at which first-fit decreasing places every item
     (:func:`_kernels.bs_ffd`). ``upper`` (from ``auto``) asks only for results at most that good:
     returns None if FFD fails there."""
+    order = _decreasing(costs) if order is None else order
     bins = np.zeros(costs.size, dtype=np.int64)
     status = _kernels.bs_ffd(costs, memory, cap, order, num_bins, math.inf if upper is None else upper,
                              _BS_FFD_REL_TOL, _BS_FFD_MAX_ROUNDS, bins)
@@ -276,7 +287,25 @@ def _bs_ffd(costs, memory, cap, order, num_bins, upper=None):
     return bins
 
 
-_CONSTRUCT = {"lpt": _lpt, "kk": _kk, "bs_ffd": _bs_ffd}
+def _read_only(values: np.ndarray) -> np.ndarray:
+    view = values.view()
+    view.flags.writeable = False
+    return view
+
+
+def _construct(entry: Entry, costs, memory, cap, order, num_bins, upper=None):
+    """bin_of_item of partitioner ``entry``: a built-in one is given the decreasing ``order`` and ``upper``; a
+    registered one's result is checked (one bin per item, within the memory cap) and refusals name it."""
+    if entry.builtin:
+        return entry.function(costs, num_bins, memory, cap, order=order, upper=upper)
+    try:
+        bins = entry.function(_read_only(costs), num_bins, _read_only(memory), cap)
+    except ValueError as err:
+        raise _Infeasible(f"partitioner {entry.name!r}: {err}") from None
+    bins = _check_bins(bins, f"partitioner {entry.name!r}'s result", costs.size, num_bins)
+    if not _fits_memory(bins, memory, cap, num_bins):
+        raise _Infeasible(f"partitioner {entry.name!r}: its result exceeds the memory cap {cap}")
+    return bins
 
 
 # ----------------------------------------------------------------------------------------------
@@ -289,12 +318,13 @@ def _auto(costs, memory, cap, order, num_bins, refine: bool):
     best, best_cost, winner, reasons = None, math.inf, None, []
     bound = _kernels.pigeonhole_bound(costs, order, num_bins)
     good_enough, settled = (1.0 + _GOOD_ENOUGH) * bound, (1.0 + _AUTO_SETTLED) * bound
-    for name in METHODS:
+    for entry in PARTITIONERS.builtins():
         if best_cost <= settled:
             break
+        name = entry.name
         try:
-            bins = _CONSTRUCT[name](costs, memory, cap, order, num_bins,
-                                    upper=best_cost if best is not None else None)
+            bins = _construct(entry, costs, memory, cap, order, num_bins,
+                              upper=best_cost if best is not None else None)
         except _Infeasible as err:
             reasons.append(str(err))
             continue
@@ -326,7 +356,8 @@ def partition(costs, num_bins, *, method: str = "auto", memory=None, memory_cap=
               refine: Optional[bool] = None, item_bytes=None, gpus_per_node=None) -> Partition:
     """Assign every item to one of ``num_bins`` bins, minimising the maximum bin cost.
 
-    ``method``: ``"lpt"``, ``"kk"``, ``"bs_ffd"`` or ``"auto"``: each of the three that honours the
+    ``method``: ``"lpt"``, ``"kk"``, ``"bs_ffd"``, a registered partitioner's name
+    (:mod:`megatron_orch.balance.registry`) or ``"auto"``: each of the three that honours the
     memory cap, refined, in that order until one is within 0.2% of the lower bound, the best kept
     (ties: the earlier). ``refine`` (default: only for
     ``auto``) lowers the maximum by swap sweeps (without a memory cap: many bins at once,
@@ -346,15 +377,14 @@ def partition(costs, num_bins, *, method: str = "auto", memory=None, memory_cap=
     home = None if home is None else _check_bins(home, "home", n, num_bins)
     item_bytes = None if item_bytes is None else _check_values(item_bytes, "item_bytes", n)
     gpus_per_node = None if gpus_per_node is None else _check_gpus_per_node(gpus_per_node)
-    if method != "auto" and method not in _CONSTRUCT:
-        raise ValueError(f"unknown method {method!r}; choose 'auto' or one of {METHODS}")
+    entry = None if method == "auto" else PARTITIONERS.get(method)
     refine = (method == "auto" if refine is None else refine) and n > 0
     order = _decreasing(costs)
     if method == "auto":
         bins, name, cost = _auto(costs, memory, cap, order, num_bins, refine)
     else:
         try:
-            bins = _CONSTRUCT[method](costs, memory, cap, order, num_bins)
+            bins = _construct(entry, costs, memory, cap, order, num_bins)
         except _Infeasible as err:
             raise ValueError(str(err)) from None
         name = method
@@ -374,7 +404,8 @@ def partition_groups(costs, group, num_bins, *, method: str = "auto") -> np.ndar
     """Bin of every item when each group of items is partitioned into ``num_bins`` bins on its own:
     for every g, ``out[group == g]`` equals ``partition(costs[group == g], num_bins,
     method=method).bin_of_item``, computed for all groups in one compiled call that releases the GIL
-    (:func:`_kernels.partition_groups`): the packed micro-batches of every rank at once.
+    (:func:`_kernels.partition_groups`): the packed micro-batches of every rank at once. A registered
+    partitioner (not compiled) is called group after group.
     """
     costs = _check_values(costs, "costs")
     group = np.asarray(group)
@@ -385,9 +416,14 @@ def partition_groups(costs, group, num_bins, *, method: str = "auto") -> np.ndar
     if group.size and group.min() < 0:
         raise ValueError(f"group of item {int(np.argmin(group))} is {group.min()}; must be >= 0")
     num_bins = _check_num_bins(num_bins)
-    if method not in _kernels.METHOD_CODES:
-        raise ValueError(f"unknown method {method!r}; choose one of {_kernels.METHOD_CODES}")
     bins = np.zeros(costs.size, dtype=np.int64)
+    if method not in _kernels.METHOD_CODES:
+        PARTITIONERS.get(method)  # (ValueError naming the choices)
+        by_group = np.argsort(group, kind="stable")
+        starts = np.flatnonzero(np.diff(group[by_group], prepend=-1))
+        for items in np.split(by_group, starts[1:]) if by_group.size else ():
+            bins[items] = partition(costs[items], num_bins, method=method).bin_of_item
+        return bins
     _kernels.partition_groups(costs, group, int(group.max(initial=-1)) + 1, num_bins,
                               _kernels.METHOD_CODES.index(method), _GOOD_ENOUGH, _AUTO_SETTLED, _BS_FFD_REL_TOL,
                               _BS_FFD_MAX_ROUNDS, _SWAP_SWEEPS, _REFINE_PARTNERS, _CHEAPEST_SCAN, bins)

@@ -5,7 +5,8 @@ bin -> rank map that moves the fewest bytes over slow links. A bin placed on ran
 bytes from their home ranks: bytes from another node cross the inter-node network, bytes from another
 GPU of the same node cross NVLink, bytes already on r stay put.
 
-Methods (one bin per rank):
+Methods (one bin per rank), registered in :data:`megatron_orch.balance.registry.PLACEMENTS` (where a user's
+placement method registers too):
 
 - ``identity``: bin b on rank b.
 - ``greedy``: largest same-node byte counts first, then largest same-GPU byte counts inside each
@@ -30,6 +31,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
+from typing import Optional
 
 import numpy as np
 
@@ -41,9 +43,8 @@ except ImportError:  # OR-Tools is optional at run time: only the min-max placem
 
 from megatron_orch.balance import _transport
 from megatron_orch.balance.plan import as_index_array, moved_bytes
+from megatron_orch.balance.registry import PLACEMENTS
 from megatron_orch.balance.topology import Topology
-
-METHODS = ("identity", "greedy", "exact", "minmax")
 
 
 @dataclass(frozen=True, eq=False)
@@ -112,8 +113,7 @@ class PlacementConfig:
     max_full_model: int = 10_000
 
     def __post_init__(self):
-        if self.method not in METHODS:
-            raise ValueError(f"unknown placement method {self.method!r}; choose one of {METHODS}")
+        PLACEMENTS.get(self.method)  # (ValueError naming the choices)
         if self.time_limit_s < 0 or self.num_workers < 1 or self.candidate_nodes < 1:
             raise ValueError(f"invalid placement config {self}")
 
@@ -151,24 +151,23 @@ def placement_cost(traffic: BinTraffic, topology: Topology, rank_of_bin) -> Plac
 
 
 def place_bins(traffic: BinTraffic, topology: Topology,
-               config: PlacementConfig = PlacementConfig()) -> BinPlacement:
-    """Choose a rank for every bin (a permutation) by ``config.method``; see the module docstring."""
+               config: Optional[PlacementConfig] = None) -> BinPlacement:
+    """Choose a rank for every bin (a permutation) by ``config.method`` (default: ``PlacementConfig()``); see the
+    module docstring."""
     start = time.perf_counter()
+    config = PlacementConfig() if config is None else config
     if traffic.num_bins != traffic.num_ranks or topology.num_ranks != traffic.num_ranks:
         raise ValueError(f"placement needs one bin per rank: {traffic.num_bins} bins, traffic over "
                          f"{traffic.num_ranks} ranks, topology of {topology.num_ranks} ranks")
-    if config.method == "identity":
-        rank_of_bin, solver = np.arange(traffic.num_bins), "identity"
-    elif config.method == "greedy":
-        rank_of_bin, solver = _greedy(_Problem(traffic, topology))
-    else:
-        rank_of_bin, solver = _exact((traffic.bin, traffic.rank, traffic.nbytes), traffic.num_bins, topology,
-                                     lambda: traffic)
-        if config.method == "minmax":
-            if cp_model is None:
-                solver += " (OR-Tools not installed: no min-max)"
-            else:
-                rank_of_bin, solver = _minmax(_Problem(traffic, topology), rank_of_bin, solver, config, start)
+    entry = PLACEMENTS.get(config.method)
+    result = entry.function(traffic, topology, config)
+    rank_of_bin, solver = result if isinstance(result, tuple) else (result, entry.name)
+    if not entry.builtin:
+        rank_of_bin = np.asarray(rank_of_bin)
+        if rank_of_bin.shape != (traffic.num_bins,) or not np.issubdtype(rank_of_bin.dtype, np.integer) or \
+                not np.array_equal(np.sort(rank_of_bin), np.arange(traffic.num_bins)):
+            raise ValueError(f"placement method {entry.name!r} must give every bin its own rank (a permutation of "
+                             f"0..{traffic.num_bins - 1}), got {rank_of_bin!r}")
     cost = placement_cost(traffic, topology, rank_of_bin)
     return BinPlacement(rank_of_bin=np.asarray(rank_of_bin, dtype=np.int64), solver=solver,
                         inter_node_bytes=cost.inter_node_bytes,
@@ -178,12 +177,13 @@ def place_bins(traffic: BinTraffic, topology: Topology,
 
 
 def place_items(bin_of_item, home_rank, item_bytes, topology: Topology,
-                config: PlacementConfig = PlacementConfig()) -> np.ndarray:
+                config: Optional[PlacementConfig] = None) -> np.ndarray:
     """Rank of every bin for the traffic of items (item i moves ``item_bytes[i]`` from
     ``home_rank[i]`` to the rank of bin ``bin_of_item[i]``; one bin per rank): the rank_of_bin of
     ``place_bins(BinTraffic.from_items(...), topology, config)``, without merging the items per
     (bin, rank) first where the method does not need it (``identity``, ``exact``): the trainer's path.
     """
+    config = PlacementConfig() if config is None else config
     num_ranks = topology.num_ranks
     bins, ranks, nbytes = _checked_items(bin_of_item, home_rank, item_bytes, num_ranks, num_ranks)
     if config.method == "identity":
@@ -253,6 +253,34 @@ class _Problem:
     def _bytes_at(self, bins, ranks):
         keys = self.traffic.bin * self.traffic.num_ranks + self.traffic.rank
         return _lookup(keys, self.traffic.nbytes, bins * self.traffic.num_ranks + ranks)
+
+
+@PLACEMENTS.register("identity", _builtin=True)
+def _identity(traffic: BinTraffic, topology: Topology, config: PlacementConfig):
+    """Bin b on rank b."""
+    return np.arange(traffic.num_bins), "identity"
+
+
+@PLACEMENTS.register("greedy", _builtin=True)
+def _greedy_placement(traffic: BinTraffic, topology: Topology, config: PlacementConfig):
+    """Largest same-node, then same-GPU byte counts first; never worse than identity."""
+    return _greedy(_Problem(traffic, topology))
+
+
+@PLACEMENTS.register("exact", _builtin=True)
+def _exact_placement(traffic: BinTraffic, topology: Topology, config: PlacementConfig):
+    """Minimum total inter-node bytes (a certified transportation solve), then the fewest bytes off their GPU."""
+    return _exact((traffic.bin, traffic.rank, traffic.nbytes), traffic.num_bins, topology, lambda: traffic)
+
+
+@PLACEMENTS.register("minmax", _builtin=True)
+def _minmax_placement(traffic: BinTraffic, topology: Topology, config: PlacementConfig):
+    """Minimum inter-node bytes of the busiest node (CP-SAT, from exact's; without OR-Tools: exact)."""
+    start = time.perf_counter()
+    rank_of_bin, solver = _exact_placement(traffic, topology, config)
+    if cp_model is None:
+        return rank_of_bin, solver + " (OR-Tools not installed: no min-max)"
+    return _minmax(_Problem(traffic, topology), rank_of_bin, solver, config, start)
 
 
 def _identity_or(problem: _Problem, rank_of_bin, solver: str):

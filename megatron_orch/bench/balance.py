@@ -62,7 +62,7 @@ from megatron_orch.bench.common import (PLAN_METHODS, draw_sizes, memory_caps, p
                                         trace_specs, upstream_plan, warm_up_partitioners)
 from megatron_orch.orchestrator.step_plan import EncoderPhasePlan, StepPlan, plan_step, step_transfers
 
-METHODS = ("none", "lpt", "kk", "bs_ffd", "orch", "orch_equal_count", "orch_locality", "orch_equal_locality",
+COMPARED_METHODS = ("none", "lpt", "kk", "bs_ffd", "orch", "orch_equal_count", "orch_locality", "orch_equal_locality",
            "verl_kk")
 RANK_METHODS = ("none", "orch", "orch_equal_count", "orch_locality", "orch_equal_locality", "verl_kk")  # bins are ranks
 EQUAL_COUNT_METHODS = ("orch_equal_count", "orch_equal_locality", "verl_kk")  # per_rank backbone examples per rank
@@ -180,7 +180,7 @@ def plan_phases(sizes: StepSizes, model, phases: Dict[str, PhaseItems], dp: int,
         phase_plans = {m: _timed(run, 1 if m == "none" else repeats) for m, run in runs.items()}
         phase_plans.update({method: trainer[method][name] for method in TRAINER_METHODS})
         phase_plans["verl_kk"] = verl if name == backbone else Plan(steps["verl_kk"].encoders[name].encode.rank, 0.0)
-        plans[name] = {m: phase_plans[m] for m in METHODS}
+        plans[name] = {m: phase_plans[m] for m in COMPARED_METHODS}
     return plans, steps
 
 
@@ -240,11 +240,11 @@ def run(trace_specs: Sequence[tuple], dp: int, per_rank: int, gpus_per_node: int
     plans, steps = plan_phases(sizes, config, phases, dp, gpus_per_node, repeats, caps)
 
     result: dict = {name: {m: _phase_figures(phases, plans, steps, name, m, dp, gpus_per_node, backbone)
-                           for m in METHODS} for name in phases}
+                           for m in COMPARED_METHODS} for name in phases}
     result["step"] = _step_model(phases, plans, dp, result, backbone)
     for method in TRAINER_METHODS:  # how the trainer's plan balanced the backbone (a locality plan: kept or not)
         result["step"][method]["backbone_method"] = steps[method].stats[backbone].method
-    best = max(METHODS, key=lambda m: result["step"][m]["speedup"])
+    best = max(COMPARED_METHODS, key=lambda m: result["step"][m]["speedup"])
     result["default"] = {"method": DEFAULT, "best": best, "speedup": result["step"][DEFAULT]["speedup"],
                          "best_speedup": result["step"][best]["speedup"],
                          "within": result["step"][DEFAULT]["speedup"] / result["step"][best]["speedup"]}
@@ -282,7 +282,7 @@ def run(trace_specs: Sequence[tuple], dp: int, per_rank: int, gpus_per_node: int
 
 def _step_model(phases: Dict[str, PhaseItems], plans, dp: int, figures: dict, backbone: str) -> dict:
     step = {}
-    for m in METHODS:
+    for m in COMPARED_METHODS:
         loads = {name: np.bincount(plans[name][m].bins, weights=phases[name].cost, minlength=dp)
                  for name in phases}
         if m in ("none", "verl_kk"):
@@ -293,7 +293,7 @@ def _step_model(phases: Dict[str, PhaseItems], plans, dp: int, figures: dict, ba
                    else sum(plans[name][m].plan_ms for name in phases))
         step[m] = {"flops": flops, "plan_ms": float(plan_ms)}
     lower = sum(max(float(phases[n].cost.sum()) / dp, float(phases[n].cost.max(initial=0.0))) for n in phases)
-    for m in METHODS:
+    for m in COMPARED_METHODS:
         step[m]["speedup"] = step["none"]["flops"] / step[m]["flops"]
         step[m]["over_lb"] = step[m]["flops"] / lower
         if m in RANK_METHODS:  # over the whole batch: every phase's bytes
@@ -316,7 +316,7 @@ def format_tables(result: dict) -> str:
                   "| method | max/mean | own bound/mean | max/own bound | max/LB | plan ms | inter-node bytes "
                   "| moved bytes |",
                   "|---|---:|---:|---:|---:|---:|---:|---:|"]
-        for m in METHODS:
+        for m in COMPARED_METHODS:
             f = result[name][m]
             inter = f"{100 * f['inter_node_bytes_frac']:.1f}%" if "inter_node_bytes_frac" in f else ""
             moved = f"{100 * f['moved_bytes_frac']:.1f}%" if "moved_bytes_frac" in f else ""
@@ -327,7 +327,7 @@ def format_tables(result: dict) -> str:
               "| method | step PFLOP | step/LB | speedup vs none | plan ms (all phases) | inter-node bytes "
               "| moved bytes |",
               "|---|---:|---:|---:|---:|---:|---:|"]
-    for m in METHODS:
+    for m in COMPARED_METHODS:
         s = result["step"][m]
         inter = f"{100 * s['inter_node_bytes_frac']:.1f}%" if "inter_node_bytes_frac" in s else ""
         moved = f"{100 * s['moved_bytes_frac']:.1f}%" if "moved_bytes_frac" in s else ""

@@ -48,7 +48,7 @@ from megatron_orch.bench.common import (PLAN_METHODS, add_trace_args, draw_sizes
 from megatron_orch.mllm.config import load_model_config
 from megatron_orch.orchestrator.step_plan import StepPlan
 
-METHODS = ("none",) + tuple(PLAN_METHODS)
+EMULATED_METHODS = ("none",) + tuple(PLAN_METHODS)
 FLOPS = "_flops"  # suffix of the methods planned (and modeled) with FLOPs under --compare-flops
 
 

@@ -41,7 +41,7 @@ from megatron_orch.bench.common import (draw_sizes, memory_caps, parser_with_bat
                                         trace_specs, warm_up_partitioners)
 from megatron_orch.orchestrator.step_plan import step_transfers
 
-METHODS = ("identity", "greedy", "exact", "minmax", "locality", "trainer")
+COMPARED_PLACEMENTS = ("identity", "greedy", "exact", "minmax", "locality", "trainer")
 PLACEMENTS = ("identity", "greedy", "exact", "minmax")
 LOCALITY_TOLERANCE = 0.01
 FIELDS = ("inter_node_bytes", "max_node_inter_bytes", "off_gpu_bytes", "solve_ms", "solver")
@@ -175,7 +175,7 @@ def format_tables(result: dict) -> str:
                   f"balanced by `{p['balanced_partition'][name]}`", "",
                   "| method | inter-node GiB | busiest node GiB | off-GPU GiB | solve ms | solver |",
                   "|---|---:|---:|---:|---:|---|"]
-        for m in METHODS:
+        for m in COMPARED_PLACEMENTS:
             f = result[name][m]
             lines.append(f"| {m} | {f['inter_node_bytes'] / gib:.3f} | {f['max_node_inter_bytes'] / gib:.3f} | "
                          f"{f['off_gpu_bytes'] / gib:.3f} | {f['solve_ms']:.1f} | {f['solver']} |")

@@ -154,13 +154,6 @@ def _verdict(headers: np.ndarray, check_names: List[str]) -> bool:
     return False
 
 
-def assert_same_on_all_ranks(value: int, group=None, what: str = "value") -> None:
-    """Raise :class:`GroupMismatchError` on every rank unless all ranks passed the same integer."""
-    values = all_gather_to_host(torch.tensor([int(value)], dtype=torch.int64), group).numpy().reshape(-1)
-    if (values != values[0]).any():
-        raise GroupMismatchError(f"ranks disagree on the {what}: per rank {values.tolist()[:64]}")
-
-
 def gather_hostnames(hostname: str, group=None, max_bytes: int = 255) -> List[str]:
     """Hostname of every rank of the group, in group rank order (fixed-size byte collective)."""
     encoded = hostname.encode("utf-8")

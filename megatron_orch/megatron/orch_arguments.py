@@ -6,11 +6,18 @@ import os
 from typing import Optional
 
 from megatron_orch.balance.cost_profile import load_cost_profile
-from megatron_orch.balance.placement import METHODS as PLACEMENT_METHODS
-from megatron_orch.orchestrator.config import ALGORITHMS, MICROBATCHING, OrchestratorConfig
+from megatron_orch.balance.registry import PARTITIONERS, PLACEMENTS
+from megatron_orch.orchestrator.config import MICROBATCHING, OrchestratorConfig
+
+# The flags that take a value with a default of their own: None when not given (so that one given without
+# --orch-post-balancing is refused like the others, even at its default value), these once it is on.
+_DEFAULTS = {"orch_algorithm": "auto", "orch_microbatching": "auto", "orch_placement": "exact",
+             "orch_placement_time_limit": 1.0}
 
 
 def add_orch_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """The ``--orch-*`` flags; the partitioner and placement choices are the registries' at this call
+    (:mod:`megatron_orch.balance.registry`: register a user's before the parser is built)."""
     g = parser.add_argument_group("post-balancing (megatron-orch)")
     g.add_argument("--orch-post-balancing", action="store_true",
                    help="master switch: rebalance every phase across DP ranks after the global batch is "
@@ -28,12 +35,13 @@ def add_orch_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     g.add_argument("--orch-phases", type=str, default=None,
                    help="comma-separated names of the phases to rebalance, as the model's configuration names "
                         "them; default: every phase of the model")
-    g.add_argument("--orch-algorithm", choices=ALGORITHMS, default="auto",
-                   help="partitioner of the encoder phases (and of the backbone when packed); auto: a phase "
-                        "whose items all cost the same (the model's tiles, frames, audio windows) is spread by "
-                        "count, each rank keeping its own items up to ceil(n/DP) and the rest filling its node "
-                        "first (optimal balance and bytes); otherwise the best of lpt, kk, bs_ffd")
-    g.add_argument("--orch-microbatching", choices=MICROBATCHING, default="auto",
+    g.add_argument("--orch-algorithm", choices=PARTITIONERS.names(), default=None,
+                   help="partitioner of the encoder phases (and of the backbone when packed); auto (default): a "
+                        "phase whose items all cost the same (the model's tiles, frames, audio windows) is spread "
+                        "by count, each rank keeping its own items up to ceil(n/DP) and the rest filling its node "
+                        "first (optimal balance and bytes); otherwise the best of the built-in ones. "
+                        + PARTITIONERS.describe().replace("%", "%%"))
+    g.add_argument("--orch-microbatching", choices=MICROBATCHING, default=None,
                    help="packed: one packed row per backbone micro-batch with a variable number of examples "
                         "(each attends to itself only); equal_count: micro-batch-size examples per micro-batch; "
                         "auto (default): packed where the backbone takes packed rows, else equal_count (the "
@@ -42,11 +50,10 @@ def add_orch_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                    help="locality-aware balancing: within 1%% of the plain plan's balance, keep items on their "
                         "node/GPU (every phase: backbone examples move between nodes first, then "
                         "inside them; encoder phases of equal items are planned this way already)")
-    g.add_argument("--orch-placement", choices=PLACEMENT_METHODS, default="exact",
-                   help="bins -> ranks: identity, greedy, exact (min total inter-node bytes), minmax "
-                        "(min busiest node's inter-node bytes)")
-    g.add_argument("--orch-placement-time-limit", type=float, default=1.0,
-                   help="seconds for the minmax placement solver")
+    g.add_argument("--orch-placement", choices=PLACEMENTS.names(), default=None,
+                   help="bins -> ranks (default exact). " + PLACEMENTS.describe().replace("%", "%%"))
+    g.add_argument("--orch-placement-time-limit", type=float, default=None,
+                   help="seconds for the minmax placement solver (default 1)")
     g.add_argument("--orch-gpus-per-node", type=int, default=None,
                    help="GPUs per node for the topology (default: torchrun's LOCAL_WORLD_SIZE)")
     g.add_argument("--orch-no-background-planning", action="store_true",
@@ -75,7 +82,8 @@ def orch_config_from_args(args: argparse.Namespace, verify_by_default: bool = Fa
     ``verify_by_default``: whether the first step is checked without ``--orch-verify-first-step`` (a model of
     the caller's own making; the shipped configs are tested against upstream already).
 
-    Inconsistent flags raise ValueError naming them, e.g. an ``--orch-*`` setting without the switch.
+    Inconsistent flags raise ValueError naming them, e.g. an ``--orch-*`` flag given without the switch. With
+    the switch, the flags of :data:`_DEFAULTS` not given are set to their defaults in ``args``.
     """
     defaults = add_orch_args(argparse.ArgumentParser()).parse_args([])
     if args.orch_post_balancing and args.orch_shadow:
@@ -100,9 +108,11 @@ def orch_config_from_args(args: argparse.Namespace, verify_by_default: bool = Fa
                               or (verify_by_default and not args.orch_no_verify_first_step))
     phases = None if args.orch_phases is None else tuple(p.strip() for p in args.orch_phases.split(",") if p.strip())
     config = OrchestratorConfig(
-        phases=phases, algorithm=args.orch_algorithm, microbatching=args.orch_microbatching,
-        locality=args.orch_locality, placement=args.orch_placement,
-        placement_time_limit_s=args.orch_placement_time_limit, gpus_per_node=args.orch_gpus_per_node,
+        phases=phases, algorithm=_default_if_not_given(args, "orch_algorithm"),
+        microbatching=_default_if_not_given(args, "orch_microbatching"), locality=args.orch_locality,
+        placement=_default_if_not_given(args, "orch_placement"),
+        placement_time_limit_s=_default_if_not_given(args, "orch_placement_time_limit"),
+        gpus_per_node=args.orch_gpus_per_node,
         background=not args.orch_no_background_planning, encoder_recompute=args.orch_encoder_recompute,
         encoder_chunk_tokens=args.orch_encoder_chunk_tokens,
         encoder_memory_cap=None if args.orch_encoder_memory_cap is None else args.orch_encoder_memory_cap * 1e9,
@@ -115,6 +125,13 @@ def orch_config_from_args(args: argparse.Namespace, verify_by_default: bool = Fa
         raise ValueError("--orch-microbatching packed with --pipeline-model-parallel-size > 1 is not "
                          "supported: 1F1B needs fixed-shape micro-batches (use equal_count)")
     return config
+
+
+def _default_if_not_given(args: argparse.Namespace, name: str):
+    """``args.<name>``, set to its default (:data:`_DEFAULTS`) first where the flag was not given."""
+    if getattr(args, name) is None:
+        setattr(args, name, _DEFAULTS[name])
+    return getattr(args, name)
 
 
 def _check_gpus_per_node(gpus_per_node: Optional[int], world_size: Optional[int],

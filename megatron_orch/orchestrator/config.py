@@ -9,11 +9,10 @@ from typing import Optional, Tuple
 import numpy as np
 
 from megatron_orch.balance.cost_profile import CostProfile
-from megatron_orch.balance.placement import METHODS as PLACEMENT_METHODS
+from megatron_orch.balance.registry import PARTITIONERS, PLACEMENTS
 from megatron_orch.balance.step_model import StepModel
 from megatron_orch.balance.workload import EncoderPhase, ModelPhases
 
-ALGORITHMS = ("auto", "lpt", "kk", "bs_ffd")
 MICROBATCHING = ("auto", "packed", "equal_count")
 
 
@@ -23,7 +22,8 @@ class OrchestratorConfig:
 
     ``phases``: the names of the phases rebalanced (None: every phase of the model); the others keep the
     loader's assignment (:meth:`check_phases` refuses a name the model has no phase of). ``algorithm``: the
-    partitioner of the encoder phases (and of the backbone in ``packed`` mode); under ``auto``, an
+    partitioner of the encoder phases (and of the backbone in ``packed`` mode), ``auto`` or a name in
+    :data:`megatron_orch.balance.registry.PARTITIONERS` (a user's registered there too); under ``auto``, an
     encoder phase of equal items is planned exactly by ``partition_uniform`` (no placement needed).
     ``microbatching``: ``packed`` gives each rank the same number of micro-batches, each one packed
     row of a variable number of examples (each attends causally to itself: variable-length attention);
@@ -35,7 +35,8 @@ class OrchestratorConfig:
     placement; the backbone's is kept only where ``step_model`` finds the step no slower than with the
     plain plan at any NIC bandwidth up to its link's (else the plain plan). ``placement``: how balanced bins
     are mapped to ranks (``identity``, ``greedy``, ``exact`` min-total inter-node bytes, ``minmax``
-    busiest node). ``background``: plan step k+1 on a CPU thread while step k trains.
+    busiest node, or a placement method registered in :data:`megatron_orch.balance.registry.PLACEMENTS`).
+    ``background``: plan step k+1 on a CPU thread while step k trains.
     ``encoder_chunk_tokens`` / ``encoder_memory_cap`` (bytes; ``math.inf``: no cap) / ``encoder_recompute``:
     how the encoder phases bound their activation memory (:mod:`megatron_orch.orchestrator.step_plan`:
     each rank runs its items of a phase in chunks, keeps the activations of the chunks that fit beside
@@ -77,12 +78,10 @@ class OrchestratorConfig:
                                  "--orch-post-balancing)")
             if len(set(self.phases)) != len(self.phases):
                 raise ValueError(f"--orch-phases: repeated phases in {list(self.phases)}")
-        if self.algorithm not in ALGORITHMS:
-            raise ValueError(f"--orch-algorithm: unknown {self.algorithm!r}; choose one of {ALGORITHMS}")
+        PARTITIONERS.check(self.algorithm)
         if self.microbatching not in MICROBATCHING:
             raise ValueError(f"--orch-microbatching: unknown {self.microbatching!r}; choose one of {MICROBATCHING}")
-        if self.placement not in PLACEMENT_METHODS:
-            raise ValueError(f"--orch-placement: unknown {self.placement!r}; choose one of {PLACEMENT_METHODS}")
+        PLACEMENTS.check(self.placement)
         if not (math.isfinite(self.placement_time_limit_s) and self.placement_time_limit_s > 0):
             raise ValueError(f"--orch-placement-time-limit must be > 0, got {self.placement_time_limit_s}")
         if self.gpus_per_node is not None and self.gpus_per_node < 1:

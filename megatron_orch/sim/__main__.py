@@ -19,7 +19,7 @@ from megatron_orch.balance.cost_profile import load_cost_profile
 from megatron_orch.bench.common import (add_trace_args, draw_sizes, effective_layers, parse_layers, report, trace_specs,
                                         with_layers)
 from megatron_orch.mllm.config import load_model_config
-from megatron_orch.sim.cluster import DEFAULT_TFLOPS, METHODS, LinkModel, StepModel, simulate_step, warm_up_planner
+from megatron_orch.sim.cluster import DEFAULT_TFLOPS, SIM_METHODS, LinkModel, StepModel, simulate_step, warm_up_planner
 
 PER_PHASE = ("orch", "equal_count", "locality", "equal_locality")
 # each locality-aware method and its plain counterpart (equal-count micro-batches can be slower than packed ones
@@ -54,7 +54,7 @@ def checks(result: dict) -> dict:
     """The direction of published results, and that locality-aware plans are never slower than their plain
     counterparts, each with the figures it rests on."""
     dps = sorted(result["dp"], key=int)
-    speedups = {dp: {m: result["dp"][dp][m]["speedup"] for m in METHODS} for dp in dps}
+    speedups = {dp: {m: result["dp"][dp][m]["speedup"] for m in SIM_METHODS} for dp in dps}
     per_phase = {dp: max(speedups[dp][m] for m in PER_PHASE) for dp in dps}
     orch = [speedups[dp]["orch"] for dp in dps]
     slower, equal_vs_orch = [], []  # (dp, seed, NIC Gb/s, method, its step, the other's): every batch, bandwidth
@@ -87,7 +87,7 @@ def format_tables(result: dict) -> str:
     p = result["params"]
     link, layout = p["link"], p["step_model"]
     first = result["dp"][sorted(result["dp"], key=int)[0]]
-    phases = list(first[METHODS[0]]["phase_seconds"])
+    phases = list(first[SIM_METHODS[0]]["phase_seconds"])
     lines = [f"[sim] model {p['model']} (layers {tuple(p['layers'])}), {p['per_rank']} examples per DP rank, "
              f"mean over seeds {p['seeds']}, costs: {p['costs']}; a DP rank is TP {layout['tensor_parallel']} x PP "
              f"{layout['pipeline_stages']} (virtual {layout['virtual_stages']}) GPUs; links: {link['gpus_per_node']} "
@@ -98,7 +98,7 @@ def format_tables(result: dict) -> str:
              "bubble s | grad reduce s | plan s (exposed) | step s | speedup | " + " / ".join(phases) + " speedup |",
              "|---:|---:|---|" + "---:|" * len(phases) + "---:|---:|---:|---:|---:|---:|---:|---|"]
     for dp in sorted(result["dp"], key=int):
-        for m in METHODS:
+        for m in SIM_METHODS:
             f = result["dp"][dp][m]
             ph = f["phase_seconds"]
             lines.append(f"| {dp} | {p['gpus'][dp] if dp in p['gpus'] else p['gpus'][int(dp)]} | {m} | "
@@ -183,7 +183,7 @@ def plot(result: dict, path: str) -> None:
 
     dps = sorted(result["dp"], key=int)
     fig, (left, right) = plt.subplots(1, 2, figsize=(13, 4.4))
-    methods = [m for m in METHODS if m != "none"]  # upstream is 1 by definition: the axis spans the others
+    methods = [m for m in SIM_METHODS if m != "none"]  # upstream is 1 by definition: the axis spans the others
     for i, m in enumerate(methods):
         offset = 1 + 0.05 * (i - (len(methods) - 1) / 2)  # multiplicative: the x axis is logarithmic
         left.plot([int(d) * offset for d in dps], [result["dp"][d][m]["speedup"] for d in dps],

@@ -49,10 +49,10 @@ from megatron_orch.bench.balance import backbone_only_plan
 from megatron_orch.bench.common import PLAN_METHODS, model_phases, plan_method
 from megatron_orch.orchestrator.step_plan import StepPlan, step_transfers, warm_up
 
-__all__ = ("METHODS", "END_TO_END", "DEFAULT_TFLOPS", "LinkModel", "StepModel", "phase_rank_seconds",
+__all__ = ("SIM_METHODS", "END_TO_END", "DEFAULT_TFLOPS", "LinkModel", "StepModel", "phase_rank_seconds",
            "simulate_step", "topology_of", "warm_up_planner")
 
-METHODS = ("none", "orch", "equal_count", "locality", "equal_locality", "backbone_only")
+SIM_METHODS = ("none", "orch", "equal_count", "locality", "equal_locality", "backbone_only")
 END_TO_END = ("none", "backbone_only")  # each example runs all its phases on one rank
 
 
@@ -91,7 +91,7 @@ def simulate_step(sizes: StepSizes, model, link: LinkModel, profile: Optional[Co
     items = phase_items(sizes, phases)
     backbone = phases.backbone.name
     plans, plan_seconds = {}, {}
-    for method in METHODS:
+    for method in SIM_METHODS:
         start = time.perf_counter()
         if method == "backbone_only":
             plans[method] = backbone_only_plan(sizes, plans["none"])
@@ -126,7 +126,7 @@ def simulate_step(sizes: StepSizes, model, link: LinkModel, profile: Optional[Co
                          for name, (move, b) in moves.items()}}
 
     result = {}
-    for method in METHODS:
+    for method in SIM_METHODS:
         f = figures(method, cluster)
         parts = f["parts"]
         exposed = max(0.0, plan_seconds[method] - parts["step"]) if method not in END_TO_END else 0.0
@@ -156,7 +156,7 @@ def simulate_step(sizes: StepSizes, model, link: LinkModel, profile: Optional[Co
     for gbits in nic_sweep:
         slow = cluster.with_nic(gbits)
         result["nic_sweep"][str(gbits)] = {method: figures(method, slow)["parts"]["step"]
-                                           + result[method]["exposed_plan_seconds"] for method in METHODS}
+                                           + result[method]["exposed_plan_seconds"] for method in SIM_METHODS}
     return result
 
 

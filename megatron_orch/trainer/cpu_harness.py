@@ -421,7 +421,3 @@ def install() -> None:
     _wrap_once(optimizer.MegatronOptimizer, "clip_grad_norm")
     _wrap_once(optimizer.ChainedOptimizer, "step")
     _installed = True
-
-
-def is_installed() -> bool:
-    return _installed

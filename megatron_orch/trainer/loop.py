@@ -440,7 +440,8 @@ def _set_up_and_train(args, model_provider, forward_step, print_fn, lock) -> lis
         if state.iteration >= args.train_iters:  # the same on every rank: each one stops here
             raise ValueError(f"nothing left to train: the checkpoint under --load {args.load} is at iteration "
                              f"{state.iteration} and --train-iters is {args.train_iters}; raise --train-iters "
-                             "to train further")
+                             "to train further, with --override-opt_param-scheduler (--train-iters is part of the "
+                             "LR schedule, which must otherwise match the checkpoint's)")
     if not state.run_id:
         state.run_id = new_run_id()
     if args.save:  # saved work of another run is replaced only when the user says so
