@@ -305,17 +305,17 @@ def test_compare_script_compares_the_flags_it_is_given(monkeypatch, capsys, tmp_
         assert proc.returncode == 2 and message in proc.stderr.splitlines()[-1], proc.stderr
 
 
-def test_readme_lists_the_megatron_flags_the_compact_trainer_accepts():
-    """README "Training" lists, group by group, exactly the Megatron-LM flags of the compact trainer's parser."""
-    import argparse
-    import re
+def test_the_flag_tables_of_docs_training_are_the_parsers():
+    """docs/training.md's flag tables are generated from the compact trainer's parser: they list every flag it
+    accepts, and a flag added, removed or re-documented without regenerating them fails here."""
+    import runpy
 
-    from megatron_orch.trainer.arguments import add_megatron_args
+    from megatron_orch.trainer.arguments import build_parser
 
-    parser = add_megatron_args(argparse.ArgumentParser())
-    accepted = {next(o for o in action.option_strings if "_" not in o)
-                for group in parser._action_groups[2:] for action in group._group_actions}
-    readme = (REPO / "README.md").read_text()
-    block = readme.split("The flags the compact trainer accepts", 1)[1].split("```", 1)[0]
-    listed = set(re.findall(r"`(--[a-z0-9-]+)`", block.split("\n\n", 1)[1]))
-    assert listed == accepted, (sorted(listed - accepted), sorted(accepted - listed))
+    flags_doc = runpy.run_path(str(REPO / "scripts" / "flags_doc.py"), run_name="flags_doc")
+    doc = flags_doc["DOC"].read_text()
+    assert flags_doc["render"](doc) == doc, "docs/training.md's flag tables are stale: run python scripts/flags_doc.py"
+    tables = doc.split(flags_doc["BEGIN"], 1)[1]
+    for action in build_parser()._actions:
+        if action.option_strings and "-h" not in action.option_strings:
+            assert f"`{action.option_strings[0]}`" in tables, action.option_strings

@@ -40,10 +40,11 @@ RELEASES = sorted(path.name for path in (REPO / "patches").glob("core_v*"))
 SEED = 11
 ITERS = 3
 TOLERANCE = 1e-5
-# Megatron-LM flags: the README's launch line ("Using it with Megatron-LM"), read from it so that what it
+# Megatron-LM flags: docs/integration.md's launch line ("Using it with Megatron-LM"), read from it so that what it
 # prints is what the tests train with; only the batch, the length and the seed change, and gloo trains on
 # CPU. Dropout 0 and no evaluation, as there; the rerun state machine keeps Megatron's default mode.
-README_FLAGS = re.search(r'^FLAGS="(.*?)"$', (REPO / "README.md").read_text(), re.M | re.S).group(1).replace("\\\n", " ").split()
+README_FLAGS = re.search(r'^FLAGS="(.*?)"$', (REPO / "docs" / "integration.md").read_text(),
+                         re.M | re.S).group(1).replace("\\\n", " ").split()
 CHANGED = {"--global-batch-size": "4", "--train-iters": str(ITERS)}
 # SGD: the runs' parameters are compared too, and Adam's update normalises each gradient element, so an element
 # whose gradient is reduction-order noise moves by different amounts in two runs that agree.
