@@ -193,6 +193,7 @@ def run_script(args, env_extra=None, pythonpath=(), timeout=60):
     (["--data-path", "missing.jsonl"], "--data-path missing.jsonl: no such file"),
     (["--tensor-model-parallel-sise", "2"], "unrecognized arguments: --tensor-model-parallel-sise 2"),
 ])
+@pytest.mark.distributed
 def test_pretrain_errors_are_one_line_from_rank_0_before_torch_loads(no_torch, tmp_path, flags, message):
     save = tmp_path / "checkpoints"
     argv = [sys.executable, "pretrain_mllm.py", *COMMON, "--save", str(save), *flags]
@@ -233,6 +234,7 @@ def test_a_bad_manifest_is_one_line_before_the_model_is_built(tmp_path, monkeypa
                                 "['audio', 'images', 'prompt', 'sizes', 'text']"]
 
 
+@pytest.mark.distributed
 def test_launch_script_ends_with_the_error(no_torch):
     """scripts/train_tiny_cpu.sh checks the command line once before torchrun: the user's last line is the
     error (not torchrun's report of failed ranks), exit status 2, and torch was never needed for it."""
@@ -244,6 +246,7 @@ def test_launch_script_ends_with_the_error(no_torch):
     assert "torch.distributed" not in proc.stderr and "Traceback" not in proc.stderr
 
 
+@pytest.mark.distributed
 def test_launch_script_checks_with_the_launch_world_size(no_torch):
     proc = run_script(["bash", "scripts/train_tiny_cpu.sh", "--global-batch-size", "6"],
                       {"MEGATRON_ORCH_SKIP_SETUP": "1", "NPROC": "4"}, pythonpath=[no_torch])
@@ -253,6 +256,7 @@ def test_launch_script_checks_with_the_launch_world_size(no_torch):
         "data-parallel size (4) = 8"]
 
 
+@pytest.mark.distributed
 def test_compare_script_checks_both_runs_before_torchrun(tmp_path):
     """scripts/compare_baseline.py (run_main.sh, gpu_check.sh) checks the baseline's and the balanced run's
     command lines first: a mistake is its last line, exit status 2, and no output folder is made."""
@@ -265,6 +269,7 @@ def test_compare_script_checks_both_runs_before_torchrun(tmp_path):
     assert "[compare]" not in proc.stdout and not out.exists()
 
 
+@pytest.mark.distributed
 def test_compare_script_compares_the_flags_it_is_given(monkeypatch, capsys, tmp_path):
     """--compare-flags: what the second run adds (default post-balancing), checked and launched as given;
     the table and the JSON name the runs by it."""

@@ -45,6 +45,7 @@ def test_the_readme_shows_check_data_on_both_forms_and_a_training_run():
     assert "data/example/manifest.jsonl" in commands[0] and "data/example/energon" in commands[1]
 
 
+@pytest.mark.distributed
 def test_check_data_on_the_example_manifest_names_its_bad_lines_as_the_readme_shows():
     command = readme_data_commands()[0]
     proc = _run(command, timeout=60)
@@ -55,6 +56,7 @@ def test_check_data_on_the_example_manifest_names_its_bad_lines_as_the_readme_sh
     assert "21 examples (file headers checked)" in proc.stdout and ": 8 bad, 1 answers longer" in proc.stdout
 
 
+@pytest.mark.distributed
 def test_check_data_on_the_example_energon_dataset_names_the_same_samples_as_the_readme_shows():
     command = readme_data_commands()[1]
     proc = _run(command, timeout=90)
@@ -98,6 +100,7 @@ def _pixels(data: bytes):
         return data
 
 
+@pytest.mark.distributed
 def test_the_shipped_example_data_is_what_the_script_writes(tmp_path):
     _make_example_data().write_example_data(tmp_path)
     assert (tmp_path / "manifest.jsonl").read_text() == (EXAMPLE / "manifest.jsonl").read_text()
