@@ -7,7 +7,7 @@ first steps allocate and warm up) each step runs under ``torch.cuda.set_sync_deb
 Every "called a synchronizing CUDA operation" warning is recorded with a short stack: the innermost
 megatron_orch frames, and the frame that called into torch. Rank 0 prints a table of call sites with
 counts and writes JSON (``--json``). A sync whose caller into torch is megatron_orch code is *ours*
-(the hot path must have none: issue 18); one made inside megatron-core (e.g. its optimizer's grad-norm
+(the hot path must have none); one made inside megatron-core (e.g. its optimizer's grad-norm
 ``.item()``) is listed as upstream's. The last line is PASSED (none of ours, except sites matching
 ``--allow``) or FAILED (exit status 1).
 

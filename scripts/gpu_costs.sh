@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# Measured costs (issue 9) on one GPU: calibrate a cost profile, emulate DP ranks with it and with FLOPs,
-# simulate the cluster with it. NOT YET RUN ON A GPU (no GPU was lent to the session that wrote it).
+# Measured costs on one GPU: calibrate a cost profile, emulate DP ranks with it and with FLOPs,
+# simulate the cluster with it. NOT YET RUN ON A GPU.
 #   bash scripts/gpu_costs.sh OUT_DIR          # one GPU: mllm_10b widths, 12 ViT / 8 audio / 4 backbone layers
 #   bash scripts/gpu_costs.sh --cpu OUT_DIR    # the same steps on CPU with the tiny model (a few minutes)
 # Options in any order; OUT_DIR is relative to the current folder; --help prints this.

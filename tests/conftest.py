@@ -1,6 +1,9 @@
 """Shared fixtures, and hypothesis without per-example deadlines: on a machine shared with other
 CPU-heavy processes an example's wall time says nothing about the code (speed targets are benchmarks)."""
 import datetime
+import multiprocessing.process
+import os
+import subprocess
 
 import pytest
 from hypothesis import settings
@@ -10,7 +13,34 @@ settings.load_profile("no_deadline")
 
 
 def pytest_configure(config):
-    config.addinivalue_line("markers", "distributed: starts processes (torch.distributed over gloo)")
+    config.addinivalue_line("markers", "distributed: starts processes (gloo ranks, torchrun, scripts); the fast "
+                                       "tier, pytest -m 'not distributed', leaves them out")
+
+
+# Programs a test may run without the marker: git (megatron-core asks it for its version at import).
+_UNMARKED_PROGRAMS = {"git"}
+
+
+@pytest.fixture(autouse=True)
+def _processes_need_the_distributed_marker(request, monkeypatch):
+    """A test that starts a process (a spawned rank, torchrun, a script) without ``@pytest.mark.distributed``
+    fails here, so the fast tier stays free of them and the marker cannot be forgotten."""
+    if request.node.get_closest_marker("distributed") is not None:
+        return
+    name = request.node.nodeid
+    popen_init, process_start = subprocess.Popen.__init__, multiprocessing.process.BaseProcess.start
+
+    def checked_popen(self, args, *rest, **kw):
+        program = args if isinstance(args, (str, bytes, os.PathLike)) else args[0]
+        if os.path.basename(str(program).split()[0]) not in _UNMARKED_PROGRAMS:
+            pytest.fail(f"{name} starts a process ({args!r}): mark it @pytest.mark.distributed")
+        popen_init(self, args, *rest, **kw)
+
+    def checked_start(self):
+        pytest.fail(f"{name} starts a process ({self!r}): mark it @pytest.mark.distributed")
+
+    monkeypatch.setattr(subprocess.Popen, "__init__", checked_popen)
+    monkeypatch.setattr(multiprocessing.process.BaseProcess, "start", checked_start)
 
 
 @pytest.fixture(scope="module")

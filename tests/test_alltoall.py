@@ -210,6 +210,7 @@ def _check_async_moves_with_routes_made_ahead(rank, world):
         all_to_all_items(local[0], layouts[0], transfers[0], routes=routes_for(transfers[0], rank, layouts[0]))
 
 
+@pytest.mark.distributed
 def test_async_moves_with_routes_made_ahead_three_ranks():
     run_distributed(_check_async_moves_with_routes_made_ahead, 3)
 
@@ -239,27 +240,33 @@ def _check_failures_and_peers_reach_every_rank(rank, world):
     assert gather_item_sizes(mine, dp, peer_group=peers).counts.tolist() == [1, 2]
 
 
+@pytest.mark.distributed
 def test_failures_and_peer_disagreements_reach_every_rank_four_ranks():
     run_distributed(_check_failures_and_peers_reach_every_rank, 4)
 
 
+@pytest.mark.distributed
 def test_size_gather_two_ranks():
     run_distributed(_check_size_gather, 2)
 
 
+@pytest.mark.distributed
 def test_moves_match_gather_reference_two_ranks():
     run_distributed(_check_moves, 2)
 
 
+@pytest.mark.distributed
 def test_moves_match_gather_reference_four_ranks_and_strided_groups():
     run_distributed(_check_moves, 4)
     run_distributed(_check_strided_subgroups, 4)
 
 
+@pytest.mark.distributed
 def test_inverse_transfer_moves_every_row_back_four_ranks():
     run_distributed(_check_inverse_moves_back, 4)
 
 
+@pytest.mark.distributed
 def test_bad_inputs_raise_before_the_collective():
     run_distributed(_check_bad_inputs, 2)
 
@@ -272,5 +279,6 @@ def _check_eight(rank, world):
     _check_inverse_moves_back(rank, world)
 
 
+@pytest.mark.distributed
 def test_eight_ranks():
     run_distributed(_check_eight, 8, timeout_s=150)

@@ -214,6 +214,7 @@ def run_script(args, env_extra=None, pythonpath=(), timeout=60):
     (["--data-path", "missing.jsonl"], "--data-path missing.jsonl: no such file"),
     (["--tensor-model-parallel-sise", "2"], "unrecognized arguments: --tensor-model-parallel-sise 2"),
 ])
+@pytest.mark.distributed
 def test_pretrain_errors_are_one_line_from_rank_0_before_torch_loads(no_torch, tmp_path, flags, message):
     save = tmp_path / "checkpoints"
     argv = [sys.executable, "pretrain_mllm.py", *COMMON, "--save", str(save), *flags]
@@ -254,6 +255,7 @@ def test_a_bad_manifest_is_one_line_before_the_model_is_built(tmp_path, monkeypa
                                 "['audio', 'images', 'prompt', 'sizes', 'text']"]
 
 
+@pytest.mark.distributed
 def test_launch_script_ends_with_the_error(no_torch):
     """scripts/train_tiny_cpu.sh checks the command line once before torchrun: the user's last line is the
     error (not torchrun's report of failed ranks), exit status 2, and torch was never needed for it."""
@@ -265,6 +267,7 @@ def test_launch_script_ends_with_the_error(no_torch):
     assert "torch.distributed" not in proc.stderr and "Traceback" not in proc.stderr
 
 
+@pytest.mark.distributed
 def test_launch_script_checks_with_the_launch_world_size(no_torch):
     proc = run_script(["bash", "scripts/train_tiny_cpu.sh", "--global-batch-size", "6"],
                       {"MEGATRON_ORCH_SKIP_SETUP": "1", "NPROC": "4"}, pythonpath=[no_torch])
@@ -274,6 +277,7 @@ def test_launch_script_checks_with_the_launch_world_size(no_torch):
         "data-parallel size (4) = 8"]
 
 
+@pytest.mark.distributed
 def test_compare_script_checks_both_runs_before_torchrun(tmp_path):
     """scripts/compare_baseline.py (run_main.sh, gpu_check.sh) checks the baseline's and the balanced run's
     command lines first: a mistake is its last line, exit status 2, and no output folder is made."""
@@ -286,6 +290,7 @@ def test_compare_script_checks_both_runs_before_torchrun(tmp_path):
     assert "[compare]" not in proc.stdout and not out.exists()
 
 
+@pytest.mark.distributed
 def test_compare_script_compares_the_flags_it_is_given(monkeypatch, capsys, tmp_path):
     """--compare-flags: what the second run adds (default post-balancing), checked and launched as given;
     the table and the JSON name the runs by it."""
@@ -326,17 +331,17 @@ def test_compare_script_compares_the_flags_it_is_given(monkeypatch, capsys, tmp_
         assert proc.returncode == 2 and message in proc.stderr.splitlines()[-1], proc.stderr
 
 
-def test_readme_lists_the_megatron_flags_the_compact_trainer_accepts():
-    """README "Training" lists, group by group, exactly the Megatron-LM flags of the compact trainer's parser."""
-    import argparse
-    import re
+def test_the_flag_tables_of_docs_training_are_the_parsers():
+    """docs/training.md's flag tables are generated from the compact trainer's parser: they list every flag it
+    accepts, and a flag added, removed or re-documented without regenerating them fails here."""
+    import runpy
 
-    from megatron_orch.trainer.arguments import add_megatron_args
+    from megatron_orch.trainer.arguments import build_parser
 
-    parser = add_megatron_args(argparse.ArgumentParser())
-    accepted = {next(o for o in action.option_strings if "_" not in o)
-                for group in parser._action_groups[2:] for action in group._group_actions}
-    readme = (REPO / "README.md").read_text()
-    block = readme.split("The flags the compact trainer accepts", 1)[1].split("```", 1)[0]
-    listed = set(re.findall(r"`(--[a-z0-9-]+)`", block.split("\n\n", 1)[1]))
-    assert listed == accepted, (sorted(listed - accepted), sorted(accepted - listed))
+    flags_doc = runpy.run_path(str(REPO / "scripts" / "flags_doc.py"), run_name="flags_doc")
+    doc = flags_doc["DOC"].read_text()
+    assert flags_doc["render"](doc) == doc, "docs/training.md's flag tables are stale: run python scripts/flags_doc.py"
+    tables = doc.split(flags_doc["BEGIN"], 1)[1]
+    for action in build_parser()._actions:
+        if action.option_strings and "-h" not in action.option_strings:
+            assert f"`{action.option_strings[0]}`" in tables, action.option_strings

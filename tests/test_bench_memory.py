@@ -39,6 +39,7 @@ def tiny_result(tmp_path_factory):
     return result, json.loads(path.read_text())
 
 
+@pytest.mark.distributed
 def test_the_default_step_stays_within_upstreams_peak(tiny_result):
     result, written = tiny_result
     summary = result["summary"]

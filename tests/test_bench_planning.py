@@ -2,11 +2,13 @@
 import json
 
 import numpy as np
+import pytest
 
 from megatron_orch.bench.planning import MIXTURES, PROBES, draw_step, format_tables, run
 from megatron_orch.balance.traces import HEAVY_TAILED_MIXTURES, SHIPPED_MIXTURE
 
 
+@pytest.mark.distributed
 def test_planning_benchmark_reports_every_configuration():
     result = run([16], per_rank=2, gpus_per_node=4, seeds=[0, 1], mixtures={"shipped": MIXTURES["shipped"],
                                                                          "audio-heavy": MIXTURES["audio-heavy"]},
@@ -36,6 +38,7 @@ def test_mixtures_reweight_the_shipped_traces():
     assert np.asarray(sizes.counts).tolist() == [4] * 8
 
 
+@pytest.mark.distributed
 def test_the_table_is_printed_once(capsys):
     """A row per configuration as it is done, then the targets (old code: the rows again, as a table)."""
     from megatron_orch.bench.planning import main

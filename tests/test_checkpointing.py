@@ -536,6 +536,7 @@ def _write_lock(root: Path, host: str, pid: int, age_s: float = 0.0) -> Path:
     return path
 
 
+@pytest.mark.distributed
 def test_save_folder_lock_rules(tmp_path, monkeypatch):
     from megatron_orch.trainer import checkpointing
     from megatron_orch.trainer.checkpointing import CheckpointError, SaveFolderLock

@@ -178,6 +178,7 @@ def _syncs_seen(rank, world_size):
     assert all(sync["stack"][0].startswith(__name__) for sync in log.syncs), log.syncs
 
 
+@pytest.mark.distributed
 def test_the_recorder_sees_each_kind_of_host_sync():
     run_distributed(_syncs_seen, 1)
 
@@ -203,6 +204,7 @@ def _communication_device_of_gloo(rank, world_size):
     assert host_to_device([], torch.device("cpu"), torch.long, (2,)).shape == (0, 2)
 
 
+@pytest.mark.distributed
 def test_gloo_communicates_on_the_cpu():
     run_distributed(_communication_device_of_gloo, 1)
 

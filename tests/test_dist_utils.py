@@ -21,6 +21,7 @@ def _sleep(rank, world_size, seconds):
     time.sleep(seconds)
 
 
+@pytest.mark.distributed
 def test_run_distributed_times_out_after_the_scaled_timeout(monkeypatch):
     """A rank that never finishes: the run ends after 100 s x 0.05, not after 100 s."""
     monkeypatch.setenv(TIMEOUT_FACTOR_ENV, "0.05")

@@ -9,6 +9,8 @@ all kept (``--orch-encoder-memory-cap inf``) against all recomputed. And consequ
 chunks of one item under the default cap (dropout 0): the same losses and parameters as upstream.
 """
 
+import pytest
+
 from test_post_balancing import BALANCED, assert_invariant, assert_plan_balances, train
 
 DROPOUT = ["--hidden-dropout", "0.1", "--attention-dropout", "0.1"]
@@ -24,6 +26,7 @@ def _largest_difference(a: dict, b: dict) -> float:
                for r in range(len(a["params"])) for name in a["params"][r])
 
 
+@pytest.mark.distributed
 def test_recompute_at_dropout_equals_keeping(tmp_path):
     kept = train(tmp_path, "kept", 2, *BALANCED, *DROPOUT, *ONE_CHUNK)
     recomputed = train(tmp_path, "recomputed", 2, *BALANCED, *DROPOUT, *ONE_CHUNK, "--orch-encoder-recompute")
@@ -33,6 +36,7 @@ def test_recompute_at_dropout_equals_keeping(tmp_path):
     assert _largest_difference(kept, no_dropout) > DIFFERENT
 
 
+@pytest.mark.distributed
 def test_recompute_in_chunks_at_dropout_equals_keeping(tmp_path):
     kept = train(tmp_path, "kept", 2, *BALANCED, *DROPOUT, *ONE_ITEM_CHUNKS, "--orch-encoder-memory-cap", "inf")
     recomputed = train(tmp_path, "recomputed", 2, *BALANCED, *DROPOUT, *ONE_ITEM_CHUNKS, "--orch-encoder-recompute")
@@ -42,6 +46,7 @@ def test_recompute_in_chunks_at_dropout_equals_keeping(tmp_path):
     assert _largest_difference(kept, one_chunk) > DIFFERENT
 
 
+@pytest.mark.distributed
 def test_one_item_chunks_under_the_default_cap_are_invariant(tmp_path):
     baseline = train(tmp_path, "baseline", 2)
     chunked = train(tmp_path, "chunked", 2, *BALANCED, *ONE_ITEM_CHUNKS)

@@ -226,6 +226,7 @@ def _manifest_example(tmp_path, entry: dict, files: dict):
     return ManifestDataset(path, config.layout, example_reader(config).tiling)[0]
 
 
+@pytest.mark.distributed
 def test_vqa_captioning_and_interleaved_samples_become_the_manifest_entries_they_are(tmp_path):
     square, wide = (EXAMPLE / "media" / "square.png").read_bytes(), (EXAMPLE / "media" / "wide.png").read_bytes()
     vqa = _prepare(tmp_path / "vqa", {"q1": {"png": square, "json": json.dumps(
@@ -254,6 +255,7 @@ def test_vqa_captioning_and_interleaved_samples_become_the_manifest_entries_they
         assert_same_example(sample.example, _manifest_example(tmp_path, entry, files))
 
 
+@pytest.mark.distributed
 def test_an_unsupported_sample_type_is_refused_when_the_dataset_opens(tmp_path):
     folder = _prepare(tmp_path / "text", {"t1": {"txt": b"hello"}}, "sample_type:\n  __module__: megatron.energon\n"
                       "  __class__: TextSample\nfield_map:\n  text: txt\n")
@@ -263,6 +265,7 @@ def test_an_unsupported_sample_type_is_refused_when_the_dataset_opens(tmp_path):
         checked_dataset(data_config(folder))
 
 
+@pytest.mark.distributed
 def test_a_sample_without_its_json_part_is_a_bad_sample_named(tmp_path):
     folder = tmp_path / "copy"
     shutil.copytree(EXAMPLE / "energon", folder)

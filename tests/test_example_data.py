@@ -1,5 +1,5 @@
-"""data/example: the shipped files are what scripts/make_example_data.py writes, and the README's data
-commands (its "Example data" block, read from the README) run on them as written."""
+"""data/example: the shipped files are what scripts/make_example_data.py writes, and the data commands of
+docs/data.md (its "Example data" block, read from the page) run on them as written."""
 import importlib.util
 import io
 import json
@@ -22,16 +22,16 @@ BAD_LINES = [3, 5, 7, 10, 12, 14, 17, 19]  # 21 too, found only by decoding its 
 
 
 def readme_data_commands() -> list:
-    """The commands of the README's "Example data" block, as written."""
-    text = (REPO / "README.md").read_text()
+    """The commands of docs/data.md's "Example data" block, as written."""
+    text = (REPO / "docs" / "data.md").read_text()
     block = re.search(r"\*\*Example data\*\*.*?```bash\n(.*?)```", text, re.S)
-    assert block, "the README has no Example data block"
+    assert block, "docs/data.md has no Example data block"
     return [line for line in block.group(1).splitlines() if line.strip()]
 
 
 def _run(command: str, timeout: float):
     argv = shlex.split(command)
-    if argv[0] == "python":  # the README's python is this venv's
+    if argv[0] == "python":  # the page's python is this venv's
         argv[0] = sys.executable
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE")}
     env["PYTHONPATH"] = os.pathsep.join([str(REPO), env.get("PYTHONPATH", "")])
@@ -45,6 +45,7 @@ def test_the_readme_shows_check_data_on_both_forms_and_a_training_run():
     assert "data/example/manifest.jsonl" in commands[0] and "data/example/energon" in commands[1]
 
 
+@pytest.mark.distributed
 def test_check_data_on_the_example_manifest_names_its_bad_lines_as_the_readme_shows():
     command = readme_data_commands()[0]
     proc = _run(command, timeout=60)
@@ -55,6 +56,7 @@ def test_check_data_on_the_example_manifest_names_its_bad_lines_as_the_readme_sh
     assert "21 examples (file headers checked)" in proc.stdout and ": 8 bad, 1 answers longer" in proc.stdout
 
 
+@pytest.mark.distributed
 def test_check_data_on_the_example_energon_dataset_names_the_same_samples_as_the_readme_shows():
     command = readme_data_commands()[1]
     proc = _run(command, timeout=90)
@@ -98,6 +100,7 @@ def _pixels(data: bytes):
         return data
 
 
+@pytest.mark.distributed
 def test_the_shipped_example_data_is_what_the_script_writes(tmp_path):
     _make_example_data().write_example_data(tmp_path)
     assert (tmp_path / "manifest.jsonl").read_text() == (EXAMPLE / "manifest.jsonl").read_text()

@@ -63,6 +63,7 @@ def _stuck_in_encoder(rank, world_size, out_dir):
         parallel_state.destroy_model_parallel()
 
 
+@pytest.mark.distributed
 def test_rank_stuck_in_an_encoder_is_named_within_twice_the_timeout(tmp_path):
     """The healthy rank raises within 2x the timeout of the stuck rank's sleep; the run then ends (the
     launcher kills the sleeper once a rank failed), process teardown adding a few seconds."""
@@ -129,6 +130,7 @@ def _loader_errors(rank, world_size, out_dir):
         (Path(out_dir) / f"case{index}_rank{rank}.txt").write_text(outcome)
 
 
+@pytest.mark.distributed
 def test_one_ranks_loader_or_build_error_raises_on_every_rank_with_its_message(tmp_path):
     run_distributed(_loader_errors, 2, str(tmp_path), timeout_s=240.0)
     for index, case in enumerate(CASES):

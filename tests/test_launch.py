@@ -34,6 +34,7 @@ def run(args, cwd=REPO, env_extra=None, timeout=60):
 
 # ----------------------------------------------------------------------------------- script options
 
+@pytest.mark.distributed
 @pytest.mark.parametrize("script", ["gpu_check.sh", "gpu_costs.sh"])
 def test_device_scripts_take_options_in_any_order_and_refuse_unknown_ones(script, tmp_path):
     """Old code: `--cpu OUT` ran the GPU steps into a folder named --cpu, and --help made a folder --help."""
@@ -50,6 +51,7 @@ def test_device_scripts_take_options_in_any_order_and_refuse_unknown_ones(script
     assert list(tmp_path.iterdir()) == [], "a refused or --help run wrote something"
 
 
+@pytest.mark.distributed
 @pytest.mark.parametrize("script", ["gpu_check.sh", "gpu_costs.sh"])
 @pytest.mark.parametrize("mode", ["gpu", "cpu"])
 def test_device_scripts_steps_fit_one_device_call(script, mode, tmp_path):
@@ -80,6 +82,7 @@ def _fake_device_script(tmp_path, steps: str) -> Path:
     return script
 
 
+@pytest.mark.distributed
 def test_a_device_script_leaves_a_summary_and_one_tarball_of_its_logs(tmp_path):
     import tarfile
     script = _fake_device_script(tmp_path, 'step hello 10 bash -c "echo hi > $work/hello.txt; echo said hi"\n'
@@ -107,6 +110,7 @@ def test_a_device_script_leaves_a_summary_and_one_tarball_of_its_logs(tmp_path):
         "FAILED: second (not run: over the time budget)"
 
 
+@pytest.mark.distributed
 def test_device_options_resolve_out_dir_against_the_callers_folder(tmp_path):
     for args in (["--cpu", "rel/out"], ["rel/out", "--cpu"]):
         proc = run(["bash", "-c", f'source {REPO}/scripts/cli.sh; device_options "$@"; echo "$mode $out"', "x",
@@ -117,6 +121,7 @@ def test_device_options_resolve_out_dir_against_the_callers_folder(tmp_path):
     assert proc.stdout.split() == ["gpu", "/abs"], proc
 
 
+@pytest.mark.distributed
 def test_fetch_device_wheels_refuses_unknown_options(tmp_path):
     proc = run(["bash", str(REPO / "scripts" / "fetch_device_wheels.sh"), "--platform", "x"], cwd=tmp_path)
     assert proc.returncode == 2 and proc.stderr.startswith("fetch_device_wheels.sh: error: unknown option "
@@ -124,6 +129,7 @@ def test_fetch_device_wheels_refuses_unknown_options(tmp_path):
     assert list(tmp_path.iterdir()) == []
 
 
+@pytest.mark.distributed
 def test_train_script_help_is_printed_once(tmp_path):
     """Old code: the help of the flag check, then of each torchrun rank (3 times, 642 lines)."""
     proc = run(["bash", str(REPO / "scripts" / "train_tiny_cpu.sh"), "--train-iters", "3", "--help"], cwd=tmp_path)
@@ -134,6 +140,7 @@ def test_train_script_help_is_printed_once(tmp_path):
     assert refused.stderr == "train_tiny_cpu.sh: error: --nproc (or NPROC) must be a positive integer, got 'two'\n"
 
 
+@pytest.mark.distributed
 @pytest.mark.parametrize("script", ["run_main.sh", "compare_baseline.sh"])
 def test_compare_script_refuses_unknown_options(script, tmp_path):
     """run_main.sh -> compare_baseline.sh: checked by the standard library's argparse (before the set-up), the
@@ -148,6 +155,7 @@ def test_compare_script_refuses_unknown_options(script, tmp_path):
 
 # ------------------------------------------------------------------------------- pretrain_mllm.py alone
 
+@pytest.mark.distributed
 def test_pretrain_without_torchrun_says_how_to_launch(tmp_path):
     """Old code: `environment variable RANK expected` from torch.distributed after 6 s."""
     proc = run([sys.executable, str(REPO / "pretrain_mllm.py"), "--train-iters", "2"], cwd=tmp_path, timeout=10)
@@ -291,6 +299,7 @@ def _assert_no_report(proc):
         assert noise not in proc.stdout + proc.stderr, (noise, proc.stderr[-3000:])
 
 
+@pytest.mark.distributed
 def test_a_bad_image_on_one_rank_ends_the_launch_with_its_line(tmp_path):
     """Sample 3 (manifest line 4) is rank 1's in iteration 1 (DP 2, micro-batch 2); paths from tmp_path."""
     _manifest(tmp_path, truncated=3)
@@ -301,6 +310,7 @@ def test_a_bad_image_on_one_rank_ends_the_launch_with_its_line(tmp_path):
     _assert_no_report(proc)
 
 
+@pytest.mark.distributed
 def test_saving_to_a_relative_folder_and_resuming_with_nothing_left(tmp_path):
     _manifest(tmp_path)
     saved = run(TRAIN + ["--save", "ck"], cwd=tmp_path, timeout=120)
@@ -384,6 +394,7 @@ def test_a_failed_run_of_the_main_job_ends_with_the_failing_ranks_line(monkeypat
         "pretrain_mllm.py: error on rank 1: m.jsonl:4: cannot read image"]
 
 
+@pytest.mark.distributed
 def test_benchmarks_show_no_warnings_about_the_optional_gpu_packages():
     """Old code: 14 lines of Transformer Engine / Apex warnings before a benchmark's first line."""
     proc = run([sys.executable, "-m", "megatron_orch.bench.mfu", "--help"], timeout=60)

@@ -7,6 +7,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 import megatron_orch
 import megatron_orch.balance
 import megatron_orch.orchestrator
@@ -16,6 +18,7 @@ PLANNING_PACKAGES = (megatron_orch.balance, megatron_orch.orchestrator)
 TORCH_FREE_MODULES = ("megatron_orch.mllm.config", "megatron_orch.sim.cluster", "megatron_orch.sim.__main__")
 
 
+@pytest.mark.distributed
 def test_planning_layers_import_no_torch():
     modules = [info.name for package in PLANNING_PACKAGES
                for info in pkgutil.walk_packages(package.__path__, package.__name__ + ".")] + list(TORCH_FREE_MODULES)

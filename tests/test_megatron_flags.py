@@ -103,6 +103,7 @@ def test_a_command_line_is_refused_flag_by_flag(audit):
     assert audit["moe"] == [], audit["moe"]
 
 
+@pytest.mark.distributed
 def test_the_launch_refuses_in_one_line_before_any_collective():
     """main_megatron_lm with a refused flag: one line naming it, from parsing alone (no process group exists)."""
     files = doubles.megatron_lm_files_or_skip()

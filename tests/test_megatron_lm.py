@@ -40,10 +40,11 @@ RELEASES = sorted(path.name for path in (REPO / "patches").glob("core_v*"))
 SEED = 11
 ITERS = 3
 TOLERANCE = 1e-5
-# Megatron-LM flags: the README's launch line ("Using it with Megatron-LM"), read from it so that what it
+# Megatron-LM flags: docs/integration.md's launch line ("Using it with Megatron-LM"), read from it so that what it
 # prints is what the tests train with; only the batch, the length and the seed change, and gloo trains on
 # CPU. Dropout 0 and no evaluation, as there; the rerun state machine keeps Megatron's default mode.
-README_FLAGS = re.search(r'^FLAGS="(.*?)"$', (REPO / "README.md").read_text(), re.M | re.S).group(1).replace("\\\n", " ").split()
+README_FLAGS = re.search(r'^FLAGS="(.*?)"$', (REPO / "docs" / "integration.md").read_text(),
+                         re.M | re.S).group(1).replace("\\\n", " ").split()
 CHANGED = {"--global-batch-size": "4", "--train-iters": str(ITERS)}
 # SGD: the runs' parameters are compared too, and Adam's update normalises each gradient element, so an element
 # whose gradient is reduction-order noise moves by different amounts in two runs that agree.
@@ -130,6 +131,7 @@ def test_patch_made_against_the_installed_release(released):
     assert pre == doubles.hash_object(released.root / path)
 
 
+@pytest.mark.distributed
 def test_patch_applies_and_compiles(released, tmp_path):
     files = released
     copy = doubles.unpatched_copy(files, tmp_path / "tree")
@@ -157,6 +159,7 @@ def test_patch_applies_and_compiles(released, tmp_path):
     assert len(applied) == 2 and "wrapper" not in "".join(applied[1]), "evaluate() keeps the stock schedule"
 
 
+@pytest.mark.distributed
 def test_apply_patches_is_idempotent_also_inside_another_work_tree(released, tmp_path):
     files = released
     # A copy inside this repository's work tree (ignored runs/): git apply must still patch it.
@@ -174,6 +177,7 @@ def test_apply_patches_is_idempotent_also_inside_another_work_tree(released, tmp
         shutil.rmtree(inside, ignore_errors=True)
 
 
+@pytest.mark.distributed
 def test_apply_patches_takes_a_fork_with_other_commits(released, tmp_path):
     """A git checkout whose HEAD is not the tag (a fork: the release's files, then an unrelated commit)
     gets its release's patch, with a note that HEAD is not the tag's commit."""
@@ -191,6 +195,7 @@ def test_apply_patches_takes_a_fork_with_other_commits(released, tmp_path):
     assert "forward_backward_func_wrapper" in (fork / doubles.BASE_FILE).read_text()
 
 
+@pytest.mark.distributed
 def test_apply_patches_refuses_a_changed_training_py(files, tmp_path):
     for kind in ("copy", "git checkout"):
         changed = doubles.unpatched_copy(files, tmp_path / kind.replace(" ", "_"))
@@ -210,6 +215,7 @@ def test_apply_patches_refuses_a_changed_training_py(files, tmp_path):
     assert result.returncode == 1 and "is not a Megatron-LM checkout" in result.stderr
 
 
+@pytest.mark.distributed
 def test_refusals_before_training(unpatched_tree):
     """--overlap-grad-reduce without post-balancing is refused with the reason (the unbalanced MLLM fails)."""
     tree = None if unpatched_tree is None else str(unpatched_tree)
@@ -562,6 +568,7 @@ def test_megatron_training_tp2_sequence_parallel_dp2_and_cp2_dp2(hooked_tree, tm
             assert rank[str(layouts[1][0])][name]["sequence_parallel"] == [False] * ITERS, name
 
 
+@pytest.mark.distributed
 def test_trainer_is_chosen_by_flag_not_by_machine():
     """--orch-trainer megatron-lm on a machine without CUDA stops with one line (which says why: no CUDA
     where megatron.training imports, else that it does not import); a bad value is argparse's one line.

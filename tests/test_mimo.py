@@ -113,6 +113,7 @@ def _mimo_shards_its_input() -> bool:
     return hasattr(base, "PartitionAdapter")
 
 
+@pytest.mark.distributed
 @pytest.mark.parametrize("tp, sp", [(1, False), (2, False), (2, True)], ids=["dp4", "tp2_dp2", "tp2_sp_dp2"])
 def test_mimo_upstream_and_balanced_agree_and_the_plan_balances(tp, sp, tmp_path):
     if sp and not _mimo_shards_its_input():

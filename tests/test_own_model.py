@@ -1,7 +1,7 @@
 """A model of one's own (``examples/own_model.py``: LLaVA-style, on megatron-core; ``examples/mimo_model.py``:
 Megatron-Core's MimoModel): the mistakes that used to train silently differently or fail late are refused
 before any collective, in one line naming the fix; a post-balancing step that reaches a stock schedule says
-so; the flags of shadow mode and of the checked first step; the README's code is the examples' own.
+so; the flags of shadow mode and of the checked first step; docs/own_model.md's code is the examples' own.
 Single-process (a gloo world of one); the multi-rank traps are in ``test_first_step.py``."""
 import re
 import textwrap
@@ -14,6 +14,7 @@ import torch
 import example_modules  # noqa: F401 -- examples/ on the path
 
 REPO = Path(__file__).resolve().parents[1]
+OWN_MODEL_DOC = REPO / "docs" / "own_model.md"  # quotes the examples' code
 warnings.filterwarnings("ignore", message=r".*(Transformer Engine|Apex).*not installed")
 
 
@@ -165,18 +166,18 @@ def _regions():
 
 
 @pytest.mark.parametrize("path,region", _regions())
-def test_the_readme_quotes_the_examples(path, region):
-    """The README's own-model code is excerpted from the examples (which CI runs), so it cannot go stale: every
+def test_the_own_model_page_quotes_the_examples(path, region):
+    """docs/own_model.md's code is excerpted from the examples (which CI runs), so it cannot go stale: every
     region the examples mark is quoted once, verbatim (dedented), after ``<!-- excerpt: FILE REGION -->``."""
     source = (REPO / path).read_text()
     match = re.search(rf"^( *)# readme: {region}\n(.*?)^\1# readme: end\n", source, re.S | re.M)
     assert match, f"{path}: region {region} has no end"
     quoted = re.findall(rf"<!-- excerpt: {re.escape(path)} {region} -->\n```python\n(.*?)```",
-                        (REPO / "README.md").read_text(), re.S)
-    assert len(quoted) == 1, f"the README quotes {path} {region} {len(quoted)} times"
-    assert quoted[0] == textwrap.dedent(match.group(2)), f"the README's {path} {region} differs from the file"
+                        OWN_MODEL_DOC.read_text(), re.S)
+    assert len(quoted) == 1, f"docs/own_model.md quotes {path} {region} {len(quoted)} times"
+    assert quoted[0] == textwrap.dedent(match.group(2)), f"docs/own_model.md's {path} {region} differs from the file"
 
 
-def test_every_readme_excerpt_names_a_region():
-    readme = (REPO / "README.md").read_text()
+def test_every_excerpt_of_the_own_model_page_names_a_region():
+    readme = OWN_MODEL_DOC.read_text()
     assert set(re.findall(r"<!-- excerpt: (\S+) (\S+) -->", readme)) == set(_regions())

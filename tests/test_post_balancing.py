@@ -146,6 +146,7 @@ def dp4_baseline(tmp_path_factory):
     return train(tmp_path_factory.mktemp("dp4"), "baseline", 4)
 
 
+@pytest.mark.distributed
 def test_dp4_equal_count_is_invariant_and_balances(dp4_baseline, tmp_path):
     balanced = train(tmp_path, "balanced", 4, *BALANCED, "--orch-microbatching", "equal_count")
     assert_invariant(balanced, dp4_baseline)
@@ -158,6 +159,7 @@ def test_dp4_equal_count_is_invariant_and_balances(dp4_baseline, tmp_path):
     assert "post-balancing cost max/mean over DP before->after" in balanced["lines"][-1]
 
 
+@pytest.mark.distributed
 def test_dp4_packed_recompute_locality_is_invariant(dp4_baseline, tmp_path):
     balanced = train(tmp_path, "packed", 4, *BALANCED, "--orch-microbatching", "packed",
                      "--orch-encoder-recompute", "--orch-locality", "--orch-no-background-planning")
@@ -165,6 +167,7 @@ def test_dp4_packed_recompute_locality_is_invariant(dp4_baseline, tmp_path):
     assert_plan_balances(balanced)
 
 
+@pytest.mark.distributed
 @pytest.mark.parametrize("layout", [("--tensor-model-parallel-size", "2"),
                                     ("--pipeline-model-parallel-size", "2")], ids=["tp2_dp2", "pp2_dp2"])
 def test_model_parallel_layouts_are_invariant(layout, tmp_path):
@@ -175,6 +178,7 @@ def test_model_parallel_layouts_are_invariant(layout, tmp_path):
     assert_plan_balances(balanced)
 
 
+@pytest.mark.distributed
 def test_three_encoder_config_is_invariant_and_balances(tmp_path):
     """tiny_video (vision tiles, video frames and audio windows, each its own encoder phase): DP 4,
     upstream against post-balancing, equal-count and (the default) packed with encoder recompute."""
@@ -191,6 +195,7 @@ def test_three_encoder_config_is_invariant_and_balances(tmp_path):
     assert re.search(r"before->after: vision [\d.]+->[\d.]+, video [\d.]+->[\d.]+, audio", line), line
 
 
+@pytest.mark.distributed
 def test_dp1_is_invariant(tmp_path):
     balanced = train(tmp_path, "balanced", 1, "--orch-post-balancing", "--orch-gpus-per-node", "1")
     assert_invariant(balanced, train(tmp_path, "baseline", 1))
@@ -237,6 +242,7 @@ def _disagreeing_ranks(rank, world_size):
         next(iterator)
 
 
+@pytest.mark.distributed
 def test_ranks_with_different_plans_fail_loudly_instead_of_hanging():
     run_distributed(_disagreeing_ranks, 2, timeout_s=120.0)
 
@@ -285,6 +291,7 @@ def _bad_input_on_one_rank(rank, world_size):
         next(iterator(loader()))
 
 
+@pytest.mark.distributed
 def test_bad_input_on_one_rank_raises_on_every_rank():
     run_distributed(_bad_input_on_one_rank, 2, timeout_s=120.0)
 
@@ -320,6 +327,7 @@ def _peers_with_different_plans(rank, world_size):
         next(iterator)
 
 
+@pytest.mark.distributed
 def test_tp_pp_peers_with_different_plans_fail_loudly():
     run_distributed(_peers_with_different_plans, 4, timeout_s=120.0)
 

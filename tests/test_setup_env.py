@@ -15,6 +15,7 @@ def _run(*args, cwd=None, env=None):
                           capture_output=True, text=True, env=env, timeout=60)
 
 
+@pytest.mark.distributed
 @pytest.mark.parametrize("version, venv", [("0.19.2", ".venv"), ("0.16.1", ".venv-mcore0.16")])
 def test_each_set_up_has_its_own_venv(version, venv):
     result = _run("--megatron-core", version, "--print-venv")
@@ -22,6 +23,7 @@ def test_each_set_up_has_its_own_venv(version, venv):
     assert _run("--print-venv").stdout == ".venv\n"  # the default: megatron-core 0.19.2
 
 
+@pytest.mark.distributed
 def test_options_are_checked_before_anything_runs():
     for args, message in ((["--megatron-core", "0.18.2"], "--megatron-core 0.18.2 is not a tested set-up"),
                           (["--bogus"], "unknown option '--bogus'"), (["--megatron-core"], "needs a version")):
@@ -32,6 +34,7 @@ def test_options_are_checked_before_anything_runs():
     assert "--megatron-core VERSION" in _run("--help").stdout
 
 
+@pytest.mark.distributed
 def test_a_missing_python_is_one_line_naming_what_to_install(tmp_path):
     """No python3.12 on PATH and no pyenv: the set-up stops before making a venv, naming the Python."""
     (tmp_path / "scripts").mkdir()

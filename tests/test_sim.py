@@ -132,6 +132,7 @@ def check_run(figures):
             assert steps["orch"] == pytest.approx(figures["orch"]["step_seconds"])
 
 
+@pytest.mark.distributed
 def test_simulator_imports_no_torch():
     code = "import sys, megatron_orch.sim.__main__; print(any(m == 'torch' for m in sys.modules))"
     assert subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,

@@ -132,17 +132,20 @@ def test_data_parallel_2_with_distributed_optimizer_matches_reference(reference,
     assert_same_losses(data_parallel_2, reference[0])
 
 
+@pytest.mark.distributed
 def test_tensor_parallel_2_matches_reference(reference, tmp_path):
     losses = train(tmp_path, "tp2", 2, "--tensor-model-parallel-size", "2")
     assert_same_losses(losses, reference[0])
 
 
+@pytest.mark.distributed
 def test_pipeline_parallel_2_1f1b_matches_reference(reference, tmp_path):
     losses = train(tmp_path, "pp2", 2, "--pipeline-model-parallel-size", "2",
                    load_initial_state=str(reference[1]))
     assert_same_losses(losses, reference[0])
 
 
+@pytest.mark.distributed
 def test_resume_from_checkpoint_gives_identical_losses(data_parallel_2, tmp_path):
     """Stop after 2 iterations (saving), resume to 4: the same losses as 4 uninterrupted iterations."""
     checkpoint = str(tmp_path / "checkpoint")
@@ -152,6 +155,7 @@ def test_resume_from_checkpoint_gives_identical_losses(data_parallel_2, tmp_path
     assert {**first, **second} == data_parallel_2
 
 
+@pytest.mark.distributed
 def test_torchrun_entry_point_logs_megatron_iteration_lines(reference, tmp_path):
     """scripts/train_tiny_cpu.sh's launch (torchrun, DP 2), here in bf16: Megatron iteration lines with
     the per-phase load, TensorBoard scalars, and the reference's first loss up to bf16 precision."""

@@ -1,4 +1,4 @@
-"""Packed rows: the dense block-diagonal mask (the attention of packed rows before issue 18) against
+"""Packed rows: the dense block-diagonal mask (what packed rows attended with before varlen attention) against
 variable-length attention over ``cu_seqlens`` (:func:`~megatron_orch.mllm.attention.packed_attention`).
 
 For each row length T, one packed row of examples drawn from a trace mixture (the backbone lengths of
