@@ -420,8 +420,15 @@ def pretrain(args: argparse.Namespace, model_provider: Callable = providers.buil
             lock.release()
 
 
+def _starting(print_fn: Callable[[str], None], what: str) -> None:
+    """A start-up line from rank 0 (``> building the model ...``): set-up can take minutes, never in silence."""
+    if dist.get_rank() == 0:
+        print_fn(f" > {what} ...")
+
+
 def _set_up_and_train(args, model_provider, forward_step, print_fn, lock) -> list[IterationRecord]:
     timers = EventTimers(log_level=max(1, args.timing_log_level), log_option="minmax", cuda=not runs_on_cpu(args))
+    _starting(print_fn, f"{dist.get_world_size()} ranks initialised; building the model")
     model = build_model(args, model_provider)
     optimizer, scheduler = build_optimizer(args, model, timers)
     attach_to_model_config(model, optimizer, timers)
@@ -449,6 +456,7 @@ def _set_up_and_train(args, model_provider, forward_step, print_fn, lock) -> lis
             print_fn(note)
     if dist.get_rank() == 0:
         print_fn(_describe(args, model))
+    _starting(print_fn, "building the training data iterator")
     data_iterator, error = None, None
     try:  # the manifest is read here: a bad one raises on every rank, with its line and path
         restored = {"loader_state": state.rank_state["loader"]} if "loader" in state.rank_state else {}  # Energon's
@@ -477,6 +485,8 @@ def _set_up_and_train(args, model_provider, forward_step, print_fn, lock) -> lis
     # megatron.training hands the schedule its iterator wrapped by the rerun machinery; so do we, so the
     # post-balancing iterator is exercised exactly as it is there.
     data_iterator = RerunDataIterator(data_iterator)
+    _starting(print_fn, f"training iteration {state.iteration + 1}"
+                        + (" (its plan first)" if args.orch_config is not None else ""))
     return train(args, model, optimizer, scheduler, data_iterator, state, timers, forward_step, print_fn,
                  forward_backward_func, read_step, data_source, lock, config)
 
