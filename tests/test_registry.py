@@ -176,6 +176,7 @@ def test_the_docs_show_the_examples_code():
         assert block in source, block
 
 
+@pytest.mark.distributed
 def test_the_docs_launch_command_finds_the_plugin():
     """The shipped launch script with MEGATRON_ORCH_PLUGINS (docs/integration.md's command, with --help: the
     command line checked and the choices listed, nothing trained) sees the registered names."""
