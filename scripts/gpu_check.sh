@@ -24,7 +24,7 @@
 #       off and on: losses compared (world size 1 runs the sharded code paths: the aligned encoder chunks
 #       through the wrapper's hooks; the CPU tests run FSDP2 and Megatron-FSDP at DP 4);
 #   moe        the MoE backbone (configs/tiny_moe.yaml: 4 experts, top-2, seq_aux_loss and z-loss, the all-to-all
-#       dispatcher, the distributed optimizer), post-balancing off and on: losses compared (EP 2 x DP 2 on CPU);
+#       dispatcher, the distributed optimizer), post-balancing off and on: losses compared (on CPU: EP 2, 2 ranks);
 #   sdpa_kernels  the SDPA core attention on the fused kernels (scripts/check_sdpa_kernels.py; GPU only);
 #   context_parallel  for CP 2 and 4, padded and packed rows, one CP shard at a time in one process: the shard's
 #       positions against Transformer Engine's thd_get_partitioned_indices, TE's attention per shard against TE
