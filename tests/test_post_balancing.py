@@ -339,7 +339,7 @@ def test_the_schedule_restores_the_model_configs_callbacks():
 
     import numpy as np
 
-    from megatron_orch.megatron.contract import MegatronModelMixin
+    from stand_ins import EncoderlessChunk
     from megatron_orch.megatron.post_balancing import BalancedStep
     from megatron_orch.megatron.schedule import ModalityAwareSchedule
 
@@ -353,20 +353,6 @@ def test_the_schedule_restores_the_model_configs_callbacks():
 
     config = SimpleNamespace(finalize_model_grads_func=finalize, grad_sync_func=[grad_sync, grad_sync],
                              calculate_per_token_loss=True)
-
-    class LaterStage(MegatronModelMixin, torch.nn.Module):  # no encoders: nothing to run but the callbacks
-        def __init__(self):
-            super().__init__()
-            self.config = config
-
-        def phase_encoders(self):
-            return {}
-
-        def encode(self, phase, items):
-            raise AssertionError("a stage without encoders encodes nothing")
-
-        def forward(self, batch, embeds=None):
-            raise AssertionError("the stand-in schedule runs no forward")
 
     def forward_backward(fail=False, **kwargs):
         calls.append(config.finalize_model_grads_func is finalize)  # wrapped during the call
@@ -382,8 +368,8 @@ def test_the_schedule_restores_the_model_configs_callbacks():
     schedule = ModalityAwareSchedule(forward_backward, dp_group=None)
     for fail in (False, False, True):
         try:
-            schedule(forward_step_func=None, data_iterator=iter([step]), model=[LaterStage()], num_microbatches=0,
-                     fail=fail)
+            schedule(forward_step_func=None, data_iterator=iter([step]), model=[EncoderlessChunk(config)],
+                     num_microbatches=0, fail=fail)
         except RuntimeError:
             assert fail
         assert config.finalize_model_grads_func is finalize

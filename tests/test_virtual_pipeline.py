@@ -174,7 +174,7 @@ def test_the_schedule_feeds_every_chunk_and_runs_the_encoders_backward_from_the_
 
     import numpy as np
 
-    from megatron_orch.megatron.contract import MegatronModelMixin
+    from stand_ins import EncoderlessChunk
     from megatron_orch.megatron.post_balancing import BalancedStep
     from megatron_orch.megatron.schedule import ModalityAwareSchedule
 
@@ -183,20 +183,6 @@ def test_the_schedule_feeds_every_chunk_and_runs_the_encoders_backward_from_the_
 
     config = SimpleNamespace(finalize_model_grads_func=None, grad_sync_func=grad_sync, no_sync_func=None,
                              calculate_per_token_loss=True)
-
-    class Chunk(MegatronModelMixin, torch.nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.config = config
-
-        def phase_encoders(self):
-            return {}
-
-        def encode(self, phase, items):
-            raise AssertionError("no encoders here")
-
-        def forward(self, batch, embeds=None):
-            raise AssertionError("the stand-in schedule runs no forward")
 
     seen = {}
 
@@ -208,7 +194,8 @@ def test_the_schedule_feeds_every_chunk_and_runs_the_encoders_backward_from_the_
     microbatches = ["micro-batch 0", "micro-batch 1"]
     step = BalancedStep(microbatches=microbatches, inputs={}, plan=SimpleNamespace(encoders={}), rank=0,
                         num_tokens=np.zeros(0, dtype=np.int64), rows_per_item={}, comm_group=None, moves=None)
-    schedule, chunks = ModalityAwareSchedule(interleaved, dp_group=None), [Chunk(), Chunk()]
+    schedule = ModalityAwareSchedule(interleaved, dp_group=None)
+    chunks = [EncoderlessChunk(config), EncoderlessChunk(config)]
     schedule(forward_step_func=None, data_iterator=[iter([step]), None], model=chunks, num_microbatches=2)
     assert seen["batches"] == [microbatches, microbatches]
     assert seen["grad_sync"][0] is not grad_sync and seen["grad_sync"][1] is grad_sync
