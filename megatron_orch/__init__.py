@@ -4,6 +4,24 @@ Layers (imports only go downward): planning without torch, ``balance`` -> ``orch
 ``comm``; then ``megatron`` (the hook a Megatron-LM user imports), ``mllm`` (this project's model and
 data), ``trainer`` (the compact megatron-core trainer); entry points ``pretrain_mllm.py`` and ``scripts/``.
 ``bench`` sits beside them and calls what training calls.
+
+Glossary (the names in the code follow it):
+
+* **phase**: a part of the model balanced on its own: each encoder in the order it runs, then the backbone
+  (the language model). Phases are named by the model (``--orch-phases`` takes the names).
+* **example**: one training sample, its text and the items it holds. It keeps its place in the global batch
+  wherever it is computed, so the loss and the gradients are those of the unbalanced step.
+* **item**: what an encoder phase computes as one unit (an image tile, an audio window); the backbone's item
+  is an example's whole sequence.
+* **medium**: the stored file or array an example's items are made from (an image, an audio clip).
+* **home**: where the data loader put each example and its items (its *home rank*); the *home layout* is the
+  unbalanced assignment, what upstream Megatron computes. A plan's figures "before" are the home layout's.
+* **bin**: a partitioner's group of items (one per DP rank, or one per micro-batch of a rank); placement maps
+  bins to ranks.
+* **slot**: an item's position among the items its rank receives under a plan, the order it computes them in.
+* **kept / recomputed chunk**: a rank encodes its items in chunks; a kept chunk holds its activations for the
+  backward, a recomputed chunk keeps only its outputs and runs its forward again for the backward.
+* **upstream**: the same run without post-balancing (megatron-core's or Megatron-LM's own path).
 """
 
 __version__ = "0.1.0"
