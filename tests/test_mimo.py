@@ -46,7 +46,7 @@ def scripted_example(step: int, dp_rank: int, position: int, spec, sample_index:
     return assemble_example(sample_index, prompt, torch.randint(0, 256, (answer,), generator=g).tolist(), items, spec)
 
 
-def _train(rank, world_size, tp, sp, balanced, out_dir):
+def _train(rank, world_size, tp, sp, balanced, out_dir, microbatching="equal_count"):
     warnings.filterwarnings("ignore")
     from megatron.core import parallel_state
     from megatron.core.pipeline_parallel import get_forward_backward_func
@@ -84,27 +84,30 @@ def _train(rank, world_size, tp, sp, balanced, out_dir):
         if balanced:
             groups = ParallelGroups(dp_group, Topology.uniform(args.data_parallel_size, 1), encoder_stage=True,
                                     peer_group=parallel_state.get_model_parallel_group())
-            iterator = PostBalancingDataIterator(source, spec, OrchestratorConfig(), StepShape(MBS, NUM_MB), groups,
+            iterator = PostBalancingDataIterator(source, spec, OrchestratorConfig(microbatching=microbatching),
+                                                 StepShape(MBS, NUM_MB), groups,
                                                  compute_device=torch.device("cpu"))
             schedule = ModalityAwareSchedule(get_forward_backward_func(), dp_group)
-        losses, reports = [], []
+        losses, reports, packed = [], [], []
         for _ in range(ITERS):
             losses.append(trainer.train_step(forward_step, iterator, model, optimizer, scheduler, args, timers,
                                              schedule)["lm_loss"])
             if schedule is not None:
                 reports.append(schedule.last_step.plan.report())
-        torch.save({"losses": losses, "reports": reports,
+                packed.append([m.batch.is_packed for m in schedule.last_step.microbatches])
+        torch.save({"losses": losses, "reports": reports, "packed": packed,
                     "params": {name: p.detach().clone() for name, p in built[0].named_parameters()}},
                    Path(out_dir) / f"rank{rank}.pt")
     finally:
         parallel_state.destroy_model_parallel()
 
 
-def train(tmp_path: Path, name: str, tp: int, sp: bool, balanced: bool) -> list:
+def train(tmp_path: Path, name: str, tp: int, sp: bool, balanced: bool, world_size: int = 4,
+          microbatching: str = "equal_count") -> list:
     out = tmp_path / name
     out.mkdir()
-    run_distributed(_train, 4, tp, sp, balanced, str(out), timeout_s=TIMEOUT_S)
-    return [torch.load(out / f"rank{r}.pt") for r in range(4)]
+    run_distributed(_train, world_size, tp, sp, balanced, str(out), microbatching, timeout_s=TIMEOUT_S)
+    return [torch.load(out / f"rank{r}.pt") for r in range(world_size)]
 
 
 def _mimo_takes_packing_kwargs() -> bool:
@@ -140,6 +143,29 @@ def test_mimo_upstream_and_balanced_agree_and_the_plan_balances(tp, sp, tmp_path
     for phase in ("images", "audio", "language"):
         assert heavy[f"{phase} before"] > 1.3, heavy
         assert heavy[f"{phase} after"] < heavy[f"{phase} before"], heavy
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("world_size, tp, sp", [(2, 1, False), (4, 2, True)], ids=["dp2", "tp2_sp_dp2"])
+def test_mimo_packed_by_default_agrees_with_upstream(world_size, tp, sp, tmp_path):
+    """0.19: post-balancing's default micro-batching (``auto``) packs a MimoModel's micro-batches (THD
+    ``packing_kwargs``); losses and parameters equal upstream's (``MimoModel.forward`` on right-padded rows of the
+    loader's micro-batches) within 1e-5. TP 2 + SP: MIMO's own sequence-parallel sharding of the packed row."""
+    if not _mimo_takes_packing_kwargs():
+        pytest.skip("this megatron-core's MimoModel (0.16) takes no packing_kwargs: auto gives equal-count "
+                    "micro-batches (test_packed_rows_where_the_installed_mimo_takes_them)")
+    upstream = train(tmp_path, "upstream", tp, sp, False, world_size)
+    balanced = train(tmp_path, "packed", tp, sp, True, world_size, microbatching="auto")
+    assert upstream[0]["losses"][-1] < upstream[0]["losses"][0]
+    assert all(all(step) for result in balanced for step in result["packed"]), balanced[0]["packed"]
+    for rank, (got, want) in enumerate(zip(balanced, upstream)):
+        assert got["losses"] == pytest.approx(want["losses"], rel=1e-5), rank
+        assert got["params"].keys() == want["params"].keys()
+        for name in want["params"]:
+            torch.testing.assert_close(got["params"][name], want["params"][name], rtol=1e-5, atol=1e-6,
+                                       msg=lambda m: f"rank {rank} parameter {name}: {m}")
+    heavy = balanced[0]["reports"][SCENARIOS.index("heavy_on_one_rank")]
+    assert heavy["intra-node MB"] + heavy["inter-node MB"] > 0, heavy
 
 
 # -- what the adapter refuses, and why ----------------------------------------------------------------
