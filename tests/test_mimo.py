@@ -6,8 +6,12 @@ with post-balancing (the same model wrapped in ``MimoBalancing``, the post-balan
 modality-aware schedule), with the compact trainer's own building blocks (Megatron DDP, SGD, per-token
 loss): the losses of every step and the parameters after the run agree within 1e-5, and on the step with
 every heavy example on one rank the plan moved data and lowered each phase's modeled max/mean. Layouts:
-DP 4 and TP 2 x DP 2. PP 2 x DP 2 is refused, with MIMO's reason (MimoModel does not run a language model
-split over pipeline stages under Megatron's schedules), as is what else the adapter cannot keep invariant.
+DP 4 and TP 2 x DP 2 (and TP 2 + SP x DP 2 on 0.19). On 0.19, whose MimoModel.forward takes THD
+``packing_kwargs``, the default micro-batching packs: a packed row gives each example the losses and gradients
+of a row of its own, no example attending to another, and packed post-balancing agrees with upstream at DP 2
+and TP 2 + SP x DP 2; on 0.16.1 packed rows are refused, saying why. PP 2 x DP 2 is refused, with MIMO's
+reason (MimoModel does not run a language model split over pipeline stages under Megatron's schedules), as is
+what else the adapter cannot keep invariant.
 """
 import warnings
 from pathlib import Path

@@ -64,8 +64,8 @@ project's ``SDPAttention`` needs).
 
 Under sequence or context parallelism (0.19) every rank of a replica gets the whole micro-batch, its rows
 padded at the end to the multiple MIMO's sharding needs (2 x CP, x TP with SP; pad tokens of the batch
-spec's pad id, loss mask 0; a packed row's tail, outside every example); MIMO then shards the combined embeddings, the labels and the loss mask as
-megatron-core does, the same layout whose loss mask ``forward_step`` applies
+spec's pad id, loss mask 0; in a packed row, part of its padding tail); MIMO then shards the combined
+embeddings, the labels and the loss mask as megatron-core does, the same layout whose loss mask ``forward_step`` applies
 (:class:`~megatron_orch.megatron.sequence_layout.SequenceLayout`).
 """
 from __future__ import annotations
