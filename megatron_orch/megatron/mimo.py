@@ -160,6 +160,7 @@ class MimoBalancing(MegatronModule):
         self.mimo = mimo
         self.modalities = tuple(modalities)
         _check_supported(mimo, self.modalities)
+        self.cannot_pack = cannot_pack(mimo)  # why packed rows are not handed to it (None: they are)
         row_bytes = mimo.config.hidden_size * embedding_bytes_per_element
         encoders = tuple(EncoderPhase(m.name, m.cost, item_tokens=m.item_tokens,
                                       input_bytes=math.prod(m.item_shape) * m.bytes_per_element,
@@ -173,7 +174,7 @@ class MimoBalancing(MegatronModule):
         inputs = tuple(EncoderInput(m.name, m.item_shape, self.mimo.special_token_ids[m.name])
                        for m in self.modalities)
         spec = BatchSpec(self.phases, inputs, pad_token_id=pad_token_id, seq_length=seq_length,
-                         cannot_pack=cannot_pack(self.mimo))
+                         cannot_pack=self.cannot_pack)
         self.pad_token_id = pad_token_id
         return spec
 
@@ -205,9 +206,8 @@ class MimoBalancing(MegatronModule):
                                    "and context parallelism")
         packing = {}
         if batch.is_packed:
-            reason = cannot_pack(self.mimo)
-            if reason is not None:
-                raise NotImplementedError(reason)
+            if self.cannot_pack is not None:
+                raise NotImplementedError(self.cannot_pack)
             if not layout.is_whole:
                 batch = _padded_tail(batch, layout.row_multiple, self.pad_token_id)
             # the bounds cover the whole row: megatron-core's THD RoPE splits the row by them, and Transformer
