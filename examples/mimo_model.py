@@ -4,6 +4,10 @@
     torchrun --nproc-per-node 2 examples/mimo_model.py                # balancing on, then off, same init
 
 Runs on CPU (gloo) or GPUs (NCCL); prints both runs' losses and their largest relative difference.
+Micro-batches are equal-count on every release here (DP rank 0 logs why): the language model is megatron-core's
+local GPT layer, whose ``DotProductAttention`` takes no THD parameters; on megatron-core 0.19 a MimoModel whose
+language model can take them (Transformer Engine's layer spec, or the project's ``SDPAttention`` layers) gets
+packed micro-batches by default (``MimoModel.forward``'s ``packing_kwargs``; 0.16.1's takes none).
 """
 from __future__ import annotations
 

@@ -6,8 +6,12 @@ with post-balancing (the same model wrapped in ``MimoBalancing``, the post-balan
 modality-aware schedule), with the compact trainer's own building blocks (Megatron DDP, SGD, per-token
 loss): the losses of every step and the parameters after the run agree within 1e-5, and on the step with
 every heavy example on one rank the plan moved data and lowered each phase's modeled max/mean. Layouts:
-DP 4 and TP 2 x DP 2. PP 2 x DP 2 is refused, with MIMO's reason (MimoModel does not run a language model
-split over pipeline stages under Megatron's schedules), as is what else the adapter cannot keep invariant.
+DP 4 and TP 2 x DP 2 (and TP 2 + SP x DP 2 on 0.19). On 0.19, whose MimoModel.forward takes THD
+``packing_kwargs``, the default micro-batching packs: a packed row gives each example the losses and gradients
+of a row of its own, no example attending to another, and packed post-balancing agrees with upstream at DP 2
+and TP 2 + SP x DP 2; on 0.16.1 packed rows are refused, saying why. PP 2 x DP 2 is refused, with MIMO's
+reason (MimoModel does not run a language model split over pipeline stages under Megatron's schedules), as is
+what else the adapter cannot keep invariant.
 """
 import warnings
 from pathlib import Path
@@ -46,7 +50,7 @@ def scripted_example(step: int, dp_rank: int, position: int, spec, sample_index:
     return assemble_example(sample_index, prompt, torch.randint(0, 256, (answer,), generator=g).tolist(), items, spec)
 
 
-def _train(rank, world_size, tp, sp, balanced, out_dir):
+def _train(rank, world_size, tp, sp, balanced, out_dir, microbatching="equal_count"):
     warnings.filterwarnings("ignore")
     from megatron.core import parallel_state
     from megatron.core.pipeline_parallel import get_forward_backward_func
@@ -84,27 +88,38 @@ def _train(rank, world_size, tp, sp, balanced, out_dir):
         if balanced:
             groups = ParallelGroups(dp_group, Topology.uniform(args.data_parallel_size, 1), encoder_stage=True,
                                     peer_group=parallel_state.get_model_parallel_group())
-            iterator = PostBalancingDataIterator(source, spec, OrchestratorConfig(), StepShape(MBS, NUM_MB), groups,
+            iterator = PostBalancingDataIterator(source, spec, OrchestratorConfig(microbatching=microbatching),
+                                                 StepShape(MBS, NUM_MB), groups,
                                                  compute_device=torch.device("cpu"))
             schedule = ModalityAwareSchedule(get_forward_backward_func(), dp_group)
-        losses, reports = [], []
+        losses, reports, packed = [], [], []
         for _ in range(ITERS):
             losses.append(trainer.train_step(forward_step, iterator, model, optimizer, scheduler, args, timers,
                                              schedule)["lm_loss"])
             if schedule is not None:
                 reports.append(schedule.last_step.plan.report())
-        torch.save({"losses": losses, "reports": reports,
+                packed.append([m.batch.is_packed for m in schedule.last_step.microbatches])
+        torch.save({"losses": losses, "reports": reports, "packed": packed,
                     "params": {name: p.detach().clone() for name, p in built[0].named_parameters()}},
                    Path(out_dir) / f"rank{rank}.pt")
     finally:
         parallel_state.destroy_model_parallel()
 
 
-def train(tmp_path: Path, name: str, tp: int, sp: bool, balanced: bool) -> list:
+def train(tmp_path: Path, name: str, tp: int, sp: bool, balanced: bool, world_size: int = 4,
+          microbatching: str = "equal_count") -> list:
     out = tmp_path / name
     out.mkdir()
-    run_distributed(_train, 4, tp, sp, balanced, str(out), timeout_s=TIMEOUT_S)
-    return [torch.load(out / f"rank{r}.pt") for r in range(4)]
+    run_distributed(_train, world_size, tp, sp, balanced, str(out), microbatching, timeout_s=TIMEOUT_S)
+    return [torch.load(out / f"rank{r}.pt") for r in range(world_size)]
+
+
+def _mimo_takes_packing_kwargs() -> bool:
+    """0.19's MimoModel.forward takes THD parameters (packing_kwargs); 0.16.1's not."""
+    from megatron.core.models.mimo import MimoModel
+
+    from megatron_orch.megatron.mimo import takes_packing_kwargs
+    return takes_packing_kwargs(MimoModel.__new__(MimoModel))
 
 
 def _mimo_shards_its_input() -> bool:
@@ -132,6 +147,29 @@ def test_mimo_upstream_and_balanced_agree_and_the_plan_balances(tp, sp, tmp_path
     for phase in ("images", "audio", "language"):
         assert heavy[f"{phase} before"] > 1.3, heavy
         assert heavy[f"{phase} after"] < heavy[f"{phase} before"], heavy
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("world_size, tp, sp", [(2, 1, False), (4, 2, True)], ids=["dp2", "tp2_sp_dp2"])
+def test_mimo_packed_by_default_agrees_with_upstream(world_size, tp, sp, tmp_path):
+    """0.19: post-balancing's default micro-batching (``auto``) packs a MimoModel's micro-batches (THD
+    ``packing_kwargs``); losses and parameters equal upstream's (``MimoModel.forward`` on right-padded rows of the
+    loader's micro-batches) within 1e-5. TP 2 + SP: MIMO's own sequence-parallel sharding of the packed row."""
+    if not _mimo_takes_packing_kwargs():
+        pytest.skip("this megatron-core's MimoModel (0.16) takes no packing_kwargs: auto gives equal-count "
+                    "micro-batches (test_packed_rows_where_the_installed_mimo_takes_them)")
+    upstream = train(tmp_path, "upstream", tp, sp, False, world_size)
+    balanced = train(tmp_path, "packed", tp, sp, True, world_size, microbatching="auto")
+    assert upstream[0]["losses"][-1] < upstream[0]["losses"][0]
+    assert all(all(step) for result in balanced for step in result["packed"]), balanced[0]["packed"]
+    for rank, (got, want) in enumerate(zip(balanced, upstream)):
+        assert got["losses"] == pytest.approx(want["losses"], rel=1e-5), rank
+        assert got["params"].keys() == want["params"].keys()
+        for name in want["params"]:
+            torch.testing.assert_close(got["params"][name], want["params"][name], rtol=1e-5, atol=1e-6,
+                                       msg=lambda m: f"rank {rank} parameter {name}: {m}")
+    heavy = balanced[0]["reports"][SCENARIOS.index("heavy_on_one_rank")]
+    assert heavy["intra-node MB"] + heavy["inter-node MB"] > 0, heavy
 
 
 # -- what the adapter refuses, and why ----------------------------------------------------------------
@@ -188,18 +226,120 @@ def test_what_would_break_invariance_is_refused(harness, world_of_one):
     mimo.mimo_config.module_to_grid_map = {"images": object()}  # 0.19's per-module grids
     with pytest.raises(NotImplementedError, match="module_to_grid_map is set"):
         MimoBalancing(mimo, modalities(), cost)
+    spec = balanced_mimo().batch_spec(SEQ_LENGTH, PAD_TOKEN_ID)
+    with pytest.raises(ValueError, match="placeholder ids .* and pad id 1000 must be distinct"):
+        dataclasses.replace(spec, pad_token_id=1000)
+
+
+def test_packed_rows_where_the_installed_mimo_takes_them(harness, world_of_one):
+    """0.19 (``MimoModel.forward`` takes ``packing_kwargs``): ``--orch-microbatching auto`` packs. 0.16.1: it gives
+    equal-count micro-batches, ``packed`` is refused and a packed row reaching the adapter too, saying why; on any
+    release a language model of megatron-core's local DotProductAttention, or context parallelism, stays unpacked."""
+    from megatron.core.transformer.dot_product_attention import DotProductAttention
+
+    from megatron_orch.megatron import collate_packed
+    from megatron_orch.megatron import mimo as adapter
+    from megatron_orch.orchestrator.config import OrchestratorConfig
+    from mimo_model import balanced_mimo, build_mimo
+
     model = balanced_mimo()
     spec = model.batch_spec(SEQ_LENGTH, PAD_TOKEN_ID)
     packed = collate_packed([scripted_example(0, 0, j, spec, j) for j in range(2)], spec)
-    with pytest.raises(NotImplementedError, match="MimoBalancing does not hand packed rows to MimoModel"):
+    if _mimo_takes_packing_kwargs():
+        assert spec.cannot_pack is None
+        assert OrchestratorConfig().resolve_microbatching(spec.cannot_pack).microbatching == "packed"
+        mimo = build_mimo()
+        attention = next(m for m in mimo.language_model.modules() if hasattr(m, "core_attention"))
+        attention.core_attention = DotProductAttention.__new__(DotProductAttention)  # its class is what counts
+        torch.nn.Module.__init__(attention.core_attention)
+        assert adapter.cannot_pack(mimo) == adapter.CANNOT_PACK_ATTENTION.format("DotProductAttention")
+        mimo = build_mimo()
+        mimo.config.context_parallel_size = 2
+        assert adapter.cannot_pack(mimo) == adapter.CANNOT_PACK_CP
+        return
+    assert spec.cannot_pack == adapter.CANNOT_PACK
+    with pytest.raises(NotImplementedError, match="MimoBalancing does not hand packed rows to this MimoModel"):
         model(packed)
     # --orch-microbatching auto gives it equal-count micro-batches; packed ones are refused, saying why
-    from megatron_orch.orchestrator.config import OrchestratorConfig
     assert OrchestratorConfig().resolve_microbatching(spec.cannot_pack).microbatching == "equal_count"
-    with pytest.raises(ValueError, match="packed: MimoBalancing does not hand packed rows to MimoModel"):
+    with pytest.raises(ValueError, match="packed: MimoBalancing does not hand packed rows to this MimoModel"):
         OrchestratorConfig(microbatching="packed").resolve_microbatching(spec.cannot_pack)
-    with pytest.raises(ValueError, match="placeholder ids .* and pad id 1000 must be distinct"):
-        dataclasses.replace(spec, pad_token_id=1000)
+
+
+def _example(spec, sample_index: int, images: int, windows: int, seed: int, answer: int = 12):
+    from megatron_orch.mllm.examples import assemble_example
+
+    g = torch.Generator().manual_seed(seed)
+    items = {"images": torch.randn(images, PATCHES, PATCH_DIM, generator=g),
+             "audio": torch.randn(windows, FRAMES, MEL_BINS, generator=g)}
+    prompt = torch.randint(0, 256, (5,), generator=g).tolist()
+    return assemble_example(sample_index, prompt, torch.randint(0, 256, (answer,), generator=g).tolist(), items, spec)
+
+
+def test_a_packed_row_is_its_examples_each_alone(harness, world_of_one):
+    """0.19: a packed row through MimoModel (THD ``packing_kwargs``, a padding tail) gives each example the per-token
+    losses and, summed, the gradients it gets in a row of its own; changing one example's tokens and items leaves the
+    others' losses unchanged (no attention across examples); the language model got THD params with the row's
+    bounds; encoder outputs handed in (post-balancing's path) give the same; MIMO's SP padding of the tail is the
+    loss mask forward_step applies."""
+    if not _mimo_takes_packing_kwargs():
+        pytest.skip("this megatron-core's MimoModel (0.16) takes no packing_kwargs "
+                    "(test_packed_rows_where_the_installed_mimo_takes_them)")
+    from megatron_orch.megatron import collate, collate_packed
+    from megatron_orch.megatron.batch import PackedRowParams
+    from megatron_orch.megatron.mimo import _padded_tail
+    from megatron_orch.megatron.sequence_layout import SequenceLayout
+    from mimo_model import balanced_mimo
+
+    torch.manual_seed(0)
+    model = balanced_mimo()
+    spec = model.batch_spec(SEQ_LENGTH, PAD_TOKEN_ID)
+    examples = [_example(spec, 0, 2, 1, seed=1), _example(spec, 1, 0, 2, seed=2, answer=20),
+                _example(spec, 2, 1, 0, seed=3, answer=7)]
+    packed = collate_packed(examples, spec, pad_to_multiple_of=32)
+    bounds = packed.host_cu_seqlens
+    assert packed.tokens.shape[1] > bounds[-1]  # a padding tail
+
+    seen = []
+    model.mimo.language_model.register_forward_pre_hook(
+        lambda module, args, kwargs: seen.append(kwargs.get("packed_seq_params")), with_kwargs=True)
+
+    def losses_and_grads(batches, embeds=None):
+        model.zero_grad(set_to_none=True)
+        outputs = [model(batch, embeds) for batch in batches]
+        sum(torch.sum(out * batch.loss_mask) for out, batch in zip(outputs, batches)).backward()
+        return ([out.detach() for out in outputs],
+                {name: p.grad.clone() for name, p in model.named_parameters() if p.grad is not None})
+
+    (row,), grads = losses_and_grads([packed])
+    params = seen[-1]
+    assert isinstance(params, PackedRowParams) and params.qkv_format == "thd"
+    whole = (*bounds, packed.tokens.shape[1])  # the tail is one more sequence (RoPE splits the row by them)
+    assert params.host_cu_seqlens == whole and params.cu_seqlens_q.tolist() == list(whole)
+    alone, alone_grads = losses_and_grads([collate([e], spec) for e in examples])
+    assert seen[-1] is None
+    for i, out in enumerate(alone):
+        torch.testing.assert_close(row[0, bounds[i]:bounds[i + 1]], out[0], rtol=1e-5, atol=1e-6,
+                                   msg=lambda m: f"example {i}: {m}")
+    assert grads.keys() == alone_grads.keys() and len(grads) == len(list(model.parameters()))
+    for name in grads:
+        torch.testing.assert_close(grads[name], alone_grads[name], rtol=1e-5, atol=1e-6,
+                                   msg=lambda m: f"parameter {name}: {m}")
+    with torch.no_grad():
+        embeds = {name: model.encode(name, packed.items[name]) for name in ("images", "audio")}
+        torch.testing.assert_close(model(packed, embeds), row, rtol=1e-5, atol=1e-6)
+        changed = [examples[0], _example(spec, 1, 0, 2, seed=9, answer=20), examples[2]]  # other tokens, items
+        other = model(collate_packed(changed, spec, pad_to_multiple_of=32))
+    assert collate_packed(changed, spec).host_cu_seqlens == bounds
+    for i in (0, 2):
+        torch.testing.assert_close(other[0, bounds[i]:bounds[i + 1]], row[0, bounds[i]:bounds[i + 1]],
+                                   rtol=1e-6, atol=1e-7, msg=lambda m: f"example {i} saw example 1: {m}")
+    assert not torch.allclose(other[0, bounds[1]:bounds[2]], row[0, bounds[1]:bounds[2]])
+    sp = SequenceLayout(1, 0, 2, 0)
+    unpadded = collate_packed(examples, spec)
+    assert unpadded.tokens.shape[1] % 2  # odd: the tail MIMO's SP sharding needs
+    torch.testing.assert_close(_padded_tail(unpadded, sp.row_multiple, PAD_TOKEN_ID).loss_mask,
+                               sp.shard(unpadded).loss_mask)
 
 
 def test_sequence_or_context_parallelism_needs_a_mimo_that_shards(harness, world_of_one):

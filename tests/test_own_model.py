@@ -85,7 +85,10 @@ def test_model_type_and_set_input_tensor_are_named_with_the_mixin(harness, world
 
 def test_packed_rows_with_mimo_are_refused_when_the_iterator_is_built(harness, world_of_one, monkeypatch):
     """Refused at build time, before the first collective of the iterator (it makes its communicator) and of
-    post_balance (the DP group's topology, the communicator), not in the first forward after the step's moves."""
+    post_balance (the DP group's topology, the communicator), not in the first forward after the step's moves.
+    The example's MimoModel cannot take packed rows on either release: 0.16.1's forward takes no THD parameters;
+    on 0.19 it does (packing_kwargs), but the example's language model is megatron-core's local GPT layer, whose
+    DotProductAttention takes none (tests/test_mimo.py packs a MimoModel whose language model can)."""
     import torch.distributed as dist
 
     from example_modules import mimo_example
@@ -101,7 +104,11 @@ def test_packed_rows_with_mimo_are_refused_when_the_iterator_is_built(harness, w
         monkeypatch.setattr(module, name, no_collective)
     spec = mimo_example().spec_of(mimo_example().build())
     packed = OrchestratorConfig(microbatching="packed")
-    refusal = "--orch-microbatching packed: MimoBalancing does not hand packed rows to MimoModel"
+    from megatron_orch.megatron import mimo
+
+    assert spec.cannot_pack == (mimo.CANNOT_PACK_ATTENTION.format("DotProductAttention")
+                                if mimo.takes_packing_kwargs(mimo_example().build().mimo) else mimo.CANNOT_PACK)
+    refusal = "--orch-microbatching packed: MimoBalancing does not hand packed rows to this MimoModel"
     with pytest.raises(ValueError, match=refusal):
         PostBalancingDataIterator(_unread(), spec, packed, StepShape(2, 2),
                                   ParallelGroups(dist.group.WORLD, Topology.uniform(1, 1)),

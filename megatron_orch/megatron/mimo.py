@@ -38,23 +38,41 @@ Megatron's schedules, the others would break the invariance):
   of encoder 1, then encoder 2), so one item's rows are not contiguous and the outputs of some items are
   not a slice of the whole batch's;
 * a modality submodule left out of ``modalities``: a balanced micro-batch carries no raw items;
-* packed rows: 0.19's colocated forward drops the attention mask (packing goes through its THD
-  ``packing_kwargs``), so block-diagonal attention would silently become causal over the whole row (the
-  batch spec's ``cannot_pack`` says so: ``--orch-microbatching auto`` gives equal-count micro-batches and
-  the post-balancing iterator refuses ``packed`` when it is built, before any collective).
+* packed rows where the installed ``MimoModel`` cannot take them (the batch spec's ``cannot_pack`` says
+  why: ``--orch-microbatching auto`` then gives equal-count micro-batches, DP rank 0 logging the reason
+  once, and the post-balancing iterator refuses ``packed`` when it is built, before any collective):
+  0.16.1's colocated forward takes no THD parameters and drops the attention mask, so a packed row would
+  attend across its examples; on 0.19 a language model whose core attention is megatron-core's local
+  ``DotProductAttention`` (it asserts ``packed_seq_params is None``), and context parallelism (MIMO shards a
+  THD row with Transformer Engine's ``thd_get_partitioned_indices`` over per-sequence padded bounds, which
+  the adapter does not build).
 * sequence or context parallelism with 0.16.1's MimoModel, which does not shard the language model's input
   (0.19's shards it itself: its language model must then be built with
   ``scatter_embedding_sequence_parallel=False``, which MIMO asks for).
 
+Packed rows (0.19, feature-detected: ``MimoModel.forward`` takes ``packing_kwargs``): one row of examples
+back to back (:func:`~megatron_orch.megatron.batch.collate_packed`), handed to ``MimoModel.forward`` with
+``packing_kwargs`` of the row's bounds (``cu_seqlens_q`` = ``cu_seqlens_kv``, ``max_seqlen_q`` =
+``max_seqlen_kv``), from which MIMO builds its THD ``PackedSeqParams`` for the language model: each example
+attends causally to itself only. The placeholders need nothing more: MIMO scatters each modality's rows at its
+placeholders in row order, and a packed row holds its examples' items in example order, as their
+placeholders are. Position ids restart at each example (RoPE reads the bounds in THD); the loss mask is the
+row's, 0 on any padding tail, which is one more sequence (megatron-core's THD RoPE splits the row by the
+bounds, and Transformer Engine's kernels leave a token outside every sequence undefined). The params MIMO
+built get the bounds as host ints too (:class:`~megatron_orch.megatron.batch.PackedRowParams`, which the
+project's ``SDPAttention`` needs).
+
 Under sequence or context parallelism (0.19) every rank of a replica gets the whole micro-batch, its rows
 padded at the end to the multiple MIMO's sharding needs (2 x CP, x TP with SP; pad tokens of the batch
-spec's pad id, loss mask 0); MIMO then shards the combined embeddings, the labels and the loss mask as
-megatron-core does, the same layout whose loss mask ``forward_step`` applies
+spec's pad id, loss mask 0; in a packed row, part of its padding tail); MIMO then shards the combined
+embeddings, the labels and the loss mask as megatron-core does, the same layout whose loss mask ``forward_step`` applies
 (:class:`~megatron_orch.megatron.sequence_layout.SequenceLayout`).
 """
 from __future__ import annotations
 
 import contextlib
+import dataclasses
+import inspect
 import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Dict, Iterator, Mapping, Optional, Sequence, Tuple
@@ -65,17 +83,48 @@ from megatron.core.transformer.module import MegatronModule
 
 from megatron_orch.balance.cost import CostModel
 from megatron_orch.balance.workload import BackbonePhase, EncoderPhase, ModelPhases
-from megatron_orch.megatron.batch import BatchSpec, EncoderInput, MicroBatch
+from megatron_orch.megatron.batch import BatchSpec, EncoderInput, MicroBatch, PackedRowParams
 from megatron_orch.megatron.sequence_layout import SequenceLayout
 
 if TYPE_CHECKING:
     from megatron.core.models.mimo import MimoModel
 
 LANGUAGE_PHASE = "language"  # MIMO's key of its language module (0.19: MIMO_LANGUAGE_MODULE_KEY)
-# Why --orch-microbatching auto gives a MimoModel equal-count micro-batches (and packed is refused).
-CANNOT_PACK = ("MimoBalancing does not hand packed rows to MimoModel: its colocated forward takes no THD parameters "
-               "(0.16.1) or takes them as packing_kwargs that the adapter does not pass (0.19), and drops the "
-               "attention mask, so a packed row would attend across its examples")
+# Why --orch-microbatching auto gives a MimoModel equal-count micro-batches (and packed is refused); the
+# releases whose MimoModel.forward takes packing_kwargs (0.19) pack unless CANNOT_PACK_ATTENTION or _CP apply.
+CANNOT_PACK = ("MimoBalancing does not hand packed rows to this MimoModel: its colocated forward takes no THD "
+               "parameters (packing_kwargs, megatron-core 0.19+) and drops the attention mask, so a packed row "
+               "would attend across its examples")
+CANNOT_PACK_ATTENTION = ("MimoBalancing does not hand packed rows to this MimoModel: its language model's core "
+                         "attention ({}) takes no THD parameters (megatron-core's local DotProductAttention asserts "
+                         "packed_seq_params is None; Transformer Engine's attention and the project's SDPAttention "
+                         "take them)")
+CANNOT_PACK_CP = ("MimoBalancing does not hand packed rows to this MimoModel under context parallelism: MIMO shards a "
+                  "THD row with Transformer Engine's thd_get_partitioned_indices over per-sequence padded bounds, "
+                  "which the adapter does not build")
+
+
+def takes_packing_kwargs(mimo) -> bool:
+    """Whether the installed ``MimoModel.forward`` takes ``packing_kwargs`` (THD parameters; 0.19, not 0.16.1)."""
+    return "packing_kwargs" in inspect.signature(type(mimo).forward).parameters
+
+
+def _core_attentions(language_model) -> list:
+    return [m.core_attention for m in language_model.modules() if isinstance(getattr(m, "core_attention", None),
+                                                                            torch.nn.Module)]
+
+
+def cannot_pack(mimo) -> Optional[str]:
+    """Why the adapter does not hand packed rows to ``mimo`` (None: it does; module docstring)."""
+    if not takes_packing_kwargs(mimo):
+        return CANNOT_PACK
+    from megatron.core.transformer.dot_product_attention import DotProductAttention
+    local = sorted({type(a).__name__ for a in _core_attentions(mimo.language_model) if type(a) is DotProductAttention})
+    if local:
+        return CANNOT_PACK_ATTENTION.format(", ".join(local))
+    if mimo.config.context_parallel_size > 1:
+        return CANNOT_PACK_CP
+    return None
 
 
 @dataclass(frozen=True)
@@ -111,6 +160,7 @@ class MimoBalancing(MegatronModule):
         self.mimo = mimo
         self.modalities = tuple(modalities)
         _check_supported(mimo, self.modalities)
+        self.cannot_pack = cannot_pack(mimo)  # why packed rows are not handed to it (None: they are)
         row_bytes = mimo.config.hidden_size * embedding_bytes_per_element
         encoders = tuple(EncoderPhase(m.name, m.cost, item_tokens=m.item_tokens,
                                       input_bytes=math.prod(m.item_shape) * m.bytes_per_element,
@@ -124,7 +174,7 @@ class MimoBalancing(MegatronModule):
         inputs = tuple(EncoderInput(m.name, m.item_shape, self.mimo.special_token_ids[m.name])
                        for m in self.modalities)
         spec = BatchSpec(self.phases, inputs, pad_token_id=pad_token_id, seq_length=seq_length,
-                         cannot_pack=CANNOT_PACK)
+                         cannot_pack=self.cannot_pack)
         self.pad_token_id = pad_token_id
         return spec
 
@@ -149,13 +199,23 @@ class MimoBalancing(MegatronModule):
     def forward(self, batch: MicroBatch, embeds: Optional[Mapping[str, torch.Tensor]] = None) -> torch.Tensor:
         """``MimoModel.forward`` over ``batch``: on its raw items (upstream), or with ``embeds`` in place of
         its modality submodules' outputs (module docstring). Returns the language model's output."""
-        if batch.is_packed:
-            raise NotImplementedError(CANNOT_PACK)
         layout = SequenceLayout.of_model(self.config)
         if not layout.is_whole:
             if not hasattr(self, "pad_token_id"):
                 raise RuntimeError("MimoBalancing: call batch_spec() first; its pad id pads the rows for sequence "
                                    "and context parallelism")
+        packing = {}
+        if batch.is_packed:
+            if self.cannot_pack is not None:
+                raise NotImplementedError(self.cannot_pack)
+            if not layout.is_whole:
+                batch = _padded_tail(batch, layout.row_multiple, self.pad_token_id)
+            # the bounds cover the whole row: megatron-core's THD RoPE splits the row by them, and Transformer
+            # Engine's kernels leave a token outside every sequence undefined
+            params = batch.packed_seq_params(tail_as_sequence=True)
+            packing = {"packing_kwargs": {"cu_seqlens_q": params.cu_seqlens_q, "cu_seqlens_kv": params.cu_seqlens_kv,
+                                          "max_seqlen_q": params.max_seqlen_q, "max_seqlen_kv": params.max_seqlen_kv}}
+        elif not layout.is_whole:
             batch = layout.padded_rows(batch, self.pad_token_id)
         if embeds is None:
             modality_inputs = {m.name: {m.encoder: {m.keyword: batch.items[m.name]}}
@@ -164,10 +224,46 @@ class MimoBalancing(MegatronModule):
         else:
             modality_inputs = {name: {} for name in embeds}  # present, so that each submodule is asked
             answers = _answering(self.mimo.modality_submodules, embeds)
-        with answers:
+        bounds = _host_bounds(self.mimo, params.host_cu_seqlens) if packing else contextlib.nullcontext()
+        with answers, bounds:
             output, _ = self.mimo(input_ids=batch.tokens, position_ids=batch.position_ids, attention_mask=None,
-                                  loss_mask=batch.loss_mask, labels=batch.labels, modality_inputs=modality_inputs)
+                                  loss_mask=batch.loss_mask, labels=batch.labels, modality_inputs=modality_inputs,
+                                  **packing)
         return output
+
+
+def _padded_tail(batch: MicroBatch, multiple: int, pad_token_id: int) -> MicroBatch:
+    """A packed row with its tail padded to a multiple of ``multiple`` (pad tokens, loss mask 0, outside every
+    example), as MIMO's sequence-parallel sharding needs."""
+    extra = -batch.tokens.shape[1] % multiple
+    if not extra:
+        return batch
+    pad = lambda t, value: torch.nn.functional.pad(t, (0, extra), value=value)  # noqa: E731
+    return dataclasses.replace(batch, tokens=pad(batch.tokens, pad_token_id), labels=pad(batch.labels, pad_token_id),
+                               loss_mask=pad(batch.loss_mask, 0), position_ids=pad(batch.position_ids, 0))
+
+
+@contextlib.contextmanager
+def _host_bounds(mimo, host_cu_seqlens) -> Iterator[None]:
+    """For the duration, the THD params MIMO builds from ``packing_kwargs`` carry the row's bounds as host ints
+    too (:class:`PackedRowParams`, which the project's SDPAttention reads; megatron-core sees the base fields)."""
+    build = getattr(type(mimo), "_build_packed_seq_params", None)
+    if build is None:  # a release that builds them elsewhere: its own PackedSeqParams (Transformer Engine's kernels)
+        yield
+        return
+
+    def with_bounds(packing_kwargs):
+        params = build(mimo, packing_kwargs)
+        if params is None:
+            return None
+        return PackedRowParams(**{f.name: getattr(params, f.name) for f in dataclasses.fields(params)},
+                               host_cu_seqlens=tuple(host_cu_seqlens))
+
+    mimo._build_packed_seq_params = with_bounds
+    try:
+        yield
+    finally:
+        del mimo._build_packed_seq_params
 
 
 @contextlib.contextmanager
