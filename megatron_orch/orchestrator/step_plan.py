@@ -16,6 +16,7 @@ import numpy as np
 
 from megatron_orch.balance import _plan_kernels
 from megatron_orch.balance.cost import ContextParallelCost
+from megatron_orch.balance.repair import repair_locality
 from megatron_orch.balance.partition import (partition, partition_equal_count, partition_equal_count_locality,
                                               partition_groups, partition_locality, uniform_bins)
 from megatron_orch.balance.placement import PlacementConfig, place_items
@@ -251,6 +252,20 @@ def _slower_by(candidate: np.ndarray, reference: np.ndarray, items: Dict[str, Ph
     return worst
 
 
+def _repaired(bins, method, slower, reference, costs, home, text_bytes, items, rank_of_item, topology,
+              num_microbatches, config: OrchestratorConfig, swaps_only: bool):
+    """The locality plan ``bins`` after :func:`repair_locality` against the plain plan ``reference``, if that
+    makes it no slower: (bins, method, slowdown as :func:`_slower_by` gives it)."""
+    link = config.step_model.link
+    sources = [(np.arange(home.size, dtype=np.int64), home, text_bytes), *rank_of_item.values()]
+    repaired, actions = repair_locality(bins, reference, costs, sources, topology.node_of_rank,
+                                        link.nvlink_gbytes_per_s * 8 / link.nic_gbits_per_s, swaps_only=swaps_only)
+    if not actions:
+        return bins, method, slower
+    again = _slower_by(repaired, reference, items, rank_of_item, home, topology, num_microbatches, config)
+    return (repaired, f"{method}+repair", again) if again[0] < slower[0] else (bins, method, slower)
+
+
 def _all_equal(values: np.ndarray) -> bool:
     return values.min() == values.max()
 
@@ -337,14 +352,19 @@ def plan_step(sizes: StepSizes, phases: ModelPhases, config: OrchestratorConfig,
             else:  # (counts are kept: from the loader's ranks)
                 near = partition_equal_count_locality(llm_costs, home, num_ranks, _gpus_per_node(topology),
                                                       item_bytes=example_bytes, reference=part)
+            near_bins, near_method = near.bin_of_item, near.method
             slower = None if near.method.startswith(("locality_fallback", "equal_locality_fallback")) else \
-                _slower_by(near.bin_of_item, rank_llm, items, rank_of_item, home, topology, num_microbatches, config)
+                _slower_by(near_bins, rank_llm, items, rank_of_item, home, topology, num_microbatches, config)
+            if slower is not None and slower[0] > 0:  # a near tie: unload its busiest links (balance/repair.py)
+                near_bins, near_method, slower = _repaired(near_bins, near_method, slower, rank_llm, llm_costs, home,
+                                                           text_bytes, items, rank_of_item, topology, num_microbatches,
+                                                           config, swaps_only=not packed)
             if slower is None:
                 method = f"{part.method}+placed ({near.method}: capacity not met)"
             elif slower[0] > 0:
-                method = f"{part.method}+placed ({near.method} {100 * slower[0]:.2g}% slower at {slower[1]:.3g} Gb/s)"
+                method = f"{part.method}+placed ({near_method} {100 * slower[0]:.2g}% slower at {slower[1]:.3g} Gb/s)"
             else:
-                rank_llm, method = near.bin_of_item, near.method
+                rank_llm, method = near_bins, near_method
 
     home_microbatch = np.arange(sizes.num_examples) % expected // micro_batch_size  # the loader's
     if rank_llm is home and not packed:
