@@ -18,6 +18,7 @@ excess most (then the fewest bytes across nodes), and stops when nothing is over
 """
 from __future__ import annotations
 
+import bisect
 from dataclasses import dataclass
 from typing import List, Optional, Sequence, Tuple
 
@@ -294,3 +295,81 @@ def repair_locality(bin_of_item: np.ndarray, reference: np.ndarray, costs: np.nd
         stuck.clear()
         actions += 1
     return state.rank, actions
+
+
+def localize(bin_of_item: np.ndarray, costs: np.ndarray, want_node: np.ndarray, node_of_rank: np.ndarray,
+             capacity: Optional[float] = None, *, swaps_only: bool) -> Tuple[np.ndarray, int]:
+    """The plain plan's backbone ranks ``bin_of_item`` with examples swapped onto the node they want
+    (``want_node``: where most of their bytes are) while every rank stays within ``capacity`` (default: the
+    plan's max): (new ranks, examples brought home). An example on the wrong node swaps with one on the node
+    it wants that is on the wrong node too (one wanting the first one's node first; the closest in cost that
+    fits the two ranks' room); with ``swaps_only`` False (packed micro-batches) it may also just move to a
+    rank of that node with room for it. Every rank keeps its count under swaps, and its load within the
+    capacity, so the balance stays the plain plan's; what crosses nodes is what no such exchange could bring
+    home."""
+    rank = np.array(bin_of_item, dtype=np.int64)
+    costs = np.asarray(costs, dtype=np.float64)
+    node = np.asarray(node_of_rank, dtype=np.int64)
+    want = np.asarray(want_node, dtype=np.int64)
+    load = np.bincount(rank, weights=costs, minlength=node.size)
+    if capacity is None:
+        capacity = float(load.max(initial=0.0))
+    num_nodes = int(node.max(initial=-1)) + 1
+    away = np.flatnonzero(node[rank] != want)
+    # per node, its examples that want another node, by cost: (cost, example) sorted lists
+    pools: List[List[Tuple[float, int]]] = [[] for _ in range(num_nodes)]
+    order = away[np.argsort(costs[away], kind="stable")]
+    for e in order.tolist():
+        pools[int(node[rank[e]])].append((float(costs[e]), e))
+    roomiest = [np.flatnonzero(node == x) for x in range(num_nodes)]
+    brought = 0
+    # the costliest first: they have the fewest partners; again while that brings some home (what moved made room)
+    for e in (e for _ in range(_LOCALIZE_PASSES) for e in order[::-1].tolist()):
+        a = int(rank[e])
+        x, y = int(node[a]), int(want[e])
+        if x == y:
+            continue
+        c = float(costs[e])
+        pool = pools[y]
+        best, best_key = None, None
+        if pool:
+            at = bisect.bisect_left(pool, (c, -1))
+            for k in range(max(0, at - _LOCALIZE_SCAN), min(len(pool), at + _LOCALIZE_SCAN)):
+                cf, f = pool[k]
+                b = int(rank[f])
+                if load[a] - c + cf > capacity or load[b] - cf + c > capacity:
+                    continue
+                key = (want[f] != x, abs(cf - c))
+                if best_key is None or key < best_key:
+                    best, best_key = k, key
+        if best is not None:
+            cf, f = pool.pop(best)
+            b = int(rank[f])
+            rank[e], rank[f] = b, a
+            load[a] += cf - c
+            load[b] += c - cf
+            _remove(pools[x], (c, e))
+            brought += 1 + int(want[f] == x)
+            if want[f] != x:
+                bisect.insort(pools[x], (cf, f))
+            continue
+        if not swaps_only:
+            ranks = roomiest[y]
+            b = int(ranks[np.argmin(load[ranks])])
+            if load[b] + c <= capacity:
+                rank[e] = b
+                load[a] -= c
+                load[b] += c
+                _remove(pools[x], (c, e))
+                brought += 1
+    return rank, brought
+
+
+_LOCALIZE_SCAN = 32  # swap partners looked at on either side of an example's cost
+_LOCALIZE_PASSES = 2
+
+
+def _remove(pool: List[Tuple[float, int]], entry: Tuple[float, int]) -> None:
+    at = bisect.bisect_left(pool, entry)
+    if at < len(pool) and pool[at] == entry:
+        pool.pop(at)

@@ -16,7 +16,7 @@ import numpy as np
 
 from megatron_orch.balance import _plan_kernels
 from megatron_orch.balance.cost import ContextParallelCost
-from megatron_orch.balance.repair import repair_locality
+from megatron_orch.balance.repair import localize, repair_locality
 from megatron_orch.balance.partition import (partition, partition_equal_count, partition_equal_count_locality,
                                               partition_groups, partition_locality, uniform_bins)
 from megatron_orch.balance.placement import PlacementConfig, place_items
@@ -266,6 +266,22 @@ def _repaired(bins, method, slower, reference, costs, home, text_bytes, items, r
     return (repaired, f"{method}+repair", again) if again[0] < slower[0] else (bins, method, slower)
 
 
+def _localized(reference, method, costs, home, text_bytes, items, rank_of_item, topology, num_microbatches,
+               config: OrchestratorConfig, swaps_only: bool):
+    """The plain plan ``reference`` with its examples brought to the node holding most of their bytes by
+    :func:`localize` (within its balance), repaired if the step model finds it slower: (bins, method,
+    slowdown as :func:`_slower_by` gives it)."""
+    num_ranks = topology.num_ranks
+    want = topology.node_of_rank[_pull_rank(home, text_bytes, rank_of_item, num_ranks)]
+    bins, _ = localize(reference, costs, want, topology.node_of_rank, swaps_only=swaps_only)
+    name = f"{method}+localized"
+    slower = _slower_by(bins, reference, items, rank_of_item, home, topology, num_microbatches, config)
+    if slower[0] > 0:
+        bins, name, slower = _repaired(bins, name, slower, reference, costs, home, text_bytes, items, rank_of_item,
+                                       topology, num_microbatches, config, swaps_only)
+    return bins, name, slower
+
+
 def _all_equal(values: np.ndarray) -> bool:
     return values.min() == values.max()
 
@@ -353,14 +369,22 @@ def plan_step(sizes: StepSizes, phases: ModelPhases, config: OrchestratorConfig,
                 near = partition_equal_count_locality(llm_costs, home, num_ranks, _gpus_per_node(topology),
                                                       item_bytes=example_bytes, reference=part)
             near_bins, near_method = near.bin_of_item, near.method
-            slower = None if near.method.startswith(("locality_fallback", "equal_locality_fallback")) else \
-                _slower_by(near_bins, rank_llm, items, rank_of_item, home, topology, num_microbatches, config)
+            if near.method.startswith(("locality_fallback", "equal_locality_fallback")):
+                slower = None
+            else:
+                slower = _slower_by(near_bins, rank_llm, items, rank_of_item, home, topology, num_microbatches, config)
             if slower is not None and slower[0] > 0:  # a near tie: unload its busiest links (balance/repair.py)
                 near_bins, near_method, slower = _repaired(near_bins, near_method, slower, rank_llm, llm_costs, home,
                                                            text_bytes, items, rank_of_item, topology, num_microbatches,
                                                            config, swaps_only=not packed)
-            if slower is None:
-                method = f"{part.method}+placed ({near.method}: capacity not met)"
+            if slower is None or slower[0] > 0:  # the plain plan, its examples swapped home where that fits
+                local_bins, local_method, local_slower = _localized(
+                    rank_llm, part.method, llm_costs, home, text_bytes, items, rank_of_item, topology,
+                    num_microbatches, config, swaps_only=not packed)
+                if local_slower[0] <= 0:
+                    near_bins, near_method, slower = local_bins, local_method, local_slower
+            if slower is None or math.isinf(slower[0]):
+                method = f"{part.method}+placed ({near_method}: capacity not met)"
             elif slower[0] > 0:
                 method = f"{part.method}+placed ({near_method} {100 * slower[0]:.2g}% slower at {slower[1]:.3g} Gb/s)"
             else:
