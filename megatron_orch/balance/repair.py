@@ -19,6 +19,7 @@ excess most (then the fewest bytes across nodes), and stops when nothing is over
 from __future__ import annotations
 
 import bisect
+import math
 from dataclasses import dataclass
 from typing import List, Optional, Sequence, Tuple
 
@@ -302,71 +303,90 @@ def localize(bin_of_item: np.ndarray, costs: np.ndarray, want_node: np.ndarray, 
     """The plain plan's backbone ranks ``bin_of_item`` with examples swapped onto the node they want
     (``want_node``: where most of their bytes are) while every rank stays within ``capacity`` (default: the
     plan's max): (new ranks, examples brought home). An example on the wrong node swaps with one on the node
-    it wants that is on the wrong node too (one wanting the first one's node first; the closest in cost that
-    fits the two ranks' room); with ``swaps_only`` False (packed micro-batches) it may also just move to a
-    rank of that node with room for it. Every rank keeps its count under swaps, and its load within the
-    capacity, so the balance stays the plain plan's; what crosses nodes is what no such exchange could bring
-    home."""
-    rank = np.array(bin_of_item, dtype=np.int64)
-    costs = np.asarray(costs, dtype=np.float64)
-    node = np.asarray(node_of_rank, dtype=np.int64)
-    want = np.asarray(want_node, dtype=np.int64)
-    load = np.bincount(rank, weights=costs, minlength=node.size)
+    it wants that is on the wrong node too (one wanting the first one's node first, else the closest in cost
+    that fits the two ranks' room); with ``swaps_only`` False (packed micro-batches) it may also just move to
+    the least-loaded rank of that node if that has room for it. Every rank keeps its count under swaps and
+    its load within the capacity, so the balance stays the plain plan's; what still crosses nodes is what no
+    such exchange could bring home."""
+    rank_array = np.array(bin_of_item, dtype=np.int64)
+    costs_array = np.asarray(costs, dtype=np.float64)
+    node_array = np.asarray(node_of_rank, dtype=np.int64)
+    load_array = np.bincount(rank_array, weights=costs_array, minlength=node_array.size)
     if capacity is None:
-        capacity = float(load.max(initial=0.0))
-    num_nodes = int(node.max(initial=-1)) + 1
-    away = np.flatnonzero(node[rank] != want)
-    # per node, its examples that want another node, by cost: (cost, example) sorted lists
+        capacity = float(load_array.max(initial=0.0))
+    num_nodes = int(node_array.max(initial=-1)) + 1
+    want_array = np.asarray(want_node, dtype=np.int64)
+    away = np.flatnonzero(node_array[rank_array] != want_array)
+    order = away[np.argsort(costs_array[away], kind="stable")].tolist()
+    rank, cost, want = rank_array.tolist(), costs_array.tolist(), want_array.tolist()
+    node, load = node_array.tolist(), load_array.tolist()
+    ranks_of_node = [np.flatnonzero(node_array == x).tolist() for x in range(num_nodes)]
+    # per node, its examples that want another node, as sorted (cost, example) lists
     pools: List[List[Tuple[float, int]]] = [[] for _ in range(num_nodes)]
-    order = away[np.argsort(costs[away], kind="stable")]
-    for e in order.tolist():
-        pools[int(node[rank[e]])].append((float(costs[e]), e))
-    roomiest = [np.flatnonzero(node == x) for x in range(num_nodes)]
+    for e in order:
+        pools[node[rank[e]]].append((cost[e], e))
+    room = capacity - min(load) if load else 0.0  # no partner further than this in cost can fit
     brought = 0
-    # the costliest first: they have the fewest partners; again while that brings some home (what moved made room)
-    for e in (e for _ in range(_LOCALIZE_PASSES) for e in order[::-1].tolist()):
-        a = int(rank[e])
-        x, y = int(node[a]), int(want[e])
-        if x == y:
-            continue
-        c = float(costs[e])
-        pool = pools[y]
-        best, best_key = None, None
-        if pool:
-            at = bisect.bisect_left(pool, (c, -1))
-            for k in range(max(0, at - _LOCALIZE_SCAN), min(len(pool), at + _LOCALIZE_SCAN)):
-                cf, f = pool[k]
-                b = int(rank[f])
-                if load[a] - c + cf > capacity or load[b] - cf + c > capacity:
-                    continue
-                key = (want[f] != x, abs(cf - c))
-                if best_key is None or key < best_key:
-                    best, best_key = k, key
-        if best is not None:
-            cf, f = pool.pop(best)
-            b = int(rank[f])
-            rank[e], rank[f] = b, a
-            load[a] += cf - c
-            load[b] += c - cf
-            _remove(pools[x], (c, e))
-            brought += 1 + int(want[f] == x)
-            if want[f] != x:
-                bisect.insort(pools[x], (cf, f))
-            continue
-        if not swaps_only:
-            ranks = roomiest[y]
-            b = int(ranks[np.argmin(load[ranks])])
-            if load[b] + c <= capacity:
-                rank[e] = b
-                load[a] -= c
-                load[b] += c
+    for _ in range(_LOCALIZE_PASSES):  # the costliest first (fewest partners); again, as moves made room
+        moved = 0
+        for e in reversed(order):
+            a = rank[e]
+            x, y = node[a], want[e]
+            if x == y:
+                continue
+            c = cost[e]
+            pool = pools[y]
+            pick, pick_gap = -1, math.inf
+            if pool:
+                at = bisect.bisect_left(pool, (c, -1))
+                lo, hi = at - 1, at
+                for _scan in range(2 * _LOCALIZE_SCAN):  # outward from c, nearest cost first
+                    if hi < len(pool) and (lo < 0 or pool[hi][0] - c <= c - pool[lo][0]):
+                        k, hi = hi, hi + 1
+                    elif lo >= 0:
+                        k, lo = lo, lo - 1
+                    else:
+                        break
+                    cf, f = pool[k]
+                    gap = abs(cf - c)
+                    if gap > room or gap > pick_gap:
+                        break
+                    b = rank[f]
+                    if load[a] - c + cf > capacity or load[b] - cf + c > capacity:
+                        continue
+                    if want[f] == x:  # both go home: take it
+                        pick = k
+                        break
+                    if pick < 0:
+                        pick, pick_gap = k, gap
+            if pick >= 0:
+                cf, f = pool.pop(pick)
+                b = rank[f]
+                rank[e], rank[f] = b, a
+                load[a] += cf - c
+                load[b] += c - cf
                 _remove(pools[x], (c, e))
-                brought += 1
-    return rank, brought
+                brought += 1 + (want[f] == x)
+                moved += 1
+                if want[f] != x:
+                    bisect.insort(pools[x], (cf, f))
+                continue
+            if not swaps_only:
+                b = min(ranks_of_node[y], key=load.__getitem__)
+                if load[b] + c <= capacity:
+                    rank[e] = b
+                    load[a] -= c
+                    load[b] += c
+                    _remove(pools[x], (c, e))
+                    brought += 1
+                    moved += 1
+        if not moved:
+            break
+    return np.asarray(rank, dtype=np.int64), brought
 
 
-_LOCALIZE_SCAN = 32  # swap partners looked at on either side of an example's cost
-_LOCALIZE_PASSES = 2
+_LOCALIZE_SCAN = 64  # swap partners looked at on either side of an example's cost
+_LOCALIZE_PASSES = 6
 
 
 def _remove(pool: List[Tuple[float, int]], entry: Tuple[float, int]) -> None:
