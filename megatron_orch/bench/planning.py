@@ -57,7 +57,7 @@ from megatron_orch.balance.traces import load_mixture, parse_trace_spec
 from megatron_orch.balance.workload import StepSizes
 from megatron_orch.bench.common import MIXTURES, batch_sizes, draw_sizes, report
 from megatron_orch.mllm.config import DEFAULT_MODEL, MLLMConfig, load_model_config, sizes_from_trace
-from megatron_orch.orchestrator.background import SWITCH_INTERVAL_S, BackgroundPlanner
+from megatron_orch.orchestrator.background import NICE_INCREMENT, SWITCH_INTERVAL_S, BackgroundPlanner, _lower_priority
 from megatron_orch.orchestrator.config import OrchestratorConfig
 from megatron_orch.orchestrator.step_plan import plan_step, warm_up
 
@@ -157,7 +157,14 @@ def _gap_figures(gaps: np.ndarray, other_cpu: Optional[np.ndarray] = None) -> Di
     return figures
 
 
-def _stall(kind: str, plan_fn: Callable[[], object], switch_interval_s: Optional[float] = SWITCH_INTERVAL_S):
+def _niced(plan_fn: Callable[[], object], nice_increment: int) -> None:
+    """The forked control: the plan at the planning thread's priority."""
+    _lower_priority(nice_increment)
+    plan_fn()
+
+
+def _stall(kind: str, plan_fn: Callable[[], object], switch_interval_s: Optional[float] = SWITCH_INTERVAL_S,
+           nice_increment: int = NICE_INCREMENT):
     """(figures with planning in the background, of the idle baseline as long, of planning in a forked
     process, plan digest)."""
     started, finished = threading.Event(), threading.Event()
@@ -173,7 +180,7 @@ def _stall(kind: str, plan_fn: Callable[[], object], switch_interval_s: Optional
         finished.set()
         return plan
 
-    planner = BackgroundPlanner(enabled=True, switch_interval_s=switch_interval_s)
+    planner = BackgroundPlanner(enabled=True, switch_interval_s=switch_interval_s, nice_increment=nice_increment)
     try:
         start = time.perf_counter()
         planner.submit(timed_plan)
@@ -186,7 +193,8 @@ def _stall(kind: str, plan_fn: Callable[[], object], switch_interval_s: Optional
     # Baseline: the same loop for as long (at least 50 ms), nothing planning.
     deadline = time.perf_counter() + max(wall, 0.05)
     idle, _ = _probe(kind, lambda: time.perf_counter() < deadline)
-    child = multiprocessing.get_context("fork").Process(target=plan_fn, name="orch-planner-beside")
+    child = multiprocessing.get_context("fork").Process(target=_niced, args=(plan_fn, nice_increment),
+                                                        name="orch-planner-beside")
     child.start()
     beside, _ = _probe(kind, child.is_alive)
     child.join()
@@ -202,7 +210,7 @@ def _stall(kind: str, plan_fn: Callable[[], object], switch_interval_s: Optional
 
 def run_one(model: MLLMConfig, sizes: StepSizes, gpus_per_node: int, micro_batch_size: int,
             repeats: int = 3, probes: Sequence[str] = PROBES,
-            switch_interval_s: Optional[float] = SWITCH_INTERVAL_S) -> dict:
+            switch_interval_s: Optional[float] = SWITCH_INTERVAL_S, nice_increment: int = NICE_INCREMENT) -> dict:
     """Time ``plan_step`` on one global batch (foreground CPU/wall beside the reference workload, background
     stalls)."""
     dp = int(np.asarray(sizes.counts).size)
@@ -233,7 +241,7 @@ def run_one(model: MLLMConfig, sizes: StepSizes, gpus_per_node: int, micro_batch
     for kind in probes:
         runs = {"planning": [], "idle": [], "beside": []}
         for _ in range(repeats):
-            busy, idle, beside, digest = _stall(kind, plan, switch_interval_s)
+            busy, idle, beside, digest = _stall(kind, plan, switch_interval_s, nice_increment)
             digests.add(digest)
             for name, figures in (("planning", busy), ("idle", idle), ("beside", beside)):
                 runs[name].append(figures)
@@ -264,7 +272,7 @@ def _spread(values: List[float]) -> dict:
 def run(dps: Sequence[int], per_rank: int, gpus_per_node: int, seeds: Sequence[int], mixtures: Dict[str, tuple],
         model: str = DEFAULT_MODEL, micro_batch_size: int = 1, repeats: int = 3,
         probes: Sequence[str] = PROBES, traces_dir: Optional[str] = None, log=None,
-        switch_interval_s: Optional[float] = SWITCH_INTERVAL_S) -> dict:
+        switch_interval_s: Optional[float] = SWITCH_INTERVAL_S, nice_increment: int = NICE_INCREMENT) -> dict:
     """Every (dp, mixture, seed); JSON-ready ``{"runs": [...], "params": {...}}``."""
     if min(dps) < 1 or per_rank < 1 or gpus_per_node < 1 or micro_batch_size < 1 or repeats < 1:
         raise ValueError("--dp, --per-rank, --gpus-per-node, --micro-batch-size and --repeats must be >= 1")
@@ -277,7 +285,7 @@ def run(dps: Sequence[int], per_rank: int, gpus_per_node: int, seeds: Sequence[i
             for seed in seeds:
                 sizes = batch_sizes(mixture.draw(dp * per_rank, seed), dp, per_rank, config)
                 result = dict(run_one(config, sizes, gpus_per_node, micro_batch_size, repeats, probes,
-                                      switch_interval_s),
+                                      switch_interval_s, nice_increment),
                               mixture=name, seed=seed)
                 runs.append(result)
                 if log is not None:
@@ -289,6 +297,7 @@ def run(dps: Sequence[int], per_rank: int, gpus_per_node: int, seeds: Sequence[i
         "orchestrator_config": repr(OrchestratorConfig()),
         "cpus": os.cpu_count(),
         "switch_interval_s": {"planning": switch_interval_s, "interpreter": sys.getswitchinterval()},
+        "planner_nice_increment": nice_increment,
         "targets": {"median_plan_cpu_ms": TARGET_MEDIAN_CPU_MS, "worst_plan_cpu_ms": TARGET_WORST_CPU_MS,
                     "max_stall_ms": TARGET_STALL_MS},
         "notes": {
@@ -386,6 +395,9 @@ def main(argv: Optional[Sequence[str]] = None) -> dict:
                         help="the interpreter's switch interval while the background planner plans (default "
                              f"{1e3 * SWITCH_INTERVAL_S:g}, the trainer's; 0: leave it at the interpreter's, "
                              f"{1e3 * sys.getswitchinterval():g})")
+    parser.add_argument("--planner-nice", type=int, default=NICE_INCREMENT,
+                        help=f"the planning thread's nice value above the process's (default {NICE_INCREMENT}, the "
+                             "trainer's; 0: the same priority as the training thread)")
     parser.add_argument("--retain-freed-memory", action="store_true",
                         help="glibc: keep freed memory in the process (mallopt), so the planner's arrays are "
                              "not page-faulted in anew every step; default: the allocator as it is")
@@ -399,7 +411,8 @@ def main(argv: Optional[Sequence[str]] = None) -> dict:
         result = run(args.dp, args.per_rank, args.gpus_per_node, args.seeds, mixtures, args.model,
                      args.micro_batch_size, args.repeats, args.probes, args.traces_dir,
                      log=lambda line: print(line, flush=True),
-                     switch_interval_s=1e-3 * args.switch_interval_ms if args.switch_interval_ms > 0 else None)
+                     switch_interval_s=1e-3 * args.switch_interval_ms if args.switch_interval_ms > 0 else None,
+                     nice_increment=args.planner_nice)
     except ValueError as err:  # e.g. an example longer than the model's positions: refused, as training does
         parser.error(str(err))
     result["params"]["retain_freed_memory"] = retained
