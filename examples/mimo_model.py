@@ -19,6 +19,7 @@ warnings.filterwarnings("ignore", message=".*experimental.*")
 # readme: mimo
 def build_mimo(encoder=PatchViT):
     """The MimoModel wrapped for post-balancing (``encoder``: the image encoder's class)."""
+    from megatron.core import parallel_state
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.models.gpt.gpt_model import GPTModel
     from megatron.core.models.mimo import MimoModel, MimoModelConfig
@@ -36,7 +37,7 @@ def build_mimo(encoder=PatchViT):
         "input_projections": [ModuleSpec(module=MultimodalProjector, submodules=MLPSubmodules(
             linear_fc1=ColumnParallelLinear, linear_fc2=RowParallelLinear), params={
                 "config": transformer_config(llm, num_layers=1), "projector_type": "mlp",
-                "input_size": vit.hidden_size})]})
+                "input_size": vit.hidden_size, "tp_group": parallel_state.get_tensor_model_parallel_group()})]})
     language = ModuleSpec(module=GPTModel, params={
         "config": transformer_config(llm), "transformer_layer_spec": get_gpt_layer_local_spec(), "vocab_size": VOCAB,
         "max_sequence_length": SEQ_LENGTH, "position_embedding_type": "rope"})

@@ -27,6 +27,7 @@ SEQ_LENGTH, MICRO_BATCH, MICRO_BATCHES = 96, 2, 2
 
 
 # readme: model
+from megatron.core import parallel_state
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 from megatron.core.models.gpt.gpt_model import GPTModel
 from megatron.core.models.vision.multimodal_projector import MultimodalProjector
@@ -57,7 +58,7 @@ class PatchViT(MegatronModule):
 
 def projector(config: TransformerConfig, input_size: int) -> MultimodalProjector:
     return MultimodalProjector(config, MLPSubmodules(linear_fc1=ColumnParallelLinear, linear_fc2=RowParallelLinear),
-                               "mlp", input_size=input_size)
+                               "mlp", input_size=input_size, tp_group=parallel_state.get_tensor_model_parallel_group())
 
 
 class ImageEncoder(torch.nn.Module):

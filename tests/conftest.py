@@ -8,6 +8,8 @@ import subprocess
 import pytest
 from hypothesis import settings
 
+from megatron_orch import MEGATRON_CORE_NOISE
+
 settings.register_profile("no_deadline", deadline=None)
 settings.load_profile("no_deadline")
 
@@ -15,6 +17,8 @@ settings.load_profile("no_deadline")
 def pytest_configure(config):
     config.addinivalue_line("markers", "distributed: starts processes (gloo ranks, torchrun, scripts); the fast "
                                        "tier, pytest -m 'not distributed', leaves them out")
+    for message, category, *module in MEGATRON_CORE_NOISE:  # what the entry points ignore at start-up, no more
+        config.addinivalue_line("filterwarnings", ":".join(["ignore", message, category.__name__, *module]))
 
 
 # Programs a test may run without the marker: git (megatron-core asks it for its version at import).

@@ -70,6 +70,7 @@ def build_mimo(tensor_model_parallel_size: int = 1, pre_process: bool = True, po
     """The tiny MimoModel (``encoders_of_images``: the names of the image submodule's encoders); with
     ``sequence_parallel`` its language model's embedding does not scatter (MIMO shards the combined input)."""
     warnings.filterwarnings("ignore", message=".*experimental.*")
+    from megatron.core import parallel_state
     from megatron.core.models.gpt.gpt_model import GPTModel
     from megatron.core.models.mimo import MimoModel, MimoModelConfig
     from megatron.core.models.mimo.submodules.audio import AudioModalitySubmodules
@@ -96,7 +97,8 @@ def build_mimo(tensor_model_parallel_size: int = 1, pre_process: bool = True, po
         return ModuleSpec(module=MultimodalProjector, submodules=MLPSubmodules(linear_fc1=ColumnParallelLinear,
                                                                               linear_fc2=RowParallelLinear),
                           params={"config": projector_config, "projector_type": "mlp",
-                                  "input_size": encoder.hidden_size})
+                                  "input_size": encoder.hidden_size,
+                                  "tp_group": parallel_state.get_tensor_model_parallel_group()})
 
     images = ModuleSpec(module=VisionModalitySubmodules, submodules={
         "encoders": {name: ModuleSpec(module=PatchEncoder, params={"config": encoder_config, "patch_dim": PATCH_DIM,

@@ -643,6 +643,7 @@ def one_rank(request):
     request.getfixturevalue("world_of_one")
 
 
+@pytest.mark.filterwarnings("ignore:Detected pickle protocol")  # the planted file is a bare pickle on purpose
 def test_a_planted_pickle_runs_no_code(one_rank, tmp_path):
     """A ``__reduce__`` payload as the rank file: refused by its checksum; with checksums.json edited to
     match, by the keyed digest; with both forged, by ``weights_only`` -- never unpickled with code."""

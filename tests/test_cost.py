@@ -198,3 +198,31 @@ def test_context_parallel_cost_is_each_cp_ranks_share_of_its_zigzag_chunks(token
         assert cost.item_memory(np.array([tokens]))[0] == pytest.approx(
             shape.activation_bytes_per_token() * queries.size, rel=1e-12)
     assert cost.signature() == TransformerCost(shape).signature()
+
+
+def test_a_cost_model_of_ones_own_is_what_the_planner_balances():
+    """examples/toy_cost_model.py (docs/integration.md, "Extending"): a backbone phase costed by measured points
+    is a CostModel, and the plan's figures are its costs: before, max/mean of the ranks' sums as loaded."""
+    import runpy
+    from pathlib import Path
+
+    from megatron_orch.balance.cost import CostModel
+    from megatron_orch.balance.topology import Topology
+    from megatron_orch.balance.workload import BackbonePhase, ModelPhases, StepSizes
+    from megatron_orch.orchestrator.config import OrchestratorConfig
+    from megatron_orch.orchestrator.step_plan import plan_step
+
+    toy = runpy.run_path(str(Path(__file__).resolve().parents[1] / "examples" / "toy_cost_model.py"))
+    cost = toy["MeasuredCost"](tokens=(1, 64, 256), seconds=(0.001, 0.01, 0.09))
+    assert isinstance(cost, CostModel)
+    expected = [0.001 + 31 / 63 * 0.009, 0.09 + 0.08 / 192 * 256]  # between two points, beyond the last
+    assert cost.item_cost(np.array([32, 512])).tolist() == pytest.approx(expected)
+    with pytest.raises(ValueError, match="strictly increasing"):
+        toy["MeasuredCost"](tokens=(64, 1), seconds=(0.01, 0.001))
+    tokens = np.array([256] * 4 + [16] * 12)  # rank 0 loaded the long examples
+    sizes = StepSizes(counts=np.full(4, 4), items={}, num_tokens=tokens)
+    phases = ModelPhases(encoders=(), backbone=BackbonePhase("text", cost, token_bytes=20))
+    plan = plan_step(sizes, phases, OrchestratorConfig(background=False), Topology.uniform(4, 2), 1, 4)
+    loads = cost.item_cost(tokens).reshape(4, 4).sum(axis=1)
+    assert plan.stats["text"].imbalance_before == pytest.approx(loads.max() / loads.mean())
+    assert plan.stats["text"].imbalance_after == pytest.approx(1.0)  # one long and three short on every rank

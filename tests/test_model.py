@@ -63,7 +63,7 @@ def test_forward_backward_gives_per_token_loss_and_grads_everywhere(model):
     loss, num_tokens, _ = loss_func(batch.loss_mask, losses)
     assert int(num_tokens) == int(batch.loss_mask.sum()) == 11 + 6 + 21
     # Untrained: about the entropy of a uniform guess over the (padded) vocabulary.
-    assert abs(float(loss) / int(num_tokens) - math.log(1024)) < 0.5
+    assert abs(loss.item() / int(num_tokens) - math.log(1024)) < 0.5
     loss.backward()
     missing = [name for name, p in model.named_parameters() if p.grad is None]
     assert missing == []

@@ -375,3 +375,44 @@ def test_the_schedule_restores_the_model_configs_callbacks():
         assert config.finalize_model_grads_func is finalize
         assert all(callback is grad_sync for callback in config.grad_sync_func) and len(config.grad_sync_func) == 2
     assert calls == [False, "sync", "finalize"] * 3
+
+
+def test_the_moves_run_are_the_moves_counted():
+    """One list of a step's moves (``step_moves``): the routes post-balancing builds (``prepare_moves``) are
+    those of the all-to-alls the byte count counts (``step_transfers``: the log, the benchmarks, the
+    simulator), same names, same transfers, same order, each embeddings move followed by its gradients' (the
+    inverse); a pipeline stage without encoders runs the text only. Single process, no collective."""
+    import numpy as np
+
+    from megatron_orch.balance.topology import Topology
+    from megatron_orch.balance.workload import StepSizes, phase_items
+    from megatron_orch.megatron.post_balancing import prepare_moves
+    from megatron_orch.mllm.config import load_model_config
+    from megatron_orch.orchestrator.config import OrchestratorConfig
+    from megatron_orch.orchestrator.step_plan import plan_step, step_transfers
+
+    phases = load_model_config("tiny").phases()
+    num_ranks, mbs, num_mb = 4, 2, 2
+    n = num_ranks * mbs * num_mb
+    rng = np.random.default_rng(3)
+    sizes = StepSizes(counts=np.full(num_ranks, mbs * num_mb), num_tokens=rng.integers(20, 300, n),
+                      items={"vision": rng.integers(0, 5, n), "audio": rng.integers(0, 3, n)})
+    plan = plan_step(sizes, phases, OrchestratorConfig(background=False), Topology.uniform(num_ranks, 2), mbs, num_mb)
+    assert list(plan.encoders) == ["vision", "audio"]
+    counted = step_transfers(plan, phase_items(sizes, phases))
+    expected = [(t.name, backward, t.transfer.inverse() if backward else t.transfer)
+                for t in counted for backward in (False, True)[:t.times]]
+    assert [name for name, _, _ in expected] == ["vision inputs", "audio inputs", "text", "vision embeddings",
+                                                 "vision embeddings", "audio embeddings", "audio embeddings"]
+
+    def same(a, b):
+        return all(np.array_equal(getattr(x, f), getattr(y, f)) and x.num_ranks == y.num_ranks
+                   for x, y in ((a.src, b.src), (a.dst, b.dst)) for f in ("rank", "slot"))
+
+    rows = {"vision": 3, "audio": 2}
+    for rank in range(num_ranks):
+        moves = prepare_moves(plan, sizes.num_tokens, rows, rank, encoder_stage=True).moves
+        assert [(m.name, m.backward) for m in moves] == [(name, backward) for name, backward, _ in expected]
+        assert all(same(m.transfer, transfer) for m, (_, _, transfer) in zip(moves, expected))
+    text_only = prepare_moves(plan, sizes.num_tokens, rows, 0, encoder_stage=False).moves
+    assert [m.name for m in text_only] == ["text"]

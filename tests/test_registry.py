@@ -165,17 +165,6 @@ def test_the_plugins_variable_imports_a_users_module(monkeypatch):
         load_plugins()
 
 
-def test_the_docs_show_the_examples_code():
-    """docs/integration.md's code blocks of the Extending section are the example file's, verbatim."""
-    doc = (REPO / "docs" / "integration.md").read_text()
-    extending = doc[doc.index("## Extending"):]
-    blocks = re.findall(r"```python\n(.*?)```", extending, re.S)
-    assert blocks, "no python block under ## Extending"
-    source = EXAMPLE.read_text()
-    for block in blocks:
-        assert block in source, block
-
-
 @pytest.mark.distributed
 def test_the_docs_launch_command_finds_the_plugin():
     """The shipped launch script with MEGATRON_ORCH_PLUGINS (docs/integration.md's command, with --help: the

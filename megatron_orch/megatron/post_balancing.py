@@ -31,6 +31,7 @@ encoders run), text on the host, where the backbone micro-batches are built as t
 """
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import logging
 import time
@@ -53,7 +54,7 @@ from megatron_orch.comm.status import raise_if_any_rank_failed
 from megatron_orch.megatron.batch import BatchSpec, Example, MicroBatch, collate, collate_packed
 from megatron_orch.orchestrator.background import BackgroundPlanner
 from megatron_orch.orchestrator.config import OrchestratorConfig
-from megatron_orch.orchestrator.step_plan import StepPlan, plan_step, warm_up
+from megatron_orch.orchestrator.step_plan import StepMove, StepPlan, plan_step, step_moves, warm_up
 
 _LOGGED: set = set()  # messages logged once per process
 
@@ -118,11 +119,19 @@ class BalancedMicroBatch:
 
 @dataclass(frozen=True, eq=False)
 class Move:
-    """One all-to-all of a step, prepared in the planning thread: what moves where, and this rank's routes
+    """One all-to-all of a step, prepared in the planning thread: which of the step's moves it runs
+    (``listed``, of :func:`~megatron_orch.orchestrator.step_plan.step_moves`; ``backward``: the inverse that
+    sends its gradients back), what moves where, and this rank's routes
     (:func:`~megatron_orch.comm.alltoall.routes_for`; on the device once the step is dispatched)."""
 
+    listed: StepMove
     transfer: Transfer
     routes: Tuple[Route, ...]
+    backward: bool = False
+
+    @property
+    def name(self) -> str:
+        return self.listed.name
 
     def start(self, tensors: Sequence[torch.Tensor], layouts: Sequence[ItemLayout], group):
         return start_all_to_all_items(tensors, layouts, self.transfer, group, self.routes)
@@ -130,27 +139,37 @@ class Move:
 
 @dataclass(frozen=True, eq=False)
 class StepMoves:
-    """Every all-to-all of one step on this rank: the text, and per encoder phase (encoder stage only) the
-    raw inputs, the outputs to the backbone ranks and their gradients back."""
+    """Every all-to-all of one step on this rank (``moves``, in :func:`step_moves`' order, an embeddings move
+    followed by its gradients'): the text, and per encoder phase (encoder stage only) the raw inputs, the
+    outputs to the backbone ranks and their gradients back."""
 
-    text: Move
-    inputs: Dict[str, Move]
-    outputs: Dict[str, Move]
-    gradients: Dict[str, Move]
+    moves: Tuple[Move, ...]
 
-    def _all(self) -> List[Move]:
-        return [self.text, *self.inputs.values(), *self.outputs.values(), *self.gradients.values()]
+    @property
+    def text(self) -> Move:
+        return next(move for move in self.moves if move.listed.kind == "text")
+
+    @property
+    def inputs(self) -> Dict[str, Move]:
+        return self._of("inputs", backward=False)
+
+    @property
+    def outputs(self) -> Dict[str, Move]:
+        return self._of("embeddings", backward=False)
+
+    @property
+    def gradients(self) -> Dict[str, Move]:
+        return self._of("embeddings", backward=True)
+
+    def _of(self, kind: str, backward: bool) -> Dict[str, Move]:
+        return {move.listed.items_of: move for move in self.moves
+                if move.listed.kind == kind and move.backward == backward}
 
     def uploaded(self, device: torch.device) -> "StepMoves":
         """The same moves with every route's indices on ``device``, in one upload."""
-        moves = self._all()
-        routes = upload_routes([route for move in moves for route in move.routes], device)
-        it = iter(routes)
-        done = [Move(move.transfer, tuple(next(it) for _ in move.routes)) for move in moves]
-        n = len(self.inputs)
-        phases = list(self.inputs)
-        return StepMoves(done[0], dict(zip(phases, done[1:1 + n])), dict(zip(phases, done[1 + n:1 + 2 * n])),
-                         dict(zip(phases, done[1 + 2 * n:])))
+        routes = iter(upload_routes([route for move in self.moves for route in move.routes], device))
+        return StepMoves(tuple(dataclasses.replace(move, routes=tuple(next(routes) for _ in move.routes))
+                               for move in self.moves))
 
 
 def _text_layouts(num_tokens: np.ndarray) -> List[ItemLayout]:
@@ -159,20 +178,28 @@ def _text_layouts(num_tokens: np.ndarray) -> List[ItemLayout]:
 
 def prepare_moves(plan: StepPlan, num_tokens: np.ndarray, rows_per_item: Mapping[str, int], rank: int,
                   encoder_stage: bool) -> StepMoves:
-    """``rank``'s moves of the step (host only: the planning thread calls this after the plan)."""
-    text = plan.text_transfer()
-    phases = list(plan.encoders) if encoder_stage else []
-    inputs, outputs, gradients = {}, {}, {}
-    for phase in phases:
-        transfer = plan.input_transfer(phase)
-        inputs[phase] = Move(transfer, (Route.build(transfer, rank, [np.ones(transfer.src.num_items, np.int64)]),))
-        forward = plan.output_transfer(phase)
-        rows = np.full(forward.src.num_items, rows_per_item[phase], dtype=np.int64)
-        outputs[phase] = Move(forward, (Route.build(forward, rank, [rows]),))
-        backward = forward.inverse()
-        gradients[phase] = Move(backward, (Route.build(backward, rank, [rows]),))
-    return StepMoves(Move(text, tuple(routes_for(text, rank, _text_layouts(num_tokens)))), inputs, outputs,
-                     gradients)
+    """``rank``'s moves of the step (host only: the planning thread calls this after the plan): the routes
+    of every move :func:`step_moves` lists, the ones the byte count counts (the encoder phases' on the
+    encoder stage only: the other pipeline stages hold no encoders)."""
+    out = []
+    for listed in step_moves(plan):
+        transfer = listed.transfer
+        if listed.kind == "text":
+            out.append(Move(listed, transfer, tuple(routes_for(transfer, rank, _text_layouts(num_tokens)))))
+            continue
+        if not encoder_stage:
+            continue
+        if listed.kind == "inputs":
+            rows = np.ones(transfer.src.num_items, np.int64)
+        elif listed.kind == "embeddings":
+            rows = np.full(transfer.src.num_items, rows_per_item[listed.items_of], dtype=np.int64)
+        else:
+            raise ValueError(f"post-balancing does not run a move of kind {listed.kind!r} ({listed.name})")
+        out.append(Move(listed, transfer, (Route.build(transfer, rank, [rows]),)))
+        if listed.with_gradients:
+            backward = listed.gradients()
+            out.append(Move(listed, backward, (Route.build(backward, rank, [rows]),), backward=True))
+    return StepMoves(tuple(out))
 
 
 class _Collated(Sequence):

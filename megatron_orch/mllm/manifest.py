@@ -551,7 +551,8 @@ def _check_finite(array: np.ndarray, what: str, values: str) -> None:
         return
     for start in range(0, array.shape[0], _FINITE_CHECK_ROWS):
         block = np.asarray(array[start:start + _FINITE_CHECK_ROWS])
-        bad = np.argwhere(~np.isfinite(block.astype(np.float32)))
+        with np.errstate(over="ignore"):  # a value beyond float32's range becomes inf: what is looked for
+            bad = np.argwhere(~np.isfinite(block.astype(np.float32)))
         if bad.size:
             index = [start + int(bad[0][0]), *map(int, bad[0][1:])]
             value = float(block[tuple(bad[0])])

@@ -299,7 +299,8 @@ class VisionEncoder(MegatronModule):
             config, transformer_layer_spec(settings.transformer_impl, encoder=True), post_layer_norm=True)
         self.projector = MultimodalProjector(
             _projector_config(vision.projector_ffn_hidden_size, backbone, settings),
-            _projector_submodules(), "mlp", input_size=hidden * self.merge ** 2)
+            _projector_submodules(), "mlp", input_size=hidden * self.merge ** 2,
+            tp_group=parallel_state.get_tensor_model_parallel_group())
 
     def forward(self, patches: torch.Tensor) -> torch.Tensor:
         n = patches.shape[0]
@@ -337,7 +338,8 @@ class AudioEncoder(MegatronModule):
         self.tokens_per_item = audio.output_rows
         self.projector = MultimodalProjector(
             _projector_config(audio.projector_ffn_hidden_size, backbone, settings),
-            _projector_submodules(), "mlp", input_size=hidden * self.downsample)
+            _projector_submodules(), "mlp", input_size=hidden * self.downsample,
+            tp_group=parallel_state.get_tensor_model_parallel_group())
 
     def forward(self, mel: torch.Tensor) -> torch.Tensor:
         n = mel.shape[0]

@@ -129,16 +129,84 @@ class StepPlan:
         return Transfer(enc.encode, self.examples_llm.expand(enc.example))
 
 
+MOVE_KINDS = ("inputs", "text", "embeddings")  # what a step's move carries (:attr:`StepMove.kind`)
+
+
 @dataclass(frozen=True, eq=False)
-class StepTransfer:
-    """One all-to-all of a step: its name, the phase whose placement it fills, what moves where, each
-    item's bytes, and how many times a step runs it."""
+class StepMove:
+    """One all-to-all of a step (:func:`step_moves`): its name; what it carries (``kind``: an encoder phase's
+    raw ``inputs``, the backbone's ``text``, i.e. token ids, labels and loss masks, or an encoder phase's
+    ``embeddings``); the phase whose items travel (``items_of``) and the phase whose placement it fills
+    (``phase``); what moves where (``transfer``); and whether the items' gradients come back by the inverse
+    all-to-all in the backward pass (``with_gradients``: the embeddings)."""
 
     name: str
+    kind: str
+    items_of: str
     phase: str
     transfer: Transfer
+    with_gradients: bool = False
+
+    def __post_init__(self):
+        if self.kind not in MOVE_KINDS:
+            raise ValueError(f"StepMove.kind must be one of {MOVE_KINDS}, got {self.kind!r}")
+
+    @property
+    def times(self) -> int:
+        """How many times a step runs it: twice when the gradients come back (forward, then backward)."""
+        return 2 if self.with_gradients else 1
+
+    def gradients(self) -> Transfer:
+        """The all-to-all that sends the items' gradients back: the inverse of ``transfer``."""
+        if not self.with_gradients:
+            raise ValueError(f"{self.name}: no gradients come back")
+        return self.transfer.inverse()
+
+    def item_bytes(self, items: Dict[str, PhaseItems]) -> np.ndarray:
+        """Each item's bytes on the wire, of ``items`` (``phase_items``): an encoder item's outputs for the
+        embeddings, else what the loader read (raw inputs, text)."""
+        of = items[self.items_of]
+        return of.output_nbytes if self.kind == "embeddings" else of.nbytes
+
+
+def step_moves(plan: StepPlan) -> List[StepMove]:
+    """Every all-to-all of a step under ``plan``, the one list of them: each encoder phase's raw inputs
+    (loader rank -> encoder rank), the text (loader rank -> backbone rank) and each encoder phase's
+    embeddings (encoder rank -> backbone rank of their example; their gradients back by the inverse
+    all-to-all). :func:`step_transfers` counts these (the trainer's log, the benchmarks, the simulator) and
+    post-balancing's ``prepare_moves`` builds the routes of these, so what is counted is what runs."""
+    backbone = plan.backbone
+    out = [StepMove(f"{phase} inputs", "inputs", phase, phase, plan.input_transfer(phase)) for phase in plan.encoders]
+    out.append(StepMove("text", "text", backbone, backbone, plan.text_transfer()))
+    out += [StepMove(f"{phase} embeddings", "embeddings", phase, backbone, plan.output_transfer(phase),
+                     with_gradients=True) for phase in plan.encoders]
+    return out
+
+
+@dataclass(frozen=True, eq=False)
+class StepTransfer:
+    """One all-to-all of a step (:class:`StepMove`) with each item's bytes: what the byte count counts."""
+
+    move: StepMove
     item_bytes: np.ndarray
-    times: int
+
+    @property
+    def name(self) -> str:
+        return self.move.name
+
+    @property
+    def phase(self) -> str:
+        """The phase whose placement it fills."""
+        return self.move.phase
+
+    @property
+    def transfer(self) -> Transfer:
+        return self.move.transfer
+
+    @property
+    def times(self) -> int:
+        """How many times a step runs it (:attr:`StepMove.times`)."""
+        return self.move.times
 
     def moved_bytes(self, node_of_rank) -> MovedBytes:
         """What one all-to-all sends (:meth:`Transfer.moved_bytes`)."""
@@ -146,18 +214,10 @@ class StepTransfer:
 
 
 def step_transfers(plan: StepPlan, items: Dict[str, PhaseItems]) -> List[StepTransfer]:
-    """Every all-to-all of a step under ``plan``, with the bytes of ``items`` (``phase_items``): each
-    encoder phase's raw inputs (loader rank -> encoder rank), the text (token ids, labels, loss mask:
-    loader rank -> backbone rank) and each encoder phase's embeddings (encoder rank -> backbone rank),
-    twice: forward, and their gradients back by the inverse all-to-all. The trainer's log, the
-    benchmarks and the simulator all count these."""
-    out = [StepTransfer(f"{phase} inputs", phase, plan.input_transfer(phase), items[phase].nbytes, 1)
-           for phase in plan.encoders]
-    backbone = plan.backbone
-    out.append(StepTransfer("text", backbone, plan.text_transfer(), items[backbone].nbytes, 1))
-    out += [StepTransfer(f"{phase} embeddings", backbone, plan.output_transfer(phase), items[phase].output_nbytes, 2)
-            for phase in plan.encoders]
-    return out
+    """Every all-to-all of a step under ``plan`` (:func:`step_moves`), with the bytes of ``items``
+    (``phase_items``); the embeddings run twice: forward, and their gradients back by the inverse
+    all-to-all. The trainer's log, the benchmarks and the simulator all count these."""
+    return [StepTransfer(move, move.item_bytes(items)) for move in step_moves(plan)]
 
 
 def _place(bin_of_item, sources, num_ranks, topology, config: OrchestratorConfig):

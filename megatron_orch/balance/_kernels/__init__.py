@@ -1,0 +1,27 @@
+"""Compiled hot loops of the partitioners (numba, GIL released), one module per algorithm.
+
+Planning runs on a background thread beside the training loop, so every kernel is compiled with
+``nogil=True``; ``cache=True`` keeps the one-time compile off later runs. Signatures are kept to one
+per kernel: costs and memory are float64, item and bin ids int64, a missing memory constraint is
+all-zero memory with an infinite cap. Kernels write the assignment into a caller-provided
+``bin_of_item`` and report failure as the id of the item that could not be placed (``-1``: success),
+so the Python side raises the error with context.
+
+Ties are always broken by the smaller item id or bin id, so results are deterministic.
+
+Modules: ``longest_first`` (LPT, equal-count LPT), ``differencing`` (Karmarkar-Karp), ``first_fit``
+(first-fit decreasing, its binary search on capacity), ``local_search`` (swap sweeps, refinement),
+``locality`` (quotas and LPT near home), ``bounds`` (lower bounds, numpy's sums), ``groups`` (many
+small partitions in one call); ``_heap``, ``_segment_tree`` and ``_jit`` are their shared parts.
+Callers use the names re-exported here.
+"""
+from megatron_orch.balance._kernels.bounds import pigeonhole_bound
+from megatron_orch.balance._kernels.differencing import kk
+from megatron_orch.balance._kernels.first_fit import ABOVE_UPPER, bs_ffd
+from megatron_orch.balance._kernels.groups import METHOD_CODES, partition_groups
+from megatron_orch.balance._kernels.local_search import refine, swap_sweeps
+from megatron_orch.balance._kernels.locality import fill_quotas, lpt_near_home
+from megatron_orch.balance._kernels.longest_first import lpt, slot_lpt
+
+__all__ = ["ABOVE_UPPER", "METHOD_CODES", "bs_ffd", "fill_quotas", "kk", "lpt", "lpt_near_home", "partition_groups",
+           "pigeonhole_bound", "refine", "slot_lpt", "swap_sweeps"]

@@ -1,0 +1,69 @@
+"""First-fit decreasing and the binary search on capacity around it (bs_ffd): the bin-packing partitioner."""
+import numba
+import numpy as np
+
+from megatron_orch.balance._kernels._jit import _JIT
+from megatron_orch.balance._kernels._segment_tree import _tree_first_fit, _tree_new, _tree_set
+from megatron_orch.balance._kernels.bounds import _max_load, _numpy_sum, pigeonhole_bound
+
+
+# ---------------------------------------------------------------------------------------------
+# First-fit decreasing at a capacity (the inner step of the binary search on capacity).
+# ---------------------------------------------------------------------------------------------
+
+@numba.njit(**_JIT)
+def ffd(costs, memory, memory_cap, order, num_bins, capacity, bin_of_item):
+    """Each item (by decreasing cost) to the lowest bin where it fits in cost and memory.
+
+    Returns -1 on success, else the first item that fits nowhere.
+    """
+    load = np.zeros(num_bins)
+    bin_mem = np.zeros(num_bins)
+    tree_load, tree_room, width = _tree_new(load, np.full(num_bins, memory_cap))
+    for item in order:
+        c = costs[item]
+        b = _tree_first_fit(tree_load, tree_room, width, capacity - c, memory[item])
+        if b < 0:
+            return item
+        bin_of_item[item] = b
+        load[b] += c
+        bin_mem[b] += memory[item]
+        _tree_set(tree_load, tree_room, width, b, load[b], memory_cap - bin_mem[b])
+    return -1
+
+
+ABOVE_UPPER = -2  # bs_ffd: first-fit decreasing does not place every item at the given upper capacity
+
+
+@numba.njit(**_JIT)
+def bs_ffd(costs, memory, memory_cap, order, num_bins, upper, rel_tol, max_rounds, bin_of_item):
+    """Binary search on the bin capacity: the smallest (within ``rel_tol``, at most ``max_rounds``
+    halvings) at which first-fit decreasing places every item, its assignment in ``bin_of_item``.
+
+    Without memory, FFD always succeeds at mean + largest item, which starts the search. ``upper`` <
+    inf asks only for results at most that good: :data:`ABOVE_UPPER` if FFD fails there. Returns -1,
+    or the first item no bin has memory room for at any capacity.
+    """
+    n = costs.size
+    if n == 0:
+        return -1
+    trial = np.empty(n, dtype=np.int64)
+    hi = _numpy_sum(costs) / num_bins + costs.max() if upper == np.inf else upper
+    if ffd(costs, memory, memory_cap, order, num_bins, hi, bin_of_item) >= 0:
+        if upper != np.inf:
+            return ABOVE_UPPER
+        item = ffd(costs, memory, memory_cap, order, num_bins, np.inf, bin_of_item)
+        if item >= 0:
+            return item
+    hi = _max_load(costs, bin_of_item, num_bins)
+    lo = pigeonhole_bound(costs, order, num_bins)
+    for _ in range(max_rounds):
+        if hi - lo <= rel_tol * hi:
+            break
+        mid = 0.5 * (lo + hi)
+        if ffd(costs, memory, memory_cap, order, num_bins, mid, trial) >= 0:
+            lo = mid
+        else:
+            bin_of_item[:] = trial
+            hi = _max_load(costs, bin_of_item, num_bins)
+    return -1

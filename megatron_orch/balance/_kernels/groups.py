@@ -1,0 +1,116 @@
+"""partition() compiled for many small groups at once: the packed micro-batches of every rank in one call."""
+import numba
+import numpy as np
+
+from megatron_orch.balance._kernels._jit import _JIT
+from megatron_orch.balance._kernels.bounds import _max_load, pigeonhole_bound
+from megatron_orch.balance._kernels.differencing import kk
+from megatron_orch.balance._kernels.first_fit import bs_ffd
+from megatron_orch.balance._kernels.local_search import refine, swap_sweeps
+from megatron_orch.balance._kernels.longest_first import lpt
+
+
+# ---------------------------------------------------------------------------------------------
+# Many small partitions at once (the packed micro-batches of every rank): what partition() does,
+# compiled, group after group, so every result equals partition()'s.
+# ---------------------------------------------------------------------------------------------
+
+METHOD_CODES = ("auto", "lpt", "kk", "bs_ffd")  # the ``method`` argument of partition_groups
+
+
+@numba.njit(**_JIT)
+def _partition_one(costs, num_bins, method, good_enough_rel, settled_rel, rel_tol, max_rounds, max_sweeps, partners,
+                   cheapest_scan, bins):
+    """partition(costs, num_bins, method=METHOD_CODES[method]) without memory or home, into ``bins``:
+    ``auto`` is lpt, kk and bs_ffd, each refined (swap sweeps, then the local search, stopping within
+    ``good_enough_rel`` of the pigeonhole bound) until one is within ``settled_rel``, the best kept; the
+    others construct only."""
+    n = costs.size
+    order = np.argsort(-costs, kind="mergesort")
+    memory = np.zeros(n)
+    if method == 1:
+        lpt(costs, memory, np.inf, order, num_bins, bins)
+        return
+    if method == 2:
+        kk(costs, order, 1, num_bins, bins)
+        return
+    if method == 3:
+        bs_ffd(costs, memory, np.inf, order, num_bins, np.inf, rel_tol, max_rounds, bins)
+        return
+    bound = pigeonhole_bound(costs, order, num_bins)
+    good_enough, settled = (1.0 + good_enough_rel) * bound, (1.0 + settled_rel) * bound
+    trial = np.zeros(n, dtype=np.int64)
+    best_cost = np.inf
+    for construction in range(3):
+        if best_cost <= settled:
+            break
+        trial[:] = 0
+        if construction == 0:
+            lpt(costs, memory, np.inf, order, num_bins, trial)
+        elif construction == 1:
+            kk(costs, order, 1, num_bins, trial)
+        elif bs_ffd(costs, memory, np.inf, order, num_bins, best_cost, rel_tol, max_rounds, trial) != -1:
+            continue
+        if n > 0:
+            swap_sweeps(costs, order, num_bins, trial, good_enough, max_sweeps, num_bins)
+            refine(costs, memory, np.inf, num_bins, trial, True, good_enough, partners, 0, n + num_bins, order,
+                   cheapest_scan)
+        cost = _max_load(costs, trial, num_bins)
+        if cost < best_cost:
+            best_cost = cost
+            bins[:] = trial
+
+
+@numba.njit(**_JIT)
+def _one_per_bin(costs, items, num_bins, bin_of_item):
+    """A group of at most ``num_bins`` items of positive cost: item t by decreasing cost (ties: smaller id)
+    in bin t, what ``auto`` gives it (LPT's assignment, at the bound: its largest item). Returns whether it
+    applied."""
+    m = items.size
+    if m > num_bins:
+        return False
+    for k in range(m):
+        if not costs[items[k]] > 0.0:
+            return False
+    order = items.copy()
+    for u in range(1, m):  # insertion sort by decreasing cost, stable (items come by increasing id)
+        item = order[u]
+        v = u
+        while v > 0 and costs[order[v - 1]] < costs[item]:
+            order[v] = order[v - 1]
+            v -= 1
+        order[v] = item
+    for t in range(m):
+        bin_of_item[order[t]] = t
+    return True
+
+
+@numba.njit(**_JIT)
+def partition_groups(costs, group, num_groups, num_bins, method, good_enough_rel, settled_rel, rel_tol, max_rounds,
+                     max_sweeps, partners, cheapest_scan, bin_of_item):
+    """The items of each group (item i in group ``group[i]``; a group's items by increasing id, as
+    partition() would see ``costs[group == g]``) partitioned into ``num_bins`` bins on their own
+    (:func:`_partition_one`; under ``auto`` a group of at most ``num_bins`` items directly:
+    :func:`_one_per_bin`)."""
+    start = np.zeros(num_groups + 1, dtype=np.int64)
+    for i in range(group.size):
+        start[group[i] + 1] += 1
+    for g in range(num_groups):
+        start[g + 1] += start[g]
+    fill = start[:-1].copy()
+    members = np.empty(group.size, dtype=np.int64)
+    for i in range(group.size):
+        members[fill[group[i]]] = i
+        fill[group[i]] += 1
+    for g in range(num_groups):
+        items = members[start[g]:start[g + 1]]
+        if method == 0 and _one_per_bin(costs, items, num_bins, bin_of_item):
+            continue
+        local = np.empty(items.size)
+        for k in range(items.size):
+            local[k] = costs[items[k]]
+        bins = np.zeros(items.size, dtype=np.int64)
+        _partition_one(local, num_bins, method, good_enough_rel, settled_rel, rel_tol, max_rounds, max_sweeps,
+                       partners, cheapest_scan, bins)
+        for k in range(items.size):
+            bin_of_item[items[k]] = bins[k]

@@ -1,0 +1,528 @@
+"""Local search after a construction: swap sweeps between bins and moves/swaps out of the fullest bin."""
+import numba
+import numpy as np
+
+from megatron_orch.balance._kernels._jit import _INLINE, _JIT
+
+
+_PAIR_ITEMS = 32  # two-for-two swaps are tried between bins of at most this many items (496 pairs each)
+_PAIR_PARTNERS = 2  # with the least-loaded this many partners (the largest gaps): each costs a sort of its pairs
+_WIDEN = 8  # a refinement step that finds nothing with its partners tries this many times as many
+
+
+# ---------------------------------------------------------------------------------------------
+# Local search: moves and swaps out of the most-loaded bin.
+# ---------------------------------------------------------------------------------------------
+
+@numba.njit(**_JIT)
+def _rank_index(load, rank, lo, hi, key, b):
+    """First index in ``rank[lo:hi]`` (bins by increasing (load, id)) not before (key, b)."""
+    while lo < hi:
+        mid = (lo + hi) // 2
+        r = rank[mid]
+        if load[r] < key or (load[r] == key and r < b):
+            lo = mid + 1
+        else:
+            hi = mid
+    return lo
+
+
+@numba.njit(**_JIT)
+def _reposition(load, rank, b, old_load):
+    """Restore ``rank`` after bin ``b``'s load changed from ``old_load`` (every other bin is in
+    place): binary searches for its old and new places, then a shift of the bins in between."""
+    new_load = load[b]
+    load[b] = old_load
+    p = _rank_index(load, rank, 0, rank.size, old_load, b)
+    load[b] = new_load
+    if new_load > old_load:
+        q = _rank_index(load, rank, p + 1, rank.size, new_load, b) - 1
+        for t in range(p, q):
+            rank[t] = rank[t + 1]
+    else:
+        q = _rank_index(load, rank, 0, p, new_load, b)
+        for t in range(p, q, -1):
+            rank[t] = rank[t - 1]
+    rank[q] = b
+
+
+@numba.njit(**_INLINE)
+def _gather_sorted(head, nxt, costs, b, out):
+    """Items of bin ``b`` by increasing (cost, id) into ``out``; returns how many.
+
+    Shell sort in place: bins hold tens of items and this runs for a dozen bins per refinement
+    step, where allocating sort buffers would cost more than the sorting.
+    """
+    m = 0
+    i = head[b]
+    while i != -1:
+        out[m] = i
+        m += 1
+        i = nxt[i]
+    gap = 1
+    while gap < m // 3:
+        gap = 3 * gap + 1
+    while gap >= 1:
+        for u in range(gap, m):
+            item = out[u]
+            c = costs[item]
+            v = u
+            while v >= gap and (costs[out[v - gap]] > c or (costs[out[v - gap]] == c and out[v - gap] > item)):
+                out[v] = out[v - gap]
+                v -= gap
+            out[v] = item
+        gap //= 3
+    return m
+
+
+@numba.njit(**_JIT)
+def _greedy_subset(costs, memory, items, count, target, limit, chosen):
+    """Items (of ``items[:count]``, increasing cost) summing close to ``target`` and below ``limit``.
+
+    Takes items from the most costly down while the sum stays <= target, then, if the sum is still
+    below target, the cheapest item not taken if that keeps it below ``limit`` (it ends nearest
+    above the target). Writes them to ``chosen``; returns (how many, their cost, their memory).
+    """
+    m = 0
+    total = 0.0
+    mem = 0.0
+    cheapest_left = -1
+    for u in range(count - 1, -1, -1):
+        c = costs[items[u]]
+        if total + c <= target:
+            chosen[m] = items[u]
+            m += 1
+            total += c
+            mem += memory[items[u]]
+        else:
+            cheapest_left = items[u]
+    if total < target and cheapest_left >= 0 and total + costs[cheapest_left] < limit:
+        chosen[m] = cheapest_left
+        m += 1
+        total += costs[cheapest_left]
+        mem += memory[cheapest_left]
+    return m, total, mem
+
+
+@numba.njit(**_INLINE)
+def _exchange_with(costs, memory, memory_cap, load, bin_mem, top, b, top_items, num_top, partner_items,
+                   num_b, kind, allow_moves, swap_cap, chosen, best, best_out, best_in):
+    """Best exchange between the top bin and bin ``b`` that beats ``best`` (the larger new load).
+
+    ``kind`` 0: moves (if ``allow_moves``) and one-for-one swaps; 1: one-for-several either way.
+    Writes an improving exchange into ``best_out`` (top -> b) and ``best_in`` (b -> top) and
+    returns (its value, len(out), len(in)); returns (best, -1, -1) if none beats ``best``.
+    """
+    top_load = load[top]
+    gap = top_load - load[b]
+    num_out, num_in = -1, -1
+    if kind == 1:
+        # one of the top bin for several of b (equal items give the same answer)
+        for t in range(num_top):
+            i = top_items[t]
+            if t > 0 and costs[i] == costs[top_items[t - 1]] and memory[i] == memory[top_items[t - 1]]:
+                continue
+            m, total, mem = _greedy_subset(costs, memory, partner_items, num_b,
+                                           costs[i] - 0.5 * gap, costs[i], chosen)
+            d = costs[i] - total
+            if (m >= 2 and 0.0 < d < gap and bin_mem[b] + memory[i] - mem <= memory_cap
+                    and bin_mem[top] - memory[i] + mem <= memory_cap):
+                value = max(top_load - d, load[b] + d)
+                if value < best:
+                    best, num_out, num_in = value, 1, m
+                    best_out[0] = i
+                    best_in[:m] = chosen[:m]
+        # several of the top bin for one of b
+        for u in range(num_b):
+            j = partner_items[u]
+            if u > 0 and costs[j] == costs[partner_items[u - 1]] and memory[j] == memory[partner_items[u - 1]]:
+                continue
+            m, total, mem = _greedy_subset(costs, memory, top_items, num_top,
+                                           costs[j] + 0.5 * gap, costs[j] + gap, chosen)
+            d = total - costs[j]
+            if (m >= 2 and 0.0 < d < gap and bin_mem[b] - memory[j] + mem <= memory_cap
+                    and bin_mem[top] + memory[j] - mem <= memory_cap):
+                value = max(top_load - d, load[b] + d)
+                if value < best:
+                    best, num_out, num_in = value, m, 1
+                    best_out[:m] = chosen[:m]
+                    best_in[0] = j
+        return best, num_out, num_in
+    if allow_moves:
+        for t in range(num_top):
+            i = top_items[t]
+            if 0.0 < costs[i] < gap and bin_mem[b] + memory[i] <= memory_cap:
+                value = max(top_load - costs[i], load[b] + costs[i])
+                if value < best:
+                    best, num_out, num_in = value, 1, 0
+                    best_out[0] = i
+    up = 0  # first item of b with cost >= target; targets rise with the top item's cost
+    for t in range(num_top):
+        i = top_items[t]
+        if costs[i] > swap_cap:  # (items by increasing cost: the rest cost more)
+            break
+        target = costs[i] - 0.5 * gap
+        while up < num_b and costs[partner_items[up]] < target:
+            up += 1
+        # the nearest feasible item of b below the target, then at or above it
+        for direction in (-1, 1):
+            u = up - 1 if direction < 0 else up
+            while 0 <= u < num_b:
+                j = partner_items[u]
+                d = costs[i] - costs[j]
+                if not 0.0 < d < gap:
+                    break
+                if (bin_mem[b] + memory[i] - memory[j] <= memory_cap
+                        and bin_mem[top] - memory[i] + memory[j] <= memory_cap):
+                    value = max(top_load - d, load[b] + d)
+                    if value < best:
+                        best, num_out, num_in = value, 1, 1
+                        best_out[0] = i
+                        best_in[0] = j
+                    break
+                u += direction
+    return best, num_out, num_in
+
+
+@numba.njit(**_INLINE)
+def _cheapest_swap(costs, memory, memory_cap, load, bin_mem, bin_of_item, top, top_items, num_top, order, scan,
+                   best, best_out, best_in):
+    """Best swap of one item of the top bin for one of the batch's cheapest items that beats ``best``.
+
+    The last items of ``order`` (decreasing cost) outside the top bin, up to ``scan`` of them, each
+    against the top bin's item whose cost is nearest its own plus half the gap between their bins
+    (``top_items``: by increasing cost). Returns (value, partner bin) with the swap in
+    ``best_out[0]`` / ``best_in[0]``, or (best, -1) if none beats it.
+    """
+    top_load = load[top]
+    found = -1
+    seen = 0
+    for u in range(order.size - 1, -1, -1):
+        j = order[u]
+        if seen == scan or costs[j] >= costs[top_items[num_top - 1]]:
+            break  # enough tried, or no item of the top bin costs more
+        b = bin_of_item[j]
+        if b == top:
+            continue
+        seen += 1
+        gap = top_load - load[b]
+        if gap <= 0.0:
+            continue
+        target = costs[j] + 0.5 * gap
+        lo, hi = 0, num_top  # the first of the top bin's items costing >= target
+        while lo < hi:
+            mid = (lo + hi) // 2
+            if costs[top_items[mid]] < target:
+                lo = mid + 1
+            else:
+                hi = mid
+        for t in range(max(lo - 1, 0), min(lo + 1, num_top)):
+            i = top_items[t]
+            d = costs[i] - costs[j]
+            if (0.0 < d < gap and bin_mem[b] + memory[i] - memory[j] <= memory_cap
+                    and bin_mem[top] - memory[i] + memory[j] <= memory_cap):
+                value = max(top_load - d, load[b] + d)
+                if value < best:
+                    best, found = value, b
+                    best_out[0] = i
+                    best_in[0] = j
+    return best, found
+
+
+@numba.njit(**_JIT)
+def _pair_sums(costs, items, count, sums, first, second):
+    """Every pair of ``items[:count]``: their cost sums, by increasing sum (ties: the pair found
+    first), into ``sums`` / ``first`` / ``second``; returns how many."""
+    m = 0
+    for u in range(count):
+        for v in range(u + 1, count):
+            sums[m] = costs[items[u]] + costs[items[v]]
+            first[m] = items[u]
+            second[m] = items[v]
+            m += 1
+    by_sum = np.argsort(sums[:m], kind="mergesort")
+    sums[:m] = sums[:m][by_sum]
+    first[:m] = first[:m][by_sum]
+    second[:m] = second[:m][by_sum]
+    return m
+
+
+@numba.njit(**_JIT)
+def _pair_swap(costs, memory, memory_cap, load, bin_mem, top, b, partner_items, num_b, best, best_out, best_in,
+               top_pairs, num_top_pairs, partner_pairs):
+    """Best swap of two items of the top bin for two of bin ``b`` (counts kept) beating ``best``.
+
+    Where one-for-one swaps are stuck (a few items per bin, no single difference near half the gap),
+    two-for-two differences are many more. Each pair of the top bin meets b's pair whose sum is
+    nearest its own minus half the gap (pairs by sum, binary search). ``top_pairs``: the top bin's
+    ``num_top_pairs`` pairs (:func:`_pair_sums`); ``partner_pairs``: scratch for b's. Returns
+    (value, 2) with the swap in ``best_out`` / ``best_in``, or (best, -1).
+    """
+    top_sum, top_first, top_second = top_pairs
+    sums, first, second = partner_pairs
+    num_pairs = _pair_sums(costs, partner_items, num_b, sums, first, second)
+    top_load = load[top]
+    gap = top_load - load[b]
+    found = -1
+    for t in range(num_top_pairs):
+        target = top_sum[t] - 0.5 * gap
+        lo, hi = 0, num_pairs  # b's first pair summing to >= target
+        while lo < hi:
+            mid = (lo + hi) // 2
+            if sums[mid] < target:
+                lo = mid + 1
+            else:
+                hi = mid
+        for u in range(max(lo - 1, 0), min(lo + 1, num_pairs)):
+            d = top_sum[t] - sums[u]
+            moved = memory[top_first[t]] + memory[top_second[t]] - memory[first[u]] - memory[second[u]]
+            if 0.0 < d < gap and bin_mem[b] + moved <= memory_cap and bin_mem[top] - moved <= memory_cap:
+                value = max(top_load - d, load[b] + d)
+                if value < best:
+                    best, found = value, 2
+                    best_out[0], best_out[1] = top_first[t], top_second[t]
+                    best_in[0], best_in[1] = first[u], second[u]
+    return best, found
+
+
+@numba.njit(**_JIT)
+def _partners(load, rank, top, node_size, partners, out):
+    """Candidate partners of the top bin, least-loaded first; returns how many.
+
+    ``node_size > 0``: the other bins of the top bin's node. Else up to ``partners`` of the
+    least-loaded bins, one per distinct load: bins of equal load mostly hold the same kinds of
+    items, and a search that is stuck needs variety.
+    """
+    num_bins = rank.size
+    count = 0
+    if node_size > 0:
+        lo = (top // node_size) * node_size
+        for b in range(lo, min(num_bins, lo + node_size)):
+            if b != top and load[b] < load[top]:
+                out[count] = b
+                count += 1
+        if count > 1:
+            out[:count] = out[:count][np.argsort(load[out[:count]], kind="mergesort")]
+        return count
+    for p in range(num_bins - 1):
+        b = rank[p]
+        if load[b] >= load[top] or count == partners:
+            break
+        if p == 0 or load[b] != load[rank[p - 1]]:
+            out[count] = b
+            count += 1
+    return count
+
+
+@numba.njit(**_JIT)
+def swap_sweeps(costs, order, num_bins, bin_of_item, stop_at, max_sweeps, group_size):
+    """Even out many bins at once by one-for-one swaps, in place; returns the number of sweeps.
+
+    Bins come in groups of ``group_size`` consecutive ids (the GPUs of a node; ``num_bins``: one
+    group). A sweep pairs, in every group, the k-th most-loaded bin with the k-th least-loaded
+    (while the former is above ``stop_at``) and, in every pair, swaps the item of the heavier bin and
+    the cheaper item of the lighter one whose cost difference d is nearest half the gap. Both new
+    loads lie strictly between the old ones, so the maximum never rises and counts stay. Where LPT
+    leaves a plateau of bins just above the mean, :func:`refine` would take them down one at a time
+    (thousands of steps at DP 2560); a few sweeps take most of them down together. ``order``: items
+    by decreasing cost. Stops when the maximum is at most ``stop_at``, a sweep swaps nothing, or
+    after ``max_sweeps``.
+    """
+    n = costs.size
+    load = np.zeros(num_bins)
+    start = np.zeros(num_bins + 1, dtype=np.int64)
+    fill = np.zeros(num_bins, dtype=np.int64)
+    items = np.empty(n, dtype=np.int64)  # bin by bin, each bin's items by increasing cost
+    grouped = np.empty(num_bins, dtype=np.int64)  # group by group, each group's bins by increasing load
+    num_groups = (num_bins + group_size - 1) // group_size
+    sweeps = 0
+    while sweeps < max_sweeps:
+        load[:] = 0.0
+        start[:] = 0
+        for i in range(n):
+            load[bin_of_item[i]] += costs[i]
+            start[bin_of_item[i] + 1] += 1
+        for b in range(num_bins):
+            start[b + 1] += start[b]
+            fill[b] = start[b]
+        for k in range(n - 1, -1, -1):
+            i = order[k]
+            b = bin_of_item[i]
+            items[fill[b]] = i
+            fill[b] += 1
+        if load.max() <= stop_at:
+            break
+        rank = np.argsort(load, kind="mergesort")  # increasing load, ties by bin id
+        group_fill = np.arange(num_groups) * group_size
+        for b in rank:
+            g = b // group_size
+            grouped[group_fill[g]] = b
+            group_fill[g] += 1
+        swapped = 0
+        for g in range(num_groups):
+            lo = g * group_size
+            size = min(group_size, num_bins - lo)
+            for p in range(size // 2):
+                heavy, light = grouped[lo + size - 1 - p], grouped[lo + p]
+                if load[heavy] <= stop_at:
+                    break
+                gap = load[heavy] - load[light]
+                half = 0.5 * gap
+                best, out_item, in_item = half, -1, -1  # |d - half| < half <=> 0 < d < gap
+                u = start[light]  # first item of the light bin costing >= the target (targets rise)
+                for t in range(start[heavy], start[heavy + 1]):
+                    a = items[t]
+                    target = costs[a] - half
+                    while u < start[light + 1] and costs[items[u]] < target:
+                        u += 1
+                    for v in range(max(u - 1, start[light]), min(u + 1, start[light + 1])):
+                        miss = abs(costs[a] - costs[items[v]] - half)
+                        if miss < best:
+                            best, out_item, in_item = miss, a, items[v]
+                if out_item >= 0:
+                    bin_of_item[out_item], bin_of_item[in_item] = light, heavy
+                    swapped += 1
+        sweeps += 1
+        if swapped == 0:
+            break
+    return sweeps
+
+
+@numba.njit(**_JIT)
+def refine(costs, memory, memory_cap, num_bins, bin_of_item, allow_moves, stop_at, partners, node_size,
+           max_steps, order, cheapest_scan, cross_swap_cap=np.inf):
+    """Lower the maximum bin cost by local search, in place; returns the number of steps taken.
+
+    Each step takes the most-loaded bin M and applies the exchange with one partner bin b that
+    minimises the larger of the two new loads, provided that is below M's load and memory stays
+    under the cap. With loads L > Lb and a net cost d moved from M to b, the new pair is
+    (L - d, Lb + d): the best d is the one nearest (L - Lb) / 2. Exchanges tried, in rounds (a
+    round runs only if the ones before found nothing): one item of M for one cheaper item of b
+    (keeps counts) and, if ``allow_moves``, one item moved from M to b; (``allow_moves``) one item
+    of M for several of b or several of M for one of b (found greedily; what evening out items of a
+    few fixed sizes takes); two items of M for two of b (bins of at most :data:`_PAIR_ITEMS` items,
+    the :data:`_PAIR_PARTNERS` least-loaded partners, :func:`_pair_swap`); last, one item of M for one
+    of the batch's cheapest items, wherever it is (:func:`_cheapest_swap`: the last ``cheapest_scan``
+    items of ``order``, items by decreasing cost, outside M). Partners (:func:`_partners`) hold their
+    bins' typical items, where a bin with one long item needs the batch's shortest for its other slots.
+    With ``node_size > 0`` (bin r on node r // node_size) the rounds run with the bins of M's node
+    first (every item of the node: no round of cheapest items there), then anywhere with ``partners``
+    least-loaded bins (a step that finds nothing there tries :data:`_WIDEN` times as many; with
+    ``node_size``, and so on up to every bin); there, with a finite ``cross_swap_cap``, only moves, trades with the cheapest items
+    and one-for-one swaps of items costing at most that (a swap that evens out two bins across nodes
+    can move two long items, many bytes, for a small difference). Stops at a local optimum, once the
+    maximum is at most ``stop_at``, or after ``max_steps``.
+    """
+    n = costs.size
+    load = np.zeros(num_bins)
+    for i in range(n):
+        load[bin_of_item[i]] += costs[i]
+    if load.max() <= stop_at:  # nothing to gain: leave before building the per-item lists
+        return 0
+    load[:] = 0.0
+    bin_mem = np.zeros(num_bins)
+    head = np.full(num_bins, -1, dtype=np.int64)
+    nxt = np.full(n, -1, dtype=np.int64)
+    prv = np.full(n, -1, dtype=np.int64)
+    for i in range(n):
+        b = bin_of_item[i]
+        load[b] += costs[i]
+        bin_mem[b] += memory[i]
+        if head[b] >= 0:
+            prv[head[b]] = i
+        nxt[i] = head[b]
+        head[b] = i
+    rank = np.argsort(load, kind="mergesort")  # bins by increasing load, ties by id
+    top_items = np.empty(n, dtype=np.int64)
+    partner_items = np.empty(n, dtype=np.int64)
+    chosen = np.empty(n, dtype=np.int64)
+    best_out = np.empty(n, dtype=np.int64)  # items of the best exchange going M -> b
+    best_in = np.empty(n, dtype=np.int64)   # and b -> M
+    plist = np.empty(max(num_bins, node_size), dtype=np.int64)
+    num_pairs = _PAIR_ITEMS * (_PAIR_ITEMS - 1) // 2
+    top_pairs = (np.empty(num_pairs), np.empty(num_pairs, dtype=np.int64), np.empty(num_pairs, dtype=np.int64))
+    partner_pairs = (np.empty(num_pairs), np.empty(num_pairs, dtype=np.int64), np.empty(num_pairs, dtype=np.int64))
+
+    steps = 0
+    width = partners  # partners anywhere: widened when they give nothing, up to every bin with node_size (the
+    # locality refinements, which start far from balance), else _WIDEN times (a plain plan stuck within its
+    # tolerance of a bound it may not reach)
+    widest = num_bins - 1 if node_size > 0 else min(num_bins - 1, _WIDEN * partners)
+    while steps < max_steps:
+        top = rank[num_bins - 1]
+        best = load[top]
+        if best <= stop_at:
+            break
+        best_b, num_out, num_in = -1, 0, 0
+        num_top = _gather_sorted(head, nxt, costs, top, top_items)
+        num_top_pairs = -1  # the top bin's pairs, built when a two-for-two round needs them
+        for scope in range(2):  # 0: M's node (if node_size > 0); 1: anywhere
+            if best_b >= 0:
+                break
+            if scope == 0 and node_size <= 0:
+                continue
+            num_p = _partners(load, rank, top, node_size if scope == 0 else 0, width, plist)
+            for kind in range(4):  # 0: moves and swaps; 1: one for several; 2: two for two; 3: the cheapest items
+                if best_b >= 0:
+                    break
+                if ((kind == 1 and not allow_moves) or (kind == 2 and not 2 <= num_top <= _PAIR_ITEMS)
+                        or (kind == 3 and scope == 0)  # (on M's node, partners are all its bins: every item)
+                        or (kind in (1, 2) and scope == 1 and cross_swap_cap < np.inf)):
+                    continue
+                if kind == 3:
+                    best, b = _cheapest_swap(costs, memory, memory_cap, load, bin_mem, bin_of_item, top, top_items,
+                                             num_top, order, cheapest_scan, best, best_out, best_in)
+                    if b >= 0:
+                        best_b, num_out, num_in = b, 1, 1
+                    continue
+                if kind == 2 and num_top_pairs < 0:
+                    num_top_pairs = _pair_sums(costs, top_items, num_top, top_pairs[0], top_pairs[1], top_pairs[2])
+                for q in range(num_p if kind < 2 else min(num_p, _PAIR_PARTNERS * width // partners)):
+                    b = plist[q]
+                    num_b = _gather_sorted(head, nxt, costs, b, partner_items)
+                    if kind < 2:
+                        best, o, i = _exchange_with(costs, memory, memory_cap, load, bin_mem, top, b, top_items,
+                                                    num_top, partner_items, num_b, kind, allow_moves,
+                                                    np.inf if scope == 0 else cross_swap_cap, chosen,
+                                                    best, best_out, best_in)
+                    elif 2 <= num_b <= _PAIR_ITEMS:
+                        best, o = _pair_swap(costs, memory, memory_cap, load, bin_mem, top, b, partner_items, num_b,
+                                             best, best_out, best_in, top_pairs, num_top_pairs, partner_pairs)
+                        i = o
+                    else:
+                        continue
+                    if o >= 0:
+                        best_b, num_out, num_in = b, o, i
+        if best_b < 0:
+            if width < widest:
+                width = min(widest, _WIDEN * width)  # stuck among the least-loaded: again with more of them
+                continue
+            break
+        width = partners
+        top_load, partner_load = load[top], load[best_b]
+        for k in range(num_out + num_in):
+            item = best_out[k] if k < num_out else best_in[k - num_out]
+            src, dst = (top, best_b) if k < num_out else (best_b, top)
+            if prv[item] >= 0:  # unlink from src, push on dst
+                nxt[prv[item]] = nxt[item]
+            else:
+                head[src] = nxt[item]
+            if nxt[item] >= 0:
+                prv[nxt[item]] = prv[item]
+            prv[item] = -1
+            nxt[item] = head[dst]
+            if head[dst] >= 0:
+                prv[head[dst]] = item
+            head[dst] = item
+            bin_of_item[item] = dst
+            load[src] -= costs[item]
+            load[dst] += costs[item]
+            bin_mem[src] -= memory[item]
+            bin_mem[dst] += memory[item]
+        new_partner_load = load[best_b]  # reposition one bin at a time, the other still in place
+        load[best_b] = partner_load
+        _reposition(load, rank, top, top_load)
+        load[best_b] = new_partner_load
+        _reposition(load, rank, best_b, partner_load)
+        steps += 1
+    return steps
