@@ -299,15 +299,18 @@ def repair_locality(bin_of_item: np.ndarray, reference: np.ndarray, costs: np.nd
 
 
 def localize(bin_of_item: np.ndarray, costs: np.ndarray, want_node: np.ndarray, node_of_rank: np.ndarray,
-             capacity: Optional[float] = None, *, swaps_only: bool) -> Tuple[np.ndarray, int]:
+             capacity: Optional[float] = None, *, swaps_only: bool,
+             item_bytes: Optional[np.ndarray] = None) -> Tuple[np.ndarray, int]:
     """The plain plan's backbone ranks ``bin_of_item`` with examples swapped onto the node they want
     (``want_node``: where most of their bytes are) while every rank stays within ``capacity`` (default: the
     plan's max): (new ranks, examples brought home). An example on the wrong node swaps with one on the node
-    it wants that is on the wrong node too (one wanting the first one's node first, else the closest in cost
-    that fits the two ranks' room); with ``swaps_only`` False (packed micro-batches) it may also just move to
-    the least-loaded rank of that node if that has room for it. Every rank keeps its count under swaps and
-    its load within the capacity, so the balance stays the plain plan's; what still crosses nodes is what no
-    such exchange could bring home."""
+    it wants, the closest in cost that fits the two ranks' room among those whose swap sends the fewest
+    ``item_bytes`` (default: one each) across nodes: one wanting the first one's node (both go home), one
+    wanting a third node (nothing lost), or one at home there with fewer bytes than it (a light example
+    leaves for a heavy one); with ``swaps_only`` False (packed micro-batches) it may also just move to the
+    least-loaded rank of that node if that has room for it. Every rank keeps its count under swaps and its
+    load within the capacity, so the balance stays the plain plan's; what still crosses nodes is what no such
+    exchange could bring home."""
     rank_array = np.array(bin_of_item, dtype=np.int64)
     costs_array = np.asarray(costs, dtype=np.float64)
     node_array = np.asarray(node_of_rank, dtype=np.int64)
@@ -316,27 +319,27 @@ def localize(bin_of_item: np.ndarray, costs: np.ndarray, want_node: np.ndarray, 
         capacity = float(load_array.max(initial=0.0))
     num_nodes = int(node_array.max(initial=-1)) + 1
     want_array = np.asarray(want_node, dtype=np.int64)
-    away = np.flatnonzero(node_array[rank_array] != want_array)
-    order = away[np.argsort(costs_array[away], kind="stable")].tolist()
+    weight = (np.ones(rank_array.size) if item_bytes is None else np.asarray(item_bytes, dtype=np.float64)).tolist()
     rank, cost, want = rank_array.tolist(), costs_array.tolist(), want_array.tolist()
     node, load = node_array.tolist(), load_array.tolist()
     ranks_of_node = [np.flatnonzero(node_array == x).tolist() for x in range(num_nodes)]
-    # per node, its examples that want another node, as sorted (cost, example) lists
+    # per node, every example on it, as sorted (cost, example) lists
     pools: List[List[Tuple[float, int]]] = [[] for _ in range(num_nodes)]
-    for e in order:
+    for e in np.argsort(costs_array, kind="stable").tolist():
         pools[node[rank[e]]].append((cost[e], e))
     room = capacity - min(load) if load else 0.0  # no partner further than this in cost can fit
-    brought = 0
+    start = int((node_array[rank_array] == want_array).sum())
     for _ in range(_LOCALIZE_PASSES):  # the costliest first (fewest partners); again, as moves made room
+        away = np.flatnonzero(node_array[np.asarray(rank)] != want_array)
         moved = 0
-        for e in reversed(order):
+        for e in away[np.argsort(-costs_array[away], kind="stable")].tolist():
             a = rank[e]
             x, y = node[a], want[e]
             if x == y:
                 continue
             c = cost[e]
             pool = pools[y]
-            pick, pick_gap = -1, math.inf
+            pick, pick_key = -1, None
             if pool:
                 at = bisect.bisect_left(pool, (c, -1))
                 lo, hi = at - 1, at
@@ -349,16 +352,18 @@ def localize(bin_of_item: np.ndarray, costs: np.ndarray, want_node: np.ndarray, 
                         break
                     cf, f = pool[k]
                     gap = abs(cf - c)
-                    if gap > room or gap > pick_gap:
+                    if gap > room:
                         break
                     b = rank[f]
                     if load[a] - c + cf > capacity or load[b] - cf + c > capacity:
                         continue
-                    if want[f] == x:  # both go home: take it
-                        pick = k
-                        break
-                    if pick < 0:
-                        pick, pick_gap = k, gap
+                    # bytes brought home by the swap: e's, plus f's if it wants x, less f's if it was home
+                    gain = weight[e] + (weight[f] if want[f] == x else (-weight[f] if want[f] == y else 0.0))
+                    if gain <= 0:
+                        continue
+                    key = (-gain, gap)
+                    if pick_key is None or key < pick_key:
+                        pick, pick_key = k, key
             if pick >= 0:
                 cf, f = pool.pop(pick)
                 b = rank[f]
@@ -366,10 +371,9 @@ def localize(bin_of_item: np.ndarray, costs: np.ndarray, want_node: np.ndarray, 
                 load[a] += cf - c
                 load[b] += c - cf
                 _remove(pools[x], (c, e))
-                brought += 1 + (want[f] == x)
+                bisect.insort(pools[y], (c, e))
+                bisect.insort(pools[x], (cf, f))
                 moved += 1
-                if want[f] != x:
-                    bisect.insort(pools[x], (cf, f))
                 continue
             if not swaps_only:
                 b = min(ranks_of_node[y], key=load.__getitem__)
@@ -378,11 +382,12 @@ def localize(bin_of_item: np.ndarray, costs: np.ndarray, want_node: np.ndarray, 
                     load[a] -= c
                     load[b] += c
                     _remove(pools[x], (c, e))
-                    brought += 1
+                    bisect.insort(pools[y], (c, e))
                     moved += 1
         if not moved:
             break
-    return np.asarray(rank, dtype=np.int64), brought
+    out = np.asarray(rank, dtype=np.int64)
+    return out, int((node_array[out] == want_array).sum()) - start
 
 
 _LOCALIZE_SCAN = 64  # swap partners looked at on either side of an example's cost

@@ -333,7 +333,9 @@ def _localized(reference, method, costs, home, text_bytes, items, rank_of_item, 
     slowdown as :func:`_slower_by` gives it)."""
     num_ranks = topology.num_ranks
     want = topology.node_of_rank[_pull_rank(home, text_bytes, rank_of_item, num_ranks)]
-    bins, _ = localize(reference, costs, want, topology.node_of_rank, swaps_only=swaps_only)
+    pulled = text_bytes + sum(np.bincount(example, weights=out_bytes, minlength=home.size)
+                              for example, _, out_bytes in rank_of_item.values())
+    bins, _ = localize(reference, costs, want, topology.node_of_rank, swaps_only=swaps_only, item_bytes=pulled)
     name = f"{method}+localized"
     slower = _slower_by(bins, reference, items, rank_of_item, home, topology, num_microbatches, config)
     if slower[0] > 0:
