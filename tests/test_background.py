@@ -8,7 +8,7 @@ import pytest
 from megatron_orch.mllm.config import load_model_config
 from megatron_orch.balance.topology import Topology
 from megatron_orch.balance.workload import StepSizes
-from megatron_orch.orchestrator.background import SWITCH_INTERVAL_S, BackgroundPlanner
+from megatron_orch.orchestrator.background import NICE_INCREMENT, SWITCH_INTERVAL_S, BackgroundPlanner
 from megatron_orch.orchestrator.config import OrchestratorConfig
 from megatron_orch.orchestrator.step_plan import plan_step
 
@@ -43,3 +43,21 @@ def test_switch_interval_lowered_while_planning_and_restored(interval):
         planner.shutdown()
     assert during == (min(before, SWITCH_INTERVAL_S) if interval else before)
     assert sys.getswitchinterval() == before
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="per-thread nice values are Linux's")
+@pytest.mark.parametrize("increment", [NICE_INCREMENT, 0])
+def test_the_planning_thread_runs_below_the_training_thread(increment):
+    """Only the planning thread's nice value goes up (the kernel gives a busy core to the training thread
+    first); the process's stays."""
+    import os
+    import threading
+    process = os.getpriority(os.PRIO_PROCESS, 0)
+    planner = BackgroundPlanner(enabled=True, nice_increment=increment)
+    try:
+        planner.submit(lambda: os.getpriority(os.PRIO_PROCESS, threading.get_native_id()))
+        thread = planner.result()
+    finally:
+        planner.shutdown()
+    assert thread == min(19, process + increment)
+    assert os.getpriority(os.PRIO_PROCESS, threading.get_native_id()) == process

@@ -40,10 +40,12 @@ from __future__ import annotations
 
 import argparse
 import ctypes
+import functools
 import multiprocessing
 import os
 import resource
 import statistics
+import sys
 import threading
 import time
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
@@ -55,11 +57,11 @@ from megatron_orch.balance.traces import load_mixture, parse_trace_spec
 from megatron_orch.balance.workload import StepSizes
 from megatron_orch.bench.common import MIXTURES, batch_sizes, draw_sizes, report
 from megatron_orch.mllm.config import DEFAULT_MODEL, MLLMConfig, load_model_config, sizes_from_trace
-from megatron_orch.orchestrator.background import BackgroundPlanner
+from megatron_orch.orchestrator.background import NICE_INCREMENT, SWITCH_INTERVAL_S, BackgroundPlanner, _lower_priority
 from megatron_orch.orchestrator.config import OrchestratorConfig
 from megatron_orch.orchestrator.step_plan import plan_step, warm_up
 
-PROBES = ("sleep", "numpy")
+PROBES = ("spin", "sleep", "numpy")
 TARGET_MEDIAN_CPU_MS = 50.0  # the default plan_step at DP 2560 x 16: median CPU on one core of an idle machine
 TARGET_WORST_CPU_MS = 70.0   # and its worst repeat
 TARGET_STALL_MS = 5.0        # the main thread's longest stall while it plans in the background
@@ -101,14 +103,26 @@ def reference_workload() -> float:
 # The main thread's probe loops
 # -------------------------------------------------------------------------------------------------
 
-def _probe(kind: str, keep_going: Callable[[], bool]) -> np.ndarray:
-    """Run the probe loop while ``keep_going()``; the times (s) between consecutive iterations."""
+def _probe(kind: str, keep_going: Callable[[], bool], other_thread: Optional[int] = None):
+    """Run the probe loop while ``keep_going()``. Returns the times (s) between consecutive iterations and,
+    with ``other_thread`` (a ``threading.get_ident()``), that thread's CPU time (s) within each of them."""
     stamps: List[float] = []
+    cpu_stamps: List[float] = []
     clock = time.perf_counter
-    if kind == "sleep":
+    if other_thread is not None:
+        other_clock = time.pthread_getcpuclockid(other_thread)
+        cpu = functools.partial(time.clock_gettime, other_clock)
+    else:
+        cpu = _zero
+    if kind == "spin":  # pure Python: it holds the GIL but while another thread takes it
+        while keep_going():
+            stamps.append(clock())
+            cpu_stamps.append(cpu())
+    elif kind == "sleep":
         while keep_going():
             time.sleep(0.001)
             stamps.append(clock())
+            cpu_stamps.append(cpu())
     elif kind == "numpy":
         x = np.arange(256, dtype=np.float64)
         out = np.empty_like(x)
@@ -117,50 +131,76 @@ def _probe(kind: str, keep_going: Callable[[], bool]) -> np.ndarray:
             np.add(out, 1.0, out=out)
             float(out[7])
             stamps.append(clock())
+            cpu_stamps.append(cpu())
     else:
         raise ValueError(f"unknown probe {kind!r}; choose from {PROBES}")
-    return np.diff(np.asarray(stamps)) if len(stamps) > 1 else np.zeros(0)
+    if len(stamps) < 2:
+        return np.zeros(0), np.zeros(0)
+    return np.diff(np.asarray(stamps)), np.diff(np.asarray(cpu_stamps))
 
 
-def _gap_figures(gaps: np.ndarray) -> Dict[str, float]:
+def _zero() -> float:
+    return 0.0
+
+
+def _gap_figures(gaps: np.ndarray, other_cpu: Optional[np.ndarray] = None) -> Dict[str, float]:
     if gaps.size == 0:
-        return {"max_gap_ms": 0.0, "p99_gap_ms": 0.0, "iterations": 0}
-    return {"max_gap_ms": 1e3 * float(gaps.max()), "p99_gap_ms": 1e3 * float(np.percentile(gaps, 99)),
-            "iterations": int(gaps.size + 1)}
+        figures = {"max_gap_ms": 0.0, "p99_gap_ms": 0.0, "iterations": 0}
+    else:
+        figures = {"max_gap_ms": 1e3 * float(gaps.max()), "p99_gap_ms": 1e3 * float(np.percentile(gaps, 99)),
+                   "iterations": int(gaps.size + 1)}
+    if other_cpu is not None:  # the planning thread's CPU time within the probe's gaps: an upper bound of the
+        # time it held the GIL in them (it may also have run a nogil kernel while the probe waited for a CPU)
+        worst = int(gaps.argmax()) if gaps.size else -1
+        figures["planner_cpu_in_worst_gap_ms"] = 1e3 * float(other_cpu[worst]) if gaps.size else 0.0
+        figures["max_planner_cpu_in_gap_ms"] = 1e3 * float(other_cpu.max(initial=0.0))
+    return figures
 
 
-def _stall(kind: str, plan_fn: Callable[[], object]):
+def _niced(plan_fn: Callable[[], object], nice_increment: int) -> None:
+    """The forked control: the plan at the planning thread's priority."""
+    _lower_priority(nice_increment)
+    plan_fn()
+
+
+def _stall(kind: str, plan_fn: Callable[[], object], switch_interval_s: Optional[float] = SWITCH_INTERVAL_S,
+           nice_increment: int = NICE_INCREMENT):
     """(figures with planning in the background, of the idle baseline as long, of planning in a forked
     process, plan digest)."""
-    finished = threading.Event()
+    started, finished = threading.Event(), threading.Event()
     cpu = [0.0]
+    planner_thread = [0]
 
     def timed_plan():
+        planner_thread[0] = threading.get_ident()
+        started.set()
         start = time.thread_time()
         plan = plan_fn()
         cpu[0] = time.thread_time() - start
         finished.set()
         return plan
 
-    planner = BackgroundPlanner(enabled=True)
+    planner = BackgroundPlanner(enabled=True, switch_interval_s=switch_interval_s, nice_increment=nice_increment)
     try:
         start = time.perf_counter()
         planner.submit(timed_plan)
-        busy = _probe(kind, lambda: not finished.is_set())
+        started.wait()
+        busy, planner_cpu = _probe(kind, lambda: not finished.is_set(), planner_thread[0])
         wall = time.perf_counter() - start
         plan = planner.result()
     finally:
         planner.shutdown()
     # Baseline: the same loop for as long (at least 50 ms), nothing planning.
     deadline = time.perf_counter() + max(wall, 0.05)
-    idle = _probe(kind, lambda: time.perf_counter() < deadline)
-    child = multiprocessing.get_context("fork").Process(target=plan_fn, name="orch-planner-beside")
+    idle, _ = _probe(kind, lambda: time.perf_counter() < deadline)
+    child = multiprocessing.get_context("fork").Process(target=_niced, args=(plan_fn, nice_increment),
+                                                        name="orch-planner-beside")
     child.start()
-    beside = _probe(kind, child.is_alive)
+    beside, _ = _probe(kind, child.is_alive)
     child.join()
     if child.exitcode != 0:
         raise RuntimeError(f"planning in a forked process failed (exit code {child.exitcode})")
-    planning = dict(_gap_figures(busy), bg_plan_cpu_ms=1e3 * cpu[0], bg_plan_wall_ms=1e3 * wall)
+    planning = dict(_gap_figures(busy, planner_cpu), bg_plan_cpu_ms=1e3 * cpu[0], bg_plan_wall_ms=1e3 * wall)
     return planning, _gap_figures(idle), _gap_figures(beside), plan.digest
 
 
@@ -169,7 +209,8 @@ def _stall(kind: str, plan_fn: Callable[[], object]):
 # -------------------------------------------------------------------------------------------------
 
 def run_one(model: MLLMConfig, sizes: StepSizes, gpus_per_node: int, micro_batch_size: int,
-            repeats: int = 3, probes: Sequence[str] = PROBES) -> dict:
+            repeats: int = 3, probes: Sequence[str] = PROBES,
+            switch_interval_s: Optional[float] = SWITCH_INTERVAL_S, nice_increment: int = NICE_INCREMENT) -> dict:
     """Time ``plan_step`` on one global batch (foreground CPU/wall beside the reference workload, background
     stalls)."""
     dp = int(np.asarray(sizes.counts).size)
@@ -200,7 +241,7 @@ def run_one(model: MLLMConfig, sizes: StepSizes, gpus_per_node: int, micro_batch
     for kind in probes:
         runs = {"planning": [], "idle": [], "beside": []}
         for _ in range(repeats):
-            busy, idle, beside, digest = _stall(kind, plan)
+            busy, idle, beside, digest = _stall(kind, plan, switch_interval_s, nice_increment)
             digests.add(digest)
             for name, figures in (("planning", busy), ("idle", idle), ("beside", beside)):
                 runs[name].append(figures)
@@ -230,7 +271,8 @@ def _spread(values: List[float]) -> dict:
 
 def run(dps: Sequence[int], per_rank: int, gpus_per_node: int, seeds: Sequence[int], mixtures: Dict[str, tuple],
         model: str = DEFAULT_MODEL, micro_batch_size: int = 1, repeats: int = 3,
-        probes: Sequence[str] = PROBES, traces_dir: Optional[str] = None, log=None) -> dict:
+        probes: Sequence[str] = PROBES, traces_dir: Optional[str] = None, log=None,
+        switch_interval_s: Optional[float] = SWITCH_INTERVAL_S, nice_increment: int = NICE_INCREMENT) -> dict:
     """Every (dp, mixture, seed); JSON-ready ``{"runs": [...], "params": {...}}``."""
     if min(dps) < 1 or per_rank < 1 or gpus_per_node < 1 or micro_batch_size < 1 or repeats < 1:
         raise ValueError("--dp, --per-rank, --gpus-per-node, --micro-batch-size and --repeats must be >= 1")
@@ -242,7 +284,8 @@ def run(dps: Sequence[int], per_rank: int, gpus_per_node: int, seeds: Sequence[i
             mixture = load_mixture(specs, traces_dir)
             for seed in seeds:
                 sizes = batch_sizes(mixture.draw(dp * per_rank, seed), dp, per_rank, config)
-                result = dict(run_one(config, sizes, gpus_per_node, micro_batch_size, repeats, probes),
+                result = dict(run_one(config, sizes, gpus_per_node, micro_batch_size, repeats, probes,
+                                      switch_interval_s, nice_increment),
                               mixture=name, seed=seed)
                 runs.append(result)
                 if log is not None:
@@ -253,6 +296,8 @@ def run(dps: Sequence[int], per_rank: int, gpus_per_node: int, seeds: Sequence[i
         "mixtures": {name: [{"trace": t, "weight": w} for t, w in specs] for name, specs in mixtures.items()},
         "orchestrator_config": repr(OrchestratorConfig()),
         "cpus": os.cpu_count(),
+        "switch_interval_s": {"planning": switch_interval_s, "interpreter": sys.getswitchinterval()},
+        "planner_nice_increment": nice_increment,
         "targets": {"median_plan_cpu_ms": TARGET_MEDIAN_CPU_MS, "worst_plan_cpu_ms": TARGET_WORST_CPU_MS,
                     "max_stall_ms": TARGET_STALL_MS},
         "notes": {
@@ -261,7 +306,11 @@ def run(dps: Sequence[int], per_rank: int, gpus_per_node: int, seeds: Sequence[i
                                 "inflation the machine's load caused in this run",
             "stall": "longest gap between iterations of a main-thread probe loop while BackgroundPlanner "
                      "plans (planning), of the same loop with nothing planning (idle) and while the plan runs "
-                     "in a forked process (beside: same CPU contention, no shared GIL), worst of the repeats",
+                     "in a forked process (beside: same CPU contention, no shared GIL), worst of the repeats; "
+                     "planner_cpu_in_worst_gap_ms / max_planner_cpu_in_gap_ms: the planning thread's CPU time "
+                     "within the probe's gaps while planning (an upper bound of the time it held the GIL there)",
+            "switch_interval_s": "the interpreter's switch interval while the background planner plans "
+                                 "(BackgroundPlanner's switch_interval_s; None: left at the interpreter's)",
         }}}
 
 
@@ -270,7 +319,7 @@ HEADER = (f"{'dp':>5} {'mixture':<16} {'seed':>4} {'vision':>7} {'audio':>6} {'l
 
 
 def _header(probes: Sequence[str]) -> str:
-    return HEADER + "".join(f" {kind + ' max':>9} {'(med)':>6} {'idle':>8} {'beside':>8}" for kind in probes)
+    return HEADER + "".join(f" {kind + ' max':>9} {'(med)':>6} {'cpu':>5} {'idle':>8} {'beside':>8}" for kind in probes)
 
 
 def _row(r: dict, probes: Sequence[str]) -> str:
@@ -281,14 +330,17 @@ def _row(r: dict, probes: Sequence[str]) -> str:
     for kind in probes:
         s = r["stall"][kind]
         cells += (f" {s['planning']['max_gap_ms']:>9.2f} {s['planning']['median_max_gap_ms']:>6.2f}"
+                  f" {s['planning']['max_planner_cpu_in_gap_ms']:>5.2f}"
                   f" {s['idle']['max_gap_ms']:>8.2f} {s['beside']['max_gap_ms']:>8.2f}")
     return cells + ("" if r["deterministic"] else "  NOT DETERMINISTIC")
 
 
 def _title(probes: Sequence[str]) -> List[str]:
     return ["plan_step CPU (median, max of repeats), the reference workload's CPU beside it, the plan's kernel (page "
-            "fault) share and wall, the 1-minute load average; main-thread longest gap (ms) while planning in the "
-            "background (worst and median over repeats) vs idle and vs planning in a forked process (worst)",
+            "fault) share and wall, the 1-minute load average; per probe, the main thread's longest gap (ms) while planning "
+            "in the background (worst and median over repeats), the planning thread's most CPU time within one of "
+            "those gaps (cpu: what it can have held the GIL for), and the same probe's longest gap with nothing "
+            "planning (idle) and beside a plan in a forked process (beside), measured side by side",
             _header(probes)]
 
 
@@ -302,13 +354,17 @@ def _summary(result: dict) -> List[str]:
             continue
         worst_median = max(r["plan_cpu_ms"]["median"] for r in mine)
         worst_cpu = max(r["plan_cpu_ms"]["max"] for r in mine)
-        worst_stall = max(r["stall"][k]["planning"]["max_gap_ms"] for r in mine for k in probes) if probes else 0.0
+        stalls = "; ".join(
+            f"{k} probe {max(r['stall'][k]['planning']['max_gap_ms'] for r in mine):.2f} ms while planning "
+            f"(idle {max(r['stall'][k]['idle']['max_gap_ms'] for r in mine):.2f}, beside "
+            f"{max(r['stall'][k]['beside']['max_gap_ms'] for r in mine):.2f}; planner CPU within one gap "
+            f"{max(r['stall'][k]['planning']['max_planner_cpu_in_gap_ms'] for r in mine):.2f})" for k in probes)
         reference = [x for r in mine for x in r["reference_cpu_ms"]["all"]]
         loads = [x for r in mine for x in r["load_average"].values()]
         inflation = statistics.median(reference) / min(reference)
         lines.append(f"dp {dp}: plan CPU median {worst_median:.1f} ms at most (target < {TARGET_MEDIAN_CPU_MS:.0f}), "
-                     f"worst {worst_cpu:.1f} ms (target < {TARGET_WORST_CPU_MS:.0f}); worst main-thread gap while "
-                     f"planning {worst_stall:.2f} ms (target < {TARGET_STALL_MS:.0f}); measured under a load average "
+                     f"worst {worst_cpu:.1f} ms (target < {TARGET_WORST_CPU_MS:.0f}); worst main-thread gap (target < "
+                     f"{TARGET_STALL_MS:.0f}): {stalls}; measured under a load average "
                      f"of {min(loads):.1f}-{max(loads):.1f} on {result['params']['cpus']} CPUs, the reference "
                      f"workload's median {inflation:.2f}x its fastest run")
     return lines
@@ -335,6 +391,13 @@ def main(argv: Optional[Sequence[str]] = None) -> dict:
     parser.add_argument("--model", default=DEFAULT_MODEL, help=f"model config (default {DEFAULT_MODEL})")
     parser.add_argument("--repeats", type=int, default=3, help="timed runs per configuration (default 3)")
     parser.add_argument("--probes", nargs="+", choices=PROBES, default=list(PROBES))
+    parser.add_argument("--switch-interval-ms", type=float, default=1e3 * SWITCH_INTERVAL_S,
+                        help="the interpreter's switch interval while the background planner plans (default "
+                             f"{1e3 * SWITCH_INTERVAL_S:g}, the trainer's; 0: leave it at the interpreter's, "
+                             f"{1e3 * sys.getswitchinterval():g})")
+    parser.add_argument("--planner-nice", type=int, default=NICE_INCREMENT,
+                        help=f"the planning thread's nice value above the process's (default {NICE_INCREMENT}, the "
+                             "trainer's; 0: the same priority as the training thread)")
     parser.add_argument("--retain-freed-memory", action="store_true",
                         help="glibc: keep freed memory in the process (mallopt), so the planner's arrays are "
                              "not page-faulted in anew every step; default: the allocator as it is")
@@ -347,7 +410,9 @@ def main(argv: Optional[Sequence[str]] = None) -> dict:
     try:
         result = run(args.dp, args.per_rank, args.gpus_per_node, args.seeds, mixtures, args.model,
                      args.micro_batch_size, args.repeats, args.probes, args.traces_dir,
-                     log=lambda line: print(line, flush=True))
+                     log=lambda line: print(line, flush=True),
+                     switch_interval_s=1e-3 * args.switch_interval_ms if args.switch_interval_ms > 0 else None,
+                     nice_increment=args.planner_nice)
     except ValueError as err:  # e.g. an example longer than the model's positions: refused, as training does
         parser.error(str(err))
     result["params"]["retain_freed_memory"] = retained

@@ -7,11 +7,16 @@ Python glue, numpy calls that keep it), the training thread would wait for it up
 interpreter's switch interval (5 ms by default) before CPython makes the planner hand it over; while
 a plan is computed the interval is lowered to ``switch_interval_s`` (0.5 ms), so the training loop
 waits at most about that plus the planner's current numpy call (``python -m
-megatron_orch.bench.planning`` measures it). Only the *exposed* time (how long the training loop
-waits for a plan that is not ready yet) costs step time; it is measured here and logged by the caller.
+megatron_orch.bench.planning`` measures it). On a machine whose cores are all busy the training thread
+can also wait for a core while the planning thread runs on it (no GIL involved: a plan in a forked process
+does the same); on Linux the planning thread therefore runs ``nice_increment`` (10) below the process's
+priority, so the kernel gives the core to the training thread first. Only the *exposed* time (how long the
+training loop waits for a plan that is not ready yet) costs step time; it is measured here and logged by the
+caller.
 """
 from __future__ import annotations
 
+import os
 import sys
 import threading
 import time
@@ -19,6 +24,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Callable, Optional
 
 SWITCH_INTERVAL_S = 0.0005
+NICE_INCREMENT = 10  # the planning thread's priority below the process's (Linux: nice is per thread)
 _switch_lock = threading.Lock()
 _switch_users = 0  # plans running with the lowered interval (any planner of the process)
 _switch_saved = 0.005
@@ -41,6 +47,18 @@ def _restore_switch_interval() -> None:
             sys.setswitchinterval(_switch_saved)
 
 
+def _lower_priority(increment: int) -> None:
+    """Raise the calling thread's nice value by ``increment`` (Linux only, where it is per thread; elsewhere
+    ``PRIO_PROCESS`` would take the whole process down)."""
+    if increment <= 0 or not sys.platform.startswith("linux"):
+        return
+    try:
+        tid = threading.get_native_id()
+        os.setpriority(os.PRIO_PROCESS, tid, min(19, os.getpriority(os.PRIO_PROCESS, tid) + increment))
+    except OSError:  # e.g. a sandbox without setpriority: the thread keeps the process's priority
+        pass
+
+
 class BackgroundPlanner:
     """One planning thread; ``submit`` a plan function now, ``result`` it later.
 
@@ -48,8 +66,11 @@ class BackgroundPlanner:
     path, so turning background planning off changes timing only, never plans.
     """
 
-    def __init__(self, enabled: bool = True, switch_interval_s: Optional[float] = SWITCH_INTERVAL_S):
-        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="orch-planner") if enabled else None
+    def __init__(self, enabled: bool = True, switch_interval_s: Optional[float] = SWITCH_INTERVAL_S,
+                 nice_increment: int = NICE_INCREMENT):
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="orch-planner",
+                                            initializer=_lower_priority,
+                                            initargs=(nice_increment,)) if enabled else None
         self._switch_interval_s = switch_interval_s  # None: leave the interpreter's switch interval alone
         self._pending: Optional[Future] = None
         self._deferred: Optional[Callable] = None

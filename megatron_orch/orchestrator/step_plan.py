@@ -16,6 +16,7 @@ import numpy as np
 
 from megatron_orch.balance import _plan_kernels
 from megatron_orch.balance.cost import ContextParallelCost
+from megatron_orch.balance.repair import localize, repair_locality
 from megatron_orch.balance.partition import (partition, partition_equal_count, partition_equal_count_locality,
                                               partition_groups, partition_locality, uniform_bins)
 from megatron_orch.balance.placement import PlacementConfig, place_items
@@ -311,6 +312,38 @@ def _slower_by(candidate: np.ndarray, reference: np.ndarray, items: Dict[str, Ph
     return worst
 
 
+def _repaired(bins, method, slower, reference, costs, home, text_bytes, items, rank_of_item, topology,
+              num_microbatches, config: OrchestratorConfig, swaps_only: bool):
+    """The locality plan ``bins`` after :func:`repair_locality` against the plain plan ``reference``, if that
+    makes it no slower: (bins, method, slowdown as :func:`_slower_by` gives it)."""
+    link = config.step_model.link
+    sources = [(np.arange(home.size, dtype=np.int64), home, text_bytes), *rank_of_item.values()]
+    repaired, actions = repair_locality(bins, reference, costs, sources, topology.node_of_rank,
+                                        link.nvlink_gbytes_per_s * 8 / link.nic_gbits_per_s, swaps_only=swaps_only)
+    if not actions:
+        return bins, method, slower
+    again = _slower_by(repaired, reference, items, rank_of_item, home, topology, num_microbatches, config)
+    return (repaired, f"{method}+repair", again) if again[0] < slower[0] else (bins, method, slower)
+
+
+def _localized(reference, method, costs, home, text_bytes, items, rank_of_item, topology, num_microbatches,
+               config: OrchestratorConfig, swaps_only: bool):
+    """The plain plan ``reference`` with its examples brought to the node holding most of their bytes by
+    :func:`localize` (within its balance), repaired if the step model finds it slower: (bins, method,
+    slowdown as :func:`_slower_by` gives it)."""
+    num_ranks = topology.num_ranks
+    want = topology.node_of_rank[_pull_rank(home, text_bytes, rank_of_item, num_ranks)]
+    pulled = text_bytes + sum(np.bincount(example, weights=out_bytes, minlength=home.size)
+                              for example, _, out_bytes in rank_of_item.values())
+    bins, _ = localize(reference, costs, want, topology.node_of_rank, swaps_only=swaps_only, item_bytes=pulled)
+    name = f"{method}+localized"
+    slower = _slower_by(bins, reference, items, rank_of_item, home, topology, num_microbatches, config)
+    if slower[0] > 0:
+        bins, name, slower = _repaired(bins, name, slower, reference, costs, home, text_bytes, items, rank_of_item,
+                                       topology, num_microbatches, config, swaps_only)
+    return bins, name, slower
+
+
 def _all_equal(values: np.ndarray) -> bool:
     return values.min() == values.max()
 
@@ -397,14 +430,27 @@ def plan_step(sizes: StepSizes, phases: ModelPhases, config: OrchestratorConfig,
             else:  # (counts are kept: from the loader's ranks)
                 near = partition_equal_count_locality(llm_costs, home, num_ranks, _gpus_per_node(topology),
                                                       item_bytes=example_bytes, reference=part)
-            slower = None if near.method.startswith(("locality_fallback", "equal_locality_fallback")) else \
-                _slower_by(near.bin_of_item, rank_llm, items, rank_of_item, home, topology, num_microbatches, config)
-            if slower is None:
-                method = f"{part.method}+placed ({near.method}: capacity not met)"
-            elif slower[0] > 0:
-                method = f"{part.method}+placed ({near.method} {100 * slower[0]:.2g}% slower at {slower[1]:.3g} Gb/s)"
+            near_bins, near_method = near.bin_of_item, near.method
+            if near.method.startswith(("locality_fallback", "equal_locality_fallback")):
+                slower = None
             else:
-                rank_llm, method = near.bin_of_item, near.method
+                slower = _slower_by(near_bins, rank_llm, items, rank_of_item, home, topology, num_microbatches, config)
+            if slower is not None and slower[0] > 0:  # a near tie: unload its busiest links (balance/repair.py)
+                near_bins, near_method, slower = _repaired(near_bins, near_method, slower, rank_llm, llm_costs, home,
+                                                           text_bytes, items, rank_of_item, topology, num_microbatches,
+                                                           config, swaps_only=not packed)
+            if slower is None or slower[0] > 0:  # the plain plan, its examples swapped home where that fits
+                local_bins, local_method, local_slower = _localized(
+                    rank_llm, part.method, llm_costs, home, text_bytes, items, rank_of_item, topology,
+                    num_microbatches, config, swaps_only=not packed)
+                if local_slower[0] <= 0:
+                    near_bins, near_method, slower = local_bins, local_method, local_slower
+            if slower is None or math.isinf(slower[0]):
+                method = f"{part.method}+placed ({near_method}: capacity not met)"
+            elif slower[0] > 0:
+                method = f"{part.method}+placed ({near_method} {100 * slower[0]:.2g}% slower at {slower[1]:.3g} Gb/s)"
+            else:
+                rank_llm, method = near_bins, near_method
 
     home_microbatch = np.arange(sizes.num_examples) % expected // micro_batch_size  # the loader's
     if rank_llm is home and not packed:

@@ -1,0 +1,400 @@
+"""Repair a locality-aware backbone plan until the step model cannot find it slower than the plain plan.
+
+A locality plan (:func:`~megatron_orch.balance.partition.partition_locality`,
+:func:`~megatron_orch.balance.partition.partition_equal_count_locality`) sends few bytes across nodes, but a
+few of its ranks can carry more on their NIC (or NVLink) than the plain plan's busiest rank does in the same
+all-to-all: a near tie the step model resolves against the locality plan at some bandwidth. The step's
+modeled time (:class:`~megatron_orch.balance.step_model.StepModel`) grows with each all-to-all's busiest
+rank's NIC and NVLink bytes and with the busiest rank's compute, so a plan whose busiest rank is, move by
+move, no busier than the plain plan's on either link (NVLink counted as the time it takes beside the plain
+plan's NIC time at the link's full bandwidth) and whose compute is within the plain plan's max is never
+slower at any NIC bandwidth.
+
+:func:`repair_locality` moves examples (packed micro-batches) or swaps pairs of them (equal-count) between
+ranks to bring every rank within those limits: each step takes the rank furthest over a limit (or over the
+compute capacity) and tries the examples it holds (or whose bytes it sends) on the ranks of the nodes
+their bytes come from, keeping every rank within the capacity; it keeps the action that lowers the total
+excess most (then the fewest bytes across nodes), and stops when nothing is over, or nothing lowers it.
+"""
+from __future__ import annotations
+
+import bisect
+import math
+from dataclasses import dataclass
+from typing import List, Optional, Sequence, Tuple
+
+import numpy as np
+
+_MAX_ROUNDS = 400        # actions applied at most
+_CANDIDATES = 6          # examples tried per over-limit rank
+_PARTNERS = 3            # swap partners tried per (example, target rank)
+_TARGET_NODES = 2        # nodes tried per example: those its bytes come from most
+_TOL = 1e-9              # relative: an excess below this is none
+_SPREAD = 8              # least-busy ranks of the over-limit link tried as targets too
+_WORST = 16              # over-limit (kind, move, rank)s considered per kind, worst first
+
+
+@dataclass
+class _Move:
+    """One all-to-all's sources, grouped by the example they go to: (source rank, bytes) of entries
+    ``start[e]:start[e+1]`` of example e; ``by_src``: the examples of the entries each rank sends."""
+    src: np.ndarray
+    nbytes: np.ndarray
+    start: np.ndarray
+    by_src_start: np.ndarray
+    by_src_example: np.ndarray
+
+
+def _group(example: np.ndarray, src: np.ndarray, nbytes: np.ndarray, n: int, num_ranks: int) -> _Move:
+    order = np.argsort(example, kind="stable")
+    start = np.zeros(n + 1, dtype=np.int64)
+    np.cumsum(np.bincount(example, minlength=n), out=start[1:])
+    by_src = np.argsort(src, kind="stable")
+    by_src_start = np.zeros(num_ranks + 1, dtype=np.int64)
+    np.cumsum(np.bincount(src, minlength=num_ranks), out=by_src_start[1:])
+    return _Move(src[order].astype(np.int64), nbytes[order].astype(np.float64), start, by_src_start,
+                 example[by_src].astype(np.int64))
+
+
+class _State:
+    def __init__(self, moves: List[_Move], node: np.ndarray, rank: np.ndarray, costs: np.ndarray, num_ranks: int):
+        self.moves, self.node, self.rank, self.costs = moves, node, rank, costs
+        self.links = np.zeros((len(moves), 4, num_ranks))  # per move: sent/received on the node, across nodes
+        self.load = np.bincount(rank, weights=costs, minlength=num_ranks)
+        for m, move in enumerate(moves):
+            dst = np.repeat(rank, np.diff(move.start))
+            self._add(m, move.src, dst, move.nbytes, 1.0)
+
+    def _add(self, m, src, dst, nbytes, sign):
+        moving = src != dst
+        src, dst, nbytes = src[moving], dst[moving], nbytes[moving] * sign
+        across = self.node[src] != self.node[dst]
+        links = self.links[m]
+        np.add.at(links[0], src[~across], nbytes[~across])
+        np.add.at(links[1], dst[~across], nbytes[~across])
+        np.add.at(links[2], src[across], nbytes[across])
+        np.add.at(links[3], dst[across], nbytes[across])
+
+    def touched(self, e: int) -> np.ndarray:
+        return np.concatenate([m.src[m.start[e]:m.start[e + 1]] for m in self.moves])
+
+    def put(self, e: int, to: int) -> None:
+        a = int(self.rank[e])
+        if a == to:
+            return
+        for m, move in enumerate(self.moves):
+            s, b = move.src[move.start[e]:move.start[e + 1]], move.nbytes[move.start[e]:move.start[e + 1]]
+            if s.size:
+                self._add(m, s, np.full(s.size, a), b, -1.0)
+                self._add(m, s, np.full(s.size, to), b, 1.0)
+        self.rank[e] = to
+        self.load[a] -= self.costs[e]
+        self.load[to] += self.costs[e]
+
+
+def repair_locality(bin_of_item: np.ndarray, reference: np.ndarray, costs: np.ndarray,
+                    sources: Sequence[Tuple[np.ndarray, np.ndarray, np.ndarray]], node_of_rank: np.ndarray,
+                    nvlink_over_nic: float, *, swaps_only: bool, capacity: Optional[float] = None,
+                    max_rounds: int = _MAX_ROUNDS) -> Tuple[np.ndarray, int]:
+    """``bin_of_item`` (the locality plan's backbone rank of every example) repaired against ``reference``
+    (the plain plan's): (new ranks, actions taken). ``sources``: every all-to-all the backbone ranks decide,
+    as (example, source rank, bytes) arrays (its text from the loaders, each encoder phase's embeddings);
+    ``nvlink_over_nic``: NVLink bandwidth over the NIC's highest (an NVLink byte costs this much less);
+    ``capacity``: the most compute a rank may hold (default: the reference's max); ``swaps_only``: keep
+    every rank's count (equal-count micro-batches)."""
+    rank = np.array(bin_of_item, dtype=np.int64)
+    reference = np.asarray(reference, dtype=np.int64)
+    costs = np.asarray(costs, dtype=np.float64)
+    node = np.asarray(node_of_rank, dtype=np.int64)
+    n, num_ranks = rank.size, node.size
+    moves = [_group(np.asarray(e, dtype=np.int64), np.asarray(s, dtype=np.int64), np.asarray(b), n, num_ranks)
+             for e, s, b in sources]
+    plain = _State(moves, node, reference.copy(), costs, num_ranks)
+    if capacity is None:
+        capacity = float(plain.load.max(initial=0.0))
+    nic_limit = np.maximum(plain.links[:, 2], plain.links[:, 3]).max(axis=1)
+    nvl_limit = np.maximum(np.maximum(plain.links[:, 0], plain.links[:, 1]).max(axis=1), nic_limit * nvlink_over_nic)
+    nic_scale = np.maximum(nic_limit, 1.0)
+    nvl_scale = np.maximum(nvl_limit, 1.0)
+    state = _State(moves, node, rank, costs, num_ranks)
+    cap_scale = max(capacity, 1e-300)
+
+    def excess(ranks: np.ndarray) -> float:
+        links = state.links[:, :, ranks]
+        nic = np.maximum(links[:, 2], links[:, 3]) - nic_limit[:, None]
+        nvl = np.maximum(links[:, 0], links[:, 1]) - nvl_limit[:, None]
+        over = (np.maximum(nic, 0.0) / nic_scale[:, None]).sum() + (np.maximum(nvl, 0.0) / nvl_scale[:, None]).sum()
+        return float(over + np.maximum(state.load[ranks] - capacity, 0.0).sum() / cap_scale)
+
+    def inter(ranks: np.ndarray) -> float:
+        return float(state.links[:, 2, ranks].sum())
+
+    def worst():
+        """(kind, move, rank) furthest over its limit, or None."""
+        nic = (np.maximum(state.links[:, 2], state.links[:, 3]) - nic_limit[:, None]) / nic_scale[:, None]
+        nvl = (np.maximum(state.links[:, 0], state.links[:, 1]) - nvl_limit[:, None]) / nvl_scale[:, None]
+        comp = (state.load - capacity) / cap_scale
+        found = []
+        for kind, values in (("nic", nic), ("nvl", nvl), ("compute", comp[None, :])):
+            flat = values.reshape(-1)
+            top = np.flatnonzero(flat > _TOL)
+            top = top[np.argsort(-flat[top], kind="stable")][:_WORST]
+            for k in top:
+                m, r = np.unravel_index(int(k), values.shape)
+                found.append((float(flat[k]), kind, int(m) if kind != "compute" else -1, int(r)))
+        found.sort(reverse=True)
+        return found
+
+    def candidates(kind: str, m: int, r: int) -> List[int]:
+        """Examples whose move off their rank (or onto another) can lower rank r's excess."""
+        if kind == "compute":
+            mine = np.flatnonzero(state.rank == r)
+            return mine[np.argsort(-costs[mine], kind="stable")][:_CANDIDATES].tolist()
+        move = moves[m]
+        links = state.links[m]
+        across = kind == "nic"
+        receiving = (links[3, r] >= links[2, r]) if across else (links[1, r] >= links[0, r])
+        if receiving:  # examples on r whose entries of move m arrive over that link
+            mine = np.flatnonzero(state.rank == r)
+            weight = np.zeros(mine.size)
+            for k, e in enumerate(mine):
+                s, b = move.src[move.start[e]:move.start[e + 1]], move.nbytes[move.start[e]:move.start[e + 1]]
+                on = (node[s] != node[r]) if across else ((node[s] == node[r]) & (s != r))
+                weight[k] = b[on].sum()
+        else:  # examples that rank r sends entries of move m to, over that link
+            mine = np.unique(move.by_src_example[move.by_src_start[r]:move.by_src_start[r + 1]])
+            dst = state.rank[mine]
+            on = (node[dst] != node[r]) if across else ((node[dst] == node[r]) & (dst != r))
+            mine = mine[on]
+            weight = np.zeros(mine.size)
+            for k, e in enumerate(mine):
+                s, b = move.src[move.start[e]:move.start[e + 1]], move.nbytes[move.start[e]:move.start[e + 1]]
+                weight[k] = b[s == r].sum()
+        keep = weight > 0
+        mine, weight = mine[keep], weight[keep]
+        return mine[np.argsort(-weight, kind="stable")][:_CANDIDATES].tolist()
+
+    def targets(e: int, r: int, kind: str, m: int) -> np.ndarray:
+        """Ranks to try example e on: those of the nodes its bytes come from most (and rank r's node, when r
+        sends it), then the ranks with the least on the over-limit link of move m (to spread what r has)."""
+        s = state.touched(e)
+        b = np.concatenate([mv.nbytes[mv.start[e]:mv.start[e + 1]] for mv in moves])
+        per_node = np.bincount(node[s], weights=b, minlength=int(node.max()) + 1) if s.size else np.zeros(1)
+        nodes = [int(x) for x in np.argsort(-per_node, kind="stable")[:_TARGET_NODES] if per_node[x] > 0]
+        if kind != "compute" and state.rank[e] != r:
+            nodes.insert(0, int(node[r]))
+        if not nodes:
+            nodes = [int(node[state.rank[e]])]
+        ranks = [np.flatnonzero(np.isin(node, nodes))]
+        if kind in ("nic", "nvl"):  # ranks holding examples whose bytes of move m come from r's node: swap partners
+            move = moves[m]
+            mine = np.flatnonzero(node == node[r])
+            examples = np.concatenate([move.by_src_example[move.by_src_start[q]:move.by_src_start[q + 1]]
+                                       for q in mine])
+            held = state.rank[examples]
+            held = held[node[held] != node[r]] if kind == "nic" else held[held != r]
+            if held.size:
+                count = np.bincount(held, minlength=num_ranks)
+                ranks.append(np.argsort(-count, kind="stable")[:min(_SPREAD, int((count > 0).sum()))])
+        if kind == "nic":
+            links = state.links[m]
+            ranks.append(np.argsort(np.maximum(links[2], links[3]), kind="stable")[:_SPREAD])
+        elif kind == "nvl":
+            links = state.links[m]
+            ranks.append(np.argsort(np.maximum(links[0], links[1]), kind="stable")[:_SPREAD])
+        else:
+            ranks.append(np.argsort(state.load, kind="stable")[:_SPREAD])
+        ranks = np.concatenate(ranks)
+        _, first = np.unique(ranks, return_index=True)
+        ranks = ranks[np.sort(first)]
+        return ranks[ranks != state.rank[e]]
+
+    by_rank: dict = {}
+
+    def on_rank(s: int) -> np.ndarray:
+        if s not in by_rank:
+            by_rank[s] = np.flatnonzero(state.rank == s)
+        return by_rank[s]
+
+    def try_action(e: int, to: int, partners: Sequence[int]):
+        """(excess change, inter-node bytes change) of moving e to ``to`` and ``partners`` to e's rank; undone."""
+        a = int(state.rank[e])
+        ranks = np.unique(np.concatenate([state.touched(e), [a, to]] + [state.touched(f) for f in partners]))
+        before, bytes_before = excess(ranks), inter(ranks)
+        state.put(e, to)
+        for f in partners:
+            state.put(f, a)
+        after, bytes_after = excess(ranks), inter(ranks)
+        for f in partners:
+            state.put(f, to)
+        state.put(e, a)
+        return after - before, bytes_after - bytes_before
+
+    def _bytes_on(e: int, on_node: int) -> float:
+        return float(sum(mv.nbytes[mv.start[e]:mv.start[e + 1]][node[mv.src[mv.start[e]:mv.start[e + 1]]] == on_node]
+                         .sum() for mv in moves))
+
+    def options(e: int, a: int, to: int, kind: str) -> List[Tuple[int, ...]]:
+        """Partner sets for moving e from a to ``to`` that keep both ranks within the capacity: none (a move),
+        one example of ``to`` (a swap), or (packed) several whose costs add up to what fits."""
+        c = costs[e]
+        found: List[Tuple[int, ...]] = []
+        low = state.load[to] + c - capacity      # what must leave ``to``
+        high = capacity - state.load[a] + c      # what ``a`` can take
+        if kind == "compute":
+            high = min(high, c * (1 - 1e-12)) if state.load[a] <= capacity else c * (1 - 1e-12)
+        if not swaps_only and low <= 0:
+            found.append(())
+        others = on_rank(to)
+        if not others.size or high <= 0:
+            return found
+        oc = costs[others]
+        fit = others[(oc >= low) & (oc <= high)]
+        if fit.size:  # the closest in cost, those with most bytes on a's node first (they land near home)
+            fit = fit[np.argsort(np.abs(costs[fit] - c), kind="stable")][:4 * _PARTNERS]
+            near_a = np.array([_bytes_on(f, node[a]) for f in fit])
+            found += [(int(f),) for f in fit[np.argsort(-near_a, kind="stable")][:_PARTNERS]]
+        if not swaps_only and low > 0:  # several of to's examples, largest first, while they fit
+            chosen, total = [], 0.0
+            for f in others[np.argsort(-oc, kind="stable")]:
+                if total + costs[f] <= high:
+                    chosen.append(int(f))
+                    total += costs[f]
+                    if total >= low:
+                        break
+            if total >= low and len(chosen) > 1:
+                found.append(tuple(chosen))
+        return found
+
+    actions = 0
+    stuck = set()
+    while actions < max_rounds:
+        over = [w for w in worst() if (w[1], w[2], w[3]) not in stuck]
+        if not over:
+            break
+        _, kind, m, r = over[0]
+        best = None
+        for e in candidates(kind, m, r):
+            a = int(state.rank[e])
+            for to in targets(e, r, kind, m):
+                for partners in options(e, a, int(to), kind):
+                    gain, moved = try_action(e, int(to), partners)
+                    if gain < -_TOL and (best is None or (gain, moved) < best[0]):
+                        best = ((gain, moved), e, int(to), partners)
+            if best is not None:  # the first example (most bytes on the link) that can go: taken
+                break
+        if best is None:
+            stuck.add((kind, m, r))
+            continue
+        _, e, to, partners = best
+        a = int(state.rank[e])
+        state.put(e, to)
+        for f in partners:
+            state.put(f, a)
+        for s in (a, to):
+            by_rank.pop(s, None)
+        stuck.clear()
+        actions += 1
+    return state.rank, actions
+
+
+def localize(bin_of_item: np.ndarray, costs: np.ndarray, want_node: np.ndarray, node_of_rank: np.ndarray,
+             capacity: Optional[float] = None, *, swaps_only: bool,
+             item_bytes: Optional[np.ndarray] = None) -> Tuple[np.ndarray, int]:
+    """The plain plan's backbone ranks ``bin_of_item`` with examples swapped onto the node they want
+    (``want_node``: where most of their bytes are) while every rank stays within ``capacity`` (default: the
+    plan's max): (new ranks, examples brought home). An example on the wrong node swaps with one on the node
+    it wants, the closest in cost that fits the two ranks' room among those whose swap sends the fewest
+    ``item_bytes`` (default: one each) across nodes: one wanting the first one's node (both go home), one
+    wanting a third node (nothing lost), or one at home there with fewer bytes than it (a light example
+    leaves for a heavy one); with ``swaps_only`` False (packed micro-batches) it may also just move to the
+    least-loaded rank of that node if that has room for it. Every rank keeps its count under swaps and its
+    load within the capacity, so the balance stays the plain plan's; what still crosses nodes is what no such
+    exchange could bring home."""
+    rank_array = np.array(bin_of_item, dtype=np.int64)
+    costs_array = np.asarray(costs, dtype=np.float64)
+    node_array = np.asarray(node_of_rank, dtype=np.int64)
+    load_array = np.bincount(rank_array, weights=costs_array, minlength=node_array.size)
+    if capacity is None:
+        capacity = float(load_array.max(initial=0.0))
+    num_nodes = int(node_array.max(initial=-1)) + 1
+    want_array = np.asarray(want_node, dtype=np.int64)
+    weight = (np.ones(rank_array.size) if item_bytes is None else np.asarray(item_bytes, dtype=np.float64)).tolist()
+    rank, cost, want = rank_array.tolist(), costs_array.tolist(), want_array.tolist()
+    node, load = node_array.tolist(), load_array.tolist()
+    ranks_of_node = [np.flatnonzero(node_array == x).tolist() for x in range(num_nodes)]
+    # per node, every example on it, as sorted (cost, example) lists
+    pools: List[List[Tuple[float, int]]] = [[] for _ in range(num_nodes)]
+    for e in np.argsort(costs_array, kind="stable").tolist():
+        pools[node[rank[e]]].append((cost[e], e))
+    room = capacity - min(load) if load else 0.0  # no partner further than this in cost can fit
+    start = int((node_array[rank_array] == want_array).sum())
+    for _ in range(_LOCALIZE_PASSES):  # the costliest first (fewest partners); again, as moves made room
+        away = np.flatnonzero(node_array[np.asarray(rank)] != want_array)
+        moved = 0
+        for e in away[np.argsort(-costs_array[away], kind="stable")].tolist():
+            a = rank[e]
+            x, y = node[a], want[e]
+            if x == y:
+                continue
+            c = cost[e]
+            pool = pools[y]
+            pick, pick_key = -1, None
+            if pool:
+                at = bisect.bisect_left(pool, (c, -1))
+                lo, hi = at - 1, at
+                for _scan in range(2 * _LOCALIZE_SCAN):  # outward from c, nearest cost first
+                    if hi < len(pool) and (lo < 0 or pool[hi][0] - c <= c - pool[lo][0]):
+                        k, hi = hi, hi + 1
+                    elif lo >= 0:
+                        k, lo = lo, lo - 1
+                    else:
+                        break
+                    cf, f = pool[k]
+                    gap = abs(cf - c)
+                    if gap > room:
+                        break
+                    b = rank[f]
+                    if load[a] - c + cf > capacity or load[b] - cf + c > capacity:
+                        continue
+                    # bytes brought home by the swap: e's, plus f's if it wants x, less f's if it was home
+                    gain = weight[e] + (weight[f] if want[f] == x else (-weight[f] if want[f] == y else 0.0))
+                    if gain <= 0:
+                        continue
+                    key = (-gain, gap)
+                    if pick_key is None or key < pick_key:
+                        pick, pick_key = k, key
+            if pick >= 0:
+                cf, f = pool.pop(pick)
+                b = rank[f]
+                rank[e], rank[f] = b, a
+                load[a] += cf - c
+                load[b] += c - cf
+                _remove(pools[x], (c, e))
+                bisect.insort(pools[y], (c, e))
+                bisect.insort(pools[x], (cf, f))
+                moved += 1
+                continue
+            if not swaps_only:
+                b = min(ranks_of_node[y], key=load.__getitem__)
+                if load[b] + c <= capacity:
+                    rank[e] = b
+                    load[a] -= c
+                    load[b] += c
+                    _remove(pools[x], (c, e))
+                    bisect.insort(pools[y], (c, e))
+                    moved += 1
+        if not moved:
+            break
+    out = np.asarray(rank, dtype=np.int64)
+    return out, int((node_array[out] == want_array).sum()) - start
+
+
+_LOCALIZE_SCAN = 64  # swap partners looked at on either side of an example's cost
+_LOCALIZE_PASSES = 6
+
+
+def _remove(pool: List[Tuple[float, int]], entry: Tuple[float, int]) -> None:
+    at = bisect.bisect_left(pool, entry)
+    if at < len(pool) and pool[at] == entry:
+        pool.pop(at)
