@@ -21,8 +21,9 @@ def pytest_configure(config):
         config.addinivalue_line("filterwarnings", ":".join(["ignore", message, category.__name__, *module]))
 
 
-# Programs a test may run without the marker: git (megatron-core asks it for its version at import).
-_UNMARKED_PROGRAMS = {"git"}
+# Programs a test may run without the marker: git (megatron-core asks it for its version at import) and
+# ldconfig (ctypes.util.find_library asks it where a library is, the first time torch's CUDA lookup runs).
+_UNMARKED_PROGRAMS = {"git", "ldconfig"}
 
 
 @pytest.fixture(autouse=True)
