@@ -22,8 +22,7 @@ BLOCK = re.compile(r"^```(\w*)\n(.*?)^```", re.S | re.M)
 
 
 def _python_modules():
-    """The modules the pages run with ``python -m``, imported here (at collection: importing torch looks for
-    libraries with ldconfig, a process)."""
+    """The modules the pages run with ``python -m``, imported once."""
     names = set(re.findall(r"python -m ([\w.]+)", "".join(page.read_text() for page in PAGES)))
     return {name: importlib.import_module(name + ".__main__" if name == "megatron_orch.sim" else name)
             for name in names}
