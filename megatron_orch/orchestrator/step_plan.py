@@ -16,10 +16,10 @@ import numpy as np
 
 from megatron_orch.balance import _plan_kernels
 from megatron_orch.balance.cost import ContextParallelCost
-from megatron_orch.balance.repair import localize, repair_locality
 from megatron_orch.balance.partition import (partition, partition_equal_count, partition_equal_count_locality,
                                               partition_groups, partition_locality, uniform_bins)
 from megatron_orch.balance.placement import PlacementConfig, place_items
+from megatron_orch.balance.repair import localize, repair_locality
 from megatron_orch.balance.plan import MovedBytes, Placement, Transfer, checksum, moved_bytes
 from megatron_orch.balance.step_model import Busiest
 from megatron_orch.balance.topology import Topology
