@@ -37,7 +37,7 @@ from megatron_orch.mllm import providers
 from megatron_orch.mllm.providers import runs_on_cpu
 from megatron_orch.comm.status import raise_if_any_rank_failed
 from megatron_orch.megatron.schedule import data_iterators
-from megatron_orch.mllm.data import DataEvent, TooManyBadExamplesError
+from megatron_orch.trainer.data_events import DataEvent, TooManyBadExamplesError
 from megatron_orch.trainer.checkpointing import (TrainState, check_save_folder, load_checkpoint, lock_save_folder,
                                                  new_run_id, run_config, save_checkpoint)
 from megatron_orch.trainer.data_parallel import wrap_data_parallel
