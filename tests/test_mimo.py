@@ -17,6 +17,8 @@ import torch
 
 from dist_utils import run_distributed
 from mimo_model import FRAMES, MEL_BINS, PAD_TOKEN_ID, PATCH_DIM, PATCHES, SEQ_LENGTH
+from megatron_orch.mllm.task import MLLM_TASK
+import dataclasses
 
 warnings.filterwarnings("ignore", message=r".*(Transformer Engine|Apex).*not installed")
 
@@ -58,7 +60,7 @@ def _train(rank, world_size, tp, sp, balanced, out_dir):
     from mimo_model import balanced_mimo
 
     dp = world_size // tp
-    args = arguments.parse_args(FLAGS + ["--tensor-model-parallel-size", str(tp), *["--sequence-parallel"] * sp,
+    args = arguments.parse_args(MLLM_TASK, FLAGS + ["--tensor-model-parallel-size", str(tp), *["--sequence-parallel"] * sp,
                                          "--global-batch-size", str(MBS * NUM_MB * dp)], world_size=world_size)
     trainer.initialize(args)
     try:
