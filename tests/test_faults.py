@@ -7,6 +7,7 @@
   on, a manifest that fails while the data iterator is built, a model that fails to build: every rank
   raises, and every rank's error carries the failing rank's message (with the manifest line and path).
 """
+import dataclasses
 import re
 import time
 import warnings
@@ -16,7 +17,6 @@ import pytest
 
 from dist_utils import run_distributed, scaled
 from megatron_orch.mllm.task import MLLM_TASK
-import dataclasses
 
 warnings.filterwarnings("ignore", message=r".*(Transformer Engine|Apex).*not installed")
 

@@ -9,6 +9,7 @@ every heavy example on one rank the plan moved data and lowered each phase's mod
 DP 4 and TP 2 x DP 2. PP 2 x DP 2 is refused, with MIMO's reason (MimoModel does not run a language model
 split over pipeline stages under Megatron's schedules), as is what else the adapter cannot keep invariant.
 """
+import dataclasses
 import warnings
 from pathlib import Path
 
@@ -18,7 +19,6 @@ import torch
 from dist_utils import run_distributed
 from mimo_model import FRAMES, MEL_BINS, PAD_TOKEN_ID, PATCH_DIM, PATCHES, SEQ_LENGTH
 from megatron_orch.mllm.task import MLLM_TASK
-import dataclasses
 
 warnings.filterwarnings("ignore", message=r".*(Transformer Engine|Apex).*not installed")
 

@@ -9,6 +9,7 @@ CP 1 at the same global batch (the shards are exact).
 The runs of one layout share their spawned ranks (one after the other), to start the processes once. The
 data is ``test_post_balancing``'s scripted stream from its heavy step on.
 """
+import dataclasses
 import warnings
 from pathlib import Path
 
@@ -18,7 +19,6 @@ import torch
 from dist_utils import run_distributed
 from test_post_balancing import SCENARIOS, scripted_example
 from megatron_orch.mllm.task import MLLM_TASK
-import dataclasses
 
 pytestmark = pytest.mark.distributed
 warnings.filterwarnings("ignore", message=r".*(Transformer Engine|Apex).*not installed")

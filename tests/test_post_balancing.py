@@ -8,6 +8,7 @@ equal-count micro-batches, packed micro-batches (the default where rows are not 
 encoder recompute and locality-aware balancing; and
 the three-encoder config (``tiny_video``: video frames as their own encoder phase) at DP 4.
 """
+import dataclasses
 import re
 import warnings
 from pathlib import Path
@@ -17,7 +18,6 @@ import torch
 
 from dist_utils import run_distributed
 from megatron_orch.mllm.task import MLLM_TASK
-import dataclasses
 
 warnings.filterwarnings("ignore", message=r".*(Transformer Engine|Apex).*not installed")
 

@@ -7,6 +7,7 @@ after the last agree within 1e-5. The scripted steps (``test_post_balancing``) h
 audio on one rank only, then one example far longer than a fair share: ranks run an encoder over no items
 of their own, which with sharded parameters must still join its gathers and reduce-scatters.
 """
+import dataclasses
 import re
 import warnings
 from pathlib import Path
@@ -17,7 +18,6 @@ import torch
 from dist_utils import run_distributed
 from test_post_balancing import BALANCED, COMMON, MBS, NUM_MB, SCENARIOS, scripted_iterator
 from megatron_orch.mllm.task import MLLM_TASK
-import dataclasses
 
 warnings.filterwarnings("ignore", message=r".*(Transformer Engine|Apex).*not installed")
 

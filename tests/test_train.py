@@ -6,6 +6,7 @@ over ranks and micro-batches, so every parallel layout must reproduce the refere
 up to reduction order). TP-invariant initialisation (full weights drawn, then split) gives TP 2 the
 reference's weights; PP 2 gets them by loading the reference's initial state into each stage.
 """
+import dataclasses
 import os
 import re
 import subprocess
@@ -18,7 +19,6 @@ import torch
 
 from dist_utils import run_distributed, scaled
 from megatron_orch.mllm.task import MLLM_TASK
-import dataclasses
 
 warnings.filterwarnings("ignore", message=r".*(Transformer Engine|Apex).*not installed")
 

@@ -12,6 +12,7 @@ all heavy examples on one rank, no images anywhere (the vision encoder's zero gr
 chunk), audio on one rank only. The command-line checks of Megatron's rules and the schedule's handling of
 several chunks (stand-in chunks) run in this process.
 """
+import dataclasses
 import re
 import warnings
 from pathlib import Path
@@ -23,7 +24,6 @@ from dist_utils import run_distributed
 from test_post_balancing import SCENARIOS, scripted_example
 from test_train import stage_state
 from megatron_orch.mllm.task import MLLM_TASK
-import dataclasses
 
 warnings.filterwarnings("ignore", message=r".*(Transformer Engine|Apex).*not installed")
 
