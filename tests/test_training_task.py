@@ -112,4 +112,6 @@ def test_a_model_of_ones_own_trains_through_the_compact_trainer_balanced_as_upst
     assert any(line.startswith(" > model config tiny-llava: ") for line in first), first
     assert any(line.startswith(" > post-balancing on: ") for line in first), first
     diff = max(abs(a - b) / abs(b) for a, b in zip(balanced["losses"], upstream["losses"]))
+    print(f"TinyLlava on the compact trainer, DP 2: losses {upstream['losses']} upstream, {balanced['losses']} "
+          f"balanced; largest relative difference {diff:.1e}")
     assert diff < 1e-5, (upstream["losses"], balanced["losses"])
