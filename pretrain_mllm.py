@@ -6,7 +6,8 @@ Launch with torchrun and Megatron-LM's flag names, e.g.::
         --micro-batch-size 2 --global-batch-size 8 --train-iters 20 --lr 1e-3 --log-interval 1
 
 ``--orch-trainer`` picks the training loop (never the machine): ``compact`` (the default) is the compact
-trainer of :mod:`megatron_orch.trainer.loop`, on megatron-core alone, CPU or GPUs (:func:`main_compact`);
+trainer of :mod:`megatron_orch.trainer.loop`, on megatron-core alone, CPU or GPUs, given this project's model
+as a task (:data:`megatron_orch.mllm.task.MLLM_TASK`, as a user's model would be: :func:`main_compact`);
 ``megatron-lm`` is Megatron-LM's own ``megatron.training.pretrain`` with the providers of
 :mod:`megatron_orch.mllm.providers`, on GPUs (:func:`main_megatron_lm`; post-balancing there goes through
 :func:`megatron_orch.megatron.megatron_lm.pretrain`, with a patch of ``patches/`` or without one: see the
@@ -34,12 +35,13 @@ def megatron_lm_available() -> bool:
 
 
 def main_compact(argv=None) -> None:
+    from megatron_orch.mllm.task import MLLM_TASK
     from megatron_orch.trainer import arguments
-    args = arguments.parse_args_or_exit(argv, world_size=int(os.environ.get("WORLD_SIZE", "1")))
-    arguments.check_data_or_exit(args)
+    args = arguments.parse_args_or_exit(MLLM_TASK, argv, world_size=int(os.environ.get("WORLD_SIZE", "1")))
+    arguments.check_data_or_exit(args, MLLM_TASK)
     from megatron_orch.trainer import loop as trainer
     try:
-        trainer.pretrain(args, print_fn=lambda line: print(line, flush=True))
+        trainer.pretrain(args, MLLM_TASK, print_fn=lambda line: print(line, flush=True))
     finally:
         trainer.shutdown()
 
@@ -65,7 +67,7 @@ def main_megatron_lm() -> None:
     from megatron_orch.megatron.orch_arguments import orch_config_from_args
     from megatron_orch.mllm import megatron_flags, providers
     from megatron_orch.mllm.model import transformer_engine_available
-    from megatron_orch.trainer import arguments
+    from megatron_orch.mllm.task import add_mllm_args, resolve_model_config
 
     post_balancing = "--orch-post-balancing" in sys.argv[1:]  # Megatron's parser takes no abbreviations
     shadow = "--orch-shadow" in sys.argv[1:]  # plans through the same hooks, trains upstream
@@ -79,7 +81,7 @@ def main_megatron_lm() -> None:
                  "Megatron DDP's overlapped reduction asserts against; drop the flag (the numerics are the "
                  "same) or add --orch-post-balancing")
 
-    refused = megatron_flags.refusals(sys.argv[1:], arguments.add_mllm_args)  # parsing only: before any collective
+    refused = megatron_flags.refusals(sys.argv[1:], add_mllm_args)  # parsing only: before any collective
     if refused:
         sys.exit("pretrain_mllm.py: error: " + "; ".join(refused))
 
@@ -94,7 +96,7 @@ def main_megatron_lm() -> None:
         shape.num_query_groups = args.num_query_groups if args.group_query_attention else None
         if args.kv_channels == args.hidden_size // args.num_attention_heads:
             shape.kv_channels = None
-        config = arguments.resolve_model_config(shape)
+        config = resolve_model_config(shape)
         configured, resolved = load_model_config(args.model_config).backbone, config.backbone
         moe = resolved.transformer
         if moe.is_moe and args.num_experts is None:
@@ -146,25 +148,27 @@ def main_megatron_lm() -> None:
     wrapper = megatron_lm.schedule_wrapper(lambda: mllm_args().orch_config.encoder_recompute) if hooked else None
     megatron_lm.pretrain(megatron_lm.external_data_provider(build_train_iterator, hooked), model_provider,
                          ModelType.encoder_or_decoder, providers.forward_step,
-                         extra_args_provider=arguments.add_mllm_args, args_defaults={"dataloader_type": "external"},
+                         extra_args_provider=add_mllm_args, args_defaults={"dataloader_type": "external"},
                          forward_backward_func_wrapper=wrapper, announce=print_rank_0)
 
 
 def run() -> None:
     """The trainer ``--orch-trainer`` names (default: the compact one), never a choice by environment."""
-    from megatron_orch.trainer import arguments
-    trainer = arguments.trainer_of(sys.argv[1:])
+    from megatron_orch.mllm.task import PROGRAM, trainer_of
+    from megatron_orch.trainer.arguments import exit_with_error
+    trainer = trainer_of(sys.argv[1:])
     if trainer == "compact":
         return main_compact()
     if not megatron_lm_available():
-        arguments.exit_with_error(
+        exit_with_error(
             "--orch-trainer megatron-lm: megatron.training does not import here; megatron-core wheels from 0.17 "
-            "on ship it, for 0.16.1 put a Megatron-LM checkout (tag core_v0.16.1) on PYTHONPATH")
+            "on ship it, for 0.16.1 put a Megatron-LM checkout (tag core_v0.16.1) on PYTHONPATH", PROGRAM)
     import torch
     if not torch.cuda.is_available():
-        arguments.exit_with_error(
+        exit_with_error(
             "--orch-trainer megatron-lm needs GPUs (Megatron-LM's initialisation asserts CUDA); on CPU the "
-            "compact trainer (--orch-trainer compact, the default) trains the same model from the same flags")
+            "compact trainer (--orch-trainer compact, the default) trains the same model from the same flags",
+            PROGRAM)
     main_megatron_lm()
 
 

@@ -67,7 +67,7 @@ def check_flags(nproc: int, flags: list) -> None:
     """Check a run's command line once, as its ranks would, before any torchrun starts: a mistake ends the
     script with pretrain_mllm.py's one-line error (exit status 2) instead of a failed run's log."""
     env = dict(os.environ, WORLD_SIZE=str(nproc), LOCAL_WORLD_SIZE=str(nproc))
-    result = subprocess.run([sys.executable, "-m", "megatron_orch.trainer.arguments", *flags], env=env)
+    result = subprocess.run([sys.executable, "-m", "megatron_orch.mllm.task", *flags], env=env)
     if result.returncode != 0:
         raise SystemExit(result.returncode)
 

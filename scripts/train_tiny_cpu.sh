@@ -43,7 +43,7 @@ done
 if [ "$help" = 1 ]; then
   usage
   if [ -x "$repo/.venv/bin/python" ]; then
-    echo; echo "pretrain_mllm.py's flags:"; "$repo/.venv/bin/python" -m megatron_orch.trainer.arguments --help
+    echo; echo "pretrain_mllm.py's flags:"; "$repo/.venv/bin/python" -m megatron_orch.mllm.task --help
   else
     echo; echo "(pretrain_mllm.py's flags are listed here once the set-up has run: bash scripts/setup_env.sh)"
   fi
@@ -53,6 +53,6 @@ bash "$repo/scripts/setup_env.sh"
 py=$repo/.venv/bin/python
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
 export CUDA_DEVICE_MAX_CONNECTIONS=1  # as Megatron-LM launches set it (megatron-core warns otherwise under TP)
-WORLD_SIZE=$nproc LOCAL_WORLD_SIZE=$nproc "$py" -m megatron_orch.trainer.arguments "${flags[@]}"
+WORLD_SIZE=$nproc LOCAL_WORLD_SIZE=$nproc "$py" -m megatron_orch.mllm.task "${flags[@]}"
 exec "$py" -m megatron_orch.trainer.launch --standalone --nproc-per-node "$nproc" "$repo/pretrain_mllm.py" \
   "${flags[@]}"

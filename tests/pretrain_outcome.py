@@ -1,6 +1,8 @@
 """What one rank of a compact-trainer run returned or raised, for tests that run many launches in turn."""
 from __future__ import annotations
 
+from megatron_orch.mllm.task import MLLM_TASK
+
 
 def pretrain_outcome(argv, world_size: int, **figures: str) -> dict:
     """Run ``pretrain`` with ``argv`` on this (spawned) rank; returns its log ``lines`` and either
@@ -12,7 +14,8 @@ def pretrain_outcome(argv, world_size: int, **figures: str) -> dict:
 
     lines = []
     try:
-        records = trainer.pretrain(arguments.parse_args(argv, world_size=world_size), print_fn=lines.append)
+        args = arguments.parse_args(MLLM_TASK, argv, world_size=world_size)
+        records = trainer.pretrain(args, MLLM_TASK, print_fn=lines.append)
         outcome = {key: {r.iteration: getattr(r, attribute) for r in records} for key, attribute in figures.items()}
     except Exception as err:  # noqa: BLE001 -- what each rank raised is the result
         outcome = {"error": f"{type(err).__name__}: {err}"}

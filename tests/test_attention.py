@@ -38,6 +38,7 @@ from megatron_orch.mllm.model import (  # noqa: E402
     transformer_config,
     transformer_layer_spec,
 )
+from megatron_orch.mllm.task import MLLM_TASK
 
 SEQ_LENGTH = 128
 TOLERANCE = 1e-5  # relative error, fp32
@@ -562,18 +563,18 @@ def transformer_engine(monkeypatch):
 def test_transformer_impl_is_local_without_transformer_engine_or_on_cpu(transformer_engine):
     transformer_engine(False)
     for backend in (CPU, GPU):
-        args = arguments.parse_args(ARGV + backend, world_size=1)
+        args = arguments.parse_args(MLLM_TASK, ARGV + backend, world_size=1)
         assert args.transformer_impl == "local"
         assert providers.model_parallel_settings(args).transformer_impl == "local"
     transformer_engine(True)
-    assert arguments.parse_args(ARGV + CPU, world_size=1).transformer_impl == "local"
+    assert arguments.parse_args(MLLM_TASK, ARGV + CPU, world_size=1).transformer_impl == "local"
 
 
 def test_transformer_engine_is_refused_when_it_does_not_import(transformer_engine):
     transformer_engine(False)
     with pytest.raises(arguments.ArgumentError, match="--transformer-impl transformer_engine: Transformer Engine "
                                                       "does not import"):
-        arguments.parse_args(ARGV + GPU + ["--transformer-impl", "transformer_engine"], world_size=1)
+        arguments.parse_args(MLLM_TASK, ARGV + GPU + ["--transformer-impl", "transformer_engine"], world_size=1)
     with pytest.raises(RuntimeError, match="needs Transformer Engine"):
         transformer_layer_spec("transformer_engine", encoder=False)
     with pytest.raises(ValueError, match="'local' or 'transformer_engine'"):
@@ -582,13 +583,13 @@ def test_transformer_engine_is_refused_when_it_does_not_import(transformer_engin
 
 def test_transformer_engine_when_it_imports(transformer_engine):
     transformer_engine(True)
-    args = arguments.parse_args(ARGV + GPU, world_size=1)
+    args = arguments.parse_args(MLLM_TASK, ARGV + GPU, world_size=1)
     assert args.transformer_impl == "transformer_engine"
     assert providers.model_parallel_settings(args).transformer_impl == "transformer_engine"
     local = ["--transformer-impl", "local"]
-    assert arguments.parse_args(ARGV + GPU + local, world_size=1).transformer_impl == "local"
+    assert arguments.parse_args(MLLM_TASK, ARGV + GPU + local, world_size=1).transformer_impl == "local"
     with pytest.raises(arguments.ArgumentError, match="transformer_engine needs GPUs"):
-        arguments.parse_args(ARGV + CPU + ["--transformer-impl", "transformer_engine"], world_size=1)
+        arguments.parse_args(MLLM_TASK, ARGV + CPU + ["--transformer-impl", "transformer_engine"], world_size=1)
     # packed rows reach TE's attention as THD PackedSeqParams (test_transformer_engine_contract_of_a_packed_row)
-    packed = arguments.parse_args(ARGV + GPU + ["--orch-post-balancing", "--orch-microbatching", "packed"], world_size=1)
+    packed = arguments.parse_args(MLLM_TASK, ARGV + GPU + ["--orch-post-balancing", "--orch-microbatching", "packed"], world_size=1)
     assert packed.transformer_impl == "transformer_engine" and packed.orch_config.microbatching == "packed"

@@ -21,6 +21,7 @@ import torch
 
 from dist_utils import run_distributed
 from pretrain_outcome import pretrain_outcome
+from megatron_orch.mllm.task import MLLM_TASK
 
 warnings.filterwarnings("ignore", message=r".*(Transformer Engine|Apex).*not installed")
 
@@ -318,4 +319,4 @@ def test_data_and_checkpoint_flags_out_of_range_are_named(flags, message):
     from megatron_orch.trainer import arguments
 
     with pytest.raises(arguments.ArgumentError, match=re.escape(message)):
-        arguments.parse_args(COMMON + flags, world_size=2)
+        arguments.parse_args(MLLM_TASK, COMMON + flags, world_size=2)

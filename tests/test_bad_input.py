@@ -15,6 +15,7 @@ import pytest
 from dist_utils import scaled
 from megatron_orch.balance.traces import NUMERIC_COLUMNS, TEXT_COLUMNS, Trace, load_trace
 from megatron_orch.trainer import arguments
+from megatron_orch.mllm.task import MLLM_TASK
 
 REPO = Path(__file__).resolve().parents[1]
 COMMON = ["--model-config", "tiny", "--seq-length", "128", "--micro-batch-size", "1", "--train-iters", "2",
@@ -23,7 +24,7 @@ BALANCED = ["--orch-post-balancing"]
 
 
 def parse(*flags, world_size=1):
-    return arguments.parse_args(COMMON + list(flags), world_size=world_size)
+    return arguments.parse_args(MLLM_TASK, COMMON + list(flags), world_size=world_size)
 
 
 # ------------------------------------------------------------------------------------------------ flags
@@ -134,7 +135,7 @@ def test_layout_flags_set_the_data_parallel_size_and_the_backbone():
 
 def test_required_flags_are_an_argument_error():
     with pytest.raises(arguments.ArgumentError, match="the following arguments are required: --seq-length"):
-        arguments.parse_args(["--micro-batch-size", "1", "--train-iters", "1", "--lr", "1"], world_size=1)
+        arguments.parse_args(MLLM_TASK, ["--micro-batch-size", "1", "--train-iters", "1", "--lr", "1"], world_size=1)
 
 
 # ------------------------------------------------------------------------------------------------ traces
@@ -342,6 +343,6 @@ def test_the_flag_tables_of_docs_training_are_the_parsers():
     doc = flags_doc["DOC"].read_text()
     assert flags_doc["render"](doc) == doc, "docs/training.md's flag tables are stale: run python scripts/flags_doc.py"
     tables = doc.split(flags_doc["BEGIN"], 1)[1]
-    for action in build_parser()._actions:
+    for action in build_parser(MLLM_TASK)._actions:
         if action.option_strings and "-h" not in action.option_strings:
             assert f"`{action.option_strings[0]}`" in tables, action.option_strings

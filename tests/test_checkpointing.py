@@ -33,6 +33,7 @@ import torch
 
 from dist_utils import run_distributed
 from pretrain_outcome import pretrain_outcome
+from megatron_orch.mllm.task import MLLM_TASK
 
 warnings.filterwarnings("ignore", message=r".*(Transformer Engine|Apex).*not installed")
 
@@ -468,7 +469,7 @@ def test_scheduler_flags_exclude_each_other():
     from megatron_orch.trainer import arguments
 
     with pytest.raises(arguments.ArgumentError, match="exclude each other"):
-        arguments.parse_args(COMMON + ["--override-opt_param-scheduler", "--use-checkpoint-opt_param-scheduler"],
+        arguments.parse_args(MLLM_TASK, COMMON + ["--override-opt_param-scheduler", "--use-checkpoint-opt_param-scheduler"],
                              world_size=1)
 
 
@@ -766,7 +767,7 @@ def test_a_checkpoint_of_the_other_backbone_class_is_refused_naming_both():
     from megatron_orch.trainer import arguments
     from megatron_orch.trainer.checkpointing import CheckpointError, check_run_config, run_config
 
-    current = run_config(arguments.parse_args(COMMON, world_size=1))
+    current = run_config(arguments.parse_args(MLLM_TASK, COMMON, world_size=1), MLLM_TASK)
     assert current["model_config"]["backbone.module"] == BACKBONE_MODULE
     other = {"GPTModel": "HybridModel", "HybridModel": "GPTModel"}[BACKBONE_MODULE]
     saved = copy.deepcopy(current)

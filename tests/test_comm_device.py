@@ -22,6 +22,7 @@ import torch
 import torch.distributed as dist
 
 from dist_utils import run_distributed
+from megatron_orch.mllm.task import MLLM_TASK
 
 ITERS = 4
 STEADY_STEPS = (2, 3)  # neither the first step (it fills the iterator's pipeline) nor a logging one
@@ -49,9 +50,9 @@ def _train_on_emulated_device(rank, world_size, argv, out_dir):
         return result
 
     trainer.train_step = counted_step
-    args = arguments.parse_args(argv, world_size=world_size)
+    args = arguments.parse_args(MLLM_TASK, argv, world_size=world_size)
     try:
-        trainer.pretrain(args, print_fn=lambda line: None)
+        trainer.pretrain(args, MLLM_TASK, print_fn=lambda line: None)
     finally:
         parallel_state.destroy_model_parallel()
     result = {"checked": dict(log.checked), "unchecked": dict(log.unchecked), "violations": list(log.violations),

@@ -19,6 +19,7 @@ from megatron_orch.mllm.config import load_model_config
 from megatron_orch.orchestrator.config import OrchestratorConfig, item_memory
 from megatron_orch.orchestrator.step_plan import plan_step
 from megatron_orch.trainer import arguments
+from megatron_orch.mllm.task import MLLM_TASK
 
 TINY = load_model_config("tiny").phases()
 
@@ -163,7 +164,7 @@ def test_memory_flags_are_checked_when_parsed(flags, message):
     common = ["--model-config", "tiny", "--seq-length", "128", "--micro-batch-size", "1", "--train-iters", "2",
               "--lr", "1e-3", "--distributed-backend", "gloo", "--orch-post-balancing"]
     with pytest.raises(arguments.ArgumentError) as raised:
-        arguments.parse_args(common + flags, world_size=1)
+        arguments.parse_args(MLLM_TASK, common + flags, world_size=1)
     assert message in str(raised.value)
 
 
@@ -171,9 +172,9 @@ def test_memory_flags_need_the_switch():
     common = ["--model-config", "tiny", "--seq-length", "128", "--micro-batch-size", "1", "--train-iters", "2",
               "--lr", "1e-3", "--distributed-backend", "gloo"]
     with pytest.raises(arguments.ArgumentError, match="--orch-encoder-memory-cap given without --orch-post-balancing"):
-        arguments.parse_args(common + ["--orch-encoder-memory-cap", "10"], world_size=1)
-    args = arguments.parse_args(common + ["--orch-post-balancing", "--orch-encoder-memory-cap", "inf",
+        arguments.parse_args(MLLM_TASK, common + ["--orch-encoder-memory-cap", "10"], world_size=1)
+    args = arguments.parse_args(MLLM_TASK, common + ["--orch-post-balancing", "--orch-encoder-memory-cap", "inf",
                                           "--orch-encoder-chunk-tokens", "64"], world_size=1)
     assert args.orch_config.encoder_memory_cap == math.inf and args.orch_config.encoder_chunk_tokens == 64
-    assert arguments.parse_args(common + ["--orch-post-balancing", "--orch-encoder-memory-cap", "2.5"],
+    assert arguments.parse_args(MLLM_TASK, common + ["--orch-post-balancing", "--orch-encoder-memory-cap", "2.5"],
                                 world_size=1).orch_config.encoder_memory_cap == 2.5e9

@@ -7,6 +7,7 @@
   on, a manifest that fails while the data iterator is built, a model that fails to build: every rank
   raises, and every rank's error carries the failing rank's message (with the manifest line and path).
 """
+import dataclasses
 import re
 import time
 import warnings
@@ -15,6 +16,7 @@ from pathlib import Path
 import pytest
 
 from dist_utils import run_distributed, scaled
+from megatron_orch.mllm.task import MLLM_TASK
 
 warnings.filterwarnings("ignore", message=r".*(Transformer Engine|Apex).*not installed")
 
@@ -53,9 +55,10 @@ def _stuck_in_encoder(rank, world_size, out_dir):
             model.encode = stuck_on_second_call
         return model
 
-    args = arguments.parse_args(COMMON + BALANCED, world_size=world_size)
+    args = arguments.parse_args(MLLM_TASK, COMMON + BALANCED, world_size=world_size)
     try:
-        trainer.pretrain(args, model_provider=model_provider, print_fn=lambda line: None)
+        task = dataclasses.replace(MLLM_TASK, build_model=model_provider)
+        trainer.pretrain(args, task, print_fn=lambda line: None)
     except Exception:
         (Path(out_dir) / f"raised_rank{rank}").write_text(repr(time.time()))
         raise
@@ -119,9 +122,10 @@ def _loader_errors(rank, world_size, out_dir):
             return providers.build_model(args, pre_process, post_process)
 
         providers.build_train_data_iterator = failing_loader
-        args = arguments.parse_args(COMMON + flags, world_size=world_size)
+        args = arguments.parse_args(MLLM_TASK, COMMON + flags, world_size=world_size)
         try:
-            trainer.pretrain(args, model_provider=model_provider, print_fn=lambda line: None)
+            task = dataclasses.replace(MLLM_TASK, build_model=model_provider)
+            trainer.pretrain(args, task, print_fn=lambda line: None)
             outcome = "no error"
         except Exception as err:  # noqa: BLE001 -- what each rank raised is the result
             outcome = f"{type(err).__name__}: {err}"

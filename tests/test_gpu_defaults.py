@@ -13,6 +13,7 @@ from megatron_orch.balance.cost import TransformerShape
 from megatron_orch.mllm import providers
 from megatron_orch.mllm.model import ModelParallelSettings, transformer_config
 from megatron_orch.trainer import arguments, loop
+from megatron_orch.mllm.task import MLLM_TASK
 
 ARGV = ["--seq-length", "64", "--micro-batch-size", "1", "--train-iters", "1", "--lr", "1e-3"]
 FUSIONS = ("bias_gelu_fusion", "bias_swiglu_fusion", "bias_dropout_fusion", "masked_softmax_fusion",
@@ -20,7 +21,7 @@ FUSIONS = ("bias_gelu_fusion", "bias_swiglu_fusion", "bias_dropout_fusion", "mas
 
 
 def _args(backend: str) -> argparse.Namespace:
-    return arguments.parse_args(ARGV + ["--distributed-backend", backend], world_size=1)
+    return arguments.parse_args(MLLM_TASK, ARGV + ["--distributed-backend", backend], world_size=1)
 
 
 def test_fusions_are_off_on_the_cpu():

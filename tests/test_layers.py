@@ -14,8 +14,10 @@ import megatron_orch.balance
 import megatron_orch.orchestrator
 
 PLANNING_PACKAGES = (megatron_orch.balance, megatron_orch.orchestrator)
-# Torch-free outside them: the project's model configs (which the simulator reads) and the simulator.
-TORCH_FREE_MODULES = ("megatron_orch.mllm.config", "megatron_orch.sim.cluster", "megatron_orch.sim.__main__")
+# Torch-free outside them: the project's model configs (which the simulator reads), the simulator, and the
+# command line of the compact trainer and of its task (a wrong command line fails before torch is imported).
+TORCH_FREE_MODULES = ("megatron_orch.mllm.config", "megatron_orch.sim.cluster", "megatron_orch.sim.__main__",
+                      "megatron_orch.trainer.arguments", "megatron_orch.trainer.task", "megatron_orch.mllm.task")
 
 
 @pytest.mark.distributed
@@ -36,8 +38,8 @@ ALLOWED = {
     "orchestrator": {"balance", "orchestrator"},
     "comm": {"balance", "comm"},
     "megatron": {"balance", "orchestrator", "comm", "megatron"},
-    "mllm": {"balance", "orchestrator", "comm", "megatron", "mllm"},
-    "trainer": {"balance", "orchestrator", "comm", "megatron", "mllm", "trainer"},
+    "trainer": {"balance", "orchestrator", "comm", "megatron", "trainer"},  # any model's: never mllm
+    "mllm": {"balance", "orchestrator", "comm", "megatron", "trainer", "mllm"},  # the trainer's task among them
     "bench": {"balance", "orchestrator", "comm", "megatron", "mllm", "trainer", "bench"},
     "sim": {"balance", "orchestrator", "mllm", "bench", "sim"},  # torch-free (of mllm: the model configs)
 }

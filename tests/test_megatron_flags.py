@@ -28,7 +28,7 @@ tree, readme = sys.argv[1], json.loads(sys.argv[2])
 doubles.install(pathlib.Path(tree) if tree else None)
 from megatron_orch.megatron.megatron_lm import POST_BALANCING_REFUSALS
 from megatron_orch.mllm import megatron_flags as flags
-from megatron_orch.trainer.arguments import add_mllm_args
+from megatron_orch.mllm.task import add_mllm_args
 
 class Changed:
     def __repr__(self):

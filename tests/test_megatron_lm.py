@@ -33,6 +33,7 @@ import torch
 
 import megatron_lm_doubles as doubles
 from dist_utils import run_distributed, scaled
+from megatron_orch.mllm.task import MLLM_TASK
 
 REPO = Path(__file__).resolve().parents[1]
 APPLY = REPO / "scripts" / "apply_patches.sh"
@@ -460,11 +461,11 @@ def _compact_run(pretrain_mllm, world_size, parallel, name) -> dict:
     from megatron.core import parallel_state
 
     from megatron_orch.trainer import arguments, loop
-    args = arguments.parse_args(COMPACT_ARGV + ["--tensor-model-parallel-size", str(parallel[0]),
+    args = arguments.parse_args(MLLM_TASK, COMPACT_ARGV + ["--tensor-model-parallel-size", str(parallel[0]),
                                                 "--pipeline-model-parallel-size", str(parallel[1])],
                                 world_size=world_size)
     try:
-        return {"losses": [record.lm_loss for record in loop.pretrain(args, print_fn=lambda line: None)]}
+        return {"losses": [record.lm_loss for record in loop.pretrain(args, MLLM_TASK, print_fn=lambda line: None)]}
     finally:
         parallel_state.destroy_model_parallel()
 

@@ -13,6 +13,7 @@ and TP 2 + SP x DP 2; on 0.16.1 packed rows are refused, saying why. PP 2 x DP 2
 reason (MimoModel does not run a language model split over pipeline stages under Megatron's schedules), as is
 what else the adapter cannot keep invariant.
 """
+import dataclasses
 import warnings
 from pathlib import Path
 
@@ -21,6 +22,7 @@ import torch
 
 from dist_utils import run_distributed
 from mimo_model import FRAMES, MEL_BINS, PAD_TOKEN_ID, PATCH_DIM, PATCHES, SEQ_LENGTH
+from megatron_orch.mllm.task import MLLM_TASK
 
 warnings.filterwarnings("ignore", message=r".*(Transformer Engine|Apex).*not installed")
 
@@ -62,7 +64,7 @@ def _train(rank, world_size, tp, sp, balanced, out_dir, microbatching="equal_cou
     from mimo_model import balanced_mimo
 
     dp = world_size // tp
-    args = arguments.parse_args(FLAGS + ["--tensor-model-parallel-size", str(tp), *["--sequence-parallel"] * sp,
+    args = arguments.parse_args(MLLM_TASK, FLAGS + ["--tensor-model-parallel-size", str(tp), *["--sequence-parallel"] * sp,
                                          "--global-batch-size", str(MBS * NUM_MB * dp)], world_size=world_size)
     trainer.initialize(args)
     try:

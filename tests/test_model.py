@@ -22,6 +22,7 @@ from megatron_orch.mllm.examples import assemble_example  # noqa: E402
 from megatron_orch.mllm import model as model_module  # noqa: E402
 from megatron_orch.mllm.model import MLLMModel, ModelParallelSettings  # noqa: E402
 from megatron_orch.trainer import arguments, loop as trainer  # noqa: E402
+from megatron_orch.mllm.task import MLLM_TASK
 
 SEQ_LENGTH = 128
 TINY = load_model_config("tiny")
@@ -136,10 +137,10 @@ def test_packed_rows_match_padded_rows(model):
 def test_loss_decreases_when_overfitting_one_batch(world_of_one):
     argv = ["--seq-length", str(SEQ_LENGTH), "--micro-batch-size", "4", "--train-iters", "12", "--lr", "3e-3",
             "--lr-decay-style", "constant", "--clip-grad", "1.0", "--log-interval", "1", "--distributed-backend", "gloo"]
-    args = arguments.parse_args(argv, world_size=1)
+    args = arguments.parse_args(MLLM_TASK, argv, world_size=1)
     trainer.set_random_seed(args.seed)
     timers = trainer.Timers(log_level=1, log_option="minmax")
-    model = trainer.build_model(args)
+    model = trainer.build_model(args, MLLM_TASK.build_model)
     optimizer, scheduler = trainer.build_optimizer(args, model, timers)
     trainer.attach_to_model_config(model, optimizer, timers)
     unwrapped = model[0].module

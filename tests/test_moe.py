@@ -21,6 +21,7 @@ cpu_harness.install()
 
 from test_post_balancing import BALANCED, COMMON, SCENARIOS  # noqa: E402
 from test_sharded import ITERS, assert_same_training, train  # noqa: E402
+from megatron_orch.mllm.task import MLLM_TASK
 
 warnings.filterwarnings("ignore", message=r".*(Transformer Engine|Apex).*not installed")
 
@@ -65,9 +66,9 @@ def test_moe_flags_are_checked_and_placement_dependent_losses_refused():
     from megatron_orch.trainer import arguments
 
     base = COMMON + ["--global-batch-size", "16", "--model-config", "tiny_moe", "--optimizer", "adam"]
-    args = arguments.parse_args(base + MOE[2:] + BALANCED, world_size=4)
+    args = arguments.parse_args(MLLM_TASK, base + MOE[2:] + BALANCED, world_size=4)
     assert args.mllm_config.backbone.transformer.num_experts == 4 and args.expert_model_parallel_size == 2
-    assert arguments.parse_args(COMMON + ["--num-experts", "8"], world_size=1).mllm_config.backbone.transformer.is_moe
+    assert arguments.parse_args(MLLM_TASK, COMMON + ["--num-experts", "8"], world_size=1).mllm_config.backbone.transformer.is_moe
     for flags, message in ((["--expert-model-parallel-size", "3"], "must divide the 4 experts"),
                            (["--model-config", "tiny", "--expert-model-parallel-size", "2"], "needs a mixture-of"),
                            (["--tensor-model-parallel-size", "2"], "needs sequence parallelism"),
@@ -78,9 +79,9 @@ def test_moe_flags_are_checked_and_placement_dependent_losses_refused():
                            (["--moe-router-load-balancing-type", "seq_aux_loss", "--moe-aux-loss-coeff", "1e-2",
                              *BALANCED, "--orch-microbatching", "packed"], "a packed row is one sequence")):
         with pytest.raises(arguments.ArgumentError, match=re.escape(message)):
-            arguments.parse_args(base + flags, world_size=4)
+            arguments.parse_args(MLLM_TASK, base + flags, world_size=4)
     # without post-balancing every setting is upstream's to choose
-    arguments.parse_args(base + ["--moe-aux-loss-coeff", "1e-2", "--moe-expert-capacity-factor", "1.0"], world_size=4)
+    arguments.parse_args(MLLM_TASK, base + ["--moe-aux-loss-coeff", "1e-2", "--moe-expert-capacity-factor", "1.0"], world_size=4)
 
 
 MOE = ["--model-config", "tiny_moe", "--expert-model-parallel-size", "2", "--use-distributed-optimizer",

@@ -12,6 +12,7 @@ import pytest
 import torch
 
 import example_modules  # noqa: F401 -- examples/ on the path
+from megatron_orch.mllm.task import MLLM_TASK
 
 REPO = Path(__file__).resolve().parents[1]
 OWN_MODEL_DOC = REPO / "docs" / "own_model.md"  # quotes the examples' code
@@ -149,19 +150,19 @@ def test_shadow_and_checked_first_step_flags(tmp_path):
 
     common = ["--seq-length", "192", "--micro-batch-size", "2", "--train-iters", "2", "--lr", "1e-3",
               "--distributed-backend", "gloo"]
-    shadow = arguments.parse_args(common + ["--orch-shadow", "--orch-locality"], world_size=2).orch_config
+    shadow = arguments.parse_args(MLLM_TASK, common + ["--orch-shadow", "--orch-locality"], world_size=2).orch_config
     assert shadow.shadow and shadow.locality and not shadow.verify_first_step
     with pytest.raises(arguments.ArgumentError, match="--orch-shadow and --orch-post-balancing exclude each other"):
-        arguments.parse_args(common + ["--orch-shadow", "--orch-post-balancing"], world_size=2)
+        arguments.parse_args(MLLM_TASK, common + ["--orch-shadow", "--orch-post-balancing"], world_size=2)
     with pytest.raises(arguments.ArgumentError, match="--orch-verify-first-step given without --orch-post-balancing"):
-        arguments.parse_args(common + ["--orch-verify-first-step"], world_size=2)
-    shipped = arguments.parse_args(common + ["--orch-post-balancing"], world_size=2).orch_config
-    checked = arguments.parse_args(common + ["--orch-post-balancing", "--orch-verify-first-step"], world_size=2)
+        arguments.parse_args(MLLM_TASK, common + ["--orch-verify-first-step"], world_size=2)
+    shipped = arguments.parse_args(MLLM_TASK, common + ["--orch-post-balancing"], world_size=2).orch_config
+    checked = arguments.parse_args(MLLM_TASK, common + ["--orch-post-balancing", "--orch-verify-first-step"], world_size=2)
     assert not shipped.verify_first_step and checked.orch_config.verify_first_step
     (tmp_path / "mine.yaml").write_text((REPO / "configs" / "tiny.yaml").read_text())  # a config of one's own
     own = ["--model-config", str(tmp_path / "mine.yaml")]
-    own_config = arguments.parse_args(common + own + ["--orch-post-balancing"], world_size=2).orch_config
-    unchecked = arguments.parse_args(common + own + ["--orch-post-balancing", "--orch-no-verify-first-step"],
+    own_config = arguments.parse_args(MLLM_TASK, common + own + ["--orch-post-balancing"], world_size=2).orch_config
+    unchecked = arguments.parse_args(MLLM_TASK, common + own + ["--orch-post-balancing", "--orch-no-verify-first-step"],
                                      world_size=2).orch_config
     assert own_config.verify_first_step and not unchecked.verify_first_step
 

@@ -9,6 +9,7 @@ CP 1 at the same global batch (the shards are exact).
 The runs of one layout share their spawned ranks (one after the other), to start the processes once. The
 data is ``test_post_balancing``'s scripted stream from its heavy step on.
 """
+import dataclasses
 import warnings
 from pathlib import Path
 
@@ -17,6 +18,7 @@ import torch
 
 from dist_utils import run_distributed
 from test_post_balancing import SCENARIOS, scripted_example
+from megatron_orch.mllm.task import MLLM_TASK
 
 pytestmark = pytest.mark.distributed
 warnings.filterwarnings("ignore", message=r".*(Transformer Engine|Apex).*not installed")
@@ -72,9 +74,10 @@ def _train_runs(rank, world_size, runs, out_dir):
             built.append(providers.build_model(args, pre_process, post_process))
             return built[-1]
 
-        args = arguments.parse_args(COMMON + list(argv), world_size=world_size)
+        args = arguments.parse_args(MLLM_TASK, COMMON + list(argv), world_size=world_size)
         try:
-            records = trainer.pretrain(args, model_provider=model_provider, print_fn=lambda line: None)
+            task = dataclasses.replace(MLLM_TASK, build_model=model_provider)
+            records = trainer.pretrain(args, task, print_fn=lambda line: None)
         finally:
             parallel_state.destroy_model_parallel()
         out = Path(out_dir) / name

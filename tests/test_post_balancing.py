@@ -8,6 +8,7 @@ equal-count micro-batches, packed micro-batches (the default where rows are not 
 encoder recompute and locality-aware balancing; and
 the three-encoder config (``tiny_video``: video frames as their own encoder phase) at DP 4.
 """
+import dataclasses
 import re
 import warnings
 from pathlib import Path
@@ -16,6 +17,7 @@ import pytest
 import torch
 
 from dist_utils import run_distributed
+from megatron_orch.mllm.task import MLLM_TASK
 
 warnings.filterwarnings("ignore", message=r".*(Transformer Engine|Apex).*not installed")
 
@@ -86,10 +88,11 @@ def _train(rank, world_size, argv, out_dir):
         built.append(providers.build_model(args, pre_process, post_process))
         return built[-1]
 
-    args = arguments.parse_args(argv, world_size=world_size)
+    args = arguments.parse_args(MLLM_TASK, argv, world_size=world_size)
     lines = []
     try:
-        records = trainer.pretrain(args, model_provider=model_provider, print_fn=lines.append)
+        task = dataclasses.replace(MLLM_TASK, build_model=model_provider)
+        records = trainer.pretrain(args, task, print_fn=lines.append)
     finally:
         parallel_state.destroy_model_parallel()
     state = {name: p.detach().clone() for name, p in built[0].named_parameters()}
@@ -210,9 +213,9 @@ def test_orch_flags_without_the_switch_are_rejected():
     from megatron_orch.trainer import arguments
 
     with pytest.raises(arguments.ArgumentError, match="--orch-locality given without --orch-post-balancing"):
-        arguments.parse_args(COMMON + ["--orch-locality"], world_size=1)
+        arguments.parse_args(MLLM_TASK, COMMON + ["--orch-locality"], world_size=1)
     with pytest.raises(arguments.ArgumentError, match="packed with --pipeline-model-parallel-size"):
-        arguments.parse_args(COMMON + ["--pipeline-model-parallel-size", "2", "--orch-post-balancing",
+        arguments.parse_args(MLLM_TASK, COMMON + ["--pipeline-model-parallel-size", "2", "--orch-post-balancing",
                                        "--orch-microbatching", "packed"], world_size=2)
 
 

@@ -24,6 +24,7 @@ from megatron_orch.mllm.config import load_model_config
 from megatron_orch.orchestrator.config import OrchestratorConfig
 from megatron_orch.orchestrator.step_plan import plan_step
 from megatron_orch.trainer import arguments
+from megatron_orch.mllm.task import MLLM_TASK
 
 REPO = Path(__file__).resolve().parents[1]
 EXAMPLE = REPO / "examples" / "toy_partitioner.py"
@@ -54,10 +55,10 @@ def test_the_registered_names_are_choices_of_config_and_flags(toy):
         toy["round_robin"], "Item i to bin i mod K, ignoring the costs (a toy: it balances counts, not work).", False)
     config = OrchestratorConfig(algorithm="round_robin", placement="reversed")
     assert (config.algorithm, config.placement) == ("round_robin", "reversed")
-    args = arguments.parse_args(COMMON + ["--orch-post-balancing", "--orch-algorithm", "round_robin",
+    args = arguments.parse_args(MLLM_TASK, COMMON + ["--orch-post-balancing", "--orch-algorithm", "round_robin",
                                           "--orch-placement", "reversed"], world_size=1)
     assert (args.orch_config.algorithm, args.orch_config.placement) == ("round_robin", "reversed")
-    helped = arguments.build_parser().format_help()
+    helped = arguments.build_parser(MLLM_TASK).format_help()
     assert "round_robin: Item i to bin i mod K" in " ".join(helped.split()), helped
 
 
@@ -109,18 +110,18 @@ def test_unknown_names_are_refused_naming_the_registered_ones(toy):
         PlacementConfig(method="far")
     with pytest.raises(arguments.ArgumentError, match=r"argument --orch-algorithm: invalid choice: 'zigzag' "
                                                       r"\(choose from .*'round_robin'\)"):
-        arguments.parse_args(COMMON + ["--orch-post-balancing", "--orch-algorithm", "zigzag"], world_size=1)
+        arguments.parse_args(MLLM_TASK, COMMON + ["--orch-post-balancing", "--orch-algorithm", "zigzag"], world_size=1)
 
 
 def test_a_parser_built_before_the_registration_does_not_know_the_name():
     """argparse's choices are read when the parser is built: register first."""
     _unregister_toys()
-    parser = arguments.build_parser()
+    parser = arguments.build_parser(MLLM_TASK)
     runpy.run_path(str(EXAMPLE))
     try:
         with pytest.raises(arguments.ArgumentError, match="invalid choice: 'round_robin'"):
             parser.parse_args(COMMON + ["--orch-post-balancing", "--orch-algorithm", "round_robin"])
-        arguments.build_parser().parse_args(COMMON + ["--orch-post-balancing", "--orch-algorithm", "round_robin"])
+        arguments.build_parser(MLLM_TASK).parse_args(COMMON + ["--orch-post-balancing", "--orch-algorithm", "round_robin"])
     finally:
         _unregister_toys()
 

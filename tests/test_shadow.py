@@ -14,6 +14,7 @@ import torch
 
 from dist_utils import run_distributed
 from test_post_balancing import COMMON, MBS, NUM_MB, scripted_iterator
+from megatron_orch.mllm.task import MLLM_TASK
 
 pytestmark = pytest.mark.distributed
 warnings.filterwarnings("ignore", message=r".*(Transformer Engine|Apex).*not installed")
@@ -50,7 +51,7 @@ def _runs(rank, world_size, out_dir):
         lines = []
         argv = COMMON + ["--train-iters", str(ITERS), "--global-batch-size", str(MBS * NUM_MB * world_size), *flags]
         try:
-            records = trainer.pretrain(arguments.parse_args(argv, world_size=world_size), print_fn=lines.append)
+            records = trainer.pretrain(arguments.parse_args(MLLM_TASK, argv, world_size=world_size), MLLM_TASK, print_fn=lines.append)
         finally:
             parallel_state.destroy_model_parallel()
         results[name] = {"moved_bytes": moved[-1], "lines": lines, "losses": [r.lm_loss for r in records],

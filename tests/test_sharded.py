@@ -7,6 +7,7 @@ after the last agree within 1e-5. The scripted steps (``test_post_balancing``) h
 audio on one rank only, then one example far longer than a fair share: ranks run an encoder over no items
 of their own, which with sharded parameters must still join its gathers and reduce-scatters.
 """
+import dataclasses
 import re
 import warnings
 from pathlib import Path
@@ -16,6 +17,7 @@ import torch
 
 from dist_utils import run_distributed
 from test_post_balancing import BALANCED, COMMON, MBS, NUM_MB, SCENARIOS, scripted_iterator
+from megatron_orch.mllm.task import MLLM_TASK
 
 warnings.filterwarnings("ignore", message=r".*(Transformer Engine|Apex).*not installed")
 
@@ -41,12 +43,13 @@ def _train(rank, world_size, argv, out_dir):
         built.append(providers.build_model(args, pre_process, post_process))
         return built[-1]
 
-    args = arguments.parse_args(argv, world_size=world_size)
+    args = arguments.parse_args(MLLM_TASK, argv, world_size=world_size)
     if args.orch_config is not None:
         _watch_gathered_encoder_layers(held)
     lines = []
     try:
-        records = trainer.pretrain(args, model_provider=model_provider, print_fn=lines.append)
+        task = dataclasses.replace(MLLM_TASK, build_model=model_provider)
+        records = trainer.pretrain(args, task, print_fn=lines.append)
         # Whole parameters (a collective over the shards: every rank takes part). The state dict: Megatron-FSDP
         # puts its sharded parameters in place for it (after a step the module holds its gathered buffers' views).
         values = built[0].state_dict(keep_vars=True)
@@ -139,10 +142,10 @@ def test_sharding_flags_are_checked_as_megatron_lm_checks_them():
     from megatron_orch.trainer import arguments
 
     base = COMMON + FLAGS + ["--global-batch-size", "8"]
-    args = arguments.parse_args(base + ["--use-megatron-fsdp"], world_size=2)
+    args = arguments.parse_args(MLLM_TASK, base + ["--use-megatron-fsdp"], world_size=2)
     assert args.use_distributed_optimizer and args.data_parallel_sharding_strategy == "optim_grads_params"
     # the checked first step is off with sharded parameters, also for a model config of the user's own
-    args = arguments.parse_args(base + ["--use-torch-fsdp2", "--orch-post-balancing"], world_size=2)
+    args = arguments.parse_args(MLLM_TASK, base + ["--use-torch-fsdp2", "--orch-post-balancing"], world_size=2)
     assert args.orch_config is not None and not args.orch_config.verify_first_step
     for flags, message in ((["--use-torch-fsdp2", "--use-megatron-fsdp"], "exclude each other"),
                            (["--use-torch-fsdp2", "--use-distributed-optimizer"], "does not take --use-distributed"),
@@ -153,7 +156,7 @@ def test_sharding_flags_are_checked_as_megatron_lm_checks_them():
                            (["--use-torch-fsdp2", "--orch-post-balancing", "--orch-verify-first-step"],
                             "--orch-verify-first-step with --use-torch-fsdp2")):
         with pytest.raises(arguments.ArgumentError, match=re.escape(message)):
-            arguments.parse_args(base + flags, world_size=2)
+            arguments.parse_args(MLLM_TASK, base + flags, world_size=2)
 
 
 @pytest.fixture(scope="module")

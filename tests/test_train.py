@@ -6,6 +6,7 @@ over ranks and micro-batches, so every parallel layout must reproduce the refere
 up to reduction order). TP-invariant initialisation (full weights drawn, then split) gives TP 2 the
 reference's weights; PP 2 gets them by loading the reference's initial state into each stage.
 """
+import dataclasses
 import os
 import re
 import subprocess
@@ -17,6 +18,7 @@ import pytest
 import torch
 
 from dist_utils import run_distributed, scaled
+from megatron_orch.mllm.task import MLLM_TASK
 
 warnings.filterwarnings("ignore", message=r".*(Transformer Engine|Apex).*not installed")
 
@@ -81,9 +83,10 @@ def _train(rank, world_size, argv, out_dir, save_initial_state=None, load_initia
                                               args.pipeline_model_parallel_size))
         return model
 
-    args = arguments.parse_args(argv, world_size=world_size)
+    args = arguments.parse_args(MLLM_TASK, argv, world_size=world_size)
     try:
-        records = trainer.pretrain(args, model_provider=model_provider, print_fn=lambda line: None)
+        task = dataclasses.replace(MLLM_TASK, build_model=model_provider)
+        records = trainer.pretrain(args, task, print_fn=lambda line: None)
     finally:
         parallel_state.destroy_model_parallel()
     if records:
@@ -193,21 +196,21 @@ def test_torchrun_entry_point_logs_megatron_iteration_lines(reference, tmp_path)
 def test_inconsistent_flags_are_named_in_the_error(flags, world_size, message):
     from megatron_orch.trainer import arguments
     with pytest.raises(arguments.ArgumentError, match=re.escape(message)):
-        arguments.parse_args(COMMON + flags, world_size=world_size)
+        arguments.parse_args(MLLM_TASK, COMMON + flags, world_size=world_size)
 
 
 def test_unknown_and_abbreviated_flags_are_rejected():
     from megatron_orch.trainer import arguments
     for flag in (["--no-such-flag", "1"], ["--tensor-model-parallel", "2"]):
         with pytest.raises(arguments.ArgumentError, match="unrecognized arguments"):
-            arguments.parse_args(COMMON + flag, world_size=1)
+            arguments.parse_args(MLLM_TASK, COMMON + flag, world_size=1)
 
 
 def test_backbone_shape_flags_override_the_model_config(tmp_path):
     from megatron_orch.trainer import arguments
     manifest = tmp_path / "x.jsonl"
     manifest.write_text('{"text": "a"}\n')
-    args = arguments.parse_args(COMMON + ["--num-layers", "4", "--hidden-size", "32", "--data-path", str(manifest)],
+    args = arguments.parse_args(MLLM_TASK, COMMON + ["--num-layers", "4", "--hidden-size", "32", "--data-path", str(manifest)],
                                 world_size=2)
     backbone = args.mllm_config.backbone.transformer
     assert (backbone.num_layers, backbone.hidden_size, backbone.ffn_hidden_size) == (4, 32, 256)

@@ -12,6 +12,7 @@ all heavy examples on one rank, no images anywhere (the vision encoder's zero gr
 chunk), audio on one rank only. The command-line checks of Megatron's rules and the schedule's handling of
 several chunks (stand-in chunks) run in this process.
 """
+import dataclasses
 import re
 import warnings
 from pathlib import Path
@@ -22,6 +23,7 @@ import torch
 from dist_utils import run_distributed
 from test_post_balancing import SCENARIOS, scripted_example
 from test_train import stage_state
+from megatron_orch.mllm.task import MLLM_TASK
 
 warnings.filterwarnings("ignore", message=r".*(Transformer Engine|Apex).*not installed")
 
@@ -89,9 +91,10 @@ def _train(rank, world_size, argv, out_dir, initial_state, load_initial_state):
         assert layers == LAYERS // (args.pipeline_model_parallel_size * vp_size)  # attention layers per chunk
         return model
 
-    args = arguments.parse_args(argv, world_size=world_size)
+    args = arguments.parse_args(MLLM_TASK, argv, world_size=world_size)
     try:
-        records = trainer.pretrain(args, model_provider=model_provider, print_fn=lambda line: None)
+        task = dataclasses.replace(MLLM_TASK, build_model=model_provider)
+        records = trainer.pretrain(args, task, print_fn=lambda line: None)
     finally:
         parallel_state.destroy_model_parallel()
     params = {}
@@ -160,8 +163,8 @@ def test_megatrons_rules_for_virtual_stages_are_checked_on_the_command_line(flag
     """Each a one-line error naming the flag, before any process group exists."""
     from megatron_orch.trainer import arguments
     with pytest.raises(arguments.ArgumentError, match=re.escape(message)):
-        arguments.parse_args(COMMON + flags, world_size=world_size)
-    args = arguments.parse_args(COMMON + INTERLEAVED, world_size=4)
+        arguments.parse_args(MLLM_TASK, COMMON + flags, world_size=world_size)
+    args = arguments.parse_args(MLLM_TASK, COMMON + INTERLEAVED, world_size=4)
     assert (args.virtual_pipeline_model_parallel_size, args.num_microbatches) == (2, NUM_MB)
 
 

@@ -23,7 +23,7 @@ train split in the dataset's order, by the task encoder training uses
 ``--workers`` counts Energon's loader processes (0 or 1: this process).
 
 :func:`add_data_args` defines the data flags shared with ``pretrain_mllm.py``. This module imports
-torch only when a check runs, so ``megatron_orch.trainer.arguments`` can take the flags from it.
+torch only when a check runs, so ``megatron_orch.mllm.task`` can take the flags from it.
 """
 from __future__ import annotations
 

@@ -10,20 +10,16 @@ by Energon's own loader instead, each DP rank its own part of the shards
 """
 from __future__ import annotations
 
-import argparse
-import threading
-from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Dict, Iterator, List, Optional
 
 import numpy as np
 
 from megatron_orch.megatron.batch import Example, MicroBatch, collate
-from megatron_orch.megatron.moe import pads_rows_to_seq_length
-from megatron_orch.mllm.examples import ExampleLayout, example_layout
-from megatron_orch.mllm.manifest import (ExampleReader, InputLimits, ManifestDataset, ManifestError, image_tiling,
-                                         manifest_identity)
+from megatron_orch.mllm.data_config import (MAX_REPLACEMENT_DRAWS, DataConfig, data_config,  # noqa: F401
+                                            is_energon_dataset)
+from megatron_orch.mllm.manifest import ExampleReader, ManifestDataset, ManifestError, image_tiling, manifest_identity
 from megatron_orch.mllm.synthetic import SyntheticMultimodalDataset
+from megatron_orch.trainer.data_events import DataEvent, DataEvents, TooManyBadExamplesError  # noqa: F401
 
 
 class MegatronPretrainingSampler:
@@ -64,59 +60,6 @@ class MegatronPretrainingSampler:
             yield list(range(start + offset, start + offset + self.micro_batch_size))
 
 
-@dataclass(frozen=True)
-class DataConfig:
-    """What the training data iterator needs: the model (for shapes), batch sizes and the data source."""
-
-    model_config: object  # megatron_orch.mllm.config.MLLMConfig
-    seq_length: int
-    micro_batch_size: int
-    num_samples: int  # samples the run consumes in total (train_iters * global_batch_size)
-    seed: int = 1234
-    data_path: Optional[str] = None  # --data-path: a JSONL manifest or an Energon dataset; None: synthetic
-    pad_to_seq_length: bool = False  # rows of exactly seq_length tokens (pipeline parallelism, MoE backbones)
-    max_num_tiles: int = 6  # tiles per image (--max-num-tiles)
-    limits: InputLimits = field(default_factory=InputLimits)  # what one manifest example may hold
-    max_bad_examples: int = 0  # --max-bad-examples: 0, a bad example ends the run; else it is replaced
-    refuse_long_answers: bool = False  # --refuse-long-answers: an answer that does not fit is a bad example
-
-    @property
-    def layout(self) -> ExampleLayout:
-        return example_layout(self.model_config, self.seq_length)
-
-
-def data_config(args: argparse.Namespace) -> DataConfig:
-    """The data of a parsed ``pretrain_mllm.py`` command line."""
-    return DataConfig(model_config=args.mllm_config, seq_length=args.seq_length,
-                      micro_batch_size=args.micro_batch_size,
-                      num_samples=args.train_iters * args.global_batch_size, seed=args.seed,
-                      data_path=_data_path(args.data_path),
-                      # 1F1B sends fixed [seq_length, micro_batch_size, hidden] tensors between stages; an
-                      # MoE backbone's per-sequence losses count a row's padding (megatron_orch.megatron.moe).
-                      pad_to_seq_length=(args.pipeline_model_parallel_size > 1
-                                         or pads_rows_to_seq_length(args.mllm_config.backbone.transformer.num_experts)),
-                      max_num_tiles=args.max_num_tiles,
-                      limits=InputLimits(max_image_pixels=args.max_image_pixels,
-                                         max_audio_seconds=args.max_audio_seconds,
-                                         max_vision_items_per_sample=args.max_vision_items_per_sample),
-                      max_bad_examples=args.max_bad_examples, refuse_long_answers=args.refuse_long_answers)
-
-
-def _data_path(data_path):
-    """``--data-path``: one manifest or Energon dataset (Megatron-LM's parser gives a list)."""
-    if isinstance(data_path, (list, tuple)):
-        if len(data_path) > 1:
-            raise ValueError(f"--data-path takes one JSONL manifest or Energon dataset here, got {len(data_path)} "
-                             f"paths: {data_path}")
-        return data_path[0] if data_path else None
-    return data_path
-
-
-def is_energon_dataset(path) -> bool:
-    """Whether ``path`` is an Energon dataset: a folder with the ``.nv-meta`` that ``energon prepare`` writes."""
-    return path is not None and (Path(path) / ".nv-meta").is_dir()
-
-
 def data_identity(path) -> dict:
     """What identifies the content of ``--data-path`` in checkpoints (a manifest's or an Energon dataset's)."""
     if is_energon_dataset(path):
@@ -148,8 +91,6 @@ def checked_dataset(config: DataConfig):
 
 # Streams of the seeded draws (numpy SeedSequence entropy [seed, stream, ...]).
 _EPOCH_STREAM, _REPLACEMENT_STREAM = 1, 2
-# Seeded draws of a replacement for a bad example before giving up (the data is then mostly bad).
-MAX_REPLACEMENT_DRAWS = 16
 
 
 class SampleOrder:
@@ -180,48 +121,6 @@ class SampleOrder:
     def replacement(self, position: int, attempt: int) -> int:
         return int(np.random.default_rng([self.seed, _REPLACEMENT_STREAM, position, attempt]).integers(
             self.num_examples))
-
-
-class TooManyBadExamplesError(ManifestError):
-    """More bad examples were skipped than ``--max-bad-examples`` allows."""
-
-
-@dataclass(frozen=True)
-class DataEvent:
-    """Something the user should read about one sample position: a bad example skipped (``replacement``
-    says where the position's example came from instead) or an answer truncated."""
-
-    position: int
-    skipped: bool
-    message: str  # "manifest.jsonl:7: <reason>"
-    replacement: Optional[str] = None
-
-
-class DataEvents:
-    """What one DP rank's loader reports to the trainer: :class:`DataEvent` objects by sample position,
-    collected as its examples are read (post-balancing reads ahead on a thread of its own) and taken once
-    those samples are trained (:meth:`take_events`), and its state for a checkpoint (:meth:`loader_state`)."""
-
-    def __init__(self):
-        self.events: List[DataEvent] = []
-        self._events_lock = threading.Lock()
-
-    def _report(self, event: DataEvent) -> None:
-        with self._events_lock:
-            self.events.append(event)
-
-    def take_events(self, before: int) -> List[DataEvent]:
-        """The events of positions below ``before`` (the samples trained so far), removed from :attr:`events`."""
-        with self._events_lock:
-            taken = [e for e in self.events if e.position < before]
-            self.events = [e for e in self.events if e.position >= before]
-        return taken
-
-    def loader_state(self, consumed_samples: int) -> Optional[dict]:
-        """What a checkpoint saves of the loader after ``consumed_samples`` (the samples trained so far);
-        None: nothing, a resumed run restarts from its consumed-sample count (a loader whose order is a
-        function of the sample position)."""
-        return None
 
 
 class TrainIterator(DataEvents):

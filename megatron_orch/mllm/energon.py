@@ -61,8 +61,9 @@ except ImportError as err:  # the optional extra
     raise ImportError(f"an Energon dataset needs megatron-energon: pip install -e .[energon] ({err})") from None
 
 from megatron_orch.megatron.batch import Example, MicroBatch, collate
-from megatron_orch.mllm.data import MAX_REPLACEMENT_DRAWS, DataConfig, DataEvent, DataEvents
+from megatron_orch.mllm.data_config import MAX_REPLACEMENT_DRAWS, DataConfig
 from megatron_orch.mllm.manifest import ExampleReader, ManifestError, MediaBytes
+from megatron_orch.trainer.data_events import DataEvent, DataEvents
 
 # Energon's shuffling (``get_train_dataset``), as Megatron-LM's multimodal example sets it.
 SHUFFLE_BUFFER_SIZE = 100

@@ -1,9 +1,9 @@
 """Model, data and forward-step providers, in the shape ``megatron.training.pretrain`` expects.
 
-The compact trainer (:mod:`megatron_orch.trainer.loop`) and Megatron-LM's ``pretrain`` use the
-same functions: :func:`build_model` (wrapped as Megatron's ``model_provider``), ``forward_step`` (the
-contract's, :func:`megatron_orch.megatron.contract.forward_step`: the MLLM has no path of its own) and
-:func:`build_train_data_iterator`.
+The compact trainer (the hooks of :data:`megatron_orch.mllm.task.MLLM_TASK`) and Megatron-LM's
+``pretrain`` use the same functions: :func:`build_model` (wrapped as Megatron's ``model_provider``),
+``forward_step`` (the contract's, :func:`megatron_orch.megatron.contract.forward_step`: the MLLM has no
+path of its own), :func:`build_train_data_iterator` and :func:`build_post_balancing`.
 """
 from __future__ import annotations
 
@@ -18,14 +18,11 @@ from megatron_orch.megatron.any_loop import post_balance
 from megatron_orch.megatron.batch import MicroBatch
 from megatron_orch.megatron.contract import forward_step  # noqa: F401 -- Megatron's forward_step_func
 from megatron_orch.megatron.post_balancing import StepShape
-from megatron_orch.mllm.data import DataEvents, build_train_iterator, data_config
+from megatron_orch.mllm.data import build_train_iterator, data_config
 from megatron_orch.mllm.model import MLLMModel, ModelParallelSettings
 from megatron_orch.orchestrator.config import OrchestratorConfig
-
-
-def runs_on_cpu(args: argparse.Namespace) -> bool:
-    """A gloo launch trains on CPU (megatron-core through the CPU harness); nccl on GPUs."""
-    return args.distributed_backend == "gloo"
+from megatron_orch.trainer.data_events import DataEvents
+from megatron_orch.trainer.task import compute_device, runs_on_cpu  # noqa: F401 -- where the model computes
 
 
 def fusion_settings(args: argparse.Namespace) -> dict:
@@ -103,11 +100,6 @@ def build_train_data_iterator(args: argparse.Namespace, consumed_samples: int, d
     return build_train_iterator(data_config(args), consumed_samples, data_parallel_rank, data_parallel_size,
                                 pin_memory, data_parallel_group=parallel_state.get_data_parallel_group(),
                                 loader_state=loader_state)
-
-
-def compute_device(args: argparse.Namespace) -> torch.device:
-    """Where this rank's model computes: its GPU, or the CPU for a gloo run."""
-    return torch.device("cpu") if runs_on_cpu(args) else torch.device("cuda", torch.cuda.current_device())
 
 
 def build_post_balancing(args: argparse.Namespace, config: OrchestratorConfig, source: Iterator[MicroBatch],

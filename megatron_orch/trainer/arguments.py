@@ -1,53 +1,40 @@
-"""Command line of ``pretrain_mllm.py``: Megatron-LM's flag names for what the compact trainer supports.
+"""Command line of a compact-trainer run: Megatron-LM's flag names for what the compact trainer supports.
 
-Three groups of flags:
+Groups of flags, in this order:
 
 * :func:`add_megatron_args`: the subset of Megatron-LM's own flags that the compact trainer
   implements, with Megatron's names and (mostly) defaults. Under ``megatron.training`` these come
   from Megatron-LM's parser instead.
-* :func:`add_mllm_args`: this project's model selection (``--model-config``) and the ``--orch-*``
-  post-balancing flags; passed to ``megatron.training`` as an extra args provider.
+* the task's own flags (:attr:`~megatron_orch.trainer.task.TrainingTask.add_arguments`), then the
+  ``--orch-*`` post-balancing flags (:func:`~megatron_orch.megatron.orch_arguments.add_orch_args`);
 * extra providers: functions ``provider(parser) -> parser`` (Megatron's ``extra_args_provider``
-  convention), e.g. the orchestrator's ``--orch-*`` group, given to :func:`parse_args`.
+  convention), given to :func:`parse_args`.
 
 Unknown flags, abbreviations of flags and inconsistent values are errors that name the flag
 (:class:`ArgumentError`). Parsing and every check that needs no device imports neither torch nor
 megatron, so a wrong command line fails in about a second: :func:`parse_args_or_exit` prints the one
-line ``pretrain_mllm.py: error: ...`` (on rank 0 only under torchrun) and exits with status 2, and
-``python -m megatron_orch.trainer.arguments FLAGS...`` checks a command line that way for a launch of
-``$WORLD_SIZE`` processes (the launch scripts do, before torchrun).
+line ``<program>: error: ...`` (on rank 0 only under torchrun) and exits with status 2;
+:func:`check_command_line` is that check for a launch of ``$WORLD_SIZE`` processes, the data included
+(a task's entry point runs it before torchrun).
 """
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import math
 import os
 import sys
-from pathlib import Path
 from typing import Callable, Iterable, NoReturn, Optional, Sequence
 
 from megatron_orch.megatron.orch_arguments import add_orch_args, orch_config_from_args
 from megatron_orch.megatron.pipeline_layout import check_interleaved_microbatches, virtual_pipeline_size
-from megatron_orch.mllm.check_data import add_data_args
-from megatron_orch.mllm.config import MLLMConfig, is_shipped_config, load_model_config
-
-ArgsProvider = Callable[[argparse.ArgumentParser], argparse.ArgumentParser]
+from megatron_orch.trainer.task import ArgsProvider, TrainingTask, runs_on_cpu
 
 SHARDING_STRATEGIES = ("no_shard", "optim", "optim_grads", "optim_grads_params")  # Megatron-FSDP's
 
-# Backbone shape flags and the TransformerShape field each one overrides.
-_BACKBONE_SHAPE_FLAGS = {
-    "num_layers": "num_layers",
-    "hidden_size": "hidden_size",
-    "ffn_hidden_size": "ffn_hidden_size",
-    "num_attention_heads": "num_attention_heads",
-    "num_query_groups": "num_query_groups",
-    "kv_channels": "kv_channels",
-    "num_experts": "num_experts",
-    "moe_router_topk": "moe_router_topk",
-    "moe_ffn_hidden_size": "moe_ffn_hidden_size",
-}
+# The backbone shape flags (Megatron-LM's names; each names the field of megatron_orch.balance.cost's
+# TransformerShape it gives); None where not given: the task's model config decides.
+BACKBONE_SHAPE_FLAGS = ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "num_query_groups",
+                        "kv_channels", "num_experts", "moe_router_topk", "moe_ffn_hidden_size")
 LOAD_BALANCING_TYPES = ("aux_loss", "seq_aux_loss", "global_aux_loss", "sinkhorn", "none")  # Megatron-LM's
 
 
@@ -64,16 +51,13 @@ class _Parser(argparse.ArgumentParser):
 
 
 def transformer_engine_available() -> bool:
-    """:func:`megatron_orch.mllm.model.transformer_engine_available`, imported (with megatron) only when
-    the answer matters: a run on GPUs, or ``--transformer-impl transformer_engine``."""
-    from megatron_orch.mllm.model import transformer_engine_available as available
-    return available()
-
-
-def _runs_on_cpu(args: argparse.Namespace) -> bool:
-    """--distributed-backend gloo trains on CPU (what :func:`megatron_orch.mllm.providers.runs_on_cpu`
-    says, asked here without importing megatron)."""
-    return args.distributed_backend == "gloo"
+    """Whether ``import transformer_engine`` succeeds, asked (it imports torch) only when the answer matters:
+    a run on GPUs, or ``--transformer-impl transformer_engine``."""
+    try:
+        import transformer_engine  # noqa: F401
+    except (ImportError, OSError):  # OSError: installed, but its CUDA libraries do not load
+        return False
+    return True
 
 
 def add_megatron_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -211,103 +195,72 @@ def add_megatron_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParse
     return parser
 
 
-TRAINERS = ("compact", "megatron-lm")
+def new_parser(program: str, description: Optional[str] = None, **kwargs) -> argparse.ArgumentParser:
+    """An argument parser whose errors are :class:`ArgumentError` (no abbreviations of flags)."""
+    return _Parser(prog=program, allow_abbrev=False, description=description, **kwargs)
 
 
-def _add_trainer_arg(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--orch-trainer", choices=TRAINERS, default="compact",
-                        help="which training loop runs: compact (this project's, on megatron-core: CPU or GPUs) or "
-                             "megatron-lm (Megatron-LM's own megatron.training.pretrain: GPUs, Megatron-LM's flags)")
-
-
-def trainer_of(argv: Sequence[str]) -> str:
-    """The ``--orch-trainer`` of a command line (the full parsers check the rest); a bad value exits with
-    :func:`exit_with_error`. Imports neither torch nor megatron."""
-    parser = _Parser(add_help=False, allow_abbrev=False)
-    _add_trainer_arg(parser)
-    try:
-        return parser.parse_known_args(argv)[0].orch_trainer
-    except ArgumentError as err:
-        exit_with_error(str(err))
-
-
-def add_mllm_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    """This project's flags: the trainer, which multimodal model, and the ``--orch-*`` post-balancing group."""
-    g = parser.add_argument_group("multimodal model")
-    _add_trainer_arg(g)
-    g.add_argument("--model-config", type=str, default="tiny",
-                   help="name in configs/ (tiny, mllm_10b, ...) or a YAML path; the shape flags above "
-                        "override its backbone")
-    g = add_data_args(parser)
-    g.add_argument("--max-bad-examples", type=int, default=0,
-                   help="bad examples (a missing or unreadable file, a limit exceeded, ...) skipped before the run "
-                        "stops; each is replaced by a seeded draw of another example and reported. 0: the first "
-                        "bad example ends the run")
-    return add_orch_args(parser)
-
-
-def build_parser(extra_args_providers: Iterable[ArgsProvider] = ()) -> argparse.ArgumentParser:
-    parser = _Parser(prog="pretrain_mllm.py", allow_abbrev=False,
-                     description="Train the multimodal LLM with megatron-core.")
+def build_parser(task: TrainingTask, extra_args_providers: Iterable[ArgsProvider] = ()) -> argparse.ArgumentParser:
+    """The trainer's flags, the task's (:attr:`~megatron_orch.trainer.task.TrainingTask.add_arguments`),
+    the ``--orch-*`` post-balancing flags, then each extra provider's."""
+    parser = new_parser(task.program, task.description)
     add_megatron_args(parser)
-    add_mllm_args(parser)
+    parser = add_orch_args(task.add_arguments(parser))
     for provider in extra_args_providers:
         parser = provider(parser)
     return parser
 
 
-def parse_args(argv: Optional[Sequence[str]] = None, world_size: Optional[int] = None,
+def parse_args(task: TrainingTask, argv: Optional[Sequence[str]] = None, world_size: Optional[int] = None,
                extra_args_providers: Iterable[ArgsProvider] = ()) -> argparse.Namespace:
-    """Parse and validate a command line (``world_size``: the launch's, default from torch.distributed).
+    """Parse and validate a command line of ``task`` (``world_size``: the launch's, default from
+    torch.distributed).
 
     Raises :class:`ArgumentError` naming the flag for anything wrong, argparse's own errors included.
     """
-    args = build_parser(extra_args_providers).parse_args(argv)
+    args = build_parser(task, extra_args_providers).parse_args(argv)
     if world_size is None:
         import torch.distributed as dist
         world_size = dist.get_world_size() if dist.is_initialized() else 1
-    return validate_args(args, world_size)
+    return validate_args(args, world_size, task)
 
 
-def parse_args_or_exit(argv: Optional[Sequence[str]] = None, world_size: Optional[int] = None,
+def parse_args_or_exit(task: TrainingTask, argv: Optional[Sequence[str]] = None, world_size: Optional[int] = None,
                        extra_args_providers: Iterable[ArgsProvider] = ()) -> argparse.Namespace:
-    """:func:`parse_args`; on an error, print ``pretrain_mllm.py: error: ...`` once and exit with status 2."""
+    """:func:`parse_args`; on an error, print ``<program>: error: ...`` once and exit with status 2."""
     try:
-        return parse_args(argv, world_size, extra_args_providers)
+        return parse_args(task, argv, world_size, extra_args_providers)
     except ArgumentError as err:
-        exit_with_error(str(err))
+        exit_with_error(str(err), task.program)
 
 
-def check_data_or_exit(args: argparse.Namespace) -> None:
-    """With ``--data-path``: parse and check the manifest line by line, and that it holds every sample the
-    run consumes; on an error, :func:`exit_with_error`. Imports torch. (The synthetic default is
-    checked where the ranks build it.)"""
-    if args.data_path is None:
-        return
-    from megatron_orch.mllm.data import checked_dataset, data_config
+def check_data_or_exit(args: argparse.Namespace, task: TrainingTask) -> None:
+    """The task's check of its data (:attr:`~megatron_orch.trainer.task.TrainingTask.check_data`, before any
+    model is built); on an error, :func:`exit_with_error`."""
     try:
-        checked_dataset(data_config(args))
-    except (OSError, ValueError, ImportError) as err:  # ImportError: an Energon dataset without the extra
-        exit_with_error(str(err))
+        task.check_data(args)
+    except (OSError, ValueError, ImportError) as err:  # ImportError: a reader's optional package missing
+        exit_with_error(str(err), task.program)
 
 
-def exit_with_error(message: str) -> NoReturn:
-    """Print ``pretrain_mllm.py: error: <message>`` and exit with status 2, as argparse does; under
+def exit_with_error(message: str, program: str) -> NoReturn:
+    """Print ``<program>: error: <message>`` and exit with status 2, as argparse does; under
     torchrun only global rank 0 prints (every rank parses the same command line and fails alike) and
     every rank writes it to torchrun's error file (:func:`megatron_orch.trainer.launch.report_failure`)."""
     from megatron_orch.trainer.launch import report_failure
-    report_failure("pretrain_mllm.py", message, show=os.environ.get("RANK", "0") == "0")
+    report_failure(program, message, show=os.environ.get("RANK", "0") == "0")
     sys.exit(2)
 
 
-def _positive(args: argparse.Namespace, *names: str) -> None:
+def check_positive(args: argparse.Namespace, *names: str) -> None:
+    """Each of the flags ``names`` not given (None) or >= 1, else :class:`ArgumentError`."""
     for name in names:
         value = getattr(args, name)
         if value is not None and value < 1:
             raise ArgumentError(f"--{name.replace('_', '-')} must be >= 1, got {value}")
 
 
-def _in_range(args: argparse.Namespace, name: str, low: float, high: float = math.inf,
+def check_in_range(args: argparse.Namespace, name: str, low: float, high: float = math.inf,
               low_open: bool = False, high_open: bool = False) -> None:
     """A finite float flag within [low, high] (``*_open``: the end excluded)."""
     value = getattr(args, name)
@@ -318,23 +271,22 @@ def _in_range(args: argparse.Namespace, name: str, low: float, high: float = mat
         raise ArgumentError(f"--{name.replace('_', '-')} must be a finite number in {interval}, got {value}")
 
 
-def validate_args(args: argparse.Namespace, world_size: int) -> argparse.Namespace:
-    """Check consistency; derive ``data_parallel_size``, ``num_microbatches`` and ``mllm_config`` (the
-    loaded ``--model-config`` with the backbone shape flags applied)."""
-    _positive(args, "tensor_model_parallel_size", "pipeline_model_parallel_size", "context_parallel_size",
-              "expert_model_parallel_size", "micro_batch_size", "global_batch_size", "train_iters", "exit_interval",
-              "seq_length", "log_interval", "save_interval", "make_vocab_size_divisible_by", "max_num_tiles",
-              "max_image_pixels", "max_vision_items_per_sample", "keep_last_checkpoints", "max_position_embeddings",
-              *_BACKBONE_SHAPE_FLAGS)
+def validate_args(args: argparse.Namespace, world_size: int, task: TrainingTask) -> argparse.Namespace:
+    """Check consistency; derive ``data_parallel_size``, ``num_microbatches`` and ``model_summary`` (what
+    the task's :attr:`~megatron_orch.trainer.task.TrainingTask.configure` returned)."""
+    check_positive(args, "tensor_model_parallel_size", "pipeline_model_parallel_size", "context_parallel_size",
+                   "expert_model_parallel_size", "micro_batch_size", "global_batch_size", "train_iters",
+                   "exit_interval", "seq_length", "log_interval", "save_interval", "make_vocab_size_divisible_by",
+                   "keep_last_checkpoints", "max_position_embeddings", *BACKBONE_SHAPE_FLAGS)
     for name in ("max_bad_examples", "ckpt_step"):
-        if getattr(args, name) is not None and getattr(args, name) < 0:
+        if getattr(args, name, None) is not None and getattr(args, name) < 0:
             raise ArgumentError(f"--{name.replace('_', '-')} must be >= 0, got {getattr(args, name)}")
     for name in ("lr", "min_lr", "lr_warmup_init", "weight_decay", "clip_grad"):
-        _in_range(args, name, 0.0)
+        check_in_range(args, name, 0.0)
     for name in ("adam_beta1", "adam_beta2", "sgd_momentum"):
-        _in_range(args, name, 0.0, 1.0, high_open=True)
-    for name in ("adam_eps", "init_method_std", "max_audio_seconds"):
-        _in_range(args, name, 0.0, low_open=True)
+        check_in_range(args, name, 0.0, 1.0, high_open=True)
+    for name in ("adam_eps", "init_method_std"):
+        check_in_range(args, name, 0.0, low_open=True)
     model_parallel = args.tensor_model_parallel_size * args.pipeline_model_parallel_size * args.context_parallel_size
     if world_size % model_parallel:
         raise ArgumentError(f"world size {world_size} is not divisible by --tensor-model-parallel-size "
@@ -369,26 +321,27 @@ def validate_args(args: argparse.Namespace, world_size: int) -> argparse.Namespa
         if getattr(args, name) not in (None, False) and getattr(args, needs) is None:
             raise ArgumentError(f"--{name.replace('_', '-')} needs --{needs} (the checkpoint directory)")
     for name in ("hidden_dropout", "attention_dropout"):
-        _in_range(args, name, 0.0, 1.0, high_open=True)
-    data_path = None if args.data_path is None else Path(args.data_path)
-    if data_path is not None and not (data_path.is_file() or (data_path / ".nv-meta").is_dir()):
-        raise ArgumentError(f"--data-path {args.data_path}: no such file (a JSONL manifest) or Energon dataset "
-                            "(a folder with .nv-meta)")
+        check_in_range(args, name, 0.0, 1.0, high_open=True)
     _check_sharded_data_parallel(args)
     args.calculate_per_token_loss = True
-    args.mllm_config = resolve_model_config(args)
+    try:
+        args.model_summary = summary = task.configure(args)
+    except ArgumentError:
+        raise
+    except ValueError as err:
+        raise ArgumentError(str(err)) from None
     try:
         args.virtual_pipeline_model_parallel_size = virtual_pipeline_size(
-            args.mllm_config.backbone.transformer.num_layers, args.pipeline_model_parallel_size,
+            summary.num_layers, args.pipeline_model_parallel_size,
             args.num_layers_per_virtual_pipeline_stage, args.num_virtual_stages_per_pipeline_rank)
         if args.virtual_pipeline_model_parallel_size is not None:
             check_interleaved_microbatches(args.num_microbatches, args.pipeline_model_parallel_size)
     except ValueError as err:
         raise ArgumentError(str(err)) from None
     try:
-        args.orch_config = orch_config_from_args(args, verify_by_default=not is_shipped_config(args.model_config))
+        args.orch_config = orch_config_from_args(args, verify_by_default=summary.verify_first_step)
         if args.orch_config is not None:
-            args.orch_config.check_phases(args.mllm_config.phases())
+            args.orch_config.check_phases(summary.phases)
     except ValueError as err:
         raise ArgumentError(str(err)) from err
     _check_mixture_of_experts(args)
@@ -401,19 +354,19 @@ def validate_args(args: argparse.Namespace, world_size: int) -> argparse.Namespa
 
 
 def _check_mixture_of_experts(args: argparse.Namespace) -> None:
-    """Expert parallelism and the MoE flags against the backbone (``--model-config`` and the shape flags);
+    """Expert parallelism and the MoE flags against the backbone (the task's model and the shape flags);
     with post-balancing, the settings whose losses would change with an example's placement are refused
     (:func:`~megatron_orch.megatron.moe.placement_dependent_moe_settings`)."""
     from megatron_orch.megatron.moe import placement_dependent_moe_settings
 
-    shape, ep = args.mllm_config.backbone.transformer, args.expert_model_parallel_size
-    if not shape.is_moe:
+    num_experts, ep = args.model_summary.num_experts, args.expert_model_parallel_size
+    if num_experts is None:
         if ep > 1:
             raise ArgumentError(f"--expert-model-parallel-size {ep} needs a mixture-of-experts backbone "
                                 "(--num-experts, or a --model-config whose backbone has num_experts)")
         return
-    if shape.num_experts % ep or args.data_parallel_size % ep:
-        raise ArgumentError(f"--expert-model-parallel-size {ep} must divide the {shape.num_experts} experts and the "
+    if num_experts % ep or args.data_parallel_size % ep:
+        raise ArgumentError(f"--expert-model-parallel-size {ep} must divide the {num_experts} experts and the "
                             f"data-parallel size {args.data_parallel_size} (expert parallelism runs inside DP)")
     if args.tensor_model_parallel_size > 1:
         raise ArgumentError("the compact trainer runs an MoE backbone with TP 1 (megatron-core's MoE layer with "
@@ -477,76 +430,24 @@ def _check_sequence_split(args: argparse.Namespace) -> None:
 def _resolve_transformer_impl(args: argparse.Namespace) -> None:
     """Default: Transformer Engine's layers on GPUs when it imports, else the local ones."""
     if args.transformer_impl is None:
-        use_te = not _runs_on_cpu(args) and transformer_engine_available()
+        use_te = not runs_on_cpu(args) and transformer_engine_available()
         args.transformer_impl = "transformer_engine" if use_te else "local"
     elif args.transformer_impl == "transformer_engine":
         if not transformer_engine_available():
             raise ArgumentError("--transformer-impl transformer_engine: Transformer Engine does not import here "
                                 "(import transformer_engine failed); use --transformer-impl local")
-        if _runs_on_cpu(args):
+        if runs_on_cpu(args):
             raise ArgumentError("--transformer-impl transformer_engine needs GPUs (--distributed-backend nccl); "
                                 "a gloo run trains on CPU: use --transformer-impl local")
-    if args.context_parallel_size > 1 and args.transformer_impl == "local" and not _runs_on_cpu(args):
+    if args.context_parallel_size > 1 and args.transformer_impl == "local" and not runs_on_cpu(args):
         raise ArgumentError(f"--context-parallel-size {args.context_parallel_size} on GPUs runs Transformer Engine's "
                             "context-parallel attention (as Megatron does): use --transformer-impl transformer_engine; "
                             "--transformer-impl local's context-parallel attention is the CPU path (it gathers "
                             "every key and value)")
 
 
-def resolve_model_config(args: argparse.Namespace) -> MLLMConfig:
-    """``--model-config`` with the backbone shape flags applied, checked against the parallel sizes."""
-    try:
-        loaded = load_model_config(args.model_config)
-    except (OSError, ValueError, TypeError) as err:  # missing file, bad YAML or fields
-        raise ArgumentError(f"--model-config {args.model_config}: {err}") from None
-    config = backbone_overrides(loaded, args)
-    backbone = config.backbone
-    if backbone.transformer.num_layers % args.pipeline_model_parallel_size:
-        raise ArgumentError(f"the backbone's {backbone.transformer.num_layers} layers (--num-layers) are not "
-                            f"divisible by --pipeline-model-parallel-size {args.pipeline_model_parallel_size}")
-    _check_tensor_parallel(config, args.tensor_model_parallel_size)
-    if args.seq_length > backbone.max_position_embeddings:
-        raise ArgumentError(f"--seq-length {args.seq_length} exceeds the backbone's max_position_embeddings "
-                            f"({backbone.max_position_embeddings})")
-    return config
-
-
-def backbone_overrides(config: MLLMConfig, args: argparse.Namespace) -> MLLMConfig:
-    """``config`` with the backbone shape flags and ``--max-position-embeddings`` given on the command line applied."""
-    changes = {field: getattr(args, flag) for flag, field in _BACKBONE_SHAPE_FLAGS.items()
-               if getattr(args, flag) is not None}
-    backbone = config.backbone
-    if changes:
-        try:
-            backbone = dataclasses.replace(backbone, transformer=dataclasses.replace(backbone.transformer, **changes))
-        except ValueError as err:
-            raise ArgumentError(f"backbone shape flags {changes}: {err}") from None
-    if args.max_position_embeddings is not None:
-        backbone = dataclasses.replace(backbone, max_position_embeddings=args.max_position_embeddings)
-    return config if backbone is config.backbone else dataclasses.replace(config, backbone=backbone)
-
-
-def _check_tensor_parallel(config: MLLMConfig, tp: int) -> None:
-    """Megatron splits heads, query groups and FFN columns over TP ranks: each must divide."""
-    stacks = {"backbone": config.backbone.transformer}
-    stacks.update({f"encoders.{name}": encoder.transformer for name, encoder in config.encoders.items()})
-    for where, shape in stacks.items():
-        for field in ("num_attention_heads", "num_query_groups", "ffn_hidden_size"):
-            value = getattr(shape, field)
-            if value is not None and value % tp:
-                raise ArgumentError(f"{where}.{field}={value} is not divisible by "
-                                    f"--tensor-model-parallel-size {tp}")
-    for name, encoder in config.encoders.items():
-        if encoder.projector_ffn_hidden_size % tp:
-            raise ArgumentError(f"encoders.{name}.projector_ffn_hidden_size={encoder.projector_ffn_hidden_size} is "
-                                f"not divisible by --tensor-model-parallel-size {tp}")
-
-
-def main(argv: Optional[Sequence[str]] = None) -> None:
-    """Check a ``pretrain_mllm.py`` command line for a launch of ``$WORLD_SIZE`` processes (default 1),
-    including its ``--data-path`` manifest, line by line; exit 0 if it is fine, else 2 with the error."""
-    check_data_or_exit(parse_args_or_exit(argv, world_size=int(os.environ.get("WORLD_SIZE", "1"))))
-
-
-if __name__ == "__main__":
-    main()
+def check_command_line(task: TrainingTask, argv: Optional[Sequence[str]] = None) -> None:
+    """Check a command line of ``task`` for a launch of ``$WORLD_SIZE`` processes (default 1), its data
+    included (:attr:`~megatron_orch.trainer.task.TrainingTask.check_data`); return if it is fine, else exit
+    with status 2 and the error (a task's entry point runs it before torchrun)."""
+    check_data_or_exit(parse_args_or_exit(task, argv, world_size=int(os.environ.get("WORLD_SIZE", "1"))), task)

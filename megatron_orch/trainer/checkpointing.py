@@ -61,7 +61,6 @@ examples and truncated answers, so the losses after resuming are the ones an uni
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import hashlib
 import hmac
 import json
@@ -85,8 +84,6 @@ from megatron.core import parallel_state, tensor_parallel
 
 from megatron_orch.comm.gather import all_gather_to_host
 from megatron_orch.comm.status import describe, raise_if_any_rank_failed
-from megatron_orch.mllm.data import data_identity
-from megatron_orch.mllm.model import BACKBONE_MODULE
 
 TRACKER_FILENAME = "latest_checkpointed_iteration.txt"
 CHECKSUMS_FILENAME = "checksums.json"
@@ -103,8 +100,6 @@ FIXED_FLAGS = ("seq_length", "seed", "data_path", "make_vocab_size_divisible_by"
 # --use-checkpoint-opt_param-scheduler.
 SCHEDULE_FLAGS = ("train_iters", "global_batch_size", "lr", "min_lr", "lr_decay_style", "lr_decay_iters",
                   "lr_warmup_iters", "lr_warmup_init", "weight_decay")
-# Model-config fields that only describe it (a YAML path and a shipped name can hold the same model).
-_DESCRIPTIVE_MODEL_FIELDS = ("name", "shaped_after")
 
 
 class CheckpointError(RuntimeError):
@@ -124,25 +119,15 @@ class TrainState:
     rank_state: Dict[str, object] = field(default_factory=dict)
 
 
-def run_config(args) -> dict:
-    """What a resumed run is checked against: the fixed and schedule flags, the model, the --orch-* flags."""
+def run_config(args, task) -> dict:
+    """What a resumed run is checked against: the fixed and schedule flags, the model and the data (as the
+    :class:`~megatron_orch.trainer.task.TrainingTask` identifies them), the --orch-* flags."""
     config = {name: getattr(args, name, None) for name in FIXED_FLAGS + SCHEDULE_FLAGS}
-    config["data_identity"] = data_identity(args.data_path) if args.data_path else None
-    # the backbone's megatron-core class too: GPTModel's and HybridModel's parameters are named differently
-    config["model_config"] = {**_flatten(dataclasses.asdict(args.mllm_config)), "backbone.module": BACKBONE_MODULE}
+    config["data_identity"] = task.data_identity(args)
+    config["model_config"] = task.model_identity(args)
     config["orch"] = {name: value for name, value in sorted(vars(args).items())
                       if name.startswith("orch_") and name != "orch_config"}
     return config
-
-
-def _flatten(tree: dict, prefix: str = "") -> dict:
-    out = {}
-    for key, value in tree.items():
-        if isinstance(value, dict):
-            out.update(_flatten(value, f"{prefix}{key}."))
-        elif prefix or key not in _DESCRIPTIVE_MODEL_FIELDS:
-            out[f"{prefix}{key}"] = value
-    return out
 
 
 def _describe_identity(identity: Optional[dict]) -> str:

@@ -1,7 +1,7 @@
 """Run megatron-core 0.16.1 on CPU with torch.distributed over gloo.
 
 This is the ONLY module of the project that redirects CUDA-only calls; it is used by CPU runs
-(``pretrain_mllm.py`` with ``--distributed-backend gloo``, the default without a GPU) and by the
+(a compact-trainer run with ``--distributed-backend gloo``, the default without a GPU) and by the
 tests, never for GPU training. Call :func:`install` once per process before building models
 (idempotent; safe to call again).
 

@@ -1,11 +1,11 @@
 """torchrun for the launch scripts: a failed run ends with the failing rank's one-line message.
 
-A rank of ``pretrain_mllm.py`` that fails passes its error to :func:`report_exception` (a bad command
+A rank of a training entry point that fails passes its error to :func:`report_exception` (a bad command
 line: :func:`report_failure`). Under torchrun the one-line message goes to the rank's error file
 (``$TORCHELASTIC_ERROR_FILE``, torchrun's own channel for a child's root cause, which plain torchrun
 quotes in its report); the rank also prints it, unless this launcher started it.
 
-``python -m megatron_orch.trainer.launch TORCHRUN_ARGS... pretrain_mllm.py FLAGS...`` is torchrun with
+``python -m megatron_orch.trainer.launch TORCHRUN_ARGS... SCRIPT.py FLAGS...`` is torchrun with
 its own log lines and report left out: when ranks fail it prints, last, each distinct message once with
 the ranks that had it (a rank's own error, not the ranks that only quote it), after any rank that ended
 by a signal without one (killed: out of memory?), and exits with the failing rank's status

@@ -1,6 +1,8 @@
 """A compact training loop on megatron-core, for machines without a Megatron-LM checkout.
 
-It does what ``megatron.training.pretrain`` does for this model, with megatron-core's own parts:
+It does what ``megatron.training.pretrain`` does, for the model of a
+:class:`~megatron_orch.trainer.task.TrainingTask` (any model of the balancing contract), with
+megatron-core's own parts:
 ``parallel_state`` (gloo on CPU, through :mod:`~megatron_orch.trainer.cpu_harness`), Megatron DDP,
 ``get_megatron_optimizer`` (optionally the distributed optimizer), ``OptimizerParamScheduler``,
 ``get_forward_backward_func()`` (no pipelining, 1F1B with pipeline parallelism, or the interleaved 1F1B
@@ -33,15 +35,14 @@ from megatron.core.utils import get_attr_wrapped_model, get_model_config
 
 from megatron_orch.comm.device import to_communication_device
 from megatron_orch.comm.gather import all_gather_to_host
-from megatron_orch.mllm import providers
-from megatron_orch.mllm.providers import runs_on_cpu
 from megatron_orch.comm.status import raise_if_any_rank_failed
 from megatron_orch.megatron.schedule import data_iterators
-from megatron_orch.mllm.data import DataEvent, TooManyBadExamplesError
+from megatron_orch.trainer.data_events import DataEvent, TooManyBadExamplesError, max_bad_examples
 from megatron_orch.trainer.checkpointing import (TrainState, check_save_folder, load_checkpoint, lock_save_folder,
                                                  new_run_id, run_config, save_checkpoint)
 from megatron_orch.trainer.data_parallel import wrap_data_parallel
 from megatron_orch.trainer.faults import StepReader, naming_lost_collectives
+from megatron_orch.trainer.task import TrainingTask, compute_device, runs_on_cpu
 from megatron_orch.trainer.timers import EventTimers
 from megatron_orch.trainer.training_log import (IntervalStats, IterationRecord, LoadMeter, TensorBoardLog,
                                                 gather_data_events, load_fields, max_and_mean_over_group, memory_report,
@@ -93,7 +94,7 @@ def shutdown() -> None:
         dist.destroy_process_group()
 
 
-def build_model(args: argparse.Namespace, model_provider: Callable = providers.build_model) -> list:
+def build_model(args: argparse.Namespace, model_provider: Callable) -> list:
     """This rank's model chunks, in bf16 if asked, each wrapped in Megatron DDP, torch FSDP2 or Megatron-FSDP
     (:func:`~megatron_orch.trainer.data_parallel.wrap_data_parallel`): one, or one per virtual pipeline stage
     (``model_provider(args, pre_process, post_process, vp_stage=...)``, as Megatron-LM's ``get_model`` builds
@@ -115,7 +116,7 @@ def build_model(args: argparse.Namespace, model_provider: Callable = providers.b
     except Exception as err:  # noqa: BLE001
         error = err
     raise_if_any_rank_failed(error, what="building the model")
-    device = providers.compute_device(args)
+    device = compute_device(args)
     model = []
     for index, module in enumerate(chunks):
         config = module.config
@@ -217,7 +218,7 @@ def _interval_record(args, state: TrainState, stats: IntervalStats, last_step: d
     """Collective over the world: per-rank load as max/mean over the DP group, phase times as max/mean
     over the ranks that run the phase (the encoders run on the first pipeline stage only)."""
     n = max(stats.iterations, 1)
-    phases = args.mllm_config.phases()
+    phases = args.model_summary.phases
     fields, timer_names = load_fields(phases), phase_timers(phases)
     load_max, load_mean = max_and_mean_over_group(stats.load / n, parallel_state.get_data_parallel_group())
     times = torch.tensor([stats.phase_s.get(name, float("nan")) * 1000.0 / n for name in timer_names],
@@ -256,22 +257,20 @@ def _phase_seconds(timers: Timers, names) -> dict:
 
 
 def train(args: argparse.Namespace, model: list, optimizer, scheduler, data_iterator: Iterator,
-          state: TrainState, timers: Timers, forward_step: ForwardStep = providers.forward_step,
+          state: TrainState, timers: Timers, forward_step: ForwardStep, config: dict,
           print_fn: Callable[[str], None] = print,
           forward_backward_func: Optional[Callable] = None,
-          read_step: Optional[Callable[[], None]] = None, data_source=None, lock=None,
-          config: Optional[dict] = None) -> list[IterationRecord]:
+          read_step: Optional[Callable[[], None]] = None, data_source=None, lock=None) -> list[IterationRecord]:
     """Train up to ``args.train_iters`` (or the next multiple of ``--exit-interval``), then save if
     ``--save``; returns the records of the logged iterations (on the logging rank, else empty).
 
     ``read_step``: called on every rank before each step (:meth:`StepReader.read_step`). A collective
     that times out or loses a peer raises :class:`~megatron_orch.trainer.faults.CollectiveFailureError`
-    naming the ranks that never reached a collective. ``data_source``: the loader's
-    :class:`~megatron_orch.mllm.data.TrainIterator`, whose skipped examples and truncated answers are
+    naming the ranks that never reached a collective. ``data_source``: the loader where it is a
+    :class:`~megatron_orch.trainer.data_events.DataEvents`, whose skipped examples and truncated answers are
     reported after each step (:func:`_report_data_events`). ``lock``: rank 0's lock of ``--save``.
-    ``config``: the run config saved with each checkpoint (default :func:`run_config` of ``args`` now).
+    ``config``: the run config saved with each checkpoint (:func:`run_config`).
     """
-    config = run_config(args) if config is None else config
     with naming_lost_collectives(lambda: f"iteration {state.iteration + 1}", args.distributed_timeout_minutes):
         return _train(args, model, optimizer, scheduler, data_iterator, state, timers, forward_step, print_fn,
                       forward_backward_func, read_step, data_source, lock, config)
@@ -291,18 +290,18 @@ def _report_data_events(args, data_source, state: TrainState, print_fn) -> List[
     truncated = [e for e in events if not e.skipped]
     if _logging_rank():
         for event in skipped:
-            print_fn(f" > bad example skipped (--max-bad-examples {args.max_bad_examples}): {event.message}; "
+            print_fn(f" > bad example skipped (--max-bad-examples {max_bad_examples(args)}): {event.message}; "
                      f"sample {event.position} trains on {event.replacement} instead")
         if truncated and state.truncated_answers == 0:
             print_fn(f" > {truncated[0].message}; answers truncated from here on are counted in the iteration "
                      "lines (--refuse-long-answers makes them bad examples)")
     state.bad_examples += len(skipped)
     state.truncated_answers += len(truncated)
-    if state.bad_examples > args.max_bad_examples:
+    if state.bad_examples > max_bad_examples(args):
         last = skipped[-1].message if skipped else "skipped before the checkpoint this run resumed from"
         raise TooManyBadExamplesError(
             f"{state.bad_examples} bad examples by iteration {state.iteration}, more than --max-bad-examples "
-            f"{args.max_bad_examples}; the last: {last}")
+            f"{max_bad_examples(args)}; the last: {last}")
     return events
 
 
@@ -331,7 +330,7 @@ def _stop_if_not_finite(args, state: TrainState, result: dict, data_source, even
 
 def _train(args, model, optimizer, scheduler, data_iterator, state, timers, forward_step, print_fn,
            forward_backward_func, read_step, data_source, lock, config) -> list[IterationRecord]:
-    phases = args.mllm_config.phases()
+    phases = args.model_summary.phases
     meter = LoadMeter(data_iterator, phases)
     tensorboard = TensorBoardLog(args.tensorboard_dir) if args.tensorboard_dir and _logging_rank() else None
     records, stats, first_iteration = [], IntervalStats(), state.iteration
@@ -399,11 +398,12 @@ def _save(args, state: TrainState, model: list, optimizer, scheduler, print_fn: 
         print_fn(f"  [{_now()}] successfully saved checkpoint from iteration {state.iteration:7d} to {args.save}")
 
 
-def pretrain(args: argparse.Namespace, model_provider: Callable = providers.build_model,
-             forward_step: ForwardStep = providers.forward_step,
+def pretrain(args: argparse.Namespace, task: TrainingTask,
              print_fn: Callable[[str], None] = print) -> list[IterationRecord]:
-    """Initialise, build, (resume,) train; the compact counterpart of ``megatron.training.pretrain``
-    (``model_provider(args, pre_process, post_process)``, ``forward_step(data_iterator, model)``)."""
+    """Initialise, build, (resume,) train ``task`` (``args``: its command line, parsed by
+    :func:`~megatron_orch.trainer.arguments.parse_args` with the same task); the compact counterpart of
+    ``megatron.training.pretrain``, whose providers are the task's hooks (``task.build_model(args,
+    pre_process, post_process, vp_stage=None)``, ``task.forward_step(data_iterator, model)``, ...)."""
     initialize(args)
     lock = None
     try:
@@ -414,7 +414,7 @@ def pretrain(args: argparse.Namespace, model_provider: Callable = providers.buil
                 lock, notes = lock_save_folder(args.save)
                 for note in notes:
                     print_fn(note)
-            return _set_up_and_train(args, model_provider, forward_step, print_fn, lock)
+            return _set_up_and_train(args, task, print_fn, lock)
     finally:
         if lock is not None:
             lock.release()
@@ -426,14 +426,14 @@ def _starting(print_fn: Callable[[str], None], what: str) -> None:
         print_fn(f" > {what} ...")
 
 
-def _set_up_and_train(args, model_provider, forward_step, print_fn, lock) -> list[IterationRecord]:
+def _set_up_and_train(args, task: TrainingTask, print_fn, lock) -> list[IterationRecord]:
     timers = EventTimers(log_level=max(1, args.timing_log_level), log_option="minmax", cuda=not runs_on_cpu(args))
     _starting(print_fn, f"{dist.get_world_size()} ranks initialised; building the model")
-    model = build_model(args, model_provider)
+    model = build_model(args, task.build_model)
     optimizer, scheduler = build_optimizer(args, model, timers)
     attach_to_model_config(model, optimizer, timers)
     time_encoder_forwards(model, timers)
-    state, config = TrainState(), run_config(args)  # the manifest as it is now, which the run reads next
+    state, config = TrainState(), run_config(args, task)  # the data as it is now, which the run reads next
     if args.load:
         # Returns on every rank only when every rank loaded (or none found a checkpoint).
         state = load_checkpoint(args.load, model, optimizer, scheduler, args.use_distributed_optimizer,
@@ -460,7 +460,7 @@ def _set_up_and_train(args, model_provider, forward_step, print_fn, lock) -> lis
     data_iterator, error = None, None
     try:  # the manifest is read here: a bad one raises on every rank, with its line and path
         restored = {"loader_state": state.rank_state["loader"]} if "loader" in state.rank_state else {}  # Energon's
-        data_iterator = providers.build_train_data_iterator(
+        data_iterator = task.build_train_data_iterator(
             args, state.consumed_samples, parallel_state.get_data_parallel_rank(), args.data_parallel_size, **restored)
     except Exception as err:  # noqa: BLE001
         error = err
@@ -470,7 +470,7 @@ def _set_up_and_train(args, model_provider, forward_step, print_fn, lock) -> lis
         print_fn(data_source.epoch_note())
     forward_backward_func, read_step = get_forward_backward_func(), None
     if args.orch_config is not None:
-        data_iterator, forward_backward_func = providers.build_post_balancing(
+        data_iterator, forward_backward_func = task.build_post_balancing(
             args, args.orch_config, data_iterator, forward_backward_func)
         if dist.get_rank() == 0:
             topology = data_iterator.topology
@@ -487,8 +487,8 @@ def _set_up_and_train(args, model_provider, forward_step, print_fn, lock) -> lis
     data_iterator = RerunDataIterator(data_iterator)
     _starting(print_fn, f"training iteration {state.iteration + 1}"
                         + (" (its plan first)" if args.orch_config is not None else ""))
-    return train(args, model, optimizer, scheduler, data_iterator, state, timers, forward_step, print_fn,
-                 forward_backward_func, read_step, data_source, lock, config)
+    return train(args, model, optimizer, scheduler, data_iterator, state, timers, task.forward_step, config,
+                 print_fn, forward_backward_func, read_step, data_source, lock)
 
 
 def feeding_every_chunk(forward_backward_func: Callable) -> Callable:
@@ -506,7 +506,7 @@ def feeding_every_chunk(forward_backward_func: Callable) -> Callable:
 def _describe(args: argparse.Namespace, model: list) -> str:
     params = sum(p.numel() for chunk in model for p in chunk.parameters())
     virtual = f" (x {len(model)} virtual stages)" if len(model) > 1 else ""
-    return (f" > model config {args.mllm_config.name}: {params} parameters on rank 0 | world size "
+    return (f" > model config {args.model_summary.name}: {params} parameters on rank 0 | world size "
             f"{args.world_size} = TP {args.tensor_model_parallel_size}{' (sequence parallel)' * args.sequence_parallel}"
             f" x CP {args.context_parallel_size} x PP {args.pipeline_model_parallel_size}{virtual} x DP "
             f"{args.data_parallel_size} | global batch "

@@ -20,7 +20,7 @@ import torch
 from megatron_orch.balance.workload import ModelPhases
 from megatron_orch.comm.gather import all_gather_to_host
 from megatron_orch.megatron.post_balancing import BalancedStep, ShadowStep
-from megatron_orch.mllm.data import DataEvent
+from megatron_orch.trainer.data_events import DataEvent
 
 # Timers of the whole step (Megatron timer names, recorded by megatron-core's schedule /
 # finalize_model_grads and the trainer), shown after each encoder phase's forward timer.
