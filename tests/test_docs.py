@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 
+from megatron_orch.mllm.task import MLLM_TASK
 from megatron_orch.trainer import arguments
 
 REPO = Path(__file__).resolve().parents[1]
@@ -73,7 +74,7 @@ def _train_tiny_cpu(args):
     if "--nproc" in args:
         at = args.index("--nproc")
         nproc, args = int(args[at + 1]), args[:at] + args[at + 2:]
-    arguments.parse_args(_script_defaults(REPO / "scripts" / "train_tiny_cpu.sh") + args, world_size=nproc)
+    arguments.parse_args(MLLM_TASK, _script_defaults(REPO / "scripts" / "train_tiny_cpu.sh") + args, world_size=nproc)
 
 
 def _run_tests(args, request):
