@@ -26,7 +26,7 @@ def test_background_plan_equals_foreground_plan():
     finally:
         planner.shutdown()
     assert background.digest == foreground.digest
-    assert np.array_equal(background.examples_llm.rank, foreground.examples_llm.rank)
+    assert np.array_equal(background.examples_backbone.rank, foreground.examples_backbone.rank)
 
 
 @pytest.mark.parametrize("interval", [SWITCH_INTERVAL_S, None])

@@ -86,7 +86,7 @@ def test_planner_with_a_profile_balances_the_profiles_costs_better_than_flops(mi
     for name, cost_profile in (("flops", None), ("profile", profile)):
         config = OrchestratorConfig(background=False, microbatching=microbatching, cost_profile=cost_profile)
         plan = plan_step(sizes, TINY.phases(), config, topology, micro_batch_size=2, num_microbatches=4)
-        loads = np.bincount(plan.examples_llm.rank, weights=measured, minlength=dp)
+        loads = np.bincount(plan.examples_backbone.rank, weights=measured, minlength=dp)
         imbalance[name] = loads.max() / loads.mean()
         if cost_profile is not None:  # the plan's own stats are in the profile's seconds
             assert plan.stats["llm"].imbalance_after == pytest.approx(imbalance[name])

@@ -51,7 +51,7 @@ def walk(plan, sizes, mbs, num_mb, packed):
             peak = max(peak, encoders + backbone(examples, False))  # the loader pads rows
             upstream_encoders = max(upstream_encoders, encoders)
         upstream.append(peak)
-        on_rank = plan.examples_llm.items_on(r)
+        on_rank = plan.examples_backbone.items_on(r)
         largest_mb = max(backbone(on_rank[plan.microbatch_of_example[on_rank] == m], packed) for m in range(num_mb))
         kept, recomputed = 0.0, 0.0
         for p in ("vision", "audio"):

@@ -45,7 +45,7 @@ def test_equals_partition_on_a_packed_step(mixture):
     """The packed backbone of a heavy-tailed DP 64 batch: 16 micro-batches per rank, every rank's examples."""
     config, _, sizes = draw_sizes(list(HEAVY_TAILED_MIXTURES[mixture]), 64, 16, "mllm_84b", 0)
     plan = plan_step(sizes, config.phases(), PLAN_METHODS["orch"], Topology.uniform(64, 8), 1, 16)
-    costs, rank = phase_items(sizes, config.phases())["llm"].cost, plan.examples_llm.rank
+    costs, rank = phase_items(sizes, config.phases())["llm"].cost, plan.examples_backbone.rank
     expected = per_group_in_python(costs, rank, 16, "auto")
     assert np.array_equal(partition_groups(costs, rank, 16), expected)
     assert np.array_equal(plan.microbatch_of_example, expected)  # what plan_step planned

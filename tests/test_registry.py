@@ -86,10 +86,10 @@ def test_plan_step_balances_with_them(toy):
     config = OrchestratorConfig(algorithm="round_robin", placement="reversed", background=False)
     plan = plan_step(sizes, load_model_config("tiny").phases(), config, Topology.uniform(4, 2), 1, 4)
     assert plan.stats["llm"].method == "round_robin"
-    assert plan.examples_llm.rank.tolist() == (3 - np.arange(16) % 4).tolist()
+    assert plan.examples_backbone.rank.tolist() == (3 - np.arange(16) % 4).tolist()
     assert plan.stats["llm"].max_after < plan.stats["llm"].max_before
     for rank in range(4):  # its 4 examples, by id, in micro-batches 0..3
-        assert plan.microbatch_of_example[plan.examples_llm.rank == rank].tolist() == [0, 1, 2, 3]
+        assert plan.microbatch_of_example[plan.examples_backbone.rank == rank].tolist() == [0, 1, 2, 3]
     assert plan.stats["vision"].method == "home"  # one item per example: round robin is no better than home
     auto = plan_step(sizes, load_model_config("tiny").phases(), OrchestratorConfig(background=False),
                      Topology.uniform(4, 2), 1, 4)

@@ -59,11 +59,11 @@ def test_bytes_are_one_count_in_report_bench_and_sim():
         by_hand = {"intra": 0.0, "inter": 0.0}
         for phase, enc in plan.encoders.items():
             flows = [(enc.home.rank, enc.encode.rank, items[phase].nbytes, 1),
-                     (enc.encode.rank, plan.examples_llm.rank[enc.example], items[phase].output_nbytes, 2)]
+                     (enc.encode.rank, plan.examples_backbone.rank[enc.example], items[phase].output_nbytes, 2)]
             for src, dst, nbytes, times in flows:
                 by_hand["inter"] += times * nbytes[node[src] != node[dst]].sum()
                 by_hand["intra"] += times * nbytes[(node[src] == node[dst]) & (src != dst)].sum()
-        src, dst = plan.examples_home.rank, plan.examples_llm.rank
+        src, dst = plan.examples_home.rank, plan.examples_backbone.rank
         by_hand["inter"] += items["llm"].nbytes[node[src] != node[dst]].sum()
         by_hand["intra"] += items["llm"].nbytes[(node[src] == node[dst]) & (src != dst)].sum()
         assert by_hand["inter"] > 0 and by_hand["intra"] > 0, sim_method
@@ -79,7 +79,7 @@ def test_bytes_are_one_count_in_report_bench_and_sim():
     verl = backbone_only_plan(sizes, upstream_plan(sizes, TINY.phases().backbone.name))
     for phase in ("vision", "audio"):  # encoder items run on their example's rank: no embeddings move
         np.testing.assert_array_equal(verl.encoders[phase].encode.rank,
-                                      verl.examples_llm.rank[verl.encoders[phase].example])
+                                      verl.examples_backbone.rank[verl.encoders[phase].example])
         assert verl.output_transfer(phase).moved_bytes(items[phase].output_nbytes, node).off_gpu == 0
 
 

@@ -27,13 +27,13 @@ def sizes_of(vision, audio, tokens, num_ranks):
 
 def check_plan(plan, sizes, config, mbs, num_mb):
     n = sizes.num_examples
-    num_ranks = plan.examples_llm.num_ranks
+    num_ranks = plan.examples_backbone.num_ranks
     # Every example on exactly one backbone rank (Placement validates slots), micro-batch in range.
-    assert plan.examples_llm.num_items == n
+    assert plan.examples_backbone.num_items == n
     assert plan.microbatch_of_example.min(initial=0) >= 0
     assert plan.microbatch_of_example.max(initial=0) < num_mb
     for r in range(num_ranks):
-        mine = plan.examples_llm.items_on(r)
+        mine = plan.examples_backbone.items_on(r)
         mb = plan.microbatch_of_example[mine]
         assert np.all(np.diff(mb) >= 0), "slot order must be micro-batch order"
         if config.microbatching == "equal_count":
@@ -43,14 +43,14 @@ def check_plan(plan, sizes, config, mbs, num_mb):
         assert np.array_equal(enc.example, np.repeat(np.arange(n), per_example))
         assert np.array_equal(enc.home.rank, plan.examples_home.rank[enc.example])
         out = plan.output_transfer(phase)
-        assert np.array_equal(out.dst.rank, plan.examples_llm.rank[enc.example])
+        assert np.array_equal(out.dst.rank, plan.examples_backbone.rank[enc.example])
         assert np.array_equal(out.src.rank, enc.encode.rank)
         if not config.balances(phase):
             assert np.array_equal(enc.encode.rank, enc.home.rank)
         # Outputs arrive in the order the backbone splices them: by example slot, then item.
         for r in range(num_ranks):
             arrived = out.dst.items_on(r)
-            keys = [(plan.examples_llm.slot[enc.example[i]], i) for i in arrived]
+            keys = [(plan.examples_backbone.slot[enc.example[i]], i) for i in arrived]
             assert keys == sorted(keys)
         stats = plan.stats[phase]
         assert stats.items == enc.example.size
@@ -173,7 +173,7 @@ def test_the_backbone_is_planned_per_context_parallel_rank():
     sizes = sizes_of([1, 0, 3, 2], [0, 2, 1, 0], [40, 12, 96, 20], 2)
     whole, split = (plan_step(sizes, TINY, OrchestratorConfig(background=False, context_parallel_size=cp),
                               Topology.uniform(2, 1), 1, 2) for cp in (1, 2))
-    assert np.array_equal(whole.examples_llm.rank, split.examples_llm.rank)
+    assert np.array_equal(whole.examples_backbone.rank, split.examples_backbone.rank)
     assert split.stats["llm"].mean == pytest.approx(whole.stats["llm"].mean / 2)
     assert split.memory.phase_peak["llm"] == pytest.approx(whole.memory.phase_peak["llm"] / 2)
     for phase in ("vision", "audio"):

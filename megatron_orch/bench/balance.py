@@ -121,7 +121,7 @@ def backbone_only_plan(sizes: StepSizes, upstream: StepPlan) -> StepPlan:
     examples = Placement.from_ranks(verl_equal_size_kk(verl_workload(sizes.num_tokens), dp), dp)
     encoders = {phase: EncoderPhasePlan(example=enc.example, home=enc.home, encode=examples.expand(enc.example))
                 for phase, enc in upstream.encoders.items()}
-    return StepPlan(examples_home=upstream.examples_home, examples_llm=examples,
+    return StepPlan(examples_home=upstream.examples_home, examples_backbone=examples,
                     microbatch_of_example=np.zeros(sizes.num_examples, dtype=np.int64), num_microbatches=1,
                     encoders=encoders, backbone=upstream.backbone, stats={}, traffic={}, digest=0)
 
@@ -160,7 +160,7 @@ def plan_phases(sizes: StepSizes, model, phases: Dict[str, PhaseItems], dp: int,
         def run():
             step_plan[0] = plan_step(sizes, model_phases, config, topology, micro_batch_size=1,
                                      num_microbatches=per_rank)
-            return step_plan[0].examples_llm.rank
+            return step_plan[0].examples_backbone.rank
 
         run()  # untimed: the first call at this size loads kernels and touches fresh memory
         timed = _timed(run, repeats)

@@ -62,7 +62,7 @@ def upstream_plan(sizes: StepSizes, backbone: str) -> StepPlan:
         example = np.repeat(np.arange(sizes.num_examples), np.asarray(per_example, dtype=np.int64))
         encoders[phase] = EncoderPhasePlan(example=example, home=home.expand(example), encode=home.expand(example))
     per_rank = int(np.asarray(sizes.counts).max(initial=1))
-    return StepPlan(examples_home=home, examples_llm=home, microbatch_of_example=home.slot,
+    return StepPlan(examples_home=home, examples_backbone=home, microbatch_of_example=home.slot,
                     num_microbatches=per_rank, encoders=encoders, backbone=backbone, stats={}, traffic={}, digest=0)
 
 

@@ -65,7 +65,7 @@ def _suffix(name: str) -> str:
 
 
 def item_ranks(plan: StepPlan, phase: str) -> np.ndarray:
-    return plan.encoders[phase].encode.rank if phase in plan.encoders else plan.examples_llm.rank
+    return plan.encoders[phase].encode.rank if phase in plan.encoders else plan.examples_backbone.rank
 
 
 def rank_shapes(encoder: bool, items: PhaseItems, rank: np.ndarray, dp: int, llm_bucket: int,

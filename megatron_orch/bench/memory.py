@@ -268,7 +268,7 @@ def upstream_microbatches(sizes, rank: int, spec, micro_batch_size: int) -> List
 
 def balanced_step(plan: StepPlan, sizes, rank: int, spec) -> BalancedStep:
     """What the post-balancing iterator yields on ``rank`` under ``plan``, with meta encoder inputs."""
-    mine = plan.examples_llm.items_on(rank)
+    mine = plan.examples_backbone.items_on(rank)
     microbatch = plan.microbatch_of_example[mine]
     mbs = []
     for m in range(plan.num_microbatches):

@@ -96,7 +96,7 @@ def run(trace_specs: Sequence[tuple], dp: int, per_rank: int, gpus_per_node: int
     trainer_plan = plan_method("orch", sizes, config, topology)
     trainer_ms = 1e3 * (time.perf_counter() - start)
     trainer_ranks = {name: trainer_plan.encoders[name].encode.rank for name in model_phases.encoder_names}
-    trainer_ranks[backbone] = trainer_plan.examples_llm.rank
+    trainer_ranks[backbone] = trainer_plan.examples_backbone.rank
 
     result: dict = {}
     partitions = {}

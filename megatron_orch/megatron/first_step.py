@@ -324,7 +324,7 @@ def _moved_home(step: BalancedStep, phase: str, rows: torch.Tensor) -> torch.Ten
     """The balanced rows of ``phase`` (on the backbone rank of their example, as the schedule received them)
     moved to the rank that loaded their example, in the loader's order."""
     encoder = step.plan.encoders[phase]
-    transfer = Transfer(step.plan.examples_llm.expand(encoder.example), encoder.home)
+    transfer = Transfer(step.plan.examples_backbone.expand(encoder.example), encoder.home)
     layout = ItemLayout(np.full(encoder.example.size, step.rows_per_item[phase], dtype=np.int64),
                         tuple(rows.shape[1:]), rows.dtype)
     moved, = all_to_all_items([to_communication_device(rows, step.comm_group)], [layout], transfer, step.comm_group)

@@ -480,7 +480,7 @@ class PostBalancingDataIterator:
     def _microbatches(self, plan: StepPlan, ids: torch.Tensor, mask: torch.Tensor,
                       step: _Planned) -> List[BalancedMicroBatch]:
         sizes, sample_ids = step.sizes, step.sample_ids
-        mine = plan.examples_llm.items_on(self.rank)  # slot order: micro-batch by micro-batch
+        mine = plan.examples_backbone.items_on(self.rank)  # slot order: micro-batch by micro-batch
         lengths = sizes.num_tokens[mine]
         starts = np.concatenate(([0], np.cumsum(lengths)))
         microbatch = plan.microbatch_of_example[mine]

@@ -89,7 +89,7 @@ class StepMemory:
 @dataclass(frozen=True, eq=False)
 class StepPlan:
     examples_home: Placement
-    examples_llm: Placement           # slot order = micro-batch order on every rank
+    examples_backbone: Placement           # slot order = micro-batch order on every rank
     microbatch_of_example: np.ndarray
     num_microbatches: int
     encoders: Dict[str, EncoderPhasePlan]  # the encoder phases
@@ -115,18 +115,18 @@ class StepPlan:
         return out
 
     def text_transfer(self) -> Transfer:
-        """Token ids / labels / loss masks: loader rank -> backbone rank."""
-        return Transfer(self.examples_home, self.examples_llm)
+        """Token ids / labels / loss masks: home rank -> backbone rank."""
+        return Transfer(self.examples_home, self.examples_backbone)
 
     def input_transfer(self, phase: str) -> Transfer:
-        """Raw encoder inputs: loader rank -> encoder rank."""
+        """Raw encoder inputs: home rank -> encoder rank."""
         enc = self.encoders[phase]
         return Transfer(enc.home, enc.encode)
 
     def output_transfer(self, phase: str) -> Transfer:
         """Encoder outputs: encoder rank -> backbone rank of their example, in one move."""
         enc = self.encoders[phase]
-        return Transfer(enc.encode, self.examples_llm.expand(enc.example))
+        return Transfer(enc.encode, self.examples_backbone.expand(enc.example))
 
 
 MOVE_KINDS = ("inputs", "text", "embeddings")  # what a step's move carries (:attr:`StepMove.kind`)
@@ -171,7 +171,7 @@ class StepMove:
 
 def step_moves(plan: StepPlan) -> List[StepMove]:
     """Every all-to-all of a step under ``plan``, the one list of them: each encoder phase's raw inputs
-    (loader rank -> encoder rank), the text (loader rank -> backbone rank) and each encoder phase's
+    (home rank -> encoder rank), the text (home rank -> backbone rank) and each encoder phase's
     embeddings (encoder rank -> backbone rank of their example; their gradients back by the inverse
     all-to-all). :func:`step_transfers` counts these (the trainer's log, the benchmarks, the simulator) and
     post-balancing's ``prepare_moves`` builds the routes of these, so what is counted is what runs."""
@@ -291,12 +291,12 @@ def _slower_by(candidate: np.ndarray, reference: np.ndarray, items: Dict[str, Ph
     inputs = [Busiest.of(moved_bytes(home[example], rank, items[phase].nbytes, node))
               for phase, (example, rank, _) in rank_of_item.items()]
 
-    def figures(rank_llm):
-        compute = model.compute_seconds(_plan_kernels.rank_loads_max(rank_llm, items[backbone].cost, num_ranks),
+    def figures(backbone_rank):
+        compute = model.compute_seconds(_plan_kernels.rank_loads_max(backbone_rank, items[backbone].cost, num_ranks),
                                         in_seconds)
-        embeddings = {phase: Busiest.of(moved_bytes(rank, rank_llm[example], out_bytes, node))
+        embeddings = {phase: Busiest.of(moved_bytes(rank, backbone_rank[example], out_bytes, node))
                       for phase, (example, rank, out_bytes) in rank_of_item.items()}
-        text = Busiest.of(moved_bytes(home, rank_llm, items[backbone].nbytes, node))
+        text = Busiest.of(moved_bytes(home, backbone_rank, items[backbone].nbytes, node))
         return compute, embeddings, inputs + [text]
 
     ours, theirs = figures(candidate), figures(reference)
@@ -357,16 +357,16 @@ def _gpus_per_node(topology: Topology) -> int:
     return int(per_node[0])
 
 
-def _microbatches(rank_llm, costs, num_tokens, num_ranks, micro_batch_size, num_microbatches,
+def _microbatches(backbone_rank, costs, num_tokens, num_ranks, micro_batch_size, num_microbatches,
                   packed: bool, algorithm: str):
     """Micro-batch of every example on its backbone rank."""
-    rank_llm = np.ascontiguousarray(rank_llm, dtype=np.int64)
+    backbone_rank = np.ascontiguousarray(backbone_rank, dtype=np.int64)
     if not packed:
         # Longest first (ties by id), so the rows of a micro-batch have similar lengths (little padding).
-        return _plan_kernels.longest_first_microbatches(rank_llm, np.ascontiguousarray(num_tokens, dtype=np.int64),
+        return _plan_kernels.longest_first_microbatches(backbone_rank, np.ascontiguousarray(num_tokens, dtype=np.int64),
                                                         num_ranks, micro_batch_size)
     # every rank's examples into its micro-batches, as partition(costs of the rank, num_microbatches) would
-    return partition_groups(costs, rank_llm, num_microbatches, method=algorithm)
+    return partition_groups(costs, backbone_rank, num_microbatches, method=algorithm)
 
 
 def plan_step(sizes: StepSizes, phases: ModelPhases, config: OrchestratorConfig,
@@ -405,19 +405,19 @@ def plan_step(sizes: StepSizes, phases: ModelPhases, config: OrchestratorConfig,
         loads.append((costs, home[example], rank))
 
     backbone = phases.backbone.name
-    llm_costs, text_bytes = items[backbone].cost, items[backbone].nbytes
+    backbone_costs, text_bytes = items[backbone].cost, items[backbone].nbytes
     packed = config.packed
     if not config.balances(backbone):
-        rank_llm, method = home, "none"
+        backbone_rank, method = home, "none"
     else:
-        part = (partition(llm_costs, num_ranks, method=config.algorithm, home=home) if packed
-                else partition_equal_count(llm_costs, num_ranks, home=home))
+        part = (partition(backbone_costs, num_ranks, method=config.algorithm, home=home) if packed
+                else partition_equal_count(backbone_costs, num_ranks, home=home))
         method = part.method
         if part.method == "home":
-            rank_llm = home
+            backbone_rank = home
         else:
             example, source, nbytes = _example_sources(home, text_bytes, rank_of_item)
-            rank_llm = _place(part.bin_of_item, [(part.bin_of_item[example], source, nbytes)], num_ranks, topology,
+            backbone_rank = _place(part.bin_of_item, [(part.bin_of_item[example], source, nbytes)], num_ranks, topology,
                               config)
         if config.locality and part.method != "home":
             # what an example pulls to its backbone rank: its text, and its embeddings (counted from its home
@@ -425,23 +425,25 @@ def plan_step(sizes: StepSizes, phases: ModelPhases, config: OrchestratorConfig,
             example_bytes = text_bytes + sum(np.bincount(example, weights=out_bytes, minlength=sizes.num_examples)
                                              for example, _, out_bytes in rank_of_item.values())
             if packed:  # from the rank that holds most of an example's bytes (its encoders may have run elsewhere)
-                near = partition_locality(llm_costs, _pull_rank(home, text_bytes, rank_of_item, num_ranks), num_ranks,
-                                          _gpus_per_node(topology), item_bytes=example_bytes, reference=part)
+                pull = _pull_rank(home, text_bytes, rank_of_item, num_ranks)
+                near = partition_locality(backbone_costs, pull, num_ranks, _gpus_per_node(topology),
+                                          item_bytes=example_bytes, reference=part)
             else:  # (counts are kept: from the loader's ranks)
-                near = partition_equal_count_locality(llm_costs, home, num_ranks, _gpus_per_node(topology),
+                near = partition_equal_count_locality(backbone_costs, home, num_ranks, _gpus_per_node(topology),
                                                       item_bytes=example_bytes, reference=part)
             near_bins, near_method = near.bin_of_item, near.method
             if near.method.startswith(("locality_fallback", "equal_locality_fallback")):
                 slower = None
             else:
-                slower = _slower_by(near_bins, rank_llm, items, rank_of_item, home, topology, num_microbatches, config)
+                slower = _slower_by(near_bins, backbone_rank, items, rank_of_item, home, topology, num_microbatches,
+                                    config)
             if slower is not None and slower[0] > 0:  # a near tie: unload its busiest links (balance/repair.py)
-                near_bins, near_method, slower = _repaired(near_bins, near_method, slower, rank_llm, llm_costs, home,
-                                                           text_bytes, items, rank_of_item, topology, num_microbatches,
-                                                           config, swaps_only=not packed)
+                near_bins, near_method, slower = _repaired(near_bins, near_method, slower, backbone_rank,
+                                                           backbone_costs, home, text_bytes, items, rank_of_item,
+                                                           topology, num_microbatches, config, swaps_only=not packed)
             if slower is None or slower[0] > 0:  # the plain plan, its examples swapped home where that fits
                 local_bins, local_method, local_slower = _localized(
-                    rank_llm, part.method, llm_costs, home, text_bytes, items, rank_of_item, topology,
+                    backbone_rank, part.method, backbone_costs, home, text_bytes, items, rank_of_item, topology,
                     num_microbatches, config, swaps_only=not packed)
                 if local_slower[0] <= 0:
                     near_bins, near_method, slower = local_bins, local_method, local_slower
@@ -450,25 +452,25 @@ def plan_step(sizes: StepSizes, phases: ModelPhases, config: OrchestratorConfig,
             elif slower[0] > 0:
                 method = f"{part.method}+placed ({near_method} {100 * slower[0]:.2g}% slower at {slower[1]:.3g} Gb/s)"
             else:
-                rank_llm, method = near_bins, near_method
+                backbone_rank, method = near_bins, near_method
 
     home_microbatch = np.arange(sizes.num_examples) % expected // micro_batch_size  # the loader's
-    if rank_llm is home and not packed:
+    if backbone_rank is home and not packed:
         microbatch = home_microbatch
     else:
-        microbatch = _microbatches(rank_llm, llm_costs, sizes.num_tokens, num_ranks, micro_batch_size,
+        microbatch = _microbatches(backbone_rank, backbone_costs, sizes.num_tokens, num_ranks, micro_batch_size,
                                    num_microbatches, packed, config.algorithm)
-    examples_llm = Placement.from_ranks(rank_llm, num_ranks,
+    examples_backbone = Placement.from_ranks(backbone_rank, num_ranks,
                                         key=microbatch * (sizes.num_examples + 1) + np.arange(sizes.num_examples))
-    stats[backbone] = _phase_stats(method, llm_costs, home, rank_llm, num_ranks)
-    loads.append((llm_costs, home, rank_llm))
-    chunks, memory = _plan_memory(items, phases, encoders, rank_llm, microbatch, home_microbatch, num_ranks,
+    stats[backbone] = _phase_stats(method, backbone_costs, home, backbone_rank, num_ranks)
+    loads.append((backbone_costs, home, backbone_rank))
+    chunks, memory = _plan_memory(items, phases, encoders, backbone_rank, microbatch, home_microbatch, num_ranks,
                                   num_microbatches, packed, config)
     encoders = {phase: dataclasses.replace(plan, chunks=chunks[phase]) for phase, plan in encoders.items()}
-    digest = checksum(examples_llm.rank, examples_llm.slot, microbatch,
+    digest = checksum(examples_backbone.rank, examples_backbone.slot, microbatch,
                       *(a for e in encoders.values() for a in (e.encode.rank, e.encode.slot, e.chunks.kept)),
                       np.array([e.chunks.items for e in encoders.values()], dtype=np.int64))
-    plan = StepPlan(examples_home=examples_home, examples_llm=examples_llm, microbatch_of_example=microbatch,
+    plan = StepPlan(examples_home=examples_home, examples_backbone=examples_backbone, microbatch_of_example=microbatch,
                     num_microbatches=num_microbatches, encoders=encoders, backbone=backbone, stats=stats, traffic={},
                     digest=digest, memory=memory, step_time=_step_time(loads, num_ranks))
     return dataclasses.replace(plan, traffic={move.name: move.moved_bytes(topology.node_of_rank).times(move.times)
@@ -476,7 +478,7 @@ def plan_step(sizes: StepSizes, phases: ModelPhases, config: OrchestratorConfig,
 
 
 def _plan_memory(items: Dict[str, PhaseItems], phases: ModelPhases, encoders: Dict[str, EncoderPhasePlan],
-                 rank_llm: np.ndarray, microbatch: np.ndarray, home_microbatch: np.ndarray, num_ranks: int,
+                 backbone_rank: np.ndarray, microbatch: np.ndarray, home_microbatch: np.ndarray, num_ranks: int,
                  num_microbatches: int, packed: bool, config: OrchestratorConfig):
     """The chunks of every encoder phase and the step's modeled memory (:class:`StepMemory`).
 
@@ -499,7 +501,7 @@ def _plan_memory(items: Dict[str, PhaseItems], phases: ModelPhases, encoders: Di
     upstream_backbone = _microbatch_memory(upstream_key, llm.memory, cells, padded=True)
     encoders_per_cell = sum(upstream_encoders.values(), np.zeros(cells))
     upstream_peak = per_rank(encoders_per_cell + upstream_backbone)
-    backbone_peak = per_rank(_microbatch_memory(rank_llm * num_microbatches + microbatch, llm.memory, cells,
+    backbone_peak = per_rank(_microbatch_memory(backbone_rank * num_microbatches + microbatch, llm.memory, cells,
                                                 padded=not packed))
     given = config.encoder_memory_cap
     cap = float(upstream_peak.max(initial=0.0)) if given is None else float(given)

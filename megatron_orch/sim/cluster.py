@@ -69,7 +69,7 @@ def phase_rank_seconds(plan: StepPlan, items: Dict[str, PhaseItems], profile: Op
     dp = plan.examples_home.num_ranks
     out = {}
     for phase in items:
-        rank = plan.encoders[phase].encode.rank if phase in plan.encoders else plan.examples_llm.rank
+        rank = plan.encoders[phase].encode.rank if phase in plan.encoders else plan.examples_backbone.rank
         if profile is None:
             out[phase] = np.bincount(rank, weights=items[phase].cost, minlength=dp) / (tflops * 1e12)
         else:

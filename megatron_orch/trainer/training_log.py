@@ -73,7 +73,7 @@ class LoadMeter:
         item = next(self.iterator)
         if isinstance(item, BalancedStep):
             plan, rank = item.plan, item.rank
-            mine = plan.examples_llm.rank == rank
+            mine = plan.examples_backbone.rank == rank
             self.counts += torch.tensor([*(plan.encoders[phase].encode.counts()[rank]
                                            for phase in self.phases.encoder_names),
                                          float(item.num_tokens[mine].sum())], dtype=torch.float64)
