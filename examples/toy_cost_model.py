@@ -1,7 +1,7 @@
 """A cost model of one's own (docs/integration.md, "Extending"): a phase's cost per item read off measured
 points instead of counted FLOPs, for a phase whose FLOPs misjudge its time.
 
-Give it to the phase it models (``BackbonePhase("text", MeasuredCost(...), ...)``); tests/test_cost.py plans a
+Give it to the phase it models (``BackbonePhase("text", MeasuredCost(...), ...)``); tests/balance/test_cost.py plans a
 step with it.
 """
 from dataclasses import dataclass

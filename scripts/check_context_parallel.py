@@ -16,7 +16,7 @@ attention with grouped-query heads:
 NOT RUN here, because they need more than one GPU: Transformer Engine's context-parallel attention across real
 CP ranks (its p2p / a2a exchange of keys and values inside ``TEDotProductAttention``), CP and sequence parallelism
 over NCCL, and the training invariance of CP 2 x DP 2 (padded and packed rows), TP 2 + SP x DP 2 and
-TP 2 + SP x CP 2 x DP 2 on GPUs (on CPU over gloo: ``tests/test_parallel_layouts.py``).
+TP 2 + SP x CP 2 x DP 2 on GPUs (on CPU over gloo: ``tests/megatron/test_parallel_layouts.py``).
 
 Prints one line per case, then PASSED or FAILED (exit status 1); ``--json`` writes the cases.
 """
@@ -130,7 +130,7 @@ def main(argv=None) -> int:
                 record(f"te {case}", error <= tolerance, f"TE per shard against TE on the whole row: max |difference| "
                        f"{error:.2e}, tolerance {tolerance:.0e}, {dtype}")
     print("not run (more than one GPU): Transformer Engine's context-parallel exchange across CP ranks, CP and SP "
-          "over NCCL, the CP / SP training invariance on GPUs (CPU over gloo: tests/test_parallel_layouts.py)")
+          "over NCCL, the CP / SP training invariance on GPUs (CPU over gloo: tests/megatron/test_parallel_layouts.py)")
     if args.json is not None:
         args.json.write_text(json.dumps({"device": str(device), "dtype": str(dtype), "cases": cases}, indent=1))
     print("FAILED" if failed else "PASSED")

@@ -12,7 +12,7 @@ counts and writes JSON (``--json``). A sync whose caller into torch is megatron_
 ``--allow``) or FAILED (exit status 1).
 
 Without CUDA there is nothing to observe: the script says so and exits with status 2 (on CPU,
-``tests/test_comm_device.py`` checks the collectives' devices instead; ``gpu_check.sh --cpu`` runs it).
+``tests/comm/test_comm_device.py`` checks the collectives' devices instead; ``gpu_check.sh --cpu`` runs it).
 
     python -m megatron_orch.trainer.launch --standalone --nproc-per-node 1 scripts/check_syncs.py \\
         --json syncs.json -- --global-batch-size 8 --train-iters 5 --log-interval 5 --bf16 --orch-post-balancing
@@ -133,7 +133,7 @@ def main(argv=None) -> int:
     import torch
     if not torch.cuda.is_available():
         launch.report_failure(PROG, "cannot observe syncs: no CUDA device here (torch.cuda.set_sync_debug_mode "
-                                    "reports CUDA synchronisations only); on CPU, tests/test_comm_device.py "
+                                    "reports CUDA synchronisations only); on CPU, tests/comm/test_comm_device.py "
                                     "checks the collectives' devices instead (gpu_check.sh --cpu runs it)",
                               show=os.environ.get("RANK") == "0")
         return 2

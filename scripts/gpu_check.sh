@@ -12,7 +12,7 @@
 #   recompute_dropout  encoder recompute off and on, dropout 0.1, post-balancing in both: same losses;
 #   syncs      three balanced steps under torch.cuda.set_sync_debug_mode("warn"), every sync listed
 #       (scripts/check_syncs.py); on CPU, where no CUDA sync can be observed, the emulated-device test
-#       tests/test_comm_device.py instead; the syncs that test budgets per step are allowed (the control
+#       tests/comm/test_comm_device.py instead; the syncs that test budgets per step are allowed (the control
 #       collective of post_balancing._agree, the loss read in train_step, gather_data_events);
 #   memory     max allocated of baseline / balanced (chunked encoders) / --orch-encoder-memory-cap inf runs at
 #       mllm_10b widths, reduced depth (scripts/check_memory.py; the tiny model on CPU: no CUDA figures);
@@ -66,7 +66,7 @@ step recompute_dropout "${limits[2]}" "$PY" scripts/compare_baseline.py --nproc 
   --global-batch-size 8 --train-iters 4 --distributed-backend "$backend" --orch-post-balancing \
   --hidden-dropout 0.1 --attention-dropout 0.1
 if [ "$mode" = cpu ]; then
-  step syncs "${limits[3]}" "$PY" -m pytest -q -p no:cacheprovider tests/test_comm_device.py
+  step syncs "${limits[3]}" "$PY" -m pytest -q -p no:cacheprovider tests/comm/test_comm_device.py
 else
   step syncs "${limits[3]}" "${launch[@]}" --nproc-per-node 1 scripts/check_syncs.py --json "$work/syncs.json" \
     --allow " _agree" --allow " train_step" --allow " gather_data_events" -- \
@@ -111,5 +111,5 @@ headline resume
 headline sdpa_kernels
 headline context_parallel "^(PASSED|FAILED)"
 summarize "not run (they need more than one GPU): TE's context-parallel exchange across CP ranks, CP and SP over" \
-  "NCCL, the CP / SP training invariance on GPUs (on CPU over gloo: tests/test_parallel_layouts.py)"
+  "NCCL, the CP / SP training invariance on GPUs (on CPU over gloo: tests/megatron/test_parallel_layouts.py)"
 finish

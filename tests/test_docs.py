@@ -1,5 +1,5 @@
 """Every code block of README.md and docs/ is checked, so none can go stale: a Python block is an excerpt of a
-file under ``examples/`` (which tests/test_examples.py and tests/test_registry.py run); a command is parsed by
+file under ``examples/`` (which tests/megatron/test_examples.py and tests/balance/test_registry.py run); a command is parsed by
 the parser of the program it runs (the compact trainer's at the script's ``--nproc`` world size, a module's
 argparse, the test runner's options), or is a command a named test runs as written; an output sample's words
 are words the code prints. A block this module cannot check fails it."""
@@ -94,12 +94,12 @@ def _check_command(words, monkeypatch, request):
     while words and re.fullmatch(r"[A-Z_]+=.*", words[0]):
         key, value = words.pop(0).split("=", 1)
         env[key] = value
-    if not words:  # FLAGS="...": tests/test_megatron_lm.py reads it from the page and trains with it
+    if not words:  # FLAGS="...": tests/megatron/test_megatron_lm.py reads it from the page and trains with it
         assert list(env) == ["FLAGS"], env
         return
     program, *args = words
     if env.get("MEGATRON_ORCH_PLUGINS"):
-        # tests/test_registry.py::test_the_shipped_launch_script_loads_the_plugins_of_the_environment runs it
+        # tests/balance/test_registry.py::test_the_shipped_launch_script_loads_the_plugins_of_the_environment runs it
         assert (env, words[:2]) == ({"PYTHONPATH": "examples", "MEGATRON_ORCH_PLUGINS": "toy_partitioner"},
                                     ["bash", "scripts/train_tiny_cpu.sh"]), words
         return
@@ -116,12 +116,12 @@ def _check_command(words, monkeypatch, request):
         script = runpy.run_path(str(REPO / args[0]), run_name="script_under_docs_test")
         return _parse_only(monkeypatch, script["main"], args[1:])
     if program == "torchrun" and args[-1].startswith("examples/"):
-        # tests/test_examples.py runs both examples under torchrun, as written here
+        # tests/megatron/test_examples.py runs both examples under torchrun, as written here
         assert args[:2] == ["--nproc-per-node", "2"] and (REPO / args[-1]).is_file(), words
-        assert f'"{Path(args[-1]).name}"' in (REPO / "tests" / "test_examples.py").read_text(), words
+        assert f'"{Path(args[-1]).name}"' in (REPO / "tests" / "megatron" / "test_examples.py").read_text(), words
         return
     if program == "torchrun" and args[2] == "pretrain_mllm.py":
-        # tests/test_megatron_lm.py trains with docs/integration.md's FLAGS, read from the page, with and
+        # tests/megatron/test_megatron_lm.py trains with docs/integration.md's FLAGS, read from the page, with and
         # without --orch-post-balancing
         assert args[3:] in (["$FLAGS"], ["$FLAGS", "--orch-post-balancing"]), words
         return
@@ -130,7 +130,7 @@ def _check_command(words, monkeypatch, request):
         assert (REPO / "patches" / release).is_dir(), f"{release} is not a release with patches/ and its tests"
         return
     if program == "bash" and args[0] == "scripts/apply_patches.sh":
-        assert len(args) == 2, words  # tests/test_megatron_lm.py applies it to each release's files this way
+        assert len(args) == 2, words  # tests/megatron/test_megatron_lm.py applies it to each release's files this way
         return
     if program == "export":
         assert [arg.split("=")[0] for arg in args] == ["PYTHONPATH"], words  # where the checkout is imported from

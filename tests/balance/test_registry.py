@@ -26,7 +26,7 @@ from megatron_orch.orchestrator.step_plan import plan_step
 from megatron_orch.trainer import arguments
 from megatron_orch.mllm.task import MLLM_TASK
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 EXAMPLE = REPO / "examples" / "toy_partitioner.py"
 COMMON = ["--model-config", "tiny", "--seq-length", "128", "--micro-batch-size", "1", "--train-iters", "2",
           "--lr", "1e-3", "--distributed-backend", "gloo"]

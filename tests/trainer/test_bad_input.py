@@ -17,7 +17,7 @@ from megatron_orch.balance.traces import NUMERIC_COLUMNS, TEXT_COLUMNS, Trace, l
 from megatron_orch.trainer import arguments
 from megatron_orch.mllm.task import MLLM_TASK
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 COMMON = ["--model-config", "tiny", "--seq-length", "128", "--micro-batch-size", "1", "--train-iters", "2",
           "--lr", "1e-3", "--distributed-backend", "gloo"]
 BALANCED = ["--orch-post-balancing"]

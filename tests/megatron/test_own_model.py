@@ -14,7 +14,7 @@ import torch
 import example_modules  # noqa: F401 -- examples/ on the path
 from megatron_orch.mllm.task import MLLM_TASK
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 OWN_MODEL_DOC = REPO / "docs" / "own_model.md"  # quotes the examples' code
 warnings.filterwarnings("ignore", message=r".*(Transformer Engine|Apex).*not installed")
 
@@ -89,7 +89,7 @@ def test_packed_rows_with_mimo_are_refused_when_the_iterator_is_built(harness, w
     post_balance (the DP group's topology, the communicator), not in the first forward after the step's moves.
     The example's MimoModel cannot take packed rows on either release: 0.16.1's forward takes no THD parameters;
     on 0.19 it does (packing_kwargs), but the example's language model is megatron-core's local GPT layer, whose
-    DotProductAttention takes none (tests/test_mimo.py packs a MimoModel whose language model can)."""
+    DotProductAttention takes none (tests/megatron/test_mimo.py packs a MimoModel whose language model can)."""
     import torch.distributed as dist
 
     from example_modules import mimo_example

@@ -17,7 +17,7 @@ import example_modules  # noqa: F401 -- examples/ on the path
 from dist_utils import run_distributed, scaled
 
 pytestmark = pytest.mark.distributed
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 warnings.filterwarnings("ignore", message=r".*(Transformer Engine|Apex).*not installed")
 
 

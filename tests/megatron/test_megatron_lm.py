@@ -35,7 +35,7 @@ import megatron_lm_doubles as doubles
 from dist_utils import run_distributed, scaled
 from megatron_orch.mllm.task import MLLM_TASK
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 APPLY = REPO / "scripts" / "apply_patches.sh"
 RELEASES = sorted(path.name for path in (REPO / "patches").glob("core_v*"))
 SEED = 11

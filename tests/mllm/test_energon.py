@@ -20,7 +20,7 @@ from megatron_orch.mllm.config import load_model_config
 from megatron_orch.mllm.data import DataConfig, build_train_iterator, checked_dataset, example_reader
 from megatron_orch.mllm.manifest import ManifestDataset, ManifestError, MediaBytes
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 EXAMPLE = REPO / "data" / "example"
 TINY = load_model_config("tiny")
 SEQ = 128

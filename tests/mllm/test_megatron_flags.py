@@ -19,7 +19,7 @@ import megatron_lm_doubles as doubles
 from dist_utils import scaled
 from test_megatron_lm import README_FLAGS
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 PROBE = """
 import copy, json, pathlib, sys
 sys.path.insert(0, 'tests')

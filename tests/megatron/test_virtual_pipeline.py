@@ -42,7 +42,7 @@ LAYER = re.compile(r"backbone\.decoder\.layers\.(\d+)\.(.*)")
 
 def scripted_iterator(args, consumed_samples, dp_rank, dp_size):
     """Step k of the run is test_post_balancing's scenario STEPS[k] (the same on the TP/PP peers of a DP rank);
-    also the megatron.training test's data (tests/test_megatron_lm.py)."""
+    also the megatron.training test's data (tests/megatron/test_megatron_lm.py)."""
     from megatron_orch.megatron.batch import collate
     from megatron_orch.mllm import providers
 

@@ -21,7 +21,7 @@ from pretrain_outcome import pretrain_outcome
 pytestmark = pytest.mark.distributed
 warnings.filterwarnings("ignore", message=r".*(Transformer Engine|Apex).*not installed")
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 EXAMPLE = REPO / "data" / "example"
 DP, MICRO_BATCH, GLOBAL_BATCH, ITERS, SEED, MAX_BAD = 4, 1, 8, 3, 7, 64
 COMMON = ["--model-config", "tiny", "--seq-length", "128", "--micro-batch-size", str(MICRO_BATCH),

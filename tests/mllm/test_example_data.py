@@ -16,7 +16,7 @@ import pytest
 
 from dist_utils import scaled
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 EXAMPLE = REPO / "data" / "example"
 BAD_LINES = [3, 5, 7, 10, 12, 14, 17, 19]  # 21 too, found only by decoding its image
 

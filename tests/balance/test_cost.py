@@ -212,7 +212,7 @@ def test_a_cost_model_of_ones_own_is_what_the_planner_balances():
     from megatron_orch.orchestrator.config import OrchestratorConfig
     from megatron_orch.orchestrator.step_plan import plan_step
 
-    toy = runpy.run_path(str(Path(__file__).resolve().parents[1] / "examples" / "toy_cost_model.py"))
+    toy = runpy.run_path(str(Path(__file__).resolve().parents[2] / "examples" / "toy_cost_model.py"))
     cost = toy["MeasuredCost"](tokens=(1, 64, 256), seconds=(0.001, 0.01, 0.09))
     assert isinstance(cost, CostModel)
     expected = [0.001 + 31 / 63 * 0.009, 0.09 + 0.08 / 192 * 256]  # between two points, beyond the last

@@ -23,7 +23,7 @@ import pytest
 from dist_utils import scaled
 from megatron_orch.trainer import launch
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 
 def run(args, cwd=REPO, env_extra=None, timeout=60):

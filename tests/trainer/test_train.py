@@ -22,7 +22,7 @@ from megatron_orch.mllm.task import MLLM_TASK
 
 warnings.filterwarnings("ignore", message=r".*(Transformer Engine|Apex).*not installed")
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 ITERS = 4
 COMMON = ["--model-config", "tiny", "--seq-length", "128", "--micro-batch-size", "1", "--global-batch-size", "4",
           "--train-iters", str(ITERS), "--lr", "2e-3", "--lr-warmup-iters", "1", "--log-interval", "1",
