@@ -45,7 +45,8 @@ def add_orch_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                    help="packed: one packed row per backbone micro-batch with a variable number of examples "
                         "(each attends to itself only); equal_count: micro-batch-size examples per micro-batch; "
                         "auto (default): packed where the backbone takes packed rows, else equal_count (the "
-                        "reason is logged once: pipeline parallelism, a MimoModel)")
+                        "reason is logged once: pipeline parallelism; a MimoModel on megatron-core 0.16.1, or on "
+                        "0.19 with a language model of local `DotProductAttention` or CP)")
     g.add_argument("--orch-locality", action="store_true",
                    help="locality-aware balancing: within 1%% of the plain plan's balance, keep items on their "
                         "node/GPU (every phase: backbone examples move between nodes first, then "
