@@ -162,7 +162,7 @@ class StepMove:
             raise ValueError(f"{self.name}: no gradients come back")
         return self.transfer.inverse()
 
-    def item_bytes(self, items: Dict[str, PhaseItems]) -> np.ndarray:
+    def bytes_of(self, items: Dict[str, PhaseItems]) -> np.ndarray:
         """Each item's bytes on the wire, of ``items`` (``phase_items``): an encoder item's outputs for the
         embeddings, else what the loader read (raw inputs, text)."""
         of = items[self.items_of]
@@ -183,30 +183,11 @@ def step_moves(plan: StepPlan) -> List[StepMove]:
     return out
 
 
-@dataclass(frozen=True, eq=False)
-class StepTransfer:
-    """One all-to-all of a step (:class:`StepMove`) with each item's bytes: what the byte count counts."""
+@dataclass(frozen=True, eq=False, kw_only=True)
+class StepTransfer(StepMove):
+    """One all-to-all of a step (a :class:`StepMove`) with each item's bytes: what the byte count counts."""
 
-    move: StepMove
     item_bytes: np.ndarray
-
-    @property
-    def name(self) -> str:
-        return self.move.name
-
-    @property
-    def phase(self) -> str:
-        """The phase whose placement it fills."""
-        return self.move.phase
-
-    @property
-    def transfer(self) -> Transfer:
-        return self.move.transfer
-
-    @property
-    def times(self) -> int:
-        """How many times a step runs it (:attr:`StepMove.times`)."""
-        return self.move.times
 
     def moved_bytes(self, node_of_rank) -> MovedBytes:
         """What one all-to-all sends (:meth:`Transfer.moved_bytes`)."""
@@ -217,7 +198,9 @@ def step_transfers(plan: StepPlan, items: Dict[str, PhaseItems]) -> List[StepTra
     """Every all-to-all of a step under ``plan`` (:func:`step_moves`), with the bytes of ``items``
     (``phase_items``); the embeddings run twice: forward, and their gradients back by the inverse
     all-to-all. The trainer's log, the benchmarks and the simulator all count these."""
-    return [StepTransfer(move, move.item_bytes(items)) for move in step_moves(plan)]
+    return [StepTransfer(**{f.name: getattr(move, f.name) for f in dataclasses.fields(StepMove)},
+                         item_bytes=move.bytes_of(items))
+            for move in step_moves(plan)]
 
 
 def _place(bin_of_item, sources, num_ranks, topology, config: OrchestratorConfig):
