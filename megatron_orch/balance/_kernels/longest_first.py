@@ -31,7 +31,7 @@ def lpt(costs, memory, memory_cap, order, num_bins, bin_of_item):
     held_id = np.empty(num_bins, dtype=np.int64)
     start = 0
     if memory_cap == np.inf and n > 0 and costs[order[0]] > 0:
-        # Without a memory cap, the leading run of equal costs (e.g. identical image tiles) goes
+        # Without a memory cap, the first run of equal costs (e.g. identical image tiles) goes
         # round robin in bin id order: on equal loads that is what the heap does (ties by id), and
         # after every full round the loads are equal again, bit for bit (a positive cost raises a
         # bin above the others; a zero cost would not, and stays on the heap path). O(run) instead of
