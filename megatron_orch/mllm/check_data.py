@@ -157,7 +157,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     from megatron_orch import quiet_megatron_core_warnings
     quiet_megatron_core_warnings()
     from megatron_orch.mllm.config import load_model_config
-    from megatron_orch.mllm.data import is_energon_dataset
+    from megatron_orch.mllm.data_config import is_energon_dataset
     from megatron_orch.mllm.examples import example_layout
     from megatron_orch.mllm.manifest import ExampleReader, InputLimits, ManifestDataset, ManifestError, image_tiling
 

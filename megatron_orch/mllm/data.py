@@ -15,8 +15,7 @@ from typing import Dict, Iterator, List, Optional
 import numpy as np
 
 from megatron_orch.megatron.batch import Example, MicroBatch, collate
-from megatron_orch.mllm.data_config import (MAX_REPLACEMENT_DRAWS, DataConfig, data_config,  # noqa: F401
-                                            is_energon_dataset)
+from megatron_orch.mllm.data_config import MAX_REPLACEMENT_DRAWS, DataConfig, is_energon_dataset
 from megatron_orch.mllm.manifest import ExampleReader, ManifestDataset, ManifestError, image_tiling, manifest_identity
 from megatron_orch.mllm.synthetic import SyntheticMultimodalDataset
 from megatron_orch.trainer.data_events import DataEvent, DataEvents, TooManyBadExamplesError  # noqa: F401

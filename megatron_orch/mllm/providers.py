@@ -18,7 +18,8 @@ from megatron_orch.megatron.any_loop import post_balance
 from megatron_orch.megatron.batch import MicroBatch
 from megatron_orch.megatron.contract import forward_step  # noqa: F401 -- Megatron's forward_step_func
 from megatron_orch.megatron.post_balancing import StepShape
-from megatron_orch.mllm.data import build_train_iterator, data_config
+from megatron_orch.mllm.data import build_train_iterator
+from megatron_orch.mllm.data_config import data_config
 from megatron_orch.mllm.model import MLLMModel, ModelParallelSettings
 from megatron_orch.orchestrator.config import OrchestratorConfig
 from megatron_orch.trainer.data_events import DataEvents

@@ -133,7 +133,8 @@ def check_data(args: argparse.Namespace) -> None:
     is checked where the ranks build it.)"""
     if args.data_path is None:
         return
-    from megatron_orch.mllm.data import checked_dataset, data_config
+    from megatron_orch.mllm.data import checked_dataset
+    from megatron_orch.mllm.data_config import data_config
     checked_dataset(data_config(args))
 
 

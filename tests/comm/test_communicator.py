@@ -79,7 +79,8 @@ def _iterator_on_its_own_communicator(rank, world):
     from megatron_orch.balance.topology import Topology
     from megatron_orch.megatron.post_balancing import ParallelGroups, PostBalancingDataIterator, StepShape
     from megatron_orch.mllm.config import load_model_config
-    from megatron_orch.mllm.data import DataConfig, build_train_iterator
+    from megatron_orch.mllm.data import build_train_iterator
+    from megatron_orch.mllm.data_config import DataConfig
     from megatron_orch.orchestrator.config import OrchestratorConfig
 
     dp = dist.new_group([0, 1])

@@ -156,7 +156,8 @@ def test_training_refuses_the_same_arrays_naming_the_line(tmp_path):
     """The trainer's loader (every sample in turn, as training reads them) stops at each bad array with the
     line check_data names."""
     from megatron_orch.mllm.config import load_model_config
-    from megatron_orch.mllm.data import DataConfig, build_train_iterator
+    from megatron_orch.mllm.data import build_train_iterator
+    from megatron_orch.mllm.data_config import DataConfig
     from megatron_orch.mllm.manifest import ManifestError
 
     path = _bad_arrays_manifest(tmp_path)

@@ -13,7 +13,8 @@ from megatron_orch.balance.traces import Trace, TraceMixture
 from megatron_orch.balance.workload import BackbonePhase, EncoderPhase, ModelPhases
 from megatron_orch.megatron.batch import BatchSpec, EncoderInput, Example, collate, collate_packed
 from megatron_orch.mllm.config import PAD_TOKEN_ID, load_model_config
-from megatron_orch.mllm.data import DataConfig, MegatronPretrainingSampler, build_train_iterator
+from megatron_orch.mllm.data import MegatronPretrainingSampler, build_train_iterator
+from megatron_orch.mllm.data_config import DataConfig
 from megatron_orch.mllm.examples import batch_spec, example_layout
 from megatron_orch.mllm.manifest import ImageTiling, ManifestDataset, ManifestError, image_tiling
 from megatron_orch.mllm.synthetic import SyntheticMultimodalDataset

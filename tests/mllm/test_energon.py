@@ -17,7 +17,8 @@ from megatron.energon import WorkerConfig, get_loader, get_val_dataset
 from megatron_orch.mllm import energon
 from megatron_orch.mllm.check_data import check_energon, check_manifest
 from megatron_orch.mllm.config import load_model_config
-from megatron_orch.mllm.data import DataConfig, build_train_iterator, checked_dataset, example_reader
+from megatron_orch.mllm.data import build_train_iterator, checked_dataset, example_reader
+from megatron_orch.mllm.data_config import DataConfig
 from megatron_orch.mllm.manifest import ManifestDataset, ManifestError, MediaBytes
 
 REPO = Path(__file__).resolve().parents[2]

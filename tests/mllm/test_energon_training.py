@@ -44,7 +44,8 @@ def _energon_order() -> list:
     from megatron.energon import WorkerConfig
 
     from megatron_orch.mllm.config import load_model_config
-    from megatron_orch.mllm.data import DataConfig, checked_dataset
+    from megatron_orch.mllm.data import checked_dataset
+    from megatron_orch.mllm.data_config import DataConfig
 
     config = DataConfig(load_model_config("tiny"), seq_length=128, micro_batch_size=MICRO_BATCH,
                         num_samples=ITERS * GLOBAL_BATCH, seed=SEED, data_path=str(EXAMPLE / "energon"),
