@@ -36,6 +36,19 @@ def test_localize_keeps_the_balance_and_counts_and_brings_examples_home(data):
     assert (node[out] == want).sum() - (node[rank] == want).sum() == brought
 
 
+def test_localize_settles_an_overfilling_swap_inside_the_node():
+    # e (5, rank 0) wants node 1, f (8, rank 2) wants node 0, and every other example is home: their swap
+    # overfills rank 0 by 3, which rank 1 (room 4) takes in one swap inside node 0; no rank alone has room
+    costs = np.array([5.0, 5.0, 5.0, 1.0, 8.0, 2.0, 5.0, 4.0])
+    rank = np.array([0, 0, 1, 1, 2, 2, 3, 3])
+    want = np.array([1, 0, 0, 0, 0, 1, 1, 1])
+    node = np.array([0, 0, 1, 1])
+    out, brought = localize(rank, costs, want, node, 10.0, swaps_only=True)
+    assert brought == 2 and (node[out] == want).all(), out
+    assert np.bincount(out, weights=costs, minlength=4).max() <= 10.0
+    assert (np.bincount(out, minlength=4) == 2).all()
+
+
 def _busiest(ranks, sources, node):
     out = []
     for example, src, nbytes in sources:
@@ -88,4 +101,4 @@ def test_batches_that_fell_back_keep_a_locality_plan(mixture, dp, seed, method):
     assert near.stats["llm"].max_after <= plain.stats["llm"].max_after * (1 + 1e-12)
     share = {name: sum(m.inter_node for m in plan.traffic.values()) / sum(m.total for m in plan.traffic.values())
              for name, plan in (("near", near), ("plain", plain))}
-    assert share["near"] < share["plain"], share
+    assert share["near"] < min(share["plain"], 0.25), share
