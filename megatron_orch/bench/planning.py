@@ -27,10 +27,12 @@ Figures, per configuration:
   longest gap between two of its iterations. Two controls, side by side in the same run: the same
   loop, as long, with nothing planning (``idle``), and while the same plan runs in a forked process
   (``beside``: the same CPU contention, no shared GIL). What ``planning`` shows above ``beside`` is
-  the GIL's share of the stall; the rest is the machine (preemption, a busy core). Two probes:
-  ``sleep`` (``time.sleep(1 ms)`` per iteration: a loop that waits on the GPU) and ``numpy`` (a tight
-  loop of short numpy ops: a loop busy launching kernels). ``bg_plan_cpu_ms``/``bg_plan_wall_ms``: the
-  background plan's thread CPU and wall time meanwhile. Each figure is the worst over the repeats.
+  the GIL's share of the stall; the rest is the machine (preemption, a busy core). Three probes:
+  ``spin`` (pure Python), ``sleep`` (``time.sleep(1 ms)`` per iteration: a loop that waits on the GPU)
+  and ``numpy`` (a tight loop of short numpy ops: a loop busy launching kernels). The sleep probe also
+  reads, on Linux, how long its thread was runnable without a core within its worst gap
+  (``run_queue_in_worst_gap_ms``: a wait for a CPU, not for the GIL). ``bg_plan_cpu_ms``/``bg_plan_wall_ms``:
+  the background plan's thread CPU and wall time meanwhile. Each figure is the worst over the repeats.
 * the plan digest (equal over repeats and between the foreground and background runs: deterministic).
 
 On a small shared VM the idle loop alone sees gaps of several ms (preemption, steal time): read the
@@ -103,11 +105,22 @@ def reference_workload() -> float:
 # The main thread's probe loops
 # -------------------------------------------------------------------------------------------------
 
+def _run_queue_wait() -> float:
+    """The calling thread's time (s) so far runnable but without a core (Linux schedstat; 0 elsewhere)."""
+    try:
+        with open("/proc/thread-self/schedstat") as stat:
+            return 1e-9 * int(stat.read().split()[1])
+    except (OSError, IndexError, ValueError):
+        return 0.0
+
+
 def _probe(kind: str, keep_going: Callable[[], bool], other_thread: Optional[int] = None):
-    """Run the probe loop while ``keep_going()``. Returns the times (s) between consecutive iterations and,
-    with ``other_thread`` (a ``threading.get_ident()``), that thread's CPU time (s) within each of them."""
+    """Run the probe loop while ``keep_going()``. Returns the times (s) between consecutive iterations,
+    with ``other_thread`` (a ``threading.get_ident()``) that thread's CPU time (s) within each of them, and
+    for the ``sleep`` probe (whose loop makes syscalls anyway) the time it waited for a core within each."""
     stamps: List[float] = []
     cpu_stamps: List[float] = []
+    wait_stamps: List[float] = []
     clock = time.perf_counter
     if other_thread is not None:
         other_clock = time.pthread_getcpuclockid(other_thread)
@@ -123,6 +136,7 @@ def _probe(kind: str, keep_going: Callable[[], bool], other_thread: Optional[int
             time.sleep(0.001)
             stamps.append(clock())
             cpu_stamps.append(cpu())
+            wait_stamps.append(_run_queue_wait())
     elif kind == "numpy":
         x = np.arange(256, dtype=np.float64)
         out = np.empty_like(x)
@@ -135,20 +149,24 @@ def _probe(kind: str, keep_going: Callable[[], bool], other_thread: Optional[int
     else:
         raise ValueError(f"unknown probe {kind!r}; choose from {PROBES}")
     if len(stamps) < 2:
-        return np.zeros(0), np.zeros(0)
-    return np.diff(np.asarray(stamps)), np.diff(np.asarray(cpu_stamps))
+        return np.zeros(0), np.zeros(0), (np.zeros(0) if kind == "sleep" else None)
+    return (np.diff(np.asarray(stamps)), np.diff(np.asarray(cpu_stamps)),
+            np.diff(np.asarray(wait_stamps)) if wait_stamps else None)
 
 
 def _zero() -> float:
     return 0.0
 
 
-def _gap_figures(gaps: np.ndarray, other_cpu: Optional[np.ndarray] = None) -> Dict[str, float]:
+def _gap_figures(gaps: np.ndarray, other_cpu: Optional[np.ndarray] = None,
+                 waited: Optional[np.ndarray] = None) -> Dict[str, float]:
     if gaps.size == 0:
         figures = {"max_gap_ms": 0.0, "p99_gap_ms": 0.0, "iterations": 0}
     else:
         figures = {"max_gap_ms": 1e3 * float(gaps.max()), "p99_gap_ms": 1e3 * float(np.percentile(gaps, 99)),
                    "iterations": int(gaps.size + 1)}
+    if waited is not None:  # the probe thread waiting for a core (the machine or CPU contention, not the GIL)
+        figures["run_queue_in_worst_gap_ms"] = 1e3 * float(waited[int(gaps.argmax())]) if gaps.size else 0.0
     if other_cpu is not None:  # the planning thread's CPU time within the probe's gaps: an upper bound of the
         # time it held the GIL in them (it may also have run a nogil kernel while the probe waited for a CPU)
         worst = int(gaps.argmax()) if gaps.size else -1
@@ -185,23 +203,24 @@ def _stall(kind: str, plan_fn: Callable[[], object], switch_interval_s: Optional
         start = time.perf_counter()
         planner.submit(timed_plan)
         started.wait()
-        busy, planner_cpu = _probe(kind, lambda: not finished.is_set(), planner_thread[0])
+        busy, planner_cpu, busy_waited = _probe(kind, lambda: not finished.is_set(), planner_thread[0])
         wall = time.perf_counter() - start
         plan = planner.result()
     finally:
         planner.shutdown()
     # Baseline: the same loop for as long (at least 50 ms), nothing planning.
     deadline = time.perf_counter() + max(wall, 0.05)
-    idle, _ = _probe(kind, lambda: time.perf_counter() < deadline)
+    idle, _, idle_waited = _probe(kind, lambda: time.perf_counter() < deadline)
     child = multiprocessing.get_context("fork").Process(target=_niced, args=(plan_fn, nice_increment),
                                                         name="orch-planner-beside")
     child.start()
-    beside, _ = _probe(kind, child.is_alive)
+    beside, _, beside_waited = _probe(kind, child.is_alive)
     child.join()
     if child.exitcode != 0:
         raise RuntimeError(f"planning in a forked process failed (exit code {child.exitcode})")
-    planning = dict(_gap_figures(busy, planner_cpu), bg_plan_cpu_ms=1e3 * cpu[0], bg_plan_wall_ms=1e3 * wall)
-    return planning, _gap_figures(idle), _gap_figures(beside), plan.digest
+    planning = dict(_gap_figures(busy, planner_cpu, busy_waited), bg_plan_cpu_ms=1e3 * cpu[0],
+                    bg_plan_wall_ms=1e3 * wall)
+    return planning, _gap_figures(idle, waited=idle_waited), _gap_figures(beside, waited=beside_waited), plan.digest
 
 
 # -------------------------------------------------------------------------------------------------
@@ -308,7 +327,9 @@ def run(dps: Sequence[int], per_rank: int, gpus_per_node: int, seeds: Sequence[i
                      "plans (planning), of the same loop with nothing planning (idle) and while the plan runs "
                      "in a forked process (beside: same CPU contention, no shared GIL), worst of the repeats; "
                      "planner_cpu_in_worst_gap_ms / max_planner_cpu_in_gap_ms: the planning thread's CPU time "
-                     "within the probe's gaps while planning (an upper bound of the time it held the GIL there)",
+                     "within the probe's gaps while planning (an upper bound of the time it held the GIL there); "
+                     "run_queue_in_worst_gap_ms (sleep probe, Linux): of the worst gap, the time the probe's "
+                     "thread was runnable but had no core (the machine or CPU contention, not the GIL)",
             "switch_interval_s": "the interpreter's switch interval while the background planner plans "
                                  "(BackgroundPlanner's switch_interval_s; None: left at the interpreter's)",
         }}}
@@ -355,8 +376,8 @@ def _summary(result: dict) -> List[str]:
         worst_median = max(r["plan_cpu_ms"]["median"] for r in mine)
         worst_cpu = max(r["plan_cpu_ms"]["max"] for r in mine)
         stalls = "; ".join(
-            f"{k} probe {max(r['stall'][k]['planning']['max_gap_ms'] for r in mine):.2f} ms while planning "
-            f"(idle {max(r['stall'][k]['idle']['max_gap_ms'] for r in mine):.2f}, beside "
+            f"{k} probe {max(r['stall'][k]['planning']['max_gap_ms'] for r in mine):.2f} ms while planning"
+            f"{_run_queue_note(mine, k)} (idle {max(r['stall'][k]['idle']['max_gap_ms'] for r in mine):.2f}, beside "
             f"{max(r['stall'][k]['beside']['max_gap_ms'] for r in mine):.2f}; planner CPU within one gap "
             f"{max(r['stall'][k]['planning']['max_planner_cpu_in_gap_ms'] for r in mine):.2f})" for k in probes)
         reference = [x for r in mine for x in r["reference_cpu_ms"]["all"]]
@@ -368,6 +389,13 @@ def _summary(result: dict) -> List[str]:
                      f"of {min(loads):.1f}-{max(loads):.1f} on {result['params']['cpus']} CPUs, the reference "
                      f"workload's median {inflation:.2f}x its fastest run")
     return lines
+
+
+def _run_queue_note(runs: List[dict], kind: str) -> str:
+    worst = max((r["stall"][kind]["planning"] for r in runs), key=lambda f: f["max_gap_ms"])
+    if "run_queue_in_worst_gap_ms" not in worst:
+        return ""
+    return f", {worst['run_queue_in_worst_gap_ms']:.2f} ms of it waiting for a core"
 
 
 def format_tables(result: dict) -> str:

@@ -1,10 +1,14 @@
 """The planning benchmark runs the trainer's plan_step and reports CPU time and main-thread stalls."""
 import json
+import os
+import subprocess
+import sys
+import time
 
 import numpy as np
 import pytest
 
-from megatron_orch.bench.planning import MIXTURES, PROBES, draw_step, format_tables, run
+from megatron_orch.bench.planning import MIXTURES, PROBES, _run_queue_wait, draw_step, format_tables, run
 from megatron_orch.balance.traces import HEAVY_TAILED_MIXTURES, SHIPPED_MIXTURE
 
 
@@ -22,9 +26,37 @@ def test_planning_benchmark_reports_every_configuration():
         for probe in r["stall"].values():  # the background plan and both controls, once per repeat
             assert set(probe) == {"planning", "idle", "beside"}
             assert all(len(probe[name]["max_gap_ms_each"]) == 1 for name in probe)
+        for name, figures in r["stall"]["sleep"].items():  # the sleep probe splits off its wait for a core
+            assert 0.0 <= figures["run_queue_in_worst_gap_ms"] <= figures["max_gap_ms"], (name, figures)
+        assert all("run_queue_in_worst_gap_ms" not in f for k in ("spin", "numpy") for f in r["stall"][k].values())
         assert set(r["items"]) == {"vision", "audio", "llm"} and r["items"]["llm"] == 32
     assert "dp 16: plan CPU median" in format_tables(result) and "load average" in format_tables(result)
     assert all(r["reference_cpu_ms"]["min"] > 0 for r in result["runs"])
+
+
+@pytest.mark.distributed
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="schedstat is Linux's")
+def test_the_run_queue_wait_counts_time_without_a_core():
+    """Four CPU-bound tasks on one core: this one runs about a quarter of the time and waits for the core
+    the other three quarters, and the probe's figure is that wait (not the time on the core)."""
+    core = min(os.sched_getaffinity(0))
+    saved = os.sched_getaffinity(0)
+    spin = ("import os, sys, time; os.sched_setaffinity(0, {%d}); print('ready', flush=True); "
+            "end = time.perf_counter() + 5\nwhile time.perf_counter() < end: pass" % core)
+    children = [subprocess.Popen([sys.executable, "-c", spin], stdout=subprocess.PIPE, text=True) for _ in range(3)]
+    try:
+        assert all(child.stdout.readline().strip() == "ready" for child in children)
+        os.sched_setaffinity(0, {core})
+        start_wait, start = _run_queue_wait(), time.perf_counter()
+        while time.perf_counter() - start < 0.4:
+            pass
+        waited = _run_queue_wait() - start_wait
+    finally:
+        os.sched_setaffinity(0, saved)
+        for child in children:
+            child.kill()
+            child.wait(timeout=30)
+    assert 0.2 < waited < 0.4, waited
 
 
 def test_mixtures_reweight_the_shipped_traces():
