@@ -21,9 +21,10 @@ def pytest_configure(config):
         config.addinivalue_line("filterwarnings", ":".join(["ignore", message, category.__name__, *module]))
 
 
-# Programs a test may run without the marker: git (megatron-core asks it for its version at import) and
-# ldconfig (ctypes.util.find_library asks it where a library is, the first time torch's CUDA lookup runs).
-_UNMARKED_PROGRAMS = {"git", "ldconfig"}
+# Programs a test may run without the marker: git (megatron-core asks it for its version at import),
+# ldconfig (ctypes.util.find_library asks it where a library is, the first time torch's CUDA lookup runs) and
+# fc-list (matplotlib asks it for the system's fonts when it builds its font cache, on a fresh machine).
+_UNMARKED_PROGRAMS = {"git", "ldconfig", "fc-list"}
 
 
 @pytest.fixture(autouse=True)
