@@ -35,7 +35,7 @@ def test_planning_benchmark_reports_every_configuration():
 
 
 @pytest.mark.distributed
-@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="schedstat is Linux's")
+@pytest.mark.skipif(not os.path.exists("/proc/thread-self/schedstat"), reason="needs Linux's per-thread schedstat")
 def test_the_run_queue_wait_counts_time_without_a_core():
     """Four CPU-bound tasks on one core: this one runs about a quarter of the time and waits for the core
     the other three quarters, and the probe's figure is that wait (not the time on the core)."""
