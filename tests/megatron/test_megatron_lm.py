@@ -32,7 +32,7 @@ import pytest
 import torch
 
 import megatron_lm_doubles as doubles
-from dist_utils import run_distributed, scaled
+from dist_utils import TRAINED_PARAMS_ATOL, run_distributed, scaled
 from megatron_orch.mllm.task import MLLM_TASK
 
 REPO = Path(__file__).resolve().parents[2]
@@ -479,7 +479,7 @@ def _check_runs(out_dir: Path, world_size: int, parallel, runs, hook: str) -> No
         for name in [run for run in runs[1:] if run != COMPACT]:
             assert params[name].keys() == params["upstream"].keys(), name
             for key, value in params["upstream"].items():
-                torch.testing.assert_close(params[name][key], value, rtol=TOLERANCE, atol=1e-6,
+                torch.testing.assert_close(params[name][key], value, rtol=TOLERANCE, atol=TRAINED_PARAMS_ATOL,
                                            msg=lambda m: f"{parallel} {name}, rank {rank}, {key}: {m}")
     last = ranks[-1]  # on the last pipeline stage (and the compact trainer's logging rank)
     upstream = last["upstream"]["losses"]

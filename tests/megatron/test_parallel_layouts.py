@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from dist_utils import run_distributed
+from dist_utils import TRAINED_PARAMS_ATOL, run_distributed
 from test_post_balancing import SCENARIOS, scripted_example
 from megatron_orch.mllm.task import MLLM_TASK
 
@@ -112,7 +112,7 @@ def assert_same_run(got: dict, want: dict, iterations: int, what: str):
                                                                                  want["losses"])
     assert got["params"].keys() == want["params"].keys()
     for name, value in want["params"].items():
-        torch.testing.assert_close(got["params"][name], value, rtol=TOLERANCE, atol=1e-6,
+        torch.testing.assert_close(got["params"][name], value, rtol=TOLERANCE, atol=TRAINED_PARAMS_ATOL,
                                    msg=lambda m: f"parameter {name}: {m}")
     loss = max(abs(got["losses"][i] - want["losses"][i]) / abs(want["losses"][i]) for i in want["losses"])
     param = max(float((got["params"][n] - v).abs().max()) for n, v in want["params"].items())

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from dist_utils import run_distributed
+from dist_utils import TRAINED_PARAMS_ATOL, run_distributed
 from megatron_orch.mllm.task import MLLM_TASK
 
 warnings.filterwarnings("ignore", message=r".*(Transformer Engine|Apex).*not installed")
@@ -129,7 +129,7 @@ def assert_invariant(balanced: dict, baseline: dict, rtol: float = 1e-5):
     for rank, (got, want) in enumerate(zip(balanced["params"], baseline["params"])):
         assert got.keys() == want.keys()
         for name in want:
-            torch.testing.assert_close(got[name], want[name], rtol=rtol, atol=1e-6,
+            torch.testing.assert_close(got[name], want[name], rtol=rtol, atol=TRAINED_PARAMS_ATOL,
                                        msg=lambda m: f"rank {rank} parameter {name}: {m}")
 
 

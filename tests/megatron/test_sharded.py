@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from dist_utils import run_distributed
+from dist_utils import TRAINED_PARAMS_ATOL, run_distributed
 from test_post_balancing import BALANCED, COMMON, MBS, NUM_MB, SCENARIOS, scripted_iterator
 from megatron_orch.mllm.task import MLLM_TASK
 
@@ -130,7 +130,7 @@ def assert_same_training(got: dict, want: dict, rtol: float = 1e-5):
     for rank, (params, reference) in enumerate(zip(got["params"], want["params"])):
         assert params.keys() == reference.keys()
         for name in reference:
-            torch.testing.assert_close(params[name], reference[name], rtol=rtol, atol=1e-6,
+            torch.testing.assert_close(params[name], reference[name], rtol=rtol, atol=TRAINED_PARAMS_ATOL,
                                        msg=lambda m: f"rank {rank} parameter {name}: {m}")
     loss_diff = max(abs(got["losses"][i] - loss) / abs(loss) for i, loss in want["losses"].items())
     param_diff = max((params[name] - reference[name]).abs().max().item()

@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from dist_utils import run_distributed
+from dist_utils import TRAINED_PARAMS_ATOL, run_distributed
 from test_post_balancing import SCENARIOS, scripted_example
 from test_train import stage_state
 from megatron_orch.mllm.task import MLLM_TASK
@@ -126,7 +126,7 @@ def assert_same(got: dict, want: dict, rtol: float = 1e-5) -> None:
             found = [r["params"][name] for r in got["ranks"] if name in r["params"]]
             assert found, name
             for other in found:
-                torch.testing.assert_close(other, value, rtol=rtol, atol=1e-6, msg=lambda m: f"{name}: {m}")
+                torch.testing.assert_close(other, value, rtol=rtol, atol=TRAINED_PARAMS_ATOL, msg=lambda m: f"{name}: {m}")
 
 
 @pytest.mark.distributed
