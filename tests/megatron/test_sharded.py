@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import torch.multiprocessing as mp
 
 from dist_utils import TRAINED_PARAMS_ATOL, run_distributed
 from test_post_balancing import BALANCED, COMMON, MBS, NUM_MB, SCENARIOS, scripted_iterator
@@ -116,7 +117,19 @@ def train(tmp_path: Path, name: str, *flags: str) -> dict:
     out_dir = tmp_path / name
     out_dir.mkdir()
     global_batch = ["--global-batch-size", str(MBS * NUM_MB * 4)]
-    run_distributed(_train, 4, COMMON + global_batch + FLAGS + list(flags), str(out_dir), timeout_s=TIMEOUT_S)
+    argv = COMMON + global_batch + FLAGS + list(flags)
+    try:
+        run_distributed(_train, 4, argv, str(out_dir), timeout_s=TIMEOUT_S)
+    except mp.ProcessExitedException as crash:
+        # Megatron-FSDP on CPU over gloo now and then aborts a rank in native code ("malloc(): unaligned tcache
+        # chunk detected"), in upstream runs as well as balanced ones, about once in ten runs: run it once more,
+        # and say so. Any other failure, or a second abort, fails the test.
+        if "--use-megatron-fsdp" not in flags or crash.signal_name != "SIGABRT":
+            raise
+        warnings.warn(f"{name} run with --use-megatron-fsdp: a rank aborted (SIGABRT) in native code; run again")
+        out_dir = tmp_path / f"{name}_again"
+        out_dir.mkdir()
+        run_distributed(_train, 4, argv, str(out_dir), timeout_s=TIMEOUT_S)
     log = torch.load(out_dir / "log.pt")
     log["params"] = [torch.load(out_dir / f"params_rank{r}.pt") for r in range(4)]
     log["held"] = [torch.load(out_dir / f"held_rank{r}.pt") for r in range(4)]
