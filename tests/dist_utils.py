@@ -29,7 +29,7 @@ import torch.multiprocessing as mp
 HOST = "127.0.0.1"
 # Absolute tolerance for parameters after a few Adam steps, balanced against upstream (or another wrapper).
 # Another placement sums a gradient in another order; where the terms nearly cancel, Adam's
-# g / (sqrt(v) + eps) turns that rounding into a step difference. On an AMD EPYC host 3-8 elements per tensor
+# g / (sqrt(v) + eps) turns that rounding into a step difference. On an AMD EPYC host 3-8 elements of a tensor
 # differ by more than 1e-7 after 3 steps, the largest by 1.1e-6 (the hosts these tests passed on before stayed
 # under 1e-6). A lost or doubled example moves many parameters by up to a step (the learning rate, 2e-3 to
 # 1e-2 in these tests), and the losses are compared at 1e-5 relative as well.
