@@ -148,10 +148,8 @@ def _probe(kind: str, keep_going: Callable[[], bool], other_thread: Optional[int
             cpu_stamps.append(cpu())
     else:
         raise ValueError(f"unknown probe {kind!r}; choose from {PROBES}")
-    if len(stamps) < 2:
-        return np.zeros(0), np.zeros(0), (np.zeros(0) if kind == "sleep" else None)
-    return (np.diff(np.asarray(stamps)), np.diff(np.asarray(cpu_stamps)),
-            np.diff(np.asarray(wait_stamps)) if wait_stamps else None)
+    waited = np.diff(np.asarray(wait_stamps)) if kind == "sleep" else None  # (fewer than 2 stamps: empty)
+    return np.diff(np.asarray(stamps)), np.diff(np.asarray(cpu_stamps)), waited
 
 
 def _zero() -> float:
@@ -165,11 +163,11 @@ def _gap_figures(gaps: np.ndarray, other_cpu: Optional[np.ndarray] = None,
     else:
         figures = {"max_gap_ms": 1e3 * float(gaps.max()), "p99_gap_ms": 1e3 * float(np.percentile(gaps, 99)),
                    "iterations": int(gaps.size + 1)}
+    worst = int(gaps.argmax()) if gaps.size else -1
     if waited is not None:  # the probe thread waiting for a core (the machine or CPU contention, not the GIL)
-        figures["run_queue_in_worst_gap_ms"] = 1e3 * float(waited[int(gaps.argmax())]) if gaps.size else 0.0
+        figures["run_queue_in_worst_gap_ms"] = 1e3 * float(waited[worst]) if gaps.size else 0.0
     if other_cpu is not None:  # the planning thread's CPU time within the probe's gaps: an upper bound of the
         # time it held the GIL in them (it may also have run a nogil kernel while the probe waited for a CPU)
-        worst = int(gaps.argmax()) if gaps.size else -1
         figures["planner_cpu_in_worst_gap_ms"] = 1e3 * float(other_cpu[worst]) if gaps.size else 0.0
         figures["max_planner_cpu_in_gap_ms"] = 1e3 * float(other_cpu.max(initial=0.0))
     return figures
