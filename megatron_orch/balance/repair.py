@@ -425,24 +425,24 @@ def localize(bin_of_item: np.ndarray, costs: np.ndarray, want_node: np.ndarray, 
                         continue
                     if pick_key is None or key < pick_key:
                         pick, pick_key = k, key
-            if pick < 0 and unsettled:  # the best swaps that overfill one rank, if its node can take the excess
+            partner = None
+            if pick >= 0:
+                _, partner = pool.pop(pick)
+                exchange(e, partner)
+            else:  # the best swaps that overfill one rank, if its node can take the excess
                 for _key, f in sorted(unsettled)[:_SETTLE_TRIES]:
                     b = rank[f]
                     exchange(e, f)
                     heavy = a if load[a] > capacity else b
                     if settle(heavy, load[heavy] - capacity):
                         _remove(pools[y], (cost[f], f))
-                        pick = -2
+                        partner = f
                         break
                     exchange(e, f)
-            if pick >= 0:
-                cf, f = pool.pop(pick)
-                exchange(e, f)
-            if pick != -1:
-                f_cost = cost[f]
+            if partner is not None:
                 _remove(pools[x], (c, e))
                 bisect.insort(pools[y], (c, e))
-                bisect.insort(pools[x], (f_cost, f))
+                bisect.insort(pools[x], (cost[partner], partner))
                 moved += 1
                 continue
             if not swaps_only:
