@@ -114,30 +114,28 @@ def _watch_gathered_encoder_layers(held: list) -> None:
 
 
 def train(tmp_path: Path, name: str, *flags: str) -> dict:
-    out_dir = tmp_path / name
-    out_dir.mkdir()
     global_batch = ["--global-batch-size", str(MBS * NUM_MB * 4)]
     argv = COMMON + global_batch + FLAGS + list(flags)
-    try:
-        run_distributed(_train, 4, argv, str(out_dir), timeout_s=TIMEOUT_S)
-    except mp.ProcessExitedException as crash:
-        # Megatron-FSDP on CPU over gloo now and then kills a rank in native code (SIGABRT "malloc(): unaligned
-        # tcache chunk detected", or SIGSEGV), in upstream runs as well as balanced ones: once in about ten runs
-        # on some hosts, every other run on others. It is run once more, with a warning; a second crash is
-        # reported as an expected failure naming it, never as a pass. Any other failure fails the test.
-        if "--use-megatron-fsdp" not in flags or crash.signal_name not in ("SIGABRT", "SIGSEGV"):
-            raise
-        warnings.warn(f"{name} run with --use-megatron-fsdp: a rank died by {crash.signal_name} in native code; "
-                      "run again")
-        out_dir = tmp_path / f"{name}_again"
+    # Megatron-FSDP on CPU over gloo now and then kills a rank in native code (SIGABRT "malloc(): unaligned
+    # tcache chunk detected", or SIGSEGV), in upstream runs as well as balanced ones: once in about ten runs
+    # on some hosts, every other run on others. It is run once more, with a warning; a second crash is
+    # reported as an expected failure naming it, never as a pass. Any other failure fails the test.
+    crashes = []
+    while True:
+        out_dir = tmp_path / (f"{name}_again" if crashes else name)
         out_dir.mkdir()
         try:
             run_distributed(_train, 4, argv, str(out_dir), timeout_s=TIMEOUT_S)
-        except mp.ProcessExitedException as again:
-            if again.signal_name not in ("SIGABRT", "SIGSEGV"):
+            break
+        except mp.ProcessExitedException as crash:
+            if "--use-megatron-fsdp" not in flags or crash.signal_name not in ("SIGABRT", "SIGSEGV"):
                 raise
-            pytest.xfail(f"{name} run with --use-megatron-fsdp: a rank died by {crash.signal_name}, then by "
-                         f"{again.signal_name}, in Megatron-FSDP's native code on CPU (not checked this time)")
+            crashes.append(crash.signal_name)
+        if len(crashes) == 2:
+            pytest.xfail(f"{name} run with --use-megatron-fsdp: a rank died by {crashes[0]}, then by "
+                         f"{crashes[1]}, in Megatron-FSDP's native code on CPU (not checked this time)")
+        warnings.warn(f"{name} run with --use-megatron-fsdp: a rank died by {crashes[0]} in native code; "
+                      "run again")
     log = torch.load(out_dir / "log.pt")
     log["params"] = [torch.load(out_dir / f"params_rank{r}.pt") for r in range(4)]
     log["held"] = [torch.load(out_dir / f"held_rank{r}.pt") for r in range(4)]
