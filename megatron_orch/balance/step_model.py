@@ -14,8 +14,10 @@ FLOPs), as the modality-aware schedule runs it:
 1. the encoder phases, in order, on the first pipeline stage (the other stages wait): forward (a third of
    each phase's training cost); each phase's outputs travel to the backbone ranks while the next phase
    encodes (one communicator: transfers run one after the other); the backbone waits for the last;
-2. the backbone, pipelined: ``cost / stages * (1 + (stages - 1) / (virtual_stages * microbatches))``
-   (1F1B's bubble, interleaved: divided by the virtual stages; micro-batches of equal cost assumed);
+2. the backbone, pipelined: the slowest replica's micro-batches through Megatron's 1F1B or interleaved
+   schedule, one by one (:class:`~megatron_orch.balance.pipeline_schedule.PipelineSchedule`,
+   :meth:`StepModel.pipelined`; equal micro-batches of a load: ``cost / stages * (1 + (stages - 1) /
+   (virtual_stages * microbatches))``, :meth:`StepModel.pipelined_even`);
 3. every phase's embedding gradients start back at once, after the backbone; each encoder phase runs
    its backward (two thirds of its cost) once its gradients are in;
 4. the gradient reduction over the DP group (``grad_bytes``; reduce-scatter and all-gather of the
@@ -38,6 +40,7 @@ from typing import Dict, Mapping, Optional, Sequence, Tuple
 
 import numpy as np
 
+from megatron_orch.balance.pipeline_schedule import PipelineSchedule
 from megatron_orch.balance.plan import MovedBytes
 
 DEFAULT_TFLOPS = 400.0  # assumed achieved bf16 TFLOP/s per GPU for costs in FLOPs
@@ -105,6 +108,15 @@ class Busiest:
 
 
 @dataclass(frozen=True)
+class PipelinedBackbone:
+    """The backbone of a step as the pipeline schedule runs it: the slowest replica's seconds, and how many of
+    them its stages wait beyond their share of its work (``bubble``)."""
+
+    seconds: float
+    bubble: float
+
+
+@dataclass(frozen=True)
 class StepModel:
     """How a step is modeled (module docstring): the links, the achieved FLOP rate, the model-parallel
     layout of a DP replica, the gradient bytes it reduces, and whether transfers overlap as the
@@ -134,12 +146,35 @@ class StepModel:
     def with_nic(self, nic_gbits_per_s: float) -> "StepModel":
         return dataclasses.replace(self, link=dataclasses.replace(self.link, nic_gbits_per_s=nic_gbits_per_s))
 
+    @property
+    def schedule(self) -> PipelineSchedule:
+        """A replica's pipeline schedule (stages and model chunks)."""
+        return PipelineSchedule(self.pipeline_stages, self.virtual_stages)
+
+    def pipelined(self, microbatch_seconds, first_forward=None, first_backward=None) -> PipelinedBackbone:
+        """The backbone of the slowest replica: ``microbatch_seconds`` ``(replicas, M)``, each micro-batch's
+        training seconds on its replica (in running order); ``first_forward`` / ``first_backward``: seconds
+        each micro-batch adds to its first stage (upstream's encoders inside the micro-batch)."""
+        costs = np.atleast_2d(np.asarray(microbatch_seconds, dtype=np.float64))
+        if costs.size == 0:
+            return PipelinedBackbone(0.0, 0.0)
+        steps = self.schedule.replica_seconds(costs, first_forward, first_backward)
+        r = int(np.argmax(steps))
+        extras = [np.asarray(e, dtype=np.float64).reshape(costs.shape)[r].sum()
+                  for e in (first_forward, first_backward) if e is not None]
+        work = costs[r].sum() / self.pipeline_stages + sum(extras)  # the busiest stage's: the first
+        return PipelinedBackbone(float(steps[r]), float(steps[r] - work))
+
+    def pipelined_even(self, seconds: float, microbatches: int) -> PipelinedBackbone:
+        """The backbone of a replica whose ``seconds`` of training split into ``microbatches`` equal ones."""
+        return self.pipelined(np.full((1, max(microbatches, 1)), seconds / max(microbatches, 1)))
+
     def compute_seconds(self, cost: float, in_seconds: bool) -> float:
         """Seconds of one replica's ``cost`` (training FLOPs, or seconds measured on one GPU) on its GPUs."""
         seconds = cost if in_seconds else cost / (self.tflops * 1e12)
         return seconds / self.tensor_parallel
 
-    def step(self, encoders: Sequence[Tuple[str, float]], backbone_seconds: float, microbatches: int,
+    def step(self, encoders: Sequence[Tuple[str, float]], backbone: PipelinedBackbone,
              embeddings: Mapping[str, Busiest], prefetched: Sequence[Busiest] = (),
              dp: int = 1, replicas_per_node: int = 1, other_compute: float = 0.0) -> Dict[str, float]:
         """The parts of a step (seconds) and their sum, ``"step"``.
@@ -156,10 +191,6 @@ class StepModel:
         backward = [2.0 * cost / 3.0 for _, cost in encoders]
         names = [name for name, _ in encoders]
         moves = [seconds.get(name, 0.0) for name in names]
-        stages, bubble = self.pipeline_stages, 0.0
-        if stages > 1:
-            bubble = (stages - 1) / (self.virtual_stages * max(microbatches, 1))
-        backbone = backbone_seconds / stages * (1.0 + bubble)
         if self.overlap:
             t, link_free = 0.0, 0.0  # forward: a phase's outputs travel while the next one encodes
             for f, m in zip(forward, moves):
@@ -174,7 +205,7 @@ class StepModel:
         else:
             encoders_forward = sum(forward) + sum(moves)
             encoders_backward = sum(backward) + sum(moves)
-        compute = sum(forward) + sum(backward) + backbone + other_compute
+        compute = sum(forward) + sum(backward) + backbone.seconds + other_compute
         crosses = dp > replicas_per_node
         grads = 0.0
         if self.grad_bytes > 0 and dp > 1:
@@ -188,11 +219,11 @@ class StepModel:
             else:  # behind the backward, but for the encoders' gradients and the last bucket
                 tail = min(self.grad_bytes, self.encoder_grad_bytes + self.bucket_bytes)
                 grads = link.ring_seconds(tail, dp, crosses)
-        step = encoders_forward + backbone + encoders_backward + other_compute + grads
+        step = encoders_forward + backbone.seconds + encoders_backward + other_compute + grads
         prefetch = sum(b.seconds(link) for b in prefetched)
         exposed_prefetch = max(0.0, prefetch - step) if self.overlap else prefetch
-        return {"encoders_forward": encoders_forward, "backbone": backbone, "pipeline_bubble": backbone_seconds /
-                stages * bubble, "encoders_backward": encoders_backward, "grad_reduce": grads,
+        return {"encoders_forward": encoders_forward, "backbone": backbone.seconds,
+                "pipeline_bubble": backbone.bubble, "encoders_backward": encoders_backward, "grad_reduce": grads,
                 "prefetched_moves": prefetch, "exposed_prefetch": exposed_prefetch,
                 "exposed_moves": encoders_forward + encoders_backward - sum(forward) - sum(backward) + exposed_prefetch,
                 "compute": compute, "step": step + exposed_prefetch}

@@ -114,15 +114,15 @@ def verl_equal_size_kk(workloads, num_bins: int) -> np.ndarray:
 
 
 def backbone_only_plan(sizes: StepSizes, upstream: StepPlan) -> StepPlan:
-    """verl-style assignment as a :class:`StepPlan` (no micro-batches, stats, traffic or digest: only its
-    placements and transfers are used): examples balanced on backbone length alone, every encoder item on
-    its example's rank."""
+    """verl-style assignment as a :class:`StepPlan` (no stats, traffic or digest: only its placements,
+    micro-batches and transfers are used): examples balanced on backbone length alone (equal counts), every
+    encoder item on its example's rank, one example per micro-batch as upstream's."""
     dp = int(np.asarray(sizes.counts).size)
     examples = Placement.from_ranks(verl_equal_size_kk(verl_workload(sizes.num_tokens), dp), dp)
     encoders = {phase: EncoderPhasePlan(example=enc.example, home=enc.home, encode=examples.expand(enc.example))
                 for phase, enc in upstream.encoders.items()}
     return StepPlan(examples_home=upstream.examples_home, examples_backbone=examples,
-                    microbatch_of_example=np.zeros(sizes.num_examples, dtype=np.int64), num_microbatches=1,
+                    microbatch_of_example=examples.slot, num_microbatches=upstream.num_microbatches,
                     encoders=encoders, backbone=upstream.backbone, stats={}, traffic={}, digest=0)
 
 

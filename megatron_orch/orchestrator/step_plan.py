@@ -287,8 +287,8 @@ def _slower_by(candidate: np.ndarray, reference: np.ndarray, items: Dict[str, Ph
     worst = (-np.inf, model.link.nic_gbits_per_s)
     for nic in model.nic_breakpoints(moves, model.lowest_nic_gbits_per_s):
         at = model.with_nic(nic)
-        mine = at.step(encoders, ours[0], num_microbatches, ours[1], ours[2])["step"]
-        other = at.step(encoders, theirs[0], num_microbatches, theirs[1], theirs[2])["step"]
+        mine = at.step(encoders, at.pipelined_even(ours[0], num_microbatches), ours[1], ours[2])["step"]
+        other = at.step(encoders, at.pipelined_even(theirs[0], num_microbatches), theirs[1], theirs[2])["step"]
         excess = mine / other - 1.0 if other > 0 else 0.0
         if excess > worst[0]:
             worst = (excess if excess > 1e-12 else min(excess, 0.0), float(nic))
@@ -352,6 +352,23 @@ def _microbatches(backbone_rank, costs, num_tokens, num_ranks, micro_batch_size,
     return partition_groups(costs, backbone_rank, num_microbatches, method=algorithm)
 
 
+def _pipelined(bins, method: str, costs, num_tokens, num_ranks: int, micro_batch_size: int, num_microbatches: int,
+               config: OrchestratorConfig):
+    """The backbone plan judged by the pipeline schedule (``config.step_model``'s stages > 1): the sum-balanced
+    ``bins`` with their own micro-batches against the pipeline-aware local search from them
+    (:meth:`PipelineSchedule.plan`); the one whose slowest replica's modeled step is shorter, as (bins, micro-batch
+    of every example or None for the bins' own, method)."""
+    schedule = config.step_model.schedule
+    own = _microbatches(bins, costs, num_tokens, num_ranks, micro_batch_size, num_microbatches, config.packed,
+                        config.algorithm)
+    summed = schedule.plan_seconds(costs, bins, own, num_ranks, num_microbatches).max(initial=0.0)
+    searched, microbatch, seconds = schedule.plan(costs, bins, num_ranks, num_microbatches,
+                                                  rows=None if config.packed else micro_batch_size)
+    if seconds.max(initial=0.0) < summed * (1 - 1e-9):
+        return searched, microbatch, f"{method}+pipelined"
+    return bins, None, method
+
+
 def plan_step(sizes: StepSizes, phases: ModelPhases, config: OrchestratorConfig,
               topology: Topology, micro_batch_size: int, num_microbatches: int) -> StepPlan:
     """Plan every phase of one global batch (deterministic: same inputs, same plan on every rank); the
@@ -390,18 +407,21 @@ def plan_step(sizes: StepSizes, phases: ModelPhases, config: OrchestratorConfig,
     backbone = phases.backbone.name
     backbone_costs, text_bytes = items[backbone].cost, items[backbone].nbytes
     packed = config.packed
+    pipelined_microbatch = None  # the micro-batches of a pipeline-aware plan (:func:`_pipelined`)
     if not config.balances(backbone):
         backbone_rank, method = home, "none"
     else:
         part = (partition(backbone_costs, num_ranks, method=config.algorithm, home=home) if packed
                 else partition_equal_count(backbone_costs, num_ranks, home=home))
-        method = part.method
+        method, bins = part.method, part.bin_of_item
+        if part.method != "home" and config.step_model.pipeline_stages > 1 and not config.locality:
+            bins, pipelined_microbatch, method = _pipelined(bins, part.method, backbone_costs, sizes.num_tokens,
+                                                            num_ranks, micro_batch_size, num_microbatches, config)
         if part.method == "home":
             backbone_rank = home
         else:
             example, source, nbytes = _example_sources(home, text_bytes, rank_of_item)
-            backbone_rank = _place(part.bin_of_item, [(part.bin_of_item[example], source, nbytes)], num_ranks, topology,
-                              config)
+            backbone_rank = _place(bins, [(bins[example], source, nbytes)], num_ranks, topology, config)
         if config.locality and part.method != "home":
             # what an example pulls to its backbone rank: its text, and its embeddings (counted from its home
             # rank: the encoder plans keep items on their node)
@@ -440,6 +460,8 @@ def plan_step(sizes: StepSizes, phases: ModelPhases, config: OrchestratorConfig,
     home_microbatch = np.arange(sizes.num_examples) % expected // micro_batch_size  # the loader's
     if backbone_rank is home and not packed:
         microbatch = home_microbatch
+    elif pipelined_microbatch is not None:
+        microbatch = pipelined_microbatch
     else:
         microbatch = _microbatches(backbone_rank, backbone_costs, sizes.num_tokens, num_ranks, micro_batch_size,
                                    num_microbatches, packed, config.algorithm)

@@ -19,15 +19,15 @@ from megatron_orch.balance.cost_profile import load_cost_profile
 from megatron_orch.bench.common import (add_trace_args, draw_sizes, effective_layers, parse_layers, report, trace_specs,
                                         with_layers)
 from megatron_orch.mllm.config import load_model_config
-from megatron_orch.sim.cluster import DEFAULT_TFLOPS, SIM_METHODS, LinkModel, StepModel, simulate_step, warm_up_planner
+from megatron_orch.sim.cluster import DEFAULT_TFLOPS, PEAK_TFLOPS, SIM_METHODS, LinkModel, StepModel, simulate_step
 
 PER_PHASE = ("orch", "equal_count", "locality", "equal_locality")
 # each locality-aware method and its plain counterpart (equal-count micro-batches can be slower than packed ones
 # by their own bound: equal_locality against orch is reported beside)
 LOCALITY_PAIRS = (("locality", "orch"), ("equal_locality", "equal_count"))
 # Published step speedups over Megatron-LM, set beside the paper configuration's simulated one.
-PUBLISHED = (("OrchMLLM (arXiv 2503.23830)", "84B MLLM, three modalities, 2560 H100 GPUs", 3.1),
-             ("DistTrain (arXiv 2408.04275)", "72B multimodal LLM, 1172 GPUs", 2.2))
+PUBLISHED = (("OrchMLLM (arXiv 2503.23830)", "84B MLLM, three modalities, 2560 H100 GPUs", 3.1, "41.6%"),
+             ("DistTrain (arXiv 2408.04275)", "72B multimodal LLM, 1172 GPUs", 2.2, ""))
 PAPER = {"model": "mllm_84b", "dp": "80", "tensor_parallel": 8, "pipeline_stages": 4, "per_rank": 16}
 
 
@@ -69,7 +69,16 @@ def checks(result: dict) -> dict:
                                           steps["orch"]])
     lowest = min((float(g) for g in result["dp"][dps[0]]["nic_sweep"]), default=None)
     scarce = {dp: result["dp"][dp]["nic_sweep"][str(lowest)] for dp in dps} if lowest is not None else {}
+    behind = [[dp, seed, run["orch"]["step_seconds"], run["orch"]["sum_balanced_step_seconds"]]
+              for dp in dps for seed, run in zip(result["params"]["seeds"], result["per_seed"][dp])
+              if "sum_balanced_step_seconds" in run["orch"]
+              and run["orch"]["step_seconds"] > run["orch"]["sum_balanced_step_seconds"] * (1 + 1e-9)]
+    pipelined = any("sum_balanced_step_seconds" in run["orch"] for dp in dps for run in result["per_seed"][dp])
     return {
+        "pipeline_aware_never_slower": {
+            "held": not behind, "pipelined": pipelined, "slower": behind,
+            "orch_step_seconds": {dp: result["dp"][dp]["orch"]["step_seconds"] for dp in dps},
+            "sum_balanced_step_seconds": {dp: result["dp"][dp]["orch"].get("sum_balanced_step_seconds") for dp in dps}},
         "per_phase_at_least_backbone_only": {
             "held": all(per_phase[dp] >= speedups[dp]["backbone_only"] for dp in dps),
             "best_per_phase_speedup": per_phase,
@@ -95,7 +104,7 @@ def format_tables(result: dict) -> str:
              f"transfers {'overlapped as the schedule overlaps them' if layout['overlap'] else 'all exposed'}"
              + (", FSDP" if layout["fsdp"] else ""), "",
              "| DP | GPUs | method | " + " | ".join(f"{q} s" for q in phases) + " | compute s | exposed comm s | "
-             "bubble s | grad reduce s | plan s (exposed) | step s | speedup | " + " / ".join(phases) + " speedup |",
+             "bubble s | grad reduce s | step s | speedup | MFU | " + " / ".join(phases) + " speedup |",
              "|---:|---:|---|" + "---:|" * len(phases) + "---:|---:|---:|---:|---:|---:|---:|---|"]
     for dp in sorted(result["dp"], key=int):
         for m in SIM_METHODS:
@@ -105,8 +114,7 @@ def format_tables(result: dict) -> str:
                          + " | ".join(f"{ph[q]:.4g}" for q in phases) + " | "
                          f"{f['compute_seconds']:.4g} | {f['exposed_comm_seconds']:.3g} | "
                          f"{f['pipeline_bubble_seconds']:.3g} | {f['grad_reduce_seconds']:.3g} | "
-                         f"{f['plan_seconds']:.3f} "
-                         f"({f['exposed_plan_seconds']:.3f}) | {f['step_seconds']:.4g} | {f['speedup']:.3f} | "
+                         f"{f['step_seconds']:.4g} | {f['speedup']:.3f} | {100 * f['mfu']:.1f}% | "
                          + " / ".join(f"{f['phase_speedup'][q]:.2f}" for q in phases) + " |")
     sweep = [g for g in result["dp"][sorted(result["dp"], key=int)[0]]["nic_sweep"]]
     if sweep:
@@ -118,14 +126,17 @@ def format_tables(result: dict) -> str:
                 f"{s[g]['orch']:.4g} / {s[g]['locality']:.4g} "
                 f"({s[g]['equal_count']:.4g} / {s[g]['equal_locality']:.4g})" for g in sweep) + " |")
     if p.get("paper"):
-        lines += ["", "paper configuration, step speedup over upstream Megatron:", "",
-                  "| system | configuration | step speedup |", "|---|---|---:|"]
+        lines += ["", "paper configuration, step speedup over upstream Megatron and MFU (modeled here: training FLOPs "
+                  f"over step x GPUs x {p['peak_tflops']:g} TFLOP/s):", "",
+                  "| system | configuration | step speedup | MFU |", "|---|---|---:|---:|"]
         for dp in sorted(result["dp"], key=int):
             gpus = p["gpus"][dp] if dp in p["gpus"] else p["gpus"][int(dp)]
+            orch = result["dp"][dp]["orch"]
             lines.append(f"| this simulator, orch (defaults) | {p['model']}, {gpus} GPUs (DP {dp} x TP "
                          f"{layout['tensor_parallel']} x PP {layout['pipeline_stages']}) | "
-                         f"{result['dp'][dp]['orch']['speedup']:.2f}x |")
-        lines += [f"| {name} (published) | {what} | {speedup:.1f}x |" for name, what, speedup in p["published"]]
+                         f"{orch['speedup']:.2f}x | {100 * orch['mfu']:.1f}% |")
+        lines += [f"| {name} (published) | {what} | {speedup:.1f}x | {mfu} |"
+                  for name, what, speedup, mfu in p["published"]]
     return "\n".join(lines + [""] + findings(result["checks"]))
 
 
@@ -145,6 +156,13 @@ def findings(checks: dict) -> List[str]:
     lines.append("[sim] step speedup of orch by DP size, published: grows with DP: " + ", ".join(
         f"DP {dp} {orch[dp]:.4g}" + (f" ({_change(orch[dp], orch[dps[i - 1]])})" if i else "")
         for i, dp in enumerate(dps)))
+    c = checks["pipeline_aware_never_slower"]
+    if c["pipelined"]:
+        lines.append("[sim] orch's pipeline-aware backbone vs the same defaults planned by sums, both through the "
+                     "exact schedule: " + ", ".join(
+                         f"DP {dp} {c['orch_step_seconds'][dp]:.4g} s vs {c['sum_balanced_step_seconds'][dp]:.4g} s"
+                         for dp in c["orch_step_seconds"])
+                     + ("; never slower on any batch" if c["held"] else f"; slower on {len(c['slower'])} batches"))
     c = checks["locality_never_slower"]
     scarce = ", ".join(f"DP {dp} {s['locality']:.4g} vs {s['orch']:.4g} ({_change(s['locality'], s['orch'])})"
                        for dp, s in c["step_seconds"].items())
@@ -241,6 +259,9 @@ def main(argv: Optional[List[str]] = None) -> dict:
                         help="item costs in seconds from bench.calibrate (default: FLOPs at --tflops)")
     parser.add_argument("--tflops", type=float, default=DEFAULT_TFLOPS,
                         help=f"assumed achieved TFLOP/s per GPU without a profile (default {DEFAULT_TFLOPS:g})")
+    parser.add_argument("--peak-tflops", type=float, default=PEAK_TFLOPS,
+                        help=f"peak TFLOP/s per GPU that modeled MFU divides by (default {PEAK_TFLOPS:g}: dense bf16 "
+                             "of one H100 or H200)")
     defaults = LinkModel()
     parser.add_argument("--gpus-per-node", type=int, default=defaults.gpus_per_node)
     parser.add_argument("--nvlink-gbytes-per-s", type=float, default=defaults.nvlink_gbytes_per_s,
@@ -272,8 +293,8 @@ def main(argv: Optional[List[str]] = None) -> dict:
     seeds = [int(x) for x in args.seeds.split(",") if x.strip()] if args.seeds.replace(",", "").isdigit() else []
     if not seeds:
         parser.error(f"--seeds takes a comma-separated list of integers >= 0, got {args.seeds!r}")
-    if args.per_rank < 1 or args.tflops <= 0:
-        parser.error("--per-rank must be >= 1 and --tflops > 0")
+    if args.per_rank < 1 or args.tflops <= 0 or args.peak_tflops <= 0:
+        parser.error("--per-rank must be >= 1, --tflops and --peak-tflops > 0")
     try:
         link = LinkModel(args.gpus_per_node, args.nvlink_gbytes_per_s, args.nic_gbits_per_s,
                          args.nvlink_latency_us, args.nic_latency_us)
@@ -282,13 +303,12 @@ def main(argv: Optional[List[str]] = None) -> dict:
         cluster = step_model_of(model, link, args)
     except ValueError as err:
         parser.error(str(err))
-    warm_up_planner(model)
     result = {"params": {
         "model": model.name, "layers": effective_layers(model), "dp": dps, "per_rank": args.per_rank, "seeds": seeds,
         "traces": [list(spec) for spec in trace_specs(args)], "link": vars(link) | {},
         "step_model": {f.name: getattr(cluster, f.name) for f in dataclasses.fields(cluster) if f.name != "link"},
         "gpus": {dp: dp * cluster.tensor_parallel * cluster.pipeline_stages for dp in dps},
-        "paper": args.paper, "published": [list(p) for p in PUBLISHED],
+        "paper": args.paper, "published": [list(p) for p in PUBLISHED], "peak_tflops": args.peak_tflops,
         "costs": (f"profile {args.profile} ({profile.device}, {profile.dtype})" if profile
                   else f"training FLOPs at an assumed {args.tflops:g} TFLOP/s per GPU"),
         "nic_sweep_gbits_per_s": sweep}, "dp": {}, "per_seed": {}}
@@ -300,7 +320,7 @@ def main(argv: Optional[List[str]] = None) -> dict:
                                          args.seq_length)
             except ValueError as err:  # an example longer than --seq-length: refused, as training refuses it
                 parser.error(str(err))
-            runs.append(simulate_step(sizes, model, link, profile, args.tflops, sweep, cluster))
+            runs.append(simulate_step(sizes, model, link, profile, args.tflops, sweep, cluster, args.peak_tflops))
         result["dp"][str(dp)], result["per_seed"][str(dp)] = mean_over_runs(runs), runs
         print(f"[sim] DP {dp} done", file=sys.stderr, flush=True)
     result["checks"] = checks(result)

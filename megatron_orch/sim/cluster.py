@@ -15,45 +15,51 @@ pipeline_stages`` GPUs):
 
 Step time of a method, in seconds (:mod:`megatron_orch.balance.step_model` for the per-phase methods):
 
-* compute of phase p on rank r: the sum of its items' costs, with a cost profile in seconds plus the
-  profile's per-call overhead on every rank that has an item of an encoder phase; without a profile
-  the items' training FLOPs at an assumed ``tflops`` per GPU; split evenly over the replica's GPUs
-  (encoders over its first stage's tensor-parallel group);
-* per-phase methods: the step model's schedule (encoders, then the pipelined backbone with its bubble,
-  then the encoders' backward; each phase's embeddings travel while the next phase encodes, their
-  gradients while earlier phases run their backward; the gradient reduction exposed as far as the
-  backward cannot hide it; raw inputs and text during the previous step);
+* compute of phase p in every (rank, backbone micro-batch) cell: the sum of its items' costs (an encoder
+  item in its example's micro-batch), with a cost profile in seconds plus the profile's per-call overhead
+  on every cell that has an item; without a profile the items' training FLOPs at an assumed ``tflops``
+  per GPU; split evenly over the replica's GPUs (encoders over its first stage's tensor-parallel group);
+* per-phase methods: the step model's schedule (encoders, then the backbone: every replica's own
+  micro-batches through Megatron's 1F1B or interleaved schedule, one by one
+  (:mod:`megatron_orch.balance.pipeline_schedule`), the slowest replica counting; then the encoders'
+  backward; each phase's embeddings travel while the next phase encodes, their gradients while earlier
+  phases run their backward; the gradient reduction exposed as far as the backward cannot hide it; raw
+  inputs and text during the previous step);
 * ``none`` and ``backbone_only`` run each example's encoders inside its micro-batch on the first
-  pipeline stage, so that stage paces the pipeline: ``(encoders + backbone / stages) * (1 + bubble)`` of
-  the slowest rank, plus the same gradient reduction;
-* planning: ``plan_step`` runs on a CPU thread during the previous step, so only the part of its wall
-  time (measured here, on this machine) beyond the step's own time is exposed.
+  pipeline stage: the same schedule with each micro-batch's encoders added to its first-stage forward and
+  backward, plus the same gradient reduction;
+* planning: ``plan_step`` runs on a CPU thread during the previous step; its time is not in the step
+  (``bench.planning`` measures it), so every figure is a function of the batch and the flags alone: the
+  same command gives the same JSON on any machine, under any load;
+* modeled MFU: the batch's training FLOPs (the cost models') over step seconds x GPUs x ``peak_tflops``
+  (989: dense bf16 of one H100 or H200).
 
 What the model leaves out: memory limits, padding inside backbone micro-batches (items are timed
-alone), the difference in cost between micro-batches of a pipeline (the bubble uses their mean), and
-the tensor- and pipeline-parallel communication inside a replica (the same for every method).
+alone), the tensor- and pipeline-parallel communication inside a replica (the same for every method),
+and stage-to-stage transfer time.
 """
 from __future__ import annotations
 
 import dataclasses
-import time
 from typing import Dict, Optional, Sequence
 
 import numpy as np
 
 from megatron_orch.balance.cost_profile import CostProfile, rank_seconds
-from megatron_orch.balance.step_model import DEFAULT_TFLOPS, Busiest, LinkModel, StepModel
+from megatron_orch.balance.step_model import DEFAULT_TFLOPS, Busiest, LinkModel, PipelinedBackbone, StepModel
 from megatron_orch.balance.topology import Topology
 from megatron_orch.balance.workload import PhaseItems, StepSizes, phase_items
 from megatron_orch.bench.balance import backbone_only_plan
 from megatron_orch.bench.common import PLAN_METHODS, model_phases, plan_method
-from megatron_orch.orchestrator.step_plan import StepPlan, step_transfers, warm_up
+from megatron_orch.orchestrator.step_plan import StepPlan, step_transfers
 
-__all__ = ("SIM_METHODS", "END_TO_END", "DEFAULT_TFLOPS", "LinkModel", "StepModel", "phase_rank_seconds",
-           "simulate_step", "topology_of", "warm_up_planner")
+__all__ = ("SIM_METHODS", "END_TO_END", "DEFAULT_TFLOPS", "PEAK_TFLOPS", "LinkModel", "StepModel",
+           "phase_cell_seconds", "model_flops", "simulate_step", "topology_of")
 
 SIM_METHODS = ("none", "orch", "equal_count", "locality", "equal_locality", "backbone_only")
 END_TO_END = ("none", "backbone_only")  # each example runs all its phases on one rank
+SUM_BALANCED = "orch_sum_balanced"  # (pipelined layouts) the defaults' plan by sums, judged by the same schedule
+PEAK_TFLOPS = 989.0  # dense bf16 TFLOP/s of one H100 / H200 (spec sheet): modeled MFU's denominator
 
 
 def topology_of(dp: int, model: StepModel) -> Topology:
@@ -62,27 +68,38 @@ def topology_of(dp: int, model: StepModel) -> Topology:
     return Topology.uniform(dp, max(1, model.link.gpus_per_node // model.tensor_parallel))
 
 
-def phase_rank_seconds(plan: StepPlan, items: Dict[str, PhaseItems], profile: Optional[CostProfile],
+def phase_cell_seconds(plan: StepPlan, items: Dict[str, PhaseItems], profile: Optional[CostProfile],
                        tflops: float) -> Dict[str, np.ndarray]:
-    """Modeled compute seconds of every phase on every rank under ``plan`` (on one GPU of the replica's
-    work: :meth:`StepModel.compute_seconds` spreads it)."""
-    dp = plan.examples_home.num_ranks
+    """Modeled compute seconds of every phase in every (rank, backbone micro-batch) cell under ``plan``,
+    ``(dp, num_microbatches)`` (on one GPU of the replica's work: :meth:`StepModel.compute_seconds` spreads it).
+    An encoder item counts in the cell of the rank that encodes it and its example's micro-batch; with a cost
+    profile every cell with an item pays the phase's call overhead."""
+    dp, m = plan.examples_home.num_ranks, plan.num_microbatches
     out = {}
     for phase in items:
+        example = items[phase].example if phase in plan.encoders else np.arange(plan.examples_home.rank.size)
         rank = plan.encoders[phase].encode.rank if phase in plan.encoders else plan.examples_backbone.rank
+        cell = rank * m + plan.microbatch_of_example[example]
         if profile is None:
-            out[phase] = np.bincount(rank, weights=items[phase].cost, minlength=dp) / (tflops * 1e12)
+            seconds = np.bincount(cell, weights=items[phase].cost, minlength=dp * m) / (tflops * 1e12)
         else:
-            out[phase] = rank_seconds(profile.phases[phase], items[phase].cost, rank, dp)
+            seconds = rank_seconds(profile.phases[phase], items[phase].cost, cell, dp * m)
+        out[phase] = seconds.reshape(dp, m)
     return out
+
+
+def model_flops(sizes: StepSizes, model) -> float:
+    """Training FLOPs of a global batch under the model's cost models (every phase): what MFU counts."""
+    return float(sum(float(p.cost.sum()) for p in phase_items(sizes, model.phases()).values()))
 
 
 def simulate_step(sizes: StepSizes, model, link: LinkModel, profile: Optional[CostProfile] = None,
                   tflops: float = DEFAULT_TFLOPS, nic_sweep: Sequence[float] = (),
-                  step_model: Optional[StepModel] = None) -> dict:
+                  step_model: Optional[StepModel] = None, peak_tflops: float = PEAK_TFLOPS) -> dict:
     """Every method's modeled step on one global batch (see the module docstring). ``step_model``: the
     layout and overlap (default: DP only, transfers overlapped as the schedule overlaps them); its link and
-    FLOP rate are ``link`` and ``tflops``."""
+    FLOP rate are ``link`` and ``tflops``. Deterministic: nothing measured on this machine enters a figure
+    (planning runs on a CPU thread during the previous step; ``bench.planning`` measures its time)."""
     cluster = dataclasses.replace(step_model or StepModel(), link=link, tflops=tflops)
     dp = int(np.asarray(sizes.counts).size)
     per_rank = int(np.asarray(sizes.counts)[0])
@@ -90,33 +107,36 @@ def simulate_step(sizes: StepSizes, model, link: LinkModel, profile: Optional[Co
     phases = model_phases(model, profile)
     items = phase_items(sizes, phases)
     backbone = phases.backbone.name
-    plans, plan_seconds = {}, {}
+    flops = model_flops(sizes, model)
+    gpus = dp * cluster.tensor_parallel * cluster.pipeline_stages
+    plans = {}
     for method in SIM_METHODS:
-        start = time.perf_counter()
         if method == "backbone_only":
             plans[method] = backbone_only_plan(sizes, plans["none"])
         else:
             plans[method] = plan_method(method, sizes, model, topology, profile, step_model=cluster)
-        plan_seconds[method] = 0.0 if method == "none" else time.perf_counter() - start
+    if cluster.pipeline_stages > 1:  # the defaults planned by sums, as without a pipeline: what pipeline-aware beats
+        plans[SUM_BALANCED] = plan_method("orch", sizes, model, topology, profile, step_model=dataclasses.replace(
+            cluster, pipeline_stages=1, virtual_stages=1))
 
     def figures(method: str, at: StepModel) -> dict:
         plan = plans[method]
-        ranks = {p: v / cluster.tensor_parallel for p, v in phase_rank_seconds(plan, items, profile, tflops).items()}
+        cells = {p: v / cluster.tensor_parallel for p, v in phase_cell_seconds(plan, items, profile, tflops).items()}
+        ranks = {p: v.sum(axis=1) for p, v in cells.items()}
         moves = {move.name: (move, Busiest.of(move.moved_bytes(topology.node_of_rank)))
                  for move in step_transfers(plan, items)}
         embeddings = {p: moves[f"{p} embeddings"][1] for p in plan.encoders}
         prefetched = [busiest for move, busiest in moves.values() if move.times == 1]
         replicas_per_node = max(1, at.link.gpus_per_node // at.tensor_parallel)
         if method in END_TO_END:  # encoders inside the micro-batches of the first stage, which paces the pipeline
-            paced = sum((ranks[p] for p in plan.encoders), np.zeros(dp)) + ranks[backbone] / at.pipeline_stages
-            bubble = (at.pipeline_stages - 1) / (at.virtual_stages * per_rank) if at.pipeline_stages > 1 else 0.0
-            compute = float((paced * (1.0 + bubble)).max(initial=0.0))
-            parts = at.step([], 0.0, per_rank, {}, prefetched, dp, replicas_per_node, other_compute=compute)
-            parts.update(backbone=compute, pipeline_bubble=compute * bubble / (1.0 + bubble))
+            inside = sum((cells[p] for p in plan.encoders), np.zeros((dp, plan.num_microbatches)))
+            pipelined = at.pipelined(cells[backbone], first_forward=inside / 3.0, first_backward=2.0 * inside / 3.0)
+            parts = at.step([], PipelinedBackbone(0.0, 0.0), {}, prefetched, dp, replicas_per_node,
+                            other_compute=pipelined.seconds)
+            parts.update(backbone=pipelined.seconds, pipeline_bubble=pipelined.bubble)
         else:
             encoders = [(p, float(ranks[p].max(initial=0.0))) for p in plan.encoders]
-            parts = at.step(encoders, float(ranks[backbone].max(initial=0.0)), plan.num_microbatches, embeddings,
-                            prefetched, dp, replicas_per_node)
+            parts = at.step(encoders, at.pipelined(cells[backbone]), embeddings, prefetched, dp, replicas_per_node)
         return {"parts": parts, "phase_seconds": {p: float(r.max(initial=0.0)) for p, r in ranks.items()},
                 "phase_mean_seconds": {p: float(r.mean()) for p, r in ranks.items()},
                 "comm": {name: {"seconds": b.seconds(at.link), "times": move.times, "nvlink_bytes": b.nvlink_bytes,
@@ -129,7 +149,6 @@ def simulate_step(sizes: StepSizes, model, link: LinkModel, profile: Optional[Co
     for method in SIM_METHODS:
         f = figures(method, cluster)
         parts = f["parts"]
-        exposed = max(0.0, plan_seconds[method] - parts["step"]) if method not in END_TO_END else 0.0
         comm = f["comm"]
         result[method] = {
             "phase_seconds": f["phase_seconds"], "phase_mean_seconds": f["phase_mean_seconds"],
@@ -143,10 +162,11 @@ def simulate_step(sizes: StepSizes, model, link: LinkModel, profile: Optional[Co
             "inter_node_bytes": sum(m["times"] * m["inter_node_bytes"] for m in comm.values()),
             "intra_node_bytes": sum(m["times"] * m["intra_node_bytes"] for m in comm.values()),
             "backbone_method": plans[method].stats[backbone].method if plans[method].stats else method,
-            "plan_seconds": plan_seconds[method],
-            "exposed_plan_seconds": exposed,
-            "step_seconds": parts["step"] + exposed,
+            "step_seconds": parts["step"],
+            "mfu": flops / (parts["step"] * gpus * peak_tflops * 1e12) if parts["step"] > 0 else 0.0,
         }
+    if SUM_BALANCED in plans:
+        result["orch"]["sum_balanced_step_seconds"] = figures(SUM_BALANCED, cluster)["parts"]["step"]
     upstream = result["none"]
     for figures_ in result.values():
         figures_["speedup"] = upstream["step_seconds"] / figures_["step_seconds"]
@@ -155,12 +175,5 @@ def simulate_step(sizes: StepSizes, model, link: LinkModel, profile: Optional[Co
     result["nic_sweep"] = {}
     for gbits in nic_sweep:
         slow = cluster.with_nic(gbits)
-        result["nic_sweep"][str(gbits)] = {method: figures(method, slow)["parts"]["step"]
-                                           + result[method]["exposed_plan_seconds"] for method in SIM_METHODS}
+        result["nic_sweep"][str(gbits)] = {method: figures(method, slow)["parts"]["step"] for method in SIM_METHODS}
     return result
-
-
-def warm_up_planner(model) -> None:
-    """Compile the planner's kernels first, so that planning times exclude JIT compilation."""
-    for config in PLAN_METHODS.values():
-        warm_up(model.phases(), config)

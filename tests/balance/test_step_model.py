@@ -22,7 +22,7 @@ def test_the_schedule_by_hand():
     link = LinkModel(nvlink_gbytes_per_s=100.0, nic_gbits_per_s=80.0, nvlink_latency_us=0.0, nic_latency_us=0.0)
     model = StepModel(link=link, pipeline_stages=2, virtual_stages=2)
     vision, audio = Busiest(0.0, 20 * GB, False, True), Busiest(0.0, 5 * GB, False, True)  # 2 s and 0.5 s
-    parts = model.step([("vision", 6.0), ("audio", 3.0)], backbone_seconds=8.0, microbatches=4,
+    parts = model.step([("vision", 6.0), ("audio", 3.0)], model.pipelined_even(8.0, 4),
                        embeddings={"vision": vision, "audio": audio})
     # forward: vision 2 s, its move 2 s while audio encodes 1 s, audio's 0.5 s after: 2 + 2 + 0.5
     assert parts["encoders_forward"] == pytest.approx(4.5)
@@ -32,7 +32,8 @@ def test_the_schedule_by_hand():
     assert parts["encoders_backward"] == pytest.approx(8.0)
     assert parts["exposed_moves"] == pytest.approx(4.5 + 8.0 - 9.0)
     assert parts["step"] == pytest.approx(4.5 + 4.5 + 8.0)
-    serial = dataclasses.replace(model, overlap=False).step([("vision", 6.0), ("audio", 3.0)], 8.0, 4,
+    serial = dataclasses.replace(model, overlap=False).step([("vision", 6.0), ("audio", 3.0)],
+                                                             model.pipelined_even(8.0, 4),
                                                              {"vision": vision, "audio": audio})
     assert serial["step"] == pytest.approx(9.0 + 4.5 + 2 * 2.5)
 
@@ -41,12 +42,13 @@ def test_the_gradient_reduction_by_hand():
     link = LinkModel(nic_gbits_per_s=80.0, nic_latency_us=0.0)  # 10 GB/s
     model = StepModel(link=link, grad_bytes=10 * GB, encoder_grad_bytes=1 * GB, bucket_bytes=1 * GB)
     ring = 2 * 3 / 4  # 4 ranks, one per node: 2 (n - 1) / n of the bytes through the NIC
-    assert model.step([], 1.0, 1, {}, dp=4)["grad_reduce"] == pytest.approx(ring * 2 * GB / (10 * GB))
-    assert dataclasses.replace(model, overlap=False).step([], 1.0, 1, {}, dp=4)["grad_reduce"] == pytest.approx(
+    one_second = model.pipelined_even(1.0, 1)
+    assert model.step([], one_second, {}, dp=4)["grad_reduce"] == pytest.approx(ring * 2 * GB / (10 * GB))
+    assert dataclasses.replace(model, overlap=False).step([], one_second, {}, dp=4)["grad_reduce"] == pytest.approx(
         ring * 10 * GB / (10 * GB))
-    fsdp = dataclasses.replace(model, fsdp=True).step([], 1.0, 1, {}, dp=4)["grad_reduce"]
+    fsdp = dataclasses.replace(model, fsdp=True).step([], one_second, {}, dp=4)["grad_reduce"]
     assert fsdp == pytest.approx(1.5 * ring - 1.0 + ring * 0.1 / 2)  # beyond the compute, and the first bucket
-    assert model.step([], 1.0, 1, {}, dp=1)["grad_reduce"] == 0.0
+    assert model.step([], one_second, {}, dp=1)["grad_reduce"] == 0.0
 
 
 def modeled_step(plan, items, model: StepModel, topology: Topology) -> float:
@@ -54,8 +56,9 @@ def modeled_step(plan, items, model: StepModel, topology: Topology) -> float:
     node = topology.node_of_rank
     moves = {m.name: Busiest.of(m.moved_bytes(node)) for m in step_transfers(plan, items)}
     encoders = [(p, model.compute_seconds(plan.stats[p].max_after, False)) for p in plan.encoders]
-    return model.step(encoders, model.compute_seconds(plan.stats[plan.backbone].max_after, False),
-                      plan.num_microbatches, {p: moves[f"{p} embeddings"] for p in plan.encoders},
+    backbone = model.pipelined_even(model.compute_seconds(plan.stats[plan.backbone].max_after, False),
+                                    plan.num_microbatches)
+    return model.step(encoders, backbone, {p: moves[f"{p} embeddings"] for p in plan.encoders},
                       [moves[f"{p} inputs"] for p in plan.encoders] + [moves["text"]])["step"]
 
 
