@@ -258,11 +258,12 @@ def _pull_rank(home: np.ndarray, text_bytes: np.ndarray, rank_of_item, num_ranks
 
 
 def _slower_by(candidate: np.ndarray, reference: np.ndarray, items: Dict[str, PhaseItems], rank_of_item,
-               home: np.ndarray, topology: Topology, num_microbatches: int, config: OrchestratorConfig):
+               home: np.ndarray, topology: Topology, pipelined, config: OrchestratorConfig):
     """How much slower backbone ranks ``candidate`` make a step than ``reference`` at worst, as
     :attr:`OrchestratorConfig.step_model` models it over the NIC bandwidths from its lowest to its link's:
     (relative slowdown, at which Gb/s); 0 or less: never slower. (The encoder plans are the same for both:
-    only the backbone's compute, its text and the embeddings it pulls differ.)"""
+    only the backbone's compute, its text and the embeddings it pulls differ.) ``pipelined(ranks)``: the
+    modeled backbone of backbone ranks ``ranks`` (:class:`PipelinedBackbone`)."""
     model = config.step_model
     in_seconds = config.cost_profile is not None
     node = topology.node_of_rank
@@ -275,8 +276,7 @@ def _slower_by(candidate: np.ndarray, reference: np.ndarray, items: Dict[str, Ph
               for phase, (example, rank, _) in rank_of_item.items()]
 
     def figures(backbone_rank):
-        compute = model.compute_seconds(_plan_kernels.rank_loads_max(backbone_rank, items[backbone].cost, num_ranks),
-                                        in_seconds)
+        compute = pipelined(backbone_rank)
         embeddings = {phase: Busiest.of(moved_bytes(rank, backbone_rank[example], out_bytes, node))
                       for phase, (example, rank, out_bytes) in rank_of_item.items()}
         text = Busiest.of(moved_bytes(home, backbone_rank, items[backbone].nbytes, node))
@@ -287,8 +287,8 @@ def _slower_by(candidate: np.ndarray, reference: np.ndarray, items: Dict[str, Ph
     worst = (-np.inf, model.link.nic_gbits_per_s)
     for nic in model.nic_breakpoints(moves, model.lowest_nic_gbits_per_s):
         at = model.with_nic(nic)
-        mine = at.step(encoders, at.pipelined_even(ours[0], num_microbatches), ours[1], ours[2])["step"]
-        other = at.step(encoders, at.pipelined_even(theirs[0], num_microbatches), theirs[1], theirs[2])["step"]
+        mine = at.step(encoders, ours[0], ours[1], ours[2])["step"]
+        other = at.step(encoders, theirs[0], theirs[1], theirs[2])["step"]
         excess = mine / other - 1.0 if other > 0 else 0.0
         if excess > worst[0]:
             worst = (excess if excess > 1e-12 else min(excess, 0.0), float(nic))
@@ -296,7 +296,7 @@ def _slower_by(candidate: np.ndarray, reference: np.ndarray, items: Dict[str, Ph
 
 
 def _repaired(bins, method, slower, reference, costs, home, text_bytes, items, rank_of_item, topology,
-              num_microbatches, config: OrchestratorConfig, swaps_only: bool):
+              pipelined, config: OrchestratorConfig, swaps_only: bool):
     """The locality plan ``bins`` after :func:`repair_locality` against the plain plan ``reference``, if that
     makes it no slower: (bins, method, slowdown as :func:`_slower_by` gives it)."""
     link = config.step_model.link
@@ -305,11 +305,11 @@ def _repaired(bins, method, slower, reference, costs, home, text_bytes, items, r
                                         link.nvlink_gbytes_per_s * 8 / link.nic_gbits_per_s, swaps_only=swaps_only)
     if not actions:
         return bins, method, slower
-    again = _slower_by(repaired, reference, items, rank_of_item, home, topology, num_microbatches, config)
+    again = _slower_by(repaired, reference, items, rank_of_item, home, topology, pipelined, config)
     return (repaired, f"{method}+repair", again) if again[0] < slower[0] else (bins, method, slower)
 
 
-def _localized(reference, method, costs, home, text_bytes, items, rank_of_item, topology, num_microbatches,
+def _localized(reference, method, costs, home, text_bytes, items, rank_of_item, topology, pipelined,
                config: OrchestratorConfig, swaps_only: bool):
     """The plain plan ``reference`` with its examples brought to the node holding most of their bytes by
     :func:`localize` (within its balance), repaired if the step model finds it slower: (bins, method,
@@ -320,10 +320,10 @@ def _localized(reference, method, costs, home, text_bytes, items, rank_of_item, 
                               for example, _, out_bytes in rank_of_item.values())
     bins, _ = localize(reference, costs, want, topology.node_of_rank, swaps_only=swaps_only, item_bytes=pulled)
     name = f"{method}+localized"
-    slower = _slower_by(bins, reference, items, rank_of_item, home, topology, num_microbatches, config)
+    slower = _slower_by(bins, reference, items, rank_of_item, home, topology, pipelined, config)
     if slower[0] > 0:
         bins, name, slower = _repaired(bins, name, slower, reference, costs, home, text_bytes, items, rank_of_item,
-                                       topology, num_microbatches, config, swaps_only)
+                                       topology, pipelined, config, swaps_only)
     return bins, name, slower
 
 
@@ -414,7 +414,7 @@ def plan_step(sizes: StepSizes, phases: ModelPhases, config: OrchestratorConfig,
         part = (partition(backbone_costs, num_ranks, method=config.algorithm, home=home) if packed
                 else partition_equal_count(backbone_costs, num_ranks, home=home))
         method, bins = part.method, part.bin_of_item
-        if part.method != "home" and config.step_model.pipeline_stages > 1 and not config.locality:
+        if part.method != "home" and config.step_model.pipeline_stages > 1:
             bins, pipelined_microbatch, method = _pipelined(bins, part.method, backbone_costs, sizes.num_tokens,
                                                             num_ranks, micro_batch_size, num_microbatches, config)
         if part.method == "home":
@@ -423,6 +423,22 @@ def plan_step(sizes: StepSizes, phases: ModelPhases, config: OrchestratorConfig,
             example, source, nbytes = _example_sources(home, text_bytes, rank_of_item)
             backbone_rank = _place(bins, [(bins[example], source, nbytes)], num_ranks, topology, config)
         if config.locality and part.method != "home":
+            plain_rank, plain_microbatch = backbone_rank, pipelined_microbatch
+
+            def pipelined(rank):
+                """The modeled backbone of backbone ranks ``rank``: the plain plan's micro-batches where it is that
+                plan, else :func:`_microbatches`'s, through the pipeline schedule."""
+                model = config.step_model
+                costs = model.compute_seconds(backbone_costs, config.cost_profile is not None)
+                if model.pipeline_stages == 1:  # the slowest rank's sum
+                    return model.pipelined_even(_plan_kernels.rank_loads_max(rank, costs, num_ranks), 1)
+                microbatch = plain_microbatch if rank is plain_rank and plain_microbatch is not None else (
+                    _microbatches(rank, backbone_costs, sizes.num_tokens, num_ranks, micro_batch_size,
+                                  num_microbatches, packed, config.algorithm))
+                cells = np.bincount(rank * num_microbatches + microbatch, weights=costs,
+                                    minlength=num_ranks * num_microbatches)
+                return model.pipelined(cells.reshape(num_ranks, num_microbatches))
+
             # what an example pulls to its backbone rank: its text, and its embeddings (counted from its home
             # rank: the encoder plans keep items on their node)
             example_bytes = text_bytes + sum(np.bincount(example, weights=out_bytes, minlength=sizes.num_examples)
@@ -438,24 +454,23 @@ def plan_step(sizes: StepSizes, phases: ModelPhases, config: OrchestratorConfig,
             if near.method.startswith(("locality_fallback", "equal_locality_fallback")):
                 slower = None
             else:
-                slower = _slower_by(near_bins, backbone_rank, items, rank_of_item, home, topology, num_microbatches,
-                                    config)
+                slower = _slower_by(near_bins, backbone_rank, items, rank_of_item, home, topology, pipelined, config)
             if slower is not None and slower[0] > 0:  # a near tie: unload its busiest links (balance/repair.py)
                 near_bins, near_method, slower = _repaired(near_bins, near_method, slower, backbone_rank,
                                                            backbone_costs, home, text_bytes, items, rank_of_item,
-                                                           topology, num_microbatches, config, swaps_only=not packed)
+                                                           topology, pipelined, config, swaps_only=not packed)
             if slower is None or slower[0] > 0:  # the plain plan, its examples swapped home where that fits
                 local_bins, local_method, local_slower = _localized(
                     backbone_rank, part.method, backbone_costs, home, text_bytes, items, rank_of_item, topology,
-                    num_microbatches, config, swaps_only=not packed)
+                    pipelined, config, swaps_only=not packed)
                 if local_slower[0] <= 0:
                     near_bins, near_method, slower = local_bins, local_method, local_slower
             if slower is None or math.isinf(slower[0]):
                 method = f"{part.method}+placed ({near_method}: capacity not met)"
             elif slower[0] > 0:
                 method = f"{part.method}+placed ({near_method} {100 * slower[0]:.2g}% slower at {slower[1]:.3g} Gb/s)"
-            else:
-                backbone_rank, method = near_bins, near_method
+            else:  # (its own micro-batches)
+                backbone_rank, method, pipelined_microbatch = near_bins, near_method, None
 
     home_microbatch = np.arange(sizes.num_examples) % expected // micro_batch_size  # the loader's
     if backbone_rank is home and not packed:
