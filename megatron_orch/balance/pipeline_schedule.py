@@ -149,7 +149,8 @@ class PipelineSchedule:
              max_rounds: int = 100_000) -> Tuple[np.ndarray, np.ndarray, np.ndarray]:
         """Pipeline-aware local search from a plan ``bin_of_item`` (each bin a replica): moves (packed rows,
         ``rows`` None) or swaps (``rows`` examples per micro-batch, every replica's count kept) of one example
-        between the slowest replica and the two fastest, while the slowest's modeled step falls; each replica's
+        between the slowest replica and the two fastest (swaps only where no move helps), while the slowest's
+        modeled step falls; each replica's
         examples packed longest first (onto the lightest micro-batch, or ``rows`` at a time) and its micro-batches
         ordered as runs fastest (:func:`_kernels.pipeline.pipeline_local_search`).
 
@@ -163,7 +164,8 @@ class PipelineSchedule:
         ops = self.ops(num_microbatches)
         mode = _pipeline.PACK_LONGEST_FIRST if rows is None else _pipeline.PACK_EQUAL_COUNT
         seconds = _pipeline.pipeline_local_search(costs, bins, num_bins, num_microbatches, mode, rows or 1,
-                                                  FORWARD_SHARE, self.num_virtual, ops.slot, ops.prev, ops.dep,
+                                                  FORWARD_SHARE, self.stages, self.num_virtual, ops.slot, ops.prev,
+                                                  ops.dep,
                                                   max_rounds, microbatch)
         return bins, microbatch, seconds
 

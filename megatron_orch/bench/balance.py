@@ -37,15 +37,20 @@ and the simulator count): an encoder phase's raw inputs; for the LLM phase, the 
 rank and the projected embeddings from the ranks that encoded them, twice (forward, and their
 gradients back).
 
-Modeled step time, in training FLOPs of the slowest rank: a per-phase plan synchronises between
-phases (an all-to-all), so its step is the sum over phases of the slowest rank; with ``none`` and
-``verl_kk`` every rank runs its own examples end to end, so their step is the slowest rank's sum over
-phases (which favours them). ``speedup`` is relative to ``none``. ``default`` sets the defaults' speedup
+Modeled step time, in training FLOPs of the slowest replica (``--pipeline-stages``, ``--virtual-stages``: a
+DP rank's pipeline; every replica's micro-batches through Megatron's schedule,
+:class:`~megatron_orch.balance.pipeline_schedule.PipelineSchedule`, which is their sum on one stage): a
+per-phase plan synchronises between phases (an all-to-all), so its step is the sum over the encoder phases of
+the slowest rank, then the backbone's slowest replica; with ``none`` and ``verl_kk`` every rank runs its own
+examples end to end, each example's encoders inside its micro-batch on the first stage (on one stage: the
+slowest rank's sum over phases, which favours them). ``speedup`` is relative to ``none``; ``step_over_lb``
+against each encoder phase's bound plus the schedule's lower bound of the backbone. ``default`` sets the defaults' speedup
 (``params.default``) beside the best method's; ``step.<method>.backbone_method`` says how each trainer row
 planned the backbone (a locality-aware plan not kept: ``...+placed (... not faster)``).
 """
 from __future__ import annotations
 
+import dataclasses
 import heapq
 import math
 import time
@@ -55,6 +60,7 @@ from typing import Callable, Dict, List, Optional, Sequence
 import numpy as np
 
 from megatron_orch.balance.partition import equal_count_lower_bound, partition
+from megatron_orch.balance.pipeline_schedule import PipelineSchedule
 from megatron_orch.balance.plan import Placement
 from megatron_orch.balance.topology import Topology
 from megatron_orch.balance.workload import PhaseItems, StepSizes, phase_items
@@ -142,9 +148,10 @@ def _timed(fn: Callable[[], np.ndarray], repeats: int) -> Plan:
 
 
 def plan_phases(sizes: StepSizes, model, phases: Dict[str, PhaseItems], dp: int, gpus_per_node: int,
-                repeats: int, memory_cap: Dict[str, float]):
+                repeats: int, memory_cap: Dict[str, float], pipeline: PipelineSchedule = PipelineSchedule()):
     """Every method's plan for every phase (``verl_kk`` is planned on the LLM phase, then inherited), and
-    the :class:`StepPlan` of each method whose bins are ranks (what its transfers move)."""
+    the :class:`StepPlan` of each method whose bins are ranks (what its transfers move); the trainer's rows
+    planned for replicas of ``pipeline``'s stages (pipeline-aware backbone plans where it has several)."""
     model_phases = model.phases()
     backbone = model_phases.backbone.name
     llm = phases[backbone]
@@ -156,6 +163,8 @@ def plan_phases(sizes: StepSizes, model, phases: Dict[str, PhaseItems], dp: int,
     per_rank = int(np.asarray(sizes.counts)[0])
     for method, config in TRAINER_METHODS.items():
         step_plan = [None]
+        config = dataclasses.replace(config, step_model=dataclasses.replace(
+            config.step_model, pipeline_stages=pipeline.stages, virtual_stages=pipeline.virtual_stages))
 
         def run():
             step_plan[0] = plan_step(sizes, model_phases, config, topology, micro_batch_size=1,
@@ -226,8 +235,9 @@ def _phase_figures(phases: Dict[str, PhaseItems], plans, steps: Dict[str, StepPl
 
 
 def run(trace_specs: Sequence[tuple], dp: int, per_rank: int, gpus_per_node: int, model: str, seed: int,
-        repeats: int = 3, traces_dir: Optional[str] = None, seq_length: Optional[int] = None) -> dict:
-    """Run the benchmark and return its JSON-ready result."""
+        repeats: int = 3, traces_dir: Optional[str] = None, seq_length: Optional[int] = None,
+        pipeline: PipelineSchedule = PipelineSchedule()) -> dict:
+    """Run the benchmark and return its JSON-ready result (``pipeline``: each DP rank a replica of its stages)."""
     if dp < 1 or per_rank < 1 or gpus_per_node < 1 or repeats < 1:
         raise ValueError(f"--dp, --per-rank, --gpus-per-node and --repeats must be >= 1, got "
                          f"{dp}, {per_rank}, {gpus_per_node}, {repeats}")
@@ -237,11 +247,11 @@ def run(trace_specs: Sequence[tuple], dp: int, per_rank: int, gpus_per_node: int
     phases = phase_items(sizes, model_phases)
     caps = memory_caps(phases, dp)
     warm_up_partitioners(gpus_per_node)
-    plans, steps = plan_phases(sizes, config, phases, dp, gpus_per_node, repeats, caps)
+    plans, steps = plan_phases(sizes, config, phases, dp, gpus_per_node, repeats, caps, pipeline)
 
     result: dict = {name: {m: _phase_figures(phases, plans, steps, name, m, dp, gpus_per_node, backbone)
                            for m in COMPARED_METHODS} for name in phases}
-    result["step"] = _step_model(phases, plans, dp, result, backbone)
+    result["step"] = _step_model(phases, plans, steps, dp, result, backbone, pipeline)
     for method in TRAINER_METHODS:  # how the trainer's plan balanced the backbone (a locality plan: kept or not)
         result["step"][method]["backbone_method"] = steps[method].stats[backbone].method
     best = max(COMPARED_METHODS, key=lambda m: result["step"][m]["speedup"])
@@ -251,6 +261,7 @@ def run(trace_specs: Sequence[tuple], dp: int, per_rank: int, gpus_per_node: int
     result["params"] = {
         "traces": [{"trace": t.name, "weight": w} for t, w in zip(mixture.traces, mixture.weights)],
         "dp": dp, "per_rank": per_rank, "num_examples": dp * per_rank, "gpus_per_node": gpus_per_node,
+        "pipeline_stages": pipeline.stages, "virtual_stages": pipeline.virtual_stages,
         "model": config.name, "model_shaped_after": config.shaped_after,
         "model_parameters": config.num_parameters()["total"], "seed": seed, "repeats": repeats,
         "default": DEFAULT,
@@ -268,9 +279,13 @@ def run(trace_specs: Sequence[tuple], dp: int, per_rank: int, gpus_per_node: int
             "verl_kk": "planned on llm tokens with 24576*s+s^2; encoder items follow their example",
             "memory_cap": "per phase, upstream's peak per-rank activation memory (lpt, bs_ffd honour it; kk "
                           "ignores memory; the trainer's plan_step plans without a memory cap)",
-            "step": "per-phase methods: sum over phases of the slowest rank; none and verl_kk: "
-                    "slowest rank's sum over phases",
+            "step": "per-phase methods: the encoder phases' slowest ranks, then the backbone's slowest replica "
+                    "through the pipeline schedule (one stage: its sum); none and verl_kk: every replica's "
+                    "examples end to end, encoders inside their micro-batches on the first stage, through the "
+                    "same schedule; lpt, kk, bs_ffd: one example per micro-batch, in id order",
             "max_over_lb": "lower bound max(total/dp, largest item) for every method",
+            "step_over_lb": "the step's lower bound: each encoder phase's max(total/dp, largest item), then "
+                            "PipelineSchedule.lower_bound of the backbone",
             "max_over_bound": "each method's own bound: ceil(n/K) items for a phase of equal items, "
                               "equal_count_lower_bound for the backbone of an equal-count method",
             "bytes": "per step, every transfer (Transfer.moved_bytes): raw inputs, text, embeddings forward "
@@ -280,19 +295,40 @@ def run(trace_specs: Sequence[tuple], dp: int, per_rank: int, gpus_per_node: int
     return result
 
 
-def _step_model(phases: Dict[str, PhaseItems], plans, dp: int, figures: dict, backbone: str) -> dict:
+def _microbatch_loads(bins: np.ndarray, microbatch: np.ndarray, costs: np.ndarray, dp: int) -> np.ndarray:
+    """``(dp, M)`` loads of every rank's micro-batches (M: the most any rank runs; the others run empty ones)."""
+    m = int(microbatch.max(initial=0)) + 1
+    return np.bincount(bins * m + microbatch, weights=costs, minlength=dp * m).reshape(dp, m)
+
+
+def _step_model(phases: Dict[str, PhaseItems], plans, steps: Dict[str, StepPlan], dp: int, figures: dict,
+                backbone: str, pipeline: PipelineSchedule) -> dict:
+    """Every method's modeled step in training FLOPs of the slowest replica (``params.notes.step``)."""
     step = {}
+    llm = phases[backbone]
+    encoders = [name for name in phases if name != backbone]
     for m in COMPARED_METHODS:
-        loads = {name: np.bincount(plans[name][m].bins, weights=phases[name].cost, minlength=dp)
-                 for name in phases}
-        if m in ("none", "verl_kk"):
-            flops = float(sum(loads.values()).max())
+        bins = plans[backbone][m].bins
+        if m in steps:  # the plan's own micro-batches
+            microbatch = steps[m].microbatch_of_example
+        else:  # one example per micro-batch, in id order on its rank
+            microbatch = np.zeros(bins.size, dtype=np.int64)
+            for rank in range(dp):
+                mine = np.flatnonzero(bins == rank)
+                microbatch[mine] = np.arange(mine.size)
+        loads = _microbatch_loads(bins, microbatch, llm.cost, dp)
+        if m in ("none", "verl_kk"):  # every example end to end: its encoders inside its micro-batch
+            inside = sum((_microbatch_loads(bins[phases[n].example], microbatch[phases[n].example], phases[n].cost, dp)
+                          for n in encoders), np.zeros_like(loads))
+            flops = float(pipeline.replica_seconds(loads, inside / 3.0, 2.0 * inside / 3.0).max(initial=0.0))
         else:
-            flops = float(sum(load.max() for load in loads.values()))
+            flops = sum(float(np.bincount(plans[n][m].bins, weights=phases[n].cost, minlength=dp).max())
+                        for n in encoders) + float(pipeline.replica_seconds(loads).max(initial=0.0))
         plan_ms = (plans[backbone][m].plan_ms if m in TRAINER_METHODS  # one plan_step for all phases
                    else sum(plans[name][m].plan_ms for name in phases))
         step[m] = {"flops": flops, "plan_ms": float(plan_ms)}
-    lower = sum(max(float(phases[n].cost.sum()) / dp, float(phases[n].cost.max(initial=0.0))) for n in phases)
+    lower = sum(max(float(phases[n].cost.sum()) / dp, float(phases[n].cost.max(initial=0.0))) for n in encoders)
+    lower += pipeline.lower_bound(llm.cost, dp)
     for m in COMPARED_METHODS:
         step[m]["speedup"] = step["none"]["flops"] / step[m]["flops"]
         step[m]["over_lb"] = step[m]["flops"] / lower
@@ -307,7 +343,8 @@ def _step_model(phases: Dict[str, PhaseItems], plans, dp: int, figures: dict, ba
 def format_tables(result: dict) -> str:
     """Markdown tables: one per phase, then the modeled step."""
     p = result["params"]
-    lines = [f"DP {p['dp']} x {p['per_rank']} examples/rank ({p['num_examples']} examples), "
+    lines = [f"DP {p['dp']} x {p['per_rank']} examples/rank ({p['num_examples']} examples), a DP rank "
+             f"{p['pipeline_stages']} pipeline stage(s) x {p['virtual_stages']} chunk(s), "
              f"{p['gpus_per_node']} GPUs/node, model {p['model']} ({p['model_parameters'] / 1e9:.1f}B), "
              f"seed {p['seed']}", ""]
     for name in p["items"]:
@@ -343,11 +380,17 @@ def format_tables(result: dict) -> str:
 def main(argv: Optional[List[str]] = None) -> dict:
     parser = parser_with_batch_args("python -m megatron_orch.bench.balance", __doc__.split("\n\n")[0])
     parser.add_argument("--repeats", type=int, default=3, help="timed runs per plan; the fastest counts")
+    parser.add_argument("--pipeline-stages", type=int, default=1,
+                        help="pipeline stages of a DP rank's replica: the step through Megatron's 1F1B schedule "
+                             "(default 1)")
+    parser.add_argument("--virtual-stages", type=int, default=1,
+                        help="model chunks per stage (the interleaved schedule; default 1)")
     args = parser.parse_args(argv)
     specs = trace_specs(args)
     try:
+        pipeline = PipelineSchedule(args.pipeline_stages, args.virtual_stages)
         result = run(specs, args.dp, args.per_rank, args.gpus_per_node, args.model, args.seed, args.repeats,
-                     args.traces_dir, args.seq_length)
+                     args.traces_dir, args.seq_length, pipeline)
     except ValueError as err:  # e.g. an example longer than --seq-length: refused, as training refuses it
         parser.error(str(err))
     return report(result, format_tables, args.json)

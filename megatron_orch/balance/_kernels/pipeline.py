@@ -137,12 +137,14 @@ def _evaluate(members, count, costs, num_mb, mode, rows, forward_share, num_virt
 
 
 @numba.njit(**_JIT)
-def pipeline_local_search(costs, bin_of_item, num_bins, num_mb, mode, rows, forward_share, num_virtual, slot, prev,
-                          dep, max_rounds, microbatch_of_item):
+def pipeline_local_search(costs, bin_of_item, num_bins, num_mb, mode, rows, forward_share, num_stages, num_virtual,
+                          slot, prev, dep, max_rounds, microbatch_of_item):
     """Lower the slowest replica's modeled pipelined step by moving (``PACK_LONGEST_FIRST``) or swapping
     (both modes; ``PACK_EQUAL_COUNT`` keeps every replica's count) one example at a time between the slowest
     replica and the two fastest, each time taking the change that lowers the larger of the two replicas' new
-    steps most, until none lowers it (or ``max_rounds``). Writes ``bin_of_item`` in place and
+    steps most (a swap only where no move does; for each example of the slowest, the two partners nearest to
+    evening the two loads), until none lowers it (or ``max_rounds``). ``num_stages``: the
+    pipeline stages (a replica's step is at least its load over them), ``num_virtual``: the virtual stages. Writes ``bin_of_item`` in place and
     ``microbatch_of_item`` (each replica's packing, its micro-batches numbered in the order they run);
     returns every replica's modeled step."""
     n = costs.size
@@ -164,6 +166,9 @@ def pipeline_local_search(costs, bin_of_item, num_bins, num_mb, mode, rows, forw
     work = (np.empty(slot.size), np.empty(k_dur), np.empty(max(width, n + 1), dtype=np.int64),
             np.empty(num_mb), np.empty(num_mb, dtype=np.int64), np.empty(num_mb))
     seconds = np.zeros(num_bins)
+    load = np.zeros(num_bins)
+    for i in range(n):
+        load[bin_of_item[i]] += costs[i]
     for b in range(num_bins):
         seconds[b] = _evaluate(members[b], count[b], costs, num_mb, mode, rows, forward_share, num_virtual, slot, prev,
                                dep, work)
@@ -188,45 +193,68 @@ def pipeline_local_search(costs, bin_of_item, num_bins, num_mb, mode, rows, forw
         best = seconds[slow]
         best_item, best_other, best_target = -1, -1, -1
         best_pair = (0.0, 0.0)
-        for t in range(2):
-            target = fast0 if t == 0 else fast1
-            if target < 0:
+        # moves first (packed rows); swaps only where no move lowers the slowest replica
+        for swaps in range(2):
+            if swaps == 0 and mode == PACK_EQUAL_COUNT:
                 continue
-            for a in range(count[slow]):
-                item = members[slow, a]
-                # a move (packed rows only), then each swap with a lighter example of the target
-                for c in range(-1, count[target]):
-                    other = -1 if c < 0 else members[target, c]
-                    if c < 0 and (mode == PACK_EQUAL_COUNT or count[target] + 1 >= width):
-                        continue
-                    if other >= 0 and costs[other] >= costs[item]:
-                        continue
-                    na = 0
-                    for k in range(count[slow]):
-                        if k != a:
-                            scratch_a[na] = members[slow, k]
+            if swaps == 1 and best_item >= 0:
+                break
+            for t in range(2):
+                target = fast0 if t == 0 else fast1
+                if target < 0:
+                    continue
+                for a in range(count[slow]):
+                    item = members[slow, a]
+                    # a swap partner: the lighter examples of the target whose cost is nearest below and above
+                    # the one that would even the two loads
+                    below, above = -1, -1
+                    if swaps:
+                        wanted = costs[item] - 0.5 * (load[slow] - load[target])
+                        for c in range(count[target]):
+                            x = costs[members[target, c]]
+                            if x >= costs[item]:
+                                continue
+                            if x <= wanted and (below < 0 or x > costs[members[target, below]]):
+                                below = c
+                            if x > wanted and (above < 0 or x < costs[members[target, above]]):
+                                above = c
+                    for pick in range(2 if swaps else 1):
+                        c = (below if pick == 0 else above) if swaps else 0
+                        if swaps and c < 0:
+                            continue
+                        other = members[target, c] if swaps else -1
+                        if swaps == 0 and count[target] + 1 >= width:
+                            continue
+                        gain = costs[item] - (costs[other] if other >= 0 else 0.0)
+                        # the target's stages work its new load: no faster than that share of it
+                        if (load[target] + gain) / num_stages >= best:
+                            continue
+                        na = 0
+                        for k in range(count[slow]):
+                            if k != a:
+                                scratch_a[na] = members[slow, k]
+                                na += 1
+                        if other >= 0:
+                            scratch_a[na] = other
                             na += 1
-                    if other >= 0:
-                        scratch_a[na] = other
-                        na += 1
-                    nb = 0
-                    for k in range(count[target]):
-                        if k != c:
-                            scratch_b[nb] = members[target, k]
-                            nb += 1
-                    scratch_b[nb] = item
-                    nb += 1
-                    sa = _evaluate(scratch_a, na, costs, num_mb, mode, rows, forward_share, num_virtual, slot, prev,
-                                   dep, work)
-                    if sa >= best:
-                        continue
-                    sb = _evaluate(scratch_b, nb, costs, num_mb, mode, rows, forward_share, num_virtual, slot, prev,
-                                   dep, work)
-                    worse = max(sa, sb)
-                    if worse < best:
-                        best = worse
-                        best_item, best_other, best_target = item, other, target
-                        best_pair = (sa, sb)
+                        nb = 0
+                        for k in range(count[target]):
+                            if k != c or not swaps:
+                                scratch_b[nb] = members[target, k]
+                                nb += 1
+                        scratch_b[nb] = item
+                        nb += 1
+                        sa = _evaluate(scratch_a, na, costs, num_mb, mode, rows, forward_share, num_virtual, slot,
+                                       prev, dep, work)
+                        if sa >= best:
+                            continue
+                        sb = _evaluate(scratch_b, nb, costs, num_mb, mode, rows, forward_share, num_virtual, slot,
+                                       prev, dep, work)
+                        worse = max(sa, sb)
+                        if worse < best:
+                            best = worse
+                            best_item, best_other, best_target = item, other, target
+                            best_pair = (sa, sb)
         if best_item < 0 or not best < seconds[slow] * (1.0 - 1e-12):
             break
         # apply: the item to the target, the other (a swap) to the slow replica
@@ -249,6 +277,9 @@ def pipeline_local_search(costs, bin_of_item, num_bins, num_mb, mode, rows, forw
         bin_of_item[best_item] = best_target
         count[slow], count[best_target] = na, nb
         seconds[slow], seconds[best_target] = best_pair
+        gain = costs[best_item] - (costs[best_other] if best_other >= 0 else 0.0)
+        load[slow] -= gain
+        load[best_target] += gain
     # the final packing and order of every replica
     end, durations, mb_of, mb_cost, order, ordered = work
     rank_of_mb = np.empty(num_mb, dtype=np.int64)
