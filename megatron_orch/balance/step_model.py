@@ -11,8 +11,9 @@ there, as the byte accountant :class:`~megatron_orch.balance.plan.MovedBytes` sp
 pipeline_stages`` GPUs; its compute split evenly over them, at ``tflops`` achieved per GPU for costs in
 FLOPs), as the modality-aware schedule runs it:
 
-1. the encoder phases, in order, on the first pipeline stage (the other stages wait): forward (a third of
-   each phase's training cost); each phase's outputs travel to the backbone ranks while the next phase
+1. the encoder phases, in order, on the first pipeline stage (the other stages wait; ``encoder_ranks="all"``:
+   on every GPU of the job, the items balanced over all of them): forward (a third of each phase's training
+   cost); each phase's outputs travel to the backbone ranks while the next phase
    encodes (one communicator: transfers run one after the other); the backbone waits for the last;
 2. the backbone, pipelined: the slowest replica's micro-batches through Megatron's 1F1B or interleaved
    schedule, one by one (:class:`~megatron_orch.balance.pipeline_schedule.PipelineSchedule`,
@@ -44,6 +45,9 @@ from megatron_orch.balance.pipeline_schedule import PipelineSchedule
 from megatron_orch.balance.plan import MovedBytes
 
 DEFAULT_TFLOPS = 400.0  # assumed achieved bf16 TFLOP/s per GPU for costs in FLOPs
+# Where the encoder phases run: on each replica's first pipeline stage (its TP group), or on every GPU of the
+# job (each stage's GPUs, at the encoders' own TP size), balanced over all of them.
+ENCODER_RANKS = ("first-stage", "all")
 
 
 @dataclass(frozen=True)
@@ -133,6 +137,8 @@ class StepModel:
     fsdp: bool = False
     overlap: bool = True
     lowest_nic_gbits_per_s: float = 1.0  # locality-aware plans: never slower from here to the link's bandwidth
+    encoder_ranks: str = "first-stage"    # where the encoder phases run (ENCODER_RANKS)
+    encoder_tensor_parallel: Optional[int] = None  # the encoders' TP size under "all" (None: tensor_parallel)
 
     def __post_init__(self):
         if not self.tflops > 0:
@@ -142,6 +148,20 @@ class StepModel:
                 raise ValueError(f"step model: {name} must be >= 1, got {getattr(self, name)}")
         if self.virtual_stages > 1 and self.pipeline_stages == 1:
             raise ValueError("step model: virtual pipeline stages need pipeline_stages > 1")
+        if self.encoder_ranks not in ENCODER_RANKS:
+            raise ValueError(f"step model: encoder_ranks must be one of {ENCODER_RANKS}, got {self.encoder_ranks!r}")
+        etp = self.encoder_tensor_parallel
+        if etp is not None and not (1 <= etp and self.tensor_parallel % etp == 0 and self.encoder_ranks == "all"):
+            raise ValueError(f"step model: encoder_tensor_parallel {etp} must divide tensor_parallel "
+                             f"{self.tensor_parallel}, with encoder_ranks 'all'")
+
+    @property
+    def encoder_groups_per_replica(self) -> int:
+        """How many encoder groups (of ``encoder_tensor_parallel`` GPUs) one replica's GPUs hold: one (its first
+        stage's TP group) under ``first-stage``, every stage's TP groups split to the encoders' TP under ``all``."""
+        if self.encoder_ranks == "first-stage":
+            return 1
+        return self.pipeline_stages * self.tensor_parallel // (self.encoder_tensor_parallel or self.tensor_parallel)
 
     def with_nic(self, nic_gbits_per_s: float) -> "StepModel":
         return dataclasses.replace(self, link=dataclasses.replace(self.link, nic_gbits_per_s=nic_gbits_per_s))

@@ -16,6 +16,7 @@ import sys
 from typing import List, Optional
 
 from megatron_orch.balance.cost_profile import load_cost_profile
+from megatron_orch.balance.step_model import ENCODER_RANKS
 from megatron_orch.bench.common import (add_trace_args, draw_sizes, effective_layers, parse_layers, report, trace_specs,
                                         with_layers)
 from megatron_orch.mllm.config import load_model_config
@@ -99,7 +100,8 @@ def format_tables(result: dict) -> str:
     phases = list(first[SIM_METHODS[0]]["phase_seconds"])
     lines = [f"[sim] model {p['model']} (layers {tuple(p['layers'])}), {p['per_rank']} examples per DP rank, "
              f"mean over seeds {p['seeds']}, costs: {p['costs']}; a DP rank is TP {layout['tensor_parallel']} x PP "
-             f"{layout['pipeline_stages']} (virtual {layout['virtual_stages']}) GPUs; links: {link['gpus_per_node']} "
+             f"{layout['pipeline_stages']} (virtual {layout['virtual_stages']}) GPUs, the balanced methods' encoders on "
+             f"{_encoder_layout(layout)}; links: {link['gpus_per_node']} "
              f"GPUs/node, NVLink {link['nvlink_gbytes_per_s']:g} GB/s, NIC {link['nic_gbits_per_s']:g} Gb/s per GPU; "
              f"transfers {'overlapped as the schedule overlaps them' if layout['overlap'] else 'all exposed'}"
              + (", FSDP" if layout["fsdp"] else ""), "",
@@ -132,12 +134,20 @@ def format_tables(result: dict) -> str:
         for dp in sorted(result["dp"], key=int):
             gpus = p["gpus"][dp] if dp in p["gpus"] else p["gpus"][int(dp)]
             orch = result["dp"][dp]["orch"]
-            lines.append(f"| this simulator, orch (defaults) | {p['model']}, {gpus} GPUs (DP {dp} x TP "
-                         f"{layout['tensor_parallel']} x PP {layout['pipeline_stages']}) | "
+            lines.append(f"| this simulator, orch (defaults), encoders on {_encoder_layout(layout)} | {p['model']}, "
+                         f"{gpus} GPUs (DP {dp} x TP {layout['tensor_parallel']} x PP {layout['pipeline_stages']}) | "
                          f"{orch['speedup']:.2f}x | {100 * orch['mfu']:.1f}% |")
+            lines.append(f"| this simulator, the bound of any per-phase plan (compute alone, "
+                         f"`step_lower_bound`) | same | {result['dp'][dp]['none']['speedup_bound']:.2f}x | |")
         lines += [f"| {name} (published) | {what} | {speedup:.1f}x | {mfu} |"
                   for name, what, speedup, mfu in p["published"]]
     return "\n".join(lines + [""] + findings(result["checks"]))
+
+
+def _encoder_layout(layout: dict) -> str:
+    if layout["encoder_ranks"] == "first-stage":
+        return "the first pipeline stage"
+    return f"every GPU (encoder TP {layout['encoder_tensor_parallel'] or layout['tensor_parallel']})"
 
 
 def _change(new: float, old: float) -> str:
@@ -237,11 +247,13 @@ def step_model_of(model, link: LinkModel, args: argparse.Namespace) -> StepModel
     params = model.num_parameters()
     encoders = sum(params[name] for name in model.encoders)
     tp, pp = args.tensor_parallel, args.pipeline_stages
-    grads = 0.0 if args.no_grad_reduce else 2.0 * (params[model.phases().backbone.name] / (tp * pp) + encoders / tp)
+    etp = args.encoder_tensor_parallel or tp  # the encoders' share of a GPU: their parameters over their TP
+    encoder_grads = 0.0 if args.no_grad_reduce else 2.0 * encoders / etp
+    grads = 0.0 if args.no_grad_reduce else 2.0 * params[model.phases().backbone.name] / (tp * pp) + encoder_grads
     return StepModel(link=link, tflops=args.tflops, tensor_parallel=tp, pipeline_stages=pp,
-                     virtual_stages=args.virtual_stages, grad_bytes=grads,
-                     encoder_grad_bytes=0.0 if args.no_grad_reduce else 2.0 * encoders / tp, fsdp=args.fsdp,
-                     overlap=not args.no_overlap)
+                     virtual_stages=args.virtual_stages, grad_bytes=grads, encoder_grad_bytes=encoder_grads,
+                     fsdp=args.fsdp, overlap=not args.no_overlap, encoder_ranks=args.encoder_ranks,
+                     encoder_tensor_parallel=args.encoder_tensor_parallel)
 
 
 def main(argv: Optional[List[str]] = None) -> dict:
@@ -275,6 +287,12 @@ def main(argv: Optional[List[str]] = None) -> dict:
     parser.add_argument("--tensor-parallel", type=int, default=1, help="GPUs of a replica's tensor-parallel group")
     parser.add_argument("--pipeline-stages", type=int, default=1, help="pipeline stages of a replica (1F1B)")
     parser.add_argument("--virtual-stages", type=int, default=1, help="model chunks per stage (interleaved 1F1B)")
+    parser.add_argument("--encoder-ranks", choices=ENCODER_RANKS, default="first-stage",
+                        help="where the balanced methods run the encoders: each replica's first pipeline stage "
+                             "(default), or every GPU of the job, balanced over all of them (upstream keeps "
+                             "Megatron's layout)")
+    parser.add_argument("--encoder-tensor-parallel", type=int, default=None,
+                        help="the encoders' TP size with --encoder-ranks all (default --tensor-parallel)")
     parser.add_argument("--fsdp", action="store_true", help="parameters gathered per layer (Megatron-FSDP / FSDP2)")
     parser.add_argument("--no-overlap", action="store_true",
                         help="every transfer and the gradient reduction exposed (no overlap with compute)")

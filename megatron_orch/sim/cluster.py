@@ -25,6 +25,9 @@ Step time of a method, in seconds (:mod:`megatron_orch.balance.step_model` for t
   backward; each phase's embeddings travel while the next phase encodes, their gradients while earlier
   phases run their backward; the gradient reduction exposed as far as the backward cannot hide it; raw
   inputs and text during the previous step);
+* ``--encoder-ranks all`` (the per-phase methods; upstream keeps Megatron's layout): every encoder phase on
+  every GPU of the job at the encoders' TP size, its items balanced over all of them
+  (:func:`spread_encoders`), their embeddings and raw inputs crossing nodes;
 * ``none`` and ``backbone_only`` run each example's encoders inside its micro-batch on the first
   pipeline stage: the same schedule with each micro-batch's encoders added to its first-stage forward and
   backward, plus the same gradient reduction;
@@ -46,6 +49,7 @@ from typing import Dict, Optional, Sequence
 import numpy as np
 
 from megatron_orch.balance.cost_profile import CostProfile, rank_seconds
+from megatron_orch.balance.partition import partition
 from megatron_orch.balance.step_model import DEFAULT_TFLOPS, Busiest, LinkModel, PipelinedBackbone, StepModel
 from megatron_orch.balance.topology import Topology
 from megatron_orch.balance.workload import PhaseItems, StepSizes, phase_items
@@ -54,7 +58,8 @@ from megatron_orch.bench.common import PLAN_METHODS, model_phases, plan_method
 from megatron_orch.orchestrator.step_plan import StepPlan, step_transfers
 
 __all__ = ("SIM_METHODS", "END_TO_END", "DEFAULT_TFLOPS", "PEAK_TFLOPS", "LinkModel", "StepModel",
-           "phase_cell_seconds", "model_flops", "simulate_step", "topology_of")
+           "phase_cell_seconds", "model_flops", "simulate_step", "spread_encoders", "step_lower_bound",
+           "topology_of")
 
 SIM_METHODS = ("none", "orch", "equal_count", "locality", "equal_locality", "backbone_only")
 END_TO_END = ("none", "backbone_only")  # each example runs all its phases on one rank
@@ -86,6 +91,57 @@ def phase_cell_seconds(plan: StepPlan, items: Dict[str, PhaseItems], profile: Op
             seconds = rank_seconds(profile.phases[phase], items[phase].cost, cell, dp * m)
         out[phase] = seconds.reshape(dp, m)
     return out
+
+
+def spread_encoders(plan: StepPlan, items: Dict[str, PhaseItems], at: StepModel, profile: Optional[CostProfile],
+                    tflops: float):
+    """The encoder phases under ``encoder_ranks="all"``: each phase's items balanced over every encoder group of
+    the job (``dp x`` :attr:`StepModel.encoder_groups_per_replica` groups of the encoders' TP size; items of one
+    cost: ceil(n / groups) per group, exactly; else ``partition``), as (phase, seconds of the busiest group) in
+    order, each phase's embedding all-to-all and its raw-input one. Every item is assumed to cross nodes (at
+    this scale an item's encoder group is almost never on its replica's node): the busiest GPU's NIC bytes are
+    the larger of the busiest group's sends and the busiest first-stage group's receives."""
+    dp = plan.examples_home.num_ranks
+    groups = dp * at.encoder_groups_per_replica
+    etp = at.encoder_tensor_parallel or at.tensor_parallel
+    encoders, embeddings, inputs = [], {}, []
+    for phase in plan.encoders:
+        it = items[phase]
+        if not len(it):
+            encoders.append((phase, 0.0))
+            embeddings[phase] = Busiest(0.0, 0.0, False, False)
+            continue
+        if it.cost.min() == it.cost.max():
+            per_group = -(-len(it) // groups)
+            load = per_group * float(it.cost[0])
+        else:
+            bins = partition(it.cost, groups).bin_of_item
+            per_group = int(np.bincount(bins, minlength=groups).max())
+            load = float(np.bincount(bins, weights=it.cost, minlength=groups).max())
+        seconds = load / (tflops * 1e12) if profile is None else load + profile.phases[phase].call_overhead
+        encoders.append((phase, seconds / etp))
+        received = np.bincount(plan.examples_backbone.rank[it.example], weights=it.output_nbytes, minlength=dp).max()
+        embeddings[phase] = Busiest(0.0, float(max(received, per_group * it.output_nbytes.max())), False, True)
+        loaded = np.bincount(it.home, weights=it.nbytes, minlength=dp).max()
+        inputs.append(Busiest(0.0, float(max(loaded, per_group * it.nbytes.max())), False, True))
+    return encoders, embeddings, inputs
+
+
+def step_lower_bound(items: Dict[str, PhaseItems], backbone: str, at: StepModel, dp: int,
+                     profile: Optional[CostProfile], tflops: float) -> float:
+    """Seconds no per-phase plan's step goes below under ``at``'s layout, communication aside: each encoder
+    phase's max(mean, largest item) over its groups (the replicas' first stages, or every encoder group of the
+    job), forward and backward, then the backbone's :meth:`PipelineSchedule.lower_bound` over the replicas."""
+    groups = dp * at.encoder_groups_per_replica
+    etp = at.encoder_tensor_parallel or at.tensor_parallel if at.encoder_ranks == "all" else at.tensor_parallel
+
+    def seconds(phase: str) -> np.ndarray:
+        cost = items[phase].cost
+        return cost / (tflops * 1e12) if profile is None else cost
+
+    bound = sum(max(float(seconds(p).sum()) / groups, float(seconds(p).max(initial=0.0))) / etp
+                for p in items if p != backbone)
+    return bound + at.schedule.lower_bound(seconds(backbone) / at.tensor_parallel, dp)
 
 
 def model_flops(sizes: StepSizes, model) -> float:
@@ -134,6 +190,11 @@ def simulate_step(sizes: StepSizes, model, link: LinkModel, profile: Optional[Co
             parts = at.step([], PipelinedBackbone(0.0, 0.0), {}, prefetched, dp, replicas_per_node,
                             other_compute=pipelined.seconds)
             parts.update(backbone=pipelined.seconds, pipeline_bubble=pipelined.bubble)
+        elif at.encoder_ranks == "all":
+            encoders, embeddings, inputs = spread_encoders(plan, items, at, profile, tflops)
+            parts = at.step(encoders, at.pipelined(cells[backbone]), embeddings, inputs + [moves["text"][1]], dp,
+                            replicas_per_node)
+            ranks.update({p: np.full(dp, seconds) for p, seconds in encoders})  # the busiest group's, every rank
         else:
             encoders = [(p, float(ranks[p].max(initial=0.0))) for p in plan.encoders]
             parts = at.step(encoders, at.pipelined(cells[backbone]), embeddings, prefetched, dp, replicas_per_node)
@@ -165,6 +226,11 @@ def simulate_step(sizes: StepSizes, model, link: LinkModel, profile: Optional[Co
             "step_seconds": parts["step"],
             "mfu": flops / (parts["step"] * gpus * peak_tflops * 1e12) if parts["step"] > 0 else 0.0,
         }
+    bound = step_lower_bound(items, backbone, cluster, dp, profile, tflops)
+    for method in SIM_METHODS:
+        if method not in END_TO_END:
+            result[method]["step_over_bound"] = result[method]["step_seconds"] / bound
+    result["none"]["speedup_bound"] = result["none"]["step_seconds"] / bound  # what no per-phase plan exceeds
     if SUM_BALANCED in plans:
         result["orch"]["sum_balanced_step_seconds"] = figures(SUM_BALANCED, cluster)["parts"]["step"]
     upstream = result["none"]

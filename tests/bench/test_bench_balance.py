@@ -6,6 +6,7 @@ import re
 import numpy as np
 import pytest
 
+from megatron_orch.balance.pipeline_schedule import PipelineSchedule
 from megatron_orch.balance.traces import NUMERIC_COLUMNS, TEXT_COLUMNS, load_mixture
 from megatron_orch.bench.balance import COMPARED_METHODS, RANK_METHODS, main, verl_equal_size_kk, verl_workload
 from megatron_orch.bench.common import draw_sizes
@@ -63,6 +64,28 @@ def test_small_run_writes_every_phase_and_method(traces_dir, tmp_path, model, ca
         assert result["step"][method]["flops"] == pytest.approx(step, rel=1e-9), method
         assert result["step"][method]["speedup"] == pytest.approx(upstream / step, rel=1e-9), method
     assert result["step"]["orch"]["speedup"] > 1.05  # this batch is unbalanced: balancing must pay
+
+
+def test_pipelined_replicas_run_their_microbatches_through_the_schedule(traces_dir, tmp_path):
+    """--pipeline-stages 4: upstream's step is every rank's own micro-batches (one example each, its encoders
+    inside on the first stage) through 1F1B, as the schedule model replays it here; no method runs below the
+    step's lower bound; the trainer's defaults plan the backbone for the pipeline."""
+    out = tmp_path / "bench.json"
+    main(["--trace", "img.csv:0.5", "asr.csv:0.3", "video.csv:0.2", "--traces-dir", str(traces_dir),
+          "--dp", "8", "--per-rank", "4", "--gpus-per-node", "4", "--model", "mllm_84b", "--seed", "3",
+          "--repeats", "1", "--pipeline-stages", "4", "--json", str(out)])
+    result = json.loads(out.read_text())
+    config, _, sizes = draw_sizes([("img.csv", 0.5), ("asr.csv", 0.3), ("video.csv", 0.2)], 8, 4, "mllm_84b", 3,
+                                  str(traces_dir))
+    items = phase_items(sizes, config.phases())
+    llm = items["llm"].cost.reshape(8, 4)  # rank r's examples in loading order, one per micro-batch
+    inside = sum(np.bincount(items[p].example, weights=items[p].cost, minlength=32) for p in ("vision", "audio"))
+    inside = inside.reshape(8, 4)
+    upstream = PipelineSchedule(4).replica_seconds(llm, inside / 3, 2 * inside / 3).max()
+    assert result["step"]["none"]["flops"] == pytest.approx(upstream, rel=1e-12)
+    assert result["params"]["pipeline_stages"] == 4
+    for method in COMPARED_METHODS:
+        assert result["step"][method]["over_lb"] >= 1 - 1e-9, method
 
 
 def test_verl_kk_by_hand_and_equal_size():

@@ -162,6 +162,29 @@ def test_pipelined_layouts_run_every_plan_through_the_exact_schedule():
     assert result["orch"]["step_seconds"] <= result["orch"]["sum_balanced_step_seconds"] * (1 + 1e-9)
 
 
+def test_encoders_on_every_gpu_spread_each_phase_over_the_whole_job():
+    """PP 4 with the encoders on every GPU: each encoder phase's busiest group holds ceil(n / (dp x 4)) items
+    (the tiny model's items are of one cost per phase), about a quarter of the first stage's share; upstream
+    keeps Megatron's layout; no per-phase plan runs below the step's lower bound."""
+    _, _, sizes = draw_sizes(list(DEFAULT_MIXTURE), 8, 8, "tiny", 3)
+    first = simulate_step(sizes, TINY, LinkModel(gpus_per_node=4), step_model=sim_main.StepModel(pipeline_stages=4))
+    every = simulate_step(sizes, TINY, LinkModel(gpus_per_node=4), step_model=sim_main.StepModel(
+        pipeline_stages=4, encoder_ranks="all"))
+    items = phase_items(sizes, TINY.phases())
+    for phase in ("vision", "audio"):
+        per_group = -(-len(items[phase]) // 32)
+        assert every["orch"]["phase_seconds"][phase] == pytest.approx(per_group * items[phase].cost[0] / 400e12)
+        assert every["orch"]["phase_seconds"][phase] < first["orch"]["phase_seconds"][phase] / 2
+    assert every["none"]["step_seconds"] == first["none"]["step_seconds"]
+    for result in (first, every):
+        for method in ("orch", "equal_count", "locality", "equal_locality"):
+            assert result[method]["step_over_bound"] >= 1.0 - 1e-12, method
+    with pytest.raises(ValueError, match="encoder_ranks must be one of"):
+        sim_main.StepModel(encoder_ranks="everywhere")
+    with pytest.raises(ValueError, match="encoder_tensor_parallel 3 must divide"):
+        sim_main.StepModel(tensor_parallel=8, encoder_ranks="all", encoder_tensor_parallel=3)
+
+
 @pytest.mark.distributed
 def test_simulator_imports_no_torch():
     code = "import sys, megatron_orch.sim.__main__; print(any(m == 'torch' for m in sys.modules))"
