@@ -9,6 +9,11 @@ from megatron_orch.balance.cost_profile import load_cost_profile
 from megatron_orch.balance.registry import PARTITIONERS, PLACEMENTS
 from megatron_orch.orchestrator.config import MICROBATCHING, OrchestratorConfig
 
+# Megatron-LM's own DP-balancing packing scheduler (after core_v0.19.0: Megatron-LM PR 6742): with it,
+# ``train_step`` repacks and moves examples across DP ranks itself. Two balancers must not both move them.
+UPSTREAM_BALANCER_FLAGS = (("sequence_packing_scheduler", "--sequence-packing-scheduler"),
+                           ("use_varlen_dataset", "--use-varlen-dataset"))
+
 # The flags that take a value with a default of their own: None when not given (so that one given without
 # --orch-post-balancing is refused like the others, even at its default value), these once it is on.
 _DEFAULTS = {"orch_algorithm": "auto", "orch_microbatching": "auto", "orch_placement": "exact",
@@ -99,6 +104,13 @@ def orch_config_from_args(args: argparse.Namespace, verify_by_default: bool = Fa
             raise ValueError(f"{flags} given without --orch-post-balancing (which turns post-balancing on) or "
                              "--orch-shadow")
         return None
+    upstream = [flag for name, flag in UPSTREAM_BALANCER_FLAGS if getattr(args, name, None) not in (None, False)]
+    if upstream:
+        switch = "--orch-post-balancing" if args.orch_post_balancing else "--orch-shadow"
+        raise ValueError(f"{switch} with {upstream[0]}: Megatron-LM's own DP-balancing packing scheduler repacks and "
+                         "moves examples across DP ranks in train_step, and post-balancing moves them too: two "
+                         f"balancers must not both move examples (not supported together; drop {upstream[0]} or "
+                         f"{switch})")
     sharded = [f"--{name.replace('_', '-')}" for name in ("use_torch_fsdp2", "use_megatron_fsdp")
                if getattr(args, name, False)]
     if sharded and args.orch_verify_first_step:
