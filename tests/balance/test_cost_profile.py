@@ -179,4 +179,3 @@ def test_orch_cost_profile_flag(tmp_path):
         orch_config_from_args(parser.parse_args(["--orch-post-balancing", "--orch-cost-profile", str(path)]))
     with pytest.raises(ValueError, match="--orch-cost-profile given without --orch-post-balancing"):
         orch_config_from_args(parser.parse_args(["--orch-cost-profile", str(path)]))
-
