@@ -232,15 +232,51 @@ def _heap_pop(key, ids, size):
 
 
 @numba.njit(**_JIT)
-def _top_two(v):
-    """Node of largest ``v`` (ties: smaller id) and the largest ``v`` over the other nodes."""
-    first, second = 0, -_INF
-    for n in range(1, v.size):
-        if v[n] > v[first]:
-            second = v[first]
-            first = n
-        elif v[n] > second:
-            second = v[n]
+def _ahead(v, i, j):
+    """Whichever of nodes i and j (-1: none) has the larger ``v`` (ties: the smaller id)."""
+    if j < 0:
+        return i
+    if i < 0:
+        return j
+    return i if v[i] > v[j] or (v[i] == v[j] and i < j) else j
+
+
+@numba.njit(**_JIT)
+def _tree_of_nodes(v):
+    """A tournament tree over ``v``: ``tree[width + n] = n``, every parent the :func:`_ahead` of its two
+    children (leaves past ``v.size``: -1), so ``tree[1]`` is the node of largest v."""
+    width = 1
+    while width < v.size:
+        width *= 2
+    tree = np.full(2 * width, -1, dtype=np.int64)
+    for n in range(v.size):
+        tree[width + n] = n
+    for k in range(width - 1, 0, -1):
+        tree[k] = _ahead(v, tree[2 * k], tree[2 * k + 1])
+    return tree
+
+
+@numba.njit(**_JIT)
+def _tree_update(tree, v, n):
+    """The tree after ``v[n]`` changed."""
+    k = (tree.size // 2 + n) // 2
+    while k >= 1:
+        tree[k] = _ahead(v, tree[2 * k], tree[2 * k + 1])
+        k //= 2
+
+
+@numba.njit(**_JIT)
+def _top_two(tree, v):
+    """Node of largest ``v`` (ties: smaller id) and the largest ``v`` over the other nodes: the winners of
+    the subtrees beside the top's path to the root."""
+    first = tree[1]
+    second = -_INF
+    k = tree.size // 2 + first
+    while k > 1:
+        other = tree[k ^ 1]
+        if other >= 0:
+            second = max(second, v[other])
+        k //= 2
     return first, second
 
 
@@ -292,11 +328,12 @@ def _price_rounds(queue, num_free, max_bids, row_start, row_node, row_w, cap, v,
     size = queue.size
     head, tail = 0, num_free
     bids = 0
+    tree = _tree_of_nodes(v)  # (a bid lowers one potential: O(log nodes) to keep, not a scan of all)
     while head < tail and bids < max_bids:
         b = queue[head % size]
         head += 1
         bids += 1
-        top, second_v = _top_two(v)
+        top, second_v = _top_two(tree, v)
         v_max = v[top]
         n1, w1, u1, u2 = _best_two(b, row_start, row_node, row_w, v, v_max, top, second_v)
         if count[n1] < cap[n1]:
@@ -310,6 +347,7 @@ def _price_rounds(queue, num_free, max_bids, row_start, row_node, row_w, cap, v,
             if slack < out_slack or (slack == out_slack and m < out):
                 out, out_slack = m, slack
         v[n1] -= min(u1 - u2, out_slack)
+        _tree_update(tree, v, n1)
         _remove(out, n1, node_of_bin, members, member_start, count, pos)
         _move(b, -1, n1, node_of_bin, members, member_start, count, pos)
         wcur[b] = w1

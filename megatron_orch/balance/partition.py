@@ -99,7 +99,7 @@ def _ratio(num: float, den: float, empty: float = 1.0) -> float:
 
 
 class _Infeasible(ValueError):
-    """A method cannot honour the memory cap on this instance (``auto`` then tries the others)."""
+    """A method cannot honour the memory cap on this instance."""
 
 
 # ----------------------------------------------------------------------------------------------
@@ -238,53 +238,59 @@ def _placed(bin_of_item, home, item_bytes, num_bins: int, gpus_per_node: int) ->
 
 
 # ----------------------------------------------------------------------------------------------
-# The three constructive methods, registered in this order (the order ``auto`` tries them). Each takes a
-# registered partitioner's arguments (megatron_orch.balance.registry) and, from this module, the items by
-# decreasing cost (``order``) and ``auto``'s best max so far (``upper``); returns bin_of_item or raises
-# _Infeasible.
+# The three constructive methods, registered in this order (the order ``auto`` tries them, compiled:
+# _kernels.CONSTRUCTIONS). Each takes a registered partitioner's arguments (megatron_orch.balance.registry)
+# and, from this module, the items by decreasing cost (``order``); returns bin_of_item or raises _Infeasible.
 # ----------------------------------------------------------------------------------------------
 
 @PARTITIONERS.register("lpt", _builtin=True)
-def _lpt(costs, num_bins, memory, cap, *, order=None, upper=None):
+def _lpt(costs, num_bins, memory, cap, *, order=None):
     """Longest processing time first: each item, largest first, to the least-loaded bin with memory room."""
     order = _decreasing(costs) if order is None else order
     bins = np.empty(costs.size, dtype=np.int64)
     item = _kernels.lpt(costs, memory, cap, order, num_bins, bins)
     if item >= 0:
-        raise _Infeasible(f"lpt: no bin has memory room for item {item} (memory {memory[item]}, "
-                          f"cap {cap}); try method='bs_ffd' or a larger cap")
+        raise _Infeasible(_refusal("lpt", item, memory, cap))
     return bins
 
 
 @PARTITIONERS.register("kk", _builtin=True)
-def _kk(costs, num_bins, memory, cap, *, order=None, upper=None):
+def _kk(costs, num_bins, memory, cap, *, order=None):
     """Karmarkar-Karp largest differencing, K-way (ignores memory: refused where it exceeds the cap)."""
     order = _decreasing(costs) if order is None else order
     bins = np.zeros(costs.size, dtype=np.int64)
     _kernels.kk(costs, order, 1, num_bins, bins)
     if not _fits_memory(bins, memory, cap, num_bins):
-        raise _Infeasible(f"kk ignores memory and its result exceeds the cap {cap} on this instance; "
-                          "use method='lpt', 'bs_ffd' or 'auto'")
+        raise _Infeasible(_refusal("kk", 0, memory, cap))
     return bins
 
 
 @PARTITIONERS.register("bs_ffd", _builtin=True)
-def _bs_ffd(costs, num_bins, memory, cap, *, order=None, upper=None):
+def _bs_ffd(costs, num_bins, memory, cap, *, order=None):
     """Binary search on the bin capacity, first-fit decreasing at each capacity.
 
     The smallest capacity (to a relative tolerance) at which first-fit decreasing places every item
-    (:func:`_kernels.bs_ffd`). ``upper`` (from ``auto``) asks only for results at most that good:
-    returns None if FFD fails there."""
+    (:func:`_kernels.bs_ffd`)."""
     order = _decreasing(costs) if order is None else order
     bins = np.zeros(costs.size, dtype=np.int64)
-    status = _kernels.bs_ffd(costs, memory, cap, order, num_bins, math.inf if upper is None else upper,
-                             _BS_FFD_REL_TOL, _BS_FFD_MAX_ROUNDS, bins)
-    if status == _kernels.ABOVE_UPPER:
-        return None
+    status = _kernels.bs_ffd(costs, memory, cap, order, num_bins, math.inf, _BS_FFD_REL_TOL, _BS_FFD_MAX_ROUNDS,
+                             bins)
     if status >= 0:
-        raise _Infeasible(f"bs_ffd: first-fit decreasing finds no bin with memory room for item "
-                          f"{status} (memory {memory[status]}, cap {cap})")
+        raise _Infeasible(_refusal("bs_ffd", status, memory, cap))
     return bins
+
+
+def _refusal(method: str, item: int, memory, cap: float) -> str:
+    """Why a built-in construction cannot honour the memory cap (``item``: the one lpt or bs_ffd found no
+    room for)."""
+    if method == "kk":
+        return (f"kk ignores memory and its result exceeds the cap {cap} on this instance; "
+                "use method='lpt', 'bs_ffd' or 'auto'")
+    if method == "lpt":
+        return (f"lpt: no bin has memory room for item {item} (memory {memory[item]}, "
+                f"cap {cap}); try method='bs_ffd' or a larger cap")
+    return (f"bs_ffd: first-fit decreasing finds no bin with memory room for item "
+            f"{item} (memory {memory[item]}, cap {cap})")
 
 
 def _read_only(values: np.ndarray) -> np.ndarray:
@@ -293,11 +299,11 @@ def _read_only(values: np.ndarray) -> np.ndarray:
     return view
 
 
-def _construct(entry: Entry, costs, memory, cap, order, num_bins, upper=None):
-    """bin_of_item of partitioner ``entry``: a built-in one is given the decreasing ``order`` and ``upper``; a
+def _construct(entry: Entry, costs, memory, cap, order, num_bins):
+    """bin_of_item of partitioner ``entry``: a built-in one is given the decreasing ``order``; a
     registered one's result is checked (one bin per item, within the memory cap) and refusals name it."""
     if entry.builtin:
-        return entry.function(costs, num_bins, memory, cap, order=order, upper=upper)
+        return entry.function(costs, num_bins, memory, cap, order=order)
     try:
         bins = entry.function(_read_only(costs), num_bins, _read_only(memory), cap)
     except ValueError as err:
@@ -313,33 +319,16 @@ def _construct(entry: Entry, costs, memory, cap, order, num_bins, upper=None):
 # ----------------------------------------------------------------------------------------------
 
 def _auto(costs, memory, cap, order, num_bins, refine: bool):
-    """Each constructive method's result (refined), the best kept, until one is within :data:`_AUTO_SETTLED`
-    of the bound: (bin_of_item, name, max cost)."""
-    best, best_cost, winner, reasons = None, math.inf, None, []
-    bound = _kernels.pigeonhole_bound(costs, order, num_bins)
-    good_enough, settled = (1.0 + _GOOD_ENOUGH) * bound, (1.0 + _AUTO_SETTLED) * bound
-    for entry in PARTITIONERS.builtins():
-        if best_cost <= settled:
-            break
-        name = entry.name
-        try:
-            bins = _construct(entry, costs, memory, cap, order, num_bins,
-                              upper=best_cost if best is not None else None)
-        except _Infeasible as err:
-            reasons.append(str(err))
-            continue
-        if bins is None:
-            continue
-        if refine:
-            if cap == math.inf:  # (swaps keep counts, not memory)
-                _kernels.swap_sweeps(costs, order, num_bins, bins, good_enough, _SWAP_SWEEPS, num_bins)
-            _refine(costs, memory, cap, order, num_bins, bins, allow_moves=True, stop_at=good_enough)
-        cost = _max_cost(costs, bins, num_bins)
-        if cost < best_cost:
-            best, best_cost, winner = bins, cost, name
-    if best is None:
-        raise ValueError("no method honours the memory cap: " + "; ".join(reasons))
-    return best, f"auto:{winner}" + ("+refine" if refine else ""), best_cost
+    """Each built-in construction's result (refined), the best kept, until one is within :data:`_AUTO_SETTLED`
+    of the bound (:func:`_kernels.auto`, compiled): (bin_of_item, name, max cost)."""
+    bins = np.zeros(costs.size, dtype=np.int64)
+    refused = np.empty(len(_kernels.CONSTRUCTIONS), dtype=np.int64)
+    winner = _kernels.auto(costs, memory, cap, order, num_bins, refine, _GOOD_ENOUGH, _AUTO_SETTLED, _BS_FFD_REL_TOL,
+                           _BS_FFD_MAX_ROUNDS, _SWAP_SWEEPS, _REFINE_PARTNERS, _CHEAPEST_SCAN, bins, refused)
+    if winner < 0:
+        raise ValueError("no method honours the memory cap: " + "; ".join(
+            _refusal(name, int(item), memory, cap) for name, item in zip(_kernels.CONSTRUCTIONS, refused) if item >= 0))
+    return bins, f"auto:{_kernels.CONSTRUCTIONS[winner]}" + ("+refine" if refine else ""), _max_cost(costs, bins, num_bins)
 
 
 def _home_if_not_worse(bins, name, cost, costs, memory, cap, num_bins, home):

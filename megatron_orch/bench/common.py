@@ -131,6 +131,11 @@ def add_trace_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--traces-dir", default=None,
                         help="folder of the trace CSVs (default: $MEGATRON_ORCH_TRACES or the gzipped copies "
                              "in <repo>/data/traces)")
+    add_seq_length_arg(parser)
+
+
+def add_seq_length_arg(parser: argparse.ArgumentParser) -> None:
+    """``--seq-length``: the longest example a drawn batch may hold (what :func:`batch_sizes` refuses)."""
     parser.add_argument("--seq-length", type=int, default=None,
                         help="backbone sequence length (default: the model's max_position_embeddings); a drawn "
                              "example longer than this is refused, as training refuses it")

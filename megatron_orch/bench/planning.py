@@ -57,7 +57,7 @@ import numpy as np
 from megatron_orch.balance.topology import Topology
 from megatron_orch.balance.traces import load_mixture, parse_trace_spec
 from megatron_orch.balance.workload import StepSizes
-from megatron_orch.bench.common import MIXTURES, batch_sizes, draw_sizes, report
+from megatron_orch.bench.common import MIXTURES, add_seq_length_arg, batch_sizes, draw_sizes, report
 from megatron_orch.mllm.config import DEFAULT_MODEL, MLLMConfig, load_model_config, sizes_from_trace
 from megatron_orch.orchestrator.background import NICE_INCREMENT, SWITCH_INTERVAL_S, BackgroundPlanner, _lower_priority
 from megatron_orch.orchestrator.config import OrchestratorConfig
@@ -82,9 +82,9 @@ def retain_freed_memory() -> bool:
 
 
 def draw_step(trace_specs: Sequence[Tuple[str, float]], dp: int, per_rank: int, model: str, seed: int,
-              traces_dir: Optional[str] = None) -> Tuple[MLLMConfig, StepSizes]:
+              traces_dir: Optional[str] = None, seq_length: Optional[int] = None) -> Tuple[MLLMConfig, StepSizes]:
     """A random global batch of a mixture, as the trainer sees it: (model config, sizes)."""
-    config, _, sizes = draw_sizes(trace_specs, dp, per_rank, model, seed, traces_dir)
+    config, _, sizes = draw_sizes(trace_specs, dp, per_rank, model, seed, traces_dir, seq_length)
     return config, sizes
 
 
@@ -289,8 +289,10 @@ def _spread(values: List[float]) -> dict:
 def run(dps: Sequence[int], per_rank: int, gpus_per_node: int, seeds: Sequence[int], mixtures: Dict[str, tuple],
         model: str = DEFAULT_MODEL, micro_batch_size: int = 1, repeats: int = 3,
         probes: Sequence[str] = PROBES, traces_dir: Optional[str] = None, log=None,
-        switch_interval_s: Optional[float] = SWITCH_INTERVAL_S, nice_increment: int = NICE_INCREMENT) -> dict:
-    """Every (dp, mixture, seed); JSON-ready ``{"runs": [...], "params": {...}}``."""
+        switch_interval_s: Optional[float] = SWITCH_INTERVAL_S, nice_increment: int = NICE_INCREMENT,
+        seq_length: Optional[int] = None) -> dict:
+    """Every (dp, mixture, seed); JSON-ready ``{"runs": [...], "params": {...}}``. ``seq_length``: the
+    backbone's sequence length (default: the model's positions); a longer example is refused."""
     if min(dps) < 1 or per_rank < 1 or gpus_per_node < 1 or micro_batch_size < 1 or repeats < 1:
         raise ValueError("--dp, --per-rank, --gpus-per-node, --micro-batch-size and --repeats must be >= 1")
     config = load_model_config(model)
@@ -300,7 +302,7 @@ def run(dps: Sequence[int], per_rank: int, gpus_per_node: int, seeds: Sequence[i
         for name, specs in mixtures.items():
             mixture = load_mixture(specs, traces_dir)
             for seed in seeds:
-                sizes = batch_sizes(mixture.draw(dp * per_rank, seed), dp, per_rank, config)
+                sizes = batch_sizes(mixture.draw(dp * per_rank, seed), dp, per_rank, config, seq_length)
                 result = dict(run_one(config, sizes, gpus_per_node, micro_batch_size, repeats, probes,
                                       switch_interval_s, nice_increment),
                               mixture=name, seed=seed)
@@ -309,7 +311,7 @@ def run(dps: Sequence[int], per_rank: int, gpus_per_node: int, seeds: Sequence[i
                     log(_row(result, probes))
     return {"runs": runs, "params": {
         "dp": list(dps), "per_rank": per_rank, "gpus_per_node": gpus_per_node, "seeds": list(seeds),
-        "micro_batch_size": micro_batch_size, "model": config.name, "repeats": repeats,
+        "micro_batch_size": micro_batch_size, "model": config.name, "seq_length": seq_length, "repeats": repeats,
         "mixtures": {name: [{"trace": t, "weight": w} for t, w in specs] for name, specs in mixtures.items()},
         "orchestrator_config": repr(OrchestratorConfig()),
         "cpus": os.cpu_count(),
@@ -415,6 +417,7 @@ def main(argv: Optional[Sequence[str]] = None) -> dict:
                         help="a mixture of your own (trace CSVs with weights), run instead of --mixtures")
     parser.add_argument("--traces-dir", default=None, help="folder of the trace CSVs")
     parser.add_argument("--model", default=DEFAULT_MODEL, help=f"model config (default {DEFAULT_MODEL})")
+    add_seq_length_arg(parser)
     parser.add_argument("--repeats", type=int, default=3, help="timed runs per configuration (default 3)")
     parser.add_argument("--probes", nargs="+", choices=PROBES, default=list(PROBES))
     parser.add_argument("--switch-interval-ms", type=float, default=1e3 * SWITCH_INTERVAL_S,
@@ -438,7 +441,7 @@ def main(argv: Optional[Sequence[str]] = None) -> dict:
                      args.micro_batch_size, args.repeats, args.probes, args.traces_dir,
                      log=lambda line: print(line, flush=True),
                      switch_interval_s=1e-3 * args.switch_interval_ms if args.switch_interval_ms > 0 else None,
-                     nice_increment=args.planner_nice)
+                     nice_increment=args.planner_nice, seq_length=args.seq_length)
     except ValueError as err:  # e.g. an example longer than the model's positions: refused, as training does
         parser.error(str(err))
     result["params"]["retain_freed_memory"] = retained

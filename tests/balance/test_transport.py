@@ -179,3 +179,18 @@ def test_uncertified_solution_falls_back_to_ortools(monkeypatch):
     result = place_bins(traffic, topology, PlacementConfig(method="exact"))
     assert result.solver == "min-cost-flow (OR-Tools) (transport solver not certified)"
     assert result.inter_node_bytes == placement_cost(traffic, topology, exact_min_cost_flow(traffic, topology)[0]).inter_node_bytes
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.lists(st.integers(-5, 0), min_size=1, max_size=40), st.data())
+def test_the_potentials_tree_gives_the_top_two_as_a_scan_does(values, data):
+    """The price rounds read the node of largest potential (ties: smaller id) and the largest of the others
+    from a tournament tree kept as potentials drop: what a scan of every node gives, after each drop."""
+    v = np.array(values, dtype=np.int64)
+    tree = _transport._tree_of_nodes(v)
+    for n, drop in data.draw(st.lists(st.tuples(st.integers(0, v.size - 1), st.integers(0, 3)), max_size=20)):
+        v[n] -= drop
+        _transport._tree_update(tree, v, n)
+        first = int(np.argmax(v))
+        others = np.delete(v, first)
+        assert _transport._top_two(tree, v) == (first, others.max() if others.size else -(1 << 62))

@@ -125,6 +125,8 @@ def test_benchmarks_and_simulator_refuse_what_training_refuses(traces_dir, capsy
     message = r": example \d+ \(DP rank \d+, [^)]*\): \d+ tokens exceed seq_length 256"
     trace = ["--trace", "img.csv:0.5", "asr.csv:0.3", "video.csv:0.2", "--traces-dir", str(traces_dir)]
     for run in (lambda: main(trace + ["--dp", "8", "--per-rank", "4", "--model", "mllm_84b", "--seq-length", "256"]),
+                lambda: planning.main(trace + ["--dp", "8", "--per-rank", "4", "--model", "mllm_84b",
+                                               "--seq-length", "256"]),
                 lambda: sim_main.main(trace + ["--dp", "8", "--per-rank", "4", "--model", "mllm_84b", "--seeds", "0",
                                                "--seq-length", "256"])):
         with pytest.raises(SystemExit):

@@ -11,17 +11,20 @@ Ties are always broken by the smaller item id or bin id, so results are determin
 
 Modules: ``longest_first`` (LPT, equal-count LPT), ``differencing`` (Karmarkar-Karp), ``first_fit``
 (first-fit decreasing, its binary search on capacity), ``local_search`` (swap sweeps, refinement),
-``locality`` (quotas and LPT near home), ``bounds`` (lower bounds, numpy's sums), ``groups`` (many
+``auto`` (every construction refined, the best kept), ``locality`` (quotas and LPT near home),
+``repair`` (the plain plan localised), ``bounds`` (lower bounds, numpy's sums), ``groups`` (many
 small partitions in one call); ``_heap``, ``_segment_tree`` and ``_jit`` are their shared parts.
 Callers use the names re-exported here.
 """
+from megatron_orch.balance._kernels.auto import CONSTRUCTIONS, auto
 from megatron_orch.balance._kernels.bounds import pigeonhole_bound
 from megatron_orch.balance._kernels.differencing import kk
-from megatron_orch.balance._kernels.first_fit import ABOVE_UPPER, bs_ffd
+from megatron_orch.balance._kernels.first_fit import bs_ffd
 from megatron_orch.balance._kernels.groups import METHOD_CODES, partition_groups
 from megatron_orch.balance._kernels.local_search import refine, swap_sweeps
 from megatron_orch.balance._kernels.locality import fill_quotas, lpt_near_home
 from megatron_orch.balance._kernels.longest_first import lpt, slot_lpt
+from megatron_orch.balance._kernels.repair import localize
 
-__all__ = ["ABOVE_UPPER", "METHOD_CODES", "bs_ffd", "fill_quotas", "kk", "lpt", "lpt_near_home", "partition_groups",
-           "pigeonhole_bound", "refine", "slot_lpt", "swap_sweeps"]
+__all__ = ["CONSTRUCTIONS", "METHOD_CODES", "auto", "bs_ffd", "fill_quotas", "kk", "localize", "lpt", "lpt_near_home",
+           "partition_groups", "pigeonhole_bound", "refine", "slot_lpt", "swap_sweeps"]

@@ -3,10 +3,9 @@ import numba
 import numpy as np
 
 from megatron_orch.balance._kernels._jit import _JIT
-from megatron_orch.balance._kernels.bounds import _max_load, pigeonhole_bound
+from megatron_orch.balance._kernels.auto import CONSTRUCTIONS, auto
 from megatron_orch.balance._kernels.differencing import kk
 from megatron_orch.balance._kernels.first_fit import bs_ffd
-from megatron_orch.balance._kernels.local_search import refine, swap_sweeps
 from megatron_orch.balance._kernels.longest_first import lpt
 
 
@@ -15,50 +14,26 @@ from megatron_orch.balance._kernels.longest_first import lpt
 # compiled, group after group, so every result equals partition()'s.
 # ---------------------------------------------------------------------------------------------
 
-METHOD_CODES = ("auto", "lpt", "kk", "bs_ffd")  # the ``method`` argument of partition_groups
+METHOD_CODES = ("auto",) + CONSTRUCTIONS  # the ``method`` argument of partition_groups
 
 
 @numba.njit(**_JIT)
 def _partition_one(costs, num_bins, method, good_enough_rel, settled_rel, rel_tol, max_rounds, max_sweeps, partners,
                    cheapest_scan, bins):
     """partition(costs, num_bins, method=METHOD_CODES[method]) without memory or home, into ``bins``:
-    ``auto`` is lpt, kk and bs_ffd, each refined (swap sweeps, then the local search, stopping within
-    ``good_enough_rel`` of the pigeonhole bound) until one is within ``settled_rel``, the best kept; the
-    others construct only."""
+    ``auto`` is :func:`auto` (refined), the others construct only."""
     n = costs.size
     order = np.argsort(-costs, kind="mergesort")
     memory = np.zeros(n)
     if method == 1:
         lpt(costs, memory, np.inf, order, num_bins, bins)
-        return
-    if method == 2:
+    elif method == 2:
         kk(costs, order, 1, num_bins, bins)
-        return
-    if method == 3:
+    elif method == 3:
         bs_ffd(costs, memory, np.inf, order, num_bins, np.inf, rel_tol, max_rounds, bins)
-        return
-    bound = pigeonhole_bound(costs, order, num_bins)
-    good_enough, settled = (1.0 + good_enough_rel) * bound, (1.0 + settled_rel) * bound
-    trial = np.zeros(n, dtype=np.int64)
-    best_cost = np.inf
-    for construction in range(3):
-        if best_cost <= settled:
-            break
-        trial[:] = 0
-        if construction == 0:
-            lpt(costs, memory, np.inf, order, num_bins, trial)
-        elif construction == 1:
-            kk(costs, order, 1, num_bins, trial)
-        elif bs_ffd(costs, memory, np.inf, order, num_bins, best_cost, rel_tol, max_rounds, trial) != -1:
-            continue
-        if n > 0:
-            swap_sweeps(costs, order, num_bins, trial, good_enough, max_sweeps, num_bins)
-            refine(costs, memory, np.inf, num_bins, trial, True, good_enough, partners, 0, n + num_bins, order,
-                   cheapest_scan)
-        cost = _max_load(costs, trial, num_bins)
-        if cost < best_cost:
-            best_cost = cost
-            bins[:] = trial
+    else:
+        auto(costs, memory, np.inf, order, num_bins, True, good_enough_rel, settled_rel, rel_tol, max_rounds,
+             max_sweeps, partners, cheapest_scan, bins, np.empty(3, dtype=np.int64))
 
 
 @numba.njit(**_JIT)

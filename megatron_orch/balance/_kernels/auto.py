@@ -1,0 +1,72 @@
+"""``auto``: every built-in construction refined, the best kept (partition()'s default, and each group's in
+partition_groups)."""
+import numba
+import numpy as np
+
+from megatron_orch.balance._kernels._jit import _JIT
+from megatron_orch.balance._kernels.bounds import _max_load, pigeonhole_bound
+from megatron_orch.balance._kernels.differencing import kk
+from megatron_orch.balance._kernels.first_fit import ABOVE_UPPER, bs_ffd
+from megatron_orch.balance._kernels.local_search import refine as refine_bins, swap_sweeps
+from megatron_orch.balance._kernels.longest_first import lpt
+
+CONSTRUCTIONS = ("lpt", "kk", "bs_ffd")  # in the order auto tries them: the built-in partitioners
+
+
+@numba.njit(**_JIT)
+def _fits_memory(bin_of_item, memory, memory_cap, num_bins):
+    if memory_cap == np.inf:
+        return True
+    return _max_load(memory, bin_of_item, num_bins) <= memory_cap
+
+
+@numba.njit(**_JIT)
+def auto(costs, memory, memory_cap, order, num_bins, refine, good_enough_rel, settled_rel, rel_tol, max_rounds,
+         max_sweeps, partners, cheapest_scan, bin_of_item, refused):
+    """Each of :data:`CONSTRUCTIONS` that honours the memory cap (``memory_cap``: np.inf for none), refined if
+    ``refine`` (without a cap: swap sweeps first; then the local search, both stopping within
+    ``good_enough_rel`` of the pigeonhole bound), until one is within ``settled_rel`` of it; the best (ties:
+    the earlier) into ``bin_of_item``. bs_ffd is asked only for results better than the best so far.
+    ``order``: items by decreasing cost (ties by id). Returns the index of the winner in
+    :data:`CONSTRUCTIONS`, or -1 if none honours the cap; ``refused[c]`` is then, for construction c, the
+    item lpt or bs_ffd found no memory room for, or 0 when kk's result exceeds the cap (-1: not refused).
+    """
+    n = costs.size
+    refused[:] = -1
+    bound = pigeonhole_bound(costs, order, num_bins)
+    good_enough, settled = (1.0 + good_enough_rel) * bound, (1.0 + settled_rel) * bound
+    trial = np.zeros(n, dtype=np.int64)
+    best_cost = np.inf
+    winner = -1
+    for construction in range(3):
+        if best_cost <= settled:
+            break
+        trial[:] = 0
+        if construction == 0:
+            item = lpt(costs, memory, memory_cap, order, num_bins, trial)
+            if item >= 0:
+                refused[0] = item
+                continue
+        elif construction == 1:
+            kk(costs, order, 1, num_bins, trial)
+            if not _fits_memory(trial, memory, memory_cap, num_bins):
+                refused[1] = 0
+                continue
+        else:
+            status = bs_ffd(costs, memory, memory_cap, order, num_bins, best_cost, rel_tol, max_rounds, trial)
+            if status == ABOVE_UPPER:
+                continue
+            if status >= 0:
+                refused[2] = status
+                continue
+        if refine and n > 0:
+            if memory_cap == np.inf:  # (swaps keep counts, not memory)
+                swap_sweeps(costs, order, num_bins, trial, good_enough, max_sweeps, num_bins)
+            refine_bins(costs, memory, memory_cap, num_bins, trial, True, good_enough, partners, 0, n + num_bins,
+                        order, cheapest_scan)
+        cost = _max_load(costs, trial, num_bins)
+        if cost < best_cost:
+            best_cost = cost
+            winner = construction
+            bin_of_item[:] = trial
+    return winner

@@ -1,0 +1,59 @@
+"""partition()'s ``auto`` as the Python loop over the built-in partitioners ran it before the compiled one
+(balance/_kernels/auto.py) took its place: the reference the compiled one is tested against."""
+import math
+
+import numpy as np
+
+from megatron_orch.balance import _kernels
+from megatron_orch.balance._kernels.first_fit import ABOVE_UPPER
+from megatron_orch.balance.partition import (_AUTO_SETTLED, _BS_FFD_MAX_ROUNDS, _BS_FFD_REL_TOL, _CHEAPEST_SCAN,
+                                             _GOOD_ENOUGH, _REFINE_PARTNERS, _SWAP_SWEEPS, _decreasing, _max_cost,
+                                             _refusal)
+from megatron_orch.balance.registry import PARTITIONERS
+
+
+def auto_reference(costs, num_bins, memory=None, memory_cap=None, refine=True):
+    """(bin_of_item, method name) of ``partition(costs, num_bins, memory=..., memory_cap=...)`` (no home), or
+    the ValueError it raises."""
+    costs = np.asarray(costs, dtype=np.float64)
+    n = costs.size
+    memory = np.zeros(n) if memory is None else np.asarray(memory, dtype=np.float64)
+    cap = math.inf if memory_cap is None else float(memory_cap)
+    refine = refine and n > 0
+    order = _decreasing(costs)
+    best, best_cost, winner, reasons = None, math.inf, None, []
+    bound = _kernels.pigeonhole_bound(costs, order, num_bins)
+    good_enough, settled = (1.0 + _GOOD_ENOUGH) * bound, (1.0 + _AUTO_SETTLED) * bound
+    for entry in PARTITIONERS.builtins():
+        if best_cost <= settled:
+            break
+        bins = np.zeros(n, dtype=np.int64)
+        if entry.name == "lpt":
+            item = _kernels.lpt(costs, memory, cap, order, num_bins, bins)
+            if item >= 0:
+                reasons.append(_refusal("lpt", item, memory, cap))
+                continue
+        elif entry.name == "kk":
+            _kernels.kk(costs, order, 1, num_bins, bins)
+            if cap < math.inf and np.bincount(bins, weights=memory, minlength=num_bins).max() > cap:
+                reasons.append(_refusal("kk", 0, memory, cap))
+                continue
+        else:
+            status = _kernels.bs_ffd(costs, memory, cap, order, num_bins, best_cost, _BS_FFD_REL_TOL,
+                                     _BS_FFD_MAX_ROUNDS, bins)
+            if status == ABOVE_UPPER:
+                continue
+            if status >= 0:
+                reasons.append(_refusal("bs_ffd", status, memory, cap))
+                continue
+        if refine:
+            if cap == math.inf:
+                _kernels.swap_sweeps(costs, order, num_bins, bins, good_enough, _SWAP_SWEEPS, num_bins)
+            _kernels.refine(costs, memory, cap, num_bins, bins, True, good_enough, _REFINE_PARTNERS, 0, n + num_bins,
+                            order, _CHEAPEST_SCAN, math.inf)
+        cost = _max_cost(costs, bins, num_bins)
+        if cost < best_cost:
+            best, best_cost, winner = bins, cost, entry.name
+    if best is None:
+        return ValueError("no method honours the memory cap: " + "; ".join(reasons))
+    return best, f"auto:{winner}" + ("+refine" if refine else "")
