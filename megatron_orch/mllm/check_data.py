@@ -3,7 +3,7 @@ it when it reads it.
 
     python -m megatron_orch.mllm.check_data --data-path train.jsonl --seq-length 2048 [--model-config M]
         [--max-num-tiles N --max-image-pixels N --max-audio-seconds S --max-vision-items-per-sample N]
-        [--refuse-long-answers] [--decode] [--workers N]
+        [--refuse-long-answers] [--trust-dataset-code] [--decode] [--workers N]
 
 Each example's files are checked from their headers (a missing or unreadable file, an image above
 ``--max-image-pixels``, too many tiles, a log-mel array with the wrong mel bins or too long, an array
@@ -20,7 +20,8 @@ truncates them, keeping the EOS), or bad with ``--refuse-long-answers``.
 An Energon dataset (a folder with ``.nv-meta``; the ``energon`` extra) is checked sample by sample, its
 train split in the dataset's order, by the task encoder training uses
 (:mod:`megatron_orch.mllm.energon`); a bad sample is printed as ``<dataset>/<shard>:<key>: reason``, and
-``--workers`` counts Energon's loader processes (0 or 1: this process).
+``--workers`` counts Energon's loader processes (0 or 1: this process). A dataset whose ``.nv-meta`` holds
+Python (a sample loader) is refused, naming the file, before any of it runs, unless ``--trust-dataset-code``.
 
 :func:`add_data_args` defines the data flags shared with ``pretrain_mllm.py``. This module imports
 torch only when a check runs, so ``megatron_orch.mllm.task`` can take the flags from it.
@@ -52,6 +53,9 @@ def add_data_args(parser: argparse.ArgumentParser):
     g.add_argument("--refuse-long-answers", action="store_true",
                    help="an answer longer than --seq-length leaves room for is a bad example (default: it is "
                         "truncated, keeping the EOS, and counted)")
+    g.add_argument("--trust-dataset-code", action="store_true",
+                   help="open an Energon dataset whose .nv-meta holds Python (a sample loader), which runs it "
+                        "(default: such a dataset is refused, naming the file)")
     return g
 
 
@@ -170,7 +174,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         if energon:
             from megatron_orch.mllm.energon import EnergonDataset
             dataset = EnergonDataset(args.data_path, ExampleReader(*reading, limits=limits,
-                                                                   refuse_long_answers=args.refuse_long_answers))
+                                                                   refuse_long_answers=args.refuse_long_answers),
+                                     trust_code=args.trust_dataset_code)
         else:
             dataset = ManifestDataset(args.data_path, *reading, limits=limits,
                                       refuse_long_answers=args.refuse_long_answers)
