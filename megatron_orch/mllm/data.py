@@ -83,7 +83,8 @@ def checked_dataset(config: DataConfig):
     if config.data_path is not None:
         return ManifestDataset(config.data_path, config.layout,
                                image_tiling(config.model_config, config.max_num_tiles),
-                               limits=config.limits, refuse_long_answers=config.refuse_long_answers)
+                               limits=config.limits, refuse_long_answers=config.refuse_long_answers,
+                               allow_external_media=config.allow_external_media)
     return SyntheticMultimodalDataset(config.model_config, config.num_samples, config.seed,
                                       seq_length=config.seq_length)
 
