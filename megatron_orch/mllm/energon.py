@@ -325,7 +325,12 @@ class EnergonDataset:
                                     batch_size=micro_batch_size, shuffle_buffer_size=SHUFFLE_BUFFER_SIZE,
                                     max_samples_per_sequence=MAX_SAMPLES_PER_SEQUENCE,
                                     task_encoder=self.task_encoder(max_bad_examples))
-        return get_savable_loader(dataset)
+        loader = get_savable_loader(dataset)
+        # torch's DataLoader draws its workers' base seed from the global torch RNG when its iterator starts (at
+        # the first batch read). There are no workers here; a private generator keeps that draw off the training's
+        # RNG streams, which a resumed run restores before its first read (dropout would then differ).
+        loader.generator = torch.Generator()
+        return loader
 
     def checked_samples(self, decode: bool = False, workers: int = 0):
         """Every sample of the split checked as training checks it (:class:`CheckedSample`, in loader order;
