@@ -161,12 +161,9 @@ def write_energon(folder: Path, entries: list, files: dict) -> None:
     splits = [("train", 1.0), ("val", 0.0), ("test", 0.0)]  # every sample in the train split
     BaseWebdatasetFactory.prepare_dataset(folder, shards, split_parts_ratio=splits, shuffle_seed=None, workers=1)
     meta = folder / ".nv-meta"
-    (meta / "dataset.yaml").write_text("sample_type:\n  __module__: megatron_orch.mllm.energon\n"
-                                       "  __class__: MultimodalSample\nsample_loader: sample_loader.py:sample_loader\n"
-                                       "part_filter: sample_loader.py:part_filter\n")
-    (meta / "sample_loader.py").write_text(
-        "# MultimodalSample: the .json part is a manifest entry, the other parts are the media it names.\n"
-        "from megatron_orch.mllm.energon import part_filter, sample_loader  # noqa: F401\n")
+    # MultimodalSample by this project's factory: no code in the dataset (no --trust-dataset-code needed)
+    (meta / "dataset.yaml").write_text("__module__: megatron_orch.mllm.energon\n"
+                                       "__class__: MultimodalWebdatasetFactory\n")
 
 
 def write_example_data(out: Path) -> None:

@@ -3,15 +3,17 @@ it when it reads it.
 
     python -m megatron_orch.mllm.check_data --data-path train.jsonl --seq-length 2048 [--model-config M]
         [--max-num-tiles N --max-image-pixels N --max-audio-seconds S --max-vision-items-per-sample N]
-        [--refuse-long-answers] [--decode] [--workers N]
+        [--refuse-long-answers] [--allow-external-media] [--trust-dataset-code] [--decode] [--workers N]
 
 Each example's files are checked from their headers (a missing or unreadable file, an image above
 ``--max-image-pixels``, too many tiles, a log-mel array with the wrong mel bins or too long, an array
 of a complex or signed integer dtype, prompt and media that do not fit ``--seq-length``, declared
 ``sizes`` that differ from the files), on a pool of threads, with a progress line on stderr.
 ``--decode`` loads every example as training does (image pixels decoded, arrays read), which also finds
-truncated or corrupt image data behind a good header and NaN or infinite values in arrays (named with
-the first bad index).
+truncated or corrupt image data behind a good header, NaN or infinite values in arrays, float pixels
+outside [0, 1] and log-mel values beyond their magnitude limit (named with the first bad index). A media
+file outside the manifest's folder is bad unless ``--allow-external-media``; one that is a folder, a FIFO
+or another non-file is named as what it is.
 Every bad line is printed as ``manifest.jsonl:LINE: reason``, then a summary; the exit status is 1 if
 any line is bad, 0 otherwise (2: the command line or a line's JSON is wrong: the manifest is parsed
 first and stops at such a line). Answers longer than ``--seq-length`` allows are counted (training
@@ -20,7 +22,8 @@ truncates them, keeping the EOS), or bad with ``--refuse-long-answers``.
 An Energon dataset (a folder with ``.nv-meta``; the ``energon`` extra) is checked sample by sample, its
 train split in the dataset's order, by the task encoder training uses
 (:mod:`megatron_orch.mllm.energon`); a bad sample is printed as ``<dataset>/<shard>:<key>: reason``, and
-``--workers`` counts Energon's loader processes (0 or 1: this process).
+``--workers`` counts Energon's loader processes (0 or 1: this process). A dataset whose ``.nv-meta`` holds
+Python (a sample loader) is refused, naming the file, before any of it runs, unless ``--trust-dataset-code``.
 
 :func:`add_data_args` defines the data flags shared with ``pretrain_mllm.py``. This module imports
 torch only when a check runs, so ``megatron_orch.mllm.task`` can take the flags from it.
@@ -52,6 +55,12 @@ def add_data_args(parser: argparse.ArgumentParser):
     g.add_argument("--refuse-long-answers", action="store_true",
                    help="an answer longer than --seq-length leaves room for is a bad example (default: it is "
                         "truncated, keeping the EOS, and counted)")
+    g.add_argument("--allow-external-media", action="store_true",
+                   help="a manifest's media may resolve outside its folder (an absolute path, '..', a symlink out; "
+                        "default: such an example is bad)")
+    g.add_argument("--trust-dataset-code", action="store_true",
+                   help="open an Energon dataset whose .nv-meta holds Python (a sample loader), which runs it "
+                        "(default: such a dataset is refused, naming the file)")
     return g
 
 
@@ -161,7 +170,12 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     from megatron_orch.mllm.examples import example_layout
     from megatron_orch.mllm.manifest import ExampleReader, InputLimits, ManifestDataset, ManifestError, image_tiling
 
+    from megatron_orch.mllm.files import data_path_problem
     prog, energon = "check_data", is_energon_dataset(args.data_path)
+    problem = data_path_problem(args.data_path)
+    if problem is not None:
+        print(f"{prog}: error: --data-path {args.data_path}: {problem}", file=sys.stderr)
+        return 2
     try:
         model_config = load_model_config(args.model_config)
         limits = InputLimits(max_image_pixels=args.max_image_pixels, max_audio_seconds=args.max_audio_seconds,
@@ -170,10 +184,12 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         if energon:
             from megatron_orch.mllm.energon import EnergonDataset
             dataset = EnergonDataset(args.data_path, ExampleReader(*reading, limits=limits,
-                                                                   refuse_long_answers=args.refuse_long_answers))
+                                                                   refuse_long_answers=args.refuse_long_answers),
+                                     trust_code=args.trust_dataset_code)
         else:
             dataset = ManifestDataset(args.data_path, *reading, limits=limits,
-                                      refuse_long_answers=args.refuse_long_answers)
+                                      refuse_long_answers=args.refuse_long_answers,
+                                      allow_external_media=args.allow_external_media)
     except ManifestError as err:
         print(err, flush=True)
         what = "the dataset does not open" if energon else "the manifest does not parse at this line"

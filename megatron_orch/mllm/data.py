@@ -76,14 +76,15 @@ def example_reader(config: DataConfig) -> ExampleReader:
 def checked_dataset(config: DataConfig):
     """The dataset a :class:`DataConfig` names: the user's manifest (parsed and checked line by line
     here, before any model is built), an Energon dataset (its metadata read and its sample type
-    checked here), else the synthetic default."""
+    checked here; refused if it holds Python and ``trust_dataset_code`` is off), else the synthetic default."""
     if is_energon_dataset(config.data_path):
         from megatron_orch.mllm.energon import EnergonDataset
-        return EnergonDataset(config.data_path, example_reader(config))
+        return EnergonDataset(config.data_path, example_reader(config), trust_code=config.trust_dataset_code)
     if config.data_path is not None:
         return ManifestDataset(config.data_path, config.layout,
                                image_tiling(config.model_config, config.max_num_tiles),
-                               limits=config.limits, refuse_long_answers=config.refuse_long_answers)
+                               limits=config.limits, refuse_long_answers=config.refuse_long_answers,
+                               allow_external_media=config.allow_external_media)
     return SyntheticMultimodalDataset(config.model_config, config.num_samples, config.seed,
                                       seq_length=config.seq_length)
 

@@ -33,6 +33,8 @@ class DataConfig:
     limits: InputLimits = field(default_factory=InputLimits)  # what one manifest example may hold
     max_bad_examples: int = 0  # --max-bad-examples: 0, a bad example ends the run; else it is replaced
     refuse_long_answers: bool = False  # --refuse-long-answers: an answer that does not fit is a bad example
+    allow_external_media: bool = False  # --allow-external-media: a manifest's media may be outside its folder
+    trust_dataset_code: bool = False  # --trust-dataset-code: an Energon dataset's own Python may run
 
     @property
     def layout(self) -> ExampleLayout:
@@ -53,7 +55,8 @@ def data_config(args: argparse.Namespace) -> DataConfig:
                       limits=InputLimits(max_image_pixels=args.max_image_pixels,
                                          max_audio_seconds=args.max_audio_seconds,
                                          max_vision_items_per_sample=args.max_vision_items_per_sample),
-                      max_bad_examples=args.max_bad_examples, refuse_long_answers=args.refuse_long_answers)
+                      max_bad_examples=args.max_bad_examples, refuse_long_answers=args.refuse_long_answers,
+                      allow_external_media=args.allow_external_media, trust_dataset_code=args.trust_dataset_code)
 
 
 def _data_path(data_path):

@@ -22,7 +22,7 @@ Sample types (the ``sample_type`` of the dataset's ``dataset.yaml``):
 * :class:`MultimodalSample` (this project's): a ``.json`` part holding one manifest entry (``text``,
   ``prompt``, ``images``, ``audio``, ``sizes``: the schema of :class:`~megatron_orch.mllm.manifest.ManifestDataset`)
   whose ``images`` and ``audio`` name other parts of the same sample (``"img0.png"`` is the member
-  ``<key>.img0.png``); load it with :func:`sample_loader` and :func:`part_filter`;
+  ``<key>.img0.png``); its ``dataset.yaml`` names :class:`MultimodalWebdatasetFactory` (no code in the dataset);
 * Energon's ``VQASample`` (``context`` is the prompt, the answer of highest weight, else the first, is
   trained on), ``CaptioningSample`` (an image and its caption) and ``InterleavedSample`` (the text before its
   first image is the prompt; its images in order; the text after, joined with spaces, is the answer: this
@@ -33,6 +33,7 @@ ints, strings and bytes: :func:`plain_state`) and restored (``restore_state_rank
 micro-batch the checkpoint trained up to (post-balancing reads steps ahead), so a resumed run continues on
 exactly the samples the uninterrupted run trains on. Energon's worker processes are not used: the loader
 runs on the reading thread of the iterator that wraps it (post-balancing reads ahead on a thread of its own).
+A dataset that brings Python (:func:`dataset_code`) opens only with ``--trust-dataset-code``.
 Requires the ``energon`` extra (``pip install -e .[energon]``).
 """
 from __future__ import annotations
@@ -56,6 +57,9 @@ try:
                                   VQASample, WorkerConfig, edataclass, get_savable_loader, get_train_dataset,
                                   get_val_dataset, get_loader, reraise_exception)
     from megatron.energon.cache import FileStoreDecoder
+    from megatron.energon.eyaml import load_yaml
+    from megatron.energon.flavors.webdataset.config import MAIN_FOLDER_NAME
+    from megatron.energon.flavors.webdataset.standard_webdataset import StandardWebdatasetFactory
     from megatron.energon.state import FlexState
 except ImportError as err:  # the optional extra
     raise ImportError(f"an Energon dataset needs megatron-energon: pip install -e .[energon] ({err})") from None
@@ -116,6 +120,16 @@ def sample_loader(raw: dict) -> dict:
 def part_filter(part: str) -> bool:
     """Every part of a :class:`MultimodalSample` is loaded (its entry names the ones it uses)."""
     return True
+
+
+class MultimodalWebdatasetFactory(StandardWebdatasetFactory):
+    """A dataset of :class:`MultimodalSample`, loaded by :func:`sample_loader` and :func:`part_filter`, with no
+    code in the dataset: its ``dataset.yaml`` is ``__module__: megatron_orch.mllm.energon`` and ``__class__:
+    MultimodalWebdatasetFactory`` (Energon then builds this factory instead of its standard one)."""
+
+    def __init__(self, path, **kwargs):
+        super().__init__(path, sample_type=MultimodalSample, sample_loader=sample_loader, part_filter=part_filter,
+                         **kwargs)
 
 
 SUPPORTED_SAMPLE_TYPES = (MultimodalSample, VQASample, CaptioningSample, InterleavedSample)
@@ -230,6 +244,40 @@ class ExampleTaskEncoder(TaskEncoder):
         return list(samples)
 
 
+# Modules a dataset.yaml may name (its sample type, its factory) without trusting the dataset's code.
+TRUSTED_MODULES = ("megatron.energon", "megatron_orch.mllm.energon")
+# dataset.yaml keys whose string value is a file of the dataset that Energon runs as Python ("file:function").
+_CODE_KEYS = ("sample_loader", "part_filter")
+
+
+def dataset_code(path) -> List[str]:
+    """The Python that opening the Energon dataset at ``path`` would run, one description each: a ``.py`` file
+    in its ``.nv-meta``, a file its YAML names as a sample loader or part filter, a module its YAML names that
+    is neither Energon's nor this project's. Reads the files, imports and runs nothing."""
+    meta = Path(path) / MAIN_FOLDER_NAME
+    found = [str(file) for file in sorted(meta.rglob("*.py"))]
+    for config in sorted(meta.glob("*.yaml")):
+        try:
+            tree = load_yaml(config.read_bytes())
+        except Exception:  # noqa: BLE001 -- what Energon cannot parse, it does not run either
+            continue
+        found += [f"{config} names {what}" for what in _code_references(tree)]
+    return found
+
+
+def _code_references(node) -> List[str]:
+    if isinstance(node, list):
+        return [ref for item in node for ref in _code_references(item)]
+    if not isinstance(node, dict):
+        return []
+    refs = []
+    module = node.get("__module__")
+    if module is not None and not any(str(module) == m or str(module).startswith(m + ".") for m in TRUSTED_MODULES):
+        refs.append(f"the module {module}")
+    refs += [f"{key}: {node[key]}" for key in _CODE_KEYS if isinstance(node.get(key), str)]
+    return refs + [ref for value in node.values() for ref in _code_references(value)]
+
+
 def _dataset_index(sample) -> int:
     sources = sample.__sources__ or ()
     index = sources[0].index if sources else 0
@@ -238,11 +286,18 @@ def _dataset_index(sample) -> int:
 
 class EnergonDataset:
     """An Energon dataset at ``path`` whose examples ``reader`` reads: its train split's metadata is read
-    and its sample type checked when it is opened (before any model is built)."""
+    and its sample type checked when it is opened (before any model is built). A dataset holding Python
+    (:func:`dataset_code`) is refused before any of it is imported, unless ``trust_code``
+    (``--trust-dataset-code``, as ``trust_remote_code`` of Hugging Face's loaders)."""
 
-    def __init__(self, path, reader: ExampleReader, split_part: str = "train"):
+    def __init__(self, path, reader: ExampleReader, split_part: str = "train", *, trust_code: bool = False):
         from megatron.energon.dataset_config import get_dataset_from_config
         self.path, self.reader, self.split_part = Path(path), reader, split_part
+        code = [] if trust_code else dataset_code(self.path)
+        if code:
+            raise ManifestError(f"--data-path {path}: opening this Energon dataset runs its Python code ({code[0]}"
+                                f"{f' and {len(code) - 1} more' if len(code) > 1 else ''}); pass "
+                                "--trust-dataset-code if you trust it")
         try:
             factory = get_dataset_from_config(self.path, split_part=split_part, training=False,
                                               worker_config=WorkerConfig(rank=0, world_size=1, num_workers=0))
@@ -270,7 +325,12 @@ class EnergonDataset:
                                     batch_size=micro_batch_size, shuffle_buffer_size=SHUFFLE_BUFFER_SIZE,
                                     max_samples_per_sequence=MAX_SAMPLES_PER_SEQUENCE,
                                     task_encoder=self.task_encoder(max_bad_examples))
-        return get_savable_loader(dataset)
+        loader = get_savable_loader(dataset)
+        # torch's DataLoader draws its workers' base seed from the global torch RNG when its iterator starts (at
+        # the first batch read). There are no workers here; a private generator keeps that draw off the training's
+        # RNG streams, which a resumed run restores before its first read (dropout would then differ).
+        loader.generator = torch.Generator()
+        return loader
 
     def checked_samples(self, decode: bool = False, workers: int = 0):
         """Every sample of the split checked as training checks it (:class:`CheckedSample`, in loader order;

@@ -17,6 +17,7 @@ import torch
 from megatron_orch.megatron.batch import Example, ExampleSizes
 from megatron_orch.mllm.config import BYTE_VOCAB_SIZE
 from megatron_orch.mllm.examples import ByteTokenizer, ExampleLayout, assemble_example, layout_sizes
+from megatron_orch.mllm.files import not_a_file, outside_folder
 
 
 @dataclass(frozen=True)
@@ -90,6 +91,24 @@ def image_tiling(model_config, max_tiles: int = 6) -> ImageTiling:
 
 # Log-mel frames per second of audio: Whisper's 10 ms hop (a 30 s window is 3000 frames).
 MEL_FRAMES_PER_SECOND = 100
+
+
+@dataclass(frozen=True)
+class ValueRange:
+    """The values an array of media may hold (``low`` to ``high``), and how messages say it."""
+
+    low: float
+    high: float
+    text: str
+
+
+# Float pixels are in [0, 1]; values up to one 8-bit step outside (rounding, resampling) are accepted.
+FLOAT_PIXEL_TOLERANCE = 1.0 / 255.0
+FLOAT_PIXEL_RANGE = ValueRange(-FLOAT_PIXEL_TOLERANCE, 1.0 + FLOAT_PIXEL_TOLERANCE, "[0, 1] (1/255 tolerated outside)")
+# Largest log-mel magnitude: any log scale (natural, log10, dB) stays far within it; beyond is not a log-mel
+# (linear power?) or damaged data, which would overflow the encoder's activations.
+MAX_LOG_MEL_MAGNITUDE = 1000.0
+LOG_MEL_RANGE = ValueRange(-MAX_LOG_MEL_MAGNITUDE, MAX_LOG_MEL_MAGNITUDE, f"+-{MAX_LOG_MEL_MAGNITUDE:g}")
 
 
 @dataclass(frozen=True)
@@ -176,8 +195,10 @@ class ExampleReader:
     and limit is made here, the same for both."""
 
     def __init__(self, layout: ExampleLayout, tiling: ImageTiling, tokenizer=None,
-                 limits: InputLimits = InputLimits(), refuse_long_answers: bool = False):
+                 limits: InputLimits = InputLimits(), refuse_long_answers: bool = False,
+                 media_folder: Optional[Path] = None):
         self.layout = layout
+        self.media_folder = media_folder  # media files must resolve inside it (None: anywhere)
         self.tiling = tiling
         self.limits = limits
         self.refuse_long_answers = refuse_long_answers
@@ -216,6 +237,18 @@ class ExampleReader:
             self._check_vision_items(sizes["vision_items"], where, "'sizes' declares")
         return _ManifestRecord(where, entry["text"], entry.get("prompt", ""), paths["images"], paths["audio"],
                                sizes)
+
+    def _check_media_inside(self, record: _ManifestRecord) -> None:
+        """Every media file of ``record`` resolves inside :attr:`media_folder` (absolute paths, ``..`` and
+        symlinks out of it are refused)."""
+        if self.media_folder is None:
+            return
+        for path in record.images + record.audio:
+            real = outside_folder(path, self.media_folder)
+            if real is not None:
+                raise ManifestError(f"{record.where}: media file {path} is outside the manifest's folder "
+                                    f"{self.media_folder} (it resolves to {real}); pass --allow-external-media to "
+                                    "read media outside it")
 
     def _check_vision_items(self, count: int, where: str, what: str) -> None:
         limit = self.limits.max_vision_items_per_sample
@@ -285,6 +318,7 @@ class ExampleReader:
             vision_items, audio_items = record.sizes["vision_items"], record.sizes["audio_items"]
             answer_tokens = record.sizes["text_tokens"]
         else:
+            self._check_media_inside(record)
             vision_items = self._vision_items(record)
             audio_items = self._audio_windows(record)
             answer_tokens = len(self._encode(record.text, record.where))
@@ -296,6 +330,7 @@ class ExampleReader:
         answer, or None."""
         if decode:
             return self.read_record(record, sample_index)[1]
+        self._check_media_inside(record)
         prompt_tokens = len(self._encode(record.prompt, record.where))
         vision_items, audio_items = self._vision_items(record), self._audio_windows(record)
         answer_tokens = len(self._encode(record.text, record.where))
@@ -308,6 +343,7 @@ class ExampleReader:
         """``record`` as example ``sample_index``, and the note of its truncated answer (None if it fit)."""
         prompt = self._encode(record.prompt, record.where)
         answer = self._encode(record.text, record.where)
+        self._check_media_inside(record)
         self._vision_items(record)
         for p in record.audio:
             _mel_shape(p, record.where, self.layout, self.limits)
@@ -339,7 +375,10 @@ class ManifestDataset(ExampleReader):
     :class:`ImageTiling` tiles. ``audio`` are ``.npy`` log-mel arrays [frames, mel_bins] (the model's
     frame rate and mel bins): raw audio decoding and mel extraction are left to the user's
     preprocessing. Each array is cut into fixed windows of the model's length, the last one zero-padded.
-    Relative paths are relative to the manifest's folder. Text is tokenized with ``tokenizer.encode``
+    Relative paths are relative to the manifest's folder, and every media file must resolve inside it (an
+    absolute path, ``..`` or a symlink out of it is refused unless ``allow_external_media``). Float pixels
+    must be in [0, 1] (:data:`FLOAT_PIXEL_RANGE`), log-mel values within :data:`MAX_LOG_MEL_MAGNITUDE`
+    (checked as they are loaded). Text is tokenized with ``tokenizer.encode``
     (default :class:`ByteTokenizer`; a custom tokenizer must never produce the special ids
     ``BYTE_VOCAB_SIZE..min_vocab_size-1`` of the layout). A ``.npy`` array must be of a real floating or an
     unsigned integer dtype (checked from its header: complex and signed integer arrays are refused) and
@@ -357,12 +396,15 @@ class ManifestDataset(ExampleReader):
     """
 
     def __init__(self, path, layout: ExampleLayout, tiling: ImageTiling, tokenizer=None,
-                 limits: InputLimits = InputLimits(), refuse_long_answers: bool = False):
+                 limits: InputLimits = InputLimits(), refuse_long_answers: bool = False,
+                 allow_external_media: bool = False):
         self.path = Path(path)
         layout.input_of("images", f"manifest {self.path}")
-        super().__init__(layout, tiling, tokenizer, limits, refuse_long_answers)
-        if not self.path.is_file():
-            raise FileNotFoundError(f"manifest {self.path} does not exist")
+        super().__init__(layout, tiling, tokenizer, limits, refuse_long_answers,
+                         media_folder=None if allow_external_media else self.path.parent)
+        problem = not_a_file(self.path)
+        if problem is not None:
+            raise FileNotFoundError(f"manifest {self.path} {problem}")
         self.records: list[_ManifestRecord] = []
         with open(self.path, "rb") as f:
             for line_number, raw in enumerate(f, start=1):
@@ -436,14 +478,16 @@ def _load_tiles(path: MediaSource, where: str, tiling: ImageTiling, limits: Inpu
     _image_size(path, where, limits)
     if path.suffix == ".npy":
         pixels = _npy_memmap(path, where)
-        _check_finite(pixels, f"{where}: image {path}", "pixel values")
     else:
         with _open_image(path, where) as image:
-            try:  # 16-bit grey stays 16-bit: convert() would clip it at 255
-                pixels = np.asarray(image if image.mode.startswith("I;16") else
+            try:  # 16-bit grey stays 16-bit and float grey (mode F, e.g. a float TIFF) float: convert() would
+                # clip them to 8 bits
+                pixels = np.asarray(image if image.mode.startswith("I;16") or image.mode == "F" else
                                     image.convert("RGB" if tiling.channels == 3 else "L"))
             except (OSError, ValueError) as err:
                 raise ManifestError(f"{where}: cannot read image {path}: {err}") from None
+    _check_finite(pixels, f"{where}: image {path}", "pixel values",
+                  FLOAT_PIXEL_RANGE if pixels.dtype.kind == "f" else None)
     channels = 1 if pixels.ndim == 2 else pixels.shape[2]
     if channels not in (1, tiling.channels):
         raise ManifestError(f"{where}: image {path} has {channels} channels, the model takes {tiling.channels}")
@@ -472,8 +516,7 @@ def _open_image(path: MediaSource, where: str):
     except ImportError:
         raise ManifestError(f"{where}: reading {path} needs Pillow (pip install pillow); "
                             "or store images as .npy arrays") from None
-    if not path.is_file():
-        raise ManifestError(f"{where}: image file {path} does not exist")
+    _check_file(path, where, "image file")
     with _PIL_OPEN_LOCK:
         saved, Image.MAX_IMAGE_PIXELS = Image.MAX_IMAGE_PIXELS, None
         try:
@@ -484,10 +527,16 @@ def _open_image(path: MediaSource, where: str):
             Image.MAX_IMAGE_PIXELS = saved
 
 
+def _check_file(path: MediaSource, where: str, what: str) -> None:
+    """``path`` is a file to read: else what it is (missing, a folder, a FIFO, ...) names it."""
+    problem = (None if path.is_file() else "does not exist") if isinstance(path, MediaBytes) else not_a_file(path)
+    if problem is not None:
+        raise ManifestError(f"{where}: {what} {path} {problem}")
+
+
 def _npy_header(path: MediaSource, where: str) -> tuple[tuple[int, ...], np.dtype]:
     """(shape, dtype) of a .npy file from its header; reads no data."""
-    if not path.is_file():
-        raise ManifestError(f"{where}: file {path} does not exist")
+    _check_file(path, where, "file")
     try:
         with path.open("rb") as f:
             version = np.lib.format.read_magic(f)
@@ -527,7 +576,7 @@ def _mel_shape(path: MediaSource, where: str, layout: ExampleLayout, limits: Inp
 def _load_mel(path: MediaSource, where: str, layout: ExampleLayout, limits: InputLimits) -> np.ndarray:
     _mel_shape(path, where, layout, limits)
     mel = _npy_memmap(path, where)
-    _check_finite(mel, f"{where}: audio {path}", "log-mel frames")
+    _check_finite(mel, f"{where}: audio {path}", "log-mel frames", LOG_MEL_RANGE)
     return mel
 
 
@@ -544,20 +593,29 @@ def _check_dtype(dtype: np.dtype, what: str) -> None:
 _FINITE_CHECK_ROWS = 256  # rows converted at a time: a large image is checked without a float copy of it
 
 
-def _check_finite(array: np.ndarray, what: str, values: str) -> None:
+def _check_finite(array: np.ndarray, what: str, values: str, bounds: Optional[ValueRange] = None) -> None:
     """Every value of a floating array is finite once converted to float32, as the model takes it (a
-    float64 beyond float32's range is not); else raise naming the first bad index. Integers always are."""
-    if array.dtype.kind != "f":
+    float64 beyond float32's range is not), and with ``bounds`` every value of the array is within them;
+    else raise naming the first bad index. Integers are always finite."""
+    floating = array.dtype.kind == "f"
+    if not floating and bounds is None:
         return
     for start in range(0, array.shape[0], _FINITE_CHECK_ROWS):
         block = np.asarray(array[start:start + _FINITE_CHECK_ROWS])
         with np.errstate(over="ignore"):  # a value beyond float32's range becomes inf: what is looked for
-            bad = np.argwhere(~np.isfinite(block.astype(np.float32)))
+            as_float32 = block.astype(np.float32)
+        bad = np.argwhere(~np.isfinite(as_float32))
         if bad.size:
             index = [start + int(bad[0][0]), *map(int, bad[0][1:])]
             value = float(block[tuple(bad[0])])
             shown = f"{value:g} ({array.dtype}, beyond float32's range)" if math.isfinite(value) else str(value)
             raise ManifestError(f"{what} holds {shown} at index {index}: {values} must be finite")
+        if bounds is not None:
+            bad = np.argwhere((as_float32 < bounds.low) | (as_float32 > bounds.high))
+            if bad.size:
+                index = [start + int(bad[0][0]), *map(int, bad[0][1:])]
+                raise ManifestError(f"{what} holds {float(block[tuple(bad[0])]):g} at index {index}: {values} must "
+                                    f"be within {bounds.text}")
 
 
 def _windows(mel: np.ndarray, frames_per_window: int) -> np.ndarray:

@@ -12,12 +12,12 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-from pathlib import Path
 from typing import Optional, Sequence
 
 from megatron_orch.megatron.orch_arguments import add_orch_args
 from megatron_orch.mllm.check_data import add_data_args
 from megatron_orch.mllm.config import MLLMConfig, is_shipped_config, load_model_config
+from megatron_orch.mllm.files import data_path_problem
 from megatron_orch.trainer.arguments import (BACKBONE_SHAPE_FLAGS, ArgumentError, check_command_line,
                                              check_in_range, check_positive, exit_with_error, new_parser)
 from megatron_orch.trainer.data_events import add_max_bad_examples_arg
@@ -68,10 +68,9 @@ def configure(args: argparse.Namespace) -> ModelSummary:
     with the backbone shape flags applied (``args.mllm_config``, which its hooks build from)."""
     check_positive(args, "max_num_tiles", "max_image_pixels", "max_vision_items_per_sample")
     check_in_range(args, "max_audio_seconds", 0.0, low_open=True)
-    data_path = None if args.data_path is None else Path(args.data_path)
-    if data_path is not None and not (data_path.is_file() or (data_path / ".nv-meta").is_dir()):
-        raise ArgumentError(f"--data-path {args.data_path}: no such file (a JSONL manifest) or Energon dataset "
-                            "(a folder with .nv-meta)")
+    problem = None if args.data_path is None else data_path_problem(args.data_path)
+    if problem is not None:
+        raise ArgumentError(f"--data-path {args.data_path}: {problem}")
     args.mllm_config = config = resolve_model_config(args)
     backbone = config.backbone.transformer
     return ModelSummary(name=config.name, num_layers=backbone.num_layers, phases=config.phases(),

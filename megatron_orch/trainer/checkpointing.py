@@ -9,7 +9,8 @@ Layout (Megatron-LM's legacy naming, plus the DP rank since every rank writes it
     <dir>/iter_0000010/checksums.json                run id, parallel sizes, sha256 of every rank file, and a digest
                                                      of all that keyed with the run id
 
-Saving is atomic: each rank writes a temporary file, fsyncs it and renames it into place; once every
+Saving is atomic: each rank writes a temporary file (a new random name, created exclusively: never
+through a file or link already there), fsyncs it and renames it into place; once every
 rank has (agreed over the world group), rank 0 writes ``checksums.json`` and then the marker
 ``latest_checkpointed_iteration.txt``, the same way. So the marker only ever names a complete,
 verifiable iteration; an ``iter_*`` folder newer than the marker without ``checksums.json`` is an
@@ -28,8 +29,9 @@ any failed (the failing rank's message is raised on every rank) before anything 
 reported. After restoring, the ranks of each DP group compare a hash of what they must hold alike: the
 parameters, and the optimizer state (its replicated part under the distributed optimizer), the LR
 schedule and the progress counters. Replicas that differ are refused before the first step. The keyed
-digest is no signature (anyone who knows the scheme can recompute it); this comparison is the check
-behind it.
+digest is no signature (its key, the run id, is in the folder: a writer of the folder can edit a file and
+recompute it); this comparison is the check behind it, and it cannot see an edit made alike in every
+replica. The checksums detect damage, not tampering.
 
 Saved work is never replaced by accident: complete iterations under ``--load`` without a marker, or
 complete iterations of the marker's run newer than the marker, are refused with the iterations and
@@ -289,14 +291,25 @@ def _os_error_behind(error: BaseException, path: Path) -> Optional[OSError]:
     return OSError(cause.errno, cause.strerror or os.strerror(cause.errno), str(path))
 
 
+def _create_temporary(path: Path) -> tuple[Path, int]:
+    """A new temporary file beside ``path`` (``.<name>.tmp-<pid>-<random>``) and its descriptor, created
+    exclusively: never through a file or link already at that name (a planted symlink is not followed)."""
+    while True:
+        temporary = path.with_name(f".{path.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:12]}")
+        try:
+            return temporary, os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o666)
+        except FileExistsError:
+            continue
+
+
 def write_atomically(path: Path, write: Callable) -> None:
-    """``write(handle)`` into a temporary file beside ``path``, fsync it, rename it to ``path``, fsync
-    the folder: ``path`` is either absent, its old content, or complete -- never partly written. A
-    failed write raises the operating system's error (e.g. ``[Errno 28] No space left on device``)
-    naming ``path``."""
-    temporary = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    """``write(handle)`` into a temporary file beside ``path`` (created exclusively), fsync it, rename it to
+    ``path``, fsync the folder: ``path`` is either absent, its old content, or complete -- never partly
+    written. A failed write raises the operating system's error (e.g. ``[Errno 28] No space left on
+    device``) naming ``path``."""
+    temporary, descriptor = _create_temporary(path)
     try:
-        with open(temporary, "wb") as handle:
+        with open(descriptor, "wb") as handle:
             write(handle)
             handle.flush()
             os.fsync(handle.fileno())
@@ -312,7 +325,7 @@ def write_atomically(path: Path, write: Callable) -> None:
 
 
 def _is_temporary(path: Path) -> bool:
-    """A temporary file of :func:`write_atomically` (``.<name>.tmp-<pid>``)."""
+    """A temporary file of :func:`write_atomically` (``.<name>.tmp-<pid>-<random>``)."""
     return path.name.startswith(".") and ".tmp-" in path.name
 
 
@@ -441,7 +454,12 @@ def latest_iteration(root: str) -> Optional[int]:
     tracker = Path(root) / TRACKER_FILENAME
     if not tracker.is_file():
         return None
-    text = tracker.read_text().strip()
+    raw = tracker.read_bytes()
+    try:
+        text = raw.decode("ascii").strip()
+    except UnicodeDecodeError:
+        raise CheckpointError(f"{tracker}: expected an iteration number, found {len(raw)} bytes that are not text "
+                              f"(damaged?; resume from a complete iteration with --ckpt-step N)") from None
     if not text.isdigit():
         raise CheckpointError(f"{tracker}: expected an iteration number, found {text!r}")
     return int(text)

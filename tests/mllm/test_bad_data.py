@@ -10,6 +10,7 @@ skip is reported once too; with ``--max-bad-examples 0`` the bad example ends th
 a second bad example beyond the limit stops the run; resuming over the manifest with two lines
 swapped is refused, unless ``--allow-changed-data``.
 """
+import dataclasses
 import json
 import re
 import warnings
@@ -119,6 +120,14 @@ BAD_ARRAYS = {  # file: (array, refused from the header, what the message says)
     "nan_image.npy": (np.where(np.arange(16 * 16 * 3).reshape(16, 16, 3) == 5 * 48 + 4 * 3 + 2, np.nan, 0.25), False,
                       r"image \S+nan_image.npy holds nan at index \[5, 4, 2\]: pixel values must be finite"),
     "int64_image.npy": (np.full((16, 16, 3), 300, dtype=np.int64), True, r"image \S+int64_image.npy has dtype int64"),
+    # finite but out of range: float pixels outside [0, 1] (1/255 tolerated), log-mel values beyond +-1000
+    "negative_image.npy": (np.where(np.arange(16 * 16 * 3).reshape(16, 16, 3) == 3 * 48 + 2 * 3 + 1, -50, 0.25)
+                           .astype(np.float32), False, r"image \S+negative_image.npy holds -50 at index \[3, 2, 1\]: "
+                           r"pixel values must be within \[0, 1\] \(1/255 tolerated outside\)"),
+    "huge_image.npy": (np.where(np.arange(16 * 16).reshape(16, 16) == 255, 1e30, 1.0 + 0.9 / 255).astype(np.float32),
+                       False, r"image \S+huge_image.npy holds 1e\+30 at index \[15, 15\]: pixel values must be within"),
+    "loud_mel.npy": (np.where(np.arange(1600).reshape(100, 16) == 50 * 16 + 5, 3e38, -999.0).astype(np.float32), False,
+                     r"audio \S+loud_mel.npy holds 3e\+38 at index \[50, 5\]: log-mel frames must be within \+-1000"),
 }
 
 
@@ -152,6 +161,73 @@ def test_check_data_refuses_non_finite_and_wrongly_typed_arrays(tmp_path, capsys
             assert re.match(rf"\S+m.jsonl:{line}: {message}", found), (found, message)
 
 
+def test_media_that_are_not_files_or_outside_the_folder_are_named_as_such(tmp_path, capsys):
+    """A folder and a FIFO named as media are said to be one (a FIFO is never opened: it would block); media
+    resolving outside the manifest's folder (absolute, '..', a symlink out) are bad unless
+    --allow-external-media; a folder without .nv-meta as --data-path is named as such."""
+    import os
+
+    from megatron_orch.mllm import check_data
+
+    data, outside = tmp_path / "data", tmp_path / "elsewhere"
+    data.mkdir()
+    outside.mkdir()
+    path = write_data(data, missing_lines=())
+    np.save(outside / "square.npy", np.load(data / "square.npy"))
+    (data / "folder.png").mkdir()
+    os.mkfifo(data / "pipe.npy")
+    (data / "link.npy").symlink_to(outside / "square.npy")
+    entries = [{"text": "a", "images": ["folder.png"]}, {"text": "a", "audio": ["pipe.npy"]},
+               {"text": "a", "images": [str(outside / "square.npy")]}, {"text": "a", "images": ["../elsewhere/square.npy"]},
+               {"text": "a", "images": ["link.npy"]}]
+    with open(path, "a") as f:
+        f.write("".join(json.dumps(e) + "\n" for e in entries))
+    argv = ["--data-path", str(path), "--seq-length", "128", "--workers", "2"]
+    for decode in ([], ["--decode"]):
+        assert check_data.main(argv + decode) == 1
+        bad = [line for line in capsys.readouterr().out.splitlines() if re.match(r"\S+m.jsonl:\d+: ", line)]
+        real = os.path.realpath(outside / "square.npy")
+        assert bad == [f"{path}:8: image file {data}/folder.png is a folder",
+                       f"{path}:9: file {data}/pipe.npy is a FIFO (named pipe)"] + [
+                       f"{path}:{line}: media file {shown} is outside the manifest's folder {data} (it resolves to "
+                       f"{real}); pass --allow-external-media to read media outside it"
+                       for line, shown in ((10, outside / "square.npy"), (11, data / "../elsewhere/square.npy"),
+                                           (12, data / "link.npy"))], bad
+    assert check_data.main(argv + ["--allow-external-media"]) == 1
+    bad = [line for line in capsys.readouterr().out.splitlines() if re.match(r"\S+m.jsonl:\d+: ", line)]
+    assert [line.split(": ")[0] for line in bad] == [f"{path}:8", f"{path}:9"], bad
+    assert check_data.main(["--data-path", str(outside), "--seq-length", "128"]) == 2
+    assert capsys.readouterr().err.strip() == (f"check_data: error: --data-path {outside}: a folder without .nv-meta: "
+                                               "not an Energon dataset (energon prepare writes .nv-meta), nor a JSONL "
+                                               "manifest")
+
+
+def test_float_tiff_pixels_are_read_as_floats_and_checked_by_range(tmp_path):
+    """A float (mode F) TIFF keeps its values (8-bit conversion would turn 0.5 into 0 or 1/255) and one at
+    5.0 is refused by line, as a float .npy image is."""
+    from PIL import Image
+
+    from megatron_orch.mllm.config import load_model_config
+    from megatron_orch.mllm.data import example_reader
+    from megatron_orch.mllm.data_config import DataConfig
+    from megatron_orch.mllm.manifest import ManifestDataset, ManifestError
+
+    grey = np.linspace(0.0, 1.0, 16 * 16, dtype=np.float32).reshape(16, 16)
+    Image.fromarray(grey, mode="F").save(tmp_path / "grey.tif")
+    Image.fromarray(np.full((16, 16), 5.0, np.float32), mode="F").save(tmp_path / "bright.tif")
+    path = tmp_path / "m.jsonl"
+    path.write_text(json.dumps({"text": "a", "images": ["grey.tif"]}) + "\n"
+                    + json.dumps({"text": "a", "images": ["bright.tif"]}) + "\n")
+    config = DataConfig(load_model_config("tiny"), seq_length=128, micro_batch_size=1, num_samples=2,
+                        data_path=str(path))
+    dataset = ManifestDataset(path, config.layout, example_reader(config).tiling)
+    tiles = dataset[0].items[config.layout.phase_of("images", "")]
+    assert sorted(set(tiles.flatten().tolist())) == sorted(set(grey.flatten().tolist()))
+    with pytest.raises(ManifestError, match=rf"{re.escape(str(path))}:2: image \S+bright.tif holds 5 at index "
+                                            r"\[0, 0\]: pixel values must be within \[0, 1\]"):
+        dataset.read(1)
+
+
 def test_training_refuses_the_same_arrays_naming_the_line(tmp_path):
     """The trainer's loader (every sample in turn, as training reads them) stops at each bad array with the
     line check_data names."""
@@ -168,6 +244,17 @@ def test_training_refuses_the_same_arrays_naming_the_line(tmp_path):
         with pytest.raises(ManifestError, match=rf"\S+m.jsonl:{line}: {message}"):
             next(loader)
     next(build_train_iterator(config, consumed_samples=0, data_parallel_rank=0, data_parallel_size=1))  # line 1
+    # under --max-bad-examples each is skipped (replaced by a good draw: the manifest then mostly good) and
+    # counted, one event per bad line
+    lines = path.read_text().splitlines(keepends=True)
+    path.write_text("".join(lines + lines[:1] * 60))
+    skipping = build_train_iterator(dataclasses.replace(config, max_bad_examples=len(BAD_ARRAYS)), consumed_samples=0,
+                                    data_parallel_rank=0, data_parallel_size=1)
+    batches = list(skipping)
+    skips = [event for event in skipping.take_events(config.num_samples) if event.skipped]
+    assert len(batches) == 1 + len(BAD_ARRAYS) and [e.position for e in skips] == list(range(1, 1 + len(BAD_ARRAYS)))
+    for event, (_, _, message) in zip(skips, BAD_ARRAYS.values(), strict=True):
+        assert re.match(rf"\S+m.jsonl:{event.position + 1}: {message}", event.message), (event, message)
 
 
 # ------------------------------------------------------------------------------------------ training over it

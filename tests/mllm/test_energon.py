@@ -32,9 +32,9 @@ def data_config(path, **kwargs) -> DataConfig:
                       num_samples=kwargs.pop("num_samples", 40), data_path=str(path), **kwargs)
 
 
-def encoded_samples(path, max_bad_examples=100) -> list:
+def encoded_samples(path, max_bad_examples=100, trust_dataset_code=False) -> list:
     """Every sample of the dataset's train split through the training task encoder, in the dataset's order."""
-    dataset = checked_dataset(data_config(path))
+    dataset = checked_dataset(data_config(path, trust_dataset_code=trust_dataset_code))
     loader = get_loader(get_val_dataset(path, split_part="train", batch_size=None,
                                         worker_config=WorkerConfig(rank=0, world_size=1, num_workers=0),
                                         task_encoder=dataset.task_encoder(max_bad_examples)))
@@ -251,7 +251,7 @@ def test_vqa_captioning_and_interleaved_samples_become_the_manifest_entries_they
                       {"square.png": square, "wide.png": wide}),
     }
     for folder, (entry, files) in expected.items():
-        [sample] = encoded_samples(folder, max_bad_examples=0)
+        [sample] = encoded_samples(folder, max_bad_examples=0, trust_dataset_code=folder is interleaved)
         assert sample.problem is None, sample.problem
         assert_same_example(sample.example, _manifest_example(tmp_path, entry, files))
 
@@ -282,10 +282,58 @@ def test_a_sample_without_its_json_part_is_a_bad_sample_named(tmp_path):
     from megatron.energon.flavors.webdataset.base_webdataset import BaseWebdatasetFactory
     BaseWebdatasetFactory.prepare_dataset(folder, ["shard_000.tar", "shard_001.tar"],
                                           split_parts_ratio=[("train", 1.0)], shuffle_seed=None, workers=1)
-    for name in ("dataset.yaml", "sample_loader.py"):
-        shutil.copy(EXAMPLE / "energon" / ".nv-meta" / name, folder / ".nv-meta" / name)
+    shutil.copy(EXAMPLE / "energon" / ".nv-meta" / "dataset.yaml", folder / ".nv-meta" / "dataset.yaml")
     report = check_energon(checked_dataset(data_config(folder)))
     assert report.bad[0] == f"{folder}/shard_000.tar:000001: the sample has no .json part (its manifest entry)"
+
+
+# ------------------------------------------------------------------------------ code in a dataset
+
+def _with_loader(tmp_path, loader_file="sample_loader.py", yaml_key=None) -> Path:
+    """The example dataset whose MultimodalSample is loaded by a planted ``loader_file`` that, when run,
+    writes ``.nv-meta/ran``."""
+    folder = tmp_path / "planted"
+    shutil.copytree(EXAMPLE / "energon", folder)
+    (folder / ".nv-meta" / loader_file).write_text(
+        f"import pathlib\npathlib.Path({str(folder / '.nv-meta' / 'ran')!r}).write_text('x')\n"
+        "from megatron_orch.mllm.energon import part_filter, sample_loader\n")
+    (folder / ".nv-meta" / "dataset.yaml").write_text(
+        f"sample_type:\n  __module__: megatron_orch.mllm.energon\n  __class__: MultimodalSample\n"
+        f"sample_loader: {loader_file}:sample_loader\npart_filter: {loader_file}:part_filter\n")
+    return folder
+
+
+@pytest.mark.distributed  # Energon's loader forks a process
+def test_a_dataset_holding_python_is_refused_before_it_runs_unless_trusted(tmp_path, capsys):
+    from megatron_orch.mllm import check_data
+    folder = _with_loader(tmp_path)
+    flags = ["--data-path", str(folder), "--seq-length", "256"]
+    assert check_data.main(flags) == 2
+    out = capsys.readouterr().out.strip().splitlines()
+    assert out == [f"--data-path {folder}: opening this Energon dataset runs its Python code ({folder}/.nv-meta/"
+                   f"sample_loader.py and 2 more); pass --trust-dataset-code if you trust it"]
+    with pytest.raises(ManifestError, match=r"runs its Python code .*sample_loader.py"):
+        checked_dataset(data_config(folder))  # training's path
+    assert not (folder / ".nv-meta" / "ran").exists()
+    assert check_data.main(flags + ["--trust-dataset-code"]) == 1  # opened, ran, checked: the example's bad ones
+    assert (folder / ".nv-meta" / "ran").exists()
+    assert "21 examples" in capsys.readouterr().out
+
+
+def test_what_counts_as_code_in_a_dataset(tmp_path):
+    assert energon.dataset_code(EXAMPLE / "energon") == []  # this project's factory: no code in the dataset
+    folder = _with_loader(tmp_path, loader_file="loader.txt")  # Energon runs a sample loader of any name
+    meta = folder / ".nv-meta"
+    assert energon.dataset_code(folder) == [f"{meta}/dataset.yaml names sample_loader: loader.txt:sample_loader",
+                                            f"{meta}/dataset.yaml names part_filter: loader.txt:part_filter"]
+    (meta / "dataset.yaml").write_text("sample_type:\n  __module__: my_samples\n  __class__: MySample\n"
+                                       "field_map:\n  text: txt\n")
+    (meta / "helper.py").write_text("")
+    assert energon.dataset_code(folder) == [f"{meta}/helper.py", f"{meta}/dataset.yaml names the module my_samples"]
+    (meta / "helper.py").unlink()
+    (meta / "dataset.yaml").write_text("sample_type:\n  __module__: megatron.energon\n  __class__: VQASample\n"
+                                       "field_map:\n  image: png\n")
+    assert energon.dataset_code(folder) == []
 
 
 def test_media_bytes_read_like_files():

@@ -6,6 +6,8 @@ on (losses within 1e-5: which rank computes which example changes nothing); on, 
 with a checkpoint and resumed from it (mid-epoch: Energon's shuffle buffer and position in each rank's
 shard come back from the loader state in the checkpoint; post-balancing has read steps ahead by then);
 and over a JSONL manifest of the same examples in the order Energon yields them (the same losses).
+Then, at DP 1 and 2 with dropout on, a run that saves every 2 iterations, the same run resumed from each
+of its checkpoints and a run that never saves give the same losses bit for bit.
 """
 import json
 import warnings
@@ -130,3 +132,38 @@ def test_the_same_examples_as_jsonl_and_as_energon_give_the_same_losses(runs):
     assert sum(jsonl["skipped"].values()) == 0  # the manifest holds the good samples Energon yielded
     for it in energon["losses"]:
         assert abs(jsonl["losses"][it] - energon["losses"][it]) <= 1e-5 * abs(energon["losses"][it]), (it, jsonl)
+
+
+# ------------------------------------------------------------------- resume exact, bit for bit, dropout on
+
+RESUME_ITERS = 6
+RESUME_COMMON = ["--model-config", "tiny", "--seq-length", "128", "--micro-batch-size", "1", "--global-batch-size", "4",
+                 "--train-iters", str(RESUME_ITERS), "--lr", "2e-3", "--log-interval", "1", "--seed", str(SEED),
+                 "--distributed-backend", "gloo", "--hidden-dropout", "0.1", "--attention-dropout", "0.1",
+                 "--max-bad-examples", str(MAX_BAD), "--data-path", str(EXAMPLE / "energon")]
+RESUMES = {"never": [], "every2": ["--save", "{out}", "--save-interval", "2"],
+           "from2": ["--load", "{out}", "--ckpt-step", "2"], "from4": ["--load", "{out}", "--ckpt-step", "4"]}
+
+
+def _save_and_resume(rank, world_size, out_dir):
+    warnings.filterwarnings("ignore")
+    for name, flags in RESUMES.items():
+        flags = RESUME_COMMON + [flag.format(out=str(Path(out_dir) / "checkpoint")) for flag in flags]
+        outcome = pretrain_outcome(flags, world_size, losses="lm_loss", skipped="bad_examples")
+        torch.save(outcome, Path(out_dir) / f"{name}_rank{rank}.pt")
+
+
+@pytest.mark.parametrize("dp", [1, 2])
+def test_saving_and_resuming_from_every_checkpoint_changes_no_loss_bit(tmp_path, dp):
+    """The cause this guards: torch's DataLoader drew its workers' seed from the global torch RNG at the first
+    read, which a resumed run makes after restoring the RNG streams: dropout then differed from iteration 3."""
+    run_distributed(_save_and_resume, dp, str(tmp_path), timeout_s=600.0)
+    results = {name: torch.load(tmp_path / f"{name}_rank{dp - 1}.pt") for name in RESUMES}
+    for name, outcome in results.items():
+        assert "error" not in outcome, (name, outcome)
+    never = results["never"]
+    assert sorted(never["losses"]) == list(range(1, RESUME_ITERS + 1)) and sum(never["skipped"].values()) > 0
+    assert results["every2"]["losses"] == never["losses"] and results["every2"]["skipped"] == never["skipped"]
+    for name, start in (("from2", 2), ("from4", 4)):
+        later = {it: loss for it, loss in never["losses"].items() if it > start}
+        assert results[name]["losses"] == later, (name, results[name]["losses"], later)

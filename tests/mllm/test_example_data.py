@@ -117,7 +117,9 @@ def test_the_shipped_example_data_is_what_the_script_writes(tmp_path):
         assert list(new) == list(old), shard
         for name in new:
             assert new[name] == old[name] or np.array_equal(_pixels(new[name]), _pixels(old[name])), name
-    for name in ("dataset.yaml", "split.yaml", "sample_loader.py", ".info.json"):
+    assert sorted(p.name for p in (EXAMPLE / "energon" / ".nv-meta").iterdir()) == \
+        sorted(p.name for p in (tmp_path / "energon" / ".nv-meta").iterdir())
+    for name in ("dataset.yaml", "split.yaml", ".info.json"):
         assert (tmp_path / "energon" / ".nv-meta" / name).read_text() == \
             (EXAMPLE / "energon" / ".nv-meta" / name).read_text(), name
     entries = [json.loads(line) for line in (EXAMPLE / "manifest.jsonl").read_text().splitlines()]

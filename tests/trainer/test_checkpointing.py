@@ -490,8 +490,28 @@ def test_write_atomically_fsyncs_the_file_before_the_rename_and_the_folder_after
     monkeypatch.setattr(checkpointing.os, "replace", logged_replace)
     path = tmp_path / "latest_checkpointed_iteration.txt"
     checkpointing.write_atomically(path, lambda handle: handle.write(b"2\n"))
-    temporary = str(tmp_path / f".{path.name}.tmp-{os.getpid()}")
+    temporary = calls[0][1]
+    assert re.fullmatch(re.escape(str(tmp_path / f".{path.name}.tmp-{os.getpid()}-")) + r"[0-9a-f]{12}", temporary)
     assert calls == [("fsync", temporary), ("replace", temporary, str(path)), ("fsync", str(tmp_path))], calls
+
+
+def test_write_atomically_never_writes_through_a_planted_link(tmp_path, monkeypatch):
+    """A symlink at every temporary name a writer could pick (the old predictable one, and the next random
+    one): the file it points to, outside the folder, stays as it was; the write lands in a new file."""
+    from megatron_orch.trainer import checkpointing
+
+    folder, outside = tmp_path / "ck", tmp_path / "outside.txt"
+    folder.mkdir()
+    outside.write_text("precious\n")
+    path = folder / "latest_checkpointed_iteration.txt"
+    (folder / f".{path.name}.tmp-{os.getpid()}").symlink_to(outside)  # the name used to be predictable
+    tokens = iter(["planted0000000000000000000000000", "fresh000000000000000000000000000"])
+    monkeypatch.setattr(checkpointing.uuid, "uuid4", lambda: type("U", (), {"hex": next(tokens)})())
+    planted = folder / f".{path.name}.tmp-{os.getpid()}-planted00000"
+    planted.symlink_to(outside)  # the random name guessed: refused by the exclusive create, another one taken
+    checkpointing.write_atomically(path, lambda handle: handle.write(b"2\n"))
+    assert outside.read_text() == "precious\n" and path.read_text() == "2\n" and not path.is_symlink()
+    assert planted.is_symlink()  # left alone, not written through
 
 
 class _FullDisk:
@@ -719,6 +739,37 @@ def test_saved_work_no_marker_names_is_refused_with_the_choices(one_rank, tmp_pa
         _load(tmp_path)
     (tmp_path / "latest_checkpointed_iteration.txt").unlink()
     assert _files(tmp_path) == before
+
+
+def test_a_marker_that_is_not_text_is_refused_naming_it(one_rank, tmp_path):
+    from megatron_orch.trainer.checkpointing import CheckpointError
+
+    _saved(tmp_path, iterations=(2,))
+    marker = tmp_path / "latest_checkpointed_iteration.txt"
+    marker.write_bytes(b"\xff\xfe2\x00\n\x00")
+    with pytest.raises(CheckpointError, match=rf"{re.escape(str(marker))}: expected an iteration number, found 6 "
+                                              r"bytes that are not text"):
+        _load(tmp_path)
+    marker.write_text("2\n")
+    assert _load(tmp_path).iteration == 2
+
+
+def test_a_newer_iteration_whose_checksums_fail_is_refused_not_passed_over(one_rank, tmp_path):
+    """Iteration 4 complete but its checksums.json damaged, the marker at 2 (its update failed): refused with
+    the choices, as a newer iteration of the same run is; with --ckpt-step 4 its damage is named."""
+    from megatron_orch.trainer.checkpointing import CheckpointError
+
+    _saved(tmp_path, iterations=(2, 4))
+    (tmp_path / "latest_checkpointed_iteration.txt").write_text("2\n")
+    checksums = tmp_path / "iter_0000004" / "checksums.json"
+    checksums.write_text(checksums.read_text().replace('"iteration": 4', '"iteration": 5'))
+    with pytest.raises(CheckpointError, match=r"iteration 4 whose checksums.json does not verify newer than "
+                                              r"latest_checkpointed_iteration.txt's iteration 2 .*--ckpt-step 4, or "
+                                              r"from the marker's with --ckpt-step 2"):
+        _load(tmp_path)
+    with pytest.raises(CheckpointError, match=rf"{re.escape(str(checksums))} was edited or damaged"):
+        _load(tmp_path, step=4)
+    assert _load(tmp_path, step=2).iteration == 2
 
 
 def test_a_run_saving_over_another_runs_checkpoints_is_refused_unless_allowed(one_rank, tmp_path):
