@@ -189,3 +189,90 @@ def test_the_own_model_page_quotes_the_examples(path, region):
 def test_every_excerpt_of_the_own_model_page_names_a_region():
     readme = OWN_MODEL_DOC.read_text()
     assert set(re.findall(r"<!-- excerpt: (\S+) (\S+) -->", readme)) == set(_regions())
+
+
+def _images_from_step_2():
+    """Two steps of a world of one (two micro-batches of two examples each): the first without images, the
+    second with at least one in each micro-batch."""
+    import own_model
+    spec = own_model.batch_spec()
+    examples = [own_model.example(i) for i in range(100)]
+    steps = ([e for e in examples if e.num_items("image") == 0][:4], [e for e in examples if e.num_items("image")][:4])
+    for chosen in steps:
+        for m in range(2):
+            yield own_model.collate(chosen[2 * m:2 * m + 2], spec)
+
+
+def _train_two_steps(model_class, verify: bool):
+    """own_model's loop on :func:`_images_from_step_2`, balanced; the losses, the parameters after, the
+    steps completed (two unless refused) and the refusal."""
+    import own_model
+    from megatron_orch.megatron import OrchestratorConfig
+
+    torch.manual_seed(7)
+    module = own_model.build_model(model_class)
+    model, optimizer, schedule, data = own_model.setup(module, _images_from_step_2(), own_model.batch_spec(), True,
+                                                       config=OrchestratorConfig(verify_first_step=verify))
+    losses, refusal = [], None
+    try:
+        for _ in range(2):
+            losses.append(own_model.train_step(schedule, data, model, optimizer))
+    except (ValueError, RuntimeError) as err:
+        refusal = err
+    return {"losses": losses, "refusal": refusal,
+            "params": {n: p.detach().clone() for n, p in module.named_parameters()}}
+
+
+def _tiny_llava_variants():
+    """TinyLlava with BatchNorm over its image rows (a statistic across the items of one call), with it and
+    dropout, and with the upstream branch of forward encoding under torch.no_grad()."""
+    import own_model
+
+    class BatchNormed(own_model.TinyLlava):
+        def __init__(self, *configs):
+            super().__init__(*configs)
+            self.image_encoder.norm = torch.nn.BatchNorm1d(self.config.hidden_size)
+
+        def encode(self, phase, items):
+            rows = super().encode(phase, items)
+            return self.image_encoder.norm(rows) if rows.shape[0] else rows
+
+    class BatchNormedWithDropout(BatchNormed):
+        def __init__(self, *configs):
+            super().__init__(*configs)
+            self.image_encoder.dropout = torch.nn.Dropout(0.1)
+
+        def encode(self, phase, items):
+            return self.image_encoder.dropout(super().encode(phase, items))
+
+    class FrozenUpstream(own_model.TinyLlava):
+        def forward(self, batch, embeds=None):
+            if embeds is None:
+                with torch.no_grad():
+                    embeds = {"image": self.encode("image", batch.items["image"])}
+            return super().forward(batch, embeds)
+
+    return BatchNormed, BatchNormedWithDropout, FrozenUpstream
+
+
+def test_each_phase_is_checked_on_its_first_step_in_training_mode(harness, world_of_one, capsys):
+    """The image phase first comes at step 2: a correct model is checked then too (a second checked step, which
+    trains what the unchecked run trains); a BatchNorm encoder (also with dropout, which must not turn the
+    check to eval mode, where BatchNorm uses its running statistics) and an encoder under torch.no_grad() in
+    the upstream branch only are refused at step 2, naming the phase, where they used to train differently."""
+    batch_normed, with_dropout, frozen_upstream = _tiny_llava_variants()
+    checked, unchecked = _train_two_steps(None, True), _train_two_steps(None, False)
+    assert checked["refusal"] is None and checked["losses"] == unchecked["losses"]
+    for name, value in unchecked["params"].items():
+        assert torch.equal(checked["params"][name], value), name
+    lines = re.findall(r"> post-balancing: step checked \(--orch-verify-first-step, phases ([\w, ]+), training mode\)",
+                       capsys.readouterr().out)
+    assert lines == ["text", "text, image"]
+    for model_class in (batch_normed, with_dropout):
+        got = _train_two_steps(model_class, True)
+        assert len(got["losses"]) == 1 and re.search(
+            r"encode\('image', items\) is not item by item: .* in training mode", str(got["refusal"])), got
+    got = _train_two_steps(frozen_upstream, True)
+    assert len(got["losses"]) == 1 and re.search(
+        r"phase 'image''s encoder gets gradients in the balanced layout of the same batch but none in the "
+        r"loader's: .*torch\.no_grad\(\)", str(got["refusal"])), got
