@@ -225,6 +225,47 @@ def check_encode(module: BalanceableModel, phase: str, items: torch.Tensor, rows
                          "gives that module zero gradients, and a parameter outside it none")
 
 
+class WatchedEmbeds(Mapping):
+    """A balanced micro-batch's ``embeds`` that records which phases ``forward`` read (on the first step with
+    items of each phase, :func:`check_embeds_read`)."""
+
+    def __init__(self, embeds: Mapping[str, torch.Tensor]):
+        self._embeds, self.read = dict(embeds), set()
+
+    def __getitem__(self, phase: str) -> torch.Tensor:
+        self.read.add(phase)
+        return self._embeds[phase]
+
+    def __contains__(self, phase) -> bool:  # asking is not reading
+        return phase in self._embeds
+
+    def __iter__(self):
+        return iter(self._embeds)
+
+    def __len__(self) -> int:
+        return len(self._embeds)
+
+
+def check_embeds_read(module: BalanceableModel, microbatches: Sequence, phases: Sequence[str],
+                      error: Optional[BaseException] = None) -> None:
+    """Raise ValueError naming the phase when ``forward(batch, embeds)`` left ``embeds[phase]`` of a micro-batch
+    holding rows of it unread (``microbatches``' embeds: :class:`WatchedEmbeds`); ``error``: what the backbone
+    schedule raised, chained (a forward that encodes ``batch.items`` instead fails on their absence)."""
+    for microbatch in microbatches:
+        embeds = microbatch.embeds
+        unread = [p for p in phases if p in embeds and p not in embeds.read and embeds._embeds[p].shape[0]]
+        # with an error: only where forward read no embeds at all (one that did failed for another reason)
+        if unread and (error is None or not any(mb.embeds.read for mb in microbatches)):
+            phase = unread[0]
+            raise ValueError(
+                f"post-balancing: {type(module).__name__}.forward(batch, embeds) did not read embeds[{phase!r}] of a "
+                f"micro-batch holding {embeds._embeds[phase].shape[0]} of its rows"
+                + (f" (it raised {type(error).__name__}: {error})" if error is not None else "")
+                + f": balanced micro-batches carry text only (batch.items[{phase!r}] is empty) and the phase's encoder "
+                f"outputs in embeds[{phase!r}]; insert them at the placeholders when embeds is given (encode "
+                "batch.items only when embeds is None)") from error
+
+
 class EncoderChecks:
     """:func:`check_encode` once per encoder phase, on the first step whose global batch holds items of it
     (the plan says which, the same on every rank), agreed by every rank of the job."""
@@ -233,15 +274,16 @@ class EncoderChecks:
         self.pending: Optional[set] = None  # phases not checked yet (None: no step seen)
 
     def run(self, module: BalanceableModel, step: BalancedStep,
-            sharded_encode: Optional[Callable[[str], Callable[[torch.Tensor], torch.Tensor]]] = None) -> None:
+            sharded_encode: Optional[Callable[[str], Callable[[torch.Tensor], torch.Tensor]]] = None) -> List[str]:
         """``sharded_encode(phase)``: the phase's encode through a sharded wrapper, for every rank
-        (:func:`check_encode`)."""
+        (:func:`check_encode`). Returns the phases checked now (the step's forward is then watched:
+        :func:`check_embeds_read`)."""
         encoders = step.plan.encoders
         if self.pending is None:
             self.pending = set(encoders)
         due = [phase for phase in encoders if phase in self.pending and encoders[phase].example.size]
         if not due:
-            return
+            return due
         self.pending -= set(due)
         problem = None
         try:
@@ -254,6 +296,7 @@ class EncoderChecks:
         except Exception as err:  # noqa: BLE001 -- every rank must stop, not only those with items
             problem = err
         raise_if_any_rank_failed(problem, what="post-balancing's check of the encoders")
+        return due
 
 
 # -- the checked first step ---------------------------------------------------------------------------
@@ -442,9 +485,10 @@ def checked_step(run_home: Callable[[], list], run_balanced: Callable[[dict], li
     limit = tolerance(config.params_dtype, device)
     names = ([(phase, "its encoder outputs") for phase in phases] + [(backbone, "the loss"),
              (backbone, "its gradient norm")] + [(phase, "its gradient norm") for phase in phases])
+    packed = any(mb.batch.is_packed for mb in step.microbatches) and not any(mb.is_packed for mb in step.home)
     for (phase, what), value in zip(names, figures):
         if value > limit:
-            raise FirstStepMismatchError(_mismatch(phase, what, value, limit, phase == backbone))
+            raise FirstStepMismatchError(_mismatch(phase, what, value, limit, phase == backbone, packed))
     result = {"encoder outputs": dict(zip(phases, figures[:len(phases)].tolist())), "loss": float(figures[len(phases)]),
               "gradient norms": float(figures[len(phases) + 1:].max(initial=0.0)), "tolerance": limit}
     notes = ("; dropout off for the check" if dropout else "") + (
@@ -467,7 +511,7 @@ def _gradient_in_one_layout(phase: str, upstream: bool) -> str:
             "torch.no_grad() or detach() in one of them; freeze an encoder with requires_grad_(False))")
 
 
-def _mismatch(phase: str, what: str, value: float, limit: float, backbone: bool) -> str:
+def _mismatch(phase: str, what: str, value: float, limit: float, backbone: bool, packed: bool) -> str:
     if what == "its encoder outputs":
         fix = (f"encode({phase!r}, items) must give each item the rows it gives alone, whichever items share the "
                "call (no statistics over the items in a call, no randomness but dropout)")
@@ -478,6 +522,11 @@ def _mismatch(phase: str, what: str, value: float, limit: float, backbone: bool)
     else:
         fix = (f"its outputs agree, so the gradient forward(batch, embeds) gives embeds[{phase!r}] must be the one "
                "forward(batch) gives the encoder's outputs")
+    if packed:  # the likeliest cause, named first
+        fix = ("the balanced micro-batches are packed rows (several examples back to back; the loader's are not): "
+               "forward must keep attention within each example of a row (pass batch.packed_seq_params() to its "
+               "attention), else leave BatchSpec.takes_packed_rows False or pass --orch-microbatching "
+               f"equal_count; otherwise {fix}")
     return (f"post-balancing's checked first step ({FLAG}): phase {phase!r} differs between the loader's and the "
             f"balanced layout of the same batch: {what} (largest relative difference {value:.1e} > {limit:.0e}); "
             f"{fix}")

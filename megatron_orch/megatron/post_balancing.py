@@ -320,11 +320,11 @@ class CheckedSteps:
 
 def resolve_microbatching(spec: BatchSpec, config: OrchestratorConfig,
                           step: StepShape) -> Tuple[OrchestratorConfig, Optional[str]]:
-    """``config`` with ``--orch-microbatching auto`` decided for the model (packed unless ``spec.cannot_pack``
-    or fixed-length rows, ``step.pad_to``, speak against it), and why ``auto`` did not become packed (None:
+    """``config`` with ``--orch-microbatching auto`` decided for the model (packed where ``spec.takes_packed_rows``
+    unless fixed-length rows, ``step.pad_to``, speak against it), and why ``auto`` did not become packed (None:
     it did, or was not asked). ``packed`` where it cannot be raises ValueError naming the reason; no
     collective runs here, so every entry point refuses before its first one."""
-    cannot_pack = spec.cannot_pack
+    cannot_pack = spec.why_not_packed()
     if cannot_pack is None and step.pad_to is not None and config.microbatching == "auto":
         cannot_pack = (f"rows of a fixed length ({step.pad_to} tokens, as pipeline parallelism sends them) do "
                        "not bound a packed row's length")
@@ -339,8 +339,8 @@ class PostBalancingDataIterator:
     travel in (the encoders' own; they cast their input to it first); ``compute_device``: where the
     encoders run. Bad settings (a phase in ``config.phases`` the model lacks, a cost profile of another
     model, packed micro-batches for a backbone that cannot take them) raise here, before any collective.
-    ``--orch-microbatching auto`` becomes packed unless ``spec.cannot_pack`` or fixed-length rows
-    (``step.pad_to``) speak against it; DP rank 0 logs the reason once. The iterator reads ``source`` from
+    ``--orch-microbatching auto`` becomes packed where the model takes packed rows (``spec.takes_packed_rows``)
+    unless fixed-length rows (``step.pad_to``) speak against it; else DP rank 0 logs the reason once. The iterator reads ``source`` from
     its reading thread only.
     """
 

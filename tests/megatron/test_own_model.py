@@ -276,3 +276,62 @@ def test_each_phase_is_checked_on_its_first_step_in_training_mode(harness, world
     assert len(got["losses"]) == 1 and re.search(
         r"phase 'image''s encoder gets gradients in the balanced layout of the same batch but none in the "
         r"loader's: .*torch\.no_grad\(\)", str(got["refusal"])), got
+
+
+def test_packing_is_the_models_to_opt_into(harness, world_of_one):
+    """A BatchSpec that says nothing of packing gets equal-count micro-batches under ``auto`` (with the reason),
+    and ``packed`` is refused; one that says takes_packed_rows=True while its forward ignores the rows' bounds
+    is stopped by the checked step, whose message names the packed rows first."""
+    import dataclasses
+
+    import own_model
+    from megatron_orch.megatron import FirstStepMismatchError, OrchestratorConfig, StepShape
+    from megatron_orch.megatron.post_balancing import resolve_microbatching
+
+    silent = dataclasses.replace(own_model.batch_spec(), cannot_pack=None)
+    resolved, why = resolve_microbatching(silent, OrchestratorConfig(), StepShape(2, 2))
+    assert resolved.microbatching == "equal_count" and "takes_packed_rows=False" in why
+    with pytest.raises(ValueError, match=r"--orch-microbatching packed: its BatchSpec leaves takes_packed_rows=False"):
+        resolve_microbatching(silent, OrchestratorConfig(microbatching="packed"), StepShape(2, 2))
+    claims = dataclasses.replace(silent, takes_packed_rows=True)
+    assert resolve_microbatching(claims, OrchestratorConfig(), StepShape(2, 2)) == (
+        OrchestratorConfig(microbatching="packed"), None)
+    with pytest.raises(ValueError, match="contradict"):
+        dataclasses.replace(claims, cannot_pack="no")
+
+    torch.manual_seed(7)
+    module = own_model.build_model()
+    model, optimizer, schedule, data = own_model.setup(module, own_model.microbatches(claims, 0, 1, 1), claims, True)
+    with pytest.raises(FirstStepMismatchError, match=r"differs between the loader's and the balanced layout .*; the "
+                       r"balanced micro-batches are packed rows .*takes_packed_rows False or pass "
+                       r"--orch-microbatching equal_count"):
+        own_model.train_step(schedule, data, model, optimizer)
+
+
+def test_a_forward_that_ignores_embeds_is_refused_by_name(harness, world_of_one):
+    """A forward that encodes batch.items whatever it is given (torch's bare shape error inside the backbone,
+    checked or not), or that fills the placeholders with something else than embeds (no error at all): refused
+    naming the phase whose embeds it did not read."""
+    import own_model
+    from megatron_orch.megatron import OrchestratorConfig
+
+    class IgnoresEmbeds(own_model.TinyLlava):
+        def forward(self, batch, embeds=None):
+            return super().forward(batch, None)
+
+    class ZerosForEmbeds(own_model.TinyLlava):
+        def forward(self, batch, embeds=None):
+            if embeds is not None:
+                rows = int((batch.tokens == own_model.IMAGE_TOKEN).sum())
+                embeds = {"image": torch.zeros(rows, self.config.hidden_size)}
+            return super().forward(batch, embeds)
+
+    spec = own_model.batch_spec()
+    for model_class, verify in ((IgnoresEmbeds, True), (IgnoresEmbeds, False), (ZerosForEmbeds, False)):
+        torch.manual_seed(7)
+        model, optimizer, schedule, data = own_model.setup(
+            own_model.build_model(model_class), own_model.microbatches(spec, 0, 1, 1), spec, True,
+            config=OrchestratorConfig(verify_first_step=verify))
+        with pytest.raises(ValueError, match=rf"{model_class.__name__}\.forward\(batch, embeds\) did not read "
+                                             r"embeds\['image'\] of a micro-batch holding \d+ of its rows"):
+            own_model.train_step(schedule, data, model, optimizer)
