@@ -70,8 +70,9 @@ class ModalityAwareSchedule:
     ``num_microbatches`` is taken from the step (equal on every DP rank by construction).
     The encoders run in the chunks of the step's plan; ``encoder_recompute`` keeps none of them (only the
     encoder inputs stay through the backbone schedule, every chunk is recomputed right before its backward).
-    ``announce`` gets the checked first step's line (default: printed on global rank 0); ``first_step_check``
-    then holds its figures.
+    ``announce`` gets the checked steps' lines (default: printed on global rank 0; ``first_step_check`` then
+    holds the latest one's figures) and, in shadow mode, one line per step with what the plan would do
+    (:func:`shadow_line`; ``shadow_figures`` then holds that step's ``StepPlan.report()``).
     """
 
     def __init__(self, forward_backward_func: Callable, dp_group: ProcessGroup, encoder_recompute: bool = False,
@@ -83,6 +84,7 @@ class ModalityAwareSchedule:
         self.last_step: Optional[BalancedStep] = None
         self.timings: Dict[str, float] = {}
         self.first_step_check: Optional[dict] = None
+        self.shadow_figures: Optional[Dict[str, float]] = None
         self._model_checked = False
         self._encoder_checks = first_step.EncoderChecks()
 
@@ -97,6 +99,8 @@ class ModalityAwareSchedule:
             raise ValueError(f"the schedule was asked for {num_microbatches} micro-batches but the "
                              f"post-balancing step holds {len(step.microbatches)}")
         if isinstance(step, ShadowStep):  # planned, not moved: the micro-batches as loaded, upstream
+            self.shadow_figures = step.plan.report()
+            self.announce(shadow_line(self.shadow_figures))
             return self.forward_backward_func(forward_step_func=forward_step_func,
                                               data_iterator=data_iterators(step.microbatches, model_chunks(model)),
                                               model=model, num_microbatches=num_microbatches,
@@ -301,6 +305,16 @@ def _step_iterator(data_iterator) -> Iterator[BalancedStep]:
 def model_chunks(model) -> List[torch.nn.Module]:
     """The model chunks a megatron-core schedule is given (one module, or one per virtual pipeline stage)."""
     return list(model) if isinstance(model, (list, tuple)) else [model]
+
+
+def shadow_line(figures: Dict[str, float]) -> str:
+    """One shadow step's figures (``StepPlan.report()``) as a line: each phase's modeled cost max/mean over DP as
+    loaded and as planned, the MB the plan would move, the modeled step time it would save."""
+    phases = [name[:-len(" before")] for name in figures if name.endswith(" before")]
+    costs = ", ".join(f"{p} {figures[f'{p} before']:.2f}->{figures[f'{p} after']:.2f}" for p in phases)
+    return (f"> post-balancing shadow (planned, not applied) cost max/mean over DP before->after: {costs} | would "
+            f"move MB intra/inter node: {figures['intra-node MB']:.2f}/{figures['inter-node MB']:.2f} | modeled "
+            f"step time saved: {figures['step saved %']:.1f}%")
 
 
 def data_iterators(microbatches: List, model: List[torch.nn.Module]):

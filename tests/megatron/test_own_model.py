@@ -335,3 +335,34 @@ def test_a_forward_that_ignores_embeds_is_refused_by_name(harness, world_of_one)
         with pytest.raises(ValueError, match=rf"{model_class.__name__}\.forward\(batch, embeds\) did not read "
                                              r"embeds\['image'\] of a micro-batch holding \d+ of its rows"):
             own_model.train_step(schedule, data, model, optimizer)
+
+
+def test_shadow_mode_in_ones_own_loop_reaches_its_log(harness, world_of_one):
+    """post_balance(config=OrchestratorConfig(shadow=True)) in own_model's loop: every step's plan figures
+    reach the loop's ``announce`` as a line and the schedule's ``shadow_figures``, the plan's own report."""
+    import own_model
+    from megatron_orch.megatron import OrchestratorConfig, StepShape, post_balance
+    from megatron_orch.megatron.post_balancing import ShadowStep
+
+    lines, steps = [], []
+    spec = own_model.batch_spec()
+    torch.manual_seed(7)
+    module = own_model.build_model()
+    model, optimizer, _, data = own_model.setup(module, own_model.microbatches(spec, 0, 1, 2), spec, False)
+    schedule, iterator = post_balance(own_model.get_forward_backward_func(), data, spec, StepShape(2, 2),
+                                      model=model, config=OrchestratorConfig(shadow=True), announce=lines.append)
+
+    def recorded():
+        for step in iterator:
+            assert isinstance(step, ShadowStep)
+            steps.append(step)
+            yield step
+
+    data = recorded()
+    for _ in range(2):
+        own_model.train_step(schedule, data, model, optimizer)
+        assert schedule.shadow_figures == steps[-1].plan.report()
+    assert len(lines) == 2 and all(line.startswith("> post-balancing shadow (planned, not applied) cost max/mean "
+                                                   "over DP before->after: image ") for line in lines), lines
+    figures = steps[-1].plan.report()
+    assert f"text {figures['text before']:.2f}->{figures['text after']:.2f}" in lines[-1]
