@@ -137,8 +137,8 @@ def batch_spec() -> BatchSpec:
         encoders=(EncoderPhase("image", TransformerCost(vit), item_tokens=PATCHES, input_bytes=PATCHES * PATCH_DIM * 4,
                                output_rows=PATCHES, output_row_bytes=llm.hidden_size * 4),),
         backbone=BackbonePhase("text", TransformerCost(llm), token_bytes=20))
-    # forward() passes no PackedSeqParams, so a packed row would attend across its examples: say so, and
-    # --orch-microbatching auto gives equal-count micro-batches (unsaid, the checked first step stops the run).
+    # forward() passes no PackedSeqParams, so a packed row would attend across its examples: takes_packed_rows
+    # stays False (the default), --orch-microbatching auto gives equal-count micro-batches and logs the reason.
     return BatchSpec(phases, (EncoderInput("image", (PATCHES, PATCH_DIM), IMAGE_TOKEN),), pad_token_id=PAD_TOKEN,
                      seq_length=SEQ_LENGTH, cannot_pack="TinyLlava.forward passes no PackedSeqParams to its GPTModel")
 

@@ -47,16 +47,23 @@ class EncoderInput:
 class BatchSpec:
     """What every batch of a model provides (the batch half of the contract): the model's ``phases``; for
     each encoder phase, in the same order, its :class:`EncoderInput`; the pad token id of padded rows; the
-    longest example (backbone tokens); ``cannot_pack``: why the model's backbone cannot take packed rows
-    (:func:`collate_packed`), None where it can (``--orch-microbatching auto`` then packs)."""
+    longest example (backbone tokens). Packing is the model's to opt into: ``takes_packed_rows`` says its
+    ``forward`` takes packed rows (:func:`collate_packed`: it passes :meth:`MicroBatch.packed_seq_params` to its
+    attention, so examples sharing a row do not attend to each other); only then does ``--orch-microbatching
+    auto`` pack. ``cannot_pack``: why it does not, where it says so (an adapter whose answer depends on the
+    installed model), for the log and for the refusal of ``--orch-microbatching packed``."""
 
     phases: ModelPhases
     inputs: Tuple[EncoderInput, ...]
     pad_token_id: int
     seq_length: int
+    takes_packed_rows: bool = False
     cannot_pack: Optional[str] = None
 
     def __post_init__(self):
+        if self.takes_packed_rows and self.cannot_pack is not None:
+            raise ValueError(f"BatchSpec: takes_packed_rows=True and cannot_pack={self.cannot_pack!r} contradict "
+                             "each other")
         object.__setattr__(self, "inputs", tuple(self.inputs))
         names = tuple(i.phase for i in self.inputs)
         if names != self.phases.encoder_names:
@@ -67,6 +74,14 @@ class BatchSpec:
             raise ValueError(f"placeholder ids {dict(zip(names, ids))} and pad id {self.pad_token_id} must be distinct")
         if self.seq_length < 1:
             raise ValueError(f"seq_length must be >= 1, got {self.seq_length}")
+
+    def why_not_packed(self) -> Optional[str]:
+        """Why the model's backbone gets no packed rows (None: it takes them)."""
+        if self.takes_packed_rows:
+            return None
+        return self.cannot_pack or ("its BatchSpec leaves takes_packed_rows=False (a forward that takes packed rows "
+                                    "passes batch.packed_seq_params() to its attention, and says so with "
+                                    "BatchSpec(takes_packed_rows=True))")
 
     def input(self, phase: str) -> EncoderInput:
         for encoder_input in self.inputs:

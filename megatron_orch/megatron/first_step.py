@@ -7,23 +7,28 @@ with one line naming the fix, instead of training differently from upstream or f
   (``calculate_per_token_loss``, which makes moving examples between DP ranks loss-invariant).
 * **On the first step with items of an encoder phase** (:class:`EncoderChecks`), on each rank holding some
   (every rank, with parameters sharded over DP: :func:`check_encode`):
-  a few items encoded together give the rows they give one at a time (``encode`` is item by item, e.g.
-  ``[n * rows, hidden]``, not Megatron's ``[s, b, h]`` flattened as it comes), and every parameter the
+  a few items encoded together give the rows they give one at a time, in training mode (``encode`` is item by
+  item, e.g. ``[n * rows, hidden]``, not Megatron's ``[s, b, h]`` flattened as it comes, and no BatchNorm-like
+  statistic over the items of a call), and every parameter the
   encode reaches (its autograd graph) belongs to the phase's module in ``phase_encoders()`` (a rank without
   items of the phase gives that module zero gradients; a parameter outside it reports none, on which Megatron
   DDP's overlapped reduction fails). Every rank of the job agrees on the outcome in one collective, so all
   of them stop together, before the step's moves.
 * **The checked first step** (:func:`checked_step`, ``OrchestratorConfig.verify_first_step``,
-  ``--orch-verify-first-step``): the first step runs twice on the same batch, the loader's (upstream)
-  layout through megatron-core's own schedule, then the balanced one, which the step trains on. They must
-  agree within the dtype's tolerance (:func:`tolerance`), phase by phase: each encoder phase's outputs (the
-  balanced ones moved back to the rank that loaded their example), the loss, the backbone's and then each
-  encoder's gradient norm; the first that differs stops the run, named. This catches what no rule above
-  lists (an adapter whose ``forward(batch, embeds)`` is not its ``forward(batch)``). Its cost: one more
-  forward-backward of the step, and one forward of the encoders without gradients when ``forward(batch)``
-  does not encode through ``encode`` (so its outputs cannot be recorded). With dropout in the model both
-  layouts run with dropout off (masks follow the rank that computes an example, so no two layouts agree
-  with it on), and so does the step trained on. Megatron DDP's overlapped reduction is off for the upstream
+  ``--orch-verify-first-step``): the first step, and then the first step with items of each encoder phase
+  no checked step had (:class:`~megatron_orch.megatron.post_balancing.CheckedSteps`), runs twice on the same
+  batch, the loader's (upstream) layout through megatron-core's own schedule, then the balanced one, which
+  the step trains on. They must agree within the dtype's tolerance (:func:`tolerance`), phase by phase:
+  whether each encoder gets gradients at all (``torch.no_grad()`` in one branch of ``forward``), each encoder
+  phase's outputs (the balanced ones moved back to the rank that loaded their example), the loss, the
+  backbone's and then each encoder's gradient norm; the first that differs stops the run, named. This
+  catches what no rule above lists (an adapter whose ``forward(batch, embeds)`` is not its ``forward(batch)``).
+  Its cost: one more forward-backward of the step, and one forward of the encoders without gradients when
+  ``forward(batch)`` does not encode through ``encode`` (so its outputs cannot be recorded); one such step at
+  most per phase. Both layouts run in training mode (BatchNorm and the like as they train), with dropout off
+  when the model has some (masks follow the rank that computes an example, so no two layouts agree with it
+  on; rates set to 0, modes left alone), and so does the step trained on; the upstream run leaves the
+  buffers (running statistics) as it found them. Megatron DDP's overlapped reduction is off for the upstream
   run (its gradients are reduced when the schedule ends), so that DDP calibrates it on the balanced one.
 """
 from __future__ import annotations
@@ -91,17 +96,42 @@ def _relative(got: torch.Tensor, want: torch.Tensor) -> float:
     return float((got - want).abs().max() / want.abs().max().clamp_min(1e-30))
 
 
+_DROPOUT_RATES = ("hidden_dropout", "attention_dropout")  # rates a module reads when it runs (Megatron's layers)
+
+
 @contextlib.contextmanager
 def _dropout_off(modules: Sequence[torch.nn.Module]) -> Iterator[None]:
-    """Every module in eval mode (dropout off) for the duration, then as it was."""
-    modes = [(m, m.training) for root in modules for m in root.modules()]
-    for m, _ in modes:
-        m.training = False
+    """Dropout off for the duration, every module left in its mode (training: BatchNorm and the like keep
+    their statistics over the call): torch's dropout modules at rate 0 and the float rates a module reads
+    when it runs (``hidden_dropout``, ``attention_dropout``) at 0; then as they were."""
+    changed = []
+    for m in {id(m): m for root in modules for m in root.modules()}.values():
+        if isinstance(m, torch.nn.modules.dropout._DropoutNd) and m.p > 0:
+            changed.append((m, "p", m.p))
+        changed += [(m, name, getattr(m, name)) for name in _DROPOUT_RATES
+                    if isinstance(getattr(m, name, None), float) and getattr(m, name) > 0]
+    for m, name, _ in changed:
+        setattr(m, name, 0.0)
     try:
         yield
     finally:
-        for m, mode in modes:
-            m.training = mode
+        for m, name, rate in changed:
+            setattr(m, name, rate)
+
+
+@contextlib.contextmanager
+def _buffers_unchanged(modules: Sequence[torch.nn.Module]) -> Iterator[None]:
+    """The modules' buffers (BatchNorm's running statistics) as they were before the block, after it: a run
+    made for a check must leave the run trained on what it would be without it."""
+    # torch's method, not Megatron DDP's attribute of the same name (its gradient buffers)
+    buffers = {id(b): b for root in modules for b in torch.nn.Module.buffers(root)}.values()
+    saved = [(b, b.detach().clone()) for b in buffers]
+    try:
+        yield
+    finally:
+        with torch.no_grad():
+            for buffer, value in saved:
+                buffer.copy_(value)
 
 
 @contextlib.contextmanager
@@ -118,7 +148,8 @@ def _rng_unchanged() -> Iterator[None]:
 
 
 def _has_dropout(modules: Sequence[torch.nn.Module]) -> bool:
-    return any((isinstance(m, torch.nn.Dropout) and m.p > 0) or getattr(m, "hidden_dropout", 0) > 0
+    return any((isinstance(m, torch.nn.modules.dropout._DropoutNd) and m.p > 0)
+               or any(isinstance(getattr(m, name, None), float) and getattr(m, name) > 0 for name in _DROPOUT_RATES)
                for root in modules for m in root.modules())
 
 
@@ -139,11 +170,19 @@ def _parameters_reached(rows: torch.Tensor) -> set:
     return found
 
 
+def _shifted(items: torch.Tensor) -> torch.Tensor:
+    """Each item's values shifted by one place (in its flattened order): another item of the same values."""
+    return items.reshape(items.shape[0], -1).roll(1, dims=1).view_as(items)
+
+
 def check_encode(module: BalanceableModel, phase: str, items: torch.Tensor, rows_per_item: int,
                  sharded_encode: Optional[Callable[[torch.Tensor], torch.Tensor]] = None) -> None:
     """Raise ValueError (naming the fix) unless ``encode(phase, ·)`` is item by item on a few of ``items`` and
-    uses parameters of ``phase_encoders()[phase]`` only (module docstring). One item is checked as two copies
-    of it: rows of ``[s, b, h]`` flattened interleave the items, so even two equal items give other rows.
+    uses parameters of ``phase_encoders()[phase]`` only (module docstring). The encoder runs as it trains (its
+    modules' mode kept, dropout off, buffers such as BatchNorm's running statistics restored after), so a
+    statistic over the items of one call shows. One item is checked with a second made of its values shifted
+    by one place: two different items expose both that statistic and rows of ``[s, b, h]`` flattened (which
+    interleave the items).
 
     ``sharded_encode``: the phase's encode through a sharded wrapper (parameters sharded over DP are gathered by
     collectives, so every rank runs this check, with the same calls): three items, zero items past the rank's
@@ -152,12 +191,13 @@ def check_encode(module: BalanceableModel, phase: str, items: torch.Tensor, rows
     if phase not in module.phase_encoders():
         raise ValueError(f"post-balancing: phase_encoders() has no module of encoder phase {phase!r} (it has "
                          f"{sorted(module.phase_encoders())}); return it on the pipeline stage that encodes")
-    sample = items[:3] if items.shape[0] > 1 else torch.cat([items, items])
+    sample = items[:3] if items.shape[0] > 1 else torch.cat([items, _shifted(items)])
     encode = functools.partial(module.encode, phase) if sharded_encode is None else sharded_encode
     if sharded_encode is not None:
         sample = torch.cat([sample, sample.new_zeros(3 - sample.shape[0], *sample.shape[1:])])
     n = sample.shape[0]
-    with _dropout_off([module]), _rng_unchanged(), torch.set_grad_enabled(sharded_encode is None):
+    with _dropout_off([module]), _buffers_unchanged([module]), _rng_unchanged(), \
+            torch.set_grad_enabled(sharded_encode is None):
         together = encode(sample)
         with torch.no_grad():
             apart = torch.cat([encode(sample[i:i + 1]) for i in range(n)])
@@ -168,9 +208,10 @@ def check_encode(module: BalanceableModel, phase: str, items: torch.Tensor, rows
     difference = _relative(together.detach(), apart)
     if difference > 10 * tolerance(together.dtype, together.device):
         raise ValueError(f"{where} is not item by item: {n} items encoded together give other rows than one at a "
-                         f"time (largest relative difference {difference:.1e}); return each item's "
-                         f"{rows_per_item} rows after the other, [n * {rows_per_item}, hidden] (an encoder output in "
-                         "Megatron's [s, b, h] layout must become [b, s, h] before it is flattened)")
+                         f"time, in training mode (largest relative difference {difference:.1e}); return each "
+                         f"item's {rows_per_item} rows after the other, [n * {rows_per_item}, hidden] (an encoder "
+                         "output in Megatron's [s, b, h] layout must become [b, s, h] before it is flattened), and "
+                         "use no statistic over the items of a call (BatchNorm: a per-item norm such as LayerNorm)")
     if sharded_encode is not None:
         return
     reached = _parameters_reached(together)
@@ -184,6 +225,47 @@ def check_encode(module: BalanceableModel, phase: str, items: torch.Tensor, rows
                          "gives that module zero gradients, and a parameter outside it none")
 
 
+class WatchedEmbeds(Mapping):
+    """A balanced micro-batch's ``embeds`` that records which phases ``forward`` read (on the first step with
+    items of each phase, :func:`check_embeds_read`)."""
+
+    def __init__(self, embeds: Mapping[str, torch.Tensor]):
+        self._embeds, self.read = dict(embeds), set()
+
+    def __getitem__(self, phase: str) -> torch.Tensor:
+        self.read.add(phase)
+        return self._embeds[phase]
+
+    def __contains__(self, phase) -> bool:  # asking is not reading
+        return phase in self._embeds
+
+    def __iter__(self):
+        return iter(self._embeds)
+
+    def __len__(self) -> int:
+        return len(self._embeds)
+
+
+def check_embeds_read(module: BalanceableModel, microbatches: Sequence, phases: Sequence[str],
+                      error: Optional[BaseException] = None) -> None:
+    """Raise ValueError naming the phase when ``forward(batch, embeds)`` left ``embeds[phase]`` of a micro-batch
+    holding rows of it unread (``microbatches``' embeds: :class:`WatchedEmbeds`); ``error``: what the backbone
+    schedule raised, chained (a forward that encodes ``batch.items`` instead fails on their absence)."""
+    for microbatch in microbatches:
+        embeds = microbatch.embeds
+        unread = [p for p in phases if p in embeds and p not in embeds.read and embeds._embeds[p].shape[0]]
+        # with an error: only where forward read no embeds at all (one that did failed for another reason)
+        if unread and (error is None or not any(mb.embeds.read for mb in microbatches)):
+            phase = unread[0]
+            raise ValueError(
+                f"post-balancing: {type(module).__name__}.forward(batch, embeds) did not read embeds[{phase!r}] of a "
+                f"micro-batch holding {embeds._embeds[phase].shape[0]} of its rows"
+                + (f" (it raised {type(error).__name__}: {error})" if error is not None else "")
+                + f": balanced micro-batches carry text only (batch.items[{phase!r}] is empty) and the phase's encoder "
+                f"outputs in embeds[{phase!r}]; insert them at the placeholders when embeds is given (encode "
+                "batch.items only when embeds is None)") from error
+
+
 class EncoderChecks:
     """:func:`check_encode` once per encoder phase, on the first step whose global batch holds items of it
     (the plan says which, the same on every rank), agreed by every rank of the job."""
@@ -192,15 +274,16 @@ class EncoderChecks:
         self.pending: Optional[set] = None  # phases not checked yet (None: no step seen)
 
     def run(self, module: BalanceableModel, step: BalancedStep,
-            sharded_encode: Optional[Callable[[str], Callable[[torch.Tensor], torch.Tensor]]] = None) -> None:
+            sharded_encode: Optional[Callable[[str], Callable[[torch.Tensor], torch.Tensor]]] = None) -> List[str]:
         """``sharded_encode(phase)``: the phase's encode through a sharded wrapper, for every rank
-        (:func:`check_encode`)."""
+        (:func:`check_encode`). Returns the phases checked now (the step's forward is then watched:
+        :func:`check_embeds_read`)."""
         encoders = step.plan.encoders
         if self.pending is None:
             self.pending = set(encoders)
         due = [phase for phase in encoders if phase in self.pending and encoders[phase].example.size]
         if not due:
-            return
+            return due
         self.pending -= set(due)
         problem = None
         try:
@@ -213,6 +296,7 @@ class EncoderChecks:
         except Exception as err:  # noqa: BLE001 -- every rank must stop, not only those with items
             problem = err
         raise_if_any_rank_failed(problem, what="post-balancing's check of the encoders")
+        return due
 
 
 # -- the checked first step ---------------------------------------------------------------------------
@@ -368,7 +452,7 @@ def checked_step(run_home: Callable[[], list], run_balanced: Callable[[dict], li
     dropout = _has_dropout(chunks)
     grads_reduced = config.finalize_model_grads_func is not None
     with _dropout_off(chunks) if dropout else contextlib.nullcontext():
-        with _reduced_at_the_end(chunks, config):
+        with _reduced_at_the_end(chunks, config), _buffers_unchanged(chunks):
             with _recording_encode(module, phases) as recorded, _rng_unchanged():
                 home_losses = run_home()
             home_grads = _gradient_norms(chunks, module, phases)
@@ -385,31 +469,49 @@ def checked_step(run_home: Callable[[], list], run_balanced: Callable[[dict], li
     grads = np.abs(np.sqrt(balanced_grads) - np.sqrt(home_grads)) / np.maximum(np.sqrt(home_grads), 1e-30)
     if not grads_reduced:  # gradients stay where computed: no layout-independent figure to compare
         grads[:] = 0.0
-    figures = np.concatenate([outputs, [_loss_difference(home_losses, losses, dp_group)], grads[-1:], grads[:-1]])
+    # whether each encoder got any gradient in each layout: the job's maximum says whether any rank's did
+    trained = np.concatenate([home_grads[:-1] > 0, balanced_grads[:-1] > 0]).astype(np.float64)
+    figures = np.concatenate([outputs, [_loss_difference(home_losses, losses, dp_group)], grads[-1:], grads[:-1],
+                              trained])
     figures = torch.tensor(np.nan_to_num(figures, nan=math.inf), dtype=torch.float64)
     figures = to_communication_device(figures, None)
     dist.all_reduce(figures, op=dist.ReduceOp.MAX)  # every rank of the job, the same verdict
     figures = figures.cpu().numpy()
+    figures, trained = figures[:-2 * len(phases)], figures[-2 * len(phases):].reshape(2, len(phases)) > 0
+    for phase, upstream, balanced in zip(phases, *trained):
+        if upstream != balanced:
+            raise FirstStepMismatchError(_gradient_in_one_layout(phase, upstream))
     device = next(module.parameters()).device
     limit = tolerance(config.params_dtype, device)
     names = ([(phase, "its encoder outputs") for phase in phases] + [(backbone, "the loss"),
              (backbone, "its gradient norm")] + [(phase, "its gradient norm") for phase in phases])
+    packed = any(mb.batch.is_packed for mb in step.microbatches) and not any(mb.is_packed for mb in step.home)
     for (phase, what), value in zip(names, figures):
         if value > limit:
-            raise FirstStepMismatchError(_mismatch(phase, what, value, limit, phase == backbone))
+            raise FirstStepMismatchError(_mismatch(phase, what, value, limit, phase == backbone, packed))
     result = {"encoder outputs": dict(zip(phases, figures[:len(phases)].tolist())), "loss": float(figures[len(phases)]),
               "gradient norms": float(figures[len(phases) + 1:].max(initial=0.0)), "tolerance": limit}
     notes = ("; dropout off for the check" if dropout else "") + (
         "" if grads_reduced else "; gradients not compared: the model config reduces none (finalize_model_grads_func "
         "is None)")
-    announce(f"> post-balancing: first step checked ({FLAG}): the loader's and the balanced layout agree (largest "
+    present = [phase for phase in phases if step.plan.encoders[phase].example.size]
+    announce(f"> post-balancing: step checked ({FLAG}, phases {', '.join([backbone, *present])}, training mode): "
+             f"the loader's and the balanced layout agree (largest "
              f"relative differences: loss {result['loss']:.1e}, gradient norms {result['gradient norms']:.1e}, "
              f"encoder outputs {max(result['encoder outputs'].values(), default=0.0):.1e}; tolerance {limit:.0e}"
              f"{notes}); training on the balanced layout")
     return losses, result
 
 
-def _mismatch(phase: str, what: str, value: float, limit: float, backbone: bool) -> str:
+def _gradient_in_one_layout(phase: str, upstream: bool) -> str:
+    has, lacks = ("the loader's", "the balanced") if upstream else ("the balanced", "the loader's")
+    return (f"post-balancing's checked first step ({FLAG}): phase {phase!r}'s encoder gets gradients in {has} "
+            f"layout of the same batch but none in {lacks}: forward(batch) (the loader's layout) and "
+            f"encode({phase!r}, items) (the balanced one) must agree on whether the encoder trains (no "
+            "torch.no_grad() or detach() in one of them; freeze an encoder with requires_grad_(False))")
+
+
+def _mismatch(phase: str, what: str, value: float, limit: float, backbone: bool, packed: bool) -> str:
     if what == "its encoder outputs":
         fix = (f"encode({phase!r}, items) must give each item the rows it gives alone, whichever items share the "
                "call (no statistics over the items in a call, no randomness but dropout)")
@@ -420,6 +522,11 @@ def _mismatch(phase: str, what: str, value: float, limit: float, backbone: bool)
     else:
         fix = (f"its outputs agree, so the gradient forward(batch, embeds) gives embeds[{phase!r}] must be the one "
                "forward(batch) gives the encoder's outputs")
+    if packed:  # the likeliest cause, named first
+        fix = ("the balanced micro-batches are packed rows (several examples back to back; the loader's are not): "
+               "forward must keep attention within each example of a row (pass batch.packed_seq_params() to its "
+               "attention), else leave BatchSpec.takes_packed_rows False or pass --orch-microbatching "
+               f"equal_count; otherwise {fix}")
     return (f"post-balancing's checked first step ({FLAG}): phase {phase!r} differs between the loader's and the "
             f"balanced layout of the same batch: {what} (largest relative difference {value:.1e} > {limit:.0e}); "
             f"{fix}")

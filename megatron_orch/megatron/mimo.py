@@ -174,7 +174,7 @@ class MimoBalancing(MegatronModule):
         inputs = tuple(EncoderInput(m.name, m.item_shape, self.mimo.special_token_ids[m.name])
                        for m in self.modalities)
         spec = BatchSpec(self.phases, inputs, pad_token_id=pad_token_id, seq_length=seq_length,
-                         cannot_pack=self.cannot_pack)
+                         takes_packed_rows=self.cannot_pack is None, cannot_pack=self.cannot_pack)
         self.pad_token_id = pad_token_id
         return spec
 

@@ -296,13 +296,35 @@ class _Planned:
     sample_ids: np.ndarray
 
 
+class CheckedSteps:
+    """Which steps the checked first step (:func:`~megatron_orch.megatron.first_step.checked_step`) runs on:
+    the first step, and after it the first step whose global batch holds items of an encoder phase that no
+    checked step held (an encoder whose mistake shows only with its own items is checked when they first
+    come). So it costs one extra step at most per phase. The global item counts decide, the same on every
+    rank of the job."""
+
+    def __init__(self, encoder_phases: Sequence[str]):
+        self.first = True
+        self.unchecked = set(encoder_phases)
+
+    def due(self, items: Mapping[str, np.ndarray]) -> bool:
+        """Whether the step with ``items`` (per encoder phase, the count of every example of the global batch)
+        is checked; records its phases as checked if so."""
+        present = {phase for phase in self.unchecked if int(np.sum(items[phase])) > 0}
+        if not (self.first or present):
+            return False
+        self.first = False
+        self.unchecked -= present
+        return True
+
+
 def resolve_microbatching(spec: BatchSpec, config: OrchestratorConfig,
                           step: StepShape) -> Tuple[OrchestratorConfig, Optional[str]]:
-    """``config`` with ``--orch-microbatching auto`` decided for the model (packed unless ``spec.cannot_pack``
-    or fixed-length rows, ``step.pad_to``, speak against it), and why ``auto`` did not become packed (None:
+    """``config`` with ``--orch-microbatching auto`` decided for the model (packed where ``spec.takes_packed_rows``
+    unless fixed-length rows, ``step.pad_to``, speak against it), and why ``auto`` did not become packed (None:
     it did, or was not asked). ``packed`` where it cannot be raises ValueError naming the reason; no
     collective runs here, so every entry point refuses before its first one."""
-    cannot_pack = spec.cannot_pack
+    cannot_pack = spec.why_not_packed()
     if cannot_pack is None and step.pad_to is not None and config.microbatching == "auto":
         cannot_pack = (f"rows of a fixed length ({step.pad_to} tokens, as pipeline parallelism sends them) do "
                        "not bound a packed row's length")
@@ -317,8 +339,8 @@ class PostBalancingDataIterator:
     travel in (the encoders' own; they cast their input to it first); ``compute_device``: where the
     encoders run. Bad settings (a phase in ``config.phases`` the model lacks, a cost profile of another
     model, packed micro-batches for a backbone that cannot take them) raise here, before any collective.
-    ``--orch-microbatching auto`` becomes packed unless ``spec.cannot_pack`` or fixed-length rows
-    (``step.pad_to``) speak against it; DP rank 0 logs the reason once. The iterator reads ``source`` from
+    ``--orch-microbatching auto`` becomes packed where the model takes packed rows (``spec.takes_packed_rows``)
+    unless fixed-length rows (``step.pad_to``) speak against it; else DP rank 0 logs the reason once. The iterator reads ``source`` from
     its reading thread only.
     """
 
@@ -344,7 +366,8 @@ class PostBalancingDataIterator:
         self.reader = BackgroundPlanner(enabled=config.background)  # reads and stages the step after next
         self._planned: Optional[_Planned] = None  # the step being planned
         self._exhausted = False  # no rank has a step left after the one being planned
-        self._keep_home = config.verify_first_step and not config.shadow  # the first step's, for the check
+        self._checked = (CheckedSteps(spec.phases.encoder_names) if config.verify_first_step and not config.shadow
+                         else None)
 
     @property
     def topology(self) -> Topology:
@@ -472,7 +495,7 @@ class PostBalancingDataIterator:
         inputs = {phase: move.wait()[0].to(self.compute_device, non_blocking=True) for phase, move in pending.items()}
         microbatches = _Collated(plan.num_microbatches,
                                  lambda: self._microbatches(plan, ids.result(), mask.result(), step))
-        home, self._keep_home = (step.read.batches if self._keep_home else None), False
+        home = step.read.batches if self._checked is not None and self._checked.due(step.sizes.items) else None
         return BalancedStep(microbatches=microbatches, inputs=inputs, plan=plan, rank=self.rank,
                             num_tokens=step.sizes.num_tokens, rows_per_item=dict(self.rows_per_item),
                             comm_group=self.comm_group, moves=moves, timings=timings, home=home)

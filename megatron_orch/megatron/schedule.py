@@ -40,7 +40,7 @@ import contextlib
 import dataclasses
 import functools
 import time
-from typing import Callable, Dict, Iterator, List, Optional
+from typing import Callable, Dict, Iterator, List, Optional, Sequence
 
 import numpy as np
 import torch
@@ -50,6 +50,7 @@ from torch.distributed import ProcessGroup
 
 from megatron_orch.comm.alltoall import ItemLayout
 from megatron_orch.comm.device import to_communication_device
+from megatron_orch.comm.status import raise_if_any_rank_failed
 from megatron_orch.megatron import first_step
 from megatron_orch.megatron.contract import BalanceableModel, check_model
 from megatron_orch.megatron.encoder_chunks import ChunkBounds, backward_chunk, chunk_bounds, encode_in_chunks
@@ -69,8 +70,9 @@ class ModalityAwareSchedule:
     ``num_microbatches`` is taken from the step (equal on every DP rank by construction).
     The encoders run in the chunks of the step's plan; ``encoder_recompute`` keeps none of them (only the
     encoder inputs stay through the backbone schedule, every chunk is recomputed right before its backward).
-    ``announce`` gets the checked first step's line (default: printed on global rank 0); ``first_step_check``
-    then holds its figures.
+    ``announce`` gets the checked steps' lines (default: printed on global rank 0; ``first_step_check`` then
+    holds the latest one's figures) and, in shadow mode, one line per step with what the plan would do
+    (:func:`shadow_line`; ``shadow_figures`` then holds that step's ``StepPlan.report()``).
     """
 
     def __init__(self, forward_backward_func: Callable, dp_group: ProcessGroup, encoder_recompute: bool = False,
@@ -82,6 +84,7 @@ class ModalityAwareSchedule:
         self.last_step: Optional[BalancedStep] = None
         self.timings: Dict[str, float] = {}
         self.first_step_check: Optional[dict] = None
+        self.shadow_figures: Optional[Dict[str, float]] = None
         self._model_checked = False
         self._encoder_checks = first_step.EncoderChecks()
 
@@ -96,6 +99,8 @@ class ModalityAwareSchedule:
             raise ValueError(f"the schedule was asked for {num_microbatches} micro-batches but the "
                              f"post-balancing step holds {len(step.microbatches)}")
         if isinstance(step, ShadowStep):  # planned, not moved: the micro-batches as loaded, upstream
+            self.shadow_figures = step.plan.report()
+            self.announce(shadow_line(self.shadow_figures))
             return self.forward_backward_func(forward_step_func=forward_step_func,
                                               data_iterator=data_iterators(step.microbatches, model_chunks(model)),
                                               model=model, num_microbatches=num_microbatches,
@@ -103,11 +108,12 @@ class ModalityAwareSchedule:
         module = check_model(model)
         model_chunk = model_chunks(model)[0]  # the encoders' chunk
         if sharding_of(model_chunk) is None:
-            self._encoder_checks.run(module, step)
+            checked = self._encoder_checks.run(module, step)
         else:  # every rank, through the wrapper
-            self._encoder_checks.run(module, step, lambda phase: sharded_encode(
+            checked = self._encoder_checks.run(module, step, lambda phase: sharded_encode(
                 model_chunk, functools.partial(module.encode, phase)))
-        run = functools.partial(self._run, step, module, forward_step_func, model, forward_only, kwargs)
+        run = functools.partial(self._run, step, module, forward_step_func, model, forward_only, kwargs,
+                                watched=checked)
         if step.home is not None and not forward_only:
             chunks = model_chunks(model)
             home = functools.partial(self.forward_backward_func, forward_step_func=forward_step_func,
@@ -119,9 +125,11 @@ class ModalityAwareSchedule:
         return run()
 
     def _run(self, step: BalancedStep, module: BalanceableModel, forward_step_func, model, forward_only: bool,
-             kwargs: dict, captured: Optional[dict] = None):
+             kwargs: dict, captured: Optional[dict] = None, watched: Sequence[str] = ()):
         """The balanced step: encoders, their outputs to the backbone ranks, Megatron's schedule, the encoders'
-        backward; ``captured`` (the checked first step) gets each phase's received outputs."""
+        backward; ``captured`` (the checked first step) gets each phase's received outputs; ``watched``: the
+        phases whose embeds ``forward`` must read (:func:`~megatron_orch.megatron.first_step.check_embeds_read`,
+        on the first step with items of each; every rank agrees on the outcome)."""
         model_chunk = model_chunks(model)[0]  # the encoders' chunk
         sharded = sharding_of(model_chunk) is not None
         self.timings = {}
@@ -151,6 +159,9 @@ class ModalityAwareSchedule:
                     captured[phase] = leaf.detach()
                 pending.append((phase, encode, inputs, chunks, leaf))
             microbatches = _attach(step, embeds)
+            if watched:
+                microbatches = [dataclasses.replace(mb, embeds=first_step.WatchedEmbeds(mb.embeds))
+                                for mb in microbatches]
             self.timings["encoders_forward"] = time.perf_counter() - start
 
         chunks = model_chunks(model)
@@ -181,13 +192,26 @@ class ModalityAwareSchedule:
                     setattr(config, name, [after_encoders_backward(callback[0], synced), *callback[1:]])
                 elif callback is not None:
                     setattr(config, name, after_encoders_backward(callback))
+        watching = bool(watched) and bool(encoders)
         try:
             result = self.forward_backward_func(
                 forward_step_func=forward_step_func, data_iterator=data_iterators(microbatches, chunks), model=model,
                 num_microbatches=len(microbatches), forward_only=forward_only, **kwargs)
+        except Exception as err:
+            if watching:  # a forward that encodes batch.items fails on their absence: say so
+                first_step.check_embeds_read(module, microbatches, watched, err)
+            raise
         finally:
             for name, callback in callbacks.items():
                 setattr(config, name, callback)
+        if watched:  # every rank, so that all stop together
+            problem = None
+            try:
+                if watching:
+                    first_step.check_embeds_read(module, microbatches, watched)
+            except ValueError as err:
+                problem = err
+            raise_if_any_rank_failed(problem, what="post-balancing's check of forward(batch, embeds)")
         if not forward_only:
             encoders_backward_once()  # no callback set (or none called): after the backbone schedule
         return result
@@ -281,6 +305,16 @@ def _step_iterator(data_iterator) -> Iterator[BalancedStep]:
 def model_chunks(model) -> List[torch.nn.Module]:
     """The model chunks a megatron-core schedule is given (one module, or one per virtual pipeline stage)."""
     return list(model) if isinstance(model, (list, tuple)) else [model]
+
+
+def shadow_line(figures: Dict[str, float]) -> str:
+    """One shadow step's figures (``StepPlan.report()``) as a line: each phase's modeled cost max/mean over DP as
+    loaded and as planned, the MB the plan would move, the modeled step time it would save."""
+    phases = [name[:-len(" before")] for name in figures if name.endswith(" before")]
+    costs = ", ".join(f"{p} {figures[f'{p} before']:.2f}->{figures[f'{p} after']:.2f}" for p in phases)
+    return (f"> post-balancing shadow (planned, not applied) cost max/mean over DP before->after: {costs} | would "
+            f"move MB intra/inter node: {figures['intra-node MB']:.2f}/{figures['inter-node MB']:.2f} | modeled "
+            f"step time saved: {figures['step saved %']:.1f}%")
 
 
 def data_iterators(microbatches: List, model: List[torch.nn.Module]):

@@ -83,7 +83,8 @@ def batch_spec(model_config: MLLMConfig, seq_length: Optional[int] = None) -> Ba
         raise ValueError(f"seq_length={seq_length} exceeds max_position_embeddings="
                          f"{backbone.max_position_embeddings} of model config {model_config.name!r}")
     inputs = tuple(EncoderInput(name, e.item_shape, e.placeholder_id) for name, e in model_config.encoders.items())
-    return BatchSpec(model_config.phases(), inputs, pad_token_id=PAD_TOKEN_ID, seq_length=seq_length)
+    return BatchSpec(model_config.phases(), inputs, pad_token_id=PAD_TOKEN_ID, seq_length=seq_length,
+                     takes_packed_rows=True)
 
 
 def example_layout(model_config: MLLMConfig, seq_length: Optional[int] = None) -> ExampleLayout:

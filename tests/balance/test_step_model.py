@@ -101,3 +101,14 @@ def test_a_realistic_locality_plan_is_kept_and_moves_few_bytes_across_nodes():
     share = {name: sum(m.inter_node for m in plan.traffic.values()) / sum(m.total for m in plan.traffic.values())
              for name, plan in (("near", near), ("plain", plain))}
     assert share["near"] < 0.25 < share["plain"], share
+
+
+@pytest.mark.parametrize("dp,replicas_per_node,crosses", [(8, 8, False), (4, 8, False), (9, 8, True), (16, 8, True)])
+def test_the_gradient_ring_crosses_nodes_only_when_the_dp_group_outgrows_one(dp, replicas_per_node, crosses):
+    """A DP group that exactly fills a node reduces over NVLink; one more replica sends it through the NIC."""
+    link = LinkModel(nvlink_gbytes_per_s=100.0, nic_gbits_per_s=80.0, nvlink_latency_us=0.0, nic_latency_us=0.0)
+    model = StepModel(link=link, grad_bytes=10 * GB, encoder_grad_bytes=1 * GB, bucket_bytes=1 * GB)
+    ring = 2 * (dp - 1) / dp * 2 * GB  # the encoders' gradients and the last bucket, behind nothing
+    expected = ring / (10 * GB) if crosses else ring / (100 * GB)
+    assert model.step([], 1.0, 1, {}, dp=dp, replicas_per_node=replicas_per_node)["grad_reduce"] == \
+        pytest.approx(expected)

@@ -110,3 +110,20 @@ def test_rng_states_of_a_cuda_chunk_replay_its_devices_generator(world_of_one, m
     states.restore()
     assert torch.equal(torch.rand(4, generator=generators[1]), first_draw)  # replayed
     assert not torch.equal(torch.rand(4, generator=generators[0]), other_device)  # not touched
+
+
+def test_sharded_ranks_run_the_same_chunks_and_keep_one_only_where_every_rank_with_it_does():
+    """aligned_chunks (every rank runs the same chunks under sharded parameters): a chunk is kept only if every
+    rank holding real items in it keeps them (a rank recomputing it frees its activations; one keeping it
+    would hold what the plan's memory cap did not allow), and a rank past its items pads with one-item chunks."""
+    from megatron_orch.megatron.sharding import aligned_chunks
+
+    counts, kept = [4, 6, 2], [4, 2, 2]  # chunks of 2: rank 0 keeps both, rank 1 its first, rank 2 its only one
+    bounds = [aligned_chunks(counts, 2, kept, rank) for rank in range(3)]
+    assert [len(b) for b in bounds] == [3, 3, 3]
+    assert [[c.keep for c in b] for b in bounds] == [[True, False, False]] * 3
+    assert [(c.start, c.stop) for c in bounds[0]] == [(0, 2), (2, 4), (4, 5)]   # a padding item past its 4
+    assert [(c.start, c.stop) for c in bounds[1]] == [(0, 2), (2, 4), (4, 6)]
+    assert [(c.start, c.stop) for c in bounds[2]] == [(0, 2), (2, 3), (3, 4)]
+    every = [aligned_chunks([4, 4], 2, [4, 4], rank) for rank in range(2)]
+    assert [[c.keep for c in b] for b in every] == [[True, True]] * 2

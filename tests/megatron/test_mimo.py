@@ -248,8 +248,8 @@ def test_packed_rows_where_the_installed_mimo_takes_them(harness, world_of_one):
     spec = model.batch_spec(SEQ_LENGTH, PAD_TOKEN_ID)
     packed = collate_packed([scripted_example(0, 0, j, spec, j) for j in range(2)], spec)
     if _mimo_takes_packing_kwargs():
-        assert spec.cannot_pack is None
-        assert OrchestratorConfig().resolve_microbatching(spec.cannot_pack).microbatching == "packed"
+        assert spec.takes_packed_rows and spec.why_not_packed() is None
+        assert OrchestratorConfig().resolve_microbatching(spec.why_not_packed()).microbatching == "packed"
         mimo = build_mimo()
         attention = next(m for m in mimo.language_model.modules() if hasattr(m, "core_attention"))
         attention.core_attention = DotProductAttention.__new__(DotProductAttention)  # its class is what counts
@@ -259,13 +259,13 @@ def test_packed_rows_where_the_installed_mimo_takes_them(harness, world_of_one):
         mimo.config.context_parallel_size = 2
         assert adapter.cannot_pack(mimo) == adapter.CANNOT_PACK_CP
         return
-    assert spec.cannot_pack == adapter.CANNOT_PACK
+    assert not spec.takes_packed_rows and spec.why_not_packed() == spec.cannot_pack == adapter.CANNOT_PACK
     with pytest.raises(NotImplementedError, match="MimoBalancing does not hand packed rows to this MimoModel"):
         model(packed)
     # --orch-microbatching auto gives it equal-count micro-batches; packed ones are refused, saying why
-    assert OrchestratorConfig().resolve_microbatching(spec.cannot_pack).microbatching == "equal_count"
+    assert OrchestratorConfig().resolve_microbatching(spec.why_not_packed()).microbatching == "equal_count"
     with pytest.raises(ValueError, match="packed: MimoBalancing does not hand packed rows to this MimoModel"):
-        OrchestratorConfig(microbatching="packed").resolve_microbatching(spec.cannot_pack)
+        OrchestratorConfig(microbatching="packed").resolve_microbatching(spec.why_not_packed())
 
 
 def _example(spec, sample_index: int, images: int, windows: int, seed: int, answer: int = 12):

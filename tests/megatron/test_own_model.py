@@ -189,3 +189,180 @@ def test_the_own_model_page_quotes_the_examples(path, region):
 def test_every_excerpt_of_the_own_model_page_names_a_region():
     readme = OWN_MODEL_DOC.read_text()
     assert set(re.findall(r"<!-- excerpt: (\S+) (\S+) -->", readme)) == set(_regions())
+
+
+def _images_from_step_2():
+    """Two steps of a world of one (two micro-batches of two examples each): the first without images, the
+    second with at least one in each micro-batch."""
+    import own_model
+    spec = own_model.batch_spec()
+    examples = [own_model.example(i) for i in range(100)]
+    steps = ([e for e in examples if e.num_items("image") == 0][:4], [e for e in examples if e.num_items("image")][:4])
+    for chosen in steps:
+        for m in range(2):
+            yield own_model.collate(chosen[2 * m:2 * m + 2], spec)
+
+
+def _train_two_steps(model_class, verify: bool):
+    """own_model's loop on :func:`_images_from_step_2`, balanced; the losses, the parameters after, the
+    steps completed (two unless refused) and the refusal."""
+    import own_model
+    from megatron_orch.megatron import OrchestratorConfig
+
+    torch.manual_seed(7)
+    module = own_model.build_model(model_class)
+    model, optimizer, schedule, data = own_model.setup(module, _images_from_step_2(), own_model.batch_spec(), True,
+                                                       config=OrchestratorConfig(verify_first_step=verify))
+    losses, refusal = [], None
+    try:
+        for _ in range(2):
+            losses.append(own_model.train_step(schedule, data, model, optimizer))
+    except (ValueError, RuntimeError) as err:
+        refusal = err
+    return {"losses": losses, "refusal": refusal,
+            "params": {n: p.detach().clone() for n, p in module.named_parameters()}}
+
+
+def _tiny_llava_variants():
+    """TinyLlava with BatchNorm over its image rows (a statistic across the items of one call), with it and
+    dropout, and with the upstream branch of forward encoding under torch.no_grad()."""
+    import own_model
+
+    class BatchNormed(own_model.TinyLlava):
+        def __init__(self, *configs):
+            super().__init__(*configs)
+            self.image_encoder.norm = torch.nn.BatchNorm1d(self.config.hidden_size)
+
+        def encode(self, phase, items):
+            rows = super().encode(phase, items)
+            return self.image_encoder.norm(rows) if rows.shape[0] else rows
+
+    class BatchNormedWithDropout(BatchNormed):
+        def __init__(self, *configs):
+            super().__init__(*configs)
+            self.image_encoder.dropout = torch.nn.Dropout(0.1)
+
+        def encode(self, phase, items):
+            return self.image_encoder.dropout(super().encode(phase, items))
+
+    class FrozenUpstream(own_model.TinyLlava):
+        def forward(self, batch, embeds=None):
+            if embeds is None:
+                with torch.no_grad():
+                    embeds = {"image": self.encode("image", batch.items["image"])}
+            return super().forward(batch, embeds)
+
+    return BatchNormed, BatchNormedWithDropout, FrozenUpstream
+
+
+def test_each_phase_is_checked_on_its_first_step_in_training_mode(harness, world_of_one, capsys):
+    """The image phase first comes at step 2: a correct model is checked then too (a second checked step, which
+    trains what the unchecked run trains); a BatchNorm encoder (also with dropout, which must not turn the
+    check to eval mode, where BatchNorm uses its running statistics) and an encoder under torch.no_grad() in
+    the upstream branch only are refused at step 2, naming the phase, where they used to train differently."""
+    batch_normed, with_dropout, frozen_upstream = _tiny_llava_variants()
+    checked, unchecked = _train_two_steps(None, True), _train_two_steps(None, False)
+    assert checked["refusal"] is None and checked["losses"] == unchecked["losses"]
+    for name, value in unchecked["params"].items():
+        assert torch.equal(checked["params"][name], value), name
+    lines = re.findall(r"> post-balancing: step checked \(--orch-verify-first-step, phases ([\w, ]+), training mode\)",
+                       capsys.readouterr().out)
+    assert lines == ["text", "text, image"]
+    for model_class in (batch_normed, with_dropout):
+        got = _train_two_steps(model_class, True)
+        assert len(got["losses"]) == 1 and re.search(
+            r"encode\('image', items\) is not item by item: .* in training mode", str(got["refusal"])), got
+    got = _train_two_steps(frozen_upstream, True)
+    assert len(got["losses"]) == 1 and re.search(
+        r"phase 'image''s encoder gets gradients in the balanced layout of the same batch but none in the "
+        r"loader's: .*torch\.no_grad\(\)", str(got["refusal"])), got
+
+
+def test_packing_is_the_models_to_opt_into(harness, world_of_one):
+    """A BatchSpec that says nothing of packing gets equal-count micro-batches under ``auto`` (with the reason),
+    and ``packed`` is refused; one that says takes_packed_rows=True while its forward ignores the rows' bounds
+    is stopped by the checked step, whose message names the packed rows first."""
+    import dataclasses
+
+    import own_model
+    from megatron_orch.megatron import FirstStepMismatchError, OrchestratorConfig, StepShape
+    from megatron_orch.megatron.post_balancing import resolve_microbatching
+
+    silent = dataclasses.replace(own_model.batch_spec(), cannot_pack=None)
+    resolved, why = resolve_microbatching(silent, OrchestratorConfig(), StepShape(2, 2))
+    assert resolved.microbatching == "equal_count" and "takes_packed_rows=False" in why
+    with pytest.raises(ValueError, match=r"--orch-microbatching packed: its BatchSpec leaves takes_packed_rows=False"):
+        resolve_microbatching(silent, OrchestratorConfig(microbatching="packed"), StepShape(2, 2))
+    claims = dataclasses.replace(silent, takes_packed_rows=True)
+    assert resolve_microbatching(claims, OrchestratorConfig(), StepShape(2, 2)) == (
+        OrchestratorConfig(microbatching="packed"), None)
+    with pytest.raises(ValueError, match="contradict"):
+        dataclasses.replace(claims, cannot_pack="no")
+
+    torch.manual_seed(7)
+    module = own_model.build_model()
+    model, optimizer, schedule, data = own_model.setup(module, own_model.microbatches(claims, 0, 1, 1), claims, True)
+    with pytest.raises(FirstStepMismatchError, match=r"differs between the loader's and the balanced layout .*; the "
+                       r"balanced micro-batches are packed rows .*takes_packed_rows False or pass "
+                       r"--orch-microbatching equal_count"):
+        own_model.train_step(schedule, data, model, optimizer)
+
+
+def test_a_forward_that_ignores_embeds_is_refused_by_name(harness, world_of_one):
+    """A forward that encodes batch.items whatever it is given (torch's bare shape error inside the backbone,
+    checked or not), or that fills the placeholders with something else than embeds (no error at all): refused
+    naming the phase whose embeds it did not read."""
+    import own_model
+    from megatron_orch.megatron import OrchestratorConfig
+
+    class IgnoresEmbeds(own_model.TinyLlava):
+        def forward(self, batch, embeds=None):
+            return super().forward(batch, None)
+
+    class ZerosForEmbeds(own_model.TinyLlava):
+        def forward(self, batch, embeds=None):
+            if embeds is not None:
+                rows = int((batch.tokens == own_model.IMAGE_TOKEN).sum())
+                embeds = {"image": torch.zeros(rows, self.config.hidden_size)}
+            return super().forward(batch, embeds)
+
+    spec = own_model.batch_spec()
+    for model_class, verify in ((IgnoresEmbeds, True), (IgnoresEmbeds, False), (ZerosForEmbeds, False)):
+        torch.manual_seed(7)
+        model, optimizer, schedule, data = own_model.setup(
+            own_model.build_model(model_class), own_model.microbatches(spec, 0, 1, 1), spec, True,
+            config=OrchestratorConfig(verify_first_step=verify))
+        with pytest.raises(ValueError, match=rf"{model_class.__name__}\.forward\(batch, embeds\) did not read "
+                                             r"embeds\['image'\] of a micro-batch holding \d+ of its rows"):
+            own_model.train_step(schedule, data, model, optimizer)
+
+
+def test_shadow_mode_in_ones_own_loop_reaches_its_log(harness, world_of_one):
+    """post_balance(config=OrchestratorConfig(shadow=True)) in own_model's loop: every step's plan figures
+    reach the loop's ``announce`` as a line and the schedule's ``shadow_figures``, the plan's own report."""
+    import own_model
+    from megatron_orch.megatron import OrchestratorConfig, StepShape, post_balance
+    from megatron_orch.megatron.post_balancing import ShadowStep
+
+    lines, steps = [], []
+    spec = own_model.batch_spec()
+    torch.manual_seed(7)
+    module = own_model.build_model()
+    model, optimizer, _, data = own_model.setup(module, own_model.microbatches(spec, 0, 1, 2), spec, False)
+    schedule, iterator = post_balance(own_model.get_forward_backward_func(), data, spec, StepShape(2, 2),
+                                      model=model, config=OrchestratorConfig(shadow=True), announce=lines.append)
+
+    def recorded():
+        for step in iterator:
+            assert isinstance(step, ShadowStep)
+            steps.append(step)
+            yield step
+
+    data = recorded()
+    for _ in range(2):
+        own_model.train_step(schedule, data, model, optimizer)
+        assert schedule.shadow_figures == steps[-1].plan.report()
+    assert len(lines) == 2 and all(line.startswith("> post-balancing shadow (planned, not applied) cost max/mean "
+                                                   "over DP before->after: image ") for line in lines), lines
+    figures = steps[-1].plan.report()
+    assert f"text {figures['text before']:.2f}->{figures['text after']:.2f}" in lines[-1]

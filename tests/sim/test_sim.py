@@ -225,3 +225,26 @@ def test_log_axes_are_labelled_with_plain_numbers():
     assert [t.get_text() for t in ax.get_xticklabels()] == ["8", "64"]  # not 10^1 (and 2x10^1 ... minor labels)
     assert not ax.xaxis.get_minorticklocs().size
     plt.close(fig)
+
+
+@pytest.mark.parametrize("stages,virtual", [(1, 1), (2, 1), (4, 2)])
+def test_upstream_pays_the_pipeline_bubble_over_its_end_to_end_examples(stages, virtual):
+    """Upstream (each example's phases on its loader's rank) runs its encoders inside the first stage's
+    micro-batches: its compute is that stage's, stretched by the bubble (PP - 1) / (VP x micro-batches)."""
+    from megatron_orch.balance.step_model import StepModel
+    dp, per_rank, gpus = 8, 4, 4
+    _, _, sizes = draw_sizes(list(DEFAULT_MIXTURE), dp, per_rank, "tiny", 3)
+    link = LinkModel(gpus_per_node=gpus)
+    model = StepModel(link=link, pipeline_stages=stages, virtual_stages=virtual)
+    upstream = simulate_step(sizes, TINY, link, step_model=model)["none"]
+    flat = simulate_step(sizes, TINY, link, step_model=StepModel(link=link))["none"]
+    bubble = (stages - 1) / (virtual * per_rank)
+    assert upstream["pipeline_bubble_seconds"] == pytest.approx(upstream["compute_seconds"] * bubble / (1 + bubble))
+    assert (upstream["pipeline_bubble_seconds"] > 0) == (stages > 1)
+    # by hand: the first stage's rank seconds, every encoder and its share of the backbone, the slowest
+    from megatron_orch.balance.workload import phase_items
+    from megatron_orch.sim.cluster import phase_rank_seconds
+    ranks = phase_rank_seconds(upstream_plan(sizes, "llm"), phase_items(sizes, TINY.phases()), None, model.tflops)
+    paced = ranks["vision"] + ranks["audio"] + ranks["llm"] / stages
+    assert upstream["compute_seconds"] == pytest.approx(float(paced.max()) * (1 + bubble), rel=1e-12)
+    assert flat["compute_seconds"] == pytest.approx(float((ranks["vision"] + ranks["audio"] + ranks["llm"]).max()))

@@ -97,3 +97,44 @@ def test_logged_bytes_count_every_transfer_as_the_simulator_does(tmp_path):
     for name in ("inter-node MB", "intra-node MB"):
         scalar = events.Scalars(f"post-balancing/{name.replace(' ', '-')}")[0].value
         assert scalar == pytest.approx(figures[name], rel=1e-6)
+
+
+def test_the_logged_loads_are_the_loaders_in_shadow_mode_and_the_plans_when_balanced():
+    """LoadMeter: in shadow mode nothing moves, so a rank's logged load is what its loader gave it (its own
+    micro-batches); balanced, what the plan gives it. On a batch the plan rearranges, the two differ."""
+    from types import SimpleNamespace
+
+    import numpy as np
+    import torch
+
+    from megatron_orch.balance.topology import Topology
+    from megatron_orch.balance.traces import DEFAULT_MIXTURE
+    from megatron_orch.bench.common import PLAN_METHODS, draw_sizes
+    from megatron_orch.megatron.post_balancing import BalancedStep, ShadowStep
+    from megatron_orch.orchestrator.step_plan import plan_step
+    from megatron_orch.trainer.training_log import LoadMeter
+
+    dp, per_rank = 4, 4
+    model = load_model_config("tiny")
+    phases = model.phases()
+    _, _, sizes = draw_sizes(list(DEFAULT_MIXTURE), dp, per_rank, "tiny", 2)
+    plan = plan_step(sizes, phases, PLAN_METHODS["orch"], Topology.uniform(dp, 2), 1, per_rank)
+    timings = {"plan": 0.0, "plan_exposed": 0.0}
+    for rank in range(dp):
+        home = np.flatnonzero(plan.examples_home.rank == rank)
+        microbatches = [SimpleNamespace(items={p: torch.zeros(int(sizes.items[p][e]), 1) for p in phases.encoder_names},
+                                        seq_lengths=torch.tensor([int(sizes.num_tokens[e])])) for e in home]
+        loaded = [*(float(sizes.items[p][home].sum()) for p in phases.encoder_names), float(sizes.num_tokens[home].sum())]
+        backbone = plan.examples_backbone.rank == rank
+        planned = [*(float(plan.encoders[p].encode.counts()[rank]) for p in phases.encoder_names),
+                   float(sizes.num_tokens[backbone].sum())]
+        shadow = LoadMeter(iter([ShadowStep(microbatches=microbatches, plan=plan, rank=rank,
+                                            num_tokens=np.asarray(sizes.num_tokens), timings=timings)]), phases)
+        balanced = LoadMeter(iter([BalancedStep(microbatches=[], inputs={}, plan=plan, rank=rank,
+                                                num_tokens=np.asarray(sizes.num_tokens), rows_per_item={},
+                                                comm_group=None, moves=None, timings=timings)]), phases)
+        next(shadow), next(balanced)
+        assert shadow.take().tolist() == loaded and balanced.take().tolist() == planned, rank
+        assert shadow.take_post_balancing().tolist() == pytest.approx(balanced.take_post_balancing()[:-1].tolist()
+                                                                      + [0.0])  # the plan's figures, not applied
+    assert any(plan.examples_backbone.rank[e] != plan.examples_home.rank[e] for e in range(dp * per_rank))
