@@ -282,7 +282,7 @@ def main(argv: Optional[List[str]] = None) -> dict:
         cluster = step_model_of(model, link, args)
     except ValueError as err:
         parser.error(str(err))
-    warm_up_planner(model)
+    warm_up_planner(model, announce=lambda line: print(f"[sim] {line}", file=sys.stderr, flush=True))
     result = {"params": {
         "model": model.name, "layers": effective_layers(model), "dp": dps, "per_rank": args.per_rank, "seeds": seeds,
         "traces": [list(spec) for spec in trace_specs(args)], "link": vars(link) | {},

@@ -160,7 +160,8 @@ def simulate_step(sizes: StepSizes, model, link: LinkModel, profile: Optional[Co
     return result
 
 
-def warm_up_planner(model) -> None:
-    """Compile the planner's kernels first, so that planning times exclude JIT compilation."""
+def warm_up_planner(model, announce=None) -> None:
+    """Compile the planner's kernels first, so that planning times exclude JIT compilation (``announce``: told
+    when numba compiles, see :func:`~megatron_orch.orchestrator.step_plan.warm_up`)."""
     for config in PLAN_METHODS.values():
-        warm_up(model.phases(), config)
+        warm_up(model.phases(), config, announce)
