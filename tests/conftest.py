@@ -1,52 +1,51 @@
 """Shared fixtures, and hypothesis without per-example deadlines: on a machine shared with other
 CPU-heavy processes an example's wall time says nothing about the code (speed targets are benchmarks)."""
 import datetime
-import multiprocessing.process
-import os
-import subprocess
+from pathlib import Path
 
 import pytest
 from hypothesis import settings
 
 from megatron_orch import MEGATRON_CORE_NOISE
 
+TESTS = Path(__file__).resolve().parent
+
+# process_guard: a test that starts a process needs the distributed marker; pytester: its probe
+pytest_plugins = ["process_guard", "pytester"]
+
 settings.register_profile("no_deadline", deadline=None)
 settings.load_profile("no_deadline")
+
+
+# Test files that import no torch, so no megatron-core (tests/test_layers.py checks it): the planning layers, the
+# simulator, the planning benchmark, the harness's probes. Nothing in them can differ between the megatron-core
+# set-ups, so .ci/run runs them on the 0.19.2 leg only (-m "not torch_free" on the 0.16.1 leg). A folder ends in /.
+TORCH_FREE_TESTS = ("balance/", "orchestrator/", "sim/", "bench/test_bench_planning.py", "scripts/test_setup_env.py",
+                    "test_layers.py", "test_process_guard.py")
+NOT_TORCH_FREE = ("balance/test_registry.py",)  # trains with a plugin: torch, megatron-core
+
+
+def is_torch_free(path) -> bool:
+    """Is this test file (a path under tests/) one of TORCH_FREE_TESTS?"""
+    path = Path(path).resolve()
+    name = path.relative_to(TESTS).as_posix() if path.is_relative_to(TESTS) else None
+    return name is not None and name not in NOT_TORCH_FREE and any(
+        name.startswith(entry) if entry.endswith("/") else name == entry for entry in TORCH_FREE_TESTS)
 
 
 def pytest_configure(config):
     config.addinivalue_line("markers", "distributed: starts processes (gloo ranks, torchrun, scripts); the fast "
                                        "tier, pytest -m 'not distributed', leaves them out")
+    config.addinivalue_line("markers", "torch_free: in a test file of TORCH_FREE_TESTS (tests/conftest.py): imports no "
+                                       "torch, so CI runs it on one megatron-core leg only")
     for message, category, *module in MEGATRON_CORE_NOISE:  # what the entry points ignore at start-up, no more
         config.addinivalue_line("filterwarnings", ":".join(["ignore", message, category.__name__, *module]))
 
 
-# Programs a test may run without the marker: git (megatron-core asks it for its version at import),
-# ldconfig (ctypes.util.find_library asks it where a library is, the first time torch's CUDA lookup runs) and
-# fc-list (matplotlib asks it for the system's fonts when it builds its font cache, on a fresh machine).
-_UNMARKED_PROGRAMS = {"git", "ldconfig", "fc-list"}
-
-
-@pytest.fixture(autouse=True)
-def _processes_need_the_distributed_marker(request, monkeypatch):
-    """A test that starts a process (a spawned rank, torchrun, a script) without ``@pytest.mark.distributed``
-    fails here, so the fast tier stays free of them and the marker cannot be forgotten."""
-    if request.node.get_closest_marker("distributed") is not None:
-        return
-    name = request.node.nodeid
-    popen_init, process_start = subprocess.Popen.__init__, multiprocessing.process.BaseProcess.start
-
-    def checked_popen(self, args, *rest, **kw):
-        program = args if isinstance(args, (str, bytes, os.PathLike)) else args[0]
-        if os.path.basename(str(program).split()[0]) not in _UNMARKED_PROGRAMS:
-            pytest.fail(f"{name} starts a process ({args!r}): mark it @pytest.mark.distributed")
-        popen_init(self, args, *rest, **kw)
-
-    def checked_start(self):
-        pytest.fail(f"{name} starts a process ({self!r}): mark it @pytest.mark.distributed")
-
-    monkeypatch.setattr(subprocess.Popen, "__init__", checked_popen)
-    monkeypatch.setattr(multiprocessing.process.BaseProcess, "start", checked_start)
+def pytest_collection_modifyitems(items):
+    for item in items:
+        if is_torch_free(item.path):
+            item.add_marker(pytest.mark.torch_free)
 
 
 @pytest.fixture(scope="module")

@@ -12,6 +12,7 @@ import pytest
 import megatron_orch
 import megatron_orch.balance
 import megatron_orch.orchestrator
+from conftest import is_torch_free
 
 PLANNING_PACKAGES = (megatron_orch.balance, megatron_orch.orchestrator)
 # Torch-free outside them: the project's model configs (which the simulator reads), the simulator, and the
@@ -30,6 +31,23 @@ def test_planning_layers_import_no_torch():
             "print(sorted(m for m in sys.modules if m == 'torch' or m.startswith('torch.')))")
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert result.stdout.strip() == "[]", f"torch modules imported by the planning layers: {result.stdout}"
+
+
+@pytest.mark.distributed
+def test_the_torch_free_test_files_import_no_torch():
+    """The test files CI runs on one megatron-core leg only (tests/conftest.py's TORCH_FREE_TESTS) import neither
+    torch nor megatron, so nothing in them can differ between the set-ups."""
+    tests = Path(__file__).resolve().parent
+    files = sorted(path for path in tests.rglob("test_*.py") if is_torch_free(path))
+    assert tests / "balance" / "test_partition.py" in files and tests / "balance" / "test_registry.py" not in files
+    folders = sorted({str(tests / folder) for folder in ("", "balance", "megatron", "trainer")}
+                     | {str(path.parent) for path in files})
+    code = ("import importlib, sys\n"
+            f"sys.path[:0] = {folders!r}\n"
+            f"for name in {[path.stem for path in files]!r}: importlib.import_module(name)\n"
+            "print(sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'megatron')))")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert result.stdout.strip() == "[]", f"torch or megatron imported by the torch-free test files: {result.stdout}"
 
 
 # What each layer may import of the project (DESIGN.md section 5): only itself and the layers below.

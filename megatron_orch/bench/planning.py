@@ -296,7 +296,7 @@ def run(dps: Sequence[int], per_rank: int, gpus_per_node: int, seeds: Sequence[i
     if min(dps) < 1 or per_rank < 1 or gpus_per_node < 1 or micro_batch_size < 1 or repeats < 1:
         raise ValueError("--dp, --per-rank, --gpus-per-node, --micro-batch-size and --repeats must be >= 1")
     config = load_model_config(model)
-    warm_up(config.phases(), OrchestratorConfig())  # compile (or load) the kernels first, as the trainer does
+    warm_up(config.phases(), OrchestratorConfig(), announce=log)  # compile (or load) the kernels, as the trainer does
     runs = []
     for dp in dps:
         for name, specs in mixtures.items():

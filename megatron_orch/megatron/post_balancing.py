@@ -358,7 +358,8 @@ class PostBalancingDataIterator:
         self.source, self.spec, self.config, self.step, self.groups = source, spec, config, step, groups
         self.compute_device, self.input_dtype = torch.device(compute_device), input_dtype
         self.rank = dist.get_rank(groups.dp_group)
-        warm_up(spec.phases, config)  # also checks config.phases and the cost profile against the model
+        # also checks config.phases and the cost profile against the model; rank 0 says so if numba compiles
+        warm_up(spec.phases, config, announce=_log_once if dist.get_rank() == 0 else None)
         self.comm_group = groups.comm_group if groups.comm_group is not None else dedicated_group(groups.dp_group)
         self.device = communication_device(self.comm_group)
         self.rows_per_item = {p: spec.rows_per_item(p) for p in spec.phases.encoder_names}

@@ -10,11 +10,12 @@ from __future__ import annotations
 import dataclasses
 import math
 from dataclasses import dataclass
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
 from megatron_orch.balance import _plan_kernels
+from megatron_orch.balance._kernels._jit import announcing_compilation
 from megatron_orch.balance.cost import ContextParallelCost
 from megatron_orch.balance.partition import (partition, partition_equal_count, partition_equal_count_locality,
                                               partition_groups, partition_locality, uniform_bins)
@@ -589,13 +590,16 @@ def _phase_stats(method, costs, home_rank, rank, num_ranks) -> PhaseStats:
                       max_after=_plan_kernels.rank_loads_max(rank, costs, num_ranks))
 
 
-def warm_up(phases: ModelPhases, config: OrchestratorConfig) -> None:
+def warm_up(phases: ModelPhases, config: OrchestratorConfig,
+            announce: Optional[Callable[[str], None]] = None) -> None:
     """Plan a tiny step once, so numba compiles (or loads) the partition kernels now.
 
     Compilation holds the GIL for seconds: done on the training thread before the first step, the
-    planning thread never stalls the training loop with it.
+    planning thread never stalls the training loop with it. Where numba must compile (not load from its
+    cache), ``announce`` is told so before and how long it took after, so a first run does not sit silent.
     """
     items = {name: np.array([1, 2, 0, 3]) if k % 2 == 0 else np.array([0, 1, 2, 1])
              for k, name in enumerate(phases.encoder_names)}
     sizes = StepSizes(counts=np.array([2, 2]), items=items, num_tokens=np.array([5, 9, 3, 7]))
-    plan_step(sizes, phases, config, Topology.uniform(2, 1), micro_batch_size=1, num_microbatches=2)
+    with announcing_compilation(announce):
+        plan_step(sizes, phases, config, Topology.uniform(2, 1), micro_batch_size=1, num_microbatches=2)

@@ -20,7 +20,8 @@ from megatron_orch.balance.step_model import ENCODER_RANKS
 from megatron_orch.bench.common import (add_trace_args, draw_sizes, effective_layers, parse_layers, report, trace_specs,
                                         with_layers)
 from megatron_orch.mllm.config import load_model_config
-from megatron_orch.sim.cluster import DEFAULT_TFLOPS, PEAK_TFLOPS, SIM_METHODS, LinkModel, StepModel, simulate_step
+from megatron_orch.sim.cluster import (DEFAULT_TFLOPS, PEAK_TFLOPS, SIM_METHODS, LinkModel, StepModel, simulate_step,
+                                       warm_up_planner)
 
 PER_PHASE = ("orch", "equal_count", "locality", "equal_locality")
 # each locality-aware method and its plain counterpart (equal-count micro-batches can be slower than packed ones
@@ -321,6 +322,7 @@ def main(argv: Optional[List[str]] = None) -> dict:
         cluster = step_model_of(model, link, args)
     except ValueError as err:
         parser.error(str(err))
+    warm_up_planner(model, announce=lambda line: print(f"[sim] {line}", file=sys.stderr, flush=True))
     result = {"params": {
         "model": model.name, "layers": effective_layers(model), "dp": dps, "per_rank": args.per_rank, "seeds": seeds,
         "traces": [list(spec) for spec in trace_specs(args)], "link": vars(link) | {},

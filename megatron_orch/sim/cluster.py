@@ -55,11 +55,11 @@ from megatron_orch.balance.topology import Topology
 from megatron_orch.balance.workload import PhaseItems, StepSizes, phase_items
 from megatron_orch.bench.balance import backbone_only_plan
 from megatron_orch.bench.common import PLAN_METHODS, model_phases, plan_method
-from megatron_orch.orchestrator.step_plan import StepPlan, step_transfers
+from megatron_orch.orchestrator.step_plan import StepPlan, step_transfers, warm_up
 
 __all__ = ("SIM_METHODS", "END_TO_END", "DEFAULT_TFLOPS", "PEAK_TFLOPS", "LinkModel", "StepModel",
            "phase_cell_seconds", "model_flops", "simulate_step", "spread_encoders", "step_lower_bound",
-           "topology_of")
+           "topology_of", "warm_up_planner")
 
 SIM_METHODS = ("none", "orch", "equal_count", "locality", "equal_locality", "backbone_only")
 END_TO_END = ("none", "backbone_only")  # each example runs all its phases on one rank
@@ -243,3 +243,10 @@ def simulate_step(sizes: StepSizes, model, link: LinkModel, profile: Optional[Co
         slow = cluster.with_nic(gbits)
         result["nic_sweep"][str(gbits)] = {method: figures(method, slow)["parts"]["step"] for method in SIM_METHODS}
     return result
+
+
+def warm_up_planner(model, announce=None) -> None:
+    """Compile (or load) the planner's kernels before the first batch (``announce``: told when numba compiles,
+    see :func:`~megatron_orch.orchestrator.step_plan.warm_up`), so a first run says why it waits."""
+    for config in PLAN_METHODS.values():
+        warm_up(model.phases(), config, announce)

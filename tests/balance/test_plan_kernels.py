@@ -1,8 +1,12 @@
-"""The compiled placement helpers against their numpy definitions."""
+"""The compiled placement helpers against their numpy definitions; the line said while numba compiles."""
+import re
+
+import numba
 import numpy as np
 from hypothesis import given, settings, strategies as st
 
 from megatron_orch.balance import _plan_kernels
+from megatron_orch.balance._kernels._jit import announcing_compilation
 from megatron_orch.balance.plan import Placement, moved_bytes
 
 
@@ -55,3 +59,20 @@ def test_moved_bytes_and_microbatches_match_numpy():
         ids = np.flatnonzero(rank == r)
         order = ids[np.lexsort((ids, -tokens[ids]))]
         assert np.array_equal(micro[order], np.arange(order.size) // 3)
+
+
+def test_a_compile_is_announced_before_it_runs_and_timed_after_and_a_compiled_kernel_says_nothing():
+    lines = []
+
+    @numba.njit
+    def twice(x):
+        return 2 * x
+
+    with announcing_compilation(lines.append):
+        assert twice(3) == 6
+    assert len(lines) == 2 and lines[0].startswith("compiling the planning kernels (numba; first use"), lines
+    assert re.fullmatch(r"planning kernels compiled in \d+ s", lines[1]), lines
+    lines.clear()
+    with announcing_compilation(lines.append):
+        assert twice(4) == 8
+    assert lines == []

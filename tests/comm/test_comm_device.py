@@ -95,10 +95,12 @@ def _assert_on_communication_device(results, balanced: bool):
             assert sum(n for site, n in result["checked"].items() if "all_to_all_single" in site) >= 5 * ITERS
 
 
+@pytest.mark.distributed
 def test_unbalanced_training_uses_the_communication_device(baseline):
     _assert_on_communication_device(baseline, balanced=False)
 
 
+@pytest.mark.distributed
 def test_balanced_training_uses_the_communication_device(balanced):
     _assert_on_communication_device(balanced, balanced=True)
 
@@ -144,12 +146,14 @@ def _assert_step_syncs(results, expected):
                 + "\nexpected:\n" + "\n".join(f"  {n} x {kind} at {where}" for (kind, where), n in expected.items()))
 
 
+@pytest.mark.distributed
 def test_a_balanced_step_syncs_the_host_only_where_it_must(balanced):
     """Routes uploaded once without blocking, no search of the tokens in the model, no synchronising timers,
     no barriers, one control collective: a new host sync in the balanced step fails here."""
     _assert_step_syncs(balanced, BALANCED_STEP_SYNCS)
 
 
+@pytest.mark.distributed
 def test_an_upstream_step_syncs_the_host_only_where_it_must(baseline):
     _assert_step_syncs(baseline, UPSTREAM_STEP_SYNCS)
 
@@ -184,12 +188,14 @@ def test_the_recorder_sees_each_kind_of_host_sync():
     run_distributed(_syncs_seen, 1)
 
 
+@pytest.mark.distributed
 def test_the_checker_flags_a_host_tensor(baseline):
     for result in baseline:
         assert len(result["self_check"]) == 1, result["self_check"]
         assert "test_comm_device" in result["self_check"][0] and "on cpu" in result["self_check"][0]
 
 
+@pytest.mark.distributed
 def test_emulated_runs_train_alike(baseline, balanced):
     """The emulated device carries the data: balanced and baseline losses agree on it too."""
     assert len(baseline[-1]["losses"]) == ITERS and all(torch.isfinite(torch.tensor(baseline[-1]["losses"])))

@@ -68,6 +68,7 @@ def audit():
     return json.loads(result.stdout.strip().splitlines()[-1])
 
 
+@pytest.mark.distributed
 def test_every_flag_of_the_installed_parser_is_in_exactly_one_class(audit):
     classes = {name: set(names) for name, names in audit["classes"].items()}
     unclassified = [dest for dest in audit["megatron"] if not any(dest in names for names in classes.values())]
@@ -82,6 +83,7 @@ def test_every_flag_of_the_installed_parser_is_in_exactly_one_class(audit):
         | set(audit["classes"]["refused"]), sorted(present)
 
 
+@pytest.mark.distributed
 def test_every_refused_flag_is_refused_by_name_when_it_differs_from_the_default(audit):
     assert audit["base"] == [], audit["base"]  # Megatron-LM's defaults and --calculate-per-token-loss: nothing refused
     assert audit["each"], "no refused flag in this release's parser"
@@ -92,6 +94,7 @@ def test_every_refused_flag_is_refused_by_name_when_it_differs_from_the_default(
         assert problems[0].startswith(f"{option} (changed): "), problems
 
 
+@pytest.mark.distributed
 def test_a_command_line_is_refused_flag_by_flag(audit):
     assert audit["readme"] == [], audit["readme"]  # the README's launch line trains
     problems = audit["command_line"]

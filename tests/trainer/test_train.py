@@ -117,6 +117,7 @@ def assert_same_losses(losses: dict, expected: dict, rtol: float = 1e-5):
         assert losses[iteration] == pytest.approx(loss, rel=rtol), (iteration, losses, expected)
 
 
+@pytest.mark.distributed
 def test_reference_loss_decreases(reference):
     losses, _ = reference
     assert losses[ITERS] < losses[1] - 0.3, losses
@@ -131,6 +132,7 @@ def data_parallel_2(tmp_path_factory):
     return train(tmp_path_factory.mktemp("dp2"), "run", 2, *DP2_FLAGS)
 
 
+@pytest.mark.distributed
 def test_data_parallel_2_with_distributed_optimizer_matches_reference(reference, data_parallel_2):
     assert_same_losses(data_parallel_2, reference[0])
 
