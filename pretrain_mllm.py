@@ -56,6 +56,7 @@ def main_megatron_lm() -> None:
     """
     import copy
     import dataclasses
+    import warnings
 
     from megatron.core import mpu
     from megatron.core.enums import ModelType
@@ -69,6 +70,9 @@ def main_megatron_lm() -> None:
     from megatron_orch.mllm.model import transformer_engine_available
     from megatron_orch.mllm.task import OVERLAP_NEEDS_POST_BALANCING, add_mllm_args, resolve_model_config
 
+    # megatron.training's optimizer set-up imports MIMO (an isinstance check), which warns it is experimental;
+    # the MLLM is no MIMO model
+    warnings.filterwarnings("ignore", message="MimoModelConfig is experimental", category=UserWarning)
     post_balancing = "--orch-post-balancing" in sys.argv[1:]  # Megatron's parser takes no abbreviations
     shadow = "--orch-shadow" in sys.argv[1:]  # plans through the same hooks, trains upstream
     if not post_balancing and "--overlap-grad-reduce" in sys.argv[1:]:

@@ -205,6 +205,8 @@ MLLM_TASK = TrainingTask(
 def main(argv: Optional[Sequence[str]] = None) -> None:
     """Check a ``pretrain_mllm.py`` command line for a launch of ``$WORLD_SIZE`` processes (default 1),
     including its ``--data-path`` manifest, line by line; exit 0 if it is fine, else 2 with the error."""
+    from megatron_orch import quiet_megatron_core_warnings
+    quiet_megatron_core_warnings()  # an Energon dataset's check imports megatron-core
     check_command_line(MLLM_TASK, argv)
 
 

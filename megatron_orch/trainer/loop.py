@@ -17,6 +17,7 @@ import math
 import os
 import random
 import time
+import warnings
 from datetime import datetime, timedelta
 from typing import Callable, Iterator, List, Optional
 
@@ -135,7 +136,11 @@ def build_optimizer(args: argparse.Namespace, model: list, timers: Optional[Time
         sgd_momentum=args.sgd_momentum, clip_grad=args.clip_grad, bf16=args.bf16,
         params_dtype=torch.bfloat16 if args.bf16 else torch.float32,
         use_distributed_optimizer=args.use_distributed_optimizer, timers=timers)
-    optimizer = get_megatron_optimizer(config, model)
+    with warnings.catch_warnings():
+        # megatron-core 0.19's get_megatron_optimizer imports MIMO for an isinstance check, which warns that MIMO
+        # is experimental; a MIMO model was imported, and warned, before it was built
+        warnings.filterwarnings("ignore", message="MimoModelConfig is experimental", category=UserWarning)
+        optimizer = get_megatron_optimizer(config, model)
     samples = args.global_batch_size  # Megatron steps the schedule in samples
     scheduler = OptimizerParamScheduler(
         optimizer, init_lr=args.lr_warmup_init, max_lr=args.lr, min_lr=args.min_lr,
@@ -384,7 +389,7 @@ def _train(args, model, optimizer, scheduler, data_iterator, state, timers, forw
             record = _interval_record(args, state, stats, result, optimizer)
             stats = IntervalStats()
             if _logging_rank():
-                print_fn(record.line(args.train_iters))
+                print_fn(record.line(args.train_iters, full=args.orch_log_level >= 1))
                 records.append(record)
                 if tensorboard is not None:
                     tensorboard.write(record)
