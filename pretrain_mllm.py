@@ -56,6 +56,7 @@ def main_megatron_lm() -> None:
     """
     import copy
     import dataclasses
+    import warnings
 
     from megatron.core import mpu
     from megatron.core.enums import ModelType
@@ -67,19 +68,15 @@ def main_megatron_lm() -> None:
     from megatron_orch.megatron.orch_arguments import orch_config_from_args
     from megatron_orch.mllm import megatron_flags, providers
     from megatron_orch.mllm.model import transformer_engine_available
-    from megatron_orch.mllm.task import add_mllm_args, resolve_model_config
+    from megatron_orch.mllm.task import OVERLAP_NEEDS_POST_BALANCING, add_mllm_args, resolve_model_config
 
+    # megatron.training's optimizer set-up imports MIMO (an isinstance check), which warns it is experimental;
+    # the MLLM is no MIMO model
+    warnings.filterwarnings("ignore", message="MimoModelConfig is experimental", category=UserWarning)
     post_balancing = "--orch-post-balancing" in sys.argv[1:]  # Megatron's parser takes no abbreviations
     shadow = "--orch-shadow" in sys.argv[1:]  # plans through the same hooks, trains upstream
     if not post_balancing and "--overlap-grad-reduce" in sys.argv[1:]:
-        # Megatron DDP then reduces a bucket once each of its parameters reported a gradient in the last
-        # micro-batch, and asserts after the first step that every parameter did. Without post-balancing
-        # the encoders run inside each micro-batch and skip one without images or audio, so the step
-        # fails at the start of iteration 2 (post-balancing runs every encoder once per step instead).
-        sys.exit("pretrain_mllm.py: error: --overlap-grad-reduce without --orch-post-balancing is not supported: "
-                 "an encoder skipped by a last micro-batch without images or audio reports no gradients, which "
-                 "Megatron DDP's overlapped reduction asserts against; drop the flag (the numerics are the "
-                 "same) or add --orch-post-balancing")
+        sys.exit(f"pretrain_mllm.py: error: {OVERLAP_NEEDS_POST_BALANCING}")
 
     refused = megatron_flags.refusals(sys.argv[1:], add_mllm_args)  # parsing only: before any collective
     if refused:

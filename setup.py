@@ -28,7 +28,7 @@ setup(
         # six, regex, pydantic: what Megatron-LM's megatron.training imports beyond megatron-core (the
         # tests run it from ../shared/megatron-lm; a Megatron-LM checkout brings its own requirements).
         "test": ["pytest>=8", "hypothesis>=6.100", "six", "regex", "pydantic"],
-        # apex is a GPU-only extra built from source: see README ("GPU extras").
+        # apex is a GPU-only extra built from source: see docs/integration.md ("GPU clusters").
         # The range megatron-core 0.16.1 .. 0.19.x is tested with (0.16.1's pin starts at 2.9).
         "gpu": ["transformer-engine[pytorch]>=2.9,<3"],
         # Energon datasets as --data-path (megatron_orch.mllm.energon); pure Python, tested with 7.4.1.

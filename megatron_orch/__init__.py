@@ -49,10 +49,21 @@ MEGATRON_CORE_NOISE = (
 )
 
 
+#: Log records of the same kind, as (logger, start of the message): torch's note, when megatron-core imports
+#: its C++ extension loader, that it finds a CUDA toolkit but no CUDA runtime (a CPU run).
+MEGATRON_CORE_LOG_NOISE = (
+    ("torch.utils.cpp_extension", "No CUDA runtime is found"),
+)
+
+
 def quiet_megatron_core_warnings() -> None:
-    """Ignore :data:`MEGATRON_CORE_NOISE`. The entry points call it (``pretrain_mllm.py``, the benchmarks)
-    before megatron-core is imported, and the test suite applies the same list; importing the package does
-    not, so a Megatron-LM user's own run keeps every warning."""
+    """Ignore :data:`MEGATRON_CORE_NOISE` and :data:`MEGATRON_CORE_LOG_NOISE`. The entry points call it
+    (``pretrain_mllm.py``, the data checks, the scripts, the benchmarks) before megatron-core is imported, and the
+    test suite applies the same list; importing the package does not, so a Megatron-LM user's own run keeps
+    every warning."""
+    import logging
     import warnings
     for message, category, *module in MEGATRON_CORE_NOISE:
         warnings.filterwarnings("ignore", message=message, category=category, module=module[0] if module else "")
+    for name, start in MEGATRON_CORE_LOG_NOISE:
+        logging.getLogger(name).addFilter(lambda record, start=start: not str(record.msg).startswith(start))

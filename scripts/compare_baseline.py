@@ -33,7 +33,7 @@ sys.path.insert(0, str(REPO))
 DEFAULT_FLAGS = ["--model-config", "tiny", "--seq-length", "256", "--micro-batch-size", "2",
                  "--global-batch-size", "32", "--train-iters", "20", "--lr", "1e-3", "--min-lr", "1e-4",
                  "--lr-warmup-iters", "2", "--lr-decay-style", "cosine", "--weight-decay", "0.01",
-                 "--clip-grad", "1.0", "--log-interval", "1", "--seed", "1234",
+                 "--clip-grad", "1.0", "--log-interval", "1", "--orch-log-level", "1", "--seed", "1234",
                  # dropout masks follow the rank that computes an example: off, the two runs agree exactly
                  "--hidden-dropout", "0", "--attention-dropout", "0"]
 BALANCING_FLAGS = "--orch-post-balancing"  # what the second run adds, by default
@@ -142,6 +142,8 @@ def main(argv=None) -> None:
         parser.error("--compare-flags is empty: the two runs would be the same")
     if args.parse_only:  # the options are fine (checked with the standard library only, before the set-up)
         return
+    from megatron_orch import quiet_megatron_core_warnings
+    quiet_megatron_core_warnings()  # before training_log imports megatron-core
     extra = args.flags[1:] if args.flags[:1] == ["--"] else args.flags
     default = args.compare_flags == BALANCING_FLAGS
     # The runs' names (logs, table): upstream vs balanced, or without vs with the compared flags.

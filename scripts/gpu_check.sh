@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The prepared GPU check (issues 8, 18): one script for one device call (no network, at most 600 s, at
+# The prepared GPU check: one script for one device call (no network, at most 600 s, at
 # most 8 files back) on one H200. NOT YET RUN ON A GPU.
 #   bash scripts/gpu_check.sh OUT_DIR          # on a GPU machine (NCCL, one GPU)
 #   bash scripts/gpu_check.sh --cpu OUT_DIR    # the same steps on CPU (gloo, 2 ranks, tiny shapes)

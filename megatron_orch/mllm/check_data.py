@@ -154,11 +154,19 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--seq-length", type=int, required=True, help="longest backbone sequence (tokens)")
     parser.add_argument("--decode", action="store_true",
                         help="load every example (decode images, read arrays), not only the file headers")
-    parser.add_argument("--workers", type=int, default=min(32, 2 * (os.cpu_count() or 1)),
+    parser.add_argument("--workers", type=int, default=None,
                         help="threads reading files (default: twice the CPU count, at most 32); of an Energon "
-                             "dataset: loader processes (0 or 1: this process)")
+                             "dataset: loader processes (0 or 1: this process; default: the CPUs this process may "
+                             "use, the most torch's DataLoader takes without a warning)")
     add_data_args(parser)
     return parser
+
+
+def default_workers(energon: bool) -> int:
+    """``--workers``' default: for a manifest, threads (twice the CPUs, at most 32: they wait on files); for an
+    Energon dataset, loader processes: the CPUs this process may use, the most torch's DataLoader takes
+    without warning that it may run slowly or freeze."""
+    return len(os.sched_getaffinity(0)) if energon else min(32, 2 * (os.cpu_count() or 1))
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
@@ -199,11 +207,12 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         print(f"{prog}: error: {err}", file=sys.stderr)
         return 2
     start = time.perf_counter()
+    workers = default_workers(energon) if args.workers is None else args.workers
     if energon:
-        report = check_energon(dataset, decode=args.decode, workers=args.workers if args.workers > 1 else 0,
+        report = check_energon(dataset, decode=args.decode, workers=workers if workers > 1 else 0,
                                progress=_Progress())
     else:
-        report = check_manifest(dataset, decode=args.decode, workers=args.workers, progress=_Progress())
+        report = check_manifest(dataset, decode=args.decode, workers=workers, progress=_Progress())
     for line in report.bad:
         print(line, flush=True)
     shown = report.truncated[:10]

@@ -404,7 +404,8 @@ class EnergonTrainIterator(DataEvents):
             position = start + slot
             if encoded.problem is not None:
                 raise ManifestError(encoded.problem)
-            for message in encoded.skipped:
+            # one event per bad sample: Energon's draws for one position may meet the same bad sample twice
+            for message in dict.fromkeys(encoded.skipped):
                 self._report(DataEvent(position, True, message, encoded.where))
             if encoded.note is not None:
                 self._report(DataEvent(position, False, encoded.note))

@@ -20,13 +20,18 @@ release's parser covered: a flag of a new release that is in none fails it):
 * :data:`REFUSED`: it changes the model or what it trains on and the MLLM does not implement it: refused
   by name when it differs from Megatron-LM's default (:func:`refusals`), before anything is initialised.
 
+The compact trainer's parser (``--orch-trainer compact``) takes a subset of these flags; it explains one it does
+not know with :func:`compact_trainer_reason`.
+
 Post-balancing refuses a few more settings that upstream Megatron-LM runs with
 (:data:`megatron_orch.megatron.megatron_lm.POST_BALANCING_REFUSALS`).
 """
 from __future__ import annotations
 
 import argparse
-from typing import Callable, Dict, List, Mapping, Sequence
+from typing import Callable, Dict, List, Mapping, Optional, Sequence
+
+from megatron_orch.trainer.arguments import megatron_dests
 
 
 def _names(text: str) -> frozenset:
@@ -298,6 +303,46 @@ REFUSED: Dict[str, str] = {
     "iterations_to_skip": "megatron.training runs a skipped iteration through Megatron-LM's GPT batch code "
                           "(get_batch_on_this_tp_rank), which the MLLM's batches are not",
 }
+
+
+# Megatron-LM's options (core_v0.16.1 .. core_v0.19.x) whose dest is not their name, nor their name without a
+# leading no- or disable- (megatron_orch.trainer.arguments.megatron_dests): what the compact trainer's parser
+# needs to name their class without Megatron-LM's parser (a test keeps it complete for the installed release).
+OPTION_DESTS = {
+    "--apply-layernorm-1p": "layernorm_zero_centered_gamma", "--bert-no-binary-head": "bert_binary_head",
+    "--ckpt-fully-parallel-save": "ckpt_fully_parallel_save_deprecated",
+    "--cuda-graph-scope": "cuda_graph_scope_deprecated", "--disable-bias-linear": "add_bias_linear",
+    "--disable-gloo-process-groups": "use_gloo_process_groups",
+    "--disable-mamba-mem-eff-path": "use_mamba_mem_eff_path", "--disable-msc": "disable_msc_deprecated",
+    "--dist-ckpt-format": "dist_ckpt_format_deprecated", "--enable-chunked-prefill": "disable_chunked_prefill",
+    "--fp4-format": "fp4", "--fp4-param-gather": "fp4_param", "--fp8-format": "fp8",
+    "--inference-dynamic-batching-prefix-caching": "inference_dynamic_batching_enable_prefix_caching",
+    "--inference-max-requests": "inference_max_batch_size",
+    "--microbatch-group-size-per-virtual-pipeline-stage": "microbatch_group_size_per_vp_stage",
+    "--muon-no-split-qkv": "muon_split_qkv", "--no-barrier-with-level-1-timing": "barrier_with_L1_time",
+    "--no-inference-dynamic-batching-prefix-caching": "inference_dynamic_batching_enable_prefix_caching",
+    "--no-initialization": "perform_initialization", "--no-one-logger": "enable_one_logger",
+    "--no-overlap-p2p-communication": "overlap_p2p_comm", "--no-position-embedding": "add_position_embedding",
+    "--no-rope-fusion": "apply_rope_fusion", "--norm-epsilon": "layernorm_epsilon",
+    "--overlap-p2p-communication-warmup-flush": "overlap_p2p_comm_warmup_flush",
+    "--persistent-save-interval": "save_interval", "--tokenizer-metadata": "metadata_path",
+    "--tokenizer-special-tokens": "special_tokens",
+    "--torch-fsdp2-no-reshard-after-forward": "torch_fsdp2_reshard_after_forward",
+    "--use-dist-ckpt": "use_dist_ckpt_deprecated", "--use-mcore-models": "deprecated_use_mcore_models",
+    "--use-nccl-ub": "nccl_ub", "--use-same-sampling-seed-across-dp-ranks": "offset_sampling_seed_by_dp_rank",
+}
+
+
+def compact_trainer_reason(flag: str) -> Optional[str]:
+    """Why the compact trainer refuses Megatron-LM's option ``flag`` (``--swiglu``) for the MLLM (its parser does
+    not know it), or None where ``flag`` is no option of Megatron-LM's."""
+    for dest in (OPTION_DESTS[flag],) if flag in OPTION_DESTS else megatron_dests(flag):
+        if dest in REFUSED:
+            return REFUSED[dest]
+        if any(dest in names for names in (READ_BY_MODEL, READ_BY_TRAINER, NO_MATH)):
+            return ("it is read by Megatron-LM's own loop: pretrain_mllm.py --orch-trainer megatron-lm (GPUs) takes "
+                    "it; pretrain_mllm.py --help lists the compact trainer's flags")
+    return None
 
 
 def megatron_lm_parser(extra_args_provider: Callable[[argparse.ArgumentParser], argparse.ArgumentParser]):

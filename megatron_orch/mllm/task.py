@@ -15,6 +15,7 @@ import dataclasses
 from typing import Optional, Sequence
 
 from megatron_orch.megatron.orch_arguments import add_orch_args
+from megatron_orch.mllm import megatron_flags
 from megatron_orch.mllm.check_data import add_data_args
 from megatron_orch.mllm.config import MLLMConfig, is_shipped_config, load_model_config
 from megatron_orch.mllm.files import data_path_problem
@@ -63,9 +64,21 @@ def add_mllm_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     return add_orch_args(add_model_args(parser))
 
 
+# Megatron DDP's overlapped reduction starts a bucket once each of its parameters reported a gradient in the last
+# micro-batch, and asserts after the first step that every parameter did. Without post-balancing the encoders run
+# inside each micro-batch and skip one without images or audio (post-balancing runs every encoder once per step).
+OVERLAP_NEEDS_POST_BALANCING = (
+    "--overlap-grad-reduce without --orch-post-balancing is not supported: an encoder skipped by a last micro-batch "
+    "without images or audio reports no gradients, which Megatron DDP's overlapped reduction asserts against; drop "
+    "the flag (the numerics are the same) or add --orch-post-balancing")
+
+
 def configure(args: argparse.Namespace) -> ModelSummary:
-    """The MLLM's checks of a parsed command line: its data flags, ``--data-path``, and ``--model-config``
-    with the backbone shape flags applied (``args.mllm_config``, which its hooks build from)."""
+    """The MLLM's checks of a parsed command line: its data flags, ``--data-path``, ``--overlap-grad-reduce``
+    (:data:`OVERLAP_NEEDS_POST_BALANCING`), and ``--model-config`` with the backbone shape flags applied
+    (``args.mllm_config``, which its hooks build from)."""
+    if args.overlap_grad_reduce and not args.orch_post_balancing:
+        raise ArgumentError(OVERLAP_NEEDS_POST_BALANCING)
     check_positive(args, "max_num_tiles", "max_image_pixels", "max_vision_items_per_sample")
     check_in_range(args, "max_audio_seconds", 0.0, low_open=True)
     problem = None if args.data_path is None else data_path_problem(args.data_path)
@@ -184,12 +197,15 @@ MLLM_TASK = TrainingTask(
     build_model=_provider("build_model"), forward_step=_forward_step,
     build_train_data_iterator=_provider("build_train_data_iterator"),
     build_post_balancing=_provider("build_post_balancing"),
-    model_identity=model_identity, data_identity=data_identity, check_data=check_data)
+    model_identity=model_identity, data_identity=data_identity, check_data=check_data,
+    explain_flag=megatron_flags.compact_trainer_reason)
 
 
 def main(argv: Optional[Sequence[str]] = None) -> None:
     """Check a ``pretrain_mllm.py`` command line for a launch of ``$WORLD_SIZE`` processes (default 1),
     including its ``--data-path`` manifest, line by line; exit 0 if it is fine, else 2 with the error."""
+    from megatron_orch import quiet_megatron_core_warnings
+    quiet_megatron_core_warnings()  # an Energon dataset's check imports megatron-core
     check_command_line(MLLM_TASK, argv)
 
 

@@ -11,7 +11,9 @@ Groups of flags, in this order:
   convention), given to :func:`parse_args`.
 
 Unknown flags, abbreviations of flags and inconsistent values are errors that name the flag
-(:class:`ArgumentError`). Parsing and every check that needs no device imports neither torch nor
+(:class:`ArgumentError`): a Megatron-LM flag the compact trainer does not implement says why and what to use
+instead (:data:`NOT_IMPLEMENTED`, then the task's :attr:`~megatron_orch.trainer.task.TrainingTask.explain_flag`),
+any other unknown flag gets the closest real one ("did you mean --train-iters?"). Parsing and every check that needs no device imports neither torch nor
 megatron, so a wrong command line fails in about a second: :func:`parse_args_or_exit` prints the one
 line ``<program>: error: ...`` (on rank 0 only under torchrun) and exits with status 2;
 :func:`check_command_line` is that check for a launch of ``$WORLD_SIZE`` processes, the data included
@@ -20,10 +22,11 @@ line ``<program>: error: ...`` (on rank 0 only under torchrun) and exits with st
 from __future__ import annotations
 
 import argparse
+import difflib
 import math
 import os
 import sys
-from typing import Callable, Iterable, NoReturn, Optional, Sequence
+from typing import Callable, Dict, Iterable, List, NoReturn, Optional, Sequence
 
 from megatron_orch.megatron.orch_arguments import add_orch_args, orch_config_from_args
 from megatron_orch.megatron.pipeline_layout import check_interleaved_microbatches, virtual_pipeline_size
@@ -42,12 +45,82 @@ class ArgumentError(ValueError):
     """An inconsistent command line; the message names the flags involved."""
 
 
+_RECOMPUTE = ("it recomputes no backbone layers; --orch-encoder-recompute (with --orch-post-balancing) recomputes "
+              "the encoders' activations for their backward, and Megatron-LM's own loop the layers of a model that "
+              "implements Megatron-LM's recompute")
+_ON_GPUS = ("Transformer Engine's communication overlap and CUDA graphs are set up by Megatron-LM's own loop on GPUs "
+            "(pretrain_mllm.py --orch-trainer megatron-lm, or your megatron.training launch) for the models that "
+            "support them")
+_PRECISION = "it trains in fp32 or bf16 (--bf16)"
+
+#: Megatron-LM flags (by dest) that the compact trainer does not implement, with why and what to use instead.
+NOT_IMPLEMENTED: Dict[str, str] = {
+    **dict.fromkeys(("recompute_activations", "recompute_granularity", "recompute_method", "recompute_num_layers",
+                     "recompute_modules", "distribute_saved_activations", "checkpoint_activations"), _RECOMPUTE),
+    **dict.fromkeys(("use_flash_attn", "attention_backend"),
+                    "attention's kernel follows --transformer-impl: transformer_engine (the default on GPUs where "
+                    "it imports) runs Transformer Engine's fused (flash) attention, local runs torch SDPA"),
+    **dict.fromkeys(("tp_comm_overlap", "tp_comm_overlap_cfg", "tp_comm_bulk_wgrad", "tp_comm_bulk_dgrad",
+                     "tp_comm_overlap_ag", "tp_comm_overlap_rs", "tp_comm_overlap_rs_dgrad", "tp_comm_split_ag",
+                     "tp_comm_split_rs", "enable_cuda_graph", "cuda_graph_impl", "cuda_graph_scope",
+                     "external_cuda_graph", "overlap_moe_expert_parallel_comm"), _ON_GPUS),
+    **dict.fromkeys(("fp16", "fp8", "fp8_recipe", "fp4", "fp8_param_gather"), _PRECISION),
+    **dict.fromkeys(("overlap_param_gather_with_optimizer_step", "align_param_gather", "align_grad_reduce",
+                     "ddp_num_buckets", "ddp_average_in_collective"),
+                    "its Megatron DDP takes --overlap-grad-reduce, --overlap-param-gather and --ddp-bucket-size "
+                    "(Megatron-LM's defaults for the rest)"),
+}
+
+
 class _Parser(argparse.ArgumentParser):
     """argparse's own errors (unknown or missing flags, bad values) as :class:`ArgumentError`, so that the
-    caller decides where and how often to print them."""
+    caller decides where and how often to print them; an unknown flag is explained (:func:`unknown_flags`).
+    ``explain_flag``: the task's reasons for Megatron-LM flags, after :data:`NOT_IMPLEMENTED`."""
+
+    def __init__(self, *args, explain_flag: Callable[[str], Optional[str]] = lambda flag: None, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.explain_flag = explain_flag
+
+    def parse_args(self, args=None, namespace=None):
+        parsed, extras = self.parse_known_args(args, namespace)
+        if extras:
+            self.error(unknown_flags(extras, self._option_string_actions, self.explain_flag))
+        return parsed
 
     def error(self, message: str) -> NoReturn:
         raise ArgumentError(message)
+
+
+def megatron_dests(flag: str) -> tuple:
+    """The dests Megatron-LM's option ``flag`` may set by its usual spelling: ``--x-y`` sets ``x_y``, and a
+    ``--no-x-y`` or ``--disable-x-y`` (``store_false``) sets ``x_y``."""
+    dest = flag.lstrip("-").replace("-", "_")
+    return (dest, *(dest.removeprefix(prefix) for prefix in ("no_", "disable_") if dest.startswith(prefix)))
+
+
+def unknown_flags(extras: Sequence[str], known: Iterable[str], explain_flag: Callable[[str], Optional[str]]) -> str:
+    """One line for the tokens argparse did not recognise: each Megatron-LM flag that :data:`NOT_IMPLEMENTED` or
+    ``explain_flag`` (option -> reason) knows with its reason (the values after it dropped), then argparse's
+    ``unrecognized arguments: ...`` for the rest, with the closest of the ``known`` flags."""
+    explained, rest, suggestions, dropping = [], [], [], False
+    for token in extras:
+        if not token.startswith("-"):
+            if not dropping:
+                rest.append(token)
+            continue
+        flag = token.split("=", 1)[0]
+        reason = next((reason for reason in (*(NOT_IMPLEMENTED.get(dest) for dest in megatron_dests(flag)),
+                                             explain_flag(flag)) if reason), None)
+        dropping = reason is not None
+        if dropping:
+            explained.append(f"{flag} (Megatron-LM's) is not implemented by the compact trainer: {reason}")
+        else:
+            rest.append(token)
+            suggestions += [(flag, close) for close in difflib.get_close_matches(flag, list(known), n=1, cutoff=0.8)]
+    if rest:
+        hint = ", ".join(close if len(suggestions) == 1 else f"{close} for {flag}" for flag, close in suggestions)
+        explained.append(f"unrecognized arguments: {' '.join(rest)}" + (f" (did you mean {hint}?)" if hint else ""))
+    return "; ".join(explained)
 
 
 def transformer_engine_available() -> bool:
@@ -117,6 +190,15 @@ def add_megatron_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParse
     g.add_argument("--expert-model-parallel-size", type=int, default=1,
                    help="expert parallelism of an MoE backbone, inside data parallelism (it divides the DP size)")
     g.add_argument("--use-distributed-optimizer", action="store_true")
+    g.add_argument("--overlap-grad-reduce", action="store_true",
+                   help="Megatron DDP reduces a bucket of gradients as soon as the last micro-batch's backward has "
+                        "produced all of them, during the rest of the backward (same numerics)")
+    g.add_argument("--overlap-param-gather", action="store_true",
+                   help="the distributed optimizer's updated parameters are gathered bucket by bucket just before "
+                        "the next forward uses them (needs --use-distributed-optimizer and --overlap-grad-reduce)")
+    g.add_argument("--ddp-bucket-size", type=int, default=None,
+                   help="parameters per Megatron DDP bucket with --overlap-grad-reduce (default: megatron-core's, "
+                        "max(40M, 1M x DP size))")
     g.add_argument("--use-torch-fsdp2", action="store_true",
                    help="shard parameters, gradients and optimizer state over DP with torch FSDP2 "
                         "(megatron-core's TorchFullyShardedDataParallel)")
@@ -166,6 +248,10 @@ def add_megatron_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParse
     g = parser.add_argument_group("logging")
     g.add_argument("--log-interval", type=int, default=100)
     g.add_argument("--tensorboard-dir", type=str, default=None)
+    g.add_argument("--orch-log-level", type=int, choices=[0, 1], default=0,
+                   help="0: Megatron-LM's iteration line with tokens/s and each phase's load imbalance (and cost "
+                        "imbalance before->after with post-balancing); 1: the full line, also the loads per rank, "
+                        "the phase times and post-balancing's moves and planning times")
     g.add_argument("--timing-log-level", type=int, choices=[0, 1, 2], default=0,
                    help="Megatron's timer level: 0 phase timings only, 1 adds grads-all-reduce and "
                         "optimizer, 2 adds forward/backward compute")
@@ -196,14 +282,15 @@ def add_megatron_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParse
 
 
 def new_parser(program: str, description: Optional[str] = None, **kwargs) -> argparse.ArgumentParser:
-    """An argument parser whose errors are :class:`ArgumentError` (no abbreviations of flags)."""
+    """An argument parser whose errors are :class:`ArgumentError` (no abbreviations of flags; ``explain_flag``:
+    see :class:`_Parser`)."""
     return _Parser(prog=program, allow_abbrev=False, description=description, **kwargs)
 
 
 def build_parser(task: TrainingTask, extra_args_providers: Iterable[ArgsProvider] = ()) -> argparse.ArgumentParser:
     """The trainer's flags, the task's (:attr:`~megatron_orch.trainer.task.TrainingTask.add_arguments`),
     the ``--orch-*`` post-balancing flags, then each extra provider's."""
-    parser = new_parser(task.program, task.description)
+    parser = new_parser(task.program, task.description, explain_flag=task.explain_flag)
     add_megatron_args(parser)
     parser = add_orch_args(task.add_arguments(parser))
     for provider in extra_args_providers:
@@ -277,7 +364,7 @@ def validate_args(args: argparse.Namespace, world_size: int, task: TrainingTask)
     check_positive(args, "tensor_model_parallel_size", "pipeline_model_parallel_size", "context_parallel_size",
                    "expert_model_parallel_size", "micro_batch_size", "global_batch_size", "train_iters",
                    "exit_interval", "seq_length", "log_interval", "save_interval", "make_vocab_size_divisible_by",
-                   "keep_last_checkpoints", "max_position_embeddings", *BACKBONE_SHAPE_FLAGS)
+                   "ddp_bucket_size", "keep_last_checkpoints", "max_position_embeddings", *BACKBONE_SHAPE_FLAGS)
     for name in ("max_bad_examples", "ckpt_step"):
         if getattr(args, name, None) is not None and getattr(args, name) < 0:
             raise ArgumentError(f"--{name.replace('_', '-')} must be >= 0, got {getattr(args, name)}")
@@ -322,6 +409,7 @@ def validate_args(args: argparse.Namespace, world_size: int, task: TrainingTask)
             raise ArgumentError(f"--{name.replace('_', '-')} needs --{needs} (the checkpoint directory)")
     for name in ("hidden_dropout", "attention_dropout"):
         check_in_range(args, name, 0.0, 1.0, high_open=True)
+    _check_overlap(args)
     _check_sharded_data_parallel(args)
     args.calculate_per_token_loss = True
     try:
@@ -380,6 +468,22 @@ def _check_mixture_of_experts(args: argparse.Namespace) -> None:
         if problems:
             raise ArgumentError("with --orch-post-balancing, the MoE backbone's results would change with where an "
                                 "example runs: " + "; ".join(problems))
+
+
+def _check_overlap(args: argparse.Namespace) -> None:
+    """Megatron DDP's overlapped gradient reduction and parameter gather, combined as Megatron-LM combines them;
+    the compact trainer overlaps Megatron DDP only (not FSDP2 or Megatron-FSDP)."""
+    sharded = [f"--{flag.replace('_', '-')}" for flag in ("use_torch_fsdp2", "use_megatron_fsdp")
+               if getattr(args, flag)]
+    if sharded and args.overlap_grad_reduce:
+        raise ArgumentError(f"--overlap-grad-reduce with {sharded[0]}: the compact trainer overlaps Megatron DDP's "
+                            "reduction only; drop the flag (the numerics are the same)")
+    if args.overlap_param_gather and not (args.use_distributed_optimizer and args.overlap_grad_reduce):
+        raise ArgumentError("--overlap-param-gather needs --use-distributed-optimizer (it gathers the optimizer's "
+                            "shards) and --overlap-grad-reduce (as in Megatron-LM)")
+    if args.ddp_bucket_size is not None and not args.overlap_grad_reduce:
+        raise ArgumentError("--ddp-bucket-size needs --overlap-grad-reduce (without it Megatron DDP reduces all "
+                            "gradients in one bucket)")
 
 
 def _check_sharded_data_parallel(args: argparse.Namespace) -> None:

@@ -306,9 +306,15 @@ def _set_cpu_rng_state(new_state, device=-1, graph_safe=False):
     torch.set_rng_state(new_state)
 
 
-class _DropForkWarning(logging.Filter):
+class _DropMessage(logging.Filter):
+    """Drops the log records that contain ``text``."""
+
+    def __init__(self, text: str):
+        super().__init__()
+        self.text = text
+
     def filter(self, record: logging.LogRecord) -> bool:
-        return "CPU RNG state changed within GPU RNG context" not in record.getMessage()
+        return self.text not in record.getMessage()
 
 
 def _broadcast_data_cpu(keys, data, datatype, tp_group=None):
@@ -400,11 +406,13 @@ def install() -> None:
 
     tp_random._get_cuda_rng_state = _get_cpu_rng_state
     tp_random._set_cuda_rng_state = _set_cpu_rng_state
-    logging.getLogger(tp_random.__name__).addFilter(_DropForkWarning())
+    logging.getLogger(tp_random.__name__).addFilter(_DropMessage("CPU RNG state changed within GPU RNG context"))
 
     tp_data.broadcast_data = _broadcast_data_cpu
     tensor_parallel.broadcast_data = _broadcast_data_cpu
 
+    # its warning that it is disabled, which it is on CPU by design
+    logging.getLogger(rerun_state_machine.__name__).addFilter(_DropMessage("RerunStateMachine initialized in mode"))
     rerun_state_machine.initialize_rerun_state_machine(
         mode=rerun_state_machine.RerunMode.DISABLED
     )

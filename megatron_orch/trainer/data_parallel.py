@@ -50,7 +50,9 @@ def wrap_data_parallel(args: argparse.Namespace, config, module: MegatronModule,
             grad_reduce_in_fp32=args.bf16, overlap_grad_reduce=False, use_distributed_optimizer=True,
             use_megatron_fsdp=True, data_parallel_sharding_strategy=args.data_parallel_sharding_strategy)
         return FullyShardedDataParallel(config=config, ddp_config=ddp_config, module=module, device=device)
-    ddp_config = DistributedDataParallelConfig(grad_reduce_in_fp32=args.bf16, overlap_grad_reduce=False,
-                                               use_distributed_optimizer=args.use_distributed_optimizer)
+    ddp_config = DistributedDataParallelConfig(
+        grad_reduce_in_fp32=args.bf16, overlap_grad_reduce=args.overlap_grad_reduce,
+        overlap_param_gather=args.overlap_param_gather, bucket_size=args.ddp_bucket_size,
+        use_distributed_optimizer=args.use_distributed_optimizer)
     return DistributedDataParallel(config=config, ddp_config=ddp_config, module=module,
                                    disable_bucketing=disable_bucketing)

@@ -17,6 +17,7 @@ import math
 import os
 import random
 import time
+import warnings
 from datetime import datetime, timedelta
 from typing import Callable, Iterator, List, Optional
 
@@ -135,7 +136,11 @@ def build_optimizer(args: argparse.Namespace, model: list, timers: Optional[Time
         sgd_momentum=args.sgd_momentum, clip_grad=args.clip_grad, bf16=args.bf16,
         params_dtype=torch.bfloat16 if args.bf16 else torch.float32,
         use_distributed_optimizer=args.use_distributed_optimizer, timers=timers)
-    optimizer = get_megatron_optimizer(config, model)
+    with warnings.catch_warnings():
+        # megatron-core 0.19's get_megatron_optimizer imports MIMO for an isinstance check, which warns that MIMO
+        # is experimental; a MIMO model was imported, and warned, before it was built
+        warnings.filterwarnings("ignore", message="MimoModelConfig is experimental", category=UserWarning)
+        optimizer = get_megatron_optimizer(config, model)
     samples = args.global_batch_size  # Megatron steps the schedule in samples
     scheduler = OptimizerParamScheduler(
         optimizer, init_lr=args.lr_warmup_init, max_lr=args.lr, min_lr=args.min_lr,
@@ -163,10 +168,35 @@ def attach_to_model_config(model: list, optimizer, timers: Timers) -> None:
     # step; the step times are per rank anyway (the log line shows max/mean over ranks).
     config.barrier_with_L1_time = False
     config.grad_scale_func = optimizer.scale_loss
-    config.no_sync_func = [chunk.no_sync for chunk in model] if len(model) > 1 else model[0].no_sync
+    config.no_sync_func = _per_chunk(model, "no_sync")
+    # As Megatron-LM (align_grad_reduce, its default): with --overlap-grad-reduce the schedule starts each chunk's
+    # reduction where its backward ends; with --overlap-param-gather and virtual stages (align_param_gather), each
+    # chunk's gather before its first forward (without, each bucket's forward pre-hook gathers it).
+    if any(_ddp_setting(chunk, "overlap_grad_reduce") for chunk in model):
+        config.grad_sync_func = _per_chunk(model, "start_grad_sync")
+    if len(model) > 1 and any(_ddp_setting(chunk, "overlap_param_gather") for chunk in model):
+        config.param_sync_func = _per_chunk(model, "start_param_sync")
     config.finalize_model_grads_func = finalize_model_grads
     if not config.calculate_per_token_loss:
         raise ValueError("the MLLM trains with per-token loss normalisation (calculate_per_token_loss)")
+
+
+def _per_chunk(model: list, method: str):
+    """The model config's form of a callback: one per model chunk, or the only chunk's."""
+    return [getattr(chunk, method) for chunk in model] if len(model) > 1 else getattr(model[0], method)
+
+
+def _ddp_setting(chunk, name: str) -> bool:
+    """A Megatron DDP setting of a model chunk (False for a wrapper without it)."""
+    return bool(getattr(getattr(chunk, "ddp_config", None), name, False))
+
+
+def gather_parameters(model: list) -> None:
+    """With ``--overlap-param-gather`` an optimizer step's parameters reach the model chunks at their next
+    forward; gather them now (before a checkpoint, at the end of training: Megatron-LM's ``force_param_sync``)."""
+    for chunk in model:
+        if _ddp_setting(chunk, "overlap_param_gather"):
+            chunk.start_param_sync(force_sync=True)
 
 
 def time_encoder_forwards(model: list, timers: Timers) -> None:
@@ -359,7 +389,7 @@ def _train(args, model, optimizer, scheduler, data_iterator, state, timers, forw
             record = _interval_record(args, state, stats, result, optimizer)
             stats = IntervalStats()
             if _logging_rank():
-                print_fn(record.line(args.train_iters))
+                print_fn(record.line(args.train_iters, full=args.orch_log_level >= 1))
                 records.append(record)
                 if tensorboard is not None:
                     tensorboard.write(record)
@@ -369,6 +399,7 @@ def _train(args, model, optimizer, scheduler, data_iterator, state, timers, forw
                 report_memory = state.iteration <= first_iteration + 1
         if args.save and args.save_interval and state.iteration % args.save_interval == 0:
             _save(args, state, model, optimizer, scheduler, print_fn, config, lock, data_source)
+    gather_parameters(model)  # the model as trained, for the last save and the caller
     saved_last = args.save_interval and state.iteration % args.save_interval == 0
     if args.save and state.iteration > first_iteration and not saved_last:
         _save(args, state, model, optimizer, scheduler, print_fn, config, lock, data_source)
@@ -390,6 +421,7 @@ def _save(args, state: TrainState, model: list, optimizer, scheduler, print_fn: 
     and the loader's state after the samples trained so far where it has one (an Energon loader)."""
     if hasattr(data_source, "loader_state"):
         state.rank_state["loader"] = data_source.loader_state(state.consumed_samples)
+    gather_parameters(model)
     if _logging_rank():
         print_fn(f"[{_now()}] saving checkpoint at iteration {state.iteration:7d} to {args.save}")
     save_checkpoint(args.save, state, model, optimizer, scheduler, args.use_distributed_optimizer, config, lock,

@@ -64,6 +64,10 @@ def _no_data_identity(args: argparse.Namespace) -> Optional[dict]:
     return None
 
 
+def _no_flag_reason(flag: str) -> Optional[str]:
+    return None
+
+
 @dataclass(frozen=True)
 class TrainingTask:
     """A model and its data, as the compact trainer calls them (the module docstring lists when).
@@ -93,6 +97,9 @@ class TrainingTask:
     data_identity: Callable[[argparse.Namespace], Optional[dict]] = _no_data_identity
     # (args) -> None, before any model is built; raises OSError, ValueError or ImportError with a message
     check_data: Callable[[argparse.Namespace], None] = _no_data_check
+    # (option, e.g. "--swiglu") -> why the compact trainer refuses this Megatron-LM flag for this model and what to
+    # use instead, or None; asked for a flag the trainer's parser does not know (after the trainer's own reasons)
+    explain_flag: Callable[[str], Optional[str]] = _no_flag_reason
 
 
 def runs_on_cpu(args: argparse.Namespace) -> bool:

@@ -191,7 +191,11 @@ class IterationRecord:
     bad_examples: int = 0       # skipped in the interval (--max-bad-examples)
     truncated_answers: int = 0  # in the interval
 
-    def line(self, train_iters: int) -> str:
+    def line(self, train_iters: int, full: bool = False) -> str:
+        """Megatron-LM's iteration line with tokens/s, each phase's load imbalance (max/mean over DP) and, with
+        post-balancing, each phase's cost imbalance before->after; bad examples and truncated answers where the
+        interval had some. ``full`` (``--orch-log-level 1``): also the loads themselves, the phase times
+        (max/mean over ranks), the bytes post-balancing moved and its planning and dispatch times."""
         parts = [f" iteration {self.iteration:8d}/{train_iters:8d}",
                  f" consumed samples: {self.consumed_samples:12d}",
                  f" elapsed time per iteration (ms): {self.elapsed_ms:.1f}",
@@ -203,14 +207,20 @@ class IterationRecord:
         if self.grad_norm is not None:
             parts.append(f" grad norm: {self.grad_norm:.3f}")
         parts += [f" number of skipped iterations: {self.skipped:3d}",
-                  f" number of nan iterations: {self.nan:3d}",
-                  f" number of bad examples skipped: {self.bad_examples:3d}",
-                  f" number of answers truncated: {self.truncated_answers:3d}",
-                  f" tokens/s: {self.tokens_per_s:.1f}"]
-        load = ", ".join(f"{name} {self.load_max[name]:.0f}/{self.load_mean[name]:.1f}"
-                         f" ({_ratio(self.load_max[name], self.load_mean[name])})" for name in self.load_max)
-        parts.append(f" load per rank max/mean over DP: {load}")
-        if self.phase_ms_max:
+                  f" number of nan iterations: {self.nan:3d}"]
+        if full or self.bad_examples:
+            parts.append(f" number of bad examples skipped: {self.bad_examples:3d}")
+        if full or self.truncated_answers:
+            parts.append(f" number of answers truncated: {self.truncated_answers:3d}")
+        parts.append(f" tokens/s: {self.tokens_per_s:.1f}")
+        if full:
+            load = ", ".join(f"{name} {self.load_max[name]:.0f}/{self.load_mean[name]:.1f}"
+                             f" ({_ratio(self.load_max[name], self.load_mean[name])})" for name in self.load_max)
+            parts.append(f" {_LOAD}: {load}")
+        else:
+            load = ", ".join(f"{name} {_ratio(self.load_max[name], self.load_mean[name])}" for name in self.load_max)
+            parts.append(f" {_IMBALANCE}: {load}")
+        if full and self.phase_ms_max:
             times = ", ".join(f"{name} {self.phase_ms_max[name]:.1f}/{self.phase_ms_mean[name]:.1f}"
                               for name in self.phase_ms_max)
             parts.append(f" time per iteration (ms) max/mean over ranks: {times}")
@@ -219,14 +229,16 @@ class IterationRecord:
             imbalance = ", ".join(f"{phase} {pb[phase + ' before']:.2f}->{pb[phase + ' after']:.2f}"
                                   for phase in (name[:-len(" before")] for name in pb if name.endswith(" before")))
             applied = pb["applied"] >= 0.5
-            parts += [f" {_COST if applied else _SHADOW_COST}: {imbalance}",
-                      f" {_MOVED if applied else _WOULD_MOVE}: {pb['intra-node MB']:.2f}/{pb['inter-node MB']:.2f}",
-                      f" modeled step time saved: {pb['step saved %']:.1f}%",
-                      f" plan ms: {pb['plan ms']:.1f} (exposed {pb['plan exposed ms']:.1f})",
-                      f" dispatch ms: {pb['dispatch ms']:.1f}"]
+            parts.append(f" {_COST if applied else _SHADOW_COST}: {imbalance}")
+            if full:
+                parts += [f" {_MOVED if applied else _WOULD_MOVE}: {pb['intra-node MB']:.2f}/{pb['inter-node MB']:.2f}",
+                          f" modeled step time saved: {pb['step saved %']:.1f}%",
+                          f" plan ms: {pb['plan ms']:.1f} (exposed {pb['plan exposed ms']:.1f})",
+                          f" dispatch ms: {pb['dispatch ms']:.1f}"]
         return "".join(f"{part} |" for part in parts)
 
 
+_LOAD, _IMBALANCE = "load per rank max/mean over DP", "load imbalance max/mean over DP"
 _COST = "post-balancing cost max/mean over DP before->after"
 _SHADOW_COST = "post-balancing shadow (planned, not applied) cost max/mean over DP before->after"
 _MOVED, _WOULD_MOVE = "moved MB intra/inter node", "would move MB intra/inter node"
@@ -278,8 +290,8 @@ def parse_iteration_line(line: str) -> Optional[dict]:
     """The figures of one iteration line (:meth:`IterationRecord.line`), or None for other lines.
 
     Returns ``iteration``, ``lm_loss``, ``elapsed_ms``, ``bad_examples``, ``truncated_answers``, ``load``
-    {field: (max, mean)}, ``time_ms`` {timer: (max, mean)} and, with post-balancing, ``post_balancing``
-    {field: value}.
+    {field: (max, mean)} and ``time_ms`` {timer: (max, mean)} (empty but in the full line) and, with
+    post-balancing, ``post_balancing`` {field: value} (the cost imbalance; the rest in the full line).
     """
     match = re.match(r"\s*iteration\s+(\d+)/\s*(\d+) \|", line)
     if not match:
@@ -293,24 +305,25 @@ def parse_iteration_line(line: str) -> Optional[dict]:
     out["lm_loss"] = float(fields["lm loss"]) if "lm loss" in fields else None
     out["bad_examples"] = int(fields.get("number of bad examples skipped", 0))
     out["truncated_answers"] = int(fields.get("number of answers truncated", 0))
-    for name, high, mean in re.findall(rf"\s*([a-z][a-z0-9_ ]*?) {_NUMBER}/{_NUMBER}",
-                                       fields["load per rank max/mean over DP"]):
+    for name, high, mean in re.findall(rf"\s*([a-z][a-z0-9_ ]*?) {_NUMBER}/{_NUMBER}", fields.get(_LOAD, "")):
         out["load"][name.strip()] = (float(high), float(mean))
     for name, high, mean in re.findall(rf"\s*([a-z][a-z0-9_-]*) {_NUMBER}/{_NUMBER}",
                                        fields.get("time per iteration (ms) max/mean over ranks", "")):
         out["time_ms"][name] = (float(high), float(mean))
     applied = _COST in fields
     if applied or _SHADOW_COST in fields:
-        pb = {}
+        pb = {"applied": float(applied)}
         for phase, before, after in re.findall(rf"([a-z][a-z0-9_]*) {_NUMBER}->{_NUMBER}",
                                                fields[_COST if applied else _SHADOW_COST]):
             pb[f"{phase} before"], pb[f"{phase} after"] = float(before), float(after)
-        intra, inter = fields[_MOVED if applied else _WOULD_MOVE].split("/")
-        plan = re.match(rf"{_NUMBER} \(exposed {_NUMBER}\)", fields["plan ms"])
-        pb.update({"intra-node MB": float(intra), "inter-node MB": float(inter),
-                   "step saved %": float(fields["modeled step time saved"].rstrip("%")),
-                   "plan ms": float(plan.group(1)), "plan exposed ms": float(plan.group(2)),
-                   "dispatch ms": float(fields["dispatch ms"]), "applied": float(applied)})
+        moved = fields.get(_MOVED if applied else _WOULD_MOVE)
+        if moved is not None:  # the full line's
+            intra, inter = moved.split("/")
+            plan = re.match(rf"{_NUMBER} \(exposed {_NUMBER}\)", fields["plan ms"])
+            pb.update({"intra-node MB": float(intra), "inter-node MB": float(inter),
+                       "step saved %": float(fields["modeled step time saved"].rstrip("%")),
+                       "plan ms": float(plan.group(1)), "plan exposed ms": float(plan.group(2)),
+                       "dispatch ms": float(fields["dispatch ms"])})
         out["post_balancing"] = pb
     return out
 

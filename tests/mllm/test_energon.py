@@ -115,6 +115,16 @@ def test_each_rank_reads_its_own_part_in_megatron_order_with_the_skips_reported(
     assert iterator.take_events(before=24) == []
 
 
+def test_one_event_per_bad_sample_skipped_for_a_position():
+    """Energon's draws for sample 0 meet shard_001.tar:000021 (a truncated image) twice: reported (and counted
+    against --max-bad-examples) once."""
+    iterator = build_train_iterator(data_config(EXAMPLE / "energon", num_samples=12, max_bad_examples=100), 0, 0, 1)
+    list(iterator)
+    skipped = [(e.position, e.message) for e in iterator.take_events(before=12) if e.skipped]
+    assert any(position == 0 and "000021" in message for position, message in skipped), skipped
+    assert len(skipped) == len(set(skipped)), skipped
+
+
 # ---------------------------------------------------------------------------------- the loader's state
 
 def test_a_resumed_iterator_continues_on_exactly_the_samples_after_the_trained_ones():

@@ -128,3 +128,17 @@ def test_the_launch_refuses_in_one_line_before_any_collective():
     line = ast.literal_eval(code)
     assert line.startswith("pretrain_mllm.py: error: --normalization ('RMSNorm'): the MLLM's architecture"), line
     assert "; --swiglu (True): " in line and "\n" not in line
+
+
+def test_every_flag_of_the_installed_parser_is_taken_or_explained_by_the_compact_trainer(audit):
+    """On ``--orch-trainer compact`` each of the installed release's Megatron-LM options is a flag of the compact
+    trainer or refused with a reason (never argparse's bare "unrecognized arguments")."""
+    from megatron_orch.mllm.task import MLLM_TASK
+    from megatron_orch.trainer import arguments
+    parser = arguments.build_parser(MLLM_TASK)
+    known = parser._option_string_actions
+    unexplained = [option for dest in audit["megatron"] for option in audit["options"][dest]
+                   if option.startswith("--") and option not in known
+                   and "is not implemented by the compact trainer" not in arguments.unknown_flags(
+                       [option], known, MLLM_TASK.explain_flag)]
+    assert not unexplained, unexplained

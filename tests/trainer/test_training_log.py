@@ -1,5 +1,6 @@
 """The iteration line round-trips through its parser (the comparison command reads logs with it), for the
-configured phases: the project's three, or a model with a third encoder."""
+configured phases: the project's three, or a model with a third encoder; the default line is the compact one
+(``--orch-log-level 0``), the full one adds the loads, the phase times and post-balancing's moves and times."""
 import pytest
 
 from megatron_orch.mllm.config import load_model_config
@@ -24,7 +25,7 @@ def record(post_balancing, phases=TINY):
 def test_line_round_trips(balanced):
     figures = dict(zip(post_balancing_fields(TINY),
                        (1.8, 1.01, 2.0, 1.1, 1.3, 1.0, 0.25, 0.5, 23.4, 12.5, 0.1, 3.5, balanced)))
-    line = record(figures if balanced is not None else None).line(20)
+    line = record(figures if balanced is not None else None).line(20, full=True)
     assert line.startswith(" iteration        7/      20 |")
     parsed = parse_iteration_line(line)
     assert parsed["iteration"] == 7 and parsed["lm_loss"] == pytest.approx(5.4321)
@@ -41,6 +42,29 @@ def test_line_round_trips(balanced):
     assert parse_iteration_line(" > model config tiny: 1 parameters") is None
 
 
+@pytest.mark.parametrize("balanced", [None, 1.0], ids=["upstream", "balanced"])
+def test_default_line_is_compact(balanced):
+    """Megatron-LM's fields, tokens/s, each phase's load imbalance and the cost imbalance before->after: about
+    500 characters with post-balancing (the full line: about 800 here, 1,100 in a run); bad examples and
+    truncated answers only where the interval had some."""
+    figures = dict(zip(post_balancing_fields(TINY),
+                       (1.8, 1.01, 2.0, 1.1, 1.3, 1.0, 0.25, 0.5, 23.4, 12.5, 0.1, 3.5, balanced)))
+    logged = record(figures if balanced is not None else None)
+    line = logged.line(20)
+    assert len(line) <= 510 and len(logged.line(20, full=True)) > len(line) + 150, line
+    assert line.endswith(" tokens/s: 1234.5 | load imbalance max/mean over DP: vision items 1.20, audio items 1.12, "
+                         "llm tokens 1.08 |" + (" post-balancing cost max/mean over DP before->after: vision "
+                                                "1.80->1.01, audio 2.00->1.10, llm 1.30->1.00 |" if balanced else ""))
+    parsed = parse_iteration_line(line)
+    assert (parsed["lm_loss"], parsed["load"], parsed["time_ms"]) == (pytest.approx(5.4321), {}, {})
+    if balanced:
+        assert parsed["post_balancing"] == pytest.approx({name: value for name, value in figures.items()
+                                                          if name.endswith(("before", "after", "applied"))})
+    assert "bad examples" not in line and "answers truncated" not in line
+    bad = IterationRecord(**{**record(None).__dict__, "bad_examples": 2}).line(20)
+    assert "| number of bad examples skipped:   2 |" in bad and parse_iteration_line(bad)["bad_examples"] == 2
+
+
 def test_fields_follow_the_configured_phases():
     three = load_model_config("tiny_video").phases()
     assert load_fields(three) == ("vision items", "video items", "audio items", "llm tokens")
@@ -49,7 +73,7 @@ def test_fields_follow_the_configured_phases():
     assert fields[:8] == ("vision before", "vision after", "video before", "video after", "audio before",
                           "audio after", "llm before", "llm after")
     figures = dict(zip(fields, (1.8, 1.01, 1.6, 1.05, 2.0, 1.1, 1.3, 1.0, 0.25, 0.5, 20.0, 12.5, 0.1, 3.5, 1.0)))
-    parsed = parse_iteration_line(record(figures, three).line(20))
+    parsed = parse_iteration_line(record(figures, three).line(20, full=True))
     assert parsed["post_balancing"] == pytest.approx(figures)
     assert list(parsed["load"]) == list(load_fields(three))
 
@@ -85,7 +109,7 @@ def test_logged_bytes_count_every_transfer_as_the_simulator_does(tmp_path):
     assert figures["inter-node MB"] * 1e6 == pytest.approx(simulated["inter_node_bytes"], rel=1e-12)
     assert figures["intra-node MB"] * 1e6 == pytest.approx(simulated["intra_node_bytes"], rel=1e-12)
 
-    line = record(figures).line(20)
+    line = record(figures).line(20, full=True)
     logged = parse_iteration_line(line)["post_balancing"]
     assert logged["inter-node MB"] == pytest.approx(figures["inter-node MB"], abs=0.005)
     assert logged["intra-node MB"] == pytest.approx(figures["intra-node MB"], abs=0.005)
