@@ -228,23 +228,25 @@ def test_log_axes_are_labelled_with_plain_numbers():
 
 
 @pytest.mark.parametrize("stages,virtual", [(1, 1), (2, 1), (4, 2)])
-def test_upstream_pays_the_pipeline_bubble_over_its_end_to_end_examples(stages, virtual):
-    """Upstream (each example's phases on its loader's rank) runs its encoders inside the first stage's
-    micro-batches: its compute is that stage's, stretched by the bubble (PP - 1) / (VP x micro-batches)."""
+def test_upstream_runs_its_encoders_inside_the_first_stages_microbatches(stages, virtual):
+    """Upstream (each example's phases on its loader's rank, one example per micro-batch) runs its encoders
+    inside the first stage's micro-batches: by hand, every rank's micro-batches through the schedule with each
+    example's encoder seconds added to its first-stage forward (a third) and backward; on one stage, the
+    slowest rank's sum of every phase."""
+    from megatron_orch.balance.pipeline_schedule import PipelineSchedule
     from megatron_orch.balance.step_model import StepModel
     dp, per_rank, gpus = 8, 4, 4
     _, _, sizes = draw_sizes(list(DEFAULT_MIXTURE), dp, per_rank, "tiny", 3)
     link = LinkModel(gpus_per_node=gpus)
     model = StepModel(link=link, pipeline_stages=stages, virtual_stages=virtual)
     upstream = simulate_step(sizes, TINY, link, step_model=model)["none"]
-    flat = simulate_step(sizes, TINY, link, step_model=StepModel(link=link))["none"]
-    bubble = (stages - 1) / (virtual * per_rank)
-    assert upstream["pipeline_bubble_seconds"] == pytest.approx(upstream["compute_seconds"] * bubble / (1 + bubble))
-    assert (upstream["pipeline_bubble_seconds"] > 0) == (stages > 1)
-    # by hand: the first stage's rank seconds, every encoder and its share of the backbone, the slowest
-    from megatron_orch.balance.workload import phase_items
-    from megatron_orch.sim.cluster import phase_rank_seconds
-    ranks = phase_rank_seconds(upstream_plan(sizes, "llm"), phase_items(sizes, TINY.phases()), None, model.tflops)
-    paced = ranks["vision"] + ranks["audio"] + ranks["llm"] / stages
-    assert upstream["compute_seconds"] == pytest.approx(float(paced.max()) * (1 + bubble), rel=1e-12)
-    assert flat["compute_seconds"] == pytest.approx(float((ranks["vision"] + ranks["audio"] + ranks["llm"]).max()))
+    items = phase_items(sizes, TINY.phases())
+    seconds = {p: items[p].cost / (model.tflops * 1e12) for p in PHASES}
+    llm = seconds["llm"].reshape(dp, per_rank)  # rank r's examples in loading order, one per micro-batch
+    inside = sum(np.bincount(items[p].example, weights=seconds[p], minlength=dp * per_rank)
+                 for p in ("vision", "audio")).reshape(dp, per_rank)
+    by_hand = PipelineSchedule(stages, virtual).replica_seconds(llm, inside / 3, 2 * inside / 3).max()
+    assert upstream["compute_seconds"] == pytest.approx(by_hand, rel=1e-12)
+    assert upstream["pipeline_bubble_seconds"] >= -1e-15
+    if stages == 1:
+        assert by_hand == pytest.approx((llm + inside).sum(axis=1).max(), rel=1e-12)
