@@ -110,5 +110,5 @@ def test_the_gradient_ring_crosses_nodes_only_when_the_dp_group_outgrows_one(dp,
     model = StepModel(link=link, grad_bytes=10 * GB, encoder_grad_bytes=1 * GB, bucket_bytes=1 * GB)
     ring = 2 * (dp - 1) / dp * 2 * GB  # the encoders' gradients and the last bucket, behind nothing
     expected = ring / (10 * GB) if crosses else ring / (100 * GB)
-    assert model.step([], 1.0, 1, {}, dp=dp, replicas_per_node=replicas_per_node)["grad_reduce"] == \
-        pytest.approx(expected)
+    assert model.step([], model.pipelined_even(1.0, 1), {}, dp=dp, replicas_per_node=replicas_per_node)[
+        "grad_reduce"] == pytest.approx(expected)
