@@ -130,6 +130,7 @@ def test_the_launch_refuses_in_one_line_before_any_collective():
     assert "; --swiglu (True): " in line and "\n" not in line
 
 
+@pytest.mark.distributed
 def test_every_flag_of_the_installed_parser_is_taken_or_explained_by_the_compact_trainer(audit):
     """On ``--orch-trainer compact`` each of the installed release's Megatron-LM options is a flag of the compact
     trainer or refused with a reason (never argparse's bare "unrecognized arguments")."""
