@@ -71,26 +71,30 @@ def _pack(items, count, costs, num_mb, mode, rows, mb_of, mb_cost, order_buf):
 
 
 @numba.njit(**_JIT)
+def _fill_order(idx, num_mb, kind, order):
+    """``order[j]``, the micro-batch run j-th, of ``idx`` (heaviest first): ``kind`` 0 heaviest first, 1 lightest
+    first, 2 the heaviest in the middle and the rest alternating outwards."""
+    half = num_mb // 2
+    for j in range(num_mb):
+        if kind == 0:
+            order[j] = idx[j]
+        elif kind == 1:
+            order[j] = idx[num_mb - 1 - j]
+        elif j % 2 == 0:
+            order[half + j // 2] = idx[j]
+        else:
+            order[half - 1 - j // 2] = idx[j]
+
+
+@numba.njit(**_JIT)
 def _best_order(mb_cost, num_mb, forward_share, num_virtual, slot, prev, dep, end, durations, order, ordered):
     """The order of the micro-batches (``order[j]``: the micro-batch run j-th) that the schedule finishes
-    soonest, of three: heaviest first, lightest first, heaviest in the middle (ties: the first found).
-    Returns its seconds and writes ``order``."""
+    soonest, of three (:func:`_fill_order`; ties: the first found). Returns its seconds and writes ``order``."""
     idx = np.argsort(-mb_cost[:num_mb], kind="mergesort")
     best = np.inf
     best_kind = 0
     for kind in range(3):
-        for j in range(num_mb):
-            if kind == 0:
-                order[j] = idx[j]
-            elif kind == 1:
-                order[j] = idx[num_mb - 1 - j]
-            else:  # the heaviest in the middle, the rest alternating outwards
-                half = num_mb // 2
-                if j % 2 == 0:
-                    pos = half + j // 2
-                else:
-                    pos = half - 1 - j // 2
-                order[pos] = idx[j]
+        _fill_order(idx, num_mb, kind, order)
         for j in range(num_mb):
             ordered[j] = mb_cost[order[j]]
         _fill_durations(ordered[:num_mb], forward_share, num_virtual, durations)
@@ -98,18 +102,7 @@ def _best_order(mb_cost, num_mb, forward_share, num_virtual, slot, prev, dep, en
         if seconds < best:
             best = seconds
             best_kind = kind
-    for j in range(num_mb):
-        if best_kind == 0:
-            order[j] = idx[j]
-        elif best_kind == 1:
-            order[j] = idx[num_mb - 1 - j]
-        else:
-            half = num_mb // 2
-            if j % 2 == 0:
-                pos = half + j // 2
-            else:
-                pos = half - 1 - j // 2
-            order[pos] = idx[j]
+    _fill_order(idx, num_mb, best_kind, order)
     return best
 
 
