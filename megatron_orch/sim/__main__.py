@@ -20,8 +20,8 @@ from megatron_orch.balance.step_model import ENCODER_RANKS
 from megatron_orch.bench.common import (add_trace_args, draw_sizes, effective_layers, parse_layers, report, trace_specs,
                                         with_layers)
 from megatron_orch.mllm.config import load_model_config
-from megatron_orch.sim.cluster import (DEFAULT_TFLOPS, PEAK_TFLOPS, SIM_METHODS, LinkModel, StepModel, simulate_step,
-                                       warm_up_planner)
+from megatron_orch.sim.cluster import (DEFAULT_TFLOPS, PEAK_TFLOPS, SIM_METHODS, LinkModel, StepModel,
+                                       model_state_bytes, simulate_step, warm_up_planner)
 
 PER_PHASE = ("orch", "equal_count", "locality", "equal_locality")
 # each locality-aware method and its plain counterpart (equal-count micro-batches can be slower than packed ones
@@ -142,6 +142,10 @@ def format_tables(result: dict) -> str:
                          f"`step_lower_bound`) | same | {result['dp'][dp]['none']['speedup_bound']:.2f}x | |")
         lines += [f"| {name} (published) | {what} | {speedup:.1f}x | {mfu} |"
                   for name, what, speedup, mfu in p["published"]]
+        for dp, state in p["model_state_gib"].items():
+            lines.append(f"\nmodel state per GPU at DP {dp} (bf16 parameters, fp32 gradients, distributed Adam; no "
+                         f"activations): first stage {state['first_stage']:.1f} GiB, other stages "
+                         f"{state['other_stages']:.1f} GiB")
     return "\n".join(lines + [""] + findings(result["checks"]))
 
 
@@ -329,6 +333,7 @@ def main(argv: Optional[List[str]] = None) -> dict:
         "step_model": {f.name: getattr(cluster, f.name) for f in dataclasses.fields(cluster) if f.name != "link"},
         "gpus": {dp: dp * cluster.tensor_parallel * cluster.pipeline_stages for dp in dps},
         "paper": args.paper, "published": [list(p) for p in PUBLISHED], "peak_tflops": args.peak_tflops,
+        "model_state_gib": {dp: {k: v / 2**30 for k, v in model_state_bytes(model, cluster, dp).items()} for dp in dps},
         "costs": (f"profile {args.profile} ({profile.device}, {profile.dtype})" if profile
                   else f"training FLOPs at an assumed {args.tflops:g} TFLOP/s per GPU"),
         "nic_sweep_gbits_per_s": sweep}, "dp": {}, "per_seed": {}}

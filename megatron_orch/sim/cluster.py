@@ -58,7 +58,8 @@ from megatron_orch.bench.common import PLAN_METHODS, model_phases, plan_method
 from megatron_orch.orchestrator.step_plan import StepPlan, step_transfers, warm_up
 
 __all__ = ("SIM_METHODS", "END_TO_END", "DEFAULT_TFLOPS", "PEAK_TFLOPS", "LinkModel", "StepModel",
-           "phase_cell_seconds", "model_flops", "simulate_step", "spread_encoders", "step_lower_bound",
+           "phase_cell_seconds", "model_flops", "model_state_bytes", "simulate_step", "spread_encoders",
+           "step_lower_bound",
            "topology_of", "warm_up_planner")
 
 SIM_METHODS = ("none", "orch", "equal_count", "locality", "equal_locality", "backbone_only")
@@ -142,6 +143,33 @@ def step_lower_bound(items: Dict[str, PhaseItems], backbone: str, at: StepModel,
     bound = sum(max(float(seconds(p).sum()) / groups, float(seconds(p).max(initial=0.0))) / etp
                 for p in items if p != backbone)
     return bound + at.schedule.lower_bound(seconds(backbone) / at.tensor_parallel, dp)
+
+
+MODEL_STATE_BYTES_PER_PARAMETER = 2 + 4  # bf16 parameters and fp32 gradients (Megatron DDP's grad buffer)
+OPTIMIZER_BYTES_PER_PARAMETER = 12      # Adam's fp32 main parameters and two moments, sharded over the DP group
+
+
+def model_state_bytes(model, at: StepModel, dp: int) -> dict:
+    """Modeled model-state bytes per GPU (parameters, gradients, distributed-optimizer shard) under ``at``'s
+    layout: the backbone's over a replica's TP x PP GPUs (its optimizer over DP); the encoders' over their TP on
+    the first stage's GPUs (optimizer over DP), or on every GPU under ``encoder_ranks="all"`` (optimizer over
+    every encoder group of the job). Activations are not counted (``bench.memory`` measures them).
+
+    Returns:
+        ``{"first_stage": bytes, "other_stages": bytes}``, the first stage's GPUs and the others'.
+    """
+    params = model.num_parameters()
+    encoders = sum(params[name] for name in model.encoders)
+    backbone = params[model.phases().backbone.name] / (at.tensor_parallel * at.pipeline_stages)
+    per_gpu = MODEL_STATE_BYTES_PER_PARAMETER + OPTIMIZER_BYTES_PER_PARAMETER / dp
+    state = backbone * per_gpu
+    if at.encoder_ranks == "all":
+        groups = dp * at.encoder_groups_per_replica
+        encoder = encoders / (at.encoder_tensor_parallel or at.tensor_parallel) * (
+            MODEL_STATE_BYTES_PER_PARAMETER + OPTIMIZER_BYTES_PER_PARAMETER / groups)
+        return {"first_stage": state + encoder, "other_stages": state + encoder}
+    encoder = encoders / at.tensor_parallel * per_gpu
+    return {"first_stage": state + encoder, "other_stages": state}
 
 
 def model_flops(sizes: StepSizes, model) -> float:

@@ -20,7 +20,7 @@ from megatron_orch.bench.common import PLAN_METHODS, draw_sizes, upstream_plan
 from megatron_orch.mllm.config import load_model_config
 from megatron_orch.orchestrator.step_plan import plan_step
 from megatron_orch.sim import __main__ as sim_main
-from megatron_orch.sim.cluster import SIM_METHODS, LinkModel, simulate_step
+from megatron_orch.sim.cluster import SIM_METHODS, LinkModel, model_state_bytes, simulate_step
 
 TINY = load_model_config("tiny")
 PHASES = ("vision", "audio", "llm")  # tiny's phases
@@ -183,6 +183,21 @@ def test_encoders_on_every_gpu_spread_each_phase_over_the_whole_job():
         sim_main.StepModel(encoder_ranks="everywhere")
     with pytest.raises(ValueError, match="encoder_tensor_parallel 3 must divide"):
         sim_main.StepModel(tensor_parallel=8, encoder_ranks="all", encoder_tensor_parallel=3)
+
+
+def test_model_state_per_gpu_by_hand():
+    """mllm_84b, TP 8 x PP 4, DP 80: the backbone's parameters over 32 GPUs at 2 + 4 bytes (bf16, fp32 grads)
+    plus 12 over DP (Adam, distributed); the encoders' over TP on the first stage (Adam over DP), or on every GPU
+    with the encoders on every GPU (Adam over all 320 encoder groups)."""
+    model = load_model_config("mllm_84b")
+    params = model.num_parameters()
+    encoders = params["vision"] + params["audio"]
+    backbone = params["llm"] / 32 * (6 + 12 / 80)
+    first = model_state_bytes(model, sim_main.StepModel(tensor_parallel=8, pipeline_stages=4), 80)
+    assert first["first_stage"] == pytest.approx(backbone + encoders / 8 * (6 + 12 / 80))
+    assert first["other_stages"] == pytest.approx(backbone)
+    every = model_state_bytes(model, sim_main.StepModel(tensor_parallel=8, pipeline_stages=4, encoder_ranks="all"), 80)
+    assert every["first_stage"] == every["other_stages"] == pytest.approx(backbone + encoders / 8 * (6 + 12 / 320))
 
 
 @pytest.mark.distributed
