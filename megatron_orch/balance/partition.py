@@ -22,6 +22,7 @@ every rank computes the same plan. Hot loops are compiled with numba and release
 """
 from __future__ import annotations
 
+import enum
 import math
 from dataclasses import dataclass
 from typing import Optional
@@ -45,6 +46,14 @@ _AUTO_SETTLED = 2e-3         # this close, auto tries no further construction (e
 _BS_FFD_MAX_ROUNDS = 40
 
 
+class Outcome(enum.Enum):
+    """How a partition was made, as its users decide by it (``Partition.method`` names the algorithm for logs)."""
+
+    BALANCED = "balanced"  # the partitioner's bins
+    HOME = "home"          # the home assignment, kept: nothing better (or already within the capacity)
+    FALLBACK = "fallback"  # a locality partitioner missed its capacity: the reference's bins, placed exactly
+
+
 @dataclass(frozen=True, eq=False)
 class Partition:
     """Assignment of n items to K interchangeable bins (bins are mapped to ranks by comm placement).
@@ -66,6 +75,7 @@ class Partition:
     moved_bytes: float = math.nan
     inter_node_bytes: float = math.nan
     total_bytes: float = math.nan
+    outcome: Outcome = Outcome.BALANCED
 
     @property
     def num_items(self) -> int:
@@ -202,7 +212,7 @@ def _nodes(num_bins: int, gpus_per_node: Optional[int]) -> Optional[np.ndarray]:
 
 
 def _result(bins, num_bins, costs, memory, has_memory, lower_bound, home, method, item_bytes,
-            node_of_bin) -> Partition:
+            node_of_bin, outcome: Outcome = Outcome.BALANCED) -> Partition:
     """The partition's figures; ``node_of_bin`` (bins are ranks on these nodes) gives the byte figures
     their inter-node part."""
     baseline = _max_cost(costs, home, num_bins) if home is not None else math.nan
@@ -224,6 +234,7 @@ def _result(bins, num_bins, costs, memory, has_memory, lower_bound, home, method
         moved_bytes=moved,
         inter_node_bytes=inter,
         total_bytes=total,
+        outcome=outcome,
     )
 
 
@@ -333,12 +344,12 @@ def _auto(costs, memory, cap, order, num_bins, refine: bool):
 
 def _home_if_not_worse(bins, name, cost, costs, memory, cap, num_bins, home):
     """``home`` instead of ``bins`` (max cost ``cost``) unless ``bins`` is strictly better; home
-    must fit the memory cap. Returns (bin_of_item, method name, max cost)."""
+    must fit the memory cap. Returns (bin_of_item, method name, max cost, outcome)."""
     if home is not None and _fits_memory(home, memory, cap, num_bins):
         home_cost = _max_cost(costs, home, num_bins)
         if cost >= home_cost:
-            return home.copy(), "home", home_cost
-    return bins, name, cost
+            return home.copy(), "home", home_cost, Outcome.HOME
+    return bins, name, cost, Outcome.BALANCED
 
 
 def partition(costs, num_bins, *, method: str = "auto", memory=None, memory_cap=None, home=None,
@@ -384,9 +395,9 @@ def partition(costs, num_bins, *, method: str = "auto", memory=None, memory_cap=
             _refine(costs, memory, cap, order, num_bins, bins, allow_moves=True, stop_at=stop_at)
             name += "+refine"
         cost = _max_cost(costs, bins, num_bins)
-    bins, name, _ = _home_if_not_worse(bins, name, cost, costs, memory, cap, num_bins, home)
+    bins, name, _, outcome = _home_if_not_worse(bins, name, cost, costs, memory, cap, num_bins, home)
     return _result(bins, num_bins, costs, memory, has_memory, _lower_bound(costs, num_bins), home,
-                   name, item_bytes, _nodes(num_bins, gpus_per_node))
+                   name, item_bytes, _nodes(num_bins, gpus_per_node), outcome)
 
 
 def partition_groups(costs, group, num_bins, *, method: str = "auto") -> np.ndarray:
@@ -515,10 +526,11 @@ def partition_equal_count(costs, num_bins, *, home=None, refine: bool = True, it
             trial_cost, trial_name = _max_cost(costs, trial, num_bins), trial_name + "+refine"
         if trial_cost < cost:
             bins, name, cost = trial, trial_name, trial_cost
+    outcome = Outcome.BALANCED
     if home is not None and _max_cost(costs, bins, num_bins) >= _max_cost(costs, home, num_bins):
-        bins, name = home.copy(), "home"
+        bins, name, outcome = home.copy(), "home", Outcome.HOME
     return _result(bins, num_bins, costs, memory, False, lower_bound, home, name, item_bytes,
-                   _nodes(num_bins, gpus_per_node))
+                   _nodes(num_bins, gpus_per_node), outcome)
 
 
 def partition_equal_count_locality(costs, home, num_bins, gpus_per_node, *, item_bytes, tolerance: float = 0.0,
@@ -558,8 +570,9 @@ def partition_equal_count_locality(costs, home, num_bins, gpus_per_node, *, item
         raise ValueError("equal-count locality needs an equal-count home (the same number of items on every rank)")
     capacity = (1.0 + tolerance) * reference.max_cost
     lower_bound = reference.lower_bound
-    if reference.method == "home" or _max_cost(costs, home, num_bins) <= capacity:
-        bins, name = home.copy(), "home"
+    outcome = Outcome.BALANCED
+    if reference.outcome is Outcome.HOME or _max_cost(costs, home, num_bins) <= capacity:
+        bins, name, outcome = home.copy(), "home", Outcome.HOME
     else:
         order = _decreasing(costs)
         num_nodes = num_bins // gpus_per_node
@@ -581,10 +594,10 @@ def partition_equal_count_locality(costs, home, num_bins, gpus_per_node, *, item
                         node_size=gpus_per_node, cross_swap_cap=swap_cap * mean if swap_cap < math.inf else math.inf)
         name = "equal_locality"
         if _max_cost(costs, bins, num_bins) > capacity:
-            bins, name = (_placed(reference.bin_of_item, home, item_bytes, num_bins, gpus_per_node),
-                          f"equal_locality_fallback:{reference.method}+exact")
+            bins, name, outcome = (_placed(reference.bin_of_item, home, item_bytes, num_bins, gpus_per_node),
+                                   f"equal_locality_fallback:{reference.method}+exact", Outcome.FALLBACK)
     return _result(bins, num_bins, costs, None, False, lower_bound, home, name, item_bytes,
-                   _nodes(num_bins, gpus_per_node))
+                   _nodes(num_bins, gpus_per_node), outcome)
 
 
 def partition_uniform(costs, home, node_of_bin, *, item_bytes) -> Partition:
@@ -611,12 +624,13 @@ def partition_uniform(costs, home, node_of_bin, *, item_bytes) -> Partition:
         raise ValueError(f"node_of_bin holds a negative node id {node_of_bin.min()}")
     bins, name = uniform_bins(home, node_of_bin)
     return _result(bins, num_bins, costs, None, False, _lower_bound(costs, num_bins), home, name, item_bytes,
-                   node_of_bin)
+                   node_of_bin, Outcome.HOME if bins is home else Outcome.BALANCED)
 
 
 def uniform_bins(home: np.ndarray, node_of_bin: np.ndarray):
     """(bin_of_item, method) of :func:`partition_uniform` for valid int64 ``home`` and ``node_of_bin`` (the
-    trainer's path: its inputs are checked where they are built, and it needs no figures)."""
+    trainer's path: its inputs are checked where they are built, and it needs no figures); ``home`` itself
+    where every bin holds at most its share already."""
     n, num_bins = home.size, node_of_bin.size
     cap = -(-n // num_bins)
     if n == 0 or np.bincount(home, minlength=num_bins).max() <= cap:
@@ -660,14 +674,15 @@ def partition_locality(costs, home, num_bins, gpus_per_node, *, item_bytes, memo
 
     order = _decreasing(costs)
     if reference is None:
-        bins, name, cost = _home_if_not_worse(*_auto(costs, memory, cap, order, num_bins, refine=n > 0), costs,
-                                              memory, cap, num_bins, home)
+        bins, name, cost, outcome = _home_if_not_worse(*_auto(costs, memory, cap, order, num_bins, refine=n > 0),
+                                                       costs, memory, cap, num_bins, home)
         reference = Partition(bins, num_bins, np.bincount(bins, weights=costs, minlength=num_bins), 0.0, math.nan,
-                              name)
+                              name, outcome=outcome)
     capacity = (1.0 + tolerance) * reference.max_cost
-    if reference.method == "home" or (_fits_memory(home, memory, cap, num_bins)
-                                      and _max_cost(costs, home, num_bins) <= capacity):
-        bins, name = home.copy(), "home"
+    outcome = Outcome.BALANCED
+    if reference.outcome is Outcome.HOME or (_fits_memory(home, memory, cap, num_bins)
+                                             and _max_cost(costs, home, num_bins) <= capacity):
+        bins, name, outcome = home.copy(), "home", Outcome.HOME
     else:
         bins = np.empty(n, dtype=np.int64)
         mean = float(costs.sum()) / num_bins
@@ -681,7 +696,7 @@ def partition_locality(costs, home, num_bins, gpus_per_node, *, item_bytes, memo
                         node_size=gpus_per_node, cross_swap_cap=swap_cap * mean if swap_cap < math.inf else math.inf)
                 name = "locality+refine"
         if failed >= 0 or _max_cost(costs, bins, num_bins) > capacity:
-            bins, name = (_placed(reference.bin_of_item, home, item_bytes, num_bins, gpus_per_node),
-                          f"locality_fallback:{reference.method}+exact")
+            bins, name, outcome = (_placed(reference.bin_of_item, home, item_bytes, num_bins, gpus_per_node),
+                                   f"locality_fallback:{reference.method}+exact", Outcome.FALLBACK)
     return _result(bins, num_bins, costs, memory, has_memory, _lower_bound(costs, num_bins), home,
-                   name, item_bytes, _nodes(num_bins, gpus_per_node))
+                   name, item_bytes, _nodes(num_bins, gpus_per_node), outcome)

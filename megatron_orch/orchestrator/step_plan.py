@@ -17,8 +17,9 @@ import numpy as np
 from megatron_orch.balance import _plan_kernels
 from megatron_orch.balance._kernels._jit import announcing_compilation
 from megatron_orch.balance.cost import ContextParallelCost
-from megatron_orch.balance.partition import (partition, partition_equal_count, partition_equal_count_locality,
-                                              partition_groups, partition_locality, uniform_bins)
+from megatron_orch.balance.partition import (Outcome, partition, partition_equal_count,
+                                              partition_equal_count_locality, partition_groups, partition_locality,
+                                              uniform_bins)
 from megatron_orch.balance.placement import PlacementConfig, place_items
 from megatron_orch.balance.repair import localize, repair_locality
 from megatron_orch.balance.plan import MovedBytes, Placement, Transfer, checksum, moved_bytes
@@ -223,8 +224,8 @@ def _balance_encoder(costs, home_rank, item_bytes, num_ranks, topology, config, 
                                   item_bytes=item_bytes)
         return part.bin_of_item, part.method
     part = partition(costs, num_ranks, method=config.algorithm, home=home_rank)
-    if part.method == "home":
-        return home_rank, "home"
+    if part.outcome is Outcome.HOME:
+        return home_rank, part.method
     return _place(part.bin_of_item, [(part.bin_of_item, home_rank, item_bytes)], num_ranks,
                   topology, config), part.method
 
@@ -415,15 +416,15 @@ def plan_step(sizes: StepSizes, phases: ModelPhases, config: OrchestratorConfig,
         part = (partition(backbone_costs, num_ranks, method=config.algorithm, home=home) if packed
                 else partition_equal_count(backbone_costs, num_ranks, home=home))
         method, bins = part.method, part.bin_of_item
-        if part.method != "home" and config.step_model.pipeline_stages > 1:
+        if part.outcome is not Outcome.HOME and config.step_model.pipeline_stages > 1:
             bins, pipelined_microbatch, method = _pipelined(bins, part.method, backbone_costs, sizes.num_tokens,
                                                             num_ranks, micro_batch_size, num_microbatches, config)
-        if part.method == "home":
+        if part.outcome is Outcome.HOME:
             backbone_rank = home
         else:
             example, source, nbytes = _example_sources(home, text_bytes, rank_of_item)
             backbone_rank = _place(bins, [(bins[example], source, nbytes)], num_ranks, topology, config)
-        if config.locality and part.method != "home":
+        if config.locality and part.outcome is not Outcome.HOME:
             plain_rank, plain_microbatch = backbone_rank, pipelined_microbatch
 
             def pipelined(rank):
@@ -452,7 +453,7 @@ def plan_step(sizes: StepSizes, phases: ModelPhases, config: OrchestratorConfig,
                 near = partition_equal_count_locality(backbone_costs, home, num_ranks, _gpus_per_node(topology),
                                                       item_bytes=example_bytes, reference=part)
             near_bins, near_method = near.bin_of_item, near.method
-            if near.method.startswith(("locality_fallback", "equal_locality_fallback")):
+            if near.outcome is Outcome.FALLBACK:
                 slower = None
             else:
                 slower = _slower_by(near_bins, backbone_rank, items, rank_of_item, home, topology, pipelined, config)

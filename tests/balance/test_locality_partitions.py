@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from megatron_orch.balance.partition import (equal_count_lower_bound, partition, partition_equal_count,
+from megatron_orch.balance.partition import (Outcome, equal_count_lower_bound, partition, partition_equal_count,
                                              partition_equal_count_locality, partition_locality, partition_uniform)
 from megatron_orch.balance.placement import (BinTraffic, PlacementConfig, exact_min_cost_flow, place_items,
                                              placement_cost)
@@ -134,6 +134,7 @@ def test_a_locality_fallback_is_placed_exactly(equal_count):
         part = partition_locality(costs, home, num_bins, gpus, item_bytes=nbytes, tolerance=0.0)
         reference = partition(costs, num_bins, home=home).bin_of_item
     assert "fallback" in part.method and part.method.endswith("+exact"), part.method
+    assert part.outcome is Outcome.FALLBACK  # what step_plan decides by
     same_bins = {tuple(np.flatnonzero(part.bin_of_item == b)) for b in range(num_bins)}
     assert same_bins == {tuple(np.flatnonzero(reference == b)) for b in range(num_bins)}
     topology = Topology.uniform(num_bins, gpus)

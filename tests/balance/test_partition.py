@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from megatron_orch.balance.partition import (equal_count_lower_bound, partition,
+from megatron_orch.balance.partition import (Outcome, equal_count_lower_bound, partition,
                                              partition_equal_count, partition_locality)
 from megatron_orch.balance.registry import PARTITIONERS
 
@@ -324,7 +324,7 @@ def test_locality_moves_nothing_when_home_is_balanced():
     costs = np.tile([5.0, 3.0, 2.0], 8)
     home = np.repeat(np.arange(8), 3)
     p = partition_locality(costs, home, 8, 4, item_bytes=np.ones(24))
-    assert p.method == "home" and np.array_equal(p.bin_of_item, home)
+    assert p.method == "home" and p.outcome is Outcome.HOME and np.array_equal(p.bin_of_item, home)
     assert p.moved_bytes == 0 and p.inter_node_bytes == 0 and p.total_bytes == 24
 
 
