@@ -174,7 +174,7 @@ def _announcing(wrapper: Callable, announce: Callable[[str], None], line: str) -
 
 # The Megatron-LM flags (argparse destinations) check_args refuses with post-balancing, of any release.
 POST_BALANCING_REFUSALS = ("dataloader_type", "calculate_per_token_loss", "hybrid_context_parallel",
-                           "sequence_packing_scheduler", "cuda_graph_impl", "cuda_graph_scope",
+                           "sequence_packing_scheduler", "use_varlen_dataset", "cuda_graph_impl", "cuda_graph_scope",
                            "moe_expert_rank_capacity_factor", "moe_router_load_balancing_type", "moe_aux_loss_coeff",
                            "moe_z_loss_coeff", "moe_expert_capacity_factor", "perform_rl_step", "rampup_batch_size",
                            "step_batch_size_schedule")
@@ -202,7 +202,13 @@ def check_args(args: argparse.Namespace) -> None:
                         "ranks (HybridCPDataLoaderWrapper), which would undo the post-balancing plan")
     if getattr(args, "sequence_packing_scheduler", None) is not None:
         problems.append(f"--sequence-packing-scheduler {args.sequence_packing_scheduler}: Megatron's own "
-                        "packing scheduler re-plans the data iterator; use --orch-microbatching packed instead")
+                        "packing scheduler re-plans the data iterator (its dp_balanced one moves examples across DP "
+                        "ranks in train_step, and two balancers must not both move them); use "
+                        "--orch-microbatching packed instead")
+    if getattr(args, "use_varlen_dataset", False):
+        problems.append("--use-varlen-dataset: the variable-length dataset feeds Megatron's own packing scheduler in "
+                        "train_step, which replaces the data iterator that post-balancing plans; use "
+                        "--orch-microbatching packed instead")
     if _full_iteration_cuda_graph(args):
         problems.append("full-iteration CUDA graphs (--cuda-graph-impl full_iteration, or --cuda-graph-scope "
                         "full_iteration): the graph would replay one step's routes and item counts, which "

@@ -7,12 +7,20 @@ from typing import Optional
 
 from megatron_orch.balance.cost_profile import load_cost_profile
 from megatron_orch.balance.registry import PARTITIONERS, PLACEMENTS
-from megatron_orch.orchestrator.config import MICROBATCHING, OrchestratorConfig
+from megatron_orch.orchestrator.config import MICROBATCHING, ConfigError, OrchestratorConfig
 
-# Megatron-LM's own DP-balancing packing scheduler (after core_v0.19.0: Megatron-LM PR 6742): with it,
-# ``train_step`` repacks and moves examples across DP ranks itself. Two balancers must not both move them.
-UPSTREAM_BALANCER_FLAGS = (("sequence_packing_scheduler", "--sequence-packing-scheduler"),
-                           ("use_varlen_dataset", "--use-varlen-dataset"))
+# The flag of each OrchestratorConfig field a command line sets: its errors name the flag (:func:`flag_message`).
+CONFIG_FLAGS = {"phases": "--orch-phases", "algorithm": "--orch-algorithm", "microbatching": "--orch-microbatching",
+                "placement": "--orch-placement", "placement_time_limit_s": "--orch-placement-time-limit",
+                "gpus_per_node": "--orch-gpus-per-node", "encoder_chunk_tokens": "--orch-encoder-chunk-tokens",
+                "encoder_memory_cap": "--orch-encoder-memory-cap", "encoder_recompute": "--orch-encoder-recompute",
+                "cost_profile": "--orch-cost-profile", "context_parallel_size": "--context-parallel-size"}
+
+
+def flag_message(error: BaseException) -> str:
+    """An error's message as a command line says it: a :class:`ConfigError` names the flag, not the field."""
+    return error.naming(CONFIG_FLAGS) if isinstance(error, ConfigError) else str(error)
+
 
 # The flags that take a value with a default of their own: None when not given (so that one given without
 # --orch-post-balancing is refused like the others, even at its default value), these once it is on.
@@ -104,13 +112,6 @@ def orch_config_from_args(args: argparse.Namespace, verify_by_default: bool = Fa
             raise ValueError(f"{flags} given without --orch-post-balancing (which turns post-balancing on) or "
                              "--orch-shadow")
         return None
-    upstream = [flag for name, flag in UPSTREAM_BALANCER_FLAGS if getattr(args, name, None) not in (None, False)]
-    if upstream:
-        switch = "--orch-post-balancing" if args.orch_post_balancing else "--orch-shadow"
-        raise ValueError(f"{switch} with {upstream[0]}: Megatron-LM's own DP-balancing packing scheduler repacks and "
-                         "moves examples across DP ranks in train_step, and post-balancing moves them too: two "
-                         f"balancers must not both move examples (not supported together; drop {upstream[0]} or "
-                         f"{switch})")
     sharded = [f"--{name.replace('_', '-')}" for name in ("use_torch_fsdp2", "use_megatron_fsdp")
                if getattr(args, name, False)]
     if sharded and args.orch_verify_first_step:
@@ -120,7 +121,21 @@ def orch_config_from_args(args: argparse.Namespace, verify_by_default: bool = Fa
     verify = not sharded and (args.orch_verify_first_step
                               or (verify_by_default and not args.orch_no_verify_first_step))
     phases = None if args.orch_phases is None else tuple(p.strip() for p in args.orch_phases.split(",") if p.strip())
-    config = OrchestratorConfig(
+    try:
+        config = _config(args, phases, verify)
+    except ConfigError as err:
+        raise ValueError(flag_message(err)) from None
+    _check_gpus_per_node(config.gpus_per_node, getattr(args, "world_size", None),
+                         os.environ.get("LOCAL_WORLD_SIZE"))
+    if config.microbatching == "packed" and args.pipeline_model_parallel_size > 1:
+        raise ValueError("--orch-microbatching packed with --pipeline-model-parallel-size > 1 is not "
+                         "supported: 1F1B needs fixed-shape micro-batches (use equal_count)")
+    return config
+
+
+def _config(args: argparse.Namespace, phases, verify: bool) -> OrchestratorConfig:
+    """The :class:`OrchestratorConfig` the flags of a checked command line set."""
+    return OrchestratorConfig(
         phases=phases, algorithm=_default_if_not_given(args, "orch_algorithm"),
         microbatching=_default_if_not_given(args, "orch_microbatching"), locality=args.orch_locality,
         placement=_default_if_not_given(args, "orch_placement"),
@@ -132,12 +147,6 @@ def orch_config_from_args(args: argparse.Namespace, verify_by_default: bool = Fa
         cost_profile=None if args.orch_cost_profile is None else load_cost_profile(args.orch_cost_profile),
         shadow=args.orch_shadow, verify_first_step=verify and not args.orch_shadow,
         context_parallel_size=getattr(args, "context_parallel_size", 1))
-    _check_gpus_per_node(config.gpus_per_node, getattr(args, "world_size", None),
-                         os.environ.get("LOCAL_WORLD_SIZE"))
-    if config.microbatching == "packed" and args.pipeline_model_parallel_size > 1:
-        raise ValueError("--orch-microbatching packed with --pipeline-model-parallel-size > 1 is not "
-                         "supported: 1F1B needs fixed-shape micro-batches (use equal_count)")
-    return config
 
 
 def _default_if_not_given(args: argparse.Namespace, name: str):

@@ -1,10 +1,11 @@
-"""What the orchestrator balances and how: one frozen dataclass, filled from the ``--orch-*`` flags."""
+"""What the orchestrator balances and how: one frozen dataclass (a command line fills it from its flags, and
+names them in its errors: :class:`ConfigError`)."""
 from __future__ import annotations
 
 import dataclasses
 import math
 from dataclasses import dataclass
-from typing import Optional, Tuple
+from typing import Mapping, Optional, Tuple
 
 import numpy as np
 
@@ -14,6 +15,20 @@ from megatron_orch.balance.step_model import StepModel
 from megatron_orch.balance.workload import EncoderPhase, ModelPhases
 
 MICROBATCHING = ("auto", "packed", "equal_count")
+
+
+class ConfigError(ValueError):
+    """A setting of :class:`OrchestratorConfig` that does not hold: ``field`` names it and ``reason`` says what
+    is wrong. The message names the field (``OrchestratorConfig.<field>...``); a command line names its own
+    flag instead (:meth:`naming`, with its table of flags)."""
+
+    def __init__(self, field: str, reason: str):
+        self.field, self.reason = field, reason
+        super().__init__(f"OrchestratorConfig.{field}{reason}")
+
+    def naming(self, flags: Mapping[str, str]) -> str:
+        """The message with ``flags[field]`` in place of the field (where ``flags`` has one)."""
+        return f"{flags.get(self.field, f'OrchestratorConfig.{self.field}')}{self.reason}"
 
 
 @dataclass(frozen=True)
@@ -46,8 +61,9 @@ class OrchestratorConfig:
     :mod:`megatron_orch.balance.cost_profile`) instead of training FLOPs. ``step_model``: how a step's time
     is modeled (:mod:`megatron_orch.balance.step_model`: links, achieved FLOP rate, layout). ``shadow``: plan
     every step and report what balancing would gain, but train on the loader's assignment, moving nothing
-    (``--orch-shadow``). ``verify_first_step``: the first step runs the loader's (upstream) and the balanced
-    layout on the same batch and stops the run unless their losses, gradients and encoder outputs agree
+    (``--orch-shadow``). ``verify_first_step``: the first step, and the first step with items of each encoder phase
+    not seen before, runs the loader's (upstream) and the balanced layout on the same batch, in training mode
+    with dropout off, and stops the run unless their losses, gradients and encoder outputs agree
     (``--orch-verify-first-step``; on by default here, off on the command line for the shipped configs).
     ``context_parallel_size``: the backbone's (``--context-parallel-size``): its costs and memory are planned
     per CP rank (:class:`~megatron_orch.balance.cost.ContextParallelCost`).
@@ -74,26 +90,26 @@ class OrchestratorConfig:
         if self.phases is not None:
             object.__setattr__(self, "phases", tuple(self.phases))
             if not self.phases:
-                raise ValueError("--orch-phases must name at least one phase (to balance nothing, leave out "
-                                 "--orch-post-balancing)")
+                raise ConfigError("phases", " must name at least one phase (to balance nothing, turn post-balancing "
+                                            "off)")
             if len(set(self.phases)) != len(self.phases):
-                raise ValueError(f"--orch-phases: repeated phases in {list(self.phases)}")
+                raise ConfigError("phases", f": repeated phases in {list(self.phases)}")
         PARTITIONERS.check(self.algorithm)
         if self.microbatching not in MICROBATCHING:
-            raise ValueError(f"--orch-microbatching: unknown {self.microbatching!r}; choose one of {MICROBATCHING}")
+            raise ConfigError("microbatching", f": unknown {self.microbatching!r}; choose one of {MICROBATCHING}")
         PLACEMENTS.check(self.placement)
         if not (math.isfinite(self.placement_time_limit_s) and self.placement_time_limit_s > 0):
-            raise ValueError(f"--orch-placement-time-limit must be > 0, got {self.placement_time_limit_s}")
+            raise ConfigError("placement_time_limit_s", f" must be > 0, got {self.placement_time_limit_s}")
         if self.gpus_per_node is not None and self.gpus_per_node < 1:
-            raise ValueError(f"--orch-gpus-per-node must be >= 1, got {self.gpus_per_node}")
+            raise ConfigError("gpus_per_node", f" must be >= 1, got {self.gpus_per_node}")
         chunk = self.encoder_chunk_tokens
         if chunk is not None and (isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 1):
-            raise ValueError(f"--orch-encoder-chunk-tokens must be an int >= 1, got {chunk!r}")
+            raise ConfigError("encoder_chunk_tokens", f" must be an int >= 1, got {chunk!r}")
         if self.context_parallel_size < 1:
-            raise ValueError(f"--context-parallel-size must be >= 1, got {self.context_parallel_size}")
+            raise ConfigError("context_parallel_size", f" must be >= 1, got {self.context_parallel_size}")
         cap = self.encoder_memory_cap
         if cap is not None and not (cap > 0):  # inf: no cap; NaN fails too
-            raise ValueError(f"--orch-encoder-memory-cap must be > 0 (inf: no cap), got {cap / 1e9} GB")
+            raise ConfigError("encoder_memory_cap", f" must be > 0 (inf: no cap), got {cap / 1e9} GB")
 
     @property
     def packed(self) -> bool:
@@ -103,11 +119,11 @@ class OrchestratorConfig:
     def resolve_microbatching(self, cannot_pack: Optional[str]) -> "OrchestratorConfig":
         """This config with ``auto`` decided for a backbone: ``packed``, or ``equal_count`` where ``cannot_pack``
         says why the backbone cannot take packed rows (None: it can). ``packed`` asked for such a backbone
-        raises ValueError with that reason."""
+        raises :class:`ConfigError` with that reason."""
         if cannot_pack is None:
             return self if self.microbatching != "auto" else dataclasses.replace(self, microbatching="packed")
         if self.microbatching == "packed":
-            raise ValueError(f"--orch-microbatching packed: {cannot_pack}")
+            raise ConfigError("microbatching", f" packed: {cannot_pack}")
         return dataclasses.replace(self, microbatching="equal_count")
 
     def balances(self, phase: str) -> bool:
@@ -115,30 +131,30 @@ class OrchestratorConfig:
         return self.phases is None or phase in self.phases
 
     def check_memory(self, phases: ModelPhases) -> None:
-        """Raise ValueError unless one item of every encoder phase fits a chunk: its tokens within
+        """Raise :class:`ConfigError` unless one item of every encoder phase fits a chunk: its tokens within
         ``encoder_chunk_tokens``, its modeled activation bytes (and a whole chunk's) within ``encoder_memory_cap``."""
         cap = self.encoder_memory_cap
         for phase in phases.encoders:
             tokens = self.encoder_chunk_tokens
             if tokens is not None and phase.item_tokens > tokens:
-                raise ValueError(f"--orch-encoder-chunk-tokens {tokens}: an item of encoder phase {phase.name} "
-                                 f"runs {phase.item_tokens} tokens; a chunk holds at least one item")
+                raise ConfigError("encoder_chunk_tokens", f" {tokens}: an item of encoder phase {phase.name} runs "
+                                                          f"{phase.item_tokens} tokens; a chunk holds at least one item")
             if cap is None or math.isinf(cap):
                 continue
             per_item = item_memory(phase)
             items = 1 if tokens is None else tokens // phase.item_tokens
             if items * per_item > cap:
-                what = "an item" if items == 1 else f"a chunk of {items} items (--orch-encoder-chunk-tokens {tokens})"
-                raise ValueError(f"--orch-encoder-memory-cap {cap / 1e9:g} GB: {what} of encoder phase {phase.name} "
-                                 f"needs {items * per_item / 1e9:.3g} GB of activations (modeled)")
+                what = "an item" if items == 1 else f"a chunk of {items} items ({tokens} encoder tokens a chunk)"
+                raise ConfigError("encoder_memory_cap", f" {cap / 1e9:g} GB: {what} of encoder phase {phase.name} "
+                                                        f"needs {items * per_item / 1e9:.3g} GB of activations (modeled)")
 
     def check_phases(self, phases: ModelPhases) -> None:
-        """Raise ValueError unless the settings fit the model's phases: every phase named in ``phases``
-        (``--orch-phases``) is one of the model's, and its encoder items fit a chunk (:meth:`check_memory`)."""
+        """Raise :class:`ConfigError` unless the settings fit the model's phases: every phase named in ``phases``
+        is one of the model's, and its encoder items fit a chunk (:meth:`check_memory`)."""
         unknown = [name for name in self.phases or () if name not in phases.names]
         if unknown:
-            raise ValueError(f"--orch-phases: the model has no phase {', '.join(map(repr, unknown))}; its phases "
-                             f"are {','.join(phases.names)}")
+            raise ConfigError("phases", f": the model has no phase {', '.join(map(repr, unknown))}; its phases are "
+                                        f"{','.join(phases.names)}")
         self.check_memory(phases)
 
 

@@ -28,7 +28,7 @@ import os
 import sys
 from typing import Callable, Dict, Iterable, List, NoReturn, Optional, Sequence
 
-from megatron_orch.megatron.orch_arguments import add_orch_args, orch_config_from_args
+from megatron_orch.megatron.orch_arguments import add_orch_args, flag_message, orch_config_from_args
 from megatron_orch.megatron.pipeline_layout import check_interleaved_microbatches, virtual_pipeline_size
 from megatron_orch.trainer.task import ArgsProvider, TrainingTask, runs_on_cpu
 
@@ -431,7 +431,7 @@ def validate_args(args: argparse.Namespace, world_size: int, task: TrainingTask)
         if args.orch_config is not None:
             args.orch_config.check_phases(summary.phases)
     except ValueError as err:
-        raise ArgumentError(str(err)) from err
+        raise ArgumentError(flag_message(err)) from err
     _check_mixture_of_experts(args)
     # Last, the checks that need torch (is a GPU visible?) or megatron (does Transformer Engine import?).
     if args.distributed_backend is None:

@@ -35,9 +35,12 @@ def debug() -> bool:
 
 
 def one_line(error: BaseException) -> str:
-    """The error's message on one line; with its type unless it is a ValueError or one of this project's
-    errors (whose messages say what is wrong and where)."""
-    text = str(error)
+    """The error's message on one line, as a command line says it (a setting by its flag:
+    :func:`~megatron_orch.megatron.orch_arguments.flag_message`); with its type unless it is a ValueError or one
+    of this project's errors (whose messages say what is wrong and where)."""
+    from megatron_orch.megatron.orch_arguments import flag_message  # (numba: not at this light module's import)
+
+    text = flag_message(error)
     if not (isinstance(error, ValueError) or type(error).__module__.startswith("megatron_orch")):
         text = f"{type(error).__name__}: {text}"
     return " ".join(part.strip() for part in text.splitlines() if part.strip())

@@ -250,6 +250,7 @@ def test_check_args_names_what_post_balancing_cannot_run_with():
     interleaving = dict(pipeline_model_parallel_size=2, micro_batch_size=1, data_parallel_size=2)
     megatron_lm.check_args(_megatron_args(virtual_pipeline_model_parallel_size=2, **interleaving, global_batch_size=4))
     megatron_lm.check_args(_megatron_args(hybrid_context_parallel=False, sequence_packing_scheduler=None,
+                                          use_varlen_dataset=False,
                                           cuda_graph_impl="local", cuda_graph_scope=["attn"],
                                           moe_expert_rank_capacity_factor=None, perform_rl_step=False,
                                           use_torch_fsdp2=False, use_megatron_fsdp=False,
@@ -267,6 +268,7 @@ def test_check_args_names_what_post_balancing_cannot_run_with():
                            "virtual pipeline stages with 1 micro-batches per step"),
                           (dict(hybrid_context_parallel=True), "--hybrid-context-parallel"),
                           (dict(sequence_packing_scheduler="dp_balanced"), "--sequence-packing-scheduler dp_balanced"),
+                          (dict(use_varlen_dataset=True), "--use-varlen-dataset"),
                           (dict(cuda_graph_impl="full_iteration"), "full-iteration CUDA graphs"),
                           (dict(cuda_graph_impl="local", cuda_graph_scope=["full_iteration"]), "full-iteration CUDA graphs"),
                           (dict(moe_expert_rank_capacity_factor=1.5), "--moe-expert-rank-capacity-factor"),

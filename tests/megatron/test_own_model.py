@@ -109,7 +109,7 @@ def test_packed_rows_with_mimo_are_refused_when_the_iterator_is_built(harness, w
 
     assert spec.cannot_pack == (mimo.CANNOT_PACK_ATTENTION.format("DotProductAttention")
                                 if mimo.takes_packing_kwargs(mimo_example().build().mimo) else mimo.CANNOT_PACK)
-    refusal = "--orch-microbatching packed: MimoBalancing does not hand packed rows to this MimoModel"
+    refusal = "OrchestratorConfig.microbatching packed: MimoBalancing does not hand packed rows to this MimoModel"
     with pytest.raises(ValueError, match=refusal):
         PostBalancingDataIterator(_unread(), spec, packed, StepShape(2, 2),
                                   ParallelGroups(dist.group.WORLD, Topology.uniform(1, 1)),
@@ -291,7 +291,7 @@ def test_packing_is_the_models_to_opt_into(harness, world_of_one):
     silent = dataclasses.replace(own_model.batch_spec(), cannot_pack=None)
     resolved, why = resolve_microbatching(silent, OrchestratorConfig(), StepShape(2, 2))
     assert resolved.microbatching == "equal_count" and "takes_packed_rows=False" in why
-    with pytest.raises(ValueError, match=r"--orch-microbatching packed: its BatchSpec leaves takes_packed_rows=False"):
+    with pytest.raises(ValueError, match=r"OrchestratorConfig.microbatching packed: its BatchSpec leaves takes_packed_rows=False"):
         resolve_microbatching(silent, OrchestratorConfig(microbatching="packed"), StepShape(2, 2))
     claims = dataclasses.replace(silent, takes_packed_rows=True)
     assert resolve_microbatching(claims, OrchestratorConfig(), StepShape(2, 2)) == (

@@ -139,7 +139,7 @@ def test_chunk_tokens_make_the_chunks():
                      Topology.uniform(2, 1), 1, 2)
     assert plan.encoders["vision"].chunks.items == 2
     assert plan.encoders["audio"].chunks.items == 1
-    with pytest.raises(ValueError, match="--orch-encoder-chunk-tokens 20: an item of encoder phase audio runs 32 "
+    with pytest.raises(ValueError, match="OrchestratorConfig.encoder_chunk_tokens 20: an item of encoder phase audio runs 32 "
                                          "tokens; a chunk holds at least one item"):
         plan_step(sizes, TINY, OrchestratorConfig(encoder_chunk_tokens=20), Topology.uniform(2, 1), 1, 2)
 
@@ -147,7 +147,7 @@ def test_chunk_tokens_make_the_chunks():
 def test_a_cap_below_one_item_is_refused_with_the_phase():
     vision = item_memory(TINY.encoder("vision"))
     sizes = sizes_of([1, 0], [0, 0], [30, 30], 2)
-    with pytest.raises(ValueError, match=r"--orch-encoder-memory-cap .* GB: an item of encoder phase vision needs "):
+    with pytest.raises(ValueError, match=r"OrchestratorConfig.encoder_memory_cap .* GB: an item of encoder phase vision needs "):
         plan_step(sizes, TINY, OrchestratorConfig(encoder_memory_cap=vision / 2), Topology.uniform(2, 1), 1, 1)
     with pytest.raises(ValueError, match="a chunk of 5 items"):
         OrchestratorConfig(encoder_chunk_tokens=5 * 17, encoder_memory_cap=4.5 * vision).check_phases(TINY)

@@ -142,11 +142,11 @@ def test_bad_sizes_are_rejected_before_planning():
     with pytest.raises(ValueError, match=r"items\['audio'\] has a negative entry at example 2"):
         StepSizes(counts=np.array([4]), items={"vision": np.zeros(4, int), "audio": np.array([0, 0, -1, 0])},
                   num_tokens=np.ones(4, int))
-    with pytest.raises(ValueError, match="--orch-phases: the model has no phase 'text'; its phases are "
+    with pytest.raises(ValueError, match="OrchestratorConfig.phases: the model has no phase 'text'; its phases are "
                                          "vision,audio,llm"):
         plan_step(sizes_of([0] * 4, [0] * 4, [5] * 4, 2), TINY, OrchestratorConfig(phases=("vision", "text")),
                   Topology.uniform(2, 1), 1, 2)
-    with pytest.raises(ValueError, match="--orch-phases: repeated phases"):
+    with pytest.raises(ValueError, match="OrchestratorConfig.phases: repeated phases"):
         OrchestratorConfig(phases=("vision", "vision"))
 
 
@@ -178,7 +178,7 @@ def test_the_backbone_is_planned_per_context_parallel_rank():
     assert split.memory.phase_peak["llm"] == pytest.approx(whole.memory.phase_peak["llm"] / 2)
     for phase in ("vision", "audio"):
         assert split.stats[phase].mean == pytest.approx(whole.stats[phase].mean)
-    with pytest.raises(ValueError, match="--context-parallel-size must be >= 1"):
+    with pytest.raises(ValueError, match="OrchestratorConfig.context_parallel_size must be >= 1"):
         OrchestratorConfig(context_parallel_size=0)
 
 
@@ -189,5 +189,5 @@ def test_auto_micro_batching_packs_unless_the_backbone_cannot():
     assert auto.resolve_microbatching("its forward takes no THD parameters").microbatching == "equal_count"
     equal = OrchestratorConfig(microbatching="equal_count")
     assert equal.resolve_microbatching(None) is equal and not equal.packed
-    with pytest.raises(ValueError, match="--orch-microbatching packed: its forward takes no THD parameters"):
+    with pytest.raises(ValueError, match="OrchestratorConfig.microbatching packed: its forward takes no THD parameters"):
         OrchestratorConfig(microbatching="packed").resolve_microbatching("its forward takes no THD parameters")
