@@ -215,13 +215,13 @@ def _before_tasks(task, argv, world_size, extra_args_providers, call: str):
     """``(task, argv, world_size, extra_args_providers)`` of a call of ``call``; a call in the form before tasks,
     ``call(argv, world_size, extra_args_providers)`` (positional or by keyword), shifted into the task-first
     form (this project's MLLM, with a DeprecationWarning)."""
-    new_form = f"{call}(task, argv, world_size, ...)"
-    if task is None or isinstance(task, TrainingTask):
-        return task_or_the_mllm(task, f"{call}(argv, ...)", new_form), argv, world_size, extra_args_providers
+    old_form, new_form = f"{call}(argv, ...)", f"{call}(task, argv, world_size, ...)"
+    if not isinstance(task, (list, tuple)):  # a task, None (deprecated) or a TypeError
+        return task_or_the_mllm(task, old_form, new_form, 4), argv, world_size, extra_args_providers
     if argv is None:  # call(argv, world_size=..., extra_args_providers=...)
-        return task_or_the_mllm(None, f"{call}(argv, ...)", new_form), task, world_size, extra_args_providers
+        return task_or_the_mllm(None, old_form, new_form, 4), task, world_size, extra_args_providers
     # call(argv, world_size[, extra_args_providers]): each one place to the right
-    return (task_or_the_mllm(None, f"{call}(argv, ...)", new_form), task, argv,
+    return (task_or_the_mllm(None, old_form, new_form, 4), task, argv,
             extra_args_providers if world_size is None else world_size)
 
 
