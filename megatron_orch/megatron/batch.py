@@ -57,8 +57,8 @@ class BatchSpec:
     inputs: Tuple[EncoderInput, ...]
     pad_token_id: int
     seq_length: int
-    takes_packed_rows: bool = False
     cannot_pack: Optional[str] = None
+    takes_packed_rows: bool = False  # after cannot_pack: a call that gives it by position keeps its meaning
 
     def __post_init__(self):
         if self.takes_packed_rows and self.cannot_pack is not None:

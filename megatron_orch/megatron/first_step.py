@@ -14,6 +14,10 @@ with one line naming the fix, instead of training differently from upstream or f
   items of the phase gives that module zero gradients; a parameter outside it reports none, on which Megatron
   DDP's overlapped reduction fails). Every rank of the job agrees on the outcome in one collective, so all
   of them stop together, before the step's moves.
+* **On the same step, after the backbone schedule** (:func:`check_embeds_read`): ``forward(batch, embeds)``
+  read ``embeds[phase]`` of every micro-batch holding rows of the phase (a forward that encodes ``batch.items``
+  instead, which balanced micro-batches leave empty, either fails inside the backbone or trains on something
+  else), agreed by every rank of the job.
 * **The checked first step** (:func:`checked_step`, ``OrchestratorConfig.verify_first_step``,
   ``--orch-verify-first-step``): the first step, and then the first step with items of each encoder phase
   no checked step had (:class:`~megatron_orch.megatron.post_balancing.CheckedSteps`), runs twice on the same

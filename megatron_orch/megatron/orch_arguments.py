@@ -40,9 +40,10 @@ def add_orch_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                         "gain (each phase's cost max/mean before->after, the MB it would move, the modeled step time "
                         "saved) while training on the loader's assignment, moving nothing")
     g.add_argument("--orch-verify-first-step", action="store_true",
-                   help="run the first step in the loader's (upstream) and in the balanced layout on the same batch, "
-                        "stop unless losses, gradient norms and encoder outputs agree within the dtype's tolerance, "
-                        "then train on the balanced one (default: on for a model config outside configs/)")
+                   help="run the first step, and the first with items of each encoder phase, in the loader's "
+                        "(upstream) and in the balanced layout on the same batch, in training mode, stop unless "
+                        "losses, gradient norms and encoder outputs agree within the dtype's tolerance, then train "
+                        "on the balanced one (default: on for a model config outside configs/)")
     g.add_argument("--orch-no-verify-first-step", action="store_true",
                    help="do not check the first step (the default for the configs in configs/)")
     g.add_argument("--orch-phases", type=str, default=None,
@@ -57,9 +58,10 @@ def add_orch_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     g.add_argument("--orch-microbatching", choices=MICROBATCHING, default=None,
                    help="packed: one packed row per backbone micro-batch with a variable number of examples "
                         "(each attends to itself only); equal_count: micro-batch-size examples per micro-batch; "
-                        "auto (default): packed where the backbone takes packed rows, else equal_count (the "
-                        "reason is logged once: pipeline parallelism; a MimoModel on megatron-core 0.16.1, or on "
-                        "0.19 with a language model of local `DotProductAttention` or CP)")
+                        "auto (default): packed where the model's BatchSpec says it takes packed rows "
+                        "(takes_packed_rows), else equal_count (the reason is logged once: pipeline parallelism; a "
+                        "model that does not say so; a MimoModel on megatron-core 0.16.1, or on 0.19 with a "
+                        "language model of local `DotProductAttention` or CP)")
     g.add_argument("--orch-locality", action="store_true",
                    help="locality-aware balancing: within 1%% of the plain plan's balance, keep items on their "
                         "node/GPU (every phase: backbone examples move between nodes first, then "

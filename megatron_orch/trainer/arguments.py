@@ -30,7 +30,7 @@ from typing import Callable, Dict, Iterable, List, NoReturn, Optional, Sequence
 
 from megatron_orch.megatron.orch_arguments import add_orch_args, flag_message, orch_config_from_args
 from megatron_orch.megatron.pipeline_layout import check_interleaved_microbatches, virtual_pipeline_size
-from megatron_orch.trainer.task import ArgsProvider, TrainingTask, runs_on_cpu
+from megatron_orch.trainer.task import ArgsProvider, TrainingTask, runs_on_cpu, task_or_the_mllm
 
 SHARDING_STRATEGIES = ("no_shard", "optim", "optim_grads", "optim_grads_params")  # Megatron-FSDP's
 
@@ -298,13 +298,30 @@ def build_parser(task: TrainingTask, extra_args_providers: Iterable[ArgsProvider
     return parser
 
 
-def parse_args(task: TrainingTask, argv: Optional[Sequence[str]] = None, world_size: Optional[int] = None,
-               extra_args_providers: Iterable[ArgsProvider] = ()) -> argparse.Namespace:
+def _before_tasks(task, argv, world_size, extra_args_providers, call: str):
+    """``(task, argv, world_size, extra_args_providers)`` of a call of ``call``; a call in the form before tasks,
+    ``call(argv, world_size, extra_args_providers)`` (positional or by keyword), shifted into the task-first
+    form (this project's MLLM, with a DeprecationWarning)."""
+    old_form, new_form = f"{call}(argv, ...)", f"{call}(task, argv, world_size, ...)"
+    if not isinstance(task, (list, tuple)):  # a task, None (deprecated) or a TypeError
+        return task_or_the_mllm(task, old_form, new_form, 4), argv, world_size, extra_args_providers
+    if argv is None:  # call(argv, world_size=..., extra_args_providers=...)
+        return task_or_the_mllm(None, old_form, new_form, 4), task, world_size, extra_args_providers
+    # call(argv, world_size[, extra_args_providers]): each one place to the right
+    return (task_or_the_mllm(None, old_form, new_form, 4), task, argv,
+            extra_args_providers if world_size is None else world_size)
+
+
+def parse_args(task: Optional[TrainingTask] = None, argv: Optional[Sequence[str]] = None,
+               world_size: Optional[int] = None, extra_args_providers: Iterable[ArgsProvider] = ()) -> argparse.Namespace:
     """Parse and validate a command line of ``task`` (``world_size``: the launch's, default from
-    torch.distributed).
+    torch.distributed). Deprecated: the form without a task, ``parse_args(argv, world_size, ...)``
+    (this project's MLLM, with a DeprecationWarning).
 
     Raises :class:`ArgumentError` naming the flag for anything wrong, argparse's own errors included.
     """
+    task, argv, world_size, extra_args_providers = _before_tasks(task, argv, world_size, extra_args_providers,
+                                                                 "parse_args")
     args = build_parser(task, extra_args_providers).parse_args(argv)
     if world_size is None:
         import torch.distributed as dist
@@ -312,18 +329,23 @@ def parse_args(task: TrainingTask, argv: Optional[Sequence[str]] = None, world_s
     return validate_args(args, world_size, task)
 
 
-def parse_args_or_exit(task: TrainingTask, argv: Optional[Sequence[str]] = None, world_size: Optional[int] = None,
+def parse_args_or_exit(task: Optional[TrainingTask] = None, argv: Optional[Sequence[str]] = None,
+                       world_size: Optional[int] = None,
                        extra_args_providers: Iterable[ArgsProvider] = ()) -> argparse.Namespace:
-    """:func:`parse_args`; on an error, print ``<program>: error: ...`` once and exit with status 2."""
+    """:func:`parse_args`; on an error, print ``<program>: error: ...`` once and exit with status 2 (deprecated
+    form as there)."""
+    task, argv, world_size, extra_args_providers = _before_tasks(task, argv, world_size, extra_args_providers,
+                                                                 "parse_args_or_exit")
     try:
         return parse_args(task, argv, world_size, extra_args_providers)
     except ArgumentError as err:
         exit_with_error(str(err), task.program)
 
 
-def check_data_or_exit(args: argparse.Namespace, task: TrainingTask) -> None:
+def check_data_or_exit(args: argparse.Namespace, task: Optional[TrainingTask] = None) -> None:
     """The task's check of its data (:attr:`~megatron_orch.trainer.task.TrainingTask.check_data`, before any
-    model is built); on an error, :func:`exit_with_error`."""
+    model is built); on an error, :func:`exit_with_error`. Deprecated: ``check_data_or_exit(args)``."""
+    task = task_or_the_mllm(task, "check_data_or_exit(args)", "check_data_or_exit(args, task)")
     try:
         task.check_data(args)
     except (OSError, ValueError, ImportError) as err:  # ImportError: a reader's optional package missing

@@ -43,7 +43,7 @@ from megatron_orch.trainer.checkpointing import (TrainState, check_save_folder, 
                                                  new_run_id, run_config, save_checkpoint)
 from megatron_orch.trainer.data_parallel import wrap_data_parallel
 from megatron_orch.trainer.faults import StepReader, naming_lost_collectives
-from megatron_orch.trainer.task import TrainingTask, compute_device, runs_on_cpu
+from megatron_orch.trainer.task import TrainingTask, compute_device, runs_on_cpu, task_or_the_mllm
 from megatron_orch.trainer.timers import EventTimers
 from megatron_orch.trainer.training_log import (IntervalStats, IterationRecord, LoadMeter, TensorBoardLog,
                                                 gather_data_events, load_fields, max_and_mean_over_group, memory_report,
@@ -430,12 +430,14 @@ def _save(args, state: TrainState, model: list, optimizer, scheduler, print_fn: 
         print_fn(f"  [{_now()}] successfully saved checkpoint from iteration {state.iteration:7d} to {args.save}")
 
 
-def pretrain(args: argparse.Namespace, task: TrainingTask,
+def pretrain(args: argparse.Namespace, task: Optional[TrainingTask] = None,
              print_fn: Callable[[str], None] = print) -> list[IterationRecord]:
     """Initialise, build, (resume,) train ``task`` (``args``: its command line, parsed by
     :func:`~megatron_orch.trainer.arguments.parse_args` with the same task); the compact counterpart of
     ``megatron.training.pretrain``, whose providers are the task's hooks (``task.build_model(args,
-    pre_process, post_process, vp_stage=None)``, ``task.forward_step(data_iterator, model)``, ...)."""
+    pre_process, post_process, vp_stage=None)``, ``task.forward_step(data_iterator, model)``, ...).
+    Deprecated: ``pretrain(args)`` without a task (this project's MLLM, with a DeprecationWarning)."""
+    task = task_or_the_mllm(task, "pretrain(args)", "pretrain(args, task)")
     initialize(args)
     lock = None
     try:
@@ -544,3 +546,20 @@ def _describe(args: argparse.Namespace, model: list) -> str:
             f"{args.data_parallel_size} | global batch "
             f"{args.global_batch_size} = micro-batch {args.micro_batch_size} x {args.num_microbatches} "
             f"micro-batches x DP {args.data_parallel_size}")
+
+
+_MOVED = {"DistributedDataParallel": "megatron.core.distributed",
+          "DistributedDataParallelConfig": "megatron.core.distributed"}  # imported here before sharded DP
+
+
+def __getattr__(name: str):
+    """Names this module used to import (and code of its time imported from it): still there, with a
+    DeprecationWarning naming their module, for one release."""
+    if name not in _MOVED:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    import importlib
+    import warnings
+    warnings.warn(f"megatron_orch.trainer.loop.{name} is deprecated: import it from {_MOVED[name]} (the compact "
+                  "trainer wraps its model with megatron_orch.trainer.data_parallel.wrap_data_parallel)",
+                  DeprecationWarning, stacklevel=2)
+    return getattr(importlib.import_module(_MOVED[name]), name)

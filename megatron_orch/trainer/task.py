@@ -37,6 +37,8 @@ Where a model computes (its GPU, or the CPU for ``--distributed-backend gloo``) 
 from __future__ import annotations
 
 import argparse
+import importlib
+import warnings
 from dataclasses import dataclass
 from typing import Callable, Optional
 
@@ -111,3 +113,19 @@ def compute_device(args: argparse.Namespace):
     """Where this rank's model computes: its GPU, or the CPU for a gloo run (a ``torch.device``)."""
     import torch
     return torch.device("cpu") if runs_on_cpu(args) else torch.device("cuda", torch.cuda.current_device())
+
+
+def task_or_the_mllm(task, call: str, new_form: str, stacklevel: int = 3) -> "TrainingTask":
+    """``task``, or for a call written before :class:`TrainingTask` (no task given) the task it meant: this
+    project's MLLM, then the only model the trainer trained, with a DeprecationWarning naming the call to write
+    instead (these forms go in the next release). That task is found by name, as the trainer imports no module
+    of ``megatron_orch.mllm``; anything else where a task goes is a TypeError naming the new form.
+    ``stacklevel``: the caller's frame, for the warning's line."""
+    if isinstance(task, TrainingTask):
+        return task
+    if task is not None:
+        raise TypeError(f"megatron_orch.trainer: {call} takes a TrainingTask, got {type(task).__name__}; call "
+                        f"{new_form}")
+    warnings.warn(f"megatron_orch.trainer: {call} without a task is deprecated; call {new_form} (this project's "
+                  "model: megatron_orch.mllm.task.MLLM_TASK)", DeprecationWarning, stacklevel=stacklevel)
+    return importlib.import_module("megatron_orch.mllm.task").MLLM_TASK

@@ -30,7 +30,7 @@ def test_example_runs_with_torchrun(example):
                              str(REPO / "examples" / example), "--iters", "3"], cwd=REPO, env=env,
                             capture_output=True, text=True, timeout=scaled(120))
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-    assert re.search(r"> post-balancing: step checked \(--orch-verify-first-step, phases text, image, training "
+    assert re.search(r"> post-balancing: step checked \(--orch-verify-first-step, phases \w+, image, training "
                      r"mode\): the loader's and the balanced layout agree", result.stdout), result.stdout
     difference = re.search(r"balancing off vs on, DP 2: largest relative loss difference (\S+)", result.stdout)
     assert difference and float(difference.group(1)) <= 1e-5, result.stdout
