@@ -13,9 +13,10 @@ Groups of flags, in this order:
 Unknown flags, abbreviations of flags and inconsistent values are errors that name the flag
 (:class:`ArgumentError`): a Megatron-LM flag the compact trainer does not implement says why and what to use
 instead (:data:`NOT_IMPLEMENTED`, then the task's :attr:`~megatron_orch.trainer.task.TrainingTask.explain_flag`),
-any other unknown flag gets the closest real one ("did you mean --train-iters?"). Parsing and every check that needs no device imports neither torch nor
-megatron, so a wrong command line fails in about a second: :func:`parse_args_or_exit` prints the one
-line ``<program>: error: ...`` (on rank 0 only under torchrun) and exits with status 2;
+any other unknown flag gets the closest real one ("did you mean --train-iters?"). Parsing and every check
+that needs no device imports neither torch nor megatron, so a wrong command line fails in about a second:
+:func:`parse_args_or_exit` prints the one line ``<program>: error: ...`` (on rank 0 only under torchrun) and
+exits with status 2;
 :func:`check_command_line` is that check for a launch of ``$WORLD_SIZE`` processes, the data included
 (a task's entry point runs it before torchrun).
 """
@@ -26,7 +27,7 @@ import difflib
 import math
 import os
 import sys
-from typing import Callable, Dict, Iterable, List, NoReturn, Optional, Sequence
+from typing import Callable, Dict, Iterable, NoReturn, Optional, Sequence
 
 from megatron_orch.megatron.orch_arguments import add_orch_args, flag_message, orch_config_from_args
 from megatron_orch.megatron.pipeline_layout import check_interleaved_microbatches, virtual_pipeline_size

@@ -24,7 +24,7 @@ from megatron_orch.trainer import arguments, launch
 FLAGS = ["--model-config", "tiny", "--seq-length", "128", "--micro-batch-size", "1", "--global-batch-size", "4",
          "--train-iters", "2", "--lr", "2e-3", "--log-interval", "1", "--seed", "5", "--distributed-backend", "gloo",
          "--hidden-dropout", "0", "--attention-dropout", "0", "--use-distributed-optimizer", "--orch-post-balancing"]
-# Buckets of 200k parameters: the tiny MLLM's ~1M split into several, each reduced and gathered on its own.
+# Buckets of 200k parameters: the tiny MLLM's 757k split into several, each reduced and gathered on its own.
 OVERLAP = ["--overlap-grad-reduce", "--overlap-param-gather", "--ddp-bucket-size", "200000"]
 
 
@@ -37,11 +37,18 @@ def _train(rank, world_size, argv, out_dir):
 
     from megatron_orch.trainer import loop as trainer
 
-    built = []
+    built, wrapped = [], []
 
     def build_model(*args, **kwargs):
         built.append(MLLM_TASK.build_model(*args, **kwargs))
         return built[-1]
+
+    def wrap(*args, **kwargs):  # the DDP wrapper as built: its settings and buckets
+        wrapped.append(wrap_data_parallel(*args, **kwargs))
+        return wrapped[-1]
+
+    wrap_data_parallel = trainer.wrap_data_parallel
+    trainer.wrap_data_parallel = wrap
 
     args = arguments.parse_args(MLLM_TASK, argv, world_size=world_size)
     try:
@@ -49,7 +56,11 @@ def _train(rank, world_size, argv, out_dir):
                                    print_fn=lambda line: None)
     finally:
         parallel_state.destroy_model_parallel()
-    torch.save({name: p.detach().clone() for name, p in built[0].named_parameters()}, Path(out_dir) / f"params{rank}.pt")
+    torch.save({name: p.detach().clone() for name, p in built[0].named_parameters()},
+               Path(out_dir) / f"params{rank}.pt")
+    ddp = wrapped[0]
+    torch.save({"overlap": (ddp.ddp_config.overlap_grad_reduce, ddp.ddp_config.overlap_param_gather),
+                "buckets": len(ddp.bucket_groups)}, Path(out_dir) / f"ddp{rank}.pt")
     if records:
         torch.save({r.iteration: r.lm_loss for r in records}, Path(out_dir) / "losses.pt")
 
@@ -58,15 +69,17 @@ def _run(tmp_path: Path, name: str, flags) -> tuple:
     out = tmp_path / name
     out.mkdir()
     run_distributed(_train, 2, FLAGS + list(flags), str(out), timeout_s=240.0)
-    return torch.load(out / "losses.pt"), [torch.load(out / f"params{rank}.pt") for rank in range(2)]
+    return (torch.load(out / "losses.pt"), [torch.load(out / f"params{rank}.pt") for rank in range(2)],
+            torch.load(out / "ddp0.pt"))
 
 
 @pytest.mark.distributed
 def test_overlapped_reduce_and_gather_train_as_without(tmp_path):
-    losses, params = _run(tmp_path, "plain", [])
-    overlapped_losses, overlapped_params = _run(tmp_path, "overlap", OVERLAP)
+    losses, params, ddp = _run(tmp_path, "plain", [])
+    overlapped_losses, overlapped_params, overlapped_ddp = _run(tmp_path, "overlap", OVERLAP)
+    assert ddp == {"overlap": (False, False), "buckets": 1}
+    assert overlapped_ddp["overlap"] == (True, True) and overlapped_ddp["buckets"] >= 3  # 757k in buckets of 200k
     assert sorted(overlapped_losses) == [1, 2]
-    assert sum(p.numel() for p in params[0].values()) > 2 * 200000  # more than two buckets
     for iteration, loss in losses.items():
         assert overlapped_losses[iteration] == pytest.approx(loss, rel=1e-5), (overlapped_losses, losses)
     for rank in range(2):
@@ -75,7 +88,7 @@ def test_overlapped_reduce_and_gather_train_as_without(tmp_path):
                                        msg=lambda m, n=name, r=rank: f"rank {r}, {n}: {m}")
 
 
-def test_overlap_flags_reach_megatron_ddp_config():
+def test_overlap_flags_combine_as_in_megatron_lm():
     """The flags as parsed, and Megatron-LM's rules for combining them, each refusal one line naming the flag."""
     args = arguments.parse_args(MLLM_TASK, FLAGS + OVERLAP, world_size=2)
     assert (args.overlap_grad_reduce, args.overlap_param_gather, args.ddp_bucket_size) == (True, True, 200000)
