@@ -332,6 +332,16 @@ def test_a_damaged_shard_is_named_by_shard_and_sample_then_skipped_or_refused(tm
         list(strict)
 
 
+@pytest.mark.distributed  # Energon's loader processes
+def test_samples_a_loader_process_could_not_read_are_counted(tmp_path):
+    """With loader processes, the damaged samples at the end of a process's part never reach this one:
+    counted, with the way to name them, never passed over."""
+    folder = _damaged_copy(tmp_path, "truncated")
+    report = check_energon(checked_dataset(data_config(folder)), workers=2)
+    assert report.bad[-1] == (f"{folder}: 8 of its 21 samples were not read (the end of a damaged shard? --workers 0 "
+                              "names them)"), report.bad
+
+
 # ------------------------------------------------------------------------------ code in a dataset
 
 def _with_loader(tmp_path, loader_file="sample_loader.py", yaml_key=None) -> Path:
