@@ -120,6 +120,9 @@ def check_energon(dataset, decode: bool = False, workers: int = 0,
     outcomes.sort(key=lambda o: o.index)
     report.bad = [o.bad for o in outcomes if o.bad is not None]
     report.truncated = [o.note for o in outcomes if o.note is not None]
+    if report.checked < total:  # a damaged shard's last samples, seen by a loader process only
+        report.bad.append(f"{dataset.path}: {total - report.checked} of its {total} samples were not read (the end "
+                          "of a damaged shard? --workers 0 names them)")
     return report
 
 

@@ -38,11 +38,13 @@ Requires the ``energon`` extra (``pip install -e .[energon]``).
 """
 from __future__ import annotations
 
+import bisect
 import collections
 import dataclasses
 import hashlib
 import importlib
 import json
+import tarfile
 import threading
 import warnings
 from dataclasses import dataclass
@@ -59,6 +61,7 @@ try:
     from megatron.energon.cache import FileStoreDecoder
     from megatron.energon.eyaml import load_yaml
     from megatron.energon.flavors.webdataset.config import MAIN_FOLDER_NAME
+    from megatron.energon.flavors.webdataset.sample_loader import WebdatasetSampleLoaderDataset
     from megatron.energon.flavors.webdataset.standard_webdataset import StandardWebdatasetFactory
     from megatron.energon.state import FlexState
 except ImportError as err:  # the optional extra
@@ -191,6 +194,7 @@ class CheckedSample:
     index: int  # in the dataset, for the report's order
     bad: Optional[str]
     note: Optional[str]
+    damaged: Tuple[Tuple[int, str], ...] = ()  # (index, message) of samples that could not be read before it
 
 
 class ExampleTaskEncoder(TaskEncoder):
@@ -206,6 +210,26 @@ class ExampleTaskEncoder(TaskEncoder):
         self.reader, self.dataset = reader, dataset
         self.max_bad_examples, self.check, self.decode = max_bad_examples, check, decode
         self._skipped: List[str] = []  # bad samples skipped since the last good one (this worker's)
+        self._damaged: List[Tuple[int, str]] = []  # check: samples that could not be read since the last one read
+
+    def damaged(self, index: int, message: str) -> None:
+        """Sample ``index`` could not be read from its shard (:class:`DamageTolerantReader`): a bad sample like
+        any other, already skipped by Energon: it ends the run (``max_bad_examples`` 0), is counted with the
+        next sample read, or (``check``) reported with it."""
+        if self.check:
+            self._damaged.append((index, message))
+            return
+        if self.max_bad_examples == 0:
+            raise ManifestError(message)
+        self._skip(message)
+
+    def _skip(self, message: str) -> None:
+        """Count a bad sample skipped; too many in a row (the data is then mostly bad) end the run."""
+        self._skipped.append(message)
+        if len(self._skipped) > MAX_REPLACEMENT_DRAWS:
+            first, self._skipped = self._skipped[0], []
+            raise ManifestError(f"{first}; and the next {MAX_REPLACEMENT_DRAWS} samples of the shard were bad too "
+                                f"(the last: {message})")
 
     def where(self, sample) -> str:
         """``<dataset>/<shard>:<key>``: where a sample is, in messages."""
@@ -225,23 +249,72 @@ class ExampleTaskEncoder(TaskEncoder):
         except ManifestError as bad:
             message = str(bad) if str(bad).startswith(where) else f"{where}: {bad}"
             if self.check:
-                return CheckedSample(_dataset_index(sample), message, None)
+                return self._checked(sample, message, None)
             if self.max_bad_examples == 0:
                 return EncodedSample(where, problem=message)
-            self._skipped.append(message)
-            if len(self._skipped) > MAX_REPLACEMENT_DRAWS:  # the data is then mostly bad
-                problem = (f"{self._skipped[0]}; and the next {MAX_REPLACEMENT_DRAWS} samples of the shard were bad "
-                           f"too (the last: {message})")
-                self._skipped = []
-                return EncodedSample(where, problem=problem)
+            try:
+                self._skip(message)
+            except ManifestError as too_many:
+                return EncodedSample(where, problem=str(too_many))
             raise SkipSample() from None
         if self.check:
-            return CheckedSample(_dataset_index(sample), None, note)
+            return self._checked(sample, None, note)
         skipped, self._skipped = tuple(self._skipped), []
         return EncodedSample(where, example, note, skipped)
 
+    def _checked(self, sample, bad: Optional[str], note: Optional[str]) -> CheckedSample:
+        damaged, self._damaged = tuple(self._damaged), []
+        return CheckedSample(_dataset_index(sample), bad, note, damaged)
+
+    def take_damaged(self) -> List[Tuple[int, str]]:
+        """check: the samples that could not be read after the last one read (the end of the split)."""
+        damaged, self._damaged = self._damaged, []
+        return damaged
+
     def batch(self, samples: list) -> list:
         return list(samples)
+
+
+class DamageTolerantReader:
+    """Energon's reader of a dataset's shards, through which a sample that cannot be read (a truncated or
+    corrupt shard: tar's "unexpected end of data") is given as None, which Energon skips, and reported to
+    the task encoder (:meth:`ExampleTaskEncoder.damaged`) naming the shard and the sample, instead of
+    ending the loader with a bare tar error."""
+
+    def __init__(self, reader, encoder: ExampleTaskEncoder):
+        self.reader, self.encoder = reader, encoder
+
+    def __getitem__(self, index: int):
+        try:
+            return self.reader[index]
+        except (ValueError, OSError, tarfile.TarError) as err:
+            self.encoder.damaged(index, f"{self.encoder.dataset}/{self._sample(index)}: cannot be read from its shard "
+                                        f"({type(err).__name__}: {err}): the shard is damaged (truncated or corrupt)")
+            return None
+
+    def _sample(self, index: int) -> str:
+        """``<shard>: sample N of M`` (its key is in the part that could not be read)."""
+        shard = bisect.bisect_right(self.reader.shard_count_cumsum, index) - 1
+        info = self.reader.shard_infos[shard]
+        return f"{info.name}: sample {index - self.reader.shard_count_cumsum[shard] + 1} of {info.count}"
+
+    def __getattr__(self, name: str):
+        return getattr(self.reader, name)
+
+
+def read_through_damage(dataset, encoder: ExampleTaskEncoder):
+    """Energon's ``dataset`` with the shard readers of its sample loaders (found through the wrappers'
+    ``dataset``) in :class:`DamageTolerantReader`; raises if it has none (another Energon layout)."""
+    node, wrapped = dataset, 0
+    while node is not None:
+        if isinstance(node, WebdatasetSampleLoaderDataset):
+            node.join_readers = [DamageTolerantReader(reader, encoder) for reader in node.join_readers]
+            wrapped += 1
+        node = getattr(node, "dataset", None)
+    if not wrapped:
+        raise RuntimeError(f"no WebdatasetSampleLoaderDataset in Energon's dataset {dataset}: this Energon version "
+                           "reads shards otherwise (a damaged shard would not be named)")
+    return dataset
 
 
 # Modules a dataset.yaml may name (its sample type, its factory) without trusting the dataset's code.
@@ -321,11 +394,11 @@ class EnergonDataset:
 
     def train_loader(self, worker_config, micro_batch_size: int, max_bad_examples: int):
         """Energon's savable loader of this rank's micro-batches (lists of :class:`EncodedSample`)."""
+        encoder = self.task_encoder(max_bad_examples)
         dataset = get_train_dataset(self.path, split_part=self.split_part, worker_config=worker_config,
                                     batch_size=micro_batch_size, shuffle_buffer_size=SHUFFLE_BUFFER_SIZE,
-                                    max_samples_per_sequence=MAX_SAMPLES_PER_SEQUENCE,
-                                    task_encoder=self.task_encoder(max_bad_examples))
-        loader = get_savable_loader(dataset)
+                                    max_samples_per_sequence=MAX_SAMPLES_PER_SEQUENCE, task_encoder=encoder)
+        loader = get_savable_loader(read_through_damage(dataset, encoder))
         # torch's DataLoader draws its workers' base seed from the global torch RNG when its iterator starts (at
         # the first batch read). There are no workers here; a private generator keeps that draw off the training's
         # RNG streams, which a resumed run restores before its first read (dropout would then differ).
@@ -334,11 +407,18 @@ class EnergonDataset:
 
     def checked_samples(self, decode: bool = False, workers: int = 0):
         """Every sample of the split checked as training checks it (:class:`CheckedSample`, in loader order;
-        ``workers``: Energon's loader processes, 0: in this one)."""
+        a sample that cannot be read from its shard is one too; ``workers``: Energon's loader processes, 0: in
+        this one)."""
         worker_config = WorkerConfig(rank=0, world_size=1, num_workers=workers, global_error_handler=reraise_exception)
+        encoder = self.task_encoder(check=True, decode=decode)
         dataset = get_val_dataset(self.path, split_part=self.split_part, worker_config=worker_config, batch_size=None,
-                                  task_encoder=self.task_encoder(check=True, decode=decode))
-        return iter(get_loader(dataset))
+                                  task_encoder=encoder)
+        for checked in get_loader(read_through_damage(dataset, encoder)):
+            for index, message in checked.damaged:
+                yield CheckedSample(index, message, None)
+            yield checked
+        for index, message in encoder.take_damaged():  # in this process (workers 0); a worker's are lost
+            yield CheckedSample(index, message, None)
 
 
 class EnergonTrainIterator(DataEvents):

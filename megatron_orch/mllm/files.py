@@ -1,6 +1,7 @@
 """What a path names when it is not a regular file, for one-line messages (a FIFO or a folder named as an
-image is said to be one, never "does not exist"; a folder without ``.nv-meta`` as ``--data-path`` too), and where a media path leaving its dataset's folder
-resolves to. Plain Python: no torch (``megatron_orch.mllm.task`` checks ``--data-path`` with it)."""
+image is said to be one, never "does not exist"; a folder without ``.nv-meta`` as ``--data-path`` too), and
+where a media path leaving its dataset's folder resolves to. Plain Python: no torch
+(``megatron_orch.mllm.task`` checks ``--data-path`` with it)."""
 from __future__ import annotations
 
 import os
@@ -43,5 +44,6 @@ def data_path_problem(path) -> Optional[str]:
     if problem == "does not exist":
         return "no such file (a JSONL manifest) or Energon dataset (a folder with .nv-meta)"
     if problem == "is a folder":
-        return "a folder without .nv-meta: not an Energon dataset (energon prepare writes .nv-meta), nor a JSONL manifest"
+        return ("a folder without .nv-meta: not an Energon dataset (energon prepare writes .nv-meta), nor a JSONL "
+                "manifest")
     return None if problem is None else f"{problem}: neither a JSONL manifest nor an Energon dataset"

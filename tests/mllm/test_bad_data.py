@@ -178,7 +178,8 @@ def test_media_that_are_not_files_or_outside_the_folder_are_named_as_such(tmp_pa
     os.mkfifo(data / "pipe.npy")
     (data / "link.npy").symlink_to(outside / "square.npy")
     entries = [{"text": "a", "images": ["folder.png"]}, {"text": "a", "audio": ["pipe.npy"]},
-               {"text": "a", "images": [str(outside / "square.npy")]}, {"text": "a", "images": ["../elsewhere/square.npy"]},
+               {"text": "a", "images": [str(outside / "square.npy")]},
+               {"text": "a", "images": ["../elsewhere/square.npy"]},
                {"text": "a", "images": ["link.npy"]}]
     with open(path, "a") as f:
         f.write("".join(json.dumps(e) + "\n" for e in entries))

@@ -2,6 +2,7 @@
 reader (the example data as JSONL and as Energon: the same examples, the same bad ones), Energon's
 VQA, captioning and interleaved sample types, the loader state (plain types, weights_only, an exact
 resume after read-ahead), and the errors of a resume without it or of an unsupported dataset."""
+import dataclasses
 import io
 import json
 import re
@@ -295,6 +296,60 @@ def test_a_sample_without_its_json_part_is_a_bad_sample_named(tmp_path):
     shutil.copy(EXAMPLE / "energon" / ".nv-meta" / "dataset.yaml", folder / ".nv-meta" / "dataset.yaml")
     report = check_energon(checked_dataset(data_config(folder)))
     assert report.bad[0] == f"{folder}/shard_000.tar:000001: the sample has no .json part (its manifest entry)"
+
+
+# ------------------------------------------------------------------------------ a damaged shard
+
+def _damaged_copy(tmp_path, how: str) -> Path:
+    """The example dataset with shard_001.tar cut in half ("truncated") or the header of shard_000.tar's 7th
+    member (sample 4's first part) overwritten ("flipped")."""
+    folder = tmp_path / how
+    shutil.copytree(EXAMPLE / "energon", folder)
+    shard = folder / ("shard_001.tar" if how == "truncated" else "shard_000.tar")
+    data = bytearray(shard.read_bytes())
+    if how == "truncated":
+        data = data[:len(data) // 2]
+    else:
+        with tarfile.open(shard) as tar:
+            offset = tar.getmembers()[6].offset
+        data[offset:offset + 100] = bytes(b ^ 0xFF for b in data[offset:offset + 100])
+    shard.write_bytes(bytes(data))
+    return folder
+
+
+def test_a_damaged_shard_is_named_by_shard_and_sample_then_skipped_or_refused(tmp_path):
+    damage = r"cannot be read from its shard \(ValueError: Unexpected end of tar file: {shard}\): the shard is damaged"
+    truncated, flipped = _damaged_copy(tmp_path, "truncated"), _damaged_copy(tmp_path, "flipped")
+    report = check_energon(checked_dataset(data_config(truncated)))
+    named = [line for line in report.bad if "cannot be read" in line]
+    assert report.checked == 21 and len(named) == 8, report.bad  # samples 3..10 of shard_001's 10
+    for number, line in zip(range(3, 11), named):
+        assert re.fullmatch(rf"{re.escape(str(truncated))}/shard_001.tar: sample {number} of 10: "
+                            + damage.format(shard="shard_001.tar") + r" \(truncated or corrupt\)", line), line
+    report = check_energon(checked_dataset(data_config(flipped)))
+    assert [line for line in report.bad if "cannot be read" in line] == [
+        f"{flipped}/shard_000.tar: sample 4 of 11: cannot be read from its shard (ValueError: Unexpected end of tar "
+        "file: shard_000.tar): the shard is damaged (truncated or corrupt)"]
+    # training: skipped and counted under --max-bad-examples, or the run ends naming it
+    config = data_config(flipped, micro_batch_size=1, num_samples=21, max_bad_examples=64)
+    loader = build_train_iterator(config, consumed_samples=0, data_parallel_rank=0, data_parallel_size=1)
+    assert len(list(loader)) == 21
+    skipped = [event.message for event in loader.take_events(21) if event.skipped]
+    assert any("shard_000.tar: sample 4 of 11: cannot be read" in message for message in skipped), skipped  # per epoch
+    strict = build_train_iterator(dataclasses.replace(config, max_bad_examples=0), consumed_samples=0,
+                                  data_parallel_rank=0, data_parallel_size=1)
+    with pytest.raises(ManifestError, match=r"shard_000.tar: sample 4 of 11: cannot be read"):
+        list(strict)
+
+
+@pytest.mark.distributed  # Energon's loader processes
+def test_samples_a_loader_process_could_not_read_are_counted(tmp_path):
+    """With loader processes, the damaged samples at the end of a process's part never reach this one:
+    counted, with the way to name them, never passed over."""
+    folder = _damaged_copy(tmp_path, "truncated")
+    report = check_energon(checked_dataset(data_config(folder)), workers=2)
+    assert report.bad[-1] == (f"{folder}: 8 of its 21 samples were not read (the end of a damaged shard? --workers 0 "
+                              "names them)"), report.bad
 
 
 # ------------------------------------------------------------------------------ code in a dataset

@@ -36,7 +36,7 @@ RUNS = {
     "on": BALANCED,
     "first": BALANCED + ["--exit-interval", "2"],  # + --save
     "second": BALANCED,                            # + --load
-    "jsonl": [],                                   # --data-path: the manifest in Energon's order
+    "jsonl": ["--allow-external-media"],             # --data-path: the manifest in Energon's order (example media)
 }
 
 
