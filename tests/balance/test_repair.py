@@ -1,14 +1,17 @@
 """The locality plans' repair pass and the plain plan's localisation (balance/repair.py): both keep every rank
 within the plain plan's balance (and every rank's count when micro-batches are equal-count), and the batches
-whose locality plan used to fall back to the plain plan now keep a locality-aware one."""
+whose locality plan used to fall back to the plain plan now keep a locality-aware one. The compiled localize
+makes the plans of the Python one it replaced (localize_reference.py), choice for choice."""
 import numpy as np
 import pytest
 from hypothesis import given, settings, strategies as st
+from localize_reference import localize_reference
 
 from megatron_orch.balance.plan import moved_bytes
 from megatron_orch.balance.repair import localize, repair_locality
 from megatron_orch.balance.topology import Topology
 from megatron_orch.bench.common import MIXTURES, PLAN_METHODS, draw_sizes
+from megatron_orch.orchestrator import step_plan
 from megatron_orch.orchestrator.step_plan import plan_step
 
 
@@ -34,6 +37,48 @@ def test_localize_keeps_the_balance_and_counts_and_brings_examples_home(data):
         assert (np.bincount(out, minlength=node.size) == np.bincount(rank, minlength=node.size)).all()
     assert (node[out] == want).sum() >= (node[rank] == want).sum()
     assert (node[out] == want).sum() - (node[rank] == want).sum() == brought
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.data())
+def test_localize_makes_the_python_reference_plans(data):
+    """Any ranks (not only equal counts), capacities at and above the max, bytes or one per example."""
+    ranks_per_node, nodes = data.draw(st.sampled_from([1, 2, 4])), data.draw(st.integers(2, 4))
+    costs, rank, node = _instance(data, ranks_per_node, nodes)
+    if data.draw(st.booleans()):
+        rank = np.array(data.draw(st.lists(st.integers(0, node.size - 1), min_size=costs.size, max_size=costs.size)))
+    want = np.array(data.draw(st.lists(st.integers(0, node.max()), min_size=costs.size, max_size=costs.size)))
+    item_bytes = data.draw(st.one_of(st.none(), st.lists(st.sampled_from([0.5, 1.0, 2.0, 7.0]), min_size=costs.size,
+                                                         max_size=costs.size).map(np.array)))
+    capacity = data.draw(st.sampled_from([None, 1.0, 1.1]))
+    if capacity is not None:
+        capacity *= np.bincount(rank, weights=costs, minlength=node.size).max()
+    swaps_only = data.draw(st.booleans())
+    out, brought = localize(rank, costs, want, node, capacity, swaps_only=swaps_only, item_bytes=item_bytes)
+    expected, expected_brought = localize_reference(rank, costs, want, node, capacity, swaps_only=swaps_only,
+                                                    item_bytes=item_bytes)
+    assert np.array_equal(out, expected) and brought == expected_brought
+
+
+@pytest.mark.parametrize("mixture,dp,seed", [("heavy-tail", 64, 2), ("heavy-tail", 512, 1)])
+def test_localize_makes_the_python_reference_plans_on_sweep_batches(monkeypatch, mixture, dp, seed):
+    """Batches of the balance sweep whose equal-count locality plan is the plain plan localised: what plan_step
+    asks of localize, answered as the reference answers it."""
+    calls = []
+    monkeypatch.setattr(step_plan, "localize", lambda *args, **kwargs: calls.append((args, kwargs)) or
+                        localize(*args, **kwargs))
+    config, _, sizes = draw_sizes(list(MIXTURES[mixture]), dp, 16, "mllm_84b", seed)
+    plan = plan_step(sizes, config.phases(), PLAN_METHODS["equal_locality"], Topology.uniform(dp, 8), 1, 16)
+    assert plan.stats["llm"].method.endswith("+localized") and len(calls) == 1, plan.stats["llm"].method
+    (args, kwargs), = calls
+    out, brought = localize(*args, **kwargs)
+    expected, expected_brought = localize_reference(*args, **kwargs)
+    assert np.array_equal(out, expected) and brought == expected_brought > 0
+
+
+def test_localize_refuses_a_node_it_does_not_have():
+    with pytest.raises(ValueError, match="want_node of example 1 is 2, not a node of node_of_rank"):
+        localize(np.array([0, 1]), np.ones(2), np.array([0, 2]), np.array([0, 1]), swaps_only=True)
 
 
 def test_localize_settles_an_overfilling_swap_inside_the_node():

@@ -84,3 +84,10 @@ def test_the_table_is_printed_once(capsys):
     assert text.count("plan_step CPU (median, max of repeats)") == 1, text
     assert sum(line.startswith("   16 shipped ") for line in text.splitlines()) == 1, text
     assert captured.out.rstrip().splitlines()[-1].startswith("dp 16: plan CPU median"), text
+
+
+def test_the_summary_names_a_target_only_where_the_dp_size_has_one():
+    from megatron_orch.bench.planning import TARGET_MEDIAN_CPU_MS, TARGET_WORST_CPU_MS, _target
+    assert _target(TARGET_MEDIAN_CPU_MS, 2560) == " (target < 50)" and _target(TARGET_WORST_CPU_MS, 2560) == " (target < 70)"
+    assert _target(TARGET_MEDIAN_CPU_MS, 10240) == " (target < 150)" and _target(TARGET_WORST_CPU_MS, 10240) == ""
+    assert _target(TARGET_MEDIAN_CPU_MS, 512) == ""
