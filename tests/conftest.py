@@ -22,7 +22,8 @@ settings.load_profile("no_deadline")
 # set-ups, so .ci/run runs them on the 0.19.2 leg only (-m "not torch_free" on the 0.16.1 leg). A folder ends in /.
 TORCH_FREE_TESTS = ("balance/", "orchestrator/", "sim/", "bench/test_bench_planning.py", "scripts/test_setup_env.py",
                     "test_layers.py", "test_process_guard.py")
-NOT_TORCH_FREE = ("balance/test_registry.py",)  # trains with a plugin: torch, megatron-core
+# test_registry trains with a plugin; test_step_plan draws a batch from the (torch) synthetic dataset
+NOT_TORCH_FREE = ("balance/test_registry.py", "orchestrator/test_step_plan.py")
 
 
 def is_torch_free(path) -> bool:

@@ -9,6 +9,8 @@ import os
 import re
 import runpy
 import shlex
+import subprocess
+import sys
 import textwrap
 from pathlib import Path
 
@@ -29,10 +31,16 @@ def _python_modules():
             for name in names}
 
 
-def _blocks():
+def _page_blocks():
+    """(page, number, language, text) of every code block of the pages."""
     for page in PAGES:
         for number, match in enumerate(BLOCK.finditer(page.read_text()), 1):
-            yield pytest.param(match.group(1), match.group(2), id=f"{page.name}#{number}")
+            yield page, number, match.group(1), match.group(2)
+
+
+def _blocks():
+    for page, number, language, text in _page_blocks():
+        yield pytest.param(language, text, id=f"{page.name}#{number}")
 
 
 def _commands(text: str):
@@ -107,6 +115,14 @@ def _check_command(words, monkeypatch, request):
         return _train_tiny_cpu(args[1:])
     if program == "bash" and args[0] == "scripts/run_tests.sh":
         return _run_tests(args[1:], request)
+    if program == "bash" and args[0] == "scripts/setup_env.sh":
+        assert args[1:] in ([], ["--megatron-core", "0.16.1"]), words  # tests/scripts/test_setup_env.py: its options
+        return
+    if program == "source":
+        # the default set-up's venv (tests/scripts/test_setup_env.py); test_the_pages_commands_run_in_a_fresh_shell
+        # activates it as written
+        assert args == [".venv/bin/activate"], words
+        return
     if program == "bash" and args[0] == "scripts/run_main.sh":
         compare = runpy.run_path(str(REPO / "scripts" / "compare_baseline.py"), run_name="compare_under_docs_test")
         return compare["main"]([*args[1:], "--parse-only"])
@@ -162,3 +178,61 @@ def test_every_code_block_of_the_docs_is_checked(language, text, monkeypatch, re
         assert language == "", f"a block of language {language!r}"
         unknown = set(re.findall(r"[A-Za-z]{4,}", text)) - _printed_words()
         assert not unknown, f"an output sample with words the code does not print: {sorted(unknown)}"
+
+
+# Commands of the pages quick enough to run here as written, with their exit status (the example manifest holds
+# bad examples on purpose: docs/data.md); every other command's program starts with --help (its runs are the tests
+# _check_command names).
+RUN_AS_WRITTEN = {
+    "python -m megatron_orch.mllm.check_data --data-path data/example/manifest.jsonl --seq-length 256": 1,
+    "bash scripts/train_tiny_cpu.sh --help": 0,
+}
+
+
+def _fresh_shell_environment():
+    """This process's environment as a new shell has it: no virtual environment active or on PATH."""
+    env = {key: value for key, value in os.environ.items() if key not in ("VIRTUAL_ENV", "PYTHONHOME")}
+    env["PATH"] = os.pathsep.join(folder for folder in env.get("PATH", "").split(os.pathsep)
+                                  if folder and not (Path(folder).parent / "pyvenv.cfg").exists())
+    return env
+
+
+def _started_program(words):
+    """The command that starts a page command's program with --help; None for the shell's own and git."""
+    while words and re.fullmatch(r"[A-Z_]+=.*", words[0]):
+        words = words[1:]
+    if not words or words[0] in ("source", "export", "git"):
+        return None
+    if words[0] == "python" and words[1] == "-m":
+        return words[:3] + ["--help"]
+    if words[0] in ("python", "bash"):
+        return words[:2] + ["--help"]
+    return words[:1] + ["--help"]
+
+
+@pytest.mark.distributed
+def test_the_pages_commands_run_in_a_fresh_shell_after_the_set_up():
+    """A new shell (no venv on PATH), then the README's ``source .venv/bin/activate`` (here the venv that runs this
+    test: .venv-mcore0.16 on the 0.16.1 set-up): the quick commands of the pages run as written, and every other
+    command's program starts, so none ends in 'command not found' or a module torch cannot be found for."""
+    from dist_utils import scaled
+
+    commands = [words for _, _, language, text in _page_blocks() if language == "bash" for words in _commands(text)]
+    written = {shlex.join(words) for words in commands}
+    assert set(RUN_AS_WRITTEN) <= written, f"commands no page has any more: {set(RUN_AS_WRITTEN) - written}"
+    runs = dict(RUN_AS_WRITTEN)
+    runs.update({shlex.join(started): 0 for words in commands if shlex.join(words) not in RUN_AS_WRITTEN
+                 for started in [_started_program(words)] if started is not None})
+    assert {"torchrun --help", "python -m megatron_orch.sim --help"} <= set(runs), runs
+
+    env, activate = _fresh_shell_environment(), Path(sys.prefix) / "bin" / "activate"
+    before = subprocess.run(["bash", "-c", "command -v torchrun python || true"], env=env, capture_output=True,
+                            text=True, check=True)
+    assert str(Path(sys.prefix) / "bin") not in before.stdout, f"not a fresh shell: {before.stdout}"
+    failed = []
+    for command, status in sorted(runs.items()):
+        result = subprocess.run(["bash", "-c", f"source {shlex.quote(str(activate))} && {command}"], cwd=REPO, env=env,
+                                capture_output=True, text=True, timeout=scaled(120))
+        if result.returncode != status or "Traceback" in result.stderr:
+            failed.append(f"{command}: exit status {result.returncode} (not {status}): {result.stderr.strip()[-600:]}")
+    assert not failed, "\n".join(failed)

@@ -35,19 +35,29 @@ def test_planning_layers_import_no_torch():
 
 @pytest.mark.distributed
 def test_the_torch_free_test_files_import_no_torch():
-    """The test files CI runs on one megatron-core leg only (tests/conftest.py's TORCH_FREE_TESTS) import neither
-    torch nor megatron, so nothing in them can differ between the set-ups."""
+    """The test files CI runs on one megatron-core leg only (tests/conftest.py's TORCH_FREE_TESTS), and every module
+    they import, at the top or within a test, import neither torch nor megatron: nothing in them can differ between
+    the set-ups."""
     tests = Path(__file__).resolve().parent
     files = sorted(path for path in tests.rglob("test_*.py") if is_torch_free(path))
     assert tests / "balance" / "test_partition.py" in files and tests / "balance" / "test_registry.py" not in files
     folders = sorted({str(tests / folder) for folder in ("", "balance", "megatron", "trainer")}
                      | {str(path.parent) for path in files})
+    imported = {}  # module -> the first test file that imports it
+    for path in files:
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = ([node.module] if isinstance(node, ast.ImportFrom) and node.level == 0
+                     else [alias.name for alias in node.names] if isinstance(node, ast.Import) else [])
+            for name in names + [path.stem]:
+                imported.setdefault(name, path.relative_to(tests).as_posix())
     code = ("import importlib, sys\n"
             f"sys.path[:0] = {folders!r}\n"
-            f"for name in {[path.stem for path in files]!r}: importlib.import_module(name)\n"
-            "print(sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'megatron')))")
-    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
-    assert result.stdout.strip() == "[]", f"torch or megatron imported by the torch-free test files: {result.stdout}"
+            f"for name, where in {sorted(imported.items())!r}:\n"
+            "    importlib.import_module(name)\n"
+            "    if any(m.split('.')[0] in ('torch', 'megatron') for m in sys.modules):\n"
+            "        sys.exit(f'{where} imports {name}, which imports torch or megatron')\n")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr[-2000:]
 
 
 # What each layer may import of the project (DESIGN.md section 5): only itself and the layers below.

@@ -6,6 +6,7 @@ import numpy as np
 from hypothesis import given, settings, strategies as st
 
 from megatron_orch.balance import _plan_kernels
+from megatron_orch.balance._kernels import _jit
 from megatron_orch.balance._kernels._jit import announcing_compilation
 from megatron_orch.balance.plan import Placement, moved_bytes
 
@@ -61,12 +62,16 @@ def test_moved_bytes_and_microbatches_match_numpy():
         assert np.array_equal(micro[order], np.arange(order.size) // 3)
 
 
-def test_a_compile_is_announced_before_it_runs_and_timed_after_and_a_compiled_kernel_says_nothing():
+def test_a_compile_is_announced_before_it_runs_and_timed_after_and_a_compiled_kernel_says_nothing(monkeypatch):
     lines = []
 
     @numba.njit
     def twice(x):
         return 2 * x
+
+    @numba.njit
+    def thrice(x):
+        return 3 * x
 
     with announcing_compilation(lines.append):
         assert twice(3) == 6
@@ -76,3 +81,7 @@ def test_a_compile_is_announced_before_it_runs_and_timed_after_and_a_compiled_ke
     with announcing_compilation(lines.append):
         assert twice(4) == 8
     assert lines == []
+    monkeypatch.setattr(_jit, "PROGRESS_EVERY_S", 0.0)  # a long compile: how far it got, between the two lines
+    with announcing_compilation(lines.append):
+        assert thrice(2) == 6
+    assert len(lines) == 3 and re.fullmatch(r"  \.\.\. kernels compiled: 1, \d+ s", lines[1]), lines

@@ -16,28 +16,35 @@ _INLINE = dict(_JIT, inline="always")
 COMPILE_COST = "about a minute of CPU per process"
 
 
-class _FirstCompile(event.Listener):
+PROGRESS_EVERY_S = 10.0  # while compiling, a line at the first kernel done this long after the last line
+
+
+class _Compiling(event.Listener):
     def __init__(self, announce: Callable[[str], None]):
-        self.announce, self.start = announce, None
+        self.announce, self.start, self.said, self.compiled = announce, None, 0.0, 0
 
     def on_start(self, event_):
         if self.start is None:
-            self.start = time.perf_counter()
+            self.start = self.said = time.perf_counter()
             self.announce(f"compiling the planning kernels (numba; first use after an install or an edit, cached "
                           f"on disk afterwards; {COMPILE_COST}) ...")
 
     def on_end(self, event_):
-        pass
+        self.compiled += 1
+        if time.perf_counter() - self.said >= PROGRESS_EVERY_S:
+            self.said = time.perf_counter()
+            self.announce(f"  ... kernels compiled: {self.compiled}, {self.said - self.start:.0f} s")
 
 
 @contextlib.contextmanager
 def announcing_compilation(announce: Optional[Callable[[str], None]]):
     """Within it, the first kernel numba compiles (a cache miss; loads from the cache say nothing) makes
-    ``announce`` say what is happening and how long it takes; leaving it says how long it took."""
+    ``announce`` say what is happening and how long it takes, then how far it got every ~10 s; leaving it says how
+    long it took."""
     if announce is None:
         yield
         return
-    listener = _FirstCompile(announce)
+    listener = _Compiling(announce)
     with event.install_listener("numba:compile", listener):
         yield
     if listener.start is not None:
