@@ -20,7 +20,7 @@ pytestmark = pytest.mark.distributed
 warnings.filterwarnings("ignore", message=r".*(Transformer Engine|Apex).*not installed")
 
 ITERS, DP = 4, 2
-RUNS = {"shadow": ["--orch-shadow", "--orch-gpus-per-node", "2"],
+RUNS = {"shadow": ["--orch-shadow", "--orch-gpus-per-node", "2", "--orch-log-level", "1"],  # the full line
         "balanced": ["--orch-post-balancing", "--orch-gpus-per-node", "2"]}
 PLANNED = ("intra-node MB", "inter-node MB", "step saved %")  # besides each phase's before/after
 TIMEOUT_S = 300.0
