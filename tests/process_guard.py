@@ -23,8 +23,9 @@ UNMARKED_PROGRAMS = {"git", "ldconfig", "fc-list"}
 class _Guard:
     def __init__(self):
         self.item = None  # the test whose set-up, call or tear-down runs
-        self.fixtures = []  # the fixtures being set up, innermost last
-        self.spawning = {}  # fixture name -> the first process it started
+        self.fixtures = []  # the fixtures being set up (their definitions), innermost last
+        self.spawning = {}  # fixture definition -> the first process it started (by definition: two fixtures, or
+        #                     a fixture and a parametrized argument, may share a name)
 
     def started(self, what: str):
         """A process is about to start: allowed for a marked test only."""
@@ -33,7 +34,7 @@ class _Guard:
         if self.item is None:
             pytest.fail(f"a process started outside any test (while collecting?): {what}", pytrace=False)
         if self.item.get_closest_marker("distributed") is None:
-            by = f" (fixture {self.fixtures[-1]!r})" if self.fixtures else ""
+            by = f" (fixture {self.fixtures[-1].argname!r})" if self.fixtures else ""
             pytest.fail(f"{self.item.nodeid} starts a process{by}: {what}: mark it @pytest.mark.distributed",
                         pytrace=False)
 
@@ -79,7 +80,7 @@ def pytest_runtest_protocol(item):
 @pytest.hookimpl(hookwrapper=True)
 def pytest_fixture_setup(fixturedef, request):
     fixtures = request.config.stash[_GUARD].fixtures
-    fixtures.append(fixturedef.argname)
+    fixtures.append(fixturedef)
     try:
         yield
     finally:
@@ -90,8 +91,9 @@ def pytest_fixture_setup(fixturedef, request):
 def pytest_runtest_setup(item):
     """An unmarked test that uses a fixture another (marked) test made by starting a process."""
     if item.get_closest_marker("distributed") is None:
-        spawning = sorted(set(item.fixturenames) & set(item.config.stash[_GUARD].spawning))
+        known = item.config.stash[_GUARD].spawning
+        used = [defs[-1] for defs in item._fixtureinfo.name2fixturedefs.values() if defs]  # the definitions it gets
+        spawning = [fixturedef for fixturedef in used if fixturedef in known]
         if spawning:
-            pytest.fail(f"{item.nodeid} uses fixture {spawning[0]!r}, which starts a process "
-                        f"({item.config.stash[_GUARD].spawning[spawning[0]]}): mark it @pytest.mark.distributed",
-                        pytrace=False)
+            pytest.fail(f"{item.nodeid} uses fixture {spawning[0].argname!r}, which starts a process "
+                        f"({known[spawning[0]]}): mark it @pytest.mark.distributed", pytrace=False)

@@ -73,3 +73,21 @@ def test_unmarked_after_it(module_run):
     result.assert_outcomes(passed=1, errors=1)
     result.stdout.fnmatch_lines(["*test_probe.py::test_unmarked_after_it uses fixture 'module_run', which starts a "
                                  "process (*): mark it @pytest.mark.distributed"])
+
+
+@pytest.mark.distributed
+def test_a_parametrized_argument_named_like_a_spawning_fixture_is_not_that_fixture(pytester):
+    """The guard knows fixtures by definition, not by name: a test whose parametrized argument shares the name
+    of a fixture that started a process (in another module, say) uses no such fixture."""
+    result = _run(pytester, SPAWNING_FIXTURES + """
+
+@pytest.mark.distributed
+def test_marked(module_run):
+    pass
+
+
+@pytest.mark.parametrize("module_run", [1, 2])
+def test_unmarked_with_an_argument_of_that_name(module_run):
+    assert module_run in (1, 2)
+""")
+    result.assert_outcomes(passed=3)

@@ -188,7 +188,7 @@ def test_three_encoder_config_is_invariant_and_balances(tmp_path):
     three = ["--model-config", "tiny_video"]
     baseline = train(tmp_path, "baseline", 4, *three)
     for name, flags in (("equal_count", ("--orch-microbatching", "equal_count")),
-                        ("packed", ("--orch-encoder-recompute",))):
+                        ("packed", ("--orch-encoder-recompute", "--orch-log-level", "1"))):  # the full line
         balanced = train(tmp_path, name, 4, *three, *BALANCED, *flags)
         assert_invariant(balanced, baseline)
         assert_plan_balances(balanced, phases=("vision", "video", "audio", "llm"))

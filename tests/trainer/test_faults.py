@@ -8,6 +8,7 @@
   raises, and every rank's error carries the failing rank's message (with the manifest line and path).
 """
 import dataclasses
+import inspect
 import re
 import time
 import warnings
@@ -29,30 +30,44 @@ LOADER_ERROR = "data/train.jsonl line 7: cannot read image data/images/0007.png:
 BUILD_ERROR = "out of memory while building the vision encoder (simulated)"
 
 
+def _in_the_balanced_schedule() -> bool:
+    """Whether this call comes from the modality-aware schedule's own encoder phase (not a checked step's)."""
+    files = [frame.filename for frame in inspect.stack()]
+    return (any(f.endswith("megatron_orch/megatron/schedule.py") for f in files)
+            and not any(f.endswith("megatron_orch/megatron/first_step.py") for f in files))
+
+
 def _stuck_in_encoder(rank, world_size, out_dir):
-    """Rank 1 sleeps in its second vision-encoder forward of training (iteration 2; the schedule's check of
-    the encoders on the first step encodes a few items with the model in eval mode first) far longer than
-    the timeout."""
+    """Rank 1 sleeps in the balanced schedule's vision-encoder forward of iteration 2 (the checked steps encode
+    items of their own first) far longer than the timeout."""
     warnings.filterwarnings("ignore")
     from megatron.core import parallel_state
 
     from megatron_orch.mllm import providers
     from megatron_orch.trainer import arguments, loop as trainer
 
+    steps = []
+    if rank == 1:
+        train_step = trainer.train_step
+
+        def counted(*args, **kwargs):
+            steps.append(None)
+            return train_step(*args, **kwargs)
+
+        trainer.train_step = counted
+
     def model_provider(args, pre_process, post_process):
         model = providers.build_model(args, pre_process, post_process)
         if rank == 1:
-            encode, calls = model.encode, []
+            encode = model.encode
 
-            def stuck_on_second_call(phase, items):
-                if model.training:
-                    calls.append(phase)
-                if calls.count("vision") == 2 and phase == "vision":
+            def stuck_in_iteration_two(phase, items):
+                if phase == "vision" and len(steps) == 2 and _in_the_balanced_schedule():
                     (Path(out_dir) / "stuck_since").write_text(repr(time.time()))
                     time.sleep(600)
                 return encode(phase, items)
 
-            model.encode = stuck_on_second_call
+            model.encode = stuck_in_iteration_two
         return model
 
     args = arguments.parse_args(MLLM_TASK, COMMON + BALANCED, world_size=world_size)
