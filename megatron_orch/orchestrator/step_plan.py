@@ -359,7 +359,7 @@ def _pipelined(bins, method: str, costs, num_tokens, num_ranks: int, micro_batch
     """The backbone plan judged by the pipeline schedule (``config.step_model``'s stages > 1): the sum-balanced
     ``bins`` with their own micro-batches against the pipeline-aware local search from them
     (:meth:`PipelineSchedule.plan`); the one whose slowest replica's modeled step is shorter, as (bins, micro-batch
-    of every example or None for the bins' own, method)."""
+    of every example, method)."""
     schedule = config.step_model.schedule
     own = _microbatches(bins, costs, num_tokens, num_ranks, micro_batch_size, num_microbatches, config.packed,
                         config.algorithm)
@@ -368,7 +368,7 @@ def _pipelined(bins, method: str, costs, num_tokens, num_ranks: int, micro_batch
                                                   rows=None if config.packed else micro_batch_size)
     if seconds.max(initial=0.0) < summed * (1 - 1e-9):
         return searched, microbatch, f"{method}+pipelined"
-    return bins, None, method
+    return bins, own, method
 
 
 def plan_step(sizes: StepSizes, phases: ModelPhases, config: OrchestratorConfig,
@@ -409,7 +409,7 @@ def plan_step(sizes: StepSizes, phases: ModelPhases, config: OrchestratorConfig,
     backbone = phases.backbone.name
     backbone_costs, text_bytes = items[backbone].cost, items[backbone].nbytes
     packed = config.packed
-    pipelined_microbatch = None  # the micro-batches of a pipeline-aware plan (:func:`_pipelined`)
+    pipelined_microbatch = None  # the micro-batches :func:`_pipelined` chose with its plan (PP > 1)
     if not config.balances(backbone):
         backbone_rank, method = home, "none"
     else:

@@ -207,6 +207,8 @@ def simulate_step(sizes: StepSizes, model, link: LinkModel, profile: Optional[Co
         plan = plans[method]
         cells = {p: v / cluster.tensor_parallel for p, v in phase_cell_seconds(plan, items, profile, tflops).items()}
         ranks = {p: v.sum(axis=1) for p, v in cells.items()}
+        phase_max = {p: float(r.max(initial=0.0)) for p, r in ranks.items()}
+        phase_mean = {p: float(r.mean()) for p, r in ranks.items()}
         moves = {move.name: (move, Busiest.of(move.moved_bytes(topology.node_of_rank)))
                  for move in step_transfers(plan, items)}
         embeddings = {p: moves[f"{p} embeddings"][1] for p in plan.encoders}
@@ -222,12 +224,14 @@ def simulate_step(sizes: StepSizes, model, link: LinkModel, profile: Optional[Co
             encoders, embeddings, inputs = spread_encoders(plan, items, at, profile, tflops)
             parts = at.step(encoders, at.pipelined(cells[backbone]), embeddings, inputs + [moves["text"][1]], dp,
                             replicas_per_node)
-            ranks.update({p: np.full(dp, seconds) for p, seconds in encoders})  # the busiest group's, every rank
+            groups = dp * at.encoder_groups_per_replica  # the mean: every item's seconds over the groups' GPUs
+            etp = at.encoder_tensor_parallel or at.tensor_parallel
+            phase_max.update(encoders)
+            phase_mean.update({p: float(ranks[p].sum()) * at.tensor_parallel / etp / groups for p, _ in encoders})
         else:
             encoders = [(p, float(ranks[p].max(initial=0.0))) for p in plan.encoders]
             parts = at.step(encoders, at.pipelined(cells[backbone]), embeddings, prefetched, dp, replicas_per_node)
-        return {"parts": parts, "phase_seconds": {p: float(r.max(initial=0.0)) for p, r in ranks.items()},
-                "phase_mean_seconds": {p: float(r.mean()) for p, r in ranks.items()},
+        return {"parts": parts, "phase_seconds": phase_max, "phase_mean_seconds": phase_mean,
                 "comm": {name: {"seconds": b.seconds(at.link), "times": move.times, "nvlink_bytes": b.nvlink_bytes,
                                 "nic_bytes": b.nic_bytes, "inter_node_bytes": move.moved_bytes(
                                     topology.node_of_rank).inter_node,
