@@ -3,6 +3,8 @@ import numba
 import numpy as np
 
 from megatron_orch.balance._kernels._jit import _JIT
+from megatron_orch.balance._kernels.local_search import _rank_index
+from megatron_orch.balance._plan_kernels import _rank_starts
 
 
 # ---------------------------------------------------------------------------------------------
@@ -39,22 +41,8 @@ def _append(head, tail, nxt, prv, r, e):
 # ---------------------------------------------------------------------------------------------
 
 @numba.njit(**_JIT)
-def _pool_find(pool, size, costs, c, e):
-    """First position of ``pool[:size]`` not before (c, e)."""
-    lo, hi = 0, size
-    while lo < hi:
-        mid = (lo + hi) // 2
-        f = pool[mid]
-        if costs[f] < c or (costs[f] == c and f < e):
-            lo = mid + 1
-        else:
-            hi = mid
-    return lo
-
-
-@numba.njit(**_JIT)
 def _pool_remove(pools, sizes, x, costs, e):
-    at = _pool_find(pools[x], sizes[x], costs, costs[e], e)
+    at = _rank_index(costs, pools[x], 0, sizes[x], costs[e], e)
     if at < sizes[x] and pools[x, at] == e:
         for k in range(at, sizes[x] - 1):
             pools[x, k] = pools[x, k + 1]
@@ -68,7 +56,7 @@ def _pool_insert(pools, sizes, x, costs, e):
         wider = np.empty((pools.shape[0], 2 * pools.shape[1]), dtype=np.int64)
         wider[:, :pools.shape[1]] = pools
         pools = wider
-    at = _pool_find(pools[x], sizes[x], costs, costs[e], e)
+    at = _rank_index(costs, pools[x], 0, sizes[x], costs[e], e)
     for k in range(sizes[x], at, -1):
         pools[x, k] = pools[x, k - 1]
     pools[x, at] = e
@@ -171,11 +159,7 @@ def localize(rank, costs, want, node_of_rank, capacity, swaps_only, weight, scan
     load = np.zeros(num_ranks)
     for e in range(n):
         load[rank[e]] += costs[e]
-    node_start = np.zeros(num_nodes + 1, dtype=np.int64)
-    for r in range(num_ranks):
-        node_start[node_of_rank[r] + 1] += 1
-    for x in range(num_nodes):
-        node_start[x + 1] += node_start[x]
+    node_start = _rank_starts(node_of_rank, num_nodes)
     node_ranks = np.empty(num_ranks, dtype=np.int64)
     fill = node_start[:-1].copy()
     for r in range(num_ranks):
@@ -230,7 +214,7 @@ def localize(rank, costs, want, node_of_rank, capacity, swaps_only, weight, scan
                 # a's room, a cheaper one its own rank by the gap less that rank's room
                 up = capacity - load[a] + _max_room(load, capacity, node_ranks, node_start, x)
                 down = 2 * _max_room(load, capacity, node_ranks, node_start, y)
-                at = _pool_find(pools[y], size, costs, c, -1)
+                at = _rank_index(costs, pools[y], 0, size, c, -1)
                 lo, hi = at - 1, at
                 for _scan in range(2 * scan):  # outward from c, nearest cost first
                     up_fits = hi < size and costs[pools[y, hi]] - c <= up
