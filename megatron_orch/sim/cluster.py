@@ -186,7 +186,6 @@ def simulate_step(sizes: StepSizes, model, link: LinkModel, profile: Optional[Co
     (planning runs on a CPU thread during the previous step; ``bench.planning`` measures its time)."""
     cluster = dataclasses.replace(step_model or StepModel(), link=link, tflops=tflops)
     dp = int(np.asarray(sizes.counts).size)
-    per_rank = int(np.asarray(sizes.counts)[0])
     topology = topology_of(dp, cluster)
     phases = model_phases(model, profile)
     items = phase_items(sizes, phases)

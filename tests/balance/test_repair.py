@@ -102,21 +102,28 @@ def _busiest(ranks, sources, node):
     return np.array(out)
 
 
-@settings(max_examples=60, deadline=None)
-@given(st.data())
-def test_the_repair_never_leaves_a_link_busier_than_it_found_it_over_the_plain_plan(data):
+def _repair_instance(data):
+    """A plain plan, another equal-count assignment of it (``near``), the sources the examples pull bytes from,
+    and the capacity both plans respect: (costs, plain, node of rank, near, sources, capacity)."""
     ranks_per_node, nodes = data.draw(st.sampled_from([2, 4])), data.draw(st.integers(2, 3))
     costs, plain, node = _instance(data, ranks_per_node, nodes)
     n = costs.size
-    near = np.array(data.draw(st.permutations(list(plain))))  # another equal-count assignment
+    near = np.array(data.draw(st.permutations(list(plain))))
     sources = []
     for _ in range(data.draw(st.integers(1, 2))):
         k = data.draw(st.integers(1, 2 * n))
         example = np.array(data.draw(st.lists(st.integers(0, n - 1), min_size=k, max_size=k)))
         src = np.array(data.draw(st.lists(st.integers(0, node.size - 1), min_size=k, max_size=k)))
         sources.append((example, src, np.array(data.draw(st.lists(st.floats(0, 100), min_size=k, max_size=k)))))
-    capacity = max(np.bincount(plain, weights=costs, minlength=node.size).max(),
-                   np.bincount(near, weights=costs, minlength=node.size).max())
+    capacity = float(max(np.bincount(plain, weights=costs, minlength=node.size).max(),
+                         np.bincount(near, weights=costs, minlength=node.size).max()))
+    return costs, plain, node, near, sources, capacity
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.data())
+def test_the_repair_never_leaves_a_link_busier_than_it_found_it_over_the_plain_plan(data):
+    costs, plain, node, near, sources, capacity = _repair_instance(data)
     swaps_only = data.draw(st.booleans())
     out, _ = repair_locality(near, plain, costs, sources, node, 9.0, swaps_only=swaps_only, capacity=capacity)
     assert np.bincount(out, weights=costs, minlength=node.size).max() <= capacity + 1e-9
@@ -200,16 +207,5 @@ def test_the_repair_takes_no_move_that_raises_the_excess(costs, plain, near, sou
 def test_every_action_of_the_repair_lowers_the_excess_whatever_the_bytes(data):
     """One action at a time (max_rounds=1): the repair takes one only if it lowers the excess over the plain
     plan's limits, never one that sends fewer bytes across nodes but leaves a link or a rank further over."""
-    ranks_per_node, nodes = data.draw(st.sampled_from([2, 4])), data.draw(st.integers(2, 3))
-    costs, plain, node = _instance(data, ranks_per_node, nodes)
-    n = costs.size
-    near = np.array(data.draw(st.permutations(list(plain))))
-    sources = []
-    for _ in range(data.draw(st.integers(1, 2))):
-        k = data.draw(st.integers(1, 2 * n))
-        example = np.array(data.draw(st.lists(st.integers(0, n - 1), min_size=k, max_size=k)))
-        src = np.array(data.draw(st.lists(st.integers(0, node.size - 1), min_size=k, max_size=k)))
-        sources.append((example, src, np.array(data.draw(st.lists(st.floats(0, 100), min_size=k, max_size=k)))))
-    capacity = float(max(np.bincount(plain, weights=costs, minlength=node.size).max(),
-                         np.bincount(near, weights=costs, minlength=node.size).max()))
+    costs, plain, node, near, sources, capacity = _repair_instance(data)
     _acts_only_to_lower_the_excess(near, plain, costs, sources, node, data.draw(st.booleans()), capacity)
