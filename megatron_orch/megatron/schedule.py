@@ -174,24 +174,8 @@ class ModalityAwareSchedule:
                 backward_done.append(True)
                 self._encoders_backward(step, module, pending, _no_sync(config), synced, sharded)
 
-        def after_encoders_backward(callback, synced: bool = True):
-            def call(*args, **kw):
-                encoders_backward_once(synced)
-                return callback(*args, **kw)
-            return call
-
-        if not forward_only:  # whichever callback reduces gradients first runs the encoders' backward
-            for name, callback in callbacks.items():
-                if name == "grad_sync_func" and callback is not None and len(chunks) > 1 and not isinstance(
-                        callback, list):
-                    callback = [callback] * len(chunks)  # as the interleaved schedule spreads it over the chunks
-                if isinstance(callback, list):  # one per model chunk: the first chunk's (the encoders')
-                    # the interleaved schedule syncs a chunk by its grad_sync_func alone, after running every
-                    # backward of the chunk under no_sync: so do the encoders' backward then
-                    synced = not (name == "grad_sync_func" and len(chunks) > 1)
-                    setattr(config, name, [after_encoders_backward(callback[0], synced), *callback[1:]])
-                elif callback is not None:
-                    setattr(config, name, after_encoders_backward(callback))
+        if not forward_only:
+            _run_encoders_backward_first(config, len(chunks), encoders_backward_once)
         watching = bool(watched) and bool(encoders)
         try:
             result = self.forward_backward_func(
@@ -286,6 +270,29 @@ class ModalityAwareSchedule:
                 with contextlib.nullcontext() if synced else no_sync():
                     _zero_gradients(module.phase_encoders()[phase])
         self.timings["encoders_backward"] = time.perf_counter() - start
+
+
+def _run_encoders_backward_first(config, num_chunks: int, encoders_backward: Callable[[bool], None]) -> None:
+    """Wrap the model config's gradient callbacks (:data:`_GRAD_CALLBACKS`) so that whichever reduces gradients
+    first calls ``encoders_backward(synced)`` before it (calling it once is the caller's concern); the caller
+    puts the callbacks back. ``synced``: whether the encoders' last backward may run outside ``no_sync``, false
+    where the interleaved schedule (``num_chunks`` > 1) syncs the encoders' chunk by its ``grad_sync_func``
+    (``--overlap-grad-reduce``): it runs every backward of the chunk under ``no_sync``, then that sync."""
+    def after_encoders_backward(callback, synced: bool):
+        def call(*args, **kw):
+            encoders_backward(synced)
+            return callback(*args, **kw)
+        return call
+
+    for name in _GRAD_CALLBACKS:
+        callback = getattr(config, name)
+        if name == "grad_sync_func" and callback is not None and num_chunks > 1 and not isinstance(callback, list):
+            callback = [callback] * num_chunks  # as the interleaved schedule spreads it over the chunks
+        synced = not (name == "grad_sync_func" and num_chunks > 1)
+        if isinstance(callback, list):  # one per model chunk: the first chunk's (the encoders')
+            setattr(config, name, [after_encoders_backward(callback[0], synced), *callback[1:]])
+        elif callback is not None:
+            setattr(config, name, after_encoders_backward(callback, synced))
 
 
 def _step_iterator(data_iterator) -> Iterator[BalancedStep]:

@@ -9,6 +9,7 @@ import functools
 import types
 
 import numpy as np
+import pytest
 import torch
 
 from megatron_orch.megatron.encoder_chunks import chunk_bounds, encode_in_chunks
@@ -79,3 +80,57 @@ def test_a_phases_gradients_report_ready_once_after_its_last_chunk():
         torch.testing.assert_close(param.grad, expected[name].grad)
         assert len(no_sync.reported.get(name, [])) == 1, (name, len(no_sync.reported.get(name, [])))
         torch.testing.assert_close(no_sync.reported[name][0], param.grad, msg=lambda m: f"{name} reported early: {m}")
+
+
+def _step_gradients(module, items):
+    """Each phase encoded in two chunks (one kept, one recomputed), its moved outputs' gradients drawn: the
+    pending backward of a step, as the schedule holds it before the encoders' backward."""
+    pending = []
+    for phase, inputs in items.items():
+        encode = functools.partial(module.encode, phase)
+        outputs, chunks = encode_in_chunks(encode, inputs, chunk_bounds(inputs.shape[0], 2, 2), grad=True)
+        leaf = outputs.detach().requires_grad_()
+        leaf.grad = torch.randn(outputs.shape, generator=torch.Generator().manual_seed(len(pending)))
+        pending.append((phase, encode, inputs, chunks, leaf))
+    return pending
+
+
+@pytest.mark.parametrize("num_chunks", [1, 2])
+def test_under_the_interleaved_schedules_grad_sync_the_encoders_backward_reports_nothing_itself(num_chunks):
+    """``--overlap-grad-reduce``: the schedule's grad_sync_func runs the encoders' backward first. With one
+    model chunk it reports each encoder gradient once, at the phase's last chunk, as the backbone's last
+    micro-batch does; with several (the interleaved schedule, which runs every backward of a chunk under
+    no_sync and then syncs the chunk explicitly) it reports none (the explicit sync that follows reduces them),
+    and the gradients are whole when the sync runs."""
+    from megatron_orch.megatron.schedule import _run_encoders_backward_first
+
+    module = TwoEncoders()
+    items = {"vision": torch.randn(3, 3), "audio": torch.randn(4, 3)}
+    pending = _step_gradients(module, items)
+    schedule = ModalityAwareSchedule(lambda **kwargs: [], dp_group=None)
+    grads = {phase: leaf.grad for phase, _, _, _, leaf in pending}
+    schedule._start_move = lambda step, phase, rows, inverse=False: (lambda: grads[phase])
+    no_sync = RecordingNoSync(module)
+    step = types.SimpleNamespace(rows_per_item={"vision": 1, "audio": 1}, num_tokens=np.zeros(0))
+    synced_chunks, finalized = [], []
+
+    def grad_sync(chunk):  # the chunk's explicit sync: every encoder gradient is whole by then
+        synced_chunks.append((chunk, {name: p.grad.clone() for name, p in module.named_parameters()}))
+
+    config = types.SimpleNamespace(
+        grad_sync_func=[functools.partial(grad_sync, c) for c in range(num_chunks)] if num_chunks > 1
+        else functools.partial(grad_sync, 0),
+        finalize_model_grads_func=lambda *args: finalized.append(args))
+    _run_encoders_backward_first(
+        config, num_chunks, lambda synced: schedule._encoders_backward(step, module, pending, no_sync, synced))
+    (config.grad_sync_func[0] if num_chunks > 1 else config.grad_sync_func)()
+
+    reference = TwoEncoders()
+    for phase, inputs in items.items():
+        torch.autograd.backward(reference.encode(phase, inputs), grads[phase])
+    expected = dict(reference.named_parameters())
+    assert [chunk for chunk, _ in synced_chunks] == [0] and not finalized
+    for name, grad in synced_chunks[0][1].items():
+        torch.testing.assert_close(grad, expected[name].grad)
+    reports = {name: len(no_sync.reported.get(name, [])) for name in expected}
+    assert reports == {name: 1 if num_chunks == 1 else 0 for name in expected}, reports
