@@ -127,3 +127,26 @@ def test_sharded_ranks_run_the_same_chunks_and_keep_one_only_where_every_rank_wi
     assert [(c.start, c.stop) for c in bounds[2]] == [(0, 2), (2, 3), (3, 4)]
     every = [aligned_chunks([4, 4], 2, [4, 4], rank) for rank in range(2)]
     assert [[c.keep for c in b] for b in every] == [[True, True]] * 2
+
+
+def test_a_sharded_encode_that_fails_leaves_the_roots_forward_its_own():
+    """sharded_encode makes the wrapper's root module run ``encode`` for one call: after a call that raises (an
+    encoder's error, a check's refusal), the root's forward is its own again, not the failed phase's encode."""
+    from megatron.core.distributed.torch_fully_sharded_data_parallel import TorchFullyShardedDataParallel
+
+    from megatron_orch.megatron.sharding import sharded_encode
+
+    root = torch.nn.Linear(8, 2)
+    wrapper = TorchFullyShardedDataParallel.__new__(TorchFullyShardedDataParallel)  # the class, not its set-up
+    torch.nn.Module.__init__(wrapper)
+    wrapper.module = root
+    items = torch.randn(3, 8)
+    torch.testing.assert_close(sharded_encode(wrapper, lambda x: 2 * x)(items), 2 * items)
+
+    def failing(items):
+        raise ValueError("an encoder's error")
+
+    with pytest.raises(ValueError, match="an encoder's error"):
+        sharded_encode(wrapper, failing)(items)
+    assert "forward" not in vars(root)
+    torch.testing.assert_close(root(items), items @ root.weight.T + root.bias)
