@@ -9,7 +9,7 @@ which runs beside DDP's.
 from __future__ import annotations
 
 from datetime import timedelta
-from typing import Optional
+from typing import List, Optional, Sequence, Tuple
 
 import torch.distributed as dist
 from torch.distributed import ProcessGroup
@@ -33,10 +33,15 @@ def dedicated_group(group: ProcessGroup, timeout: Optional[timedelta] = None) ->
 def replica_group(group: ProcessGroup, timeout: Optional[timedelta] = None) -> ProcessGroup:
     """The group of this rank's DP replica: the ranks that sit where this one sits in every DP group (its TP,
     CP and PP peers, which hold the same examples), created as :func:`dedicated_group` creates groups."""
-    groups = _dp_groups(group)
-    replicas = sorted({tuple(sorted(g[i] for g in groups)) for i in range(len(groups[0]))})
+    replicas = dp_replicas(_dp_groups(group))
     mine = next(r for r in replicas if dist.get_rank() in r)
     return _create_each(replicas, mine, group, timeout)
+
+
+def dp_replicas(dp_groups: Sequence[Sequence[int]]) -> List[Tuple[int, ...]]:
+    """The job's DP replicas given its DP groups (equal sizes): the ranks at one place in every DP group, each
+    sorted, in order."""
+    return sorted({tuple(sorted(g[i] for g in dp_groups)) for i in range(len(dp_groups[0]))})
 
 
 def _dp_groups(group: ProcessGroup) -> list:

@@ -8,6 +8,9 @@ ranks than its DP group, and DP groups that overlap are refused on every rank.
 
 What the dedicated communicator gains on a GPU (an all-to-all that does not queue behind DDP's bucket
 reductions under --overlap-grad-reduce) needs NCCL on GPUs to measure; not here.
+
+In one process (fast): the DP replicas (the peers a plan is agreed with) are megatron-core's TP x CP x PP
+groups, and post_balance agrees with them under CP.
 """
 import numpy as np
 import pytest
@@ -98,3 +101,49 @@ def _iterator_on_its_own_communicator(rank, world):
 @pytest.mark.distributed
 def test_the_iterator_moves_its_data_on_a_communicator_of_its_own():
     run_distributed(_iterator_on_its_own_communicator, 2)
+
+
+@pytest.mark.parametrize("tp, cp, pp, dp", [(1, 2, 1, 2), (2, 2, 2, 2), (2, 1, 2, 2), (1, 4, 1, 2), (2, 2, 1, 1)])
+def test_a_dp_replica_is_megatrons_tp_cp_pp_peers(tp, cp, pp, dp):
+    """The DP replicas found from megatron-core's DP groups are its TP x CP x PP groups: the peers that read the
+    same examples, with which a rank's plan must agree (a CP rank that fails must reach its CP peers)."""
+    from megatron.core.parallel_state import RankGenerator
+
+    from megatron_orch.comm.communicator import dp_replicas
+
+    ranks = RankGenerator(tp=tp, ep=1, dp=dp, pp=pp, cp=cp, order="tp-cp-ep-dp-pp")
+    want = sorted(tuple(sorted(g)) for g in ranks.get_ranks("tp-cp-pp"))
+    assert dp_replicas(ranks.get_ranks("dp")) == want
+    assert {len(r) for r in want} == {tp * cp * pp}
+
+
+@pytest.fixture(scope="module")
+def harness():
+    from megatron_orch.trainer import cpu_harness
+    cpu_harness.install()
+
+
+@pytest.mark.parametrize("cp", [1, 2])
+def test_post_balance_checks_its_plan_with_the_cp_peers_too(cp, harness, world_of_one, monkeypatch):
+    """post_balance's peers (the group over which a failed read or another plan reaches every rank): megatron-core's
+    model-parallel group (TP x PP) without CP, the DP replica (TP x CP x PP) with it."""
+    from megatron.core import parallel_state
+
+    import example_modules  # noqa: F401 -- examples/ on the path
+    import own_model
+    from megatron_orch.megatron import StepShape, any_loop, post_balance
+
+    replicas = []
+
+    def replica_group(group, timeout=None):
+        replicas.append(dist.get_process_group_ranks(group))
+        return "the DP replica's group"
+
+    monkeypatch.setattr(parallel_state, "get_context_parallel_world_size", lambda: cp)
+    monkeypatch.setattr(any_loop, "replica_group", replica_group)
+    _, iterator = post_balance(None, iter(()), own_model.batch_spec(), StepShape(2, 2))
+    if cp == 1:
+        assert iterator.groups.peer_group is parallel_state.get_model_parallel_group() and not replicas
+    else:
+        assert iterator.groups.peer_group == "the DP replica's group"
+        assert replicas == [dist.get_process_group_ranks(parallel_state.get_data_parallel_group())]
