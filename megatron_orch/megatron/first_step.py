@@ -31,7 +31,8 @@ with one line naming the fix, instead of training differently from upstream or f
   ``forward(batch)`` does not encode through ``encode`` (so its outputs cannot be recorded); one such step at
   most per phase. Both layouts run in training mode (BatchNorm and the like as they train), with dropout off
   when the model has some (masks follow the rank that computes an example, so no two layouts agree with it
-  on; rates set to 0, modes left alone), and so does the step trained on; the upstream run leaves the
+  on; rates set to 0, those of modules and of torch's dropout functions alike, modes left alone), and so does the
+  step trained on; the upstream run leaves the
   buffers (running statistics) as it found them. Megatron DDP's overlapped reduction is off for the upstream
   run (its gradients are reduced when the schedule ends), so that DDP calibrates it on the balanced one.
 """
@@ -45,8 +46,10 @@ from typing import Callable, Dict, Iterator, List, Mapping, Optional, Sequence, 
 import numpy as np
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 from megatron.core import tensor_parallel
 from megatron.core.utils import get_model_config
+from torch.overrides import TorchFunctionMode
 
 from megatron_orch.balance.plan import Transfer
 from megatron_orch.comm.alltoall import ItemLayout, all_to_all_items
@@ -101,12 +104,43 @@ def _relative(got: torch.Tensor, want: torch.Tensor) -> float:
 
 
 _DROPOUT_RATES = ("hidden_dropout", "attention_dropout")  # rates a module reads when it runs (Megatron's layers)
+# torch's dropout functions: the name and place of their rate (a dropout module calls one of them too)
+_DROPOUT_FUNCTIONS = {
+    **{f: ("p", 1) for f in (F.dropout, F.dropout1d, F.dropout2d, F.dropout3d, F.alpha_dropout,
+                             F.feature_alpha_dropout, torch.dropout, torch.feature_dropout, torch.alpha_dropout,
+                             torch.feature_alpha_dropout, torch.native_dropout)},
+    F.scaled_dot_product_attention: ("dropout_p", 4),
+}
+
+
+class _NoDropout(TorchFunctionMode):
+    """torch's dropout functions called at rate 0 however the model calls them (a literal rate, a name bound at
+    import); ``found``: whether one was called at a rate above 0. Hand-made dropout (a mask from ``torch.rand``)
+    is not seen: its masks differ between the layouts, and the check stops the run."""
+
+    def __init__(self):
+        super().__init__()
+        self.found = False
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = dict(kwargs or {})
+        rate = _DROPOUT_FUNCTIONS.get(func)
+        if rate is not None:
+            name, place = rate
+            if name in kwargs:
+                self.found |= bool(kwargs[name])
+                kwargs[name] = 0.0
+            elif len(args) > place:
+                self.found |= bool(args[place])
+                args = (*args[:place], 0.0, *args[place + 1:])
+        return func(*args, **kwargs)
 
 
 @contextlib.contextmanager
-def _dropout_off(modules: Sequence[torch.nn.Module]) -> Iterator[None]:
+def _dropout_off(modules: Sequence[torch.nn.Module]) -> Iterator[_NoDropout]:
     """Dropout off for the duration, every module left in its mode (training: BatchNorm and the like keep
-    their statistics over the call): torch's dropout modules at rate 0 and the float rates a module reads
+    their statistics over the call): torch's dropout modules and functions at rate 0 (:class:`_NoDropout`,
+    which it yields: its ``found`` also says whether the modules had some) and the float rates a module reads
     when it runs (``hidden_dropout``, ``attention_dropout``) at 0; then as they were."""
     changed = []
     for m in {id(m): m for root in modules for m in root.modules()}.values():
@@ -116,8 +150,11 @@ def _dropout_off(modules: Sequence[torch.nn.Module]) -> Iterator[None]:
                     if isinstance(getattr(m, name, None), float) and getattr(m, name) > 0]
     for m, name, _ in changed:
         setattr(m, name, 0.0)
+    no_dropout = _NoDropout()
+    no_dropout.found = bool(changed)
     try:
-        yield
+        with no_dropout:
+            yield no_dropout
     finally:
         for m, name, rate in changed:
             setattr(m, name, rate)
@@ -149,12 +186,6 @@ def _rng_unchanged() -> Iterator[None]:
             yield
         finally:
             tracker.set_states(states)
-
-
-def _has_dropout(modules: Sequence[torch.nn.Module]) -> bool:
-    return any((isinstance(m, torch.nn.modules.dropout._DropoutNd) and m.p > 0)
-               or any(isinstance(getattr(m, name, None), float) and getattr(m, name) > 0 for name in _DROPOUT_RATES)
-               for root in modules for m in root.modules())
 
 
 # -- the encoders, on the first step with items of each phase ----------------------------------------
@@ -453,9 +484,8 @@ def checked_step(run_home: Callable[[], list], run_balanced: Callable[[dict], li
     Raises :class:`FirstStepMismatchError` on every rank when they differ."""
     config = get_model_config(chunks[0])
     phases, backbone = list(step.plan.encoders), step.plan.backbone
-    dropout = _has_dropout(chunks)
     grads_reduced = config.finalize_model_grads_func is not None
-    with _dropout_off(chunks) if dropout else contextlib.nullcontext():
+    with _dropout_off(chunks) as dropout:
         with _reduced_at_the_end(chunks, config), _buffers_unchanged(chunks):
             with _recording_encode(module, phases) as recorded, _rng_unchanged():
                 home_losses = run_home()
@@ -495,7 +525,7 @@ def checked_step(run_home: Callable[[], list], run_balanced: Callable[[dict], li
             raise FirstStepMismatchError(_mismatch(phase, what, value, limit, phase == backbone, packed))
     result = {"encoder outputs": dict(zip(phases, figures[:len(phases)].tolist())), "loss": float(figures[len(phases)]),
               "gradient norms": float(figures[len(phases) + 1:].max(initial=0.0)), "tolerance": limit}
-    notes = ("; dropout off for the check" if dropout else "") + (
+    notes = ("; dropout off for the check" if dropout.found else "") + (
         "" if grads_reduced else "; gradients not compared: the model config reduces none (finalize_model_grads_func "
         "is None)")
     present = [phase for phase in phases if step.plan.encoders[phase].example.size]

@@ -6,6 +6,7 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 import torch
+import torch.nn.functional as F
 
 from megatron_orch.megatron import first_step
 from megatron_orch.megatron.post_balancing import CheckedSteps
@@ -106,14 +107,34 @@ def test_dropout_goes_off_without_eval_mode_and_comes_back():
 
     model = torch.nn.Sequential(Layer(), Layer())
     model.train()
-    assert first_step._has_dropout([model])
-    with first_step._dropout_off([model]):
-        assert all(m.training for m in model.modules())
-        assert not first_step._has_dropout([model])
+    with first_step._dropout_off([model]) as dropout:
+        assert all(m.training for m in model.modules()) and dropout.found
         assert [(layer.hidden_dropout, layer.attention_dropout, layer.dropout.p, layer.alpha.p)
                 for layer in model] == [(0.0,) * 4] * 2
     assert [(layer.hidden_dropout, layer.attention_dropout, layer.dropout.p, layer.alpha.p)
             for layer in model] == [(0.1, 0.2, 0.5, 0.3)] * 2
+
+
+def test_dropout_functions_at_literal_rates_go_off_too():
+    """torch's dropout functions at a rate the model passes them (no module, no attribute to set): at rate 0
+    inside the block, however called, and found; as called after it."""
+    from torch.nn.functional import dropout as bound_dropout
+
+    x = torch.ones(4, 8, 2, 2, 2)
+    q = torch.randn(2, 1, 5, 4)
+    calls = [lambda: F.dropout(x, 0.5), lambda: bound_dropout(x, p=0.5, training=True), lambda: F.dropout2d(x, 0.5),
+             lambda: F.alpha_dropout(x, 0.5, True), lambda: torch.dropout(x, 0.5, True),
+             lambda: torch.nn.Dropout(0.5)(x), lambda: torch.native_dropout(x, 0.5, True)[0],
+             lambda: F.scaled_dot_product_attention(q, q, q, None, 0.5),
+             lambda: F.scaled_dot_product_attention(q, q, q, dropout_p=0.5)]
+    without = F.scaled_dot_product_attention(q, q, q)
+    with first_step._dropout_off([torch.nn.Linear(2, 2)]) as dropout:
+        assert not dropout.found
+        for k, call in enumerate(calls):
+            torch.testing.assert_close(call(), x if k < 7 else without, msg=lambda m: f"call {k}: {m}")
+        assert dropout.found
+    for k, call in enumerate(calls):
+        assert not torch.allclose(call(), x if k < 7 else without), k
 
 
 @pytest.mark.parametrize("fails", [False, True])

@@ -366,3 +366,50 @@ def test_shadow_mode_in_ones_own_loop_reaches_its_log(harness, world_of_one):
                                                    "over DP before->after: image ") for line in lines), lines
     figures = steps[-1].plan.report()
     assert f"text {figures['text before']:.2f}->{figures['text after']:.2f}" in lines[-1]
+
+
+def _functional_dropout_variants():
+    """TinyLlava with dropout written as torch's functions at literal rates (no module, no rate attribute for the
+    check to find): in encode, from a name bound at import, in forward as torch.dropout, and inside attention
+    (scaled_dot_product_attention's dropout_p); and the BatchNorm encoder of :func:`_tiny_llava_variants` with
+    such a dropout."""
+    import own_model
+    from torch.nn.functional import dropout as bound_dropout
+    batch_normed, _, _ = _tiny_llava_variants()
+
+    class FunctionalDropout(own_model.TinyLlava):
+        def encode(self, phase, items):
+            rows = torch.nn.functional.dropout(super().encode(phase, items), 0.1, training=True)
+            return bound_dropout(rows, p=0.2)
+
+        def forward(self, batch, embeds=None):
+            if embeds is not None:
+                embeds = {phase: torch.dropout(rows, 0.1, True) for phase, rows in embeds.items()}
+            return super().forward(batch, embeds)
+
+    class AttentionDropout(own_model.TinyLlava):
+        def encode(self, phase, items):
+            rows = super().encode(phase, items)
+            if rows.shape[0] == 0:
+                return rows
+            q = rows.reshape(rows.shape[0], 1, 1, -1)  # each row attends to itself alone: item by item
+            return torch.nn.functional.scaled_dot_product_attention(q, q, q, None, 0.3).reshape(rows.shape)
+
+    class BatchNormedWithFunctionalDropout(batch_normed):
+        def encode(self, phase, items):
+            return torch.nn.functional.dropout(super().encode(phase, items), 0.1)
+
+    return FunctionalDropout, AttentionDropout, BatchNormedWithFunctionalDropout
+
+
+def test_functional_dropout_at_a_literal_rate_is_off_for_the_check(harness, world_of_one):
+    """Dropout called as a function at a literal rate is off for the checks as a dropout module is: the checked
+    steps pass where the model is right (a mask drawn per layout would make them differ), and a model that is
+    wrong is still refused by name."""
+    functional, attention, batch_normed = _functional_dropout_variants()
+    for model_class in (functional, attention):
+        got = _train_two_steps(model_class, True)
+        assert got["refusal"] is None and len(got["losses"]) == 2, (model_class.__name__, got["refusal"])
+    got = _train_two_steps(batch_normed, True)
+    assert len(got["losses"]) == 1 and re.search(
+        r"encode\('image', items\) is not item by item: .* in training mode", str(got["refusal"])), got
