@@ -413,3 +413,20 @@ def test_functional_dropout_at_a_literal_rate_is_off_for_the_check(harness, worl
     got = _train_two_steps(batch_normed, True)
     assert len(got["losses"]) == 1 and re.search(
         r"encode\('image', items\) is not item by item: .* in training mode", str(got["refusal"])), got
+
+
+def test_a_forward_that_detaches_embeds_is_refused_at_its_phases_first_step(harness, world_of_one):
+    """The reverse of the upstream branch under torch.no_grad(): forward(batch, embeds) detaches the embeddings,
+    so the encoder trains upstream and not balanced; refused at step 2 (the first with images), naming the phase."""
+    import own_model
+
+    class DetachesEmbeds(own_model.TinyLlava):
+        def forward(self, batch, embeds=None):
+            if embeds is not None:
+                embeds = {phase: rows.detach() for phase, rows in embeds.items()}
+            return super().forward(batch, embeds)
+
+    got = _train_two_steps(DetachesEmbeds, True)
+    assert len(got["losses"]) == 1 and re.search(
+        r"phase 'image''s encoder gets gradients in the loader's layout of the same batch but none in the "
+        r"balanced", str(got["refusal"])), got
