@@ -38,8 +38,10 @@ Megatron-Core's ``MimoModel`` meets the contract through :mod:`megatron_orch.meg
 """
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import functools
-from typing import Iterator, Mapping, Optional, Protocol, runtime_checkable
+from typing import Iterator, List, Mapping, Optional, Protocol, Tuple, runtime_checkable
 
 import torch
 from megatron.core.enums import ModelType
@@ -123,6 +125,50 @@ def loss_func(loss_mask: torch.Tensor, output_tensor: torch.Tensor):
     return loss, num_tokens, {"lm loss": report}
 
 
+_non_finite_records: Optional[List[Tuple[torch.Tensor, torch.Tensor]]] = None
+
+
+@contextlib.contextmanager
+def recording_non_finite_losses() -> Iterator[List[Tuple[torch.Tensor, torch.Tensor]]]:
+    """While active, :func:`forward_step`'s loss function appends to the yielded list, per micro-batch, its
+    examples' sample ids and whether each one's loss is not finite (on the device, read by no one unless the
+    step's loss is not finite: no host sync per micro-batch). A trainer names the examples of a non-finite loss
+    from it, not the whole step."""
+    global _non_finite_records
+    outer, _non_finite_records = _non_finite_records, []
+    try:
+        yield _non_finite_records
+    finally:
+        _non_finite_records = outer
+
+
+def _token_examples(batch: MicroBatch, layout: SequenceLayout) -> torch.Tensor:
+    """The example (its place in ``batch``, -1 past every example) of each token of this rank's part of the
+    sequence, laid out as its loss mask; read from the host's bounds, so nothing waits for the device."""
+    rows, length = batch.tokens.shape
+    device = batch.tokens.device
+    if batch.is_packed:
+        bounds = batch.host_cu_seqlens
+        index = torch.full((rows, length), -1, dtype=torch.long)
+        for i in range(batch.num_examples):
+            index[0, bounds[i]:bounds[i + 1]] = i
+        index = index.to(device, non_blocking=True)
+    else:  # row i holds example i
+        index = torch.arange(rows, device=device).unsqueeze(1).expand(rows, length)
+    return index if layout.is_whole else layout.shard(dataclasses.replace(batch, position_ids=index)).position_ids
+
+
+def _loss_func_recording(loss_mask: torch.Tensor, token_examples: torch.Tensor, sample_ids: torch.Tensor,
+                         records: list, output_tensor: torch.Tensor):
+    """:func:`loss_func`, recording which examples' own loss is not finite (a token's non-finite loss times its
+    mask, what makes the sum non-finite) into ``records`` (:func:`recording_non_finite_losses`)."""
+    bad = ~torch.isfinite(output_tensor.reshape(-1).float() * loss_mask.reshape(-1).float())
+    counts = torch.zeros(sample_ids.numel() + 1, device=bad.device)  # slot 0: tokens past every example
+    counts.index_add_(0, token_examples.reshape(-1) + 1, bad.float())
+    records.append((sample_ids, counts[1:] > 0))
+    return loss_func(loss_mask, output_tensor)
+
+
 def forward_step(data_iterator: Iterator, model: torch.nn.Module):
     """One micro-batch through a :class:`BalanceableModel` (Megatron's ``forward_step_func``): a
     :class:`BalancedMicroBatch` brings the encoder outputs of its examples, a plain ``MicroBatch`` its raw
@@ -135,4 +181,7 @@ def forward_step(data_iterator: Iterator, model: torch.nn.Module):
     batch = batch.to(next(model.parameters()).device)
     layout = SequenceLayout.of_model(getattr(model, "config", None))  # Megatron's wrappers keep the config
     loss_mask = batch.loss_mask if layout.is_whole else layout.shard(batch).loss_mask
-    return model(batch, embeds=embeds), functools.partial(loss_func, loss_mask)
+    if _non_finite_records is None:
+        return model(batch, embeds=embeds), functools.partial(loss_func, loss_mask)
+    return model(batch, embeds=embeds), functools.partial(
+        _loss_func_recording, loss_mask, _token_examples(batch, layout), batch.sample_ids, _non_finite_records)

@@ -10,7 +10,7 @@ by Energon's own loader instead, each DP rank its own part of the shards
 """
 from __future__ import annotations
 
-from typing import Dict, Iterator, List, Optional
+from typing import Dict, Iterator, List, Optional, Sequence
 
 import numpy as np
 
@@ -168,6 +168,12 @@ class TrainIterator(DataEvents):
         wheres = [replaced.get(p) or self.dataset.where(self.order[p]) for p in positions[:shown]]
         more = f" (and {len(positions) - shown} more)" if len(positions) > shown else ""
         return ", ".join(wheres) + more
+
+    def describe_examples(self, sample_ids: Sequence[int], shown: int = 8) -> str:
+        """Where the examples of ``sample_ids`` come from (an example's ``sample_index`` is its index in the
+        dataset, a skipped one's replacement's too): a manifest's lines, the first ``shown`` of them."""
+        more = f" (and {len(sample_ids) - shown} more)" if len(sample_ids) > shown else ""
+        return ", ".join(self.dataset.where(i) for i in sample_ids[:shown]) + more
 
     def _read(self, position: int) -> Example:
         index = self.order[position]

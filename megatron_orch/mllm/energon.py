@@ -49,7 +49,7 @@ import threading
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 import torch
@@ -516,6 +516,14 @@ class EnergonTrainIterator(DataEvents):
             wheres = [replaced.get(p) or self._wheres[p] for p in positions if p in self._wheres]
         more = f" (and {len(wheres) - shown} more)" if len(wheres) > shown else ""
         return ", ".join(wheres[:shown]) + more + f" (DP rank {self.rank}'s; each rank names its own)"
+
+    def describe_examples(self, sample_ids: Sequence[int], shown: int = 8) -> str:
+        """Where the examples of ``sample_ids`` (their sample positions) come from, as :meth:`describe_samples`;
+        a position this DP rank did not read by its number."""
+        with self._states_lock:
+            wheres = [self._wheres.get(p, f"sample {p}") for p in sample_ids[:shown]]
+        more = f" (and {len(sample_ids) - shown} more)" if len(sample_ids) > shown else ""
+        return ", ".join(wheres) + more
 
     def loader_state(self, consumed_samples: int) -> dict:
         """The loader's state after ``consumed_samples`` (the samples trained so far), as plain types, for the

@@ -12,7 +12,7 @@ from __future__ import annotations
 import argparse
 import threading
 from dataclasses import dataclass
-from typing import List, Optional
+from typing import List, Optional, Sequence
 
 
 class TooManyBadExamplesError(ValueError):
@@ -35,8 +35,9 @@ class DataEvents:
     collected as its examples are read (post-balancing reads ahead on a thread of its own) and taken once
     those samples are trained (:meth:`take_events`), and its state for a checkpoint (:meth:`loader_state`).
 
-    The trainer also asks it :meth:`epoch_note` once before training and :meth:`describe_samples` for the
-    examples of a step whose loss or gradient norm is not finite."""
+    The trainer also asks it :meth:`epoch_note` once before training and :meth:`describe_examples` (those
+    whose own loss is not finite) or :meth:`describe_samples` (all of the step's) for the examples of a step
+    whose loss or gradient norm is not finite."""
 
     def __init__(self):
         self.events: List[DataEvent] = []
@@ -66,6 +67,11 @@ class DataEvents:
     def describe_samples(self, positions: range, replaced: dict, shown: int = 8) -> str:
         """Where the samples at ``positions`` come from (``replaced``: where a skipped position's came from)."""
         return f"samples {positions.start}..{positions.stop - 1}"
+
+    def describe_examples(self, sample_ids: Sequence[int], shown: int = 8) -> str:
+        """Where the examples of ``sample_ids`` (``Example.sample_index``, as this loader sets it) come from."""
+        more = f" (and {len(sample_ids) - shown} more)" if len(sample_ids) > shown else ""
+        return "samples " + ", ".join(str(i) for i in sample_ids[:shown]) + more
 
 
 def add_max_bad_examples_arg(group) -> None:

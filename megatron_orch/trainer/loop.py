@@ -37,6 +37,7 @@ from megatron.core.utils import get_attr_wrapped_model, get_model_config
 from megatron_orch.comm.device import to_communication_device
 from megatron_orch.comm.gather import all_gather_to_host
 from megatron_orch.comm.status import raise_if_any_rank_failed
+from megatron_orch.megatron.contract import recording_non_finite_losses
 from megatron_orch.megatron.schedule import data_iterators
 from megatron_orch.trainer.data_events import DataEvent, TooManyBadExamplesError, max_bad_examples
 from megatron_orch.trainer.checkpointing import (TrainState, check_save_folder, load_checkpoint, lock_save_folder,
@@ -219,23 +220,39 @@ def train_step(forward_step: ForwardStep, data_iterator: Iterator, model: list, 
     for chunk in model:
         chunk.zero_grad_buffer()
     optimizer.zero_grad()
-    losses = (forward_backward_func or get_forward_backward_func())(
-        forward_step_func=forward_step, data_iterator=data_iterator, model=model,
-        num_microbatches=args.num_microbatches, seq_length=args.seq_length,
-        micro_batch_size=args.micro_batch_size, decoder_seq_length=args.seq_length, forward_only=False)
+    with recording_non_finite_losses() as non_finite:
+        losses = (forward_backward_func or get_forward_backward_func())(
+            forward_step_func=forward_step, data_iterator=data_iterator, model=model,
+            num_microbatches=args.num_microbatches, seq_length=args.seq_length,
+            micro_batch_size=args.micro_batch_size, decoder_seq_length=args.seq_length, forward_only=False)
     timers("optimizer", log_level=0).start()
     update_successful, grad_norm, _ = optimizer.step()
     timers("optimizer").stop()
     if update_successful:
         scheduler.step(increment=args.global_batch_size)
-    lm_loss = None
+    lm_loss, non_finite_samples = None, []
     if parallel_state.is_pipeline_last_stage():  # sum of token losses / number of loss tokens, over DP (x CP)
         dp_group = parallel_state.get_data_parallel_group(with_context_parallel=True)
         report = to_communication_device(torch.stack([x["lm loss"] for x in losses]).sum(dim=0).double(), dp_group)
         dist.all_reduce(report, group=dp_group)
         report = report.cpu()
         lm_loss = float(report[0] / report[1]) if report[1] > 0 else float("nan")
-    return {"lm_loss": lm_loss, "grad_norm": grad_norm, "skipped": not update_successful}
+        if not math.isfinite(lm_loss):  # the same on every rank of the group
+            non_finite_samples = _non_finite_samples(non_finite, args.global_batch_size, dp_group)
+    return {"lm_loss": lm_loss, "grad_norm": grad_norm, "skipped": not update_successful,
+            "non_finite_samples": non_finite_samples}
+
+
+def _non_finite_samples(records, most: int, group) -> List[int]:
+    """The sample ids of the examples whose own loss was not finite on any rank of ``group`` (each rank's
+    ``records``, :func:`~megatron_orch.megatron.contract.recording_non_finite_losses`: empty for a forward step
+    that records none), at most ``most`` of them per rank; read only for a step whose loss is not finite."""
+    mine = sorted({int(i) for ids, bad in records for i in ids[bad.to(ids.device)].tolist() if i >= 0})[:most]
+    buffer = torch.full((most + 1,), -1, dtype=torch.long)
+    buffer[0] = len(mine)
+    buffer[1:1 + len(mine)] = torch.tensor(mine, dtype=torch.long)
+    rows = all_gather_to_host(buffer, group)
+    return sorted({int(i) for row in rows for i in row[1:1 + int(row[0])].tolist()})
 
 
 def _logging_rank() -> bool:
@@ -341,7 +358,8 @@ class NonFiniteStepError(ValueError):
 
 def _stop_if_not_finite(args, state: TrainState, result: dict, data_source, events: List[DataEvent]) -> None:
     """Raise :class:`NonFiniteStepError` naming the iteration and its examples if its loss or grad norm is
-    not finite, before anything saves it. The grad norm is global (every rank raises alike); the loss is
+    not finite, before anything saves it: those whose own loss is not finite where the forward step recorded
+    them (``result["non_finite_samples"]``), else all of the step's. The grad norm is global (every rank raises alike); the loss is
     known on the last pipeline stage (a non-finite loss with finite gradients stops that stage there,
     and the other stages at their next collective with it)."""
     bad = [f"the {what} is {float(value)}" for what, value in (("lm loss", result["lm_loss"]),
@@ -349,8 +367,11 @@ def _stop_if_not_finite(args, state: TrainState, result: dict, data_source, even
            if value is not None and not math.isfinite(float(value))]
     if not bad:
         return
-    examples = ""
-    if data_source is not None:
+    examples, own = "", result["non_finite_samples"]
+    if own:  # the examples whose own loss is not finite, found per example
+        shown = data_source.describe_examples(own) if data_source is not None else f"sample ids {own}"
+        examples = f"; the examples whose own loss is not finite: {shown}"
+    elif data_source is not None:
         first = state.consumed_samples - args.global_batch_size
         replaced = {event.position: event.replacement for event in events if event.skipped}
         examples = f"; its examples: {data_source.describe_samples(range(first, state.consumed_samples), replaced)}"

@@ -256,6 +256,10 @@ def test_training_refuses_the_same_arrays_naming_the_line(tmp_path):
     assert len(batches) == 1 + len(BAD_ARRAYS) and [e.position for e in skips] == list(range(1, 1 + len(BAD_ARRAYS)))
     for event, (_, _, message) in zip(skips, BAD_ARRAYS.values(), strict=True):
         assert re.match(rf"\S+m.jsonl:{event.position + 1}: {message}", event.message), (event, message)
+    # a non-finite loss names its examples by sample id: a skipped position's, the line that replaced it
+    ids = [int(batches[event.position].sample_ids[0]) for event in skips[:2]]
+    assert skipping.describe_examples(ids) == f"{skips[0].replacement}, {skips[1].replacement}"
+    assert skipping.describe_examples([0]) == skipping.describe_samples(range(0, 1), {})
 
 
 # ------------------------------------------------------------------------------------------ training over it

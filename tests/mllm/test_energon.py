@@ -169,6 +169,8 @@ def test_the_samples_of_the_last_trained_batch_are_named_by_this_rank():
     named = iterator.describe_samples(range(0, 4), {})
     keys = [int(name.rsplit(":", 1)[1]) for name in named.split(" (DP rank")[0].split(", ")]
     assert len(keys) == 2 and named.endswith("(DP rank 1's; each rank names its own)")
+    mine = named.split(" (DP rank")[0].split(", ")  # the examples whose own loss is not finite: by position
+    assert iterator.describe_examples([1, 2, 3]) == f"{mine[0]}, sample 2, {mine[1]}"
     assert iterator.describe_samples(range(0, 4), {3: "replacement"}).startswith(named.split(", ")[0] + ", replacement")
     iterator.take_events(before=8)  # the next batch trained: the first one's samples are no longer held
     assert iterator.describe_samples(range(0, 4), {}).startswith(" (DP rank 1's")
