@@ -201,9 +201,9 @@ def _fits_memory(bins: np.ndarray, memory: np.ndarray, cap: float, num_bins: int
 
 
 def _refine(costs, memory, cap, order, num_bins, bins, *, allow_moves: bool, stop_at: float,
-            node_size: int = 0, cross_swap_cap: float = math.inf) -> None:
+            node_size: int = 0, cross_swap_cap: float = math.inf, settle_at_stop: bool = False) -> None:
     _kernels.refine(costs, memory, cap, num_bins, bins, allow_moves, stop_at, _REFINE_PARTNERS, node_size,
-                    costs.size + num_bins, order, _CHEAPEST_SCAN, cross_swap_cap)
+                    costs.size + num_bins, order, _CHEAPEST_SCAN, cross_swap_cap, settle_at_stop)
 
 
 def _nodes(num_bins: int, gpus_per_node: Optional[int]) -> Optional[np.ndarray]:
@@ -654,8 +654,9 @@ def partition_locality(costs, home, num_bins, gpus_per_node, *, item_bytes, memo
     rank while it stays within the mean load, else to the least-loaded rank of their node if that does,
     else to the least-loaded rank anywhere (:func:`_kernels.lpt_near_home`: a rank keeps its largest
     items, what leaves goes to its node first, and the smallest items, last, even the ranks out as LPT
-    does); then refinement takes the most-loaded ranks down to the capacity, with the ranks of their own
-    node first, swapping only small items across nodes as long as that suffices (a swap of two long
+    does); then refinement takes the most-loaded ranks down to the capacity (each in one exchange where
+    one does: ``settle_at_stop``), with the ranks of their own node first (other nodes first for a rank
+    whose node holds more than its share), swapping only small items across nodes as long as that suffices (a swap of two long
     items is many bytes on two ranks' links). So bytes cross nodes mostly where a node has too much
     work, and leave their GPU only where a rank has. If the capacity cannot be met, the reference's bins
     go to the ranks the exact placement gives them (method ``locality_fallback:...+exact``); a home
@@ -693,7 +694,8 @@ def partition_locality(costs, home, num_bins, gpus_per_node, *, item_bytes, memo
         for swap_cap in _LOCALITY_SWAP_CAPS:
             if failed < 0 and _max_cost(costs, bins, num_bins) > capacity:
                 _refine(costs, memory, cap, order, num_bins, bins, allow_moves=True, stop_at=capacity,
-                        node_size=gpus_per_node, cross_swap_cap=swap_cap * mean if swap_cap < math.inf else math.inf)
+                        node_size=gpus_per_node, cross_swap_cap=swap_cap * mean if swap_cap < math.inf else math.inf,
+                        settle_at_stop=True)
                 name = "locality+refine"
         if failed >= 0 or _max_cost(costs, bins, num_bins) > capacity:
             bins, name, outcome = (_placed(reference.bin_of_item, home, item_bytes, num_bins, gpus_per_node),

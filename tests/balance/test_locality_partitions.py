@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 from hypothesis import given, settings, strategies as st
 
+from megatron_orch.balance import _kernels
 from megatron_orch.balance.partition import (Outcome, equal_count_lower_bound, partition, partition_equal_count,
                                              partition_equal_count_locality, partition_locality, partition_uniform)
 from megatron_orch.balance.placement import (BinTraffic, PlacementConfig, exact_min_cost_flow, place_items,
@@ -143,3 +144,34 @@ def test_a_locality_fallback_is_placed_exactly(equal_count):
     unplaced = nbytes[reference // gpus != home // gpus].sum()
     assert part.inter_node_bytes == oracle.inter_node_bytes < unplaced
 
+
+
+def _refine_bins(costs, bins, num_bins, node_size, stop_at, settle_at_stop):
+    """``_kernels.refine`` as the locality partitioners call it (no memory cap): (bins after, steps taken)."""
+    costs, bins = np.asarray(costs, dtype=float), np.array(bins, dtype=np.int64)
+    order = np.argsort(-costs, kind="stable").astype(np.int64)
+    steps = _kernels.refine(costs, np.zeros(costs.size), np.inf, num_bins, bins, True, stop_at, 8, node_size,
+                            costs.size + num_bins, order, 1024, np.inf, settle_at_stop)
+    return bins, steps
+
+
+def test_settling_at_the_capacity_moves_the_cheapest_item_that_reaches_it():
+    """Rank 0 holds 5 against a capacity of 4: evening it out with rank 1 moves the 2.5 item; settling moves the
+    1.0 item, which is enough (fewer bytes, the same capacity met)."""
+    plain, _ = _refine_bins([2.5, 1.5, 1.0], [0, 0, 0], 2, 2, 4.0, settle_at_stop=False)
+    settled, steps = _refine_bins([2.5, 1.5, 1.0], [0, 0, 0], 2, 2, 4.0, settle_at_stop=True)
+    assert plain.tolist() == [1, 0, 0]
+    assert settled.tolist() == [0, 0, 1] and steps == 1
+
+
+def test_settling_a_full_node_looks_at_other_nodes_first():
+    """Node 0 (ranks 0-1) holds 6.5 against 2 x 3: no exchange inside it can fix that. Settling sends one item to
+    node 1 at once; the plain refinement first evens out the node (a move inside it), then leaves it (a second
+    step)."""
+    costs, bins = [2.0, 1.0, 1.0, 1.0, 1.0, 0.5], [0, 0, 0, 1, 1, 1]
+    plain, plain_steps = _refine_bins(costs, bins, 4, 2, 3.0, settle_at_stop=False)
+    settled, steps = _refine_bins(costs, bins, 4, 2, 3.0, settle_at_stop=True)
+    loads = np.bincount(settled, weights=costs, minlength=4)
+    assert steps == 1 and loads.max() <= 3.0 and (settled != bins).sum() == 1 and settled[np.flatnonzero(
+        settled != bins)[0]] >= 2
+    assert plain_steps == 2 and np.bincount(plain, weights=costs, minlength=4).max() <= 3.0

@@ -106,12 +106,13 @@ def _greedy_subset(costs, memory, items, count, target, limit, chosen):
 
 @numba.njit(**_INLINE)
 def _exchange_with(costs, memory, memory_cap, load, bin_mem, top, b, top_items, num_top, partner_items,
-                   num_b, kind, allow_moves, swap_cap, chosen, best, best_out, best_in):
+                   num_b, kind, allow_moves, swap_cap, chosen, best, best_out, best_in, floor):
     """Best exchange between the top bin and bin ``b`` that beats ``best`` (the larger new load).
 
     ``kind`` 0: moves (if ``allow_moves``) and one-for-one swaps; 1: one-for-several either way.
     Writes an improving exchange into ``best_out`` (top -> b) and ``best_in`` (b -> top) and
-    returns (its value, len(out), len(in)); returns (best, -1, -1) if none beats ``best``.
+    returns (its value, len(out), len(in)); returns (best, -1, -1) if none beats ``best``. A value below
+    ``floor`` counts as ``floor`` (here and in the other exchanges: :func:`refine`'s early stop).
     """
     top_load = load[top]
     gap = top_load - load[b]
@@ -128,7 +129,7 @@ def _exchange_with(costs, memory, memory_cap, load, bin_mem, top, b, top_items, 
             if (m >= 2 and 0.0 < d < gap and bin_mem[b] + memory[i] - mem <= memory_cap
                     and bin_mem[top] - memory[i] + mem <= memory_cap):
                 value = max(top_load - d, load[b] + d)
-                if value < best:
+                if max(value, floor) < best:
                     best, num_out, num_in = value, 1, m
                     best_out[0] = i
                     best_in[:m] = chosen[:m]
@@ -143,7 +144,7 @@ def _exchange_with(costs, memory, memory_cap, load, bin_mem, top, b, top_items, 
             if (m >= 2 and 0.0 < d < gap and bin_mem[b] - memory[j] + mem <= memory_cap
                     and bin_mem[top] + memory[j] - mem <= memory_cap):
                 value = max(top_load - d, load[b] + d)
-                if value < best:
+                if max(value, floor) < best:
                     best, num_out, num_in = value, m, 1
                     best_out[:m] = chosen[:m]
                     best_in[0] = j
@@ -153,7 +154,7 @@ def _exchange_with(costs, memory, memory_cap, load, bin_mem, top, b, top_items, 
             i = top_items[t]
             if 0.0 < costs[i] < gap and bin_mem[b] + memory[i] <= memory_cap:
                 value = max(top_load - costs[i], load[b] + costs[i])
-                if value < best:
+                if max(value, floor) < best:
                     best, num_out, num_in = value, 1, 0
                     best_out[0] = i
     up = 0  # first item of b with cost >= target; targets rise with the top item's cost
@@ -175,7 +176,7 @@ def _exchange_with(costs, memory, memory_cap, load, bin_mem, top, b, top_items, 
                 if (bin_mem[b] + memory[i] - memory[j] <= memory_cap
                         and bin_mem[top] - memory[i] + memory[j] <= memory_cap):
                     value = max(top_load - d, load[b] + d)
-                    if value < best:
+                    if max(value, floor) < best:
                         best, num_out, num_in = value, 1, 1
                         best_out[0] = i
                         best_in[0] = j
@@ -186,7 +187,7 @@ def _exchange_with(costs, memory, memory_cap, load, bin_mem, top, b, top_items, 
 
 @numba.njit(**_INLINE)
 def _cheapest_swap(costs, memory, memory_cap, load, bin_mem, bin_of_item, top, top_items, num_top, order, scan,
-                   best, best_out, best_in):
+                   best, best_out, best_in, floor):
     """Best swap of one item of the top bin for one of the batch's cheapest items that beats ``best``.
 
     The last items of ``order`` (decreasing cost) outside the top bin, up to ``scan`` of them, each
@@ -222,7 +223,7 @@ def _cheapest_swap(costs, memory, memory_cap, load, bin_mem, bin_of_item, top, t
             if (0.0 < d < gap and bin_mem[b] + memory[i] - memory[j] <= memory_cap
                     and bin_mem[top] - memory[i] + memory[j] <= memory_cap):
                 value = max(top_load - d, load[b] + d)
-                if value < best:
+                if max(value, floor) < best:
                     best, found = value, b
                     best_out[0] = i
                     best_in[0] = j
@@ -249,7 +250,7 @@ def _pair_sums(costs, items, count, sums, first, second):
 
 @numba.njit(**_JIT)
 def _pair_swap(costs, memory, memory_cap, load, bin_mem, top, b, partner_items, num_b, best, best_out, best_in,
-               top_pairs, num_top_pairs, partner_pairs):
+               top_pairs, num_top_pairs, partner_pairs, floor):
     """Best swap of two items of the top bin for two of bin ``b`` (counts kept) beating ``best``.
 
     Where one-for-one swaps are stuck (a few items per bin, no single difference near half the gap),
@@ -278,11 +279,20 @@ def _pair_swap(costs, memory, memory_cap, load, bin_mem, top, b, partner_items, 
             moved = memory[top_first[t]] + memory[top_second[t]] - memory[first[u]] - memory[second[u]]
             if 0.0 < d < gap and bin_mem[b] + moved <= memory_cap and bin_mem[top] - moved <= memory_cap:
                 value = max(top_load - d, load[b] + d)
-                if value < best:
+                if max(value, floor) < best:
                     best, found = value, 2
                     best_out[0], best_out[1] = top_first[t], top_second[t]
                     best_in[0], best_in[1] = first[u], second[u]
     return best, found
+
+
+@numba.njit(**_INLINE)
+def _node_load(load, top, node_size):
+    """Summed load of the bins on the top bin's node (bin r on node r // node_size)."""
+    total = 0.0
+    for b in range((top // node_size) * node_size, min(load.size, (top // node_size + 1) * node_size)):
+        total += load[b]
+    return total
 
 
 @numba.njit(**_JIT)
@@ -390,7 +400,7 @@ def swap_sweeps(costs, order, num_bins, bin_of_item, stop_at, max_sweeps, group_
 
 @numba.njit(**_JIT)
 def refine(costs, memory, memory_cap, num_bins, bin_of_item, allow_moves, stop_at, partners, node_size,
-           max_steps, order, cheapest_scan, cross_swap_cap=np.inf):
+           max_steps, order, cheapest_scan, cross_swap_cap=np.inf, settle_at_stop=False):
     """Lower the maximum bin cost by local search, in place; returns the number of steps taken.
 
     Each step takes the most-loaded bin M and applies the exchange with one partner bin b that
@@ -408,10 +418,17 @@ def refine(costs, memory, memory_cap, num_bins, bin_of_item, allow_moves, stop_a
     With ``node_size > 0`` (bin r on node r // node_size) the rounds run with the bins of M's node
     first (every item of the node: no round of cheapest items there), then anywhere with ``partners``
     least-loaded bins (a step that finds nothing there tries :data:`_WIDEN` times as many; with
-    ``node_size``, and so on up to every bin); there, with a finite ``cross_swap_cap``, only moves, trades with the cheapest items
-    and one-for-one swaps of items costing at most that (a swap that evens out two bins across nodes
-    can move two long items, many bytes, for a small difference). Stops at a local optimum, once the
-    maximum is at most ``stop_at``, or after ``max_steps``.
+    ``node_size``, and so on up to every bin); there, with a finite ``cross_swap_cap``, only moves, trades
+    with the cheapest items and one-for-one swaps of items costing at most that (a swap that evens out two
+    bins across nodes can move two long items, many bytes, for a small difference). ``settle_at_stop``
+    (a locality refinement, whose target ``stop_at`` is a capacity to meet, not a bound to approach): an
+    exchange that brings M to ``stop_at`` or below counts as the best, so the first found is taken (the
+    cheapest items are tried first: few bytes, and a bin fixed in one step rather than evened out with
+    partner after partner), and with ``node_size > 0`` a node holding more than its bins' share of
+    ``stop_at`` looks anywhere first (no exchange inside it can fix that). On the balance sweep's batches
+    this took the packed locality plan's refinement from ~25,000 steps to ~2,500 at DP 2560 and its bytes
+    across nodes from 9.5% to 7.2% on average. Stops at a local optimum, once the maximum is at most
+    ``stop_at``, or after ``max_steps``.
     """
     n = costs.size
     load = np.zeros(num_bins)
@@ -443,6 +460,7 @@ def refine(costs, memory, memory_cap, num_bins, bin_of_item, allow_moves, stop_a
     top_pairs = (np.empty(num_pairs), np.empty(num_pairs, dtype=np.int64), np.empty(num_pairs, dtype=np.int64))
     partner_pairs = (np.empty(num_pairs), np.empty(num_pairs, dtype=np.int64), np.empty(num_pairs, dtype=np.int64))
 
+    floor = stop_at if settle_at_stop else -np.inf
     steps = 0
     width = partners  # partners anywhere: widened when they give nothing, up to every bin with node_size (the
     # locality refinements, which start far from balance), else _WIDEN times (a plain plan stuck within its
@@ -456,7 +474,9 @@ def refine(costs, memory, memory_cap, num_bins, bin_of_item, allow_moves, stop_a
         best_b, num_out, num_in = -1, 0, 0
         num_top = _gather_sorted(head, nxt, costs, top, top_items)
         num_top_pairs = -1  # the top bin's pairs, built when a two-for-two round needs them
-        for scope in range(2):  # 0: M's node (if node_size > 0); 1: anywhere
+        node_full = settle_at_stop and node_size > 0 and _node_load(load, top, node_size) > node_size * stop_at
+        for turn in range(2):  # M's node (if node_size > 0), then anywhere; the other way round if M's node is full
+            scope = 1 - turn if node_full else turn  # 0: M's node; 1: anywhere
             if best_b >= 0:
                 break
             if scope == 0 and node_size <= 0:
@@ -471,7 +491,7 @@ def refine(costs, memory, memory_cap, num_bins, bin_of_item, allow_moves, stop_a
                     continue
                 if kind == 3:
                     best, b = _cheapest_swap(costs, memory, memory_cap, load, bin_mem, bin_of_item, top, top_items,
-                                             num_top, order, cheapest_scan, best, best_out, best_in)
+                                             num_top, order, cheapest_scan, best, best_out, best_in, floor)
                     if b >= 0:
                         best_b, num_out, num_in = b, 1, 1
                     continue
@@ -484,10 +504,10 @@ def refine(costs, memory, memory_cap, num_bins, bin_of_item, allow_moves, stop_a
                         best, o, i = _exchange_with(costs, memory, memory_cap, load, bin_mem, top, b, top_items,
                                                     num_top, partner_items, num_b, kind, allow_moves,
                                                     np.inf if scope == 0 else cross_swap_cap, chosen,
-                                                    best, best_out, best_in)
+                                                    best, best_out, best_in, floor)
                     elif 2 <= num_b <= _PAIR_ITEMS:
                         best, o = _pair_swap(costs, memory, memory_cap, load, bin_mem, top, b, partner_items, num_b,
-                                             best, best_out, best_in, top_pairs, num_top_pairs, partner_pairs)
+                                             best, best_out, best_in, top_pairs, num_top_pairs, partner_pairs, floor)
                         i = o
                     else:
                         continue
