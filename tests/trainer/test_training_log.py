@@ -24,7 +24,7 @@ def record(post_balancing, phases=TINY):
 @pytest.mark.parametrize("balanced", [None, 1.0, 0.0], ids=["upstream", "balanced", "shadow"])
 def test_line_round_trips(balanced):
     figures = dict(zip(post_balancing_fields(TINY),
-                       (1.8, 1.01, 2.0, 1.1, 1.3, 1.0, 0.25, 0.5, 23.4, 12.5, 0.1, 3.5, balanced)))
+                       (1.8, 1.01, 2.0, 1.1, 1.3, 1.0, 0.25, 0.5, 6.0, 2.5, 23.4, 12.5, 0.1, 3.5, balanced)))
     line = record(figures if balanced is not None else None).line(20, full=True)
     assert line.startswith(" iteration        7/      20 |")
     parsed = parse_iteration_line(line)
@@ -48,7 +48,7 @@ def test_default_line_is_compact(balanced):
     500 characters with post-balancing (the full line: about 800 here, 1,100 in a run); bad examples and
     truncated answers only where the interval had some."""
     figures = dict(zip(post_balancing_fields(TINY),
-                       (1.8, 1.01, 2.0, 1.1, 1.3, 1.0, 0.25, 0.5, 23.4, 12.5, 0.1, 3.5, balanced)))
+                       (1.8, 1.01, 2.0, 1.1, 1.3, 1.0, 0.25, 0.5, 6.0, 2.5, 23.4, 12.5, 0.1, 3.5, balanced)))
     logged = record(figures if balanced is not None else None)
     line = logged.line(20)
     assert len(line) <= 510 and len(logged.line(20, full=True)) > len(line) + 150, line
