@@ -380,6 +380,30 @@ def test_the_schedule_restores_the_model_configs_callbacks():
     assert calls == [False, "sync", "finalize"] * 3
 
 
+def test_the_schedule_refuses_a_number_of_microbatches_other_than_the_steps():
+    """A post-balancing step has the number of micro-batches its iterator was built for (``StepShape``): a
+    schedule call asking for another (upstream's per-step ``num_microbatches`` of its packing scheduler, a
+    batch-size ramp-up) is refused by name before the wrapped schedule runs; every DP rank is asked for the
+    same number, so all refuse alike."""
+    from types import SimpleNamespace
+
+    import numpy as np
+
+    from stand_ins import EncoderlessChunk
+    from megatron_orch.megatron.post_balancing import BalancedStep
+    from megatron_orch.megatron.schedule import ModalityAwareSchedule
+
+    ran = []
+    config = SimpleNamespace(finalize_model_grads_func=None, grad_sync_func=None, calculate_per_token_loss=True)
+    step = BalancedStep(microbatches=[], inputs={}, plan=SimpleNamespace(encoders={}), rank=0,
+                        num_tokens=np.zeros(0, dtype=np.int64), rows_per_item={}, comm_group=None, moves=None)
+    schedule = ModalityAwareSchedule(lambda **kwargs: ran.append(kwargs), dp_group=None)
+    with pytest.raises(ValueError, match="asked for 3 micro-batches but the post-balancing step holds 0"):
+        schedule(forward_step_func=None, data_iterator=iter([step]), model=[EncoderlessChunk(config)],
+                 num_microbatches=3)
+    assert not ran
+
+
 def test_the_moves_run_are_the_moves_counted():
     """One list of a step's moves (``step_moves``): the routes post-balancing builds (``prepare_moves``) are
     those of the all-to-alls the byte count counts (``step_transfers``: the log, the benchmarks, the
