@@ -183,12 +183,14 @@ def test_model_parallel_layouts_are_invariant(layout, tmp_path):
 
 @pytest.mark.distributed
 def test_three_encoder_config_is_invariant_and_balances(tmp_path):
-    """tiny_video (vision tiles, video frames and audio windows, each its own encoder phase): DP 4,
-    upstream against post-balancing, equal-count and (the default) packed with encoder recompute."""
+    """tiny_video (vision tiles, video frames and audio windows, each its own encoder phase): DP 4 on 2 nodes of
+    2, upstream against post-balancing, equal-count and (the default) packed with encoder recompute, the latter's
+    transfers node-wise (within a node, then between rail peers: the same outputs as the flat exchange)."""
     three = ["--model-config", "tiny_video"]
     baseline = train(tmp_path, "baseline", 4, *three)
     for name, flags in (("equal_count", ("--orch-microbatching", "equal_count")),
-                        ("packed", ("--orch-encoder-recompute", "--orch-log-level", "1"))):  # the full line
+                        ("packed", ("--orch-encoder-recompute", "--orch-all-to-all", "node-wise",
+                                    "--orch-log-level", "1"))):  # the full line
         balanced = train(tmp_path, name, 4, *three, *BALANCED, *flags)
         assert_invariant(balanced, baseline)
         assert_plan_balances(balanced, phases=("vision", "video", "audio", "llm"))
