@@ -18,7 +18,9 @@
 #       mllm_10b widths, reduced depth (scripts/check_memory.py; the tiny model on CPU: no CUDA figures);
 #   packed     python -m megatron_orch.bench.packed_attention at 8k-16k rows (2k on CPU);
 #   alltoall   all_to_all_items over NCCL (gloo, 2 ranks, on CPU) against an all_gather reference, bf16,
-#       fp32, int64, empty splits (scripts/check_alltoall.py);
+#       fp32, int64, empty splits, flat and node-wise, each on a communicator of its own whose device memory
+#       is measured (scripts/check_alltoall.py; one GPU is a world of 1: no peers to connect, so the memory per
+#       peer, flat against node-wise, needs >= 2 GPUs and the saving across nodes several nodes: NOT RUN here);
 #   resume     N iterations straight = N/2, save, resume to N (scripts/check_resume.py);
 #   fsdp       Megatron-FSDP (--use-megatron-fsdp, parameters, gradients and optimizer state sharded), post-balancing
 #       off and on: losses compared (world size 1 runs the sharded code paths: the aligned encoder chunks

@@ -39,7 +39,7 @@ SIGNATURES = {
         '(phases=, algorithm=, microbatching=, locality=, placement=, placement_time_limit_s=, '
         'gpus_per_node=, background=, encoder_recompute=, encoder_chunk_tokens=, '
         'encoder_memory_cap=, cost_profile=, context_parallel_size=, step_model=, shadow=, '
-        'verify_first_step=)',
+        'verify_first_step=, all_to_all=)',
     'megatron_orch.megatron.ParallelGroups': '(dp_group, topology, encoder_stage=, peer_group=, comm_group=)',
     'megatron_orch.megatron.PostBalancingDataIterator':
         '(source, spec, config, step, groups, *, compute_device, input_dtype=)',

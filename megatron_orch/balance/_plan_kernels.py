@@ -1,5 +1,6 @@
 """Compiled helpers of plans and step planning (numba, GIL released, cached): slots of a placement,
-micro-batches by length, the bytes a move sends within and across nodes (the one byte accountant).
+micro-batches by length, the bytes a move sends within and across nodes and the rank pairs it connects (the one
+byte accountant).
 
 Each is an O(n + ranks) counting pass where numpy would sort (``lexsort`` of ~200k items takes
 ~20 ms and holds the GIL); results equal the numpy definitions they replace, ties by item id.
@@ -106,16 +107,22 @@ def longest_first_microbatches(rank, num_tokens, num_ranks, micro_batch_size):
 def moved_bytes(src_rank, dst_rank, node_of_rank, nbytes):
     """Bytes of items moving ``src_rank[i]`` -> ``dst_rank[i]``: (all of them, those that leave their GPU
     but stay on their node, those that cross nodes, and per rank [sent on its node, received on its node,
-    sent across nodes, received across nodes] as a (4, ranks) array)."""
-    per_rank = np.zeros((4, node_of_rank.size))
+    sent across nodes, received across nodes] as a (4, ranks) array, and the distinct rank pairs that
+    exchange bytes, each ``low * ranks + high``, sorted)."""
+    num_ranks = node_of_rank.size
+    per_rank = np.zeros((4, num_ranks))
+    pairs = np.empty(src_rank.size, dtype=np.int64)
+    num_pairs = 0
     total = 0.0
     intra = 0.0
     inter = 0.0
     for i in range(src_rank.size):
         src, dst, b = src_rank[i], dst_rank[i], nbytes[i]
         total += b
-        if src == dst:
+        if src == dst or b <= 0:
             continue
+        pairs[num_pairs] = min(src, dst) * num_ranks + max(src, dst)
+        num_pairs += 1
         if node_of_rank[src] == node_of_rank[dst]:
             intra += b
             per_rank[0, src] += b
@@ -124,7 +131,7 @@ def moved_bytes(src_rank, dst_rank, node_of_rank, nbytes):
             inter += b
             per_rank[2, src] += b
             per_rank[3, dst] += b
-    return total, intra, inter, per_rank
+    return total, intra, inter, per_rank, np.unique(pairs[:num_pairs])
 
 
 @numba.njit(**_JIT)

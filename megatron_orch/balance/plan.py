@@ -12,13 +12,18 @@ send/receive orders and split sizes from the same sizes without extra communicat
 """
 from __future__ import annotations
 
+import functools
+import operator
 import zlib
 from dataclasses import dataclass
-from typing import Optional
+from typing import Optional, Tuple
 
 import numpy as np
 
 from megatron_orch.balance import _plan_kernels
+
+
+ALL_TO_ALL = ("flat", "node-wise")  # how a transfer runs: one all-to-all, or Transfer.node_wise's two hops
 
 
 def as_index_array(values, name: str) -> np.ndarray:
@@ -189,13 +194,57 @@ class Transfer:
         flat = self.src.rank * self.num_ranks + self.dst.rank
         return np.bincount(flat, minlength=self.num_ranks * self.num_ranks).reshape(self.num_ranks, self.num_ranks)
 
-    def moved_bytes(self, item_bytes, node_of_rank) -> MovedBytes:
-        """What this transfer sends when item i weighs ``item_bytes[i]`` (:func:`moved_bytes`)."""
-        return moved_bytes(self.src.rank, self.dst.rank, item_bytes, node_of_rank)
+    def moved_bytes(self, item_bytes, node_of_rank, all_to_all: str = "flat") -> MovedBytes:
+        """What this transfer sends when item i weighs ``item_bytes[i]`` (:func:`moved_bytes`), run as one
+        ``flat`` all-to-all or ``node-wise`` (:meth:`node_wise`: its two hops' bytes and connections, the first
+        hop's on the nodes, the second's across them)."""
+        hops = [moved_bytes(hop.src.rank, hop.dst.rank, item_bytes, node_of_rank)
+                for hop in self.hops(all_to_all, node_of_rank)]
+        if all_to_all == "flat":
+            return hops[0]
+        return MovedBytes(hops[0].total, *(sum(getattr(hop, name) for hop in hops) for name in (
+            "intra_node", "inter_node", "sent_intra", "received_intra", "sent_inter", "received_inter")),
+                          functools.reduce(operator.or_, (hop.connections for hop in hops)), node_wise=True)
+
+    def hops(self, all_to_all: str, node_of_rank) -> Tuple["Transfer", ...]:
+        """The all-to-alls that run this transfer: itself (``flat``), or :meth:`node_wise`'s hops."""
+        if all_to_all == "flat":
+            return (self,)
+        if all_to_all == "node-wise":
+            return self.node_wise(node_of_rank)
+        raise ValueError(f"unknown all-to-all {all_to_all!r}; choose one of {ALL_TO_ALL}")
 
     def inverse(self) -> "Transfer":
         """The transfer that brings every item back (gradients of a forward move)."""
         return Transfer(src=self.dst, dst=self.src)
+
+    def node_wise(self, node_of_rank) -> Tuple["Transfer", ...]:
+        """This transfer as two hops that bound each rank's peers (``node_of_rank[r]``: rank r's node; every node
+        the same number of ranks, a rank's local index its position among its node's ranks): first within the
+        source's node, to the rank there at the destination's local index; then across nodes, between ranks of
+        one local index (rail peers), to the destination. A rank so exchanges with at most
+        ``ranks_per_node - 1 + nodes - 1`` others, and an item crosses nodes at most once, as in the flat
+        transfer (so the same bytes cross nodes; items changing both node and local index also hop once on
+        their node). The third hop of a hierarchical all-to-all (within the destination's node) is empty here:
+        the first hop already lands each item on its destination's rail. The hops' composition is this transfer
+        (``first.then(second)``); their gradients go back by ``second.inverse()``, then ``first.inverse()``. A hop
+        that would move no item off its rank is left out (one hop: the transfer itself)."""
+        node_of_rank = as_index_array(node_of_rank, "node_of_rank")
+        if node_of_rank.size != self.num_ranks:
+            raise ValueError(f"node_of_rank has {node_of_rank.size} ranks, the transfer spans {self.num_ranks}")
+        per_node = np.bincount(node_of_rank)
+        if per_node.min() != per_node.max():
+            raise ValueError(f"a node-wise all-to-all needs the same number of ranks on every node, got "
+                             f"{per_node.tolist()}")
+        order = np.argsort(node_of_rank, kind="stable")
+        rank_at = order.reshape(per_node.size, per_node[0])  # [node, local index] -> rank
+        local = np.empty(self.num_ranks, dtype=np.int64)
+        local[order] = np.tile(np.arange(per_node[0]), per_node.size)
+        relay = rank_at[node_of_rank[self.src.rank], local[self.dst.rank]]
+        if np.array_equal(relay, self.src.rank) or np.array_equal(relay, self.dst.rank):
+            return (self,)
+        middle = Placement.from_ranks(relay, self.num_ranks)
+        return Transfer(self.src, middle), Transfer(middle, self.dst)
 
     def then(self, following: "Transfer") -> "Transfer":
         """One transfer equal to ``self`` followed by ``following`` (``following.src`` must be ``self.dst``)."""
@@ -212,7 +261,10 @@ class MovedBytes:
 
     ``total``: every item's bytes, moved or not; ``intra_node``: those that leave their GPU and stay on
     their node (NVLink); ``inter_node``: those that cross nodes (the network). Per rank, ``sent_intra`` /
-    ``received_intra`` on its node and ``sent_inter`` / ``received_inter`` across nodes.
+    ``received_intra`` on its node and ``sent_inter`` / ``received_inter`` across nodes. ``connections``: the
+    rank pairs the move sends bytes between (what a communicator connects, :class:`Connections`).
+    ``node_wise``: the move runs as :meth:`Transfer.node_wise`'s two hops, its bytes on the nodes first, then
+    those across nodes (one after the other; a flat move sends both at once).
     """
 
     total: float
@@ -222,6 +274,8 @@ class MovedBytes:
     received_intra: np.ndarray
     sent_inter: np.ndarray
     received_inter: np.ndarray
+    connections: "Connections"
+    node_wise: bool = False
 
     @property
     def off_gpu(self) -> float:
@@ -232,7 +286,54 @@ class MovedBytes:
         """The bytes of ``count`` such moves (an all-to-all forward and its inverse for the gradients: 2)."""
         return MovedBytes(count * self.total, count * self.intra_node, count * self.inter_node,
                           count * self.sent_intra, count * self.received_intra, count * self.sent_inter,
-                          count * self.received_inter)
+                          count * self.received_inter, self.connections, self.node_wise)
+
+
+@dataclass(frozen=True, eq=False)
+class Connections:
+    """The distinct rank pairs that exchange bytes (either way): what a communicator keeps connected once
+    they have (NCCL sets up a peer's buffers at the first send to or receive from it and keeps them for the
+    communicator's life). ``pairs``: sorted ``low * num_ranks + high`` of each pair, low < high. The union
+    (``|``) of a step's moves is the step's; of a run's steps, the run's (cumulative)."""
+
+    num_ranks: int
+    pairs: np.ndarray
+
+    @classmethod
+    def none(cls, num_ranks: int) -> "Connections":
+        return cls(int(num_ranks), np.zeros(0, dtype=np.int64))
+
+    def __or__(self, other: "Connections") -> "Connections":
+        if self.num_ranks != other.num_ranks:
+            raise ValueError(f"cannot join connections of {self.num_ranks} and {other.num_ranks} ranks")
+        return Connections(self.num_ranks, np.union1d(self.pairs, other.pairs))
+
+    def peers(self, node_of_rank) -> "Peers":
+        """Each rank's distinct peers, on its node and across nodes (rank r on node ``node_of_rank[r]``)."""
+        node_of_rank = as_index_array(node_of_rank, "node_of_rank")
+        if node_of_rank.size != self.num_ranks:
+            raise ValueError(f"node_of_rank has {node_of_rank.size} ranks, the connections {self.num_ranks}")
+        low, high = np.divmod(self.pairs, self.num_ranks)
+        same = node_of_rank[low] == node_of_rank[high]
+        return Peers(intra_node=np.bincount(np.concatenate((low[same], high[same])), minlength=self.num_ranks),
+                     inter_node=np.bincount(np.concatenate((low[~same], high[~same])), minlength=self.num_ranks))
+
+
+@dataclass(frozen=True, eq=False)
+class Peers:
+    """Per rank, how many distinct ranks it exchanges bytes with on its node (``intra_node``) and on other
+    nodes (``inter_node``)."""
+
+    intra_node: np.ndarray
+    inter_node: np.ndarray
+
+    @property
+    def total(self) -> np.ndarray:
+        return self.intra_node + self.inter_node
+
+    def busiest(self) -> Tuple[int, int, int]:
+        """The most peers of any rank: (all, on its node, across nodes), each its own maximum."""
+        return tuple(int(a.max(initial=0)) for a in (self.total, self.intra_node, self.inter_node))
 
 
 def moved_bytes(src_rank, dst_rank, item_bytes, node_of_rank) -> MovedBytes:
@@ -247,10 +348,11 @@ def moved_bytes(src_rank, dst_rank, item_bytes, node_of_rank) -> MovedBytes:
     for name, ranks in (("src_rank", src), ("dst_rank", dst)):
         if ranks.size and (ranks.min() < 0 or ranks.max() >= node_of_rank.size):
             raise ValueError(f"{name} holds ranks outside 0..{node_of_rank.size - 1}")
-    total, intra, inter, per_rank = _plan_kernels.moved_bytes(
+    total, intra, inter, per_rank, pairs = _plan_kernels.moved_bytes(
         np.ascontiguousarray(src), np.ascontiguousarray(dst), np.ascontiguousarray(node_of_rank),
         np.ascontiguousarray(nbytes))
-    return MovedBytes(float(total), float(intra), float(inter), *per_rank)
+    return MovedBytes(float(total), float(intra), float(inter), *per_rank,
+                      Connections(int(node_of_rank.size), pairs))
 
 
 def checksum(*arrays) -> int:

@@ -4,7 +4,9 @@ planning compares plans by (torch-free).
 **Links** (:class:`LinkModel`): an all-to-all takes its busiest rank's ``max(NVLink bytes / NVLink bandwidth,
 NIC bytes / NIC bandwidth)`` (a rank's bytes on a link: the larger of what it sends and what it receives
 there, as the byte accountant :class:`~megatron_orch.balance.plan.MovedBytes` splits them) plus one latency
-(the NIC's if anything crosses nodes, else NVLink's). A ring reduction over ``n`` ranks sends
+(the NIC's if anything crosses nodes, else NVLink's); a node-wise all-to-all
+(:meth:`~megatron_orch.balance.plan.Transfer.node_wise`) sends its NVLink bytes, then its NIC bytes, each hop
+with its latency. A ring reduction over ``n`` ranks sends
 ``2 (n - 1) / n`` of its bytes through every rank's slowest link.
 
 **A step** (:class:`StepModel`, :meth:`StepModel.step`) of one DP replica (``tensor_parallel x
@@ -84,27 +86,36 @@ class LinkModel:
 @dataclass(frozen=True)
 class Busiest:
     """One all-to-all as the link model sees it: the busiest rank's NVLink and NIC bytes (each the larger of
-    a rank's sends and receives on that link), and whether anything moves within nodes, across them."""
+    a rank's sends and receives on that link), whether anything moves within nodes, across them, and whether
+    the two run one after the other (``sequential``: a node-wise all-to-all's hops, each with its latency)
+    instead of at once."""
 
     nvlink_bytes: float
     nic_bytes: float
     within: bool
     across: bool
+    sequential: bool = False
 
     @classmethod
     def of(cls, moved: MovedBytes) -> "Busiest":
         nvlink = np.maximum(moved.sent_intra, moved.received_intra).max(initial=0.0)
         nic = np.maximum(moved.sent_inter, moved.received_inter).max(initial=0.0)
-        return cls(float(nvlink), float(nic), bool(moved.intra_node > 0), bool(moved.inter_node > 0))
+        return cls(float(nvlink), float(nic), bool(moved.intra_node > 0), bool(moved.inter_node > 0),
+                   moved.node_wise)
 
     def seconds(self, link: LinkModel) -> float:
+        nvlink = self.nvlink_bytes / (link.nvlink_gbytes_per_s * 1e9)
+        nic = self.nic_bytes / (link.nic_gbits_per_s * 1e9 / 8)
+        if self.sequential:
+            return (nvlink + link.nvlink_latency_us * 1e-6 * self.within
+                    + nic + link.nic_latency_us * 1e-6 * self.across)
         latency = link.nic_latency_us if self.across else (link.nvlink_latency_us if self.within else 0.0)
-        return max(self.nvlink_bytes / (link.nvlink_gbytes_per_s * 1e9),
-                   self.nic_bytes / (link.nic_gbits_per_s * 1e9 / 8)) + latency * 1e-6
+        return max(nvlink, nic) + latency * 1e-6
 
     def nic_breakpoint(self, link: LinkModel) -> Optional[float]:
-        """The NIC bandwidth (Gb/s) below which this all-to-all is NIC-bound (None: it never is)."""
-        if self.nic_bytes <= 0:
+        """The NIC bandwidth (Gb/s) below which this all-to-all is NIC-bound (None: no such point, nothing
+        crosses nodes or the hops run one after the other)."""
+        if self.nic_bytes <= 0 or self.sequential:
             return None
         if self.nvlink_bytes <= 0:
             return np.inf

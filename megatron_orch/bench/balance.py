@@ -61,11 +61,13 @@ import numpy as np
 
 from megatron_orch.balance.partition import equal_count_lower_bound, partition
 from megatron_orch.balance.pipeline_schedule import PipelineSchedule
-from megatron_orch.balance.plan import Placement
+from megatron_orch.balance.comm_memory import CommunicatorMemory
+from megatron_orch.balance.plan import ALL_TO_ALL, Placement
 from megatron_orch.balance.topology import Topology
 from megatron_orch.balance.workload import PhaseItems, StepSizes, phase_items
-from megatron_orch.bench.common import (PLAN_METHODS, draw_sizes, memory_caps, parser_with_batch_args, report,
-                                        trace_specs, upstream_plan, warm_up_partitioners)
+from megatron_orch.bench.common import (PLAN_METHODS, draw_sizes, memory_caps, parser_with_batch_args,
+                                        peers_over_steps, report, trace_specs, upstream_plan, warm_up_partitioners)
+from megatron_orch.orchestrator.config import OrchestratorConfig
 from megatron_orch.orchestrator.step_plan import EncoderPhasePlan, StepPlan, plan_step, step_transfers
 
 COMPARED_METHODS = ("none", "lpt", "kk", "bs_ffd", "orch", "orch_equal_count", "orch_locality", "orch_equal_locality",
@@ -147,6 +149,13 @@ def _timed(fn: Callable[[], np.ndarray], repeats: int) -> Plan:
     return Plan(np.asarray(bins, dtype=np.int64), 1e3 * best)
 
 
+def _trainer_configs(pipeline: PipelineSchedule) -> Dict[str, OrchestratorConfig]:
+    """The trainer's rows' configs, their step model that of replicas of ``pipeline``'s stages."""
+    return {method: dataclasses.replace(config, step_model=dataclasses.replace(
+        config.step_model, pipeline_stages=pipeline.stages, virtual_stages=pipeline.virtual_stages))
+        for method, config in TRAINER_METHODS.items()}
+
+
 def plan_phases(sizes: StepSizes, model, phases: Dict[str, PhaseItems], dp: int, gpus_per_node: int,
                 repeats: int, memory_cap: Dict[str, float], pipeline: PipelineSchedule = PipelineSchedule()):
     """Every method's plan for every phase (``verl_kk`` is planned on the LLM phase, then inherited), and
@@ -161,10 +170,8 @@ def plan_phases(sizes: StepSizes, model, phases: Dict[str, PhaseItems], dp: int,
     steps["verl_kk"] = backbone_only_plan(sizes, steps["none"])
     trainer = {}
     per_rank = int(np.asarray(sizes.counts)[0])
-    for method, config in TRAINER_METHODS.items():
+    for method, config in _trainer_configs(pipeline).items():
         step_plan = [None]
-        config = dataclasses.replace(config, step_model=dataclasses.replace(
-            config.step_model, pipeline_stages=pipeline.stages, virtual_stages=pipeline.virtual_stages))
 
         def run():
             step_plan[0] = plan_step(sizes, model_phases, config, topology, micro_batch_size=1,
@@ -236,11 +243,13 @@ def _phase_figures(phases: Dict[str, PhaseItems], plans, steps: Dict[str, StepPl
 
 def run(trace_specs: Sequence[tuple], dp: int, per_rank: int, gpus_per_node: int, model: str, seed: int,
         repeats: int = 3, traces_dir: Optional[str] = None, seq_length: Optional[int] = None,
-        pipeline: PipelineSchedule = PipelineSchedule()) -> dict:
-    """Run the benchmark and return its JSON-ready result (``pipeline``: each DP rank a replica of its stages)."""
-    if dp < 1 or per_rank < 1 or gpus_per_node < 1 or repeats < 1:
-        raise ValueError(f"--dp, --per-rank, --gpus-per-node and --repeats must be >= 1, got "
-                         f"{dp}, {per_rank}, {gpus_per_node}, {repeats}")
+        pipeline: PipelineSchedule = PipelineSchedule(), peer_steps: int = 100) -> dict:
+    """Run the benchmark and return its JSON-ready result (``pipeline``: each DP rank a replica of its stages;
+    ``peer_steps``: the steps the trainer's methods' peers are counted over, batches of seeds ``seed``,
+    ``seed + 1``, ...)."""
+    if dp < 1 or per_rank < 1 or gpus_per_node < 1 or repeats < 1 or peer_steps < 1:
+        raise ValueError(f"--dp, --per-rank, --gpus-per-node, --repeats and --peer-steps must be >= 1, got "
+                         f"{dp}, {per_rank}, {gpus_per_node}, {repeats}, {peer_steps}")
     config, mixture, sizes = draw_sizes(trace_specs, dp, per_rank, model, seed, traces_dir, seq_length)
     model_phases = config.phases()
     backbone = model_phases.backbone.name
@@ -252,6 +261,12 @@ def run(trace_specs: Sequence[tuple], dp: int, per_rank: int, gpus_per_node: int
     result: dict = {name: {m: _phase_figures(phases, plans, steps, name, m, dp, gpus_per_node, backbone)
                            for m in COMPARED_METHODS} for name in phases}
     result["step"] = _step_model(phases, plans, steps, dp, result, backbone, pipeline)
+    topology = Topology.uniform(dp, gpus_per_node)
+    result["peers"] = {method: peers_over_steps(
+        lambda step_sizes, c=trainer_config: plan_step(step_sizes, model_phases, c, topology, 1, per_rank),
+        lambda k: sizes if k == 0 else draw_sizes(trace_specs, dp, per_rank, model, seed + k, traces_dir,
+                                                  seq_length)[2], model_phases, topology, peer_steps)
+        for method, trainer_config in _trainer_configs(pipeline).items()}
     for method in TRAINER_METHODS:  # how the trainer's plan balanced the backbone (a locality plan: kept or not)
         result["step"][method]["backbone_method"] = steps[method].stats[backbone].method
     best = max(COMPARED_METHODS, key=lambda m: result["step"][m]["speedup"])
@@ -261,6 +276,7 @@ def run(trace_specs: Sequence[tuple], dp: int, per_rank: int, gpus_per_node: int
     result["params"] = {
         "traces": [{"trace": t.name, "weight": w} for t, w in zip(mixture.traces, mixture.weights)],
         "dp": dp, "per_rank": per_rank, "num_examples": dp * per_rank, "gpus_per_node": gpus_per_node,
+        "peer_steps": peer_steps, "communicator_memory": dataclasses.asdict(CommunicatorMemory()),
         "pipeline_stages": pipeline.stages, "virtual_stages": pipeline.virtual_stages,
         "model": config.name, "model_shaped_after": config.shaped_after,
         "model_parameters": config.num_parameters()["total"], "seed": seed, "repeats": repeats,
@@ -290,6 +306,10 @@ def run(trace_specs: Sequence[tuple], dp: int, per_rank: int, gpus_per_node: int
                               "equal_count_lower_bound for the backbone of an equal-count method",
             "bytes": "per step, every transfer (Transfer.moved_bytes): raw inputs, text, embeddings forward "
                      "and their gradients back",
+            "peers": "the trainer's rows: the busiest rank's distinct peers [all, on its node, across nodes] over a "
+                     "step's transfers (this batch) and over peer_steps batches (seeds seed, seed + 1, ...), run "
+                     "flat or node-wise (Transfer.node_wise), and the modeled communicator MiB of the busiest GPU "
+                     "(CommunicatorMemory's assumptions)",
         },
     }
     return result
@@ -370,11 +390,29 @@ def format_tables(result: dict) -> str:
         moved = f"{100 * s['moved_bytes_frac']:.1f}%" if "moved_bytes_frac" in s else ""
         lines.append(f"| {m} | {s['flops'] / 1e15:.1f} | {s['over_lb']:.4f} | {s['speedup']:.3f} | "
                      f"{s['plan_ms']:.2f} | {inter} | {moved} |")
+    lines += ["", *peer_table(result["peers"], "method")]
     d = result["default"]
     lines += ["", f"the default ({d['method']}) step speedup {d['speedup']:.4f}, the best method's ({d['best']}) "
               f"{d['best_speedup']:.4f}: {100 * (1 - d['within']):.2f}% below it",
               "backbone plans: " + ", ".join(f"{m} {result['step'][m]['backbone_method']}" for m in TRAINER_METHODS)]
     return "\n".join(lines)
+
+
+def peer_table(peers: Dict[str, dict], row: str) -> List[str]:
+    """A markdown table of :func:`~megatron_orch.bench.common.peers_over_steps` figures, one row per key of
+    ``peers`` (named ``row``): the busiest rank's peers and the modeled communicator MiB per GPU, in one step and
+    over the run, flat and node-wise."""
+    steps = next(iter(peers.values()))["steps"]
+    lines = [f"peers per rank (the busiest rank's, all = on its node + across nodes; cumulative over {steps} steps: "
+             "what the communicator keeps connected) and modeled communicator MiB per GPU (CommunicatorMemory)", "",
+             f"| {row} | all-to-all | step peers (node+net) | run peers (node+net) | step MiB | run MiB |",
+             "|---|---|---:|---:|---:|---:|"]
+    for name, figures in peers.items():
+        for mode in ALL_TO_ALL:
+            f = figures[mode]
+            lines.append(f"| {name} | {mode} | {f['step'][0]} ({f['step'][1]}+{f['step'][2]}) | {f['run'][0]} "
+                         f"({f['run'][1]}+{f['run'][2]}) | {f['step_mib']:.0f} | {f['run_mib']:.0f} |")
+    return lines
 
 
 def main(argv: Optional[List[str]] = None) -> dict:
@@ -385,12 +423,15 @@ def main(argv: Optional[List[str]] = None) -> dict:
                              "(default 1)")
     parser.add_argument("--virtual-stages", type=int, default=1,
                         help="model chunks per stage (the interleaved schedule; default 1)")
+    parser.add_argument("--peer-steps", type=int, default=100,
+                        help="steps the trainer's methods' peers are counted over (cumulative: what the communicator "
+                             "keeps connected), batches of seeds --seed, --seed + 1, ... (default 100)")
     args = parser.parse_args(argv)
     specs = trace_specs(args)
     try:
         pipeline = PipelineSchedule(args.pipeline_stages, args.virtual_stages)
         result = run(specs, args.dp, args.per_rank, args.gpus_per_node, args.model, args.seed, args.repeats,
-                     args.traces_dir, args.seq_length, pipeline)
+                     args.traces_dir, args.seq_length, pipeline, args.peer_steps)
     except ValueError as err:  # e.g. an example longer than --seq-length: refused, as training refuses it
         parser.error(str(err))
     return report(result, format_tables, args.json)

@@ -12,15 +12,16 @@ import numpy as np
 
 from megatron_orch.balance.cost_profile import CostProfile
 from megatron_orch.balance.partition import partition, partition_equal_count, partition_locality
-from megatron_orch.balance.plan import Placement
+from megatron_orch.balance.comm_memory import CommunicatorMemory
+from megatron_orch.balance.plan import ALL_TO_ALL, Connections, Placement
 from megatron_orch.balance.step_model import StepModel
 from megatron_orch.balance.topology import Topology
 from megatron_orch.balance.traces import (DERIVED_TRACES, HEAVY_TAILED_MIXTURES, SHIPPED_MIXTURE, Trace,
                                           TraceMixture, load_mixture, parse_trace_spec)
-from megatron_orch.balance.workload import ModelPhases, PhaseItems, StepSizes, check_sequence_lengths
+from megatron_orch.balance.workload import ModelPhases, PhaseItems, StepSizes, check_sequence_lengths, phase_items
 from megatron_orch.mllm.config import DEFAULT_MODEL, MLLMConfig, load_model_config, sizes_from_trace, with_encoder_layers
 from megatron_orch.orchestrator.config import OrchestratorConfig
-from megatron_orch.orchestrator.step_plan import EncoderPhasePlan, StepPlan, plan_step
+from megatron_orch.orchestrator.step_plan import EncoderPhasePlan, StepPlan, plan_step, step_transfers
 
 
 
@@ -82,6 +83,41 @@ def plan_method(method: str, sizes: StepSizes, model: MLLMConfig, topology: Topo
                                  step_model=step_model or PLAN_METHODS[method].step_model)
     return plan_step(sizes, model.phases(), config, topology, micro_batch_size=1,
                      num_microbatches=int(np.asarray(sizes.counts)[0]))
+
+
+def step_connections(plan: StepPlan, items: Dict[str, PhaseItems], node_of_rank, all_to_all: str) -> Connections:
+    """The rank pairs every transfer of a step (``step_transfers``) connects, run ``all_to_all``."""
+    connected = Connections.none(len(node_of_rank))
+    for move in step_transfers(plan, items):
+        connected = connected | move.moved_bytes(node_of_rank, all_to_all).connections
+    return connected
+
+
+def peers_over_steps(plan_of: Callable[[StepSizes], StepPlan], draw: Callable[[int], StepSizes], phases: ModelPhases,
+                     topology: Topology, steps: int, memory: CommunicatorMemory = CommunicatorMemory()) -> dict:
+    """The peers a method's plans (``plan_of``) give over ``steps`` steps, the batch of step k ``draw(k)`` (items of
+    ``phases``): per all-to-all (``flat``,
+    ``node-wise``), the busiest rank's peers ([all, on its node, across nodes]) in the first step (``step``) and over
+    all of them (``run``, cumulative: what the communicator keeps connected), and the most modeled communicator
+    MiB of any GPU after the first step and after the run (:class:`CommunicatorMemory`)."""
+    if steps < 1:
+        raise ValueError(f"peers are counted over >= 1 steps, got {steps}")
+    node_of_rank = topology.node_of_rank
+    first, run = {}, {mode: Connections.none(topology.num_ranks) for mode in ALL_TO_ALL}
+    for k in range(steps):
+        sizes = draw(k)
+        plan, items = plan_of(sizes), phase_items(sizes, phases)
+        for mode in ALL_TO_ALL:
+            connected = step_connections(plan, items, node_of_rank, mode)
+            first.setdefault(mode, connected)
+            run[mode] = run[mode] | connected
+    out = {"steps": steps}
+    for mode in ALL_TO_ALL:
+        step_peers, run_peers = first[mode].peers(node_of_rank), run[mode].peers(node_of_rank)
+        out[mode] = {"step": list(step_peers.busiest()), "run": list(run_peers.busiest()),
+                     "step_mib": float(memory.per_rank_mib(step_peers).max(initial=0.0)),
+                     "run_mib": float(memory.per_rank_mib(run_peers).max(initial=0.0))}
+    return out
 
 
 def with_layers(config: MLLMConfig, layers: Optional[Tuple[int, ...]]) -> MLLMConfig:

@@ -17,7 +17,9 @@ does not depend on the rows' width or dtype, so one route serves any tensors of 
 
 :func:`start_all_to_all_items` launches the exchange asynchronously and returns a
 :class:`PendingAllToAll`; its :meth:`~PendingAllToAll.wait` gives the outputs, so the caller can compute
-(another encoder) while the bytes travel. :func:`all_to_all_items` is both in one call. Until the wait
+(another encoder) while the bytes travel. :func:`all_to_all_items` is both in one call. A transfer run in hops
+(:meth:`~megatron_orch.balance.plan.Transfer.node_wise`: within nodes, then between rail peers) is
+:func:`start_all_to_all_hops`: each hop one such exchange of the previous hop's outputs. Until the wait
 the inputs must not change, and every dtype group's send and receive buffers exist at once; packing is
 skipped (the input is sent as is) when the wire order already is the input's order, and unpacking is
 skipped (the output is a view of the receive buffer) when the received order already is slot order.
@@ -31,7 +33,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import List, Optional, Sequence, Tuple
+from typing import Callable, List, Optional, Sequence, Tuple
 
 import numpy as np
 import torch
@@ -99,6 +101,42 @@ def start_all_to_all_items(tensors: Sequence[torch.Tensor], layouts: Sequence[It
                                           group=group, async_op=True)
             exchanges.append((streams, route, stream_layouts, numel, send, recv, work))
     return PendingAllToAll(exchanges, len(layouts), device)
+
+
+def start_all_to_all_hops(tensors: Sequence[torch.Tensor], layouts: Sequence[ItemLayout], hops: Sequence[Transfer],
+                          group=None, routes: Optional[Sequence["Route"]] = None) -> "PendingHops":
+    """Launch a transfer run in ``hops`` (``Transfer.hops``: one flat all-to-all, or a node-wise one's hops),
+    each an :func:`start_all_to_all_items` of the previous hop's outputs. ``routes``: this rank's routes of every
+    hop in order, one per dtype group of ``layouts`` each (None builds them here)."""
+    per_hop = len(_dtype_groups(layouts))
+    if routes is not None and len(routes) != per_hop * len(hops):
+        raise ValueError(f"rank {dist.get_rank(group)}: got {len(routes)} routes for {len(hops)} hops of "
+                         f"{per_hop} dtype groups")
+
+    def launch(hop: int, inputs: Sequence[torch.Tensor]) -> "PendingAllToAll":
+        hop_routes = None if routes is None else routes[hop * per_hop:(hop + 1) * per_hop]
+        return start_all_to_all_items(inputs, layouts, hops[hop], group, hop_routes)
+
+    return PendingHops(launch, len(hops), tensors)
+
+
+class PendingHops:
+    """A transfer in flight hop by hop: the first hop is launched here; :meth:`wait` (once) waits for each hop
+    and launches the next on its outputs, then returns the last one's (``launch(hop, inputs)`` starts a hop)."""
+
+    def __init__(self, launch: Callable[[int, Sequence[torch.Tensor]], "PendingAllToAll"], num_hops: int,
+                 tensors: Sequence[torch.Tensor]):
+        self._launch, self._num_hops = launch, num_hops
+        self._first: Optional[PendingAllToAll] = launch(0, tensors)
+
+    def wait(self) -> Tuple[torch.Tensor, ...]:
+        if self._first is None:
+            raise RuntimeError("wait() was already called on this all-to-all")
+        first, self._first = self._first, None
+        outputs = first.wait()
+        for hop in range(1, self._num_hops):
+            outputs = self._launch(hop, outputs).wait()
+        return outputs
 
 
 class PendingAllToAll:

@@ -6,6 +6,7 @@ import os
 from typing import Optional
 
 from megatron_orch.balance.cost_profile import load_cost_profile
+from megatron_orch.balance.plan import ALL_TO_ALL
 from megatron_orch.balance.registry import PARTITIONERS, PLACEMENTS
 from megatron_orch.orchestrator.config import MICROBATCHING, ConfigError, OrchestratorConfig
 
@@ -14,7 +15,8 @@ CONFIG_FLAGS = {"phases": "--orch-phases", "algorithm": "--orch-algorithm", "mic
                 "placement": "--orch-placement", "placement_time_limit_s": "--orch-placement-time-limit",
                 "gpus_per_node": "--orch-gpus-per-node", "encoder_chunk_tokens": "--orch-encoder-chunk-tokens",
                 "encoder_memory_cap": "--orch-encoder-memory-cap", "encoder_recompute": "--orch-encoder-recompute",
-                "cost_profile": "--orch-cost-profile", "context_parallel_size": "--context-parallel-size"}
+                "cost_profile": "--orch-cost-profile", "context_parallel_size": "--context-parallel-size",
+                "all_to_all": "--orch-all-to-all"}
 
 
 def flag_message(error: BaseException) -> str:
@@ -25,7 +27,7 @@ def flag_message(error: BaseException) -> str:
 # The flags that take a value with a default of their own: None when not given (so that one given without
 # --orch-post-balancing is refused like the others, even at its default value), these once it is on.
 _DEFAULTS = {"orch_algorithm": "auto", "orch_microbatching": "auto", "orch_placement": "exact",
-             "orch_placement_time_limit": 1.0}
+             "orch_placement_time_limit": 1.0, "orch_all_to_all": OrchestratorConfig.all_to_all}
 
 
 def add_orch_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -70,6 +72,11 @@ def add_orch_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                    help="bins -> ranks (default exact). " + PLACEMENTS.describe().replace("%", "%%"))
     g.add_argument("--orch-placement-time-limit", type=float, default=None,
                    help="seconds for the minmax placement solver (default 1)")
+    g.add_argument("--orch-all-to-all", choices=ALL_TO_ALL, default=None,
+                   help=f"how post-balancing's transfers run (default {OrchestratorConfig.all_to_all}): flat, one "
+                        "all-to-all over the DP group (a rank's peers: any rank of it); node-wise, within the "
+                        "source's node, then between ranks of the same local index on other nodes (at most "
+                        "GPUs per node - 1 + nodes - 1 peers a rank, so fewer NCCL connections; the same outputs)")
     g.add_argument("--orch-gpus-per-node", type=int, default=None,
                    help="GPUs per node for the topology (default: torchrun's LOCAL_WORLD_SIZE)")
     g.add_argument("--orch-no-background-planning", action="store_true",
@@ -142,7 +149,7 @@ def _config(args: argparse.Namespace, phases, verify: bool) -> OrchestratorConfi
         microbatching=_default_if_not_given(args, "orch_microbatching"), locality=args.orch_locality,
         placement=_default_if_not_given(args, "orch_placement"),
         placement_time_limit_s=_default_if_not_given(args, "orch_placement_time_limit"),
-        gpus_per_node=args.orch_gpus_per_node,
+        gpus_per_node=args.orch_gpus_per_node, all_to_all=_default_if_not_given(args, "orch_all_to_all"),
         background=not args.orch_no_background_planning, encoder_recompute=args.orch_encoder_recompute,
         encoder_chunk_tokens=args.orch_encoder_chunk_tokens,
         encoder_memory_cap=None if args.orch_encoder_memory_cap is None else args.orch_encoder_memory_cap * 1e9,

@@ -46,7 +46,8 @@ from torch.distributed import ProcessGroup
 from megatron_orch.balance.plan import Transfer
 from megatron_orch.balance.topology import Topology
 from megatron_orch.balance.workload import StepSizes
-from megatron_orch.comm.alltoall import ItemLayout, Route, routes_for, start_all_to_all_items, upload_routes
+from megatron_orch.comm.alltoall import (ItemLayout, PendingHops, Route, routes_for, start_all_to_all_items,
+                                        upload_routes)
 from megatron_orch.comm.communicator import dedicated_group
 from megatron_orch.comm.device import HostCopy, communication_device, stage_on_host, staged_to_device
 from megatron_orch.comm.gather import GroupMismatchError, gather_item_sizes
@@ -121,11 +122,13 @@ class BalancedMicroBatch:
 class Move:
     """One all-to-all of a step, prepared in the planning thread: which of the step's moves it runs
     (``listed``, of :func:`~megatron_orch.orchestrator.step_plan.step_moves`; ``backward``: the inverse that
-    sends its gradients back), what moves where, and this rank's routes
+    sends its gradients back), what moves where, the all-to-alls that run it (``hops``, ``Transfer.hops``: the
+    transfer itself, or a node-wise one's hops) and this rank's routes of every hop
     (:func:`~megatron_orch.comm.alltoall.routes_for`; on the device once the step is dispatched)."""
 
     listed: StepMove
     transfer: Transfer
+    hops: Tuple[Transfer, ...]
     routes: Tuple[Route, ...]
     backward: bool = False
 
@@ -133,8 +136,11 @@ class Move:
     def name(self) -> str:
         return self.listed.name
 
-    def start(self, tensors: Sequence[torch.Tensor], layouts: Sequence[ItemLayout], group):
-        return start_all_to_all_items(tensors, layouts, self.transfer, group, self.routes)
+    def start(self, tensors: Sequence[torch.Tensor], layouts: Sequence[ItemLayout], group) -> PendingHops:
+        per_hop = len(self.routes) // len(self.hops)
+        return PendingHops(lambda hop, inputs: start_all_to_all_items(
+            inputs, layouts, self.hops[hop], group, self.routes[hop * per_hop:(hop + 1) * per_hop]),
+                           len(self.hops), tensors)
 
 
 @dataclass(frozen=True, eq=False)
@@ -177,15 +183,22 @@ def _text_layouts(num_tokens: np.ndarray) -> List[ItemLayout]:
 
 
 def prepare_moves(plan: StepPlan, num_tokens: np.ndarray, rows_per_item: Mapping[str, int], rank: int,
-                  encoder_stage: bool) -> StepMoves:
+                  encoder_stage: bool, all_to_all: str = "flat", node_of_rank=None) -> StepMoves:
     """``rank``'s moves of the step (host only: the planning thread calls this after the plan): the routes
     of every move :func:`step_moves` lists, the ones the byte count counts (the encoder phases' on the
-    encoder stage only: the other pipeline stages hold no encoders)."""
+    encoder stage only: the other pipeline stages hold no encoders), each run ``all_to_all`` over the nodes of
+    ``node_of_rank`` (``Transfer.hops``)."""
     out = []
+
+    def move(listed: StepMove, transfer: Transfer, layouts, backward: bool = False) -> Move:
+        hops = transfer.hops(all_to_all, node_of_rank)
+        return Move(listed, transfer, hops, tuple(route for hop in hops for route in routes_for(hop, rank, layouts)),
+                    backward)
+
     for listed in step_moves(plan):
         transfer = listed.transfer
         if listed.kind == "text":
-            out.append(Move(listed, transfer, tuple(routes_for(transfer, rank, _text_layouts(num_tokens)))))
+            out.append(move(listed, transfer, _text_layouts(num_tokens)))
             continue
         if not encoder_stage:
             continue
@@ -195,10 +208,10 @@ def prepare_moves(plan: StepPlan, num_tokens: np.ndarray, rows_per_item: Mapping
             rows = np.full(transfer.src.num_items, rows_per_item[listed.items_of], dtype=np.int64)
         else:
             raise ValueError(f"post-balancing does not run a move of kind {listed.kind!r} ({listed.name})")
-        out.append(Move(listed, transfer, (Route.build(transfer, rank, [rows]),)))
+        layouts = [ItemLayout(rows, (), torch.float32)]  # one stream: the routes depend on its rows alone
+        out.append(move(listed, transfer, layouts))
         if listed.with_gradients:
-            backward = listed.gradients()
-            out.append(Move(listed, backward, (Route.build(backward, rank, [rows]),), backward=True))
+            out.append(move(listed, listed.gradients(), layouts, backward=True))
     return StepMoves(tuple(out))
 
 
@@ -467,7 +480,7 @@ class PostBalancingDataIterator:
             if self.config.shadow:
                 return plan, None
             return plan, prepare_moves(plan, sizes.num_tokens, self.rows_per_item, self.rank,
-                                       self.groups.encoder_stage)
+                                       self.groups.encoder_stage, self.config.all_to_all, self.topology.node_of_rank)
 
         self.planner.submit(plan_and_prepare)
         self.reader.submit(self._read)

@@ -10,6 +10,7 @@ from typing import Mapping, Optional, Tuple
 import numpy as np
 
 from megatron_orch.balance.cost_profile import CostProfile
+from megatron_orch.balance.plan import ALL_TO_ALL
 from megatron_orch.balance.registry import PARTITIONERS, PLACEMENTS
 from megatron_orch.balance.step_model import StepModel
 from megatron_orch.balance.workload import EncoderPhase, ModelPhases
@@ -66,7 +67,10 @@ class OrchestratorConfig:
     with dropout off, and stops the run unless their losses, gradients and encoder outputs agree
     (``--orch-verify-first-step``; on by default here, off on the command line for the shipped configs).
     ``context_parallel_size``: the backbone's (``--context-parallel-size``): its costs and memory are planned
-    per CP rank (:class:`~megatron_orch.balance.cost.ContextParallelCost`).
+    per CP rank (:class:`~megatron_orch.balance.cost.ContextParallelCost`). ``all_to_all``: how every transfer
+    runs (``--orch-all-to-all``): ``flat``, one all-to-all over the DP group, or ``node-wise``, within the
+    source's node and then between rail peers (:meth:`~megatron_orch.balance.plan.Transfer.node_wise`: at most
+    ``gpus_per_node - 1 + nodes - 1`` peers a rank, the same outputs).
     """
 
     phases: Optional[Tuple[str, ...]] = None
@@ -85,6 +89,7 @@ class OrchestratorConfig:
     step_model: StepModel = StepModel()
     shadow: bool = False
     verify_first_step: bool = True
+    all_to_all: str = "flat"
 
     def __post_init__(self):
         if self.phases is not None:
@@ -98,6 +103,8 @@ class OrchestratorConfig:
         if self.microbatching not in MICROBATCHING:
             raise ConfigError("microbatching", f": unknown {self.microbatching!r}; choose one of {MICROBATCHING}")
         PLACEMENTS.check(self.placement)
+        if self.all_to_all not in ALL_TO_ALL:
+            raise ConfigError("all_to_all", f": unknown {self.all_to_all!r}; choose one of {ALL_TO_ALL}")
         if not (math.isfinite(self.placement_time_limit_s) and self.placement_time_limit_s > 0):
             raise ConfigError("placement_time_limit_s", f" must be > 0, got {self.placement_time_limit_s}")
         if self.gpus_per_node is not None and self.gpus_per_node < 1:

@@ -8,7 +8,9 @@ caller check that cheaply.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
+import operator
 from dataclasses import dataclass
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
@@ -22,7 +24,7 @@ from megatron_orch.balance.partition import (Outcome, partition, partition_equal
                                               uniform_bins)
 from megatron_orch.balance.placement import PlacementConfig, place_items
 from megatron_orch.balance.repair import localize, repair_locality
-from megatron_orch.balance.plan import MovedBytes, Placement, Transfer, checksum, moved_bytes
+from megatron_orch.balance.plan import Connections, MovedBytes, Peers, Placement, Transfer, checksum, moved_bytes
 from megatron_orch.balance.step_model import Busiest
 from megatron_orch.balance.topology import Topology
 from megatron_orch.balance.workload import ModelPhases, PhaseItems, StepSizes, phase_items
@@ -101,17 +103,20 @@ class StepPlan:
     digest: int
     memory: Optional[StepMemory] = None    # modeled activation bytes (None: not planned)
     step_time: Tuple[float, float] = (0.0, 0.0)  # modeled, as loaded and as planned (:func:`_step_time`)
+    peers: Optional[Peers] = None          # each rank's distinct peers over the step's transfers (None: not planned)
 
     def report(self) -> Dict[str, float]:
         """The plan's figures by name, as the log shows them: each phase's modeled cost max/mean over DP
         before (as loaded) and after (as planned), the MB the step's transfers move within and across
-        nodes (all of them: raw inputs, text, embeddings forward and their gradients back), and the share of
+        nodes (all of them: raw inputs, text, embeddings forward and their gradients back), the most distinct
+        peers a rank exchanges with over them, on its node and across nodes, and the share of
         the modeled step time the plan saves (``step_time``)."""
         out = {}
         for phase, stats in self.stats.items():
             out[f"{phase} before"], out[f"{phase} after"] = stats.imbalance_before, stats.imbalance_after
         out["intra-node MB"] = sum(moved.intra_node for moved in self.traffic.values()) / 1e6
         out["inter-node MB"] = sum(moved.inter_node for moved in self.traffic.values()) / 1e6
+        _, out["peers intra-node"], out["peers inter-node"] = self.peers.busiest() if self.peers else (0, 0, 0)
         before, after = self.step_time
         out["step saved %"] = 100.0 * (1.0 - after / before) if before > 0 else 0.0
         return out
@@ -191,9 +196,9 @@ class StepTransfer(StepMove):
 
     item_bytes: np.ndarray
 
-    def moved_bytes(self, node_of_rank) -> MovedBytes:
+    def moved_bytes(self, node_of_rank, all_to_all: str = "flat") -> MovedBytes:
         """What one all-to-all sends (:meth:`Transfer.moved_bytes`)."""
-        return self.transfer.moved_bytes(self.item_bytes, node_of_rank)
+        return self.transfer.moved_bytes(self.item_bytes, node_of_rank, all_to_all)
 
 
 def step_transfers(plan: StepPlan, items: Dict[str, PhaseItems]) -> List[StepTransfer]:
@@ -495,8 +500,11 @@ def plan_step(sizes: StepSizes, phases: ModelPhases, config: OrchestratorConfig,
     plan = StepPlan(examples_home=examples_home, examples_backbone=examples_backbone, microbatch_of_example=microbatch,
                     num_microbatches=num_microbatches, encoders=encoders, backbone=backbone, stats=stats, traffic={},
                     digest=digest, memory=memory, step_time=_step_time(loads, num_ranks))
-    return dataclasses.replace(plan, traffic={move.name: move.moved_bytes(topology.node_of_rank).times(move.times)
-                                              for move in step_transfers(plan, items)})
+    traffic = {move.name: move.moved_bytes(topology.node_of_rank, config.all_to_all).times(move.times)
+               for move in step_transfers(plan, items)}
+    connected = functools.reduce(operator.or_, (moved.connections for moved in traffic.values()),
+                                 Connections.none(num_ranks))
+    return dataclasses.replace(plan, traffic=traffic, peers=connected.peers(topology.node_of_rank))
 
 
 def _plan_memory(items: Dict[str, PhaseItems], phases: ModelPhases, encoders: Dict[str, EncoderPhasePlan],

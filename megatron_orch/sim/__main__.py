@@ -17,11 +17,13 @@ from typing import List, Optional
 
 from megatron_orch.balance.cost_profile import load_cost_profile
 from megatron_orch.balance.step_model import ENCODER_RANKS
-from megatron_orch.bench.common import (add_trace_args, draw_sizes, effective_layers, parse_layers, report, trace_specs,
-                                        with_layers)
+from megatron_orch.balance.comm_memory import CommunicatorMemory
+from megatron_orch.bench.balance import peer_table
+from megatron_orch.bench.common import (DEFAULT_METHOD, add_trace_args, draw_sizes, effective_layers, model_phases,
+                                        parse_layers, peers_over_steps, plan_method, report, trace_specs, with_layers)
 from megatron_orch.mllm.config import load_model_config
 from megatron_orch.sim.cluster import (DEFAULT_TFLOPS, PEAK_TFLOPS, SIM_METHODS, LinkModel, StepModel,
-                                       model_state_bytes, simulate_step, warm_up_planner)
+                                       model_state_bytes, simulate_step, topology_of, warm_up_planner)
 
 PER_PHASE = ("orch", "equal_count", "locality", "equal_locality")
 # each locality-aware method and its plain counterpart (equal-count micro-batches can be slower than packed ones
@@ -119,6 +121,20 @@ def format_tables(result: dict) -> str:
                          f"{f['pipeline_bubble_seconds']:.3g} | {f['grad_reduce_seconds']:.3g} | "
                          f"{f['step_seconds']:.4g} | {f['speedup']:.3f} | {100 * f['mfu']:.1f}% | "
                          + " / ".join(f"{f['phase_speedup'][q]:.2f}" for q in phases) + " |")
+    lines += ["", "flat vs node-wise all-to-all (--orch-all-to-all): step s, and the busiest rank's peers in one "
+              "step (on its node + across nodes)", "",
+              "| DP | method | flat step s | node-wise step s | node-wise/flat | flat peers | node-wise peers |",
+              "|---:|---|---:|---:|---:|---:|---:|"]
+    for dp in sorted(result["dp"], key=int):
+        for m in PER_PHASE:
+            f = result["dp"][dp][m]
+            flat, node_wise = f["peers"]["flat"], f["peers"]["node-wise"]
+            lines.append(f"| {dp} | {m} | {f['step_seconds']:.4g} | {f['node_wise_step_seconds']:.4g} | "
+                         f"{f['node_wise_step_seconds'] / f['step_seconds']:.4f} | {flat['all']:.0f} "
+                         f"({flat['node']:.0f}+{flat['net']:.0f}) | {node_wise['all']:.0f} "
+                         f"({node_wise['node']:.0f}+{node_wise['net']:.0f}) |")
+    peers = {f"{dp}, {DEFAULT_METHOD}": figures for dp, figures in result["peers"].items()}
+    lines += ["", *peer_table(peers, "DP, method")]
     sweep = [g for g in result["dp"][sorted(result["dp"], key=int)[0]]["nic_sweep"]]
     if sweep:
         lines += ["", "step s of orch / locality (equal_count / equal_locality) at NIC Gb/s per GPU:", "",
@@ -305,6 +321,9 @@ def main(argv: Optional[List[str]] = None) -> dict:
     parser.add_argument("--paper", action="store_true",
                         help="the OrchMLLM paper's configuration: mllm_84b (three modalities) on 2560 GPUs, assumed "
                              "TP 8 x PP 4 (DP 80), 16 examples per DP rank; printed beside the published speedups")
+    parser.add_argument("--peer-steps", type=int, default=100,
+                        help="steps the defaults' (orch) peers are counted over at each DP (cumulative: what the "
+                             "communicator keeps connected), batches of seeds first seed, + 1, ... (default 100)")
     parser.add_argument("--json", default=None, metavar="OUT")
     parser.add_argument("--plot", default=None, metavar="OUT.png")
     args = parser.parse_args(argv)
@@ -316,8 +335,8 @@ def main(argv: Optional[List[str]] = None) -> dict:
     seeds = [int(x) for x in args.seeds.split(",") if x.strip()] if args.seeds.replace(",", "").isdigit() else []
     if not seeds:
         parser.error(f"--seeds takes a comma-separated list of integers >= 0, got {args.seeds!r}")
-    if args.per_rank < 1 or args.tflops <= 0 or args.peak_tflops <= 0:
-        parser.error("--per-rank must be >= 1, --tflops and --peak-tflops > 0")
+    if args.per_rank < 1 or args.peer_steps < 1 or args.tflops <= 0 or args.peak_tflops <= 0:
+        parser.error("--per-rank and --peer-steps must be >= 1, --tflops and --peak-tflops > 0")
     try:
         link = LinkModel(args.gpus_per_node, args.nvlink_gbytes_per_s, args.nic_gbits_per_s,
                          args.nvlink_latency_us, args.nic_latency_us)
@@ -336,17 +355,25 @@ def main(argv: Optional[List[str]] = None) -> dict:
         "model_state_gib": {dp: {k: v / 2**30 for k, v in model_state_bytes(model, cluster, dp).items()} for dp in dps},
         "costs": (f"profile {args.profile} ({profile.device}, {profile.dtype})" if profile
                   else f"training FLOPs at an assumed {args.tflops:g} TFLOP/s per GPU"),
-        "nic_sweep_gbits_per_s": sweep}, "dp": {}, "per_seed": {}}
+        "nic_sweep_gbits_per_s": sweep, "peer_steps": args.peer_steps,
+        "communicator_memory": dataclasses.asdict(CommunicatorMemory())}, "dp": {}, "per_seed": {}, "peers": {}}
     for dp in dps:
         runs = []
-        for seed in seeds:
+
+        def draw(seed: int):
             try:
-                _, _, sizes = draw_sizes(trace_specs(args), dp, args.per_rank, args.model, seed, args.traces_dir,
-                                         args.seq_length)
+                return draw_sizes(trace_specs(args), dp, args.per_rank, args.model, seed, args.traces_dir,
+                                  args.seq_length)[2]
             except ValueError as err:  # an example longer than --seq-length: refused, as training refuses it
                 parser.error(str(err))
-            runs.append(simulate_step(sizes, model, link, profile, args.tflops, sweep, cluster, args.peak_tflops))
+
+        for seed in seeds:
+            runs.append(simulate_step(draw(seed), model, link, profile, args.tflops, sweep, cluster, args.peak_tflops))
         result["dp"][str(dp)], result["per_seed"][str(dp)] = mean_over_runs(runs), runs
+        topology = topology_of(dp, cluster)
+        result["peers"][str(dp)] = peers_over_steps(
+            lambda sizes: plan_method(DEFAULT_METHOD, sizes, model, topology, profile, cluster),
+            lambda k: draw(seeds[0] + k), model_phases(model, profile), topology, args.peer_steps)
         print(f"[sim] DP {dp} done", file=sys.stderr, flush=True)
     result["checks"] = checks(result)
     return report(result, format_tables, args.json, plot, args.plot)

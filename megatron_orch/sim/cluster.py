@@ -31,6 +31,9 @@ Step time of a method, in seconds (:mod:`megatron_orch.balance.step_model` for t
 * ``none`` and ``backbone_only`` run each example's encoders inside its micro-batch on the first
   pipeline stage: the same schedule with each micro-batch's encoders added to its first-stage forward and
   backward, plus the same gradient reduction;
+* a node-wise all-to-all (``--orch-all-to-all node-wise``, :meth:`~megatron_orch.balance.plan.Transfer.node_wise`):
+  every transfer's NVLink hop, then its NIC hop (``node_wise_step_seconds``); ``peers``: the busiest rank's
+  distinct peers over the step's transfers, flat and node-wise;
 * planning: ``plan_step`` runs on a CPU thread during the previous step; its time is not in the step
   (``bench.planning`` measures it), so every figure is a function of the batch and the flags alone: the
   same command gives the same JSON on any machine, under any load;
@@ -50,11 +53,12 @@ import numpy as np
 
 from megatron_orch.balance.cost_profile import CostProfile, rank_seconds
 from megatron_orch.balance.partition import partition
+from megatron_orch.balance.plan import ALL_TO_ALL
 from megatron_orch.balance.step_model import DEFAULT_TFLOPS, Busiest, LinkModel, PipelinedBackbone, StepModel
 from megatron_orch.balance.topology import Topology
 from megatron_orch.balance.workload import PhaseItems, StepSizes, phase_items
 from megatron_orch.bench.balance import backbone_only_plan
-from megatron_orch.bench.common import PLAN_METHODS, model_phases, plan_method
+from megatron_orch.bench.common import PLAN_METHODS, model_phases, plan_method, step_connections
 from megatron_orch.orchestrator.step_plan import StepPlan, step_transfers, warm_up
 
 __all__ = ("SIM_METHODS", "END_TO_END", "DEFAULT_TFLOPS", "PEAK_TFLOPS", "LinkModel", "StepModel",
@@ -202,13 +206,13 @@ def simulate_step(sizes: StepSizes, model, link: LinkModel, profile: Optional[Co
         plans[SUM_BALANCED] = plan_method("orch", sizes, model, topology, profile, step_model=dataclasses.replace(
             cluster, pipeline_stages=1, virtual_stages=1))
 
-    def figures(method: str, at: StepModel) -> dict:
+    def figures(method: str, at: StepModel, all_to_all: str = "flat") -> dict:
         plan = plans[method]
         cells = {p: v / cluster.tensor_parallel for p, v in phase_cell_seconds(plan, items, profile, tflops).items()}
         ranks = {p: v.sum(axis=1) for p, v in cells.items()}
         phase_max = {p: float(r.max(initial=0.0)) for p, r in ranks.items()}
         phase_mean = {p: float(r.mean()) for p, r in ranks.items()}
-        moves = {move.name: (move, Busiest.of(move.moved_bytes(topology.node_of_rank)))
+        moves = {move.name: (move, Busiest.of(move.moved_bytes(topology.node_of_rank, all_to_all)))
                  for move in step_transfers(plan, items)}
         embeddings = {p: moves[f"{p} embeddings"][1] for p in plan.encoders}
         prefetched = [busiest for move, busiest in moves.values() if move.times == 1]
@@ -256,6 +260,10 @@ def simulate_step(sizes: StepSizes, model, link: LinkModel, profile: Optional[Co
             "backbone_method": plans[method].stats[backbone].method if plans[method].stats else method,
             "step_seconds": parts["step"],
             "mfu": flops / (parts["step"] * gpus * peak_tflops * 1e12) if parts["step"] > 0 else 0.0,
+            "node_wise_step_seconds": figures(method, cluster, "node-wise")["parts"]["step"],
+            "peers": {mode: dict(zip(("all", "node", "net"), step_connections(
+                plans[method], items, topology.node_of_rank, mode).peers(topology.node_of_rank).busiest()))
+                for mode in ALL_TO_ALL},
         }
     bound = step_lower_bound(items, backbone, cluster, dp, profile, tflops)
     for method in SIM_METHODS:

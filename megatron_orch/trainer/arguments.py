@@ -252,7 +252,7 @@ def add_megatron_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParse
     g.add_argument("--orch-log-level", type=int, choices=[0, 1], default=0,
                    help="0: Megatron-LM's iteration line with tokens/s and each phase's load imbalance (and cost "
                         "imbalance before->after with post-balancing); 1: the full line, also the loads per rank, "
-                        "the phase times and post-balancing's moves and planning times")
+                        "the phase times and post-balancing's moves, peers and planning times")
     g.add_argument("--timing-log-level", type=int, choices=[0, 1, 2], default=0,
                    help="Megatron's timer level: 0 phase timings only, 1 adds grads-all-reduce and "
                         "optimizer, 2 adds forward/backward compute")

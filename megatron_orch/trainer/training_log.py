@@ -27,8 +27,8 @@ from megatron_orch.trainer.data_events import DataEvent
 STEP_TIMERS = ("forward-backward", "forward-compute", "backward-compute", "all-grads-sync", "optimizer")
 # Post-balancing figures per step besides each phase's imbalance: bytes moved, the modeled step time saved,
 # this rank's planning / dispatch times, and whether the plan was applied (0: shadow mode, planned only).
-STEP_FIELDS = ("intra-node MB", "inter-node MB", "step saved %", "plan ms", "plan exposed ms", "dispatch ms",
-               "applied")
+STEP_FIELDS = ("intra-node MB", "inter-node MB", "peers intra-node", "peers inter-node", "step saved %", "plan ms",
+               "plan exposed ms", "dispatch ms", "applied")
 
 
 def load_fields(phases: ModelPhases) -> Tuple[str, ...]:
@@ -195,7 +195,8 @@ class IterationRecord:
         """Megatron-LM's iteration line with tokens/s, each phase's load imbalance (max/mean over DP) and, with
         post-balancing, each phase's cost imbalance before->after; bad examples and truncated answers where the
         interval had some. ``full`` (``--orch-log-level 1``): also the loads themselves, the phase times
-        (max/mean over ranks), the bytes post-balancing moved and its planning and dispatch times."""
+        (max/mean over ranks), the bytes post-balancing moved, the most peers a rank exchanged with in a step
+        (interval mean) and its planning and dispatch times."""
         parts = [f" iteration {self.iteration:8d}/{train_iters:8d}",
                  f" consumed samples: {self.consumed_samples:12d}",
                  f" elapsed time per iteration (ms): {self.elapsed_ms:.1f}",
@@ -232,6 +233,7 @@ class IterationRecord:
             parts.append(f" {_COST if applied else _SHADOW_COST}: {imbalance}")
             if full:
                 parts += [f" {_MOVED if applied else _WOULD_MOVE}: {pb['intra-node MB']:.2f}/{pb['inter-node MB']:.2f}",
+                          f" {_PEERS}: {pb['peers intra-node']:.1f}/{pb['peers inter-node']:.1f}",
                           f" modeled step time saved: {pb['step saved %']:.1f}%",
                           f" plan ms: {pb['plan ms']:.1f} (exposed {pb['plan exposed ms']:.1f})",
                           f" dispatch ms: {pb['dispatch ms']:.1f}"]
@@ -242,6 +244,7 @@ _LOAD, _IMBALANCE = "load per rank max/mean over DP", "load imbalance max/mean o
 _COST = "post-balancing cost max/mean over DP before->after"
 _SHADOW_COST = "post-balancing shadow (planned, not applied) cost max/mean over DP before->after"
 _MOVED, _WOULD_MOVE = "moved MB intra/inter node", "would move MB intra/inter node"
+_PEERS = "peers per rank max intra/inter node"
 
 
 def _ratio(maximum: float, mean: float) -> str:
@@ -319,8 +322,10 @@ def parse_iteration_line(line: str) -> Optional[dict]:
         moved = fields.get(_MOVED if applied else _WOULD_MOVE)
         if moved is not None:  # the full line's
             intra, inter = moved.split("/")
+            peers_intra, peers_inter = fields[_PEERS].split("/")
             plan = re.match(rf"{_NUMBER} \(exposed {_NUMBER}\)", fields["plan ms"])
             pb.update({"intra-node MB": float(intra), "inter-node MB": float(inter),
+                       "peers intra-node": float(peers_intra), "peers inter-node": float(peers_inter),
                        "step saved %": float(fields["modeled step time saved"].rstrip("%")),
                        "plan ms": float(plan.group(1)), "plan exposed ms": float(plan.group(2)),
                        "dispatch ms": float(fields["dispatch ms"])})

@@ -34,7 +34,7 @@ def test_small_run_writes_every_phase_and_method(traces_dir, tmp_path, model, ca
     out = tmp_path / "bench.json"
     main(["--trace", "img.csv:0.5", "asr.csv:0.3", "video.csv:0.2", "--traces-dir", str(traces_dir),
           "--dp", "8", "--per-rank", "4", "--gpus-per-node", "4", "--model", model, "--seed", "3",
-          "--repeats", "1", "--json", str(out)])
+          "--repeats", "1", "--peer-steps", "3", "--json", str(out)])
     assert "| orch |" in capsys.readouterr().out
     result = json.loads(out.read_text())
     assert result["params"]["dp"] == 8 and result["params"]["num_examples"] == 32
@@ -51,6 +51,12 @@ def test_small_run_writes_every_phase_and_method(traces_dir, tmp_path, model, ca
         assert result[phase]["none"]["inter_node_bytes_frac"] == 0.0
     assert result["params"]["items"]["llm"] == 32
     assert set(result["step"]) == set(COMPARED_METHODS)
+    for figures in result["peers"].values():  # 2 nodes of 4: node-wise, at most 3 + 1 peers; a run holds its step
+        assert figures["steps"] == 3
+        for mode in ("flat", "node-wise"):
+            step, run = figures[mode]["step"], figures[mode]["run"]
+            assert all(s <= r for s, r in zip(step, run)) and run[0] <= 7, (mode, figures)
+        assert figures["node-wise"]["run"][1] <= 3 and figures["node-wise"]["run"][2] <= 1, figures
     # The modeled step against a reference computed here from the same drawn batch: upstream (none)
     # runs each example end to end on its loading rank, so its step is the busiest rank's sum over
     # phases; a per-phase method's step is the sum over phases of its busiest rank.
@@ -73,7 +79,7 @@ def test_pipelined_replicas_run_their_microbatches_through_the_schedule(traces_d
     out = tmp_path / "bench.json"
     main(["--trace", "img.csv:0.5", "asr.csv:0.3", "video.csv:0.2", "--traces-dir", str(traces_dir),
           "--dp", "8", "--per-rank", "4", "--gpus-per-node", "4", "--model", "mllm_84b", "--seed", "3",
-          "--repeats", "1", "--pipeline-stages", "4", "--json", str(out)])
+          "--repeats", "1", "--pipeline-stages", "4", "--peer-steps", "1", "--json", str(out)])
     result = json.loads(out.read_text())
     config, _, sizes = draw_sizes([("img.csv", 0.5), ("asr.csv", 0.3), ("video.csv", 0.2)], 8, 4, "mllm_84b", 3,
                                   str(traces_dir))

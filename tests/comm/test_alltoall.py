@@ -8,7 +8,8 @@ import torch.distributed as dist
 
 from dist_utils import run_distributed
 from megatron_orch.balance.plan import Placement, Transfer, checksum
-from megatron_orch.comm.alltoall import ItemLayout, Route, all_to_all_items, routes_for, start_all_to_all_items, upload_routes
+from megatron_orch.comm.alltoall import (ItemLayout, Route, all_to_all_items, routes_for, start_all_to_all_hops,
+                                        start_all_to_all_items, upload_routes)
 from megatron_orch.comm.gather import GroupMismatchError, gather_item_sizes
 from megatron_orch.comm.group_topology import group_topology
 
@@ -271,12 +272,41 @@ def test_bad_inputs_raise_before_the_collective():
     run_distributed(_check_bad_inputs, 2)
 
 
+def _check_node_wise(rank, world):
+    """Emulated nodes of 4 ranks (``gpus_per_node``): a node-wise transfer (``Transfer.node_wise``'s hops) gives
+    what the flat one gives, bit for bit, and the gather reference, forward and back along the inverse (the
+    gradients' way), and this rank exchanges only with ranks of its node and its rail peers."""
+    node_of_rank = group_topology(gpus_per_node=4).node_of_rank
+    rng = np.random.default_rng(38)
+    for trial in range(3):
+        n = int(rng.integers(1, 4 * world))
+        transfer = Transfer(_random_placement(rng, n, world), _random_placement(rng, n, world))
+        layouts = _layouts(rng, n)
+        items = [_items(layout, 40 + trial * 5 + k) for k, layout in enumerate(layouts)]
+        local = [_packed(it, lay, transfer.src, rank) for it, lay in zip(items, layouts)]
+        hops = transfer.hops("node-wise", node_of_rank)
+        node_wise = start_all_to_all_hops(local, layouts, hops).wait()
+        flat = all_to_all_items(local, layouts, transfer)
+        for k, (it, lay) in enumerate(zip(items, layouts)):
+            assert torch.equal(node_wise[k], flat[k]), (rank, trial, k)
+            assert torch.equal(node_wise[k], _packed(it, lay, transfer.dst, rank)), (rank, trial, k)
+        grads = [_packed(_items(lay, 90 + k), lay, transfer.dst, rank) for k, lay in enumerate(layouts)]
+        back = start_all_to_all_hops(grads, layouts, transfer.inverse().hops("node-wise", node_of_rank)).wait()
+        for k, (got, want) in enumerate(zip(back, all_to_all_items(grads, layouts, transfer.inverse()))):
+            assert torch.equal(got, want), (rank, trial, k)
+        routes = routes_for(hops[0], rank, layouts) + (routes_for(hops[1], rank, layouts) if len(hops) > 1 else [])
+        peers = {p for route in routes for side in (route.send, route.recv)
+                 for p in np.flatnonzero(side.peer_rows.sum(axis=0))} - {rank}
+        assert all(node_of_rank[p] == node_of_rank[rank] or p % 4 == rank % 4 for p in peers), (rank, peers)
+
+
 def _check_eight(rank, world):
     _check_size_gather(rank, world)
     rng = np.random.default_rng(8)
     transfer = Transfer(_random_placement(rng, 12, world), _random_placement(rng, 12, world))
     _move_and_check(transfer, _layouts(rng, 12), seed=5, rank=rank)
     _check_inverse_moves_back(rank, world)
+    _check_node_wise(rank, world)
 
 
 @pytest.mark.distributed

@@ -183,12 +183,14 @@ def test_model_parallel_layouts_are_invariant(layout, tmp_path):
 
 @pytest.mark.distributed
 def test_three_encoder_config_is_invariant_and_balances(tmp_path):
-    """tiny_video (vision tiles, video frames and audio windows, each its own encoder phase): DP 4,
-    upstream against post-balancing, equal-count and (the default) packed with encoder recompute."""
+    """tiny_video (vision tiles, video frames and audio windows, each its own encoder phase): DP 4 on 2 nodes of
+    2, upstream against post-balancing, equal-count and (the default) packed with encoder recompute, the latter's
+    transfers node-wise (within a node, then between rail peers: the same outputs as the flat exchange)."""
     three = ["--model-config", "tiny_video"]
     baseline = train(tmp_path, "baseline", 4, *three)
     for name, flags in (("equal_count", ("--orch-microbatching", "equal_count")),
-                        ("packed", ("--orch-encoder-recompute", "--orch-log-level", "1"))):  # the full line
+                        ("packed", ("--orch-encoder-recompute", "--orch-all-to-all", "node-wise",
+                                    "--orch-log-level", "1"))):  # the full line
         balanced = train(tmp_path, name, 4, *three, *BALANCED, *flags)
         assert_invariant(balanced, baseline)
         assert_plan_balances(balanced, phases=("vision", "video", "audio", "llm"))
@@ -378,6 +380,30 @@ def test_the_schedule_restores_the_model_configs_callbacks():
         assert config.finalize_model_grads_func is finalize
         assert all(callback is grad_sync for callback in config.grad_sync_func) and len(config.grad_sync_func) == 2
     assert calls == [False, "sync", "finalize"] * 3
+
+
+def test_the_schedule_refuses_a_number_of_microbatches_other_than_the_steps():
+    """A post-balancing step has the number of micro-batches its iterator was built for (``StepShape``): a
+    schedule call asking for another (upstream's per-step ``num_microbatches`` of its packing scheduler, a
+    batch-size ramp-up) is refused by name before the wrapped schedule runs; every DP rank is asked for the
+    same number, so all refuse alike."""
+    from types import SimpleNamespace
+
+    import numpy as np
+
+    from stand_ins import EncoderlessChunk
+    from megatron_orch.megatron.post_balancing import BalancedStep
+    from megatron_orch.megatron.schedule import ModalityAwareSchedule
+
+    ran = []
+    config = SimpleNamespace(finalize_model_grads_func=None, grad_sync_func=None, calculate_per_token_loss=True)
+    step = BalancedStep(microbatches=[], inputs={}, plan=SimpleNamespace(encoders={}), rank=0,
+                        num_tokens=np.zeros(0, dtype=np.int64), rows_per_item={}, comm_group=None, moves=None)
+    schedule = ModalityAwareSchedule(lambda **kwargs: ran.append(kwargs), dp_group=None)
+    with pytest.raises(ValueError, match="asked for 3 micro-batches but the post-balancing step holds 0"):
+        schedule(forward_step_func=None, data_iterator=iter([step]), model=[EncoderlessChunk(config)],
+                 num_microbatches=3)
+    assert not ran
 
 
 def test_the_moves_run_are_the_moves_counted():

@@ -51,7 +51,7 @@ def test_bytes_are_one_count_in_report_bench_and_sim():
     _, _, sizes = draw_sizes(specs, dp, per_rank, "tiny", 1)
     items, link = phase_items(sizes, TINY.phases()), LinkModel(gpus_per_node=gpus)
     simulated = simulate_step(sizes, TINY, link)
-    bench = bench_balance.run(specs, dp, per_rank, gpus, "tiny", 1, repeats=1)
+    bench = bench_balance.run(specs, dp, per_rank, gpus, "tiny", 1, repeats=1, peer_steps=1)
     for sim_method, bench_method in (("orch", "orch"), ("equal_count", "orch_equal_count"),
                                      ("locality", "orch_locality"), ("equal_locality", "orch_equal_locality")):
         plan = plan_step(sizes, TINY.phases(), PLAN_METHODS[sim_method], Topology.uniform(dp, gpus), 1, per_rank)

@@ -24,7 +24,7 @@ def record(post_balancing, phases=TINY):
 @pytest.mark.parametrize("balanced", [None, 1.0, 0.0], ids=["upstream", "balanced", "shadow"])
 def test_line_round_trips(balanced):
     figures = dict(zip(post_balancing_fields(TINY),
-                       (1.8, 1.01, 2.0, 1.1, 1.3, 1.0, 0.25, 0.5, 23.4, 12.5, 0.1, 3.5, balanced)))
+                       (1.8, 1.01, 2.0, 1.1, 1.3, 1.0, 0.25, 0.5, 6.0, 2.5, 23.4, 12.5, 0.1, 3.5, balanced)))
     line = record(figures if balanced is not None else None).line(20, full=True)
     assert line.startswith(" iteration        7/      20 |")
     parsed = parse_iteration_line(line)
@@ -48,7 +48,7 @@ def test_default_line_is_compact(balanced):
     500 characters with post-balancing (the full line: about 800 here, 1,100 in a run); bad examples and
     truncated answers only where the interval had some."""
     figures = dict(zip(post_balancing_fields(TINY),
-                       (1.8, 1.01, 2.0, 1.1, 1.3, 1.0, 0.25, 0.5, 23.4, 12.5, 0.1, 3.5, balanced)))
+                       (1.8, 1.01, 2.0, 1.1, 1.3, 1.0, 0.25, 0.5, 6.0, 2.5, 23.4, 12.5, 0.1, 3.5, balanced)))
     logged = record(figures if balanced is not None else None)
     line = logged.line(20)
     assert len(line) <= 510 and len(logged.line(20, full=True)) > len(line) + 150, line
@@ -72,7 +72,8 @@ def test_fields_follow_the_configured_phases():
     fields = post_balancing_fields(three)
     assert fields[:8] == ("vision before", "vision after", "video before", "video after", "audio before",
                           "audio after", "llm before", "llm after")
-    figures = dict(zip(fields, (1.8, 1.01, 1.6, 1.05, 2.0, 1.1, 1.3, 1.0, 0.25, 0.5, 20.0, 12.5, 0.1, 3.5, 1.0)))
+    figures = dict(zip(fields, (1.8, 1.01, 1.6, 1.05, 2.0, 1.1, 1.3, 1.0, 0.25, 0.5, 7.0, 3.0, 20.0, 12.5, 0.1, 3.5,
+                                 1.0)))
     parsed = parse_iteration_line(record(figures, three).line(20, full=True))
     assert parsed["post_balancing"] == pytest.approx(figures)
     assert list(parsed["load"]) == list(load_fields(three))
@@ -108,11 +109,14 @@ def test_logged_bytes_count_every_transfer_as_the_simulator_does(tmp_path):
     assert embeddings > 0  # the embeddings do cross nodes in this plan, so the count below includes them
     assert figures["inter-node MB"] * 1e6 == pytest.approx(simulated["inter_node_bytes"], rel=1e-12)
     assert figures["intra-node MB"] * 1e6 == pytest.approx(simulated["intra_node_bytes"], rel=1e-12)
+    peers = simulated["peers"][PLAN_METHODS["equal_count"].all_to_all]  # as the plan's all-to-alls run
+    assert (figures["peers intra-node"], figures["peers inter-node"]) == (peers["node"], peers["net"]) != (0, 0)
 
     line = record(figures).line(20, full=True)
     logged = parse_iteration_line(line)["post_balancing"]
     assert logged["inter-node MB"] == pytest.approx(figures["inter-node MB"], abs=0.005)
     assert logged["intra-node MB"] == pytest.approx(figures["intra-node MB"], abs=0.005)
+    assert (logged["peers intra-node"], logged["peers inter-node"]) == (peers["node"], peers["net"])
     tensorboard = TensorBoardLog(str(tmp_path))
     tensorboard.write(record(figures))
     tensorboard.close()
