@@ -3,6 +3,7 @@ names them in its errors: :class:`ConfigError`)."""
 from __future__ import annotations
 
 import dataclasses
+import enum
 import math
 from dataclasses import dataclass
 from typing import Mapping, Optional, Tuple
@@ -15,6 +16,16 @@ from megatron_orch.balance.step_model import StepModel
 from megatron_orch.balance.workload import EncoderPhase, ModelPhases
 
 MICROBATCHING = ("auto", "packed", "equal_count")
+
+
+class EncoderRanks(enum.Enum):
+    """Which ranks hold the encoders (and projectors) and encode the encoder phases' items: ``FIRST_STAGE``,
+    Megatron's layout (the first pipeline stage's ranks, the items balanced over DP); ``ALL``, every pipeline
+    stage's ranks (the items balanced over DP x PP, their outputs sent to the first stage's ranks that run each
+    example's first layers). The value is the command line's (``--orch-encoder-ranks``)."""
+
+    FIRST_STAGE = "first-stage"
+    ALL = "all"
 
 
 class ConfigError(ValueError):
@@ -66,7 +77,8 @@ class OrchestratorConfig:
     with dropout off, and stops the run unless their losses, gradients and encoder outputs agree
     (``--orch-verify-first-step``; on by default here, off on the command line for the shipped configs).
     ``context_parallel_size``: the backbone's (``--context-parallel-size``): its costs and memory are planned
-    per CP rank (:class:`~megatron_orch.balance.cost.ContextParallelCost`).
+    per CP rank (:class:`~megatron_orch.balance.cost.ContextParallelCost`). ``encoder_ranks``: which ranks
+    encode (:class:`EncoderRanks`; ``ALL`` needs pipeline parallelism to differ from ``FIRST_STAGE``).
     """
 
     phases: Optional[Tuple[str, ...]] = None
@@ -85,6 +97,7 @@ class OrchestratorConfig:
     step_model: StepModel = StepModel()
     shadow: bool = False
     verify_first_step: bool = True
+    encoder_ranks: EncoderRanks = EncoderRanks.FIRST_STAGE
 
     def __post_init__(self):
         if self.phases is not None:
@@ -110,6 +123,18 @@ class OrchestratorConfig:
         cap = self.encoder_memory_cap
         if cap is not None and not (cap > 0):  # inf: no cap; NaN fails too
             raise ConfigError("encoder_memory_cap", f" must be > 0 (inf: no cap), got {cap / 1e9} GB")
+        if not isinstance(self.encoder_ranks, EncoderRanks):
+            raise ConfigError("encoder_ranks", f" must be an EncoderRanks ({', '.join(e.name for e in EncoderRanks)}),"
+                                               f" got {self.encoder_ranks!r}")
+        if self.encoder_ranks is EncoderRanks.ALL and self.verify_first_step and not self.shadow:
+            raise ConfigError("encoder_ranks", " all: the checked first step (verify_first_step) compares the "
+                                               "encoders on the first pipeline stage only; turn it off with it")
+
+    @property
+    def encoders_on_every_stage(self) -> bool:
+        """Whether every pipeline stage holds and runs the encoders: ``encoder_ranks`` ALL, and training on the
+        plan (shadow mode trains as loaded, Megatron's layout)."""
+        return self.encoder_ranks is EncoderRanks.ALL and not self.shadow
 
     @property
     def packed(self) -> bool:
