@@ -56,6 +56,7 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 
 from megatron_orch.balance.cost import TransformerShape
 from megatron_orch.megatron.batch import MicroBatch
+from megatron_orch.megatron.encoder_chunks import RngStates
 from megatron_orch.megatron.sequence_layout import SequenceLayout, SequenceShard
 from megatron_orch.mllm.attention import SDPAttention
 from megatron_orch.mllm.config import AudioEncoderConfig, MLLMConfig, VisionEncoderConfig
@@ -383,8 +384,15 @@ class MLLMModel(MegatronModule):
         self.spec = batch_spec(model_config, max_sequence_length)  # checks the config's item shapes
         self.encoders = torch.nn.ModuleDict()  # phase name -> encoder, on the first pipeline stage
         if pre_process if encoders is None else encoders:
+            # Off the first stage, the encoders get the first stage's parameters later (post-balancing's
+            # share_encoders): built without drawing from the RNGs, so the backbone's initialisation is the same
+            # as without them.
+            rng = None if pre_process else RngStates.capture(
+                torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu"))
             for name, encoder in model_config.encoders.items():
                 self.encoders[name] = ENCODER_MODULES[type(encoder)](encoder, backbone_shape, settings)
+            if rng is not None:
+                rng.restore()
         backbone = dict(
             config=config,
             vocab_size=padded_vocab_size(backbone_shape.vocab_size, settings),
