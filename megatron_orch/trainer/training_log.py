@@ -209,8 +209,10 @@ class IterationRecord:
     def line(self, train_iters: int, full: bool = False) -> str:
         """Megatron-LM's iteration line with tokens/s, each phase's load imbalance (max/mean over DP) and, with
         post-balancing, each phase's cost imbalance before->after; bad examples and truncated answers where the
-        interval had some. ``full`` (``--orch-log-level 1``): also the loads themselves, the phase times
-        (max/mean over ranks), the bytes post-balancing moved and its planning and dispatch times."""
+        interval had some; with balanced steps, the encoder layout and the items each rank encoded (min/max over
+        the job's ranks). ``full`` (``--orch-log-level 1``): also the loads themselves, the phase times
+        (max/mean over ranks), the bytes post-balancing moved and its planning and dispatch times, and every
+        rank's items encoded (up to 16 ranks)."""
         parts = [f" iteration {self.iteration:8d}/{train_iters:8d}",
                  f" consumed samples: {self.consumed_samples:12d}",
                  f" elapsed time per iteration (ms): {self.elapsed_ms:.1f}",
@@ -251,16 +253,12 @@ class IterationRecord:
                           f" plan ms: {pb['plan ms']:.1f} (exposed {pb['plan exposed ms']:.1f})",
                           f" dispatch ms: {pb['dispatch ms']:.1f}"]
         if self.items_encoded is not None:
-            parts.append(f" encoders on {self.encoder_ranks} ranks, items encoded per rank: "
-                         + ", ".join(f"{phase} {_per_rank(counts)}" for phase, counts in self.items_encoded.items()))
+            each = full and all(len(counts) <= 16 for counts in self.items_encoded.values())
+            encoded = ", ".join(f"{phase} " + ("[" + " ".join(f"{c:g}" for c in counts) + "]" if each
+                                               else f"{min(counts):g}/{max(counts):g}")
+                                for phase, counts in self.items_encoded.items())
+            parts.append(f" encoders {self.encoder_ranks}, items per rank {'(each)' if each else 'min/max'}: {encoded}")
         return "".join(f"{part} |" for part in parts)
-
-
-def _per_rank(counts) -> str:
-    """Each rank's figure (up to 16 ranks), else min/mean/max over the ranks."""
-    if len(counts) <= 16:
-        return "[" + " ".join(f"{c:g}" for c in counts) + "]"
-    return f"min/mean/max {min(counts):g}/{sum(counts) / len(counts):.1f}/{max(counts):g}"
 
 
 _LOAD, _IMBALANCE = "load per rank max/mean over DP", "load imbalance max/mean over DP"
