@@ -98,6 +98,10 @@ class ModalityAwareSchedule:
             first_step.check_model_and_config(model)
             if self.encoders_on_every_stage:
                 chunk = model_chunks(model)[0]
+                if not check_model(model).phase_encoders():
+                    raise ValueError("--orch-encoder-ranks all: this pipeline stage's model holds no encoders; build "
+                                     "every stage's with them (MLLMModel(encoders=True)) and give them the first "
+                                     "stage's parameters (share_encoders) before building the optimizer")
                 refused = unsupported_layout(
                     virtual_pipeline_size=len(model_chunks(model)), context_parallel_size=1,
                     overlap_grad_reduce=bool(getattr(getattr(chunk, "ddp_config", None), "overlap_grad_reduce", False)),
