@@ -7,6 +7,8 @@
 #   bash scripts/train_tiny_cpu.sh --nproc 4 --tensor-model-parallel-size 2 --orch-post-balancing
 #   bash scripts/train_tiny_cpu.sh --nproc 4 --pipeline-model-parallel-size 2 --num-layers 4 \
 #     --num-layers-per-virtual-pipeline-stage 1 --orch-post-balancing    # PP 2 x virtual stages 2 x DP 2
+#   bash scripts/train_tiny_cpu.sh --nproc 4 --pipeline-model-parallel-size 2 --orch-post-balancing \
+#     --orch-encoder-ranks all    # PP 2 x DP 2, the encoders on every stage (items encoded per rank logged)
 # Paths in FLAGS (--data-path, --save, --load, --tensorboard-dir) are relative to the current folder.
 # The command line (and a --data-path manifest) is checked once before torchrun starts: a mistake ends
 # with its one-line error (pretrain_mllm.py: error: ..., exit status 2). A rank that fails after the

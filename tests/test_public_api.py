@@ -16,7 +16,7 @@ SIGNATURES = {
     'megatron_orch.megatron.BalancedMicroBatch': '(batch, num_items, embeds=)',
     'megatron_orch.megatron.BalancedStep':
         '(microbatches, inputs, plan, rank, num_tokens, rows_per_item, comm_group, moves, '
-        'timings=, home=)',
+        'timings=, home=, encoder_group=, encoder_rank=, pipeline_group=)',
     'megatron_orch.megatron.BatchSpec': '(phases, inputs, pad_token_id, seq_length, cannot_pack=, takes_packed_rows=)',
     'megatron_orch.megatron.CostModel': '(*args, **kwargs)',
     'megatron_orch.megatron.CostProfile': '(source, device, dtype, model_name, shape, phases)',
@@ -33,14 +33,16 @@ SIGNATURES = {
         '(mimo, modalities, backbone_cost, embedding_bytes_per_element=, token_bytes=)',
     'megatron_orch.megatron.MimoModality':
         '(name, encoder, keyword, item_shape, rows_per_item, item_tokens, cost, bytes_per_element=)',
-    'megatron_orch.megatron.ModalityAwareSchedule': '(forward_backward_func, dp_group, encoder_recompute=, announce=)',
+    'megatron_orch.megatron.ModalityAwareSchedule':
+        '(forward_backward_func, dp_group, encoder_recompute=, announce=, encoders_on_every_stage=)',
     'megatron_orch.megatron.ModelPhases': '(encoders, backbone)',
     'megatron_orch.megatron.OrchestratorConfig':
         '(phases=, algorithm=, microbatching=, locality=, placement=, placement_time_limit_s=, '
         'gpus_per_node=, background=, encoder_recompute=, encoder_chunk_tokens=, '
         'encoder_memory_cap=, cost_profile=, context_parallel_size=, step_model=, shadow=, '
-        'verify_first_step=, all_to_all=)',
-    'megatron_orch.megatron.ParallelGroups': '(dp_group, topology, encoder_stage=, peer_group=, comm_group=)',
+        'verify_first_step=, all_to_all=, encoder_ranks=)',
+    'megatron_orch.megatron.ParallelGroups':
+        '(dp_group, topology, encoder_stage=, peer_group=, comm_group=, encoder_group=, pipeline_group=)',
     'megatron_orch.megatron.PostBalancingDataIterator':
         '(source, spec, config, step, groups, *, compute_device, input_dtype=)',
     'megatron_orch.megatron.ProfileCost': '(fit, base)',
@@ -62,6 +64,7 @@ SIGNATURES = {
     'megatron_orch.megatron.load_cost_profile': '(path, phases=)',
     'megatron_orch.megatron.loss_func': '(loss_mask, output_tensor)',
     'megatron_orch.megatron.orch_config_from_args': '(args, verify_by_default=)',
+    'megatron_orch.megatron.share_encoders': '(model, pipeline_group)',
     'megatron_orch.megatron.post_balance':
         '(forward_backward_func, data_iterator, spec, step, *, model=, config=, compute_device=, '
         'input_dtype=, timeout=, announce=)',

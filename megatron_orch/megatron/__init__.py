@@ -34,6 +34,7 @@ _EXPORTS = {
     "megatron_orch.megatron.any_loop": ("post_balance",),
     "megatron_orch.megatron.contract": ("BalanceableModel", "MegatronModelMixin", "check_model", "forward_step",
                                         "loss_func"),
+    "megatron_orch.megatron.encoder_layout": ("share_encoders",),
     "megatron_orch.megatron.first_step": ("FirstStepMismatchError",),
     "megatron_orch.megatron.mimo": ("MimoBalancing", "MimoModality"),
     "megatron_orch.megatron.orch_arguments": ("add_orch_args", "orch_config_from_args"),

@@ -31,11 +31,13 @@ from megatron.core import parallel_state
 from megatron_orch.comm.communicator import dedicated_group, replica_group
 from megatron_orch.comm.group_topology import group_topology
 from megatron_orch.megatron.batch import BatchSpec, MicroBatch
+from megatron_orch.megatron.encoder_layout import encoder_groups
 from megatron_orch.megatron.first_step import check_model_and_config, print_on_rank_0
 from megatron_orch.megatron.post_balancing import (ParallelGroups, PostBalancingDataIterator, StepShape,
                                                    resolve_microbatching)
 from megatron_orch.megatron.schedule import ModalityAwareSchedule
 from megatron_orch.orchestrator.config import OrchestratorConfig
+from megatron_orch.orchestrator.encoder_ranks import unsupported_layout
 
 
 def post_balance(forward_backward_func: Optional[Callable], data_iterator: Iterator[MicroBatch], spec: BatchSpec,
@@ -56,6 +58,11 @@ def post_balance(forward_backward_func: Optional[Callable], data_iterator: Itera
     planner's settings, shadow mode (``shadow=True``) and the checked first step (``verify_first_step``, on
     by default); ``announce`` gets the checked first step's line. Call every collective-making part of this on
     every rank, after ``parallel_state.initialize_model_parallel``.
+
+    ``config.encoder_ranks`` ``ALL`` with pipeline parallelism: every stage's model holds the encoders (built so,
+    and given the first stage's parameters by :func:`~megatron_orch.megatron.encoder_layout.share_encoders`
+    before the optimizer), and the encoder phases run over DP x PP ranks
+    (:mod:`~megatron_orch.megatron.encoder_layout`); the layouts it does not run are refused here.
     """
     if model is not None:
         check_model_and_config(model)
@@ -63,16 +70,25 @@ def post_balance(forward_backward_func: Optional[Callable], data_iterator: Itera
     if compute_device is None:
         compute_device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else \
             torch.device("cpu")
+    spread = config.encoders_on_every_stage and parallel_state.get_pipeline_model_parallel_world_size() > 1
+    if spread:
+        refused = unsupported_layout(
+            virtual_pipeline_size=parallel_state.get_virtual_pipeline_model_parallel_world_size(),
+            context_parallel_size=parallel_state.get_context_parallel_world_size(), overlap_grad_reduce=False,
+            sharded=None)
+        if refused is not None:
+            raise ValueError(refused)
     dp_group = parallel_state.get_data_parallel_group()
     comm_group = dedicated_group(dp_group, timeout=timeout)
+    encoder_group, pipeline_group = encoder_groups(timeout) if spread else (None, None)
     # The peers that must hold the same plan: TP x PP (megatron-core's model-parallel group), x CP with CP.
     peers = (parallel_state.get_model_parallel_group() if parallel_state.get_context_parallel_world_size() == 1
              else replica_group(dp_group, timeout=timeout))
     groups = ParallelGroups(dp_group=dp_group, topology=group_topology(dp_group, gpus_per_node=config.gpus_per_node),
-                            encoder_stage=parallel_state.is_pipeline_first_stage(), peer_group=peers,
-                            comm_group=comm_group)
+                            encoder_stage=spread or parallel_state.is_pipeline_first_stage(), peer_group=peers,
+                            comm_group=comm_group, encoder_group=encoder_group, pipeline_group=pipeline_group)
     iterator = PostBalancingDataIterator(data_iterator, spec, config, step, groups, compute_device=compute_device,
                                          input_dtype=input_dtype)
     schedule = ModalityAwareSchedule(forward_backward_func, dp_group, encoder_recompute=config.encoder_recompute,
-                                     announce=announce)
+                                     announce=announce, encoders_on_every_stage=spread)
     return schedule, iterator

@@ -8,7 +8,8 @@ from typing import Optional
 from megatron_orch.balance.cost_profile import load_cost_profile
 from megatron_orch.balance.plan import ALL_TO_ALL
 from megatron_orch.balance.registry import PARTITIONERS, PLACEMENTS
-from megatron_orch.orchestrator.config import MICROBATCHING, ConfigError, OrchestratorConfig
+from megatron_orch.orchestrator.config import MICROBATCHING, ConfigError, EncoderRanks, OrchestratorConfig
+from megatron_orch.orchestrator.encoder_ranks import unsupported_layout
 
 # The flag of each OrchestratorConfig field a command line sets: its errors name the flag (:func:`flag_message`).
 CONFIG_FLAGS = {"phases": "--orch-phases", "algorithm": "--orch-algorithm", "microbatching": "--orch-microbatching",
@@ -16,7 +17,8 @@ CONFIG_FLAGS = {"phases": "--orch-phases", "algorithm": "--orch-algorithm", "mic
                 "gpus_per_node": "--orch-gpus-per-node", "encoder_chunk_tokens": "--orch-encoder-chunk-tokens",
                 "encoder_memory_cap": "--orch-encoder-memory-cap", "encoder_recompute": "--orch-encoder-recompute",
                 "cost_profile": "--orch-cost-profile", "context_parallel_size": "--context-parallel-size",
-                "all_to_all": "--orch-all-to-all"}
+                "all_to_all": "--orch-all-to-all",
+                "encoder_ranks": "--orch-encoder-ranks"}
 
 
 def flag_message(error: BaseException) -> str:
@@ -27,7 +29,8 @@ def flag_message(error: BaseException) -> str:
 # The flags that take a value with a default of their own: None when not given (so that one given without
 # --orch-post-balancing is refused like the others, even at its default value), these once it is on.
 _DEFAULTS = {"orch_algorithm": "auto", "orch_microbatching": "auto", "orch_placement": "exact",
-             "orch_placement_time_limit": 1.0, "orch_all_to_all": OrchestratorConfig.all_to_all}
+             "orch_placement_time_limit": 1.0, "orch_all_to_all": OrchestratorConfig.all_to_all,
+             "orch_encoder_ranks": EncoderRanks.FIRST_STAGE.value}
 
 
 def add_orch_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -93,6 +96,11 @@ def add_orch_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     g.add_argument("--orch-encoder-recompute", action="store_true",
                    help="keep no encoder activations through the backbone: every chunk is recomputed for its "
                         "backward (least memory, one more encoder forward)")
+    g.add_argument("--orch-encoder-ranks", choices=[ranks.value for ranks in EncoderRanks], default=None,
+                   help="which ranks hold and run the encoders (and projectors): first-stage (default, Megatron's "
+                        "layout: the first pipeline stage's, items balanced over DP) or all (every pipeline "
+                        "stage's, items balanced over DP x PP, their outputs sent to the first stage; the first step "
+                        "is then not checked)")
     g.add_argument("--orch-cost-profile", type=str, default=None, metavar="PROFILE.yaml",
                    help="balance item costs measured on the device (python -m megatron_orch.bench.calibrate) "
                         "instead of training FLOPs from the model's shape; refused unless measured on this "
@@ -127,8 +135,17 @@ def orch_config_from_args(args: argparse.Namespace, verify_by_default: bool = Fa
         raise ValueError(f"--orch-verify-first-step with {sharded[0]}: the checked first step compares each rank's "
                          "own gradients and encodes outside the wrapper's collectives, which sharded parameters do "
                          "not allow (not supported; without it the first step is not checked)")
+    all_ranks = args.orch_encoder_ranks == EncoderRanks.ALL.value
     verify = not sharded and (args.orch_verify_first_step
-                              or (verify_by_default and not args.orch_no_verify_first_step))
+                              or (verify_by_default and not args.orch_no_verify_first_step and not all_ranks))
+    if all_ranks and args.pipeline_model_parallel_size > 1 and not args.orch_shadow:
+        refused = unsupported_layout(
+            virtual_pipeline_size=getattr(args, "virtual_pipeline_model_parallel_size", None),
+            context_parallel_size=getattr(args, "context_parallel_size", 1),
+            overlap_grad_reduce=bool(getattr(args, "overlap_grad_reduce", False)),
+            sharded=sharded[0] if sharded else None)
+        if refused is not None:
+            raise ValueError(refused)
     phases = None if args.orch_phases is None else tuple(p.strip() for p in args.orch_phases.split(",") if p.strip())
     try:
         config = _config(args, phases, verify)
@@ -155,7 +172,8 @@ def _config(args: argparse.Namespace, phases, verify: bool) -> OrchestratorConfi
         encoder_memory_cap=None if args.orch_encoder_memory_cap is None else args.orch_encoder_memory_cap * 1e9,
         cost_profile=None if args.orch_cost_profile is None else load_cost_profile(args.orch_cost_profile),
         shadow=args.orch_shadow, verify_first_step=verify and not args.orch_shadow,
-        context_parallel_size=getattr(args, "context_parallel_size", 1))
+        context_parallel_size=getattr(args, "context_parallel_size", 1),
+        encoder_ranks=EncoderRanks(_default_if_not_given(args, "orch_encoder_ranks")))
 
 
 def _default_if_not_given(args: argparse.Namespace, name: str):

@@ -43,7 +43,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed import ProcessGroup
 
-from megatron_orch.balance.plan import Transfer
+from megatron_orch.balance.plan import Placement, Transfer
 from megatron_orch.balance.topology import Topology
 from megatron_orch.balance.workload import StepSizes
 from megatron_orch.comm.alltoall import (ItemLayout, PendingHops, Route, routes_for, start_all_to_all_items,
@@ -55,7 +55,9 @@ from megatron_orch.comm.status import raise_if_any_rank_failed
 from megatron_orch.megatron.batch import BatchSpec, Example, MicroBatch, collate, collate_packed
 from megatron_orch.orchestrator.background import BackgroundPlanner
 from megatron_orch.orchestrator.config import OrchestratorConfig
-from megatron_orch.orchestrator.step_plan import StepMove, StepPlan, plan_step, step_moves, warm_up
+from megatron_orch.orchestrator.encoder_ranks import EncoderGroupPlan, group_moves, spread_over_stages
+from megatron_orch.orchestrator.step_plan import (EncoderChunks, StepMove, StepPlan, plan_step, step_moves,
+                                                  warm_up)
 
 _LOGGED: set = set()  # messages logged once per process
 
@@ -94,13 +96,27 @@ class ParallelGroups:
     stage holds the encoders, the group of its TP/PP peers (one DP replica), which must hold the same
     plan, and the communicator of post-balancing's own collectives: the DP group's ranks on a communicator
     of their own, so that its all-to-alls do not queue behind DDP's gradient reductions on the DP group's
-    (None: the iterator creates one, :func:`~megatron_orch.comm.communicator.dedicated_group`)."""
+    (None: the iterator creates one, :func:`~megatron_orch.comm.communicator.dedicated_group`).
+    ``encoder_group``: with the encoders on every pipeline stage (``EncoderRanks.ALL``), the DP x PP ranks at
+    this rank's TP rank, ranked ``stage * DP + dp`` (:mod:`~megatron_orch.orchestrator.encoder_ranks`), over
+    which the encoder phases' items and outputs move; every stage then holds encoders (``encoder_stage``);
+    ``pipeline_group``: this rank's pipeline stages, over which the encoders' gradients are summed."""
 
     dp_group: ProcessGroup
     topology: Topology
     encoder_stage: bool = True
     peer_group: Optional[ProcessGroup] = None
     comm_group: Optional[ProcessGroup] = None
+    encoder_group: Optional[ProcessGroup] = None
+    pipeline_group: Optional[ProcessGroup] = None
+
+    def __post_init__(self):
+        if (self.encoder_group is None) != (self.pipeline_group is None):
+            raise ValueError("ParallelGroups: encoder_group and pipeline_group go together (the encoders on every "
+                             "pipeline stage) or not at all")
+        if self.encoder_group is not None and not self.encoder_stage:
+            raise ValueError("ParallelGroups: with an encoder_group every pipeline stage holds encoders "
+                             "(encoder_stage=True)")
 
 
 @dataclass(frozen=True, eq=False)
@@ -150,6 +166,7 @@ class StepMoves:
     outputs to the backbone ranks and their gradients back."""
 
     moves: Tuple[Move, ...]
+    spread: Optional[EncoderGroupPlan] = None  # the encoders on every pipeline stage: where each item is encoded
 
     @property
     def text(self) -> Move:
@@ -175,7 +192,7 @@ class StepMoves:
         """The same moves with every route's indices on ``device``, in one upload."""
         routes = iter(upload_routes([route for move in self.moves for route in move.routes], device))
         return StepMoves(tuple(dataclasses.replace(move, routes=tuple(next(routes) for _ in move.routes))
-                               for move in self.moves))
+                               for move in self.moves), self.spread)
 
 
 def _text_layouts(num_tokens: np.ndarray) -> List[ItemLayout]:
@@ -183,22 +200,25 @@ def _text_layouts(num_tokens: np.ndarray) -> List[ItemLayout]:
 
 
 def prepare_moves(plan: StepPlan, num_tokens: np.ndarray, rows_per_item: Mapping[str, int], rank: int,
-                  encoder_stage: bool, all_to_all: str = "flat", node_of_rank=None) -> StepMoves:
+                  encoder_stage: bool, all_to_all: str = "flat", node_of_rank=None,
+                  spread: Optional[EncoderGroupPlan] = None, group_rank: Optional[int] = None) -> StepMoves:
     """``rank``'s moves of the step (host only: the planning thread calls this after the plan): the routes
     of every move :func:`step_moves` lists, the ones the byte count counts (the encoder phases' on the
     encoder stage only: the other pipeline stages hold no encoders), each run ``all_to_all`` over the nodes of
-    ``node_of_rank`` (``Transfer.hops``)."""
+    ``node_of_rank`` (``Transfer.hops``). With the encoders on every stage (``spread``), the encoder phases'
+    moves are :func:`~megatron_orch.orchestrator.encoder_ranks.group_moves`', routed for ``group_rank``, this
+    rank's in the encoder group (flat: the layout refuses node-wise, ``unsupported_layout``)."""
     out = []
 
-    def move(listed: StepMove, transfer: Transfer, layouts, backward: bool = False) -> Move:
-        hops = transfer.hops(all_to_all, node_of_rank)
-        return Move(listed, transfer, hops, tuple(route for hop in hops for route in routes_for(hop, rank, layouts)),
+    def move(listed: StepMove, transfer: Transfer, layouts, at: int, backward: bool = False) -> Move:
+        hops = transfer.hops(all_to_all if spread is None else "flat", node_of_rank)
+        return Move(listed, transfer, hops, tuple(route for hop in hops for route in routes_for(hop, at, layouts)),
                     backward)
 
-    for listed in step_moves(plan):
+    for listed in step_moves(plan) if spread is None else group_moves(plan, spread):
         transfer = listed.transfer
         if listed.kind == "text":
-            out.append(move(listed, transfer, _text_layouts(num_tokens)))
+            out.append(move(listed, transfer, _text_layouts(num_tokens), rank))
             continue
         if not encoder_stage:
             continue
@@ -208,11 +228,12 @@ def prepare_moves(plan: StepPlan, num_tokens: np.ndarray, rows_per_item: Mapping
             rows = np.full(transfer.src.num_items, rows_per_item[listed.items_of], dtype=np.int64)
         else:
             raise ValueError(f"post-balancing does not run a move of kind {listed.kind!r} ({listed.name})")
+        at = rank if spread is None else group_rank
         layouts = [ItemLayout(rows, (), torch.float32)]  # one stream: the routes depend on its rows alone
-        out.append(move(listed, transfer, layouts))
+        out.append(move(listed, transfer, layouts, at))
         if listed.with_gradients:
-            out.append(move(listed, listed.gradients(), layouts, backward=True))
-    return StepMoves(tuple(out))
+            out.append(move(listed, listed.gradients(), layouts, at, backward=True))
+    return StepMoves(tuple(out), spread)
 
 
 class _Collated(Sequence):
@@ -270,6 +291,33 @@ class BalancedStep(_WholeStep):
     moves: Optional[StepMoves]
     timings: Dict[str, float] = field(default_factory=dict)  # seconds: plan, plan_exposed, dispatch
     home: Optional[Sequence[MicroBatch]] = None
+    encoder_group: Optional[ProcessGroup] = None   # the encoders on every stage: their moves' group
+    encoder_rank: Optional[int] = None             # this rank in it
+    pipeline_group: Optional[ProcessGroup] = None  # over which the encoders' gradients are summed
+
+    @property
+    def spread(self) -> Optional[EncoderGroupPlan]:
+        """Where the encoder group encodes each item (None: the encoders on the first stage, the DP plan's)."""
+        return None if self.moves is None else self.moves.spread
+
+    @property
+    def encoder_moves_group(self) -> Optional[ProcessGroup]:
+        """The group the encoder phases' items and outputs move over."""
+        return self.comm_group if self.encoder_group is None else self.encoder_group
+
+    def encoded(self, phase: str) -> Placement:
+        """Where every item of encoder phase ``phase`` is encoded, over the ranks of :attr:`encoder_moves_group`."""
+        spread = self.spread
+        return self.plan.encoders[phase].encode if spread is None else spread.encode[phase]
+
+    def encoding_rank(self) -> int:
+        """This rank in :attr:`encoder_moves_group`."""
+        return self.rank if self.encoder_rank is None else self.encoder_rank
+
+    def encoder_chunks(self, phase: str) -> Optional[EncoderChunks]:
+        """The chunks every rank of :attr:`encoder_moves_group` runs its items of ``phase`` in."""
+        spread = self.spread
+        return self.plan.encoders[phase].chunks if spread is None else spread.chunks[phase]
 
 
 @dataclass(frozen=True, eq=False)
@@ -371,6 +419,17 @@ class PostBalancingDataIterator:
         self.source, self.spec, self.config, self.step, self.groups = source, spec, config, step, groups
         self.compute_device, self.input_dtype = torch.device(compute_device), input_dtype
         self.rank = dist.get_rank(groups.dp_group)
+        self.pipeline_size, self.stage, self.encoder_rank = 1, 0, None
+        if groups.encoder_group is not None:  # the encoders on every stage: ranks stage * DP + dp
+            dp_size = dist.get_world_size(groups.dp_group)
+            self.encoder_rank = dist.get_rank(groups.encoder_group)
+            self.pipeline_size = dist.get_world_size(groups.pipeline_group)
+            self.stage = dist.get_rank(groups.pipeline_group)
+            if (dist.get_world_size(groups.encoder_group) != dp_size * self.pipeline_size
+                    or self.encoder_rank != self.stage * dp_size + self.rank):
+                raise ValueError(f"the encoder group ranks this rank {self.encoder_rank} of "
+                                 f"{dist.get_world_size(groups.encoder_group)}, not stage * DP + dp = {self.stage} * "
+                                 f"{dp_size} + {self.rank} (its DP x PP ranks in megatron-core's order)")
         # also checks config.phases and the cost profile against the model; rank 0 says so if numba compiles
         warm_up(spec.phases, config, announce=_log_once if dist.get_rank() == 0 else None)
         self.comm_group = groups.comm_group if groups.comm_group is not None else dedicated_group(groups.dp_group)
@@ -386,6 +445,12 @@ class PostBalancingDataIterator:
     @property
     def topology(self) -> Topology:
         return self.groups.topology
+
+    @property
+    def _sends_inputs(self) -> bool:
+        """Whether this rank sends the raw encoder items it loads (the encoders' stage; with encoders on every
+        stage, the first stage's ranks)."""
+        return self.groups.encoder_stage and self.stage == 0
 
     def __iter__(self):
         return self
@@ -440,7 +505,7 @@ class PostBalancingDataIterator:
             staged = {"ids": stage_on_host([torch.stack([e.tokens, e.labels], dim=1) for e in examples],
                                            self.device, torch.long, (2,)),
                       "mask": stage_on_host([e.loss_mask for e in examples], self.device, torch.float32, (1,))}
-            for encoder_input in self.spec.inputs if self.groups.encoder_stage else ():
+            for encoder_input in self.spec.inputs if self._sends_inputs else ():
                 phase = encoder_input.phase
                 staged[phase] = stage_on_host([e.items.get(phase, self.spec.no_items(phase)) for e in examples],
                                               self.device, self.input_dtype, encoder_input.item_shape)
@@ -479,8 +544,10 @@ class PostBalancingDataIterator:
                              self.step.num_microbatches)
             if self.config.shadow:
                 return plan, None
+            spread = None if self.groups.encoder_group is None else spread_over_stages(plan, self.pipeline_size)
             return plan, prepare_moves(plan, sizes.num_tokens, self.rows_per_item, self.rank,
-                                       self.groups.encoder_stage, self.config.all_to_all, self.topology.node_of_rank)
+                                       self.groups.encoder_stage, self.config.all_to_all, self.topology.node_of_rank,
+                                       spread, self.encoder_rank)
 
         self.planner.submit(plan_and_prepare)
         self.reader.submit(self._read)
@@ -497,12 +564,14 @@ class PostBalancingDataIterator:
                                  staged_to_device(staged["mask"], self.device)],
                                 _text_layouts(step.sizes.num_tokens), self.comm_group)
         pending = {}
+        group = self.comm_group if self.groups.encoder_group is None else self.groups.encoder_group
         for encoder_input in self.spec.inputs if self.groups.encoder_stage else ():
             phase = encoder_input.phase
             layout = ItemLayout(np.ones(plan.encoders[phase].example.size, dtype=np.int64), encoder_input.item_shape,
                                 self.input_dtype)
-            pending[phase] = moves.inputs[phase].start([staged_to_device(staged[phase], self.device)], [layout],
-                                                       self.comm_group)
+            sent = (staged_to_device(staged[phase], self.device) if self._sends_inputs
+                    else torch.empty((0, *encoder_input.item_shape), dtype=self.input_dtype, device=self.device))
+            pending[phase] = moves.inputs[phase].start([sent], [layout], group)
         # A few KB, read on the host when the micro-batches are first used: they are collated there, like
         # the loader's, and forward_step moves them to the model.
         ids, mask = (HostCopy(tensor) for tensor in text.wait())
@@ -512,7 +581,9 @@ class PostBalancingDataIterator:
         home = step.read.batches if self._checked is not None and self._checked.due(step.sizes.items) else None
         return BalancedStep(microbatches=microbatches, inputs=inputs, plan=plan, rank=self.rank,
                             num_tokens=step.sizes.num_tokens, rows_per_item=dict(self.rows_per_item),
-                            comm_group=self.comm_group, moves=moves, timings=timings, home=home)
+                            comm_group=self.comm_group, moves=moves, timings=timings, home=home,
+                            encoder_group=self.groups.encoder_group, encoder_rank=self.encoder_rank,
+                            pipeline_group=self.groups.pipeline_group)
 
     def _microbatches(self, plan: StepPlan, ids: torch.Tensor, mask: torch.Tensor,
                       step: _Planned) -> List[BalancedMicroBatch]:

@@ -56,6 +56,7 @@ from megatron_orch.megatron.contract import BalanceableModel, check_model
 from megatron_orch.megatron.encoder_chunks import ChunkBounds, backward_chunk, chunk_bounds, encode_in_chunks
 from megatron_orch.megatron.post_balancing import BalancedMicroBatch, BalancedStep, ShadowStep
 from megatron_orch.megatron.sharding import aligned_chunks, pad_items, sharded_encode, sharding_of
+from megatron_orch.orchestrator.encoder_ranks import unsupported_layout
 
 # The model config's callbacks that reduce gradients, which the encoders' backward must precede:
 # grad_sync_func fires first where it is set (--overlap-grad-reduce: 1F1B on later pipeline stages,
@@ -70,14 +71,17 @@ class ModalityAwareSchedule:
     ``num_microbatches`` is taken from the step (equal on every DP rank by construction).
     The encoders run in the chunks of the step's plan; ``encoder_recompute`` keeps none of them (only the
     encoder inputs stay through the backbone schedule, every chunk is recomputed right before its backward).
-    ``announce`` gets the checked steps' lines (default: printed on global rank 0; ``first_step_check`` then
+    ``encoders_on_every_stage``: every pipeline stage holds the encoders (``EncoderRanks.ALL``: their gradients
+    are summed over the stages, :func:`sum_encoder_gradients`; the layouts it does not run are refused on the first
+    call, before any collective). ``announce`` gets the checked steps' lines (default: printed on global rank 0; ``first_step_check`` then
     holds the latest one's figures) and, in shadow mode, one line per step with what the plan would do
     (:func:`shadow_line`; ``shadow_figures`` then holds that step's ``StepPlan.report()``).
     """
 
     def __init__(self, forward_backward_func: Callable, dp_group: ProcessGroup, encoder_recompute: bool = False,
-                 announce: Callable[[str], None] = first_step.print_on_rank_0):
+                 announce: Callable[[str], None] = first_step.print_on_rank_0, encoders_on_every_stage: bool = False):
         self.forward_backward_func = forward_backward_func
+        self.encoders_on_every_stage = encoders_on_every_stage
         self.dp_group = dp_group
         self.encoder_recompute = encoder_recompute
         self.announce = announce
@@ -92,6 +96,18 @@ class ModalityAwareSchedule:
                  **kwargs):
         if not self._model_checked:  # before the first step's collectives
             first_step.check_model_and_config(model)
+            if self.encoders_on_every_stage:
+                chunk = model_chunks(model)[0]
+                if not check_model(model).phase_encoders():
+                    raise ValueError("--orch-encoder-ranks all: this pipeline stage's model holds no encoders; build "
+                                     "every stage's with them (MLLMModel(encoders=True)) and give them the first "
+                                     "stage's parameters (share_encoders) before building the optimizer")
+                refused = unsupported_layout(
+                    virtual_pipeline_size=len(model_chunks(model)), context_parallel_size=1,
+                    overlap_grad_reduce=bool(getattr(getattr(chunk, "ddp_config", None), "overlap_grad_reduce", False)),
+                    sharded=sharding_of(chunk))
+                if refused is not None:
+                    raise ValueError(refused)
             self._model_checked = True
         step: BalancedStep = next(_step_iterator(data_iterator))
         self.last_step = step
@@ -173,6 +189,8 @@ class ModalityAwareSchedule:
             if not backward_done:
                 backward_done.append(True)
                 self._encoders_backward(step, module, pending, _no_sync(config), synced, sharded)
+                if step.pipeline_group is not None:  # before DDP reduces them over DP: summed over DP x PP
+                    sum_encoder_gradients(module, step.pipeline_group)
 
         if not forward_only:
             _run_encoders_backward_first(config, len(chunks), encoders_backward_once)
@@ -205,9 +223,9 @@ class ModalityAwareSchedule:
         """Launch the all-to-all of encoder outputs (item by item, in slot order) to the backbone ranks, or
         of their gradients back, on the step's communicator (not the DP group's, where DDP reduces); the
         returned function waits for it and gives the rows on the device of ``rows``."""
-        group = step.comm_group
-        if self.dp_group is not None and dist.get_process_group_ranks(group) != dist.get_process_group_ranks(
-                self.dp_group):
+        group = step.encoder_moves_group
+        if self.dp_group is not None and step.encoder_group is None and dist.get_process_group_ranks(
+                group) != dist.get_process_group_ranks(self.dp_group):
             raise ValueError("the post-balancing step moves its data over a group of other ranks than this "
                              "schedule's DP group (iterator and schedule of different groups?)")
         move = (step.moves.gradients if inverse else step.moves.outputs)[phase]
@@ -219,24 +237,25 @@ class ModalityAwareSchedule:
     def _chunking(self, step: BalancedStep, phase: str, inputs: torch.Tensor, sharded: bool) -> List[ChunkBounds]:
         """This rank's chunks of ``phase`` under the step's plan; with sharded parameters the chunks every rank
         runs alike (:func:`~megatron_orch.megatron.sharding.aligned_chunks`)."""
-        chunks = step.plan.encoders[phase].chunks
+        chunks = step.encoder_chunks(phase)
         count = inputs.shape[0]
-        encoded = step.plan.encoders[phase].encode
+        encoded = step.encoded(phase)
+        rank = step.encoding_rank()
         counts = np.bincount(encoded.rank, minlength=encoded.num_ranks)
-        if counts[step.rank] != count:
-            raise ValueError(f"DP rank {step.rank}: the plan encodes {counts[step.rank]} {phase} items here but the "
+        if counts[rank] != count:
+            raise ValueError(f"encoder rank {rank}: the plan encodes {counts[rank]} {phase} items here but the "
                              f"step brings {count}")
         if chunks is None:  # a plan without a memory model: one chunk per rank
             chunk_items, kept = max(int(counts.max(initial=0)), 1), counts
         else:
             chunk_items, kept = chunks.items, chunks.kept
-        if int(kept[step.rank]) > count:
-            raise ValueError(f"DP rank {step.rank}: the plan keeps {kept[step.rank]} {phase} items but the step "
+        if int(kept[rank]) > count:
+            raise ValueError(f"encoder rank {rank}: the plan keeps {kept[rank]} {phase} items but the step "
                              f"brings {count}")
         kept = np.zeros_like(counts) if self.encoder_recompute else np.asarray(kept)
         if sharded:
-            return aligned_chunks(counts, chunk_items, kept, step.rank)
-        return chunk_bounds(count, chunk_items, int(kept[step.rank]))
+            return aligned_chunks(counts, chunk_items, kept, rank)
+        return chunk_bounds(count, chunk_items, int(kept[rank]))
 
     def _encoders_backward(self, step: BalancedStep, module: BalanceableModel, pending, no_sync,
                            synced: bool, sharded: bool = False) -> None:
@@ -340,6 +359,27 @@ def _no_sync(config) -> Callable[[], contextlib.AbstractContextManager]:
     if no_sync is None:
         return contextlib.nullcontext
     return no_sync[0] if isinstance(no_sync, list) else no_sync
+
+
+def sum_encoder_gradients(module: BalanceableModel, pipeline_group: ProcessGroup) -> None:
+    """Sum every encoder parameter's gradient over ``pipeline_group`` (the encoders on every pipeline stage: each
+    stage's encoders saw a share of the step's items), in one all-reduce; Megatron DDP's accumulated
+    ``main_grad`` where it has one, else ``.grad``. Run before the DP reduction, so that the gradients end up
+    summed over DP x PP, whatever DDP reduces them with (all-reduce, or the distributed optimizer's
+    reduce-scatter), and equal on every stage."""
+    grads = []
+    for encoder in module.phase_encoders().values():
+        for param in encoder.parameters():
+            grad = getattr(param, "main_grad", None)
+            grad = param.grad if grad is None else grad
+            if param.requires_grad and grad is not None:
+                grads.append(grad)
+    if not grads:
+        return
+    flat = to_communication_device(torch.cat([grad.reshape(-1) for grad in grads]), pipeline_group)
+    dist.all_reduce(flat, group=pipeline_group)
+    for grad, summed in zip(grads, torch.split(flat.to(grads[0].device), [grad.numel() for grad in grads])):
+        grad.copy_(summed.view_as(grad))
 
 
 def _zero_padded(rows: torch.Tensor, length: int) -> torch.Tensor:

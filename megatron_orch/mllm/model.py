@@ -15,7 +15,7 @@ backbone's examples and move the embeddings in between; without ``embeds`` :meth
 encodes the batch's own items first (upstream Megatron behaviour).
 
 Parallelism: the encoders and projectors live on the first pipeline stage, in its first model chunk
-(virtual pipeline stage 0); tensor parallelism comes from Megatron's column/row-parallel layers. Sequence
+(virtual pipeline stage 0), or on every stage (``encoders=True``: post-balancing's ``EncoderRanks.ALL``); tensor parallelism comes from Megatron's column/row-parallel layers. Sequence
 and context parallelism are the backbone's only (as Megatron-LM's multimodal models run their vision
 encoders): its token embeddings are computed for the rank's part of the sequence
 (:class:`~megatron_orch.megatron.sequence_layout.SequenceLayout`, megatron-core's layout) and each encoder
@@ -56,6 +56,7 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 
 from megatron_orch.balance.cost import TransformerShape
 from megatron_orch.megatron.batch import MicroBatch
+from megatron_orch.megatron.encoder_chunks import RngStates
 from megatron_orch.megatron.sequence_layout import SequenceLayout, SequenceShard
 from megatron_orch.mllm.attention import SDPAttention
 from megatron_orch.mllm.config import AudioEncoderConfig, MLLMConfig, VisionEncoderConfig
@@ -359,14 +360,15 @@ class MLLMModel(MegatronModule):
     """Encoders (first pipeline stage only) + the backbone; ``config`` is the backbone's.
 
     ``vp_stage``: which model chunk of this pipeline rank this is, with virtual pipeline stages (the
-    encoders go to chunk 0 of the first stage). On the last pipeline stage :meth:`forward` returns the
+    encoders go to chunk 0 of the first stage). ``encoders``: whether this chunk holds the encoders (default:
+    on the first stage; True on every stage for post-balancing's encoders on every stage). On the last pipeline stage :meth:`forward` returns the
     per-token loss ``[b, s]`` when labels are given (logits otherwise); on other stages the hidden states
     sent to the next stage.
     """
 
     def __init__(self, model_config: MLLMConfig, settings: ModelParallelSettings, max_sequence_length: int,
                  pre_process: Optional[bool] = None, post_process: Optional[bool] = None,
-                 vp_stage: Optional[int] = None):
+                 vp_stage: Optional[int] = None, encoders: Optional[bool] = None):
         backbone_shape = model_config.backbone.transformer
         config = transformer_config(backbone_shape, settings, pipeline_split=True, hybrid=HYBRID_BACKBONE)
         super().__init__(config=config)
@@ -381,9 +383,16 @@ class MLLMModel(MegatronModule):
         self.sharded_parameters = settings.sharded_parameters
         self.spec = batch_spec(model_config, max_sequence_length)  # checks the config's item shapes
         self.encoders = torch.nn.ModuleDict()  # phase name -> encoder, on the first pipeline stage
-        if pre_process:
+        if pre_process if encoders is None else encoders:
+            # Off the first stage, the encoders get the first stage's parameters later (post-balancing's
+            # share_encoders): built without drawing from the RNGs, so the backbone's initialisation is the same
+            # as without them.
+            rng = None if pre_process else RngStates.capture(
+                torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu"))
             for name, encoder in model_config.encoders.items():
                 self.encoders[name] = ENCODER_MODULES[type(encoder)](encoder, backbone_shape, settings)
+            if rng is not None:
+                rng.restore()
         backbone = dict(
             config=config,
             vocab_size=padded_vocab_size(backbone_shape.vocab_size, settings),
@@ -419,9 +428,9 @@ class MLLMModel(MegatronModule):
 
     def encode(self, phase: str, items: torch.Tensor) -> torch.Tensor:
         """Items ``[n, *item_shape]`` of encoder ``phase`` -> projected embeddings ``[n * tokens_per_item, h]``."""
-        if not self.pre_process:
-            raise RuntimeError(f"encoding {phase} runs on the first pipeline stage only (this rank holds no "
-                               "encoders)")
+        if phase not in self.encoders:
+            raise RuntimeError(f"encoding {phase}: this model chunk holds no {phase} encoder (the encoders are on "
+                               "the first pipeline stage, on every stage with --orch-encoder-ranks all)")
         if items.shape[0] == 0:
             return self._no_embeddings(items.device)
         return self.encoders[phase](items)

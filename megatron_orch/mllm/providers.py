@@ -84,7 +84,13 @@ def build_model(args: argparse.Namespace, pre_process: bool = True, post_process
     """This pipeline stage's part of the MLLM, its model chunk ``vp_stage`` with virtual pipeline stages
     (Megatron's ``model_provider(pre_process, post_process, vp_stage)``)."""
     return MLLMModel(args.mllm_config, model_parallel_settings(args), args.seq_length,
-                     pre_process=pre_process, post_process=post_process, vp_stage=vp_stage)
+                     pre_process=pre_process, post_process=post_process, vp_stage=vp_stage,
+                     encoders=pre_process or _encoders_on_every_stage(args))
+
+
+def _encoders_on_every_stage(args: argparse.Namespace) -> bool:
+    config = getattr(args, "orch_config", None)
+    return config is not None and config.encoders_on_every_stage
 
 
 def build_train_data_iterator(args: argparse.Namespace, consumed_samples: int, data_parallel_rank: int,

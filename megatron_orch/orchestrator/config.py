@@ -3,6 +3,7 @@ names them in its errors: :class:`ConfigError`)."""
 from __future__ import annotations
 
 import dataclasses
+import enum
 import math
 from dataclasses import dataclass
 from typing import Mapping, Optional, Tuple
@@ -16,6 +17,16 @@ from megatron_orch.balance.step_model import StepModel
 from megatron_orch.balance.workload import EncoderPhase, ModelPhases
 
 MICROBATCHING = ("auto", "packed", "equal_count")
+
+
+class EncoderRanks(enum.Enum):
+    """Which ranks hold the encoders (and projectors) and encode the encoder phases' items: ``FIRST_STAGE``,
+    Megatron's layout (the first pipeline stage's ranks, the items balanced over DP); ``ALL``, every pipeline
+    stage's ranks (the items balanced over DP x PP, their outputs sent to the first stage's ranks that run each
+    example's first layers). The value is the command line's (``--orch-encoder-ranks``)."""
+
+    FIRST_STAGE = "first-stage"
+    ALL = "all"
 
 
 class ConfigError(ValueError):
@@ -71,6 +82,8 @@ class OrchestratorConfig:
     runs (``--orch-all-to-all``): ``flat``, one all-to-all over the DP group, or ``node-wise``, within the
     source's node and then between rail peers (:meth:`~megatron_orch.balance.plan.Transfer.node_wise`: at most
     ``gpus_per_node - 1 + nodes - 1`` peers a rank, the same outputs).
+    ``encoder_ranks``: which ranks encode (:class:`EncoderRanks`; ``ALL`` needs pipeline parallelism to differ
+    from ``FIRST_STAGE``; its moves run flat: ``all_to_all`` node-wise is refused with it).
     """
 
     phases: Optional[Tuple[str, ...]] = None
@@ -90,6 +103,7 @@ class OrchestratorConfig:
     shadow: bool = False
     verify_first_step: bool = True
     all_to_all: str = "flat"
+    encoder_ranks: EncoderRanks = EncoderRanks.FIRST_STAGE
 
     def __post_init__(self):
         if self.phases is not None:
@@ -117,6 +131,21 @@ class OrchestratorConfig:
         cap = self.encoder_memory_cap
         if cap is not None and not (cap > 0):  # inf: no cap; NaN fails too
             raise ConfigError("encoder_memory_cap", f" must be > 0 (inf: no cap), got {cap / 1e9} GB")
+        if not isinstance(self.encoder_ranks, EncoderRanks):
+            raise ConfigError("encoder_ranks", f" must be an EncoderRanks ({', '.join(e.name for e in EncoderRanks)}),"
+                                               f" got {self.encoder_ranks!r}")
+        if self.encoder_ranks is EncoderRanks.ALL and self.verify_first_step and not self.shadow:
+            raise ConfigError("encoder_ranks", " all: the checked first step (verify_first_step) compares the "
+                                               "encoders on the first pipeline stage only; turn it off with it")
+        if self.encoder_ranks is EncoderRanks.ALL and self.all_to_all != "flat" and not self.shadow:
+            raise ConfigError("encoder_ranks", f" all with all_to_all {self.all_to_all!r} is not supported: the "
+                                               "encoder group's moves run flat")
+
+    @property
+    def encoders_on_every_stage(self) -> bool:
+        """Whether every pipeline stage holds and runs the encoders: ``encoder_ranks`` ALL, and training on the
+        plan (shadow mode trains as loaded, Megatron's layout)."""
+        return self.encoder_ranks is EncoderRanks.ALL and not self.shadow
 
     @property
     def packed(self) -> bool:

@@ -38,6 +38,7 @@ from megatron_orch.comm.device import to_communication_device
 from megatron_orch.comm.gather import all_gather_to_host
 from megatron_orch.comm.status import raise_if_any_rank_failed
 from megatron_orch.megatron.contract import recording_non_finite_losses
+from megatron_orch.megatron.encoder_layout import share_encoders
 from megatron_orch.megatron.schedule import data_iterators
 from megatron_orch.trainer.data_events import DataEvent, TooManyBadExamplesError, max_bad_examples
 from megatron_orch.trainer.checkpointing import (TrainState, check_save_folder, load_checkpoint, lock_save_folder,
@@ -285,7 +286,18 @@ def _interval_record(args, state: TrainState, stats: IntervalStats, last_step: d
         phase_ms_max={timer_names[i]: float(np.nanmax(per_rank[:, i])) for i in ran},
         phase_ms_mean={timer_names[i]: float(np.nanmean(per_rank[:, i])) for i in ran},
         post_balancing=_post_balancing_figures(stats, n, post_balancing_fields(phases)),
-        bad_examples=stats.bad_examples, truncated_answers=stats.truncated_answers)
+        bad_examples=stats.bad_examples, truncated_answers=stats.truncated_answers,
+        **_items_encoded(args, stats, n, phases.encoder_names))
+
+
+def _items_encoded(args, stats: IntervalStats, n: int, phases) -> dict:
+    """The record's encoder layout and items each global rank encoded per iteration (a collective over the world
+    where balanced steps ran: on every rank alike), else nothing."""
+    if stats.encoded is None:
+        return {}
+    per_rank = all_gather_to_host(stats.encoded / n).numpy()
+    return {"encoder_ranks": args.orch_config.encoder_ranks.value,
+            "items_encoded": {phase: per_rank[:, k].tolist() for k, phase in enumerate(phases)}}
 
 
 def _post_balancing_figures(stats: IntervalStats, n: int, fields) -> Optional[dict]:
@@ -402,7 +414,7 @@ def _train(args, model, optimizer, scheduler, data_iterator, state, timers, forw
         state.consumed_samples += args.global_batch_size
         events = _report_data_events(args, data_source, state, print_fn)
         stats.add(elapsed, meter.take(), result["skipped"], result["lm_loss"], meter.take_post_balancing(),
-                  sum(e.skipped for e in events), sum(not e.skipped for e in events))
+                  sum(e.skipped for e in events), sum(not e.skipped for e in events), meter.take_encoded())
         if args.check_for_nan_in_loss_and_grad:
             _stop_if_not_finite(args, state, result, data_source, events)
         if state.iteration % args.log_interval == 0 or state.iteration == args.train_iters:
@@ -485,6 +497,9 @@ def _set_up_and_train(args, task: TrainingTask, print_fn, lock) -> list[Iteratio
     timers = EventTimers(log_level=max(1, args.timing_log_level), log_option="minmax", cuda=not runs_on_cpu(args))
     _starting(print_fn, f"{dist.get_world_size()} ranks initialised; building the model")
     model = build_model(args, task.build_model)
+    orch_config = getattr(args, "orch_config", None)
+    if orch_config is not None and orch_config.encoders_on_every_stage and args.pipeline_model_parallel_size > 1:
+        share_encoders(model, parallel_state.get_pipeline_model_parallel_group())  # before the optimizer copies them
     optimizer, scheduler = build_optimizer(args, model, timers)
     attach_to_model_config(model, optimizer, timers)
     time_encoder_forwards(model, timers)

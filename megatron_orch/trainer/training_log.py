@@ -65,6 +65,7 @@ class LoadMeter:
         self.fields = post_balancing_fields(phases)
         self.counts = torch.zeros(len(load_fields(phases)), dtype=torch.float64)
         self.post_balancing: Optional[torch.Tensor] = None
+        self.encoded: Optional[torch.Tensor] = None  # items of each encoder phase this rank encoded (balanced)
 
     def __iter__(self):
         return self
@@ -74,9 +75,12 @@ class LoadMeter:
         if isinstance(item, BalancedStep):
             plan, rank = item.plan, item.rank
             mine = plan.examples_backbone.rank == rank
-            self.counts += torch.tensor([*(plan.encoders[phase].encode.counts()[rank]
+            self.counts += torch.tensor([*(item.encoded(phase).counts()[item.encoding_rank()]
                                            for phase in self.phases.encoder_names),
                                          float(item.num_tokens[mine].sum())], dtype=torch.float64)
+            encoded = torch.tensor([float(item.inputs[phase].shape[0]) if phase in item.inputs else 0.0
+                                    for phase in self.phases.encoder_names], dtype=torch.float64)
+            self.encoded = encoded if self.encoded is None else self.encoded + encoded
         elif isinstance(item, ShadowStep):
             for microbatch in item.microbatches:
                 self._count(microbatch)
@@ -100,6 +104,11 @@ class LoadMeter:
         counts, self.counts = self.counts, torch.zeros_like(self.counts)
         return counts
 
+    def take_encoded(self) -> Optional[torch.Tensor]:
+        """Items of each encoder phase this rank encoded since the last call (None without balanced steps)."""
+        encoded, self.encoded = self.encoded, None
+        return encoded
+
     def take_post_balancing(self) -> Optional[torch.Tensor]:
         """Post-balancing figures summed since the last call (None without post-balancing)."""
         figures, self.post_balancing = self.post_balancing, None
@@ -121,6 +130,7 @@ class IntervalStats:
     load: Optional[torch.Tensor] = None  # per load_fields(), summed
     phase_s: dict = field(default_factory=dict)  # timer -> seconds over the interval
     post_balancing: Optional[torch.Tensor] = None
+    encoded: Optional[torch.Tensor] = None  # items of each encoder phase this rank encoded, summed
 
     @property
     def mean_loss(self) -> Optional[float]:
@@ -128,7 +138,8 @@ class IntervalStats:
         return self.loss_sum / self.loss_iterations if self.loss_iterations else None
 
     def add(self, elapsed_s: float, load: torch.Tensor, skipped: bool, lm_loss: Optional[float],
-            post_balancing: Optional[torch.Tensor] = None, bad_examples: int = 0, truncated_answers: int = 0) -> None:
+            post_balancing: Optional[torch.Tensor] = None, bad_examples: int = 0, truncated_answers: int = 0,
+            encoded: Optional[torch.Tensor] = None) -> None:
         """One iteration; :attr:`phase_s` is set once per interval (the timers are read on log iterations)."""
         self.bad_examples += bad_examples
         self.truncated_answers += truncated_answers
@@ -139,6 +150,8 @@ class IntervalStats:
         self.iterations += 1
         self.elapsed_s += elapsed_s
         self.load = load if self.load is None else self.load + load
+        if encoded is not None:
+            self.encoded = encoded if self.encoded is None else self.encoded + encoded
         if post_balancing is not None:
             self.post_balancing = post_balancing if self.post_balancing is None else \
                 self.post_balancing + post_balancing
@@ -190,13 +203,16 @@ class IterationRecord:
     post_balancing: Optional[dict] = None  # post_balancing_fields() -> interval mean (times: max over DP)
     bad_examples: int = 0       # skipped in the interval (--max-bad-examples)
     truncated_answers: int = 0  # in the interval
+    encoder_ranks: Optional[str] = None  # post-balancing's encoder layout (EncoderRanks value)
+    items_encoded: Optional[dict] = None  # encoder phase -> items each global rank encoded per iteration
 
     def line(self, train_iters: int, full: bool = False) -> str:
         """Megatron-LM's iteration line with tokens/s, each phase's load imbalance (max/mean over DP) and, with
         post-balancing, each phase's cost imbalance before->after; bad examples and truncated answers where the
-        interval had some. ``full`` (``--orch-log-level 1``): also the loads themselves, the phase times
+        interval had some; with balanced steps, the encoder layout and the items each rank encoded (min/max over
+        the job's ranks). ``full`` (``--orch-log-level 1``): also the loads themselves, the phase times
         (max/mean over ranks), the bytes post-balancing moved, the most peers a rank exchanged with in a step
-        (interval mean) and its planning and dispatch times."""
+        (interval mean), its planning and dispatch times, and every rank's items encoded (up to 16 ranks)."""
         parts = [f" iteration {self.iteration:8d}/{train_iters:8d}",
                  f" consumed samples: {self.consumed_samples:12d}",
                  f" elapsed time per iteration (ms): {self.elapsed_ms:.1f}",
@@ -237,6 +253,12 @@ class IterationRecord:
                           f" modeled step time saved: {pb['step saved %']:.1f}%",
                           f" plan ms: {pb['plan ms']:.1f} (exposed {pb['plan exposed ms']:.1f})",
                           f" dispatch ms: {pb['dispatch ms']:.1f}"]
+        if self.items_encoded is not None:
+            each = full and all(len(counts) <= 16 for counts in self.items_encoded.values())
+            encoded = ", ".join(f"{phase} " + ("[" + " ".join(f"{c:g}" for c in counts) + "]" if each
+                                               else f"{min(counts):g}/{max(counts):g}")
+                                for phase, counts in self.items_encoded.items())
+            parts.append(f" encoders {self.encoder_ranks}, items per rank {'(each)' if each else 'min/max'}: {encoded}")
         return "".join(f"{part} |" for part in parts)
 
 

@@ -247,6 +247,9 @@ def test_check_args_names_what_post_balancing_cannot_run_with():
     from megatron_orch.megatron import megatron_lm
 
     megatron_lm.check_args(_megatron_args())
+    from megatron_orch.orchestrator.config import EncoderRanks, OrchestratorConfig
+    megatron_lm.check_args(_megatron_args(pipeline_model_parallel_size=1, orch_config=OrchestratorConfig(
+        encoder_ranks=EncoderRanks.ALL, verify_first_step=False)))  # one stage: the same layout
     interleaving = dict(pipeline_model_parallel_size=2, micro_batch_size=1, data_parallel_size=2)
     megatron_lm.check_args(_megatron_args(virtual_pipeline_model_parallel_size=2, **interleaving, global_batch_size=4))
     megatron_lm.check_args(_megatron_args(hybrid_context_parallel=False, sequence_packing_scheduler=None,
@@ -280,7 +283,10 @@ def test_check_args_names_what_post_balancing_cannot_run_with():
                           (dict(moe, moe_router_load_balancing_type="sinkhorn"), "sinkhorn"),
                           (dict(moe, moe_expert_capacity_factor=1.0), "--moe-expert-capacity-factor 1"),
                           (dict(rampup_batch_size=["4", "4", "100"]), "--rampup-batch-size"),
-                          (dict(step_batch_size_schedule="0:4 100:8"), "--step-batch-size-schedule")):
+                          (dict(step_batch_size_schedule="0:4 100:8"), "--step-batch-size-schedule"),
+                          (dict(pipeline_model_parallel_size=2, orch_config=OrchestratorConfig(
+                              encoder_ranks=EncoderRanks.ALL, verify_first_step=False)),
+                           "--orch-encoder-ranks all through megatron.training is not supported")):
         with pytest.raises(ValueError, match=re.escape(flag)):
             megatron_lm.check_args(_megatron_args(**changes))
 

@@ -1,6 +1,7 @@
 """Consequence invariance in the layouts large runs use, on the compact trainer, CPU over gloo: sequence
-parallelism (TP 2 + SP x DP 2), context parallelism (CP 2 x DP 2, padded rows and packed rows) and both
-(TP 2 + SP x CP 2 x DP 2, 8 ranks, one step). Post-balancing off against on, fp32, dropout 0 (dropout masks
+parallelism (TP 2 + SP x DP 2), context parallelism (CP 2 x DP 2, padded rows and packed rows), both
+(TP 2 + SP x CP 2 x DP 2, 8 ranks, one step), and the encoders on every pipeline stage (PP 2 x DP 2 with
+``--orch-encoder-ranks all``: the encoder phases over 4 ranks). Post-balancing off against on, fp32, dropout 0 (dropout masks
 follow the rank that computes an example): the losses of every step and every parameter after the run agree
 within 1e-5, and on the step with every heavy example on DP rank 0 the plan moved data and lowered each
 phase's modeled max/mean. The layouts also reproduce the whole-sequence run: SP on against off, CP 2 against
@@ -87,6 +88,7 @@ def _train_runs(rank, world_size, runs, out_dir):
             config = built[0].config  # the backbone's: what its layers were built for
             torch.save({"losses": {r.iteration: r.lm_loss for r in records},
                         "post_balancing": [r.post_balancing for r in records],
+                        "items_encoded": [r.items_encoded for r in records],
                         "layout": (config.sequence_parallel, config.context_parallel_size),
                         "cp_attention_calls": calls}, out / "log.pt")
     attention.context_parallel_attention = stock_attention
@@ -100,6 +102,7 @@ def train(tmp_path: Path, world_size: int, runs, timeout_s: float) -> dict:
     for name, _ in runs:
         logs[name] = torch.load(tmp_path / name / "log.pt")
         logs[name]["params"] = torch.load(tmp_path / name / "params_rank0.pt")
+        logs[name]["params_of_rank"] = lambda rank, name=name: torch.load(tmp_path / name / f"params_rank{rank}.pt")
     return logs
 
 
@@ -171,3 +174,23 @@ def test_tp2_sequence_parallel_cp2_dp2_is_invariant(tmp_path):
     assert logs["upstream"]["layout"] == logs["balanced"]["layout"] == (True, 2)
     assert_same_run(logs["balanced"], logs["upstream"], 1, "TP 2 + SP x CP 2 x DP 2, post-balancing on / off")
     assert_plan_balances(logs["balanced"])
+
+
+def test_pp2_dp2_encoders_on_every_stage_is_invariant(tmp_path):
+    """PP 2 x DP 2, the encoders on the first stage (Megatron's layout, post-balancing off) against the encoders on
+    every stage (on, ``all``): every rank encodes, the losses and parameters agree, and the second stage's encoders
+    train to the first stage's parameters."""
+    flags = ["--pipeline-model-parallel-size", "2", "--train-iters", "2"]
+    logs = train(tmp_path, 4, [("upstream", flags), ("all", flags + BALANCED + ["--orch-encoder-ranks", "all"])],
+                 timeout_s=420)
+    assert_same_run(logs["all"], logs["upstream"], 2, "PP 2 x DP 2, encoders on every stage / upstream")
+    assert_plan_balances(logs["all"])
+    heavy = logs["all"]["items_encoded"][0]  # every vision item on DP rank 0 as loaded
+    assert len(heavy["vision"]) == 4 and min(heavy["vision"]) > 0, heavy
+    assert max(heavy["vision"]) - min(heavy["vision"]) <= 1, heavy
+    assert logs["upstream"]["items_encoded"] == [None, None]
+    stage_1 = logs["all"]["params_of_rank"](2)  # stage 1 of DP rank 0 (ranks stage * DP + dp)
+    encoders = {name: value for name, value in logs["all"]["params"].items() if name.startswith("encoders.")}
+    assert encoders and all(name in stage_1 for name in encoders)
+    for name, value in encoders.items():
+        torch.testing.assert_close(stage_1[name], value, rtol=0, atol=0, msg=lambda m: f"stage 1 {name}: {m}")

@@ -166,3 +166,19 @@ def test_the_logged_loads_are_the_loaders_in_shadow_mode_and_the_plans_when_bala
         assert shadow.take_post_balancing().tolist() == pytest.approx(balanced.take_post_balancing()[:-1].tolist()
                                                                       + [0.0])  # the plan's figures, not applied
     assert any(plan.examples_backbone.rank[e] != plan.examples_home.rank[e] for e in range(dp * per_rank))
+
+
+def test_line_says_where_the_encoders_ran():
+    """With balanced steps: the encoder layout and the items each rank encoded, min/max over the job's ranks in the
+    compact line, every rank's in the full one (up to 16 ranks), still parsed."""
+    figures = dict(zip(post_balancing_fields(TINY), (1.8, 1.01, 2.0, 1.1, 1.3, 1.0, 0.25, 0.5, 23.4, 12.5, 0.1, 3.5,
+                                                     1.0)))
+    logged = IterationRecord(**{**record(figures).__dict__, "encoder_ranks": "all",
+                                "items_encoded": {"vision": [3.0, 3.0, 2.0, 3.0], "audio": [1.0, 0.0, 1.0, 1.0]}})
+    compact, full = logged.line(20), logged.line(20, full=True)
+    assert compact.endswith(" encoders all, items per rank min/max: vision 2/3, audio 0/1 |")
+    assert full.endswith(" encoders all, items per rank (each): vision [3 3 2 3], audio [1 0 1 1] |")
+    assert len(compact) <= 580
+    assert parse_iteration_line(full)["post_balancing"] == pytest.approx(figures)
+    many = IterationRecord(**{**logged.__dict__, "items_encoded": {"vision": [1.0] * 17}})
+    assert many.line(20, full=True).endswith(" items per rank min/max: vision 1/1 |")

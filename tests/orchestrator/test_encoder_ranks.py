@@ -1,0 +1,132 @@
+"""The encoders on every pipeline stage, torch-free: which encoder-group rank encodes each item (balanced over
+DP x PP, every item once), the step's moves over the encoder group, the layouts refused, the config and its flag."""
+import argparse
+import math
+
+import numpy as np
+import pytest
+from hypothesis import given, settings, strategies as st
+
+from megatron_orch.balance.plan import Placement
+from megatron_orch.balance.step_model import ENCODER_RANKS
+from megatron_orch.balance.topology import Topology
+from megatron_orch.megatron.orch_arguments import add_orch_args, orch_config_from_args
+from megatron_orch.mllm.config import load_model_config
+from megatron_orch.orchestrator.config import ConfigError, EncoderRanks, OrchestratorConfig
+from megatron_orch.orchestrator.encoder_ranks import (group_moves, spread_over_stages, stage_of_items,
+                                                      unsupported_layout)
+from megatron_orch.orchestrator.step_plan import plan_step, step_moves
+from test_step_plan import sizes_of
+
+TINY = load_model_config("tiny").phases()
+
+
+@given(counts=st.lists(st.integers(0, 11), min_size=1, max_size=5), pipeline=st.integers(1, 4),
+       rotation=st.integers(0, 3))
+@settings(max_examples=60, deadline=None)
+def test_stage_of_items_splits_each_rank_in_runs_of_consecutive_slots(counts, pipeline, rotation):
+    encode = Placement.from_counts(counts)
+    stage = stage_of_items(encode, pipeline, rotation)
+    for rank, count in enumerate(counts):
+        ids = encode.items_on(rank)
+        stages = stage[ids]
+        assert np.all(np.diff(stages) >= 0)  # consecutive slots per stage, stages in order
+        sizes = np.bincount(stages, minlength=pipeline)
+        assert sizes.max() - sizes.min() <= 1 and sizes.sum() == count
+        longer = [(s - rotation) % pipeline < count % pipeline for s in range(pipeline)]
+        assert [bool(size > count // pipeline) for size in sizes] == longer
+
+
+def _plan(num_ranks=2, seed=0, n=8):
+    rng = np.random.default_rng(seed)
+    sizes = sizes_of(rng.integers(0, 6, n), rng.integers(0, 3, n), rng.integers(20, 120, n), num_ranks)
+    config = OrchestratorConfig(background=False, microbatching="equal_count")
+    return plan_step(sizes, TINY, config, Topology.uniform(num_ranks, num_ranks), 2, n // num_ranks // 2)
+
+
+@pytest.mark.parametrize("pipeline", [1, 2, 3])
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_spread_balances_each_phase_over_dp_x_pp(pipeline, seed):
+    plan = _plan(seed=seed)
+    spread = spread_over_stages(plan, pipeline)
+    dp = plan.examples_home.num_ranks
+    assert spread.num_ranks == dp * pipeline
+    for phase, encoder in plan.encoders.items():
+        placed = spread.encode[phase]
+        counts = placed.counts()
+        assert counts.sum() == encoder.example.size  # every item once
+        assert counts.max(initial=0) == math.ceil(encoder.example.size / (dp * pipeline))  # the bound over the group
+        # each item stays with its DP rank, in the DP plan's slot order
+        assert np.array_equal(placed.rank % dp, encoder.encode.rank)
+        for rank in range(spread.num_ranks):
+            ids = placed.items_on(rank)
+            assert np.all(np.diff(encoder.encode.slot[ids]) > 0)
+        chunks = spread.chunks[phase]
+        if chunks is not None:
+            assert np.all(chunks.kept <= counts)
+
+
+def test_group_moves_route_every_item_once_from_and_to_the_first_stage():
+    plan = _plan(seed=3)
+    spread = spread_over_stages(plan, 2)
+    dp = plan.examples_home.num_ranks
+    moves = group_moves(plan, spread)
+    assert [move.name for move in moves] == [move.name for move in step_moves(plan)]
+    for move in moves:
+        if move.kind == "text":
+            assert move.transfer.num_ranks == dp
+            continue
+        transfer = move.transfer
+        assert transfer.num_ranks == 2 * dp and transfer.traffic_matrix().sum() == transfer.src.num_items
+        encoder = plan.encoders[move.items_of]
+        if move.kind == "inputs":  # from the first-stage rank that loaded the example
+            assert np.array_equal(transfer.src.rank, encoder.home.rank)
+            assert transfer.dst.same_as(spread.encode[move.items_of])
+        else:  # to the first-stage rank that runs the example's first layers, gradients back
+            assert move.with_gradients and transfer.src.same_as(spread.encode[move.items_of])
+            assert np.array_equal(transfer.dst.rank, plan.examples_backbone.rank[encoder.example])
+            assert move.gradients().dst.same_as(transfer.src)
+
+
+def test_unsupported_layouts_are_named():
+    fine = dict(virtual_pipeline_size=None, context_parallel_size=1, overlap_grad_reduce=False, sharded=None)
+    assert unsupported_layout(**fine) is None
+    assert "virtual pipeline" in unsupported_layout(**{**fine, "virtual_pipeline_size": 2})
+    assert "--context-parallel-size 2" in unsupported_layout(**{**fine, "context_parallel_size": 2})
+    assert "--overlap-grad-reduce" in unsupported_layout(**{**fine, "overlap_grad_reduce": True})
+    assert "--use-torch-fsdp2" in unsupported_layout(**{**fine, "sharded": "--use-torch-fsdp2"})
+
+
+def test_config_takes_the_layout_as_data():
+    assert tuple(ranks.value for ranks in EncoderRanks) == ENCODER_RANKS  # the step model's names
+    assert not OrchestratorConfig().encoders_on_every_stage
+    config = OrchestratorConfig(encoder_ranks=EncoderRanks.ALL, verify_first_step=False)
+    assert config.encoders_on_every_stage
+    assert not OrchestratorConfig(encoder_ranks=EncoderRanks.ALL, shadow=True).encoders_on_every_stage
+    with pytest.raises(ConfigError, match=r"OrchestratorConfig.encoder_ranks must be an EncoderRanks"):
+        OrchestratorConfig(encoder_ranks="all", verify_first_step=False)
+    with pytest.raises(ConfigError, match="encoder_ranks all: the checked first step"):
+        OrchestratorConfig(encoder_ranks=EncoderRanks.ALL)
+
+
+def _parser():
+    parser = add_orch_args(argparse.ArgumentParser())
+    parser.add_argument("--pipeline-model-parallel-size", type=int, default=1)
+    parser.add_argument("--overlap-grad-reduce", action="store_true")
+    return parser
+
+
+def test_orch_encoder_ranks_flag():
+    parse = _parser().parse_args
+    assert orch_config_from_args(parse(["--orch-post-balancing"])).encoder_ranks is EncoderRanks.FIRST_STAGE
+    config = orch_config_from_args(parse(["--orch-post-balancing", "--orch-encoder-ranks", "all",
+                                          "--pipeline-model-parallel-size", "2"]), verify_by_default=True)
+    assert config.encoder_ranks is EncoderRanks.ALL and not config.verify_first_step
+    with pytest.raises(ValueError, match=r"^--orch-encoder-ranks all: the checked first step"):
+        orch_config_from_args(parse(["--orch-post-balancing", "--orch-encoder-ranks", "all",
+                                     "--orch-verify-first-step"]))
+    with pytest.raises(ValueError, match="--orch-encoder-ranks all with --overlap-grad-reduce is not supported"):
+        orch_config_from_args(parse(["--orch-post-balancing", "--orch-encoder-ranks", "all",
+                                     "--pipeline-model-parallel-size", "2", "--overlap-grad-reduce"]))
+    with pytest.raises(ValueError, match="--orch-encoder-ranks given without --orch-post-balancing"):
+        orch_config_from_args(parse(["--orch-encoder-ranks", "all"]))
