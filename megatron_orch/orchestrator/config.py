@@ -138,7 +138,7 @@ class OrchestratorConfig:
             raise ConfigError("encoder_ranks", " all: the checked first step (verify_first_step) compares the "
                                                "encoders on the first pipeline stage only; turn it off with it")
         if self.encoder_ranks is EncoderRanks.ALL and self.all_to_all != "flat" and not self.shadow:
-            raise ConfigError("encoder_ranks", f" all with all_to_all {self.all_to_all!r} is not supported: the "
+            raise ConfigError("encoder_ranks", f" all with a {self.all_to_all} all-to-all is not supported: the "
                                                "encoder group's moves run flat")
 
     @property

@@ -107,6 +107,9 @@ def test_config_takes_the_layout_as_data():
         OrchestratorConfig(encoder_ranks="all", verify_first_step=False)
     with pytest.raises(ConfigError, match="encoder_ranks all: the checked first step"):
         OrchestratorConfig(encoder_ranks=EncoderRanks.ALL)
+    with pytest.raises(ConfigError, match="encoder_ranks all with a node-wise all-to-all is not supported"):
+        OrchestratorConfig(encoder_ranks=EncoderRanks.ALL, verify_first_step=False, all_to_all="node-wise")
+    assert OrchestratorConfig(encoder_ranks=EncoderRanks.ALL, shadow=True, all_to_all="node-wise").shadow
 
 
 def _parser():
@@ -122,6 +125,9 @@ def test_orch_encoder_ranks_flag():
     config = orch_config_from_args(parse(["--orch-post-balancing", "--orch-encoder-ranks", "all",
                                           "--pipeline-model-parallel-size", "2"]), verify_by_default=True)
     assert config.encoder_ranks is EncoderRanks.ALL and not config.verify_first_step
+    with pytest.raises(ValueError, match=r"^--orch-encoder-ranks all with a node-wise all-to-all is not supported"):
+        orch_config_from_args(parse(["--orch-post-balancing", "--orch-encoder-ranks", "all", "--orch-all-to-all",
+                                     "node-wise", "--pipeline-model-parallel-size", "2"]))
     with pytest.raises(ValueError, match=r"^--orch-encoder-ranks all: the checked first step"):
         orch_config_from_args(parse(["--orch-post-balancing", "--orch-encoder-ranks", "all",
                                      "--orch-verify-first-step"]))

@@ -171,8 +171,8 @@ def test_the_logged_loads_are_the_loaders_in_shadow_mode_and_the_plans_when_bala
 def test_line_says_where_the_encoders_ran():
     """With balanced steps: the encoder layout and the items each rank encoded, min/max over the job's ranks in the
     compact line, every rank's in the full one (up to 16 ranks), still parsed."""
-    figures = dict(zip(post_balancing_fields(TINY), (1.8, 1.01, 2.0, 1.1, 1.3, 1.0, 0.25, 0.5, 23.4, 12.5, 0.1, 3.5,
-                                                     1.0)))
+    figures = dict(zip(post_balancing_fields(TINY), (1.8, 1.01, 2.0, 1.1, 1.3, 1.0, 0.25, 0.5, 6.0, 2.5, 23.4, 12.5,
+                                                     0.1, 3.5, 1.0)))
     logged = IterationRecord(**{**record(figures).__dict__, "encoder_ranks": "all",
                                 "items_encoded": {"vision": [3.0, 3.0, 2.0, 3.0], "audio": [1.0, 0.0, 1.0, 1.0]}})
     compact, full = logged.line(20), logged.line(20, full=True)
