@@ -1,4 +1,7 @@
-"""The test harness's timeouts scale with $ORCH_TEST_TIMEOUT_FACTOR, so a loaded machine passes and a hang still fails."""
+"""The test harness's timeouts scale with $ORCH_TEST_TIMEOUT_FACTOR, so a loaded machine passes and a hang still fails;
+its ranks, forked from a fork server, see what a spawned rank would."""
+import os
+import sys
 import time
 
 import pytest
@@ -29,3 +32,26 @@ def test_run_distributed_times_out_after_the_scaled_timeout(monkeypatch):
     with pytest.raises(TimeoutError, match="did not finish within 5 s"):
         run_distributed(_sleep, 1, 600.0, timeout_s=100.0)
     assert time.monotonic() - start < 60
+
+
+def _report(rank, world_size, name, path):
+    with open(path, "w") as handle:
+        handle.write(f"{os.environ.get(name)}\n{os.getcwd()}\n{sys.path[0]}")
+    print(f"rank {rank} says so on stdout", flush=True)
+    print(f"rank {rank} says so on stderr", file=sys.stderr, flush=True)
+
+
+@pytest.mark.distributed
+def test_a_rank_sees_the_callers_environment_folder_path_and_output(monkeypatch, tmp_path, capfd):
+    """The fork server started with another environment and output: each rank still gets the environment of the
+    call, its working folder and sys.path, and writes to its stdout and stderr (pytest's capture here)."""
+    with capfd.disabled():
+        run_distributed(_sleep, 1, 0.0, timeout_s=30.0)  # the server runs (started here if not before)
+    monkeypatch.setenv("ORCH_TEST_CALLERS_VARIABLE", str(tmp_path))
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.syspath_prepend(str(tmp_path / "first"))
+    run_distributed(_report, 2, "ORCH_TEST_CALLERS_VARIABLE", str(tmp_path / "seen"), timeout_s=30.0)
+    assert (tmp_path / "seen").read_text().splitlines() == [str(tmp_path), str(tmp_path), str(tmp_path / "first")]
+    out, err = capfd.readouterr()
+    assert "rank 0 says so on stdout" in out and "rank 1 says so on stdout" in out, out
+    assert "rank 0 says so on stderr" in err and "rank 1 says so on stderr" in err, err
