@@ -12,8 +12,9 @@ Ranks are forked from a fork server (multiprocessing's ``forkserver``) that impo
 pytest session: a spawned rank spent ~6 s of CPU importing torch and megatron-core, most of a small test's time.
 The server is a fresh interpreter (not a fork of pytest) that imports modules and runs nothing, so each rank starts
 from the state a spawned rank reaches after its imports; it gets the caller's environment, working folder,
-``sys.path`` and stdout/stderr (pytest's capture of the calling test) as a spawned rank does. (What the preloaded
-modules read from the environment at import, they read from that of the session's first multi-rank test.)
+``sys.path`` and stdout/stderr (pytest's capture of the calling test) as a spawned rank does, and imports the
+test's module within that environment. (What the preloaded modules read from the environment at import, they read
+from that of the session's first multi-rank test.)
 
 Every timeout a test states is the time its work takes on an idle 2-core machine with room to spare;
 :func:`scaled` multiplies it by ``$ORCH_TEST_TIMEOUT_FACTOR`` (default 3: a machine shared with other
@@ -75,7 +76,7 @@ def run_distributed(fn, world_size: int, *args, timeout_s: float = 90.0) -> None
                           timeout=datetime.timedelta(seconds=timeout_s))
     _start_fork_server()
     caller = _Caller(dict(os.environ), (_InheritedFd(1), _InheritedFd(2)))
-    context = mp.start_processes(_worker, args=(fn, world_size, store.port, timeout_s, caller, args),
+    context = mp.start_processes(_worker, args=(world_size, store.port, timeout_s, caller, _Deferred((fn, args))),
                                  nprocs=world_size, join=False, start_method="forkserver")
     deadline = time.monotonic() + timeout_s
     name = getattr(fn, "__name__", repr(fn))
@@ -143,13 +144,33 @@ class _Caller:
         sys.stderr.flush()
         for target, inherited in zip((1, 2), self.std_fds):
             fd = inherited.detach()
-            if fd != target:  # (a spawned rank's are the caller's already)
-                os.dup2(fd, target)
-                os.close(fd)
+            os.dup2(fd, target)
+            os.close(fd)
 
 
-def _worker(rank: int, fn, world_size: int, port: int, timeout_s: float, caller: _Caller, args) -> None:
+class _Deferred:
+    """A value the rank unpickles once it entered the caller's environment: the test module that defines ``fn``
+    is imported then, and may read that environment at import (as it did in a spawned rank)."""
+
+    def __init__(self, value):
+        self.value = value
+
+    def __reduce__(self):  # called while the rank starts, so file descriptors within are passed to it too
+        return _Deferred._pickled, (bytes(multiprocessing.reduction.ForkingPickler.dumps(self.value)),)
+
+    @classmethod
+    def _pickled(cls, data: bytes) -> "_Deferred":
+        deferred = cls(None)
+        deferred.data = data
+        return deferred
+
+    def load(self):
+        return pickle.loads(self.data)
+
+
+def _worker(rank: int, world_size: int, port: int, timeout_s: float, caller: _Caller, deferred: _Deferred) -> None:
     caller.enter()
+    fn, args = deferred.load()
     torch.set_num_threads(1)
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
     timeout = datetime.timedelta(seconds=timeout_s)

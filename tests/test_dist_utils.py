@@ -8,6 +8,9 @@ import pytest
 
 from dist_utils import DEFAULT_TIMEOUT_FACTOR, TIMEOUT_FACTOR_ENV, run_distributed, scaled, timeout_factor
 
+CALLERS_VARIABLE = "ORCH_TEST_CALLERS_VARIABLE"
+IMPORTED_WITH = os.environ.get(CALLERS_VARIABLE)  # in a rank: the caller's, read when the rank imports this module
+
 
 def test_factor_from_the_environment(monkeypatch):
     monkeypatch.delenv(TIMEOUT_FACTOR_ENV, raising=False)
@@ -36,7 +39,7 @@ def test_run_distributed_times_out_after_the_scaled_timeout(monkeypatch):
 
 def _report(rank, world_size, name, path):
     with open(path, "w") as handle:
-        handle.write(f"{os.environ.get(name)}\n{os.getcwd()}\n{sys.path[0]}")
+        handle.write(f"{os.environ.get(name)}\n{IMPORTED_WITH}\n{os.getcwd()}\n{sys.path[0]}")
     print(f"rank {rank} says so on stdout", flush=True)
     print(f"rank {rank} says so on stderr", file=sys.stderr, flush=True)
 
@@ -44,14 +47,15 @@ def _report(rank, world_size, name, path):
 @pytest.mark.distributed
 def test_a_rank_sees_the_callers_environment_folder_path_and_output(monkeypatch, tmp_path, capfd):
     """The fork server started with another environment and output: each rank still gets the environment of the
-    call, its working folder and sys.path, and writes to its stdout and stderr (pytest's capture here)."""
+    call (also while it imports the test's module), its working folder and sys.path, and writes to its stdout and
+    stderr (pytest's capture here)."""
     with capfd.disabled():
         run_distributed(_sleep, 1, 0.0, timeout_s=30.0)  # the server runs (started here if not before)
-    monkeypatch.setenv("ORCH_TEST_CALLERS_VARIABLE", str(tmp_path))
+    monkeypatch.setenv(CALLERS_VARIABLE, str(tmp_path))
     monkeypatch.chdir(tmp_path)
     monkeypatch.syspath_prepend(str(tmp_path / "first"))
-    run_distributed(_report, 2, "ORCH_TEST_CALLERS_VARIABLE", str(tmp_path / "seen"), timeout_s=30.0)
-    assert (tmp_path / "seen").read_text().splitlines() == [str(tmp_path), str(tmp_path), str(tmp_path / "first")]
+    run_distributed(_report, 2, CALLERS_VARIABLE, str(tmp_path / "seen"), timeout_s=30.0)
+    assert (tmp_path / "seen").read_text().splitlines() == [str(tmp_path)] * 3 + [str(tmp_path / "first")]
     out, err = capfd.readouterr()
     assert "rank 0 says so on stdout" in out and "rank 1 says so on stdout" in out, out
     assert "rank 0 says so on stderr" in err and "rank 1 says so on stderr" in err, err
