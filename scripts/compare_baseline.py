@@ -25,6 +25,7 @@ import os
 import shlex
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
@@ -39,6 +40,7 @@ DEFAULT_FLAGS = ["--model-config", "tiny", "--seq-length", "256", "--micro-batch
 BALANCING_FLAGS = "--orch-post-balancing"  # what the second run adds, by default
 # What the launcher (megatron_orch.trainer.launch) prints last when ranks fail.
 _FAILURE_PREFIXES = ("pretrain_mllm.py: error", "torchrun: rank")
+PROGRESS_EVERY_S = 10.0  # while a run trains (its output goes to its log), a line this often says how far it got
 
 
 def run(name: str, nproc: int, flags: list, out_dir: Path) -> list:
@@ -50,17 +52,38 @@ def run(name: str, nproc: int, flags: list, out_dir: Path) -> list:
     print(f"[compare] {name}: {' '.join(command[2:])}", flush=True)
     env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"), PYTHONWARNINGS="ignore")
     with open(log_path, "w") as log:
-        result = subprocess.run(command, env=env, stdout=log, stderr=subprocess.STDOUT)
+        returncode = _wait_saying_progress(name, subprocess.Popen(command, env=env, stdout=log,
+                                                                  stderr=subprocess.STDOUT), log_path)
     lines = log_path.read_text().splitlines()
-    if result.returncode != 0:
+    if returncode != 0:
         errors = [line for line in lines if line.startswith(_FAILURE_PREFIXES)] or lines[-40:]
-        sys.stderr.write(f"[compare] FAILED: the {name} run failed (exit {result.returncode}); its log: {log_path}\n"
+        sys.stderr.write(f"[compare] FAILED: the {name} run failed (exit {returncode}); its log: {log_path}\n"
                          + "\n".join(errors) + "\n")
         raise SystemExit(1)
     records = [r for r in map(parse_iteration_line, lines) if r is not None]
     if not records:
         raise SystemExit(f"[compare] FAILED: the {name} run logged no iteration lines; its log: {log_path}")
     return records
+
+
+def _wait_saying_progress(name: str, process: subprocess.Popen, log_path: Path) -> int:
+    """Wait for a run, every :data:`PROGRESS_EVERY_S` saying how far it got (from its log's iteration lines), so
+    the script is never silent for long; stop the run if this script is stopped. Returns its exit status."""
+    from megatron_orch.trainer.training_log import parse_iteration_line
+    start = time.monotonic()
+    try:
+        while True:
+            try:
+                return process.wait(timeout=PROGRESS_EVERY_S)
+            except subprocess.TimeoutExpired:
+                records = [r for r in map(parse_iteration_line, log_path.read_text().splitlines()) if r is not None]
+                done = (f"iteration {records[-1]['iteration']} done" if records
+                        else "starting its ranks (imports, model and data set-up)")
+                print(f"[compare] {name}: {time.monotonic() - start:.0f} s, {done}", flush=True)
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait()
 
 
 def check_flags(nproc: int, flags: list) -> None:
@@ -148,7 +171,9 @@ def main(argv=None) -> None:
     default = args.compare_flags == BALANCING_FLAGS
     # The runs' names (logs, table): upstream vs balanced, or without vs with the compared flags.
     first, second = ("baseline", "balanced") if default else ("without", "with")
-    for flags in (DEFAULT_FLAGS + extra, DEFAULT_FLAGS + extra + compare):
+    for name, flags in ((first, DEFAULT_FLAGS + extra), (second, DEFAULT_FLAGS + extra + compare)):
+        print(f"[compare] {name}: checking its flags as its ranks will (importing torch and megatron-core, ~7 s) ...",
+              flush=True)
         check_flags(args.nproc, flags)
     args.out.mkdir(parents=True, exist_ok=True)
     baseline = run(first, args.nproc, DEFAULT_FLAGS + extra, args.out)

@@ -1,4 +1,4 @@
-"""Run a test function on every rank of a fresh gloo process group of spawned CPU processes.
+"""Run a test function on every rank of a fresh gloo process group of CPU processes.
 
     from dist_utils import run_distributed
     def _check(rank, world_size, x): ...          # module level, so spawn can pickle it
@@ -7,6 +7,14 @@
 The rendezvous store lives in the calling process on a port the OS picks (no port races between
 tests running at the same time), and every collective and the whole run have timeouts, so a bug
 fails the test instead of hanging it. A failure on any rank is re-raised with that rank's traceback.
+
+Ranks are forked from a fork server (multiprocessing's ``forkserver``) that imported :data:`PRELOADED` once per
+pytest session: a spawned rank spent ~6 s of CPU importing torch and megatron-core, most of a small test's time.
+The server is a fresh interpreter (not a fork of pytest) that imports modules and runs nothing, so each rank starts
+from the state a spawned rank reaches after its imports; it gets the caller's environment, working folder,
+``sys.path`` and stdout/stderr (pytest's capture of the calling test) as a spawned rank does, and imports the
+test's module within that environment. (What the preloaded modules read from the environment at import, they read
+from that of the session's first multi-rank test.)
 
 Every timeout a test states is the time its work takes on an idle 2-core machine with room to spare;
 :func:`scaled` multiplies it by ``$ORCH_TEST_TIMEOUT_FACTOR`` (default 3: a machine shared with other
@@ -17,6 +25,8 @@ from __future__ import annotations
 
 import datetime
 import math
+import multiprocessing.forkserver
+import multiprocessing.reduction
 import os
 import pickle
 import sys
@@ -36,6 +46,9 @@ HOST = "127.0.0.1"
 TRAINED_PARAMS_ATOL = 5e-6
 TIMEOUT_FACTOR_ENV = "ORCH_TEST_TIMEOUT_FACTOR"
 DEFAULT_TIMEOUT_FACTOR = 3.0
+# What the fork server imports before its first fork: what every rank of the tests imports (the trainer imports the
+# package's layers, megatron-core's parallel state, optimizer and schedules; the model its transformer blocks).
+PRELOADED = ("torch.distributed", "megatron.core", "megatron_orch.trainer.loop", "megatron_orch.mllm.model")
 
 
 def timeout_factor() -> float:
@@ -61,8 +74,10 @@ def run_distributed(fn, world_size: int, *args, timeout_s: float = 90.0) -> None
     timeout_s = scaled(timeout_s)
     store = dist.TCPStore(HOST, 0, is_master=True, wait_for_workers=False,
                           timeout=datetime.timedelta(seconds=timeout_s))
-    context = mp.start_processes(_worker, args=(fn, world_size, store.port, timeout_s, args),
-                                 nprocs=world_size, join=False, start_method="spawn")
+    _start_fork_server()
+    caller = _Caller(dict(os.environ), (_InheritedFd(1), _InheritedFd(2)))
+    context = mp.start_processes(_worker, args=(world_size, store.port, timeout_s, caller, _Deferred((fn, args))),
+                                 nprocs=world_size, join=False, start_method="forkserver")
     deadline = time.monotonic() + timeout_s
     name = getattr(fn, "__name__", repr(fn))
     try:
@@ -87,7 +102,75 @@ def _errors(context):
                 yield rank, pickle.load(handle)
 
 
-def _worker(rank: int, fn, world_size: int, port: int, timeout_s: float, args) -> None:
+def _start_fork_server() -> None:
+    """Start the session's fork server (once) with this process's ``sys.path``, so it imports the same files."""
+    multiprocessing.set_forkserver_preload(list(PRELOADED))
+    saved = os.environ.get("PYTHONPATH")
+    os.environ["PYTHONPATH"] = os.pathsep.join(path or os.getcwd() for path in sys.path)
+    try:
+        multiprocessing.forkserver.ensure_running()
+    finally:
+        if saved is None:
+            del os.environ["PYTHONPATH"]
+        else:
+            os.environ["PYTHONPATH"] = saved
+
+
+class _InheritedFd:
+    """A file descriptor of the caller, passed to the forked rank (pickled only while a process starts)."""
+
+    def __init__(self, fd: int):
+        self.fd = fd
+
+    def __reduce__(self):
+        return _identity, (multiprocessing.reduction.DupFd(self.fd),)
+
+
+def _identity(value):
+    return value
+
+
+class _Caller:
+    """What a spawned rank inherits from the caller and a forked one does not (multiprocessing gives it the caller's
+    ``sys.path`` and working folder): the environment, stdout and stderr."""
+
+    def __init__(self, environ: dict, std_fds: tuple):
+        self.environ, self.std_fds = environ, std_fds
+
+    def enter(self) -> None:
+        os.environ.clear()
+        os.environ.update(self.environ)
+        sys.stdout.flush()
+        sys.stderr.flush()
+        for target, inherited in zip((1, 2), self.std_fds):
+            fd = inherited.detach()
+            os.dup2(fd, target)
+            os.close(fd)
+
+
+class _Deferred:
+    """A value the rank unpickles once it entered the caller's environment: the test module that defines ``fn``
+    is imported then, and may read that environment at import (as it did in a spawned rank)."""
+
+    def __init__(self, value):
+        self.value = value
+
+    def __reduce__(self):  # called while the rank starts, so file descriptors within are passed to it too
+        return _Deferred._pickled, (bytes(multiprocessing.reduction.ForkingPickler.dumps(self.value)),)
+
+    @classmethod
+    def _pickled(cls, data: bytes) -> "_Deferred":
+        deferred = cls(None)
+        deferred.data = data
+        return deferred
+
+    def load(self):
+        return pickle.loads(self.data)
+
+
+def _worker(rank: int, world_size: int, port: int, timeout_s: float, caller: _Caller, deferred: _Deferred) -> None:
+    caller.enter()
+    fn, args = deferred.load()
     torch.set_num_threads(1)
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
     timeout = datetime.timedelta(seconds=timeout_s)

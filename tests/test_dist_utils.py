@@ -1,9 +1,15 @@
-"""The test harness's timeouts scale with $ORCH_TEST_TIMEOUT_FACTOR, so a loaded machine passes and a hang still fails."""
+"""The test harness's timeouts scale with $ORCH_TEST_TIMEOUT_FACTOR, so a loaded machine passes and a hang still fails;
+its ranks, forked from a fork server, see what a spawned rank would."""
+import os
+import sys
 import time
 
 import pytest
 
 from dist_utils import DEFAULT_TIMEOUT_FACTOR, TIMEOUT_FACTOR_ENV, run_distributed, scaled, timeout_factor
+
+CALLERS_VARIABLE = "ORCH_TEST_CALLERS_VARIABLE"
+IMPORTED_WITH = os.environ.get(CALLERS_VARIABLE)  # in a rank: the caller's, read when the rank imports this module
 
 
 def test_factor_from_the_environment(monkeypatch):
@@ -29,3 +35,27 @@ def test_run_distributed_times_out_after_the_scaled_timeout(monkeypatch):
     with pytest.raises(TimeoutError, match="did not finish within 5 s"):
         run_distributed(_sleep, 1, 600.0, timeout_s=100.0)
     assert time.monotonic() - start < 60
+
+
+def _report(rank, world_size, name, path):
+    with open(path, "w") as handle:
+        handle.write(f"{os.environ.get(name)}\n{IMPORTED_WITH}\n{os.getcwd()}\n{sys.path[0]}")
+    print(f"rank {rank} says so on stdout", flush=True)
+    print(f"rank {rank} says so on stderr", file=sys.stderr, flush=True)
+
+
+@pytest.mark.distributed
+def test_a_rank_sees_the_callers_environment_folder_path_and_output(monkeypatch, tmp_path, capfd):
+    """The fork server started with another environment and output: each rank still gets the environment of the
+    call (also while it imports the test's module), its working folder and sys.path, and writes to its stdout and
+    stderr (pytest's capture here)."""
+    with capfd.disabled():
+        run_distributed(_sleep, 1, 0.0, timeout_s=30.0)  # the server runs (started here if not before)
+    monkeypatch.setenv(CALLERS_VARIABLE, str(tmp_path))
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.syspath_prepend(str(tmp_path / "first"))
+    run_distributed(_report, 2, CALLERS_VARIABLE, str(tmp_path / "seen"), timeout_s=30.0)
+    assert (tmp_path / "seen").read_text().splitlines() == [str(tmp_path)] * 3 + [str(tmp_path / "first")]
+    out, err = capfd.readouterr()
+    assert "rank 0 says so on stdout" in out and "rank 1 says so on stdout" in out, out
+    assert "rank 0 says so on stderr" in err and "rank 1 says so on stderr" in err, err

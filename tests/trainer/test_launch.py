@@ -12,6 +12,7 @@
 import itertools
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -367,11 +368,13 @@ def test_the_main_job_says_what_its_columns_are_and_ends_with_passed_or_failed(m
             compare.main(["--out", str(tmp_path)])
         lines = capsys.readouterr().out.splitlines() + [str(stopped.value.code)]
     assert lines[-1].startswith(last), lines
-    header = lines[0]
+    assert lines[:2] == [f"[compare] {name}: checking its flags as its ranks will (importing torch and megatron-core, "
+                         f"~7 s) ..." for name in ("baseline", "balanced")], lines[:2]
+    header = lines[2]
     for group in ("lm loss off / on", "modeled cost max/mean over DP, before->after", "measured ms/iter",
                   "measured encoder forward ms, max/mean over ranks"):
         assert group in header, header
-    assert "vision off" in lines[1] and "   1 |" in lines[2] and "2.0/1.5" in lines[2], lines[:3]
+    assert "vision off" in lines[3] and "   1 |" in lines[4] and "2.0/1.5" in lines[4], lines[2:5]
 
 
 def test_a_failed_run_of_the_main_job_ends_with_the_failing_ranks_line(monkeypatch, capsys, tmp_path):
@@ -380,18 +383,74 @@ def test_a_failed_run_of_the_main_job_ends_with_the_failing_ranks_line(monkeypat
     # at import), before subprocess.run is replaced below; its warnings are not the run's output
     capsys.readouterr()
 
-    def launched(command, env, stdout, stderr):
-        stdout.write(" iteration        1/      20 | ...\n[rank1]: noise\npretrain_mllm.py: error on rank 1: "
-                     "m.jsonl:4: cannot read image\n")
-        return subprocess.CompletedProcess(command, 1)
+    class Launched:  # the launcher: its ranks failed
+        def __init__(self, command, env, stdout, stderr):
+            stdout.write(" iteration        1/      20 | ...\n[rank1]: noise\npretrain_mllm.py: error on rank 1: "
+                         "m.jsonl:4: cannot read image\n")
 
-    monkeypatch.setattr(compare.subprocess, "run", launched)
+        def wait(self, timeout):
+            return 1
+
+        def poll(self):
+            return 1
+
+    monkeypatch.setattr(compare.subprocess, "Popen", Launched)
     with pytest.raises(SystemExit) as stopped:
         compare.run("baseline", 2, [], tmp_path)
     assert stopped.value.code == 1
     assert capsys.readouterr().err.splitlines() == [
         f"[compare] FAILED: the baseline run failed (exit 1); its log: {tmp_path / 'baseline.log'}",
         "pretrain_mllm.py: error on rank 1: m.jsonl:4: cannot read image"]
+
+
+def test_the_main_job_says_how_far_a_run_got_while_it_trains(monkeypatch, capsys, tmp_path):
+    """Each run's output goes to its log: every PROGRESS_EVERY_S the script says the run's last iteration (or that
+    its ranks are still starting), so it is never silent for long; a run still going when the script stops is
+    killed."""
+    compare = _compare_module()
+    log = tmp_path / "baseline.log"
+    waits, killed = [], []
+
+    class Training:  # starts; then has logged iteration 3; then ends
+        def wait(self, timeout):
+            waits.append(timeout)
+            if len(waits) == 2:
+                log.write_text(" iteration        3/      20 | consumed samples:           96 | elapsed time per "
+                               "iteration (ms): 250.0 | lm loss: 6.782458E+00 |\n")
+            if len(waits) < 3:
+                raise subprocess.TimeoutExpired("launch", timeout)
+            return 0
+
+        def poll(self):
+            return 0 if len(waits) == 3 else None
+
+        def kill(self):
+            killed.append(True)
+
+    log.write_text("")
+    assert compare._wait_saying_progress("baseline", Training(), log) == 0
+    said = capsys.readouterr().out.splitlines()
+    assert waits == [compare.PROGRESS_EVERY_S] * 3 <= [10.0] * 3, waits
+    assert [re.sub(r"\d+ s,", "N s,", line) for line in said] == [
+        "[compare] baseline: N s, starting its ranks (imports, model and data set-up)",
+        "[compare] baseline: N s, iteration 3 done"], said
+    assert not killed
+
+    class Interrupted(Training):  # the script is stopped (Ctrl-C) while the run trains
+        def wait(self, timeout=None):
+            if not killed:
+                raise KeyboardInterrupt
+            return -9
+
+        def poll(self):
+            return None
+
+        def kill(self):
+            killed.append(True)
+
+    with pytest.raises(KeyboardInterrupt):
+        compare._wait_saying_progress("baseline", Interrupted(), log)
+    assert killed == [True]
 
 
 @pytest.mark.distributed
