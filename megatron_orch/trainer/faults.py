@@ -78,7 +78,8 @@ def lost_collective(error: BaseException) -> bool:
 
 def _waiting_site(error: BaseException) -> str:
     """The torch.distributed call that failed and the project / megatron-core frames that called it; for an
-    asynchronous collective (its error surfaces in the wait), the project's wait and its callers."""
+    asynchronous collective (its error surfaces in the wait), the project's wait and its callers outside the
+    communication layer (a node-wise exchange waits on its hops' waits)."""
     frames = traceback.extract_tb(error.__traceback__)
     collective = next((i for i, f in enumerate(frames) if "torch/distributed/distributed_c10d" in f.filename), None)
     if collective is not None:
@@ -89,7 +90,7 @@ def _waiting_site(error: BaseException) -> str:
             return "an unknown place (no torch.distributed frame in the traceback)"
         wait = frames[waits[-1]]
         site = f"the wait for an asynchronous collective at {_short(wait.filename)}:{wait.lineno}"
-        callers = frames[:waits[-1]]
+        callers = [f for f in frames[:waits[-1]] if "megatron_orch/comm/" not in f.filename]  # (a wait of waits)
     callers = [f for f in callers if "megatron_orch/" in f.filename or "megatron/core/" in f.filename]
     chain = " <- ".join(f"{_short(f.filename)}:{f.lineno} {f.name}" for f in reversed(callers[-3:]))
     return site + (f" called from {chain}" if chain else "")

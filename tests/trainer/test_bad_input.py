@@ -288,7 +288,9 @@ def test_compare_script_checks_both_runs_before_torchrun(tmp_path):
     assert proc.returncode == 2, proc.stderr
     assert proc.stderr.strip().splitlines()[-1] == ("pretrain_mllm.py: error: --lr must be a finite number in "
                                                      "[0, inf), got nan")
-    assert "[compare]" not in proc.stdout and not out.exists()
+    said = proc.stdout.splitlines()  # what it was checking, and nothing launched
+    assert said and all(line.startswith("[compare] ") and "checking its flags" in line for line in said), said
+    assert not out.exists()
 
 
 @pytest.mark.distributed
@@ -315,7 +317,9 @@ def test_compare_script_compares_the_flags_it_is_given(monkeypatch, capsys, tmp_
     assert list(launched) == ["without", "with"] and checked == list(launched.values())
     assert launched["without"] == compare.DEFAULT_FLAGS + extra
     assert launched["with"] == compare.DEFAULT_FLAGS + extra + ["--orch-encoder-recompute", "--seed", "7"]
-    assert "lm loss without / with (must agree)" in out.splitlines()[1], out
+    lines = out.splitlines()
+    runs = next(i for i, line in enumerate(lines) if line.startswith("[compare] runs: "))
+    assert "lm loss without / with (must agree)" in lines[runs + 1], out
     assert "with = also --orch-encoder-recompute --seed 7" in out
     assert out.splitlines()[-1].startswith("[compare] PASSED")
     result = json.loads((tmp_path / "compare.json").read_text())

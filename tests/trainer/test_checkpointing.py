@@ -83,8 +83,9 @@ def _prepare(name: str, out: Path) -> None:
     if name == "interrupted_save":  # a save of iteration 3 that died after one rank file: no marker update
         (checkpoint / "iter_0000003").mkdir()
         (checkpoint / "iter_0000003" / RANK_FILES[0]).write_bytes(b"partial")
-    if name == "locked":  # held by a live run (the test's own process)
+    if name == "locked":  # held by a live run (the process that started the ranks), its pid kept for the test
         lock.write_text(json.dumps({"host": socket.gethostname(), "pid": os.getppid(), "since": time.time()}))
+        (out / "locked_pid").write_text(str(os.getppid()))
     if name == "failed_save":  # the holder died; its interrupted save left temporary files
         lock.write_text(json.dumps({"host": socket.gethostname(), "pid": _dead_pid(), "since": time.time()}))
         (checkpoint / "iter_0000003" / f".{RANK_FILES[1]}.tmp-4242").write_bytes(b"half")
@@ -324,10 +325,11 @@ def test_interrupted_save_is_skipped_and_said(resumes):
 
 @pytest.mark.distributed
 def test_a_save_folder_held_by_a_live_run_is_refused_naming_host_and_pid(resumes):
-    _, runs = resumes
+    out, runs = resumes
+    holder = int((out / "locked_pid").read_text())
     for rank, result in enumerate(runs["locked"]):
         assert re.search(rf"--save \S+/checkpoint is in use by another run: host {re.escape(socket.gethostname())}, "
-                         rf"pid {os.getpid()} ", result.get("error", "")), (rank, result)
+                         rf"pid {holder} ", result.get("error", "")), (rank, result)
     assert runs["locked"][1]["error"].startswith("PeerFailedError: taking the lock of --save")
 
 
