@@ -122,7 +122,7 @@ def test_dropout_functions_at_literal_rates_go_off_too():
 
     x = torch.ones(4, 8, 2, 2, 2)
     q = torch.randn(2, 1, 5, 4)
-    calls = [lambda: F.dropout(x, 0.5), lambda: bound_dropout(x, p=0.5, training=True), lambda: F.dropout2d(x, 0.5),
+    calls = [lambda: F.dropout(x, 0.5), lambda: bound_dropout(x, p=0.5, training=True), lambda: F.dropout3d(x, 0.5),
              lambda: F.alpha_dropout(x, 0.5, True), lambda: torch.dropout(x, 0.5, True),
              lambda: torch.nn.Dropout(0.5)(x), lambda: torch.native_dropout(x, 0.5, True)[0],
              lambda: F.scaled_dot_product_attention(q, q, q, None, 0.5),
