@@ -306,7 +306,8 @@ class Connections:
     def __or__(self, other: "Connections") -> "Connections":
         if self.num_ranks != other.num_ranks:
             raise ValueError(f"cannot join connections of {self.num_ranks} and {other.num_ranks} ranks")
-        return Connections(self.num_ranks, np.union1d(self.pairs, other.pairs))
+        return Connections(self.num_ranks, _plan_kernels.distinct_pairs(np.concatenate((self.pairs, other.pairs)),
+                                                                         self.num_ranks))
 
     def peers(self, node_of_rank) -> "Peers":
         """Each rank's distinct peers, on its node and across nodes (rank r on node ``node_of_rank[r]``)."""

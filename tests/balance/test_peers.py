@@ -126,3 +126,14 @@ def test_communicator_memory_counts_each_kind_of_peer():
     assert mib.tolist() == [16 + 2 * 4, 16, 4, 4]
     with pytest.raises(ValueError, match="CommunicatorMemory.steps must be >= 1"):
         CommunicatorMemory(steps=0)
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.integers(1, 9).flatmap(lambda ranks: st.tuples(st.just(ranks), st.lists(
+    st.tuples(st.integers(0, ranks - 1), st.integers(0, ranks - 1)), max_size=40))))
+def test_distinct_pairs_is_np_unique(case):
+    """The linear-time dedupe of the accountant's rank pairs (repeats, any order, empty) equals np.unique."""
+    from megatron_orch.balance._plan_kernels import distinct_pairs
+    ranks, links = case
+    pairs = np.array([min(a, b) * ranks + max(a, b) for a, b in links], dtype=np.int64)
+    assert np.array_equal(distinct_pairs(pairs, ranks), np.unique(pairs))
