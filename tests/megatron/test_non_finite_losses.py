@@ -1,6 +1,7 @@
 """The examples whose own loss is not finite, found per example by the contract's forward step while a trainer
 records them (no host sync per micro-batch): in padded and packed micro-batches, whole or one rank's part of the
-sequence under context parallelism, and none recorded when no one asks. One process, no collectives."""
+sequence under context parallelism, and none recorded when no one asks; likewise the examples whose encoder output
+rows get a non-finite gradient (balanced micro-batches). One process; the trainer's tests in a world of one."""
 import dataclasses
 
 import pytest
@@ -48,7 +49,7 @@ def _flagged(model, batch, monkeypatch, layout=SequenceLayout()):
     with contract.recording_non_finite_losses() as records:
         output, loss_func = contract.forward_step(iter([batch]), model)
         loss, _, _ = loss_func(output)
-    return sorted(int(i) for ids, bad in records for i in ids[bad].tolist()), loss
+    return sorted(int(i) for ids, bad in records.losses for i in ids[bad].tolist()), loss
 
 
 @pytest.mark.parametrize("packed", [False, True])
@@ -75,12 +76,44 @@ def test_under_context_parallelism_each_rank_records_the_examples_of_its_part(pa
     assert sorted(per_rank) == [[], [12]], per_rank
 
 
+def _gradient_flagged(batch, nan_rows):
+    """Sample ids flagged when the gradient at the encoder output rows ``nan_rows`` (of ``batch``'s placeholders,
+    in order) is NaN, the rest finite."""
+    rows = torch.randn(batch.placeholders["image"].shape[1], 8, requires_grad=True)
+    view = rows[:]  # a balanced micro-batch's embeds: a slice of the received rows
+    with contract.recording_non_finite_losses() as records:
+        contract.record_non_finite_gradients(batch, {"image": view})
+        gradient = torch.ones_like(view)
+        gradient[list(nan_rows)] = float("nan")
+        view.backward(gradient)
+    assert records.losses == []
+    return sorted(int(i) for ids, bad in records.gradients for i in ids[bad].tolist())
+
+
+@pytest.mark.parametrize("packed", [False, True])
+def test_the_examples_whose_encoder_outputs_get_a_non_finite_gradient_are_recorded(packed):
+    """Rows in placeholder order: 4 per image; each example's rows are its own, whichever row or place in a packed
+    row it sits in."""
+    import own_model
+    spec = own_model.batch_spec()
+    examples = [e for e in (own_model.example(i) for i in range(40)) if e.num_items("image")][:3]
+    batch = (collate_packed if packed else collate)(examples, spec)
+    first = [0] + list(torch.cumsum(torch.tensor([e.num_items("image") * 4 for e in examples]), 0).tolist())
+    ids = [e.sample_index for e in examples]
+    assert _gradient_flagged(batch, []) == []
+    assert _gradient_flagged(batch, [first[1]]) == [ids[1]]  # the second example's first row
+    assert _gradient_flagged(batch, [first[3] - 1, first[0]]) == [ids[0], ids[2]]  # the last row, the first
+
+
 def test_nothing_is_recorded_unless_asked():
     import own_model
     spec = own_model.batch_spec()
     output, loss_func = contract.forward_step(iter([collate(_examples(spec), spec)]), PlantedLosses({12}))
     assert loss_func.func is contract.loss_func
     assert contract._non_finite_records is None
+    rows = torch.zeros(collate(_examples(spec), spec).placeholders["image"].shape[1], 8, requires_grad=True)
+    contract.record_non_finite_gradients(collate(_examples(spec), spec), {"image": rows})
+    assert not rows._backward_hooks
 
 
 @pytest.fixture(scope="module")
@@ -120,4 +153,50 @@ def test_the_trainers_stop_names_the_example_that_made_the_loss_nan(balanced, ha
     state = TrainState(iteration=1, consumed_samples=4)
     with pytest.raises(loop.NonFiniteStepError, match=rf"^iteration 1: the lm loss is nan.*; the examples whose own "
                                                       rf"loss is not finite: sample ids \[{planted}\]; the run stops"):
+        loop._stop_if_not_finite(args, state, result, None, [])
+
+
+def test_the_trainers_stop_names_the_example_whose_encoder_outputs_got_a_nan_gradient(harness, world_of_one):
+    """own_model's model, balanced, whose backbone backward makes the gradient at one example's image rows NaN
+    (sqrt at 0) with every loss finite: the grad norm is NaN and the stop names that example alone."""
+    import types
+
+    import own_model
+    from megatron.core.timers import Timers
+
+    from megatron_orch.megatron import OrchestratorConfig
+    from megatron_orch.trainer import loop
+    from megatron_orch.trainer.checkpointing import TrainState
+
+    examples = [own_model.example(i) for i in range(40) if own_model.example(i).num_items("image")][:4]
+    planted = examples[1].sample_index
+
+    class NanGradientAtOneExample(own_model.TinyLlava):
+        def forward(self, batch, embeds=None):
+            if embeds is not None and planted in batch.sample_ids.tolist():
+                rows = embeds["image"]
+                where = batch.placeholders["image"]
+                owner = where[0] if not batch.is_packed else torch.searchsorted(
+                    torch.tensor(batch.host_cu_seqlens[1:]), where[1], right=True)
+                mine = (batch.sample_ids[owner] == planted).to(rows.device)
+                rows = rows.clone()
+                rows[mine] = rows[mine] + torch.sqrt(rows[mine] * 0)  # 0 forward; NaN backward
+                embeds = {"image": rows}
+            return super().forward(batch, embeds)
+
+    spec = own_model.batch_spec()
+    data = (collate(examples[2 * m:2 * m + 2], spec) for m in range(2))
+    torch.manual_seed(7)
+    model, optimizer, forward_backward_func, data = own_model.setup(
+        own_model.build_model(NanGradientAtOneExample), data, spec, True,
+        config=OrchestratorConfig(verify_first_step=False))
+    args = types.SimpleNamespace(num_microbatches=2, seq_length=spec.seq_length, micro_batch_size=2,
+                                 global_batch_size=4)
+    result = loop.train_step(contract.forward_step, data, model, optimizer, types.SimpleNamespace(step=lambda **_: None),
+                             args, Timers(0, "minmax"), forward_backward_func)
+    assert torch.isfinite(torch.tensor(result["lm_loss"])) and result["non_finite_samples"] == [], result
+    assert result["non_finite_gradient_samples"] == [planted], result
+    state = TrainState(iteration=1, consumed_samples=4)
+    with pytest.raises(loop.NonFiniteStepError, match=rf"^iteration 1: the grad norm is nan; the examples whose encoder "
+                                                      rf"outputs got a non-finite gradient: sample ids \[{planted}\]; "):
         loop._stop_if_not_finite(args, state, result, None, [])
