@@ -16,7 +16,7 @@ SIGNATURES = {
     'megatron_orch.megatron.BalancedMicroBatch': '(batch, num_items, embeds=)',
     'megatron_orch.megatron.BalancedStep':
         '(microbatches, inputs, plan, rank, num_tokens, rows_per_item, comm_group, moves, '
-        'timings=, home=, encoder_group=, encoder_rank=, pipeline_group=)',
+        'timings=, home=, encoder_group=, encoder_rank=, pipeline_group=, check_again=)',
     'megatron_orch.megatron.BatchSpec': '(phases, inputs, pad_token_id, seq_length, cannot_pack=, takes_packed_rows=)',
     'megatron_orch.megatron.CostModel': '(*args, **kwargs)',
     'megatron_orch.megatron.CostProfile': '(source, device, dtype, model_name, shape, phases)',

@@ -125,21 +125,58 @@ def loss_func(loss_mask: torch.Tensor, output_tensor: torch.Tensor):
     return loss, num_tokens, {"lm loss": report}
 
 
-_non_finite_records: Optional[List[Tuple[torch.Tensor, torch.Tensor]]] = None
+@dataclasses.dataclass
+class NonFiniteRecords:
+    """Per micro-batch, its examples' sample ids and a flag per example (on the device, read by no one unless
+    the step is not finite: no host sync per micro-batch). ``losses``: whether each example's own loss is not
+    finite; ``gradients``: whether the gradient arriving at any of its encoder output rows is not finite
+    (balanced micro-batches, whose ``embeds`` post-balancing moved: :func:`record_non_finite_gradients`)."""
+
+    losses: List[Tuple[torch.Tensor, torch.Tensor]] = dataclasses.field(default_factory=list)
+    gradients: List[Tuple[torch.Tensor, torch.Tensor]] = dataclasses.field(default_factory=list)
+
+
+_non_finite_records: Optional[NonFiniteRecords] = None
 
 
 @contextlib.contextmanager
-def recording_non_finite_losses() -> Iterator[List[Tuple[torch.Tensor, torch.Tensor]]]:
-    """While active, :func:`forward_step`'s loss function appends to the yielded list, per micro-batch, its
-    examples' sample ids and whether each one's loss is not finite (on the device, read by no one unless the
-    step's loss is not finite: no host sync per micro-batch). A trainer names the examples of a non-finite loss
-    from it, not the whole step."""
+def recording_non_finite_losses() -> Iterator[NonFiniteRecords]:
+    """While active, :func:`forward_step`'s loss function and the modality-aware schedule's encoder outputs record
+    into the yielded :class:`NonFiniteRecords` which examples' loss and gradient are not finite. A trainer names
+    the examples of a non-finite loss or gradient norm from it, not the whole step."""
     global _non_finite_records
-    outer, _non_finite_records = _non_finite_records, []
+    outer, _non_finite_records = _non_finite_records, NonFiniteRecords()
     try:
         yield _non_finite_records
     finally:
         _non_finite_records = outer
+
+
+def record_non_finite_gradients(batch: MicroBatch, embeds: Mapping[str, torch.Tensor]) -> None:
+    """While :func:`recording_non_finite_losses` is active: flag, when their gradient arrives, the examples of
+    ``batch`` (a balanced micro-batch) whose rows of ``embeds`` (its encoder outputs, at its placeholders in
+    order) get a non-finite gradient. The gradient at an example's rows is its own (rows of other examples
+    never mix in it), so a NaN the backbone's backward makes for one example names that one; one made inside
+    an encoder's backward (from finite output gradients) is not seen here. Costs one finiteness test of the
+    gradient rows, on the device."""
+    records = _non_finite_records
+    if records is None:
+        return
+    examples = None
+    for phase, rows in embeds.items():
+        where = batch.placeholders.get(phase)
+        if not rows.requires_grad or where is None or where.shape[1] != rows.shape[0] or rows.shape[0] == 0:
+            continue
+        if examples is None:
+            examples = _token_examples(batch, SequenceLayout())
+        owner = examples[where[0], where[1]].to(rows.device, non_blocking=True)
+        rows.register_hook(functools.partial(_flag_non_finite_rows, owner, batch.sample_ids, records.gradients))
+
+
+def _flag_non_finite_rows(owner: torch.Tensor, sample_ids: torch.Tensor, records: list, grad: torch.Tensor) -> None:
+    bad = ~torch.isfinite(grad.reshape(grad.shape[0], -1)).all(dim=1)
+    counts = torch.zeros(sample_ids.numel(), device=grad.device).index_add_(0, owner, bad.float())
+    records.append((sample_ids, counts > 0))
 
 
 def _token_examples(batch: MicroBatch, layout: SequenceLayout) -> torch.Tensor:
@@ -161,7 +198,7 @@ def _token_examples(batch: MicroBatch, layout: SequenceLayout) -> torch.Tensor:
 def _loss_func_recording(loss_mask: torch.Tensor, token_examples: torch.Tensor, sample_ids: torch.Tensor,
                          records: list, output_tensor: torch.Tensor):
     """:func:`loss_func`, recording which examples' own loss is not finite (a token's non-finite loss times its
-    mask, what makes the sum non-finite) into ``records`` (:func:`recording_non_finite_losses`)."""
+    mask, what makes the sum non-finite) into ``records`` (:attr:`NonFiniteRecords.losses`)."""
     bad = ~torch.isfinite(output_tensor.reshape(-1).float() * loss_mask.reshape(-1).float())
     counts = torch.zeros(sample_ids.numel() + 1, device=bad.device)  # slot 0: tokens past every example
     counts.index_add_(0, token_examples.reshape(-1) + 1, bad.float())
@@ -184,4 +221,4 @@ def forward_step(data_iterator: Iterator, model: torch.nn.Module):
     if _non_finite_records is None:
         return model(batch, embeds=embeds), functools.partial(loss_func, loss_mask)
     return model(batch, embeds=embeds), functools.partial(
-        _loss_func_recording, loss_mask, _token_examples(batch, layout), batch.sample_ids, _non_finite_records)
+        _loss_func_recording, loss_mask, _token_examples(batch, layout), batch.sample_ids, _non_finite_records.losses)

@@ -27,6 +27,8 @@ with one line naming the fix, instead of training differently from upstream or f
   phase's outputs (the balanced ones moved back to the rank that loaded their example), the loss, the
   backbone's and then each encoder's gradient norm; the first that differs stops the run, named. This
   catches what no rule above lists (an adapter whose ``forward(batch, embeds)`` is not its ``forward(batch)``).
+  A step whose loss or gradients are not finite in both layouts is not compared (announced; the next step is
+  checked instead), in one layout only it differs.
   Its cost: one more forward-backward of the step, and one forward of the encoders without gradients when
   ``forward(batch)`` does not encode through ``encode`` (so its outputs cannot be recorded); one such step at
   most per phase. Both layouts run in training mode (BatchNorm and the like as they train), with dropout off
@@ -460,18 +462,20 @@ def _loss_totals(losses: Sequence[Mapping[str, torch.Tensor]]) -> Dict[str, torc
     return out
 
 
-def _loss_difference(home, balanced, dp_group) -> float:
-    """Largest relative difference of the global per-token losses (last pipeline stage; 0 elsewhere)."""
+def _loss_difference(home, balanced, dp_group) -> Tuple[float, np.ndarray]:
+    """Largest relative difference of the global per-token losses, and whether they are finite in the loader's
+    and in the balanced layout (last pipeline stage; 0 and finite elsewhere)."""
     home, balanced = _loss_totals(home), _loss_totals(balanced)
     if not home:  # not the last pipeline stage (the same on every rank of its DP group)
-        return 0.0
+        return 0.0, np.ones(2, dtype=bool)
     missing = torch.full((2,), math.nan, dtype=torch.float64)  # a key the balanced run did not report
     totals = torch.stack([torch.stack([home[k], balanced.get(k, missing).to(home[k].device)]) for k in home])
     totals = to_communication_device(totals, dp_group)
     dist.all_reduce(totals, group=dp_group)
     totals = totals.cpu()
     loss = totals[..., 0] / totals[..., 1].clamp_min(1)
-    return float(((loss[:, 1] - loss[:, 0]).abs() / loss[:, 0].abs().clamp_min(1e-30)).max())
+    finite = torch.isfinite(loss).all(dim=0).numpy()
+    return float(((loss[:, 1] - loss[:, 0]).abs() / loss[:, 0].abs().clamp_min(1e-30)).max()), finite
 
 
 def checked_step(run_home: Callable[[], list], run_balanced: Callable[[dict], list], step: BalancedStep,
@@ -481,7 +485,10 @@ def checked_step(run_home: Callable[[], list], run_balanced: Callable[[dict], li
     micro-batches ``step.home``, every model chunk fed them), then ``run_balanced(captured)`` (the
     modality-aware schedule's own run, which fills ``captured`` with each phase's received encoder outputs),
     compared; returns the balanced run's result, whose gradients the step keeps, and the figures compared.
-    Raises :class:`FirstStepMismatchError` on every rank when they differ."""
+    Raises :class:`FirstStepMismatchError` on every rank when they differ. A step whose loss or gradients are not
+    finite in both layouts is not compared (no layout makes a difference there: the data or the model does; a
+    trainer's non-finite check names its examples): announced, its figures ``{"not finite": what}``, and the
+    next step checked in its place (``step.check_again``); not finite in one layout only, they differ."""
     config = get_model_config(chunks[0])
     phases, backbone = list(step.plan.encoders), step.plan.backbone
     grads_reduced = config.finalize_model_grads_func is not None
@@ -496,6 +503,10 @@ def checked_step(run_home: Callable[[], list], run_balanced: Callable[[dict], li
         captured: Dict[str, torch.Tensor] = {}
         losses = run_balanced(captured)
         balanced_grads = _gradient_norms(chunks, module, phases)
+    loss_difference, loss_finite = _loss_difference(home_losses, losses, dp_group)
+    # per layout (the loader's, the balanced): the loss not finite, the gradients not finite
+    grads_finite = [np.isfinite(norms).all() for norms in (home_grads, balanced_grads)]
+    not_finite = np.concatenate([~loss_finite, ~np.array(grads_finite)])
     outputs = np.zeros(len(phases))
     for k, phase in enumerate(phases):
         if phase in captured:  # the encoder stage
@@ -505,13 +516,15 @@ def checked_step(run_home: Callable[[], list], run_balanced: Callable[[dict], li
         grads[:] = 0.0
     # whether each encoder got any gradient in each layout: the job's maximum says whether any rank's did
     trained = np.concatenate([home_grads[:-1] > 0, balanced_grads[:-1] > 0]).astype(np.float64)
-    figures = np.concatenate([outputs, [_loss_difference(home_losses, losses, dp_group)], grads[-1:], grads[:-1],
-                              trained])
+    figures = np.concatenate([outputs, [loss_difference], grads[-1:], grads[:-1], trained, not_finite])
     figures = torch.tensor(np.nan_to_num(figures, nan=math.inf), dtype=torch.float64)
     figures = to_communication_device(figures, None)
     dist.all_reduce(figures, op=dist.ReduceOp.MAX)  # every rank of the job, the same verdict
     figures = figures.cpu().numpy()
+    figures, not_finite = figures[:-4], figures[-4:].reshape(2, 2) > 0
     figures, trained = figures[:-2 * len(phases)], figures[-2 * len(phases):].reshape(2, len(phases)) > 0
+    if not_finite.any():
+        return losses, _not_finite(not_finite, step, announce)
     for phase, upstream, balanced in zip(phases, *trained):
         if upstream != balanced:
             raise FirstStepMismatchError(_gradient_in_one_layout(phase, upstream))
@@ -535,6 +548,25 @@ def checked_step(run_home: Callable[[], list], run_balanced: Callable[[dict], li
              f"encoder outputs {max(result['encoder outputs'].values(), default=0.0):.1e}; tolerance {limit:.0e}"
              f"{notes}); training on the balanced layout")
     return losses, result
+
+
+def _not_finite(not_finite: np.ndarray, step: BalancedStep, announce: Callable[[str], None]) -> dict:
+    """The verdict on a checked step whose loss or gradients are not finite (``not_finite``: loss, gradients by
+    layout, the loader's then the balanced, over the job): not compared where both layouts are, else a
+    :class:`FirstStepMismatchError` naming the layout."""
+    what = "loss is" if not_finite[0].any() else "gradients are"
+    layouts = not_finite.any(axis=0)
+    if not layouts.all():
+        bad, good = ("the loader's", "the balanced") if layouts[0] else ("the balanced", "the loader's")
+        raise FirstStepMismatchError(
+            f"post-balancing's checked first step ({FLAG}): the same batch's {what} not finite in {bad} layout but "
+            f"finite in {good} one: forward(batch, embeds) with encode(phase, items) must compute what forward(batch) "
+            "computes")
+    step.check_again()
+    announce(f"> post-balancing: step not checked ({FLAG}): its {what} not finite in the loader's and the balanced "
+             "layout alike (the data or the model, not the layout: the run's non-finite check names the examples); "
+             "the next step is checked in its place")
+    return {"not finite": what.split()[0]}
 
 
 def _gradient_in_one_layout(phase: str, upstream: bool) -> str:

@@ -32,6 +32,7 @@ encoders run), text on the host, where the backbone micro-batches are built as t
 from __future__ import annotations
 
 import dataclasses
+import functools
 import itertools
 import logging
 import time
@@ -279,7 +280,8 @@ class _WholeStep:
 class BalancedStep(_WholeStep):
     """Everything one rank computes in one step under the plan; ``moves``: the step's all-to-alls, on
     ``comm_group`` (None for both: a step without encoder phases on this stage); ``home``: the rank's
-    micro-batches as loaded, on the step the schedule checks (``config.verify_first_step``), else None."""
+    micro-batches as loaded, on the step the schedule checks (``config.verify_first_step``), else None;
+    ``check_again``: on such a step, marks its phases unchecked again (a check that could not compare)."""
 
     microbatches: Sequence[BalancedMicroBatch]
     inputs: Mapping[str, torch.Tensor]  # this rank's encoder-phase items per phase (encoder stage only)
@@ -294,6 +296,7 @@ class BalancedStep(_WholeStep):
     encoder_group: Optional[ProcessGroup] = None   # the encoders on every stage: their moves' group
     encoder_rank: Optional[int] = None             # this rank in it
     pipeline_group: Optional[ProcessGroup] = None  # over which the encoders' gradients are summed
+    check_again: Optional[Callable[[], None]] = None
 
     @property
     def spread(self) -> Optional[EncoderGroupPlan]:
@@ -367,6 +370,7 @@ class CheckedSteps:
     def __init__(self, encoder_phases: Sequence[str]):
         self.first = True
         self.unchecked = set(encoder_phases)
+        self.phases = tuple(encoder_phases)
 
     def due(self, items: Mapping[str, np.ndarray]) -> bool:
         """Whether the step with ``items`` (per encoder phase, the count of every example of the global batch)
@@ -377,6 +381,12 @@ class CheckedSteps:
         self.first = False
         self.unchecked -= present
         return True
+
+    def again(self, items: Mapping[str, np.ndarray]) -> None:
+        """The checked step with ``items`` could not compare (its loss or gradients not finite in both layouts):
+        the next step is checked, and its phases stay unchecked until a step with their items is."""
+        self.first = True
+        self.unchecked |= {phase for phase in self.phases if int(np.sum(items[phase])) > 0}
 
 
 def resolve_microbatching(spec: BatchSpec, config: OrchestratorConfig,
@@ -578,10 +588,13 @@ class PostBalancingDataIterator:
         inputs = {phase: move.wait()[0].to(self.compute_device, non_blocking=True) for phase, move in pending.items()}
         microbatches = _Collated(plan.num_microbatches,
                                  lambda: self._microbatches(plan, ids.result(), mask.result(), step))
-        home = step.read.batches if self._checked is not None and self._checked.due(step.sizes.items) else None
+        due = self._checked is not None and self._checked.due(step.sizes.items)
+        home = step.read.batches if due else None
+        check_again = functools.partial(self._checked.again, step.sizes.items) if due else None
         return BalancedStep(microbatches=microbatches, inputs=inputs, plan=plan, rank=self.rank,
                             num_tokens=step.sizes.num_tokens, rows_per_item=dict(self.rows_per_item),
                             comm_group=self.comm_group, moves=moves, timings=timings, home=home,
+                            check_again=check_again,
                             encoder_group=self.groups.encoder_group, encoder_rank=self.encoder_rank,
                             pipeline_group=self.groups.pipeline_group)
 

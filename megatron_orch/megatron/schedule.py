@@ -52,7 +52,7 @@ from megatron_orch.comm.alltoall import ItemLayout
 from megatron_orch.comm.device import to_communication_device
 from megatron_orch.comm.status import raise_if_any_rank_failed
 from megatron_orch.megatron import first_step
-from megatron_orch.megatron.contract import BalanceableModel, check_model
+from megatron_orch.megatron.contract import BalanceableModel, check_model, record_non_finite_gradients
 from megatron_orch.megatron.encoder_chunks import ChunkBounds, backward_chunk, chunk_bounds, encode_in_chunks
 from megatron_orch.megatron.post_balancing import BalancedMicroBatch, BalancedStep, ShadowStep
 from megatron_orch.megatron.sharding import aligned_chunks, pad_items, sharded_encode, sharding_of
@@ -175,6 +175,8 @@ class ModalityAwareSchedule:
                     captured[phase] = leaf.detach()
                 pending.append((phase, encode, inputs, chunks, leaf))
             microbatches = _attach(step, embeds)
+            for microbatch in microbatches:  # a trainer that records them names the examples of a NaN gradient
+                record_non_finite_gradients(microbatch.batch, microbatch.embeds)
             if watched:
                 microbatches = [dataclasses.replace(mb, embeds=first_step.WatchedEmbeds(mb.embeds))
                                 for mb in microbatches]

@@ -231,7 +231,7 @@ def train_step(forward_step: ForwardStep, data_iterator: Iterator, model: list, 
     timers("optimizer").stop()
     if update_successful:
         scheduler.step(increment=args.global_batch_size)
-    lm_loss, non_finite_samples = None, []
+    lm_loss, non_finite_samples, non_finite_gradient_samples = None, [], []
     if parallel_state.is_pipeline_last_stage():  # sum of token losses / number of loss tokens, over DP (x CP)
         dp_group = parallel_state.get_data_parallel_group(with_context_parallel=True)
         report = to_communication_device(torch.stack([x["lm loss"] for x in losses]).sum(dim=0).double(), dp_group)
@@ -239,15 +239,17 @@ def train_step(forward_step: ForwardStep, data_iterator: Iterator, model: list, 
         report = report.cpu()
         lm_loss = float(report[0] / report[1]) if report[1] > 0 else float("nan")
         if not math.isfinite(lm_loss):  # the same on every rank of the group
-            non_finite_samples = _non_finite_samples(non_finite, args.global_batch_size, dp_group)
+            non_finite_samples = _non_finite_samples(non_finite.losses, args.global_batch_size, dp_group)
+    if grad_norm is not None and not math.isfinite(float(grad_norm)):  # global: every rank of the job alike
+        non_finite_gradient_samples = _non_finite_samples(non_finite.gradients, args.global_batch_size, None)
     return {"lm_loss": lm_loss, "grad_norm": grad_norm, "skipped": not update_successful,
-            "non_finite_samples": non_finite_samples}
+            "non_finite_samples": non_finite_samples, "non_finite_gradient_samples": non_finite_gradient_samples}
 
 
 def _non_finite_samples(records, most: int, group) -> List[int]:
-    """The sample ids of the examples whose own loss was not finite on any rank of ``group`` (each rank's
-    ``records``, :func:`~megatron_orch.megatron.contract.recording_non_finite_losses`: empty for a forward step
-    that records none), at most ``most`` of them per rank; read only for a step whose loss is not finite."""
+    """The sample ids of the examples flagged on any rank of ``group`` (None: the job) in each rank's ``records``
+    (one list of :class:`~megatron_orch.megatron.contract.NonFiniteRecords`: empty where nothing recorded any), at
+    most ``most`` of them per rank; read only for a step whose loss or gradient norm is not finite."""
     mine = sorted({int(i) for ids, bad in records for i in ids[bad.to(ids.device)].tolist() if i >= 0})[:most]
     buffer = torch.full((most + 1,), -1, dtype=torch.long)
     buffer[0] = len(mine)
@@ -371,18 +373,23 @@ class NonFiniteStepError(ValueError):
 def _stop_if_not_finite(args, state: TrainState, result: dict, data_source, events: List[DataEvent]) -> None:
     """Raise :class:`NonFiniteStepError` naming the iteration and its examples if its loss or grad norm is
     not finite, before anything saves it: those whose own loss is not finite where the forward step recorded
-    them (``result["non_finite_samples"]``), else all of the step's. The grad norm is global (every rank raises alike); the loss is
-    known on the last pipeline stage (a non-finite loss with finite gradients stops that stage there,
-    and the other stages at their next collective with it)."""
+    them (``result["non_finite_samples"]``), else those whose encoder output rows got a non-finite gradient
+    (``result["non_finite_gradient_samples"]``, balanced steps), else all of the step's. The grad norm is global
+    (every rank raises alike); the loss is known on the last pipeline stage (a non-finite loss with finite
+    gradients stops that stage there, and the other stages at their next collective with it)."""
     bad = [f"the {what} is {float(value)}" for what, value in (("lm loss", result["lm_loss"]),
                                                                 ("grad norm", result["grad_norm"]))
            if value is not None and not math.isfinite(float(value))]
     if not bad:
         return
-    examples, own = "", result["non_finite_samples"]
-    if own:  # the examples whose own loss is not finite, found per example
-        shown = data_source.describe_examples(own) if data_source is not None else f"sample ids {own}"
-        examples = f"; the examples whose own loss is not finite: {shown}"
+    examples = ""
+    found = [(what, ids) for what, ids in (
+        ("own loss is not finite", result["non_finite_samples"]),
+        ("encoder outputs got a non-finite gradient", result["non_finite_gradient_samples"])) if ids]
+    if found:  # found per example
+        what, ids = found[0]
+        shown = data_source.describe_examples(ids) if data_source is not None else f"sample ids {ids}"
+        examples = f"; the examples whose {what}: {shown}"
     elif data_source is not None:
         first = state.consumed_samples - args.global_batch_size
         replaced = {event.position: event.replacement for event in events if event.skipped}

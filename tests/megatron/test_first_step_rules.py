@@ -23,6 +23,19 @@ def test_the_checked_steps_are_the_first_and_the_first_with_items_of_each_phase(
     assert [first_has_all.due(step) for step in (both, image, audio)] == [True, False, False]
 
 
+def test_a_checked_step_that_could_not_compare_is_checked_again_with_its_phases():
+    """A checked step whose loss or gradients are not finite in both layouts compares nothing: the next step is
+    checked, and the phases it held stay due until a step with their items is checked."""
+    checked = CheckedSteps(["image", "audio"])
+    image, none, both = ({"image": np.array(i), "audio": np.array(a)} for i, a in (([0, 2], [0, 0]), ([0, 0], [0, 0]),
+                                                                                   ([1, 1], [1, 1])))
+    assert checked.due(image)
+    checked.again(image)
+    assert [checked.due(step) for step in (none, none, image, image)] == [True, False, True, False]
+    assert checked.unchecked == {"audio"}
+    assert checked.due(both) and not checked.due(both)
+
+
 class _Encoders(torch.nn.Module):
     """Two phases of linear encoders over items ``[n, 2, 4]`` -> rows ``[n * 2, 3]``; ``sbh``: the rows in
     Megatron's ``[s, b, h]`` order flattened (the items interleaved); ``norm``: BatchNorm over the call's rows."""
