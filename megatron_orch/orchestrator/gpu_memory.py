@@ -156,9 +156,10 @@ def padded_in_flight_tokens(layout: ParallelLayout, seq_length: int, micro_batch
 
 def encoder_ranks_all_refusal(layout: ParallelLayout, parameters: Mapping[str, int], phases: ModelPhases,
                               seq_length: int, micro_batch_size: int, num_microbatches: int,
-                              gpu_memory_bytes: Optional[float], flag: str = "--orch-gpu-memory-gb") -> Optional[str]:
+                              gpu_memory_bytes: Optional[float], limit: str = "--orch-gpu-memory-gb") -> Optional[str]:
     """Why the encoders cannot go on every GPU (``layout`` with ``encoder_ranks="all"``) within
-    ``gpu_memory_bytes`` (None: no check), one line naming the bytes; None where they fit. What every step
+    ``gpu_memory_bytes`` (None: no check; ``limit`` names where it comes from), one line naming the bytes; None
+    where they fit. What every step
     holds whatever its batch: the model state and the backbone's activations of micro-batches padded to
     ``seq_length``; the encoders' kept activations come on top, the planner keeps them under
     ``--orch-encoder-memory-cap``."""
@@ -172,7 +173,7 @@ def encoder_ranks_all_refusal(layout: ParallelLayout, parameters: Mapping[str, i
     first = stage_memory(dataclasses.replace(layout, encoder_ranks="first-stage", encoder_tensor_parallel=None),
                          parameters, phases, padded_in_flight_tokens(layout, seq_length, micro_batch_size,
                                                                      num_microbatches))
-    return (f"--orch-encoder-ranks all does not fit {flag} {gpu_memory_bytes / GB:g}: pipeline stage {stage}'s "
+    return (f"--orch-encoder-ranks all does not fit {limit} ({gpu_memory_bytes / GB:.1f} GB): pipeline stage {stage}'s "
             f"GPUs need {stages[stage].line()} before any encoder activation (TP {layout.tensor_parallel}, "
             f"encoder TP {layout.encoder_tp}, PP {layout.pipeline_stages}, DP {layout.data_parallel}, "
             f"{micro_batch_size} x {seq_length} tokens per micro-batch; --orch-encoder-ranks first-stage: "

@@ -174,7 +174,8 @@ def _encoder_layout(params: dict, dp=None) -> str:
     layout = params["step_model"]
     etp = layout["encoder_tensor_parallel"] or layout["tensor_parallel"]
     if params.get("encoder_gpus"):
-        count = params["encoder_gpus"] if dp is None or params["encoder_gpus"] != AUTO else params["chosen"][str(dp)]
+        count = params["encoder_gpus"] if params["encoder_gpus"] != AUTO else (
+            "the best count of" if dp is None else params["chosen"][str(dp)])
         return f"{count} GPUs of their own (encoder TP {etp}, overlapping the backbone)"
     if layout["encoder_ranks"] == "first-stage":
         return "the first pipeline stage"
