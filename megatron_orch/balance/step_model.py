@@ -34,6 +34,15 @@ FLOPs), as the modality-aware schedule runs it:
    beyond that step's own time.
 
 With ``overlap=False`` every transfer is exposed (the simulator's former model).
+
+**Encoder GPUs of their own** (``encoder_gpus`` > 0, :meth:`StepModel.own_encoder_step`): the encoder phases run
+on that many GPUs beside the replicas' (groups of the encoders' TP size), which encode the next batch while the
+replicas train this one: the step is the slower side (the encoders' forward and backward and the last bucket of
+their gradient reduction over their groups, or the backbone and the last bucket of its reduction over DP), plus
+every embedding all-to-all and its gradients' (exposed: the backbone waits for its embeddings, the encoders for
+their gradients). It assumes the encoders' forward of the next batch may run before this batch's encoder
+update (one step of encoder weight staleness, as asynchronous pipelines take it; a synchronous schedule that
+streams micro-batches to the backbone pays its fill and drain instead, which the model leaves out).
 """
 from __future__ import annotations
 

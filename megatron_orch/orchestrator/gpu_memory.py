@@ -60,7 +60,8 @@ class ParallelLayout:
             if getattr(self, name) < 1:
                 raise ValueError(f"parallel layout: {name} must be >= 1, got {getattr(self, name)}")
         if self.encoder_ranks not in ENCODER_RANKS:
-            raise ValueError(f"parallel layout: encoder_ranks must be one of {ENCODER_RANKS}, got {self.encoder_ranks!r}")
+            raise ValueError(f"parallel layout: encoder_ranks must be one of {ENCODER_RANKS}, "
+                             f"got {self.encoder_ranks!r}")
         etp = self.encoder_tensor_parallel
         if etp is not None and not (etp >= 1 and self.tensor_parallel % etp == 0):
             raise ValueError(f"parallel layout: encoder_tensor_parallel {etp} must divide tensor_parallel "

@@ -104,8 +104,8 @@ def format_tables(result: dict) -> str:
     phases = list(first[SIM_METHODS[0]]["phase_seconds"])
     lines = [f"[sim] model {p['model']} (layers {tuple(p['layers'])}), {p['per_rank']} examples per DP rank, "
              f"mean over seeds {p['seeds']}, costs: {p['costs']}; a DP rank is TP {layout['tensor_parallel']} x PP "
-             f"{layout['pipeline_stages']} (virtual {layout['virtual_stages']}) GPUs, the balanced methods' encoders on "
-             f"{_encoder_layout(p)}; links: {link['gpus_per_node']} "
+             f"{layout['pipeline_stages']} (virtual {layout['virtual_stages']}) GPUs, the balanced methods' encoders "
+             f"on {_encoder_layout(p)}; links: {link['gpus_per_node']} "
              f"GPUs/node, NVLink {link['nvlink_gbytes_per_s']:g} GB/s, NIC {link['nic_gbits_per_s']:g} Gb/s per GPU; "
              f"transfers {'overlapped as the schedule overlaps them' if layout['overlap'] else 'all exposed'}"
              + (", FSDP" if layout["fsdp"] else ""), "",
@@ -187,7 +187,8 @@ def step_shares(figures: dict) -> str:
     parts, step = figures["parts"], figures["step_seconds"]
     if "encoder_gpus_seconds" in parts:
         return (f"orch's step {step:.3f} s: the encoder GPUs busy {parts['encoder_gpus_seconds']:.3f} s "
-                f"({100 * parts['encoder_gpus_seconds'] / step:.0f}%), the replicas {parts['backbone_gpus_seconds']:.3f} s "
+                f"({100 * parts['encoder_gpus_seconds'] / step:.0f}%), the replicas "
+                f"{parts['backbone_gpus_seconds']:.3f} s "
                 f"({100 * parts['backbone_gpus_seconds'] / step:.0f}%: backbone {parts['backbone']:.3f} s, of which "
                 f"pipeline bubble {parts['pipeline_bubble']:.3f} s), embeddings and their gradients "
                 f"{parts['exposed_moves']:.3f} s ({100 * parts['exposed_moves'] / step:.0f}%)")
@@ -195,7 +196,8 @@ def step_shares(figures: dict) -> str:
     backbone = parts["backbone"] - parts["pipeline_bubble"]
     return (f"orch's step {step:.3f} s: encoders {100 * encoders / step:.0f}% (forward and backward with their "
             f"exposed transfers), backbone {100 * backbone / step:.0f}%, pipeline bubble "
-            f"{100 * parts['pipeline_bubble'] / step:.0f}%, gradient reduction {100 * parts['grad_reduce'] / step:.0f}%, "
+            f"{100 * parts['pipeline_bubble'] / step:.0f}%, gradient reduction "
+            f"{100 * parts['grad_reduce'] / step:.0f}%, "
             f"raw inputs and text {100 * parts['exposed_prefetch'] / step:.0f}%")
 
 
@@ -404,7 +406,8 @@ def main(argv: Optional[List[str]] = None) -> dict:
         "traces": [list(spec) for spec in trace_specs(args)], "link": vars(link) | {},
         "step_model": {f.name: getattr(cluster, f.name) for f in dataclasses.fields(cluster) if f.name != "link"},
         "gpus": {dp: dp * cluster.tensor_parallel * cluster.pipeline_stages for dp in dps},
-        "paper": args.paper, "encoder_gpus": args.encoder_gpus, "chosen": {}, "published": [list(p) for p in PUBLISHED], "peak_tflops": args.peak_tflops,
+        "paper": args.paper, "encoder_gpus": args.encoder_gpus, "chosen": {},
+        "published": [list(p) for p in PUBLISHED], "peak_tflops": args.peak_tflops,
         "model_state_gib": {},
         "costs": (f"profile {args.profile} ({profile.device}, {profile.dtype})" if profile
                   else f"training FLOPs at an assumed {args.tflops:g} TFLOP/s per GPU"),

@@ -28,6 +28,12 @@ Step time of a method, in seconds (:mod:`megatron_orch.balance.step_model` for t
 * ``--encoder-ranks all`` (the per-phase methods; upstream keeps Megatron's layout): every encoder phase on
   every GPU of the job at the encoders' TP size, its items balanced over all of them
   (:func:`spread_encoders`), their embeddings and raw inputs crossing nodes;
+* ``--encoder-gpus N`` (the per-phase methods): the encoders on N GPUs of their own beside the replicas'
+  (non-colocated, at the encoders' TP size), every encoder phase's items balanced over their groups, encoding
+  the next batch while the replicas train this one: the step is the slower side plus the embeddings' and their
+  gradients' all-to-alls (:meth:`StepModel.own_encoder_step`; its assumptions there); MFU counts the encoder
+  GPUs too; ``auto`` takes the count of whole nodes of the defaults' highest modeled MFU
+  (:func:`choose_encoder_gpus`);
 * ``none`` and ``backbone_only`` run each example's encoders inside its micro-batch on the first
   pipeline stage: the same schedule with each micro-batch's encoders added to its first-stage forward and
   backward, plus the same gradient reduction;
@@ -37,8 +43,8 @@ Step time of a method, in seconds (:mod:`megatron_orch.balance.step_model` for t
 * planning: ``plan_step`` runs on a CPU thread during the previous step; its time is not in the step
   (``bench.planning`` measures it), so every figure is a function of the batch and the flags alone: the
   same command gives the same JSON on any machine, under any load;
-* modeled MFU: the batch's training FLOPs (the cost models') over step seconds x GPUs x ``peak_tflops``
-  (989: dense bf16 of one H100 or H200).
+* modeled MFU: the batch's training FLOPs (the cost models') over step seconds x GPUs (the replicas', and the
+  encoder GPUs' where a method runs on them) x ``peak_tflops`` (989: dense bf16 of one H100 or H200).
 
 What the model leaves out: memory limits, padding inside backbone micro-batches (items are timed
 alone), the tensor- and pipeline-parallel communication inside a replica (the same for every method),
