@@ -450,14 +450,15 @@ def format_per_gpu(result: dict) -> str:
              f"{result['pp']}, {result['per_rank']} micro-batches of one example, bf16 parameters, fp32 gradients, "
              f"Adam over DP (distributed optimizer), sequence parallel, no recompute", "",
              "| encoders on | encoder TP | backbone micro-batches | busiest stage | parameters | gradients | "
-             f"optimizer | backbone act. | encoder act. | total | fits {result['gpu_memory_gb']:g} GB |",
-             "|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---|"]
+             f"optimizer | backbone act. | encoder act. | total | other stages' most | fits {result['gpu_memory_gb']:g} "
+             "GB |", "|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
     for row in result["rows"]:
         layout = row["layout"]
         lines.append(f"| {layout['encoder_ranks']} | {layout['encoder_tensor_parallel'] or layout['tensor_parallel']}"
                      f" | {row['backbone_microbatches']} | {row['stage']} | {row['parameters']:.1f} | "
                      f"{row['gradients']:.1f} | {row['optimizer']:.2f} | {row['backbone_activations']:.1f} | "
                      f"{row['encoder_activations']:.2f} | {row['total']:.1f} | "
+                     f"{max((t for s, t in enumerate(row['stages_total']) if s != row['stage']), default=0.0):.1f} | "
                      f"{'yes' if row['total'] <= result['gpu_memory_gb'] else 'no'} |")
     return "\n".join(lines)
 
