@@ -40,7 +40,7 @@ on that many GPUs beside the replicas' (groups of the encoders' TP size), which 
 replicas train this one: the step is the slower side (the encoders' forward and backward and the last bucket of
 their gradient reduction over their groups, or the backbone and the last bucket of its reduction over DP), plus
 every embedding all-to-all and its gradients' (exposed: the backbone waits for its embeddings, the encoders for
-their gradients). It assumes the encoders' forward of the next batch may run before this batch's encoder
+their gradients). It assumes the encoders' forward of the next batch may run ahead of this batch's encoder
 update (one step of encoder weight staleness, as asynchronous pipelines take it; a synchronous schedule that
 streams micro-batches to the backbone pays its fill and drain instead, which the model leaves out).
 """
