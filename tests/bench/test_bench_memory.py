@@ -68,6 +68,7 @@ def test_per_gpu_table_adds_up_from_the_plan(tmp_path):
     from megatron_orch.bench.common import draw_sizes
     from megatron_orch.balance.traces import DEFAULT_MIXTURE
     from megatron_orch.orchestrator.config import OrchestratorConfig
+    from megatron_orch.orchestrator.encoder_ranks import spread_over_stages
     from megatron_orch.orchestrator.gpu_memory import ParallelLayout
     from megatron_orch.orchestrator.step_plan import plan_step
 
@@ -96,6 +97,10 @@ def test_per_gpu_table_adds_up_from_the_plan(tmp_path):
     assert memory.encoder_kept_bytes(plan, items, layout) == pytest.approx(kept.max())
     every = memory.encoder_kept_bytes(plan, items, ParallelLayout(4, 2, 2, "all"))
     assert 0 < every <= kept.max()
+    group = spread_over_stages(plan, 2)  # encoder TP 1 under TP 2: each stage's items over its two TP ranks
+    halves = sum(-(-np.asarray(group.chunks[p].kept) // 2) * items[p].memory[0] for p in ("vision", "audio"))
+    assert memory.encoder_kept_bytes(plan, items, ParallelLayout(4, 2, 2, "all", 1)) == pytest.approx(halves.max())
+    assert halves.max() < every
     first, all_, own_tp = (rows[(r, e, "own lengths")] for r, e in (("first-stage", None), ("all", None), ("all", 1)))
     assert first["encoder_activations"] == pytest.approx(kept.max() / 2 / 1e9)
     assert all_["parameters"] == pytest.approx(first["parameters"]) and own_tp["parameters"] > all_["parameters"]
