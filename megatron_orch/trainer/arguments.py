@@ -469,11 +469,13 @@ def validate_args(args: argparse.Namespace, world_size: int, task: TrainingTask)
 def _check_encoder_memory(args: argparse.Namespace, summary) -> None:
     """``--orch-encoder-ranks all`` refused where the per-GPU memory model says it does not fit
     (``--orch-gpu-memory-gb``, else the visible GPU's memory)."""
-    if args.orch_config is None or summary.parameters is None:
+    if args.orch_config is None or not args.orch_config.encoders_on_every_stage or summary.parameters is None:
         return
-    import torch
-    device = torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory \
-        if torch.cuda.is_available() else None
+    device = None
+    if args.orch_gpu_memory_gb is None:  # the visible GPU's memory is the limit
+        import torch
+        if torch.cuda.is_available():
+            device = torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory
     refused = encoder_memory_refusal(args, args.orch_config, summary.phases, summary.parameters, device)
     if refused is not None:
         raise ArgumentError(refused)
