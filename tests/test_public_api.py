@@ -76,7 +76,8 @@ SIGNATURES = {
         '(program, description, add_arguments, configure, build_model, forward_step, '
         'build_train_data_iterator, build_post_balancing, model_identity, data_identity=, '
         'check_data=)',
-    'megatron_orch.trainer.task.ModelSummary': '(name, num_layers, phases, num_experts=, verify_first_step=)',
+    'megatron_orch.trainer.task.ModelSummary':
+        '(name, num_layers, phases, num_experts=, verify_first_step=, parameters=)',
     'megatron_orch.trainer.arguments.parse_args': '(task=, argv=, world_size=, extra_args_providers=)',
     'megatron_orch.trainer.arguments.parse_args_or_exit': '(task=, argv=, world_size=, extra_args_providers=)',
     'megatron_orch.trainer.arguments.check_data_or_exit': '(args, task=)',

@@ -34,6 +34,15 @@ FLOPs), as the modality-aware schedule runs it:
    beyond that step's own time.
 
 With ``overlap=False`` every transfer is exposed (the simulator's former model).
+
+**Encoder GPUs of their own** (``encoder_gpus`` > 0, :meth:`StepModel.own_encoder_step`): the encoder phases run
+on that many GPUs beside the replicas' (groups of the encoders' TP size), which encode the next batch while the
+replicas train this one: the step is the slower side (the encoders' forward and backward and the last bucket of
+their gradient reduction over their groups, or the backbone and the last bucket of its reduction over DP), plus
+every embedding all-to-all and its gradients' (exposed: the backbone waits for its embeddings, the encoders for
+their gradients). It assumes the encoders' forward of the next batch may run ahead of this batch's encoder
+update (one step of encoder weight staleness, as asynchronous pipelines take it; a synchronous schedule that
+streams micro-batches to the backbone pays its fill and drain instead, which the model leaves out).
 """
 from __future__ import annotations
 
@@ -150,6 +159,7 @@ class StepModel:
     lowest_nic_gbits_per_s: float = 1.0  # locality-aware plans: never slower from here to the link's bandwidth
     encoder_ranks: str = "first-stage"    # where the encoder phases run (ENCODER_RANKS)
     encoder_tensor_parallel: Optional[int] = None  # the encoders' TP size under "all" (None: tensor_parallel)
+    encoder_gpus: int = 0  # encoder GPUs of their own, beside the replicas' (0: the encoders on the replicas' GPUs)
 
     def __post_init__(self):
         if not self.tflops > 0:
@@ -162,9 +172,19 @@ class StepModel:
         if self.encoder_ranks not in ENCODER_RANKS:
             raise ValueError(f"step model: encoder_ranks must be one of {ENCODER_RANKS}, got {self.encoder_ranks!r}")
         etp = self.encoder_tensor_parallel
-        if etp is not None and not (1 <= etp and self.tensor_parallel % etp == 0 and self.encoder_ranks == "all"):
+        own = self.encoder_gpus > 0
+        if etp is not None and not (1 <= etp and self.tensor_parallel % etp == 0 and (self.encoder_ranks == "all"
+                                                                                       or own)):
             raise ValueError(f"step model: encoder_tensor_parallel {etp} must divide tensor_parallel "
-                             f"{self.tensor_parallel}, with encoder_ranks 'all'")
+                             f"{self.tensor_parallel}, with encoder_ranks 'all' or encoder GPUs of their own")
+        if self.encoder_gpus < 0 or (own and self.encoder_gpus % (etp or self.tensor_parallel)):
+            raise ValueError(f"step model: encoder_gpus {self.encoder_gpus} must be >= 0 and a multiple of the "
+                             f"encoders' TP size {etp or self.tensor_parallel}")
+        if own and self.fsdp:
+            raise ValueError("step model: encoder GPUs of their own (encoder_gpus) with fsdp are not modeled")
+        if own and self.encoder_ranks == "all":
+            raise ValueError("step model: encoder GPUs of their own (encoder_gpus) and encoder_ranks 'all' exclude "
+                             "each other")
 
     @property
     def encoder_groups_per_replica(self) -> int:
@@ -173,6 +193,13 @@ class StepModel:
         if self.encoder_ranks == "first-stage":
             return 1
         return self.pipeline_stages * self.tensor_parallel // (self.encoder_tensor_parallel or self.tensor_parallel)
+
+    def encoder_groups(self, dp: int) -> int:
+        """Encoder groups (of the encoders' TP size) the job's encoder items are balanced over: ``dp`` x
+        :attr:`encoder_groups_per_replica`, or the encoder GPUs' own groups."""
+        if self.encoder_gpus:
+            return self.encoder_gpus // (self.encoder_tensor_parallel or self.tensor_parallel)
+        return dp * self.encoder_groups_per_replica
 
     def with_nic(self, nic_gbits_per_s: float) -> "StepModel":
         return dataclasses.replace(self, link=dataclasses.replace(self.link, nic_gbits_per_s=nic_gbits_per_s))
@@ -258,6 +285,38 @@ class StepModel:
                 "prefetched_moves": prefetch, "exposed_prefetch": exposed_prefetch,
                 "exposed_moves": encoders_forward + encoders_backward - sum(forward) - sum(backward) + exposed_prefetch,
                 "compute": compute, "step": step + exposed_prefetch}
+
+    def own_encoder_step(self, encoders: Sequence[Tuple[str, float]], backbone: PipelinedBackbone,
+                         embeddings: Mapping[str, Busiest], prefetched: Sequence[Busiest] = (), dp: int = 1,
+                         replicas_per_node: int = 1) -> Dict[str, float]:
+        """The parts of a step with the encoders on GPUs of their own (``encoder_gpus``), as :meth:`step` gives
+        them. The encoder GPUs encode the next batch while the replicas train this one, so the step is the
+        slower side (the encoders' forward and backward with their gradient reduction, or the backbone with its
+        own), plus every embedding all-to-all and its gradients' (exposed: the backbone waits for its
+        embeddings, the encoders for their gradients); raw inputs and text during the previous step.
+        ``encoders``: (phase, training seconds of the busiest encoder group, on its GPUs)."""
+        link = self.link
+        encoder_compute = sum(cost for _, cost in encoders)
+        moves = 2.0 * sum(b.seconds(link) for b in embeddings.values())  # outputs there, gradients back
+        groups = self.encoder_groups(dp)
+        etp = self.encoder_tensor_parallel or self.tensor_parallel
+        backbone_grads = max(self.grad_bytes - self.encoder_grad_bytes, 0.0)
+        sides = []
+        for nbytes, ranks, crosses in ((self.encoder_grad_bytes, groups, groups > link.gpus_per_node // etp),
+                                       (backbone_grads, dp, dp > replicas_per_node)):
+            whole = link.ring_seconds(nbytes, ranks, crosses)
+            sides.append(whole if not self.overlap else link.ring_seconds(min(nbytes, self.bucket_bytes), ranks,
+                                                                          crosses))
+        encoder_side, backbone_side = encoder_compute + sides[0], backbone.seconds + sides[1]
+        compute, grads = (encoder_compute, sides[0]) if encoder_side > backbone_side else (backbone.seconds, sides[1])
+        step = compute + grads + moves
+        prefetch = sum(b.seconds(link) for b in prefetched)
+        exposed_prefetch = max(0.0, prefetch - step) if self.overlap else prefetch
+        return {"encoders_forward": encoder_compute / 3.0, "backbone": backbone.seconds,
+                "pipeline_bubble": backbone.bubble, "encoders_backward": 2.0 * encoder_compute / 3.0,
+                "grad_reduce": grads, "prefetched_moves": prefetch, "exposed_prefetch": exposed_prefetch,
+                "exposed_moves": moves + exposed_prefetch, "compute": compute, "encoder_gpus_seconds": encoder_side,
+                "backbone_gpus_seconds": backbone_side, "step": step + exposed_prefetch}
 
     def nic_breakpoints(self, moves: Sequence[Busiest], lowest: float) -> np.ndarray:
         """NIC bandwidths (Gb/s) between ``lowest`` and the link's where a step's time can bend: where an

@@ -2,6 +2,12 @@
 
     python -m megatron_orch.bench.memory --model mllm_10b --dp 64 --per-rank 16 --json memory.json
     python -m megatron_orch.bench.memory --model mllm_10b --layers 4,4,4 --ranks 8      # quicker
+    python -m megatron_orch.bench.memory --per-gpu --model mllm_84b --dp 80 --tensor-parallel 8 --pipeline-stages 4
+
+``--per-gpu``: parameters, gradients, optimizer state and activations of the busiest GPU with the encoders on
+the first pipeline stage and on every GPU (and at encoder TP 1), by the model of
+:mod:`megatron_orch.orchestrator.gpu_memory` (torch-free, no tensor built) on the planner's plan of a drawn
+batch (:func:`per_gpu`).
 
 Draws a global batch of ``dp * per_rank`` examples from the traces (DP rank r loads the r-th block, one
 example per micro-batch, as the other benchmarks), plans it with ``plan_step`` under the trainer's
@@ -45,6 +51,7 @@ import torch.distributed as dist
 from megatron.core.pipeline_parallel import get_forward_backward_func
 
 from megatron_orch.balance.topology import Topology
+from megatron_orch.balance.workload import phase_items
 from megatron_orch.bench.common import (add_trace_args, draw_sizes, effective_layers, parse_layers, report,
                                         trace_specs, with_layers)
 from megatron_orch.bench.mfu import world_of_one
@@ -57,10 +64,12 @@ from megatron_orch.mllm.config import BOS_TOKEN_ID, MLLMConfig
 from megatron_orch.mllm.examples import assemble_example
 from megatron_orch.mllm.model import MLLMModel, ModelParallelSettings
 from megatron_orch.orchestrator.config import OrchestratorConfig
+from megatron_orch.orchestrator.encoder_ranks import spread_over_stages
+from megatron_orch.orchestrator.gpu_memory import (GB, ParallelLayout, busiest, in_flight, padded_in_flight_tokens,
+                                                   stage_memory)
 from megatron_orch.orchestrator.step_plan import StepPlan, plan_step
 
 META = torch.device("meta")
-GB = 1e9
 
 # The balanced step under the trainer's settings: name -> (its flags, OrchestratorConfig fields).
 VARIANTS = {
@@ -373,6 +382,87 @@ def format_tables(result: dict) -> str:
     return "\n".join(lines)
 
 
+def encoder_kept_bytes(plan: StepPlan, items, layout: ParallelLayout) -> float:
+    """Encoder activation bytes the busiest encoder group keeps through the backbone under ``plan``: each rank's
+    kept chunks (``EncoderChunks.kept``, every item where the plan keeps no chunks), the DP plan's on the first
+    stage; with the encoders on every GPU the trainer's split over the stages
+    (:func:`~megatron_orch.orchestrator.encoder_ranks.spread_over_stages`), and at an encoder TP below the
+    backbone's each stage's items over its ``TP / encoder TP`` groups as evenly as they go."""
+    dp = plan.examples_home.num_ranks
+    if layout.encoder_ranks == "all":
+        group = spread_over_stages(plan, layout.pipeline_stages)
+        placements, chunks, ranks = group.encode, group.chunks, group.num_ranks
+    else:
+        placements = {p: e.encode for p, e in plan.encoders.items()}
+        chunks, ranks = {p: e.chunks for p, e in plan.encoders.items()}, dp
+    split = layout.tensor_parallel // layout.encoder_tp if layout.encoder_ranks == "all" else 1
+    kept = np.zeros(ranks)
+    for phase, placement in placements.items():
+        count = placement.counts() if chunks[phase] is None else np.asarray(chunks[phase].kept)
+        per_item = float(items[phase].memory[0]) if len(items[phase]) else 0.0
+        kept += -(-count // split) * per_item
+    return float(kept.max(initial=0.0))
+
+
+def own_in_flight_tokens(plan: StepPlan, num_tokens: np.ndarray, layout: ParallelLayout) -> List[float]:
+    """Every stage's in-flight backbone tokens with micro-batches of their own lengths (Megatron-LM's
+    ``variable_seq_lengths``, what the simulator times): the busiest replica's most tokens in any
+    :func:`~megatron_orch.orchestrator.gpu_memory.in_flight` consecutive micro-batches of its running order."""
+    m = plan.num_microbatches
+    dp = plan.examples_home.num_ranks
+    cell = plan.examples_backbone.rank * m + plan.microbatch_of_example
+    tokens = np.bincount(cell, weights=num_tokens, minlength=dp * m).reshape(dp, m)
+    out = []
+    for stage in range(layout.pipeline_stages):
+        window = in_flight(stage, layout.pipeline_stages, m)
+        sums = np.cumsum(np.pad(tokens, ((0, 0), (1, 0))), axis=1)
+        out.append(float((sums[:, window:] - sums[:, :-window]).max(initial=0.0)))
+    return out
+
+
+def per_gpu(config: MLLMConfig, sizes, layouts: List[ParallelLayout], seq_length: int, num_microbatches: int,
+            gpus_per_node: int) -> List[dict]:
+    """The busiest GPU of every layout (parameters, gradients, optimizer, activations: :func:`stage_memory`),
+    the backbone's micro-batches padded to ``seq_length`` (the compact trainer) and of their own lengths
+    (Megatron-LM's variable lengths), the encoders' kept activations from the defaults' plan of ``sizes``."""
+    phases, parameters = config.phases(), config.num_parameters()
+    items = phase_items(sizes, phases)
+    out = []
+    for layout in layouts:
+        microbatching = "equal_count" if layout.pipeline_stages > 1 else "auto"  # 1F1B: fixed-shape micro-batches
+        plan = plan_step(sizes, phases, OrchestratorConfig(background=False, verify_first_step=False,
+                                                           microbatching=microbatching),
+                         Topology.uniform(layout.data_parallel, max(1, gpus_per_node // layout.tensor_parallel)),
+                         micro_batch_size=1, num_microbatches=num_microbatches)
+        encoders = encoder_kept_bytes(plan, items, layout)
+        for backbone, tokens in (("padded", padded_in_flight_tokens(layout, seq_length, 1, num_microbatches)),
+                                 ("own lengths", own_in_flight_tokens(plan, sizes.num_tokens, layout))):
+            stages = stage_memory(layout, parameters, phases, tokens, encoders)
+            stage = busiest(stages)
+            out.append({"layout": dataclasses.asdict(layout), "backbone_microbatches": backbone, "stage": stage,
+                        **{k: v / GB for k, v in dataclasses.asdict(stages[stage]).items()},
+                        "total": stages[stage].total / GB, "stages_total": [m.total / GB for m in stages]})
+    return out
+
+
+def format_per_gpu(result: dict) -> str:
+    lines = [f"per-GPU memory (GB) of the busiest GPU, {result['model']}, DP {result['dp']} x TP {result['tp']} x PP "
+             f"{result['pp']}, {result['per_rank']} micro-batches of one example, bf16 parameters, fp32 gradients, "
+             f"Adam over DP (distributed optimizer), sequence parallel, no recompute", "",
+             "| encoders on | encoder TP | backbone micro-batches | busiest stage | parameters | gradients | "
+             f"optimizer | backbone act. | encoder act. | total | other stages' most | fits {result['gpu_memory_gb']:g} "
+             "GB |", "|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
+    for row in result["rows"]:
+        layout = row["layout"]
+        lines.append(f"| {layout['encoder_ranks']} | {layout['encoder_tensor_parallel'] or layout['tensor_parallel']}"
+                     f" | {row['backbone_microbatches']} | {row['stage']} | {row['parameters']:.1f} | "
+                     f"{row['gradients']:.1f} | {row['optimizer']:.2f} | {row['backbone_activations']:.1f} | "
+                     f"{row['encoder_activations']:.2f} | {row['total']:.1f} | "
+                     f"{max((t for s, t in enumerate(row['stages_total']) if s != row['stage']), default=0.0):.1f} | "
+                     f"{'yes' if row['total'] <= result['gpu_memory_gb'] else 'no'} |")
+    return "\n".join(lines)
+
+
 def main(argv=None) -> dict:
     parser = argparse.ArgumentParser(prog="python -m megatron_orch.bench.memory", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -389,6 +479,13 @@ def main(argv=None) -> dict:
     parser.add_argument("--variants", default=",".join(VARIANTS),
                         help="balanced steps to measure: " + "; ".join(f"{k}: {v[0]}" for k, v in VARIANTS.items()))
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--per-gpu", action="store_true",
+                        help="the per-GPU table (parameters, gradients, optimizer, activations) of each encoder layout "
+                             "instead of measuring saved tensors")
+    parser.add_argument("--tensor-parallel", type=int, default=1, help="--per-gpu: TP size (default 1)")
+    parser.add_argument("--pipeline-stages", type=int, default=1, help="--per-gpu: pipeline stages (default 1)")
+    parser.add_argument("--gpu-memory-gb", type=float, default=80.0,
+                        help="--per-gpu: the memory the fits column compares with (default 80: an H100)")
     parser.add_argument("--json", default=None, metavar="OUT")
     args = parser.parse_args(argv)
     variants = [v for v in args.variants.split(",") if v]
@@ -401,6 +498,18 @@ def main(argv=None) -> dict:
     except ValueError as err:  # e.g. an example longer than --seq-length: refused, as training refuses it
         parser.error(str(err))
     model_config = with_layers(model_config, parse_layers(parser, args.layers))
+    if args.per_gpu:
+        try:
+            layouts = [ParallelLayout(args.dp, args.tensor_parallel, args.pipeline_stages, ranks, etp)
+                       for ranks, etp in (("first-stage", None), ("all", None), ("all", 1))
+                       if etp is None or args.tensor_parallel > 1]
+        except ValueError as err:
+            parser.error(str(err))
+        seq_length = args.seq_length or model_config.backbone.max_position_embeddings
+        result = {"model": model_config.name, "dp": args.dp, "tp": args.tensor_parallel, "pp": args.pipeline_stages,
+                  "per_rank": args.per_rank, "seq_length": seq_length, "gpu_memory_gb": args.gpu_memory_gb,
+                  "rows": per_gpu(model_config, sizes, layouts, seq_length, args.per_rank, args.gpus_per_node)}
+        return report(result, format_per_gpu, args.json)
     phases = model_config.phases()
     topology = Topology.uniform(args.dp, args.gpus_per_node)
     plans = {}

@@ -3,13 +3,15 @@ from __future__ import annotations
 
 import argparse
 import os
-from typing import Optional
+from typing import Mapping, Optional
 
 from megatron_orch.balance.cost_profile import load_cost_profile
 from megatron_orch.balance.plan import ALL_TO_ALL
 from megatron_orch.balance.registry import PARTITIONERS, PLACEMENTS
+from megatron_orch.balance.workload import ModelPhases
 from megatron_orch.orchestrator.config import MICROBATCHING, ConfigError, EncoderRanks, OrchestratorConfig
 from megatron_orch.orchestrator.encoder_ranks import unsupported_layout
+from megatron_orch.orchestrator.gpu_memory import GB, ParallelLayout, encoder_ranks_all_refusal
 
 # The flag of each OrchestratorConfig field a command line sets: its errors name the flag (:func:`flag_message`).
 CONFIG_FLAGS = {"phases": "--orch-phases", "algorithm": "--orch-algorithm", "microbatching": "--orch-microbatching",
@@ -101,6 +103,11 @@ def add_orch_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                         "layout: the first pipeline stage's, items balanced over DP) or all (every pipeline "
                         "stage's, items balanced over DP x PP, their outputs sent to the first stage; the first step "
                         "is then not checked)")
+    g.add_argument("--orch-gpu-memory-gb", type=float, default=None, metavar="GB",
+                   help="memory of one GPU (10^9 bytes) that --orch-encoder-ranks all must fit: refused before any "
+                        "collective where the per-GPU model (parameters, gradients, optimizer state and the "
+                        "backbone's activations of micro-batches of --seq-length; megatron_orch.orchestrator."
+                        "gpu_memory) exceeds it; default: the device's memory where a GPU is visible, else no check")
     g.add_argument("--orch-cost-profile", type=str, default=None, metavar="PROFILE.yaml",
                    help="balance item costs measured on the device (python -m megatron_orch.bench.calibrate) "
                         "instead of training FLOPs from the model's shape; refused unless measured on this "
@@ -146,6 +153,8 @@ def orch_config_from_args(args: argparse.Namespace, verify_by_default: bool = Fa
             sharded=sharded[0] if sharded else None)
         if refused is not None:
             raise ValueError(refused)
+    if args.orch_gpu_memory_gb is not None and not args.orch_gpu_memory_gb > 0:
+        raise ValueError(f"--orch-gpu-memory-gb must be > 0, got {args.orch_gpu_memory_gb}")
     phases = None if args.orch_phases is None else tuple(p.strip() for p in args.orch_phases.split(",") if p.strip())
     try:
         config = _config(args, phases, verify)
@@ -157,6 +166,25 @@ def orch_config_from_args(args: argparse.Namespace, verify_by_default: bool = Fa
         raise ValueError("--orch-microbatching packed with --pipeline-model-parallel-size > 1 is not "
                          "supported: 1F1B needs fixed-shape micro-batches (use equal_count)")
     return config
+
+
+def encoder_memory_refusal(args: argparse.Namespace, config: OrchestratorConfig, phases: ModelPhases,
+                           parameters: Mapping[str, int], device_memory_bytes: Optional[float]) -> Optional[str]:
+    """Why ``--orch-encoder-ranks all`` does not fit one GPU (None: it fits, or nothing to check), one line naming
+    the bytes (:func:`~megatron_orch.orchestrator.gpu_memory.encoder_ranks_all_refusal`): against
+    ``--orch-gpu-memory-gb``, else ``device_memory_bytes`` (None: no GPU visible, no check). ``parameters``: each
+    phase's parameter count."""
+    if not config.encoders_on_every_stage:
+        return None
+    given = args.orch_gpu_memory_gb
+    layout = ParallelLayout(
+        args.data_parallel_size, args.tensor_model_parallel_size, args.pipeline_model_parallel_size, "all",
+        getattr(config, "encoder_tensor_parallel_size", None),  # the encoders' own TP size, where the config has one
+        distributed_optimizer=bool(args.use_distributed_optimizer),
+        sequence_parallel=bool(args.sequence_parallel))
+    return encoder_ranks_all_refusal(layout, parameters, phases, args.seq_length, args.micro_batch_size,
+                                     args.num_microbatches, device_memory_bytes if given is None else given * GB,
+                                     limit="--orch-gpu-memory-gb" if given is not None else "the GPU's memory")
 
 
 def _config(args: argparse.Namespace, phases, verify: bool) -> OrchestratorConfig:

@@ -87,7 +87,8 @@ def configure(args: argparse.Namespace) -> ModelSummary:
     args.mllm_config = config = resolve_model_config(args)
     backbone = config.backbone.transformer
     return ModelSummary(name=config.name, num_layers=backbone.num_layers, phases=config.phases(),
-                        num_experts=backbone.num_experts, verify_first_step=not is_shipped_config(args.model_config))
+                        num_experts=backbone.num_experts, verify_first_step=not is_shipped_config(args.model_config),
+                        parameters={k: v for k, v in config.num_parameters().items() if k != "total"})
 
 
 def resolve_model_config(args: argparse.Namespace) -> MLLMConfig:

@@ -32,6 +32,7 @@ LOCALITY_PAIRS = (("locality", "orch"), ("equal_locality", "equal_count"))
 # Published step speedups over Megatron-LM, set beside the paper configuration's simulated one.
 PUBLISHED = (("OrchMLLM (arXiv 2503.23830)", "84B MLLM, three modalities, 2560 H100 GPUs", 3.1, "41.6%"),
              ("DistTrain (arXiv 2408.04275)", "72B multimodal LLM, 1172 GPUs", 2.2, ""))
+AUTO = "auto"
 PAPER = {"model": "mllm_84b", "dp": "80", "tensor_parallel": 8, "pipeline_stages": 4, "per_rank": 16}
 
 
@@ -103,8 +104,8 @@ def format_tables(result: dict) -> str:
     phases = list(first[SIM_METHODS[0]]["phase_seconds"])
     lines = [f"[sim] model {p['model']} (layers {tuple(p['layers'])}), {p['per_rank']} examples per DP rank, "
              f"mean over seeds {p['seeds']}, costs: {p['costs']}; a DP rank is TP {layout['tensor_parallel']} x PP "
-             f"{layout['pipeline_stages']} (virtual {layout['virtual_stages']}) GPUs, the balanced methods' encoders on "
-             f"{_encoder_layout(layout)}; links: {link['gpus_per_node']} "
+             f"{layout['pipeline_stages']} (virtual {layout['virtual_stages']}) GPUs, the balanced methods' encoders "
+             f"on {_encoder_layout(p)}; links: {link['gpus_per_node']} "
              f"GPUs/node, NVLink {link['nvlink_gbytes_per_s']:g} GB/s, NIC {link['nic_gbits_per_s']:g} Gb/s per GPU; "
              f"transfers {'overlapped as the schedule overlaps them' if layout['overlap'] else 'all exposed'}"
              + (", FSDP" if layout["fsdp"] else ""), "",
@@ -115,7 +116,7 @@ def format_tables(result: dict) -> str:
         for m in SIM_METHODS:
             f = result["dp"][dp][m]
             ph = f["phase_seconds"]
-            lines.append(f"| {dp} | {p['gpus'][dp] if dp in p['gpus'] else p['gpus'][int(dp)]} | {m} | "
+            lines.append(f"| {dp} | {f['gpus']:g} | {m} | "
                          + " | ".join(f"{ph[q]:.4g}" for q in phases) + " | "
                          f"{f['compute_seconds']:.4g} | {f['exposed_comm_seconds']:.3g} | "
                          f"{f['pipeline_bubble_seconds']:.3g} | {f['grad_reduce_seconds']:.3g} | "
@@ -151,9 +152,10 @@ def format_tables(result: dict) -> str:
         for dp in sorted(result["dp"], key=int):
             gpus = p["gpus"][dp] if dp in p["gpus"] else p["gpus"][int(dp)]
             orch = result["dp"][dp]["orch"]
-            lines.append(f"| this simulator, orch (defaults), encoders on {_encoder_layout(layout)} | {p['model']}, "
-                         f"{gpus} GPUs (DP {dp} x TP {layout['tensor_parallel']} x PP {layout['pipeline_stages']}) | "
-                         f"{orch['speedup']:.2f}x | {100 * orch['mfu']:.1f}% |")
+            own = f" + {orch['gpus'] - gpus:g} encoder GPUs" if orch["gpus"] > gpus else ""
+            lines.append(f"| this simulator, orch (defaults), encoders on {_encoder_layout(p, dp)} | {p['model']}, "
+                         f"{gpus} GPUs (DP {dp} x TP {layout['tensor_parallel']} x PP {layout['pipeline_stages']})"
+                         f"{own} | {orch['speedup']:.2f}x | {100 * orch['mfu']:.1f}% |")
             lines.append(f"| this simulator, the bound of any per-phase plan (compute alone, "
                          f"`step_lower_bound`) | same | {result['dp'][dp]['none']['speedup_bound']:.2f}x | |")
         lines += [f"| {name} (published) | {what} | {speedup:.1f}x | {mfu} |"
@@ -161,14 +163,42 @@ def format_tables(result: dict) -> str:
         for dp, state in p["model_state_gib"].items():
             lines.append(f"\nmodel state per GPU at DP {dp} (bf16 parameters, fp32 gradients, distributed Adam; no "
                          f"activations): first stage {state['first_stage']:.1f} GiB, other stages "
-                         f"{state['other_stages']:.1f} GiB")
+                         f"{state['other_stages']:.1f} GiB"
+                         + (f", encoder GPUs {state['encoder_gpus']:.1f} GiB" if "encoder_gpus" in state else ""))
+            lines.append(step_shares(result["dp"][str(dp)]["orch"]))
     return "\n".join(lines + [""] + findings(result["checks"]))
 
 
-def _encoder_layout(layout: dict) -> str:
+def _encoder_layout(params: dict, dp=None) -> str:
+    """Where the balanced methods' encoders run (at ``dp``: the encoder GPUs chosen there)."""
+    layout = params["step_model"]
+    etp = layout["encoder_tensor_parallel"] or layout["tensor_parallel"]
+    if params.get("encoder_gpus"):
+        count = params["encoder_gpus"] if params["encoder_gpus"] != AUTO else (
+            "the best count of" if dp is None else params["chosen"][str(dp)])
+        return f"{count} GPUs of their own (encoder TP {etp}, overlapping the backbone)"
     if layout["encoder_ranks"] == "first-stage":
         return "the first pipeline stage"
-    return f"every GPU (encoder TP {layout['encoder_tensor_parallel'] or layout['tensor_parallel']})"
+    return f"every GPU (encoder TP {etp})"
+
+
+def step_shares(figures: dict) -> str:
+    """What share of the defaults' step is what (the parts of :meth:`StepModel.step`)."""
+    parts, step = figures["parts"], figures["step_seconds"]
+    if "encoder_gpus_seconds" in parts:
+        return (f"orch's step {step:.3f} s: the encoder GPUs busy {parts['encoder_gpus_seconds']:.3f} s "
+                f"({100 * parts['encoder_gpus_seconds'] / step:.0f}%), the replicas "
+                f"{parts['backbone_gpus_seconds']:.3f} s "
+                f"({100 * parts['backbone_gpus_seconds'] / step:.0f}%: backbone {parts['backbone']:.3f} s, of which "
+                f"pipeline bubble {parts['pipeline_bubble']:.3f} s), embeddings and their gradients "
+                f"{parts['exposed_moves']:.3f} s ({100 * parts['exposed_moves'] / step:.0f}%)")
+    encoders = parts["encoders_forward"] + parts["encoders_backward"]
+    backbone = parts["backbone"] - parts["pipeline_bubble"]
+    return (f"orch's step {step:.3f} s: encoders {100 * encoders / step:.0f}% (forward and backward with their "
+            f"exposed transfers), backbone {100 * backbone / step:.0f}%, pipeline bubble "
+            f"{100 * parts['pipeline_bubble'] / step:.0f}%, gradient reduction "
+            f"{100 * parts['grad_reduce'] / step:.0f}%, "
+            f"raw inputs and text {100 * parts['exposed_prefetch'] / step:.0f}%")
 
 
 def _change(new: float, old: float) -> str:
@@ -274,7 +304,27 @@ def step_model_of(model, link: LinkModel, args: argparse.Namespace) -> StepModel
     return StepModel(link=link, tflops=args.tflops, tensor_parallel=tp, pipeline_stages=pp,
                      virtual_stages=args.virtual_stages, grad_bytes=grads, encoder_grad_bytes=encoder_grads,
                      fsdp=args.fsdp, overlap=not args.no_overlap, encoder_ranks=args.encoder_ranks,
-                     encoder_tensor_parallel=args.encoder_tensor_parallel)
+                     encoder_tensor_parallel=args.encoder_tensor_parallel,
+                     encoder_gpus=0 if args.encoder_gpus == AUTO else args.encoder_gpus)
+
+
+def encoder_gpu_choices(cluster: StepModel, dp: int) -> List[int]:
+    """The encoder-GPU counts ``--encoder-gpus auto`` chooses from: whole nodes, from one up to as many GPUs as
+    the replicas hold."""
+    node = cluster.link.gpus_per_node
+    return list(range(node, dp * cluster.tensor_parallel * cluster.pipeline_stages + 1, node))
+
+
+def _encoder_gpus(text: str):
+    if text == AUTO:
+        return text
+    try:
+        count = int(text)
+    except ValueError:
+        count = -1
+    if count < 0:
+        raise argparse.ArgumentTypeError(f"takes a number of GPUs >= 0 or {AUTO!r}, got {text!r}")
+    return count
 
 
 def main(argv: Optional[List[str]] = None) -> dict:
@@ -314,6 +364,11 @@ def main(argv: Optional[List[str]] = None) -> dict:
                              "Megatron's layout)")
     parser.add_argument("--encoder-tensor-parallel", type=int, default=None,
                         help="the encoders' TP size with --encoder-ranks all (default --tensor-parallel)")
+    parser.add_argument("--encoder-gpus", type=_encoder_gpus, default=0, metavar="N|auto",
+                        help="the balanced methods' encoders on N GPUs of their own beside the replicas' (whole "
+                             "nodes; they encode the next batch while the replicas train this one); auto: the count "
+                             "of whole nodes of the defaults' highest modeled MFU on the first seed's batch, then "
+                             "kept for every seed; 0 (default): on the replicas' GPUs (--encoder-ranks)")
     parser.add_argument("--fsdp", action="store_true", help="parameters gathered per layer (Megatron-FSDP / FSDP2)")
     parser.add_argument("--no-overlap", action="store_true",
                         help="every transfer and the gradient reduction exposed (no overlap with compute)")
@@ -351,12 +406,14 @@ def main(argv: Optional[List[str]] = None) -> dict:
         "traces": [list(spec) for spec in trace_specs(args)], "link": vars(link) | {},
         "step_model": {f.name: getattr(cluster, f.name) for f in dataclasses.fields(cluster) if f.name != "link"},
         "gpus": {dp: dp * cluster.tensor_parallel * cluster.pipeline_stages for dp in dps},
-        "paper": args.paper, "published": [list(p) for p in PUBLISHED], "peak_tflops": args.peak_tflops,
-        "model_state_gib": {dp: {k: v / 2**30 for k, v in model_state_bytes(model, cluster, dp).items()} for dp in dps},
+        "paper": args.paper, "encoder_gpus": args.encoder_gpus, "chosen": {},
+        "published": [list(p) for p in PUBLISHED], "peak_tflops": args.peak_tflops,
+        "model_state_gib": {},
         "costs": (f"profile {args.profile} ({profile.device}, {profile.dtype})" if profile
                   else f"training FLOPs at an assumed {args.tflops:g} TFLOP/s per GPU"),
         "nic_sweep_gbits_per_s": sweep, "peer_steps": args.peer_steps,
-        "communicator_memory": dataclasses.asdict(CommunicatorMemory())}, "dp": {}, "per_seed": {}, "peers": {}}
+        "communicator_memory": dataclasses.asdict(CommunicatorMemory())}, "dp": {}, "per_seed": {}, "peers": {},
+        "encoder_gpu_choice": {}}
     for dp in dps:
         runs = []
 
@@ -367,9 +424,17 @@ def main(argv: Optional[List[str]] = None) -> dict:
             except ValueError as err:  # an example longer than --seq-length: refused, as training refuses it
                 parser.error(str(err))
 
+        at = cluster
         for seed in seeds:
-            runs.append(simulate_step(draw(seed), model, link, profile, args.tflops, sweep, cluster, args.peak_tflops))
+            choices = encoder_gpu_choices(cluster, dp) if args.encoder_gpus == AUTO and at is cluster else ()
+            runs.append(simulate_step(draw(seed), model, link, profile, args.tflops, sweep, at, args.peak_tflops,
+                                      choices))
+            if choices:  # chosen on the first seed's batch, kept for the others (a job's GPUs do not change)
+                result["encoder_gpu_choice"][str(dp)] = runs[-1].pop("encoder_gpu_choice")
+                result["params"]["chosen"][str(dp)] = runs[-1]["encoder_gpus"]
+                at = dataclasses.replace(cluster, encoder_gpus=runs[-1]["encoder_gpus"])
         result["dp"][str(dp)], result["per_seed"][str(dp)] = mean_over_runs(runs), runs
+        result["params"]["model_state_gib"][dp] = {k: v / 2**30 for k, v in model_state_bytes(model, at, dp).items()}
         topology = topology_of(dp, cluster)
         result["peers"][str(dp)] = peers_over_steps(
             lambda sizes: plan_method(DEFAULT_METHOD, sizes, model, topology, profile, cluster),

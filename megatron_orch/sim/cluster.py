@@ -28,6 +28,12 @@ Step time of a method, in seconds (:mod:`megatron_orch.balance.step_model` for t
 * ``--encoder-ranks all`` (the per-phase methods; upstream keeps Megatron's layout): every encoder phase on
   every GPU of the job at the encoders' TP size, its items balanced over all of them
   (:func:`spread_encoders`), their embeddings and raw inputs crossing nodes;
+* ``--encoder-gpus N`` (the per-phase methods): the encoders on N GPUs of their own beside the replicas'
+  (non-colocated, at the encoders' TP size), every encoder phase's items balanced over their groups, encoding
+  the next batch while the replicas train this one: the step is the slower side plus the embeddings' and their
+  gradients' all-to-alls (:meth:`StepModel.own_encoder_step`; its assumptions there); MFU counts the encoder
+  GPUs too; ``auto`` takes the count of whole nodes of the defaults' highest modeled MFU
+  (:func:`choose_encoder_gpus`);
 * ``none`` and ``backbone_only`` run each example's encoders inside its micro-batch on the first
   pipeline stage: the same schedule with each micro-batch's encoders added to its first-stage forward and
   backward, plus the same gradient reduction;
@@ -37,8 +43,8 @@ Step time of a method, in seconds (:mod:`megatron_orch.balance.step_model` for t
 * planning: ``plan_step`` runs on a CPU thread during the previous step; its time is not in the step
   (``bench.planning`` measures it), so every figure is a function of the batch and the flags alone: the
   same command gives the same JSON on any machine, under any load;
-* modeled MFU: the batch's training FLOPs (the cost models') over step seconds x GPUs x ``peak_tflops``
-  (989: dense bf16 of one H100 or H200).
+* modeled MFU: the batch's training FLOPs (the cost models') over step seconds x GPUs (the replicas', and the
+  encoder GPUs' where a method runs on them) x ``peak_tflops`` (989: dense bf16 of one H100 or H200).
 
 What the model leaves out: memory limits, padding inside backbone micro-batches (items are timed
 alone), the tensor- and pipeline-parallel communication inside a replica (the same for every method),
@@ -58,13 +64,14 @@ from megatron_orch.balance.step_model import DEFAULT_TFLOPS, Busiest, LinkModel,
 from megatron_orch.balance.topology import Topology
 from megatron_orch.balance.workload import PhaseItems, StepSizes, phase_items
 from megatron_orch.bench.balance import backbone_only_plan
-from megatron_orch.bench.common import PLAN_METHODS, model_phases, plan_method, step_connections
+from megatron_orch.bench.common import DEFAULT_METHOD, PLAN_METHODS, model_phases, plan_method, step_connections
+from megatron_orch.orchestrator.gpu_memory import (GRADIENT_BYTES, OPTIMIZER_BYTES, PARAMETER_BYTES, ParallelLayout,
+                                                   stage_memory)
 from megatron_orch.orchestrator.step_plan import StepPlan, step_transfers, warm_up
 
 __all__ = ("SIM_METHODS", "END_TO_END", "DEFAULT_TFLOPS", "PEAK_TFLOPS", "LinkModel", "StepModel",
-           "phase_cell_seconds", "model_flops", "model_state_bytes", "simulate_step", "spread_encoders",
-           "step_lower_bound",
-           "topology_of", "warm_up_planner")
+           "choose_encoder_gpus", "phase_cell_seconds", "model_flops", "model_state_bytes", "simulate_step",
+           "spread_encoders", "step_lower_bound", "topology_of", "warm_up_planner")
 
 SIM_METHODS = ("none", "orch", "equal_count", "locality", "equal_locality", "backbone_only")
 END_TO_END = ("none", "backbone_only")  # each example runs all its phases on one rank
@@ -100,14 +107,15 @@ def phase_cell_seconds(plan: StepPlan, items: Dict[str, PhaseItems], profile: Op
 
 def spread_encoders(plan: StepPlan, items: Dict[str, PhaseItems], at: StepModel, profile: Optional[CostProfile],
                     tflops: float):
-    """The encoder phases under ``encoder_ranks="all"``: each phase's items balanced over every encoder group of
-    the job (``dp x`` :attr:`StepModel.encoder_groups_per_replica` groups of the encoders' TP size; items of one
+    """The encoder phases under ``encoder_ranks="all"`` or on encoder GPUs of their own: each phase's items
+    balanced over every encoder group (:meth:`StepModel.encoder_groups`, of the encoders' TP size; items of one
     cost: ceil(n / groups) per group, exactly; else ``partition``), as (phase, seconds of the busiest group) in
     order, each phase's embedding all-to-all and its raw-input one. Every item is assumed to cross nodes (at
-    this scale an item's encoder group is almost never on its replica's node): the busiest GPU's NIC bytes are
-    the larger of the busiest group's sends and the busiest first-stage group's receives."""
+    this scale an item's encoder group is almost never on its replica's node; the encoder GPUs' nodes are their
+    own): the busiest GPU's NIC bytes are the larger of the busiest group's sends and the busiest first-stage
+    group's receives."""
     dp = plan.examples_home.num_ranks
-    groups = dp * at.encoder_groups_per_replica
+    groups = at.encoder_groups(dp)
     etp = at.encoder_tensor_parallel or at.tensor_parallel
     encoders, embeddings, inputs = [], {}, []
     for phase in plan.encoders:
@@ -137,43 +145,45 @@ def step_lower_bound(items: Dict[str, PhaseItems], backbone: str, at: StepModel,
     """Seconds no per-phase plan's step goes below under ``at``'s layout, communication aside: each encoder
     phase's max(mean, largest item) over its groups (the replicas' first stages, or every encoder group of the
     job), forward and backward, then the backbone's :meth:`PipelineSchedule.lower_bound` over the replicas."""
-    groups = dp * at.encoder_groups_per_replica
-    etp = at.encoder_tensor_parallel or at.tensor_parallel if at.encoder_ranks == "all" else at.tensor_parallel
+    groups = at.encoder_groups(dp)
+    spread = at.encoder_ranks == "all" or at.encoder_gpus
+    etp = at.encoder_tensor_parallel or at.tensor_parallel if spread else at.tensor_parallel
 
     def seconds(phase: str) -> np.ndarray:
         cost = items[phase].cost
         return cost / (tflops * 1e12) if profile is None else cost
 
-    bound = sum(max(float(seconds(p).sum()) / groups, float(seconds(p).max(initial=0.0))) / etp
-                for p in items if p != backbone)
-    return bound + at.schedule.lower_bound(seconds(backbone) / at.tensor_parallel, dp)
-
-
-MODEL_STATE_BYTES_PER_PARAMETER = 2 + 4  # bf16 parameters and fp32 gradients (Megatron DDP's grad buffer)
-OPTIMIZER_BYTES_PER_PARAMETER = 12      # Adam's fp32 main parameters and two moments, sharded over the DP group
+    encoders = sum(max(float(seconds(p).sum()) / groups, float(seconds(p).max(initial=0.0))) / etp
+                   for p in items if p != backbone)
+    llm = at.schedule.lower_bound(seconds(backbone) / at.tensor_parallel, dp)
+    return max(encoders, llm) if at.encoder_gpus else encoders + llm
 
 
 def model_state_bytes(model, at: StepModel, dp: int) -> dict:
-    """Modeled model-state bytes per GPU (parameters, gradients, distributed-optimizer shard) under ``at``'s
-    layout: the backbone's over a replica's TP x PP GPUs (its optimizer over DP); the encoders' over their TP on
-    the first stage's GPUs (optimizer over DP), or on every GPU under ``encoder_ranks="all"`` (optimizer over
-    every encoder group of the job). Activations are not counted (``bench.memory`` measures them).
+    """Modeled model-state bytes per GPU (bf16 parameters, fp32 gradients, distributed-Adam shard) under ``at``'s
+    layout, by :func:`~megatron_orch.orchestrator.gpu_memory.stage_memory` (each stage's encoders' optimizer
+    sharded over DP, as the trainer shards it); with encoder GPUs of their own, those hold the encoders over
+    their TP (their optimizer sharded over their own groups) and the replicas the backbone alone. Activations
+    are not counted (``bench.memory`` gives them).
 
     Returns:
-        ``{"first_stage": bytes, "other_stages": bytes}``, the first stage's GPUs and the others'.
+        ``{"first_stage": bytes, "other_stages": bytes}``, the first stage's GPUs and the others' (and
+        ``"encoder_gpus"`` with encoder GPUs of their own).
     """
     params = model.num_parameters()
-    encoders = sum(params[name] for name in model.encoders)
-    backbone = params[model.phases().backbone.name] / (at.tensor_parallel * at.pipeline_stages)
-    per_gpu = MODEL_STATE_BYTES_PER_PARAMETER + OPTIMIZER_BYTES_PER_PARAMETER / dp
-    state = backbone * per_gpu
-    if at.encoder_ranks == "all":
-        groups = dp * at.encoder_groups_per_replica
-        encoder = encoders / (at.encoder_tensor_parallel or at.tensor_parallel) * (
-            MODEL_STATE_BYTES_PER_PARAMETER + OPTIMIZER_BYTES_PER_PARAMETER / groups)
-        return {"first_stage": state + encoder, "other_stages": state + encoder}
-    encoder = encoders / at.tensor_parallel * per_gpu
-    return {"first_stage": state + encoder, "other_stages": state}
+    phases = model.phases()
+    layout = ParallelLayout(dp, at.tensor_parallel, at.pipeline_stages, at.encoder_ranks,
+                            None if at.encoder_gpus else at.encoder_tensor_parallel)
+    if at.encoder_gpus:  # the replicas hold no encoder
+        params = {name: (count if name == phases.backbone.name else 0) for name, count in params.items()}
+    stages = stage_memory(layout, params, phases, [0.0] * at.pipeline_stages)
+    out = {"first_stage": stages[0].model_state, "other_stages": max((m.model_state for m in stages[1:]),
+                                                                      default=stages[0].model_state)}
+    if at.encoder_gpus:
+        etp = at.encoder_tensor_parallel or at.tensor_parallel
+        held = sum(model.num_parameters()[name] for name in model.encoders) / etp
+        out["encoder_gpus"] = held * (PARAMETER_BYTES + GRADIENT_BYTES + OPTIMIZER_BYTES / at.encoder_groups(dp))
+    return out
 
 
 def model_flops(sizes: StepSizes, model) -> float:
@@ -183,11 +193,14 @@ def model_flops(sizes: StepSizes, model) -> float:
 
 def simulate_step(sizes: StepSizes, model, link: LinkModel, profile: Optional[CostProfile] = None,
                   tflops: float = DEFAULT_TFLOPS, nic_sweep: Sequence[float] = (),
-                  step_model: Optional[StepModel] = None, peak_tflops: float = PEAK_TFLOPS) -> dict:
+                  step_model: Optional[StepModel] = None, peak_tflops: float = PEAK_TFLOPS,
+                  encoder_gpu_choices: Sequence[int] = ()) -> dict:
     """Every method's modeled step on one global batch (see the module docstring). ``step_model``: the
     layout and overlap (default: DP only, transfers overlapped as the schedule overlaps them); its link and
-    FLOP rate are ``link`` and ``tflops``. Deterministic: nothing measured on this machine enters a figure
-    (planning runs on a CPU thread during the previous step; ``bench.planning`` measures its time)."""
+    FLOP rate are ``link`` and ``tflops``. ``encoder_gpu_choices``: encoder-GPU counts of their own to choose
+    from, the one of the highest modeled MFU of the defaults (:func:`choose_encoder_gpus`; the result's
+    ``encoder_gpus``). Deterministic: nothing measured on this machine enters a figure (planning runs on a CPU
+    thread during the previous step; ``bench.planning`` measures its time)."""
     cluster = dataclasses.replace(step_model or StepModel(), link=link, tflops=tflops)
     dp = int(np.asarray(sizes.counts).size)
     topology = topology_of(dp, cluster)
@@ -196,15 +209,23 @@ def simulate_step(sizes: StepSizes, model, link: LinkModel, profile: Optional[Co
     backbone = phases.backbone.name
     flops = model_flops(sizes, model)
     gpus = dp * cluster.tensor_parallel * cluster.pipeline_stages
+    # the planner balances over DP as the trainer does, whatever GPUs run the encoders
+    planner = (dataclasses.replace(cluster, encoder_gpus=0, encoder_tensor_parallel=None) if cluster.encoder_gpus
+               else cluster)
     plans = {}
     for method in SIM_METHODS:
         if method == "backbone_only":
             plans[method] = backbone_only_plan(sizes, plans["none"])
         else:
-            plans[method] = plan_method(method, sizes, model, topology, profile, step_model=cluster)
+            plans[method] = plan_method(method, sizes, model, topology, profile, step_model=planner)
     if cluster.pipeline_stages > 1:  # the defaults planned by sums, as without a pipeline: what pipeline-aware beats
         plans[SUM_BALANCED] = plan_method("orch", sizes, model, topology, profile, step_model=dataclasses.replace(
-            cluster, pipeline_stages=1, virtual_stages=1))
+            planner, pipeline_stages=1, virtual_stages=1))
+    chosen = None
+    if encoder_gpu_choices:
+        chosen = choose_encoder_gpus(plans[DEFAULT_METHOD], items, cluster, encoder_gpu_choices, flops, gpus, profile,
+                                     tflops, peak_tflops)
+        cluster = dataclasses.replace(cluster, encoder_gpus=chosen["encoder_gpus"])
 
     def figures(method: str, at: StepModel, all_to_all: str = "flat") -> dict:
         plan = plans[method]
@@ -223,11 +244,12 @@ def simulate_step(sizes: StepSizes, model, link: LinkModel, profile: Optional[Co
             parts = at.step([], PipelinedBackbone(0.0, 0.0), {}, prefetched, dp, replicas_per_node,
                             other_compute=pipelined.seconds)
             parts.update(backbone=pipelined.seconds, pipeline_bubble=pipelined.bubble)
-        elif at.encoder_ranks == "all":
+        elif at.encoder_ranks == "all" or at.encoder_gpus:
             encoders, embeddings, inputs = spread_encoders(plan, items, at, profile, tflops)
-            parts = at.step(encoders, at.pipelined(cells[backbone]), embeddings, inputs + [moves["text"][1]], dp,
-                            replicas_per_node)
-            groups = dp * at.encoder_groups_per_replica  # the mean: every item's seconds over the groups' GPUs
+            run = at.own_encoder_step if at.encoder_gpus else at.step
+            parts = run(encoders, at.pipelined(cells[backbone]), embeddings, inputs + [moves["text"][1]], dp,
+                        replicas_per_node)
+            groups = at.encoder_groups(dp)  # the mean: every item's seconds over the groups' GPUs
             etp = at.encoder_tensor_parallel or at.tensor_parallel
             phase_max.update(encoders)
             phase_mean.update({p: float(ranks[p].sum()) * at.tensor_parallel / etp / groups for p, _ in encoders})
@@ -259,7 +281,9 @@ def simulate_step(sizes: StepSizes, model, link: LinkModel, profile: Optional[Co
             "intra_node_bytes": sum(m["times"] * m["intra_node_bytes"] for m in comm.values()),
             "backbone_method": plans[method].stats[backbone].method if plans[method].stats else method,
             "step_seconds": parts["step"],
-            "mfu": flops / (parts["step"] * gpus * peak_tflops * 1e12) if parts["step"] > 0 else 0.0,
+            "gpus": gpus + (0 if method in END_TO_END else cluster.encoder_gpus),
+            "mfu": (flops / (parts["step"] * (gpus + (0 if method in END_TO_END else cluster.encoder_gpus))
+                             * peak_tflops * 1e12) if parts["step"] > 0 else 0.0),
             "node_wise_step_seconds": figures(method, cluster, "node-wise")["parts"]["step"],
             "peers": {mode: dict(zip(("all", "node", "net"), step_connections(
                 plans[method], items, topology.node_of_rank, mode).peers(topology.node_of_rank).busiest()))
@@ -277,11 +301,41 @@ def simulate_step(sizes: StepSizes, model, link: LinkModel, profile: Optional[Co
         figures_["speedup"] = upstream["step_seconds"] / figures_["step_seconds"]
         figures_["phase_speedup"] = {p: upstream["phase_seconds"][p] / s if s > 0 else 1.0
                                      for p, s in figures_["phase_seconds"].items()}
+    if cluster.encoder_gpus:
+        result["encoder_gpus"] = cluster.encoder_gpus
+    if chosen is not None:
+        result["encoder_gpu_choice"] = chosen
     result["nic_sweep"] = {}
     for gbits in nic_sweep:
         slow = cluster.with_nic(gbits)
         result["nic_sweep"][str(gbits)] = {method: figures(method, slow)["parts"]["step"] for method in SIM_METHODS}
     return result
+
+
+def choose_encoder_gpus(plan: StepPlan, items: Dict[str, PhaseItems], at: StepModel, choices: Sequence[int],
+                        flops: float, gpus: int, profile: Optional[CostProfile], tflops: float,
+                        peak_tflops: float) -> dict:
+    """The encoder-GPU count of ``choices`` at which ``plan``'s step has the highest modeled MFU (training FLOPs
+    over step x all GPUs, the encoder GPUs with the replicas' ``gpus``; the fewest GPUs on a tie): the count
+    where adding encoder GPUs stops shortening the step more than it adds GPUs. Returns the count, with every
+    choice's step seconds and MFU."""
+    dp = plan.examples_home.num_ranks
+    backbone = plan.backbone
+    cells = phase_cell_seconds(plan, {backbone: items[backbone]}, profile, tflops)[backbone] / at.tensor_parallel
+    pipelined = at.pipelined(cells)
+    text = Busiest.of(next(m for m in step_transfers(plan, items) if m.kind == "text").moved_bytes(
+        topology_of(dp, at).node_of_rank))
+    replicas_per_node = max(1, at.link.gpus_per_node // at.tensor_parallel)
+    steps, mfu = {}, {}
+    for count in sorted(set(int(c) for c in choices)):
+        own = dataclasses.replace(at, encoder_gpus=count)
+        encoders, embeddings, inputs = spread_encoders(plan, items, own, profile, tflops)
+        steps[count] = own.own_encoder_step(encoders, pipelined, embeddings, inputs + [text], dp,
+                                            replicas_per_node)["step"]
+        mfu[count] = flops / (steps[count] * (gpus + count) * peak_tflops * 1e12)
+    best = max(mfu, key=lambda c: (mfu[c], -c))
+    return {"encoder_gpus": best, "step_seconds": {str(c): s for c, s in steps.items()},
+            "mfu": {str(c): m for c, m in mfu.items()}}
 
 
 def warm_up_planner(model, announce=None) -> None:

@@ -29,7 +29,8 @@ import os
 import sys
 from typing import Callable, Dict, Iterable, NoReturn, Optional, Sequence
 
-from megatron_orch.megatron.orch_arguments import add_orch_args, flag_message, orch_config_from_args
+from megatron_orch.megatron.orch_arguments import (add_orch_args, encoder_memory_refusal, flag_message,
+                                                  orch_config_from_args)
 from megatron_orch.megatron.pipeline_layout import check_interleaved_microbatches, virtual_pipeline_size
 from megatron_orch.trainer.task import ArgsProvider, TrainingTask, runs_on_cpu, task_or_the_mllm
 
@@ -461,7 +462,23 @@ def validate_args(args: argparse.Namespace, world_size: int, task: TrainingTask)
         import torch
         args.distributed_backend = "nccl" if torch.cuda.is_available() else "gloo"
     _resolve_transformer_impl(args)
+    _check_encoder_memory(args, summary)
     return args
+
+
+def _check_encoder_memory(args: argparse.Namespace, summary) -> None:
+    """``--orch-encoder-ranks all`` refused where the per-GPU memory model says it does not fit
+    (``--orch-gpu-memory-gb``, else the visible GPU's memory)."""
+    if args.orch_config is None or not args.orch_config.encoders_on_every_stage or summary.parameters is None:
+        return
+    device = None
+    if args.orch_gpu_memory_gb is None:  # the visible GPU's memory is the limit
+        import torch
+        if torch.cuda.is_available():
+            device = torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory
+    refused = encoder_memory_refusal(args, args.orch_config, summary.phases, summary.parameters, device)
+    if refused is not None:
+        raise ArgumentError(refused)
 
 
 def _check_mixture_of_experts(args: argparse.Namespace) -> None:

@@ -40,7 +40,7 @@ import argparse
 import importlib
 import warnings
 from dataclasses import dataclass
-from typing import Callable, Optional
+from typing import Callable, Mapping, Optional
 
 from megatron_orch.balance.workload import ModelPhases
 
@@ -56,6 +56,8 @@ class ModelSummary:
     phases: ModelPhases       # what post-balancing plans (--orch-phases names them) and the iteration lines show
     num_experts: Optional[int] = None  # experts of the backbone's MoE layers; None: a dense backbone
     verify_first_step: bool = True     # --orch-verify-first-step's default: on, but for a model tested already
+    parameters: Optional[Mapping[str, int]] = None  # each phase's parameters (None: --orch-encoder-ranks all unchecked
+    #                                                 against the GPU's memory)
 
 
 def _no_data_check(args: argparse.Namespace) -> None:

@@ -136,8 +136,8 @@ def check_run(figures):
 
 def test_the_same_command_gives_the_same_json(tmp_path):
     """Nothing measured on this machine enters a figure: two runs write the same bytes."""
-    argv = ["--model", "tiny", "--dp", "8", "--per-rank", "4", "--seeds", "0", "--gpus-per-node", "4",
-            "--nic-sweep", "400", "--pipeline-stages", "2"]
+    argv = ["--model", "tiny", "--dp", "8", "--per-rank", "4", "--seeds", "0,1", "--gpus-per-node", "4",
+            "--nic-sweep", "400", "--pipeline-stages", "2", "--encoder-gpus", "auto", "--peer-steps", "2"]
     sim_main.main(argv + ["--json", str(tmp_path / "a.json")])
     sim_main.main(argv + ["--json", str(tmp_path / "b.json")])
     assert (tmp_path / "a.json").read_bytes() == (tmp_path / "b.json").read_bytes()
@@ -187,8 +187,10 @@ def test_encoders_on_every_gpu_spread_each_phase_over_the_whole_job():
 
 def test_model_state_per_gpu_by_hand():
     """mllm_84b, TP 8 x PP 4, DP 80: the backbone's parameters over 32 GPUs at 2 + 4 bytes (bf16, fp32 grads)
-    plus 12 over DP (Adam, distributed); the encoders' over TP on the first stage (Adam over DP), or on every GPU
-    with the encoders on every GPU (Adam over all 320 encoder groups)."""
+    plus 12 over DP (Adam, distributed); the encoders' over TP on the first stage, or on every GPU with the
+    encoders on every GPU, their Adam over DP in both (each stage's encoders are one DDP module over its DP group,
+    as the trainer runs them); on encoder GPUs of their own, the encoders' over their TP there (Adam over their
+    groups) and the replicas hold the backbone alone."""
     model = load_model_config("mllm_84b")
     params = model.num_parameters()
     encoders = params["vision"] + params["audio"]
@@ -197,7 +199,52 @@ def test_model_state_per_gpu_by_hand():
     assert first["first_stage"] == pytest.approx(backbone + encoders / 8 * (6 + 12 / 80))
     assert first["other_stages"] == pytest.approx(backbone)
     every = model_state_bytes(model, sim_main.StepModel(tensor_parallel=8, pipeline_stages=4, encoder_ranks="all"), 80)
-    assert every["first_stage"] == every["other_stages"] == pytest.approx(backbone + encoders / 8 * (6 + 12 / 320))
+    assert every["first_stage"] == every["other_stages"] == pytest.approx(backbone + encoders / 8 * (6 + 12 / 80))
+    own = model_state_bytes(model, sim_main.StepModel(tensor_parallel=8, pipeline_stages=4, encoder_gpus=64,
+                                                      encoder_tensor_parallel=2), 80)
+    assert own["first_stage"] == own["other_stages"] == pytest.approx(backbone)
+    assert own["encoder_gpus"] == pytest.approx(encoders / 2 * (6 + 12 / 32))
+
+
+def test_encoders_on_gpus_of_their_own_overlap_the_backbone():
+    """Encoder GPUs of their own (PP 2, DP 8, encoder TP 1): each encoder phase's busiest group holds
+    ceil(n / N) items; the step is the slower side (encoders' forward and backward and their gradient tail, or the
+    backbone and its own) plus the embeddings there and their gradients back; MFU counts the encoder GPUs;
+    upstream and backbone-only keep Megatron's layout on the replicas' GPUs; ``auto`` picks the count of the
+    highest modeled MFU among the choices, and the per-phase plans stay at or above the bound."""
+    _, _, sizes = draw_sizes(list(DEFAULT_MIXTURE), 8, 8, "tiny", 3)
+    link = LinkModel(gpus_per_node=4)
+    first = simulate_step(sizes, TINY, link, step_model=sim_main.StepModel(pipeline_stages=2))
+    own = simulate_step(sizes, TINY, link, step_model=sim_main.StepModel(pipeline_stages=2, encoder_gpus=4))
+    items = phase_items(sizes, TINY.phases())
+    for phase in ("vision", "audio"):
+        assert own["orch"]["phase_seconds"][phase] == pytest.approx(-(-len(items[phase]) // 4) * items[phase].cost[0]
+                                                                    / 400e12)
+    orch = own["orch"]
+    parts = orch["parts"]
+    encoders = sum(orch["phase_seconds"][p] for p in ("vision", "audio"))
+    assert parts["encoder_gpus_seconds"] >= encoders and parts["backbone_gpus_seconds"] >= parts["backbone"]
+    embeddings = sum(m["seconds"] for name, m in orch["comm"].items() if name.endswith("embeddings"))
+    assert parts["exposed_moves"] >= 0 and parts["step"] == pytest.approx(
+        max(parts["encoder_gpus_seconds"], parts["backbone_gpus_seconds"]) + parts["exposed_moves"])
+    assert embeddings > 0 and parts["compute"] == pytest.approx(max(encoders, parts["backbone"]))
+    assert orch["gpus"] == 16 + 4 and own["none"]["gpus"] == own["backbone_only"]["gpus"] == 16
+    flops = first["none"]["mfu"] * first["none"]["step_seconds"] * 16
+    assert orch["mfu"] == pytest.approx(flops / (orch["step_seconds"] * 20))
+    assert own["none"]["step_seconds"] == first["none"]["step_seconds"]
+    for method in ("orch", "equal_count", "locality", "equal_locality"):
+        assert own[method]["step_over_bound"] >= 1.0 - 1e-12, method
+    chosen = simulate_step(sizes, TINY, link, step_model=sim_main.StepModel(pipeline_stages=2),
+                           encoder_gpu_choices=[4, 8, 12])
+    choice = chosen["encoder_gpu_choice"]
+    best = max(choice["mfu"].values())
+    assert choice["mfu"][str(chosen["encoder_gpus"])] == best
+    assert chosen["orch"]["mfu"] == pytest.approx(best) and chosen["orch"]["gpus"] == 16 + chosen["encoder_gpus"]
+    assert choice["step_seconds"]["4"] == pytest.approx(orch["step_seconds"])
+    with pytest.raises(ValueError, match="encoder_gpus 6 must be >= 0 and a multiple of the encoders' TP size 4"):
+        sim_main.StepModel(tensor_parallel=4, encoder_gpus=6)
+    with pytest.raises(ValueError, match="encoder_ranks 'all' exclude each other"):
+        sim_main.StepModel(encoder_gpus=4, encoder_ranks="all")
 
 
 @pytest.mark.distributed

@@ -350,3 +350,16 @@ def test_the_flag_tables_of_docs_training_are_the_parsers():
     for action in build_parser(MLLM_TASK)._actions:
         if action.option_strings and "-h" not in action.option_strings:
             assert f"`{action.option_strings[0]}`" in tables, action.option_strings
+
+
+def test_encoders_on_every_stage_are_refused_where_they_do_not_fit_one_gpu():
+    """--orch-encoder-ranks all against --orch-gpu-memory-gb: the per-GPU model (tiny: a few MB) refused in one
+    line naming the bytes while the flags are checked, before any process group exists; fits above them."""
+    every = [*BALANCED, "--orch-encoder-ranks", "all", "--pipeline-model-parallel-size", "2"]
+    with pytest.raises(arguments.ArgumentError, match=r"^--orch-encoder-ranks all does not fit --orch-gpu-memory-gb "
+                                                      r"\(0\.0 GB\): pipeline stage 0's GPUs need 0\.\d GB = "
+                                                      "parameters"):
+        parse(*every, "--orch-gpu-memory-gb", "0.001", world_size=4)
+    assert parse(*every, "--orch-gpu-memory-gb", "80", world_size=4).orch_config.encoders_on_every_stage
+    with pytest.raises(arguments.ArgumentError, match="--orch-gpu-memory-gb must be > 0, got 0.0"):
+        parse(*every, "--orch-gpu-memory-gb", "0", world_size=4)
