@@ -32,7 +32,11 @@
 #       positions against Transformer Engine's thd_get_partitioned_indices, TE's attention per shard against TE
 #       on the whole row, the CPU path's shard attention against SDPA (scripts/check_context_parallel.py; on CPU
 #       the last only). NOT RUN by this script, because they need more than one GPU: TE's context-parallel
-#       exchange across CP ranks, CP and SP over NCCL, and the CP / SP training invariance on GPUs.
+#       exchange across CP ranks, CP and SP over NCCL, and the CP / SP training invariance on GPUs;
+#   encoder_layout  the busiest encoder rank's items under --orch-encoder-ranks first-stage and all (planned at
+#       DP 8 x PP 4), each encoder run on them chunk by chunk: time and a chunk's peak memory
+#       (scripts/check_encoder_layout.py; the tiny model at DP 4 x PP 2 on CPU). NOT RUN, needing PP x DP GPUs:
+#       the encoder group's all-to-all and the stages encoding at the same time (the simulator models them).
 # OUT_DIR then holds exactly two files: summary.txt (each step's headline figures, then PASSED or the
 # failed steps) and gpu_check.tar.gz (every step's log and files; env.log: versions and the GPU). Exits
 # non-zero if a step failed. Python: $PYTHON, else .venv/bin/python, else python3. Where megatron.core
@@ -51,11 +55,13 @@ print("python", sys.version.split()[0], "| torch", torch.__version__, "| cuda", 
 if torch.cuda.is_available():
     subprocess.run(["nvidia-smi", "--query-gpu=name,memory.total,driver_version", "--format=csv"])'
 if [ "$mode" = cpu ]; then
-  nproc=2 backend=gloo fp32_rtol=1e-5 precision=() limits=(420 420 420 600 600 150 180 600 400 400 120) env_s=90
+  nproc=2 backend=gloo fp32_rtol=1e-5 precision=() limits=(420 420 420 600 480 150 180 480 400 400 120 240) env_s=90
   memory_opts=(--model tiny) packed_lengths=2048 sdpa_s=0 cp_length=256
+  layout_opts=(--model tiny --dp 4 --pp 2)
 else
-  nproc=1 backend=nccl fp32_rtol=1e-3 precision=(--bf16) limits=(60 60 50 35 85 30 20 70 40 40 15) env_s=15
+  nproc=1 backend=nccl fp32_rtol=1e-3 precision=(--bf16) limits=(60 60 50 35 75 25 20 60 40 40 15 25) env_s=15
   memory_opts=(--model mllm_10b --layers 2,2,2) packed_lengths=8192,16384 sdpa_s=20 cp_length=4096
+  layout_opts=(--model mllm_10b --layers 2,2,2 --dp 8 --pp 4)
 fi
 step env "$env_s" "$PY" -c "$env_py"
 train=(--global-batch-size 8 --train-iters 8 --distributed-backend "$backend")
@@ -92,6 +98,8 @@ step moe "${limits[9]}" "$PY" scripts/compare_baseline.py --nproc "$nproc" --out
 [ "$mode" = cpu ] || step sdpa_kernels "$sdpa_s" "$PY" scripts/check_sdpa_kernels.py
 step context_parallel "${limits[10]}" "$PY" scripts/check_context_parallel.py --device "${mode/gpu/cuda}" \
   --length "$cp_length" --json "$work/context_parallel.json"
+step encoder_layout "${limits[11]}" "$PY" scripts/check_encoder_layout.py --device "${mode/gpu/cuda}" \
+  "${layout_opts[@]}" --json "$work/encoder_layout.json"
 
 # headline STEP [PATTERN]: for summary.txt, the step's last line matching PATTERN, else its last line of
 # its own (a failed step's error).
@@ -112,6 +120,8 @@ headline alltoall
 headline resume
 headline sdpa_kernels
 headline context_parallel "^(PASSED|FAILED)"
+headline encoder_layout "first-stage / all|^FAILED"
 summarize "not run (they need more than one GPU): TE's context-parallel exchange across CP ranks, CP and SP over" \
-  "NCCL, the CP / SP training invariance on GPUs (on CPU over gloo: tests/megatron/test_parallel_layouts.py)"
+  "NCCL, the CP / SP training invariance on GPUs (on CPU over gloo: tests/megatron/test_parallel_layouts.py)," \
+  "the encoders on every stage over NCCL (on CPU over gloo: the same file's encoder-ranks cases)"
 finish

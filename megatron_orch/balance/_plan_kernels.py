@@ -108,11 +108,14 @@ def moved_bytes(src_rank, dst_rank, node_of_rank, nbytes):
     """Bytes of items moving ``src_rank[i]`` -> ``dst_rank[i]``: (all of them, those that leave their GPU
     but stay on their node, those that cross nodes, and per rank [sent on its node, received on its node,
     sent across nodes, received across nodes] as a (4, ranks) array, and the distinct rank pairs that
-    exchange bytes, each ``low * ranks + high``, sorted)."""
+    exchange bytes, each ``low * ranks + high``, sorted). An item moving between the same two ranks as the one
+    before it (an example's items travel together) adds no pair to deduplicate."""
     num_ranks = node_of_rank.size
     per_rank = np.zeros((4, num_ranks))
-    pairs = np.empty(src_rank.size, dtype=np.int64)
+    lows = np.empty(src_rank.size, dtype=np.int64)
+    highs = np.empty(src_rank.size, dtype=np.int64)
     num_pairs = 0
+    last_low, last_high = -1, -1
     total = 0.0
     intra = 0.0
     inter = 0.0
@@ -121,8 +124,11 @@ def moved_bytes(src_rank, dst_rank, node_of_rank, nbytes):
         total += b
         if src == dst or b <= 0:
             continue
-        pairs[num_pairs] = min(src, dst) * num_ranks + max(src, dst)
-        num_pairs += 1
+        low, high = min(src, dst), max(src, dst)
+        if low != last_low or high != last_high:
+            lows[num_pairs], highs[num_pairs] = low, high
+            num_pairs += 1
+            last_low, last_high = low, high
         if node_of_rank[src] == node_of_rank[dst]:
             intra += b
             per_rank[0, src] += b
@@ -131,37 +137,65 @@ def moved_bytes(src_rank, dst_rank, node_of_rank, nbytes):
             inter += b
             per_rank[2, src] += b
             per_rank[3, dst] += b
-    return total, intra, inter, per_rank, distinct_pairs(pairs[:num_pairs], num_ranks)
+    return total, intra, inter, per_rank, distinct_pairs(lows[:num_pairs], highs[:num_pairs], num_ranks)
 
 
 @numba.njit(**_JIT)
-def distinct_pairs(pairs, num_ranks):
-    """``np.unique(pairs)`` for pairs ``low * num_ranks + high`` in linear time (a sort of a batch's hundreds of
-    thousands of moved items took most of a default plan's time at DP 10240): bucketed by ``low``, each
-    bucket's highs kept once (marked by the bucket they were last seen in) and sorted (a rank has few peers)."""
+def distinct_pairs(lows, highs, num_ranks):
+    """``np.unique(lows * num_ranks + highs)`` in linear time (a sort of a batch's hundreds of thousands of
+    moved items took most of a default plan's time at DP 10240): bucketed by ``low``, each bucket's highs kept
+    once (marked by the bucket they were last seen in) and sorted (a rank has few peers)."""
     start = np.zeros(num_ranks + 1, dtype=np.int64)
-    for p in pairs:
-        start[p // num_ranks + 1] += 1
+    for low in lows:
+        start[low + 1] += 1
     for r in range(num_ranks):
         start[r + 1] += start[r]
     fill = start[:-1].copy()
-    high = np.empty(pairs.size, dtype=np.int64)
-    for p in pairs:
-        low = p // num_ranks
-        high[fill[low]] = p - low * num_ranks
-        fill[low] += 1
+    bucketed = np.empty(highs.size, dtype=np.int64)
+    for k in range(lows.size):
+        bucketed[fill[lows[k]]] = highs[k]
+        fill[lows[k]] += 1
     seen_in = np.full(num_ranks, -1, dtype=np.int64)
-    out = np.empty(pairs.size, dtype=np.int64)
+    out = np.empty(highs.size, dtype=np.int64)
     count = 0
     for low in range(num_ranks):
         first = count
         for k in range(start[low], start[low + 1]):
-            h = high[k]
+            h = bucketed[k]
             if seen_in[h] != low:
                 seen_in[h] = low
                 out[count] = low * num_ranks + h
                 count += 1
         out[first:count].sort()
+    return out[:count]
+
+
+@numba.njit(**_JIT)
+def sorted_union(a, b):
+    """``np.union1d(a, b)`` of two sorted arrays of distinct values, by one merge (connections joined over a
+    step's moves and a run's steps)."""
+    out = np.empty(a.size + b.size, dtype=np.int64)
+    i = j = count = 0
+    while i < a.size and j < b.size:
+        if a[i] < b[j]:
+            out[count] = a[i]
+            i += 1
+        elif b[j] < a[i]:
+            out[count] = b[j]
+            j += 1
+        else:
+            out[count] = a[i]
+            i += 1
+            j += 1
+        count += 1
+    while i < a.size:
+        out[count] = a[i]
+        i += 1
+        count += 1
+    while j < b.size:
+        out[count] = b[j]
+        j += 1
+        count += 1
     return out[:count]
 
 

@@ -198,8 +198,12 @@ class Transfer:
         """What this transfer sends when item i weighs ``item_bytes[i]`` (:func:`moved_bytes`), run as one
         ``flat`` all-to-all or ``node-wise`` (:meth:`node_wise`: its two hops' bytes and connections, the first
         hop's on the nodes, the second's across them)."""
-        hops = [moved_bytes(hop.src.rank, hop.dst.rank, item_bytes, node_of_rank)
-                for hop in self.hops(all_to_all, node_of_rank)]
+        nbytes = _item_bytes(item_bytes, self.src.num_items)
+        node_of_rank = as_index_array(node_of_rank, "node_of_rank")
+        if node_of_rank.size != self.num_ranks:
+            raise ValueError(f"node_of_rank has {node_of_rank.size} ranks, the transfer spans {self.num_ranks}")
+        # (the placements' ranks are valid by construction: counted without checking them again)
+        hops = [_counted(hop.src.rank, hop.dst.rank, nbytes, node_of_rank) for hop in self.hops(all_to_all, node_of_rank)]
         if all_to_all == "flat":
             return hops[0]
         return MovedBytes(hops[0].total, *(sum(getattr(hop, name) for hop in hops) for name in (
@@ -306,8 +310,7 @@ class Connections:
     def __or__(self, other: "Connections") -> "Connections":
         if self.num_ranks != other.num_ranks:
             raise ValueError(f"cannot join connections of {self.num_ranks} and {other.num_ranks} ranks")
-        return Connections(self.num_ranks, _plan_kernels.distinct_pairs(np.concatenate((self.pairs, other.pairs)),
-                                                                         self.num_ranks))
+        return Connections(self.num_ranks, _plan_kernels.sorted_union(self.pairs, other.pairs))
 
     def peers(self, node_of_rank) -> "Peers":
         """Each rank's distinct peers, on its node and across nodes (rank r on node ``node_of_rank[r]``)."""
@@ -342,16 +345,31 @@ def moved_bytes(src_rank, dst_rank, item_bytes, node_of_rank) -> MovedBytes:
     ``node_of_rank[r]`` (see :class:`MovedBytes`)."""
     src = as_index_array(src_rank, "src_rank")
     dst = as_index_array(dst_rank, "dst_rank")
-    nbytes = np.asarray(item_bytes, dtype=np.float64)
     node_of_rank = as_index_array(node_of_rank, "node_of_rank")
-    if not src.shape == dst.shape == nbytes.shape:
-        raise ValueError(f"src_rank, dst_rank and item_bytes differ in shape: {src.shape}, {dst.shape}, {nbytes.shape}")
+    if src.shape != dst.shape:
+        raise ValueError(f"src_rank and dst_rank differ in shape: {src.shape}, {dst.shape}")
+    nbytes = _item_bytes(item_bytes, src.size)
     for name, ranks in (("src_rank", src), ("dst_rank", dst)):
         if ranks.size and (ranks.min() < 0 or ranks.max() >= node_of_rank.size):
             raise ValueError(f"{name} holds ranks outside 0..{node_of_rank.size - 1}")
+    return _counted(src, dst, nbytes, node_of_rank)
+
+
+def _item_bytes(item_bytes, num_items: int) -> np.ndarray:
+    """``item_bytes`` as a 1-D int64 or float64 array of ``num_items`` (the accountant sums either as float64,
+    so an int64 array is not copied)."""
+    nbytes = np.asarray(item_bytes)
+    if nbytes.dtype not in (np.int64, np.float64):
+        nbytes = nbytes.astype(np.float64)
+    if nbytes.shape != (num_items,):
+        raise ValueError(f"item_bytes has shape {nbytes.shape}, expected ({num_items},): one figure per item")
+    return np.ascontiguousarray(nbytes)
+
+
+def _counted(src: np.ndarray, dst: np.ndarray, nbytes: np.ndarray, node_of_rank: np.ndarray) -> MovedBytes:
+    """:func:`moved_bytes` of checked arrays (ranks within ``node_of_rank``, one byte figure per item)."""
     total, intra, inter, per_rank, pairs = _plan_kernels.moved_bytes(
-        np.ascontiguousarray(src), np.ascontiguousarray(dst), np.ascontiguousarray(node_of_rank),
-        np.ascontiguousarray(nbytes))
+        np.ascontiguousarray(src), np.ascontiguousarray(dst), np.ascontiguousarray(node_of_rank), nbytes)
     return MovedBytes(float(total), float(intra), float(inter), *per_rank,
                       Connections(int(node_of_rank.size), pairs))
 

@@ -67,14 +67,7 @@ class _State:
             self._add(m, move.src, dst, move.nbytes, 1.0)
 
     def _add(self, m, src, dst, nbytes, sign):
-        moving = src != dst
-        src, dst, nbytes = src[moving], dst[moving], nbytes[moving] * sign
-        across = self.node[src] != self.node[dst]
-        links = self.links[m]
-        np.add.at(links[0], src[~across], nbytes[~across])
-        np.add.at(links[1], dst[~across], nbytes[~across])
-        np.add.at(links[2], src[across], nbytes[across])
-        np.add.at(links[3], dst[across], nbytes[across])
+        _kernels.add_link_bytes(self.links[m], self.node, src, dst, nbytes, sign)
 
     def touched(self, e: int) -> np.ndarray:
         return np.concatenate([m.src[m.start[e]:m.start[e + 1]] for m in self.moves])
@@ -86,8 +79,8 @@ class _State:
         for m, move in enumerate(self.moves):
             s, b = move.src[move.start[e]:move.start[e + 1]], move.nbytes[move.start[e]:move.start[e + 1]]
             if s.size:
-                self._add(m, s, np.full(s.size, a), b, -1.0)
-                self._add(m, s, np.full(s.size, to), b, 1.0)
+                _kernels.add_link_bytes(self.links[m], self.node, s, np.full(s.size, a), b, -1.0)
+                _kernels.add_link_bytes(self.links[m], self.node, s, np.full(s.size, to), b, 1.0)
         self.rank[e] = to
         self.load[a] -= self.costs[e]
         self.load[to] += self.costs[e]

@@ -408,8 +408,8 @@ def plan_step(sizes: StepSizes, phases: ModelPhases, config: OrchestratorConfig,
         encoders[phase] = EncoderPhasePlan(example=example, home=examples_home.expand(example),
                                            encode=Placement.from_ranks(rank, num_ranks))
         rank_of_item[phase] = (example, rank, phase_item.output_nbytes)
-        stats[phase] = _phase_stats(method, costs, home[example], rank, num_ranks)
-        loads.append((costs, home[example], rank))
+        stats[phase], home_loads = _phase_stats(method, costs, home[example], rank, num_ranks)
+        loads.append((home_loads, stats[phase].max_after))
 
     backbone = phases.backbone.name
     backbone_costs, text_bytes = items[backbone].cost, items[backbone].nbytes
@@ -487,10 +487,9 @@ def plan_step(sizes: StepSizes, phases: ModelPhases, config: OrchestratorConfig,
     else:
         microbatch = _microbatches(backbone_rank, backbone_costs, sizes.num_tokens, num_ranks, micro_batch_size,
                                    num_microbatches, packed, config.algorithm)
-    examples_backbone = Placement.from_ranks(backbone_rank, num_ranks,
-                                        key=microbatch * (sizes.num_examples + 1) + np.arange(sizes.num_examples))
-    stats[backbone] = _phase_stats(method, backbone_costs, home, backbone_rank, num_ranks)
-    loads.append((backbone_costs, home, backbone_rank))
+    examples_backbone = Placement.from_ranks(backbone_rank, num_ranks, key=microbatch)  # (ties: by example id)
+    stats[backbone], home_loads = _phase_stats(method, backbone_costs, home, backbone_rank, num_ranks)
+    loads.append((home_loads, stats[backbone].max_after))
     chunks, memory = _plan_memory(items, phases, encoders, backbone_rank, microbatch, home_microbatch, num_ranks,
                                   num_microbatches, packed, config)
     encoders = {phase: dataclasses.replace(plan, chunks=chunks[phase]) for phase, plan in encoders.items()}
@@ -581,22 +580,21 @@ def _microbatch_memory(key: np.ndarray, memory: np.ndarray, cells: int, padded: 
     return np.bincount(key, minlength=cells) * longest
 
 
-def _step_time(loads: Sequence[Tuple[np.ndarray, np.ndarray, np.ndarray]], num_ranks: int) -> Tuple[float, float]:
-    """Modeled step time from each phase's (item costs, rank as loaded, rank as planned), in the cost models'
-    unit, the lower estimate for upstream: as loaded, the busiest rank's phases back to back (ranks wait for
-    each other once, at the gradient reduction); as planned, the sum of each phase's busiest rank (every
+def _step_time(loads: Sequence[Tuple[np.ndarray, float]], num_ranks: int) -> Tuple[float, float]:
+    """Modeled step time from each phase's (per-rank load as loaded, busiest rank's load as planned), in the cost
+    models' unit, the lower estimate for upstream: as loaded, the busiest rank's phases back to back (ranks wait
+    for each other once, at the gradient reduction); as planned, the sum of each phase's busiest rank (every
     phase's moves make the ranks wait for each other)."""
-    before = sum((np.bincount(home, weights=costs, minlength=num_ranks) for costs, home, _ in loads),
-                 np.zeros(num_ranks))
-    after = sum(float(np.bincount(rank, weights=costs, minlength=num_ranks).max(initial=0)) for costs, _, rank in loads)
-    return float(before.max(initial=0)), after
+    before = sum((home_loads for home_loads, _ in loads), np.zeros(num_ranks))
+    return float(before.max(initial=0)), sum(max_after for _, max_after in loads)
 
 
-def _phase_stats(method, costs, home_rank, rank, num_ranks) -> PhaseStats:
-    return PhaseStats(method=method, items=int(costs.size), max_before=_plan_kernels.rank_loads_max(home_rank, costs,
-                                                                                                     num_ranks),
+def _phase_stats(method, costs, home_rank, rank, num_ranks) -> Tuple[PhaseStats, np.ndarray]:
+    """The phase's :class:`PhaseStats` and its per-rank load as loaded (for :func:`_step_time`)."""
+    home_loads = np.bincount(home_rank, weights=costs, minlength=num_ranks)
+    return PhaseStats(method=method, items=int(costs.size), max_before=float(home_loads.max(initial=0)),
                       mean=float(costs.sum() / num_ranks),
-                      max_after=_plan_kernels.rank_loads_max(rank, costs, num_ranks))
+                      max_after=_plan_kernels.rank_loads_max(rank, costs, num_ranks)), home_loads
 
 
 def warm_up(phases: ModelPhases, config: OrchestratorConfig,

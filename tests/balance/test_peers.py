@@ -135,5 +135,30 @@ def test_distinct_pairs_is_np_unique(case):
     """The linear-time dedupe of the accountant's rank pairs (repeats, any order, empty) equals np.unique."""
     from megatron_orch.balance._plan_kernels import distinct_pairs
     ranks, links = case
-    pairs = np.array([min(a, b) * ranks + max(a, b) for a, b in links], dtype=np.int64)
-    assert np.array_equal(distinct_pairs(pairs, ranks), np.unique(pairs))
+    lows = np.array([min(a, b) for a, b in links], dtype=np.int64)
+    highs = np.array([max(a, b) for a, b in links], dtype=np.int64)
+    assert np.array_equal(distinct_pairs(lows, highs, ranks), np.unique(lows * ranks + highs))
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.sets(st.integers(0, 60)), st.sets(st.integers(0, 60)))
+def test_sorted_union_is_np_union1d(a, b):
+    """The merge that joins connections (disjoint, overlapping, equal, empty sets) equals np.union1d."""
+    from megatron_orch.balance._plan_kernels import sorted_union
+    a, b = np.array(sorted(a), dtype=np.int64), np.array(sorted(b), dtype=np.int64)
+    assert np.array_equal(sorted_union(a, b), np.union1d(a, b))
+
+
+def test_byte_accountant_refuses_mismatched_inputs():
+    """Bytes per item, ranks and the node map are checked once, where they enter the accountant."""
+    transfer = Transfer(Placement.from_counts([2, 1]), Placement.from_ranks([1, 0, 0], 2))
+    assert transfer.moved_bytes(np.array([1, 2, 3]), [0, 1]).inter_node == 4.0  # items 0 and 2 cross; int64 kept
+    assert transfer.moved_bytes([1.0, 2.0, 3.0], [0, 1]).inter_node == 4.0
+    with pytest.raises(ValueError, match=r"item_bytes has shape \(2,\), expected \(3,\)"):
+        transfer.moved_bytes([1, 2], [0, 1])
+    with pytest.raises(ValueError, match="node_of_rank has 3 ranks, the transfer spans 2"):
+        transfer.moved_bytes([1, 2, 3], [0, 0, 1])
+    with pytest.raises(ValueError, match="dst_rank holds ranks outside 0..1"):
+        moved_bytes([0], [2], [1], [0, 1])
+    with pytest.raises(ValueError, match="src_rank and dst_rank differ in shape"):
+        moved_bytes([0, 1], [1], [1, 1], [0, 1])

@@ -209,3 +209,25 @@ def test_every_action_of_the_repair_lowers_the_excess_whatever_the_bytes(data):
     plan's limits, never one that sends fewer bytes across nodes but leaves a link or a rank further over."""
     costs, plain, node, near, sources, capacity = _repair_instance(data)
     _acts_only_to_lower_the_excess(near, plain, costs, sources, node, data.draw(st.booleans()), capacity)
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.integers(1, 3), st.integers(1, 3), st.data())
+def test_link_bytes_are_the_per_link_sums(gpus_per_node, nodes, data):
+    """The repair's per-link counts (compiled) equal np.add.at's sums row by row, bit for bit, with a sign."""
+    from megatron_orch.balance._kernels import add_link_bytes
+    ranks = gpus_per_node * nodes
+    node = np.arange(ranks) // gpus_per_node
+    n = data.draw(st.integers(0, 20))
+    src = np.array(data.draw(st.lists(st.integers(0, ranks - 1), min_size=n, max_size=n)), dtype=np.int64)
+    dst = np.array(data.draw(st.lists(st.integers(0, ranks - 1), min_size=n, max_size=n)), dtype=np.int64)
+    nbytes = np.array(data.draw(st.lists(st.floats(0, 1e6), min_size=n, max_size=n)), dtype=np.float64)
+    sign = data.draw(st.sampled_from([1.0, -1.0]))
+    links = np.zeros((4, ranks))
+    add_link_bytes(links, node, src, dst, nbytes, sign)
+    expected = np.zeros((4, ranks))
+    moving = src != dst
+    across = node[src] != node[dst]
+    for row, (ranks_of, where) in enumerate(((src, ~across), (dst, ~across), (src, across), (dst, across))):
+        np.add.at(expected[row], ranks_of[moving & where], nbytes[moving & where] * sign)
+    assert np.array_equal(links, expected)

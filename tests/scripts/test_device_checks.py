@@ -77,3 +77,14 @@ def test_check_syncs_records_each_sync_warning_with_its_megatron_orch_frames(mon
     assert site["count"] == 4 and site["per_step"] == {2: 3, 3: 1}
     assert "test_device_checks.py" in site["caller"] and site["caller"].endswith(" train_step"), site
     assert not site["ours"] and report["ours_not_allowed"] == 0  # the caller is not megatron_orch code
+
+
+def test_encoder_layout_check_plans_each_layouts_busiest_rank():
+    """scripts/check_encoder_layout.py's planned loads: with the encoders on every stage, a DP rank's items
+    split over its PP stages, so the busiest rank holds ceil(first-stage's busiest / PP), in the plan's chunks."""
+    from megatron_orch.mllm.config import load_model_config
+    layouts = _script("check_encoder_layout").busiest_items(load_model_config("tiny"), dp=4, pp=2, per_rank=8, seed=0)
+    assert set(layouts) == {"first-stage", "all"} and set(layouts["all"]) == {"vision", "audio"}
+    for phase, first in layouts["first-stage"].items():
+        assert first["items"] > 1 and first["chunk"] >= 1
+        assert layouts["all"][phase] == {"items": -(-first["items"] // 2), "chunk": first["chunk"]}

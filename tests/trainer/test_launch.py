@@ -70,7 +70,8 @@ def test_device_scripts_steps_fit_one_device_call(script, mode, tmp_path):
     assert "NOT RUN" not in proc.stdout and sum(steps.values()) <= budget
     if mode == "gpu" and script == "gpu_check.sh":
         assert set(steps) == {"env", "train_bf16", "train_fp32", "recompute_dropout", "syncs", "memory", "packed",
-                              "alltoall", "resume", "fsdp", "moe", "sdpa_kernels", "context_parallel"}, steps
+                              "alltoall", "resume", "fsdp", "moe", "sdpa_kernels", "context_parallel",
+                              "encoder_layout"}, steps
     assert list(tmp_path.iterdir()) == [], "a dry run wrote something"
 
 

@@ -24,7 +24,7 @@ from megatron_orch.balance._kernels.groups import METHOD_CODES, partition_groups
 from megatron_orch.balance._kernels.local_search import refine, swap_sweeps
 from megatron_orch.balance._kernels.locality import fill_quotas, lpt_near_home
 from megatron_orch.balance._kernels.longest_first import lpt, slot_lpt
-from megatron_orch.balance._kernels.repair import localize
+from megatron_orch.balance._kernels.repair import add_link_bytes, localize
 
-__all__ = ["CONSTRUCTIONS", "METHOD_CODES", "auto", "bs_ffd", "fill_quotas", "kk", "localize", "lpt", "lpt_near_home",
+__all__ = ["CONSTRUCTIONS", "METHOD_CODES", "add_link_bytes", "auto", "bs_ffd", "fill_quotas", "kk", "localize", "lpt", "lpt_near_home",
            "partition_groups", "pigeonhole_bound", "refine", "slot_lpt", "swap_sweeps"]

@@ -1,4 +1,5 @@
-"""The plain plan localised (balance/repair.py's ``localize``): examples swapped onto the node they want."""
+"""The plain plan localised (balance/repair.py's ``localize``): examples swapped onto the node they want; the
+repair's per-link byte counts."""
 import numba
 import numpy as np
 
@@ -295,3 +296,21 @@ def localize(rank, costs, want, node_of_rank, capacity, swaps_only, weight, scan
         if node_of_rank[rank[e]] == want[e]:
             home += 1
     return home - start
+
+
+@numba.njit(**_JIT)
+def add_link_bytes(links, node_of_rank, src, dst, nbytes, sign):
+    """``sign`` x bytes of entries moving ``src[i]`` -> ``dst[i]`` added to ``links`` ([sent on the node, received on
+    the node, sent across nodes, received across nodes] x ranks), in entry order (as ``np.add.at`` per row adds:
+    the same sums, bit for bit); an entry that stays on its rank adds nothing."""
+    for i in range(src.size):
+        s, d = src[i], dst[i]
+        if s == d:
+            continue
+        b = nbytes[i] * sign
+        if node_of_rank[s] != node_of_rank[d]:
+            links[2, s] += b
+            links[3, d] += b
+        else:
+            links[0, s] += b
+            links[1, d] += b
