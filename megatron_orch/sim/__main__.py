@@ -384,6 +384,11 @@ def main(argv: Optional[List[str]] = None) -> dict:
     args = parser.parse_args(argv)
     if args.paper:
         for key, value in PAPER.items():
+            given = getattr(args, key)
+            if given != parser.get_default(key) and given != value:  # a flag of one's own: never overridden silently
+                flag = "--" + key.replace("_", "-")
+                parser.error(f"--paper sets {flag} {value}, got {flag} {given}: leave out --paper and give the "
+                             "configuration's flags (--model, --dp, --tensor-parallel, --pipeline-stages, --per-rank)")
             setattr(args, key, value)
     dps = _numbers(parser, args.dp, int, "--dp")
     sweep = _numbers(parser, args.nic_sweep, float, "--nic-sweep")

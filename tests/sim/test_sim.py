@@ -312,3 +312,10 @@ def test_upstream_runs_its_encoders_inside_the_first_stages_microbatches(stages,
     assert upstream["pipeline_bubble_seconds"] >= -1e-15
     if stages == 1:
         assert by_hand == pytest.approx((llm + inside).sum(axis=1).max(), rel=1e-12)
+
+
+def test_paper_refuses_a_layout_flag_it_would_override(capsys):
+    """--paper sets the paper's configuration; a flag of one's own that differs is refused, never overridden."""
+    with pytest.raises(SystemExit):
+        sim_main.main(["--paper", "--per-rank", "64"])
+    assert "--paper sets --per-rank 16, got --per-rank 64" in capsys.readouterr().err
