@@ -84,6 +84,11 @@ class OrchestratorConfig:
     ``gpus_per_node - 1 + nodes - 1`` peers a rank, the same outputs).
     ``encoder_ranks``: which ranks encode (:class:`EncoderRanks`; ``ALL`` needs pipeline parallelism to differ
     from ``FIRST_STAGE``; its moves run flat: ``all_to_all`` node-wise is refused with it).
+    ``encoder_tensor_parallel_size``: with ``encoder_ranks`` ``ALL``, the encoders' own tensor-parallel size
+    (``--orch-encoder-tensor-parallel-size``; None: the backbone's); it must divide the backbone's, which the
+    entry points check (:func:`~megatron_orch.orchestrator.encoder_ranks.unsupported_layout`). Below it, each
+    backbone TP group holds TP / encoder TP encoder replicas, and the encoder phases are balanced over
+    DP x PP x TP / encoder TP ranks.
     """
 
     phases: Optional[Tuple[str, ...]] = None
@@ -104,6 +109,7 @@ class OrchestratorConfig:
     verify_first_step: bool = True
     all_to_all: str = "flat"
     encoder_ranks: EncoderRanks = EncoderRanks.FIRST_STAGE
+    encoder_tensor_parallel_size: Optional[int] = None
 
     def __post_init__(self):
         if self.phases is not None:
@@ -140,6 +146,12 @@ class OrchestratorConfig:
         if self.encoder_ranks is EncoderRanks.ALL and self.all_to_all != "flat" and not self.shadow:
             raise ConfigError("encoder_ranks", f" all with a {self.all_to_all} all-to-all is not supported: the "
                                                "encoder group's moves run flat")
+        etp = self.encoder_tensor_parallel_size
+        if etp is not None and (isinstance(etp, bool) or not isinstance(etp, int) or etp < 1):
+            raise ConfigError("encoder_tensor_parallel_size", f" must be an int >= 1, got {etp!r}")
+        if etp is not None and self.encoder_ranks is not EncoderRanks.ALL:
+            raise ConfigError("encoder_tensor_parallel_size", f" {etp} needs encoder_ranks ALL (the encoders on the "
+                                                              "first stage run at the backbone's tensor-parallel size)")
 
     @property
     def encoders_on_every_stage(self) -> bool:
