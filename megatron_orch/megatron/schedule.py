@@ -231,7 +231,7 @@ class ModalityAwareSchedule:
         move = (step.moves.gradients if inverse else step.moves.outputs)[phase]
         layout = ItemLayout(np.full(move.transfer.src.num_items, step.rows_per_item[phase], dtype=np.int64),
                             tuple(rows.shape[1:]), rows.dtype)
-        pending = move.start([to_communication_device(rows, group)], [layout], group)
+        pending = move.start([to_communication_device(move.send_rows(rows), group)], [layout], group)
         return lambda: pending.wait()[0].to(rows.device, non_blocking=True)
 
     def _chunking(self, step: BalancedStep, phase: str, inputs: torch.Tensor, sharded: bool) -> List[ChunkBounds]:

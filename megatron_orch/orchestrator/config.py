@@ -159,6 +159,19 @@ class OrchestratorConfig:
         plan (shadow mode trains as loaded, Megatron's layout)."""
         return self.encoder_ranks is EncoderRanks.ALL and not self.shadow
 
+    def encoder_tp_replicas(self, tensor_parallel_size: int) -> int:
+        """Encoder replicas in one backbone TP group of ``tensor_parallel_size`` ranks: TP / the encoders' TP with
+        the encoders on every rank, else 1."""
+        if not self.encoders_on_every_stage or self.encoder_tensor_parallel_size is None:
+            return 1
+        return tensor_parallel_size // self.encoder_tensor_parallel_size
+
+    def spreads_encoders(self, tensor_parallel_size: int, pipeline_parallel_size: int) -> bool:
+        """Whether the encoder phases run over more ranks than DP: the encoders on every pipeline stage, or at a TP
+        size below the backbone's (an encoder group of DP x PP x TP / encoder TP replicas)."""
+        return self.encoders_on_every_stage and (pipeline_parallel_size > 1
+                                                 or self.encoder_tp_replicas(tensor_parallel_size) > 1)
+
     @property
     def packed(self) -> bool:
         """Whether the backbone's micro-batches are packed rows (``auto`` plans as ``packed``)."""

@@ -1,7 +1,8 @@
 """Consequence invariance in the layouts large runs use, on the compact trainer, CPU over gloo: sequence
 parallelism (TP 2 + SP x DP 2), context parallelism (CP 2 x DP 2, padded rows and packed rows), both
 (TP 2 + SP x CP 2 x DP 2, 8 ranks, one step), and the encoders on every pipeline stage (PP 2 x DP 2 with
-``--orch-encoder-ranks all``: the encoder phases over 4 ranks). Post-balancing off against on, fp32, dropout 0 (dropout masks
+``--orch-encoder-ranks all``: the encoder phases over 4 ranks; TP 2 x PP 2 x DP 2 with the encoders at TP 1: over
+8 encoder replicas, 8 ranks, one step). Post-balancing off against on, fp32, dropout 0 (dropout masks
 follow the rank that computes an example): the losses of every step and every parameter after the run agree
 within 1e-5, and on the step with every heavy example on DP rank 0 the plan moved data and lowered each
 phase's modeled max/mean. The layouts also reproduce the whole-sequence run: SP on against off, CP 2 against
@@ -194,3 +195,32 @@ def test_pp2_dp2_encoders_on_every_stage_is_invariant(tmp_path):
     assert encoders and all(name in stage_1 for name in encoders)
     for name, value in encoders.items():
         torch.testing.assert_close(stage_1[name], value, rtol=0, atol=0, msg=lambda m: f"stage 1 {name}: {m}")
+
+
+def test_tp2_pp2_dp2_encoders_at_tensor_parallel_1_on_every_rank_is_invariant(tmp_path):
+    """Eight ranks, one step (the heavy one): TP 2 x PP 2 x DP 2, the encoders at TP 2 on the first stage (Megatron's
+    layout, post-balancing off) against the encoders at TP 1 on every rank (``all``, encoder TP 1: 8 encoder
+    replicas, each TP rank of the backbone receiving every embedding its replica needs): the losses agree and every
+    parameter of TP rank 0 and 1 of the first replica agrees, an encoder parameter split by TP 2 with its half of
+    the whole TP-1 parameter."""
+    flags = ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2", "--train-iters", "1"]
+    logs = train(tmp_path, 8, [("upstream", flags),
+                               ("all", flags + BALANCED + ["--orch-encoder-ranks", "all",
+                                                           "--orch-encoder-tensor-parallel-size", "1"])],
+                 timeout_s=600)
+    for tp_rank in (0, 1):  # global ranks 0 and 1: TP ranks 0 and 1 of DP rank 0, stage 0
+        want, got = logs["upstream"]["params_of_rank"](tp_rank), logs["all"]["params_of_rank"](tp_rank)
+        assert got.keys() == want.keys()
+        for name, value in got.items():
+            split = [d for d in range(value.dim()) if value.shape[d] != want[name].shape[d]]
+            if split:  # an encoder parameter TP 2 splits: this TP rank's half of the whole one
+                assert name.startswith("encoders.") and value.shape[split[0]] == 2 * want[name].shape[split[0]], name
+                value = value.chunk(2, dim=split[0])[tp_rank]
+            got[name] = value
+        assert any(value.shape != want[name].shape for name, value in logs["all"]["params_of_rank"](tp_rank).items())
+        assert_same_run(dict(logs["all"], params=got), dict(logs["upstream"], params=want), 1,
+                        f"TP 2 x PP 2 x DP 2, encoders at TP 1 on every rank / upstream, TP rank {tp_rank}")
+    assert_plan_balances(logs["all"])
+    heavy = logs["all"]["items_encoded"][0]
+    assert len(heavy["vision"]) == 8 and max(heavy["vision"]) - min(heavy["vision"]) <= 1, heavy
+    assert min(heavy["vision"]) > 0, heavy
