@@ -88,6 +88,7 @@ def _train_runs(rank, world_size, runs, out_dir):
         if records:
             config = built[0].config  # the backbone's: what its layers were built for
             torch.save({"losses": {r.iteration: r.lm_loss for r in records},
+                        "grad_norms": {r.iteration: r.grad_norm for r in records},
                         "post_balancing": [r.post_balancing for r in records],
                         "items_encoded": [r.items_encoded for r in records],
                         "layout": (config.sequence_parallel, config.context_parallel_size),
@@ -220,6 +221,8 @@ def test_tp2_pp2_dp2_encoders_at_tensor_parallel_1_on_every_rank_is_invariant(tm
         assert any(value.shape != want[name].shape for name, value in logs["all"]["params_of_rank"](tp_rank).items())
         assert_same_run(dict(logs["all"], params=got), dict(logs["upstream"], params=want), 1,
                         f"TP 2 x PP 2 x DP 2, encoders at TP 1 on every rank / upstream, TP rank {tp_rank}")
+    # the gradient norm counts every encoder parameter once (the replicas but the first are marked shared)
+    assert logs["all"]["grad_norms"][1] == pytest.approx(logs["upstream"]["grad_norms"][1], rel=TOLERANCE)
     assert_plan_balances(logs["all"])
     heavy = logs["all"]["items_encoded"][0]
     assert len(heavy["vision"]) == 8 and max(heavy["vision"]) - min(heavy["vision"]) <= 1, heavy
