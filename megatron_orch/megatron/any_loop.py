@@ -76,7 +76,6 @@ def post_balance(forward_backward_func: Optional[Callable], data_iterator: Itera
     pp = parallel_state.get_pipeline_model_parallel_world_size()
     if config.encoders_on_every_stage and (pp > 1 or config.encoder_tensor_parallel_size is not None):
         refused = unsupported_layout(
-            virtual_pipeline_size=parallel_state.get_virtual_pipeline_model_parallel_world_size(),
             context_parallel_size=parallel_state.get_context_parallel_world_size(), overlap_grad_reduce=False,
             sharded=None, tensor_parallel_size=tp, encoder_tensor_parallel_size=config.encoder_tensor_parallel_size,
             sequence_parallel=_sequence_parallel(model))

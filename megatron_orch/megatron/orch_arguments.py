@@ -147,7 +147,6 @@ def orch_config_from_args(args: argparse.Namespace, verify_by_default: bool = Fa
     etp = args.orch_encoder_tensor_parallel_size
     if all_ranks and (args.pipeline_model_parallel_size > 1 or etp is not None) and not args.orch_shadow:
         refused = unsupported_layout(
-            virtual_pipeline_size=getattr(args, "virtual_pipeline_model_parallel_size", None),
             context_parallel_size=getattr(args, "context_parallel_size", 1),
             overlap_grad_reduce=bool(getattr(args, "overlap_grad_reduce", False)),
             sharded=sharded[0] if sharded else None, tensor_parallel_size=tp, encoder_tensor_parallel_size=etp,

@@ -103,9 +103,8 @@ class ModalityAwareSchedule:
                                      "every stage's with them (MLLMModel(encoders=True)) and give them the first "
                                      "stage's parameters (share_encoders) before building the optimizer")
                 refused = unsupported_layout(
-                    virtual_pipeline_size=len(model_chunks(model)), context_parallel_size=1,
-                    overlap_grad_reduce=bool(getattr(getattr(chunk, "ddp_config", None), "overlap_grad_reduce", False)),
-                    sharded=sharding_of(chunk))
+                    context_parallel_size=1, sharded=sharding_of(chunk),
+                    overlap_grad_reduce=bool(getattr(getattr(chunk, "ddp_config", None), "overlap_grad_reduce", False)))
                 if refused is not None:
                     raise ValueError(refused)
             self._model_checked = True

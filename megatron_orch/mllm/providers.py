@@ -86,7 +86,7 @@ def build_model(args: argparse.Namespace, pre_process: bool = True, post_process
     (Megatron's ``model_provider(pre_process, post_process, vp_stage)``)."""
     return MLLMModel(args.mllm_config, model_parallel_settings(args), args.seq_length,
                      pre_process=pre_process, post_process=post_process, vp_stage=vp_stage,
-                     encoders=pre_process or _encoders_on_every_stage(args))
+                     encoders=pre_process or (_encoders_on_every_stage(args) and not vp_stage))
 
 
 def _encoders_on_every_stage(args: argparse.Namespace) -> bool:

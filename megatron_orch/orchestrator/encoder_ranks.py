@@ -34,8 +34,7 @@ FLAG = "--orch-encoder-ranks all"
 ETP_FLAG = "--orch-encoder-tensor-parallel-size"
 
 
-def unsupported_layout(*, virtual_pipeline_size: Optional[int], context_parallel_size: int,
-                       overlap_grad_reduce: bool, sharded: Optional[str], tensor_parallel_size: int = 1,
+def unsupported_layout(*, context_parallel_size: int, overlap_grad_reduce: bool, sharded: Optional[str], tensor_parallel_size: int = 1,
                        encoder_tensor_parallel_size: Optional[int] = None,
                        sequence_parallel: bool = False) -> Optional[str]:
     """Why the encoders cannot go on every pipeline stage in this layout (None: they can), one line naming the
@@ -49,9 +48,6 @@ def unsupported_layout(*, virtual_pipeline_size: Optional[int], context_parallel
         return (f"{ETP_FLAG} {etp} below --tensor-model-parallel-size {tensor_parallel_size} with "
                 "--sequence-parallel is not supported (not tested: every TP rank's embedding gradient is assumed "
                 "whole)")
-    if virtual_pipeline_size is not None and virtual_pipeline_size > 1:
-        return (f"{FLAG} with virtual pipeline stages ({virtual_pipeline_size} model chunks per rank) is not "
-                "supported: the encoders sit in the first model chunk only")
     if context_parallel_size > 1:
         return f"{FLAG} with --context-parallel-size {context_parallel_size} is not supported"
     if overlap_grad_reduce:

@@ -72,8 +72,8 @@ def _train_runs(rank, world_size, runs, out_dir):
 
         attention.context_parallel_attention = context_parallel_attention
 
-        def model_provider(args, pre_process, post_process):
-            built.append(providers.build_model(args, pre_process, post_process))
+        def model_provider(args, pre_process, post_process, vp_stage=None):
+            built.append(providers.build_model(args, pre_process, post_process, vp_stage))
             return built[-1]
 
         args = arguments.parse_args(MLLM_TASK, COMMON + list(argv), world_size=world_size)
@@ -84,7 +84,9 @@ def _train_runs(rank, world_size, runs, out_dir):
             parallel_state.destroy_model_parallel()
         out = Path(out_dir) / name
         out.mkdir(exist_ok=True)
-        torch.save({n: p.detach().clone() for n, p in built[0].named_parameters()}, out / f"params_rank{rank}.pt")
+        params = {f"chunk{k}.{n}" if k else n: p.detach().clone()  # a later model chunk's names prefixed
+                  for k, chunk in enumerate(built) for n, p in chunk.named_parameters()}
+        torch.save(params, out / f"params_rank{rank}.pt")
         if records:
             config = built[0].config  # the backbone's: what its layers were built for
             torch.save({"losses": {r.iteration: r.lm_loss for r in records},
@@ -227,3 +229,24 @@ def test_tp2_pp2_dp2_encoders_at_tensor_parallel_1_on_every_rank_is_invariant(tm
     heavy = logs["all"]["items_encoded"][0]
     assert len(heavy["vision"]) == 8 and max(heavy["vision"]) - min(heavy["vision"]) <= 1, heavy
     assert min(heavy["vision"]) > 0, heavy
+
+
+def test_pp2_vpp2_dp2_encoders_in_every_ranks_first_chunk_is_invariant(tmp_path):
+    """PP 2 x VPP 2 x DP 2 (two model chunks per pipeline rank, megatron-core's interleaved 1F1B), one step (the
+    heavy one): the encoders in the first stage's first chunk (upstream) against the encoders in every rank's first
+    chunk (``all``): the losses and both chunks' parameters agree, every rank encodes, and the second stage's
+    first chunk holds the encoders (its second none)."""
+    flags = ["--num-layers", "4", "--pipeline-model-parallel-size", "2", "--num-layers-per-virtual-pipeline-stage",
+             "1", "--train-iters", "1"]
+    logs = train(tmp_path, 4, [("upstream", flags), ("all", flags + BALANCED + ["--orch-encoder-ranks", "all"])],
+                 timeout_s=420)
+    assert any(name.startswith("chunk1.") for name in logs["all"]["params"])
+    assert_same_run(logs["all"], logs["upstream"], 1, "PP 2 x VPP 2 x DP 2, encoders on every rank / upstream")
+    assert_plan_balances(logs["all"])
+    heavy = logs["all"]["items_encoded"][0]
+    assert len(heavy["vision"]) == 4 and min(heavy["vision"]) > 0 and max(heavy["vision"]) - min(heavy["vision"]) <= 1
+    stage_1 = logs["all"]["params_of_rank"](2)  # stage 1 of DP rank 0 (ranks stage * DP + dp)
+    encoders = {name: value for name, value in logs["all"]["params"].items() if name.startswith("encoders.")}
+    assert encoders and not any(name.startswith("chunk1.encoders.") for name in stage_1)
+    for name, value in encoders.items():
+        torch.testing.assert_close(stage_1[name], value, rtol=0, atol=0, msg=lambda m: f"stage 1 {name}: {m}")

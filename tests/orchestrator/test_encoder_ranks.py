@@ -141,9 +141,8 @@ def test_copied_moves_deliver_every_replica_the_same_rows_as_one_replica_gets_wi
 
 
 def test_unsupported_layouts_are_named():
-    fine = dict(virtual_pipeline_size=None, context_parallel_size=1, overlap_grad_reduce=False, sharded=None)
+    fine = dict(context_parallel_size=1, overlap_grad_reduce=False, sharded=None)
     assert unsupported_layout(**fine) is None
-    assert "virtual pipeline" in unsupported_layout(**{**fine, "virtual_pipeline_size": 2})
     assert "--context-parallel-size 2" in unsupported_layout(**{**fine, "context_parallel_size": 2})
     assert "--overlap-grad-reduce" in unsupported_layout(**{**fine, "overlap_grad_reduce": True})
     assert "--use-torch-fsdp2" in unsupported_layout(**{**fine, "sharded": "--use-torch-fsdp2"})
