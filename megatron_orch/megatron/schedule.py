@@ -13,7 +13,8 @@ go back by the inverse all-to-all and the encoders run their backward, so encode
 gradients are reduced together, exactly once.
 
 Virtual pipeline stages (the interleaved schedule, several model chunks per pipeline rank): the encoders
-are in the first chunk (virtual stage 0) of the first pipeline stage; every chunk reads the step's
+are in the first chunk (virtual stage 0) of the first pipeline stage (of every stage with the encoders on every
+stage); every chunk reads the step's
 balanced micro-batches, each through its own iterator as megatron-core's interleaved schedule takes them
 (the first chunk uses their embeddings, the last their labels). The first chunk's backward ends last, so
 only its ``grad_sync_func`` (and ``finalize_model_grads_func``) runs the encoders' backward, under its
