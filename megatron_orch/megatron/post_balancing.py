@@ -45,17 +45,18 @@ from torch.distributed import ProcessGroup
 
 from megatron_orch.balance.plan import Placement, Transfer
 from megatron_orch.balance.topology import Topology
-from megatron_orch.balance.workload import StepSizes
+from megatron_orch.balance.workload import StepSizes, phase_items
 from megatron_orch.comm.alltoall import (ItemLayout, PendingHops, Route, routes_for, start_all_to_all_items,
                                         upload_routes)
 from megatron_orch.comm.communicator import dedicated_group
 from megatron_orch.comm.device import HostCopy, communication_device, stage_on_host, staged_to_device
 from megatron_orch.comm.gather import GroupMismatchError, gather_item_sizes
+from megatron_orch.comm.group_topology import group_topology
 from megatron_orch.comm.status import raise_if_any_rank_failed
 from megatron_orch.megatron.batch import BatchSpec, Example, MicroBatch, collate, collate_packed
 from megatron_orch.orchestrator.background import BackgroundPlanner
 from megatron_orch.orchestrator.config import OrchestratorConfig
-from megatron_orch.orchestrator.encoder_ranks import (CopiedStepMove, EncoderGroupPlan, group_moves,
+from megatron_orch.orchestrator.encoder_ranks import (CopiedStepMove, EncoderGroupPlan, group_moves, group_traffic,
                                                       spread_over_stages)
 from megatron_orch.orchestrator.step_plan import (EncoderChunks, StepMove, StepPlan, plan_step, step_moves,
                                                   warm_up)
@@ -441,6 +442,7 @@ class PostBalancingDataIterator:
         self.compute_device, self.input_dtype = torch.device(compute_device), input_dtype
         self.rank = dist.get_rank(groups.dp_group)
         self.pipeline_size, self.stage, self.replica, self.encoder_rank = 1, 0, 0, None
+        self.encoder_nodes = None  # the node of every encoder-group rank (the encoders on every stage)
         if groups.encoder_group is not None:  # the encoders on every stage: ranks (stage * DP + dp) * R + j
             dp_size, replicas = dist.get_world_size(groups.dp_group), groups.tp_replicas
             self.encoder_rank = dist.get_rank(groups.encoder_group)
@@ -452,6 +454,7 @@ class PostBalancingDataIterator:
                                  f"{dist.get_world_size(groups.encoder_group)}, not (stage * DP + dp) * R + j = "
                                  f"({self.stage} * {dp_size} + {self.rank}) * {replicas} + {self.replica} (its DP x "
                                  "PP x R encoder replicas in megatron-core's order)")
+            self.encoder_nodes = group_topology(groups.encoder_group, gpus_per_node=config.gpus_per_node).node_of_rank
         # also checks config.phases and the cost profile against the model; rank 0 says so if numba compiles
         warm_up(spec.phases, config, announce=_log_once if dist.get_rank() == 0 else None)
         self.comm_group = groups.comm_group if groups.comm_group is not None else dedicated_group(groups.dp_group)
@@ -566,8 +569,11 @@ class PostBalancingDataIterator:
                              self.step.num_microbatches)
             if self.config.shadow:
                 return plan, None
-            spread = None if self.groups.encoder_group is None else spread_over_stages(
-                plan, self.pipeline_size, self.groups.tp_replicas)
+            spread = None
+            if self.groups.encoder_group is not None:  # the log's MB and peers: the moves that run
+                spread = spread_over_stages(plan, self.pipeline_size, self.groups.tp_replicas)
+                traffic, peers = group_traffic(plan, spread, phase_items(sizes, self.spec.phases), self.encoder_nodes)
+                plan = dataclasses.replace(plan, traffic=traffic, peers=peers)
             return plan, prepare_moves(plan, sizes.num_tokens, self.rows_per_item, self.rank,
                                        self.groups.encoder_stage, self.config.all_to_all, self.topology.node_of_rank,
                                        spread, self.encoder_rank)

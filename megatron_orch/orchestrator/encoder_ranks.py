@@ -18,24 +18,28 @@ the first-stage TP group that runs their example's first backbone layers (each o
 copies, :class:`CopiedStepMove`), in one all-to-all over the encoder group; their gradients back by the inverse
 from replica 0 alone (every TP rank of the backbone holds the same embedding gradient). The text moves within
 each stage's DP group, as with ``FIRST_STAGE``. :func:`unsupported_layout` names the parallel layouts it does not
-run (checked before any collective).
+run (checked before any collective). :func:`group_traffic` counts what these moves send, for the iteration
+line's MB figures.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Dict, List, Optional
+import functools
+import operator
+from typing import Dict, List, Optional, Tuple
 
 import numpy as np
 
-from megatron_orch.balance.plan import Placement, Transfer
+from megatron_orch.balance.plan import Connections, MovedBytes, Peers, Placement, Transfer
+from megatron_orch.balance.workload import PhaseItems
 from megatron_orch.orchestrator.step_plan import EncoderChunks, StepMove, StepPlan, step_moves
 
 FLAG = "--orch-encoder-ranks all"
 ETP_FLAG = "--orch-encoder-tensor-parallel-size"
 
 
-def unsupported_layout(*, context_parallel_size: int, overlap_grad_reduce: bool, sharded: Optional[str], tensor_parallel_size: int = 1,
-                       encoder_tensor_parallel_size: Optional[int] = None,
+def unsupported_layout(*, context_parallel_size: int, overlap_grad_reduce: bool, sharded: Optional[str],
+                       tensor_parallel_size: int = 1, encoder_tensor_parallel_size: Optional[int] = None,
                        sequence_parallel: bool = False) -> Optional[str]:
     """Why the encoders cannot go on every pipeline stage in this layout (None: they can), one line naming the
     setting. ``encoder_tensor_parallel_size`` (None: ``tensor_parallel_size``, the backbone's) must divide the
@@ -173,3 +177,25 @@ def group_moves(plan: StepPlan, group: EncoderGroupPlan) -> List[StepMove]:
         out.append(CopiedStepMove(move.name, move.kind, move.items_of, move.phase, Transfer(src, dst),
                                   move.with_gradients, copies=copies))
     return out
+
+
+def group_traffic(plan: StepPlan, group: EncoderGroupPlan, items: Dict[str, PhaseItems],
+                  node_of_rank) -> Tuple[Dict[str, MovedBytes], Peers]:
+    """What the step's moves over the encoder group send (:func:`group_moves`; ``items``: ``phase_items`` of the
+    step, ``node_of_rank``: the node of every encoder-group rank), as ``StepPlan.traffic`` counts the first-stage
+    layout's: per move its forward bytes, and an embeddings move's gradients back as ``"<name> gradients"`` (a
+    copied move's forward sends every copy, its gradients one). The text counts once, as the first stage's DP
+    group at replica 0 moves it (each stage's DP group moves the same). Also each rank's distinct peers over them."""
+    traffic = {}
+    for move in group_moves(plan, group):
+        nbytes = move.bytes_of(items)
+        transfer = move.transfer
+        if move.kind == "text":
+            transfer = Transfer(_on_first_stage(transfer.src, group), _on_first_stage(transfer.dst, group))
+        copies = move.copies if isinstance(move, CopiedStepMove) else 1
+        traffic[move.name] = transfer.moved_bytes(np.tile(nbytes, copies), node_of_rank)
+        if move.with_gradients:
+            traffic[f"{move.name} gradients"] = move.gradients().moved_bytes(nbytes, node_of_rank)
+    connected = functools.reduce(operator.or_, (moved.connections for moved in traffic.values()),
+                                 Connections.none(group.num_ranks))
+    return traffic, connected.peers(node_of_rank)

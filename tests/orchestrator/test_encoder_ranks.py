@@ -12,11 +12,12 @@ from hypothesis import given, settings, strategies as st
 from megatron_orch.balance.plan import Placement, Transfer
 from megatron_orch.balance.step_model import ENCODER_RANKS
 from megatron_orch.balance.topology import Topology
+from megatron_orch.balance.workload import phase_items
 from megatron_orch.megatron.orch_arguments import add_orch_args, orch_config_from_args
 from megatron_orch.mllm.config import load_model_config
 from megatron_orch.orchestrator.config import ConfigError, EncoderRanks, OrchestratorConfig
-from megatron_orch.orchestrator.encoder_ranks import (CopiedStepMove, group_moves, spread_over_stages, stage_of_items,
-                                                      unsupported_layout)
+from megatron_orch.orchestrator.encoder_ranks import (CopiedStepMove, group_moves, group_traffic, spread_over_stages,
+                                                      stage_of_items, unsupported_layout)
 from megatron_orch.orchestrator.step_plan import plan_step, step_moves
 from test_step_plan import sizes_of
 
@@ -39,11 +40,15 @@ def test_stage_of_items_splits_each_rank_in_runs_of_consecutive_slots(counts, pi
         assert [bool(size > count // pipeline) for size in sizes] == longer
 
 
-def _plan(num_ranks=2, seed=0, n=8):
+def _sizes(num_ranks=2, seed=0, n=8):
     rng = np.random.default_rng(seed)
-    sizes = sizes_of(rng.integers(0, 6, n), rng.integers(0, 3, n), rng.integers(20, 120, n), num_ranks)
+    return sizes_of(rng.integers(0, 6, n), rng.integers(0, 3, n), rng.integers(20, 120, n), num_ranks)
+
+
+def _plan(num_ranks=2, seed=0, n=8, gpus_per_node=None):
     config = OrchestratorConfig(background=False, microbatching="equal_count")
-    return plan_step(sizes, TINY, config, Topology.uniform(num_ranks, num_ranks), 2, n // num_ranks // 2)
+    return plan_step(_sizes(num_ranks, seed, n), TINY, config,
+                     Topology.uniform(num_ranks, gpus_per_node or num_ranks), 2, n // num_ranks // 2)
 
 
 @pytest.mark.parametrize("pipeline", [1, 2, 3])
@@ -112,7 +117,8 @@ def test_spread_over_encoder_replicas_balances_over_the_group_and_copies_outputs
         if move.kind == "inputs":  # from replica 0 of the first-stage rank that loaded the example
             assert np.array_equal(move.transfer.src.rank, encoder.home.rank * replicas)
             continue
-        assert isinstance(move, CopiedStepMove) and move.copies == replicas and move.transfer.src.num_items == n * replicas
+        assert isinstance(move, CopiedStepMove) and move.copies == replicas
+        assert move.transfer.src.num_items == n * replicas
         backbone = plan.examples_backbone.rank[encoder.example]
         for c in range(replicas):  # copy c: from the item's encoder rank to replica c of its backbone rank
             copy = slice(c * n, (c + 1) * n)
@@ -138,6 +144,37 @@ def test_copied_moves_deliver_every_replica_the_same_rows_as_one_replica_gets_wi
                 got = two.transfer.dst.items_on((b * 2 + c)) - c * n
                 assert np.array_equal(got, one.transfer.dst.items_on(b))
         assert isinstance(two.gradients(), Transfer) and two.gradients().src.num_items == n
+
+
+def test_group_traffic_counts_the_moves_that_run():
+    """Over the DP ranks alone (one stage, one replica) it is the plan's own count; over DP x PP x R replicas each
+    move's bytes are those of its items that change rank (an embeddings move's every copy forward, one back)."""
+    plan = _plan(num_ranks=4, seed=6, n=16, gpus_per_node=2)
+    items = phase_items(_sizes(4, 6, 16), TINY)
+    dp_nodes = np.arange(4) // 2
+    traffic, peers = group_traffic(plan, spread_over_stages(plan, 1), items, dp_nodes)
+    for kind in ("intra_node", "inter_node"):
+        assert sum(getattr(m, kind) for m in traffic.values()) == pytest.approx(
+            sum(getattr(m, kind) for m in plan.traffic.values()))
+    assert peers.busiest() == plan.peers.busiest()
+    group = spread_over_stages(plan, 2, 2)
+    nodes = np.arange(group.num_ranks) // 4
+    traffic, _ = group_traffic(plan, group, items, nodes)
+    for move in group_moves(plan, group):
+        nbytes = move.bytes_of(items)
+        copies = move.copies if isinstance(move, CopiedStepMove) else 1
+        transfer = move.transfer
+        if move.kind == "text":  # the first stage's replica 0: DP rank d at group rank d * R
+            moved = nbytes[transfer.src.rank != transfer.dst.rank].sum()
+        else:
+            moved = np.tile(nbytes, copies)[transfer.src.rank != transfer.dst.rank].sum()
+        assert traffic[move.name].off_gpu == pytest.approx(moved), move.name
+        if move.with_gradients:
+            back = move.gradients()
+            moved_back = nbytes[back.src.rank != back.dst.rank].sum()
+            assert traffic[f"{move.name} gradients"].off_gpu == pytest.approx(moved_back)
+    assert any(traffic[name].off_gpu != plan.traffic[name].off_gpu / (2 if name.endswith("embeddings") else 1)
+               for name in plan.traffic)  # not the first-stage layout's count
 
 
 def test_unsupported_layouts_are_named():
