@@ -100,8 +100,8 @@ def add_orch_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     g.add_argument("--orch-encoder-ranks", choices=[ranks.value for ranks in EncoderRanks], default=None,
                    help="which ranks hold and run the encoders (and projectors): first-stage (default, Megatron's "
                         "layout: the first pipeline stage's, items balanced over DP) or all (every pipeline "
-                        "stage's, items balanced over DP x PP, their outputs sent to the first stage; the first step "
-                        "is then not checked)")
+                        "stage's, items balanced over DP x PP x TP / --orch-encoder-tensor-parallel-size, their "
+                        "outputs sent to the first stage; the first step is then not checked)")
     g.add_argument("--orch-encoder-tensor-parallel-size", type=int, default=None, metavar="N",
                    help="with --orch-encoder-ranks all, the encoders' own tensor-parallel size (default: "
                         "--tensor-model-parallel-size; it must divide it): each TP group then holds TP / N encoder "

@@ -82,13 +82,14 @@ class OrchestratorConfig:
     runs (``--orch-all-to-all``): ``flat``, one all-to-all over the DP group, or ``node-wise``, within the
     source's node and then between rail peers (:meth:`~megatron_orch.balance.plan.Transfer.node_wise`: at most
     ``gpus_per_node - 1 + nodes - 1`` peers a rank, the same outputs).
-    ``encoder_ranks``: which ranks encode (:class:`EncoderRanks`; ``ALL`` needs pipeline parallelism to differ
-    from ``FIRST_STAGE``; its moves run flat: ``all_to_all`` node-wise is refused with it).
+    ``encoder_ranks``: which ranks encode (:class:`EncoderRanks`; ``ALL`` needs pipeline parallelism, or an encoder
+    TP below the backbone's, to differ from ``FIRST_STAGE``; its moves run flat: ``all_to_all`` node-wise is refused
+    with it).
     ``encoder_tensor_parallel_size``: with ``encoder_ranks`` ``ALL``, the encoders' own tensor-parallel size
     (``--orch-encoder-tensor-parallel-size``; None: the backbone's); it must divide the backbone's, which the
     entry points check (:func:`~megatron_orch.orchestrator.encoder_ranks.unsupported_layout`). Below it, each
     backbone TP group holds TP / encoder TP encoder replicas, and the encoder phases are balanced over
-    DP x PP x TP / encoder TP ranks.
+    DP x PP x TP / encoder TP ranks (the meaning of the step model's ``encoder_tensor_parallel``).
     """
 
     phases: Optional[Tuple[str, ...]] = None
