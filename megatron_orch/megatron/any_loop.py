@@ -27,7 +27,6 @@ from typing import Callable, Iterator, Optional, Tuple
 
 import torch
 from megatron.core import parallel_state
-from megatron.core.utils import get_model_config
 
 from megatron_orch.comm.communicator import dedicated_group, replica_group
 from megatron_orch.comm.group_topology import group_topology
@@ -77,8 +76,7 @@ def post_balance(forward_backward_func: Optional[Callable], data_iterator: Itera
     if config.encoders_on_every_stage and (pp > 1 or config.encoder_tensor_parallel_size is not None):
         refused = unsupported_layout(
             context_parallel_size=parallel_state.get_context_parallel_world_size(), overlap_grad_reduce=False,
-            sharded=None, tensor_parallel_size=tp, encoder_tensor_parallel_size=config.encoder_tensor_parallel_size,
-            sequence_parallel=_sequence_parallel(model))
+            sharded=None, tensor_parallel_size=tp, encoder_tensor_parallel_size=config.encoder_tensor_parallel_size)
         if refused is not None:
             raise ValueError(refused)
     spread = config.spreads_encoders(tp, pp)
@@ -99,10 +97,3 @@ def post_balance(forward_backward_func: Optional[Callable], data_iterator: Itera
                                      announce=announce, encoders_on_every_stage=spread)
     return schedule, iterator
 
-
-def _sequence_parallel(model) -> bool:
-    """Whether ``model`` (None: not known here) runs the backbone under sequence parallelism."""
-    if model is None:
-        return False
-    chunk = model[0] if isinstance(model, (list, tuple)) else model
-    return bool(getattr(get_model_config(chunk), "sequence_parallel", False))

@@ -149,8 +149,7 @@ def orch_config_from_args(args: argparse.Namespace, verify_by_default: bool = Fa
         refused = unsupported_layout(
             context_parallel_size=getattr(args, "context_parallel_size", 1),
             overlap_grad_reduce=bool(getattr(args, "overlap_grad_reduce", False)),
-            sharded=sharded[0] if sharded else None, tensor_parallel_size=tp, encoder_tensor_parallel_size=etp,
-            sequence_parallel=bool(getattr(args, "sequence_parallel", False)))
+            sharded=sharded[0] if sharded else None, tensor_parallel_size=tp, encoder_tensor_parallel_size=etp)
         if refused is not None:
             raise ValueError(refused)
     phases = None if args.orch_phases is None else tuple(p.strip() for p in args.orch_phases.split(",") if p.strip())

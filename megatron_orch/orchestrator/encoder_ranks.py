@@ -39,19 +39,15 @@ ETP_FLAG = "--orch-encoder-tensor-parallel-size"
 
 
 def unsupported_layout(*, context_parallel_size: int, overlap_grad_reduce: bool, sharded: Optional[str],
-                       tensor_parallel_size: int = 1, encoder_tensor_parallel_size: Optional[int] = None,
-                       sequence_parallel: bool = False) -> Optional[str]:
+                       tensor_parallel_size: int = 1,
+                       encoder_tensor_parallel_size: Optional[int] = None) -> Optional[str]:
     """Why the encoders cannot go on every pipeline stage in this layout (None: they can), one line naming the
     setting. ``encoder_tensor_parallel_size`` (None: ``tensor_parallel_size``, the backbone's) must divide the
-    backbone's; below it, sequence parallelism is not run."""
+    backbone's."""
     etp = tensor_parallel_size if encoder_tensor_parallel_size is None else encoder_tensor_parallel_size
     if etp < 1 or tensor_parallel_size % etp:
         return (f"{ETP_FLAG} {etp} does not divide --tensor-model-parallel-size {tensor_parallel_size} (each backbone "
                 "TP group must hold whole encoder replicas)")
-    if etp < tensor_parallel_size and sequence_parallel:
-        return (f"{ETP_FLAG} {etp} below --tensor-model-parallel-size {tensor_parallel_size} with "
-                "--sequence-parallel is not supported (not tested: every TP rank's embedding gradient is assumed "
-                "whole)")
     if context_parallel_size > 1:
         return f"{FLAG} with --context-parallel-size {context_parallel_size} is not supported"
     if overlap_grad_reduce:

@@ -1,8 +1,9 @@
 """Consequence invariance in the layouts large runs use, on the compact trainer, CPU over gloo: sequence
-parallelism (TP 2 + SP x DP 2), context parallelism (CP 2 x DP 2, padded rows and packed rows), both
-(TP 2 + SP x CP 2 x DP 2, 8 ranks, one step), and the encoders on every pipeline stage (PP 2 x DP 2 with
-``--orch-encoder-ranks all``: the encoder phases over 4 ranks; TP 2 x PP 2 x DP 2 with the encoders at TP 1: over
-8 encoder replicas, 8 ranks, one step). Post-balancing off against on, fp32, dropout 0 (dropout masks
+parallelism (TP 2 + SP x DP 2, also with the encoders at TP 1 on every rank), context parallelism (CP 2 x DP 2,
+padded rows and packed rows), both (TP 2 + SP x CP 2 x DP 2, 8 ranks, one step), and the encoders on every pipeline
+stage (``--orch-encoder-ranks all``: PP 2 x DP 2, the encoder phases over 4 ranks; TP 2 x PP 2 x DP 2 with the
+encoders at TP 1, over 8 encoder replicas, 8 ranks, one step; PP 2 x VPP 2 x DP 2, in every rank's first model
+chunk, one step). Post-balancing off against on, fp32, dropout 0 (dropout masks
 follow the rank that computes an example): the losses of every step and every parameter after the run agree
 within 1e-5, and on the step with every heavy example on DP rank 0 the plan moved data and lowered each
 phase's modeled max/mean. The layouts also reproduce the whole-sequence run: SP on against off, CP 2 against
@@ -126,6 +127,26 @@ def assert_same_run(got: dict, want: dict, iterations: int, what: str):
     print(f"{what}: largest relative loss difference {loss:.1e}, largest parameter difference {param:.1e}")
 
 
+def assert_same_encoder_tp1_run(got: dict, want: dict, iterations: int, what: str):
+    """:func:`assert_same_run` of a run with the encoders at TP 1 against one at TP 2 (global ranks 0 and 1: TP
+    ranks 0 and 1 of the first replica): an encoder parameter TP 2 splits against its half of the whole TP-1 one;
+    the gradient norms agree too (every encoder replica but the first marked shared)."""
+    for tp_rank in (0, 1):
+        expected, params = want["params_of_rank"](tp_rank), got["params_of_rank"](tp_rank)
+        assert params.keys() == expected.keys()
+        split = {name: [d for d in range(value.dim()) if value.shape[d] != expected[name].shape[d]]
+                 for name, value in params.items()}
+        assert any(split.values())  # the encoders are at TP 1
+        for name, dims in split.items():
+            if dims:
+                assert name.startswith("encoders.") and params[name].shape[dims[0]] == 2 * expected[name].shape[dims[0]]
+                params[name] = params[name].chunk(2, dim=dims[0])[tp_rank]
+        assert_same_run(dict(got, params=params), dict(want, params=expected), iterations, f"{what}, TP rank {tp_rank}")
+    for iteration, norm in want["grad_norms"].items():
+        assert got["grad_norms"][iteration] == pytest.approx(norm, rel=TOLERANCE), (got["grad_norms"],
+                                                                                     want["grad_norms"])
+
+
 def assert_plan_balances(balanced: dict):
     """The heavy step (the first): the plan moved data off DP rank 0 and lowered every phase's max/mean."""
     heavy = balanced["post_balancing"][0]
@@ -141,12 +162,20 @@ def assert_plan_balances(balanced: dict):
 def test_tp2_sequence_parallel_dp2_is_invariant_and_equals_tp2(tmp_path):
     iters = ["--train-iters", "2"]
     logs = train(tmp_path, 4, [("upstream", SP + iters), ("balanced", SP + iters + BALANCED),
-                               ("tp2", SP[:2] + iters)], timeout_s=420)
+                               ("tp2", SP[:2] + iters),
+                               ("encoder_tp1", SP + iters + BALANCED + ["--orch-encoder-ranks", "all",
+                                                                       "--orch-encoder-tensor-parallel-size", "1"])],
+                 timeout_s=420)
     assert logs["balanced"]["layout"] == logs["upstream"]["layout"] == (True, 1) and logs["tp2"]["layout"] == (False, 1)
     assert_same_run(logs["balanced"], logs["upstream"], 2, "TP 2 + SP x DP 2, post-balancing on / off")
     assert_plan_balances(logs["balanced"])
     assert_same_run(logs["upstream"], logs["tp2"], 2, "TP 2 + SP / TP 2")  # sequence parallelism changes no number
     assert logs["upstream"]["losses"][2] != logs["upstream"]["losses"][1]
+    # PP 1, the encoders at TP 1: 4 encoder replicas, each backbone TP rank's embeddings by the one all-to-all
+    assert_same_encoder_tp1_run(logs["encoder_tp1"], logs["upstream"], 2,
+                                "TP 2 + SP x DP 2, encoders at TP 1 / upstream")
+    assert all(len(step["vision"]) == 4 and max(step["vision"]) - min(step["vision"]) <= 1
+               for step in logs["encoder_tp1"]["items_encoded"]), logs["encoder_tp1"]["items_encoded"]
 
 
 @pytest.fixture(scope="module")
@@ -203,28 +232,15 @@ def test_pp2_dp2_encoders_on_every_stage_is_invariant(tmp_path):
 def test_tp2_pp2_dp2_encoders_at_tensor_parallel_1_on_every_rank_is_invariant(tmp_path):
     """Eight ranks, one step (the heavy one): TP 2 x PP 2 x DP 2, the encoders at TP 2 on the first stage (Megatron's
     layout, post-balancing off) against the encoders at TP 1 on every rank (``all``, encoder TP 1: 8 encoder
-    replicas, each TP rank of the backbone receiving every embedding its replica needs): the losses agree and every
-    parameter of TP rank 0 and 1 of the first replica agrees, an encoder parameter split by TP 2 with its half of
-    the whole TP-1 parameter."""
+    replicas, each TP rank of the backbone receiving every embedding its replica needs): losses, parameters and
+    gradient norms agree (:func:`assert_same_encoder_tp1_run`)."""
     flags = ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2", "--train-iters", "1"]
     logs = train(tmp_path, 8, [("upstream", flags),
                                ("all", flags + BALANCED + ["--orch-encoder-ranks", "all",
                                                            "--orch-encoder-tensor-parallel-size", "1"])],
                  timeout_s=600)
-    for tp_rank in (0, 1):  # global ranks 0 and 1: TP ranks 0 and 1 of DP rank 0, stage 0
-        want, got = logs["upstream"]["params_of_rank"](tp_rank), logs["all"]["params_of_rank"](tp_rank)
-        assert got.keys() == want.keys()
-        for name, value in got.items():
-            split = [d for d in range(value.dim()) if value.shape[d] != want[name].shape[d]]
-            if split:  # an encoder parameter TP 2 splits: this TP rank's half of the whole one
-                assert name.startswith("encoders.") and value.shape[split[0]] == 2 * want[name].shape[split[0]], name
-                value = value.chunk(2, dim=split[0])[tp_rank]
-            got[name] = value
-        assert any(value.shape != want[name].shape for name, value in logs["all"]["params_of_rank"](tp_rank).items())
-        assert_same_run(dict(logs["all"], params=got), dict(logs["upstream"], params=want), 1,
-                        f"TP 2 x PP 2 x DP 2, encoders at TP 1 on every rank / upstream, TP rank {tp_rank}")
-    # the gradient norm counts every encoder parameter once (the replicas but the first are marked shared)
-    assert logs["all"]["grad_norms"][1] == pytest.approx(logs["upstream"]["grad_norms"][1], rel=TOLERANCE)
+    assert_same_encoder_tp1_run(logs["all"], logs["upstream"], 1,
+                                "TP 2 x PP 2 x DP 2, encoders at TP 1 on every rank / upstream")
     assert_plan_balances(logs["all"])
     heavy = logs["all"]["items_encoded"][0]
     assert len(heavy["vision"]) == 8 and max(heavy["vision"]) - min(heavy["vision"]) <= 1, heavy

@@ -184,12 +184,8 @@ def test_unsupported_layouts_are_named():
     assert "--overlap-grad-reduce" in unsupported_layout(**{**fine, "overlap_grad_reduce": True})
     assert "--use-torch-fsdp2" in unsupported_layout(**{**fine, "sharded": "--use-torch-fsdp2"})
     assert unsupported_layout(**fine, tensor_parallel_size=4, encoder_tensor_parallel_size=2) is None
-    assert unsupported_layout(**fine, tensor_parallel_size=4, encoder_tensor_parallel_size=4,
-                              sequence_parallel=True) is None
     assert unsupported_layout(**fine, tensor_parallel_size=4, encoder_tensor_parallel_size=3).startswith(
         "--orch-encoder-tensor-parallel-size 3 does not divide --tensor-model-parallel-size 4")
-    assert "--sequence-parallel is not supported" in unsupported_layout(
-        **fine, tensor_parallel_size=2, encoder_tensor_parallel_size=1, sequence_parallel=True)
 
 
 def test_config_takes_the_layout_as_data():
@@ -251,8 +247,7 @@ def test_orch_encoder_tensor_parallel_size_flag():
     with pytest.raises(ValueError, match=r"^--orch-encoder-tensor-parallel-size 3 does not divide "
                                          r"--tensor-model-parallel-size 4"):
         orch_config_from_args(parse(all_ranks + ["--orch-encoder-tensor-parallel-size", "3"]))
-    with pytest.raises(ValueError, match=r"^--orch-encoder-tensor-parallel-size 1 below --tensor-model-parallel-size "
-                                         r"4 with --sequence-parallel is not supported"):
-        orch_config_from_args(parse(all_ranks + ["--orch-encoder-tensor-parallel-size", "1", "--sequence-parallel"]))
+    assert orch_config_from_args(parse(all_ranks + ["--orch-encoder-tensor-parallel-size", "1", "--sequence-parallel"])
+                                 ).encoder_tensor_parallel_size == 1
     with pytest.raises(ValueError, match=r"^--orch-encoder-tensor-parallel-size 1 needs encoder_ranks ALL"):
         orch_config_from_args(parse(["--orch-post-balancing", "--orch-encoder-tensor-parallel-size", "1"]))
