@@ -40,9 +40,10 @@ SIGNATURES = {
         '(phases=, algorithm=, microbatching=, locality=, placement=, placement_time_limit_s=, '
         'gpus_per_node=, background=, encoder_recompute=, encoder_chunk_tokens=, '
         'encoder_memory_cap=, cost_profile=, context_parallel_size=, step_model=, shadow=, '
-        'verify_first_step=, all_to_all=, encoder_ranks=)',
+        'verify_first_step=, all_to_all=, encoder_ranks=, encoder_tensor_parallel_size=)',
     'megatron_orch.megatron.ParallelGroups':
-        '(dp_group, topology, encoder_stage=, peer_group=, comm_group=, encoder_group=, pipeline_group=)',
+        '(dp_group, topology, encoder_stage=, peer_group=, comm_group=, encoder_group=, pipeline_group=, '
+        'tp_replicas=)',
     'megatron_orch.megatron.PostBalancingDataIterator':
         '(source, spec, config, step, groups, *, compute_device, input_dtype=)',
     'megatron_orch.megatron.ProfileCost': '(fit, base)',

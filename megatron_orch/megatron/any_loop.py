@@ -59,9 +59,10 @@ def post_balance(forward_backward_func: Optional[Callable], data_iterator: Itera
     by default); ``announce`` gets the checked first step's line. Call every collective-making part of this on
     every rank, after ``parallel_state.initialize_model_parallel``.
 
-    ``config.encoder_ranks`` ``ALL`` with pipeline parallelism: every stage's model holds the encoders (built so,
-    and given the first stage's parameters by :func:`~megatron_orch.megatron.encoder_layout.share_encoders`
-    before the optimizer), and the encoder phases run over DP x PP ranks
+    ``config.encoder_ranks`` ``ALL`` with pipeline parallelism or encoders at a TP size below the backbone's
+    (``config.encoder_tensor_parallel_size``): every rank's model holds the encoders (built so, and given the first
+    replica's parameters by :func:`~megatron_orch.megatron.encoder_layout.share_encoders` before the optimizer),
+    and the encoder phases run over DP x PP x TP / encoder TP encoder replicas
     (:mod:`~megatron_orch.megatron.encoder_layout`); the layouts it does not run are refused here.
     """
     if model is not None:
@@ -70,25 +71,29 @@ def post_balance(forward_backward_func: Optional[Callable], data_iterator: Itera
     if compute_device is None:
         compute_device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else \
             torch.device("cpu")
-    spread = config.encoders_on_every_stage and parallel_state.get_pipeline_model_parallel_world_size() > 1
-    if spread:
+    tp = parallel_state.get_tensor_model_parallel_world_size()
+    pp = parallel_state.get_pipeline_model_parallel_world_size()
+    if config.encoders_on_every_stage and (pp > 1 or config.encoder_tensor_parallel_size is not None):
         refused = unsupported_layout(
-            virtual_pipeline_size=parallel_state.get_virtual_pipeline_model_parallel_world_size(),
             context_parallel_size=parallel_state.get_context_parallel_world_size(), overlap_grad_reduce=False,
-            sharded=None)
+            sharded=None, tensor_parallel_size=tp, encoder_tensor_parallel_size=config.encoder_tensor_parallel_size)
         if refused is not None:
             raise ValueError(refused)
+    spread = config.spreads_encoders(tp, pp)
     dp_group = parallel_state.get_data_parallel_group()
     comm_group = dedicated_group(dp_group, timeout=timeout)
-    encoder_group, pipeline_group = encoder_groups(timeout) if spread else (None, None)
+    encoder_group, pipeline_group = (encoder_groups(config.encoder_tensor_parallel_size, timeout) if spread
+                                     else (None, None))
     # The peers that must hold the same plan: TP x PP (megatron-core's model-parallel group), x CP with CP.
     peers = (parallel_state.get_model_parallel_group() if parallel_state.get_context_parallel_world_size() == 1
              else replica_group(dp_group, timeout=timeout))
     groups = ParallelGroups(dp_group=dp_group, topology=group_topology(dp_group, gpus_per_node=config.gpus_per_node),
                             encoder_stage=spread or parallel_state.is_pipeline_first_stage(), peer_group=peers,
-                            comm_group=comm_group, encoder_group=encoder_group, pipeline_group=pipeline_group)
+                            comm_group=comm_group, encoder_group=encoder_group, pipeline_group=pipeline_group,
+                            tp_replicas=config.encoder_tp_replicas(tp) if spread else 1)
     iterator = PostBalancingDataIterator(data_iterator, spec, config, step, groups, compute_device=compute_device,
                                          input_dtype=input_dtype)
     schedule = ModalityAwareSchedule(forward_backward_func, dp_group, encoder_recompute=config.encoder_recompute,
                                      announce=announce, encoders_on_every_stage=spread)
     return schedule, iterator
+

@@ -198,10 +198,11 @@ def check_args(args: argparse.Namespace) -> None:
         except ValueError as err:
             problems.append(str(err))
     config = getattr(args, "orch_config", None)
-    if config is not None and config.encoders_on_every_stage and args.pipeline_model_parallel_size > 1:
+    if config is not None and config.spreads_encoders(getattr(args, "tensor_model_parallel_size", 1),
+                                                      args.pipeline_model_parallel_size):
         problems.append("--orch-encoder-ranks all through megatron.training is not supported (its model and "
-                        "optimizer set-up does not share the encoders over the pipeline stages): use the compact "
-                        "trainer, or --orch-encoder-ranks first-stage")
+                        "optimizer set-up does not share the encoders over the pipeline stages and encoder "
+                        "replicas): use the compact trainer, or --orch-encoder-ranks first-stage")
     if getattr(args, "hybrid_context_parallel", False):
         problems.append("--hybrid-context-parallel: it regroups the data iterator's sequences over DP x CP "
                         "ranks (HybridCPDataLoaderWrapper), which would undo the post-balancing plan")

@@ -20,7 +20,8 @@ CONFIG_FLAGS = {"phases": "--orch-phases", "algorithm": "--orch-algorithm", "mic
                 "encoder_memory_cap": "--orch-encoder-memory-cap", "encoder_recompute": "--orch-encoder-recompute",
                 "cost_profile": "--orch-cost-profile", "context_parallel_size": "--context-parallel-size",
                 "all_to_all": "--orch-all-to-all",
-                "encoder_ranks": "--orch-encoder-ranks"}
+                "encoder_ranks": "--orch-encoder-ranks",
+                "encoder_tensor_parallel_size": "--orch-encoder-tensor-parallel-size"}
 
 
 def flag_message(error: BaseException) -> str:
@@ -101,8 +102,12 @@ def add_orch_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     g.add_argument("--orch-encoder-ranks", choices=[ranks.value for ranks in EncoderRanks], default=None,
                    help="which ranks hold and run the encoders (and projectors): first-stage (default, Megatron's "
                         "layout: the first pipeline stage's, items balanced over DP) or all (every pipeline "
-                        "stage's, items balanced over DP x PP, their outputs sent to the first stage; the first step "
-                        "is then not checked)")
+                        "stage's, items balanced over DP x PP x TP / --orch-encoder-tensor-parallel-size, their "
+                        "outputs sent to the first stage; the first step is then not checked)")
+    g.add_argument("--orch-encoder-tensor-parallel-size", type=int, default=None, metavar="N",
+                   help="with --orch-encoder-ranks all, the encoders' own tensor-parallel size (default: "
+                        "--tensor-model-parallel-size; it must divide it): each TP group then holds TP / N encoder "
+                        "replicas and the encoder phases are balanced over DP x PP x TP / N of them")
     g.add_argument("--orch-gpu-memory-gb", type=float, default=None, metavar="GB",
                    help="memory of one GPU (10^9 bytes) that --orch-encoder-ranks all must fit: refused before any "
                         "collective where the per-GPU model (parameters, gradients, optimizer state and the "
@@ -145,12 +150,13 @@ def orch_config_from_args(args: argparse.Namespace, verify_by_default: bool = Fa
     all_ranks = args.orch_encoder_ranks == EncoderRanks.ALL.value
     verify = not sharded and (args.orch_verify_first_step
                               or (verify_by_default and not args.orch_no_verify_first_step and not all_ranks))
-    if all_ranks and args.pipeline_model_parallel_size > 1 and not args.orch_shadow:
+    tp = getattr(args, "tensor_model_parallel_size", 1)
+    etp = args.orch_encoder_tensor_parallel_size
+    if all_ranks and (args.pipeline_model_parallel_size > 1 or etp is not None) and not args.orch_shadow:
         refused = unsupported_layout(
-            virtual_pipeline_size=getattr(args, "virtual_pipeline_model_parallel_size", None),
             context_parallel_size=getattr(args, "context_parallel_size", 1),
             overlap_grad_reduce=bool(getattr(args, "overlap_grad_reduce", False)),
-            sharded=sharded[0] if sharded else None)
+            sharded=sharded[0] if sharded else None, tensor_parallel_size=tp, encoder_tensor_parallel_size=etp)
         if refused is not None:
             raise ValueError(refused)
     if args.orch_gpu_memory_gb is not None and not args.orch_gpu_memory_gb > 0:
@@ -179,7 +185,7 @@ def encoder_memory_refusal(args: argparse.Namespace, config: OrchestratorConfig,
     given = args.orch_gpu_memory_gb
     layout = ParallelLayout(
         args.data_parallel_size, args.tensor_model_parallel_size, args.pipeline_model_parallel_size, "all",
-        getattr(config, "encoder_tensor_parallel_size", None),  # the encoders' own TP size, where the config has one
+        config.encoder_tensor_parallel_size,
         distributed_optimizer=bool(args.use_distributed_optimizer),
         sequence_parallel=bool(args.sequence_parallel))
     return encoder_ranks_all_refusal(layout, parameters, phases, args.seq_length, args.micro_batch_size,
@@ -201,7 +207,8 @@ def _config(args: argparse.Namespace, phases, verify: bool) -> OrchestratorConfi
         cost_profile=None if args.orch_cost_profile is None else load_cost_profile(args.orch_cost_profile),
         shadow=args.orch_shadow, verify_first_step=verify and not args.orch_shadow,
         context_parallel_size=getattr(args, "context_parallel_size", 1),
-        encoder_ranks=EncoderRanks(_default_if_not_given(args, "orch_encoder_ranks")))
+        encoder_ranks=EncoderRanks(_default_if_not_given(args, "orch_encoder_ranks")),
+        encoder_tensor_parallel_size=args.orch_encoder_tensor_parallel_size)
 
 
 def _default_if_not_given(args: argparse.Namespace, name: str):

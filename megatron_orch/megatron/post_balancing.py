@@ -46,17 +46,19 @@ from torch.distributed import ProcessGroup
 
 from megatron_orch.balance.plan import Placement, Transfer
 from megatron_orch.balance.topology import Topology
-from megatron_orch.balance.workload import StepSizes
+from megatron_orch.balance.workload import StepSizes, phase_items
 from megatron_orch.comm.alltoall import (ItemLayout, PendingHops, Route, routes_for, start_all_to_all_items,
                                         upload_routes)
 from megatron_orch.comm.communicator import dedicated_group
 from megatron_orch.comm.device import HostCopy, communication_device, stage_on_host, staged_to_device
 from megatron_orch.comm.gather import GroupMismatchError, gather_item_sizes
+from megatron_orch.comm.group_topology import group_topology
 from megatron_orch.comm.status import raise_if_any_rank_failed
 from megatron_orch.megatron.batch import BatchSpec, Example, MicroBatch, collate, collate_packed
 from megatron_orch.orchestrator.background import BackgroundPlanner
 from megatron_orch.orchestrator.config import OrchestratorConfig
-from megatron_orch.orchestrator.encoder_ranks import EncoderGroupPlan, group_moves, spread_over_stages
+from megatron_orch.orchestrator.encoder_ranks import (CopiedStepMove, EncoderGroupPlan, group_moves, group_traffic,
+                                                      spread_over_stages)
 from megatron_orch.orchestrator.step_plan import (EncoderChunks, StepMove, StepPlan, plan_step, step_moves,
                                                   warm_up)
 
@@ -98,10 +100,12 @@ class ParallelGroups:
     plan, and the communicator of post-balancing's own collectives: the DP group's ranks on a communicator
     of their own, so that its all-to-alls do not queue behind DDP's gradient reductions on the DP group's
     (None: the iterator creates one, :func:`~megatron_orch.comm.communicator.dedicated_group`).
-    ``encoder_group``: with the encoders on every pipeline stage (``EncoderRanks.ALL``), the DP x PP ranks at
-    this rank's TP rank, ranked ``stage * DP + dp`` (:mod:`~megatron_orch.orchestrator.encoder_ranks`), over
-    which the encoder phases' items and outputs move; every stage then holds encoders (``encoder_stage``);
-    ``pipeline_group``: this rank's pipeline stages, over which the encoders' gradients are summed."""
+    ``encoder_group``: with the encoders on every pipeline stage (``EncoderRanks.ALL``), the DP x PP x R encoder
+    replicas at this rank's encoder TP rank (``R = tp_replicas``: TP / the encoders' TP), ranked ``(stage * DP + dp)
+    * R + j`` (:mod:`~megatron_orch.orchestrator.encoder_ranks`), over which the encoder phases' items and outputs
+    move; every stage then holds encoders (``encoder_stage``); ``pipeline_group``: this DP rank's PP x R encoder
+    replicas (ranked ``stage * R + j``; the pipeline group where ``R`` is 1), over which the encoders' gradients
+    are summed."""
 
     dp_group: ProcessGroup
     topology: Topology
@@ -110,6 +114,7 @@ class ParallelGroups:
     comm_group: Optional[ProcessGroup] = None
     encoder_group: Optional[ProcessGroup] = None
     pipeline_group: Optional[ProcessGroup] = None
+    tp_replicas: int = 1
 
     def __post_init__(self):
         if (self.encoder_group is None) != (self.pipeline_group is None):
@@ -118,6 +123,9 @@ class ParallelGroups:
         if self.encoder_group is not None and not self.encoder_stage:
             raise ValueError("ParallelGroups: with an encoder_group every pipeline stage holds encoders "
                              "(encoder_stage=True)")
+        if self.tp_replicas < 1 or (self.tp_replicas > 1 and self.encoder_group is None):
+            raise ValueError(f"ParallelGroups: tp_replicas {self.tp_replicas} needs an encoder_group (encoder "
+                             "replicas on every stage) and must be >= 1")
 
 
 @dataclass(frozen=True, eq=False)
@@ -152,6 +160,16 @@ class Move:
     @property
     def name(self) -> str:
         return self.listed.name
+
+    def send_rows(self, rows: torch.Tensor) -> torch.Tensor:
+        """``rows`` (those of this rank's items, in slot order) as this move sends them: a
+        :class:`~megatron_orch.orchestrator.encoder_ranks.CopiedStepMove` ``copies`` times, one block after the
+        other, and its gradients from the first copy's destination alone (the rows its route holds: all or none)."""
+        if not isinstance(self.listed, CopiedStepMove):
+            return rows
+        if self.backward:
+            return rows[:self.routes[0].send.local_rows[0]]
+        return rows.repeat(self.listed.copies, *([1] * (rows.dim() - 1)))
 
     def start(self, tensors: Sequence[torch.Tensor], layouts: Sequence[ItemLayout], group) -> PendingHops:
         per_hop = len(self.routes) // len(self.hops)
@@ -224,16 +242,20 @@ def prepare_moves(plan: StepPlan, num_tokens: np.ndarray, rows_per_item: Mapping
         if not encoder_stage:
             continue
         if listed.kind == "inputs":
-            rows = np.ones(transfer.src.num_items, np.int64)
+            item_rows = 1
         elif listed.kind == "embeddings":
-            rows = np.full(transfer.src.num_items, rows_per_item[listed.items_of], dtype=np.int64)
+            item_rows = rows_per_item[listed.items_of]
         else:
             raise ValueError(f"post-balancing does not run a move of kind {listed.kind!r} ({listed.name})")
         at = rank if spread is None else group_rank
-        layouts = [ItemLayout(rows, (), torch.float32)]  # one stream: the routes depend on its rows alone
-        out.append(move(listed, transfer, layouts, at))
+
+        def layouts(of: Transfer) -> List[ItemLayout]:  # one stream: the routes depend on its rows alone
+            return [ItemLayout(np.full(of.src.num_items, item_rows, dtype=np.int64), (), torch.float32)]
+
+        out.append(move(listed, transfer, layouts(transfer), at))
         if listed.with_gradients:
-            out.append(move(listed, listed.gradients(), layouts, at, backward=True))
+            gradients = listed.gradients()
+            out.append(move(listed, gradients, layouts(gradients), at, backward=True))
     return StepMoves(tuple(out), spread)
 
 
@@ -429,17 +451,20 @@ class PostBalancingDataIterator:
         self.source, self.spec, self.config, self.step, self.groups = source, spec, config, step, groups
         self.compute_device, self.input_dtype = torch.device(compute_device), input_dtype
         self.rank = dist.get_rank(groups.dp_group)
-        self.pipeline_size, self.stage, self.encoder_rank = 1, 0, None
-        if groups.encoder_group is not None:  # the encoders on every stage: ranks stage * DP + dp
-            dp_size = dist.get_world_size(groups.dp_group)
+        self.pipeline_size, self.stage, self.replica, self.encoder_rank = 1, 0, 0, None
+        self.encoder_nodes = None  # the node of every encoder-group rank (the encoders on every stage)
+        if groups.encoder_group is not None:  # the encoders on every stage: ranks (stage * DP + dp) * R + j
+            dp_size, replicas = dist.get_world_size(groups.dp_group), groups.tp_replicas
             self.encoder_rank = dist.get_rank(groups.encoder_group)
-            self.pipeline_size = dist.get_world_size(groups.pipeline_group)
-            self.stage = dist.get_rank(groups.pipeline_group)
-            if (dist.get_world_size(groups.encoder_group) != dp_size * self.pipeline_size
-                    or self.encoder_rank != self.stage * dp_size + self.rank):
+            self.pipeline_size = dist.get_world_size(groups.pipeline_group) // replicas
+            self.stage, self.replica = divmod(dist.get_rank(groups.pipeline_group), replicas)
+            if (dist.get_world_size(groups.encoder_group) != dp_size * self.pipeline_size * replicas
+                    or self.encoder_rank != (self.stage * dp_size + self.rank) * replicas + self.replica):
                 raise ValueError(f"the encoder group ranks this rank {self.encoder_rank} of "
-                                 f"{dist.get_world_size(groups.encoder_group)}, not stage * DP + dp = {self.stage} * "
-                                 f"{dp_size} + {self.rank} (its DP x PP ranks in megatron-core's order)")
+                                 f"{dist.get_world_size(groups.encoder_group)}, not (stage * DP + dp) * R + j = "
+                                 f"({self.stage} * {dp_size} + {self.rank}) * {replicas} + {self.replica} (its DP x "
+                                 "PP x R encoder replicas in megatron-core's order)")
+            self.encoder_nodes = group_topology(groups.encoder_group, gpus_per_node=config.gpus_per_node).node_of_rank
         # also checks config.phases and the cost profile against the model; rank 0 says so if numba compiles
         warm_up(spec.phases, config, announce=_log_once if dist.get_rank() == 0 else None)
         self.comm_group = groups.comm_group if groups.comm_group is not None else dedicated_group(groups.dp_group)
@@ -459,8 +484,8 @@ class PostBalancingDataIterator:
     @property
     def _sends_inputs(self) -> bool:
         """Whether this rank sends the raw encoder items it loads (the encoders' stage; with encoders on every
-        stage, the first stage's ranks)."""
-        return self.groups.encoder_stage and self.stage == 0
+        stage, the first stage's ranks of encoder replica 0)."""
+        return self.groups.encoder_stage and self.stage == 0 and self.replica == 0
 
     def __iter__(self):
         return self
@@ -554,7 +579,11 @@ class PostBalancingDataIterator:
                              self.step.num_microbatches)
             if self.config.shadow:
                 return plan, None
-            spread = None if self.groups.encoder_group is None else spread_over_stages(plan, self.pipeline_size)
+            spread = None
+            if self.groups.encoder_group is not None:  # the log's MB and peers: the moves that run
+                spread = spread_over_stages(plan, self.pipeline_size, self.groups.tp_replicas)
+                traffic, peers = group_traffic(plan, spread, phase_items(sizes, self.spec.phases), self.encoder_nodes)
+                plan = dataclasses.replace(plan, traffic=traffic, peers=peers)
             return plan, prepare_moves(plan, sizes.num_tokens, self.rows_per_item, self.rank,
                                        self.groups.encoder_stage, self.config.all_to_all, self.topology.node_of_rank,
                                        spread, self.encoder_rank)

@@ -13,7 +13,8 @@ go back by the inverse all-to-all and the encoders run their backward, so encode
 gradients are reduced together, exactly once.
 
 Virtual pipeline stages (the interleaved schedule, several model chunks per pipeline rank): the encoders
-are in the first chunk (virtual stage 0) of the first pipeline stage; every chunk reads the step's
+are in the first chunk (virtual stage 0) of the first pipeline stage (of every stage with the encoders on every
+stage); every chunk reads the step's
 balanced micro-batches, each through its own iterator as megatron-core's interleaved schedule takes them
 (the first chunk uses their embeddings, the last their labels). The first chunk's backward ends last, so
 only its ``grad_sync_func`` (and ``finalize_model_grads_func``) runs the encoders' backward, under its
@@ -103,9 +104,8 @@ class ModalityAwareSchedule:
                                      "every stage's with them (MLLMModel(encoders=True)) and give them the first "
                                      "stage's parameters (share_encoders) before building the optimizer")
                 refused = unsupported_layout(
-                    virtual_pipeline_size=len(model_chunks(model)), context_parallel_size=1,
-                    overlap_grad_reduce=bool(getattr(getattr(chunk, "ddp_config", None), "overlap_grad_reduce", False)),
-                    sharded=sharding_of(chunk))
+                    context_parallel_size=1, sharded=sharding_of(chunk),
+                    overlap_grad_reduce=bool(getattr(getattr(chunk, "ddp_config", None), "overlap_grad_reduce", False)))
                 if refused is not None:
                     raise ValueError(refused)
             self._model_checked = True
@@ -233,7 +233,7 @@ class ModalityAwareSchedule:
         move = (step.moves.gradients if inverse else step.moves.outputs)[phase]
         layout = ItemLayout(np.full(move.transfer.src.num_items, step.rows_per_item[phase], dtype=np.int64),
                             tuple(rows.shape[1:]), rows.dtype)
-        pending = move.start([to_communication_device(rows, group)], [layout], group)
+        pending = move.start([to_communication_device(move.send_rows(rows), group)], [layout], group)
         return lambda: pending.wait()[0].to(rows.device, non_blocking=True)
 
     def _chunking(self, step: BalancedStep, phase: str, inputs: torch.Tensor, sharded: bool) -> List[ChunkBounds]:

@@ -15,10 +15,12 @@ backbone's examples and move the embeddings in between; without ``embeds`` :meth
 encodes the batch's own items first (upstream Megatron behaviour).
 
 Parallelism: the encoders and projectors live on the first pipeline stage, in its first model chunk
-(virtual pipeline stage 0), or on every stage (``encoders=True``: post-balancing's ``EncoderRanks.ALL``); tensor parallelism comes from Megatron's column/row-parallel layers. Sequence
-and context parallelism are the backbone's only (as Megatron-LM's multimodal models run their vision
-encoders): its token embeddings are computed for the rank's part of the sequence
-(:class:`~megatron_orch.megatron.sequence_layout.SequenceLayout`, megatron-core's layout) and each encoder
+(virtual pipeline stage 0), or on every stage (``encoders=True``: post-balancing's ``EncoderRanks.ALL``); tensor
+parallelism comes from Megatron's column/row-parallel layers, for the encoders at their own TP size where
+``ModelParallelSettings.encoder_tensor_model_parallel_size`` is below the backbone's
+(:class:`EncoderParallelism`). Sequence and context parallelism are the backbone's only (as Megatron-LM's
+multimodal models run their vision encoders): its token embeddings are computed for the rank's part of the
+sequence (:class:`~megatron_orch.megatron.sequence_layout.SequenceLayout`, megatron-core's layout) and each encoder
 output is spliced in where its placeholder lands in that part; the encoders run over all the micro-batch's
 items on every CP rank, with TP but without SP.
 
@@ -44,6 +46,7 @@ from megatron.core.models.gpt.gpt_model import GPTModel
 from megatron.core.models.vision.multimodal_projector import MultimodalProjector
 from megatron.core.models.vision.vit_layer_specs import (get_vit_layer_with_local_spec,
                                                          get_vit_layer_with_transformer_engine_spec)
+from megatron.core.process_groups_config import ProcessGroupCollection
 from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
 from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.identity_op import IdentityOp
@@ -57,6 +60,7 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron_orch.balance.cost import TransformerShape
 from megatron_orch.megatron.batch import MicroBatch
 from megatron_orch.megatron.encoder_chunks import RngStates
+from megatron_orch.megatron.encoder_layout import encoder_tensor_parallel_group
 from megatron_orch.megatron.sequence_layout import SequenceLayout, SequenceShard
 from megatron_orch.mllm.attention import SDPAttention
 from megatron_orch.mllm.config import AudioEncoderConfig, MLLMConfig, VisionEncoderConfig
@@ -100,6 +104,9 @@ class ModelParallelSettings:
     make_vocab_size_divisible_by: int = 128
     sequence_parallel: bool = False  # the backbone's (Megatron's --sequence-parallel); encoders never
     context_parallel_size: int = 1   # the backbone's; the encoders run whole sequences on every CP rank
+    # The encoders' own TP size (post-balancing's --orch-encoder-tensor-parallel-size, with the encoders on every
+    # stage; it divides the backbone's): None, the backbone's.
+    encoder_tensor_model_parallel_size: Optional[int] = None
     use_cpu_initialization: bool = True  # full weights drawn on every rank, then split: TP-invariant
     calculate_per_token_loss: bool = True
     transformer_impl: str = "local"  # layer specs: "local" or "transformer_engine"
@@ -198,6 +205,29 @@ def _projector_config(ffn_hidden_size: int, backbone: TransformerShape,
     return transformer_config(shape, settings, pipeline_split=False)
 
 
+@dataclass(frozen=True, eq=False)
+class EncoderParallelism:
+    """How an encoder is built: its settings (the backbone's, at the encoders' TP size), its TP group, and the
+    process groups of its transformer (None: megatron-core's, the backbone's TP)."""
+
+    settings: ModelParallelSettings
+    tp_group: torch.distributed.ProcessGroup
+    pg_collection: Optional[ProcessGroupCollection] = None
+
+    @classmethod
+    def of(cls, settings: ModelParallelSettings) -> "EncoderParallelism":
+        """At ``settings.encoder_tensor_model_parallel_size``: below the backbone's TP, on the encoder TP group of
+        :func:`~megatron_orch.megatron.encoder_layout.encoder_tensor_parallel_group` (every rank builds encoders
+        then, so every rank makes it)."""
+        size = settings.encoder_tensor_model_parallel_size
+        if size is None or size == settings.tensor_model_parallel_size:
+            return cls(settings, parallel_state.get_tensor_model_parallel_group())
+        group = encoder_tensor_parallel_group(size)
+        pg_collection = ProcessGroupCollection.use_mpu_process_groups()
+        pg_collection.tp = group
+        return cls(dataclasses.replace(settings, tensor_model_parallel_size=size), group, pg_collection)
+
+
 class LayerNorm(torch.nn.LayerNorm):
     """torch's LayerNorm built as megatron-core builds its norms (``config``, ``hidden_size``, ``eps``), with its
     weights marked ``sequence_parallel`` under sequence parallelism as megatron-core's fused norms mark theirs:
@@ -285,6 +315,8 @@ class VisionEncoder(MegatronModule):
     """
 
     def __init__(self, vision: VisionEncoderConfig, backbone: TransformerShape, settings: ModelParallelSettings):
+        parallelism = EncoderParallelism.of(settings)
+        settings = parallelism.settings
         config = transformer_config(vision.transformer, settings, pipeline_split=False)
         super().__init__(config=config)
         hidden = vision.transformer.hidden_size
@@ -297,11 +329,12 @@ class VisionEncoder(MegatronModule):
         self.position_embedding = torch.nn.Parameter(
             torch.randn(vision.item_tokens, hidden) * settings.init_method_std)
         self.transformer = TransformerBlock(
-            config, transformer_layer_spec(settings.transformer_impl, encoder=True), post_layer_norm=True)
+            config, transformer_layer_spec(settings.transformer_impl, encoder=True), post_layer_norm=True,
+            pg_collection=parallelism.pg_collection)
         self.projector = MultimodalProjector(
             _projector_config(vision.projector_ffn_hidden_size, backbone, settings),
             _projector_submodules(), "mlp", input_size=hidden * self.merge ** 2,
-            tp_group=parallel_state.get_tensor_model_parallel_group())
+            tp_group=parallelism.tp_group)
 
     def forward(self, patches: torch.Tensor) -> torch.Tensor:
         n = patches.shape[0]
@@ -324,6 +357,8 @@ class AudioEncoder(MegatronModule):
     """
 
     def __init__(self, audio: AudioEncoderConfig, backbone: TransformerShape, settings: ModelParallelSettings):
+        parallelism = EncoderParallelism.of(settings)
+        settings = parallelism.settings
         config = transformer_config(audio.transformer, settings, pipeline_split=False)
         super().__init__(config=config)
         hidden = audio.transformer.hidden_size
@@ -334,13 +369,14 @@ class AudioEncoder(MegatronModule):
         self.position_embedding = torch.nn.Parameter(
             torch.randn(audio.item_tokens, hidden) * settings.init_method_std)
         self.transformer = TransformerBlock(
-            config, transformer_layer_spec(settings.transformer_impl, encoder=True), post_layer_norm=True)
+            config, transformer_layer_spec(settings.transformer_impl, encoder=True), post_layer_norm=True,
+            pg_collection=parallelism.pg_collection)
         self.downsample = audio.projector_downsample
         self.tokens_per_item = audio.output_rows
         self.projector = MultimodalProjector(
             _projector_config(audio.projector_ffn_hidden_size, backbone, settings),
             _projector_submodules(), "mlp", input_size=hidden * self.downsample,
-            tp_group=parallel_state.get_tensor_model_parallel_group())
+            tp_group=parallelism.tp_group)
 
     def forward(self, mel: torch.Tensor) -> torch.Tensor:
         n = mel.shape[0]

@@ -65,6 +65,7 @@ def model_parallel_settings(args: argparse.Namespace) -> ModelParallelSettings:
         microbatch_group_size_per_vp_stage=getattr(args, "microbatch_group_size_per_vp_stage", None),
         sequence_parallel=args.sequence_parallel,
         context_parallel_size=args.context_parallel_size,
+        encoder_tensor_model_parallel_size=_encoder_tensor_parallel_size(args),
         bf16=args.bf16,
         hidden_dropout=args.hidden_dropout,
         attention_dropout=args.attention_dropout,
@@ -85,12 +86,18 @@ def build_model(args: argparse.Namespace, pre_process: bool = True, post_process
     (Megatron's ``model_provider(pre_process, post_process, vp_stage)``)."""
     return MLLMModel(args.mllm_config, model_parallel_settings(args), args.seq_length,
                      pre_process=pre_process, post_process=post_process, vp_stage=vp_stage,
-                     encoders=pre_process or _encoders_on_every_stage(args))
+                     encoders=pre_process or (_encoders_on_every_stage(args) and not vp_stage))
 
 
 def _encoders_on_every_stage(args: argparse.Namespace) -> bool:
     config = getattr(args, "orch_config", None)
     return config is not None and config.encoders_on_every_stage
+
+
+def _encoder_tensor_parallel_size(args: argparse.Namespace) -> Optional[int]:
+    """The encoders' own TP size where post-balancing runs them on every rank (None: the backbone's)."""
+    config = getattr(args, "orch_config", None)
+    return config.encoder_tensor_parallel_size if _encoders_on_every_stage(args) else None
 
 
 def build_train_data_iterator(args: argparse.Namespace, consumed_samples: int, data_parallel_rank: int,

@@ -82,8 +82,14 @@ class OrchestratorConfig:
     runs (``--orch-all-to-all``): ``flat``, one all-to-all over the DP group, or ``node-wise``, within the
     source's node and then between rail peers (:meth:`~megatron_orch.balance.plan.Transfer.node_wise`: at most
     ``gpus_per_node - 1 + nodes - 1`` peers a rank, the same outputs).
-    ``encoder_ranks``: which ranks encode (:class:`EncoderRanks`; ``ALL`` needs pipeline parallelism to differ
-    from ``FIRST_STAGE``; its moves run flat: ``all_to_all`` node-wise is refused with it).
+    ``encoder_ranks``: which ranks encode (:class:`EncoderRanks`; ``ALL`` needs pipeline parallelism, or an encoder
+    TP below the backbone's, to differ from ``FIRST_STAGE``; its moves run flat: ``all_to_all`` node-wise is refused
+    with it).
+    ``encoder_tensor_parallel_size``: with ``encoder_ranks`` ``ALL``, the encoders' own tensor-parallel size
+    (``--orch-encoder-tensor-parallel-size``; None: the backbone's); it must divide the backbone's, which the
+    entry points check (:func:`~megatron_orch.orchestrator.encoder_ranks.unsupported_layout`). Below it, each
+    backbone TP group holds TP / encoder TP encoder replicas, and the encoder phases are balanced over
+    DP x PP x TP / encoder TP ranks (the meaning of the step model's ``encoder_tensor_parallel``).
     """
 
     phases: Optional[Tuple[str, ...]] = None
@@ -104,6 +110,7 @@ class OrchestratorConfig:
     verify_first_step: bool = True
     all_to_all: str = "flat"
     encoder_ranks: EncoderRanks = EncoderRanks.FIRST_STAGE
+    encoder_tensor_parallel_size: Optional[int] = None
 
     def __post_init__(self):
         if self.phases is not None:
@@ -140,12 +147,31 @@ class OrchestratorConfig:
         if self.encoder_ranks is EncoderRanks.ALL and self.all_to_all != "flat" and not self.shadow:
             raise ConfigError("encoder_ranks", f" all with a {self.all_to_all} all-to-all is not supported: the "
                                                "encoder group's moves run flat")
+        etp = self.encoder_tensor_parallel_size
+        if etp is not None and (isinstance(etp, bool) or not isinstance(etp, int) or etp < 1):
+            raise ConfigError("encoder_tensor_parallel_size", f" must be an int >= 1, got {etp!r}")
+        if etp is not None and self.encoder_ranks is not EncoderRanks.ALL:
+            raise ConfigError("encoder_tensor_parallel_size", f" {etp} needs encoder_ranks ALL (the encoders on the "
+                                                              "first stage run at the backbone's tensor-parallel size)")
 
     @property
     def encoders_on_every_stage(self) -> bool:
         """Whether every pipeline stage holds and runs the encoders: ``encoder_ranks`` ALL, and training on the
         plan (shadow mode trains as loaded, Megatron's layout)."""
         return self.encoder_ranks is EncoderRanks.ALL and not self.shadow
+
+    def encoder_tp_replicas(self, tensor_parallel_size: int) -> int:
+        """Encoder replicas in one backbone TP group of ``tensor_parallel_size`` ranks: TP / the encoders' TP with
+        the encoders on every rank, else 1."""
+        if not self.encoders_on_every_stage or self.encoder_tensor_parallel_size is None:
+            return 1
+        return tensor_parallel_size // self.encoder_tensor_parallel_size
+
+    def spreads_encoders(self, tensor_parallel_size: int, pipeline_parallel_size: int) -> bool:
+        """Whether the encoder phases run over more ranks than DP: the encoders on every pipeline stage, or at a TP
+        size below the backbone's (an encoder group of DP x PP x TP / encoder TP replicas)."""
+        return self.encoders_on_every_stage and (pipeline_parallel_size > 1
+                                                 or self.encoder_tp_replicas(tensor_parallel_size) > 1)
 
     @property
     def packed(self) -> bool:

@@ -38,7 +38,7 @@ from megatron_orch.comm.device import to_communication_device
 from megatron_orch.comm.gather import all_gather_to_host
 from megatron_orch.comm.status import raise_if_any_rank_failed
 from megatron_orch.megatron.contract import recording_non_finite_losses
-from megatron_orch.megatron.encoder_layout import share_encoders
+from megatron_orch.megatron.encoder_layout import encoder_groups, share_encoders
 from megatron_orch.megatron.schedule import data_iterators
 from megatron_orch.trainer.data_events import DataEvent, TooManyBadExamplesError, max_bad_examples
 from megatron_orch.trainer.checkpointing import (TrainState, check_save_folder, load_checkpoint, lock_save_folder,
@@ -505,8 +505,10 @@ def _set_up_and_train(args, task: TrainingTask, print_fn, lock) -> list[Iteratio
     _starting(print_fn, f"{dist.get_world_size()} ranks initialised; building the model")
     model = build_model(args, task.build_model)
     orch_config = getattr(args, "orch_config", None)
-    if orch_config is not None and orch_config.encoders_on_every_stage and args.pipeline_model_parallel_size > 1:
-        share_encoders(model, parallel_state.get_pipeline_model_parallel_group())  # before the optimizer copies them
+    if orch_config is not None and orch_config.spreads_encoders(args.tensor_model_parallel_size,
+                                                                args.pipeline_model_parallel_size):
+        _, replicas = encoder_groups(orch_config.encoder_tensor_parallel_size)
+        share_encoders(model, replicas)  # before the optimizer copies them
     optimizer, scheduler = build_optimizer(args, model, timers)
     attach_to_model_config(model, optimizer, timers)
     time_encoder_forwards(model, timers)

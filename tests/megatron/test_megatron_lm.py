@@ -286,6 +286,10 @@ def test_check_args_names_what_post_balancing_cannot_run_with():
                           (dict(step_batch_size_schedule="0:4 100:8"), "--step-batch-size-schedule"),
                           (dict(pipeline_model_parallel_size=2, orch_config=OrchestratorConfig(
                               encoder_ranks=EncoderRanks.ALL, verify_first_step=False)),
+                           "--orch-encoder-ranks all through megatron.training is not supported"),
+                          (dict(tensor_model_parallel_size=2, pipeline_model_parallel_size=1,
+                                orch_config=OrchestratorConfig(encoder_ranks=EncoderRanks.ALL, verify_first_step=False,
+                                                               encoder_tensor_parallel_size=1)),
                            "--orch-encoder-ranks all through megatron.training is not supported")):
         with pytest.raises(ValueError, match=re.escape(flag)):
             megatron_lm.check_args(_megatron_args(**changes))

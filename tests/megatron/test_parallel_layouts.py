@@ -1,7 +1,9 @@
 """Consequence invariance in the layouts large runs use, on the compact trainer, CPU over gloo: sequence
-parallelism (TP 2 + SP x DP 2), context parallelism (CP 2 x DP 2, padded rows and packed rows), both
-(TP 2 + SP x CP 2 x DP 2, 8 ranks, one step), and the encoders on every pipeline stage (PP 2 x DP 2 with
-``--orch-encoder-ranks all``: the encoder phases over 4 ranks). Post-balancing off against on, fp32, dropout 0 (dropout masks
+parallelism (TP 2 + SP x DP 2, also with the encoders at TP 1 on every rank), context parallelism (CP 2 x DP 2,
+padded rows and packed rows), both (TP 2 + SP x CP 2 x DP 2, 8 ranks, one step), and the encoders on every pipeline
+stage (``--orch-encoder-ranks all``: PP 2 x DP 2, the encoder phases over 4 ranks; TP 2 x PP 2 x DP 2 with the
+encoders at TP 1, over 8 encoder replicas, 8 ranks, one step; PP 2 x VPP 2 x DP 2, in every rank's first model
+chunk, one step). Post-balancing off against on, fp32, dropout 0 (dropout masks
 follow the rank that computes an example): the losses of every step and every parameter after the run agree
 within 1e-5, and on the step with every heavy example on DP rank 0 the plan moved data and lowered each
 phase's modeled max/mean. The layouts also reproduce the whole-sequence run: SP on against off, CP 2 against
@@ -71,8 +73,8 @@ def _train_runs(rank, world_size, runs, out_dir):
 
         attention.context_parallel_attention = context_parallel_attention
 
-        def model_provider(args, pre_process, post_process):
-            built.append(providers.build_model(args, pre_process, post_process))
+        def model_provider(args, pre_process, post_process, vp_stage=None):
+            built.append(providers.build_model(args, pre_process, post_process, vp_stage))
             return built[-1]
 
         args = arguments.parse_args(MLLM_TASK, COMMON + list(argv), world_size=world_size)
@@ -83,10 +85,13 @@ def _train_runs(rank, world_size, runs, out_dir):
             parallel_state.destroy_model_parallel()
         out = Path(out_dir) / name
         out.mkdir(exist_ok=True)
-        torch.save({n: p.detach().clone() for n, p in built[0].named_parameters()}, out / f"params_rank{rank}.pt")
+        params = {f"chunk{k}.{n}" if k else n: p.detach().clone()  # a later model chunk's names prefixed
+                  for k, chunk in enumerate(built) for n, p in chunk.named_parameters()}
+        torch.save(params, out / f"params_rank{rank}.pt")
         if records:
             config = built[0].config  # the backbone's: what its layers were built for
             torch.save({"losses": {r.iteration: r.lm_loss for r in records},
+                        "grad_norms": {r.iteration: r.grad_norm for r in records},
                         "post_balancing": [r.post_balancing for r in records],
                         "items_encoded": [r.items_encoded for r in records],
                         "layout": (config.sequence_parallel, config.context_parallel_size),
@@ -122,6 +127,26 @@ def assert_same_run(got: dict, want: dict, iterations: int, what: str):
     print(f"{what}: largest relative loss difference {loss:.1e}, largest parameter difference {param:.1e}")
 
 
+def assert_same_encoder_tp1_run(got: dict, want: dict, iterations: int, what: str):
+    """:func:`assert_same_run` of a run with the encoders at TP 1 against one at TP 2 (global ranks 0 and 1: TP
+    ranks 0 and 1 of the first replica): an encoder parameter TP 2 splits against its half of the whole TP-1 one;
+    the gradient norms agree too (every encoder replica but the first marked shared)."""
+    for tp_rank in (0, 1):
+        expected, params = want["params_of_rank"](tp_rank), got["params_of_rank"](tp_rank)
+        assert params.keys() == expected.keys()
+        split = {name: [d for d in range(value.dim()) if value.shape[d] != expected[name].shape[d]]
+                 for name, value in params.items()}
+        assert any(split.values())  # the encoders are at TP 1
+        for name, dims in split.items():
+            if dims:
+                assert name.startswith("encoders.") and params[name].shape[dims[0]] == 2 * expected[name].shape[dims[0]]
+                params[name] = params[name].chunk(2, dim=dims[0])[tp_rank]
+        assert_same_run(dict(got, params=params), dict(want, params=expected), iterations, f"{what}, TP rank {tp_rank}")
+    for iteration, norm in want["grad_norms"].items():
+        assert got["grad_norms"][iteration] == pytest.approx(norm, rel=TOLERANCE), (got["grad_norms"],
+                                                                                     want["grad_norms"])
+
+
 def assert_plan_balances(balanced: dict):
     """The heavy step (the first): the plan moved data off DP rank 0 and lowered every phase's max/mean."""
     heavy = balanced["post_balancing"][0]
@@ -137,12 +162,20 @@ def assert_plan_balances(balanced: dict):
 def test_tp2_sequence_parallel_dp2_is_invariant_and_equals_tp2(tmp_path):
     iters = ["--train-iters", "2"]
     logs = train(tmp_path, 4, [("upstream", SP + iters), ("balanced", SP + iters + BALANCED),
-                               ("tp2", SP[:2] + iters)], timeout_s=420)
+                               ("tp2", SP[:2] + iters),
+                               ("encoder_tp1", SP + iters + BALANCED + ["--orch-encoder-ranks", "all",
+                                                                       "--orch-encoder-tensor-parallel-size", "1"])],
+                 timeout_s=420)
     assert logs["balanced"]["layout"] == logs["upstream"]["layout"] == (True, 1) and logs["tp2"]["layout"] == (False, 1)
     assert_same_run(logs["balanced"], logs["upstream"], 2, "TP 2 + SP x DP 2, post-balancing on / off")
     assert_plan_balances(logs["balanced"])
     assert_same_run(logs["upstream"], logs["tp2"], 2, "TP 2 + SP / TP 2")  # sequence parallelism changes no number
     assert logs["upstream"]["losses"][2] != logs["upstream"]["losses"][1]
+    # PP 1, the encoders at TP 1: 4 encoder replicas, each backbone TP rank's embeddings by the one all-to-all
+    assert_same_encoder_tp1_run(logs["encoder_tp1"], logs["upstream"], 2,
+                                "TP 2 + SP x DP 2, encoders at TP 1 / upstream")
+    assert all(len(step["vision"]) == 4 and max(step["vision"]) - min(step["vision"]) <= 1
+               for step in logs["encoder_tp1"]["items_encoded"]), logs["encoder_tp1"]["items_encoded"]
 
 
 @pytest.fixture(scope="module")
@@ -192,5 +225,44 @@ def test_pp2_dp2_encoders_on_every_stage_is_invariant(tmp_path):
     stage_1 = logs["all"]["params_of_rank"](2)  # stage 1 of DP rank 0 (ranks stage * DP + dp)
     encoders = {name: value for name, value in logs["all"]["params"].items() if name.startswith("encoders.")}
     assert encoders and all(name in stage_1 for name in encoders)
+    for name, value in encoders.items():
+        torch.testing.assert_close(stage_1[name], value, rtol=0, atol=0, msg=lambda m: f"stage 1 {name}: {m}")
+
+
+def test_tp2_pp2_dp2_encoders_at_tensor_parallel_1_on_every_rank_is_invariant(tmp_path):
+    """Eight ranks, one step (the heavy one): TP 2 x PP 2 x DP 2, the encoders at TP 2 on the first stage (Megatron's
+    layout, post-balancing off) against the encoders at TP 1 on every rank (``all``, encoder TP 1: 8 encoder
+    replicas, each TP rank of the backbone receiving every embedding its replica needs): losses, parameters and
+    gradient norms agree (:func:`assert_same_encoder_tp1_run`)."""
+    flags = ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2", "--train-iters", "1"]
+    logs = train(tmp_path, 8, [("upstream", flags),
+                               ("all", flags + BALANCED + ["--orch-encoder-ranks", "all",
+                                                           "--orch-encoder-tensor-parallel-size", "1"])],
+                 timeout_s=600)
+    assert_same_encoder_tp1_run(logs["all"], logs["upstream"], 1,
+                                "TP 2 x PP 2 x DP 2, encoders at TP 1 on every rank / upstream")
+    assert_plan_balances(logs["all"])
+    heavy = logs["all"]["items_encoded"][0]
+    assert len(heavy["vision"]) == 8 and max(heavy["vision"]) - min(heavy["vision"]) <= 1, heavy
+    assert min(heavy["vision"]) > 0, heavy
+
+
+def test_pp2_vpp2_dp2_encoders_in_every_ranks_first_chunk_is_invariant(tmp_path):
+    """PP 2 x VPP 2 x DP 2 (two model chunks per pipeline rank, megatron-core's interleaved 1F1B), one step (the
+    heavy one): the encoders in the first stage's first chunk (upstream) against the encoders in every rank's first
+    chunk (``all``): the losses and both chunks' parameters agree, every rank encodes, and the second stage's
+    first chunk holds the encoders (its second none)."""
+    flags = ["--num-layers", "4", "--pipeline-model-parallel-size", "2", "--num-layers-per-virtual-pipeline-stage",
+             "1", "--train-iters", "1"]
+    logs = train(tmp_path, 4, [("upstream", flags), ("all", flags + BALANCED + ["--orch-encoder-ranks", "all"])],
+                 timeout_s=420)
+    assert any(name.startswith("chunk1.") for name in logs["all"]["params"])
+    assert_same_run(logs["all"], logs["upstream"], 1, "PP 2 x VPP 2 x DP 2, encoders on every rank / upstream")
+    assert_plan_balances(logs["all"])
+    heavy = logs["all"]["items_encoded"][0]
+    assert len(heavy["vision"]) == 4 and min(heavy["vision"]) > 0 and max(heavy["vision"]) - min(heavy["vision"]) <= 1
+    stage_1 = logs["all"]["params_of_rank"](2)  # stage 1 of DP rank 0 (ranks stage * DP + dp)
+    encoders = {name: value for name, value in logs["all"]["params"].items() if name.startswith("encoders.")}
+    assert encoders and not any(name.startswith("chunk1.encoders.") for name in stage_1)
     for name, value in encoders.items():
         torch.testing.assert_close(stage_1[name], value, rtol=0, atol=0, msg=lambda m: f"stage 1 {name}: {m}")

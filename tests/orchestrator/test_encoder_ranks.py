@@ -1,5 +1,7 @@
 """The encoders on every pipeline stage, torch-free: which encoder-group rank encodes each item (balanced over
-DP x PP, every item once), the step's moves over the encoder group, the layouts refused, the config and its flag."""
+DP x PP, and over DP x PP x TP / encoder TP at an encoder TP of their own, every item once), the step's moves over
+the encoder group (the outputs copied to every encoder replica of the backbone's TP group, the gradients back from
+the first), the layouts refused, the config and its flags."""
 import argparse
 import math
 
@@ -7,14 +9,15 @@ import numpy as np
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from megatron_orch.balance.plan import Placement
+from megatron_orch.balance.plan import Placement, Transfer
 from megatron_orch.balance.step_model import ENCODER_RANKS
 from megatron_orch.balance.topology import Topology
+from megatron_orch.balance.workload import phase_items
 from megatron_orch.megatron.orch_arguments import add_orch_args, orch_config_from_args
 from megatron_orch.mllm.config import load_model_config
 from megatron_orch.orchestrator.config import ConfigError, EncoderRanks, OrchestratorConfig
-from megatron_orch.orchestrator.encoder_ranks import (group_moves, spread_over_stages, stage_of_items,
-                                                      unsupported_layout)
+from megatron_orch.orchestrator.encoder_ranks import (CopiedStepMove, group_moves, group_traffic, spread_over_stages,
+                                                      stage_of_items, unsupported_layout)
 from megatron_orch.orchestrator.step_plan import plan_step, step_moves
 from test_step_plan import sizes_of
 
@@ -37,11 +40,15 @@ def test_stage_of_items_splits_each_rank_in_runs_of_consecutive_slots(counts, pi
         assert [bool(size > count // pipeline) for size in sizes] == longer
 
 
-def _plan(num_ranks=2, seed=0, n=8):
+def _sizes(num_ranks=2, seed=0, n=8):
     rng = np.random.default_rng(seed)
-    sizes = sizes_of(rng.integers(0, 6, n), rng.integers(0, 3, n), rng.integers(20, 120, n), num_ranks)
+    return sizes_of(rng.integers(0, 6, n), rng.integers(0, 3, n), rng.integers(20, 120, n), num_ranks)
+
+
+def _plan(num_ranks=2, seed=0, n=8, gpus_per_node=None):
     config = OrchestratorConfig(background=False, microbatching="equal_count")
-    return plan_step(sizes, TINY, config, Topology.uniform(num_ranks, num_ranks), 2, n // num_ranks // 2)
+    return plan_step(_sizes(num_ranks, seed, n), TINY, config,
+                     Topology.uniform(num_ranks, gpus_per_node or num_ranks), 2, n // num_ranks // 2)
 
 
 @pytest.mark.parametrize("pipeline", [1, 2, 3])
@@ -88,13 +95,97 @@ def test_group_moves_route_every_item_once_from_and_to_the_first_stage():
             assert move.gradients().dst.same_as(transfer.src)
 
 
+@pytest.mark.parametrize("pipeline,replicas", [(1, 2), (2, 2), (2, 4)])
+def test_spread_over_encoder_replicas_balances_over_the_group_and_copies_outputs_to_every_tp_replica(pipeline,
+                                                                                                      replicas):
+    plan = _plan(seed=4)
+    spread = spread_over_stages(plan, pipeline, replicas)
+    dp = plan.examples_home.num_ranks
+    assert spread.num_ranks == dp * pipeline * replicas
+    moves = group_moves(plan, spread)
+    for phase, encoder in plan.encoders.items():
+        placed = spread.encode[phase]
+        counts = placed.counts()
+        assert counts.sum() == encoder.example.size
+        assert counts.max(initial=0) == math.ceil(encoder.example.size / spread.num_ranks)
+        assert np.array_equal((placed.rank // replicas) % dp, encoder.encode.rank)  # ranks (stage * DP + dp) * R + j
+    for move in moves:
+        if move.kind == "text":
+            continue
+        encoder = plan.encoders[move.items_of]
+        n = encoder.example.size
+        if move.kind == "inputs":  # from replica 0 of the first-stage rank that loaded the example
+            assert np.array_equal(move.transfer.src.rank, encoder.home.rank * replicas)
+            continue
+        assert isinstance(move, CopiedStepMove) and move.copies == replicas
+        assert move.transfer.src.num_items == n * replicas
+        backbone = plan.examples_backbone.rank[encoder.example]
+        for c in range(replicas):  # copy c: from the item's encoder rank to replica c of its backbone rank
+            copy = slice(c * n, (c + 1) * n)
+            assert np.array_equal(move.transfer.src.rank[copy], spread.encode[move.items_of].rank)
+            assert np.array_equal(move.transfer.dst.rank[copy], backbone * replicas + c)
+        for rank in range(spread.num_ranks):  # what a sender holds: its rows, once per copy, in slot order
+            held = spread.encode[move.items_of].items_on(rank)
+            assert np.array_equal(move.transfer.src.items_on(rank) % n, np.tile(held, replicas))
+        gradients = move.gradients()  # from replica 0 of the backbone rank alone, back to the encoder rank
+        assert gradients.dst.same_as(spread.encode[move.items_of])
+        assert np.array_equal(gradients.src.rank, backbone * replicas)
+
+
+def test_copied_moves_deliver_every_replica_the_same_rows_as_one_replica_gets_without_copies():
+    plan = _plan(seed=5)
+    single, copied = (group_moves(plan, spread_over_stages(plan, 2, r)) for r in (1, 2))
+    for one, two in zip(single, copied):
+        if one.kind != "embeddings":
+            continue
+        n = one.transfer.src.num_items
+        for c in range(2):  # replica c of backbone rank b receives, in slot order, what rank b does with R = 1
+            for b in range(plan.examples_home.num_ranks):
+                got = two.transfer.dst.items_on((b * 2 + c)) - c * n
+                assert np.array_equal(got, one.transfer.dst.items_on(b))
+        assert isinstance(two.gradients(), Transfer) and two.gradients().src.num_items == n
+
+
+def test_group_traffic_counts_the_moves_that_run():
+    """Over the DP ranks alone (one stage, one replica) it is the plan's own count; over DP x PP x R replicas each
+    move's bytes are those of its items that change rank (an embeddings move's every copy forward, one back)."""
+    plan = _plan(num_ranks=4, seed=6, n=16, gpus_per_node=2)
+    items = phase_items(_sizes(4, 6, 16), TINY)
+    dp_nodes = np.arange(4) // 2
+    traffic, peers = group_traffic(plan, spread_over_stages(plan, 1), items, dp_nodes)
+    for kind in ("intra_node", "inter_node"):
+        assert sum(getattr(m, kind) for m in traffic.values()) == pytest.approx(
+            sum(getattr(m, kind) for m in plan.traffic.values()))
+    assert peers.busiest() == plan.peers.busiest()
+    group = spread_over_stages(plan, 2, 2)
+    nodes = np.arange(group.num_ranks) // 4
+    traffic, _ = group_traffic(plan, group, items, nodes)
+    for move in group_moves(plan, group):
+        nbytes = move.bytes_of(items)
+        copies = move.copies if isinstance(move, CopiedStepMove) else 1
+        transfer = move.transfer
+        if move.kind == "text":  # the first stage's replica 0: DP rank d at group rank d * R
+            moved = nbytes[transfer.src.rank != transfer.dst.rank].sum()
+        else:
+            moved = np.tile(nbytes, copies)[transfer.src.rank != transfer.dst.rank].sum()
+        assert traffic[move.name].off_gpu == pytest.approx(moved), move.name
+        if move.with_gradients:
+            back = move.gradients()
+            moved_back = nbytes[back.src.rank != back.dst.rank].sum()
+            assert traffic[f"{move.name} gradients"].off_gpu == pytest.approx(moved_back)
+    assert any(traffic[name].off_gpu != plan.traffic[name].off_gpu / (2 if name.endswith("embeddings") else 1)
+               for name in plan.traffic)  # not the first-stage layout's count
+
+
 def test_unsupported_layouts_are_named():
-    fine = dict(virtual_pipeline_size=None, context_parallel_size=1, overlap_grad_reduce=False, sharded=None)
+    fine = dict(context_parallel_size=1, overlap_grad_reduce=False, sharded=None)
     assert unsupported_layout(**fine) is None
-    assert "virtual pipeline" in unsupported_layout(**{**fine, "virtual_pipeline_size": 2})
     assert "--context-parallel-size 2" in unsupported_layout(**{**fine, "context_parallel_size": 2})
     assert "--overlap-grad-reduce" in unsupported_layout(**{**fine, "overlap_grad_reduce": True})
     assert "--use-torch-fsdp2" in unsupported_layout(**{**fine, "sharded": "--use-torch-fsdp2"})
+    assert unsupported_layout(**fine, tensor_parallel_size=4, encoder_tensor_parallel_size=2) is None
+    assert unsupported_layout(**fine, tensor_parallel_size=4, encoder_tensor_parallel_size=3).startswith(
+        "--orch-encoder-tensor-parallel-size 3 does not divide --tensor-model-parallel-size 4")
 
 
 def test_config_takes_the_layout_as_data():
@@ -110,12 +201,21 @@ def test_config_takes_the_layout_as_data():
     with pytest.raises(ConfigError, match="encoder_ranks all with a node-wise all-to-all is not supported"):
         OrchestratorConfig(encoder_ranks=EncoderRanks.ALL, verify_first_step=False, all_to_all="node-wise")
     assert OrchestratorConfig(encoder_ranks=EncoderRanks.ALL, shadow=True, all_to_all="node-wise").shadow
+    spread = OrchestratorConfig(encoder_ranks=EncoderRanks.ALL, verify_first_step=False, encoder_tensor_parallel_size=1)
+    assert spread.encoder_tp_replicas(4) == 4 and spread.spreads_encoders(4, 1) and not spread.spreads_encoders(1, 1)
+    assert config.encoder_tp_replicas(4) == 1 and config.spreads_encoders(1, 2) and not config.spreads_encoders(4, 1)
+    with pytest.raises(ConfigError, match="encoder_tensor_parallel_size 1 needs encoder_ranks ALL"):
+        OrchestratorConfig(encoder_tensor_parallel_size=1)
+    with pytest.raises(ConfigError, match=r"encoder_tensor_parallel_size must be an int >= 1, got 0"):
+        OrchestratorConfig(encoder_ranks=EncoderRanks.ALL, verify_first_step=False, encoder_tensor_parallel_size=0)
 
 
 def _parser():
     parser = add_orch_args(argparse.ArgumentParser())
     parser.add_argument("--pipeline-model-parallel-size", type=int, default=1)
     parser.add_argument("--overlap-grad-reduce", action="store_true")
+    parser.add_argument("--tensor-model-parallel-size", type=int, default=1)
+    parser.add_argument("--sequence-parallel", action="store_true")
     return parser
 
 
@@ -136,3 +236,18 @@ def test_orch_encoder_ranks_flag():
                                      "--pipeline-model-parallel-size", "2", "--overlap-grad-reduce"]))
     with pytest.raises(ValueError, match="--orch-encoder-ranks given without --orch-post-balancing"):
         orch_config_from_args(parse(["--orch-encoder-ranks", "all"]))
+
+
+def test_orch_encoder_tensor_parallel_size_flag():
+    parse = _parser().parse_args
+    all_ranks = ["--orch-post-balancing", "--orch-encoder-ranks", "all", "--tensor-model-parallel-size", "4"]
+    assert orch_config_from_args(parse(all_ranks + ["--orch-encoder-tensor-parallel-size", "2"])
+                                 ).encoder_tensor_parallel_size == 2
+    assert orch_config_from_args(parse(all_ranks)).encoder_tensor_parallel_size is None
+    with pytest.raises(ValueError, match=r"^--orch-encoder-tensor-parallel-size 3 does not divide "
+                                         r"--tensor-model-parallel-size 4"):
+        orch_config_from_args(parse(all_ranks + ["--orch-encoder-tensor-parallel-size", "3"]))
+    assert orch_config_from_args(parse(all_ranks + ["--orch-encoder-tensor-parallel-size", "1", "--sequence-parallel"])
+                                 ).encoder_tensor_parallel_size == 1
+    with pytest.raises(ValueError, match=r"^--orch-encoder-tensor-parallel-size 1 needs encoder_ranks ALL"):
+        orch_config_from_args(parse(["--orch-post-balancing", "--orch-encoder-tensor-parallel-size", "1"]))
