@@ -400,7 +400,8 @@ def test_the_schedule_refuses_a_number_of_microbatches_other_than_the_steps():
     step = BalancedStep(microbatches=[], inputs={}, plan=SimpleNamespace(encoders={}), rank=0,
                         num_tokens=np.zeros(0, dtype=np.int64), rows_per_item={}, comm_group=None, moves=None)
     schedule = ModalityAwareSchedule(lambda **kwargs: ran.append(kwargs), dp_group=None)
-    with pytest.raises(ValueError, match="asked for 3 micro-batches but the post-balancing step holds 0"):
+    with pytest.raises(ValueError, match="asked for 3 micro-batches but the post-balancing step holds 0: a step's "
+                       r"micro-batches are its plan's .* \(Megatron-LM's --sequence-packing-scheduler\)"):
         schedule(forward_step_func=None, data_iterator=iter([step]), model=[EncoderlessChunk(config)],
                  num_microbatches=3)
     assert not ran
