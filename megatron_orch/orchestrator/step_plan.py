@@ -104,6 +104,7 @@ class StepPlan:
     memory: Optional[StepMemory] = None    # modeled activation bytes (None: not planned)
     step_time: Tuple[float, float] = (0.0, 0.0)  # modeled, as loaded and as planned (:func:`_step_time`)
     peers: Optional[Peers] = None          # each rank's distinct peers over the step's transfers (None: not planned)
+    connections: Optional[Connections] = None  # the rank pairs the step's transfers connect (None: not planned)
 
     def report(self) -> Dict[str, float]:
         """The plan's figures by name, as the log shows them: each phase's modeled cost max/mean over DP
@@ -507,7 +508,7 @@ def plan_step(sizes: StepSizes, phases: ModelPhases, config: OrchestratorConfig,
                for move in step_transfers(plan, items)}
     connected = functools.reduce(operator.or_, (moved.connections for moved in traffic.values()),
                                  Connections.none(num_ranks))
-    return dataclasses.replace(plan, traffic=traffic, peers=connected.peers(topology.node_of_rank))
+    return dataclasses.replace(plan, traffic=traffic, peers=connected.peers(topology.node_of_rank), connections=connected)
 
 
 def _plan_memory(items: Dict[str, PhaseItems], phases: ModelPhases, encoders: Dict[str, EncoderPhasePlan],
