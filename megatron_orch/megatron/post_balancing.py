@@ -291,10 +291,10 @@ class BalancedStep(_WholeStep):
     moves: Optional[StepMoves]
     timings: Dict[str, float] = field(default_factory=dict)  # seconds: plan, plan_exposed, dispatch
     home: Optional[Sequence[MicroBatch]] = None
-    run_peers: Optional[Peers] = None  # each rank's distinct peers over the run's steps so far, this one included
     encoder_group: Optional[ProcessGroup] = None   # the encoders on every stage: their moves' group
     encoder_rank: Optional[int] = None             # this rank in it
     pipeline_group: Optional[ProcessGroup] = None  # over which the encoders' gradients are summed
+    run_peers: Optional[Peers] = None  # each rank's distinct peers over the run's steps so far, this one included
 
     @property
     def spread(self) -> Optional[EncoderGroupPlan]:
