@@ -323,6 +323,30 @@ class Peers:
         return tuple(int(a.max(initial=0)) for a in (self.total, self.intra_node, self.inter_node))
 
 
+class RunPeers:
+    """One rank's distinct peers over a run: every rank it exchanged bytes with in any step so far (a union of the
+    steps' :class:`Connections`, what its communicator keeps connected), on its node and across nodes. Kept per
+    rank (a flag per rank of the group): a step costs a pass over its pairs, where the union of a whole run's pairs
+    (millions at DP 2560) would cost a pass over all of them every step."""
+
+    def __init__(self, rank: int, node_of_rank):
+        self.rank = int(rank)
+        self.node_of_rank = as_index_array(node_of_rank, "node_of_rank")
+        if not 0 <= self.rank < self.node_of_rank.size:
+            raise ValueError(f"rank {rank} is outside 0..{self.node_of_rank.size - 1}")
+        self.partner = np.zeros(self.node_of_rank.size, dtype=bool)
+
+    def add(self, step: Connections) -> Tuple[int, int]:
+        """Join ``step``'s connections; this rank's peers over the run so far: (on its node, across nodes)."""
+        if step.num_ranks != self.node_of_rank.size:
+            raise ValueError(f"connections of {step.num_ranks} ranks, the run's {self.node_of_rank.size}")
+        low, high = np.divmod(step.pairs, step.num_ranks)
+        self.partner[high[low == self.rank]] = True
+        self.partner[low[high == self.rank]] = True
+        on_node = int(np.count_nonzero(self.partner & (self.node_of_rank == self.node_of_rank[self.rank])))
+        return on_node, int(np.count_nonzero(self.partner)) - on_node
+
+
 def relay_ranks(src_rank: np.ndarray, dst_rank: np.ndarray, node_of_rank: np.ndarray) -> Optional[np.ndarray]:
     """Where a node-wise all-to-all (:meth:`Transfer.node_wise`) lands item i after its first hop: the rank on
     ``src_rank[i]``'s node at ``dst_rank[i]``'s local index; None where that hop or the second would move no

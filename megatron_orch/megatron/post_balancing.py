@@ -43,7 +43,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed import ProcessGroup
 
-from megatron_orch.balance.plan import Connections, Peers, Placement, Transfer
+from megatron_orch.balance.plan import Placement, RunPeers, Transfer
 from megatron_orch.balance.topology import Topology
 from megatron_orch.balance.workload import StepSizes
 from megatron_orch.comm.alltoall import (ItemLayout, PendingHops, Route, routes_for, start_all_to_all_items,
@@ -294,7 +294,7 @@ class BalancedStep(_WholeStep):
     encoder_group: Optional[ProcessGroup] = None   # the encoders on every stage: their moves' group
     encoder_rank: Optional[int] = None             # this rank in it
     pipeline_group: Optional[ProcessGroup] = None  # over which the encoders' gradients are summed
-    run_peers: Optional[Peers] = None  # each rank's distinct peers over the run's steps so far, this one included
+    run_peers: Optional[Tuple[int, int]] = None  # this rank's peers over the run so far (on its node, across nodes)
 
     @property
     def spread(self) -> Optional[EncoderGroupPlan]:
@@ -331,7 +331,7 @@ class ShadowStep(_WholeStep):
     rank: int
     num_tokens: np.ndarray
     timings: Dict[str, float] = field(default_factory=dict)
-    run_peers: Optional[Peers] = None  # as BalancedStep's: what the plans so far would have connected
+    run_peers: Optional[Tuple[int, int]] = None  # as BalancedStep's: what the plans so far would have connected
 
 
 @dataclass(frozen=True, eq=False)
@@ -443,8 +443,8 @@ class PostBalancingDataIterator:
         self._exhausted = False  # no rank has a step left after the one being planned
         self._checked = (CheckedSteps(spec.phases.encoder_names) if config.verify_first_step and not config.shadow
                          else None)
-        # the rank pairs the run's plans connected (what its communicator keeps connected): the planning thread's
-        self._connected = Connections.none(groups.topology.num_ranks)
+        # this rank's peers over the run's plans (what its communicator keeps connected): the planning thread's
+        self._run_peers = RunPeers(self.rank, groups.topology.node_of_rank)
 
     @property
     def topology(self) -> Topology:
@@ -546,8 +546,7 @@ class PostBalancingDataIterator:
         def plan_and_prepare():
             plan = plan_step(sizes, self.spec.phases, self.config, self.topology, self.step.micro_batch_size,
                              self.step.num_microbatches)
-            self._connected = self._connected | plan.connections  # steps are planned one at a time, in order
-            run_peers = self._connected.peers(self.topology.node_of_rank)
+            run_peers = self._run_peers.add(plan.connections)  # steps are planned one at a time, in order
             if self.config.shadow:
                 return plan, None, run_peers
             spread = None if self.groups.encoder_group is None else spread_over_stages(plan, self.pipeline_size)
@@ -560,7 +559,7 @@ class PostBalancingDataIterator:
 
     # -- moving data ----------------------------------------------------------------------------
     def _dispatch(self, plan: StepPlan, moves: Optional[StepMoves], step: _Planned, timings: Dict[str, float],
-                  run_peers: Peers) -> Union[BalancedStep, ShadowStep]:
+                  run_peers: Tuple[int, int]) -> Union[BalancedStep, ShadowStep]:
         if moves is None:  # shadow mode
             return ShadowStep(microbatches=step.read.batches, plan=plan, rank=self.rank,
                               num_tokens=step.sizes.num_tokens, timings=timings, run_peers=run_peers)

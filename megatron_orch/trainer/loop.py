@@ -301,13 +301,15 @@ def _items_encoded(args, stats: IntervalStats, n: int, phases) -> dict:
 
 
 def _post_balancing_figures(stats: IntervalStats, n: int, fields) -> Optional[dict]:
-    """Interval means; the plan's figures agree on all ranks, times are the max over the DP group; the run's
-    peers after the interval (every rank has every plan: the same on all ranks)."""
+    """Interval means; the plan's figures agree on all ranks, times are the max over the DP group, and so is a
+    rank's peers over the run after the interval (the busiest rank's)."""
     if stats.post_balancing is None:
         return None
-    figures, _ = max_and_mean_over_group(stats.post_balancing / n, parallel_state.get_data_parallel_group())
-    run_peers = dict(zip(RUN_PEER_FIELDS, map(float, stats.run_peers))) if stats.run_peers is not None else {}
-    return dict(zip(fields, figures.tolist())) | run_peers
+    figures, names = stats.post_balancing / n, tuple(fields)
+    if stats.run_peers is not None:  # (every rank's steps carry them, or none's)
+        figures, names = torch.cat((figures, torch.tensor(stats.run_peers, dtype=torch.float64))), names + RUN_PEER_FIELDS
+    figures, _ = max_and_mean_over_group(figures, parallel_state.get_data_parallel_group())
+    return dict(zip(names, figures.tolist()))
 
 
 def _phase_seconds(timers: Timers, names) -> dict:

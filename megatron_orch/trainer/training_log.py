@@ -29,8 +29,9 @@ STEP_TIMERS = ("forward-backward", "forward-compute", "backward-compute", "all-g
 # this rank's planning / dispatch times, and whether the plan was applied (0: shadow mode, planned only).
 STEP_FIELDS = ("intra-node MB", "inter-node MB", "peers intra-node", "peers inter-node", "step saved %", "plan ms",
                "plan exposed ms", "dispatch ms", "applied")
-# The busiest rank's distinct peers over the run so far (what post-balancing's communicator keeps connected: NCCL
-# keeps a peer's buffers for the communicator's life), on its node and across nodes: the latest step's, not summed.
+# A rank's distinct peers over the run so far (what post-balancing's communicator keeps connected: NCCL keeps a
+# peer's buffers for the communicator's life), on its node and across nodes: the latest step's, not summed; the
+# log shows the most of any rank (max over the DP group).
 RUN_PEER_FIELDS = ("run peers intra-node", "run peers inter-node")
 
 
@@ -98,7 +99,7 @@ class LoadMeter:
             step = torch.tensor([figures[name] for name in self.fields], dtype=torch.float64)
             self.post_balancing = step if self.post_balancing is None else self.post_balancing + step
             if item.run_peers is not None:
-                self.run_peers = item.run_peers.busiest()[1:]
+                self.run_peers = item.run_peers
         return item
 
     def _count(self, microbatch) -> None:

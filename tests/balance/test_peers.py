@@ -137,3 +137,24 @@ def test_distinct_pairs_is_np_unique(case):
     ranks, links = case
     pairs = np.array([min(a, b) * ranks + max(a, b) for a, b in links], dtype=np.int64)
     assert np.array_equal(distinct_pairs(pairs, ranks), np.unique(pairs))
+
+
+def test_run_peers_of_one_rank_are_the_union_of_its_steps_and_refuse_other_groups():
+    """RunPeers (one rank's peers over a run, kept per rank by the post-balancing iterator) equals the union of the
+    steps' connections at that rank, on its node and across nodes; a rank or a step of another group is refused."""
+    from megatron_orch.balance.plan import RunPeers
+
+    node = np.repeat(np.arange(3), 4)
+    rng = np.random.default_rng(5)
+    union, runs = Connections.none(12), [RunPeers(rank, node) for rank in range(12)]
+    for _ in range(4):
+        low = rng.integers(0, 11, 6)
+        high = low + 1 + rng.integers(0, 11 - low)
+        step = Connections(12, np.unique(low * 12 + high))
+        union = union | step
+        peers = union.peers(node)
+        assert [run.add(step) for run in runs] == list(zip(peers.intra_node.tolist(), peers.inter_node.tolist()))
+    with pytest.raises(ValueError, match="rank 12 is outside 0..11"):
+        RunPeers(12, node)
+    with pytest.raises(ValueError, match="connections of 8 ranks, the run's 12"):
+        runs[0].add(Connections.none(8))
