@@ -508,7 +508,8 @@ def plan_step(sizes: StepSizes, phases: ModelPhases, config: OrchestratorConfig,
                for move in step_transfers(plan, items)}
     connected = functools.reduce(operator.or_, (moved.connections for moved in traffic.values()),
                                  Connections.none(num_ranks))
-    return dataclasses.replace(plan, traffic=traffic, peers=connected.peers(topology.node_of_rank), connections=connected)
+    return dataclasses.replace(plan, traffic=traffic, peers=connected.peers(topology.node_of_rank),
+                               connections=connected)
 
 
 def _plan_memory(items: Dict[str, PhaseItems], phases: ModelPhases, encoders: Dict[str, EncoderPhasePlan],

@@ -48,8 +48,9 @@ from megatron_orch.trainer.faults import StepReader, naming_lost_collectives
 from megatron_orch.trainer.task import TrainingTask, compute_device, runs_on_cpu, task_or_the_mllm
 from megatron_orch.trainer.timers import EventTimers
 from megatron_orch.trainer.training_log import (RUN_PEER_FIELDS, IntervalStats, IterationRecord, LoadMeter,
-                                                TensorBoardLog, gather_data_events, load_fields, max_and_mean_over_group,
-                                                memory_report, phase_timers, post_balancing_fields)
+                                                TensorBoardLog, gather_data_events, load_fields,
+                                                max_and_mean_over_group, memory_report, phase_timers,
+                                                post_balancing_fields)
 
 ForwardStep = Callable[[Iterator, torch.nn.Module], tuple]
 
@@ -307,7 +308,8 @@ def _post_balancing_figures(stats: IntervalStats, n: int, fields) -> Optional[di
         return None
     figures, names = stats.post_balancing / n, tuple(fields)
     if stats.run_peers is not None:  # (every rank's steps carry them, or none's)
-        figures, names = torch.cat((figures, torch.tensor(stats.run_peers, dtype=torch.float64))), names + RUN_PEER_FIELDS
+        figures = torch.cat((figures, torch.tensor(stats.run_peers, dtype=torch.float64)))
+        names += RUN_PEER_FIELDS
     figures, _ = max_and_mean_over_group(figures, parallel_state.get_data_parallel_group())
     return dict(zip(names, figures.tolist()))
 
