@@ -16,7 +16,7 @@ SIGNATURES = {
     'megatron_orch.megatron.BalancedMicroBatch': '(batch, num_items, embeds=)',
     'megatron_orch.megatron.BalancedStep':
         '(microbatches, inputs, plan, rank, num_tokens, rows_per_item, comm_group, moves, '
-        'timings=, home=, encoder_group=, encoder_rank=, pipeline_group=, check_again=)',
+        'timings=, home=, encoder_group=, encoder_rank=, pipeline_group=, check_again=, run_peers=)',
     'megatron_orch.megatron.BatchSpec': '(phases, inputs, pad_token_id, seq_length, cannot_pack=, takes_packed_rows=)',
     'megatron_orch.megatron.CostModel': '(*args, **kwargs)',
     'megatron_orch.megatron.CostProfile': '(source, device, dtype, model_name, shape, phases)',
@@ -48,7 +48,7 @@ SIGNATURES = {
         '(source, spec, config, step, groups, *, compute_device, input_dtype=)',
     'megatron_orch.megatron.ProfileCost': '(fit, base)',
     'megatron_orch.megatron.ProjectorShape': '(input_size, ffn_hidden_size, output_size)',
-    'megatron_orch.megatron.ShadowStep': '(microbatches, plan, rank, num_tokens, timings=)',
+    'megatron_orch.megatron.ShadowStep': '(microbatches, plan, rank, num_tokens, timings=, run_peers=)',
     'megatron_orch.megatron.StepShape': '(micro_batch_size, num_microbatches, pad_to=)',
     'megatron_orch.megatron.Topology': '(node_of_rank)',
     'megatron_orch.megatron.TransformerCost': '(transformer, projector=, projector_tokens=, details=)',

@@ -203,12 +203,7 @@ class Transfer:
         if node_of_rank.size != self.num_ranks:
             raise ValueError(f"node_of_rank has {node_of_rank.size} ranks, the transfer spans {self.num_ranks}")
         # (the placements' ranks are valid by construction: counted without checking them again)
-        hops = [_counted(hop.src.rank, hop.dst.rank, nbytes, node_of_rank) for hop in self.hops(all_to_all, node_of_rank)]
-        if all_to_all == "flat":
-            return hops[0]
-        return MovedBytes(hops[0].total, *(sum(getattr(hop, name) for hop in hops) for name in (
-            "intra_node", "inter_node", "sent_intra", "received_intra", "sent_inter", "received_inter")),
-                          functools.reduce(operator.or_, (hop.connections for hop in hops)), node_wise=True)
+        return _exchanged(self.src.rank, self.dst.rank, nbytes, node_of_rank, all_to_all)
 
     def hops(self, all_to_all: str, node_of_rank) -> Tuple["Transfer", ...]:
         """The all-to-alls that run this transfer: itself (``flat``), or :meth:`node_wise`'s hops."""
@@ -236,16 +231,8 @@ class Transfer:
         node_of_rank = as_index_array(node_of_rank, "node_of_rank")
         if node_of_rank.size != self.num_ranks:
             raise ValueError(f"node_of_rank has {node_of_rank.size} ranks, the transfer spans {self.num_ranks}")
-        per_node = np.bincount(node_of_rank)
-        if per_node.min() != per_node.max():
-            raise ValueError(f"a node-wise all-to-all needs the same number of ranks on every node, got "
-                             f"{per_node.tolist()}")
-        order = np.argsort(node_of_rank, kind="stable")
-        rank_at = order.reshape(per_node.size, per_node[0])  # [node, local index] -> rank
-        local = np.empty(self.num_ranks, dtype=np.int64)
-        local[order] = np.tile(np.arange(per_node[0]), per_node.size)
-        relay = rank_at[node_of_rank[self.src.rank], local[self.dst.rank]]
-        if np.array_equal(relay, self.src.rank) or np.array_equal(relay, self.dst.rank):
+        relay = relay_ranks(self.src.rank, self.dst.rank, node_of_rank)
+        if relay is None:
             return (self,)
         middle = Placement.from_ranks(relay, self.num_ranks)
         return Transfer(self.src, middle), Transfer(middle, self.dst)
@@ -340,9 +327,80 @@ class Peers:
         return tuple(int(a.max(initial=0)) for a in (self.total, self.intra_node, self.inter_node))
 
 
+class RunPeers:
+    """One rank's distinct peers over a run: every rank it exchanged bytes with in any step so far (a union of the
+    steps' :class:`Connections`, what its communicator keeps connected), on its node and across nodes. Kept per
+    rank (a flag per rank of the group): a step costs a pass over its pairs, where the union of a whole run's pairs
+    (millions at DP 2560) would cost a pass over all of them every step."""
+
+    def __init__(self, rank: int, node_of_rank):
+        self.rank = int(rank)
+        self.node_of_rank = as_index_array(node_of_rank, "node_of_rank")
+        if not 0 <= self.rank < self.node_of_rank.size:
+            raise ValueError(f"rank {rank} is outside 0..{self.node_of_rank.size - 1}")
+        self.partner = np.zeros(self.node_of_rank.size, dtype=bool)
+
+    def add(self, step: Connections) -> Tuple[int, int]:
+        """Join ``step``'s connections; this rank's peers over the run so far: (on its node, across nodes)."""
+        if step.num_ranks != self.node_of_rank.size:
+            raise ValueError(f"connections of {step.num_ranks} ranks, the run's {self.node_of_rank.size}")
+        low, high = np.divmod(step.pairs, step.num_ranks)
+        self.partner[high[low == self.rank]] = True
+        self.partner[low[high == self.rank]] = True
+        on_node = int(np.count_nonzero(self.partner & (self.node_of_rank == self.node_of_rank[self.rank])))
+        return on_node, int(np.count_nonzero(self.partner)) - on_node
+
+
+def relay_ranks(src_rank: np.ndarray, dst_rank: np.ndarray, node_of_rank: np.ndarray) -> Optional[np.ndarray]:
+    """Where a node-wise all-to-all (:meth:`Transfer.node_wise`) lands item i after its first hop: the rank on
+    ``src_rank[i]``'s node at ``dst_rank[i]``'s local index; None where that hop or the second would move no
+    item off its rank (one hop: the flat transfer)."""
+    per_node = np.bincount(node_of_rank)
+    if per_node.min() != per_node.max():
+        raise ValueError(f"a node-wise all-to-all needs the same number of ranks on every node, got "
+                         f"{per_node.tolist()}")
+    order = np.argsort(node_of_rank, kind="stable")
+    rank_at = order.reshape(per_node.size, per_node[0])  # [node, local index] -> rank
+    local = np.empty(node_of_rank.size, dtype=np.int64)
+    local[order] = np.tile(np.arange(per_node[0]), per_node.size)
+    relay = rank_at[node_of_rank[src_rank], local[dst_rank]]
+    if np.array_equal(relay, src_rank) or np.array_equal(relay, dst_rank):
+        return None
+    return relay
+
+
+def exchanged_bytes(src_rank, dst_rank, item_bytes, node_of_rank, all_to_all: str = "flat") -> MovedBytes:
+    """What moving item i (``item_bytes[i]``) from rank ``src_rank[i]`` to ``dst_rank[i]`` sends, run as one
+    ``flat`` all-to-all (:func:`moved_bytes`) or ``node-wise`` (:meth:`Transfer.node_wise`'s hops, through
+    :func:`relay_ranks`: their bytes and connections summed, the first hop's on the nodes, the second's across
+    them): what :meth:`Transfer.moved_bytes` counts, from the ranks alone (the planner judges candidate plans by
+    it before it builds their placements)."""
+    return _exchanged(*_checked(src_rank, dst_rank, item_bytes, node_of_rank), all_to_all)
+
+
+def _exchanged(src: np.ndarray, dst: np.ndarray, nbytes: np.ndarray, node_of_rank: np.ndarray,
+               all_to_all: str) -> MovedBytes:
+    """:func:`exchanged_bytes` of checked arrays."""
+    if all_to_all == "flat":
+        return _counted(src, dst, nbytes, node_of_rank)
+    if all_to_all != "node-wise":
+        raise ValueError(f"unknown all-to-all {all_to_all!r}; choose one of {ALL_TO_ALL}")
+    relay = relay_ranks(src, dst, node_of_rank)
+    hops = [_counted(a, b, nbytes, node_of_rank) for a, b in ([(src, dst)] if relay is None
+                                                              else [(src, relay), (relay, dst)])]
+    return MovedBytes(hops[0].total, *(sum(getattr(hop, name) for hop in hops) for name in (
+        "intra_node", "inter_node", "sent_intra", "received_intra", "sent_inter", "received_inter")),
+                      functools.reduce(operator.or_, (hop.connections for hop in hops)), node_wise=True)
+
+
 def moved_bytes(src_rank, dst_rank, item_bytes, node_of_rank) -> MovedBytes:
     """The bytes item i sends moving from rank ``src_rank[i]`` to ``dst_rank[i]``, rank r on node
     ``node_of_rank[r]`` (see :class:`MovedBytes`)."""
+    return _counted(*_checked(src_rank, dst_rank, item_bytes, node_of_rank))
+
+
+def _checked(src_rank, dst_rank, item_bytes, node_of_rank):
+    """The accountant's inputs as arrays, each checked (ValueError naming what is wrong)."""
     src = as_index_array(src_rank, "src_rank")
     dst = as_index_array(dst_rank, "dst_rank")
     node_of_rank = as_index_array(node_of_rank, "node_of_rank")
@@ -352,7 +410,7 @@ def moved_bytes(src_rank, dst_rank, item_bytes, node_of_rank) -> MovedBytes:
     for name, ranks in (("src_rank", src), ("dst_rank", dst)):
         if ranks.size and (ranks.min() < 0 or ranks.max() >= node_of_rank.size):
             raise ValueError(f"{name} holds ranks outside 0..{node_of_rank.size - 1}")
-    return _counted(src, dst, nbytes, node_of_rank)
+    return src, dst, nbytes, node_of_rank
 
 
 def _item_bytes(item_bytes, num_items: int) -> np.ndarray:

@@ -180,6 +180,15 @@ POST_BALANCING_REFUSALS = ("dataloader_type", "calculate_per_token_loss", "hybri
                            "step_batch_size_schedule")
 
 
+# Why post-balancing refuses Megatron-LM's sequence-packing scheduler rather than composing with it.
+_UPSTREAM_PACKING = (
+    "Megatron's own packing scheduler re-packs the step in train_step, after post-balancing planned it: it reads "
+    "the iterator's micro-batches as GPT samples and its dp_balanced one moves them across DP ranks (two balancers "
+    "must not both move examples), and the modality-aware schedule runs the micro-batches of its own plan, not "
+    "the per-step num_microbatches the scheduler returns; use --orch-microbatching packed instead (post-balancing "
+    "packs the balanced rows itself)")
+
+
 def check_args(args: argparse.Namespace) -> None:
     """Raise ValueError naming the Megatron-LM flag that post-balancing cannot run with. Flags of a newer
     release are read with ``getattr``: an older release simply has none of them."""
@@ -207,14 +216,9 @@ def check_args(args: argparse.Namespace) -> None:
         problems.append("--hybrid-context-parallel: it regroups the data iterator's sequences over DP x CP "
                         "ranks (HybridCPDataLoaderWrapper), which would undo the post-balancing plan")
     if getattr(args, "sequence_packing_scheduler", None) is not None:
-        problems.append(f"--sequence-packing-scheduler {args.sequence_packing_scheduler}: Megatron's own "
-                        "packing scheduler re-plans the data iterator (its dp_balanced one moves examples across DP "
-                        "ranks in train_step, and two balancers must not both move them); use "
-                        "--orch-microbatching packed instead")
+        problems.append(f"--sequence-packing-scheduler {args.sequence_packing_scheduler}: {_UPSTREAM_PACKING}")
     if getattr(args, "use_varlen_dataset", False):
-        problems.append("--use-varlen-dataset: the variable-length dataset feeds Megatron's own packing scheduler in "
-                        "train_step, which replaces the data iterator that post-balancing plans; use "
-                        "--orch-microbatching packed instead")
+        problems.append(f"--use-varlen-dataset (it runs Megatron's sequence-packing scheduler): {_UPSTREAM_PACKING}")
     if _full_iteration_cuda_graph(args):
         problems.append("full-iteration CUDA graphs (--cuda-graph-impl full_iteration, or --cuda-graph-scope "
                         "full_iteration): the graph would replay one step's routes and item counts, which "

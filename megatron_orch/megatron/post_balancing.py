@@ -35,6 +35,7 @@ import dataclasses
 import functools
 import itertools
 import logging
+import operator
 import time
 from dataclasses import dataclass, field
 from typing import Callable, Dict, Iterator, List, Mapping, Optional, Sequence, Tuple, Union
@@ -44,7 +45,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed import ProcessGroup
 
-from megatron_orch.balance.plan import Placement, Transfer
+from megatron_orch.balance.plan import Placement, RunPeers, Transfer
 from megatron_orch.balance.topology import Topology
 from megatron_orch.balance.workload import StepSizes, phase_items
 from megatron_orch.comm.alltoall import (ItemLayout, PendingHops, Route, routes_for, start_all_to_all_items,
@@ -319,6 +320,7 @@ class BalancedStep(_WholeStep):
     encoder_rank: Optional[int] = None             # this rank in it
     pipeline_group: Optional[ProcessGroup] = None  # over which the encoders' gradients are summed
     check_again: Optional[Callable[[], None]] = None
+    run_peers: Optional[Tuple[int, int]] = None  # this rank's peers over the run so far (on its node, across nodes)
 
     @property
     def spread(self) -> Optional[EncoderGroupPlan]:
@@ -355,6 +357,7 @@ class ShadowStep(_WholeStep):
     rank: int
     num_tokens: np.ndarray
     timings: Dict[str, float] = field(default_factory=dict)
+    run_peers: Optional[Tuple[int, int]] = None  # as BalancedStep's: what the plans so far would have connected
 
 
 @dataclass(frozen=True, eq=False)
@@ -476,6 +479,9 @@ class PostBalancingDataIterator:
         self._exhausted = False  # no rank has a step left after the one being planned
         self._checked = (CheckedSteps(spec.phases.encoder_names) if config.verify_first_step and not config.shadow
                          else None)
+        # this rank's peers over the run's plans (what its communicator keeps connected): the planning thread's
+        self._run_peers = (RunPeers(self.rank, groups.topology.node_of_rank) if groups.encoder_group is None
+                           else RunPeers(self.encoder_rank, self.encoder_nodes))  # the encoder group's moves
 
     @property
     def topology(self) -> Topology:
@@ -500,14 +506,14 @@ class PostBalancingDataIterator:
             self._shutdown()
             raise StopIteration
         current = self._planned
-        plan, moves = self.planner.result()
+        plan, moves, run_peers = self.planner.result()
         timings = {"plan": self.planner.last_plan_s, "plan_exposed": self.planner.last_exposed_s}
         # The next step's sizes and this plan's digest in one collective: a plan that differs between
         # ranks would make the all-to-alls disagree, so it fails loudly here, before any of them.
         self._planned = self._agree(self.reader.result(), digest=plan.digest)
         self._exhausted = self._planned is None
         start = time.perf_counter()
-        step = self._dispatch(plan, moves, current, timings)
+        step = self._dispatch(plan, moves, current, timings, run_peers)
         timings["dispatch"] = time.perf_counter() - start
         if self._planned is not None:
             self._start_planning()  # planned and read while this step trains
@@ -578,25 +584,27 @@ class PostBalancingDataIterator:
             plan = plan_step(sizes, self.spec.phases, self.config, self.topology, self.step.micro_batch_size,
                              self.step.num_microbatches)
             if self.config.shadow:
-                return plan, None
+                return plan, None, self._run_peers.add(plan.connections)  # steps are planned one at a time, in order
             spread = None
             if self.groups.encoder_group is not None:  # the log's MB and peers: the moves that run
                 spread = spread_over_stages(plan, self.pipeline_size, self.groups.tp_replicas)
                 traffic, peers = group_traffic(plan, spread, phase_items(sizes, self.spec.phases), self.encoder_nodes)
-                plan = dataclasses.replace(plan, traffic=traffic, peers=peers)
+                connections = functools.reduce(operator.or_, (moved.connections for moved in traffic.values()))
+                plan = dataclasses.replace(plan, traffic=traffic, peers=peers, connections=connections)
+            run_peers = self._run_peers.add(plan.connections)  # steps are planned one at a time, in order
             return plan, prepare_moves(plan, sizes.num_tokens, self.rows_per_item, self.rank,
                                        self.groups.encoder_stage, self.config.all_to_all, self.topology.node_of_rank,
-                                       spread, self.encoder_rank)
+                                       spread, self.encoder_rank), run_peers
 
         self.planner.submit(plan_and_prepare)
         self.reader.submit(self._read)
 
     # -- moving data ----------------------------------------------------------------------------
-    def _dispatch(self, plan: StepPlan, moves: Optional[StepMoves], step: _Planned,
-                  timings: Dict[str, float]) -> Union[BalancedStep, ShadowStep]:
+    def _dispatch(self, plan: StepPlan, moves: Optional[StepMoves], step: _Planned, timings: Dict[str, float],
+                  run_peers: Tuple[int, int]) -> Union[BalancedStep, ShadowStep]:
         if moves is None:  # shadow mode
             return ShadowStep(microbatches=step.read.batches, plan=plan, rank=self.rank,
-                              num_tokens=step.sizes.num_tokens, timings=timings)
+                              num_tokens=step.sizes.num_tokens, timings=timings, run_peers=run_peers)
         moves = moves.uploaded(self.device)
         staged = step.read.staged
         text = moves.text.start([staged_to_device(staged["ids"], self.device),
@@ -623,7 +631,7 @@ class PostBalancingDataIterator:
         return BalancedStep(microbatches=microbatches, inputs=inputs, plan=plan, rank=self.rank,
                             num_tokens=step.sizes.num_tokens, rows_per_item=dict(self.rows_per_item),
                             comm_group=self.comm_group, moves=moves, timings=timings, home=home,
-                            check_again=check_again,
+                            check_again=check_again, run_peers=run_peers,
                             encoder_group=self.groups.encoder_group, encoder_rank=self.encoder_rank,
                             pipeline_group=self.groups.pipeline_group)
 

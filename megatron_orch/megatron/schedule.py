@@ -113,7 +113,9 @@ class ModalityAwareSchedule:
         self.last_step = step
         if num_microbatches != len(step.microbatches):
             raise ValueError(f"the schedule was asked for {num_microbatches} micro-batches but the "
-                             f"post-balancing step holds {len(step.microbatches)}")
+                             f"post-balancing step holds {len(step.microbatches)}: a step's micro-batches are "
+                             "its plan's (StepShape.num_microbatches), so the loop must pass that count; a loop that "
+                             "re-packs steps (Megatron-LM's --sequence-packing-scheduler) is not supported")
         if isinstance(step, ShadowStep):  # planned, not moved: the micro-batches as loaded, upstream
             self.shadow_figures = step.plan.report()
             self.announce(shadow_line(self.shadow_figures))

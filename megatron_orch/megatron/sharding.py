@@ -28,13 +28,19 @@ from typing import Callable, List, Optional
 
 import numpy as np
 import torch
-from megatron.core.distributed.fsdp.mcore_fsdp_adapter import FullyShardedDataParallel
+from megatron.core.distributed.fsdp import mcore_fsdp_adapter
 from megatron.core.distributed.torch_fully_sharded_data_parallel import TorchFullyShardedDataParallel
 
 from megatron_orch.megatron.encoder_chunks import ChunkBounds
 
 TORCH_FSDP2 = "torch FSDP2"
 MEGATRON_FSDP = "Megatron-FSDP"
+# Megatron-FSDP's wrapper classes: ``FullyShardedDataParallel`` up to megatron-core 0.19.x; on Megatron-LM main
+# (from 2026-08) that name is a factory of the classes ``FullyShardedDataParallelV1`` and ``V2``.
+MEGATRON_FSDP_WRAPPERS = tuple(
+    wrapper for wrapper in (getattr(mcore_fsdp_adapter, name, None) for name in (
+        "FullyShardedDataParallel", "FullyShardedDataParallelV1", "FullyShardedDataParallelV2"))
+    if isinstance(wrapper, type))
 
 
 def sharding_of(model_chunk: torch.nn.Module) -> Optional[str]:
@@ -44,7 +50,7 @@ def sharding_of(model_chunk: torch.nn.Module) -> Optional[str]:
     while module is not None:
         if isinstance(module, TorchFullyShardedDataParallel):
             return TORCH_FSDP2
-        if isinstance(module, FullyShardedDataParallel):
+        if isinstance(module, MEGATRON_FSDP_WRAPPERS):
             return MEGATRON_FSDP
         module = getattr(module, "module", None)
     return None
@@ -55,7 +61,7 @@ def sharded_encode(model_chunk: torch.nn.Module, encode: Callable[[torch.Tensor]
     """``encode`` called through the sharded wrapper's root module: for the duration of the call the root's
     ``forward`` is ``encode``, so the wrapper's hooks run around it as around a forward of the model."""
     wrapper = model_chunk
-    while not isinstance(wrapper, (TorchFullyShardedDataParallel, FullyShardedDataParallel)):
+    while not isinstance(wrapper, (TorchFullyShardedDataParallel, *MEGATRON_FSDP_WRAPPERS)):
         wrapper = wrapper.module
     # FSDP2: the root unit is the wrapped module. Megatron-FSDP: the module inside ``MegatronFSDP``, whose
     # ``forward`` puts the module's parameters back in place (after an optimizer step), then calls the module:

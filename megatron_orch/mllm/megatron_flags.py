@@ -206,6 +206,11 @@ _PARALLEL = "this layout is not implemented by the MLLM's model build; the flag 
 _LAUNCH = "it replaces the command line's settings with others the MLLM's providers do not read"
 _OTHER_LOOP = ("it trains another way than the MLLM's pretraining (RL rollouts, distillation from saved logits, "
                "Megatron-LM's legacy or custom-spec models)")
+_PACKING_SCHEDULER = (
+    "Megatron-LM's sequence-packing scheduler re-packs each step's samples in train_step, and its dp_balanced one "
+    "moves them across DP ranks: it takes GPT samples (tokens, labels, loss_mask, position_ids and their lengths), "
+    "which the MLLM's micro-batches (with their encoder items) are not, and with --orch-post-balancing two balancers "
+    "would move the same examples; --orch-post-balancing --orch-microbatching packed packs and balances them")
 _SAMPLES = ("the MLLM's loader sizes its sample order from --train-iters x --global-batch-size (Megatron-LM's "
             "old --batch-size / --warmup are not read either)")
 
@@ -289,9 +294,8 @@ REFUSED: Dict[str, str] = {
         dataloader_inter_document_masking
         eod_mask_loss create_attention_mask_in_dataloader allow_ambiguous_pad_tokens fim_data fim_rate fim_spm_rate
         fim_split_sample fim_fragment_rate fim_no_prefix fim_prefix_token fim_middle_token fim_suffix_token
-        fim_pad_token fim_eod_token
-       
-       
+        fim_pad_token fim_eod_token sft_mock_dataset_config_json varlen_mock_dataset_config_json
+        varlen_sbhd_validation
     """), _DATA),
     **dict.fromkeys(_names("yaml_cfg use_checkpoint_args"), _LAUNCH),
     **dict.fromkeys(_names("""
@@ -300,6 +304,7 @@ REFUSED: Dict[str, str] = {
         enable_experimental te_rng_tracker
     """), _OTHER_LOOP),
     **dict.fromkeys(_names("train_samples batch_size warmup"), _SAMPLES),
+    **dict.fromkeys(_names("sequence_packing_scheduler use_varlen_dataset"), _PACKING_SCHEDULER),
     "iterations_to_skip": "megatron.training runs a skipped iteration through Megatron-LM's GPT batch code "
                           "(get_batch_on_this_tp_rank), which the MLLM's batches are not",
 }

@@ -24,7 +24,7 @@ from megatron_orch.balance.partition import (Outcome, partition, partition_equal
                                               uniform_bins)
 from megatron_orch.balance.placement import PlacementConfig, place_items
 from megatron_orch.balance.repair import localize, repair_locality
-from megatron_orch.balance.plan import Connections, MovedBytes, Peers, Placement, Transfer, checksum, moved_bytes
+from megatron_orch.balance.plan import Connections, MovedBytes, Peers, Placement, Transfer, checksum, exchanged_bytes
 from megatron_orch.balance.step_model import Busiest
 from megatron_orch.balance.topology import Topology
 from megatron_orch.balance.workload import ModelPhases, PhaseItems, StepSizes, phase_items
@@ -104,6 +104,7 @@ class StepPlan:
     memory: Optional[StepMemory] = None    # modeled activation bytes (None: not planned)
     step_time: Tuple[float, float] = (0.0, 0.0)  # modeled, as loaded and as planned (:func:`_step_time`)
     peers: Optional[Peers] = None          # each rank's distinct peers over the step's transfers (None: not planned)
+    connections: Optional[Connections] = None  # the rank pairs the step's transfers connect (None: not planned)
 
     def report(self) -> Dict[str, float]:
         """The plan's figures by name, as the log shows them: each phase's modeled cost max/mean over DP
@@ -269,8 +270,9 @@ def _slower_by(candidate: np.ndarray, reference: np.ndarray, items: Dict[str, Ph
     """How much slower backbone ranks ``candidate`` make a step than ``reference`` at worst, as
     :attr:`OrchestratorConfig.step_model` models it over the NIC bandwidths from its lowest to its link's:
     (relative slowdown, at which Gb/s); 0 or less: never slower. (The encoder plans are the same for both:
-    only the backbone's compute, its text and the embeddings it pulls differ.) ``pipelined(ranks)``: the
-    modeled backbone of backbone ranks ``ranks`` (:class:`PipelinedBackbone`)."""
+    only the backbone's compute, its text and the embeddings it pulls differ.) Every move is timed as the
+    configured all-to-all runs it (``config.all_to_all``: flat, or node-wise's two hops). ``pipelined(ranks)``:
+    the modeled backbone of backbone ranks ``ranks`` (:class:`PipelinedBackbone`)."""
     model = config.step_model
     in_seconds = config.cost_profile is not None
     node = topology.node_of_rank
@@ -279,14 +281,16 @@ def _slower_by(candidate: np.ndarray, reference: np.ndarray, items: Dict[str, Ph
     encoders = [(phase, model.compute_seconds(_plan_kernels.rank_loads_max(rank, items[phase].cost, num_ranks),
                                               in_seconds)) for phase, (_, rank, _) in rank_of_item.items()]
 
-    inputs = [Busiest.of(moved_bytes(home[example], rank, items[phase].nbytes, node))
-              for phase, (example, rank, _) in rank_of_item.items()]
+    def move(src_rank, dst_rank, item_bytes) -> Busiest:
+        return Busiest.of(exchanged_bytes(src_rank, dst_rank, item_bytes, node, config.all_to_all))
+
+    inputs = [move(home[example], rank, items[phase].nbytes) for phase, (example, rank, _) in rank_of_item.items()]
 
     def figures(backbone_rank):
         compute = pipelined(backbone_rank)
-        embeddings = {phase: Busiest.of(moved_bytes(rank, backbone_rank[example], out_bytes, node))
+        embeddings = {phase: move(rank, backbone_rank[example], out_bytes)
                       for phase, (example, rank, out_bytes) in rank_of_item.items()}
-        text = Busiest.of(moved_bytes(home, backbone_rank, items[backbone].nbytes, node))
+        text = move(home, backbone_rank, items[backbone].nbytes)
         return compute, embeddings, inputs + [text]
 
     ours, theirs = figures(candidate), figures(reference)
@@ -503,7 +507,8 @@ def plan_step(sizes: StepSizes, phases: ModelPhases, config: OrchestratorConfig,
                for move in step_transfers(plan, items)}
     connected = functools.reduce(operator.or_, (moved.connections for moved in traffic.values()),
                                  Connections.none(num_ranks))
-    return dataclasses.replace(plan, traffic=traffic, peers=connected.peers(topology.node_of_rank))
+    return dataclasses.replace(plan, traffic=traffic, peers=connected.peers(topology.node_of_rank),
+                               connections=connected)
 
 
 def _plan_memory(items: Dict[str, PhaseItems], phases: ModelPhases, encoders: Dict[str, EncoderPhasePlan],

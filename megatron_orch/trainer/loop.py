@@ -47,9 +47,10 @@ from megatron_orch.trainer.data_parallel import wrap_data_parallel
 from megatron_orch.trainer.faults import StepReader, naming_lost_collectives
 from megatron_orch.trainer.task import TrainingTask, compute_device, runs_on_cpu, task_or_the_mllm
 from megatron_orch.trainer.timers import EventTimers
-from megatron_orch.trainer.training_log import (IntervalStats, IterationRecord, LoadMeter, TensorBoardLog,
-                                                gather_data_events, load_fields, max_and_mean_over_group, memory_report,
-                                                phase_timers, post_balancing_fields)
+from megatron_orch.trainer.training_log import (RUN_PEER_FIELDS, IntervalStats, IterationRecord, LoadMeter,
+                                                TensorBoardLog, gather_data_events, load_fields,
+                                                max_and_mean_over_group, memory_report, phase_timers,
+                                                post_balancing_fields)
 
 ForwardStep = Callable[[Iterator, torch.nn.Module], tuple]
 
@@ -303,11 +304,16 @@ def _items_encoded(args, stats: IntervalStats, n: int, phases) -> dict:
 
 
 def _post_balancing_figures(stats: IntervalStats, n: int, fields) -> Optional[dict]:
-    """Interval means; the plan's figures agree on all ranks, times are the max over the DP group."""
+    """Interval means; the plan's figures agree on all ranks, times are the max over the DP group, and so is a
+    rank's peers over the run after the interval (the busiest rank's)."""
     if stats.post_balancing is None:
         return None
-    figures, _ = max_and_mean_over_group(stats.post_balancing / n, parallel_state.get_data_parallel_group())
-    return dict(zip(fields, figures.tolist()))
+    figures, names = stats.post_balancing / n, tuple(fields)
+    if stats.run_peers is not None:  # (every rank's steps carry them, or none's)
+        figures = torch.cat((figures, torch.tensor(stats.run_peers, dtype=torch.float64)))
+        names += RUN_PEER_FIELDS
+    figures, _ = max_and_mean_over_group(figures, parallel_state.get_data_parallel_group())
+    return dict(zip(names, figures.tolist()))
 
 
 def _phase_seconds(timers: Timers, names) -> dict:
@@ -421,7 +427,8 @@ def _train(args, model, optimizer, scheduler, data_iterator, state, timers, forw
         state.consumed_samples += args.global_batch_size
         events = _report_data_events(args, data_source, state, print_fn)
         stats.add(elapsed, meter.take(), result["skipped"], result["lm_loss"], meter.take_post_balancing(),
-                  sum(e.skipped for e in events), sum(not e.skipped for e in events), meter.take_encoded())
+                  sum(e.skipped for e in events), sum(not e.skipped for e in events), meter.take_encoded(),
+                  meter.run_peers)
         if args.check_for_nan_in_loss_and_grad:
             _stop_if_not_finite(args, state, result, data_source, events)
         if state.iteration % args.log_interval == 0 or state.iteration == args.train_iters:

@@ -29,6 +29,10 @@ STEP_TIMERS = ("forward-backward", "forward-compute", "backward-compute", "all-g
 # this rank's planning / dispatch times, and whether the plan was applied (0: shadow mode, planned only).
 STEP_FIELDS = ("intra-node MB", "inter-node MB", "peers intra-node", "peers inter-node", "step saved %", "plan ms",
                "plan exposed ms", "dispatch ms", "applied")
+# A rank's distinct peers over the run so far (what post-balancing's communicator keeps connected: NCCL keeps a
+# peer's buffers for the communicator's life), on its node and across nodes: the latest step's, not summed; the
+# log shows the most of any rank (max over the DP group).
+RUN_PEER_FIELDS = ("run peers intra-node", "run peers inter-node")
 
 
 def load_fields(phases: ModelPhases) -> Tuple[str, ...]:
@@ -66,6 +70,7 @@ class LoadMeter:
         self.counts = torch.zeros(len(load_fields(phases)), dtype=torch.float64)
         self.post_balancing: Optional[torch.Tensor] = None
         self.encoded: Optional[torch.Tensor] = None  # items of each encoder phase this rank encoded (balanced)
+        self.run_peers: Optional[Tuple[int, int]] = None  # RUN_PEER_FIELDS after the latest step
 
     def __iter__(self):
         return self
@@ -93,6 +98,8 @@ class LoadMeter:
                                                   "applied": float(isinstance(item, BalancedStep))})
             step = torch.tensor([figures[name] for name in self.fields], dtype=torch.float64)
             self.post_balancing = step if self.post_balancing is None else self.post_balancing + step
+            if item.run_peers is not None:
+                self.run_peers = item.run_peers
         return item
 
     def _count(self, microbatch) -> None:
@@ -131,6 +138,7 @@ class IntervalStats:
     phase_s: dict = field(default_factory=dict)  # timer -> seconds over the interval
     post_balancing: Optional[torch.Tensor] = None
     encoded: Optional[torch.Tensor] = None  # items of each encoder phase this rank encoded, summed
+    run_peers: Optional[Tuple[int, int]] = None  # RUN_PEER_FIELDS after the interval's last step
 
     @property
     def mean_loss(self) -> Optional[float]:
@@ -139,7 +147,7 @@ class IntervalStats:
 
     def add(self, elapsed_s: float, load: torch.Tensor, skipped: bool, lm_loss: Optional[float],
             post_balancing: Optional[torch.Tensor] = None, bad_examples: int = 0, truncated_answers: int = 0,
-            encoded: Optional[torch.Tensor] = None) -> None:
+            encoded: Optional[torch.Tensor] = None, run_peers: Optional[Tuple[int, int]] = None) -> None:
         """One iteration; :attr:`phase_s` is set once per interval (the timers are read on log iterations)."""
         self.bad_examples += bad_examples
         self.truncated_answers += truncated_answers
@@ -152,6 +160,8 @@ class IntervalStats:
         self.load = load if self.load is None else self.load + load
         if encoded is not None:
             self.encoded = encoded if self.encoded is None else self.encoded + encoded
+        if run_peers is not None:
+            self.run_peers = run_peers
         if post_balancing is not None:
             self.post_balancing = post_balancing if self.post_balancing is None else \
                 self.post_balancing + post_balancing
@@ -200,7 +210,8 @@ class IterationRecord:
     load_mean: dict
     phase_ms_max: dict
     phase_ms_mean: dict
-    post_balancing: Optional[dict] = None  # post_balancing_fields() -> interval mean (times: max over DP)
+    post_balancing: Optional[dict] = None  # post_balancing_fields() -> interval mean (times: max over DP), and
+    # RUN_PEER_FIELDS -> their value after the interval (where the steps carried them)
     bad_examples: int = 0       # skipped in the interval (--max-bad-examples)
     truncated_answers: int = 0  # in the interval
     encoder_ranks: Optional[str] = None  # post-balancing's encoder layout (EncoderRanks value)
@@ -212,7 +223,8 @@ class IterationRecord:
         interval had some; with balanced steps, the encoder layout and the items each rank encoded (min/max over
         the job's ranks). ``full`` (``--orch-log-level 1``): also the loads themselves, the phase times
         (max/mean over ranks), the bytes post-balancing moved, the most peers a rank exchanged with in a step
-        (interval mean), its planning and dispatch times, and every rank's items encoded (up to 16 ranks)."""
+        (interval mean) and over the run so far (what its communicator keeps connected), its planning and dispatch
+        times, and every rank's items encoded (up to 16 ranks)."""
         parts = [f" iteration {self.iteration:8d}/{train_iters:8d}",
                  f" consumed samples: {self.consumed_samples:12d}",
                  f" elapsed time per iteration (ms): {self.elapsed_ms:.1f}",
@@ -250,6 +262,8 @@ class IterationRecord:
             if full:
                 parts += [f" {_MOVED if applied else _WOULD_MOVE}: {pb['intra-node MB']:.2f}/{pb['inter-node MB']:.2f}",
                           f" {_PEERS}: {pb['peers intra-node']:.1f}/{pb['peers inter-node']:.1f}",
+                          *([f" {_RUN_PEERS}: {pb[RUN_PEER_FIELDS[0]]:.0f}/{pb[RUN_PEER_FIELDS[1]]:.0f}"]
+                            if RUN_PEER_FIELDS[0] in pb else []),
                           f" modeled step time saved: {pb['step saved %']:.1f}%",
                           f" plan ms: {pb['plan ms']:.1f} (exposed {pb['plan exposed ms']:.1f})",
                           f" dispatch ms: {pb['dispatch ms']:.1f}"]
@@ -267,6 +281,7 @@ _COST = "post-balancing cost max/mean over DP before->after"
 _SHADOW_COST = "post-balancing shadow (planned, not applied) cost max/mean over DP before->after"
 _MOVED, _WOULD_MOVE = "moved MB intra/inter node", "would move MB intra/inter node"
 _PEERS = "peers per rank max intra/inter node"
+_RUN_PEERS = "run peers per rank max intra/inter node"
 
 
 def _ratio(maximum: float, mean: float) -> str:
@@ -351,6 +366,8 @@ def parse_iteration_line(line: str) -> Optional[dict]:
                        "step saved %": float(fields["modeled step time saved"].rstrip("%")),
                        "plan ms": float(plan.group(1)), "plan exposed ms": float(plan.group(2)),
                        "dispatch ms": float(fields["dispatch ms"])})
+            if _RUN_PEERS in fields:
+                pb.update(zip(RUN_PEER_FIELDS, map(float, fields[_RUN_PEERS].split("/"))))
         out["post_balancing"] = pb
     return out
 

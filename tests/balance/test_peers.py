@@ -162,3 +162,24 @@ def test_byte_accountant_refuses_mismatched_inputs():
         moved_bytes([0], [2], [1], [0, 1])
     with pytest.raises(ValueError, match="src_rank and dst_rank differ in shape"):
         moved_bytes([0, 1], [1], [1, 1], [0, 1])
+
+
+def test_run_peers_of_one_rank_are_the_union_of_its_steps_and_refuse_other_groups():
+    """RunPeers (one rank's peers over a run, kept per rank by the post-balancing iterator) equals the union of the
+    steps' connections at that rank, on its node and across nodes; a rank or a step of another group is refused."""
+    from megatron_orch.balance.plan import RunPeers
+
+    node = np.repeat(np.arange(3), 4)
+    rng = np.random.default_rng(5)
+    union, runs = Connections.none(12), [RunPeers(rank, node) for rank in range(12)]
+    for _ in range(4):
+        low = rng.integers(0, 11, 6)
+        high = low + 1 + rng.integers(0, 11 - low)
+        step = Connections(12, np.unique(low * 12 + high))
+        union = union | step
+        peers = union.peers(node)
+        assert [run.add(step) for run in runs] == list(zip(peers.intra_node.tolist(), peers.inter_node.tolist()))
+    with pytest.raises(ValueError, match="rank 12 is outside 0..11"):
+        RunPeers(12, node)
+    with pytest.raises(ValueError, match="connections of 8 ranks, the run's 12"):
+        runs[0].add(Connections.none(8))

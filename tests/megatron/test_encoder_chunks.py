@@ -150,3 +150,23 @@ def test_a_sharded_encode_that_fails_leaves_the_roots_forward_its_own():
         sharded_encode(wrapper, failing)(items)
     assert "forward" not in vars(root)
     torch.testing.assert_close(root(items), items @ root.weight.T + root.bias)
+
+
+def test_sharding_of_names_megatron_fsdp_by_its_wrapper_classes():
+    """Megatron-FSDP's wrapper is the class ``FullyShardedDataParallel`` up to megatron-core 0.19.x; on Megatron-LM
+    main that name is a factory of the classes ``FullyShardedDataParallelV1`` / ``V2`` (an isinstance check against
+    it would raise TypeError). Either way a chunk inside a wrapper class is Megatron-FSDP's; Megatron DDP none."""
+    from megatron.core.distributed import DistributedDataParallel
+    from megatron.core.distributed.fsdp import mcore_fsdp_adapter
+
+    from megatron_orch.megatron.sharding import MEGATRON_FSDP, MEGATRON_FSDP_WRAPPERS, sharding_of
+
+    named = mcore_fsdp_adapter.FullyShardedDataParallel
+    expected = [named] if isinstance(named, type) else [mcore_fsdp_adapter.FullyShardedDataParallelV1,
+                                                        mcore_fsdp_adapter.FullyShardedDataParallelV2]
+    assert list(MEGATRON_FSDP_WRAPPERS) == expected
+    for cls in (*MEGATRON_FSDP_WRAPPERS, DistributedDataParallel):
+        wrapper = cls.__new__(cls)  # the class, not its set-up
+        torch.nn.Module.__init__(wrapper)
+        wrapper.module = torch.nn.Linear(2, 2)
+        assert sharding_of(wrapper) == (None if cls is DistributedDataParallel else MEGATRON_FSDP)

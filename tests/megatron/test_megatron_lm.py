@@ -270,8 +270,10 @@ def test_check_args_names_what_post_balancing_cannot_run_with():
                           (dict(virtual_pipeline_model_parallel_size=2, **interleaving, global_batch_size=2),
                            "virtual pipeline stages with 1 micro-batches per step"),
                           (dict(hybrid_context_parallel=True), "--hybrid-context-parallel"),
-                          (dict(sequence_packing_scheduler="dp_balanced"), "--sequence-packing-scheduler dp_balanced"),
-                          (dict(use_varlen_dataset=True), "--use-varlen-dataset"),
+                          (dict(sequence_packing_scheduler="dp_balanced"), "--sequence-packing-scheduler dp_balanced: "
+                                                                           "Megatron's own packing scheduler re-packs"),
+                          (dict(use_varlen_dataset=True), "--use-varlen-dataset (it runs Megatron's sequence-packing "
+                                                          "scheduler): Megatron's own packing scheduler re-packs"),
                           (dict(cuda_graph_impl="full_iteration"), "full-iteration CUDA graphs"),
                           (dict(cuda_graph_impl="local", cuda_graph_scope=["full_iteration"]), "full-iteration CUDA graphs"),
                           (dict(moe_expert_rank_capacity_factor=1.5), "--moe-expert-rank-capacity-factor"),

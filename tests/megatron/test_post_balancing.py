@@ -160,6 +160,12 @@ def test_dp4_equal_count_is_invariant_and_balances(dp4_baseline, tmp_path):
     assert min(heavy[f"{phase} before"] for phase in ("vision", "audio", "llm")) > 1.5, heavy
     assert heavy["llm after"] <= 1.15, heavy
     assert "post-balancing cost max/mean over DP before->after" in balanced["lines"][-1]
+    # the run's peers (logged every step): the first step's at first, then never fewer, each step's within them
+    run = [(s["run peers intra-node"], s["run peers inter-node"]) for s in balanced["post_balancing"]]
+    step = [(s["peers intra-node"], s["peers inter-node"]) for s in balanced["post_balancing"]]
+    assert run[0] == step[0] and run[-1] > (0, 0), (run, step)
+    assert all(a <= b for before, after in zip(run, run[1:]) for a, b in zip(before, after)), run
+    assert all(s <= r for each_step, each_run in zip(step, run) for s, r in zip(each_step, each_run)), (run, step)
 
 
 @pytest.mark.distributed
@@ -400,7 +406,8 @@ def test_the_schedule_refuses_a_number_of_microbatches_other_than_the_steps():
     step = BalancedStep(microbatches=[], inputs={}, plan=SimpleNamespace(encoders={}), rank=0,
                         num_tokens=np.zeros(0, dtype=np.int64), rows_per_item={}, comm_group=None, moves=None)
     schedule = ModalityAwareSchedule(lambda **kwargs: ran.append(kwargs), dp_group=None)
-    with pytest.raises(ValueError, match="asked for 3 micro-batches but the post-balancing step holds 0"):
+    with pytest.raises(ValueError, match="asked for 3 micro-batches but the post-balancing step holds 0: a step's "
+                       r"micro-batches are its plan's .* \(Megatron-LM's --sequence-packing-scheduler\)"):
         schedule(forward_step_func=None, data_iterator=iter([step]), model=[EncoderlessChunk(config)],
                  num_microbatches=3)
     assert not ran

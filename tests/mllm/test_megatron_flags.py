@@ -130,6 +130,44 @@ def test_the_launch_refuses_in_one_line_before_any_collective():
     assert "; --swiglu (True): " in line and "\n" not in line
 
 
+# Megatron-LM's sequence-packing scheduler (train_step re-packs each step and passes its own num_microbatches to the
+# schedule): in Megatron-LM from PR #6742 (head 095c361), in no release's parser nor main's at d98e8a6.
+PACKING_SCHEDULER_FLAGS = (["--sequence-packing-scheduler", "dp_balanced"], ["--use-varlen-dataset"])
+
+
+@pytest.mark.distributed
+def test_the_upstream_packing_scheduler_is_refused_with_post_balancing_before_any_collective():
+    """main_megatron_lm with --orch-post-balancing and Megatron-LM's packing scheduler stops before any process
+    group exists: where the installed parser has the flag, with one line naming it and saying why; where it has
+    none (the releases, main before PR #6742), with Megatron-LM's own parser error naming it."""
+    files = doubles.megatron_lm_files_or_skip()
+    tree = None if files.on_path else str(files.root)
+    code = ("import json, sys, pathlib, runpy; sys.path.insert(0, 'tests'); import megatron_lm_doubles as d\n"
+            f"d.install(None if {tree!r} is None else pathlib.Path({tree!r}))\n"
+            "import torch.distributed as dist\n"
+            "from megatron_orch.mllm import megatron_flags\n"
+            "options = megatron_flags.megatron_lm_parser(lambda parser: parser)._option_string_actions\n"
+            "main = runpy.run_path('pretrain_mllm.py', run_name='pretrain_mllm')['main_megatron_lm']\n"
+            f"for flag in {PACKING_SCHEDULER_FLAGS!r}:\n"
+            f"    sys.argv = ['pretrain_mllm.py', *{README_FLAGS!r}, '--orch-post-balancing', *flag]\n"
+            "    try:\n"
+            "        main()\n"
+            "    except SystemExit as exit:\n"
+            "        print(json.dumps([flag[0] in options, exit.code, dist.is_initialized()]))\n")
+    result = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True,
+                            timeout=scaled(300))
+    assert result.returncode == 0, result.stdout + result.stderr
+    outcomes = [json.loads(line) for line in result.stdout.strip().splitlines() if line.startswith("[")]
+    assert len(outcomes) == len(PACKING_SCHEDULER_FLAGS), result.stdout + result.stderr
+    for flag, (known, code, initialised) in zip(PACKING_SCHEDULER_FLAGS, outcomes):
+        assert not initialised, flag
+        if not known:  # argparse's error (status 2), on stderr
+            assert code == 2 and f"unrecognized arguments: {' '.join(flag)}" in result.stderr, (flag, code)
+            continue
+        assert code.startswith(f"pretrain_mllm.py: error: {flag[0]} ("), code
+        assert "two balancers would move the same examples" in code and "\n" not in code, code
+
+
 @pytest.mark.distributed
 def test_every_flag_of_the_installed_parser_is_taken_or_explained_by_the_compact_trainer(audit):
     """On ``--orch-trainer compact`` each of the installed release's Megatron-LM options is a flag of the compact

@@ -191,3 +191,75 @@ def test_auto_micro_batching_packs_unless_the_backbone_cannot():
     assert equal.resolve_microbatching(None) is equal and not equal.packed
     with pytest.raises(ValueError, match="OrchestratorConfig.microbatching packed: its forward takes no THD parameters"):
         OrchestratorConfig(microbatching="packed").resolve_microbatching("its forward takes no THD parameters")
+
+
+def _slowdown_reference(candidate, reference, items, rank_of_item, home, topology, config, backbone_seconds):
+    """``_slower_by`` written from the step model's definition, each move's bytes summed over the hops the
+    configured all-to-all runs (``Transfer.hops``: the flat transfer, or the node-wise one's two)."""
+    from megatron_orch.balance.plan import MovedBytes, Placement, Transfer, moved_bytes
+    from megatron_orch.balance.step_model import Busiest, PipelinedBackbone
+
+    node, num_ranks, model = topology.node_of_rank, topology.num_ranks, config.step_model
+
+    def move(src, dst, nbytes):
+        transfer = Transfer(Placement.from_ranks(src, num_ranks), Placement.from_ranks(dst, num_ranks))
+        hops = [moved_bytes(h.src.rank, h.dst.rank, nbytes, node) for h in transfer.hops(config.all_to_all, node)]
+        summed = [sum(getattr(h, name) for h in hops) for name in ("intra_node", "inter_node", "sent_intra",
+                                                                   "received_intra", "sent_inter", "received_inter")]
+        return Busiest.of(MovedBytes(hops[0].total, *summed, hops[0].connections,
+                                     node_wise=config.all_to_all == "node-wise"))
+
+    encoders = [(phase, model.compute_seconds(np.bincount(rank, weights=items[phase].cost,
+                                                          minlength=num_ranks).max(), False))
+                for phase, (_, rank, _) in rank_of_item.items()]
+    inputs = [move(home[example], rank, items[phase].nbytes) for phase, (example, rank, _) in rank_of_item.items()]
+
+    def figures(backbone_rank):
+        embeddings = {phase: move(rank, backbone_rank[example], out) for phase, (example, rank, out)
+                      in rank_of_item.items()}
+        return (PipelinedBackbone(backbone_seconds(backbone_rank), 0.0), embeddings,
+                inputs + [move(home, backbone_rank, items["llm"].nbytes)])
+
+    ours, theirs = figures(candidate), figures(reference)
+    moves = [*ours[1].values(), *theirs[1].values(), *ours[2], *theirs[2]]
+    worst = -np.inf
+    for nic in model.nic_breakpoints(moves, model.lowest_nic_gbits_per_s):
+        at = model.with_nic(nic)
+        worst = max(worst, at.step(encoders, *ours)["step"] / at.step(encoders, *theirs)["step"] - 1.0)
+    return worst
+
+
+def test_the_locality_decision_times_the_configured_all_to_all():
+    """plan_step keeps a locality plan only where the step model finds it no slower than the plain one
+    (``_slower_by``); it times every move as the configured all-to-all runs it, so under node-wise by its two
+    hops (one after the other, a latency each), not by the flat exchange's single one."""
+    from megatron_orch.balance.workload import phase_items
+    from megatron_orch.orchestrator.step_plan import _slower_by
+
+    rng = np.random.default_rng(3)
+    num_ranks, per_rank = 16, 6
+    n = num_ranks * per_rank
+    sizes = sizes_of(rng.integers(0, 4, n), rng.integers(0, 3, n), rng.integers(16, 400, n), num_ranks)
+    items = phase_items(sizes, TINY)
+    topology = Topology.uniform(num_ranks, 4)
+    home = np.repeat(np.arange(num_ranks), per_rank)
+    rank_of_item = {phase: (items[phase].example, rng.integers(0, num_ranks, items[phase].example.size),
+                            items[phase].output_nbytes) for phase in ("vision", "audio")}
+    candidate, reference = rng.permutation(home), rng.permutation(home)
+
+    def backbone_seconds(rank):
+        return np.bincount(rank, weights=items["llm"].cost, minlength=num_ranks).max() / 400e12
+
+    def pipelined(rank):
+        from megatron_orch.balance.step_model import PipelinedBackbone
+        return PipelinedBackbone(backbone_seconds(rank), 0.0)
+
+    slowdowns = {}
+    for all_to_all in ("flat", "node-wise"):
+        config = OrchestratorConfig(background=False, all_to_all=all_to_all)
+        slowdowns[all_to_all], _ = _slower_by(candidate, reference, items, rank_of_item, home, topology, pipelined,
+                                              config)
+        expected = _slowdown_reference(candidate, reference, items, rank_of_item, home, topology, config,
+                                       backbone_seconds)
+        assert slowdowns[all_to_all] == pytest.approx(expected, rel=1e-9, abs=1e-12), all_to_all
+    assert slowdowns["flat"] != pytest.approx(slowdowns["node-wise"], rel=1e-6)  # the exchanges time differently

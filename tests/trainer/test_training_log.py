@@ -182,3 +182,60 @@ def test_line_says_where_the_encoders_ran():
     assert parse_iteration_line(full)["post_balancing"] == pytest.approx(figures)
     many = IterationRecord(**{**logged.__dict__, "items_encoded": {"vision": [1.0] * 17}})
     assert many.line(20, full=True).endswith(" items per rank min/max: vision 1/1 |")
+
+
+def test_the_run_peers_are_the_union_of_the_steps_connections_logged_as_of_the_last_step(tmp_path):
+    """A rank's peers over the run (what post-balancing's communicator keeps connected) are those of the union of
+    the plans' connections, which are the pairs the byte accountant counts for the step's transfers: RunPeers, as
+    the post-balancing iterator keeps them per rank, against that union for every rank. LoadMeter keeps the latest
+    step's (a run-long figure is not averaged over the interval), the full line and TensorBoard report them (the
+    busiest rank's: the max over the DP group), and the line round-trips."""
+    import numpy as np
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    from megatron_orch.balance.plan import Connections, RunPeers
+    from megatron_orch.balance.topology import Topology
+    from megatron_orch.balance.traces import DEFAULT_MIXTURE
+    from megatron_orch.balance.workload import phase_items
+    from megatron_orch.bench.common import PLAN_METHODS, draw_sizes, step_connections
+    from megatron_orch.megatron.post_balancing import BalancedStep
+    from megatron_orch.orchestrator.step_plan import plan_step
+    from megatron_orch.trainer.training_log import RUN_PEER_FIELDS, IntervalStats, LoadMeter, TensorBoardLog
+
+    dp, per_rank, model = 16, 4, load_model_config("tiny")
+    topology = Topology.uniform(dp, 4)
+    union, per_rank_run = Connections.none(dp), [RunPeers(rank, topology.node_of_rank) for rank in range(dp)]
+    steps, busiest = [], []
+    for seed in range(3):
+        _, _, sizes = draw_sizes(list(DEFAULT_MIXTURE), dp, per_rank, "tiny", seed)
+        plan = plan_step(sizes, model.phases(), PLAN_METHODS["orch"], topology, 1, per_rank)
+        connected = step_connections(plan, phase_items(sizes, model.phases()), topology.node_of_rank, "flat")
+        assert np.array_equal(plan.connections.pairs, connected.pairs)
+        union = union | plan.connections
+        reference = union.peers(topology.node_of_rank)
+        run = [runs.add(plan.connections) for runs in per_rank_run]
+        assert run == list(zip(reference.intra_node.tolist(), reference.inter_node.tolist()))
+        busiest.append(reference.busiest()[1:])
+        steps.append(BalancedStep(microbatches=[], inputs={}, plan=plan, rank=0, num_tokens=np.asarray(sizes.num_tokens),
+                                  rows_per_item={}, comm_group=None, moves=None, run_peers=run[0],
+                                  timings={"plan": 0.01, "plan_exposed": 0.0, "dispatch": 0.002}))
+    assert busiest[-1] > busiest[0] >= tuple(steps[0].plan.peers.busiest()[1:])  # the run grows past a step's
+    meter, stats = LoadMeter(iter(steps), model.phases()), IntervalStats()
+    for step in meter:
+        assert meter.run_peers == step.run_peers
+        stats.add(1.0, meter.take(), False, 1.0, meter.take_post_balancing(), run_peers=meter.run_peers)
+    assert stats.run_peers == steps[-1].run_peers  # the last step's, not a mean over the interval
+    figures = dict(zip(post_balancing_fields(model.phases()), (stats.post_balancing / 3).tolist()))
+    figures |= dict(zip(RUN_PEER_FIELDS, map(float, busiest[-1])))  # as the loop logs them: the max over DP
+    line = record(figures).line(20, full=True)
+    assert f"| run peers per rank max intra/inter node: {busiest[-1][0]}/{busiest[-1][1]} |" in line
+    parsed = parse_iteration_line(line)["post_balancing"]
+    assert [parsed[name] for name in RUN_PEER_FIELDS] == list(map(float, busiest[-1]))
+    assert "run peers" not in record(figures).line(20)  # the compact line leaves the communication figures out
+    tensorboard = TensorBoardLog(str(tmp_path))
+    tensorboard.write(record(figures))
+    tensorboard.close()
+    events = EventAccumulator(str(tmp_path))
+    events.Reload()
+    assert [events.Scalars(f"post-balancing/{name.replace(' ', '-')}")[0].value for name in RUN_PEER_FIELDS] == \
+        list(map(float, busiest[-1]))

@@ -1,0 +1,70 @@
+"""How much the choice of bin -> rank placement changes the peers per rank, on the same partition.
+
+Plans each batch with the defaults (``orch``) through ``plan_step``, once per placement (the registered
+``identity``, ``greedy``, ``exact`` and a random permutation registered here), and prints per DP size and
+placement: the busiest and mean peers per rank in the first step and over all steps (flat all-to-all), the
+bytes across nodes per step, and whether each phase's balance and the modeled step time are the default
+placement's (placement moves no load, so they should be):
+
+    python scripts/check_placement_peers.py [--dp 512,2560] [--steps 10] [--per-rank 16] [--gpus-per-node 8]
+"""
+import argparse
+import dataclasses
+
+import numpy as np
+
+from megatron_orch.balance.plan import Connections
+from megatron_orch.balance.registry import PLACEMENTS
+from megatron_orch.balance.topology import Topology
+from megatron_orch.balance.workload import phase_items
+from megatron_orch.bench.common import DEFAULT_METHOD, MIXTURES, PLAN_METHODS, draw_sizes, step_connections
+from megatron_orch.mllm.config import load_model_config
+from megatron_orch.orchestrator.step_plan import plan_step
+
+MODEL = "mllm_10b"
+PLACEMENT_METHODS = ("identity", "greedy", "exact", "random")
+
+
+@PLACEMENTS.register("random")
+def _random_placement(traffic, topology, config):
+    """A random permutation of the bins (seeded by the instance: the same plan on every call)."""
+    return np.random.default_rng([traffic.num_bins, int(traffic.nbytes.sum())]).permutation(traffic.num_bins)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--dp", default="512,2560", help="comma-separated DP sizes (default 512,2560)")
+    parser.add_argument("--steps", type=int, default=10, help="batches of seeds 0.. (default 10)")
+    parser.add_argument("--per-rank", type=int, default=16, help="examples per DP rank (default 16)")
+    parser.add_argument("--gpus-per-node", type=int, default=8, help="DP ranks per node (default 8)")
+    args = parser.parse_args()
+    phases = load_model_config(MODEL).phases()
+    print(f"| DP | placement | step peers max / mean | run peers ({args.steps} steps) max / mean | inter-node GB per "
+          "step | balance and step time as exact's |")
+    print("|---:|---|---:|---:|---:|---|")
+    for dp in (int(text) for text in args.dp.split(",")):
+        topology = Topology.uniform(dp, args.gpus_per_node)
+        batches = [draw_sizes(list(MIXTURES["shipped"]), dp, args.per_rank, MODEL, seed)[2]
+                   for seed in range(args.steps)]
+        rows, figures = [], {}
+        for placement in PLACEMENT_METHODS:
+            config = dataclasses.replace(PLAN_METHODS[DEFAULT_METHOD], placement=placement)
+            run, first, inter, outcome = Connections.none(dp), None, 0.0, []
+            for sizes in batches:
+                plan = plan_step(sizes, phases, config, topology, 1, args.per_rank)
+                connected = step_connections(plan, phase_items(sizes, phases), topology.node_of_rank, "flat")
+                first = connected if first is None else first
+                run = run | connected
+                inter += plan.report()["inter-node MB"] / 1e3
+                outcome.append(([s.max_after for s in plan.stats.values()], plan.step_time))
+            step, whole = first.peers(topology.node_of_rank).total, run.peers(topology.node_of_rank).total
+            figures[placement] = outcome
+            rows.append((placement, f"{step.max()} / {step.mean():.1f}", f"{whole.max()} / {whole.mean():.1f}",
+                         f"{inter / args.steps:.1f}"))
+        for placement, step, whole, inter in rows:
+            same = "yes" if figures[placement] == figures["exact"] else "no"
+            print(f"| {dp} | {placement} | {step} | {whole} | {inter} | {same} |")
+
+
+if __name__ == "__main__":
+    main()
