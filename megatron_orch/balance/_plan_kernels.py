@@ -143,31 +143,34 @@ def moved_bytes(src_rank, dst_rank, node_of_rank, nbytes):
 @numba.njit(**_JIT)
 def distinct_pairs(lows, highs, num_ranks):
     """``np.unique(lows * num_ranks + highs)`` in linear time (a sort of a batch's hundreds of thousands of
-    moved items took most of a default plan's time at DP 10240): bucketed by ``low``, each bucket's highs kept
-    once (marked by the bucket they were last seen in) and sorted (a rank has few peers)."""
-    start = np.zeros(num_ranks + 1, dtype=np.int64)
-    for low in lows:
-        start[low + 1] += 1
+    moved items took most of a default plan's time at DP 10240): two stable counting passes, by ``high`` then by
+    ``low``, put the pairs in order, and repeats are dropped as they come."""
+    m = lows.size
+    count = np.zeros(num_ranks + 1, dtype=np.int64)
+    for k in range(m):
+        count[highs[k] + 1] += 1
     for r in range(num_ranks):
-        start[r + 1] += start[r]
-    fill = start[:-1].copy()
-    bucketed = np.empty(highs.size, dtype=np.int64)
-    for k in range(lows.size):
-        bucketed[fill[lows[k]]] = highs[k]
-        fill[lows[k]] += 1
-    seen_in = np.full(num_ranks, -1, dtype=np.int64)
-    out = np.empty(highs.size, dtype=np.int64)
-    count = 0
-    for low in range(num_ranks):
-        first = count
-        for k in range(start[low], start[low + 1]):
-            h = bucketed[k]
-            if seen_in[h] != low:
-                seen_in[h] = low
-                out[count] = low * num_ranks + h
-                count += 1
-        out[first:count].sort()
-    return out[:count]
+        count[r + 1] += count[r]
+    by_high = np.empty(m, dtype=np.int64)
+    for k in range(m):
+        by_high[count[highs[k]]] = k
+        count[highs[k]] += 1
+    count[:] = 0
+    for k in range(m):
+        count[lows[k] + 1] += 1
+    for r in range(num_ranks):
+        count[r + 1] += count[r]
+    out = np.empty(m, dtype=np.int64)
+    for t in range(m):
+        k = by_high[t]
+        out[count[lows[k]]] = lows[k] * num_ranks + highs[k]
+        count[lows[k]] += 1
+    n = 0
+    for t in range(m):
+        if n == 0 or out[t] != out[n - 1]:
+            out[n] = out[t]
+            n += 1
+    return out[:n]
 
 
 @numba.njit(**_JIT)

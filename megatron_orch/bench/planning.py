@@ -17,8 +17,8 @@ Figures, per configuration:
 * ``plan_cpu_ms``: CPU time of ``plan_step`` on its own (``time.process_time`` of the whole process,
   nothing else running), over ``--repeats`` runs after one untimed run, median and worst against the
   targets; ``plan_wall_ms`` likewise; ``plan_sys_ms`` and ``page_faults``: the kernel's share of that CPU
-  time, mostly page faults of freshly allocated arrays (``--retain-freed-memory`` keeps freed memory in
-  the process instead).
+  time, mostly page faults of freshly allocated arrays (freed memory is kept in the process, as the trainer
+  keeps it; ``--return-freed-memory`` leaves glibc's allocator as it is).
 * ``reference_cpu_ms``: a fixed piece of numpy work (:func:`reference_workload`) timed right after each
   plan: how much a loaded machine inflates CPU times in this run (its min over the run against its
   median), and the load average (``os.getloadavg``) before and after each configuration.
@@ -41,7 +41,6 @@ planning column against the idle one, and the median over repeats against the wo
 from __future__ import annotations
 
 import argparse
-import ctypes
 import functools
 import multiprocessing
 import os
@@ -59,7 +58,8 @@ from megatron_orch.balance.traces import load_mixture, parse_trace_spec
 from megatron_orch.balance.workload import StepSizes
 from megatron_orch.bench.common import MIXTURES, add_seq_length_arg, batch_sizes, draw_sizes, report
 from megatron_orch.mllm.config import DEFAULT_MODEL, MLLMConfig, load_model_config, sizes_from_trace
-from megatron_orch.orchestrator.background import NICE_INCREMENT, SWITCH_INTERVAL_S, BackgroundPlanner, _lower_priority
+from megatron_orch.orchestrator.background import (NICE_INCREMENT, SWITCH_INTERVAL_S, BackgroundPlanner, _lower_priority,
+                                                   retain_freed_memory)
 from megatron_orch.orchestrator.config import OrchestratorConfig
 from megatron_orch.orchestrator.step_plan import plan_step, warm_up
 
@@ -68,18 +68,6 @@ PROBES = ("spin", "sleep", "numpy")
 TARGET_MEDIAN_CPU_MS = {2560: 50.0, 10240: 150.0}
 TARGET_WORST_CPU_MS = {2560: 70.0}
 TARGET_STALL_MS = 5.0        # the main thread's longest stall while it plans in the background
-
-
-def retain_freed_memory() -> bool:
-    """glibc only: keep freed arrays in the process (mmap threshold 64 MiB, trim threshold 256 MiB)
-    instead of returning them to the OS and page-faulting them in again on the next step, as
-    ``MALLOC_MMAP_THRESHOLD_=67108864 MALLOC_TRIM_THRESHOLD_=268435456`` would for a launched
-    trainer. Returns whether it applied."""
-    try:
-        libc = ctypes.CDLL("libc.so.6")
-        return bool(libc.mallopt(-3, 64 << 20)) and bool(libc.mallopt(-1, 256 << 20))  # M_MMAP_, M_TRIM_
-    except (OSError, AttributeError):
-        return False
 
 
 def draw_step(trace_specs: Sequence[Tuple[str, float]], dp: int, per_rank: int, model: str, seed: int,
@@ -434,12 +422,13 @@ def main(argv: Optional[Sequence[str]] = None) -> dict:
     parser.add_argument("--planner-nice", type=int, default=NICE_INCREMENT,
                         help=f"the planning thread's nice value above the process's (default {NICE_INCREMENT}, the "
                              "trainer's; 0: the same priority as the training thread)")
-    parser.add_argument("--retain-freed-memory", action="store_true",
-                        help="glibc: keep freed memory in the process (mallopt), so the planner's arrays are "
-                             "not page-faulted in anew every step; default: the allocator as it is")
+    parser.add_argument("--return-freed-memory", action="store_true",
+                        help="leave glibc's allocator as it is (freed arrays go back to the OS and are page-faulted "
+                             "in anew every plan); default: freed memory kept in the process, as the trainer keeps it "
+                             "(orchestrator.background.retain_freed_memory)")
     parser.add_argument("--json", default=None, metavar="OUT", help="write the result as JSON here")
     args = parser.parse_args(argv)
-    retained = retain_freed_memory() if args.retain_freed_memory else False
+    retained = False if args.return_freed_memory else retain_freed_memory() is not None
     mixtures = ({"custom": tuple(parse_trace_spec(s) for s in args.trace)} if args.trace
                 else {name: MIXTURES[name] for name in args.mixtures})
     print("\n".join(_title(args.probes)), flush=True)  # the table, a row as each configuration is done

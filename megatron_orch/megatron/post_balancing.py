@@ -56,7 +56,7 @@ from megatron_orch.comm.gather import GroupMismatchError, gather_item_sizes
 from megatron_orch.comm.group_topology import group_topology
 from megatron_orch.comm.status import raise_if_any_rank_failed
 from megatron_orch.megatron.batch import BatchSpec, Example, MicroBatch, collate, collate_packed
-from megatron_orch.orchestrator.background import BackgroundPlanner
+from megatron_orch.orchestrator.background import BackgroundPlanner, retain_freed_memory
 from megatron_orch.orchestrator.config import OrchestratorConfig
 from megatron_orch.orchestrator.encoder_ranks import (CopiedStepMove, EncoderGroupPlan, group_moves, group_traffic,
                                                       spread_over_stages)
@@ -475,6 +475,9 @@ class PostBalancingDataIterator:
         self.rows_per_item = {p: spec.rows_per_item(p) for p in spec.phases.encoder_names}
         self.planner = BackgroundPlanner(enabled=config.background)
         self.reader = BackgroundPlanner(enabled=config.background)  # reads and stages the step after next
+        retained = retain_freed_memory()
+        if retained is not None and dist.get_rank() == 0:
+            _log_once(retained)
         self._planned: Optional[_Planned] = None  # the step being planned
         self._exhausted = False  # no rank has a step left after the one being planned
         self._checked = (CheckedSteps(spec.phases.encoder_names) if config.verify_first_step and not config.shadow

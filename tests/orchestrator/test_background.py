@@ -61,3 +61,29 @@ def test_the_planning_thread_runs_below_the_training_thread(increment):
         planner.shutdown()
     assert thread == min(19, process + increment)
     assert os.getpriority(os.PRIO_PROCESS, threading.get_native_id()) == process
+
+
+def test_freed_memory_stays_in_the_process_unless_the_job_set_its_own(monkeypatch):
+    """After retain_freed_memory an array freed and allocated again reuses the process's pages (no page faults: a
+    plan's arrays are not faulted in anew every step); MALLOC_* set by the job are left alone (nothing applied)."""
+    import resource
+
+    from megatron_orch.orchestrator import background
+    monkeypatch.setenv("MALLOC_TRIM_THRESHOLD_", "0")
+    assert background.retain_freed_memory() is None
+    monkeypatch.delenv("MALLOC_TRIM_THRESHOLD_")
+    line = background.retain_freed_memory()
+    if line is None:
+        pytest.skip("not glibc: mallopt is not there")  # (the project's machines and CI are glibc)
+    assert "64 MiB" in line and "256 MiB" in line
+    # a plan's working set: arrays of a few MiB (on the heap, below the mmap threshold), 144 MiB in all, freed
+    # together at its end; glibc's own thresholds give the heap's top back (trimmed) and fault it in again next time
+    pages = (144 << 20) // resource.getpagesize()
+    for attempt in range(2):  # the first round grows the heap; the second reuses what the first freed
+        before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+        blocks = [np.empty(12 << 17) for _ in range(12)]  # 12 arrays of 12 MiB, every page written
+        for block in blocks:
+            block.fill(1.0)
+        faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before
+        del blocks, block
+    assert faults < pages // 50, f"{faults} page faults for {pages} pages allocated the second time"
