@@ -115,7 +115,8 @@ def build_mimo(tensor_model_parallel_size: int = 1, pre_process: bool = True, po
     language_config = transformer_config(language, settings, pipeline_split=True, hybrid=HYBRID_BACKBONE)
     projector_config = transformer_config(
         TransformerShape(num_layers=1, hidden_size=language.hidden_size, ffn_hidden_size=64,
-                         num_attention_heads=language.num_attention_heads, causal=False), encoder_settings, pipeline_split=False)
+                         num_attention_heads=language.num_attention_heads, causal=False), encoder_settings,
+        pipeline_split=False)
 
     def projector():
         return ModuleSpec(module=MultimodalProjector, submodules=MLPSubmodules(linear_fc1=ColumnParallelLinear,

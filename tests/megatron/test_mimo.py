@@ -276,13 +276,66 @@ def test_what_would_break_invariance_is_refused(harness, world_of_one):
         MimoBalancing(build_mimo(encoders_of_images=("vit", "siglip")), modalities(), cost)
     with pytest.raises(ValueError, match="must name every modality submodule"):
         MimoBalancing(build_mimo(), modalities()[:1], cost)
-    mimo = build_mimo()
-    mimo.mimo_config.module_to_grid_map = {"images": object()}  # 0.19's per-module grids
-    with pytest.raises(NotImplementedError, match="module_to_grid_map is set"):
-        MimoBalancing(mimo, modalities(), cost)
     spec = balanced_mimo().batch_spec(SEQ_LENGTH, PAD_TOKEN_ID)
     with pytest.raises(ValueError, match="placeholder ids .* and pad id 1000 must be distinct"):
         dataclasses.replace(spec, pad_token_id=1000)
+
+
+def test_which_module_grids_are_balanced(harness, world_of_one, monkeypatch):
+    """A colocated ``module_to_grid_map`` gives the encoders their grid's TP (None where it is the language
+    model's); non-colocated grids, other dims or rank orders, and encoder TPs that are not one size dividing the
+    language model's are refused by name. Such a model refuses MIMO's own forward (upstream, shadow mode), and
+    ``post_balance`` a config that does not put its encoders on every rank at that TP, before any collective."""
+    from types import SimpleNamespace
+
+    from megatron.core.hyper_comm_grid import HyperCommGrid
+
+    from megatron_orch.megatron import StepShape, collate, post_balance
+    from megatron_orch.megatron.mimo import encoder_grid_tensor_parallel_size
+    from megatron_orch.orchestrator.config import EncoderRanks, OrchestratorConfig
+    from mimo_model import balanced_mimo
+
+    monkeypatch.setenv("WORLD_SIZE", "6")  # HyperCommGrid reads the world's size from it
+
+    def tp_dp(tp, dp, offset=0, names=("tp", "cp", "dp", "pp")):
+        sizes = {"tp": tp, "dp": dp}
+        return HyperCommGrid([sizes.get(n, 1) for n in names], list(names), rank_offset=offset)
+
+    def etp(language, images, audio=None, tp=2):
+        grids = {"language": language, "images": images, "audio": audio or images}
+        return encoder_grid_tensor_parallel_size(SimpleNamespace(mimo_config=SimpleNamespace(module_to_grid_map=grids),
+                                                                 config=SimpleNamespace(tensor_model_parallel_size=tp)))
+
+    assert encoder_grid_tensor_parallel_size(SimpleNamespace(mimo_config=SimpleNamespace())) is None  # 0.16.1
+    assert etp(tp_dp(2, 2), tp_dp(1, 4)) == 1
+    assert etp(tp_dp(2, 2), tp_dp(2, 2)) is None  # the language model's layout: nothing of its own
+    with pytest.raises(NotImplementedError, match=r"non-colocated: language ranks 2..5, images ranks 0..1"):
+        etp(tp_dp(2, 2, offset=2), tp_dp(1, 2))
+    with pytest.raises(NotImplementedError, match=r"module_to_grid_map\['images'\] has dims \['dp', 'tp'\]"):
+        etp(tp_dp(2, 2), tp_dp(2, 2, names=("dp", "tp")))
+    with pytest.raises(NotImplementedError, match=r"\['images'\] has dims .*pp.* of sizes \[1, 1, 2, 2\]"):
+        etp(tp_dp(2, 2), HyperCommGrid([1, 1, 2, 2], ["tp", "cp", "dp", "pp"]))
+    with pytest.raises(NotImplementedError, match=r"TP \{'images': 4, 'audio': 4\}; .* dividing the language"):
+        etp(tp_dp(2, 2), tp_dp(4, 1))
+    with pytest.raises(NotImplementedError, match=r"grids have TP \{'images': 1, 'audio': 2\}"):
+        etp(tp_dp(2, 2), tp_dp(1, 4), tp_dp(2, 2))
+    with pytest.raises(ValueError, match=r"module_to_grid_map\['language'\] has TP 1, its language model config 2"):
+        etp(tp_dp(1, 4), tp_dp(1, 4))
+
+    model = balanced_mimo()
+    model.encoder_tensor_parallel_size = 1  # as a grid of TP 1 under a language model of TP 2 gives it
+    spec = model.batch_spec(SEQ_LENGTH, PAD_TOKEN_ID)
+    batch = collate([_example(spec, 0, images=1, windows=1, seed=3)], spec)
+    with pytest.raises(NotImplementedError, match="encoders run on a grid of their own .* not upstream or in shadow"):
+        model(batch)
+    model.config.calculate_per_token_loss = True
+    for config in (OrchestratorConfig(),
+                   OrchestratorConfig(encoder_ranks=EncoderRanks.ALL, verify_first_step=False),
+                   OrchestratorConfig(encoder_ranks=EncoderRanks.ALL, encoder_tensor_parallel_size=2,
+                                      verify_first_step=False)):
+        with pytest.raises(ValueError, match="encoders are built at tensor-parallel size 1 .* encoder_ranks ALL and "
+                                             "encoder_tensor_parallel_size 1"):
+            post_balance(None, iter(()), spec, StepShape(1, 1), model=model, config=config)
 
 
 def test_packed_rows_where_the_installed_mimo_takes_them(harness, world_of_one):
