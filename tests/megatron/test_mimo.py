@@ -332,7 +332,8 @@ def test_which_module_grids_are_balanced(harness, world_of_one, monkeypatch):
     for config in (OrchestratorConfig(),
                    OrchestratorConfig(encoder_ranks=EncoderRanks.ALL, verify_first_step=False),
                    OrchestratorConfig(encoder_ranks=EncoderRanks.ALL, encoder_tensor_parallel_size=2,
-                                      verify_first_step=False)):
+                                      verify_first_step=False),
+                   OrchestratorConfig(encoder_ranks=EncoderRanks.ALL, encoder_tensor_parallel_size=1, shadow=True)):
         with pytest.raises(ValueError, match="encoders are built at tensor-parallel size 1 .* encoder_ranks ALL and "
                                              "encoder_tensor_parallel_size 1"):
             post_balance(None, iter(()), spec, StepShape(1, 1), model=model, config=config)
