@@ -32,8 +32,9 @@ Megatron's schedules, the others would break the invariance):
   model's embedding and runs every modality on every rank (0.16.1); 0.19's colocated layout is PP 1 by
   definition, and its pipeline parallelism is the non-colocated multi-module layout with MIMO's own
   bridges and schedule;
-* ``module_to_grid_map`` (0.19): per-module grids move encoder outputs between module layouts by MIMO's
-  own communicators, which post-balancing replaces;
+* ``module_to_grid_map`` (0.19) other than colocated grids of TP then DP, the modalities' at one TP dividing the
+  language model's (:func:`encoder_grid_tensor_parallel_size`): non-colocated grids are MIMO's multi-module
+  pipeline with its own bridges and schedule;
 * a modality submodule with more than one encoder: it concatenates whole encoders' outputs (all rows
   of encoder 1, then encoder 2), so one item's rows are not contiguous and the outputs of some items are
   not a slice of the whole batch's;
@@ -49,6 +50,13 @@ Megatron's schedules, the others would break the invariance):
 * sequence or context parallelism with 0.16.1's MimoModel, which does not shard the language model's input
   (0.19's shards it itself: its language model must then be built with
   ``scatter_embedding_sequence_parallel=False``, which MIMO asks for).
+
+A colocated ``module_to_grid_map`` (0.19) whose modalities have a grid of their own TP (below the language
+model's) is the encoders on every rank at that TP (``EncoderRanks.ALL``): ``encoder_tensor_parallel_size`` says
+which, ``post_balance`` checks its config against it, the plan balances each phase over the encoder grid's DP
+ranks and moves the outputs to each example's language DP rank, and MIMO's colocated bridge (equal batch slices)
+is skipped. MIMO's own forward is refused then: it would hand each encoder DP rank its language DP rank's whole
+micro-batch.
 
 Packed rows (0.19, feature-detected: ``MimoModel.forward`` takes ``packing_kwargs``): one row of examples
 back to back (:func:`~megatron_orch.megatron.batch.collate_packed`), handed to ``MimoModel.forward`` with

@@ -11,7 +11,10 @@ DP 4 and TP 2 x DP 2 (and TP 2 + SP x DP 2 on 0.19). On 0.19, whose MimoModel.fo
 of a row of its own, no example attending to another, and packed post-balancing agrees with upstream at DP 2
 and TP 2 + SP x DP 2; on 0.16.1 packed rows are refused, saying why. PP 2 x DP 2 is refused, with MIMO's
 reason (MimoModel does not run a language model split over pipeline stages under Megatron's schedules), as is
-what else the adapter cannot keep invariant.
+what else the adapter cannot keep invariant. On 0.19, a MimoModel with colocated per-module grids
+(``module_to_grid_map``: the modalities at TP 1 x DP 4 under a language model at TP 2 x DP 2) is post-balanced as
+the encoders on every rank at TP 1 and agrees with upstream MIMO at TP 2; the grids it does not run (non-colocated
+among them) are refused by name.
 """
 import dataclasses
 import warnings
