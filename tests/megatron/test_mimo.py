@@ -160,13 +160,21 @@ def _assert_same_training_and_data_moved(balanced, upstream) -> dict:
     return heavy
 
 
+@pytest.fixture(scope="module")
+def upstream_tp2_dp2(tmp_path_factory) -> list:
+    """Upstream MIMO at TP 2 x DP 2 (no grids), trained once for the tests that compare with it."""
+    return train(tmp_path_factory.mktemp("upstream_tp2_dp2"), "upstream", 2, False, False)
+
+
 @pytest.mark.distributed
 @pytest.mark.parametrize("tp, sp", [(1, False), (2, False), (2, True)], ids=["dp4", "tp2_dp2", "tp2_sp_dp2"])
-def test_mimo_upstream_and_balanced_agree_and_the_plan_balances(tp, sp, tmp_path):
+def test_mimo_upstream_and_balanced_agree_and_the_plan_balances(tp, sp, tmp_path, request):
     if sp and not _mimo_shards_its_input():
         pytest.skip("this megatron-core's MimoModel (0.16) does not shard for sequence parallelism, which the "
                     "adapter refuses (test_sequence_or_context_parallelism_needs_a_mimo_that_shards)")
-    upstream, balanced = train(tmp_path, "upstream", tp, sp, False), train(tmp_path, "balanced", tp, sp, True)
+    upstream = (request.getfixturevalue("upstream_tp2_dp2") if (tp, sp) == (2, False)
+                else train(tmp_path, "upstream", tp, sp, False))
+    balanced = train(tmp_path, "balanced", tp, sp, True)
     assert upstream[0]["losses"][-1] < upstream[0]["losses"][0]  # it learns: not two idle models
     heavy = _assert_same_training_and_data_moved(balanced, upstream)
     for phase in ("images", "audio", "language"):
@@ -191,7 +199,7 @@ def test_mimo_packed_by_default_agrees_with_upstream(world_size, tp, sp, tmp_pat
 
 
 @pytest.mark.distributed
-def test_mimo_with_its_own_encoder_grid_is_balanced_over_it(tmp_path):
+def test_mimo_with_its_own_encoder_grid_is_balanced_over_it(tmp_path, request):
     """0.19's colocated ``module_to_grid_map``: the language model at TP 2 x DP 2, the modalities on a grid of their
     own at TP 1 x DP 4 over the same 4 ranks. Post-balanced (the encoders on every rank at TP 1: each phase over the
     4 encoder DP ranks, any number of items per example, outputs to the language DP rank of each example) against
@@ -200,7 +208,7 @@ def test_mimo_with_its_own_encoder_grid_is_balanced_over_it(tmp_path):
     whole TP-1 one), and on the heavy step every encoder rank encoded images."""
     if not _mimo_has_grids():
         pytest.skip("this megatron-core's MimoModelConfig (0.16) takes no module_to_grid_map: no per-module grids")
-    upstream = train(tmp_path, "upstream", 2, False, False)
+    upstream = request.getfixturevalue("upstream_tp2_dp2")
     balanced = train(tmp_path, "grid", 2, False, True, encoder_tp=1)
     assert upstream[0]["losses"][-1] < upstream[0]["losses"][0]
     for tp_rank in (0, 1):
