@@ -7,6 +7,7 @@ megatron-core's local layers on CPU."""
 from __future__ import annotations
 
 import warnings
+from typing import Optional
 
 import torch
 
@@ -18,21 +19,22 @@ PATCHES, PATCH_DIM = 4, 12  # an image: 4 patch rows of 3 x 2 x 2 values; 4 embe
 FRAMES, MEL_BINS, STACK = 16, 8, 4  # an audio window: 16 frames of 8 mel bins; 4 frames per embedding
 
 
-def _encoder_block(config):
+def _encoder_block(config, pg_collection=None):
     from megatron.core.transformer.transformer_block import TransformerBlock
 
     from megatron_orch.mllm.model import transformer_layer_spec
-    return TransformerBlock(config, transformer_layer_spec("local", encoder=True), post_layer_norm=True)
+    return TransformerBlock(config, transformer_layer_spec("local", encoder=True), post_layer_norm=True,
+                            pg_collection=pg_collection)
 
 
 class PatchEncoder(torch.nn.Module):
     """Patch rows ``[n, patches, patch_dim]`` -> ``[n, patches, hidden]``."""
 
-    def __init__(self, config, patch_dim: int, patches: int):
+    def __init__(self, config, patch_dim: int, patches: int, pg_collection=None):
         super().__init__()
         self.embed = torch.nn.Linear(patch_dim, config.hidden_size)
         self.position = torch.nn.Parameter(torch.randn(patches, config.hidden_size) * 0.02)
-        self.transformer = _encoder_block(config)
+        self.transformer = _encoder_block(config, pg_collection)
 
     def forward(self, images):
         x = self.embed(images.to(self.embed.weight.dtype)) + self.position
@@ -42,12 +44,12 @@ class PatchEncoder(torch.nn.Module):
 class FrameEncoder(torch.nn.Module):
     """Mel windows ``[n, frames, mel_bins]`` -> ``[n, frames / stack, hidden]`` (``stack`` frames a token)."""
 
-    def __init__(self, config, mel_bins: int, frames: int, stack: int):
+    def __init__(self, config, mel_bins: int, frames: int, stack: int, pg_collection=None):
         super().__init__()
         self.stack = stack
         self.embed = torch.nn.Linear(mel_bins * stack, config.hidden_size)
         self.position = torch.nn.Parameter(torch.randn(frames // stack, config.hidden_size) * 0.02)
-        self.transformer = _encoder_block(config)
+        self.transformer = _encoder_block(config, pg_collection)
 
     def forward(self, features):
         n, frames, bins = features.shape
@@ -65,10 +67,19 @@ def shapes():
     return encoder, language
 
 
+def grid(tensor_parallel_size: int, world_size: int):
+    """A colocated module grid of MIMO's ``module_to_grid_map``: TP (fastest) x DP over every rank."""
+    from megatron.core.hyper_comm_grid import HyperCommGrid
+    return HyperCommGrid([tensor_parallel_size, 1, world_size // tensor_parallel_size, 1], ["tp", "cp", "dp", "pp"])
+
+
 def build_mimo(tensor_model_parallel_size: int = 1, pre_process: bool = True, post_process: bool = True,
-               encoders_of_images=("vit",), sequence_parallel: bool = False):
+               encoders_of_images=("vit",), sequence_parallel: bool = False,
+               encoder_tensor_parallel_size: Optional[int] = None):
     """The tiny MimoModel (``encoders_of_images``: the names of the image submodule's encoders); with
-    ``sequence_parallel`` its language model's embedding does not scatter (MIMO shards the combined input)."""
+    ``sequence_parallel`` its language model's embedding does not scatter (MIMO shards the combined input). With
+    ``encoder_tensor_parallel_size`` (0.19), colocated per-module grids (``module_to_grid_map``): the modalities
+    on a grid of that TP over every rank, built on its TP group; the language model on the job's TP x DP."""
     warnings.filterwarnings("ignore", message=".*experimental.*")
     from megatron.core import parallel_state
     from megatron.core.models.gpt.gpt_model import GPTModel
@@ -87,27 +98,43 @@ def build_mimo(tensor_model_parallel_size: int = 1, pre_process: bool = True, po
     settings = ModelParallelSettings(tensor_model_parallel_size=tensor_model_parallel_size,
                                      sequence_parallel=sequence_parallel)
     encoder, language = shapes()
-    encoder_config = transformer_config(encoder, settings, pipeline_split=False)
+    grids, encoder_tp_group, pg_collection = None, parallel_state.get_tensor_model_parallel_group(), None
+    encoder_settings = settings
+    if encoder_tensor_parallel_size is not None:
+        import dataclasses
+
+        from megatron.core.process_groups_config import ProcessGroupCollection
+        world = torch.distributed.get_world_size()
+        grids = {name: grid(encoder_tensor_parallel_size, world) for name in PLACEHOLDERS}
+        grids["language"] = grid(tensor_model_parallel_size, world)
+        encoder_tp_group = grids["images"].create_pg(["tp"])  # every modality's: the same ranks
+        pg_collection = ProcessGroupCollection.use_mpu_process_groups()
+        pg_collection.tp = encoder_tp_group
+        encoder_settings = dataclasses.replace(settings, tensor_model_parallel_size=encoder_tensor_parallel_size)
+    encoder_config = transformer_config(encoder, encoder_settings, pipeline_split=False)
     language_config = transformer_config(language, settings, pipeline_split=True, hybrid=HYBRID_BACKBONE)
     projector_config = transformer_config(
         TransformerShape(num_layers=1, hidden_size=language.hidden_size, ffn_hidden_size=64,
-                         num_attention_heads=language.num_attention_heads, causal=False), settings, pipeline_split=False)
+                         num_attention_heads=language.num_attention_heads, causal=False), encoder_settings,
+        pipeline_split=False)
 
     def projector():
         return ModuleSpec(module=MultimodalProjector, submodules=MLPSubmodules(linear_fc1=ColumnParallelLinear,
                                                                               linear_fc2=RowParallelLinear),
                           params={"config": projector_config, "projector_type": "mlp",
                                   "input_size": encoder.hidden_size,
-                                  "tp_group": parallel_state.get_tensor_model_parallel_group()})
+                                  "tp_group": encoder_tp_group})
 
     images = ModuleSpec(module=VisionModalitySubmodules, submodules={
         "encoders": {name: ModuleSpec(module=PatchEncoder, params={"config": encoder_config, "patch_dim": PATCH_DIM,
-                                                                    "patches": PATCHES})
+                                                                    "patches": PATCHES,
+                                                                    "pg_collection": pg_collection})
                      for name in encoders_of_images},
         "input_projections": [projector()]})
     audio = ModuleSpec(module=AudioModalitySubmodules, submodules={
         "encoders": {"frames": ModuleSpec(module=FrameEncoder, params={"config": encoder_config, "mel_bins": MEL_BINS,
-                                                                        "frames": FRAMES, "stack": STACK})},
+                                                                        "frames": FRAMES, "stack": STACK,
+                                                                        "pg_collection": pg_collection})},
         "input_projections": [projector()]})
     if HYBRID_BACKBONE:
         from megatron.core.models.hybrid.hybrid_model import HybridModel as LanguageModel
@@ -118,9 +145,21 @@ def build_mimo(tensor_model_parallel_size: int = 1, pre_process: bool = True, po
         "max_sequence_length": SEQ_LENGTH, "pre_process": pre_process, "post_process": post_process,
         "position_embedding_type": "rope", "scatter_embedding_sequence_parallel": not sequence_parallel,
         **backbone_spec("local", language, language_config)})
-    return MimoModel(MimoModelConfig(language_model_spec=language_model,
-                                     modality_submodules_spec={"images": images, "audio": audio},
-                                     special_token_ids=dict(PLACEHOLDERS)))
+    config = MimoModelConfig(language_model_spec=language_model, modality_submodules_spec={"images": images,
+                                                                                           "audio": audio},
+                             special_token_ids=dict(PLACEHOLDERS),
+                             **({} if grids is None else {"module_to_grid_map": grids}))
+    if grids is None:
+        return MimoModel(config)
+    # MIMO's colocated bridges (encoder layout to the language model's) make their groups with backend="nccl":
+    # on the CPU, the default backend's (gloo), so that the model holds them as on a GPU
+    from unittest import mock
+
+    from megatron.core.models.mimo.comm import colocated_communicator
+    subgroups = torch.distributed.new_subgroups_by_enumeration
+    with mock.patch.object(colocated_communicator.dist, "new_subgroups_by_enumeration",
+                           lambda ranks, backend=None, **kwargs: subgroups(ranks, **kwargs)):
+        return MimoModel(config)
 
 
 def modalities():
@@ -136,8 +175,10 @@ def modalities():
                          cost=FunctionCost(lambda s: encoder.train_flops(s), memory=encoder.activation_bytes)))
 
 
-def balanced_mimo(tensor_model_parallel_size: int = 1, sequence_parallel: bool = False):
+def balanced_mimo(tensor_model_parallel_size: int = 1, sequence_parallel: bool = False,
+                  encoder_tensor_parallel_size: Optional[int] = None):
     from megatron_orch.balance.cost import TransformerCost
     from megatron_orch.megatron.mimo import MimoBalancing
-    return MimoBalancing(build_mimo(tensor_model_parallel_size, sequence_parallel=sequence_parallel), modalities(),
+    return MimoBalancing(build_mimo(tensor_model_parallel_size, sequence_parallel=sequence_parallel,
+                                    encoder_tensor_parallel_size=encoder_tensor_parallel_size), modalities(),
                          TransformerCost(shapes()[1]))

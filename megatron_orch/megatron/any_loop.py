@@ -53,7 +53,10 @@ def post_balance(forward_backward_func: Optional[Callable], data_iterator: Itera
     pipeline stage, the TP/PP peers, and a communicator of the DP group's ranks (``timeout``: its collectives').
 
     ``model`` (optional): checked now (the contract, per-token loss), else on the schedule's first call; either
-    way before any collective, as packed micro-batches for a model that cannot take them are refused.
+    way before any collective, as packed micro-batches for a model that cannot take them are refused. A model whose
+    encoders are built at a TP size of their own says so (``encoder_tensor_parallel_size``, e.g.
+    :class:`~megatron_orch.megatron.mimo.MimoBalancing` of a MimoModel with its own encoder grid): ``config`` must
+    then put the encoders on every rank at that size, checked here.
     ``compute_device``: where the encoders run (default: this rank's GPU, else the CPU); ``input_dtype``: what raw encoder items travel in (the encoders' own dtype). ``config``: the
     planner's settings, shadow mode (``shadow=True``) and the checked first step (``verify_first_step``, on
     by default); ``announce`` gets the checked first step's line. Call every collective-making part of this on
@@ -66,7 +69,12 @@ def post_balance(forward_backward_func: Optional[Callable], data_iterator: Itera
     (:mod:`~megatron_orch.megatron.encoder_layout`); the layouts it does not run are refused here.
     """
     if model is not None:
-        check_model_and_config(model)
+        built_at = getattr(check_model_and_config(model), "encoder_tensor_parallel_size", None)
+        if built_at is not None and not (config.encoders_on_every_stage
+                                         and config.encoder_tensor_parallel_size == built_at):
+            raise ValueError(f"post_balance: the model's encoders are built at tensor-parallel size {built_at} (a grid "
+                             "of their own); balance them with encoder_ranks ALL and encoder_tensor_parallel_size "
+                             f"{built_at}, got {config.encoder_ranks.name} and {config.encoder_tensor_parallel_size}")
     resolve_microbatching(spec, config, step)  # packed rows the model cannot take: refused before the collectives
     if compute_device is None:
         compute_device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else \

@@ -32,8 +32,9 @@ Megatron's schedules, the others would break the invariance):
   model's embedding and runs every modality on every rank (0.16.1); 0.19's colocated layout is PP 1 by
   definition, and its pipeline parallelism is the non-colocated multi-module layout with MIMO's own
   bridges and schedule;
-* ``module_to_grid_map`` (0.19): per-module grids move encoder outputs between module layouts by MIMO's
-  own communicators, which post-balancing replaces;
+* ``module_to_grid_map`` (0.19) other than colocated grids of TP then DP, the modalities' at one TP dividing the
+  language model's (:func:`encoder_grid_tensor_parallel_size`): non-colocated grids are MIMO's multi-module
+  pipeline with its own bridges and schedule;
 * a modality submodule with more than one encoder: it concatenates whole encoders' outputs (all rows
   of encoder 1, then encoder 2), so one item's rows are not contiguous and the outputs of some items are
   not a slice of the whole batch's;
@@ -49,6 +50,13 @@ Megatron's schedules, the others would break the invariance):
 * sequence or context parallelism with 0.16.1's MimoModel, which does not shard the language model's input
   (0.19's shards it itself: its language model must then be built with
   ``scatter_embedding_sequence_parallel=False``, which MIMO asks for).
+
+A colocated ``module_to_grid_map`` (0.19) whose modalities have a grid of their own TP (below the language
+model's) is the encoders on every rank at that TP (``EncoderRanks.ALL``): ``encoder_tensor_parallel_size`` says
+which, ``post_balance`` checks its config against it, the plan balances each phase over the encoder grid's DP
+ranks and moves the outputs to each example's language DP rank, and MIMO's colocated bridge (equal batch slices)
+is skipped. MIMO's own forward is refused then: it would hand each encoder DP rank its language DP rank's whole
+micro-batch.
 
 Packed rows (0.19, feature-detected: ``MimoModel.forward`` takes ``packing_kwargs``): one row of examples
 back to back (:func:`~megatron_orch.megatron.batch.collate_packed`), handed to ``MimoModel.forward`` with
@@ -160,6 +168,8 @@ class MimoBalancing(MegatronModule):
         self.mimo = mimo
         self.modalities = tuple(modalities)
         _check_supported(mimo, self.modalities)
+        # the encoders' own TP size where a colocated module_to_grid_map gives them one (None: the language model's)
+        self.encoder_tensor_parallel_size = encoder_grid_tensor_parallel_size(mimo)
         self.cannot_pack = cannot_pack(mimo)  # why packed rows are not handed to it (None: they are)
         row_bytes = mimo.config.hidden_size * embedding_bytes_per_element
         encoders = tuple(EncoderPhase(m.name, m.cost, item_tokens=m.item_tokens,
@@ -218,12 +228,19 @@ class MimoBalancing(MegatronModule):
         elif not layout.is_whole:
             batch = layout.padded_rows(batch, self.pad_token_id)
         if embeds is None:
+            if self.encoder_tensor_parallel_size is not None:
+                raise NotImplementedError(
+                    f"MimoBalancing: this MimoModel's encoders run on a grid of their own (TP "
+                    f"{self.encoder_tensor_parallel_size}); MIMO's own forward would hand each of its encoder DP "
+                    "ranks the whole micro-batch of its language DP rank: train it post-balanced (encoder_ranks ALL "
+                    "at that encoder TP), not upstream or in shadow mode")
             modality_inputs = {m.name: {m.encoder: {m.keyword: batch.items[m.name]}}
                                for m in self.modalities if batch.items[m.name].shape[0]}
             answers = contextlib.nullcontext()
         else:
             modality_inputs = {name: {} for name in embeds}  # present, so that each submodule is asked
-            answers = _answering(self.mimo.modality_submodules, embeds)
+            # the embeddings are the language DP rank's already (post-balancing moved them): MIMO's bridge is skipped
+            answers = _answering(self.mimo, embeds)
         bounds = _host_bounds(self.mimo, params.host_cu_seqlens) if packing else contextlib.nullcontext()
         with answers, bounds:
             output, _ = self.mimo(input_ids=batch.tokens, position_ids=batch.position_ids, attention_mask=None,
@@ -267,15 +284,65 @@ def _host_bounds(mimo, host_cu_seqlens) -> Iterator[None]:
 
 
 @contextlib.contextmanager
-def _answering(submodules: torch.nn.ModuleDict, embeds: Mapping[str, torch.Tensor]) -> Iterator[None]:
-    """For the duration, each named modality submodule's forward returns its given embeddings."""
+def _answering(mimo, embeds: Mapping[str, torch.Tensor]) -> Iterator[None]:
+    """For the duration, each named modality submodule's forward returns its given embeddings, and MIMO's colocated
+    bridges (0.19, per-module grids: encoder layout to the language model's) are not applied to them."""
+    submodules = mimo.modality_submodules
     for name, rows in embeds.items():
         submodules[name].forward = lambda encoder_inputs=None, hidden_states=None, rows=rows: rows
+    bridges = getattr(mimo, "colocated_comms", None)
+    if bridges:
+        mimo.colocated_comms = {}
     try:
         yield
     finally:
         for name in embeds:
             del submodules[name].forward
+        if bridges:
+            mimo.colocated_comms = bridges
+
+
+def _tensor_then_data_parallel(name: str, grid) -> Tuple[int, int]:
+    """(TP, DP) of a module's grid whose ranks are TP fastest, then DP (every other dimension of size 1): the
+    layout of megatron-core's ``tp-cp-dp-pp`` ranks at CP 1 and PP 1, which the encoder group assumes."""
+    sizes = dict(zip(grid.dim_names, grid.shape))
+    live = [d for d in grid.dim_names if sizes[d] > 1]
+    if "tp" not in sizes or "dp" not in sizes or live not in ([], ["tp"], ["dp"], ["tp", "dp"]):
+        raise NotImplementedError(
+            f"MimoBalancing: module_to_grid_map[{name!r}] has dims {grid.dim_names} of sizes {grid.shape}; only grids "
+            "of TP (fastest) then DP are balanced (every other dimension 1: megatron-core's tp-cp-dp-pp rank order at "
+            "CP 1 and PP 1)")
+    return sizes["tp"], sizes["dp"]
+
+
+def encoder_grid_tensor_parallel_size(mimo) -> Optional[int]:
+    """The encoders' own TP size that a colocated ``module_to_grid_map`` (0.19) gives them: every modality's grid
+    over the language model's ranks at one TP size that divides the language model's (its encoder DP = the job's
+    ranks / that TP), balanced as the encoders on every rank (``EncoderRanks.ALL`` at that encoder TP). None: no
+    grid map, or the modalities' grids are the language model's. Refused by name: non-colocated grids (encoder
+    ranks of their own), other dims or rank orders, an encoder TP that does not divide the language model's."""
+    grids = getattr(mimo.mimo_config, "module_to_grid_map", None)
+    if not grids:
+        return None
+    language = grids[LANGUAGE_PHASE]
+    if any((g.rank_offset, g.size) != (language.rank_offset, language.size) for g in grids.values()):
+        raise NotImplementedError(
+            "MimoBalancing: module_to_grid_map places modules on ranks of their own (non-colocated: "
+            + ", ".join(f"{n} ranks {g.rank_offset}..{g.rank_offset + g.size - 1}" for n, g in grids.items())
+            + "), MIMO's multi-module pipeline with its own bridges and schedule, which post-balancing does not run; "
+            "colocated grids (every module over the same ranks, each at its own TP/DP) are balanced")
+    tp, _ = _tensor_then_data_parallel(LANGUAGE_PHASE, language)
+    if tp != mimo.config.tensor_model_parallel_size:
+        raise ValueError(f"MimoBalancing: module_to_grid_map[{LANGUAGE_PHASE!r}] has TP {tp}, its language model "
+                         f"config {mimo.config.tensor_model_parallel_size}")
+    encoder_tp = {name: _tensor_then_data_parallel(name, g)[0] for name, g in grids.items() if name != LANGUAGE_PHASE}
+    sizes = set(encoder_tp.values())
+    if len(sizes) > 1 or tp % min(sizes):
+        raise NotImplementedError(
+            f"MimoBalancing: the modalities' grids have TP {encoder_tp}; they are balanced as one encoder group, at "
+            f"one TP size dividing the language model's ({tp}), each language TP group holding whole encoder replicas")
+    etp = sizes.pop()
+    return None if etp == tp else etp
 
 
 def _check_supported(mimo, modalities: Sequence[MimoModality]) -> None:
@@ -287,10 +354,6 @@ def _check_supported(mimo, modalities: Sequence[MimoModality]) -> None:
             "under Megatron's schedules (0.16.1: its forward embeds the text and runs every modality on every "
             "rank; 0.19: the colocated layout is PP 1, its pipeline parallelism the non-colocated multi-module "
             "layout with MIMO's own bridges)")
-    if getattr(mimo.mimo_config, "module_to_grid_map", None):
-        raise NotImplementedError(
-            "MimoBalancing: module_to_grid_map is set; per-module grids move encoder outputs between module "
-            "layouts by MIMO's own communicators (equal batch slices), which post-balancing replaces")
     config = mimo.config
     if (config.sequence_parallel or config.context_parallel_size > 1) and not hasattr(mimo, "partition_adapter"):
         raise NotImplementedError(

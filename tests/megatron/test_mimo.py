@@ -11,7 +11,10 @@ DP 4 and TP 2 x DP 2 (and TP 2 + SP x DP 2 on 0.19). On 0.19, whose MimoModel.fo
 of a row of its own, no example attending to another, and packed post-balancing agrees with upstream at DP 2
 and TP 2 + SP x DP 2; on 0.16.1 packed rows are refused, saying why. PP 2 x DP 2 is refused, with MIMO's
 reason (MimoModel does not run a language model split over pipeline stages under Megatron's schedules), as is
-what else the adapter cannot keep invariant.
+what else the adapter cannot keep invariant. On 0.19, a MimoModel with colocated per-module grids
+(``module_to_grid_map``: the modalities at TP 1 x DP 4 under a language model at TP 2 x DP 2) is post-balanced as
+the encoders on every rank at TP 1 and agrees with upstream MIMO at TP 2; the grids it does not run (non-colocated
+among them) are refused by name.
 """
 import dataclasses
 import warnings
@@ -20,7 +23,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from dist_utils import run_distributed
+from dist_utils import TRAINED_PARAMS_ATOL, run_distributed
 from mimo_model import FRAMES, MEL_BINS, PAD_TOKEN_ID, PATCH_DIM, PATCHES, SEQ_LENGTH
 from megatron_orch.mllm.task import MLLM_TASK
 
@@ -52,14 +55,17 @@ def scripted_example(step: int, dp_rank: int, position: int, spec, sample_index:
     return assemble_example(sample_index, prompt, torch.randint(0, 256, (answer,), generator=g).tolist(), items, spec)
 
 
-def _train(rank, world_size, tp, sp, balanced, out_dir, microbatching="equal_count"):
+def _train(rank, world_size, tp, sp, balanced, out_dir, microbatching="equal_count", encoder_tp=None):
     warnings.filterwarnings("ignore")
     from megatron.core import parallel_state
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
     from megatron_orch.balance.topology import Topology
     from megatron_orch.megatron import (ModalityAwareSchedule, OrchestratorConfig, ParallelGroups,
-                                        PostBalancingDataIterator, StepShape, collate, forward_step)
+                                        PostBalancingDataIterator, StepShape, collate, forward_step, post_balance,
+                                        share_encoders)
+    from megatron_orch.megatron.encoder_layout import encoder_groups
+    from megatron_orch.orchestrator.config import EncoderRanks
     from megatron_orch.trainer import arguments, cpu_harness, loop as trainer
     from mimo_model import balanced_mimo
 
@@ -71,12 +77,14 @@ def _train(rank, world_size, tp, sp, balanced, out_dir, microbatching="equal_cou
         built = []
 
         def model_provider(args, pre_process, post_process):
-            built.append(balanced_mimo(tp, sp))
+            built.append(balanced_mimo(tp, sp, encoder_tp))
             cpu_harness.install()  # megatron.core.models.mimo was imported just now
             return built[-1]
 
         timers = trainer.Timers(log_level=1, log_option="minmax")
         model = trainer.build_model(args, model_provider)
+        if encoder_tp is not None:  # the encoder replicas of a TP group start equal (each seeded its own)
+            share_encoders(model, encoder_groups(encoder_tp)[1])
         optimizer, scheduler = trainer.build_optimizer(args, model, timers)
         trainer.attach_to_model_config(model, optimizer, timers)
         spec = built[0].batch_spec(SEQ_LENGTH, PAD_TOKEN_ID)
@@ -87,21 +95,29 @@ def _train(rank, world_size, tp, sp, balanced, out_dir, microbatching="equal_cou
                            for j in range(MBS)], spec)
                   for step in range(ITERS) for m in range(NUM_MB))
         schedule, iterator = None, source
-        if balanced:
+        if encoder_tp is not None:  # the modalities' own grid: the encoders on every rank at its TP
+            config = OrchestratorConfig(microbatching=microbatching, encoder_ranks=EncoderRanks.ALL,
+                                        encoder_tensor_parallel_size=encoder_tp, verify_first_step=False)
+            schedule, iterator = post_balance(get_forward_backward_func(), source, spec, StepShape(MBS, NUM_MB),
+                                              model=model, config=config, compute_device=torch.device("cpu"))
+        elif balanced:
             groups = ParallelGroups(dp_group, Topology.uniform(args.data_parallel_size, 1), encoder_stage=True,
                                     peer_group=parallel_state.get_model_parallel_group())
             iterator = PostBalancingDataIterator(source, spec, OrchestratorConfig(microbatching=microbatching),
                                                  StepShape(MBS, NUM_MB), groups,
                                                  compute_device=torch.device("cpu"))
             schedule = ModalityAwareSchedule(get_forward_backward_func(), dp_group)
-        losses, reports, packed = [], [], []
+        losses, reports, packed, encoded = [], [], [], []
         for _ in range(ITERS):
             losses.append(trainer.train_step(forward_step, iterator, model, optimizer, scheduler, args, timers,
                                              schedule)["lm_loss"])
             if schedule is not None:
                 reports.append(schedule.last_step.plan.report())
                 packed.append([m.batch.is_packed for m in schedule.last_step.microbatches])
-        torch.save({"losses": losses, "reports": reports, "packed": packed,
+                placements = {p: schedule.last_step.encoded(p) for p in ("images", "audio")}
+                encoded.append({p: torch.bincount(torch.as_tensor(e.rank), minlength=e.num_ranks).tolist()
+                                for p, e in placements.items()})  # items per encoder-group rank
+        torch.save({"losses": losses, "reports": reports, "packed": packed, "encoded": encoded,
                     "params": {name: p.detach().clone() for name, p in built[0].named_parameters()}},
                    Path(out_dir) / f"rank{rank}.pt")
     finally:
@@ -109,10 +125,10 @@ def _train(rank, world_size, tp, sp, balanced, out_dir, microbatching="equal_cou
 
 
 def train(tmp_path: Path, name: str, tp: int, sp: bool, balanced: bool, world_size: int = 4,
-          microbatching: str = "equal_count") -> list:
+          microbatching: str = "equal_count", encoder_tp=None) -> list:
     out = tmp_path / name
     out.mkdir()
-    run_distributed(_train, world_size, tp, sp, balanced, str(out), microbatching, timeout_s=TIMEOUT_S)
+    run_distributed(_train, world_size, tp, sp, balanced, str(out), microbatching, encoder_tp, timeout_s=TIMEOUT_S)
     return [torch.load(out / f"rank{r}.pt") for r in range(world_size)]
 
 
@@ -144,13 +160,21 @@ def _assert_same_training_and_data_moved(balanced, upstream) -> dict:
     return heavy
 
 
+@pytest.fixture(scope="module")
+def upstream_tp2_dp2(tmp_path_factory) -> list:
+    """Upstream MIMO at TP 2 x DP 2 (no grids), trained once for the tests that compare with it."""
+    return train(tmp_path_factory.mktemp("upstream_tp2_dp2"), "upstream", 2, False, False)
+
+
 @pytest.mark.distributed
 @pytest.mark.parametrize("tp, sp", [(1, False), (2, False), (2, True)], ids=["dp4", "tp2_dp2", "tp2_sp_dp2"])
-def test_mimo_upstream_and_balanced_agree_and_the_plan_balances(tp, sp, tmp_path):
+def test_mimo_upstream_and_balanced_agree_and_the_plan_balances(tp, sp, tmp_path, request):
     if sp and not _mimo_shards_its_input():
         pytest.skip("this megatron-core's MimoModel (0.16) does not shard for sequence parallelism, which the "
                     "adapter refuses (test_sequence_or_context_parallelism_needs_a_mimo_that_shards)")
-    upstream, balanced = train(tmp_path, "upstream", tp, sp, False), train(tmp_path, "balanced", tp, sp, True)
+    upstream = (request.getfixturevalue("upstream_tp2_dp2") if (tp, sp) == (2, False)
+                else train(tmp_path, "upstream", tp, sp, False))
+    balanced = train(tmp_path, "balanced", tp, sp, True)
     assert upstream[0]["losses"][-1] < upstream[0]["losses"][0]  # it learns: not two idle models
     heavy = _assert_same_training_and_data_moved(balanced, upstream)
     for phase in ("images", "audio", "language"):
@@ -172,6 +196,48 @@ def test_mimo_packed_by_default_agrees_with_upstream(world_size, tp, sp, tmp_pat
     assert upstream[0]["losses"][-1] < upstream[0]["losses"][0]
     assert all(all(step) for result in balanced for step in result["packed"]), balanced[0]["packed"]
     _assert_same_training_and_data_moved(balanced, upstream)
+
+
+@pytest.mark.distributed
+def test_mimo_with_its_own_encoder_grid_is_balanced_over_it(tmp_path, request):
+    """0.19's colocated ``module_to_grid_map``: the language model at TP 2 x DP 2, the modalities on a grid of their
+    own at TP 1 x DP 4 over the same 4 ranks. Post-balanced (the encoders on every rank at TP 1: each phase over the
+    4 encoder DP ranks, any number of items per example, outputs to the language DP rank of each example) against
+    upstream MIMO at TP 2 without grids (every encoder at the language model's TP): the losses of every step within
+    1e-5, every parameter at the trained-parameter tolerance (an encoder weight TP 2 splits against its half of the
+    whole TP-1 one), and on the heavy step every encoder rank encoded images."""
+    if not _mimo_has_grids():
+        pytest.skip("this megatron-core's MimoModelConfig (0.16) takes no module_to_grid_map: no per-module grids")
+    upstream = request.getfixturevalue("upstream_tp2_dp2")
+    balanced = train(tmp_path, "grid", 2, False, True, encoder_tp=1)
+    assert upstream[0]["losses"][-1] < upstream[0]["losses"][0]
+    for tp_rank in (0, 1):
+        got, want = balanced[tp_rank], upstream[tp_rank]
+        assert got["losses"] == pytest.approx(want["losses"], rel=1e-5), tp_rank
+        assert got["params"].keys() == want["params"].keys()
+        split = 0
+        for name, expected in want["params"].items():
+            value = got["params"][name]
+            dims = [d for d in range(value.dim()) if value.shape[d] != expected.shape[d]]
+            if dims:  # an encoder weight: whole at TP 1, halved at TP 2
+                assert ".modality_submodules." in name and value.shape[dims[0]] == 2 * expected.shape[dims[0]], name
+                value, split = value.chunk(2, dim=dims[0])[tp_rank], split + 1
+            torch.testing.assert_close(value, expected, rtol=1e-5, atol=TRAINED_PARAMS_ATOL,
+                                       msg=lambda m: f"TP rank {tp_rank} parameter {name}: {m}")
+        assert split  # the encoders did run at TP 1
+        worst = max(abs(g - w) / abs(w) for g, w in zip(got["losses"], want["losses"]))
+        print(f"TP rank {tp_rank}: largest relative loss difference {worst:.1e} over {len(want['losses'])} steps")
+    heavy = balanced[0]["encoded"][SCENARIOS.index("heavy_on_one_rank")]
+    print(f"heavy step, items per encoder rank: {heavy}")
+    assert len(heavy["images"]) == 4 and min(heavy["images"]) > 0, heavy
+    assert max(heavy["images"]) - min(heavy["images"]) <= 1, heavy
+    assert balanced[0]["reports"][SCENARIOS.index("heavy_on_one_rank")]["images after"] < 1.3
+
+
+def _mimo_has_grids() -> bool:
+    """0.19's MimoModelConfig takes per-module grids (module_to_grid_map); 0.16.1's not."""
+    from megatron.core.models.mimo import MimoModelConfig
+    return "module_to_grid_map" in {f.name for f in dataclasses.fields(MimoModelConfig)}
 
 
 # -- what the adapter refuses, and why ----------------------------------------------------------------
@@ -224,13 +290,67 @@ def test_what_would_break_invariance_is_refused(harness, world_of_one):
         MimoBalancing(build_mimo(encoders_of_images=("vit", "siglip")), modalities(), cost)
     with pytest.raises(ValueError, match="must name every modality submodule"):
         MimoBalancing(build_mimo(), modalities()[:1], cost)
-    mimo = build_mimo()
-    mimo.mimo_config.module_to_grid_map = {"images": object()}  # 0.19's per-module grids
-    with pytest.raises(NotImplementedError, match="module_to_grid_map is set"):
-        MimoBalancing(mimo, modalities(), cost)
     spec = balanced_mimo().batch_spec(SEQ_LENGTH, PAD_TOKEN_ID)
     with pytest.raises(ValueError, match="placeholder ids .* and pad id 1000 must be distinct"):
         dataclasses.replace(spec, pad_token_id=1000)
+
+
+def test_which_module_grids_are_balanced(harness, world_of_one, monkeypatch):
+    """A colocated ``module_to_grid_map`` gives the encoders their grid's TP (None where it is the language
+    model's); non-colocated grids, other dims or rank orders, and encoder TPs that are not one size dividing the
+    language model's are refused by name. Such a model refuses MIMO's own forward (upstream, shadow mode), and
+    ``post_balance`` a config that does not put its encoders on every rank at that TP, before any collective."""
+    from types import SimpleNamespace
+
+    from megatron.core.hyper_comm_grid import HyperCommGrid
+
+    from megatron_orch.megatron import StepShape, collate, post_balance
+    from megatron_orch.megatron.mimo import encoder_grid_tensor_parallel_size
+    from megatron_orch.orchestrator.config import EncoderRanks, OrchestratorConfig
+    from mimo_model import balanced_mimo
+
+    monkeypatch.setenv("WORLD_SIZE", "6")  # HyperCommGrid reads the world's size from it
+
+    def tp_dp(tp, dp, offset=0, names=("tp", "cp", "dp", "pp")):
+        sizes = {"tp": tp, "dp": dp}
+        return HyperCommGrid([sizes.get(n, 1) for n in names], list(names), rank_offset=offset)
+
+    def etp(language, images, audio=None, tp=2):
+        grids = {"language": language, "images": images, "audio": audio or images}
+        return encoder_grid_tensor_parallel_size(SimpleNamespace(mimo_config=SimpleNamespace(module_to_grid_map=grids),
+                                                                 config=SimpleNamespace(tensor_model_parallel_size=tp)))
+
+    assert encoder_grid_tensor_parallel_size(SimpleNamespace(mimo_config=SimpleNamespace())) is None  # 0.16.1
+    assert etp(tp_dp(2, 2), tp_dp(1, 4)) == 1
+    assert etp(tp_dp(2, 2), tp_dp(2, 2)) is None  # the language model's layout: nothing of its own
+    with pytest.raises(NotImplementedError, match=r"non-colocated: language ranks 2..5, images ranks 0..1"):
+        etp(tp_dp(2, 2, offset=2), tp_dp(1, 2))
+    with pytest.raises(NotImplementedError, match=r"module_to_grid_map\['images'\] has dims \['dp', 'tp'\]"):
+        etp(tp_dp(2, 2), tp_dp(2, 2, names=("dp", "tp")))
+    with pytest.raises(NotImplementedError, match=r"\['images'\] has dims .*pp.* of sizes \[1, 1, 2, 2\]"):
+        etp(tp_dp(2, 2), HyperCommGrid([1, 1, 2, 2], ["tp", "cp", "dp", "pp"]))
+    with pytest.raises(NotImplementedError, match=r"TP \{'images': 4, 'audio': 4\}; .* dividing the language"):
+        etp(tp_dp(2, 2), tp_dp(4, 1))
+    with pytest.raises(NotImplementedError, match=r"grids have TP \{'images': 1, 'audio': 2\}"):
+        etp(tp_dp(2, 2), tp_dp(1, 4), tp_dp(2, 2))
+    with pytest.raises(ValueError, match=r"module_to_grid_map\['language'\] has TP 1, its language model config 2"):
+        etp(tp_dp(1, 4), tp_dp(1, 4))
+
+    model = balanced_mimo()
+    model.encoder_tensor_parallel_size = 1  # as a grid of TP 1 under a language model of TP 2 gives it
+    spec = model.batch_spec(SEQ_LENGTH, PAD_TOKEN_ID)
+    batch = collate([_example(spec, 0, images=1, windows=1, seed=3)], spec)
+    with pytest.raises(NotImplementedError, match="encoders run on a grid of their own .* not upstream or in shadow"):
+        model(batch)
+    model.config.calculate_per_token_loss = True
+    for config in (OrchestratorConfig(),
+                   OrchestratorConfig(encoder_ranks=EncoderRanks.ALL, verify_first_step=False),
+                   OrchestratorConfig(encoder_ranks=EncoderRanks.ALL, encoder_tensor_parallel_size=2,
+                                      verify_first_step=False),
+                   OrchestratorConfig(encoder_ranks=EncoderRanks.ALL, encoder_tensor_parallel_size=1, shadow=True)):
+        with pytest.raises(ValueError, match="encoders are built at tensor-parallel size 1 .* encoder_ranks ALL and "
+                                             "encoder_tensor_parallel_size 1"):
+            post_balance(None, iter(()), spec, StepShape(1, 1), model=model, config=config)
 
 
 def test_packed_rows_where_the_installed_mimo_takes_them(harness, world_of_one):
