@@ -141,34 +141,32 @@ def moved_bytes(src_rank, dst_rank, node_of_rank, nbytes):
 
 
 @numba.njit(**_JIT)
+def _stably_by(keys, items, key_bound):
+    """``items`` (indices into ``keys``, 0 <= key < ``key_bound``) stably ordered by their keys: one counting pass."""
+    count = np.zeros(key_bound + 1, dtype=np.int64)
+    for k in items:
+        count[keys[k] + 1] += 1
+    for r in range(key_bound):
+        count[r + 1] += count[r]
+    out = np.empty(items.size, dtype=np.int64)
+    for k in items:
+        out[count[keys[k]]] = k
+        count[keys[k]] += 1
+    return out
+
+
+@numba.njit(**_JIT)
 def distinct_pairs(lows, highs, num_ranks):
     """``np.unique(lows * num_ranks + highs)`` in linear time (a sort of a batch's hundreds of thousands of
     moved items took most of a default plan's time at DP 10240): two stable counting passes, by ``high`` then by
     ``low``, put the pairs in order, and repeats are dropped as they come."""
-    m = lows.size
-    count = np.zeros(num_ranks + 1, dtype=np.int64)
-    for k in range(m):
-        count[highs[k] + 1] += 1
-    for r in range(num_ranks):
-        count[r + 1] += count[r]
-    by_high = np.empty(m, dtype=np.int64)
-    for k in range(m):
-        by_high[count[highs[k]]] = k
-        count[highs[k]] += 1
-    count[:] = 0
-    for k in range(m):
-        count[lows[k] + 1] += 1
-    for r in range(num_ranks):
-        count[r + 1] += count[r]
-    out = np.empty(m, dtype=np.int64)
-    for t in range(m):
-        k = by_high[t]
-        out[count[lows[k]]] = lows[k] * num_ranks + highs[k]
-        count[lows[k]] += 1
+    order = _stably_by(lows, _stably_by(highs, np.arange(lows.size), num_ranks), num_ranks)
+    out = np.empty(lows.size, dtype=np.int64)
     n = 0
-    for t in range(m):
-        if n == 0 or out[t] != out[n - 1]:
-            out[n] = out[t]
+    for k in order:
+        pair = lows[k] * num_ranks + highs[k]
+        if n == 0 or pair != out[n - 1]:
+            out[n] = pair
             n += 1
     return out[:n]
 
