@@ -1,5 +1,5 @@
-"""Every flag of Megatron-LM's parser (``megatron.training.arguments``, core_v0.16.1 .. core_v0.19.x), as the
-MLLM's Megatron-LM launch (``pretrain_mllm.py --orch-trainer megatron-lm``) treats it.
+"""Every flag of Megatron-LM's parser (``megatron.training.arguments``, core_v0.16.1 .. core_v0.19.x, and main as of
+commit d98e8a6), as the MLLM's Megatron-LM launch (``pretrain_mllm.py --orch-trainer megatron-lm``) treats it.
 
 Megatron-LM builds its own models from its flags (``core_transformer_config_from_args``); the MLLM is built
 from ``--model-config`` and the few Megatron flags its providers read. So a flag that acts inside Megatron's
@@ -63,6 +63,7 @@ READ_BY_TRAINER = _names("""
     decoupled_lr decoupled_min_lr no_weight_decay_cond_type apply_wd_to_qk_layernorm
     muon_momentum muon_split_qkv muon_nesterov muon_use_nesterov muon_scale_mode muon_fp32_matmul_prec
     muon_coefficient_type muon_num_ns_steps muon_tp_mode muon_extra_scale_factor muon_scalar_optimizer
+    muon_use_syrk
     lion_beta1 lion_beta2
     optimizer_cpu_offload optimizer_offload_fraction use_torch_optimizer_for_cpu_offload
     overlap_cpu_optimizer_d2h_h2d pin_cpu_grads pin_cpu_params optimizer_cuda_graph
@@ -76,6 +77,7 @@ READ_BY_TRAINER = _names("""
     gradient_reduce_div_fusion check_for_nan_in_loss_and_grad check_for_large_grads
     rampup_batch_size step_batch_size_schedule decrease_batch_size_if_needed
     use_megatron_fsdp use_torch_fsdp2 data_parallel_sharding_strategy outer_dp_sharding_strategy
+    megatron_fsdp_version
     fsdp_double_buffer suggested_communication_unit_size keep_fp8_transpose_cache enable_full_sharding_in_hsdp
     torch_fsdp2_reshard_after_forward megatron_fsdp_main_params_dtype megatron_fsdp_main_grads_dtype
     megatron_fsdp_grad_comm_dtype megatron_fsdp_enable_fine_grained_param_gather
@@ -88,6 +90,8 @@ READ_BY_TRAINER = _names("""
     use_persistent_ckpt_worker async_ckpt_cpu_priority async_ckpt_io_priority async_ckpt_use_cpu_shm
     ckpt_fully_parallel_load ckpt_fully_parallel_load_exchange_algo ckpt_fully_parallel_save_process_group
     ckpt_fully_parallel_load_process_group ckpt_assume_constant_structure ckpt_load_validate_sharding_integrity
+    ckpt_fully_parallel_load_per_rank_objects ckpt_pg_tensors_cache_path ckpt_pg_tensors_cache_create
+    ckpt_drop_redundant_extra_state save_tokenizer_assets
     dist_ckpt_strictness dist_ckpt_save_pre_mcore_014 dist_ckpt_optim_fully_reshardable
     distrib_optim_fully_reshardable_mem_efficient replication replication_jump replication_factor
     verify_integrity stream_ckpt_dequant no_save_optim no_save_rng no_load_optim no_load_rng
@@ -99,6 +103,7 @@ READ_BY_TRAINER = _names("""
     full_validation multiple_validation_sets validation_set_names
     rerun_mode error_injection_rate error_injection_type check_for_spiky_loss
     freeze_all_layers data_parallel_random_init batch_invariant_mode
+    batch_invariant_backend
 """)
 
 NO_MATH = _names("""
@@ -115,6 +120,7 @@ NO_MATH = _names("""
     log_straggler straggler_ctrlr_port straggler_minmax_count disable_straggler_on_startup
     run_workload_inspector_server
     enable_one_logger one_logger_project one_logger_run_name one_logger_async app_tag_run_name app_tag_run_version
+    otel_enabled otel_service_name otel_span_groups gtp_remat_nccl_ub gtp_expert_remat_nccl_ub
     inprocess_restart inprocess_max_iterations inprocess_monitor_thread_interval inprocess_monitor_process_interval
     inprocess_progress_watchdog_interval inprocess_heartbeat_interval inprocess_soft_timeout inprocess_hard_timeout
     inprocess_heartbeat_timeout inprocess_barrier_timeout inprocess_completion_timeout inprocess_last_call_wait
@@ -142,6 +148,7 @@ NO_MATH = _names("""
     trust_remote_code null_tokenizer_eod_id null_tokenizer_pad_id chat_template tokenizer_metadata
     tokenizer_special_tokens legacy_tokenizer tiktoken_special_tokens tokenizer_hf_use_fast
     tokenizer_hf_include_special_tokens use_tokenizer_model_from_checkpoint_args
+    use_gigatoken
     inference_batch_times_seqlen_threshold max_tokens_to_oom output_bert_embeddings bert_embedder_type
     use_legacy_static_engine inference_max_requests inference_max_batch_size inference_max_seq_length
     inference_dynamic_batching inference_dynamic_batching_buffer_size_gb
@@ -178,6 +185,7 @@ NO_MATH = _names("""
     rl_profile rl_profile_dir rl_inference_parsers langrl_inference_server_type
     langrl_inference_server_conversation_template langrl_external_server rl_offload_kv_cache_during_training
     rl_remove_kv_cache_during_training rl_reset_cuda_graphs rl_parallel_generation_tasks
+    rl_max_inflight_requests rl_durable_rollout_bank rl_rollout_bank_dir rl_rollout_bank_max_bytes
     ict_head_size biencoder_projection_dim biencoder_shared_query_context_model ict_load bert_load titles_data_path
     query_in_block_prob use_one_sent_docs evidence_data_path retriever_report_topk_accuracies retriever_score_scaling
     block_data_path embedding_path indexer_batch_size indexer_log_interval bert_binary_head
@@ -240,6 +248,8 @@ REFUSED: Dict[str, str] = {
         mtp_detach_heads mtp_hybrid_override_pattern mtp_standalone encoder_num_layers decoder_num_layers
         encoder_seq_length decoder_seq_length padded_vocab_size pad_vocab_size heterogeneous_layers_config_path
         heterogeneous_layers_config_encoded_json
+        enable_mhc_connections mhc_num_residual_streams mhc_sinkhorn_iterations mhc_init_gating_factor
+        mhc_recompute_layer_num gdp_num_householder gdp_cutedsl_kernel gdp_num_chunk_states_to_recompute mtp_hsm
     """), _ARCHITECTURE),
     **dict.fromkeys(_names("""
         moe_shared_expert_gate
@@ -258,6 +268,7 @@ REFUSED: Dict[str, str] = {
         moe_ncclep_static_shape moe_ncclep_zero_copy moe_mlp_glu_interleave_size moe_expert_rank_capacity_factor
         moe_use_upcycling moe_upcycling_granularity moe_paged_stash moe_paged_stash_page_size
         moe_paged_stash_buffer_size_factor_cuda moe_paged_stash_buffer_size_factor_cpu use_fused_weighted_squared_relu
+        moe_use_grouped_tensor moe_dispatch_fwd_dtype moe_combine_bwd_dtype
         overlap_moe_expert_parallel_comm overlap_dispatch_backward_with_experts_wgrad
         ep_overlap_early_attn_memory_release
         high_priority_a2a_comm_stream expert_tensor_parallel_size
@@ -269,6 +280,7 @@ REFUSED: Dict[str, str] = {
         num_layers_at_end_in_bf16 fp4 fp4_recipe fp4_quantizer_factory fp4_param fp4_param_gather
         te_precision_config_file reuse_grad_buf_for_mxfp8_param_ag fp16_lm_cross_entropy
         disable_bf16_reduced_precision_matmul use_kitchen_attention kitchen_attention_backend
+        logit_dtype
     """), _PRECISION),
     **dict.fromkeys(_names("""
         recompute_granularity recompute_method recompute_num_layers recompute_modules distribute_saved_activations
@@ -287,6 +299,7 @@ REFUSED: Dict[str, str] = {
         hierarchical_context_parallel_sizes hybrid_context_parallel max_seqlen_per_dp_cp_rank
         tensor_parallel_num_weight_shards decoder_first_pipeline_num_layers decoder_last_pipeline_num_layers
         pipeline_model_parallel_layout
+        gtp_remat_opt_in_modules gtp_remat_reduce_scatter_with_fp32_accumulation
     """), _PARALLEL),
     **dict.fromkeys(_names("""
         split train_data_path valid_data_path test_data_path data_args_path per_split_data_args_path mock_data
@@ -310,7 +323,7 @@ REFUSED: Dict[str, str] = {
 }
 
 
-# Megatron-LM's options (core_v0.16.1 .. core_v0.19.x) whose dest is not their name, nor their name without a
+# Megatron-LM's options (core_v0.16.1 .. core_v0.19.x and main) whose dest is not their name, nor their name without a
 # leading no- or disable- (megatron_orch.trainer.arguments.megatron_dests): what the compact trainer's parser
 # needs to name their class without Megatron-LM's parser (a test keeps it complete for the installed release).
 OPTION_DESTS = {
@@ -328,6 +341,7 @@ OPTION_DESTS = {
     "--no-inference-dynamic-batching-prefix-caching": "inference_dynamic_batching_enable_prefix_caching",
     "--no-initialization": "perform_initialization", "--no-one-logger": "enable_one_logger",
     "--no-overlap-p2p-communication": "overlap_p2p_comm", "--no-position-embedding": "add_position_embedding",
+    "--output-logit-dtype": "logit_dtype",
     "--no-rope-fusion": "apply_rope_fusion", "--norm-epsilon": "layernorm_epsilon",
     "--overlap-p2p-communication-warmup-flush": "overlap_p2p_comm_warmup_flush",
     "--persistent-save-interval": "save_interval", "--tokenizer-metadata": "metadata_path",
