@@ -363,21 +363,31 @@ def _microbatches(backbone_rank, costs, num_tokens, num_ranks, micro_batch_size,
     return partition_groups(costs, backbone_rank, num_microbatches, method=algorithm)
 
 
-def _pipelined(bins, method: str, costs, num_tokens, num_ranks: int, micro_batch_size: int, num_microbatches: int,
-               config: OrchestratorConfig):
+def _pipelined(bins, method: str, costs, num_tokens, home, num_ranks: int, micro_batch_size: int,
+               num_microbatches: int, config: OrchestratorConfig):
     """The backbone plan judged by the pipeline schedule (``config.step_model``'s stages > 1): the sum-balanced
-    ``bins`` with their own micro-batches against the pipeline-aware local search from them
-    (:meth:`PipelineSchedule.plan`); the one whose slowest replica's modeled step is shorter, as (bins, micro-batch
-    of every example, method)."""
+    ``bins`` with their own micro-batches, the pipeline-aware local search from them
+    (:meth:`PipelineSchedule.plan`) and the loader's plan (``home``, its own micro-batches); the one whose slowest
+    replica's modeled step is shortest (ties: the loader's, then the sum-balanced), as (bins, micro-batch of every
+    example, method). The loader's comes back as ``home`` itself."""
     schedule = config.step_model.schedule
-    own = _microbatches(bins, costs, num_tokens, num_ranks, micro_batch_size, num_microbatches, config.packed,
-                        config.algorithm)
-    summed = schedule.plan_seconds(costs, bins, own, num_ranks, num_microbatches).max(initial=0.0)
+
+    def own_microbatches(ranks):
+        return _microbatches(ranks, costs, num_tokens, num_ranks, micro_batch_size, num_microbatches, config.packed,
+                             config.algorithm)
+
+    def slowest(ranks, microbatch):
+        return schedule.plan_seconds(costs, ranks, microbatch, num_ranks, num_microbatches).max(initial=0.0)
+
+    loader = (own_microbatches(home) if config.packed
+              else np.arange(home.size) % (micro_batch_size * num_microbatches) // micro_batch_size)
+    own = own_microbatches(bins)
     searched, microbatch, seconds = schedule.plan(costs, bins, num_ranks, num_microbatches,
                                                   rows=None if config.packed else micro_batch_size)
-    if seconds.max(initial=0.0) < summed * (1 - 1e-9):
-        return searched, microbatch, f"{method}+pipelined"
-    return bins, own, method
+    candidates = [(slowest(home, loader), home, loader, "home+pipelined"), (slowest(bins, own), bins, own, method),
+                  (seconds.max(initial=0.0), searched, microbatch, f"{method}+pipelined")]
+    best = min(c[0] for c in candidates)
+    return next((ranks, mb, name) for time, ranks, mb, name in candidates if time <= best * (1 + 1e-9))
 
 
 def plan_step(sizes: StepSizes, phases: ModelPhases, config: OrchestratorConfig,
@@ -425,15 +435,17 @@ def plan_step(sizes: StepSizes, phases: ModelPhases, config: OrchestratorConfig,
         part = (partition(backbone_costs, num_ranks, method=config.algorithm, home=home) if packed
                 else partition_equal_count(backbone_costs, num_ranks, home=home))
         method, bins = part.method, part.bin_of_item
-        if part.outcome is not Outcome.HOME and config.step_model.pipeline_stages > 1:
-            bins, pipelined_microbatch, method = _pipelined(bins, part.method, backbone_costs, sizes.num_tokens,
+        keeps_home = part.outcome is Outcome.HOME
+        if not keeps_home and config.step_model.pipeline_stages > 1:
+            bins, pipelined_microbatch, method = _pipelined(bins, part.method, backbone_costs, sizes.num_tokens, home,
                                                             num_ranks, micro_batch_size, num_microbatches, config)
-        if part.outcome is Outcome.HOME:
+            keeps_home = bins is home
+        if keeps_home:
             backbone_rank = home
         else:
             example, source, nbytes = _example_sources(home, text_bytes, rank_of_item)
             backbone_rank = _place(bins, [(bins[example], source, nbytes)], num_ranks, topology, config)
-        if config.locality and part.outcome is not Outcome.HOME:
+        if config.locality and not keeps_home:
             plain_rank, plain_microbatch = backbone_rank, pipelined_microbatch
 
             def pipelined(rank):

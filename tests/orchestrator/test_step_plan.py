@@ -4,11 +4,12 @@ import numpy as np
 import pytest
 from hypothesis import given, settings, strategies as st
 
+from megatron_orch.balance.step_model import StepModel
 from megatron_orch.balance.topology import Topology
 from megatron_orch.orchestrator.config import OrchestratorConfig
-from megatron_orch.balance.workload import StepSizes
+from megatron_orch.balance.workload import StepSizes, phase_items
 from megatron_orch.mllm.config import load_model_config
-from megatron_orch.orchestrator.step_plan import plan_step
+from megatron_orch.orchestrator.step_plan import _microbatches, plan_step
 
 TINY = load_model_config("tiny").phases()
 CONFIGS = [OrchestratorConfig(background=False),
@@ -16,7 +17,10 @@ CONFIGS = [OrchestratorConfig(background=False),
            OrchestratorConfig(locality=True, background=False),
            OrchestratorConfig(microbatching="equal_count", locality=True, background=False),
            OrchestratorConfig(placement="minmax", background=False),
-           OrchestratorConfig(phases=("vision",), background=False)]
+           OrchestratorConfig(phases=("vision",), background=False),
+           # the backbone judged by the pipeline schedule (the simulator's and bench.balance's planner with PP > 1)
+           OrchestratorConfig(microbatching="equal_count", background=False, step_model=StepModel(pipeline_stages=4)),
+           OrchestratorConfig(background=False, step_model=StepModel(tensor_parallel=2, pipeline_stages=2))]
 
 
 def sizes_of(vision, audio, tokens, num_ranks):
@@ -55,7 +59,23 @@ def check_plan(plan, sizes, config, mbs, num_mb):
         stats = plan.stats[phase]
         assert stats.items == enc.example.size
         assert stats.max_after <= stats.max_before + 1e-6
-    assert plan.stats["llm"].max_after <= plan.stats["llm"].max_before + 1e-6
+    if config.step_model.pipeline_stages == 1:
+        assert plan.stats["llm"].max_after <= plan.stats["llm"].max_before + 1e-6
+    else:  # judged by the pipeline: its slowest replica no slower than the loader's plan through the schedule
+        home_rank = plan.examples_home.rank
+        loader = np.arange(n) % (mbs * num_mb) // mbs
+        if config.packed:
+            loader = _microbatches(home_rank, phase_items(sizes, TINY)["llm"].cost, sizes.num_tokens, num_ranks, mbs,
+                                   num_mb, True, config.algorithm)
+        assert slowest_replica(plan.examples_backbone.rank, plan.microbatch_of_example, sizes, config, num_mb) <= \
+            slowest_replica(home_rank, loader, sizes, config, num_mb) * (1 + 1e-9)
+
+
+def slowest_replica(rank, microbatch, sizes, config, num_mb):
+    """The slowest replica's modeled pipelined backbone of a plan (every example's rank and micro-batch)."""
+    cells = np.zeros((int(rank.max(initial=0)) + 1 if rank.size else 1, num_mb))
+    np.add.at(cells, (rank, microbatch), config.step_model.compute_seconds(phase_items(sizes, TINY)["llm"].cost, False))
+    return config.step_model.pipelined(cells).seconds
 
 
 @st.composite
@@ -263,3 +283,22 @@ def test_the_locality_decision_times_the_configured_all_to_all():
                                        backbone_seconds)
         assert slowdowns[all_to_all] == pytest.approx(expected, rel=1e-9, abs=1e-12), all_to_all
     assert slowdowns["flat"] != pytest.approx(slowdowns["node-wise"], rel=1e-6)  # the exchanges time differently
+
+
+def test_a_pipelined_backbone_plan_runs_no_slower_through_the_schedule_than_the_sum_balanced_one():
+    """With PP 4 in the step model, a batch with one long example gets the pipeline-aware backbone plan, whose
+    slowest replica's modeled pipelined step is shorter than the sum-balanced plan's."""
+    rng = np.random.default_rng(0)
+    tokens = rng.integers(50, 400, 32)
+    tokens[5] = 3000
+    sizes = sizes_of(rng.integers(0, 3, 32), rng.integers(0, 2, 32), tokens, 4)
+    summed = OrchestratorConfig(microbatching="equal_count", background=False, verify_first_step=False)
+    pipelined = OrchestratorConfig(microbatching="equal_count", background=False, verify_first_step=False,
+                                   step_model=StepModel(pipeline_stages=4))
+    topology = Topology.uniform(4, 4)
+    by_sums, by_pipeline = (plan_step(sizes, TINY, config, topology, 1, 8) for config in (summed, pipelined))
+    assert by_pipeline.stats["llm"].method.endswith("+pipelined")
+    assert not by_sums.stats["llm"].method.endswith("+pipelined")
+    check_plan(by_pipeline, sizes, pipelined, 1, 8)
+    assert slowest_replica(by_pipeline.examples_backbone.rank, by_pipeline.microbatch_of_example, sizes, pipelined, 8) \
+        < slowest_replica(by_sums.examples_backbone.rank, by_sums.microbatch_of_example, sizes, pipelined, 8)
