@@ -92,8 +92,8 @@ class OrchestratorConfig:
     DP x PP x TP / encoder TP ranks (the meaning of the step model's ``encoder_tensor_parallel``).
     ``exchange_alike``: after the backbone is balanced, exchange examples alike in cost, length and items between
     its ranks so each rank pulls from fewer ranks (:mod:`megatron_orch.balance.exchange`: the same balance by
-    construction; fewer peers and bytes across nodes; off by default: it adds about 7% to the planner's CPU time,
-    docs/benchmarks.md).
+    construction; fewer peers and bytes across nodes; off by default: it adds 7-18% to the planner's CPU time at
+    DP 512-2560, docs/benchmarks.md).
     """
 
     phases: Optional[Tuple[str, ...]] = None
