@@ -222,6 +222,11 @@ def test_orch_flags_without_the_switch_are_rejected():
 
     with pytest.raises(arguments.ArgumentError, match="--orch-locality given without --orch-post-balancing"):
         arguments.parse_args(MLLM_TASK, COMMON + ["--orch-locality"], world_size=1)
+    exchanging = arguments.parse_args(MLLM_TASK, COMMON + ["--orch-post-balancing", "--orch-exchange-alike"],
+                                      world_size=1)
+    assert exchanging.orch_config.exchange_alike
+    plain = arguments.parse_args(MLLM_TASK, COMMON + ["--orch-post-balancing"], world_size=1)
+    assert not plain.orch_config.exchange_alike  # off by default
     with pytest.raises(arguments.ArgumentError, match="packed with --pipeline-model-parallel-size"):
         arguments.parse_args(MLLM_TASK, COMMON + ["--pipeline-model-parallel-size", "2", "--orch-post-balancing",
                                        "--orch-microbatching", "packed"], world_size=2)
