@@ -84,8 +84,9 @@ class StepShape:
     fixed-shape tensors between stages), None for rows as long as their examples. ``ramp_up``: a global batch
     that changes from step to step (Megatron's ``--rampup-batch-size``, ``--step-batch-size-schedule``): the
     micro-batches of each of the first steps the iterator reads, ``num_microbatches`` for every step after them
-    (:func:`~megatron_orch.megatron.any_loop.megatron_core_ramp_up` reads them off megatron-core's calculator).
-    Each step is planned over the global batch it loaded, and the loop passes the schedule that step's count."""
+    (:meth:`of_steps` of :func:`~megatron_orch.megatron.any_loop.megatron_core_counts`, read off megatron-core's
+    calculator). Each step is planned over the global batch it loaded, and the loop passes the schedule that step's
+    count."""
 
     micro_batch_size: int
     num_microbatches: int
