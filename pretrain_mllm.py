@@ -65,6 +65,7 @@ def main_megatron_lm() -> None:
 
     from megatron_orch.mllm.config import is_shipped_config, load_model_config
     from megatron_orch.megatron import megatron_lm
+    from megatron_orch.megatron.any_loop import megatron_core_counts
     from megatron_orch.megatron.orch_arguments import orch_config_from_args
     from megatron_orch.mllm import megatron_flags, providers
     from megatron_orch.mllm.model import transformer_engine_available
@@ -134,11 +135,17 @@ def main_megatron_lm() -> None:
                                      vp_stage=vp_stage)
 
     def build_train_iterator():
+        """The loader from the run's consumed samples on, over the samples its steps consume (their micro-batches
+        as Megatron's calculator counts them: a batch-size ramp-up changes them from step to step)."""
         args = mllm_args()
-        train = providers.build_train_data_iterator(args, args.consumed_train_samples,
-                                                    mpu.get_data_parallel_rank(), mpu.get_data_parallel_world_size())
+        per_microbatch = args.micro_batch_size * mpu.get_data_parallel_world_size()
+        counts = megatron_core_counts(args.consumed_train_samples, args.train_iters - args.iteration, per_microbatch)
+        train = providers.build_train_data_iterator(
+            args, args.consumed_train_samples, mpu.get_data_parallel_rank(), mpu.get_data_parallel_world_size(),
+            num_samples=args.consumed_train_samples + sum(counts) * per_microbatch)
         if args.orch_config is not None:  # its schedule: megatron_lm.pretrain's hook, around train()'s
-            train, _ = providers.build_post_balancing(args, args.orch_config, train, forward_backward_func=None)
+            train, _ = providers.build_post_balancing(args, args.orch_config, train, forward_backward_func=None,
+                                                      step_counts=counts or None)
         return train
 
     hooked = post_balancing or shadow  # the modality-aware schedule takes the steps of the first model chunk

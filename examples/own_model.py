@@ -197,14 +197,15 @@ def setup(module, data_iterator, spec: BatchSpec, balanced: bool, ddp_config=Non
     return model, optimizer, forward_backward_func, data_iterator
 
 
-def train_step(forward_backward_func, data_iterator, model, optimizer) -> float:
-    """One global batch, as Megatron-Bridge's train_step: zero, forward-backward, optimizer step, the loss."""
+def train_step(forward_backward_func, data_iterator, model, optimizer, num_microbatches: int = MICRO_BATCHES) -> float:
+    """One global batch, as Megatron-Bridge's train_step: zero, forward-backward, optimizer step, the loss
+    (``num_microbatches``: this step's, as a batch-size ramp-up changes it)."""
     for chunk in model:
         chunk.zero_grad_buffer()
     optimizer.zero_grad()
     losses = forward_backward_func(forward_step_func=forward_step, data_iterator=data_iterator, model=model,
-                                   num_microbatches=MICRO_BATCHES, seq_length=SEQ_LENGTH, micro_batch_size=MICRO_BATCH,
-                                   decoder_seq_length=SEQ_LENGTH, forward_only=False)
+                                   num_microbatches=num_microbatches, seq_length=SEQ_LENGTH,
+                                   micro_batch_size=MICRO_BATCH, decoder_seq_length=SEQ_LENGTH, forward_only=False)
     optimizer.step()
     total = torch.stack([x["lm loss"] for x in losses]).sum(dim=0)   # [sum of token losses, tokens]
     dist.all_reduce(total, group=parallel_state.get_data_parallel_group())

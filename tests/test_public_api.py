@@ -49,7 +49,7 @@ SIGNATURES = {
     'megatron_orch.megatron.ProfileCost': '(fit, base)',
     'megatron_orch.megatron.ProjectorShape': '(input_size, ffn_hidden_size, output_size)',
     'megatron_orch.megatron.ShadowStep': '(microbatches, plan, rank, num_tokens, timings=, run_peers=)',
-    'megatron_orch.megatron.StepShape': '(micro_batch_size, num_microbatches, pad_to=)',
+    'megatron_orch.megatron.StepShape': '(micro_batch_size, num_microbatches, pad_to=, ramp_up=)',
     'megatron_orch.megatron.Topology': '(node_of_rank)',
     'megatron_orch.megatron.TransformerCost': '(transformer, projector=, projector_tokens=, details=)',
     'megatron_orch.megatron.TransformerShape':
@@ -64,6 +64,7 @@ SIGNATURES = {
     'megatron_orch.megatron.group_topology': '(group=, gpus_per_node=, env=)',
     'megatron_orch.megatron.load_cost_profile': '(path, phases=)',
     'megatron_orch.megatron.loss_func': '(loss_mask, output_tensor)',
+    'megatron_orch.megatron.megatron_core_counts': '(consumed_samples, steps, samples_per_microbatch)',
     'megatron_orch.megatron.orch_config_from_args': '(args, verify_by_default=)',
     'megatron_orch.megatron.share_encoders': '(model, pipeline_group)',
     'megatron_orch.megatron.post_balance':

@@ -9,6 +9,7 @@ what the model provides, what ``forward_step`` receives).
   backbone, then the encoders' backward before gradients are finalised;
 * :func:`post_balance` wraps both for any loop that calls megatron-core's schedule itself (your own,
   Megatron-Bridge's shape): :mod:`megatron_orch.megatron.any_loop` says which model-config callbacks it needs;
+  :func:`megatron_core_counts` gives a batch-size ramp-up's per-step micro-batches (``StepShape.of_steps``);
 * :mod:`~megatron_orch.megatron.first_step`: the model's mistakes refused before training or on the first
   step, and the checked first step (the loader's against the balanced layout of one batch);
 * :class:`MimoBalancing` makes Megatron-Core's ``MimoModel`` such a model;
@@ -31,7 +32,7 @@ _EXPORTS = {
     "megatron_orch.orchestrator.config": ("OrchestratorConfig",),
     "megatron_orch.megatron.batch": ("BatchSpec", "EncoderInput", "Example", "ExampleSizes", "MicroBatch",
                                      "collate", "collate_packed"),
-    "megatron_orch.megatron.any_loop": ("post_balance",),
+    "megatron_orch.megatron.any_loop": ("megatron_core_counts", "post_balance"),
     "megatron_orch.megatron.contract": ("BalanceableModel", "MegatronModelMixin", "check_model", "forward_step",
                                         "loss_func"),
     "megatron_orch.megatron.encoder_layout": ("share_encoders",),

@@ -15,15 +15,18 @@ What the loop already does for megatron-core is what post-balancing needs, with 
   ``no_sync_func = ddp_model.no_sync`` (encoder chunks accumulate without reducing), ``grad_scale_func =
   optimizer.scale_loss``; with Megatron DDP's ``overlap_grad_reduce``, ``grad_sync_func`` as usual;
 * per step, the loop zeroes the gradients (``zero_grad_buffer()`` of each DDP chunk, ``optimizer.zero_grad()``),
-  calls the schedule with ``num_microbatches`` equal to the :class:`StepShape`'s, then ``optimizer.step()``;
+  calls the schedule with ``num_microbatches`` equal to the step's of the :class:`StepShape` (a global batch that
+  ramps up: ``StepShape.ramp_up``, e.g. from megatron-core's calculator, :func:`megatron_core_counts`), then
+  ``optimizer.step()``;
   the data iterator it passes is the one :func:`post_balance` returned (or Megatron's ``RerunDataIterator``
   around it), and ``forward_step`` is :func:`~megatron_orch.megatron.contract.forward_step` or one that
   handles a :class:`~megatron_orch.megatron.post_balancing.BalancedMicroBatch` the same way.
 """
 from __future__ import annotations
 
+import copy
 from datetime import timedelta
-from typing import Callable, Iterator, Optional, Tuple
+from typing import Callable, Iterator, List, Optional, Tuple
 
 import torch
 from megatron.core import parallel_state
@@ -105,3 +108,24 @@ def post_balance(forward_backward_func: Optional[Callable], data_iterator: Itera
                                      announce=announce, encoders_on_every_stage=spread)
     return schedule, iterator
 
+
+
+def megatron_core_counts(consumed_samples: int, steps: int, samples_per_microbatch: int) -> List[int]:
+    """The micro-batches of each of the run's next ``steps`` steps as megatron-core's num-microbatches calculator
+    (``init_num_microbatches_calculator``: a constant global batch, ``--rampup-batch-size``,
+    ``--step-batch-size-schedule``) gives them to a loop that starts after ``consumed_samples`` and consumes
+    ``samples_per_microbatch`` (micro-batch size x DP) per micro-batch, as Megatron-LM's ``train()`` does; asked of
+    a copy, so the loop's calculator stays as it is. For :meth:`StepShape.of_steps`."""
+    from megatron.core import num_microbatches_calculator
+
+    calculator = getattr(num_microbatches_calculator, "_GLOBAL_NUM_MICROBATCHES_CALCULATOR", None)
+    if calculator is None:
+        raise ValueError("megatron_core_counts: megatron-core's num-microbatches calculator is not initialised "
+                         "(init_num_microbatches_calculator)")
+    calculator = copy.deepcopy(calculator)
+    counts = []
+    for _ in range(steps):
+        calculator.update(consumed_samples, consistency_check=False)
+        counts.append(calculator.get())
+        consumed_samples += counts[-1] * samples_per_microbatch
+    return counts

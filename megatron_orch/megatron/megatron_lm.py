@@ -176,8 +176,7 @@ def _announcing(wrapper: Callable, announce: Callable[[str], None], line: str) -
 POST_BALANCING_REFUSALS = ("dataloader_type", "calculate_per_token_loss", "hybrid_context_parallel",
                            "sequence_packing_scheduler", "use_varlen_dataset", "cuda_graph_impl", "cuda_graph_scope",
                            "moe_expert_rank_capacity_factor", "moe_router_load_balancing_type", "moe_aux_loss_coeff",
-                           "moe_z_loss_coeff", "moe_expert_capacity_factor", "perform_rl_step", "rampup_batch_size",
-                           "step_batch_size_schedule")
+                           "moe_z_loss_coeff", "moe_expert_capacity_factor", "perform_rl_step")
 
 
 # Why post-balancing refuses Megatron-LM's sequence-packing scheduler rather than composing with it.
@@ -231,10 +230,6 @@ def check_args(args: argparse.Namespace) -> None:
         problems.extend(placement_dependent_moe_settings(args, packed))
     if getattr(args, "perform_rl_step", False):
         problems.append("--perform-rl-step: RL training builds its own batches")
-    if args.rampup_batch_size is not None:
-        problems.append("--rampup-batch-size: a post-balancing step has a fixed number of micro-batches")
-    if getattr(args, "step_batch_size_schedule", None) is not None:
-        problems.append("--step-batch-size-schedule: a post-balancing step has a fixed number of micro-batches")
     if problems:
         raise ValueError(f"with --orch-{'shadow' if getattr(args, 'orch_shadow', False) else 'post-balancing'}: "
                          + "; ".join(problems))

@@ -79,19 +79,38 @@ _DIGEST = "post-balancing plan digest"
 
 @dataclass(frozen=True)
 class StepShape:
-    """The micro-batches of one step on every DP rank: ``num_microbatches`` of ``micro_batch_size``
+    """The micro-batches of each step on every DP rank: ``num_microbatches`` of ``micro_batch_size``
     examples each; ``pad_to``: the fixed row length of every micro-batch (pipeline parallelism sends
-    fixed-shape tensors between stages), None for rows as long as their examples."""
+    fixed-shape tensors between stages), None for rows as long as their examples. ``ramp_up``: a global batch
+    that changes from step to step (Megatron's ``--rampup-batch-size``, ``--step-batch-size-schedule``): the
+    micro-batches of each of the first steps the iterator reads, ``num_microbatches`` for every step after them
+    (:meth:`of_steps` of :func:`~megatron_orch.megatron.any_loop.megatron_core_counts`, read off megatron-core's
+    calculator). Each step is planned over the global batch it loaded, and the loop passes the schedule that step's
+    count."""
 
     micro_batch_size: int
     num_microbatches: int
     pad_to: Optional[int] = None
+    ramp_up: Tuple[int, ...] = ()
 
     def __post_init__(self):
-        for name in ("micro_batch_size", "num_microbatches", "pad_to"):
-            value = getattr(self, name)
+        for name, value in (("micro_batch_size", self.micro_batch_size), ("num_microbatches", self.num_microbatches),
+                            ("pad_to", self.pad_to), *((f"ramp_up[{i}]", n) for i, n in enumerate(self.ramp_up))):
             if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
                 raise ValueError(f"StepShape.{name} must be an int >= 1, got {value!r}")
+
+    @classmethod
+    def of_steps(cls, micro_batch_size: int, counts: Sequence[int], pad_to: Optional[int] = None) -> "StepShape":
+        """The shape of steps of ``counts`` micro-batches each, in order (every later step: the last count)."""
+        counts = [int(count) for count in counts]
+        if not counts:
+            raise ValueError("StepShape.of_steps: no step counts given")
+        changes = [i for i in range(1, len(counts)) if counts[i] != counts[i - 1]]
+        return cls(micro_batch_size, counts[-1], pad_to, tuple(counts[:changes[-1]]) if changes else ())
+
+    def microbatches_of_step(self, step: int) -> int:
+        """The micro-batches of the iterator's ``step``-th step (from 0)."""
+        return self.ramp_up[step] if step < len(self.ramp_up) else self.num_microbatches
 
 
 @dataclass(frozen=True, eq=False)
@@ -368,6 +387,7 @@ class _Read:
     examples: List[Example]
     local_sizes: np.ndarray        # [examples, sample index + items per encoder phase + tokens]
     staged: Dict[str, torch.Tensor]
+    num_microbatches: int          # the step's (StepShape.microbatches_of_step)
     problem: Optional[BaseException] = None
     batches: List[MicroBatch] = field(default_factory=list)  # as loaded
 
@@ -450,7 +470,7 @@ class PostBalancingDataIterator:
         config = resolved
         if config.microbatching == "packed" and step.pad_to is not None:
             # one packed row carries a micro-batch's token budget
-            step = StepShape(step.micro_batch_size, step.num_microbatches, step.pad_to * step.micro_batch_size)
+            step = dataclasses.replace(step, pad_to=step.pad_to * step.micro_batch_size)
         self.source, self.spec, self.config, self.step, self.groups = source, spec, config, step, groups
         self.compute_device, self.input_dtype = torch.device(compute_device), input_dtype
         self.rank = dist.get_rank(groups.dp_group)
@@ -480,6 +500,7 @@ class PostBalancingDataIterator:
             _log_once(retained)
         self._planned: Optional[_Planned] = None  # the step being planned
         self._exhausted = False  # no rank has a step left after the one being planned
+        self._steps_read = 0  # by the reading thread, one step at a time: the next one's micro-batches
         self._checked = (CheckedSteps(spec.phases.encoder_names) if config.verify_first_step and not config.shadow
                          else None)
         # this rank's peers over the run's plans (what its communicator keeps connected): the planning thread's
@@ -534,18 +555,20 @@ class PostBalancingDataIterator:
         the model, a step cut short) is returned, for every rank to agree on (:meth:`_agree`)."""
         encoders = self.spec.phases.encoder_names
         columns = 2 + len(encoders)  # sample index, items of each encoder phase, tokens
+        count = self.step.microbatches_of_step(self._steps_read)  # every rank reads the same step
+        self._steps_read += 1
         try:
-            batches = list(itertools.islice(self.source, self.step.num_microbatches))
-            if batches and len(batches) != self.step.num_microbatches:
+            batches = list(itertools.islice(self.source, count))
+            if batches and len(batches) != count:
                 raise ValueError(f"DP rank {self.rank}: the data iterator ended inside a step "
-                                 f"({len(batches)} of {self.step.num_microbatches} micro-batches)")
+                                 f"({len(batches)} of {count} micro-batches)")
             examples = [e for b in batches for e in b.examples()]
             for example in examples:
                 self.spec.check(example)
             local = np.array([[e.sample_index, *(e.num_items(p) for p in encoders), e.num_tokens]
                               for e in examples], dtype=np.int64).reshape(-1, columns)
             if self.config.shadow:  # nothing moves
-                return _Read(examples, local, {}, batches=batches)
+                return _Read(examples, local, {}, count, batches=batches)
             staged = {"ids": stage_on_host([torch.stack([e.tokens, e.labels], dim=1) for e in examples],
                                            self.device, torch.long, (2,)),
                       "mask": stage_on_host([e.loss_mask for e in examples], self.device, torch.float32, (1,))}
@@ -553,9 +576,9 @@ class PostBalancingDataIterator:
                 phase = encoder_input.phase
                 staged[phase] = stage_on_host([e.items.get(phase, self.spec.no_items(phase)) for e in examples],
                                               self.device, self.input_dtype, encoder_input.item_shape)
-            return _Read(examples, local, staged, batches=batches)
+            return _Read(examples, local, staged, count, batches=batches)
         except Exception as err:  # noqa: BLE001 -- any loader failure must reach the other ranks
-            return _Read([], np.zeros((0, columns), dtype=np.int64), {}, problem=err)
+            return _Read([], np.zeros((0, columns), dtype=np.int64), {}, count, problem=err)
 
     def _agree(self, read: _Read, digest: Optional[int]) -> Optional[_Planned]:
         """The control collective (module docstring): ``read``'s status and sizes, ``digest`` (the plan of
@@ -567,7 +590,7 @@ class PostBalancingDataIterator:
         try:
             gathered = gather_item_sizes(read.local_sizes, self.comm_group, checks=checks,
                                          failed=read.problem is not None, peer_group=peers,
-                                         max_count=self.step.micro_batch_size * self.step.num_microbatches)
+                                         max_count=self.step.micro_batch_size * read.num_microbatches)
         except GroupMismatchError as mismatch:
             raise GroupMismatchError(f"DP rank {self.rank}: ranks of the DP group or their TP/PP peers disagree "
                                      f"on whether a step is left, on the plan or on the sizes: {mismatch}") from None
@@ -581,11 +604,11 @@ class PostBalancingDataIterator:
         return _Planned(read, sizes, gathered.sizes[:, 0])
 
     def _start_planning(self) -> None:
-        sizes = self._planned.sizes
+        sizes, num_microbatches = self._planned.sizes, self._planned.read.num_microbatches
 
-        def plan_and_prepare():
+        def plan_and_prepare():  # over the global batch this step loaded, in its micro-batches
             plan = plan_step(sizes, self.spec.phases, self.config, self.topology, self.step.micro_batch_size,
-                             self.step.num_microbatches)
+                             num_microbatches)
             if self.config.shadow:
                 return plan, None, self._run_peers.add(plan.connections)  # steps are planned one at a time, in order
             spread = None

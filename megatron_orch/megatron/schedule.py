@@ -69,7 +69,8 @@ class ModalityAwareSchedule:
     """Callable with the signature of a megatron-core forward-backward function.
 
     ``data_iterator`` must be a :class:`~megatron_orch.megatron.post_balancing.PostBalancingDataIterator`;
-    ``num_microbatches`` is taken from the step (equal on every DP rank by construction).
+    ``num_microbatches`` is the step's (it may change from step to step: ``StepShape.ramp_up``; equal on every
+    DP rank by construction).
     The encoders run in the chunks of the step's plan; ``encoder_recompute`` keeps none of them (only the
     encoder inputs stay through the backbone schedule, every chunk is recomputed right before its backward).
     ``encoders_on_every_stage``: every pipeline stage holds the encoders (``EncoderRanks.ALL``: their gradients
@@ -114,8 +115,9 @@ class ModalityAwareSchedule:
         if num_microbatches != len(step.microbatches):
             raise ValueError(f"the schedule was asked for {num_microbatches} micro-batches but the "
                              f"post-balancing step holds {len(step.microbatches)}: a step's micro-batches are "
-                             "its plan's (StepShape.num_microbatches), so the loop must pass that count; a loop that "
-                             "re-packs steps (Megatron-LM's --sequence-packing-scheduler) is not supported")
+                             "the ones it loaded (StepShape.microbatches_of_step: num_microbatches, or the step's "
+                             "count of StepShape.ramp_up), so the loop must pass that count; a loop that re-packs "
+                             "steps (Megatron-LM's --sequence-packing-scheduler) is not supported")
         if isinstance(step, ShadowStep):  # planned, not moved: the micro-batches as loaded, upstream
             self.shadow_figures = step.plan.report()
             self.announce(shadow_line(self.shadow_figures))

@@ -54,7 +54,7 @@ READ_BY_MODEL = _names("""
 """)
 
 READ_BY_TRAINER = _names("""
-    global_batch_size train_iters exit_interval exit_duration_in_mins exit_signal_handler exit_signal
+    global_batch_size train_iters train_samples exit_interval exit_duration_in_mins exit_signal_handler exit_signal
     exit_signal_handler_for_dataloader exit_signal_handler_for_training seed dataloader_type
     optimizer lr min_lr lr_decay_style lr_wsd_decay_style lr_decay_iters lr_decay_samples lr_wsd_decay_iters
     lr_wsd_decay_samples lr_warmup_fraction lr_warmup_iters lr_warmup_samples lr_warmup_init
@@ -219,8 +219,8 @@ _PACKING_SCHEDULER = (
     "moves them across DP ranks: it takes GPT samples (tokens, labels, loss_mask, position_ids and their lengths), "
     "which the MLLM's micro-batches (with their encoder items) are not, and with --orch-post-balancing two balancers "
     "would move the same examples; --orch-post-balancing --orch-microbatching packed packs and balances them")
-_SAMPLES = ("the MLLM's loader sizes its sample order from --train-iters x --global-batch-size (Megatron-LM's "
-            "old --batch-size / --warmup are not read either)")
+_SAMPLES = ("Megatron-LM's old batch size and warmup flags, which its loop no longer reads: use --micro-batch-size, "
+            "--global-batch-size and --lr-warmup-iters or --lr-warmup-samples")
 
 REFUSED: Dict[str, str] = {
     **dict.fromkeys(_names("""
@@ -316,7 +316,7 @@ REFUSED: Dict[str, str] = {
         logits_load_msc_prefetch_depth logits_load_kd_loss_alpha logits_load_ignore_errors spec use_legacy_models
         enable_experimental te_rng_tracker
     """), _OTHER_LOOP),
-    **dict.fromkeys(_names("train_samples batch_size warmup"), _SAMPLES),
+    **dict.fromkeys(_names("batch_size warmup"), _SAMPLES),
     **dict.fromkeys(_names("sequence_packing_scheduler use_varlen_dataset"), _PACKING_SCHEDULER),
     "iterations_to_skip": "megatron.training runs a skipped iteration through Megatron-LM's GPT batch code "
                           "(get_batch_on_this_tp_rank), which the MLLM's batches are not",

@@ -8,8 +8,9 @@ path of its own), :func:`build_train_data_iterator` and :func:`build_post_balanc
 from __future__ import annotations
 
 import argparse
+import dataclasses
 from datetime import timedelta
-from typing import Iterator, Optional
+from typing import Iterator, Optional, Sequence
 
 import torch
 from megatron.core import parallel_state
@@ -101,25 +102,33 @@ def _encoder_tensor_parallel_size(args: argparse.Namespace) -> Optional[int]:
 
 
 def build_train_data_iterator(args: argparse.Namespace, consumed_samples: int, data_parallel_rank: int,
-                              data_parallel_size: int, loader_state: Optional[dict] = None) -> DataEvents:
+                              data_parallel_size: int, loader_state: Optional[dict] = None,
+                              num_samples: Optional[int] = None) -> DataEvents:
     """This DP rank's training micro-batches from ``consumed_samples`` on (same on its TP/PP peers): a
     :class:`~megatron_orch.mllm.data.TrainIterator`, or over an Energon dataset an
     :class:`~megatron_orch.mllm.energon.EnergonTrainIterator` restored to ``loader_state`` (what its
-    ``loader_state`` gave for the checkpoint); the trainer takes their events.
+    ``loader_state`` gave for the checkpoint); the trainer takes their events. ``num_samples``: the samples the
+    whole run consumes where the global batch changes from step to step (default: ``--train-iters`` x
+    ``--global-batch-size``).
 
     On GPUs without post-balancing the batches come in pinned memory, so ``forward_step``'s copies to
     the GPU do not block the host (post-balancing stages what it sends itself).
     """
     pin_memory = not runs_on_cpu(args) and getattr(args, "orch_config", None) is None
-    return build_train_iterator(data_config(args), consumed_samples, data_parallel_rank, data_parallel_size,
+    config = data_config(args)
+    if num_samples is not None:
+        config = dataclasses.replace(config, num_samples=num_samples)
+    return build_train_iterator(config, consumed_samples, data_parallel_rank, data_parallel_size,
                                 pin_memory, data_parallel_group=parallel_state.get_data_parallel_group(),
                                 loader_state=loader_state)
 
 
 def build_post_balancing(args: argparse.Namespace, config: OrchestratorConfig, source: Iterator[MicroBatch],
-                         forward_backward_func):
+                         forward_backward_func, step_counts: Optional[Sequence[int]] = None):
     """Wrap the loader's iterator and the forward-backward function for post-balancing
-    (:func:`~megatron_orch.megatron.any_loop.post_balance`).
+    (:func:`~megatron_orch.megatron.any_loop.post_balance`); ``step_counts``: the micro-batches of each step
+    where they change from step to step (a batch-size ramp-up, :meth:`StepShape.of_steps`), else
+    ``args.num_microbatches`` every step.
 
     Returns the post-balancing data iterator (hand it to the schedule as the data iterator) and
     the modality-aware schedule (call it instead of ``get_forward_backward_func()``'s result).
@@ -127,8 +136,9 @@ def build_post_balancing(args: argparse.Namespace, config: OrchestratorConfig, s
     provider), so every DP group gets its own communicator for the all-to-alls.
     """
     data = data_config(args)
-    step = StepShape(args.micro_batch_size, args.num_microbatches,
-                     pad_to=data.seq_length if data.pad_to_seq_length else None)
+    pad_to = data.seq_length if data.pad_to_seq_length else None
+    step = (StepShape(args.micro_batch_size, args.num_microbatches, pad_to) if step_counts is None
+            else StepShape.of_steps(args.micro_batch_size, step_counts, pad_to))
     schedule, iterator = post_balance(forward_backward_func, source, data.layout.spec, step, config=config,
                                       compute_device=compute_device(args),
                                       input_dtype=torch.bfloat16 if args.bf16 else torch.float32,

@@ -90,6 +90,10 @@ class OrchestratorConfig:
     entry points check (:func:`~megatron_orch.orchestrator.encoder_ranks.unsupported_layout`). Below it, each
     backbone TP group holds TP / encoder TP encoder replicas, and the encoder phases are balanced over
     DP x PP x TP / encoder TP ranks (the meaning of the step model's ``encoder_tensor_parallel``).
+    ``exchange_alike``: after the backbone is balanced, exchange examples alike in cost, length and items between
+    its ranks so each rank pulls from fewer ranks (:mod:`megatron_orch.balance.exchange`: the same balance by
+    construction; fewer peers and bytes across nodes; off by default: it adds 7-18% to the planner's CPU time at
+    DP 512-2560, docs/benchmarks.md).
     """
 
     phases: Optional[Tuple[str, ...]] = None
@@ -111,6 +115,7 @@ class OrchestratorConfig:
     all_to_all: str = "flat"
     encoder_ranks: EncoderRanks = EncoderRanks.FIRST_STAGE
     encoder_tensor_parallel_size: Optional[int] = None
+    exchange_alike: bool = False
 
     def __post_init__(self):
         if self.phases is not None:

@@ -19,6 +19,7 @@ import numpy as np
 from megatron_orch.balance import _plan_kernels
 from megatron_orch.balance._kernels._jit import announcing_compilation
 from megatron_orch.balance.cost import ContextParallelCost
+from megatron_orch.balance.exchange import classes_of, exchange_alike
 from megatron_orch.balance.partition import (Outcome, partition, partition_equal_count,
                                               partition_equal_count_locality, partition_groups, partition_locality,
                                               uniform_bins)
@@ -495,6 +496,11 @@ def plan_step(sizes: StepSizes, phases: ModelPhases, config: OrchestratorConfig,
             else:  # (its own micro-batches)
                 backbone_rank, method, pipelined_microbatch = near_bins, near_method, None
 
+    if config.exchange_alike and backbone_rank is not home:  # fewer peers, every rank's load as planned
+        taken = exchange_alike(backbone_rank, home, _alike_examples(sizes, items[backbone]), topology.node_of_rank)
+        backbone_rank = backbone_rank[taken]
+        if pipelined_microbatch is not None:
+            pipelined_microbatch = pipelined_microbatch[taken]
     home_microbatch = np.arange(sizes.num_examples) % expected // micro_batch_size  # the loader's
     if backbone_rank is home and not packed:
         microbatch = home_microbatch
@@ -521,6 +527,14 @@ def plan_step(sizes: StepSizes, phases: ModelPhases, config: OrchestratorConfig,
                                  Connections.none(num_ranks))
     return dataclasses.replace(plan, traffic=traffic, peers=connected.peers(topology.node_of_rank),
                                connections=connected)
+
+
+def _alike_examples(sizes: StepSizes, backbone: PhaseItems) -> np.ndarray:
+    """Class of every example for :func:`~megatron_orch.balance.exchange.exchange_alike`: examples of one class
+    have the same backbone tokens and cost (so memory and text bytes, functions of the tokens) and the same items
+    of every encoder phase (each item of a phase sends the same embedding bytes: ``phase_items``), so a bin's load,
+    memory and bytes stay the same whichever of them it holds."""
+    return classes_of(backbone.tokens, backbone.cost, *(np.asarray(counts) for counts in sizes.items.values()))
 
 
 def _plan_memory(items: Dict[str, PhaseItems], phases: ModelPhases, encoders: Dict[str, EncoderPhasePlan],

@@ -54,6 +54,8 @@ ARGV = [CHANGED.get(previous, value) for previous, value in zip([None, *README_F
 RUNS = {"upstream": [], "post-balancing": ["--orch-post-balancing"],
         "post-balancing, overlapped grad reduce": ["--orch-post-balancing", "--overlap-grad-reduce"]}
 SHADOW = {"post-balancing shadow": ["--orch-shadow"]}  # planned by the schedule hook, trained upstream
+RAMP_UP = "batch-size ramp-up"  # a layout's marker: the global batch 2, 4, 4 over the ITERS steps (_ramped)
+RAMPED_MICROBATCHES = [1, 2, 2]  # per step on each of 2 DP ranks
 # The project's compact trainer on the same flags (those it has): it must reproduce megatron.training.
 COMPACT = "compact trainer"
 VPP_LAYERS = 4  # the backbone's layers with virtual pipeline stages: one per model chunk at PP 2 x VPP 2
@@ -62,6 +64,29 @@ COMPACT_ARGV = ["--model-config", "tiny", "--seq-length", "128", "--max-position
                 "--train-iters", str(ITERS), "--lr", "2e-3", "--log-interval", "1", "--seed", str(SEED),
                 "--distributed-backend", "gloo", "--transformer-impl", "local", "--optimizer", "sgd",
                 "--hidden-dropout", "0", "--attention-dropout", "0"]
+
+
+def _ramped(argv):
+    """``argv`` with Megatron-LM's batch-size ramp-up of the installed release, the global batch 2, 4, 4 over the
+    ITERS steps: from 0.19 ``--step-batch-size-schedule`` (thresholds in tokens: 4 from 2 samples on; without
+    ``--global-batch-size``), before it ``--rampup-batch-size 2 2 2`` (from 2 to 4 over 2 samples; sample-based
+    training, ``--train-samples``: 2 + 4 + 4)."""
+    from megatron.core import num_microbatches_calculator
+
+    flags = {}  # each flag's values
+    for part in argv:
+        if part.startswith("--"):
+            flags[part] = []
+        else:
+            flags[next(reversed(flags))].append(part)
+    assert flags["--train-iters"] == [str(ITERS)] and flags["--micro-batch-size"] == ["1"], flags
+    if hasattr(num_microbatches_calculator, "StepBatchsizeNumMicroBatchesCalculator"):
+        del flags["--global-batch-size"]
+        flags["--step-batch-size-schedule"] = [f"0:2 {2 * int(flags['--seq-length'][0])}:4"]
+    else:
+        del flags["--train-iters"]
+        flags.update({"--global-batch-size": ["4"], "--rampup-batch-size": ["2", "2", "2"], "--train-samples": ["10"]})
+    return [part for flag, values in flags.items() for part in (flag, *values)]
 
 
 def _patch_index(patch: Path):
@@ -236,8 +261,7 @@ def test_refusals_before_training(unpatched_tree):
 def _megatron_args(**changes):
     import argparse
     args = dict(dataloader_type="external", calculate_per_token_loss=True, virtual_pipeline_model_parallel_size=None,
-                context_parallel_size=1, orch_microbatching="equal_count", transformer_impl="local",
-                rampup_batch_size=None)
+                context_parallel_size=1, orch_microbatching="equal_count", transformer_impl="local")
     return argparse.Namespace(**{**args, **changes})
 
 
@@ -258,6 +282,8 @@ def test_check_args_names_what_post_balancing_cannot_run_with():
                                           moe_expert_rank_capacity_factor=None, perform_rl_step=False,
                                           use_torch_fsdp2=False, use_megatron_fsdp=False,
                                           step_batch_size_schedule=None))
+    for ramp_up in (dict(rampup_batch_size=["4", "4", "100"]), dict(step_batch_size_schedule="0:4 100:8")):
+        megatron_lm.check_args(_megatron_args(**ramp_up))  # each step planned and run with its own count
     for sharded in ("use_torch_fsdp2", "use_megatron_fsdp"):  # the schedule runs with sharded parameters
         megatron_lm.check_args(_megatron_args(**{sharded: True}))
     moe = dict(num_experts=4, moe_router_load_balancing_type="aux_loss", moe_aux_loss_coeff=0.0,
@@ -284,8 +310,6 @@ def test_check_args_names_what_post_balancing_cannot_run_with():
                            "global_aux_loss"),
                           (dict(moe, moe_router_load_balancing_type="sinkhorn"), "sinkhorn"),
                           (dict(moe, moe_expert_capacity_factor=1.0), "--moe-expert-capacity-factor 1"),
-                          (dict(rampup_batch_size=["4", "4", "100"]), "--rampup-batch-size"),
-                          (dict(step_batch_size_schedule="0:4 100:8"), "--step-batch-size-schedule"),
                           (dict(pipeline_model_parallel_size=2, orch_config=OrchestratorConfig(
                               encoder_ranks=EncoderRanks.ALL, verify_first_step=False)),
                            "--orch-encoder-ranks all through megatron.training is not supported"),
@@ -404,6 +428,7 @@ def _pretrain_runs(rank, world_size, tree, layouts, out_dir):
 def _megatron_lm_run(pretrain_mllm, world_size, parallel, name) -> dict:
     """Per step: the schedule train() used, the items the plan moved between ranks, the global loss (last
     pipeline stage); and how often an encoder without items got zero gradients."""
+    from megatron.core.num_microbatches_calculator import get_num_microbatches
     from megatron.training import training
 
     from megatron_orch.megatron import schedule
@@ -414,7 +439,7 @@ def _megatron_lm_run(pretrain_mllm, world_size, parallel, name) -> dict:
     import megatron.training
 
     record = {"losses": [], "schedule": [], "moved_items": 0, "zero_gradients": 0, "hook": [], "reports": [],
-              "sequence_parallel": []}
+              "sequence_parallel": [], "microbatches": [], "balanced_microbatches": []}
     stock_train_step, stock_zero_gradients = training.train_step, schedule._zero_gradients
     stock_print_rank_0 = megatron.training.print_rank_0
 
@@ -438,6 +463,9 @@ def _megatron_lm_run(pretrain_mllm, world_size, parallel, name) -> dict:
             for transfer in (plan.text_transfer(), *(plan.input_transfer(p) for p in plan.encoders)):
                 traffic = transfer.traffic_matrix()
                 record["moved_items"] += int(traffic.sum() - traffic.trace())
+        record["microbatches"].append(get_num_microbatches())  # what train() passed the schedule
+        if isinstance(schedule_used, ModalityAwareSchedule):
+            record["balanced_microbatches"].append(len(schedule_used.last_step.microbatches))
         if out[0]:
             record["losses"].append(float(out[0]["lm loss"]))
         return out
@@ -448,7 +476,7 @@ def _megatron_lm_run(pretrain_mllm, world_size, parallel, name) -> dict:
 
     tp, pp, *rest = parallel  # (TP, PP[, VPP][, Megatron-LM flags of the layout])
     virtual = [v for v in rest if isinstance(v, int)]
-    extra = [flag for flag in rest if isinstance(flag, str)]
+    extra = [flag for flag in rest if isinstance(flag, str) and flag != RAMP_UP]
     flags = ["--tensor-model-parallel-size", str(tp), "--pipeline-model-parallel-size", str(pp)]
     stock_data = providers.build_train_data_iterator
     if virtual:
@@ -460,7 +488,8 @@ def _megatron_lm_run(pretrain_mllm, world_size, parallel, name) -> dict:
     cp = int(extra[extra.index("--context-parallel-size") + 1]) if "--context-parallel-size" in extra else 1
     doubles.prepare_run(tp, pp, seed=SEED, virtual_pipeline_model_parallel_size=virtual[0] if virtual else None,
                         context_parallel_size=cp)
-    sys.argv = ["pretrain_mllm.py", *ARGV, *flags, *extra, *{**RUNS, **SHADOW}[name]]
+    argv = _ramped(ARGV) if RAMP_UP in rest else ARGV
+    sys.argv = ["pretrain_mllm.py", *argv, *flags, *extra, *{**RUNS, **SHADOW}[name]]
     try:
         pretrain_mllm.main_megatron_lm()
     finally:
@@ -532,11 +561,19 @@ def test_megatron_training_dp2(hooked_tree, tmp_path):
 def test_megatron_training_dp2_with_the_runtime_hook(unpatched_tree, tmp_path):
     """No patch (the wheel's own megatron.training, or an unpatched copy): the schedule hook is installed
     at run time, and post-balancing again reproduces the upstream losses; shadow mode goes through the same
-    hook and trains upstream."""
+    hook and trains upstream. Then with Megatron-LM's batch-size ramp-up (:func:`_ramped`): each balanced step
+    planned over the global batch it loaded and run with the count train() passes, 1 then 2 micro-batches per rank,
+    as upstream."""
     layout = ((1, 1), ["upstream", "post-balancing", *SHADOW])
-    run_distributed(_pretrain_runs, 2, None if unpatched_tree is None else str(unpatched_tree), [layout],
-                    str(tmp_path), timeout_s=300)
-    _check_runs(tmp_path, 2, *layout, hook=RUNTIME_HOOK)
+    ramped = ((1, 1, RAMP_UP), ["upstream", "post-balancing"])
+    run_distributed(_pretrain_runs, 2, None if unpatched_tree is None else str(unpatched_tree), [layout, ramped],
+                    str(tmp_path), timeout_s=450)
+    for each in (layout, ramped):
+        _check_runs(tmp_path, 2, *each, hook=RUNTIME_HOOK)
+    for rank in range(2):
+        runs = json.loads((tmp_path / f"rank{rank}.json").read_text())[str(ramped[0])]
+        assert runs["upstream"]["microbatches"] == runs["post-balancing"]["microbatches"] == RAMPED_MICROBATCHES
+        assert runs["post-balancing"]["balanced_microbatches"] == RAMPED_MICROBATCHES
 
 
 @pytest.mark.distributed

@@ -430,3 +430,39 @@ def test_a_forward_that_detaches_embeds_is_refused_at_its_phases_first_step(harn
     assert len(got["losses"]) == 1 and re.search(
         r"phase 'image''s encoder gets gradients in the loader's layout of the same batch but none in the "
         r"balanced", str(got["refusal"])), got
+
+
+def test_a_ramped_global_batch_in_ones_own_loop_trains_as_upstream(harness, world_of_one):
+    """A global batch that grows from step to step (1, 2, then 3 micro-batches): post_balance with
+    ``StepShape.of_steps`` loads each step's count, plans it over that global batch, and the loop passes the
+    schedule each step's count; the losses are upstream's (megatron-core's schedule over the same loader)."""
+    import own_model
+
+    from megatron_orch.megatron import OrchestratorConfig, StepShape, post_balance
+    from megatron_orch.megatron.batch import collate
+
+    counts, spec = [1, 2, 3, 3], own_model.batch_spec()
+
+    def loader():
+        examples = iter(range(10_000))
+        for count in counts:
+            for _ in range(count):
+                yield collate([own_model.example(next(examples)) for _ in range(own_model.MICRO_BATCH)], spec)
+
+    def train(balanced: bool):
+        torch.manual_seed(7)
+        module = own_model.build_model()
+        model, optimizer, schedule, data = own_model.setup(module, loader(), spec, False)
+        if balanced:
+            schedule, data = post_balance(schedule, data, spec, StepShape.of_steps(own_model.MICRO_BATCH, counts),
+                                          model=model, config=OrchestratorConfig(verify_first_step=False))
+        losses, ran = [], []  # ran: the micro-batches of each balanced step
+        for count in counts:
+            losses.append(own_model.train_step(schedule, data, model, optimizer, count))
+            ran += [len(schedule.last_step.microbatches)] if balanced else []
+        return losses, ran
+
+    upstream, _ = train(False)
+    balanced, ran = train(True)
+    assert ran == counts
+    torch.testing.assert_close(balanced, upstream, rtol=1e-5, atol=0)

@@ -222,6 +222,11 @@ def test_orch_flags_without_the_switch_are_rejected():
 
     with pytest.raises(arguments.ArgumentError, match="--orch-locality given without --orch-post-balancing"):
         arguments.parse_args(MLLM_TASK, COMMON + ["--orch-locality"], world_size=1)
+    exchanging = arguments.parse_args(MLLM_TASK, COMMON + ["--orch-post-balancing", "--orch-exchange-alike"],
+                                      world_size=1)
+    assert exchanging.orch_config.exchange_alike
+    plain = arguments.parse_args(MLLM_TASK, COMMON + ["--orch-post-balancing"], world_size=1)
+    assert not plain.orch_config.exchange_alike  # off by default
     with pytest.raises(arguments.ArgumentError, match="packed with --pipeline-model-parallel-size"):
         arguments.parse_args(MLLM_TASK, COMMON + ["--pipeline-model-parallel-size", "2", "--orch-post-balancing",
                                        "--orch-microbatching", "packed"], world_size=2)
@@ -389,10 +394,9 @@ def test_the_schedule_restores_the_model_configs_callbacks():
 
 
 def test_the_schedule_refuses_a_number_of_microbatches_other_than_the_steps():
-    """A post-balancing step has the number of micro-batches its iterator was built for (``StepShape``): a
-    schedule call asking for another (upstream's per-step ``num_microbatches`` of its packing scheduler, a
-    batch-size ramp-up) is refused by name before the wrapped schedule runs; every DP rank is asked for the
-    same number, so all refuse alike."""
+    """A post-balancing step has the micro-batches it loaded (``StepShape.microbatches_of_step``): a schedule call
+    asking for another (upstream's per-step ``num_microbatches`` of its packing scheduler) is refused by name
+    before the wrapped schedule runs; every DP rank is asked for the same number, so all refuse alike."""
     from types import SimpleNamespace
 
     import numpy as np
@@ -407,7 +411,7 @@ def test_the_schedule_refuses_a_number_of_microbatches_other_than_the_steps():
                         num_tokens=np.zeros(0, dtype=np.int64), rows_per_item={}, comm_group=None, moves=None)
     schedule = ModalityAwareSchedule(lambda **kwargs: ran.append(kwargs), dp_group=None)
     with pytest.raises(ValueError, match="asked for 3 micro-batches but the post-balancing step holds 0: a step's "
-                       r"micro-batches are its plan's .* \(Megatron-LM's --sequence-packing-scheduler\)"):
+                       r"micro-batches are the ones it loaded .* \(Megatron-LM's --sequence-packing-scheduler\)"):
         schedule(forward_step_func=None, data_iterator=iter([step]), model=[EncoderlessChunk(config)],
                  num_microbatches=3)
     assert not ran
@@ -452,3 +456,52 @@ def test_the_moves_run_are_the_moves_counted():
         assert all(same(m.transfer, transfer) for m, (_, _, transfer) in zip(moves, expected))
     text_only = prepare_moves(plan, sizes.num_tokens, rows, 0, encoder_stage=False).moves
     assert [m.name for m in text_only] == ["text"]
+
+
+def test_a_step_shape_of_per_step_counts():
+    """``StepShape.of_steps``: the counts up to the last change, then the last count for every later step; a count
+    below 1 is refused by name."""
+    from megatron_orch.megatron.post_balancing import StepShape
+
+    shape = StepShape.of_steps(2, [1, 1, 2, 3, 3, 3], pad_to=64)
+    assert (shape.micro_batch_size, shape.num_microbatches, shape.pad_to, shape.ramp_up) == (2, 3, 64, (1, 1, 2))
+    assert [shape.microbatches_of_step(k) for k in range(8)] == [1, 1, 2, 3, 3, 3, 3, 3]
+    assert StepShape.of_steps(2, [4, 4]) == StepShape(2, 4)
+    assert [StepShape(1, 2).microbatches_of_step(k) for k in range(3)] == [2, 2, 2]
+    with pytest.raises(ValueError, match=r"StepShape.ramp_up\[1\] must be an int >= 1, got 0"):
+        StepShape(1, 2, ramp_up=(1, 0))
+    with pytest.raises(ValueError, match="no step counts"):
+        StepShape.of_steps(1, [])
+
+
+def test_megatron_core_counts_are_megatron_lms_per_step_counts():
+    """``megatron_core_counts`` gives each step the count Megatron-LM's train() passes its schedule (update the
+    calculator with the consumed samples, ``get_num_microbatches()``, consume micro-batch size x DP per
+    micro-batch), for the ramp-up of the installed release (``--rampup-batch-size`` up to 0.18, the step schedule
+    from 0.19), from a resumed run's consumed samples too, and leaves the loop's calculator as it was."""
+    from megatron.core import num_microbatches_calculator as calculators
+
+    from megatron_orch.megatron.any_loop import megatron_core_counts
+
+    mbs, dp = 1, 2
+    if hasattr(calculators, "StepBatchsizeNumMicroBatchesCalculator"):
+        ramp_up = dict(step_batch_size_schedule="0:2 6:4 20:8", global_batch_size=None)
+    else:
+        ramp_up = dict(rampup_batch_size=[2, 2, 12], global_batch_size=8)
+    calculators.init_num_microbatches_calculator(rank=1, micro_batch_size=mbs, data_parallel_size=dp,
+                                                 decrease_batch_size_if_needed=False, **ramp_up)
+    try:
+        for start in (0, 6):
+            megatron_lm, consumed = [], start  # as train() steps
+            for _ in range(8):
+                calculators.update_num_microbatches(consumed, consistency_check=True)
+                megatron_lm.append(calculators.get_num_microbatches())
+                consumed += dp * mbs * calculators.get_num_microbatches()
+            calculators.update_num_microbatches(start, consistency_check=True)
+            assert megatron_core_counts(start, 8, mbs * dp) == megatron_lm
+            assert calculators.get_num_microbatches() == megatron_lm[0]  # the loop's calculator untouched
+            assert len(set(megatron_lm)) > 1, megatron_lm  # it ramps up
+    finally:
+        calculators.destroy_num_microbatches_calculator()
+    with pytest.raises(ValueError, match="calculator is not initialised"):
+        megatron_core_counts(0, 1, 2)

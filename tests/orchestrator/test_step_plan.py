@@ -1,5 +1,7 @@
 """The per-step plan: every item computed once per phase, outputs routed to their example's backbone
 rank, equal micro-batch counts, determinism, and the edge cases of DESIGN.md section 4."""
+import dataclasses
+
 import numpy as np
 import pytest
 from hypothesis import given, settings, strategies as st
@@ -20,7 +22,9 @@ CONFIGS = [OrchestratorConfig(background=False),
            OrchestratorConfig(phases=("vision",), background=False),
            # the backbone judged by the pipeline schedule (the simulator's and bench.balance's planner with PP > 1)
            OrchestratorConfig(microbatching="equal_count", background=False, step_model=StepModel(pipeline_stages=4)),
-           OrchestratorConfig(background=False, step_model=StepModel(tensor_parallel=2, pipeline_stages=2))]
+           OrchestratorConfig(background=False, step_model=StepModel(tensor_parallel=2, pipeline_stages=2)),
+           OrchestratorConfig(exchange_alike=True, background=False),
+           OrchestratorConfig(microbatching="equal_count", locality=True, exchange_alike=True, background=False)]
 
 
 def sizes_of(vision, audio, tokens, num_ranks):
@@ -302,3 +306,44 @@ def test_a_pipelined_backbone_plan_runs_no_slower_through_the_schedule_than_the_
     check_plan(by_pipeline, sizes, pipelined, 1, 8)
     assert slowest_replica(by_pipeline.examples_backbone.rank, by_pipeline.microbatch_of_example, sizes, pipelined, 8) \
         < slowest_replica(by_sums.examples_backbone.rank, by_sums.microbatch_of_example, sizes, pipelined, 8)
+
+
+@pytest.mark.parametrize("plain", [OrchestratorConfig(background=False),
+                                   OrchestratorConfig(microbatching="equal_count", background=False),
+                                   OrchestratorConfig(locality=True, background=False),
+                                   OrchestratorConfig(step_model=StepModel(pipeline_stages=2), background=False)],
+                         ids=["packed", "equal_count", "locality", "pp2"])
+def test_exchanging_alike_examples_keeps_the_balance_and_pulls_from_fewer_ranks(plain):
+    """``exchange_alike``: every rank's backbone examples, micro-batch by micro-batch, cost what the plain plan's
+    do (so the same balance, stats and step time), every example on one rank; and on a batch of few distinct
+    lengths each rank's text comes from fewer ranks, with fewer bytes across nodes."""
+    from megatron_orch.balance.plan import Connections
+    from megatron_orch.balance.workload import phase_items
+    from megatron_orch.orchestrator.step_plan import step_transfers
+
+    rng = np.random.default_rng(3)
+    num_ranks, mbs, num_mb = 32, 2, 4
+    n = num_ranks * mbs * num_mb
+    sizes = sizes_of(rng.integers(0, 3, n), rng.integers(0, 2, n), rng.choice([40, 80, 160, 320], n), num_ranks)
+    topology = Topology.uniform(num_ranks, 4)
+    plans = [plan_step(sizes, TINY, dataclasses.replace(plain, exchange_alike=on), topology, mbs, num_mb)
+             for on in (False, True)]
+    for plan in plans:
+        check_plan(plan, sizes, plain, mbs, num_mb)
+    costs = phase_items(sizes, TINY)["llm"].cost
+
+    def cells(plan):  # each rank's micro-batch costs
+        rank = plan.examples_backbone.rank
+        per_cell = np.bincount(rank * num_mb + plan.microbatch_of_example, weights=costs,
+                               minlength=num_ranks * num_mb).reshape(num_ranks, num_mb)
+        return np.sort(per_cell, axis=1)
+
+    np.testing.assert_allclose(cells(plans[1]), cells(plans[0]), rtol=1e-12)
+    assert [s.max_after for s in plans[1].stats.values()] == [s.max_after for s in plans[0].stats.values()]
+    assert plans[1].step_time == plans[0].step_time
+    items = phase_items(sizes, TINY)
+    text = [next(move for move in step_transfers(plan, items) if move.name == "text") for plan in plans]
+    peers = [move.moved_bytes(topology.node_of_rank, "flat").connections.peers(topology.node_of_rank).total.sum()
+             for move in text]
+    inter = [plan.report()["inter-node MB"] for plan in plans]
+    assert peers[1] < peers[0] and inter[1] <= inter[0], (peers, inter)
