@@ -497,7 +497,8 @@ def checked_step(run_home: Callable[[], list], run_balanced: Callable[[dict], li
             with _recording_encode(module, phases) as recorded, _rng_unchanged():
                 home_losses = run_home()
             home_grads = _gradient_norms(chunks, module, phases)
-            home_rows = _home_outputs(module, step, recorded)
+            # the encoder outputs are compared where the backbone takes them (the first stage's ranks)
+            home_rows = {} if step.encodes_for_other_stages else _home_outputs(module, step, recorded)
             del recorded
             _zero_gradients(chunks)
         captured: Dict[str, torch.Tensor] = {}
@@ -509,7 +510,7 @@ def checked_step(run_home: Callable[[], list], run_balanced: Callable[[dict], li
     not_finite = np.concatenate([~loss_finite, ~np.array(grads_finite)])
     outputs = np.zeros(len(phases))
     for k, phase in enumerate(phases):
-        if phase in captured:  # the encoder stage
+        if phase in home_rows:  # where the backbone takes the encoder outputs
             outputs[k] = _relative(_moved_home(step, phase, captured[phase]), home_rows[phase])
     grads = np.abs(np.sqrt(balanced_grads) - np.sqrt(home_grads)) / np.maximum(np.sqrt(home_grads), 1e-30)
     if not grads_reduced:  # gradients stay where computed: no layout-independent figure to compare

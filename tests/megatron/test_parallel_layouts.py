@@ -59,13 +59,21 @@ def _train_runs(rank, world_size, runs, out_dir):
     warnings.filterwarnings("ignore")
     from megatron.core import parallel_state
 
+    from megatron_orch.megatron import first_step
     from megatron_orch.mllm import attention, providers
     from megatron_orch.trainer import arguments, loop as trainer
 
     providers.build_train_data_iterator = scripted_iterator
-    stock_attention = attention.context_parallel_attention
+    stock_attention, stock_check = attention.context_parallel_attention, first_step.checked_step
     for name, argv in runs:
-        built, calls = [], {"padded": 0, "packed": 0}
+        built, calls, checks = [], {"padded": 0, "packed": 0}, []
+
+        def checked_step(*args, **kwargs):  # the checked first steps' figures (the same on every rank)
+            result, figures = stock_check(*args, **kwargs)
+            checks.append(figures)
+            return result, figures
+
+        first_step.checked_step = checked_step
 
         def context_parallel_attention(*args, **kwargs):  # which CP path the run took
             calls["packed" if args[4] is not None else "padded"] += 1
@@ -95,8 +103,8 @@ def _train_runs(rank, world_size, runs, out_dir):
                         "post_balancing": [r.post_balancing for r in records],
                         "items_encoded": [r.items_encoded for r in records],
                         "layout": (config.sequence_parallel, config.context_parallel_size),
-                        "cp_attention_calls": calls}, out / "log.pt")
-    attention.context_parallel_attention = stock_attention
+                        "cp_attention_calls": calls, "checks": checks}, out / "log.pt")
+    attention.context_parallel_attention, first_step.checked_step = stock_attention, stock_check
 
 
 def train(tmp_path: Path, world_size: int, runs, timeout_s: float) -> dict:
@@ -211,11 +219,18 @@ def test_tp2_sequence_parallel_cp2_dp2_is_invariant(tmp_path):
 
 def test_pp2_dp2_encoders_on_every_stage_is_invariant(tmp_path):
     """PP 2 x DP 2, the encoders on the first stage (Megatron's layout, post-balancing off) against the encoders on
-    every stage (on, ``all``): every rank encodes, the losses and parameters agree, and the second stage's encoders
-    train to the first stage's parameters."""
+    every stage (on, ``all``, its first step checked against the loader's layout): every rank encodes, the check
+    passes, the losses and parameters agree, and the second stage's encoders train to the first stage's
+    parameters."""
     flags = ["--pipeline-model-parallel-size", "2", "--train-iters", "2"]
-    logs = train(tmp_path, 4, [("upstream", flags), ("all", flags + BALANCED + ["--orch-encoder-ranks", "all"])],
+    logs = train(tmp_path, 4, [("upstream", flags), ("all", flags + BALANCED + ["--orch-encoder-ranks", "all",
+                                                                                "--orch-verify-first-step"])],
                  timeout_s=420)
+    check, = logs["all"]["checks"]  # the first step holds items of every phase
+    assert check["loss"] <= TOLERANCE and check["gradient norms"] <= TOLERANCE, check
+    assert check["encoder outputs"].keys() == {"vision", "audio"}, check
+    assert max(check["encoder outputs"].values()) <= TOLERANCE, check
+    assert logs["upstream"]["checks"] == []
     assert_same_run(logs["all"], logs["upstream"], 2, "PP 2 x DP 2, encoders on every stage / upstream")
     assert_plan_balances(logs["all"])
     heavy = logs["all"]["items_encoded"][0]  # every vision item on DP rank 0 as loaded
