@@ -115,7 +115,8 @@ def add_orch_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                    help="memory of one GPU (10^9 bytes) that --orch-encoder-ranks all must fit: refused before any "
                         "collective where the per-GPU model (parameters, gradients, optimizer state and the "
                         "backbone's activations of micro-batches of --seq-length; megatron_orch.orchestrator."
-                        "gpu_memory) exceeds it; default: the device's memory where a GPU is visible, else no check")
+                        "gpu_memory) exceeds it (auto then picks first-stage); default: the device's memory where "
+                        "a GPU is visible, else no check")
     g.add_argument("--orch-cost-profile", type=str, default=None, metavar="PROFILE.yaml",
                    help="balance item costs measured on the device (python -m megatron_orch.bench.calibrate) "
                         "instead of training FLOPs from the model's shape; refused unless measured on this "
