@@ -3,7 +3,7 @@ parallelism (TP 2 + SP x DP 2, also with the encoders at TP 1 on every rank), co
 padded rows and packed rows), both (TP 2 + SP x CP 2 x DP 2, 8 ranks, one step), and the encoders on every pipeline
 stage (``--orch-encoder-ranks all``: PP 2 x DP 2, the encoder phases over 4 ranks; TP 2 x PP 2 x DP 2 with the
 encoders at TP 1, over 8 encoder replicas, 8 ranks, one step; PP 2 x VPP 2 x DP 2, in every rank's first model
-chunk, one step). Post-balancing off against on, fp32, dropout 0 (dropout masks
+chunk, one step; each with its first step checked against the loader's layout). Post-balancing off against on, fp32, dropout 0 (dropout masks
 follow the rank that computes an example): the losses of every step and every parameter after the run agree
 within 1e-5, and on the step with every heavy example on DP rank 0 the plan moved data and lowered each
 phase's modeled max/mean. The layouts also reproduce the whole-sequence run: SP on against off, CP 2 against
@@ -155,6 +155,16 @@ def assert_same_encoder_tp1_run(got: dict, want: dict, iterations: int, what: st
                                                                                      want["grad_norms"])
 
 
+def assert_first_step_checked(logs: dict):
+    """The ``all`` run's first step checked against the loader's layout (``--orch-verify-first-step``: the loss, the
+    gradient norms, the encoder outputs within :data:`TOLERANCE`); the upstream run unchecked."""
+    check, = logs["all"]["checks"]  # the first step holds items of every phase
+    assert check["loss"] <= TOLERANCE and check["gradient norms"] <= TOLERANCE, check
+    assert check["encoder outputs"].keys() == {"vision", "audio"}, check
+    assert max(check["encoder outputs"].values()) <= TOLERANCE, check
+    assert logs["upstream"]["checks"] == []
+
+
 def assert_plan_balances(balanced: dict):
     """The heavy step (the first): the plan moved data off DP rank 0 and lowered every phase's max/mean."""
     heavy = balanced["post_balancing"][0]
@@ -226,11 +236,7 @@ def test_pp2_dp2_encoders_on_every_stage_is_invariant(tmp_path):
     logs = train(tmp_path, 4, [("upstream", flags), ("all", flags + BALANCED + ["--orch-encoder-ranks", "all",
                                                                                 "--orch-verify-first-step"])],
                  timeout_s=420)
-    check, = logs["all"]["checks"]  # the first step holds items of every phase
-    assert check["loss"] <= TOLERANCE and check["gradient norms"] <= TOLERANCE, check
-    assert check["encoder outputs"].keys() == {"vision", "audio"}, check
-    assert max(check["encoder outputs"].values()) <= TOLERANCE, check
-    assert logs["upstream"]["checks"] == []
+    assert_first_step_checked(logs)
     assert_same_run(logs["all"], logs["upstream"], 2, "PP 2 x DP 2, encoders on every stage / upstream")
     assert_plan_balances(logs["all"])
     heavy = logs["all"]["items_encoded"][0]  # every vision item on DP rank 0 as loaded
@@ -251,9 +257,10 @@ def test_tp2_pp2_dp2_encoders_at_tensor_parallel_1_on_every_rank_is_invariant(tm
     gradient norms agree (:func:`assert_same_encoder_tp1_run`)."""
     flags = ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2", "--train-iters", "1"]
     logs = train(tmp_path, 8, [("upstream", flags),
-                               ("all", flags + BALANCED + ["--orch-encoder-ranks", "all",
+                               ("all", flags + BALANCED + ["--orch-encoder-ranks", "all", "--orch-verify-first-step",
                                                            "--orch-encoder-tensor-parallel-size", "1"])],
                  timeout_s=600)
+    assert_first_step_checked(logs)
     assert_same_encoder_tp1_run(logs["all"], logs["upstream"], 1,
                                 "TP 2 x PP 2 x DP 2, encoders at TP 1 on every rank / upstream")
     assert_plan_balances(logs["all"])
@@ -269,8 +276,10 @@ def test_pp2_vpp2_dp2_encoders_in_every_ranks_first_chunk_is_invariant(tmp_path)
     first chunk holds the encoders (its second none)."""
     flags = ["--num-layers", "4", "--pipeline-model-parallel-size", "2", "--num-layers-per-virtual-pipeline-stage",
              "1", "--train-iters", "1"]
-    logs = train(tmp_path, 4, [("upstream", flags), ("all", flags + BALANCED + ["--orch-encoder-ranks", "all"])],
+    logs = train(tmp_path, 4, [("upstream", flags), ("all", flags + BALANCED + ["--orch-encoder-ranks", "all",
+                                                                                "--orch-verify-first-step"])],
                  timeout_s=420)
+    assert_first_step_checked(logs)
     assert any(name.startswith("chunk1.") for name in logs["all"]["params"])
     assert_same_run(logs["all"], logs["upstream"], 1, "PP 2 x VPP 2 x DP 2, encoders on every rank / upstream")
     assert_plan_balances(logs["all"])
