@@ -73,7 +73,8 @@ def post_balance(forward_backward_func: Optional[Callable], data_iterator: Itera
     and the encoder phases run over DP x PP x TP / encoder TP encoder replicas
     (:mod:`~megatron_orch.megatron.encoder_layout`); the layouts it does not run are refused here. ``AUTO`` (the
     default) is ``ALL`` where it differs from ``FIRST_STAGE``, the layout runs it and every rank's ``model`` holds
-    the encoders (a model not given: ``FIRST_STAGE``), else ``FIRST_STAGE``; the line says which and why.
+    the encoders (a model not given: ``FIRST_STAGE``), else ``FIRST_STAGE``; ``announce`` says which and why (where
+    they differ).
     """
     tp = parallel_state.get_tensor_model_parallel_world_size()
     pp = parallel_state.get_pipeline_model_parallel_world_size()
@@ -118,7 +119,8 @@ def _decide_encoder_ranks(config: OrchestratorConfig, model, built_at: Optional[
     """``config`` with ``encoder_ranks`` ``AUTO`` decided for this job
     (:func:`~megatron_orch.orchestrator.encoder_ranks.decide_encoder_ranks`, announced): the encoders on every rank
     where the model was built so (given, every rank's holding encoders: one collective over the job; ``built_at``,
-    encoders built at a TP size of their own, set their size) and the layout runs them, else on the first stage."""
+    encoders built at a TP size of their own, set their size) and the layout runs them, else on the first stage.
+    Announced where the two layouts differ."""
     if built_at is not None and config.encoder_tensor_parallel_size is None:
         config = dataclasses.replace(config, encoder_tensor_parallel_size=built_at)
     chunk = None if model is None else (model[0] if isinstance(model, (list, tuple)) else model)
@@ -141,5 +143,6 @@ def _decide_encoder_ranks(config: OrchestratorConfig, model, built_at: Optional[
                                "them and give them the first one's parameters, share_encoders, for all)")
     decision = decide_encoder_ranks(config, pipeline_parallel_size=pp, tensor_parallel_size=tp,
                                     unavailable=unavailable, memory="every rank's model holds the encoders already")
-    announce(decision.line())
+    if pp > 1 or etp != tp:  # else both layouts are one
+        announce(decision.line())
     return config.with_encoder_ranks(decision.ranks)
