@@ -34,8 +34,8 @@ from megatron_orch.comm.communicator import dedicated_group, replica_group
 from megatron_orch.comm.device import to_communication_device
 from megatron_orch.comm.group_topology import group_topology
 from megatron_orch.megatron.batch import BatchSpec, MicroBatch
-from megatron_orch.megatron.encoder_layout import encoder_groups
 from megatron_orch.megatron.contract import check_model
+from megatron_orch.megatron.encoder_layout import encoder_groups
 from megatron_orch.megatron.first_step import check_model_and_config, print_on_rank_0
 from megatron_orch.megatron.post_balancing import (ParallelGroups, PostBalancingDataIterator, StepShape,
                                                    resolve_microbatching)

@@ -28,7 +28,11 @@ with one line naming the fix, instead of training differently from upstream or f
   backbone's and then each encoder's gradient norm; the first that differs stops the run, named. This
   catches what no rule above lists (an adapter whose ``forward(batch, embeds)`` is not its ``forward(batch)``).
   A step whose loss or gradients are not finite in both layouts is not compared (announced; the next step is
-  checked instead), in one layout only it differs.
+  checked instead), in one layout only it differs. With the encoders on every rank (``EncoderRanks.ALL``) the
+  loader's layout encodes on the first stage alone, and every encoder replica is given the first one's gradients
+  before DDP reduces them (where the balanced step sums its replicas'), so each rank's encoder gradient norms
+  compare the replicas' summed gradients with upstream's; the encoder outputs are compared on the first stage,
+  whose backbone takes them.
   Its cost: one more forward-backward of the step, and one forward of the encoders without gradients when
   ``forward(batch)`` does not encode through ``encode`` (so its outputs cannot be recorded); one such step at
   most per phase. Both layouts run in training mode (BatchNorm and the like as they train), with dropout off

@@ -414,7 +414,7 @@ def _with_first_replicas_encoder_gradients(run_home: Callable[[], list], module:
     done = []
     first = dist.get_global_rank(pipeline_group, 0)
 
-    def from_first_replica(synced: bool = True):
+    def from_first_replica(*_):  # as a gradient callback calls the encoders' backward (synced or not)
         if not done:
             done.append(True)
             _over_group(_encoder_gradients(module), pipeline_group,
