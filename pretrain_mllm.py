@@ -124,6 +124,7 @@ def main_megatron_lm() -> None:
                 args.orch_config = orch_config_from_args(
                     args, verify_by_default=not is_shipped_config(args.model_config))
                 if args.orch_config is not None:
+                    print_rank_0(f" > {megatron_lm.encoder_ranks_decision(args).line()}")
                     megatron_lm.check_args(args)
             except ValueError as err:  # ArgumentError included
                 sys.exit(f"pretrain_mllm.py: error: {err}")

@@ -25,22 +25,27 @@ What the loop already does for megatron-core is what post-balancing needs, with 
 from __future__ import annotations
 
 import copy
+import dataclasses
 from datetime import timedelta
 from typing import Callable, Iterator, List, Optional, Tuple
 
 import torch
+import torch.distributed as dist
 from megatron.core import parallel_state
 
 from megatron_orch.comm.communicator import dedicated_group, replica_group
+from megatron_orch.comm.device import to_communication_device
 from megatron_orch.comm.group_topology import group_topology
 from megatron_orch.megatron.batch import BatchSpec, MicroBatch
+from megatron_orch.megatron.contract import check_model
 from megatron_orch.megatron.encoder_layout import encoder_groups
 from megatron_orch.megatron.first_step import check_model_and_config, print_on_rank_0
 from megatron_orch.megatron.post_balancing import (ParallelGroups, PostBalancingDataIterator, StepShape,
                                                    resolve_microbatching)
 from megatron_orch.megatron.schedule import ModalityAwareSchedule
-from megatron_orch.orchestrator.config import OrchestratorConfig
-from megatron_orch.orchestrator.encoder_ranks import unsupported_layout
+from megatron_orch.megatron.sharding import sharding_of
+from megatron_orch.orchestrator.config import EncoderRanks, OrchestratorConfig
+from megatron_orch.orchestrator.encoder_ranks import decide_encoder_ranks, unsupported_layout
 
 
 def post_balance(forward_backward_func: Optional[Callable], data_iterator: Iterator[MicroBatch], spec: BatchSpec,
@@ -62,28 +67,31 @@ def post_balance(forward_backward_func: Optional[Callable], data_iterator: Itera
     then put the encoders on every rank at that size, checked here.
     ``compute_device``: where the encoders run (default: this rank's GPU, else the CPU); ``input_dtype``: what raw encoder items travel in (the encoders' own dtype). ``config``: the
     planner's settings, shadow mode (``shadow=True``) and the checked first step (``verify_first_step``, on
-    by default); ``announce`` gets the checked first step's line. Call every collective-making part of this on
-    every rank, after ``parallel_state.initialize_model_parallel``.
+    by default); ``announce`` gets the encoder layout's line (with ``AUTO``) and the checked first step's. Call
+    every collective-making part of this on every rank, after ``parallel_state.initialize_model_parallel``.
 
     ``config.encoder_ranks`` ``ALL`` with pipeline parallelism or encoders at a TP size below the backbone's
     (``config.encoder_tensor_parallel_size``): every rank's model holds the encoders (built so, and given the first
     replica's parameters by :func:`~megatron_orch.megatron.encoder_layout.share_encoders` before the optimizer),
     and the encoder phases run over DP x PP x TP / encoder TP encoder replicas
-    (:mod:`~megatron_orch.megatron.encoder_layout`); the layouts it does not run are refused here.
+    (:mod:`~megatron_orch.megatron.encoder_layout`); the layouts it does not run are refused here. ``AUTO`` (the
+    default) is ``ALL`` where it differs from ``FIRST_STAGE``, the layout runs it and every rank's ``model`` holds
+    the encoders (a model not given: ``FIRST_STAGE``), else ``FIRST_STAGE``; ``announce`` says which and why (where
+    they differ).
     """
-    if model is not None:
-        built_at = getattr(check_model_and_config(model), "encoder_tensor_parallel_size", None)
-        if built_at is not None and not (config.encoders_on_every_stage
-                                         and config.encoder_tensor_parallel_size == built_at):
-            raise ValueError(f"post_balance: the model's encoders are built at tensor-parallel size {built_at} (a grid "
-                             "of their own); balance them with encoder_ranks ALL and encoder_tensor_parallel_size "
-                             f"{built_at}, got {config.encoder_ranks.name} and {config.encoder_tensor_parallel_size}")
+    tp = parallel_state.get_tensor_model_parallel_world_size()
+    pp = parallel_state.get_pipeline_model_parallel_world_size()
+    built_at = None if model is None else getattr(check_model_and_config(model), "encoder_tensor_parallel_size", None)
     resolve_microbatching(spec, config, step)  # packed rows the model cannot take: refused before the collectives
+    if config.encoder_ranks is EncoderRanks.AUTO:
+        config = _decide_encoder_ranks(config, model, built_at, tp, pp, announce)
+    if built_at is not None and not (config.encoders_on_every_stage and config.encoder_tensor_parallel_size == built_at):
+        raise ValueError(f"post_balance: the model's encoders are built at tensor-parallel size {built_at} (a grid "
+                         "of their own); balance them with encoder_ranks ALL and encoder_tensor_parallel_size "
+                         f"{built_at}, got {config.encoder_ranks.name} and {config.encoder_tensor_parallel_size}")
     if compute_device is None:
         compute_device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else \
             torch.device("cpu")
-    tp = parallel_state.get_tensor_model_parallel_world_size()
-    pp = parallel_state.get_pipeline_model_parallel_world_size()
     if config.encoders_on_every_stage and (pp > 1 or config.encoder_tensor_parallel_size is not None):
         refused = unsupported_layout(
             context_parallel_size=parallel_state.get_context_parallel_world_size(), overlap_grad_reduce=False,
@@ -109,7 +117,6 @@ def post_balance(forward_backward_func: Optional[Callable], data_iterator: Itera
     return schedule, iterator
 
 
-
 def megatron_core_counts(consumed_samples: int, steps: int, samples_per_microbatch: int) -> List[int]:
     """The micro-batches of each of the run's next ``steps`` steps as megatron-core's num-microbatches calculator
     (``init_num_microbatches_calculator``: a constant global batch, ``--rampup-batch-size``,
@@ -129,3 +136,37 @@ def megatron_core_counts(consumed_samples: int, steps: int, samples_per_microbat
         counts.append(calculator.get())
         consumed_samples += counts[-1] * samples_per_microbatch
     return counts
+
+
+def _decide_encoder_ranks(config: OrchestratorConfig, model, built_at: Optional[int], tp: int, pp: int,
+                          announce: Callable[[str], None]) -> OrchestratorConfig:
+    """``config`` with ``encoder_ranks`` ``AUTO`` decided for this job
+    (:func:`~megatron_orch.orchestrator.encoder_ranks.decide_encoder_ranks`, announced): the encoders on every rank
+    where the model was built so (given, every rank's holding encoders: one collective over the job; ``built_at``,
+    encoders built at a TP size of their own, set their size) and the layout runs them, else on the first stage.
+    Announced where the two layouts differ."""
+    if built_at is not None and config.encoder_tensor_parallel_size is None:
+        config = dataclasses.replace(config, encoder_tensor_parallel_size=built_at)
+    chunk = None if model is None else (model[0] if isinstance(model, (list, tuple)) else model)
+    unavailable = unsupported_layout(
+        context_parallel_size=parallel_state.get_context_parallel_world_size(),
+        overlap_grad_reduce=bool(getattr(getattr(chunk, "ddp_config", None), "overlap_grad_reduce", False)),
+        sharded=None if chunk is None else sharding_of(chunk), tensor_parallel_size=tp,
+        encoder_tensor_parallel_size=config.encoder_tensor_parallel_size)
+    etp = config.encoder_tensor_parallel_size or tp
+    if unavailable is None and (pp > 1 or etp != tp) and not config.shadow:
+        if model is None:
+            unavailable = ("post_balance was given no model, so whether every rank's holds the encoders is not known "
+                           "(pass model=)")
+        else:
+            holds = torch.tensor([float(bool(check_model(model).phase_encoders()))])
+            holds = to_communication_device(holds, None)
+            dist.all_reduce(holds, op=dist.ReduceOp.MIN)
+            if float(holds.cpu()[0]) < 1:
+                unavailable = ("the model holds no encoders off the first pipeline stage (build every rank's with "
+                               "them and give them the first one's parameters, share_encoders, for all)")
+    decision = decide_encoder_ranks(config, pipeline_parallel_size=pp, tensor_parallel_size=tp,
+                                    unavailable=unavailable, memory="every rank's model holds the encoders already")
+    if pp > 1 or etp != tp:  # else both layouts are one
+        announce(decision.line())
+    return config.with_encoder_ranks(decision.ranks)

@@ -28,7 +28,11 @@ with one line naming the fix, instead of training differently from upstream or f
   backbone's and then each encoder's gradient norm; the first that differs stops the run, named. This
   catches what no rule above lists (an adapter whose ``forward(batch, embeds)`` is not its ``forward(batch)``).
   A step whose loss or gradients are not finite in both layouts is not compared (announced; the next step is
-  checked instead), in one layout only it differs.
+  checked instead), in one layout only it differs. With the encoders on every rank (``EncoderRanks.ALL``) the
+  loader's layout encodes on the first stage alone, and every encoder replica is given the first one's gradients
+  before DDP reduces them (where the balanced step sums its replicas'), so each rank's encoder gradient norms
+  compare the replicas' summed gradients with upstream's; the encoder outputs are compared on the first stage,
+  whose backbone takes them.
   Its cost: one more forward-backward of the step, and one forward of the encoders without gradients when
   ``forward(batch)`` does not encode through ``encode`` (so its outputs cannot be recorded); one such step at
   most per phase. Both layouts run in training mode (BatchNorm and the like as they train), with dropout off
@@ -497,7 +501,8 @@ def checked_step(run_home: Callable[[], list], run_balanced: Callable[[dict], li
             with _recording_encode(module, phases) as recorded, _rng_unchanged():
                 home_losses = run_home()
             home_grads = _gradient_norms(chunks, module, phases)
-            home_rows = _home_outputs(module, step, recorded)
+            # the encoder outputs are compared where the backbone takes them (the first stage's ranks)
+            home_rows = {} if step.encodes_for_other_stages else _home_outputs(module, step, recorded)
             del recorded
             _zero_gradients(chunks)
         captured: Dict[str, torch.Tensor] = {}
@@ -509,7 +514,7 @@ def checked_step(run_home: Callable[[], list], run_balanced: Callable[[dict], li
     not_finite = np.concatenate([~loss_finite, ~np.array(grads_finite)])
     outputs = np.zeros(len(phases))
     for k, phase in enumerate(phases):
-        if phase in captured:  # the encoder stage
+        if phase in home_rows:  # where the backbone takes the encoder outputs
             outputs[k] = _relative(_moved_home(step, phase, captured[phase]), home_rows[phase])
     grads = np.abs(np.sqrt(balanced_grads) - np.sqrt(home_grads)) / np.maximum(np.sqrt(home_grads), 1e-30)
     if not grads_reduced:  # gradients stay where computed: no layout-independent figure to compare

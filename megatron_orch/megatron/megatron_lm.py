@@ -44,6 +44,7 @@ from megatron.core import parallel_state
 from megatron_orch.megatron.moe import placement_dependent_moe_settings
 from megatron_orch.megatron.pipeline_layout import check_interleaved_microbatches
 from megatron_orch.megatron.schedule import ModalityAwareSchedule
+from megatron_orch.orchestrator.encoder_ranks import EncoderRanksDecision, decide_encoder_ranks
 
 WRAPPER_ARGUMENT = "forward_backward_func_wrapper"
 PATCHES = Path(__file__).resolve().parents[2] / "patches"
@@ -188,6 +189,23 @@ _UPSTREAM_PACKING = (
     "packs the balanced rows itself)")
 
 
+_NOT_SHARED = ("its model and optimizer set-up does not share the encoders over the pipeline stages and encoder "
+               "replicas")
+
+
+def encoder_ranks_decision(args: argparse.Namespace) -> EncoderRanksDecision:
+    """The encoder layout under megatron.training, ``args.orch_config`` (and ``args.orch_encoder_ranks``) set to it:
+    ``--orch-encoder-ranks auto`` is first-stage (all, where it would differ, is not run here, :func:`check_args`);
+    one given is kept. Rank 0 prints its line."""
+    config = args.orch_config
+    decision = decide_encoder_ranks(config, pipeline_parallel_size=args.pipeline_model_parallel_size,
+                                    tensor_parallel_size=getattr(args, "tensor_model_parallel_size", 1),
+                                    unavailable=f"megatron.training runs no encoders off the first stage ({_NOT_SHARED})")
+    args.orch_config = config.with_encoder_ranks(decision.ranks)
+    args.orch_encoder_ranks = decision.ranks.value
+    return decision
+
+
 def check_args(args: argparse.Namespace) -> None:
     """Raise ValueError naming the Megatron-LM flag that post-balancing cannot run with. Flags of a newer
     release are read with ``getattr``: an older release simply has none of them."""
@@ -208,9 +226,8 @@ def check_args(args: argparse.Namespace) -> None:
     config = getattr(args, "orch_config", None)
     if config is not None and config.spreads_encoders(getattr(args, "tensor_model_parallel_size", 1),
                                                       args.pipeline_model_parallel_size):
-        problems.append("--orch-encoder-ranks all through megatron.training is not supported (its model and "
-                        "optimizer set-up does not share the encoders over the pipeline stages and encoder "
-                        "replicas): use the compact trainer, or --orch-encoder-ranks first-stage")
+        problems.append(f"--orch-encoder-ranks all through megatron.training is not supported ({_NOT_SHARED}): use "
+                        "the compact trainer, or --orch-encoder-ranks first-stage")
     if getattr(args, "hybrid_context_parallel", False):
         problems.append("--hybrid-context-parallel: it regroups the data iterator's sequences over DP x CP "
                         "ranks (HybridCPDataLoaderWrapper), which would undo the post-balancing plan")

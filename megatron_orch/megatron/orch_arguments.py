@@ -33,7 +33,7 @@ def flag_message(error: BaseException) -> str:
 # --orch-post-balancing is refused like the others, even at its default value), these once it is on.
 _DEFAULTS = {"orch_algorithm": "auto", "orch_microbatching": "auto", "orch_placement": "exact",
              "orch_placement_time_limit": 1.0, "orch_all_to_all": OrchestratorConfig.all_to_all,
-             "orch_encoder_ranks": EncoderRanks.FIRST_STAGE.value}
+             "orch_encoder_ranks": EncoderRanks.AUTO.value}
 
 
 def add_orch_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -104,19 +104,23 @@ def add_orch_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                    help="keep no encoder activations through the backbone: every chunk is recomputed for its "
                         "backward (least memory, one more encoder forward)")
     g.add_argument("--orch-encoder-ranks", choices=[ranks.value for ranks in EncoderRanks], default=None,
-                   help="which ranks hold and run the encoders (and projectors): first-stage (default, Megatron's "
-                        "layout: the first pipeline stage's, items balanced over DP) or all (every pipeline "
-                        "stage's, items balanced over DP x PP x TP / --orch-encoder-tensor-parallel-size, their "
-                        "outputs sent to the first stage; the first step is then not checked)")
+                   help="which ranks hold and run the encoders (and projectors): first-stage (Megatron's layout: the "
+                        "first pipeline stage's, items balanced over DP), all (every pipeline stage's, items balanced "
+                        "over DP x PP x TP / --orch-encoder-tensor-parallel-size, their outputs sent to the first "
+                        "stage) or auto (default: all where it differs from first-stage, the layout and the trainer "
+                        "run it and the per-GPU memory model says it fits, else first-stage; rank 0 says which and "
+                        "why)")
     g.add_argument("--orch-encoder-tensor-parallel-size", type=int, default=None, metavar="N",
-                   help="with --orch-encoder-ranks all, the encoders' own tensor-parallel size (default: "
+                   help="with --orch-encoder-ranks all (or auto, where it picks all), the encoders' own "
+                        "tensor-parallel size (default: "
                         "--tensor-model-parallel-size; it must divide it): each TP group then holds TP / N encoder "
                         "replicas and the encoder phases are balanced over DP x PP x TP / N of them")
     g.add_argument("--orch-gpu-memory-gb", type=float, default=None, metavar="GB",
                    help="memory of one GPU (10^9 bytes) that --orch-encoder-ranks all must fit: refused before any "
                         "collective where the per-GPU model (parameters, gradients, optimizer state and the "
                         "backbone's activations of micro-batches of --seq-length; megatron_orch.orchestrator."
-                        "gpu_memory) exceeds it; default: the device's memory where a GPU is visible, else no check")
+                        "gpu_memory) exceeds it (auto then picks first-stage); default: the device's memory where "
+                        "a GPU is visible, else no check")
     g.add_argument("--orch-cost-profile", type=str, default=None, metavar="PROFILE.yaml",
                    help="balance item costs measured on the device (python -m megatron_orch.bench.calibrate) "
                         "instead of training FLOPs from the model's shape; refused unless measured on this "
@@ -153,14 +157,10 @@ def orch_config_from_args(args: argparse.Namespace, verify_by_default: bool = Fa
                          "not allow (not supported; without it the first step is not checked)")
     all_ranks = args.orch_encoder_ranks == EncoderRanks.ALL.value
     verify = not sharded and (args.orch_verify_first_step
-                              or (verify_by_default and not args.orch_no_verify_first_step and not all_ranks))
-    tp = getattr(args, "tensor_model_parallel_size", 1)
+                              or (verify_by_default and not args.orch_no_verify_first_step))
     etp = args.orch_encoder_tensor_parallel_size
     if all_ranks and (args.pipeline_model_parallel_size > 1 or etp is not None) and not args.orch_shadow:
-        refused = unsupported_layout(
-            context_parallel_size=getattr(args, "context_parallel_size", 1),
-            overlap_grad_reduce=bool(getattr(args, "overlap_grad_reduce", False)),
-            sharded=sharded[0] if sharded else None, tensor_parallel_size=tp, encoder_tensor_parallel_size=etp)
+        refused = encoder_ranks_unsupported(args)
         if refused is not None:
             raise ValueError(refused)
     if args.orch_gpu_memory_gb is not None and not args.orch_gpu_memory_gb > 0:
@@ -178,13 +178,25 @@ def orch_config_from_args(args: argparse.Namespace, verify_by_default: bool = Fa
     return config
 
 
+def encoder_ranks_unsupported(args: argparse.Namespace) -> Optional[str]:
+    """Why the parallel layout of a checked command line cannot put the encoders on every rank (None: it can;
+    :func:`~megatron_orch.orchestrator.encoder_ranks.unsupported_layout`)."""
+    sharded = [f"--{name.replace('_', '-')}" for name in ("use_torch_fsdp2", "use_megatron_fsdp")
+               if getattr(args, name, False)]
+    return unsupported_layout(
+        context_parallel_size=getattr(args, "context_parallel_size", 1),
+        overlap_grad_reduce=bool(getattr(args, "overlap_grad_reduce", False)),
+        sharded=sharded[0] if sharded else None, tensor_parallel_size=getattr(args, "tensor_model_parallel_size", 1),
+        encoder_tensor_parallel_size=args.orch_encoder_tensor_parallel_size)
+
+
 def encoder_memory_refusal(args: argparse.Namespace, config: OrchestratorConfig, phases: ModelPhases,
                            parameters: Mapping[str, int], device_memory_bytes: Optional[float]) -> Optional[str]:
-    """Why ``--orch-encoder-ranks all`` does not fit one GPU (None: it fits, or nothing to check), one line naming
-    the bytes (:func:`~megatron_orch.orchestrator.gpu_memory.encoder_ranks_all_refusal`): against
-    ``--orch-gpu-memory-gb``, else ``device_memory_bytes`` (None: no GPU visible, no check). ``parameters``: each
-    phase's parameter count."""
-    if not config.encoders_on_every_stage:
+    """Why ``--orch-encoder-ranks all`` (asked, or ``auto`` deciding) does not fit one GPU (None: it fits, or
+    nothing to check), one line naming the bytes
+    (:func:`~megatron_orch.orchestrator.gpu_memory.encoder_ranks_all_refusal`): against ``--orch-gpu-memory-gb``,
+    else ``device_memory_bytes`` (None: no GPU visible, no check). ``parameters``: each phase's parameter count."""
+    if config.encoder_ranks is EncoderRanks.FIRST_STAGE or config.shadow:
         return None
     given = args.orch_gpu_memory_gb
     layout = ParallelLayout(

@@ -356,6 +356,13 @@ class BalancedStep(_WholeStep):
         spread = self.spread
         return self.plan.encoders[phase].encode if spread is None else spread.encode[phase]
 
+    @property
+    def encodes_for_other_stages(self) -> bool:
+        """Whether this rank's encoders send all their outputs to other ranks' backbones: with the encoders on every
+        stage, a rank off the first pipeline stage (whose backbone takes none)."""
+        spread = self.spread
+        return spread is not None and self.encoder_rank >= spread.data_parallel_size * spread.tp_replicas
+
     def encoding_rank(self) -> int:
         """This rank in :attr:`encoder_moves_group`."""
         return self.rank if self.encoder_rank is None else self.encoder_rank

@@ -139,6 +139,9 @@ class ModalityAwareSchedule:
             home = functools.partial(self.forward_backward_func, forward_step_func=forward_step_func,
                                      data_iterator=data_iterators(step.home, chunks), model=model,
                                      num_microbatches=len(step.home), forward_only=False, **kwargs)
+            if step.pipeline_group is not None:
+                home = functools.partial(_with_first_replicas_encoder_gradients, home, module, chunks,
+                                         step.pipeline_group)
             result, self.first_step_check = first_step.checked_step(home, run, step, module, chunks, self.dp_group,
                                                                     self.announce)
             return result
@@ -367,25 +370,66 @@ def _no_sync(config) -> Callable[[], contextlib.AbstractContextManager]:
     return no_sync[0] if isinstance(no_sync, list) else no_sync
 
 
-def sum_encoder_gradients(module: BalanceableModel, pipeline_group: ProcessGroup) -> None:
-    """Sum every encoder parameter's gradient over ``pipeline_group`` (the encoders on every pipeline stage: each
-    stage's encoders saw a share of the step's items), in one all-reduce; Megatron DDP's accumulated
-    ``main_grad`` where it has one, else ``.grad``. Run before the DP reduction, so that the gradients end up
-    summed over DP x PP, whatever DDP reduces them with (all-reduce, or the distributed optimizer's
-    reduce-scatter), and equal on every stage."""
+def _encoder_gradients(module: BalanceableModel) -> List[torch.Tensor]:
+    """Every trained encoder parameter's gradient: Megatron DDP's accumulated ``main_grad`` where it has one, else
+    ``.grad``, a zero one made for a parameter without (an encoder that ran nothing, outside DDP)."""
     grads = []
     for encoder in module.phase_encoders().values():
         for param in encoder.parameters():
+            if not param.requires_grad:
+                continue
             grad = getattr(param, "main_grad", None)
-            grad = param.grad if grad is None else grad
-            if param.requires_grad and grad is not None:
-                grads.append(grad)
+            if grad is None:
+                if param.grad is None:
+                    param.grad = torch.zeros_like(param)
+                grad = param.grad
+            grads.append(grad)
+    return grads
+
+
+def _over_group(grads: List[torch.Tensor], group: ProcessGroup, collective: Callable) -> None:
+    """``collective(flat, group)`` on ``grads`` flattened into one tensor, the result copied back into them."""
     if not grads:
         return
-    flat = to_communication_device(torch.cat([grad.reshape(-1) for grad in grads]), pipeline_group)
-    dist.all_reduce(flat, group=pipeline_group)
-    for grad, summed in zip(grads, torch.split(flat.to(grads[0].device), [grad.numel() for grad in grads])):
-        grad.copy_(summed.view_as(grad))
+    flat = to_communication_device(torch.cat([grad.reshape(-1) for grad in grads]), group)
+    collective(flat, group)
+    for grad, result in zip(grads, torch.split(flat.to(grads[0].device), [grad.numel() for grad in grads])):
+        grad.copy_(result.view_as(grad))
+
+
+def sum_encoder_gradients(module: BalanceableModel, pipeline_group: ProcessGroup) -> None:
+    """Sum every encoder parameter's gradient over ``pipeline_group`` (the encoders on every pipeline stage: each
+    stage's encoders saw a share of the step's items), in one all-reduce. Run before the DP reduction, so that
+    the gradients end up summed over DP x PP, whatever DDP reduces them with (all-reduce, or the distributed
+    optimizer's reduce-scatter), and equal on every stage."""
+    _over_group(_encoder_gradients(module), pipeline_group, lambda flat, group: dist.all_reduce(flat, group=group))
+
+
+def _with_first_replicas_encoder_gradients(run_home: Callable[[], list], module: BalanceableModel,
+                                           chunks: Sequence[torch.nn.Module], pipeline_group: ProcessGroup) -> list:
+    """``run_home()`` (the loader's layout, the checked first step's upstream run) with the encoders on every stage:
+    where the balanced step sums its encoder gradients over ``pipeline_group``, this gives every replica the first
+    one's (the first stage's, which encoded every item of its DP rank; the others encoded none), in one broadcast
+    before DDP reduces them, so that both layouts leave upstream's encoder gradients on every replica."""
+    config = get_model_config(chunks[0])
+    callbacks = {name: getattr(config, name) for name in _GRAD_CALLBACKS}
+    done = []
+    first = dist.get_global_rank(pipeline_group, 0)
+
+    def from_first_replica(*_):  # as a gradient callback calls the encoders' backward (synced or not)
+        if not done:
+            done.append(True)
+            _over_group(_encoder_gradients(module), pipeline_group,
+                        lambda flat, group: dist.broadcast(flat, src=first, group=group))
+
+    _run_encoders_backward_first(config, len(chunks), from_first_replica)
+    try:
+        result = run_home()
+    finally:
+        for name, callback in callbacks.items():
+            setattr(config, name, callback)
+    from_first_replica()  # no callback set (or none called): after the schedule
+    return result
 
 
 def _zero_padded(rows: torch.Tensor, length: int) -> torch.Tensor:

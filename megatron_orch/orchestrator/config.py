@@ -23,8 +23,12 @@ class EncoderRanks(enum.Enum):
     """Which ranks hold the encoders (and projectors) and encode the encoder phases' items: ``FIRST_STAGE``,
     Megatron's layout (the first pipeline stage's ranks, the items balanced over DP); ``ALL``, every pipeline
     stage's ranks (the items balanced over DP x PP, their outputs sent to the first stage's ranks that run each
-    example's first layers). The value is the command line's (``--orch-encoder-ranks``)."""
+    example's first layers); ``AUTO``, ``ALL`` where it differs from ``FIRST_STAGE``, runs and fits, else
+    ``FIRST_STAGE`` (the entry point decides before the model is built:
+    :func:`~megatron_orch.orchestrator.encoder_ranks.decide_encoder_ranks`). The value is the command line's
+    (``--orch-encoder-ranks``)."""
 
+    AUTO = "auto"
     FIRST_STAGE = "first-stage"
     ALL = "all"
 
@@ -84,8 +88,8 @@ class OrchestratorConfig:
     ``gpus_per_node - 1 + nodes - 1`` peers a rank, the same outputs).
     ``encoder_ranks``: which ranks encode (:class:`EncoderRanks`; ``ALL`` needs pipeline parallelism, or an encoder
     TP below the backbone's, to differ from ``FIRST_STAGE``; its moves run flat: ``all_to_all`` node-wise is refused
-    with it).
-    ``encoder_tensor_parallel_size``: with ``encoder_ranks`` ``ALL``, the encoders' own tensor-parallel size
+    with it; ``AUTO``, the default, is decided by the entry point, :meth:`with_encoder_ranks`).
+    ``encoder_tensor_parallel_size``: with ``encoder_ranks`` ``ALL`` (or ``AUTO``), the encoders' own tensor-parallel size
     (``--orch-encoder-tensor-parallel-size``; None: the backbone's); it must divide the backbone's, which the
     entry points check (:func:`~megatron_orch.orchestrator.encoder_ranks.unsupported_layout`). Below it, each
     backbone TP group holds TP / encoder TP encoder replicas, and the encoder phases are balanced over
@@ -113,7 +117,7 @@ class OrchestratorConfig:
     shadow: bool = False
     verify_first_step: bool = True
     all_to_all: str = "flat"
-    encoder_ranks: EncoderRanks = EncoderRanks.FIRST_STAGE
+    encoder_ranks: EncoderRanks = EncoderRanks.AUTO
     encoder_tensor_parallel_size: Optional[int] = None
     exchange_alike: bool = False
 
@@ -146,18 +150,22 @@ class OrchestratorConfig:
         if not isinstance(self.encoder_ranks, EncoderRanks):
             raise ConfigError("encoder_ranks", f" must be an EncoderRanks ({', '.join(e.name for e in EncoderRanks)}),"
                                                f" got {self.encoder_ranks!r}")
-        if self.encoder_ranks is EncoderRanks.ALL and self.verify_first_step and not self.shadow:
-            raise ConfigError("encoder_ranks", " all: the checked first step (verify_first_step) compares the "
-                                               "encoders on the first pipeline stage only; turn it off with it")
         if self.encoder_ranks is EncoderRanks.ALL and self.all_to_all != "flat" and not self.shadow:
             raise ConfigError("encoder_ranks", f" all with a {self.all_to_all} all-to-all is not supported: the "
                                                "encoder group's moves run flat")
         etp = self.encoder_tensor_parallel_size
         if etp is not None and (isinstance(etp, bool) or not isinstance(etp, int) or etp < 1):
             raise ConfigError("encoder_tensor_parallel_size", f" must be an int >= 1, got {etp!r}")
-        if etp is not None and self.encoder_ranks is not EncoderRanks.ALL:
-            raise ConfigError("encoder_tensor_parallel_size", f" {etp} needs encoder_ranks ALL (the encoders on the "
-                                                              "first stage run at the backbone's tensor-parallel size)")
+        if etp is not None and self.encoder_ranks is EncoderRanks.FIRST_STAGE:
+            raise ConfigError("encoder_tensor_parallel_size", f" {etp} needs encoder_ranks ALL or AUTO (the encoders "
+                                                              "on the first stage run at the backbone's tensor-parallel "
+                                                              "size)")
+
+    def with_encoder_ranks(self, ranks: EncoderRanks) -> "OrchestratorConfig":
+        """This config with the layout ``ranks`` (``AUTO`` decided: ``FIRST_STAGE`` drops the encoders' own TP
+        size)."""
+        etp = self.encoder_tensor_parallel_size if ranks is EncoderRanks.ALL else None
+        return dataclasses.replace(self, encoder_ranks=ranks, encoder_tensor_parallel_size=etp)
 
     @property
     def encoders_on_every_stage(self) -> bool:

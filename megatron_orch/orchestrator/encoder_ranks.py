@@ -26,16 +26,66 @@ from __future__ import annotations
 from dataclasses import dataclass
 import functools
 import operator
-from typing import Dict, List, Optional, Tuple
+from typing import Callable, Dict, List, Optional, Tuple
 
 import numpy as np
 
 from megatron_orch.balance.plan import Connections, MovedBytes, Peers, Placement, Transfer
 from megatron_orch.balance.workload import PhaseItems
+from megatron_orch.orchestrator.config import EncoderRanks, OrchestratorConfig
 from megatron_orch.orchestrator.step_plan import EncoderChunks, StepMove, StepPlan, step_moves
 
 FLAG = "--orch-encoder-ranks all"
 ETP_FLAG = "--orch-encoder-tensor-parallel-size"
+
+
+@dataclass(frozen=True)
+class EncoderRanksDecision:
+    """The encoder layout a job runs (``ranks``: ``FIRST_STAGE`` or ``ALL``), what was asked (``asked``) and why
+    (``reason``, one clause)."""
+
+    ranks: EncoderRanks
+    asked: EncoderRanks
+    reason: str
+
+    def line(self) -> str:
+        """Rank 0's line at start: which layout runs and why."""
+        where = "every rank" if self.ranks is EncoderRanks.ALL else "the first pipeline stage"
+        return (f"post-balancing: the encoders on {where} (--orch-encoder-ranks {self.asked.value}"
+                f"{'' if self.asked is self.ranks else ': ' + self.ranks.value}): {self.reason}")
+
+
+def decide_encoder_ranks(config: OrchestratorConfig, *, pipeline_parallel_size: int, tensor_parallel_size: int,
+                         unavailable: Optional[str] = None,
+                         memory_refusal: Callable[[], Optional[str]] = lambda: None,
+                         memory: str = "per-GPU memory not checked") -> EncoderRanksDecision:
+    """The layout ``config.encoder_ranks`` runs: as asked where ``FIRST_STAGE`` or ``ALL`` (the entry point refuses
+    an ``ALL`` it cannot run); ``AUTO``: ``ALL`` where it differs from ``FIRST_STAGE`` (pipeline parallelism, or the
+    encoders at a TP size below the backbone's), the entry point can run it (``unavailable``: why not, one line, e.g.
+    :func:`unsupported_layout`'s; None: it can), its moves run flat and the per-GPU memory model says it fits
+    (``memory_refusal()``: why not, asked last; None: it fits or nothing to check; ``memory``: what was checked, for
+    the reason), else ``FIRST_STAGE``. Shadow mode trains as loaded (``FIRST_STAGE``)."""
+    asked = config.encoder_ranks
+    if asked is not EncoderRanks.AUTO:
+        return EncoderRanksDecision(asked, asked, "as asked")
+    first = functools.partial(EncoderRanksDecision, EncoderRanks.FIRST_STAGE, asked)
+    if config.shadow:
+        return first("shadow mode trains on the loader's layout")
+    etp = config.encoder_tensor_parallel_size or tensor_parallel_size
+    if pipeline_parallel_size == 1 and etp == tensor_parallel_size:
+        return first("one pipeline stage, the encoders at the backbone's tensor-parallel size: the same ranks encode "
+                     "in either layout")
+    if unavailable is not None:
+        return first(unavailable)
+    if config.all_to_all != "flat":
+        return first(f"{FLAG} runs its moves flat, not {config.all_to_all}")
+    refused = memory_refusal()
+    if refused is not None:
+        return first(refused)
+    replicas = tensor_parallel_size // etp if tensor_parallel_size % etp == 0 else 1
+    return EncoderRanksDecision(EncoderRanks.ALL, asked, f"each encoder phase over DP x {pipeline_parallel_size} "
+                                f"pipeline stages x {replicas} encoder replicas per TP group instead of the first "
+                                f"stage's DP ranks; {memory}")
 
 
 def unsupported_layout(*, context_parallel_size: int, overlap_grad_reduce: bool, sharded: Optional[str],

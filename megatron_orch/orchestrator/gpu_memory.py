@@ -1,7 +1,8 @@
 """Per-GPU memory of a training step by where the encoders run (torch-free): parameters, gradients, optimizer
 state and activations of the busiest GPU of every pipeline stage. ``bench.memory --per-gpu`` tabulates it, the
 simulator prints its model state, and ``--orch-encoder-ranks all`` is refused by it where it would not fit
-(:func:`encoder_ranks_all_refusal`, called while the flags are checked, before any collective).
+(:func:`encoder_ranks_all_refusal`, called while the flags are checked, before any collective; ``auto`` then
+picks ``first-stage``).
 
 The model, Megatron's mixed precision:
 

@@ -509,6 +509,9 @@ def _starting(print_fn: Callable[[str], None], what: str) -> None:
 
 def _set_up_and_train(args, task: TrainingTask, print_fn, lock) -> list[IterationRecord]:
     timers = EventTimers(log_level=max(1, args.timing_log_level), log_option="minmax", cuda=not runs_on_cpu(args))
+    decision = getattr(args, "encoder_ranks_decision", None)
+    if decision is not None and dist.get_rank() == 0:
+        print_fn(f" > {decision.line()}")
     _starting(print_fn, f"{dist.get_world_size()} ranks initialised; building the model")
     model = build_model(args, task.build_model)
     orch_config = getattr(args, "orch_config", None)

@@ -321,6 +321,26 @@ def test_check_args_names_what_post_balancing_cannot_run_with():
             megatron_lm.check_args(_megatron_args(**changes))
 
 
+def test_encoder_ranks_auto_is_first_stage_under_megatron_training():
+    """``--orch-encoder-ranks auto`` (the default) where ``all`` would differ (PP 2, or an encoder TP below TP):
+    first-stage, saying why (megatron.training does not share the encoders), never a refusal; ``all`` given is kept
+    (and refused by check_args)."""
+    from megatron_orch.megatron import megatron_lm
+    from megatron_orch.orchestrator.config import EncoderRanks, OrchestratorConfig
+
+    for changes in (dict(pipeline_model_parallel_size=2),
+                    dict(pipeline_model_parallel_size=1, tensor_model_parallel_size=2,
+                         orch_config=OrchestratorConfig(encoder_tensor_parallel_size=1))):
+        args = _megatron_args(**{"orch_config": OrchestratorConfig(), "orch_encoder_ranks": "auto", **changes})
+        decision = megatron_lm.encoder_ranks_decision(args)
+        assert decision.ranks is args.orch_config.encoder_ranks is EncoderRanks.FIRST_STAGE
+        assert args.orch_encoder_ranks == "first-stage" and args.orch_config.encoder_tensor_parallel_size is None
+        assert "megatron.training runs no encoders off the first stage" in decision.line(), decision.line()
+        megatron_lm.check_args(args)
+    args = _megatron_args(pipeline_model_parallel_size=2, orch_config=OrchestratorConfig(encoder_ranks=EncoderRanks.ALL))
+    assert megatron_lm.encoder_ranks_decision(args).ranks is EncoderRanks.ALL
+
+
 def test_pretrain_api_and_patch_detected_by_signature():
     """Which pretrain() API (0.16-0.17: extra_args_provider; 0.18+: a config container first) and whether the
     patch is in, from the signature alone, as megatron_lm.pretrain decides them."""

@@ -65,7 +65,6 @@ def _train(rank, world_size, tp, sp, balanced, out_dir, microbatching="equal_cou
                                         PostBalancingDataIterator, StepShape, collate, forward_step, post_balance,
                                         share_encoders)
     from megatron_orch.megatron.encoder_layout import encoder_groups
-    from megatron_orch.orchestrator.config import EncoderRanks
     from megatron_orch.trainer import arguments, cpu_harness, loop as trainer
     from mimo_model import balanced_mimo
 
@@ -95,9 +94,9 @@ def _train(rank, world_size, tp, sp, balanced, out_dir, microbatching="equal_cou
                            for j in range(MBS)], spec)
                   for step in range(ITERS) for m in range(NUM_MB))
         schedule, iterator = None, source
-        if encoder_tp is not None:  # the modalities' own grid: the encoders on every rank at its TP
-            config = OrchestratorConfig(microbatching=microbatching, encoder_ranks=EncoderRanks.ALL,
-                                        encoder_tensor_parallel_size=encoder_tp, verify_first_step=False)
+        if encoder_tp is not None:  # the modalities' own grid: the encoders on every rank at its TP, which the
+            # default encoder_ranks AUTO decides from the model (every rank's holding the encoders, at encoder_tp)
+            config = OrchestratorConfig(microbatching=microbatching, verify_first_step=False)
             schedule, iterator = post_balance(get_forward_backward_func(), source, spec, StepShape(MBS, NUM_MB),
                                               model=model, config=config, compute_device=torch.device("cpu"))
         elif balanced:

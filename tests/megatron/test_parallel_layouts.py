@@ -3,7 +3,7 @@ parallelism (TP 2 + SP x DP 2, also with the encoders at TP 1 on every rank), co
 padded rows and packed rows), both (TP 2 + SP x CP 2 x DP 2, 8 ranks, one step), and the encoders on every pipeline
 stage (``--orch-encoder-ranks all``: PP 2 x DP 2, the encoder phases over 4 ranks; TP 2 x PP 2 x DP 2 with the
 encoders at TP 1, over 8 encoder replicas, 8 ranks, one step; PP 2 x VPP 2 x DP 2, in every rank's first model
-chunk, one step). Post-balancing off against on, fp32, dropout 0 (dropout masks
+chunk, one step; each with its first step checked against the loader's layout). Post-balancing off against on, fp32, dropout 0 (dropout masks
 follow the rank that computes an example): the losses of every step and every parameter after the run agree
 within 1e-5, and on the step with every heavy example on DP rank 0 the plan moved data and lowered each
 phase's modeled max/mean. The layouts also reproduce the whole-sequence run: SP on against off, CP 2 against
@@ -59,13 +59,21 @@ def _train_runs(rank, world_size, runs, out_dir):
     warnings.filterwarnings("ignore")
     from megatron.core import parallel_state
 
+    from megatron_orch.megatron import first_step
     from megatron_orch.mllm import attention, providers
     from megatron_orch.trainer import arguments, loop as trainer
 
     providers.build_train_data_iterator = scripted_iterator
-    stock_attention = attention.context_parallel_attention
+    stock_attention, stock_check = attention.context_parallel_attention, first_step.checked_step
     for name, argv in runs:
-        built, calls = [], {"padded": 0, "packed": 0}
+        built, calls, checks = [], {"padded": 0, "packed": 0}, []
+
+        def checked_step(*args, **kwargs):  # the checked first steps' figures (the same on every rank)
+            result, figures = stock_check(*args, **kwargs)
+            checks.append(figures)
+            return result, figures
+
+        first_step.checked_step = checked_step
 
         def context_parallel_attention(*args, **kwargs):  # which CP path the run took
             calls["packed" if args[4] is not None else "padded"] += 1
@@ -95,8 +103,8 @@ def _train_runs(rank, world_size, runs, out_dir):
                         "post_balancing": [r.post_balancing for r in records],
                         "items_encoded": [r.items_encoded for r in records],
                         "layout": (config.sequence_parallel, config.context_parallel_size),
-                        "cp_attention_calls": calls}, out / "log.pt")
-    attention.context_parallel_attention = stock_attention
+                        "cp_attention_calls": calls, "checks": checks}, out / "log.pt")
+    attention.context_parallel_attention, first_step.checked_step = stock_attention, stock_check
 
 
 def train(tmp_path: Path, world_size: int, runs, timeout_s: float) -> dict:
@@ -145,6 +153,16 @@ def assert_same_encoder_tp1_run(got: dict, want: dict, iterations: int, what: st
     for iteration, norm in want["grad_norms"].items():
         assert got["grad_norms"][iteration] == pytest.approx(norm, rel=TOLERANCE), (got["grad_norms"],
                                                                                      want["grad_norms"])
+
+
+def assert_first_step_checked(logs: dict):
+    """The ``all`` run's first step checked against the loader's layout (``--orch-verify-first-step``: the loss, the
+    gradient norms, the encoder outputs within :data:`TOLERANCE`); the upstream run unchecked."""
+    check, = logs["all"]["checks"]  # the first step holds items of every phase
+    assert check["loss"] <= TOLERANCE and check["gradient norms"] <= TOLERANCE, check
+    assert check["encoder outputs"].keys() == {"vision", "audio"}, check
+    assert max(check["encoder outputs"].values()) <= TOLERANCE, check
+    assert logs["upstream"]["checks"] == []
 
 
 def assert_plan_balances(balanced: dict):
@@ -211,11 +229,14 @@ def test_tp2_sequence_parallel_cp2_dp2_is_invariant(tmp_path):
 
 def test_pp2_dp2_encoders_on_every_stage_is_invariant(tmp_path):
     """PP 2 x DP 2, the encoders on the first stage (Megatron's layout, post-balancing off) against the encoders on
-    every stage (on, ``all``): every rank encodes, the losses and parameters agree, and the second stage's encoders
-    train to the first stage's parameters."""
+    every stage (on, ``all``, its first step checked against the loader's layout): every rank encodes, the check
+    passes, the losses and parameters agree, and the second stage's encoders train to the first stage's
+    parameters."""
     flags = ["--pipeline-model-parallel-size", "2", "--train-iters", "2"]
-    logs = train(tmp_path, 4, [("upstream", flags), ("all", flags + BALANCED + ["--orch-encoder-ranks", "all"])],
+    logs = train(tmp_path, 4, [("upstream", flags), ("all", flags + BALANCED + ["--orch-encoder-ranks", "all",
+                                                                                "--orch-verify-first-step"])],
                  timeout_s=420)
+    assert_first_step_checked(logs)
     assert_same_run(logs["all"], logs["upstream"], 2, "PP 2 x DP 2, encoders on every stage / upstream")
     assert_plan_balances(logs["all"])
     heavy = logs["all"]["items_encoded"][0]  # every vision item on DP rank 0 as loaded
@@ -236,9 +257,10 @@ def test_tp2_pp2_dp2_encoders_at_tensor_parallel_1_on_every_rank_is_invariant(tm
     gradient norms agree (:func:`assert_same_encoder_tp1_run`)."""
     flags = ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2", "--train-iters", "1"]
     logs = train(tmp_path, 8, [("upstream", flags),
-                               ("all", flags + BALANCED + ["--orch-encoder-ranks", "all",
+                               ("all", flags + BALANCED + ["--orch-encoder-ranks", "all", "--orch-verify-first-step",
                                                            "--orch-encoder-tensor-parallel-size", "1"])],
                  timeout_s=600)
+    assert_first_step_checked(logs)
     assert_same_encoder_tp1_run(logs["all"], logs["upstream"], 1,
                                 "TP 2 x PP 2 x DP 2, encoders at TP 1 on every rank / upstream")
     assert_plan_balances(logs["all"])
@@ -254,8 +276,10 @@ def test_pp2_vpp2_dp2_encoders_in_every_ranks_first_chunk_is_invariant(tmp_path)
     first chunk holds the encoders (its second none)."""
     flags = ["--num-layers", "4", "--pipeline-model-parallel-size", "2", "--num-layers-per-virtual-pipeline-stage",
              "1", "--train-iters", "1"]
-    logs = train(tmp_path, 4, [("upstream", flags), ("all", flags + BALANCED + ["--orch-encoder-ranks", "all"])],
+    logs = train(tmp_path, 4, [("upstream", flags), ("all", flags + BALANCED + ["--orch-encoder-ranks", "all",
+                                                                                "--orch-verify-first-step"])],
                  timeout_s=420)
+    assert_first_step_checked(logs)
     assert any(name.startswith("chunk1.") for name in logs["all"]["params"])
     assert_same_run(logs["all"], logs["upstream"], 1, "PP 2 x VPP 2 x DP 2, encoders on every rank / upstream")
     assert_plan_balances(logs["all"])

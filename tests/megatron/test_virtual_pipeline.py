@@ -82,8 +82,11 @@ def _train(rank, world_size, argv, out_dir, initial_state, load_initial_state):
         pp, vp = parallel_state.get_pipeline_model_parallel_rank(), vp_stage or 0
         vp_size = args.virtual_pipeline_model_parallel_size or 1
         if load_initial_state:  # the reference's weights, this chunk's share
-            model.load_state_dict(stage_state(torch.load(initial_state), pp, args.pipeline_model_parallel_size,
-                                              vp, vp_size))
+            full = torch.load(initial_state)
+            state = stage_state(full, pp, args.pipeline_model_parallel_size, vp, vp_size)
+            if any(name.startswith("encoders.") for name in model.state_dict()):  # every rank's first chunk holds
+                state.update({k: v for k, v in full.items() if k.startswith("encoders.")})  # them (auto: all)
+            model.load_state_dict(state)
         elif rank == 0:
             torch.save(model.state_dict(), initial_state)
         layers = sum(1 for name in model.state_dict() if LAYER.match(name) and name.endswith("linear_proj.weight"))

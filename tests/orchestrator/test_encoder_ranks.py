@@ -16,8 +16,8 @@ from megatron_orch.balance.workload import phase_items
 from megatron_orch.megatron.orch_arguments import add_orch_args, orch_config_from_args
 from megatron_orch.mllm.config import load_model_config
 from megatron_orch.orchestrator.config import ConfigError, EncoderRanks, OrchestratorConfig
-from megatron_orch.orchestrator.encoder_ranks import (CopiedStepMove, group_moves, group_traffic, spread_over_stages,
-                                                      stage_of_items, unsupported_layout)
+from megatron_orch.orchestrator.encoder_ranks import (CopiedStepMove, decide_encoder_ranks, group_moves, group_traffic,
+                                                      spread_over_stages, stage_of_items, unsupported_layout)
 from megatron_orch.orchestrator.step_plan import plan_step, step_moves
 from test_step_plan import sizes_of
 
@@ -189,25 +189,62 @@ def test_unsupported_layouts_are_named():
 
 
 def test_config_takes_the_layout_as_data():
-    assert tuple(ranks.value for ranks in EncoderRanks) == ENCODER_RANKS  # the step model's names
-    assert not OrchestratorConfig().encoders_on_every_stage
+    assert tuple(r.value for r in EncoderRanks if r is not EncoderRanks.AUTO) == ENCODER_RANKS  # the step model's
+    assert OrchestratorConfig().encoder_ranks is EncoderRanks.AUTO and not OrchestratorConfig().encoders_on_every_stage
+    assert OrchestratorConfig(encoder_ranks=EncoderRanks.ALL).verify_first_step  # the first step checked with it
     config = OrchestratorConfig(encoder_ranks=EncoderRanks.ALL, verify_first_step=False)
     assert config.encoders_on_every_stage
     assert not OrchestratorConfig(encoder_ranks=EncoderRanks.ALL, shadow=True).encoders_on_every_stage
     with pytest.raises(ConfigError, match=r"OrchestratorConfig.encoder_ranks must be an EncoderRanks"):
         OrchestratorConfig(encoder_ranks="all", verify_first_step=False)
-    with pytest.raises(ConfigError, match="encoder_ranks all: the checked first step"):
-        OrchestratorConfig(encoder_ranks=EncoderRanks.ALL)
     with pytest.raises(ConfigError, match="encoder_ranks all with a node-wise all-to-all is not supported"):
         OrchestratorConfig(encoder_ranks=EncoderRanks.ALL, verify_first_step=False, all_to_all="node-wise")
     assert OrchestratorConfig(encoder_ranks=EncoderRanks.ALL, shadow=True, all_to_all="node-wise").shadow
     spread = OrchestratorConfig(encoder_ranks=EncoderRanks.ALL, verify_first_step=False, encoder_tensor_parallel_size=1)
     assert spread.encoder_tp_replicas(4) == 4 and spread.spreads_encoders(4, 1) and not spread.spreads_encoders(1, 1)
     assert config.encoder_tp_replicas(4) == 1 and config.spreads_encoders(1, 2) and not config.spreads_encoders(4, 1)
-    with pytest.raises(ConfigError, match="encoder_tensor_parallel_size 1 needs encoder_ranks ALL"):
-        OrchestratorConfig(encoder_tensor_parallel_size=1)
+    with pytest.raises(ConfigError, match="encoder_tensor_parallel_size 1 needs encoder_ranks ALL or AUTO"):
+        OrchestratorConfig(encoder_ranks=EncoderRanks.FIRST_STAGE, encoder_tensor_parallel_size=1)
+    assert OrchestratorConfig(encoder_tensor_parallel_size=1).with_encoder_ranks(
+        EncoderRanks.FIRST_STAGE).encoder_tensor_parallel_size is None
+    assert OrchestratorConfig(verify_first_step=False, encoder_tensor_parallel_size=1).with_encoder_ranks(
+        EncoderRanks.ALL) == spread
     with pytest.raises(ConfigError, match=r"encoder_tensor_parallel_size must be an int >= 1, got 0"):
         OrchestratorConfig(encoder_ranks=EncoderRanks.ALL, verify_first_step=False, encoder_tensor_parallel_size=0)
+
+
+def test_auto_decides_all_where_it_differs_runs_and_fits():
+    """``decide_encoder_ranks``: ``AUTO`` is ``ALL`` where it differs from ``FIRST_STAGE`` (PP > 1, or the encoders'
+    TP below the backbone's) and nothing speaks against it, else ``FIRST_STAGE`` naming the first reason (the
+    memory model asked last, only then); a layout asked for is kept."""
+    def decide(config=OrchestratorConfig(), pp=2, tp=1, **kwargs):
+        return decide_encoder_ranks(config, pipeline_parallel_size=pp, tensor_parallel_size=tp, **kwargs)
+
+    def never():
+        raise AssertionError("the memory model asked where the layout decided already")
+
+    everywhere = decide(memory="fits the GPU's 80.0 GB")
+    assert (everywhere.ranks, everywhere.asked) == (EncoderRanks.ALL, EncoderRanks.AUTO)
+    assert everywhere.line() == ("post-balancing: the encoders on every rank (--orch-encoder-ranks auto: all): each "
+                                 "encoder phase over DP x 2 pipeline stages x 1 encoder replicas per TP group instead "
+                                 "of the first stage's DP ranks; fits the GPU's 80.0 GB")
+    assert decide(OrchestratorConfig(encoder_tensor_parallel_size=1), pp=1, tp=4).ranks is EncoderRanks.ALL
+    for config, pp, tp, kwargs, reason in [
+            (OrchestratorConfig(), 1, 4, {}, "one pipeline stage"),
+            (OrchestratorConfig(encoder_tensor_parallel_size=4), 1, 4, {}, "one pipeline stage"),
+            (OrchestratorConfig(), 2, 1, {"unavailable": "why not"}, "why not"),
+            (OrchestratorConfig(all_to_all="node-wise"), 2, 1, {}, "runs its moves flat, not node-wise"),
+            (OrchestratorConfig(shadow=True), 2, 1, {}, "shadow mode")]:
+        decision = decide(config, pp, tp, memory_refusal=never, **kwargs)
+        assert decision.ranks is EncoderRanks.FIRST_STAGE and reason in decision.reason, decision
+        assert decision.line().startswith("post-balancing: the encoders on the first pipeline stage "
+                                          "(--orch-encoder-ranks auto: first-stage): ")
+    refused = decide(memory_refusal=lambda: "--orch-encoder-ranks all does not fit")
+    assert refused.ranks is EncoderRanks.FIRST_STAGE and refused.reason == "--orch-encoder-ranks all does not fit"
+    for asked in (EncoderRanks.ALL, EncoderRanks.FIRST_STAGE):
+        kept = decide(OrchestratorConfig(encoder_ranks=asked), unavailable="why not", memory_refusal=never)
+        assert (kept.ranks, kept.reason) == (asked, "as asked")
+        assert kept.line().endswith(f"(--orch-encoder-ranks {asked.value}): as asked")
 
 
 def _parser():
@@ -221,16 +258,18 @@ def _parser():
 
 def test_orch_encoder_ranks_flag():
     parse = _parser().parse_args
-    assert orch_config_from_args(parse(["--orch-post-balancing"])).encoder_ranks is EncoderRanks.FIRST_STAGE
+    assert orch_config_from_args(parse(["--orch-post-balancing"])).encoder_ranks is EncoderRanks.AUTO
     config = orch_config_from_args(parse(["--orch-post-balancing", "--orch-encoder-ranks", "all",
                                           "--pipeline-model-parallel-size", "2"]), verify_by_default=True)
-    assert config.encoder_ranks is EncoderRanks.ALL and not config.verify_first_step
+    assert config.encoder_ranks is EncoderRanks.ALL and config.verify_first_step
     with pytest.raises(ValueError, match=r"^--orch-encoder-ranks all with a node-wise all-to-all is not supported"):
         orch_config_from_args(parse(["--orch-post-balancing", "--orch-encoder-ranks", "all", "--orch-all-to-all",
                                      "node-wise", "--pipeline-model-parallel-size", "2"]))
-    with pytest.raises(ValueError, match=r"^--orch-encoder-ranks all: the checked first step"):
-        orch_config_from_args(parse(["--orch-post-balancing", "--orch-encoder-ranks", "all",
-                                     "--orch-verify-first-step"]))
+    assert orch_config_from_args(parse(["--orch-post-balancing", "--orch-encoder-ranks", "all",
+                                        "--orch-verify-first-step"])).verify_first_step
+    auto = parse(["--orch-post-balancing", "--orch-all-to-all", "node-wise", "--pipeline-model-parallel-size", "2",
+                  "--overlap-grad-reduce"])  # auto is not refused what all would be: it decides later
+    assert orch_config_from_args(auto).encoder_ranks is EncoderRanks.AUTO
     with pytest.raises(ValueError, match="--orch-encoder-ranks all with --overlap-grad-reduce is not supported"):
         orch_config_from_args(parse(["--orch-post-balancing", "--orch-encoder-ranks", "all",
                                      "--pipeline-model-parallel-size", "2", "--overlap-grad-reduce"]))
@@ -249,5 +288,8 @@ def test_orch_encoder_tensor_parallel_size_flag():
         orch_config_from_args(parse(all_ranks + ["--orch-encoder-tensor-parallel-size", "3"]))
     assert orch_config_from_args(parse(all_ranks + ["--orch-encoder-tensor-parallel-size", "1", "--sequence-parallel"])
                                  ).encoder_tensor_parallel_size == 1
-    with pytest.raises(ValueError, match=r"^--orch-encoder-tensor-parallel-size 1 needs encoder_ranks ALL"):
-        orch_config_from_args(parse(["--orch-post-balancing", "--orch-encoder-tensor-parallel-size", "1"]))
+    with pytest.raises(ValueError, match=r"^--orch-encoder-tensor-parallel-size 1 needs encoder_ranks ALL or AUTO"):
+        orch_config_from_args(parse(["--orch-post-balancing", "--orch-encoder-ranks", "first-stage",
+                                     "--orch-encoder-tensor-parallel-size", "1"]))
+    assert orch_config_from_args(parse(["--orch-post-balancing", "--orch-encoder-tensor-parallel-size", "1"])
+                                 ).encoder_tensor_parallel_size == 1

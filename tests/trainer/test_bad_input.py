@@ -363,3 +363,24 @@ def test_encoders_on_every_stage_are_refused_where_they_do_not_fit_one_gpu():
     assert parse(*every, "--orch-gpu-memory-gb", "80", world_size=4).orch_config.encoders_on_every_stage
     with pytest.raises(arguments.ArgumentError, match="--orch-gpu-memory-gb must be > 0, got 0.0"):
         parse(*every, "--orch-gpu-memory-gb", "0", world_size=4)
+
+
+def test_encoder_ranks_auto_is_all_where_it_differs_runs_and_fits_else_first_stage():
+    """--orch-encoder-ranks auto (the default), decided while the flags are checked: all with PP 2 where it fits
+    --orch-gpu-memory-gb (or nothing to check it against: no GPU here), first-stage where it does not fit, where the
+    layout does not run it (--overlap-grad-reduce) or where it would be the same layout (PP 1); never refused. The
+    decided value is what args and a checkpoint record."""
+    pp2 = [*BALANCED, "--pipeline-model-parallel-size", "2"]
+    for flags, ranks, reason in [
+            (pp2, "all", r"over DP x 2 pipeline stages x 1 encoder replicas .*; per-GPU memory not checked"),
+            (pp2 + ["--orch-gpu-memory-gb", "80"], "all", r"; fits --orch-gpu-memory-gb 80 \(per-GPU memory model\)"),
+            (pp2 + ["--orch-gpu-memory-gb", "0.001"], "first-stage",
+             r"--orch-encoder-ranks all does not fit --orch-gpu-memory-gb \(0\.0 GB\)"),
+            (pp2 + ["--overlap-grad-reduce", "--use-distributed-optimizer"], "first-stage",
+             r"--orch-encoder-ranks all with --overlap-grad-reduce is not supported"),
+            (BALANCED, "first-stage", r"one pipeline stage")]:
+        args = parse(*flags, world_size=4)
+        decision = args.encoder_ranks_decision
+        assert (args.orch_config.encoder_ranks.value, args.orch_encoder_ranks, decision.ranks.value) == (ranks,) * 3
+        assert decision.asked.value == "auto" and re.search(reason, decision.line()), decision.line()
+    assert parse(*pp2, "--orch-encoder-ranks", "first-stage", world_size=4).encoder_ranks_decision.reason == "as asked"
