@@ -188,20 +188,16 @@ def localize(rank, costs, want, node_of_rank, capacity, swaps_only, weight, scan
     gains = np.empty(2 * scan)
     gaps = np.empty(2 * scan)
     partners = np.empty(2 * scan, dtype=np.int64)
+    by_cost = np.argsort(-costs, kind="mergesort")  # decreasing cost, ties by id: sorted once, filtered per pass
+    away = np.empty(n, dtype=np.int64)
     for _ in range(passes):  # the costliest first (fewest partners); again, as moves made room
         num_away = 0
-        for e in range(n):
+        for e in by_cost:
             if node_of_rank[rank[e]] != want[e]:
+                away[num_away] = e
                 num_away += 1
-        away = np.empty(num_away, dtype=np.int64)
-        k = 0
-        for e in range(n):
-            if node_of_rank[rank[e]] != want[e]:
-                away[k] = e
-                k += 1
-        away = away[np.argsort(-costs[away], kind="mergesort")]
         moved = 0
-        for e in away:
+        for e in away[:num_away]:
             a = rank[e]
             x, y = node_of_rank[a], want[e]
             if x == y:
