@@ -205,10 +205,6 @@ def repair_locality(bin_of_item: np.ndarray, reference: np.ndarray, costs: np.nd
                                      state.load, costs, e, to, np.array(partners, dtype=np.int64), limits,
                                      float(capacity), cap_scale)
 
-    def _bytes_on(e: int, on_node: int) -> float:
-        return float(sum(mv.nbytes[mv.start[e]:mv.start[e + 1]][node[mv.src[mv.start[e]:mv.start[e + 1]]] == on_node]
-                         .sum() for mv in moves))
-
     def options(e: int, a: int, to: int, kind: str) -> List[Tuple[int, ...]]:
         """Partner sets for moving e from a to ``to`` that keep both ranks within the capacity: none (a move),
         one example of ``to`` (a swap), or (packed) several whose costs add up to what fits."""
@@ -227,7 +223,7 @@ def repair_locality(bin_of_item: np.ndarray, reference: np.ndarray, costs: np.nd
         fit = others[(oc >= low) & (oc <= high)]
         if fit.size:  # the closest in cost, those with most bytes on a's node first (they land near home)
             fit = fit[np.argsort(np.abs(costs[fit] - c), kind="stable")][:4 * _PARTNERS]
-            near_a = np.array([_bytes_on(f, node[a]) for f in fit])
+            near_a = _kernels.bytes_on_node(state.src, state.nbytes, state.offset, node, fit, node[a])
             found += [(int(f),) for f in fit[np.argsort(-near_a, kind="stable")][:_PARTNERS]]
         if not swaps_only and low > 0:  # several of to's examples, largest first, while they fit
             chosen, total = [], 0.0

@@ -312,3 +312,23 @@ def test_a_compiled_trial_exchange_is_the_numpy_one_bit_for_bit(data):
         if data.draw(st.booleans()):  # an action taken: both states move on
             ours.put(e, to)
             theirs.put(e, to)  # (the kernel; checked against the numpy moves above through the trials)
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.data())
+def test_the_compiled_bytes_on_a_node_are_the_numpy_sums(data):
+    """The repair's bytes of an example sent from one node (compiled: _kernels.bytes_on_node, which orders its swap
+    partners) are numpy's masked sums per move added move after move, bit for bit."""
+    from megatron_orch.balance import _kernels
+    from megatron_orch.balance.repair import _group, _State
+    costs, plain, node, near, sources, capacity = _repair_instance(data)
+    n, num_ranks = costs.size, node.size
+    moves = [_group(np.asarray(e, dtype=np.int64), np.asarray(s, dtype=np.int64), np.asarray(b), n, num_ranks)
+             for e, s, b in sources]
+    state = _State(moves, node, near.astype(np.int64), costs, num_ranks)
+    examples = np.array(data.draw(st.lists(st.integers(0, n - 1), max_size=8)), dtype=np.int64)
+    on_node = data.draw(st.integers(0, int(node.max())))
+    got = _kernels.bytes_on_node(state.src, state.nbytes, state.offset, node, examples, on_node)
+    expected = [float(sum(mv.nbytes[mv.start[e]:mv.start[e + 1]][node[mv.src[mv.start[e]:mv.start[e + 1]]] == on_node]
+                          .sum() for mv in moves)) for e in examples]
+    assert got.tolist() == expected

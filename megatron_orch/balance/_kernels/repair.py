@@ -392,6 +392,28 @@ def pairwise_sum(values, lo, n):
 
 
 @numba.njit(**_JIT)
+def bytes_on_node(src, nbytes, offset, node_of_rank, examples, on_node):
+    """For each of ``examples``: the bytes of its entries (every move's: ``src`` / ``nbytes`` at ``offset[m, e]:
+    offset[m, e + 1]``) sent from node ``on_node``, summed as balance/repair.py sums them (each move's with numpy's
+    sum, :func:`pairwise_sum`, then move after move)."""
+    out = np.empty(examples.size)
+    for k in range(examples.size):
+        e = examples[k]
+        total = 0.0
+        for m in range(offset.shape[0]):
+            lo, hi = offset[m, e], offset[m, e + 1]
+            picked = np.empty(hi - lo)
+            count = 0
+            for i in range(lo, hi):
+                if node_of_rank[src[i]] == on_node:
+                    picked[count] = nbytes[i]
+                    count += 1
+            total += pairwise_sum(picked, 0, count)
+        out[k] = total
+    return out
+
+
+@numba.njit(**_JIT)
 def shift_example(links, node_of_rank, src, nbytes, offset, rank, load, costs, e, to):
     """Example e's entries of every move m (``src`` / ``nbytes`` at ``offset[m, e]:offset[m, e + 1]``) and its cost
     moved from its rank to rank ``to`` (``links``: per move, :func:`add_link_bytes`'s four rows)."""
