@@ -108,6 +108,12 @@ def _settle(rank, load, costs, head, tail, nxt, prv, node_of_rank, node_ranks, n
     node's other ranks' examples (rank by rank, each in order) and then (``swaps_only`` False) the ranks
     themselves (a move): applied, True; else False."""
     x = node_of_rank[r]
+    most = -np.inf  # the most room of another rank of the node: none with less than ``over`` can take the excess
+    for t in range(node_start[x], node_start[x + 1]):
+        if node_ranks[t] != r:
+            most = max(most, capacity - load[node_ranks[t]])
+    if most < over:
+        return False
     best, g, h, to = np.inf, -1, -1, -1
     i = head[r]
     while i >= 0:
