@@ -1,5 +1,5 @@
 """The plain plan localised (balance/repair.py's ``localize``): examples swapped onto the node they want; the
-repair's per-link byte counts."""
+repair's per-link byte counts and its trial exchanges (``repair_locality``), summed as its numpy code summed them."""
 import numba
 import numpy as np
 
