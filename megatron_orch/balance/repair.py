@@ -58,32 +58,28 @@ def _group(example: np.ndarray, src: np.ndarray, nbytes: np.ndarray, n: int, num
 
 
 class _State:
+    """The ranks, loads and per-link bytes of a plan (``links``: per move, sent/received on the node, across nodes),
+    the moves' entries flat for the kernels (move m's of example e at ``offset[m, e]:offset[m, e + 1]``)."""
+
     def __init__(self, moves: List[_Move], node: np.ndarray, rank: np.ndarray, costs: np.ndarray, num_ranks: int):
         self.moves, self.node, self.rank, self.costs = moves, node, rank, costs
-        self.links = np.zeros((len(moves), 4, num_ranks))  # per move: sent/received on the node, across nodes
+        self.links = np.zeros((len(moves), 4, num_ranks))
         self.load = np.bincount(rank, weights=costs, minlength=num_ranks)
         for m, move in enumerate(moves):
             dst = np.repeat(rank, np.diff(move.start))
-            self._add(m, move.src, dst, move.nbytes, 1.0)
-
-    def _add(self, m, src, dst, nbytes, sign):
-        _kernels.add_link_bytes(self.links[m], self.node, src, dst, nbytes, sign)
+            _kernels.add_link_bytes(self.links[m], self.node, move.src, dst, move.nbytes, 1.0)
+        self.src = np.concatenate([move.src for move in moves]) if moves else np.zeros(0, dtype=np.int64)
+        self.nbytes = np.concatenate([move.nbytes for move in moves]) if moves else np.zeros(0)
+        bases = np.cumsum([0] + [move.src.size for move in moves[:-1]])
+        self.offset = np.array([move.start + base for move, base in zip(moves, bases)], dtype=np.int64).reshape(
+            len(moves), rank.size + 1)
 
     def touched(self, e: int) -> np.ndarray:
         return np.concatenate([m.src[m.start[e]:m.start[e + 1]] for m in self.moves])
 
     def put(self, e: int, to: int) -> None:
-        a = int(self.rank[e])
-        if a == to:
-            return
-        for m, move in enumerate(self.moves):
-            s, b = move.src[move.start[e]:move.start[e + 1]], move.nbytes[move.start[e]:move.start[e + 1]]
-            if s.size:
-                _kernels.add_link_bytes(self.links[m], self.node, s, np.full(s.size, a), b, -1.0)
-                _kernels.add_link_bytes(self.links[m], self.node, s, np.full(s.size, to), b, 1.0)
-        self.rank[e] = to
-        self.load[a] -= self.costs[e]
-        self.load[to] += self.costs[e]
+        _kernels.shift_example(self.links, self.node, self.src, self.nbytes, self.offset, self.rank, self.load,
+                               self.costs, e, to)
 
 
 def repair_locality(bin_of_item: np.ndarray, reference: np.ndarray, costs: np.ndarray,
@@ -112,16 +108,6 @@ def repair_locality(bin_of_item: np.ndarray, reference: np.ndarray, costs: np.nd
     nvl_scale = np.maximum(nvl_limit, 1.0)
     state = _State(moves, node, rank, costs, num_ranks)
     cap_scale = max(capacity, 1e-300)
-
-    def excess(ranks: np.ndarray) -> float:
-        links = state.links[:, :, ranks]
-        nic = np.maximum(links[:, 2], links[:, 3]) - nic_limit[:, None]
-        nvl = np.maximum(links[:, 0], links[:, 1]) - nvl_limit[:, None]
-        over = (np.maximum(nic, 0.0) / nic_scale[:, None]).sum() + (np.maximum(nvl, 0.0) / nvl_scale[:, None]).sum()
-        return float(over + np.maximum(state.load[ranks] - capacity, 0.0).sum() / cap_scale)
-
-    def inter(ranks: np.ndarray) -> float:
-        return float(state.links[:, 2, ranks].sum())
 
     def worst():
         """(kind, move, rank) furthest over its limit, or None."""
@@ -210,23 +196,14 @@ def repair_locality(bin_of_item: np.ndarray, reference: np.ndarray, costs: np.nd
             by_rank[s] = np.flatnonzero(state.rank == s)
         return by_rank[s]
 
-    def try_action(e: int, to: int, partners: Sequence[int]):
-        """(excess change, inter-node bytes change) of moving e to ``to`` and ``partners`` to e's rank; undone."""
-        a = int(state.rank[e])
-        ranks = np.unique(np.concatenate([state.touched(e), [a, to]] + [state.touched(f) for f in partners]))
-        before, bytes_before = excess(ranks), inter(ranks)
-        state.put(e, to)
-        for f in partners:
-            state.put(f, a)
-        after, bytes_after = excess(ranks), inter(ranks)
-        for f in partners:
-            state.put(f, to)
-        state.put(e, a)
-        return after - before, bytes_after - bytes_before
+    limits = np.stack([nic_limit, nvl_limit, nic_scale, nvl_scale], axis=1)
 
-    def _bytes_on(e: int, on_node: int) -> float:
-        return float(sum(mv.nbytes[mv.start[e]:mv.start[e + 1]][node[mv.src[mv.start[e]:mv.start[e + 1]]] == on_node]
-                         .sum() for mv in moves))
+    def try_action(e: int, to: int, partners: Sequence[int]):
+        """(excess change, inter-node bytes change) of moving e to ``to`` and ``partners`` to e's rank; undone
+        (compiled: :func:`_kernels.try_exchange`, the sums of ``excess`` as numpy takes them)."""
+        return _kernels.try_exchange(state.links, node, state.src, state.nbytes, state.offset, state.rank,
+                                     state.load, costs, e, to, np.array(partners, dtype=np.int64), limits,
+                                     float(capacity), cap_scale)
 
     def options(e: int, a: int, to: int, kind: str) -> List[Tuple[int, ...]]:
         """Partner sets for moving e from a to ``to`` that keep both ranks within the capacity: none (a move),
@@ -246,7 +223,7 @@ def repair_locality(bin_of_item: np.ndarray, reference: np.ndarray, costs: np.nd
         fit = others[(oc >= low) & (oc <= high)]
         if fit.size:  # the closest in cost, those with most bytes on a's node first (they land near home)
             fit = fit[np.argsort(np.abs(costs[fit] - c), kind="stable")][:4 * _PARTNERS]
-            near_a = np.array([_bytes_on(f, node[a]) for f in fit])
+            near_a = _kernels.bytes_on_node(state.src, state.nbytes, state.offset, node, fit, node[a])
             found += [(int(f),) for f in fit[np.argsort(-near_a, kind="stable")][:_PARTNERS]]
         if not swaps_only and low > 0:  # several of to's examples, largest first, while they fit
             chosen, total = [], 0.0

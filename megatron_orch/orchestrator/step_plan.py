@@ -266,76 +266,84 @@ def _pull_rank(home: np.ndarray, text_bytes: np.ndarray, rank_of_item, num_ranks
     return pull
 
 
-def _slower_by(candidate: np.ndarray, reference: np.ndarray, items: Dict[str, PhaseItems], rank_of_item,
-               home: np.ndarray, topology: Topology, pipelined, config: OrchestratorConfig):
-    """How much slower backbone ranks ``candidate`` make a step than ``reference`` at worst, as
-    :attr:`OrchestratorConfig.step_model` models it over the NIC bandwidths from its lowest to its link's:
-    (relative slowdown, at which Gb/s); 0 or less: never slower. (The encoder plans are the same for both:
-    only the backbone's compute, its text and the embeddings it pulls differ.) Every move is timed as the
-    configured all-to-all runs it (``config.all_to_all``: flat, or node-wise's two hops). ``pipelined(ranks)``:
-    the modeled backbone of backbone ranks ``ranks`` (:class:`PipelinedBackbone`)."""
-    model = config.step_model
-    in_seconds = config.cost_profile is not None
-    node = topology.node_of_rank
-    num_ranks = topology.num_ranks
-    backbone = [name for name in items if name not in rank_of_item][0]
-    encoders = [(phase, model.compute_seconds(_plan_kernels.rank_loads_max(rank, items[phase].cost, num_ranks),
-                                              in_seconds)) for phase, (_, rank, _) in rank_of_item.items()]
+class _SlowerThan:
+    """How much slower backbone ranks make a step than ``reference`` at worst, as
+    :attr:`OrchestratorConfig.step_model` models it over the NIC bandwidths from its lowest to its link's: calling
+    it with a candidate gives (relative slowdown, at which Gb/s); 0 or less: never slower. (The encoder plans are
+    the same for both: only the backbone's compute, its text and the embeddings it pulls differ; the reference's
+    figures and the encoders' are counted once, for every candidate judged against it.) Every move is timed as
+    the configured all-to-all runs it (``config.all_to_all``: flat, or node-wise's two hops).
+    ``pipelined(ranks)``: the modeled backbone of backbone ranks ``ranks`` (:class:`PipelinedBackbone`)."""
 
-    def move(src_rank, dst_rank, item_bytes) -> Busiest:
-        return Busiest.of(exchanged_bytes(src_rank, dst_rank, item_bytes, node, config.all_to_all))
+    def __init__(self, reference: np.ndarray, items: Dict[str, PhaseItems], rank_of_item, home: np.ndarray,
+                 topology: Topology, pipelined, config: OrchestratorConfig):
+        self.items, self.rank_of_item, self.home, self.pipelined, self.config = (items, rank_of_item, home,
+                                                                                 pipelined, config)
+        self.node = topology.node_of_rank
+        num_ranks = topology.num_ranks
+        self.backbone = [name for name in items if name not in rank_of_item][0]
+        model = config.step_model
+        in_seconds = config.cost_profile is not None
+        self.encoders = [(phase, model.compute_seconds(_plan_kernels.rank_loads_max(rank, items[phase].cost,
+                                                                                    num_ranks), in_seconds))
+                         for phase, (_, rank, _) in rank_of_item.items()]
+        self.inputs = [self._move(home[example], rank, items[phase].nbytes)
+                       for phase, (example, rank, _) in rank_of_item.items()]
+        self.theirs = self._figures(reference)
 
-    inputs = [move(home[example], rank, items[phase].nbytes) for phase, (example, rank, _) in rank_of_item.items()]
+    def _move(self, src_rank, dst_rank, item_bytes) -> Busiest:
+        return Busiest.of(exchanged_bytes(src_rank, dst_rank, item_bytes, self.node, self.config.all_to_all))
 
-    def figures(backbone_rank):
-        compute = pipelined(backbone_rank)
-        embeddings = {phase: move(rank, backbone_rank[example], out_bytes)
-                      for phase, (example, rank, out_bytes) in rank_of_item.items()}
-        text = move(home, backbone_rank, items[backbone].nbytes)
-        return compute, embeddings, inputs + [text]
+    def _figures(self, backbone_rank):
+        compute = self.pipelined(backbone_rank)
+        embeddings = {phase: self._move(rank, backbone_rank[example], out_bytes)
+                      for phase, (example, rank, out_bytes) in self.rank_of_item.items()}
+        text = self._move(self.home, backbone_rank, self.items[self.backbone].nbytes)
+        return compute, embeddings, self.inputs + [text]
 
-    ours, theirs = figures(candidate), figures(reference)
-    moves = [*ours[1].values(), *theirs[1].values(), *ours[2], *theirs[2]]
-    worst = (-np.inf, model.link.nic_gbits_per_s)
-    for nic in model.nic_breakpoints(moves, model.lowest_nic_gbits_per_s):
-        at = model.with_nic(nic)
-        mine = at.step(encoders, ours[0], ours[1], ours[2])["step"]
-        other = at.step(encoders, theirs[0], theirs[1], theirs[2])["step"]
-        excess = mine / other - 1.0 if other > 0 else 0.0
-        if excess > worst[0]:
-            worst = (excess if excess > 1e-12 else min(excess, 0.0), float(nic))
-    return worst
+    def __call__(self, candidate: np.ndarray):
+        model = self.config.step_model
+        ours, theirs = self._figures(candidate), self.theirs
+        moves = [*ours[1].values(), *theirs[1].values(), *ours[2], *theirs[2]]
+        worst = (-np.inf, model.link.nic_gbits_per_s)
+        for nic in model.nic_breakpoints(moves, model.lowest_nic_gbits_per_s):
+            at = model.with_nic(nic)
+            mine = at.step(self.encoders, ours[0], ours[1], ours[2])["step"]
+            other = at.step(self.encoders, theirs[0], theirs[1], theirs[2])["step"]
+            excess = mine / other - 1.0 if other > 0 else 0.0
+            if excess > worst[0]:
+                worst = (excess if excess > 1e-12 else min(excess, 0.0), float(nic))
+        return worst
 
 
-def _repaired(bins, method, slower, reference, costs, home, text_bytes, items, rank_of_item, topology,
-              pipelined, config: OrchestratorConfig, swaps_only: bool):
+def _repaired(bins, method, slower, reference, costs, home, text_bytes, rank_of_item, topology,
+              slower_than: _SlowerThan, config: OrchestratorConfig, swaps_only: bool):
     """The locality plan ``bins`` after :func:`repair_locality` against the plain plan ``reference``, if that
-    makes it no slower: (bins, method, slowdown as :func:`_slower_by` gives it)."""
+    makes it no slower: (bins, method, slowdown as ``slower_than`` gives it)."""
     link = config.step_model.link
     sources = [(np.arange(home.size, dtype=np.int64), home, text_bytes), *rank_of_item.values()]
     repaired, actions = repair_locality(bins, reference, costs, sources, topology.node_of_rank,
                                         link.nvlink_gbytes_per_s * 8 / link.nic_gbits_per_s, swaps_only=swaps_only)
     if not actions:
         return bins, method, slower
-    again = _slower_by(repaired, reference, items, rank_of_item, home, topology, pipelined, config)
+    again = slower_than(repaired)
     return (repaired, f"{method}+repair", again) if again[0] < slower[0] else (bins, method, slower)
 
 
-def _localized(reference, method, costs, home, text_bytes, items, rank_of_item, topology, pipelined,
-               config: OrchestratorConfig, swaps_only: bool):
-    """The plain plan ``reference`` with its examples brought to the node holding most of their bytes by
-    :func:`localize` (within its balance), repaired if the step model finds it slower: (bins, method,
-    slowdown as :func:`_slower_by` gives it)."""
-    num_ranks = topology.num_ranks
-    want = topology.node_of_rank[_pull_rank(home, text_bytes, rank_of_item, num_ranks)]
-    pulled = text_bytes + sum(np.bincount(example, weights=out_bytes, minlength=home.size)
-                              for example, _, out_bytes in rank_of_item.values())
-    bins, _ = localize(reference, costs, want, topology.node_of_rank, swaps_only=swaps_only, item_bytes=pulled)
+def _localized(reference, method, costs, home, text_bytes, example_bytes, pull, rank_of_item, topology,
+               slower_than: _SlowerThan, config: OrchestratorConfig, swaps_only: bool):
+    """The plain plan ``reference`` with its examples brought to the node holding most of their bytes (``pull``:
+    the rank holding most of each example's bytes, :func:`_pull_rank`; ``example_bytes``: what it pulls) by
+    :func:`localize` (within its balance), repaired if the step model finds it slower: (bins, method, slowdown
+    as ``slower_than`` gives it)."""
+    want = topology.node_of_rank[pull]
+    bins, _ = localize(reference, costs, want, topology.node_of_rank, swaps_only=swaps_only,
+                       item_bytes=example_bytes)
     name = f"{method}+localized"
-    slower = _slower_by(bins, reference, items, rank_of_item, home, topology, pipelined, config)
+    slower = slower_than(bins)
     if slower[0] > 0:
-        bins, name, slower = _repaired(bins, name, slower, reference, costs, home, text_bytes, items, rank_of_item,
-                                       topology, pipelined, config, swaps_only)
+        bins, name, slower = _repaired(bins, name, slower, reference, costs, home, text_bytes, rank_of_item,
+                                       topology, slower_than, config, swaps_only)
     return bins, name, slower
 
 
@@ -467,26 +475,27 @@ def plan_step(sizes: StepSizes, phases: ModelPhases, config: OrchestratorConfig,
             # rank: the encoder plans keep items on their node)
             example_bytes = text_bytes + sum(np.bincount(example, weights=out_bytes, minlength=sizes.num_examples)
                                              for example, _, out_bytes in rank_of_item.values())
-            if packed:  # from the rank that holds most of an example's bytes (its encoders may have run elsewhere)
-                pull = _pull_rank(home, text_bytes, rank_of_item, num_ranks)
+            # the rank that holds most of an example's bytes (its encoders may have run elsewhere)
+            pull = _pull_rank(home, text_bytes, rank_of_item, num_ranks) if packed else None
+            if packed:
                 near = partition_locality(backbone_costs, pull, num_ranks, _gpus_per_node(topology),
                                           item_bytes=example_bytes, reference=part)
             else:  # (counts are kept: from the loader's ranks)
                 near = partition_equal_count_locality(backbone_costs, home, num_ranks, _gpus_per_node(topology),
                                                       item_bytes=example_bytes, reference=part)
             near_bins, near_method = near.bin_of_item, near.method
-            if near.outcome is Outcome.FALLBACK:
-                slower = None
-            else:
-                slower = _slower_by(near_bins, backbone_rank, items, rank_of_item, home, topology, pipelined, config)
+            slower_than = _SlowerThan(backbone_rank, items, rank_of_item, home, topology, pipelined, config)
+            slower = None if near.outcome is Outcome.FALLBACK else slower_than(near_bins)
             if slower is not None and slower[0] > 0:  # a near tie: unload its busiest links (balance/repair.py)
                 near_bins, near_method, slower = _repaired(near_bins, near_method, slower, backbone_rank,
-                                                           backbone_costs, home, text_bytes, items, rank_of_item,
-                                                           topology, pipelined, config, swaps_only=not packed)
+                                                           backbone_costs, home, text_bytes, rank_of_item, topology,
+                                                           slower_than, config, swaps_only=not packed)
             if slower is None or slower[0] > 0:  # the plain plan, its examples swapped home where that fits
+                if pull is None:
+                    pull = _pull_rank(home, text_bytes, rank_of_item, num_ranks)
                 local_bins, local_method, local_slower = _localized(
-                    backbone_rank, part.method, backbone_costs, home, text_bytes, items, rank_of_item, topology,
-                    pipelined, config, swaps_only=not packed)
+                    backbone_rank, part.method, backbone_costs, home, text_bytes, example_bytes, pull, rank_of_item,
+                    topology, slower_than, config, swaps_only=not packed)
                 if local_slower[0] <= 0:
                     near_bins, near_method, slower = local_bins, local_method, local_slower
             if slower is None or math.isinf(slower[0]):

@@ -231,3 +231,104 @@ def test_link_bytes_are_the_per_link_sums(gpus_per_node, nodes, data):
     for row, (ranks_of, where) in enumerate(((src, ~across), (dst, ~across), (src, across), (dst, across))):
         np.add.at(expected[row], ranks_of[moving & where], nbytes[moving & where] * sign)
     assert np.array_equal(links, expected)
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.one_of(st.floats(0, 1e12), st.floats(-1e3, 1e3), st.just(0.0)), max_size=300))
+def test_the_compiled_sum_is_numpys_sum(values):
+    """The repair's compiled sums add as numpy does (pairwise), bit for bit: its trial exchanges rank the same."""
+    from megatron_orch.balance._kernels.repair import pairwise_sum
+    values = np.array(values, dtype=np.float64)
+    assert pairwise_sum(values, 0, values.size) == values.sum()
+
+
+def _try_action_reference(state, limits, capacity, cap_scale, e, to, partners):
+    """The repair's trial exchange in numpy, as it was written before it was compiled: its measure from fancy-indexed
+    link rows (numpy sums them in their memory's order), its moves by add_link_bytes one direction at a time."""
+    from megatron_orch.balance._kernels import add_link_bytes
+    nic_limit, nvl_limit, nic_scale, nvl_scale = limits.T
+
+    def excess(ranks):
+        links = state.links[:, :, ranks]
+        nic = np.maximum(links[:, 2], links[:, 3]) - nic_limit[:, None]
+        nvl = np.maximum(links[:, 0], links[:, 1]) - nvl_limit[:, None]
+        over = (np.maximum(nic, 0.0) / nic_scale[:, None]).sum() + (np.maximum(nvl, 0.0) / nvl_scale[:, None]).sum()
+        return float(over + np.maximum(state.load[ranks] - capacity, 0.0).sum() / cap_scale)
+
+    def put(e, to):
+        a = int(state.rank[e])
+        if a == to:
+            return
+        for m, move in enumerate(state.moves):
+            s, b = move.src[move.start[e]:move.start[e + 1]], move.nbytes[move.start[e]:move.start[e + 1]]
+            if s.size:
+                add_link_bytes(state.links[m], state.node, s, np.full(s.size, a), b, -1.0)
+                add_link_bytes(state.links[m], state.node, s, np.full(s.size, to), b, 1.0)
+        state.rank[e] = to
+        state.load[a] -= state.costs[e]
+        state.load[to] += state.costs[e]
+
+    a = int(state.rank[e])
+    ranks = np.unique(np.concatenate([state.touched(e), [a, to]] + [state.touched(f) for f in partners]))
+    before, bytes_before = excess(ranks), float(state.links[:, 2, ranks].sum())
+    put(e, to)
+    for f in partners:
+        put(f, a)
+    after, bytes_after = excess(ranks), float(state.links[:, 2, ranks].sum())
+    for f in partners:
+        put(f, to)
+    put(e, a)
+    return after - before, bytes_after - bytes_before
+
+
+@settings(max_examples=150, deadline=None)
+@given(st.data())
+def test_a_compiled_trial_exchange_is_the_numpy_one_bit_for_bit(data):
+    """The repair's trial exchange (compiled: _kernels.try_exchange) gives the numpy one's excess and bytes changes
+    and leaves the link counts and loads as it did (undoing an exchange need not restore them bit for bit: both
+    undo it in the same order), on random plans, bytes, limits and exchanges."""
+    from megatron_orch.balance import _kernels
+    from megatron_orch.balance.repair import _group, _State
+    costs, plain, node, near, sources, capacity = _repair_instance(data)
+    n, num_ranks = costs.size, node.size
+    moves = [_group(np.asarray(e, dtype=np.int64), np.asarray(s, dtype=np.int64), np.asarray(b), n, num_ranks)
+             for e, s, b in sources]
+    ours, theirs = (_State(moves, node, near.astype(np.int64), costs, num_ranks) for _ in range(2))
+    limits = np.array([data.draw(st.lists(st.floats(1.0, 300.0), min_size=4, max_size=4)) for _ in moves])
+    limits[:, :2] -= 1.0  # limits from 0, scales from 1
+    cap_scale = max(capacity, 1e-300)
+    for _ in range(data.draw(st.integers(1, 4))):
+        e = data.draw(st.integers(0, n - 1))
+        to = data.draw(st.integers(0, num_ranks - 1))
+        on_to = np.flatnonzero(ours.rank == to)
+        partners = tuple(int(f) for f in data.draw(st.lists(st.sampled_from(on_to.tolist()), unique=True,
+                                                            max_size=3))) if on_to.size and to != ours.rank[e] else ()
+        got = _kernels.try_exchange(ours.links, node, ours.src, ours.nbytes, ours.offset, ours.rank, ours.load, costs,
+                                    e, to, np.array(partners, dtype=np.int64), limits, capacity, cap_scale)
+        expected = _try_action_reference(theirs, limits, capacity, cap_scale, e, to, partners)
+        assert got == expected
+        assert np.array_equal(ours.links, theirs.links) and np.array_equal(ours.load, theirs.load)
+        assert np.array_equal(ours.rank, theirs.rank)
+        if data.draw(st.booleans()):  # an action taken: both states move on
+            ours.put(e, to)
+            theirs.put(e, to)  # (the kernel; checked against the numpy moves above through the trials)
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.data())
+def test_the_compiled_bytes_on_a_node_are_the_numpy_sums(data):
+    """The repair's bytes of an example sent from one node (compiled: _kernels.bytes_on_node, which orders its swap
+    partners) are numpy's masked sums per move added move after move, bit for bit."""
+    from megatron_orch.balance import _kernels
+    from megatron_orch.balance.repair import _group, _State
+    costs, plain, node, near, sources, capacity = _repair_instance(data)
+    n, num_ranks = costs.size, node.size
+    moves = [_group(np.asarray(e, dtype=np.int64), np.asarray(s, dtype=np.int64), np.asarray(b), n, num_ranks)
+             for e, s, b in sources]
+    state = _State(moves, node, near.astype(np.int64), costs, num_ranks)
+    examples = np.array(data.draw(st.lists(st.integers(0, n - 1), max_size=8)), dtype=np.int64)
+    on_node = data.draw(st.integers(0, int(node.max())))
+    got = _kernels.bytes_on_node(state.src, state.nbytes, state.offset, node, examples, on_node)
+    expected = [float(sum(mv.nbytes[mv.start[e]:mv.start[e + 1]][node[mv.src[mv.start[e]:mv.start[e + 1]]] == on_node]
+                          .sum() for mv in moves)) for e in examples]
+    assert got.tolist() == expected

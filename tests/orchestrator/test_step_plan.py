@@ -218,7 +218,7 @@ def test_auto_micro_batching_packs_unless_the_backbone_cannot():
 
 
 def _slowdown_reference(candidate, reference, items, rank_of_item, home, topology, config, backbone_seconds):
-    """``_slower_by`` written from the step model's definition, each move's bytes summed over the hops the
+    """``_SlowerThan`` written from the step model's definition, each move's bytes summed over the hops the
     configured all-to-all runs (``Transfer.hops``: the flat transfer, or the node-wise one's two)."""
     from megatron_orch.balance.plan import MovedBytes, Placement, Transfer, moved_bytes
     from megatron_orch.balance.step_model import Busiest, PipelinedBackbone
@@ -255,10 +255,10 @@ def _slowdown_reference(candidate, reference, items, rank_of_item, home, topolog
 
 def test_the_locality_decision_times_the_configured_all_to_all():
     """plan_step keeps a locality plan only where the step model finds it no slower than the plain one
-    (``_slower_by``); it times every move as the configured all-to-all runs it, so under node-wise by its two
+    (``_SlowerThan``); it times every move as the configured all-to-all runs it, so under node-wise by its two
     hops (one after the other, a latency each), not by the flat exchange's single one."""
     from megatron_orch.balance.workload import phase_items
-    from megatron_orch.orchestrator.step_plan import _slower_by
+    from megatron_orch.orchestrator.step_plan import _SlowerThan
 
     rng = np.random.default_rng(3)
     num_ranks, per_rank = 16, 6
@@ -281,8 +281,8 @@ def test_the_locality_decision_times_the_configured_all_to_all():
     slowdowns = {}
     for all_to_all in ("flat", "node-wise"):
         config = OrchestratorConfig(background=False, all_to_all=all_to_all)
-        slowdowns[all_to_all], _ = _slower_by(candidate, reference, items, rank_of_item, home, topology, pipelined,
-                                              config)
+        slowdowns[all_to_all], _ = _SlowerThan(reference, items, rank_of_item, home, topology, pipelined,
+                                               config)(candidate)
         expected = _slowdown_reference(candidate, reference, items, rank_of_item, home, topology, config,
                                        backbone_seconds)
         assert slowdowns[all_to_all] == pytest.approx(expected, rel=1e-9, abs=1e-12), all_to_all

@@ -1,5 +1,5 @@
 """The plain plan localised (balance/repair.py's ``localize``): examples swapped onto the node they want; the
-repair's per-link byte counts."""
+repair's per-link byte counts and its trial exchanges (``repair_locality``), summed as its numpy code summed them."""
 import numba
 import numpy as np
 
@@ -108,6 +108,12 @@ def _settle(rank, load, costs, head, tail, nxt, prv, node_of_rank, node_ranks, n
     node's other ranks' examples (rank by rank, each in order) and then (``swaps_only`` False) the ranks
     themselves (a move): applied, True; else False."""
     x = node_of_rank[r]
+    most = -np.inf  # the most room of another rank of the node: none with less than ``over`` can take the excess
+    for t in range(node_start[x], node_start[x + 1]):
+        if node_ranks[t] != r:
+            most = max(most, capacity - load[node_ranks[t]])
+    if most < over:
+        return False
     best, g, h, to = np.inf, -1, -1, -1
     i = head[r]
     while i >= 0:
@@ -188,20 +194,16 @@ def localize(rank, costs, want, node_of_rank, capacity, swaps_only, weight, scan
     gains = np.empty(2 * scan)
     gaps = np.empty(2 * scan)
     partners = np.empty(2 * scan, dtype=np.int64)
+    by_cost = np.argsort(-costs, kind="mergesort")  # decreasing cost, ties by id: sorted once, filtered per pass
+    away = np.empty(n, dtype=np.int64)
     for _ in range(passes):  # the costliest first (fewest partners); again, as moves made room
         num_away = 0
-        for e in range(n):
+        for e in by_cost:
             if node_of_rank[rank[e]] != want[e]:
+                away[num_away] = e
                 num_away += 1
-        away = np.empty(num_away, dtype=np.int64)
-        k = 0
-        for e in range(n):
-            if node_of_rank[rank[e]] != want[e]:
-                away[k] = e
-                k += 1
-        away = away[np.argsort(-costs[away], kind="mergesort")]
         moved = 0
-        for e in away:
+        for e in away[:num_away]:
             a = rank[e]
             x, y = node_of_rank[a], want[e]
             if x == y:
@@ -314,3 +316,175 @@ def add_link_bytes(links, node_of_rank, src, dst, nbytes, sign):
         else:
             links[0, s] += b
             links[1, d] += b
+
+
+@numba.njit(**_JIT)
+def move_link_bytes(links, node_of_rank, src, nbytes, a, to):
+    """The entries ``src`` -> rank ``a`` (``nbytes`` each) going to rank ``to`` instead, in ``links`` (as
+    :func:`add_link_bytes`): subtracted as they were, then added, each pass in entry order (the same sums, bit for
+    bit, as ``add_link_bytes`` with sign -1 towards ``a`` then +1 towards ``to``)."""
+    for to_rank, sign in ((a, -1.0), (to, 1.0)):
+        for i in range(src.size):
+            s = src[i]
+            if s == to_rank:
+                continue
+            b = nbytes[i] * sign
+            if node_of_rank[s] != node_of_rank[to_rank]:
+                links[2, s] += b
+                links[3, to_rank] += b
+            else:
+                links[0, s] += b
+                links[1, to_rank] += b
+
+
+# ---------------------------------------------------------------------------------------------
+# The repair's trial exchanges (balance/repair.py's ``repair_locality``): the excess over the plain plan's limits
+# before and after, every sum as numpy takes it, so the same actions win.
+# ---------------------------------------------------------------------------------------------
+
+@numba.njit(**_JIT)
+def _block_sum(values, lo, n):
+    """numpy's sum of at most 128 values: below 8 one after another, else in eight running sums added in pairs."""
+    if n < 8:
+        total = 0.0
+        for i in range(lo, lo + n):
+            total += values[i]
+        return total
+    r = values[lo:lo + 8].copy()
+    i = 8
+    while i < n - n % 8:
+        for j in range(8):
+            r[j] += values[lo + i + j]
+        i += 8
+    total = ((r[0] + r[1]) + (r[2] + r[3])) + ((r[4] + r[5]) + (r[6] + r[7]))
+    while i < n:
+        total += values[lo + i]
+        i += 1
+    return total
+
+
+@numba.njit(**_JIT)
+def pairwise_sum(values, lo, n):
+    """``values[lo:lo + n].sum()`` as numpy sums float64 (pairwise: blocks of at most 128, :func:`_block_sum`, the
+    halves of a longer run split at a multiple of 8 and added), bit for bit. Its recursion runs on a stack of its
+    own (numba's cache does not keep recursive functions)."""
+    if n <= 128:
+        return _block_sum(values, lo, n)
+    start = np.empty(64, dtype=np.int64)  # each pending half: where it starts, its length, its left half's sum
+    length = np.empty(64, dtype=np.int64)
+    left = np.empty(64)
+    stage = np.zeros(64, dtype=np.int64)  # 0: left half next, 1: right half next, 2: both summed
+    top = 0
+    start[0], length[0] = lo, n
+    total = 0.0
+    while True:
+        half = length[top] // 2
+        half -= half % 8
+        if stage[top] == 2:  # total: the right half's sum
+            total = left[top] + total
+            if top == 0:
+                return total
+            top -= 1
+            continue
+        first, size = (start[top], half) if stage[top] == 0 else (start[top] + half, length[top] - half)
+        if stage[top] == 1:
+            left[top] = total
+        stage[top] += 1
+        if size <= 128:
+            total = _block_sum(values, first, size)
+        else:
+            top += 1
+            start[top], length[top], stage[top] = first, size, 0
+
+
+@numba.njit(**_JIT)
+def bytes_on_node(src, nbytes, offset, node_of_rank, examples, on_node):
+    """For each of ``examples``: the bytes of its entries (every move's: ``src`` / ``nbytes`` at ``offset[m, e]:
+    offset[m, e + 1]``) sent from node ``on_node``, summed as balance/repair.py sums them (each move's with numpy's
+    sum, :func:`pairwise_sum`, then move after move)."""
+    out = np.empty(examples.size)
+    for k in range(examples.size):
+        e = examples[k]
+        total = 0.0
+        for m in range(offset.shape[0]):
+            lo, hi = offset[m, e], offset[m, e + 1]
+            picked = np.empty(hi - lo)
+            count = 0
+            for i in range(lo, hi):
+                if node_of_rank[src[i]] == on_node:
+                    picked[count] = nbytes[i]
+                    count += 1
+            total += pairwise_sum(picked, 0, count)
+        out[k] = total
+    return out
+
+
+@numba.njit(**_JIT)
+def shift_example(links, node_of_rank, src, nbytes, offset, rank, load, costs, e, to):
+    """Example e's entries of every move m (``src`` / ``nbytes`` at ``offset[m, e]:offset[m, e + 1]``) and its cost
+    moved from its rank to rank ``to`` (``links``: per move, :func:`add_link_bytes`'s four rows)."""
+    a = rank[e]
+    if a == to:
+        return
+    for m in range(links.shape[0]):
+        lo, hi = offset[m, e], offset[m, e + 1]
+        if hi > lo:
+            move_link_bytes(links[m], node_of_rank, src[lo:hi], nbytes[lo:hi], a, to)
+    rank[e] = to
+    load[a] -= costs[e]
+    load[to] += costs[e]
+
+
+@numba.njit(**_JIT)
+def _excess_and_inter(links, load, ranks, limits, capacity, cap_scale):
+    """(the excess of ``ranks`` over the limits, their bytes sent across nodes) as balance/repair.py defines them;
+    ``limits``: per move, (NIC limit, NVLink limit, NIC scale, NVLink scale)."""
+    num_moves, k = links.shape[0], ranks.size
+    nic = np.empty(num_moves * k)
+    nvl = np.empty(num_moves * k)
+    inter = np.empty(num_moves * k)
+    for t in range(k):  # rank by rank, the moves inside: the order numpy sums ``links[:, 2, ranks]`` in (its memory's)
+        r = ranks[t]
+        for m in range(num_moves):
+            nic[t * num_moves + m] = max(max(links[m, 2, r], links[m, 3, r]) - limits[m, 0], 0.0) / limits[m, 2]
+            nvl[t * num_moves + m] = max(max(links[m, 0, r], links[m, 1, r]) - limits[m, 1], 0.0) / limits[m, 3]
+            inter[t * num_moves + m] = links[m, 2, r]
+    comp = np.empty(k)
+    for t in range(k):
+        comp[t] = max(load[ranks[t]] - capacity, 0.0)
+    over = pairwise_sum(nic, 0, nic.size) + pairwise_sum(nvl, 0, nvl.size)
+    return over + pairwise_sum(comp, 0, k) / cap_scale, pairwise_sum(inter, 0, inter.size)
+
+
+@numba.njit(**_JIT)
+def try_exchange(links, node_of_rank, src, nbytes, offset, rank, load, costs, e, to, partners, limits, capacity,
+                 cap_scale):
+    """(excess change, bytes across nodes change) of moving example e to rank ``to`` and ``partners`` to e's rank,
+    over the ranks either touches (their own and those their entries come from); undone, in the reverse order."""
+    a = rank[e]
+    size = 2
+    for m in range(links.shape[0]):
+        size += offset[m, e + 1] - offset[m, e]
+        for f in partners:
+            size += offset[m, f + 1] - offset[m, f]
+    touched = np.empty(size, dtype=np.int64)
+    touched[0], touched[1] = a, to
+    count = 2
+    for m in range(links.shape[0]):
+        for i in range(offset[m, e], offset[m, e + 1]):
+            touched[count] = src[i]
+            count += 1
+        for f in partners:
+            for i in range(offset[m, f], offset[m, f + 1]):
+                touched[count] = src[i]
+                count += 1
+    ranks = np.unique(touched)
+    before, bytes_before = _excess_and_inter(links, load, ranks, limits, capacity, cap_scale)
+    shift_example(links, node_of_rank, src, nbytes, offset, rank, load, costs, e, to)
+    for f in partners:
+        shift_example(links, node_of_rank, src, nbytes, offset, rank, load, costs, f, a)
+    after, bytes_after = _excess_and_inter(links, load, ranks, limits, capacity, cap_scale)
+    for f in partners:
+        shift_example(links, node_of_rank, src, nbytes, offset, rank, load, costs, f, to)
+    shift_example(links, node_of_rank, src, nbytes, offset, rank, load, costs, e, a)
+    return after - before, bytes_after - bytes_before
