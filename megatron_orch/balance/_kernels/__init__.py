@@ -16,7 +16,7 @@ Modules: ``longest_first`` (LPT, equal-count LPT), ``differencing`` (Karmarkar-K
 small partitions in one call); ``_heap``, ``_segment_tree`` and ``_jit`` are their shared parts.
 Callers use the names re-exported here.
 """
-from megatron_orch.balance._kernels.auto import CONSTRUCTIONS, auto
+from megatron_orch.balance._kernels.auto import CONSTRUCTIONS, TRIED, auto
 from megatron_orch.balance._kernels.bounds import pigeonhole_bound
 from megatron_orch.balance._kernels.differencing import kk
 from megatron_orch.balance._kernels.first_fit import bs_ffd
@@ -26,5 +26,5 @@ from megatron_orch.balance._kernels.locality import fill_quotas, lpt_near_home
 from megatron_orch.balance._kernels.longest_first import lpt, slot_lpt
 from megatron_orch.balance._kernels.repair import add_link_bytes, localize
 
-__all__ = ["CONSTRUCTIONS", "METHOD_CODES", "add_link_bytes", "auto", "bs_ffd", "fill_quotas", "kk", "localize", "lpt", "lpt_near_home",
+__all__ = ["CONSTRUCTIONS", "METHOD_CODES", "TRIED", "add_link_bytes", "auto", "bs_ffd", "fill_quotas", "kk", "localize", "lpt", "lpt_near_home",
            "partition_groups", "pigeonhole_bound", "refine", "slot_lpt", "swap_sweeps"]
