@@ -184,9 +184,9 @@ def _check_gpus_per_node(gpus_per_node) -> int:
 # ----------------------------------------------------------------------------------------------
 
 def _decreasing(costs: np.ndarray) -> np.ndarray:
-    """Item ids by decreasing cost, ties by increasing id (checked costs are finite and >= 0, so their bits
-    order as int64 as the numbers do: numpy sorts those faster; + 0.0 turns a -0.0 into 0.0)."""
-    return np.argsort(-(costs + 0.0).view(np.int64), kind="stable").astype(np.int64, copy=False)
+    """Item ids by decreasing cost, ties by increasing id (checked costs are finite and >= 0:
+    :func:`_kernels.decreasing`, a radix sort of their bits)."""
+    return _kernels.decreasing(costs)
 
 
 def _lower_bound(costs: np.ndarray, num_bins: int) -> float:
