@@ -38,24 +38,8 @@ _INF = np.int64(1) << np.int64(62)
 
 
 # ---------------------------------------------------------------------------------------------
-# Sparse traffic: sort and merge (bin, key, bytes) triples without a comparison sort.
+# Sparse traffic: merge (bin, key, bytes) triples, grouped by bin in one counting pass.
 # ---------------------------------------------------------------------------------------------
-
-@numba.njit(**_JIT)
-def _radix_pass(src_key, src_value, shift, bits, dst_key, dst_value):
-    """One stable counting-sort pass of (key, value) pairs on ``bits`` bits of the key from ``shift``."""
-    digits = 1 << bits
-    count = np.zeros(digits + 1, dtype=np.int64)
-    for i in range(src_key.size):
-        count[((src_key[i] >> shift) & (digits - 1)) + 1] += 1
-    for d in range(digits):
-        count[d + 1] += count[d]
-    for i in range(src_key.size):
-        d = (src_key[i] >> shift) & (digits - 1)
-        dst_key[count[d]] = src_key[i]
-        dst_value[count[d]] = src_value[i]
-        count[d] += 1
-
 
 _DENSE_PER_PAIR = 4  # dense merge while the matrix has at most this many cells per pair
 
@@ -85,92 +69,71 @@ def _merge_dense(rows, cols, values, num_rows, num_cols):
     return row_start, out_col, out_val
 
 
+_INSERTION_ROW = 32  # a row of at most this many distinct columns is put in order by insertion
+
+
 @numba.njit(**_JIT)
 def merge_pairs(rows, cols, values, num_rows, num_cols):
     """Sum ``values`` per (row, col) pair: (row_start [num_rows + 1], col, value) sorted by row then
     col, pairs with value 0 dropped. Where the dense matrix is small next to the pairs (at most
     ``_DENSE_PER_PAIR`` cells per pair), values are summed straight into it and read back in order;
-    else keys ``row * num_cols + col`` are sorted by an LSD radix sort (O(n) per pass, 12-bit digits),
-    by one counting pass on the rows when the columns already come in order (items listed by home
-    rank), or not at all when the keys do."""
+    else one counting pass groups the pairs by row, and each row is summed into one column-indexed
+    scratch row (its columns put in order as they are read back): O(n) without a sort of the keys."""
     n = rows.size
     if num_rows * num_cols <= _DENSE_PER_PAIR * n:
         return _merge_dense(rows, cols, values, num_rows, num_cols)
-    key = np.empty(n, dtype=np.int64)
-    ordered = True
-    cols_ordered = True
+    fill = np.zeros(num_rows + 1, dtype=np.int64)
     for i in range(n):
-        key[i] = rows[i] * num_cols + cols[i]
-        if i and key[i] < key[i - 1]:
-            ordered = False
-        if i and cols[i] < cols[i - 1]:
-            cols_ordered = False
-    value = values
-    if not ordered and cols_ordered:  # one stable counting pass by row keeps the columns in order
-        fill = np.zeros(num_rows + 1, dtype=np.int64)
-        for i in range(n):
-            fill[rows[i] + 1] += 1
-        for r in range(num_rows):
-            fill[r + 1] += fill[r]
-        sorted_key = np.empty(n, dtype=np.int64)
-        value = np.empty(n, dtype=np.int64)
-        for i in range(n):
-            r = rows[i]
-            sorted_key[fill[r]] = key[i]
-            value[fill[r]] = values[i]
-            fill[r] += 1
-        key = sorted_key
-    elif not ordered:
-        span_bits = 1
-        while (num_rows * num_cols - 1) >> span_bits > 0:
-            span_bits += 1
-        passes = (span_bits + 11) // 12
-        bits = (span_bits + passes - 1) // passes
-        key_b = np.empty(n, dtype=np.int64)
-        value_a = np.empty(n, dtype=np.int64)
-        value_b = np.empty(n, dtype=np.int64)
-        # pass 1 reads the input values; later passes ping-pong between the two buffers
-        _radix_pass(key, values, 0, bits, key_b, value_b)
-        src_key, src_value, dst_key, dst_value = key_b, value_b, key, value_a
-        for p in range(1, passes):
-            _radix_pass(src_key, src_value, p * bits, bits, dst_key, dst_value)
-            src_key, src_value, dst_key, dst_value = dst_key, dst_value, src_key, src_value
-        key, value = src_key, src_value
-    # Groups of equal keys with a non-zero total, counted first so the outputs have their size.
-    m = 0
-    i = 0
-    while i < n:
-        k = key[i]
-        total = value[i]
-        i += 1
-        while i < n and key[i] == k:
-            total += value[i]
-            i += 1
-        m += total != 0
-    row_start = np.zeros(num_rows + 1, dtype=np.int64)
-    out_col = np.empty(m, dtype=np.int64)
-    out_val = np.empty(m, dtype=np.int64)
-    m = 0
-    i = 0
-    row, row_end = 0, num_cols  # keys of ``row`` lie in [row * num_cols, row_end)
-    while i < n:
-        k = key[i]
-        total = value[i]
-        i += 1
-        while i < n and key[i] == k:
-            total += value[i]
-            i += 1
-        if total != 0:
-            while k >= row_end:
-                row += 1
-                row_end += num_cols
-            out_col[m] = k - (row_end - num_cols)
-            out_val[m] = total
-            row_start[row + 1] += 1
-            m += 1
+        fill[rows[i] + 1] += 1
     for r in range(num_rows):
-        row_start[r + 1] += row_start[r]
-    return row_start, out_col, out_val
+        fill[r + 1] += fill[r]
+    row_end = fill[1:].copy()
+    by_row_col = np.empty(n, dtype=np.int64)
+    by_row_value = np.empty(n, dtype=np.int64)
+    for i in range(n):
+        r = rows[i]
+        by_row_col[fill[r]] = cols[i]
+        by_row_value[fill[r]] = values[i]
+        fill[r] += 1
+    total = np.zeros(num_cols, dtype=np.int64)
+    seen = np.full(num_cols, -1, dtype=np.int64)  # the last row that listed the column
+    row_start = np.zeros(num_rows + 1, dtype=np.int64)
+    out_col = np.empty(n, dtype=np.int64)
+    out_val = np.empty(n, dtype=np.int64)
+    m = 0
+    lo = 0
+    for r in range(num_rows):
+        hi = row_end[r]
+        first = m  # the row's distinct columns go to out_col[first:m], then its non-zero sums stay
+        for k in range(lo, hi):
+            c = by_row_col[k]
+            if seen[c] != r:
+                seen[c] = r
+                total[c] = 0
+                out_col[m] = c
+                m += 1
+            total[c] += by_row_value[k]
+        if m - first <= _INSERTION_ROW:
+            for t in range(first + 1, m):
+                c = out_col[t]
+                u = t
+                while u > first and out_col[u - 1] > c:
+                    out_col[u] = out_col[u - 1]
+                    u -= 1
+                out_col[u] = c
+        else:
+            out_col[first:m] = np.sort(out_col[first:m])
+        kept = first
+        for t in range(first, m):
+            c = out_col[t]
+            if total[c] != 0:
+                out_col[kept] = c
+                out_val[kept] = total[c]
+                kept += 1
+        m = kept
+        row_start[r + 1] = m
+        lo = hi
+    return row_start, out_col[:m].copy(), out_val[:m].copy()
 
 
 # ---------------------------------------------------------------------------------------------

@@ -8,7 +8,8 @@ user's partitioner registers too), plus a local-search refinement on top:
 * ``kk``: Karmarkar-Karp largest differencing, K-way;
 * ``bs_ffd``: binary search on the bin capacity, first-fit decreasing at each capacity;
 * ``auto``: each of the three refined (swap sweeps between many bins at once, then local search:
-  exchanges out of the most-loaded bin), until one is within 0.2% of the lower bound; the best kept
+  exchanges out of the most-loaded bin), lpt, then bs_ffd, then kk, until one is within 0.2% of the lower
+  bound; the best kept
   (registered partitioners do not take part: they are picked by name).
 
 Variants: :func:`partition_equal_count` (every bin gets exactly n/K items, for fixed micro-batch
@@ -183,9 +184,9 @@ def _check_gpus_per_node(gpus_per_node) -> int:
 # ----------------------------------------------------------------------------------------------
 
 def _decreasing(costs: np.ndarray) -> np.ndarray:
-    """Item ids by decreasing cost, ties by increasing id (checked costs are finite and >= 0, so their bits
-    order as int64 as the numbers do: numpy sorts those faster; + 0.0 turns a -0.0 into 0.0)."""
-    return np.argsort(-(costs + 0.0).view(np.int64), kind="stable").astype(np.int64, copy=False)
+    """Item ids by decreasing cost, ties by increasing id (checked costs are finite and >= 0:
+    :func:`_kernels.decreasing`, a radix sort of their bits)."""
+    return _kernels.decreasing(costs)
 
 
 def _lower_bound(costs: np.ndarray, num_bins: int) -> float:
@@ -249,8 +250,8 @@ def _placed(bin_of_item, home, item_bytes, num_bins: int, gpus_per_node: int) ->
 
 
 # ----------------------------------------------------------------------------------------------
-# The three constructive methods, registered in this order (the order ``auto`` tries them, compiled:
-# _kernels.CONSTRUCTIONS). Each takes a registered partitioner's arguments (megatron_orch.balance.registry)
+# The three constructive methods, registered in this order (_kernels.CONSTRUCTIONS; ``auto`` tries them in the
+# order _kernels.TRIED). Each takes a registered partitioner's arguments (megatron_orch.balance.registry)
 # and, from this module, the items by decreasing cost (``order``); returns bin_of_item or raises _Infeasible.
 # ----------------------------------------------------------------------------------------------
 
@@ -338,7 +339,8 @@ def _auto(costs, memory, cap, order, num_bins, refine: bool):
                            _BS_FFD_MAX_ROUNDS, _SWAP_SWEEPS, _REFINE_PARTNERS, _CHEAPEST_SCAN, bins, refused)
     if winner < 0:
         raise ValueError("no method honours the memory cap: " + "; ".join(
-            _refusal(name, int(item), memory, cap) for name, item in zip(_kernels.CONSTRUCTIONS, refused) if item >= 0))
+            _refusal(_kernels.CONSTRUCTIONS[c], int(refused[c]), memory, cap)
+            for c in _kernels.TRIED if refused[c] >= 0))
     return bins, f"auto:{_kernels.CONSTRUCTIONS[winner]}" + ("+refine" if refine else ""), _max_cost(costs, bins, num_bins)
 
 
@@ -358,8 +360,8 @@ def partition(costs, num_bins, *, method: str = "auto", memory=None, memory_cap=
 
     ``method``: ``"lpt"``, ``"kk"``, ``"bs_ffd"``, a registered partitioner's name
     (:mod:`megatron_orch.balance.registry`) or ``"auto"``: each of the three that honours the
-    memory cap, refined, in that order until one is within 0.2% of the lower bound, the best kept
-    (ties: the earlier). ``refine`` (default: only for
+    memory cap, refined, lpt, then bs_ffd, then kk, until one is within 0.2% of the lower bound, the best
+    kept (ties: the earlier tried). ``refine`` (default: only for
     ``auto``) lowers the maximum by swap sweeps (without a memory cap: many bins at once,
     :func:`_kernels.swap_sweeps`), then by local search out of the fullest bin. Both stop once a
     result is within 0.01% of a lower bound (one tight for equal items): nothing is left to gain.

@@ -1,5 +1,5 @@
-"""partition()'s ``auto`` as the Python loop over the built-in partitioners ran it before the compiled one
-(balance/_kernels/auto.py) took its place: the reference the compiled one is tested against."""
+"""partition()'s ``auto`` as a Python loop over the built-in partitioners (lpt, then bs_ffd, then kk): the reference
+the compiled one (balance/_kernels/auto.py) is tested against."""
 import math
 
 import numpy as np
@@ -10,6 +10,8 @@ from megatron_orch.balance.partition import (_AUTO_SETTLED, _BS_FFD_MAX_ROUNDS, 
                                              _GOOD_ENOUGH, _REFINE_PARTNERS, _SWAP_SWEEPS, _decreasing, _max_cost,
                                              _refusal)
 from megatron_orch.balance.registry import PARTITIONERS
+
+AUTO_ORDER = ("lpt", "bs_ffd", "kk")  # the order auto tries the built-in partitioners in
 
 
 def auto_reference(costs, num_bins, memory=None, memory_cap=None, refine=True):
@@ -24,7 +26,7 @@ def auto_reference(costs, num_bins, memory=None, memory_cap=None, refine=True):
     best, best_cost, winner, reasons = None, math.inf, None, []
     bound = _kernels.pigeonhole_bound(costs, order, num_bins)
     good_enough, settled = (1.0 + _GOOD_ENOUGH) * bound, (1.0 + _AUTO_SETTLED) * bound
-    for entry in PARTITIONERS.builtins():
+    for entry in (PARTITIONERS.get(name) for name in AUTO_ORDER):
         if best_cost <= settled:
             break
         bins = np.zeros(n, dtype=np.int64)

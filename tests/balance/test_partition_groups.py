@@ -2,7 +2,7 @@
 group, the same bins, item for item; partition()'s ``auto`` (compiled) against the Python loop it replaced."""
 import numpy as np
 import pytest
-from auto_reference import auto_reference
+from auto_reference import AUTO_ORDER, auto_reference
 from hypothesis import given, settings, strategies as st
 
 from megatron_orch.balance import _kernels
@@ -20,7 +20,8 @@ METHODS = ("auto",) + tuple(entry.name for entry in PARTITIONERS.builtins())
 def test_the_compiled_methods_are_the_built_in_partitioners():
     """partition_groups compiles auto and every built-in partitioner (a registered one runs group by group)."""
     assert _kernels.METHOD_CODES == METHODS == ("auto", "lpt", "kk", "bs_ffd")
-    assert _kernels.CONSTRUCTIONS == METHODS[1:]  # what auto tries, in the order the registry lists them
+    assert _kernels.CONSTRUCTIONS == METHODS[1:]  # what auto tries, as the registry lists them
+    assert tuple(_kernels.CONSTRUCTIONS[c] for c in _kernels.TRIED) == AUTO_ORDER  # and the order it tries them in
 
 
 def per_group_in_python(costs, group, num_bins, method):

@@ -137,11 +137,12 @@ def test_place_items_is_place_bins_of_the_merged_items(instance, method):
     assert ranks_of_items.tolist() == place_bins(traffic, topology, config).rank_of_bin.tolist()
 
 
-# Pair counts and shapes that take each path: dense (few cells per pair), radix sort (many cells, in
-# one pass and in two), counting pass on rows (columns in order), already sorted.
+# Pair counts and shapes that take each path: dense (few cells per pair), grouped by row (many cells) with
+# short rows (columns put in order by insertion) and long ones (sorted), input in any order, columns in order,
+# already sorted.
 @pytest.mark.parametrize("n, num_rows, num_cols, order", [
-    (500, 9, 5, "random"), (40, 9, 50, "random"), (300, 900, 2000, "random"), (40, 9, 50, "cols"),
-    (40, 9, 50, "keys")])
+    (500, 9, 5, "random"), (40, 9, 50, "random"), (300, 900, 2000, "random"), (2000, 9, 5000, "random"),
+    (40, 9, 50, "cols"), (40, 9, 50, "keys")])
 def test_merge_pairs_sums_sorts_and_drops_zeros(n, num_rows, num_cols, order):
     rng = np.random.default_rng(n)
     rows, cols = rng.integers(0, num_rows - 2, n), rng.integers(0, num_cols, n)

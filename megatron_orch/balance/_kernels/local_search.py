@@ -324,6 +324,23 @@ def _partners(load, rank, top, node_size, partners, out):
     return count
 
 
+@numba.njit(**_INLINE)
+def _exchange(items, lo, hi, out_item, in_item, rank_in_order):
+    """``out_item`` leaves the bin of ``items[lo:hi]`` (listed by decreasing ``rank_in_order``: increasing cost,
+    ties by decreasing id) and ``in_item`` takes its place in that order."""
+    t = lo
+    while items[t] != out_item:
+        t += 1
+    for u in range(t, hi - 1):
+        items[u] = items[u + 1]
+    t = hi - 1
+    key = rank_in_order[in_item]
+    while t > lo and rank_in_order[items[t - 1]] < key:
+        items[t] = items[t - 1]
+        t -= 1
+    items[t] = in_item
+
+
 @numba.njit(**_JIT)
 def swap_sweeps(costs, order, num_bins, bin_of_item, stop_at, max_sweeps, group_size):
     """Even out many bins at once by one-for-one swaps, in place; returns the number of sweeps.
@@ -336,30 +353,34 @@ def swap_sweeps(costs, order, num_bins, bin_of_item, stop_at, max_sweeps, group_
     leaves a plateau of bins just above the mean, :func:`refine` would take them down one at a time
     (thousands of steps at DP 2560); a few sweeps take most of them down together. ``order``: items
     by decreasing cost. Stops when the maximum is at most ``stop_at``, a sweep swaps nothing, or
-    after ``max_sweeps``.
+    after ``max_sweeps``. Every bin's items are listed once (a swap then updates its two bins' lists in
+    place: counts stay, so every bin keeps its place); the loads are summed again at every sweep, by item
+    id, as the decisions need them bit for bit.
     """
     n = costs.size
     load = np.zeros(num_bins)
     start = np.zeros(num_bins + 1, dtype=np.int64)
-    fill = np.zeros(num_bins, dtype=np.int64)
-    items = np.empty(n, dtype=np.int64)  # bin by bin, each bin's items by increasing cost
+    items = np.empty(n, dtype=np.int64)  # bin by bin, each bin's items by increasing cost (ties: decreasing id)
+    rank_in_order = np.empty(n, dtype=np.int64)
+    for i in range(n):
+        start[bin_of_item[i] + 1] += 1
+    fill = np.empty(num_bins, dtype=np.int64)
+    for b in range(num_bins):
+        start[b + 1] += start[b]
+        fill[b] = start[b]
+    for k in range(n - 1, -1, -1):
+        i = order[k]
+        rank_in_order[i] = k
+        b = bin_of_item[i]
+        items[fill[b]] = i
+        fill[b] += 1
     grouped = np.empty(num_bins, dtype=np.int64)  # group by group, each group's bins by increasing load
     num_groups = (num_bins + group_size - 1) // group_size
     sweeps = 0
     while sweeps < max_sweeps:
         load[:] = 0.0
-        start[:] = 0
         for i in range(n):
             load[bin_of_item[i]] += costs[i]
-            start[bin_of_item[i] + 1] += 1
-        for b in range(num_bins):
-            start[b + 1] += start[b]
-            fill[b] = start[b]
-        for k in range(n - 1, -1, -1):
-            i = order[k]
-            b = bin_of_item[i]
-            items[fill[b]] = i
-            fill[b] += 1
         if load.max() <= stop_at:
             break
         rank = np.argsort(load, kind="mergesort")  # increasing load, ties by bin id
@@ -391,6 +412,8 @@ def swap_sweeps(costs, order, num_bins, bin_of_item, stop_at, max_sweeps, group_
                             best, out_item, in_item = miss, a, items[v]
                 if out_item >= 0:
                     bin_of_item[out_item], bin_of_item[in_item] = light, heavy
+                    _exchange(items, start[heavy], start[heavy + 1], out_item, in_item, rank_in_order)
+                    _exchange(items, start[light], start[light + 1], in_item, out_item, rank_in_order)
                     swapped += 1
         sweeps += 1
         if swapped == 0:
