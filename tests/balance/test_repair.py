@@ -236,10 +236,11 @@ def test_link_bytes_are_the_per_link_sums(gpus_per_node, nodes, data):
 @settings(max_examples=200, deadline=None)
 @given(st.lists(st.one_of(st.floats(0, 1e12), st.floats(-1e3, 1e3), st.just(0.0)), max_size=300))
 def test_the_compiled_sum_is_numpys_sum(values):
-    """The repair's compiled sums add as numpy does (pairwise), bit for bit: its trial exchanges rank the same."""
-    from megatron_orch.balance._kernels.repair import pairwise_sum
+    """The compiled sum adds as numpy does (pairwise), bit for bit: the repair's trial exchanges rank the same and
+    the partitioners stop at the same bounds."""
+    from megatron_orch.balance._kernels.bounds import numpy_sum
     values = np.array(values, dtype=np.float64)
-    assert pairwise_sum(values, 0, values.size) == values.sum()
+    assert numpy_sum(values) == values.sum()
 
 
 def _try_action_reference(state, limits, capacity, cap_scale, e, to, partners):

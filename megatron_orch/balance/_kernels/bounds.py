@@ -32,7 +32,7 @@ def _block_sum(values, lo, n):
 
 
 @numba.njit(**_JIT)
-def _numpy_sum(values):
+def numpy_sum(values):
     """``values.sum()`` bit for bit as numpy adds float64: halves (a multiple of 8 on the left) summed
     apart down to blocks of 128, then added up, left + right. Written with a stack: numba's cache
     cannot hold a function that calls itself."""
@@ -78,7 +78,7 @@ def pigeonhole_bound(costs, order, num_bins):
     n = costs.size
     if n == 0:
         return 0.0
-    bound = max(_numpy_sum(costs) / num_bins, costs.max())
+    bound = max(numpy_sum(costs) / num_bins, costs.max())
     if n > num_bins:
         prefix = np.zeros(n + 1)
         for k in range(n):

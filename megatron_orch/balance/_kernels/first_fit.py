@@ -4,7 +4,7 @@ import numpy as np
 
 from megatron_orch.balance._kernels._jit import _JIT
 from megatron_orch.balance._kernels._segment_tree import _tree_first_fit, _tree_new, _tree_set
-from megatron_orch.balance._kernels.bounds import _max_load, _numpy_sum, pigeonhole_bound
+from megatron_orch.balance._kernels.bounds import _max_load, numpy_sum, pigeonhole_bound
 
 
 # ---------------------------------------------------------------------------------------------
@@ -48,7 +48,7 @@ def bs_ffd(costs, memory, memory_cap, order, num_bins, upper, rel_tol, max_round
     if n == 0:
         return -1
     trial = np.empty(n, dtype=np.int64)
-    hi = _numpy_sum(costs) / num_bins + costs.max() if upper == np.inf else upper
+    hi = numpy_sum(costs) / num_bins + costs.max() if upper == np.inf else upper
     if ffd(costs, memory, memory_cap, order, num_bins, hi, bin_of_item) >= 0:
         if upper != np.inf:
             return ABOVE_UPPER

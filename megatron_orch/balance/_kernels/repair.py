@@ -4,6 +4,7 @@ import numba
 import numpy as np
 
 from megatron_orch.balance._kernels._jit import _JIT
+from megatron_orch.balance._kernels.bounds import numpy_sum
 from megatron_orch.balance._kernels.local_search import _rank_index
 from megatron_orch.balance._plan_kernels import _rank_starts
 
@@ -343,65 +344,10 @@ def move_link_bytes(links, node_of_rank, src, nbytes, a, to):
 # ---------------------------------------------------------------------------------------------
 
 @numba.njit(**_JIT)
-def _block_sum(values, lo, n):
-    """numpy's sum of at most 128 values: below 8 one after another, else in eight running sums added in pairs."""
-    if n < 8:
-        total = 0.0
-        for i in range(lo, lo + n):
-            total += values[i]
-        return total
-    r = values[lo:lo + 8].copy()
-    i = 8
-    while i < n - n % 8:
-        for j in range(8):
-            r[j] += values[lo + i + j]
-        i += 8
-    total = ((r[0] + r[1]) + (r[2] + r[3])) + ((r[4] + r[5]) + (r[6] + r[7]))
-    while i < n:
-        total += values[lo + i]
-        i += 1
-    return total
-
-
-@numba.njit(**_JIT)
-def pairwise_sum(values, lo, n):
-    """``values[lo:lo + n].sum()`` as numpy sums float64 (pairwise: blocks of at most 128, :func:`_block_sum`, the
-    halves of a longer run split at a multiple of 8 and added), bit for bit. Its recursion runs on a stack of its
-    own (numba's cache does not keep recursive functions)."""
-    if n <= 128:
-        return _block_sum(values, lo, n)
-    start = np.empty(64, dtype=np.int64)  # each pending half: where it starts, its length, its left half's sum
-    length = np.empty(64, dtype=np.int64)
-    left = np.empty(64)
-    stage = np.zeros(64, dtype=np.int64)  # 0: left half next, 1: right half next, 2: both summed
-    top = 0
-    start[0], length[0] = lo, n
-    total = 0.0
-    while True:
-        half = length[top] // 2
-        half -= half % 8
-        if stage[top] == 2:  # total: the right half's sum
-            total = left[top] + total
-            if top == 0:
-                return total
-            top -= 1
-            continue
-        first, size = (start[top], half) if stage[top] == 0 else (start[top] + half, length[top] - half)
-        if stage[top] == 1:
-            left[top] = total
-        stage[top] += 1
-        if size <= 128:
-            total = _block_sum(values, first, size)
-        else:
-            top += 1
-            start[top], length[top], stage[top] = first, size, 0
-
-
-@numba.njit(**_JIT)
 def bytes_on_node(src, nbytes, offset, node_of_rank, examples, on_node):
     """For each of ``examples``: the bytes of its entries (every move's: ``src`` / ``nbytes`` at ``offset[m, e]:
     offset[m, e + 1]``) sent from node ``on_node``, summed as balance/repair.py sums them (each move's with numpy's
-    sum, :func:`pairwise_sum`, then move after move)."""
+    sum, :func:`~megatron_orch.balance._kernels.bounds.numpy_sum`, then move after move)."""
     out = np.empty(examples.size)
     for k in range(examples.size):
         e = examples[k]
@@ -414,7 +360,7 @@ def bytes_on_node(src, nbytes, offset, node_of_rank, examples, on_node):
                 if node_of_rank[src[i]] == on_node:
                     picked[count] = nbytes[i]
                     count += 1
-            total += pairwise_sum(picked, 0, count)
+            total += numpy_sum(picked[:count])
         out[k] = total
     return out
 
@@ -452,8 +398,8 @@ def _excess_and_inter(links, load, ranks, limits, capacity, cap_scale):
     comp = np.empty(k)
     for t in range(k):
         comp[t] = max(load[ranks[t]] - capacity, 0.0)
-    over = pairwise_sum(nic, 0, nic.size) + pairwise_sum(nvl, 0, nvl.size)
-    return over + pairwise_sum(comp, 0, k) / cap_scale, pairwise_sum(inter, 0, inter.size)
+    over = numpy_sum(nic) + numpy_sum(nvl)
+    return over + numpy_sum(comp[:k]) / cap_scale, numpy_sum(inter)
 
 
 @numba.njit(**_JIT)
