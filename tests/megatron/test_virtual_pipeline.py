@@ -40,9 +40,10 @@ TIMEOUT_S = 300.0
 LAYER = re.compile(r"backbone\.decoder\.layers\.(\d+)\.(.*)")
 
 
-def scripted_iterator(args, consumed_samples, dp_rank, dp_size):
+def scripted_iterator(args, consumed_samples, dp_rank, dp_size, num_samples=None):
     """Step k of the run is test_post_balancing's scenario STEPS[k] (the same on the TP/PP peers of a DP rank);
-    also the megatron.training test's data (tests/megatron/test_megatron_lm.py)."""
+    also the megatron.training test's data (tests/megatron/test_megatron_lm.py, whose launch also passes the samples
+    its steps consume, ``num_samples``: the script has exactly ``--train-iters`` steps)."""
     from megatron_orch.megatron.batch import collate
     from megatron_orch.mllm import providers
 
