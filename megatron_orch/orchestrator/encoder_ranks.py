@@ -84,8 +84,8 @@ def decide_encoder_ranks(config: OrchestratorConfig, *, pipeline_parallel_size: 
         return first(refused)
     replicas = tensor_parallel_size // etp if tensor_parallel_size % etp == 0 else 1
     return EncoderRanksDecision(EncoderRanks.ALL, asked, f"each encoder phase over DP x {pipeline_parallel_size} "
-                                f"pipeline stages x {replicas} encoder replicas per TP group instead of the first "
-                                f"stage's DP ranks; {memory}")
+                                f"pipeline stages x {replicas} encoder replica{'s' if replicas > 1 else ''} per TP group "
+                                f"instead of the first stage's DP ranks; {memory}")
 
 
 def unsupported_layout(*, context_parallel_size: int, overlap_grad_reduce: bool, sharded: Optional[str],

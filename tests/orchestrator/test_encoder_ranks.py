@@ -226,7 +226,7 @@ def test_auto_decides_all_where_it_differs_runs_and_fits():
     everywhere = decide(memory="fits the GPU's 80.0 GB")
     assert (everywhere.ranks, everywhere.asked) == (EncoderRanks.ALL, EncoderRanks.AUTO)
     assert everywhere.line() == ("post-balancing: the encoders on every rank (--orch-encoder-ranks auto: all): each "
-                                 "encoder phase over DP x 2 pipeline stages x 1 encoder replicas per TP group instead "
+                                 "encoder phase over DP x 2 pipeline stages x 1 encoder replica per TP group instead "
                                  "of the first stage's DP ranks; fits the GPU's 80.0 GB")
     assert decide(OrchestratorConfig(encoder_tensor_parallel_size=1), pp=1, tp=4).ranks is EncoderRanks.ALL
     for config, pp, tp, kwargs, reason in [

@@ -372,7 +372,7 @@ def test_encoder_ranks_auto_is_all_where_it_differs_runs_and_fits_else_first_sta
     decided value is what args and a checkpoint record."""
     pp2 = [*BALANCED, "--pipeline-model-parallel-size", "2"]
     for flags, ranks, reason in [
-            (pp2, "all", r"over DP x 2 pipeline stages x 1 encoder replicas .*; per-GPU memory not checked"),
+            (pp2, "all", r"over DP x 2 pipeline stages x 1 encoder replica .*; per-GPU memory not checked"),
             (pp2 + ["--orch-gpu-memory-gb", "80"], "all", r"; fits --orch-gpu-memory-gb 80 \(per-GPU memory model\)"),
             (pp2 + ["--orch-gpu-memory-gb", "0.001"], "first-stage",
              r"--orch-encoder-ranks all does not fit --orch-gpu-memory-gb \(0\.0 GB\)"),
