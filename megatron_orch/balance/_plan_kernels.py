@@ -82,16 +82,7 @@ def expand(parent_rank, parent_slot, num_ranks, parent):
 def slots_by_key(rank, key, key_bound, num_ranks):
     """Slot of each item on its rank when a rank's items are ordered by ``key`` (0 <= key <
     ``key_bound``), ties by item id: a stable counting sort by key, then by rank."""
-    count = np.zeros(key_bound + 1, dtype=np.int64)
-    for i in range(key.size):
-        count[key[i] + 1] += 1
-    for k in range(key_bound):
-        count[k + 1] += count[k]
-    order = np.empty(key.size, dtype=np.int64)
-    for i in range(key.size):
-        order[count[key[i]]] = i
-        count[key[i]] += 1
-    return slots_in_order(rank, order, num_ranks)
+    return slots_in_order(rank, stably_by(key, np.arange(key.size), key_bound), num_ranks)
 
 
 @numba.njit(**_JIT)
@@ -141,7 +132,7 @@ def moved_bytes(src_rank, dst_rank, node_of_rank, nbytes):
 
 
 @numba.njit(**_JIT)
-def _stably_by(keys, items, key_bound):
+def stably_by(keys, items, key_bound):
     """``items`` (indices into ``keys``, 0 <= key < ``key_bound``) stably ordered by their keys: one counting pass."""
     count = np.zeros(key_bound + 1, dtype=np.int64)
     for k in items:
@@ -160,7 +151,7 @@ def distinct_pairs(lows, highs, num_ranks):
     """``np.unique(lows * num_ranks + highs)`` in linear time (a sort of a batch's hundreds of thousands of
     moved items took most of a default plan's time at DP 10240): two stable counting passes, by ``high`` then by
     ``low``, put the pairs in order, and repeats are dropped as they come."""
-    order = _stably_by(lows, _stably_by(highs, np.arange(lows.size), num_ranks), num_ranks)
+    order = stably_by(lows, stably_by(highs, np.arange(lows.size), num_ranks), num_ranks)
     out = np.empty(lows.size, dtype=np.int64)
     n = 0
     for k in order:

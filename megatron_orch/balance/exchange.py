@@ -14,6 +14,8 @@ classes pair the same ranks.
 import numba
 import numpy as np
 
+from megatron_orch.balance._plan_kernels import stably_by
+
 _JIT = dict(cache=True, nogil=True)
 
 
@@ -95,31 +97,15 @@ def exchange_alike(bin_of_item, source_of_item, class_of_item, node_of_rank) -> 
 
 
 @numba.njit(**_JIT)
-def _counting_order(keys, order, buckets):
-    """``order`` stably re-sorted by ``keys`` (0..buckets-1)."""
-    start = np.zeros(buckets + 1, dtype=np.int64)
-    for i in range(keys.size):
-        start[keys[i] + 1] += 1
-    for b in range(buckets):
-        start[b + 1] += start[b]
-    out = np.empty(order.size, dtype=np.int64)
-    for t in range(order.size):
-        i = order[t]
-        out[start[keys[i]]] = i
-        start[keys[i]] += 1
-    return out
-
-
-@numba.njit(**_JIT)
 def _by_class_then(classes, at, num_ranks):
     """Item ids by class, then by ``at`` (0..num_ranks-1), then by id: two counting passes (one where the ids are in
     ``at`` order already, as a batch's examples are by their loading rank)."""
     order = np.arange(at.size)
     for i in range(1, at.size):
         if at[i] < at[i - 1]:
-            order = _counting_order(at, order, num_ranks)
+            order = stably_by(at, order, num_ranks)
             break
-    return _counting_order(classes, order, classes.size)
+    return stably_by(classes, order, classes.size)
 
 
 @numba.njit(**_JIT)

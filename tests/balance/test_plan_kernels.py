@@ -40,6 +40,19 @@ def test_slots_and_expand_match_their_definitions(num_ranks, num_items, num_chil
         Placement(rank=child.rank, slot=child.slot, num_ranks=num_ranks)  # valid
 
 
+@settings(max_examples=200, deadline=None)
+@given(st.integers(1, 9), st.integers(0, 60), st.integers(0, 2**31 - 1))
+def test_stably_by_is_a_stable_sort_of_the_given_items(key_bound, num_items, seed):
+    """The one counting sort (slots by key, distinct rank pairs, the alike exchange's classes): ``items`` in any
+    order, a subset too, come back ordered by key with ties in their given order, as numpy's stable argsort."""
+    rng = np.random.default_rng(seed)
+    keys = rng.integers(0, key_bound, num_items)
+    for items in (rng.permutation(num_items), rng.choice(num_items, num_items // 2, replace=False)):
+        items = items.astype(np.int64)
+        expected = items[np.argsort(keys[items], kind="stable")]
+        assert np.array_equal(_plan_kernels.stably_by(keys, items, key_bound), expected)
+
+
 def test_moved_bytes_and_microbatches_match_numpy():
     rng = np.random.default_rng(3)
     node = np.repeat(np.arange(4), 3)
