@@ -9,16 +9,14 @@ per step (``time.process_time``, median over the steps, after one warm-up plan o
 
     python scripts/check_alike_exchange.py [--dp 512,2560] [--steps 10] [--per-rank 16] [--gpus-per-node 8]
 """
-import argparse
 import dataclasses
 import time
 
 import numpy as np
 
-from megatron_orch.balance.plan import Connections
 from megatron_orch.balance.topology import Topology
-from megatron_orch.balance.workload import phase_items
-from megatron_orch.bench.common import DEFAULT_METHOD, MIXTURES, PLAN_METHODS, draw_sizes, step_connections
+from megatron_orch.bench.common import (DEFAULT_METHOD, MIXTURES, PLAN_METHODS, draw_sizes, flat_peers,
+                                        peer_check_args)
 from megatron_orch.mllm.config import load_model_config
 from megatron_orch.orchestrator.step_plan import plan_step
 
@@ -27,12 +25,7 @@ VARIANTS = {"plain": False, "exchange_alike": True}
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--dp", default="512,2560", help="comma-separated DP sizes (default 512,2560)")
-    parser.add_argument("--steps", type=int, default=10, help="batches of seeds 0.. (default 10)")
-    parser.add_argument("--per-rank", type=int, default=16, help="examples per DP rank (default 16)")
-    parser.add_argument("--gpus-per-node", type=int, default=8, help="DP ranks per node (default 8)")
-    args = parser.parse_args()
+    args = peer_check_args(__doc__.splitlines()[0])
     phases = load_model_config(MODEL).phases()
     print(f"| DP | plan | step peers max / mean | run peers ({args.steps} steps) max / mean | inter-node GB per step "
           "| balance and step time as plain | plan CPU ms (median) |")
@@ -52,19 +45,10 @@ def main() -> None:
                 start = time.process_time()
                 plans[name].append(plan_step(sizes, phases, config, topology, 1, args.per_rank))
                 seconds[name].append(time.process_time() - start)
-        outcome = {name: [([s.max_after for s in plan.stats.values()], plan.step_time) for plan in plans[name]]
-                   for name in VARIANTS}
-        for name in VARIANTS:
-            run, first, inter = Connections.none(dp), None, 0.0
-            for sizes, plan in zip(batches, plans[name]):
-                connected = step_connections(plan, phase_items(sizes, phases), topology.node_of_rank, "flat")
-                first = connected if first is None else first
-                run = run | connected
-                inter += plan.report()["inter-node MB"] / 1e3
-            step, whole = first.peers(topology.node_of_rank).total, run.peers(topology.node_of_rank).total
-            same = "yes" if outcome[name] == outcome["plain"] else "no"
-            print(f"| {dp} | {name} | {step.max()} / {step.mean():.1f} | {whole.max()} / {whole.mean():.1f} | "
-                  f"{inter / args.steps:.1f} | {same} | {1e3 * np.median(seconds[name]):.1f} |")
+        figures = {name: flat_peers(plans[name], batches, phases, topology) for name in VARIANTS}
+        for name, peers in figures.items():
+            same = "yes" if peers.outcome == figures["plain"].outcome else "no"
+            print(f"| {dp} | {name} | {' | '.join(peers.cells())} | {same} | {1e3 * np.median(seconds[name]):.1f} |")
 
 
 if __name__ == "__main__":

@@ -8,16 +8,14 @@ placement's (placement moves no load, so they should be):
 
     python scripts/check_placement_peers.py [--dp 512,2560] [--steps 10] [--per-rank 16] [--gpus-per-node 8]
 """
-import argparse
 import dataclasses
 
 import numpy as np
 
-from megatron_orch.balance.plan import Connections
 from megatron_orch.balance.registry import PLACEMENTS
 from megatron_orch.balance.topology import Topology
-from megatron_orch.balance.workload import phase_items
-from megatron_orch.bench.common import DEFAULT_METHOD, MIXTURES, PLAN_METHODS, draw_sizes, step_connections
+from megatron_orch.bench.common import (DEFAULT_METHOD, MIXTURES, PLAN_METHODS, draw_sizes, flat_peers,
+                                        peer_check_args)
 from megatron_orch.mllm.config import load_model_config
 from megatron_orch.orchestrator.step_plan import plan_step
 
@@ -32,12 +30,7 @@ def _random_placement(traffic, topology, config):
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--dp", default="512,2560", help="comma-separated DP sizes (default 512,2560)")
-    parser.add_argument("--steps", type=int, default=10, help="batches of seeds 0.. (default 10)")
-    parser.add_argument("--per-rank", type=int, default=16, help="examples per DP rank (default 16)")
-    parser.add_argument("--gpus-per-node", type=int, default=8, help="DP ranks per node (default 8)")
-    args = parser.parse_args()
+    args = peer_check_args(__doc__.splitlines()[0])
     phases = load_model_config(MODEL).phases()
     print(f"| DP | placement | step peers max / mean | run peers ({args.steps} steps) max / mean | inter-node GB per "
           "step | balance and step time as exact's |")
@@ -46,24 +39,14 @@ def main() -> None:
         topology = Topology.uniform(dp, args.gpus_per_node)
         batches = [draw_sizes(list(MIXTURES["shipped"]), dp, args.per_rank, MODEL, seed)[2]
                    for seed in range(args.steps)]
-        rows, figures = [], {}
+        figures = {}
         for placement in PLACEMENT_METHODS:
             config = dataclasses.replace(PLAN_METHODS[DEFAULT_METHOD], placement=placement)
-            run, first, inter, outcome = Connections.none(dp), None, 0.0, []
-            for sizes in batches:
-                plan = plan_step(sizes, phases, config, topology, 1, args.per_rank)
-                connected = step_connections(plan, phase_items(sizes, phases), topology.node_of_rank, "flat")
-                first = connected if first is None else first
-                run = run | connected
-                inter += plan.report()["inter-node MB"] / 1e3
-                outcome.append(([s.max_after for s in plan.stats.values()], plan.step_time))
-            step, whole = first.peers(topology.node_of_rank).total, run.peers(topology.node_of_rank).total
-            figures[placement] = outcome
-            rows.append((placement, f"{step.max()} / {step.mean():.1f}", f"{whole.max()} / {whole.mean():.1f}",
-                         f"{inter / args.steps:.1f}"))
-        for placement, step, whole, inter in rows:
-            same = "yes" if figures[placement] == figures["exact"] else "no"
-            print(f"| {dp} | {placement} | {step} | {whole} | {inter} | {same} |")
+            figures[placement] = flat_peers([plan_step(sizes, phases, config, topology, 1, args.per_rank)
+                                             for sizes in batches], batches, phases, topology)
+        for placement, peers in figures.items():
+            same = "yes" if peers.outcome == figures["exact"].outcome else "no"
+            print(f"| {dp} | {placement} | {' | '.join(peers.cells())} | {same} |")
 
 
 if __name__ == "__main__":

@@ -93,6 +93,46 @@ def step_connections(plan: StepPlan, items: Dict[str, PhaseItems], node_of_rank,
     return connected
 
 
+def peer_check_args(description: str) -> argparse.Namespace:
+    """The command line of the scripts that compare plans' peers on the shipped mixture's batches of seeds 0..
+    (``scripts/check_placement_peers.py``, ``scripts/check_alike_exchange.py``)."""
+    parser = argparse.ArgumentParser(description=description)
+    parser.add_argument("--dp", default="512,2560", help="comma-separated DP sizes (default 512,2560)")
+    parser.add_argument("--steps", type=int, default=10, help="batches of seeds 0.. (default 10)")
+    parser.add_argument("--per-rank", type=int, default=16, help="examples per DP rank (default 16)")
+    parser.add_argument("--gpus-per-node", type=int, default=8, help="DP ranks per node (default 8)")
+    return parser.parse_args()
+
+
+@dataclasses.dataclass(frozen=True)
+class FlatPeers:
+    """What a run of plans gives the flat all-to-all: the first step's and the whole run's peers per rank, the bytes
+    across nodes per step, and each plan's balance and modeled step time (``outcome``: equal for plans that move
+    no load)."""
+    step: np.ndarray
+    run: np.ndarray
+    inter_node_gb_per_step: float
+    outcome: list
+
+    def cells(self) -> Tuple[str, str, str]:
+        """The table cells: step peers max / mean, run peers max / mean, inter-node GB per step."""
+        return (f"{self.step.max()} / {self.step.mean():.1f}", f"{self.run.max()} / {self.run.mean():.1f}",
+                f"{self.inter_node_gb_per_step:.1f}")
+
+
+def flat_peers(plans: Sequence[StepPlan], batches: Sequence[StepSizes], phases: ModelPhases,
+               topology: Topology) -> FlatPeers:
+    """:class:`FlatPeers` of ``plans``, the plans of ``batches`` (one each, in order)."""
+    run, first, inter = Connections.none(topology.num_ranks), None, 0.0
+    for sizes, plan in zip(batches, plans, strict=True):
+        connected = step_connections(plan, phase_items(sizes, phases), topology.node_of_rank, "flat")
+        first = connected if first is None else first
+        run = run | connected
+        inter += plan.report()["inter-node MB"] / 1e3
+    return FlatPeers(first.peers(topology.node_of_rank).total, run.peers(topology.node_of_rank).total,
+                     inter / len(plans), [([s.max_after for s in plan.stats.values()], plan.step_time) for plan in plans])
+
+
 def peers_over_steps(plan_of: Callable[[StepSizes], StepPlan], draw: Callable[[int], StepSizes], phases: ModelPhases,
                      topology: Topology, steps: int, memory: CommunicatorMemory = CommunicatorMemory()) -> dict:
     """The peers a method's plans (``plan_of``) give over ``steps`` steps, the batch of step k ``draw(k)`` (items of
