@@ -2,7 +2,8 @@
 Megatron-Core's MimoModel): the mistakes that used to train silently differently or fail late are refused
 before any collective, in one line naming the fix; a post-balancing step that reaches a stock schedule says
 so; the flags of shadow mode and of the checked first step; docs/own_model.md's code is the examples' own.
-Single-process (a gloo world of one); the multi-rank traps are in ``test_first_step.py``."""
+Single-process (a gloo world of one); the multi-rank traps are in ``test_first_step.py``; post_balance's own choice of
+the encoder layout with pipeline stages (its one collective's other ranks played by a patched all-reduce)."""
 import re
 import textwrap
 import warnings
@@ -466,3 +467,47 @@ def test_a_ramped_global_batch_in_ones_own_loop_trains_as_upstream(harness, worl
     balanced, ran = train(True)
     assert ran == counts
     torch.testing.assert_close(balanced, upstream, rtol=1e-5, atol=0)
+
+
+def test_post_balance_decides_the_encoder_layout_with_pipeline_stages_in_one_collective(harness, world_of_one,
+                                                                                      monkeypatch):
+    """``post_balance``'s own ``AUTO`` decision with 2 pipeline stages (its ``_decide_encoder_ranks``, given the
+    sizes; a world of one stands for the job, the one collective's other ranks played by a patched all-reduce):
+    ``ALL`` where every rank's model holds encoders, ``FIRST_STAGE`` where any rank's holds none (the minimum over
+    the job), where no model is given or in shadow mode; the line says which and why, and nothing is announced
+    where both layouts are one (PP 1 at the backbone's TP)."""
+    import own_model
+    from megatron_orch.megatron import OrchestratorConfig, any_loop
+    from megatron_orch.orchestrator.config import EncoderRanks
+
+    torch.manual_seed(7)
+    model = [own_model.build_model()]
+    assert model[0].phase_encoders()
+    others_hold = []  # what the job's other ranks report: 1.0 holds encoders, 0.0 holds none
+    real_all_reduce = any_loop.dist.all_reduce
+
+    def all_reduce(tensor, op=None, **kwargs):
+        assert op == any_loop.dist.ReduceOp.MIN, op
+        real_all_reduce(tensor, op=op, **kwargs)
+        for value in others_hold:
+            tensor.copy_(torch.minimum(tensor, torch.full_like(tensor, value)))
+
+    monkeypatch.setattr(any_loop.dist, "all_reduce", all_reduce)
+
+    def decide(config=OrchestratorConfig(), given=model, pp=2, tp=1):
+        lines = []
+        decided = any_loop._decide_encoder_ranks(config, given, None, tp, pp, lines.append)
+        return decided.encoder_ranks, lines
+
+    ranks, lines = decide()
+    assert ranks is EncoderRanks.ALL and len(lines) == 1 and "auto: all" in lines[0], lines
+    others_hold[:] = [1.0, 0.0]  # one other rank's model was built without encoders
+    ranks, lines = decide()
+    assert ranks is EncoderRanks.FIRST_STAGE and "holds no encoders off the first pipeline stage" in lines[0], lines
+    others_hold[:] = [1.0]
+    ranks, lines = decide(given=None)
+    assert ranks is EncoderRanks.FIRST_STAGE and "given no model" in lines[0], lines
+    ranks, lines = decide(config=OrchestratorConfig(shadow=True))
+    assert ranks is EncoderRanks.FIRST_STAGE and "shadow mode" in lines[0], lines
+    ranks, lines = decide(pp=1)
+    assert ranks is EncoderRanks.FIRST_STAGE and lines == [], lines
