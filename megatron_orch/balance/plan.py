@@ -16,7 +16,7 @@ import functools
 import operator
 import zlib
 from dataclasses import dataclass
-from typing import Optional, Tuple
+from typing import Optional, Sequence, Tuple
 
 import numpy as np
 
@@ -279,6 +279,14 @@ class MovedBytes:
                           count * self.sent_intra, count * self.received_intra, count * self.sent_inter,
                           count * self.received_inter, self.connections, self.node_wise)
 
+    @classmethod
+    def of_hops(cls, hops: Sequence["MovedBytes"]) -> "MovedBytes":
+        """What a transfer run as ``hops`` (its :meth:`Transfer.node_wise` hops, each counted flat) sends: every
+        item's bytes once, each hop's moved bytes and connections."""
+        return cls(hops[0].total, *(sum(getattr(hop, name) for hop in hops) for name in (
+            "intra_node", "inter_node", "sent_intra", "received_intra", "sent_inter", "received_inter")),
+                   functools.reduce(operator.or_, (hop.connections for hop in hops)), node_wise=True)
+
 
 @dataclass(frozen=True, eq=False)
 class Connections:
@@ -386,11 +394,8 @@ def _exchanged(src: np.ndarray, dst: np.ndarray, nbytes: np.ndarray, node_of_ran
     if all_to_all != "node-wise":
         raise ValueError(f"unknown all-to-all {all_to_all!r}; choose one of {ALL_TO_ALL}")
     relay = relay_ranks(src, dst, node_of_rank)
-    hops = [_counted(a, b, nbytes, node_of_rank) for a, b in ([(src, dst)] if relay is None
-                                                              else [(src, relay), (relay, dst)])]
-    return MovedBytes(hops[0].total, *(sum(getattr(hop, name) for hop in hops) for name in (
-        "intra_node", "inter_node", "sent_intra", "received_intra", "sent_inter", "received_inter")),
-                      functools.reduce(operator.or_, (hop.connections for hop in hops)), node_wise=True)
+    return MovedBytes.of_hops([_counted(a, b, nbytes, node_of_rank) for a, b in ([(src, dst)] if relay is None
+                                                                               else [(src, relay), (relay, dst)])])
 
 
 def moved_bytes(src_rank, dst_rank, item_bytes, node_of_rank) -> MovedBytes:

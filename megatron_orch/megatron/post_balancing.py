@@ -240,17 +240,19 @@ def _text_layouts(num_tokens: np.ndarray) -> List[ItemLayout]:
 
 def prepare_moves(plan: StepPlan, num_tokens: np.ndarray, rows_per_item: Mapping[str, int], rank: int,
                   encoder_stage: bool, all_to_all: str = "flat", node_of_rank=None,
-                  spread: Optional[EncoderGroupPlan] = None, group_rank: Optional[int] = None) -> StepMoves:
+                  spread: Optional[EncoderGroupPlan] = None, group_rank: Optional[int] = None,
+                  group_node_of_rank=None) -> StepMoves:
     """``rank``'s moves of the step (host only: the planning thread calls this after the plan): the routes
     of every move :func:`step_moves` lists, the ones the byte count counts (the encoder phases' on the
     encoder stage only: the other pipeline stages hold no encoders), each run ``all_to_all`` over the nodes of
     ``node_of_rank`` (``Transfer.hops``). With the encoders on every stage (``spread``), the encoder phases'
     moves are :func:`~megatron_orch.orchestrator.encoder_ranks.group_moves`', routed for ``group_rank``, this
-    rank's in the encoder group (flat: the layout refuses node-wise, ``unsupported_layout``)."""
+    rank's in the encoder group, their hops over the group's nodes (``group_node_of_rank``)."""
     out = []
 
     def move(listed: StepMove, transfer: Transfer, layouts, at: int, backward: bool = False) -> Move:
-        hops = transfer.hops(all_to_all if spread is None else "flat", node_of_rank)
+        nodes = node_of_rank if spread is None or listed.kind == "text" else group_node_of_rank
+        hops = transfer.hops(all_to_all, nodes)
         return Move(listed, transfer, hops, tuple(route for hop in hops for route in routes_for(hop, at, layouts)),
                     backward)
 
@@ -621,13 +623,14 @@ class PostBalancingDataIterator:
             spread = None
             if self.groups.encoder_group is not None:  # the log's MB and peers: the moves that run
                 spread = spread_over_stages(plan, self.pipeline_size, self.groups.tp_replicas)
-                traffic, peers = group_traffic(plan, spread, phase_items(sizes, self.spec.phases), self.encoder_nodes)
+                traffic, peers = group_traffic(plan, spread, phase_items(sizes, self.spec.phases), self.encoder_nodes,
+                                               self.config.all_to_all, self.topology.node_of_rank)
                 connections = functools.reduce(operator.or_, (moved.connections for moved in traffic.values()))
                 plan = dataclasses.replace(plan, traffic=traffic, peers=peers, connections=connections)
             run_peers = self._run_peers.add(plan.connections)  # steps are planned one at a time, in order
             return plan, prepare_moves(plan, sizes.num_tokens, self.rows_per_item, self.rank,
                                        self.groups.encoder_stage, self.config.all_to_all, self.topology.node_of_rank,
-                                       spread, self.encoder_rank), run_peers
+                                       spread, self.encoder_rank, self.encoder_nodes), run_peers
 
         self.planner.submit(plan_and_prepare)
         self.reader.submit(self._read)

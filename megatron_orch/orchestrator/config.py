@@ -87,8 +87,8 @@ class OrchestratorConfig:
     source's node and then between rail peers (:meth:`~megatron_orch.balance.plan.Transfer.node_wise`: at most
     ``gpus_per_node - 1 + nodes - 1`` peers a rank, the same outputs).
     ``encoder_ranks``: which ranks encode (:class:`EncoderRanks`; ``ALL`` needs pipeline parallelism, or an encoder
-    TP below the backbone's, to differ from ``FIRST_STAGE``; its moves run flat: ``all_to_all`` node-wise is refused
-    with it; ``AUTO``, the default, is decided by the entry point, :meth:`with_encoder_ranks`).
+    TP below the backbone's, to differ from ``FIRST_STAGE``; its moves over the encoder group run ``all_to_all`` too,
+    node-wise over that group's nodes; ``AUTO``, the default, is decided by the entry point, :meth:`with_encoder_ranks`).
     ``encoder_tensor_parallel_size``: with ``encoder_ranks`` ``ALL`` (or ``AUTO``), the encoders' own tensor-parallel size
     (``--orch-encoder-tensor-parallel-size``; None: the backbone's); it must divide the backbone's, which the
     entry points check (:func:`~megatron_orch.orchestrator.encoder_ranks.unsupported_layout`). Below it, each
@@ -150,9 +150,6 @@ class OrchestratorConfig:
         if not isinstance(self.encoder_ranks, EncoderRanks):
             raise ConfigError("encoder_ranks", f" must be an EncoderRanks ({', '.join(e.name for e in EncoderRanks)}),"
                                                f" got {self.encoder_ranks!r}")
-        if self.encoder_ranks is EncoderRanks.ALL and self.all_to_all != "flat" and not self.shadow:
-            raise ConfigError("encoder_ranks", f" all with a {self.all_to_all} all-to-all is not supported: the "
-                                               "encoder group's moves run flat")
         etp = self.encoder_tensor_parallel_size
         if etp is not None and (isinstance(etp, bool) or not isinstance(etp, int) or etp < 1):
             raise ConfigError("encoder_tensor_parallel_size", f" must be an int >= 1, got {etp!r}")

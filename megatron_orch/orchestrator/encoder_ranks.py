@@ -17,7 +17,8 @@ it stages what it loads) to their encoder rank, and the encoder outputs from the
 the first-stage TP group that runs their example's first backbone layers (each of its TP ranks needs them: ``R``
 copies, :class:`CopiedStepMove`), in one all-to-all over the encoder group; their gradients back by the inverse
 from replica 0 alone (every TP rank of the backbone holds the same embedding gradient). The text moves within
-each stage's DP group, as with ``FIRST_STAGE``. :func:`unsupported_layout` names the parallel layouts it does not
+each stage's DP group, as with ``FIRST_STAGE``. Either runs flat or node-wise (``OrchestratorConfig.all_to_all``:
+the group's moves as two hops over the encoder group's nodes, the text's over its DP group's). :func:`unsupported_layout` names the parallel layouts it does not
 run (checked before any collective). :func:`group_traffic` counts what these moves send, for the iteration
 line's MB figures.
 """
@@ -62,7 +63,7 @@ def decide_encoder_ranks(config: OrchestratorConfig, *, pipeline_parallel_size: 
     """The layout ``config.encoder_ranks`` runs: as asked where ``FIRST_STAGE`` or ``ALL`` (the entry point refuses
     an ``ALL`` it cannot run); ``AUTO``: ``ALL`` where it differs from ``FIRST_STAGE`` (pipeline parallelism, or the
     encoders at a TP size below the backbone's), the entry point can run it (``unavailable``: why not, one line, e.g.
-    :func:`unsupported_layout`'s; None: it can), its moves run flat and the per-GPU memory model says it fits
+    :func:`unsupported_layout`'s; None: it can) and the per-GPU memory model says it fits
     (``memory_refusal()``: why not, asked last; None: it fits or nothing to check; ``memory``: what was checked, for
     the reason), else ``FIRST_STAGE``. Shadow mode trains as loaded (``FIRST_STAGE``)."""
     asked = config.encoder_ranks
@@ -77,8 +78,6 @@ def decide_encoder_ranks(config: OrchestratorConfig, *, pipeline_parallel_size: 
                      "in either layout")
     if unavailable is not None:
         return first(unavailable)
-    if config.all_to_all != "flat":
-        return first(f"{FLAG} runs its moves flat, not {config.all_to_all}")
     refused = memory_refusal()
     if refused is not None:
         return first(refused)
@@ -225,23 +224,29 @@ def group_moves(plan: StepPlan, group: EncoderGroupPlan) -> List[StepMove]:
     return out
 
 
-def group_traffic(plan: StepPlan, group: EncoderGroupPlan, items: Dict[str, PhaseItems],
-                  node_of_rank) -> Tuple[Dict[str, MovedBytes], Peers]:
+def group_traffic(plan: StepPlan, group: EncoderGroupPlan, items: Dict[str, PhaseItems], node_of_rank,
+                  all_to_all: str = "flat", dp_node_of_rank=None) -> Tuple[Dict[str, MovedBytes], Peers]:
     """What the step's moves over the encoder group send (:func:`group_moves`; ``items``: ``phase_items`` of the
     step, ``node_of_rank``: the node of every encoder-group rank), as ``StepPlan.traffic`` counts the first-stage
     layout's: per move its forward bytes, and an embeddings move's gradients back as ``"<name> gradients"`` (a
-    copied move's forward sends every copy, its gradients one). The text counts once, as the first stage's DP
-    group at replica 0 moves it (each stage's DP group moves the same). Also each rank's distinct peers over them."""
+    copied move's forward sends every copy, its gradients one), each run ``all_to_all``. The text counts once, as
+    the first stage's DP group at replica 0 moves it (each stage's DP group moves the same; node-wise, its hops are
+    over that group's nodes, ``dp_node_of_rank``). Also each rank's distinct peers over them."""
     traffic = {}
     for move in group_moves(plan, group):
         nbytes = move.bytes_of(items)
-        transfer = move.transfer
         if move.kind == "text":
-            transfer = Transfer(_on_first_stage(transfer.src, group), _on_first_stage(transfer.dst, group))
+            if all_to_all != "flat" and dp_node_of_rank is None:
+                raise ValueError(f"group_traffic: a {all_to_all} text move needs its DP group's nodes (dp_node_of_rank)")
+            hops = move.transfer.hops(all_to_all, dp_node_of_rank)
+            counted = [Transfer(_on_first_stage(hop.src, group), _on_first_stage(hop.dst, group)).moved_bytes(
+                nbytes, node_of_rank) for hop in hops]
+            traffic[move.name] = counted[0] if all_to_all == "flat" else MovedBytes.of_hops(counted)
+            continue
         copies = move.copies if isinstance(move, CopiedStepMove) else 1
-        traffic[move.name] = transfer.moved_bytes(np.tile(nbytes, copies), node_of_rank)
+        traffic[move.name] = move.transfer.moved_bytes(np.tile(nbytes, copies), node_of_rank, all_to_all)
         if move.with_gradients:
-            traffic[f"{move.name} gradients"] = move.gradients().moved_bytes(nbytes, node_of_rank)
+            traffic[f"{move.name} gradients"] = move.gradients().moved_bytes(nbytes, node_of_rank, all_to_all)
     connected = functools.reduce(operator.or_, (moved.connections for moved in traffic.values()),
                                  Connections.none(group.num_ranks))
     return traffic, connected.peers(node_of_rank)

@@ -2,7 +2,7 @@
 parallelism (TP 2 + SP x DP 2, also with the encoders at TP 1 on every rank), context parallelism (CP 2 x DP 2,
 padded rows and packed rows), both (TP 2 + SP x CP 2 x DP 2, 8 ranks, one step), and the encoders on every pipeline
 stage (``--orch-encoder-ranks all``: PP 2 x DP 2, the encoder phases over 4 ranks; TP 2 x PP 2 x DP 2 with the
-encoders at TP 1, over 8 encoder replicas, 8 ranks, one step; PP 2 x VPP 2 x DP 2, in every rank's first model
+encoders at TP 1, over 8 encoder replicas, its moves node-wise, 8 ranks, one step; PP 2 x VPP 2 x DP 2, in every rank's first model
 chunk, one step; each with its first step checked against the loader's layout). Post-balancing off against on, fp32, dropout 0 (dropout masks
 follow the rank that computes an example): the losses of every step and every parameter after the run agree
 within 1e-5, and on the step with every heavy example on DP rank 0 the plan moved data and lowered each
@@ -253,12 +253,14 @@ def test_pp2_dp2_encoders_on_every_stage_is_invariant(tmp_path):
 def test_tp2_pp2_dp2_encoders_at_tensor_parallel_1_on_every_rank_is_invariant(tmp_path):
     """Eight ranks, one step (the heavy one): TP 2 x PP 2 x DP 2, the encoders at TP 2 on the first stage (Megatron's
     layout, post-balancing off) against the encoders at TP 1 on every rank (``all``, encoder TP 1: 8 encoder
-    replicas, each TP rank of the backbone receiving every embedding its replica needs): losses, parameters and
-    gradient norms agree (:func:`assert_same_encoder_tp1_run`)."""
+    replicas, each TP rank of the backbone receiving every embedding its replica needs), its moves node-wise (4
+    nodes of 2 ranks: every encoder-group move as two hops over the group's nodes, the copies included): losses,
+    parameters and gradient norms agree (:func:`assert_same_encoder_tp1_run`)."""
     flags = ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2", "--train-iters", "1"]
     logs = train(tmp_path, 8, [("upstream", flags),
                                ("all", flags + BALANCED + ["--orch-encoder-ranks", "all", "--orch-verify-first-step",
-                                                           "--orch-encoder-tensor-parallel-size", "1"])],
+                                                           "--orch-encoder-tensor-parallel-size", "1",
+                                                           "--orch-all-to-all", "node-wise"])],
                  timeout_s=600)
     assert_first_step_checked(logs)
     assert_same_encoder_tp1_run(logs["all"], logs["upstream"], 1,

@@ -177,6 +177,27 @@ def test_group_traffic_counts_the_moves_that_run():
                for name in plan.traffic)  # not the first-stage layout's count
 
 
+def test_group_traffic_node_wise_bounds_the_peers_and_keeps_the_bytes_across_nodes():
+    """Node-wise over DP 4 x PP 2 x R 2 encoder ranks on 4 nodes of 4: each move's bytes across nodes are the flat
+    move's (an item crosses nodes once), a rank's peers at most 3 on its node + 3 across, and the text counted as
+    its DP group's hops run it (the same bytes as the plan's own node-wise count over the DP nodes)."""
+    plan = _plan(num_ranks=4, seed=6, n=16, gpus_per_node=2)
+    items = phase_items(_sizes(4, 6, 16), TINY)
+    group = spread_over_stages(plan, 2, 2)
+    nodes, dp_nodes = np.arange(group.num_ranks) // 4, np.arange(4) // 2
+    flat, flat_peers = group_traffic(plan, group, items, nodes)
+    wise, peers = group_traffic(plan, group, items, nodes, "node-wise", dp_nodes)
+    assert wise.keys() == flat.keys()
+    for name, moved in wise.items():
+        assert moved.node_wise and moved.inter_node == pytest.approx(flat[name].inter_node), name
+    assert peers.intra_node.max() <= 3 and peers.inter_node.max() <= 3 and flat_peers.total.max() > 6
+    text = next(move for move in group_moves(plan, group) if move.kind == "text")
+    own = text.transfer.moved_bytes(text.bytes_of(items), dp_nodes, "node-wise")
+    assert (wise["text"].intra_node, wise["text"].inter_node) == pytest.approx((own.intra_node, own.inter_node))
+    with pytest.raises(ValueError, match="needs its DP group's nodes"):
+        group_traffic(plan, group, items, nodes, "node-wise")
+
+
 def test_unsupported_layouts_are_named():
     fine = dict(context_parallel_size=1, overlap_grad_reduce=False, sharded=None)
     assert unsupported_layout(**fine) is None
@@ -197,9 +218,8 @@ def test_config_takes_the_layout_as_data():
     assert not OrchestratorConfig(encoder_ranks=EncoderRanks.ALL, shadow=True).encoders_on_every_stage
     with pytest.raises(ConfigError, match=r"OrchestratorConfig.encoder_ranks must be an EncoderRanks"):
         OrchestratorConfig(encoder_ranks="all", verify_first_step=False)
-    with pytest.raises(ConfigError, match="encoder_ranks all with a node-wise all-to-all is not supported"):
-        OrchestratorConfig(encoder_ranks=EncoderRanks.ALL, verify_first_step=False, all_to_all="node-wise")
-    assert OrchestratorConfig(encoder_ranks=EncoderRanks.ALL, shadow=True, all_to_all="node-wise").shadow
+    assert OrchestratorConfig(encoder_ranks=EncoderRanks.ALL, verify_first_step=False,
+                              all_to_all="node-wise").encoders_on_every_stage
     spread = OrchestratorConfig(encoder_ranks=EncoderRanks.ALL, verify_first_step=False, encoder_tensor_parallel_size=1)
     assert spread.encoder_tp_replicas(4) == 4 and spread.spreads_encoders(4, 1) and not spread.spreads_encoders(1, 1)
     assert config.encoder_tp_replicas(4) == 1 and config.spreads_encoders(1, 2) and not config.spreads_encoders(4, 1)
@@ -229,11 +249,11 @@ def test_auto_decides_all_where_it_differs_runs_and_fits():
                                  "encoder phase over DP x 2 pipeline stages x 1 encoder replica per TP group instead "
                                  "of the first stage's DP ranks; fits the GPU's 80.0 GB")
     assert decide(OrchestratorConfig(encoder_tensor_parallel_size=1), pp=1, tp=4).ranks is EncoderRanks.ALL
+    assert decide(OrchestratorConfig(all_to_all="node-wise")).ranks is EncoderRanks.ALL
     for config, pp, tp, kwargs, reason in [
             (OrchestratorConfig(), 1, 4, {}, "one pipeline stage"),
             (OrchestratorConfig(encoder_tensor_parallel_size=4), 1, 4, {}, "one pipeline stage"),
             (OrchestratorConfig(), 2, 1, {"unavailable": "why not"}, "why not"),
-            (OrchestratorConfig(all_to_all="node-wise"), 2, 1, {}, "runs its moves flat, not node-wise"),
             (OrchestratorConfig(shadow=True), 2, 1, {}, "shadow mode")]:
         decision = decide(config, pp, tp, memory_refusal=never, **kwargs)
         assert decision.ranks is EncoderRanks.FIRST_STAGE and reason in decision.reason, decision
@@ -262,9 +282,8 @@ def test_orch_encoder_ranks_flag():
     config = orch_config_from_args(parse(["--orch-post-balancing", "--orch-encoder-ranks", "all",
                                           "--pipeline-model-parallel-size", "2"]), verify_by_default=True)
     assert config.encoder_ranks is EncoderRanks.ALL and config.verify_first_step
-    with pytest.raises(ValueError, match=r"^--orch-encoder-ranks all with a node-wise all-to-all is not supported"):
-        orch_config_from_args(parse(["--orch-post-balancing", "--orch-encoder-ranks", "all", "--orch-all-to-all",
-                                     "node-wise", "--pipeline-model-parallel-size", "2"]))
+    assert orch_config_from_args(parse(["--orch-post-balancing", "--orch-encoder-ranks", "all", "--orch-all-to-all",
+                                        "node-wise", "--pipeline-model-parallel-size", "2"])).all_to_all == "node-wise"
     assert orch_config_from_args(parse(["--orch-post-balancing", "--orch-encoder-ranks", "all",
                                         "--orch-verify-first-step"])).verify_first_step
     auto = parse(["--orch-post-balancing", "--orch-all-to-all", "node-wise", "--pipeline-model-parallel-size", "2",
