@@ -199,11 +199,12 @@ class OwnEncoderRanks:
     num_ranks: int
 
     def __post_init__(self):
-        backbone = np.asarray(self.backbone_ranks, dtype=np.int64)
-        if not self.encoder_ranks or backbone.ndim != 2 or backbone.size == 0:
+        sizes = {len(tp_group) for tp_group in self.backbone_ranks}
+        if not self.encoder_ranks or len(sizes) != 1 or 0 in sizes:
             raise ValueError(f"OwnEncoderRanks: needs encoder ranks and backbone ranks [DP][TP] of one TP size, got "
                              f"{self.encoder_ranks} and {self.backbone_ranks}")
-        ranks = np.concatenate([np.asarray(self.encoder_ranks, dtype=np.int64), backbone.ravel()])
+        ranks = np.concatenate([np.asarray(self.encoder_ranks, dtype=np.int64),
+                                np.asarray(self.backbone_ranks, dtype=np.int64).ravel()])
         if ranks.min() < 0 or ranks.max() >= self.num_ranks or np.unique(ranks).size != ranks.size:
             raise ValueError(f"OwnEncoderRanks: encoder ranks {self.encoder_ranks} and backbone ranks "
                              f"{self.backbone_ranks} must be distinct ranks of 0..{self.num_ranks - 1}")
