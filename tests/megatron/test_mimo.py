@@ -19,6 +19,7 @@ among them) are refused by name.
 import dataclasses
 import warnings
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -234,6 +235,54 @@ def test_mimo_with_its_own_encoder_grid_is_balanced_over_it(tmp_path, request):
     assert balanced[0]["reports"][SCENARIOS.index("heavy_on_one_rank")]["images after"] < 1.3
 
 
+def _grid(tp, dp, offset=0, names=("tp", "cp", "dp", "pp")):
+    """A module's HyperCommGrid of TP x DP from rank ``offset`` (every other dim 1), in dims order ``names``."""
+    from megatron.core.hyper_comm_grid import HyperCommGrid
+
+    sizes = {"tp": tp, "dp": dp}
+    return HyperCommGrid([sizes.get(n, 1) for n in names], list(names), rank_offset=offset)
+
+
+def _with_grids(language, images, audio=None, tp=2):
+    """What the grid readers read of a MimoModel: its module_to_grid_map and its language model's TP."""
+    grids = {"language": language, "images": images, "audio": audio or images}
+    return SimpleNamespace(mimo_config=SimpleNamespace(module_to_grid_map=grids),
+                           config=SimpleNamespace(tensor_model_parallel_size=tp))
+
+
+def test_non_colocated_grids_are_encoder_ranks_of_their_own(monkeypatch):
+    """0.19's non-colocated ``module_to_grid_map`` (the modalities on ranks of their own at TP 1, the language model
+    on the others) as the layout post-balancing plans and moves over (``OwnEncoderRanks``: global ranks); colocated
+    grids or none give none; modalities on different ranks, a grid sharing some of the language model's ranks, and
+    encoder TP above 1 are refused by name. (0.16.1 has no grids: MimoModelConfig refuses the field itself.)"""
+    from megatron_orch.megatron.mimo import own_encoder_ranks
+    from megatron_orch.orchestrator.encoder_ranks import OwnEncoderRanks
+
+    if not _mimo_has_grids():
+        from megatron.core.models.mimo import MimoModelConfig
+        with pytest.raises(TypeError, match="module_to_grid_map"):
+            MimoModelConfig(language_model_spec=None, module_to_grid_map={})
+        assert own_encoder_ranks(SimpleNamespace(mimo_config=SimpleNamespace())) is None
+        return
+    monkeypatch.setenv("WORLD_SIZE", "7")  # HyperCommGrid reads the world's size from it
+    assert own_encoder_ranks(_with_grids(_grid(2, 2, offset=2), _grid(1, 2))) == OwnEncoderRanks(
+        (0, 1), ((2, 3), (4, 5)), 6)
+    assert own_encoder_ranks(_with_grids(_grid(1, 4), _grid(1, 3, offset=4), tp=1)) == OwnEncoderRanks(
+        (4, 5, 6), ((0,), (1,), (2,), (3,)), 7)
+    assert own_encoder_ranks(_with_grids(_grid(2, 2), _grid(1, 4))) is None  # colocated
+    assert own_encoder_ranks(SimpleNamespace(mimo_config=SimpleNamespace())) is None
+    with pytest.raises(NotImplementedError, match=r"grids span different ranks \(language ranks 2..5, images ranks "
+                                                  r"0..1, audio ranks 6..6\)"):
+        own_encoder_ranks(_with_grids(_grid(2, 2, offset=2), _grid(1, 2), _grid(1, 1, offset=6)))
+    with pytest.raises(NotImplementedError, match=r"shares some ranks with the language model's \(language ranks "
+                                                  r"2..5, images ranks 1..2"):
+        own_encoder_ranks(_with_grids(_grid(2, 2, offset=2), _grid(1, 2, offset=1)))
+    with pytest.raises(NotImplementedError, match=r"encoder ranks of their own at TP \{'images': 2, 'audio': 2\}"):
+        own_encoder_ranks(_with_grids(_grid(2, 2, offset=2), _grid(2, 1)))
+    with pytest.raises(ValueError, match=r"module_to_grid_map\['language'\] has TP 2, its language model config 1"):
+        own_encoder_ranks(_with_grids(_grid(2, 2, offset=2), _grid(1, 2), tp=1))
+
+
 def _mimo_has_grids() -> bool:
     """0.19's MimoModelConfig takes per-module grids (module_to_grid_map); 0.16.1's not."""
     from megatron.core.models.mimo import MimoModelConfig
@@ -300,8 +349,6 @@ def test_which_module_grids_are_balanced(harness, world_of_one, monkeypatch):
     model's); non-colocated grids, other dims or rank orders, and encoder TPs that are not one size dividing the
     language model's are refused by name. Such a model refuses MIMO's own forward (upstream, shadow mode), and
     ``post_balance`` a config that does not put its encoders on every rank at that TP, before any collective."""
-    from types import SimpleNamespace
-
     from megatron.core.hyper_comm_grid import HyperCommGrid
 
     from megatron_orch.megatron import StepShape, collate, post_balance
@@ -310,20 +357,16 @@ def test_which_module_grids_are_balanced(harness, world_of_one, monkeypatch):
     from mimo_model import balanced_mimo
 
     monkeypatch.setenv("WORLD_SIZE", "6")  # HyperCommGrid reads the world's size from it
-
-    def tp_dp(tp, dp, offset=0, names=("tp", "cp", "dp", "pp")):
-        sizes = {"tp": tp, "dp": dp}
-        return HyperCommGrid([sizes.get(n, 1) for n in names], list(names), rank_offset=offset)
+    tp_dp = _grid
 
     def etp(language, images, audio=None, tp=2):
-        grids = {"language": language, "images": images, "audio": audio or images}
-        return encoder_grid_tensor_parallel_size(SimpleNamespace(mimo_config=SimpleNamespace(module_to_grid_map=grids),
-                                                                 config=SimpleNamespace(tensor_model_parallel_size=tp)))
+        return encoder_grid_tensor_parallel_size(_with_grids(language, images, audio, tp))
 
     assert encoder_grid_tensor_parallel_size(SimpleNamespace(mimo_config=SimpleNamespace())) is None  # 0.16.1
     assert etp(tp_dp(2, 2), tp_dp(1, 4)) == 1
     assert etp(tp_dp(2, 2), tp_dp(2, 2)) is None  # the language model's layout: nothing of its own
-    with pytest.raises(NotImplementedError, match=r"non-colocated: language ranks 2..5, images ranks 0..1"):
+    with pytest.raises(NotImplementedError, match=r"non-colocated: language ranks 2..5, images ranks 0..1, audio "
+                                                  r"ranks 0..1\): post-balancing plans .* does not run their training"):
         etp(tp_dp(2, 2, offset=2), tp_dp(1, 2))
     with pytest.raises(NotImplementedError, match=r"module_to_grid_map\['images'\] has dims \['dp', 'tp'\]"):
         etp(tp_dp(2, 2), tp_dp(2, 2, names=("dp", "tp")))
