@@ -283,6 +283,80 @@ def test_non_colocated_grids_are_encoder_ranks_of_their_own(monkeypatch):
         own_encoder_ranks(_with_grids(_grid(2, 2, offset=2), _grid(1, 2), tp=1))
 
 
+def _check_own_encoder_ranks_moves(rank, world_size):
+    """On 6 gloo ranks, the layout of a non-colocated MimoModel (encoder ranks 0, 1 at TP 1; the language model at
+    TP 2 x DP 2 on ranks 2..5): every rank builds the global batch from a seed (the gather) and each move's result is
+    checked against selecting from it. Raw inputs from TP rank 0 of the DP rank that loaded each example reach their
+    encoder rank (each phase balanced: ceil(n / 2) on the busiest); an elementwise stand-in encoder's outputs reach
+    both TP ranks of the DP rank that runs each example, in the order the colocated plan delivers them; gradients
+    from its TP rank 0 come back to the encoder rank of each item. Examples have 0-9 images and 0-2 audio windows."""
+    import numpy as np
+
+    from megatron_orch.balance.topology import Topology
+    from megatron_orch.balance.workload import StepSizes
+    from megatron_orch.comm.alltoall import ItemLayout, all_to_all_items
+    from megatron_orch.mllm.config import load_model_config
+    from megatron_orch.orchestrator.config import OrchestratorConfig
+    from megatron_orch.orchestrator.encoder_ranks import (CopiedStepMove, OwnEncoderRanks, encode_on_own_ranks,
+                                                          own_ranks_moves)
+    from megatron_orch.orchestrator.step_plan import plan_step
+
+    layout = OwnEncoderRanks((0, 1), ((2, 3), (4, 5)), world_size)
+    dp, n = 2, 8
+    rng = np.random.default_rng(21)
+    images = np.where(np.arange(n) < n // dp, rng.integers(3, 10, n), rng.integers(0, 2, n))  # heavy on DP rank 0
+    sizes = StepSizes(counts=np.full(dp, n // dp), items={"vision": images, "audio": rng.integers(0, 3, n)},
+                      num_tokens=rng.integers(20, 120, n))
+    plan = plan_step(sizes, load_model_config("tiny").phases(),
+                     OrchestratorConfig(background=False, microbatching="equal_count"), Topology.uniform(dp, dp), 2, 2)
+    encode = encode_on_own_ranks(plan, layout)
+    rows, width = 3, 4  # rows per raw item (and per output), its width; outputs twice as wide
+
+    def encoded(x):  # exact on any grouping of items
+        return torch.cat([x, 2 * x + 1], dim=-1)
+
+    def packed(tensors, ids, trailing):
+        return torch.cat([tensors[i] for i in ids]) if len(ids) else torch.zeros(0, trailing)
+
+    moves = {(move.items_of, move.kind): move for move in own_ranks_moves(plan, layout, encode)}
+    for k, phase in enumerate(plan.encoders):
+        items = torch.randn(plan.encoders[phase].example.size, rows, width, generator=torch.Generator().manual_seed(k))
+        raw = list(items)
+        counts = encode[phase].counts()
+        assert counts[[0, 1]].max() == -(-items.shape[0] // 2) and counts.sum() == items.shape[0], counts
+        inputs = moves[(phase, "inputs")].transfer
+        layout_in = ItemLayout(np.full(items.shape[0], rows), (width,), torch.float32)
+        (got,) = all_to_all_items([packed(raw, inputs.src.items_on(rank), width)], [layout_in], inputs)
+        assert torch.equal(got, packed(raw, inputs.dst.items_on(rank), width)), (rank, phase, "inputs")
+
+        outputs = moves[(phase, "embeddings")]
+        copies = outputs.copies if isinstance(outputs, CopiedStepMove) else 1
+        assert copies == 2
+        send = encoded(got).repeat(copies, 1)  # as the schedule sends a copied move's rows (Move.send_rows)
+        layout_out = ItemLayout(np.full(outputs.transfer.src.num_items, rows), (2 * width,), torch.float32)
+        (embeds,) = all_to_all_items([send], [layout_out], outputs.transfer)
+        if rank >= 2:
+            dp_rank = (rank - 2) // 2
+            colocated = plan.output_transfer(phase).dst.items_on(dp_rank)  # what DP rank d gets, encoders colocated
+            assert torch.equal(embeds, packed([encoded(x) for x in raw], colocated, 2 * width)), (rank, phase)
+        else:
+            assert embeds.shape[0] == 0
+
+        gradients = outputs.gradients()
+        grads = (3 * embeds - 1)[:gradients.src.counts()[rank] * rows]  # TP rank 0 sends them, TP rank 1 nothing
+        layout_back = ItemLayout(np.full(gradients.src.num_items, rows), (2 * width,), torch.float32)
+        (back,) = all_to_all_items([grads], [layout_back], gradients)
+        expected = packed([3 * encoded(x) - 1 for x in raw], encode[phase].items_on(rank), 2 * width)
+        assert torch.equal(back, expected), (rank, phase, "gradients")
+
+
+@pytest.mark.distributed
+def test_encoder_ranks_of_their_own_move_every_item_as_a_gather_selects_it():
+    """The moves of a non-colocated MimoModel's layout (2 encoder ranks + the language model at TP 2 x DP 2) on 6
+    gloo ranks against a gather (:func:`_check_own_encoder_ranks_moves`)."""
+    run_distributed(_check_own_encoder_ranks_moves, 6)
+
+
 def _mimo_has_grids() -> bool:
     """0.19's MimoModelConfig takes per-module grids (module_to_grid_map); 0.16.1's not."""
     from megatron.core.models.mimo import MimoModelConfig
