@@ -13,8 +13,10 @@ and TP 2 + SP x DP 2; on 0.16.1 packed rows are refused, saying why. PP 2 x DP 2
 reason (MimoModel does not run a language model split over pipeline stages under Megatron's schedules), as is
 what else the adapter cannot keep invariant. On 0.19, a MimoModel with colocated per-module grids
 (``module_to_grid_map``: the modalities at TP 1 x DP 4 under a language model at TP 2 x DP 2) is post-balanced as
-the encoders on every rank at TP 1 and agrees with upstream MIMO at TP 2; the grids it does not run (non-colocated
-among them) are refused by name.
+the encoders on every rank at TP 1 and agrees with upstream MIMO at TP 2; the grids it does not run are refused by
+name. Non-colocated grids (the modalities on ranks of their own) are read as encoder ranks of their own, and the
+moves over them (2 encoder ranks + the language model at TP 2 x DP 2, 6 ranks) agree with a gather; their training
+step is not run, and the adapter refuses them saying so.
 """
 import dataclasses
 import warnings
