@@ -33,8 +33,13 @@ Megatron's schedules, the others would break the invariance):
   definition, and its pipeline parallelism is the non-colocated multi-module layout with MIMO's own
   bridges and schedule;
 * ``module_to_grid_map`` (0.19) other than colocated grids of TP then DP, the modalities' at one TP dividing the
-  language model's (:func:`encoder_grid_tensor_parallel_size`): non-colocated grids are MIMO's multi-module
-  pipeline with its own bridges and schedule;
+  language model's (:func:`encoder_grid_tensor_parallel_size`). Non-colocated grids (the modalities on encoder
+  ranks of their own, at TP 1) are planned, not trained: :func:`own_encoder_ranks` gives their layout, over which
+  :func:`~megatron_orch.orchestrator.encoder_ranks.encode_on_own_ranks` balances each phase and
+  :func:`~megatron_orch.orchestrator.encoder_ranks.own_ranks_moves` moves the items (raw inputs from the language
+  rank that loaded each example, outputs to every TP rank of the one that runs it, gradients back), any number of
+  items per example; the step on encoder-only ranks (encoders forward, wait for the gradients, backward, DDP over
+  the modalities' grid, their optimizer) is not built, so the model is refused;
 * a modality submodule with more than one encoder: it concatenates whole encoders' outputs (all rows
   of encoder 1, then encoder 2), so one item's rows are not contiguous and the outputs of some items are
   not a slice of the whole batch's;
@@ -93,6 +98,7 @@ from megatron_orch.balance.cost import CostModel
 from megatron_orch.balance.workload import BackbonePhase, EncoderPhase, ModelPhases
 from megatron_orch.megatron.batch import BatchSpec, EncoderInput, MicroBatch, PackedRowParams
 from megatron_orch.megatron.sequence_layout import SequenceLayout
+from megatron_orch.orchestrator.encoder_ranks import OwnEncoderRanks
 
 if TYPE_CHECKING:
     from megatron.core.models.mimo import MimoModel
@@ -315,26 +321,39 @@ def _tensor_then_data_parallel(name: str, grid) -> Tuple[int, int]:
     return sizes["tp"], sizes["dp"]
 
 
+def _language_grid(mimo, language) -> Tuple[int, int]:
+    """(TP, DP) of the language model's grid, its TP checked against its config's."""
+    tp, dp = _tensor_then_data_parallel(LANGUAGE_PHASE, language)
+    if tp != mimo.config.tensor_model_parallel_size:
+        raise ValueError(f"MimoBalancing: module_to_grid_map[{LANGUAGE_PHASE!r}] has TP {tp}, its language model "
+                         f"config {mimo.config.tensor_model_parallel_size}")
+    return tp, dp
+
+
+def _grid_ranks(grids) -> str:
+    return ", ".join(f"{n} ranks {g.rank_offset}..{g.rank_offset + g.size - 1}" for n, g in grids.items())
+
+
 def encoder_grid_tensor_parallel_size(mimo) -> Optional[int]:
     """The encoders' own TP size that a colocated ``module_to_grid_map`` (0.19) gives them: every modality's grid
     over the language model's ranks at one TP size that divides the language model's (its encoder DP = the job's
     ranks / that TP), balanced as the encoders on every rank (``EncoderRanks.ALL`` at that encoder TP). None: no
     grid map, or the modalities' grids are the language model's. Refused by name: non-colocated grids (encoder
-    ranks of their own), other dims or rank orders, an encoder TP that does not divide the language model's."""
+    ranks of their own: :func:`own_encoder_ranks` places them, their training step is not run), other dims or rank
+    orders, an encoder TP that does not divide the language model's."""
     grids = getattr(mimo.mimo_config, "module_to_grid_map", None)
     if not grids:
         return None
     language = grids[LANGUAGE_PHASE]
-    if any((g.rank_offset, g.size) != (language.rank_offset, language.size) for g in grids.values()):
+    if own_encoder_ranks(mimo) is not None:
         raise NotImplementedError(
-            "MimoBalancing: module_to_grid_map places modules on ranks of their own (non-colocated: "
-            + ", ".join(f"{n} ranks {g.rank_offset}..{g.rank_offset + g.size - 1}" for n, g in grids.items())
-            + "), MIMO's multi-module pipeline with its own bridges and schedule, which post-balancing does not run; "
-            "colocated grids (every module over the same ranks, each at its own TP/DP) are balanced")
-    tp, _ = _tensor_then_data_parallel(LANGUAGE_PHASE, language)
-    if tp != mimo.config.tensor_model_parallel_size:
-        raise ValueError(f"MimoBalancing: module_to_grid_map[{LANGUAGE_PHASE!r}] has TP {tp}, its language model "
-                         f"config {mimo.config.tensor_model_parallel_size}")
+            "MimoBalancing: module_to_grid_map places the modalities on ranks of their own (non-colocated: "
+            + _grid_ranks(grids) + "): post-balancing plans and moves their items (own_encoder_ranks, "
+            "encode_on_own_ranks, own_ranks_moves) but does not run their training step (the encoder-only ranks' "
+            "encoders forward and backward, DDP over the modalities' grid and their optimizer, beside the language "
+            "ranks' backbone step); colocated grids (every module over the same ranks, each at its own TP/DP) are "
+            "balanced")
+    tp, _ = _language_grid(mimo, language)
     encoder_tp = {name: _tensor_then_data_parallel(name, g)[0] for name, g in grids.items() if name != LANGUAGE_PHASE}
     sizes = set(encoder_tp.values())
     if len(sizes) > 1 or tp % min(sizes):
@@ -343,6 +362,38 @@ def encoder_grid_tensor_parallel_size(mimo) -> Optional[int]:
             f"one TP size dividing the language model's ({tp}), each language TP group holding whole encoder replicas")
     etp = sizes.pop()
     return None if etp == tp else etp
+
+
+def own_encoder_ranks(mimo) -> Optional[OwnEncoderRanks]:
+    """Where a non-colocated ``module_to_grid_map`` (0.19) puts the encoders and the language model, as the ranks of
+    the moves' group (the world's ranks): every modality's grid over the same ranks of their own at TP 1 (an encoder
+    DP rank per rank), the language model's grid of TP then DP over other ranks. None: no grid map, or colocated
+    grids. Refused by name: modalities on different ranks, encoder ranks that share ranks with the language model,
+    encoder TP above 1, other dims or rank orders."""
+    grids = getattr(mimo.mimo_config, "module_to_grid_map", None)
+    if not grids:
+        return None
+    language = grids[LANGUAGE_PHASE]
+    modalities = {name: g for name, g in grids.items() if name != LANGUAGE_PHASE}
+    spans = {(g.rank_offset, g.size) for g in modalities.values()}
+    if spans <= {(language.rank_offset, language.size)}:
+        return None  # colocated (encoder_grid_tensor_parallel_size)
+    ranks = _grid_ranks(grids)
+    if len(spans) > 1:
+        raise NotImplementedError(f"MimoBalancing: the modalities' grids span different ranks ({ranks}); encoder ranks "
+                                  "of their own hold every modality's encoders (one encoder group)")
+    offset, size = spans.pop()
+    if offset < language.rank_offset + language.size and language.rank_offset < offset + size:
+        raise NotImplementedError(f"MimoBalancing: the modalities' grid shares some ranks with the language model's "
+                                  f"({ranks}); grids over the same ranks or over ranks of their own are planned")
+    tp, dp = _language_grid(mimo, language)
+    encoder_tp = {name: _tensor_then_data_parallel(name, g)[0] for name, g in modalities.items()}
+    if set(encoder_tp.values()) != {1}:
+        raise NotImplementedError(f"MimoBalancing: encoder ranks of their own at TP {encoder_tp}; only TP 1 is "
+                                  "planned (each encoder rank a whole encoder replica, its outputs sent by it alone)")
+    backbone = tuple(tuple(language.rank_offset + t + tp * d for t in range(tp)) for d in range(dp))
+    return OwnEncoderRanks(tuple(range(offset, offset + size)), backbone,
+                           num_ranks=max(offset + size, language.rank_offset + language.size))
 
 
 def _check_supported(mimo, modalities: Sequence[MimoModality]) -> None:

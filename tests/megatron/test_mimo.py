@@ -13,12 +13,15 @@ and TP 2 + SP x DP 2; on 0.16.1 packed rows are refused, saying why. PP 2 x DP 2
 reason (MimoModel does not run a language model split over pipeline stages under Megatron's schedules), as is
 what else the adapter cannot keep invariant. On 0.19, a MimoModel with colocated per-module grids
 (``module_to_grid_map``: the modalities at TP 1 x DP 4 under a language model at TP 2 x DP 2) is post-balanced as
-the encoders on every rank at TP 1 and agrees with upstream MIMO at TP 2; the grids it does not run (non-colocated
-among them) are refused by name.
+the encoders on every rank at TP 1 and agrees with upstream MIMO at TP 2; the grids it does not run are refused by
+name. Non-colocated grids (the modalities on ranks of their own) are read as encoder ranks of their own, and the
+moves over them (2 encoder ranks + the language model at TP 2 x DP 2, 6 ranks) agree with a gather; their training
+step is not run, and the adapter refuses them saying so.
 """
 import dataclasses
 import warnings
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -233,6 +236,128 @@ def test_mimo_with_its_own_encoder_grid_is_balanced_over_it(tmp_path, request):
     assert balanced[0]["reports"][SCENARIOS.index("heavy_on_one_rank")]["images after"] < 1.3
 
 
+def _grid(tp, dp, offset=0, names=("tp", "cp", "dp", "pp")):
+    """A module's HyperCommGrid of TP x DP from rank ``offset`` (every other dim 1), in dims order ``names``."""
+    from megatron.core.hyper_comm_grid import HyperCommGrid
+
+    sizes = {"tp": tp, "dp": dp}
+    return HyperCommGrid([sizes.get(n, 1) for n in names], list(names), rank_offset=offset)
+
+
+def _with_grids(language, images, audio=None, tp=2):
+    """What the grid readers read of a MimoModel: its module_to_grid_map and its language model's TP."""
+    grids = {"language": language, "images": images, "audio": audio or images}
+    return SimpleNamespace(mimo_config=SimpleNamespace(module_to_grid_map=grids),
+                           config=SimpleNamespace(tensor_model_parallel_size=tp))
+
+
+def test_non_colocated_grids_are_encoder_ranks_of_their_own(monkeypatch):
+    """0.19's non-colocated ``module_to_grid_map`` (the modalities on ranks of their own at TP 1, the language model
+    on the others) as the layout post-balancing plans and moves over (``OwnEncoderRanks``: global ranks); colocated
+    grids or none give none; modalities on different ranks, a grid sharing some of the language model's ranks, and
+    encoder TP above 1 are refused by name. (0.16.1 has no grids: MimoModelConfig refuses the field itself.)"""
+    from megatron_orch.megatron.mimo import own_encoder_ranks
+    from megatron_orch.orchestrator.encoder_ranks import OwnEncoderRanks
+
+    if not _mimo_has_grids():
+        from megatron.core.models.mimo import MimoModelConfig
+        with pytest.raises(TypeError, match="module_to_grid_map"):
+            MimoModelConfig(language_model_spec=None, module_to_grid_map={})
+        assert own_encoder_ranks(SimpleNamespace(mimo_config=SimpleNamespace())) is None
+        return
+    monkeypatch.setenv("WORLD_SIZE", "7")  # HyperCommGrid reads the world's size from it
+    assert own_encoder_ranks(_with_grids(_grid(2, 2, offset=2), _grid(1, 2))) == OwnEncoderRanks(
+        (0, 1), ((2, 3), (4, 5)), 6)
+    assert own_encoder_ranks(_with_grids(_grid(1, 4), _grid(1, 3, offset=4), tp=1)) == OwnEncoderRanks(
+        (4, 5, 6), ((0,), (1,), (2,), (3,)), 7)
+    assert own_encoder_ranks(_with_grids(_grid(2, 2), _grid(1, 4))) is None  # colocated
+    assert own_encoder_ranks(SimpleNamespace(mimo_config=SimpleNamespace())) is None
+    with pytest.raises(NotImplementedError, match=r"grids span different ranks \(language ranks 2..5, images ranks "
+                                                  r"0..1, audio ranks 6..6\)"):
+        own_encoder_ranks(_with_grids(_grid(2, 2, offset=2), _grid(1, 2), _grid(1, 1, offset=6)))
+    with pytest.raises(NotImplementedError, match=r"shares some ranks with the language model's \(language ranks "
+                                                  r"2..5, images ranks 1..2"):
+        own_encoder_ranks(_with_grids(_grid(2, 2, offset=2), _grid(1, 2, offset=1)))
+    with pytest.raises(NotImplementedError, match=r"encoder ranks of their own at TP \{'images': 2, 'audio': 2\}"):
+        own_encoder_ranks(_with_grids(_grid(2, 2, offset=2), _grid(2, 1)))
+    with pytest.raises(ValueError, match=r"module_to_grid_map\['language'\] has TP 2, its language model config 1"):
+        own_encoder_ranks(_with_grids(_grid(2, 2, offset=2), _grid(1, 2), tp=1))
+
+
+def _check_own_encoder_ranks_moves(rank, world_size):
+    """On 6 gloo ranks, the layout of a non-colocated MimoModel (encoder ranks 0, 1 at TP 1; the language model at
+    TP 2 x DP 2 on ranks 2..5): every rank builds the global batch from a seed (the gather) and each move's result is
+    checked against selecting from it. Raw inputs from TP rank 0 of the DP rank that loaded each example reach their
+    encoder rank (each phase balanced: ceil(n / 2) on the busiest); an elementwise stand-in encoder's outputs reach
+    both TP ranks of the DP rank that runs each example, in the order the colocated plan delivers them; gradients
+    from its TP rank 0 come back to the encoder rank of each item. Examples have 0-9 images and 0-2 audio windows."""
+    import numpy as np
+
+    from megatron_orch.balance.topology import Topology
+    from megatron_orch.balance.workload import StepSizes
+    from megatron_orch.comm.alltoall import ItemLayout, all_to_all_items
+    from megatron_orch.mllm.config import load_model_config
+    from megatron_orch.orchestrator.config import OrchestratorConfig
+    from megatron_orch.orchestrator.encoder_ranks import (CopiedStepMove, OwnEncoderRanks, encode_on_own_ranks,
+                                                          own_ranks_moves)
+    from megatron_orch.orchestrator.step_plan import plan_step
+
+    layout = OwnEncoderRanks((0, 1), ((2, 3), (4, 5)), world_size)
+    dp, n = 2, 8
+    rng = np.random.default_rng(21)
+    images = np.where(np.arange(n) < n // dp, rng.integers(3, 10, n), rng.integers(0, 2, n))  # heavy on DP rank 0
+    sizes = StepSizes(counts=np.full(dp, n // dp), items={"vision": images, "audio": rng.integers(0, 3, n)},
+                      num_tokens=rng.integers(20, 120, n))
+    plan = plan_step(sizes, load_model_config("tiny").phases(),
+                     OrchestratorConfig(background=False, microbatching="equal_count"), Topology.uniform(dp, dp), 2, 2)
+    encode = encode_on_own_ranks(plan, layout)
+    rows, width = 3, 4  # rows per raw item (and per output), its width; outputs twice as wide
+
+    def encoded(x):  # exact on any grouping of items
+        return torch.cat([x, 2 * x + 1], dim=-1)
+
+    def packed(tensors, ids, trailing):
+        return torch.cat([tensors[i] for i in ids]) if len(ids) else torch.zeros(0, trailing)
+
+    moves = {(move.items_of, move.kind): move for move in own_ranks_moves(plan, layout, encode)}
+    for k, phase in enumerate(plan.encoders):
+        items = torch.randn(plan.encoders[phase].example.size, rows, width, generator=torch.Generator().manual_seed(k))
+        raw = list(items)
+        counts = encode[phase].counts()
+        assert counts[[0, 1]].max() == -(-items.shape[0] // 2) and counts.sum() == items.shape[0], counts
+        inputs = moves[(phase, "inputs")].transfer
+        layout_in = ItemLayout(np.full(items.shape[0], rows), (width,), torch.float32)
+        (got,) = all_to_all_items([packed(raw, inputs.src.items_on(rank), width)], [layout_in], inputs)
+        assert torch.equal(got, packed(raw, inputs.dst.items_on(rank), width)), (rank, phase, "inputs")
+
+        outputs = moves[(phase, "embeddings")]
+        copies = outputs.copies if isinstance(outputs, CopiedStepMove) else 1
+        assert copies == 2
+        send = encoded(got).repeat(copies, 1)  # as the schedule sends a copied move's rows (Move.send_rows)
+        layout_out = ItemLayout(np.full(outputs.transfer.src.num_items, rows), (2 * width,), torch.float32)
+        (embeds,) = all_to_all_items([send], [layout_out], outputs.transfer)
+        if rank >= 2:
+            dp_rank = (rank - 2) // 2
+            colocated = plan.output_transfer(phase).dst.items_on(dp_rank)  # what DP rank d gets, encoders colocated
+            assert torch.equal(embeds, packed([encoded(x) for x in raw], colocated, 2 * width)), (rank, phase)
+        else:
+            assert embeds.shape[0] == 0
+
+        gradients = outputs.gradients()
+        grads = (3 * embeds - 1)[:gradients.src.counts()[rank] * rows]  # TP rank 0 sends them, TP rank 1 nothing
+        layout_back = ItemLayout(np.full(gradients.src.num_items, rows), (2 * width,), torch.float32)
+        (back,) = all_to_all_items([grads], [layout_back], gradients)
+        expected = packed([3 * encoded(x) - 1 for x in raw], encode[phase].items_on(rank), 2 * width)
+        assert torch.equal(back, expected), (rank, phase, "gradients")
+
+
+@pytest.mark.distributed
+def test_encoder_ranks_of_their_own_move_every_item_as_a_gather_selects_it():
+    """The moves of a non-colocated MimoModel's layout (2 encoder ranks + the language model at TP 2 x DP 2) on 6
+    gloo ranks against a gather (:func:`_check_own_encoder_ranks_moves`)."""
+    run_distributed(_check_own_encoder_ranks_moves, 6)
+
+
 def _mimo_has_grids() -> bool:
     """0.19's MimoModelConfig takes per-module grids (module_to_grid_map); 0.16.1's not."""
     from megatron.core.models.mimo import MimoModelConfig
@@ -299,8 +424,6 @@ def test_which_module_grids_are_balanced(harness, world_of_one, monkeypatch):
     model's); non-colocated grids, other dims or rank orders, and encoder TPs that are not one size dividing the
     language model's are refused by name. Such a model refuses MIMO's own forward (upstream, shadow mode), and
     ``post_balance`` a config that does not put its encoders on every rank at that TP, before any collective."""
-    from types import SimpleNamespace
-
     from megatron.core.hyper_comm_grid import HyperCommGrid
 
     from megatron_orch.megatron import StepShape, collate, post_balance
@@ -309,20 +432,16 @@ def test_which_module_grids_are_balanced(harness, world_of_one, monkeypatch):
     from mimo_model import balanced_mimo
 
     monkeypatch.setenv("WORLD_SIZE", "6")  # HyperCommGrid reads the world's size from it
-
-    def tp_dp(tp, dp, offset=0, names=("tp", "cp", "dp", "pp")):
-        sizes = {"tp": tp, "dp": dp}
-        return HyperCommGrid([sizes.get(n, 1) for n in names], list(names), rank_offset=offset)
+    tp_dp = _grid
 
     def etp(language, images, audio=None, tp=2):
-        grids = {"language": language, "images": images, "audio": audio or images}
-        return encoder_grid_tensor_parallel_size(SimpleNamespace(mimo_config=SimpleNamespace(module_to_grid_map=grids),
-                                                                 config=SimpleNamespace(tensor_model_parallel_size=tp)))
+        return encoder_grid_tensor_parallel_size(_with_grids(language, images, audio, tp))
 
     assert encoder_grid_tensor_parallel_size(SimpleNamespace(mimo_config=SimpleNamespace())) is None  # 0.16.1
     assert etp(tp_dp(2, 2), tp_dp(1, 4)) == 1
     assert etp(tp_dp(2, 2), tp_dp(2, 2)) is None  # the language model's layout: nothing of its own
-    with pytest.raises(NotImplementedError, match=r"non-colocated: language ranks 2..5, images ranks 0..1"):
+    with pytest.raises(NotImplementedError, match=r"non-colocated: language ranks 2..5, images ranks 0..1, audio "
+                                                  r"ranks 0..1\): post-balancing plans .* does not run their training"):
         etp(tp_dp(2, 2, offset=2), tp_dp(1, 2))
     with pytest.raises(NotImplementedError, match=r"module_to_grid_map\['images'\] has dims \['dp', 'tp'\]"):
         etp(tp_dp(2, 2), tp_dp(2, 2, names=("dp", "tp")))
