@@ -113,6 +113,9 @@ CANNOT_PACK_ATTENTION = ("MimoBalancing does not hand packed rows to this MimoMo
                          "attention ({}) takes no THD parameters (megatron-core's local DotProductAttention asserts "
                          "packed_seq_params is None; Transformer Engine's attention and the project's SDPAttention "
                          "take them)")
+CANNOT_PACK_ENCODER_RANK = ("MimoBalancing on an encoder rank of non-colocated grids holds no language model: the "
+                            "language ranks decide whether rows are packed, and send the encoder ranks their decision "
+                            "with each step's sizes")
 CANNOT_PACK_CP = ("MimoBalancing does not hand packed rows to this MimoModel under context parallelism: MIMO shards a "
                   "THD row with Transformer Engine's thd_get_partitioned_indices over per-sequence padded bounds, "
                   "which the adapter does not build")
@@ -132,6 +135,8 @@ def cannot_pack(mimo) -> Optional[str]:
     """Why the adapter does not hand packed rows to ``mimo`` (None: it does; module docstring)."""
     if not takes_packing_kwargs(mimo):
         return CANNOT_PACK
+    if mimo.language_model is None:
+        return CANNOT_PACK_ENCODER_RANK
     from megatron.core.transformer.dot_product_attention import DotProductAttention
     local = sorted({type(a).__name__ for a in _core_attentions(mimo.language_model) if type(a) is DotProductAttention})
     if local:
@@ -176,6 +181,8 @@ class MimoBalancing(MegatronModule):
         _check_supported(mimo, self.modalities)
         # the encoders' own TP size where a colocated module_to_grid_map gives them one (None: the language model's)
         self.encoder_tensor_parallel_size = encoder_grid_tensor_parallel_size(mimo)
+        # non-colocated grids: the encoders on ranks of their own (None: every rank holds every module)
+        self.own_encoder_ranks = own_encoder_ranks(mimo)
         self.cannot_pack = cannot_pack(mimo)  # why packed rows are not handed to it (None: they are)
         row_bytes = mimo.config.hidden_size * embedding_bytes_per_element
         encoders = tuple(EncoderPhase(m.name, m.cost, item_tokens=m.item_tokens,
@@ -198,7 +205,10 @@ class MimoBalancing(MegatronModule):
         self.mimo.set_input_tensor(input_tensor)
 
     def phase_encoders(self) -> Dict[str, torch.nn.Module]:
-        return {m.name: self.mimo.modality_submodules[m.name] for m in self.modalities}
+        """This rank's modality submodules (with non-colocated grids: all of them on an encoder rank, none on a
+        language rank)."""
+        return {m.name: self.mimo.modality_submodules[m.name] for m in self.modalities
+                if m.name in self.mimo.modality_submodules}
 
     def encode(self, phase: str, items: torch.Tensor) -> torch.Tensor:
         """The modality submodule's forward (its encoder, then its input projection) over ``items``."""
@@ -234,6 +244,12 @@ class MimoBalancing(MegatronModule):
         elif not layout.is_whole:
             batch = layout.padded_rows(batch, self.pad_token_id)
         if embeds is None:
+            if self.own_encoder_ranks is not None:
+                raise NotImplementedError(
+                    "MimoBalancing: this MimoModel's encoders run on ranks of their own (non-colocated grids); MIMO's "
+                    "own forward would need its bridge between the grids: train it post-balanced (the encoder ranks "
+                    "run OwnEncoderRanksLoop, the language ranks the modality-aware schedule), not upstream or in "
+                    "shadow mode")
             if self.encoder_tensor_parallel_size is not None:
                 raise NotImplementedError(
                     f"MimoBalancing: this MimoModel's encoders run on a grid of their own (TP "
@@ -243,6 +259,9 @@ class MimoBalancing(MegatronModule):
             modality_inputs = {m.name: {m.encoder: {m.keyword: batch.items[m.name]}}
                                for m in self.modalities if batch.items[m.name].shape[0]}
             answers = contextlib.nullcontext()
+        elif self.own_encoder_ranks is not None:  # a language rank: MIMO reads the embeddings as its input tensors
+            modality_inputs = None
+            answers = _as_input_tensors(self.mimo, embeds)
         else:
             modality_inputs = {name: {} for name in embeds}  # present, so that each submodule is asked
             # the embeddings are the language DP rank's already (post-balancing moved them): MIMO's bridge is skipped
@@ -287,6 +306,17 @@ def _host_bounds(mimo, host_cu_seqlens) -> Iterator[None]:
         yield
     finally:
         del mimo._build_packed_seq_params
+
+
+@contextlib.contextmanager
+def _as_input_tensors(mimo, embeds: Mapping[str, torch.Tensor]) -> Iterator[None]:
+    """For the duration, a non-colocated language rank's MIMO takes ``embeds`` (the modality embeddings of the
+    micro-batch, from the encoder ranks) as its input tensors, as its own bridge would hand them over."""
+    mimo.input_tensors = dict(embeds)
+    try:
+        yield
+    finally:
+        mimo.input_tensors = None
 
 
 @contextlib.contextmanager
@@ -346,13 +376,7 @@ def encoder_grid_tensor_parallel_size(mimo) -> Optional[int]:
         return None
     language = grids[LANGUAGE_PHASE]
     if own_encoder_ranks(mimo) is not None:
-        raise NotImplementedError(
-            "MimoBalancing: module_to_grid_map places the modalities on ranks of their own (non-colocated: "
-            + _grid_ranks(grids) + "): post-balancing plans and moves their items (own_encoder_ranks, "
-            "encode_on_own_ranks, own_ranks_moves) but does not run their training step (the encoder-only ranks' "
-            "encoders forward and backward, DDP over the modalities' grid and their optimizer, beside the language "
-            "ranks' backbone step); colocated grids (every module over the same ranks, each at its own TP/DP) are "
-            "balanced")
+        return None  # non-colocated: the encoders run on ranks of their own (MimoBalancing.own_encoder_ranks)
     tp, _ = _language_grid(mimo, language)
     encoder_tp = {name: _tensor_then_data_parallel(name, g)[0] for name, g in grids.items() if name != LANGUAGE_PHASE}
     sizes = set(encoder_tp.values())
@@ -398,8 +422,8 @@ def own_encoder_ranks(mimo) -> Optional[OwnEncoderRanks]:
 
 def _check_supported(mimo, modalities: Sequence[MimoModality]) -> None:
     """Refuse, naming the reason, what the adapter cannot balance invariantly (module docstring)."""
-    language = mimo.language_model
-    if not (getattr(language, "pre_process", True) and getattr(language, "post_process", True)):
+    language = mimo.language_model  # None on an encoder rank of non-colocated grids
+    if language is not None and not (getattr(language, "pre_process", True) and getattr(language, "post_process", True)):
         raise NotImplementedError(
             "MimoBalancing: the language model is split over pipeline stages, which MimoModel does not run "
             "under Megatron's schedules (0.16.1: its forward embeds the text and runs every modality on every "
@@ -411,13 +435,16 @@ def _check_supported(mimo, modalities: Sequence[MimoModality]) -> None:
             "MimoBalancing: sequence or context parallelism with this release's MimoModel (megatron-core 0.16), which "
             "does not shard the language model's input; 0.19's MimoModel does")
     names = [m.name for m in modalities]
-    if sorted(names) != sorted(mimo.modality_submodules) or len(set(names)) != len(names):
+    specified = sorted(mimo.mimo_config.modality_submodules_spec)  # every rank's, built here or not
+    if sorted(names) != specified or len(set(names)) != len(names):
         raise ValueError(f"MimoBalancing: modalities {names} must name every modality submodule of the model "
-                         f"once ({sorted(mimo.modality_submodules)}): a balanced micro-batch carries no raw items")
+                         f"once ({specified}): a balanced micro-batch carries no raw items")
     for m in modalities:
-        submodule = mimo.modality_submodules[m.name]
         if m.name not in mimo.special_token_ids:
             raise ValueError(f"MimoBalancing: modality {m.name} has no special_token_ids entry (its placeholder)")
+        if m.name not in mimo.modality_submodules:  # a language rank of non-colocated grids
+            continue
+        submodule = mimo.modality_submodules[m.name]
         if list(submodule.encoders) != [m.encoder]:
             raise NotImplementedError(
                 f"MimoBalancing: modality {m.name} has encoders {list(submodule.encoders)}; exactly one ({m.encoder}) "

@@ -58,8 +58,9 @@ from megatron_orch.comm.status import raise_if_any_rank_failed
 from megatron_orch.megatron.batch import BatchSpec, Example, MicroBatch, collate, collate_packed
 from megatron_orch.orchestrator.background import BackgroundPlanner, retain_freed_memory
 from megatron_orch.orchestrator.config import OrchestratorConfig
-from megatron_orch.orchestrator.encoder_ranks import (CopiedStepMove, EncoderGroupPlan, group_moves, group_traffic,
-                                                      spread_over_stages)
+from megatron_orch.orchestrator.encoder_ranks import (CopiedStepMove, EncoderGroupPlan, OwnEncoderRanks, PlannedStep,
+                                                      encode_on_own_ranks, group_moves, group_traffic, own_ranks_moves,
+                                                      read_step_message, spread_over_stages, step_message)
 from megatron_orch.orchestrator.step_plan import (EncoderChunks, StepMove, StepPlan, plan_step, step_moves,
                                                   warm_up)
 
@@ -125,7 +126,10 @@ class ParallelGroups:
     * R + j`` (:mod:`~megatron_orch.orchestrator.encoder_ranks`), over which the encoder phases' items and outputs
     move; every stage then holds encoders (``encoder_stage``); ``pipeline_group``: this DP rank's PP x R encoder
     replicas (ranked ``stage * R + j``; the pipeline group where ``R`` is 1), over which the encoders' gradients
-    are summed."""
+    are summed. ``own_encoder_ranks``: the encoders on ranks of their own (MIMO's non-colocated grids, this rank a
+    backbone rank of that layout): ``encoder_group`` is then the group of the layout's ranks, ranked as the layout
+    ranks them, over which the items, the encoder outputs, their gradients and each step's sizes move
+    (:func:`share_planned_step`); no ``pipeline_group``."""
 
     dp_group: ProcessGroup
     topology: Topology
@@ -135,8 +139,14 @@ class ParallelGroups:
     encoder_group: Optional[ProcessGroup] = None
     pipeline_group: Optional[ProcessGroup] = None
     tp_replicas: int = 1
+    own_encoder_ranks: Optional[OwnEncoderRanks] = None
 
     def __post_init__(self):
+        if self.own_encoder_ranks is not None:
+            if self.encoder_group is None or self.pipeline_group is not None or not self.encoder_stage:
+                raise ValueError("ParallelGroups: own_encoder_ranks takes the encoder_group of the layout's ranks, "
+                                 "encoder_stage=True and no pipeline_group")
+            return
         if (self.encoder_group is None) != (self.pipeline_group is None):
             raise ValueError("ParallelGroups: encoder_group and pipeline_group go together (the encoders on every "
                              "pipeline stage) or not at all")
@@ -206,6 +216,7 @@ class StepMoves:
 
     moves: Tuple[Move, ...]
     spread: Optional[EncoderGroupPlan] = None  # the encoders on every pipeline stage: where each item is encoded
+    own_encode: Optional[Dict[str, Placement]] = None  # the encoders on ranks of their own: where each item is encoded
 
     @property
     def text(self) -> Move:
@@ -231,7 +242,7 @@ class StepMoves:
         """The same moves with every route's indices on ``device``, in one upload."""
         routes = iter(upload_routes([route for move in self.moves for route in move.routes], device))
         return StepMoves(tuple(dataclasses.replace(move, routes=tuple(next(routes) for _ in move.routes))
-                               for move in self.moves), self.spread)
+                               for move in self.moves), self.spread, self.own_encode)
 
 
 def _text_layouts(num_tokens: np.ndarray) -> List[ItemLayout]:
@@ -240,24 +251,34 @@ def _text_layouts(num_tokens: np.ndarray) -> List[ItemLayout]:
 
 def prepare_moves(plan: StepPlan, num_tokens: np.ndarray, rows_per_item: Mapping[str, int], rank: int,
                   encoder_stage: bool, all_to_all: str = "flat", node_of_rank=None,
-                  spread: Optional[EncoderGroupPlan] = None, group_rank: Optional[int] = None) -> StepMoves:
+                  spread: Optional[EncoderGroupPlan] = None, group_rank: Optional[int] = None,
+                  own: Optional[Tuple[OwnEncoderRanks, Dict[str, Placement]]] = None) -> StepMoves:
     """``rank``'s moves of the step (host only: the planning thread calls this after the plan): the routes
     of every move :func:`step_moves` lists, the ones the byte count counts (the encoder phases' on the
     encoder stage only: the other pipeline stages hold no encoders), each run ``all_to_all`` over the nodes of
     ``node_of_rank`` (``Transfer.hops``). With the encoders on every stage (``spread``), the encoder phases'
     moves are :func:`~megatron_orch.orchestrator.encoder_ranks.group_moves`', routed for ``group_rank``, this
-    rank's in the encoder group (flat: the layout refuses node-wise, ``unsupported_layout``)."""
+    rank's in the encoder group (flat: the layout refuses node-wise, ``unsupported_layout``). With the encoders on
+    ranks of their own (``own``: the layout and :func:`~megatron_orch.orchestrator.encoder_ranks.encode_on_own_ranks`'
+    placements), :func:`~megatron_orch.orchestrator.encoder_ranks.own_ranks_moves`', flat, routed for ``group_rank``
+    (this rank in the layout's group); ``rank`` None: an encoder-only rank, which takes no part in the text's move."""
     out = []
+    flat = spread is not None or own is not None
 
     def move(listed: StepMove, transfer: Transfer, layouts, at: int, backward: bool = False) -> Move:
-        hops = transfer.hops(all_to_all if spread is None else "flat", node_of_rank)
+        hops = transfer.hops("flat" if flat else all_to_all, node_of_rank)
         return Move(listed, transfer, hops, tuple(route for hop in hops for route in routes_for(hop, at, layouts)),
                     backward)
 
-    for listed in step_moves(plan) if spread is None else group_moves(plan, spread):
+    if own is not None:
+        listed_moves = own_ranks_moves(plan, *own)
+    else:
+        listed_moves = step_moves(plan) if spread is None else group_moves(plan, spread)
+    for listed in listed_moves:
         transfer = listed.transfer
         if listed.kind == "text":
-            out.append(move(listed, transfer, _text_layouts(num_tokens), rank))
+            if rank is not None:
+                out.append(move(listed, transfer, _text_layouts(num_tokens), rank))
             continue
         if not encoder_stage:
             continue
@@ -267,7 +288,7 @@ def prepare_moves(plan: StepPlan, num_tokens: np.ndarray, rows_per_item: Mapping
             item_rows = rows_per_item[listed.items_of]
         else:
             raise ValueError(f"post-balancing does not run a move of kind {listed.kind!r} ({listed.name})")
-        at = rank if spread is None else group_rank
+        at = group_rank if flat else rank
 
         def layouts(of: Transfer) -> List[ItemLayout]:  # one stream: the routes depend on its rows alone
             return [ItemLayout(np.full(of.src.num_items, item_rows, dtype=np.int64), (), torch.float32)]
@@ -276,7 +297,7 @@ def prepare_moves(plan: StepPlan, num_tokens: np.ndarray, rows_per_item: Mapping
         if listed.with_gradients:
             gradients = listed.gradients()
             out.append(move(listed, gradients, layouts(gradients), at, backward=True))
-    return StepMoves(tuple(out), spread)
+    return StepMoves(tuple(out), spread, None if own is None else own[1])
 
 
 class _Collated(Sequence):
@@ -353,8 +374,15 @@ class BalancedStep(_WholeStep):
 
     def encoded(self, phase: str) -> Placement:
         """Where every item of encoder phase ``phase`` is encoded, over the ranks of :attr:`encoder_moves_group`."""
+        if self.receives_embeddings:
+            return self.moves.own_encode[phase]
         spread = self.spread
         return self.plan.encoders[phase].encode if spread is None else spread.encode[phase]
+
+    @property
+    def receives_embeddings(self) -> bool:
+        """Whether this rank's encoder outputs come from encoder ranks of their own (it encodes nothing)."""
+        return self.moves is not None and self.moves.own_encode is not None
 
     @property
     def encodes_for_other_stages(self) -> bool:
@@ -441,6 +469,26 @@ class CheckedSteps:
         self.unchecked |= {phase for phase in self.phases if int(np.sum(items[phase])) > 0}
 
 
+def share_planned_step(step: Optional[PlannedStep], phases: Sequence[str], group: ProcessGroup,
+                       layout: OwnEncoderRanks) -> Optional[PlannedStep]:
+    """The step every rank of ``group`` (encoder ranks of their own: the layout's ranks) plans next, as the first
+    backbone rank has it (``step`` there, None: the data ended; ignored elsewhere), in two broadcasts from it (the
+    message's length, then the message: :func:`~megatron_orch.orchestrator.encoder_ranks.step_message`)."""
+    phases = tuple(phases)
+    src = dist.get_global_rank(group, layout.backbone_ranks[0][0])
+    device = communication_device(group)
+    length = torch.zeros(1, dtype=torch.int64)
+    if dist.get_rank() == src:
+        message = torch.from_numpy(step_message(step, phases))
+        length[0] = message.numel()
+    length = length.to(device)
+    dist.broadcast(length, src=src, group=group)
+    message = (message if dist.get_rank() == src else torch.zeros(int(length.cpu()[0]), dtype=torch.int64)).to(device)
+    if message.numel():
+        dist.broadcast(message, src=src, group=group)
+    return read_step_message(message.cpu().numpy(), phases)
+
+
 def resolve_microbatching(spec: BatchSpec, config: OrchestratorConfig,
                           step: StepShape) -> Tuple[OrchestratorConfig, Optional[str]]:
     """``config`` with ``--orch-microbatching auto`` decided for the model (packed where ``spec.takes_packed_rows``
@@ -483,7 +531,20 @@ class PostBalancingDataIterator:
         self.rank = dist.get_rank(groups.dp_group)
         self.pipeline_size, self.stage, self.replica, self.encoder_rank = 1, 0, 0, None
         self.encoder_nodes = None  # the node of every encoder-group rank (the encoders on every stage)
-        if groups.encoder_group is not None:  # the encoders on every stage: ranks (stage * DP + dp) * R + j
+        own = groups.own_encoder_ranks
+        if own is not None:  # encoder ranks of their own: the backbone's TP rank 0 sends the raw items
+            self.encoder_rank = dist.get_rank(groups.encoder_group)
+            where = np.argwhere(np.asarray(own.backbone_ranks) == self.encoder_rank)
+            if dist.get_world_size(groups.encoder_group) != own.num_ranks or len(where) != 1 or where[0][0] != self.rank:
+                raise ValueError(f"rank {self.encoder_rank} of the encoder group of "
+                                 f"{dist.get_world_size(groups.encoder_group)} ranks, DP rank {self.rank}, is not a "
+                                 f"backbone rank of DP rank {self.rank} in the layout {own}")
+            self.replica = int(where[0][1])
+            if config.shadow or config.verify_first_step:
+                raise ValueError("post-balancing with encoder ranks of their own runs neither shadow mode nor the "
+                                 "checked first step (both run the model as loaded, with its encoders on the backbone "
+                                 "ranks): set shadow=False and verify_first_step=False")
+        elif groups.encoder_group is not None:  # the encoders on every stage: ranks (stage * DP + dp) * R + j
             dp_size, replicas = dist.get_world_size(groups.dp_group), groups.tp_replicas
             self.encoder_rank = dist.get_rank(groups.encoder_group)
             self.pipeline_size = dist.get_world_size(groups.pipeline_group) // replicas
@@ -511,8 +572,10 @@ class PostBalancingDataIterator:
         self._checked = (CheckedSteps(spec.phases.encoder_names) if config.verify_first_step and not config.shadow
                          else None)
         # this rank's peers over the run's plans (what its communicator keeps connected): the planning thread's
-        self._run_peers = (RunPeers(self.rank, groups.topology.node_of_rank) if groups.encoder_group is None
+        self._run_peers = (RunPeers(self.rank, groups.topology.node_of_rank)
+                           if groups.encoder_group is None or own is not None
                            else RunPeers(self.encoder_rank, self.encoder_nodes))  # the encoder group's moves
+        self._end_shared = False  # the encoder-only ranks were told that the data ended
 
     @property
     def topology(self) -> Topology:
@@ -521,7 +584,7 @@ class PostBalancingDataIterator:
     @property
     def _sends_inputs(self) -> bool:
         """Whether this rank sends the raw encoder items it loads (the encoders' stage; with encoders on every
-        stage, the first stage's ranks of encoder replica 0)."""
+        stage, the first stage's ranks of encoder replica 0; with encoder ranks of their own, TP rank 0)."""
         return self.groups.encoder_stage and self.stage == 0 and self.replica == 0
 
     def __iter__(self):
@@ -534,6 +597,7 @@ class PostBalancingDataIterator:
             if self._planned is not None:
                 self._start_planning()
         if self._planned is None:
+            self._share(None)
             self._shutdown()
             raise StopIteration
         current = self._planned
@@ -543,12 +607,23 @@ class PostBalancingDataIterator:
         # ranks would make the all-to-alls disagree, so it fails loudly here, before any of them.
         self._planned = self._agree(self.reader.result(), digest=plan.digest)
         self._exhausted = self._planned is None
+        self._share(PlannedStep(current.sizes, current.read.num_microbatches, self.topology, self.config.packed,
+                                plan.digest))
         start = time.perf_counter()
         step = self._dispatch(plan, moves, current, timings, run_peers)
         timings["dispatch"] = time.perf_counter() - start
         if self._planned is not None:
             self._start_planning()  # planned and read while this step trains
         return step
+
+    def _share(self, step: Optional[PlannedStep]) -> None:
+        """With encoder ranks of their own: the step about to be dispatched (None: the data ended, told once), to
+        every rank of the encoder group, which the encoder-only ranks plan from (:func:`share_planned_step`)."""
+        if self.groups.own_encoder_ranks is None or self._end_shared:
+            return
+        self._end_shared = step is None
+        share_planned_step(step, self.spec.phases.encoder_names, self.groups.encoder_group,
+                           self.groups.own_encoder_ranks)
 
     def _shutdown(self) -> None:
         self._exhausted = True
@@ -618,8 +693,11 @@ class PostBalancingDataIterator:
                              num_microbatches)
             if self.config.shadow:
                 return plan, None, self._run_peers.add(plan.connections)  # steps are planned one at a time, in order
-            spread = None
-            if self.groups.encoder_group is not None:  # the log's MB and peers: the moves that run
+            spread, own = None, None
+            if self.groups.own_encoder_ranks is not None:
+                layout = self.groups.own_encoder_ranks
+                own = (layout, encode_on_own_ranks(plan, layout))
+            elif self.groups.encoder_group is not None:  # the log's MB and peers: the moves that run
                 spread = spread_over_stages(plan, self.pipeline_size, self.groups.tp_replicas)
                 traffic, peers = group_traffic(plan, spread, phase_items(sizes, self.spec.phases), self.encoder_nodes)
                 connections = functools.reduce(operator.or_, (moved.connections for moved in traffic.values()))
@@ -627,7 +705,7 @@ class PostBalancingDataIterator:
             run_peers = self._run_peers.add(plan.connections)  # steps are planned one at a time, in order
             return plan, prepare_moves(plan, sizes.num_tokens, self.rows_per_item, self.rank,
                                        self.groups.encoder_stage, self.config.all_to_all, self.topology.node_of_rank,
-                                       spread, self.encoder_rank), run_peers
+                                       spread, self.encoder_rank, own), run_peers
 
         self.planner.submit(plan_and_prepare)
         self.reader.submit(self._read)

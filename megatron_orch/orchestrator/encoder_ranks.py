@@ -25,7 +25,9 @@ Encoder GPUs of their own (:class:`OwnEncoderRanks`: megatron-core MIMO's non-co
 that hold no backbone): :func:`encode_on_own_ranks` balances each phase's items over the encoder ranks,
 :func:`own_ranks_moves` moves the raw inputs there from the backbone rank that loaded each example, the outputs to
 every TP rank of the backbone DP rank that runs it and the gradients back, in all-to-alls over the encoder and
-backbone ranks together.
+backbone ranks together. The encoder-only ranks load nothing: each step the backbone's first rank sends them the
+step's sizes and node layout (:func:`step_message`, read back by :func:`read_step_message`), from which they plan the
+same step.
 """
 from __future__ import annotations
 
@@ -37,7 +39,8 @@ from typing import Callable, Dict, List, Optional, Tuple
 import numpy as np
 
 from megatron_orch.balance.plan import Connections, MovedBytes, Peers, Placement, Transfer
-from megatron_orch.balance.workload import PhaseItems
+from megatron_orch.balance.topology import Topology
+from megatron_orch.balance.workload import PhaseItems, StepSizes
 from megatron_orch.orchestrator.config import EncoderRanks, OrchestratorConfig
 from megatron_orch.orchestrator.step_plan import EncoderChunks, StepMove, StepPlan, step_moves
 
@@ -284,6 +287,56 @@ def encode_on_own_ranks(plan: StepPlan, layout: OwnEncoderRanks) -> Dict[str, Pl
         run = stage_of_items(Placement._valid(np.zeros_like(position), position, 1), encoders.size, rotation=k)
         out[phase] = Placement.from_ranks(encoders[run], layout.num_ranks, key=position)
     return out
+
+
+@dataclass(frozen=True)
+class PlannedStep:
+    """What the encoder-only ranks plan one step from (:func:`~megatron_orch.orchestrator.step_plan.plan_step`'s
+    inputs that the backbone ranks know and they do not): the global batch's sizes, its micro-batches per DP rank,
+    the backbone DP group's nodes, whether the backbone takes packed rows (``--orch-microbatching auto`` as the
+    backbone resolved it), and the backbone ranks' plan's digest, which theirs must equal."""
+
+    sizes: StepSizes
+    num_microbatches: int
+    topology: Topology
+    packed: bool
+    digest: int
+
+
+_HEADER = 5  # step_message's numbers before the nodes
+
+
+def step_message(step: Optional[PlannedStep], phases: Tuple[str, ...]) -> np.ndarray:
+    """``step`` (None: the data ended) as one int64 array for the encoder-only ranks: ``[DP, examples,
+    micro-batches, packed, digest, node of every DP rank, examples of every DP rank, then per example its item count
+    of each of ``phases`` and its tokens]``; empty where the data ended."""
+    if step is None:
+        return np.zeros(0, dtype=np.int64)
+    sizes = step.sizes
+    counts = np.asarray(sizes.counts, dtype=np.int64)
+    columns = np.stack([*(np.asarray(sizes.items[p], dtype=np.int64) for p in phases),
+                        np.asarray(sizes.num_tokens, dtype=np.int64)], axis=1).reshape(-1)
+    header = [counts.size, int(counts.sum()), step.num_microbatches, int(step.packed), step.digest]
+    return np.concatenate([header,
+                           np.asarray(step.topology.node_of_rank, dtype=np.int64), counts, columns]).astype(np.int64)
+
+
+def read_step_message(message: np.ndarray, phases: Tuple[str, ...]) -> Optional[PlannedStep]:
+    """The step :func:`step_message` wrote (None: the data ended); a message of another length or of other phases'
+    columns raises, naming both."""
+    message = np.asarray(message, dtype=np.int64)
+    if message.size == 0:
+        return None
+    dp, n, num_microbatches, packed, digest = (int(v) for v in message[:_HEADER])
+    expected = _HEADER + 2 * dp + n * (len(phases) + 1)
+    if message.size != expected:
+        raise ValueError(f"step message of {message.size} numbers, expected {expected} for DP {dp}, {n} examples and "
+                         f"phases {list(phases)} (do the encoder-only ranks hold the backbone ranks' phases?)")
+    nodes, counts = message[_HEADER:_HEADER + dp], message[_HEADER + dp:_HEADER + 2 * dp]
+    columns = message[_HEADER + 2 * dp:].reshape(n, len(phases) + 1)
+    sizes = StepSizes(counts=counts, items={p: columns[:, k] for k, p in enumerate(phases)},
+                      num_tokens=columns[:, -1])
+    return PlannedStep(sizes, num_microbatches, Topology(nodes), bool(packed), digest)
 
 
 def own_ranks_moves(plan: StepPlan, layout: OwnEncoderRanks, encode: Dict[str, Placement]) -> List[StepMove]:

@@ -18,9 +18,11 @@ from megatron_orch.balance.workload import phase_items
 from megatron_orch.megatron.orch_arguments import add_orch_args, orch_config_from_args
 from megatron_orch.mllm.config import load_model_config
 from megatron_orch.orchestrator.config import ConfigError, EncoderRanks, OrchestratorConfig
-from megatron_orch.orchestrator.encoder_ranks import (CopiedStepMove, OwnEncoderRanks, decide_encoder_ranks,
-                                                      encode_on_own_ranks, group_moves, group_traffic, own_ranks_moves,
-                                                      spread_over_stages, stage_of_items, unsupported_layout)
+from megatron_orch.orchestrator.encoder_ranks import (CopiedStepMove, OwnEncoderRanks, PlannedStep,
+                                                      decide_encoder_ranks, encode_on_own_ranks, group_moves,
+                                                      group_traffic, own_ranks_moves, read_step_message,
+                                                      spread_over_stages, stage_of_items, step_message,
+                                                      unsupported_layout)
 from megatron_orch.orchestrator.step_plan import plan_step, step_moves
 from test_step_plan import sizes_of
 
@@ -193,6 +195,35 @@ def test_own_encoder_ranks_encode_each_phase_balanced_and_route_every_item_once(
         gradients = move.gradients()  # from TP rank 0 of the backbone DP rank alone, back to the encoder rank
         assert gradients.dst.same_as(encode[move.items_of])
         assert np.array_equal(gradients.src.rank, backbone[plan.examples_backbone.rank[encoder.example], 0])
+
+
+@pytest.mark.parametrize("packed", [False, True])
+def test_the_step_message_gives_the_encoder_ranks_the_backbone_ranks_plan(packed):
+    """What the first backbone rank sends the encoder-only ranks each step reads back as the same sizes, micro-batches,
+    nodes, packing and digest, and planning from it gives the backbone ranks' plan (its digest); the data's end is an
+    empty message; a message of other phases or a cut one is refused, naming both lengths."""
+    dp, n = 4, 16
+    sizes = _sizes(dp, 3, n)
+    topology = Topology.uniform(dp, 2)
+    config = OrchestratorConfig(background=False, microbatching="packed" if packed else "equal_count")
+    plan = plan_step(sizes, TINY, config, topology, 2, n // dp // 2)
+    step = PlannedStep(sizes, n // dp // 2, topology, config.packed, plan.digest)
+    message = step_message(step, TINY.encoder_names)
+    got = read_step_message(message.copy(), TINY.encoder_names)
+    assert (got.num_microbatches, got.packed, got.digest) == (step.num_microbatches, packed, plan.digest)
+    assert np.array_equal(got.topology.node_of_rank, topology.node_of_rank)
+    assert np.array_equal(got.sizes.counts, sizes.counts) and np.array_equal(got.sizes.num_tokens, sizes.num_tokens)
+    assert got.sizes.items.keys() == sizes.items.keys()
+    assert all(np.array_equal(got.sizes.items[p], sizes.items[p]) for p in sizes.items)
+    replanned = plan_step(got.sizes, TINY, OrchestratorConfig(background=False, microbatching="packed" if got.packed
+                                                              else "equal_count"), got.topology, 2, got.num_microbatches)
+    assert replanned.digest == plan.digest
+    assert step_message(None, TINY.encoder_names).size == 0 and read_step_message(np.zeros(0), TINY.encoder_names) is None
+    with pytest.raises(ValueError, match=rf"step message of {message.size} numbers, expected {message.size - n} .*"
+                                         rf"phases \['vision'\]"):
+        read_step_message(message, TINY.encoder_names[:1])
+    with pytest.raises(ValueError, match=rf"step message of {message.size - 1} numbers, expected {message.size}"):
+        read_step_message(message[:-1], TINY.encoder_names)
 
 
 def test_own_encoder_ranks_are_distinct_ranks_of_the_group():
