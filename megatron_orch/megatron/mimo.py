@@ -33,13 +33,10 @@ Megatron's schedules, the others would break the invariance):
   definition, and its pipeline parallelism is the non-colocated multi-module layout with MIMO's own
   bridges and schedule;
 * ``module_to_grid_map`` (0.19) other than colocated grids of TP then DP, the modalities' at one TP dividing the
-  language model's (:func:`encoder_grid_tensor_parallel_size`). Non-colocated grids (the modalities on encoder
-  ranks of their own, at TP 1) are planned, not trained: :func:`own_encoder_ranks` gives their layout, over which
-  :func:`~megatron_orch.orchestrator.encoder_ranks.encode_on_own_ranks` balances each phase and
-  :func:`~megatron_orch.orchestrator.encoder_ranks.own_ranks_moves` moves the items (raw inputs from the language
-  rank that loaded each example, outputs to every TP rank of the one that runs it, gradients back), any number of
-  items per example; the step on encoder-only ranks (encoders forward, wait for the gradients, backward, DDP over
-  the modalities' grid, their optimizer) is not built, so the model is refused;
+  language model's (:func:`encoder_grid_tensor_parallel_size`), or non-colocated grids of every modality on the
+  same encoder ranks of their own at TP 1 beside a language model of TP then DP (:func:`own_encoder_ranks`: other
+  non-colocated grids are refused by name, among them a language model over pipeline stages, encoder TP above 1,
+  modalities on different ranks);
 * a modality submodule with more than one encoder: it concatenates whole encoders' outputs (all rows
   of encoder 1, then encoder 2), so one item's rows are not contiguous and the outputs of some items are
   not a slice of the whole batch's;
@@ -55,6 +52,15 @@ Megatron's schedules, the others would break the invariance):
 * sequence or context parallelism with 0.16.1's MimoModel, which does not shard the language model's input
   (0.19's shards it itself: its language model must then be built with
   ``scatter_embedding_sequence_parallel=False``, which MIMO asks for).
+
+Non-colocated grids (0.19: the modalities on encoder ranks of their own, which hold no language model) train
+post-balanced: :func:`own_encoder_ranks` gives the layout, each phase is balanced over the encoder ranks
+(:func:`~megatron_orch.orchestrator.encoder_ranks.encode_on_own_ranks`, any number of items per example), the
+encoder ranks run :class:`~megatron_orch.megatron.own_encoder_ranks.OwnEncoderRanksLoop` and the language ranks
+the post-balancing iterator (``ParallelGroups.own_encoder_ranks``) and schedule, which hand the language rank's
+MIMO the received embeddings as its input tensors (as its own bridge would). Not run that way: MIMO's own forward
+(upstream, shadow mode, the checked first step), forward-only steps, ``post_balance()`` and the entry points built
+on it (their groups are the global parallel state's).
 
 A colocated ``module_to_grid_map`` (0.19) whose modalities have a grid of their own TP (below the language
 model's) is the encoders on every rank at that TP (``EncoderRanks.ALL``): ``encoder_tensor_parallel_size`` says
@@ -368,9 +374,9 @@ def encoder_grid_tensor_parallel_size(mimo) -> Optional[int]:
     """The encoders' own TP size that a colocated ``module_to_grid_map`` (0.19) gives them: every modality's grid
     over the language model's ranks at one TP size that divides the language model's (its encoder DP = the job's
     ranks / that TP), balanced as the encoders on every rank (``EncoderRanks.ALL`` at that encoder TP). None: no
-    grid map, or the modalities' grids are the language model's. Refused by name: non-colocated grids (encoder
-    ranks of their own: :func:`own_encoder_ranks` places them, their training step is not run), other dims or rank
-    orders, an encoder TP that does not divide the language model's."""
+    grid map, the modalities' grids are the language model's, or non-colocated grids (encoder ranks of their own:
+    :func:`own_encoder_ranks`). Refused by name: other dims or rank orders, an encoder TP that does not divide the
+    language model's."""
     grids = getattr(mimo.mimo_config, "module_to_grid_map", None)
     if not grids:
         return None

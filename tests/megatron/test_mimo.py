@@ -306,6 +306,7 @@ def _train_on_own_encoder_ranks(rank, world_size, out_dir):
                 encoded.append(dict(loop.items_encoded))
                 if not result["skipped"]:
                     scheduler.step(increment=args.global_batch_size)
+            ended = loop.train_step() is None  # the language ranks' data ended: told, nothing else runs
         else:
             trainer.attach_to_model_config([ddp], optimizer, trainer.Timers(log_level=1, log_option="minmax"))
             parallel = ParallelGroups(pgs.dp, Topology.uniform(dp, 1), encoder_stage=True, peer_group=pgs.mp,
@@ -326,7 +327,8 @@ def _train_on_own_encoder_ranks(rank, world_size, out_dir):
                 report = torch.stack([x["lm loss"] for x in reports]).sum(dim=0).double()
                 dist.all_reduce(report, group=pgs.dp)  # the loss of the step: sum of token losses / loss tokens
                 losses.append(float(report[0] / report[1]))
-        torch.save({"losses": losses, "norms": norms, "encoded": encoded,
+            ended = next(iterator, None) is None  # tells the encoder ranks
+        torch.save({"losses": losses, "norms": norms, "encoded": encoded, "ended": ended,
                     "params": {name: p.detach().clone() for name, p in model.named_parameters()}},
                    Path(out_dir) / f"rank{rank}.pt")
     finally:
@@ -342,7 +344,8 @@ def test_mimo_with_encoder_ranks_of_their_own_trains_as_colocated(tmp_path, requ
     math, as upstream's own non-colocated bridge needs NCCL and CUDA and does not run on gloo. The losses of every
     step within 1e-5, the whole model's gradient norm (encoder parameters counted once) on every rank within 1e-5,
     every parameter at the trained-parameter tolerance (each encoder weight whole on both encoder ranks against the
-    reference's TP halves), and on the heavy step both encoder ranks encoded images, within one of each other."""
+    reference's TP halves), and on the heavy step both encoder ranks encoded images, within one of each other. After
+    the last step the language ranks' iterator ends and the encoder ranks' loop is told so."""
     if not _mimo_has_grids():
         pytest.skip("this megatron-core's MimoModelConfig (0.16) takes no module_to_grid_map: no per-module grids")
     upstream = request.getfixturevalue("upstream_tp2_dp2")
@@ -353,6 +356,7 @@ def test_mimo_with_encoder_ranks_of_their_own_trains_as_colocated(tmp_path, requ
     assert upstream[0]["losses"][-1] < upstream[0]["losses"][0]  # it learns: not two idle models
     for rank, got in enumerate(own):
         assert got["norms"] == pytest.approx(upstream[0]["norms"], rel=1e-5), rank
+        assert got["ended"], rank
     for r, want in enumerate(upstream):  # language rank 2 + r holds reference rank r's TP shard
         got = own[ENCODER_RANKS + r]
         assert got["losses"] == pytest.approx(want["losses"], rel=1e-5), r
@@ -565,7 +569,8 @@ def test_which_module_grids_are_balanced(harness, world_of_one, monkeypatch):
     """A colocated ``module_to_grid_map`` gives the encoders their grid's TP (None where it is the language
     model's, and for non-colocated grids: encoder ranks of their own, ``own_encoder_ranks``); other dims or rank orders, and encoder TPs that are not one size dividing the
     language model's are refused by name. Such a model refuses MIMO's own forward (upstream, shadow mode), and
-    ``post_balance`` a config that does not put its encoders on every rank at that TP, before any collective."""
+    ``post_balance`` a config that does not put its encoders on every rank at that TP, before any collective; a model
+    on encoder ranks of their own ``post_balance`` refuses (its groups are not the global parallel state's)."""
     from megatron.core.hyper_comm_grid import HyperCommGrid
 
     from megatron_orch.megatron import StepShape, collate, post_balance
@@ -609,6 +614,14 @@ def test_which_module_grids_are_balanced(harness, world_of_one, monkeypatch):
         with pytest.raises(ValueError, match="encoders are built at tensor-parallel size 1 .* encoder_ranks ALL and "
                                              "encoder_tensor_parallel_size 1"):
             post_balance(None, iter(()), spec, StepShape(1, 1), model=model, config=config)
+    from megatron_orch.orchestrator.encoder_ranks import OwnEncoderRanks
+    model.encoder_tensor_parallel_size = None
+    model.own_encoder_ranks = OwnEncoderRanks((0, 1), ((2, 3), (4, 5)), 6)  # as non-colocated grids give it
+    with pytest.raises(NotImplementedError, match="encoders run on ranks of their own .* not upstream or in shadow"):
+        model(batch)
+    with pytest.raises(ValueError, match="post_balance builds its groups from megatron-core's global parallel state.*"
+                                         "OwnEncoderRanksLoop"):
+        post_balance(None, iter(()), spec, StepShape(1, 1), model=model, config=OrchestratorConfig())
 
 
 def test_packed_rows_where_the_installed_mimo_takes_them(harness, world_of_one):
