@@ -429,7 +429,9 @@ def own_encoder_ranks(mimo) -> Optional[OwnEncoderRanks]:
 def _check_supported(mimo, modalities: Sequence[MimoModality]) -> None:
     """Refuse, naming the reason, what the adapter cannot balance invariantly (module docstring)."""
     language = mimo.language_model  # None on an encoder rank of non-colocated grids
-    if language is not None and not (getattr(language, "pre_process", True) and getattr(language, "post_process", True)):
+    split = language is not None and not (getattr(language, "pre_process", True)
+                                          and getattr(language, "post_process", True))
+    if split:
         raise NotImplementedError(
             "MimoBalancing: the language model is split over pipeline stages, which MimoModel does not run "
             "under Megatron's schedules (0.16.1: its forward embeds the text and runs every modality on every "

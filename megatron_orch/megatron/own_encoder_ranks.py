@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Dict, Mapping, Optional
+from typing import TYPE_CHECKING, Dict, Mapping, Optional
 
 import numpy as np
 import torch
@@ -47,8 +47,11 @@ from megatron_orch.orchestrator.config import OrchestratorConfig
 from megatron_orch.orchestrator.encoder_ranks import OwnEncoderRanks, encode_on_own_ranks
 from megatron_orch.orchestrator.step_plan import plan_step
 
+if TYPE_CHECKING:
+    from megatron.core.hyper_comm_grid import HyperCommGrid
 
-def grid_process_groups(grids: Mapping[str, "HyperCommGrid"]):  # noqa: F821 -- megatron-core 0.19
+
+def grid_process_groups(grids: Mapping[str, "HyperCommGrid"]):
     """Megatron-core's process groups of every module grid of a ``module_to_grid_map`` (grids of TP then DP, CP and
     PP 1: :func:`~megatron_orch.megatron.mimo.own_encoder_ranks`), created on every rank in the map's order (each a
     collective over the world), as ``{module: ProcessGroupCollection}`` of the grids this rank is in: ``tp``, ``cp``,
@@ -151,9 +154,9 @@ class OwnEncoderRanksLoop:
         plan = plan_step(planned.sizes, self.spec.phases, config, planned.topology, self.step.micro_batch_size,
                          planned.num_microbatches)
         if plan.digest != planned.digest:
-            raise RuntimeError(f"encoder rank {self.rank}: its plan of the step (digest {plan.digest}) differs from the "
-                               f"backbone ranks' ({planned.digest}): do both sides pass the same OrchestratorConfig "
-                               "and batch spec?")
+            raise RuntimeError(f"encoder rank {self.rank}: its plan of the step (digest {plan.digest}) differs from "
+                               f"the backbone ranks' ({planned.digest}): do both sides pass the same "
+                               "OrchestratorConfig and batch spec?")
         encode = encode_on_own_ranks(plan, self.layout)
         moves = prepare_moves(plan, planned.sizes.num_tokens, self.rows_per_item, None, True, group_rank=self.rank,
                               own=(self.layout, encode)).uploaded(self.device)

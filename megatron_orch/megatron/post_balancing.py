@@ -249,7 +249,7 @@ def _text_layouts(num_tokens: np.ndarray) -> List[ItemLayout]:
     return [ItemLayout(num_tokens, (2,), torch.long), ItemLayout(num_tokens, (1,), torch.float32)]
 
 
-def prepare_moves(plan: StepPlan, num_tokens: np.ndarray, rows_per_item: Mapping[str, int], rank: int,
+def prepare_moves(plan: StepPlan, num_tokens: np.ndarray, rows_per_item: Mapping[str, int], rank: Optional[int],
                   encoder_stage: bool, all_to_all: str = "flat", node_of_rank=None,
                   spread: Optional[EncoderGroupPlan] = None, group_rank: Optional[int] = None,
                   own: Optional[Tuple[OwnEncoderRanks, Dict[str, Placement]]] = None) -> StepMoves:
@@ -535,9 +535,10 @@ class PostBalancingDataIterator:
         if own is not None:  # encoder ranks of their own: the backbone's TP rank 0 sends the raw items
             self.encoder_rank = dist.get_rank(groups.encoder_group)
             where = np.argwhere(np.asarray(own.backbone_ranks) == self.encoder_rank)
-            if dist.get_world_size(groups.encoder_group) != own.num_ranks or len(where) != 1 or where[0][0] != self.rank:
-                raise ValueError(f"rank {self.encoder_rank} of the encoder group of "
-                                 f"{dist.get_world_size(groups.encoder_group)} ranks, DP rank {self.rank}, is not a "
+            size = dist.get_world_size(groups.encoder_group)
+            if size != own.num_ranks or len(where) != 1 or where[0][0] != self.rank:
+                raise ValueError(f"rank {self.encoder_rank} of the encoder group of {size} ranks, DP rank {self.rank}, "
+                                 f"is not a "
                                  f"backbone rank of DP rank {self.rank} in the layout {own}")
             self.replica = int(where[0][1])
             if config.shadow or config.verify_first_step:

@@ -567,8 +567,8 @@ def test_what_would_break_invariance_is_refused(harness, world_of_one):
 
 def test_which_module_grids_are_balanced(harness, world_of_one, monkeypatch):
     """A colocated ``module_to_grid_map`` gives the encoders their grid's TP (None where it is the language
-    model's, and for non-colocated grids: encoder ranks of their own, ``own_encoder_ranks``); other dims or rank orders, and encoder TPs that are not one size dividing the
-    language model's are refused by name. Such a model refuses MIMO's own forward (upstream, shadow mode), and
+    model's, and for non-colocated grids: encoder ranks of their own, ``own_encoder_ranks``); other dims or rank
+    orders, and encoder TPs that are not one size dividing the language model's are refused by name. Such a model refuses MIMO's own forward (upstream, shadow mode), and
     ``post_balance`` a config that does not put its encoders on every rank at that TP, before any collective; a model
     on encoder ranks of their own ``post_balance`` refuses (its groups are not the global parallel state's)."""
     from megatron.core.hyper_comm_grid import HyperCommGrid

@@ -215,10 +215,12 @@ def test_the_step_message_gives_the_encoder_ranks_the_backbone_ranks_plan(packed
     assert np.array_equal(got.sizes.counts, sizes.counts) and np.array_equal(got.sizes.num_tokens, sizes.num_tokens)
     assert got.sizes.items.keys() == sizes.items.keys()
     assert all(np.array_equal(got.sizes.items[p], sizes.items[p]) for p in sizes.items)
-    replanned = plan_step(got.sizes, TINY, OrchestratorConfig(background=False, microbatching="packed" if got.packed
-                                                              else "equal_count"), got.topology, 2, got.num_microbatches)
+    microbatching = "packed" if got.packed else "equal_count"
+    replanned = plan_step(got.sizes, TINY, OrchestratorConfig(background=False, microbatching=microbatching),
+                          got.topology, 2, got.num_microbatches)
     assert replanned.digest == plan.digest
-    assert step_message(None, TINY.encoder_names).size == 0 and read_step_message(np.zeros(0), TINY.encoder_names) is None
+    assert step_message(None, TINY.encoder_names).size == 0
+    assert read_step_message(np.zeros(0), TINY.encoder_names) is None
     with pytest.raises(ValueError, match=rf"step message of {message.size} numbers, expected {message.size - n} .*"
                                          rf"phases \['vision'\]"):
         read_step_message(message, TINY.encoder_names[:1])
