@@ -415,12 +415,12 @@ def own_encoder_ranks(mimo) -> Optional[OwnEncoderRanks]:
     offset, size = spans.pop()
     if offset < language.rank_offset + language.size and language.rank_offset < offset + size:
         raise NotImplementedError(f"MimoBalancing: the modalities' grid shares some ranks with the language model's "
-                                  f"({ranks}); grids over the same ranks or over ranks of their own are planned")
+                                  f"({ranks}); grids over the same ranks or over ranks of their own are balanced")
     tp, dp = _language_grid(mimo, language)
     encoder_tp = {name: _tensor_then_data_parallel(name, g)[0] for name, g in modalities.items()}
     if set(encoder_tp.values()) != {1}:
         raise NotImplementedError(f"MimoBalancing: encoder ranks of their own at TP {encoder_tp}; only TP 1 is "
-                                  "planned (each encoder rank a whole encoder replica, its outputs sent by it alone)")
+                                  "balanced (each encoder rank a whole encoder replica, its outputs sent by it alone)")
     backbone = tuple(tuple(language.rank_offset + t + tp * d for t in range(tp)) for d in range(dp))
     return OwnEncoderRanks(tuple(range(offset, offset + size)), backbone,
                            num_ranks=max(offset + size, language.rank_offset + language.size))
