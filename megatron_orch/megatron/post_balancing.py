@@ -129,7 +129,7 @@ class ParallelGroups:
     are summed. ``own_encoder_ranks``: the encoders on ranks of their own (MIMO's non-colocated grids, this rank a
     backbone rank of that layout): ``encoder_group`` is then the group of the layout's ranks, ranked as the layout
     ranks them, over which the items, the encoder outputs, their gradients and each step's sizes move
-    (:func:`share_planned_step`); no ``pipeline_group``."""
+    (:func:`share_planned_step`); a ``comm_group`` given; no ``pipeline_group``."""
 
     dp_group: ProcessGroup
     topology: Topology
@@ -143,9 +143,11 @@ class ParallelGroups:
 
     def __post_init__(self):
         if self.own_encoder_ranks is not None:
-            if self.encoder_group is None or self.pipeline_group is not None or not self.encoder_stage:
-                raise ValueError("ParallelGroups: own_encoder_ranks takes the encoder_group of the layout's ranks, "
-                                 "encoder_stage=True and no pipeline_group")
+            if (self.encoder_group is None or self.comm_group is None or self.pipeline_group is not None
+                    or not self.encoder_stage):
+                raise ValueError("ParallelGroups: own_encoder_ranks takes the encoder_group of the layout's ranks, a "
+                                 "comm_group (made on every rank of the job, as dedicated_group makes it: the iterator "
+                                 "cannot make one without the encoder ranks), encoder_stage=True and no pipeline_group")
             return
         if (self.encoder_group is None) != (self.pipeline_group is None):
             raise ValueError("ParallelGroups: encoder_group and pipeline_group go together (the encoders on every "
