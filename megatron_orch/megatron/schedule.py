@@ -253,7 +253,7 @@ class ModalityAwareSchedule:
         microbatches = _attach(step, embeds)
         for microbatch in microbatches:
             record_non_finite_gradients(microbatch.batch, microbatch.embeds)
-        self.timings["encoders_forward"] = time.perf_counter() - start
+        self.timings = {"encoders_forward": time.perf_counter() - start}  # here: the wait for the encoder ranks
         sent = []
 
         def send_gradients(num_tokens: Optional[torch.Tensor]) -> None:

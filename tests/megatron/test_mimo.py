@@ -377,6 +377,8 @@ def test_mimo_with_encoder_ranks_of_their_own_trains_as_colocated(tmp_path, requ
                     value = value.chunk(2, dim=dims[0])[tp_rank]
                 torch.testing.assert_close(value, expected, rtol=1e-5, atol=TRAINED_PARAMS_ATOL,
                                            msg=lambda m: f"encoder rank {rank} parameter {name}: {m}")
+    worst = max(abs(g - w) / abs(w) for g, w in zip(own[ENCODER_RANKS]["losses"], upstream[0]["losses"]))
+    print(f"largest relative loss difference {worst:.1e} over {ITERS} steps; gradient norms {own[0]['norms']}")
     heavy = [own[rank]["encoded"][SCENARIOS.index("heavy_on_one_rank")]["images"] for rank in range(ENCODER_RANKS)]
     print(f"heavy step, images per encoder rank: {heavy}")
     assert min(heavy) > 0 and max(heavy) - min(heavy) <= 1, heavy
