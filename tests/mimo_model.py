@@ -73,13 +73,27 @@ def grid(tensor_parallel_size: int, world_size: int):
     return HyperCommGrid([tensor_parallel_size, 1, world_size // tensor_parallel_size, 1], ["tp", "cp", "dp", "pp"])
 
 
+def non_colocated_grids(encoder_ranks: int, tensor_parallel_size: int, data_parallel_size: int) -> dict:
+    """MIMO's non-colocated ``module_to_grid_map`` (0.19): every modality on ranks ``0..encoder_ranks - 1`` at TP 1,
+    the language model at TP x DP on the ranks after them."""
+    from megatron.core.hyper_comm_grid import HyperCommGrid
+
+    names = ["tp", "cp", "dp", "pp"]
+    grids = {name: HyperCommGrid([1, 1, encoder_ranks, 1], names) for name in PLACEHOLDERS}
+    grids["language"] = HyperCommGrid([tensor_parallel_size, 1, data_parallel_size, 1], names,
+                                      rank_offset=encoder_ranks)
+    return grids
+
+
 def build_mimo(tensor_model_parallel_size: int = 1, pre_process: bool = True, post_process: bool = True,
                encoders_of_images=("vit",), sequence_parallel: bool = False,
-               encoder_tensor_parallel_size: Optional[int] = None):
+               encoder_tensor_parallel_size: Optional[int] = None, own_grids: Optional[dict] = None):
     """The tiny MimoModel (``encoders_of_images``: the names of the image submodule's encoders); with
     ``sequence_parallel`` its language model's embedding does not scatter (MIMO shards the combined input). With
     ``encoder_tensor_parallel_size`` (0.19), colocated per-module grids (``module_to_grid_map``): the modalities
-    on a grid of that TP over every rank, built on its TP group; the language model on the job's TP x DP."""
+    on a grid of that TP over every rank, built on its TP group; the language model on the job's TP x DP. With
+    ``own_grids`` (:func:`non_colocated_grids`, their process groups created), those grids: an encoder rank builds
+    the modalities at TP 1 on its grid's TP group, a language rank the language model on the job's TP group."""
     warnings.filterwarnings("ignore", message=".*experimental.*")
     from megatron.core import parallel_state
     from megatron.core.models.gpt.gpt_model import GPTModel
@@ -100,7 +114,17 @@ def build_mimo(tensor_model_parallel_size: int = 1, pre_process: bool = True, po
     encoder, language = shapes()
     grids, encoder_tp_group, pg_collection = None, parallel_state.get_tensor_model_parallel_group(), None
     encoder_settings = settings
-    if encoder_tensor_parallel_size is not None:
+    if own_grids is not None:
+        import dataclasses
+
+        from megatron.core.process_groups_config import ProcessGroupCollection
+        grids = own_grids
+        if grids["images"].is_current_rank_in_grid():
+            encoder_tp_group = grids["images"].get_pg("tp")
+            pg_collection = ProcessGroupCollection.use_mpu_process_groups()
+            pg_collection.tp = encoder_tp_group
+        encoder_settings = dataclasses.replace(settings, tensor_model_parallel_size=1)
+    elif encoder_tensor_parallel_size is not None:
         import dataclasses
 
         from megatron.core.process_groups_config import ProcessGroupCollection
@@ -149,7 +173,7 @@ def build_mimo(tensor_model_parallel_size: int = 1, pre_process: bool = True, po
                                                                                            "audio": audio},
                              special_token_ids=dict(PLACEHOLDERS),
                              **({} if grids is None else {"module_to_grid_map": grids}))
-    if grids is None:
+    if grids is None or own_grids is not None:  # no bridge: the grids share no rank
         return MimoModel(config)
     # MIMO's colocated bridges (encoder layout to the language model's) make their groups with backend="nccl":
     # on the CPU, the default backend's (gloo), so that the model holds them as on a GPU

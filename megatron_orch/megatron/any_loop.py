@@ -81,7 +81,14 @@ def post_balance(forward_backward_func: Optional[Callable], data_iterator: Itera
     """
     tp = parallel_state.get_tensor_model_parallel_world_size()
     pp = parallel_state.get_pipeline_model_parallel_world_size()
-    built_at = None if model is None else getattr(check_model_and_config(model), "encoder_tensor_parallel_size", None)
+    module = None if model is None else check_model_and_config(model)
+    if getattr(module, "own_encoder_ranks", None) is not None:
+        raise ValueError("post_balance builds its groups from megatron-core's global parallel state, which a model on "
+                         "encoder ranks of their own (non-colocated module grids) does not use: give its language "
+                         "ranks a PostBalancingDataIterator with ParallelGroups(own_encoder_ranks=...) and the "
+                         "ModalityAwareSchedule, its encoder ranks an OwnEncoderRanksLoop "
+                         "(megatron_orch.megatron.own_encoder_ranks)")
+    built_at = getattr(module, "encoder_tensor_parallel_size", None)
     resolve_microbatching(spec, config, step)  # packed rows the model cannot take: refused before the collectives
     if config.encoder_ranks is EncoderRanks.AUTO:
         config = _decide_encoder_ranks(config, model, built_at, tp, pp, announce)

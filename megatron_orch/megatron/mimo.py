@@ -33,8 +33,10 @@ Megatron's schedules, the others would break the invariance):
   definition, and its pipeline parallelism is the non-colocated multi-module layout with MIMO's own
   bridges and schedule;
 * ``module_to_grid_map`` (0.19) other than colocated grids of TP then DP, the modalities' at one TP dividing the
-  language model's (:func:`encoder_grid_tensor_parallel_size`): non-colocated grids are MIMO's multi-module
-  pipeline with its own bridges and schedule;
+  language model's (:func:`encoder_grid_tensor_parallel_size`), or non-colocated grids of every modality on the
+  same encoder ranks of their own at TP 1 beside a language model of TP then DP (:func:`own_encoder_ranks`: other
+  non-colocated grids are refused by name, among them a language model over pipeline stages, encoder TP above 1,
+  modalities on different ranks);
 * a modality submodule with more than one encoder: it concatenates whole encoders' outputs (all rows
   of encoder 1, then encoder 2), so one item's rows are not contiguous and the outputs of some items are
   not a slice of the whole batch's;
@@ -50,6 +52,15 @@ Megatron's schedules, the others would break the invariance):
 * sequence or context parallelism with 0.16.1's MimoModel, which does not shard the language model's input
   (0.19's shards it itself: its language model must then be built with
   ``scatter_embedding_sequence_parallel=False``, which MIMO asks for).
+
+Non-colocated grids (0.19: the modalities on encoder ranks of their own, which hold no language model) train
+post-balanced: :func:`own_encoder_ranks` gives the layout, each phase is balanced over the encoder ranks
+(:func:`~megatron_orch.orchestrator.encoder_ranks.encode_on_own_ranks`, any number of items per example), the
+encoder ranks run :class:`~megatron_orch.megatron.own_encoder_ranks.OwnEncoderRanksLoop` and the language ranks
+the post-balancing iterator (``ParallelGroups.own_encoder_ranks``) and schedule, which hand the language rank's
+MIMO the received embeddings as its input tensors (as its own bridge would). Not run that way: MIMO's own forward
+(upstream, shadow mode, the checked first step), forward-only steps, ``post_balance()`` and the entry points built
+on it (their groups are the global parallel state's).
 
 A colocated ``module_to_grid_map`` (0.19) whose modalities have a grid of their own TP (below the language
 model's) is the encoders on every rank at that TP (``EncoderRanks.ALL``): ``encoder_tensor_parallel_size`` says
@@ -93,6 +104,7 @@ from megatron_orch.balance.cost import CostModel
 from megatron_orch.balance.workload import BackbonePhase, EncoderPhase, ModelPhases
 from megatron_orch.megatron.batch import BatchSpec, EncoderInput, MicroBatch, PackedRowParams
 from megatron_orch.megatron.sequence_layout import SequenceLayout
+from megatron_orch.orchestrator.encoder_ranks import OwnEncoderRanks
 
 if TYPE_CHECKING:
     from megatron.core.models.mimo import MimoModel
@@ -107,6 +119,9 @@ CANNOT_PACK_ATTENTION = ("MimoBalancing does not hand packed rows to this MimoMo
                          "attention ({}) takes no THD parameters (megatron-core's local DotProductAttention asserts "
                          "packed_seq_params is None; Transformer Engine's attention and the project's SDPAttention "
                          "take them)")
+CANNOT_PACK_ENCODER_RANK = ("MimoBalancing on an encoder rank of non-colocated grids holds no language model: the "
+                            "language ranks decide whether rows are packed, and send the encoder ranks their decision "
+                            "with each step's sizes")
 CANNOT_PACK_CP = ("MimoBalancing does not hand packed rows to this MimoModel under context parallelism: MIMO shards a "
                   "THD row with Transformer Engine's thd_get_partitioned_indices over per-sequence padded bounds, "
                   "which the adapter does not build")
@@ -126,6 +141,8 @@ def cannot_pack(mimo) -> Optional[str]:
     """Why the adapter does not hand packed rows to ``mimo`` (None: it does; module docstring)."""
     if not takes_packing_kwargs(mimo):
         return CANNOT_PACK
+    if mimo.language_model is None:
+        return CANNOT_PACK_ENCODER_RANK
     from megatron.core.transformer.dot_product_attention import DotProductAttention
     local = sorted({type(a).__name__ for a in _core_attentions(mimo.language_model) if type(a) is DotProductAttention})
     if local:
@@ -170,6 +187,8 @@ class MimoBalancing(MegatronModule):
         _check_supported(mimo, self.modalities)
         # the encoders' own TP size where a colocated module_to_grid_map gives them one (None: the language model's)
         self.encoder_tensor_parallel_size = encoder_grid_tensor_parallel_size(mimo)
+        # non-colocated grids: the encoders on ranks of their own (None: every rank holds every module)
+        self.own_encoder_ranks = own_encoder_ranks(mimo)
         self.cannot_pack = cannot_pack(mimo)  # why packed rows are not handed to it (None: they are)
         row_bytes = mimo.config.hidden_size * embedding_bytes_per_element
         encoders = tuple(EncoderPhase(m.name, m.cost, item_tokens=m.item_tokens,
@@ -192,7 +211,10 @@ class MimoBalancing(MegatronModule):
         self.mimo.set_input_tensor(input_tensor)
 
     def phase_encoders(self) -> Dict[str, torch.nn.Module]:
-        return {m.name: self.mimo.modality_submodules[m.name] for m in self.modalities}
+        """This rank's modality submodules (with non-colocated grids: all of them on an encoder rank, none on a
+        language rank)."""
+        return {m.name: self.mimo.modality_submodules[m.name] for m in self.modalities
+                if m.name in self.mimo.modality_submodules}
 
     def encode(self, phase: str, items: torch.Tensor) -> torch.Tensor:
         """The modality submodule's forward (its encoder, then its input projection) over ``items``."""
@@ -228,6 +250,12 @@ class MimoBalancing(MegatronModule):
         elif not layout.is_whole:
             batch = layout.padded_rows(batch, self.pad_token_id)
         if embeds is None:
+            if self.own_encoder_ranks is not None:
+                raise NotImplementedError(
+                    "MimoBalancing: this MimoModel's encoders run on ranks of their own (non-colocated grids); MIMO's "
+                    "own forward would need its bridge between the grids: train it post-balanced (the encoder ranks "
+                    "run OwnEncoderRanksLoop, the language ranks the modality-aware schedule), not upstream or in "
+                    "shadow mode")
             if self.encoder_tensor_parallel_size is not None:
                 raise NotImplementedError(
                     f"MimoBalancing: this MimoModel's encoders run on a grid of their own (TP "
@@ -237,6 +265,9 @@ class MimoBalancing(MegatronModule):
             modality_inputs = {m.name: {m.encoder: {m.keyword: batch.items[m.name]}}
                                for m in self.modalities if batch.items[m.name].shape[0]}
             answers = contextlib.nullcontext()
+        elif self.own_encoder_ranks is not None:  # a language rank: MIMO reads the embeddings as its input tensors
+            modality_inputs = None
+            answers = _as_input_tensors(self.mimo, embeds)
         else:
             modality_inputs = {name: {} for name in embeds}  # present, so that each submodule is asked
             # the embeddings are the language DP rank's already (post-balancing moved them): MIMO's bridge is skipped
@@ -284,6 +315,17 @@ def _host_bounds(mimo, host_cu_seqlens) -> Iterator[None]:
 
 
 @contextlib.contextmanager
+def _as_input_tensors(mimo, embeds: Mapping[str, torch.Tensor]) -> Iterator[None]:
+    """For the duration, a non-colocated language rank's MIMO takes ``embeds`` (the modality embeddings of the
+    micro-batch, from the encoder ranks) as its input tensors, as its own bridge would hand them over."""
+    mimo.input_tensors = dict(embeds)
+    try:
+        yield
+    finally:
+        mimo.input_tensors = None
+
+
+@contextlib.contextmanager
 def _answering(mimo, embeds: Mapping[str, torch.Tensor]) -> Iterator[None]:
     """For the duration, each named modality submodule's forward returns its given embeddings, and MIMO's colocated
     bridges (0.19, per-module grids: encoder layout to the language model's) are not applied to them."""
@@ -315,26 +357,33 @@ def _tensor_then_data_parallel(name: str, grid) -> Tuple[int, int]:
     return sizes["tp"], sizes["dp"]
 
 
+def _language_grid(mimo, language) -> Tuple[int, int]:
+    """(TP, DP) of the language model's grid, its TP checked against its config's."""
+    tp, dp = _tensor_then_data_parallel(LANGUAGE_PHASE, language)
+    if tp != mimo.config.tensor_model_parallel_size:
+        raise ValueError(f"MimoBalancing: module_to_grid_map[{LANGUAGE_PHASE!r}] has TP {tp}, its language model "
+                         f"config {mimo.config.tensor_model_parallel_size}")
+    return tp, dp
+
+
+def _grid_ranks(grids) -> str:
+    return ", ".join(f"{n} ranks {g.rank_offset}..{g.rank_offset + g.size - 1}" for n, g in grids.items())
+
+
 def encoder_grid_tensor_parallel_size(mimo) -> Optional[int]:
     """The encoders' own TP size that a colocated ``module_to_grid_map`` (0.19) gives them: every modality's grid
     over the language model's ranks at one TP size that divides the language model's (its encoder DP = the job's
     ranks / that TP), balanced as the encoders on every rank (``EncoderRanks.ALL`` at that encoder TP). None: no
-    grid map, or the modalities' grids are the language model's. Refused by name: non-colocated grids (encoder
-    ranks of their own), other dims or rank orders, an encoder TP that does not divide the language model's."""
+    grid map, the modalities' grids are the language model's, or non-colocated grids (encoder ranks of their own:
+    :func:`own_encoder_ranks`). Refused by name: other dims or rank orders, an encoder TP that does not divide the
+    language model's."""
     grids = getattr(mimo.mimo_config, "module_to_grid_map", None)
     if not grids:
         return None
     language = grids[LANGUAGE_PHASE]
-    if any((g.rank_offset, g.size) != (language.rank_offset, language.size) for g in grids.values()):
-        raise NotImplementedError(
-            "MimoBalancing: module_to_grid_map places modules on ranks of their own (non-colocated: "
-            + ", ".join(f"{n} ranks {g.rank_offset}..{g.rank_offset + g.size - 1}" for n, g in grids.items())
-            + "), MIMO's multi-module pipeline with its own bridges and schedule, which post-balancing does not run; "
-            "colocated grids (every module over the same ranks, each at its own TP/DP) are balanced")
-    tp, _ = _tensor_then_data_parallel(LANGUAGE_PHASE, language)
-    if tp != mimo.config.tensor_model_parallel_size:
-        raise ValueError(f"MimoBalancing: module_to_grid_map[{LANGUAGE_PHASE!r}] has TP {tp}, its language model "
-                         f"config {mimo.config.tensor_model_parallel_size}")
+    if own_encoder_ranks(mimo) is not None:
+        return None  # non-colocated: the encoders run on ranks of their own (MimoBalancing.own_encoder_ranks)
+    tp, _ = _language_grid(mimo, language)
     encoder_tp = {name: _tensor_then_data_parallel(name, g)[0] for name, g in grids.items() if name != LANGUAGE_PHASE}
     sizes = set(encoder_tp.values())
     if len(sizes) > 1 or tp % min(sizes):
@@ -345,10 +394,44 @@ def encoder_grid_tensor_parallel_size(mimo) -> Optional[int]:
     return None if etp == tp else etp
 
 
+def own_encoder_ranks(mimo) -> Optional[OwnEncoderRanks]:
+    """Where a non-colocated ``module_to_grid_map`` (0.19) puts the encoders and the language model, as the ranks of
+    the moves' group (the world's ranks): every modality's grid over the same ranks of their own at TP 1 (an encoder
+    DP rank per rank), the language model's grid of TP then DP over other ranks. None: no grid map, or colocated
+    grids. Refused by name: modalities on different ranks, encoder ranks that share ranks with the language model,
+    encoder TP above 1, other dims or rank orders."""
+    grids = getattr(mimo.mimo_config, "module_to_grid_map", None)
+    if not grids:
+        return None
+    language = grids[LANGUAGE_PHASE]
+    modalities = {name: g for name, g in grids.items() if name != LANGUAGE_PHASE}
+    spans = {(g.rank_offset, g.size) for g in modalities.values()}
+    if spans <= {(language.rank_offset, language.size)}:
+        return None  # colocated (encoder_grid_tensor_parallel_size)
+    ranks = _grid_ranks(grids)
+    if len(spans) > 1:
+        raise NotImplementedError(f"MimoBalancing: the modalities' grids span different ranks ({ranks}); encoder ranks "
+                                  "of their own hold every modality's encoders (one encoder group)")
+    offset, size = spans.pop()
+    if offset < language.rank_offset + language.size and language.rank_offset < offset + size:
+        raise NotImplementedError(f"MimoBalancing: the modalities' grid shares some ranks with the language model's "
+                                  f"({ranks}); grids over the same ranks or over ranks of their own are balanced")
+    tp, dp = _language_grid(mimo, language)
+    encoder_tp = {name: _tensor_then_data_parallel(name, g)[0] for name, g in modalities.items()}
+    if set(encoder_tp.values()) != {1}:
+        raise NotImplementedError(f"MimoBalancing: encoder ranks of their own at TP {encoder_tp}; only TP 1 is "
+                                  "balanced (each encoder rank a whole encoder replica, its outputs sent by it alone)")
+    backbone = tuple(tuple(language.rank_offset + t + tp * d for t in range(tp)) for d in range(dp))
+    return OwnEncoderRanks(tuple(range(offset, offset + size)), backbone,
+                           num_ranks=max(offset + size, language.rank_offset + language.size))
+
+
 def _check_supported(mimo, modalities: Sequence[MimoModality]) -> None:
     """Refuse, naming the reason, what the adapter cannot balance invariantly (module docstring)."""
-    language = mimo.language_model
-    if not (getattr(language, "pre_process", True) and getattr(language, "post_process", True)):
+    language = mimo.language_model  # None on an encoder rank of non-colocated grids
+    split = language is not None and not (getattr(language, "pre_process", True)
+                                          and getattr(language, "post_process", True))
+    if split:
         raise NotImplementedError(
             "MimoBalancing: the language model is split over pipeline stages, which MimoModel does not run "
             "under Megatron's schedules (0.16.1: its forward embeds the text and runs every modality on every "
@@ -360,13 +443,16 @@ def _check_supported(mimo, modalities: Sequence[MimoModality]) -> None:
             "MimoBalancing: sequence or context parallelism with this release's MimoModel (megatron-core 0.16), which "
             "does not shard the language model's input; 0.19's MimoModel does")
     names = [m.name for m in modalities]
-    if sorted(names) != sorted(mimo.modality_submodules) or len(set(names)) != len(names):
+    specified = sorted(mimo.mimo_config.modality_submodules_spec)  # every rank's, built here or not
+    if sorted(names) != specified or len(set(names)) != len(names):
         raise ValueError(f"MimoBalancing: modalities {names} must name every modality submodule of the model "
-                         f"once ({sorted(mimo.modality_submodules)}): a balanced micro-batch carries no raw items")
+                         f"once ({specified}): a balanced micro-batch carries no raw items")
     for m in modalities:
-        submodule = mimo.modality_submodules[m.name]
         if m.name not in mimo.special_token_ids:
             raise ValueError(f"MimoBalancing: modality {m.name} has no special_token_ids entry (its placeholder)")
+        if m.name not in mimo.modality_submodules:  # a language rank of non-colocated grids
+            continue
+        submodule = mimo.modality_submodules[m.name]
         if list(submodule.encoders) != [m.encoder]:
             raise NotImplementedError(
                 f"MimoBalancing: modality {m.name} has encoders {list(submodule.encoders)}; exactly one ({m.encoder}) "

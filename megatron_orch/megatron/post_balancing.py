@@ -58,8 +58,10 @@ from megatron_orch.comm.status import raise_if_any_rank_failed
 from megatron_orch.megatron.batch import BatchSpec, Example, MicroBatch, collate, collate_packed
 from megatron_orch.orchestrator.background import BackgroundPlanner, retain_freed_memory
 from megatron_orch.orchestrator.config import OrchestratorConfig
-from megatron_orch.orchestrator.encoder_ranks import (CopiedStepMove, EncoderGroupPlan, group_moves, group_traffic,
-                                                      spread_over_stages)
+from megatron_orch.orchestrator.encoder_ranks import (CopiedStepMove, EncoderGroupPlan, OwnEncoderRanks, PlannedStep,
+                                                      encode_on_own_ranks, group_moves, group_traffic, own_ranks_moves,
+                                                      own_ranks_refusal, read_step_message, spread_over_stages,
+                                                      step_message)
 from megatron_orch.orchestrator.step_plan import (EncoderChunks, StepMove, StepPlan, plan_step, step_moves,
                                                   warm_up)
 
@@ -125,7 +127,10 @@ class ParallelGroups:
     * R + j`` (:mod:`~megatron_orch.orchestrator.encoder_ranks`), over which the encoder phases' items and outputs
     move; every stage then holds encoders (``encoder_stage``); ``pipeline_group``: this DP rank's PP x R encoder
     replicas (ranked ``stage * R + j``; the pipeline group where ``R`` is 1), over which the encoders' gradients
-    are summed."""
+    are summed. ``own_encoder_ranks``: the encoders on ranks of their own (MIMO's non-colocated grids, this rank a
+    backbone rank of that layout): ``encoder_group`` is then the group of the layout's ranks, ranked as the layout
+    ranks them, over which the items, the encoder outputs, their gradients and each step's sizes move
+    (:func:`share_planned_step`); a ``comm_group`` given; no ``pipeline_group``."""
 
     dp_group: ProcessGroup
     topology: Topology
@@ -135,8 +140,16 @@ class ParallelGroups:
     encoder_group: Optional[ProcessGroup] = None
     pipeline_group: Optional[ProcessGroup] = None
     tp_replicas: int = 1
+    own_encoder_ranks: Optional[OwnEncoderRanks] = None
 
     def __post_init__(self):
+        if self.own_encoder_ranks is not None:
+            if (self.encoder_group is None or self.comm_group is None or self.pipeline_group is not None
+                    or not self.encoder_stage):
+                raise ValueError("ParallelGroups: own_encoder_ranks takes the encoder_group of the layout's ranks, a "
+                                 "comm_group (made on every rank of the job, as dedicated_group makes it: the iterator "
+                                 "cannot make one without the encoder ranks), encoder_stage=True and no pipeline_group")
+            return
         if (self.encoder_group is None) != (self.pipeline_group is None):
             raise ValueError("ParallelGroups: encoder_group and pipeline_group go together (the encoders on every "
                              "pipeline stage) or not at all")
@@ -206,6 +219,7 @@ class StepMoves:
 
     moves: Tuple[Move, ...]
     spread: Optional[EncoderGroupPlan] = None  # the encoders on every pipeline stage: where each item is encoded
+    own_encode: Optional[Dict[str, Placement]] = None  # the encoders on ranks of their own: where each item is encoded
 
     @property
     def text(self) -> Move:
@@ -231,35 +245,48 @@ class StepMoves:
         """The same moves with every route's indices on ``device``, in one upload."""
         routes = iter(upload_routes([route for move in self.moves for route in move.routes], device))
         return StepMoves(tuple(dataclasses.replace(move, routes=tuple(next(routes) for _ in move.routes))
-                               for move in self.moves), self.spread)
+                               for move in self.moves), self.spread, self.own_encode)
 
 
 def _text_layouts(num_tokens: np.ndarray) -> List[ItemLayout]:
     return [ItemLayout(num_tokens, (2,), torch.long), ItemLayout(num_tokens, (1,), torch.float32)]
 
 
-def prepare_moves(plan: StepPlan, num_tokens: np.ndarray, rows_per_item: Mapping[str, int], rank: int,
+def prepare_moves(plan: StepPlan, num_tokens: np.ndarray, rows_per_item: Mapping[str, int], rank: Optional[int],
                   encoder_stage: bool, all_to_all: str = "flat", node_of_rank=None,
                   spread: Optional[EncoderGroupPlan] = None, group_rank: Optional[int] = None,
-                  group_node_of_rank=None) -> StepMoves:
+                  group_node_of_rank=None,
+                  own: Optional[Tuple[OwnEncoderRanks, Dict[str, Placement]]] = None) -> StepMoves:
     """``rank``'s moves of the step (host only: the planning thread calls this after the plan): the routes
     of every move :func:`step_moves` lists, the ones the byte count counts (the encoder phases' on the
     encoder stage only: the other pipeline stages hold no encoders), each run ``all_to_all`` over the nodes of
     ``node_of_rank`` (``Transfer.hops``). With the encoders on every stage (``spread``), the encoder phases'
     moves are :func:`~megatron_orch.orchestrator.encoder_ranks.group_moves`', routed for ``group_rank``, this
-    rank's in the encoder group, their hops over the group's nodes (``group_node_of_rank``)."""
+    rank's in the encoder group, their hops over the group's nodes (``group_node_of_rank``). With the encoders on
+    ranks of their own (``own``: the layout and :func:`~megatron_orch.orchestrator.encoder_ranks.encode_on_own_ranks`'
+    placements), :func:`~megatron_orch.orchestrator.encoder_ranks.own_ranks_moves`', flat, routed for ``group_rank``
+    (this rank in the layout's group); ``rank`` None: an encoder-only rank, which takes no part in the text's move."""
     out = []
+    over_group = spread is not None or own is not None  # the encoder phases' moves: routed for group_rank
 
     def move(listed: StepMove, transfer: Transfer, layouts, at: int, backward: bool = False) -> Move:
-        nodes = node_of_rank if spread is None or listed.kind == "text" else group_node_of_rank
-        hops = transfer.hops(all_to_all, nodes)
+        if own is not None:  # flat (refused otherwise where the layout is set up)
+            hops = (transfer,)
+        else:
+            nodes = node_of_rank if spread is None or listed.kind == "text" else group_node_of_rank
+            hops = transfer.hops(all_to_all, nodes)
         return Move(listed, transfer, hops, tuple(route for hop in hops for route in routes_for(hop, at, layouts)),
                     backward)
 
-    for listed in step_moves(plan) if spread is None else group_moves(plan, spread):
+    if own is not None:
+        listed_moves = own_ranks_moves(plan, *own)
+    else:
+        listed_moves = step_moves(plan) if spread is None else group_moves(plan, spread)
+    for listed in listed_moves:
         transfer = listed.transfer
         if listed.kind == "text":
-            out.append(move(listed, transfer, _text_layouts(num_tokens), rank))
+            if rank is not None:
+                out.append(move(listed, transfer, _text_layouts(num_tokens), rank))
             continue
         if not encoder_stage:
             continue
@@ -269,7 +296,7 @@ def prepare_moves(plan: StepPlan, num_tokens: np.ndarray, rows_per_item: Mapping
             item_rows = rows_per_item[listed.items_of]
         else:
             raise ValueError(f"post-balancing does not run a move of kind {listed.kind!r} ({listed.name})")
-        at = rank if spread is None else group_rank
+        at = group_rank if over_group else rank
 
         def layouts(of: Transfer) -> List[ItemLayout]:  # one stream: the routes depend on its rows alone
             return [ItemLayout(np.full(of.src.num_items, item_rows, dtype=np.int64), (), torch.float32)]
@@ -278,7 +305,7 @@ def prepare_moves(plan: StepPlan, num_tokens: np.ndarray, rows_per_item: Mapping
         if listed.with_gradients:
             gradients = listed.gradients()
             out.append(move(listed, gradients, layouts(gradients), at, backward=True))
-    return StepMoves(tuple(out), spread)
+    return StepMoves(tuple(out), spread, None if own is None else own[1])
 
 
 class _Collated(Sequence):
@@ -355,8 +382,15 @@ class BalancedStep(_WholeStep):
 
     def encoded(self, phase: str) -> Placement:
         """Where every item of encoder phase ``phase`` is encoded, over the ranks of :attr:`encoder_moves_group`."""
+        if self.receives_embeddings:
+            return self.moves.own_encode[phase]
         spread = self.spread
         return self.plan.encoders[phase].encode if spread is None else spread.encode[phase]
+
+    @property
+    def receives_embeddings(self) -> bool:
+        """Whether this rank's encoder outputs come from encoder ranks of their own (it encodes nothing)."""
+        return self.moves is not None and self.moves.own_encode is not None
 
     @property
     def encodes_for_other_stages(self) -> bool:
@@ -443,6 +477,26 @@ class CheckedSteps:
         self.unchecked |= {phase for phase in self.phases if int(np.sum(items[phase])) > 0}
 
 
+def share_planned_step(step: Optional[PlannedStep], phases: Sequence[str], group: ProcessGroup,
+                       layout: OwnEncoderRanks) -> Optional[PlannedStep]:
+    """The step every rank of ``group`` (encoder ranks of their own: the layout's ranks) plans next, as the first
+    backbone rank has it (``step`` there, None: the data ended; ignored elsewhere), in two broadcasts from it (the
+    message's length, then the message: :func:`~megatron_orch.orchestrator.encoder_ranks.step_message`)."""
+    phases = tuple(phases)
+    src = dist.get_global_rank(group, layout.backbone_ranks[0][0])
+    device = communication_device(group)
+    length = torch.zeros(1, dtype=torch.int64)
+    if dist.get_rank() == src:
+        message = torch.from_numpy(step_message(step, phases))
+        length[0] = message.numel()
+    length = length.to(device)
+    dist.broadcast(length, src=src, group=group)
+    message = (message if dist.get_rank() == src else torch.zeros(int(length.cpu()[0]), dtype=torch.int64)).to(device)
+    if message.numel():
+        dist.broadcast(message, src=src, group=group)
+    return read_step_message(message.cpu().numpy(), phases)
+
+
 def resolve_microbatching(spec: BatchSpec, config: OrchestratorConfig,
                           step: StepShape) -> Tuple[OrchestratorConfig, Optional[str]]:
     """``config`` with ``--orch-microbatching auto`` decided for the model (packed where ``spec.takes_packed_rows``
@@ -480,12 +534,25 @@ class PostBalancingDataIterator:
         if config.microbatching == "packed" and step.pad_to is not None:
             # one packed row carries a micro-batch's token budget
             step = dataclasses.replace(step, pad_to=step.pad_to * step.micro_batch_size)
+        refused = None if groups.own_encoder_ranks is None else own_ranks_refusal(config)
+        if refused is not None:
+            raise ValueError(f"post-balancing: {refused}")
         self.source, self.spec, self.config, self.step, self.groups = source, spec, config, step, groups
         self.compute_device, self.input_dtype = torch.device(compute_device), input_dtype
         self.rank = dist.get_rank(groups.dp_group)
         self.pipeline_size, self.stage, self.replica, self.encoder_rank = 1, 0, 0, None
         self.encoder_nodes = None  # the node of every encoder-group rank (the encoders on every stage)
-        if groups.encoder_group is not None:  # the encoders on every stage: ranks (stage * DP + dp) * R + j
+        own = groups.own_encoder_ranks
+        if own is not None:  # encoder ranks of their own: the backbone's TP rank 0 sends the raw items
+            self.encoder_rank = dist.get_rank(groups.encoder_group)
+            where = np.argwhere(np.asarray(own.backbone_ranks) == self.encoder_rank)
+            size = dist.get_world_size(groups.encoder_group)
+            if size != own.num_ranks or len(where) != 1 or where[0][0] != self.rank:
+                raise ValueError(f"rank {self.encoder_rank} of the encoder group of {size} ranks, DP rank {self.rank}, "
+                                 f"is not a "
+                                 f"backbone rank of DP rank {self.rank} in the layout {own}")
+            self.replica = int(where[0][1])
+        elif groups.encoder_group is not None:  # the encoders on every stage: ranks (stage * DP + dp) * R + j
             dp_size, replicas = dist.get_world_size(groups.dp_group), groups.tp_replicas
             self.encoder_rank = dist.get_rank(groups.encoder_group)
             self.pipeline_size = dist.get_world_size(groups.pipeline_group) // replicas
@@ -513,8 +580,10 @@ class PostBalancingDataIterator:
         self._checked = (CheckedSteps(spec.phases.encoder_names) if config.verify_first_step and not config.shadow
                          else None)
         # this rank's peers over the run's plans (what its communicator keeps connected): the planning thread's
-        self._run_peers = (RunPeers(self.rank, groups.topology.node_of_rank) if groups.encoder_group is None
+        self._run_peers = (RunPeers(self.rank, groups.topology.node_of_rank)
+                           if groups.encoder_group is None or own is not None
                            else RunPeers(self.encoder_rank, self.encoder_nodes))  # the encoder group's moves
+        self._end_shared = False  # the encoder-only ranks were told that the data ended
 
     @property
     def topology(self) -> Topology:
@@ -523,7 +592,7 @@ class PostBalancingDataIterator:
     @property
     def _sends_inputs(self) -> bool:
         """Whether this rank sends the raw encoder items it loads (the encoders' stage; with encoders on every
-        stage, the first stage's ranks of encoder replica 0)."""
+        stage, the first stage's ranks of encoder replica 0; with encoder ranks of their own, TP rank 0)."""
         return self.groups.encoder_stage and self.stage == 0 and self.replica == 0
 
     def __iter__(self):
@@ -536,6 +605,7 @@ class PostBalancingDataIterator:
             if self._planned is not None:
                 self._start_planning()
         if self._planned is None:
+            self._share(None)
             self._shutdown()
             raise StopIteration
         current = self._planned
@@ -545,12 +615,23 @@ class PostBalancingDataIterator:
         # ranks would make the all-to-alls disagree, so it fails loudly here, before any of them.
         self._planned = self._agree(self.reader.result(), digest=plan.digest)
         self._exhausted = self._planned is None
+        self._share(PlannedStep(current.sizes, current.read.num_microbatches, self.topology, self.config.packed,
+                                plan.digest))
         start = time.perf_counter()
         step = self._dispatch(plan, moves, current, timings, run_peers)
         timings["dispatch"] = time.perf_counter() - start
         if self._planned is not None:
             self._start_planning()  # planned and read while this step trains
         return step
+
+    def _share(self, step: Optional[PlannedStep]) -> None:
+        """With encoder ranks of their own: the step about to be dispatched (None: the data ended, told once), to
+        every rank of the encoder group, which the encoder-only ranks plan from (:func:`share_planned_step`)."""
+        if self.groups.own_encoder_ranks is None or self._end_shared:
+            return
+        self._end_shared = step is None
+        share_planned_step(step, self.spec.phases.encoder_names, self.groups.encoder_group,
+                           self.groups.own_encoder_ranks)
 
     def _shutdown(self) -> None:
         self._exhausted = True
@@ -620,8 +701,11 @@ class PostBalancingDataIterator:
                              num_microbatches)
             if self.config.shadow:
                 return plan, None, self._run_peers.add(plan.connections)  # steps are planned one at a time, in order
-            spread = None
-            if self.groups.encoder_group is not None:  # the log's MB and peers: the moves that run
+            spread, own = None, None
+            if self.groups.own_encoder_ranks is not None:
+                layout = self.groups.own_encoder_ranks
+                own = (layout, encode_on_own_ranks(plan, layout))
+            elif self.groups.encoder_group is not None:  # the log's MB and peers: the moves that run
                 spread = spread_over_stages(plan, self.pipeline_size, self.groups.tp_replicas)
                 traffic, peers = group_traffic(plan, spread, phase_items(sizes, self.spec.phases), self.encoder_nodes,
                                                self.config.all_to_all, self.topology.node_of_rank)
@@ -630,7 +714,7 @@ class PostBalancingDataIterator:
             run_peers = self._run_peers.add(plan.connections)  # steps are planned one at a time, in order
             return plan, prepare_moves(plan, sizes.num_tokens, self.rows_per_item, self.rank,
                                        self.groups.encoder_stage, self.config.all_to_all, self.topology.node_of_rank,
-                                       spread, self.encoder_rank, self.encoder_nodes), run_peers
+                                       spread, self.encoder_rank, self.encoder_nodes, own), run_peers
 
         self.planner.submit(plan_and_prepare)
         self.reader.submit(self._read)

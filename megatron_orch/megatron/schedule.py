@@ -22,6 +22,12 @@ only its ``grad_sync_func`` (and ``finalize_model_grads_func``) runs the encoder
 ``grad_sync_func`` (``--overlap-grad-reduce``) runs every backward under ``no_sync`` and then syncs the chunk
 explicitly; so does the encoders' backward it triggers.
 
+Encoder ranks of their own (MIMO's non-colocated grids, ``BalancedStep.receives_embeddings``): a backbone rank
+encodes nothing; each phase's outputs arrive from the encoder ranks (which run
+:class:`~megatron_orch.megatron.own_encoder_ranks.OwnEncoderRanksLoop`), and just before the backbone's gradients
+are reduced their gradients go back, divided by the step's loss tokens over DP (the per-token normalisation
+``finalize_model_grads`` applies to the backbone's: the encoder ranks have no token count of their own).
+
 Before the first step and on it, the schedule checks the model (:mod:`~megatron_orch.megatron.first_step`:
 the contract, per-token loss, item-by-item encoders, their parameters, and with ``verify_first_step`` the
 loader's against the balanced layout of the first batch, every model chunk fed as above). A shadow mode
@@ -55,7 +61,7 @@ from megatron_orch.comm.status import raise_if_any_rank_failed
 from megatron_orch.megatron import first_step
 from megatron_orch.megatron.contract import BalanceableModel, check_model, record_non_finite_gradients
 from megatron_orch.megatron.encoder_chunks import ChunkBounds, backward_chunk, chunk_bounds, encode_in_chunks
-from megatron_orch.megatron.post_balancing import BalancedMicroBatch, BalancedStep, ShadowStep
+from megatron_orch.megatron.post_balancing import BalancedMicroBatch, BalancedStep, ShadowStep, StepMoves
 from megatron_orch.megatron.sharding import aligned_chunks, pad_items, sharded_encode, sharding_of
 from megatron_orch.orchestrator.encoder_ranks import unsupported_layout
 
@@ -126,6 +132,8 @@ class ModalityAwareSchedule:
                                               model=model, num_microbatches=num_microbatches,
                                               forward_only=forward_only, **kwargs)
         module = check_model(model)
+        if step.receives_embeddings:  # encoder ranks of their own check and run the encoders
+            return self._run_receiving(step, module, forward_step_func, model, forward_only, kwargs)
         model_chunk = model_chunks(model)[0]  # the encoders' chunk
         if sharding_of(model_chunk) is None:
             checked = self._encoder_checks.run(module, step)
@@ -227,6 +235,57 @@ class ModalityAwareSchedule:
             encoders_backward_once()  # no callback set (or none called): after the backbone schedule
         return result
 
+    def _run_receiving(self, step: BalancedStep, module: BalanceableModel, forward_step_func, model,
+                       forward_only: bool, kwargs: dict):
+        """The balanced step of a backbone rank whose encoder outputs come from encoder ranks of their own (module
+        docstring): each phase's outputs received, in phase order as the encoder ranks send them, Megatron's
+        schedule, the gradients back before ``finalize_model_grads_func`` reduces the backbone's (after the schedule
+        where none is set: then undivided, as the backbone's own)."""
+        if forward_only:
+            raise NotImplementedError("post-balancing with encoder ranks of their own runs training steps only: the "
+                                      "encoder ranks' loop (OwnEncoderRanksLoop) has no forward-only step")
+        start = time.perf_counter()
+        config = get_model_config(model_chunks(model)[0])
+        nothing = torch.zeros(0, module.config.hidden_size, dtype=module.config.params_dtype,
+                              device=next(module.parameters()).device)
+        moving = [(phase, self._start_move(step, phase, nothing)) for phase in step.inputs]
+        embeds = {phase: move().requires_grad_() for phase, move in moving}
+        microbatches = _attach(step, embeds)
+        for microbatch in microbatches:
+            record_non_finite_gradients(microbatch.batch, microbatch.embeds)
+        self.timings = {"encoders_forward": time.perf_counter() - start}  # here: the wait for the encoder ranks
+        sent = []
+
+        def send_gradients(num_tokens: Optional[torch.Tensor]) -> None:
+            if sent:
+                return
+            sent.append(True)
+            scale = 1.0
+            if num_tokens is not None:  # the loss tokens of the whole step, as finalize_model_grads counts them
+                total = to_communication_device(num_tokens.detach().clone(), self.dp_group)
+                dist.all_reduce(total, group=self.dp_group)
+                scale = 1.0 / float(total.cpu())
+            returning = [self._start_move(step, phase, scale * (torch.zeros_like(leaf) if leaf.grad is None
+                                                                 else leaf.grad), inverse=True)
+                         for phase, leaf in embeds.items()]
+            for wait in returning:
+                wait()
+
+        finalize = config.finalize_model_grads_func
+        if finalize is not None:
+            def finalize_after_sending(chunks, num_tokens=None, *args, **kw):
+                send_gradients(num_tokens)
+                return finalize(chunks, num_tokens, *args, **kw)
+            config.finalize_model_grads_func = finalize_after_sending
+        try:
+            result = self.forward_backward_func(
+                forward_step_func=forward_step_func, data_iterator=data_iterators(microbatches, model_chunks(model)),
+                model=model, num_microbatches=len(microbatches), forward_only=False, **kwargs)
+        finally:
+            config.finalize_model_grads_func = finalize
+        send_gradients(None)  # no finalize_model_grads_func set (or not called)
+        return result
+
     def _start_move(self, step: BalancedStep, phase: str, rows: torch.Tensor,
                     inverse: bool = False) -> Callable[[], torch.Tensor]:
         """Launch the all-to-all of encoder outputs (item by item, in slot order) to the backbone ranks, or
@@ -237,11 +296,7 @@ class ModalityAwareSchedule:
                 group) != dist.get_process_group_ranks(self.dp_group):
             raise ValueError("the post-balancing step moves its data over a group of other ranks than this "
                              "schedule's DP group (iterator and schedule of different groups?)")
-        move = (step.moves.gradients if inverse else step.moves.outputs)[phase]
-        layout = ItemLayout(np.full(move.transfer.src.num_items, step.rows_per_item[phase], dtype=np.int64),
-                            tuple(rows.shape[1:]), rows.dtype)
-        pending = move.start([to_communication_device(move.send_rows(rows), group)], [layout], group)
-        return lambda: pending.wait()[0].to(rows.device, non_blocking=True)
+        return start_encoder_move(step.moves, phase, rows, step.rows_per_item[phase], group, inverse)
 
     def _chunking(self, step: BalancedStep, phase: str, inputs: torch.Tensor, sharded: bool) -> List[ChunkBounds]:
         """This rank's chunks of ``phase`` under the step's plan; with sharded parameters the chunks every rank
@@ -298,6 +353,18 @@ class ModalityAwareSchedule:
                 with contextlib.nullcontext() if synced else no_sync():
                     _zero_gradients(module.phase_encoders()[phase])
         self.timings["encoders_backward"] = time.perf_counter() - start
+
+
+def start_encoder_move(moves: StepMoves, phase: str, rows: torch.Tensor, rows_per_item: int, group: ProcessGroup,
+                       inverse: bool = False) -> Callable[[], torch.Tensor]:
+    """Launch the all-to-all of ``phase``'s encoder outputs ``rows`` (this rank's items in slot order,
+    ``rows_per_item`` each) to the backbone ranks, or with ``inverse`` of their gradients back, over ``group``; the
+    returned function waits for it and gives the received rows on the device of ``rows``."""
+    move = (moves.gradients if inverse else moves.outputs)[phase]
+    layout = ItemLayout(np.full(move.transfer.src.num_items, rows_per_item, dtype=np.int64), tuple(rows.shape[1:]),
+                        rows.dtype)
+    pending = move.start([to_communication_device(move.send_rows(rows), group)], [layout], group)
+    return lambda: pending.wait()[0].to(rows.device, non_blocking=True)
 
 
 def _run_encoders_backward_first(config, num_chunks: int, encoders_backward: Callable[[bool], None]) -> None:

@@ -18,9 +18,17 @@ the first-stage TP group that runs their example's first backbone layers (each o
 copies, :class:`CopiedStepMove`), in one all-to-all over the encoder group; their gradients back by the inverse
 from replica 0 alone (every TP rank of the backbone holds the same embedding gradient). The text moves within
 each stage's DP group, as with ``FIRST_STAGE``. Either runs flat or node-wise (``OrchestratorConfig.all_to_all``:
-the group's moves as two hops over the encoder group's nodes, the text's over its DP group's). :func:`unsupported_layout` names the parallel layouts it does not
-run (checked before any collective). :func:`group_traffic` counts what these moves send, for the iteration
+the group's moves as two hops over the encoder group's nodes, the text's over its DP group's).
+:func:`unsupported_layout` names the parallel layouts it does not run (checked before any collective). :func:`group_traffic` counts what these moves send, for the iteration
 line's MB figures.
+
+Encoder GPUs of their own (:class:`OwnEncoderRanks`: megatron-core MIMO's non-colocated grids, the encoders on ranks
+that hold no backbone): :func:`encode_on_own_ranks` balances each phase's items over the encoder ranks,
+:func:`own_ranks_moves` moves the raw inputs there from the backbone rank that loaded each example, the outputs to
+every TP rank of the backbone DP rank that runs it and the gradients back, in all-to-alls over the encoder and
+backbone ranks together. The encoder-only ranks load nothing: each step the backbone's first rank sends them the
+step's sizes and node layout (:func:`step_message`, read back by :func:`read_step_message`), from which they plan the
+same step.
 """
 from __future__ import annotations
 
@@ -32,7 +40,8 @@ from typing import Callable, Dict, List, Optional, Tuple
 import numpy as np
 
 from megatron_orch.balance.plan import Connections, MovedBytes, Peers, Placement, Transfer
-from megatron_orch.balance.workload import PhaseItems
+from megatron_orch.balance.topology import Topology
+from megatron_orch.balance.workload import PhaseItems, StepSizes
 from megatron_orch.orchestrator.config import EncoderRanks, OrchestratorConfig
 from megatron_orch.orchestrator.step_plan import EncoderChunks, StepMove, StepPlan, step_moves
 
@@ -196,32 +205,158 @@ def group_moves(plan: StepPlan, group: EncoderGroupPlan) -> List[StepMove]:
     """The step's moves (:func:`~megatron_orch.orchestrator.step_plan.step_moves`, in its order and names) with
     every encoder phase's raw inputs and embeddings moving over the encoder group (module docstring); with
     several encoder replicas per TP group the embeddings are a :class:`CopiedStepMove`."""
+    return _encoder_moves(plan, group.encode, lambda placement, replica: _on_first_stage(placement, group, replica),
+                          group.tp_replicas)
+
+
+def _encoder_moves(plan: StepPlan, encode: Dict[str, Placement], backbone_at, copies: int) -> List[StepMove]:
+    """The step's moves with each encoder phase's items encoded where ``encode`` places them: raw inputs from copy 0
+    of the rank that loaded their example, outputs to all ``copies`` of the rank that runs it (``backbone_at(
+    placement over DP ranks, copy)``: that placement over the moves' group), gradients back from copy 0."""
     out = []
     for move in step_moves(plan):
         if move.kind == "text":
             out.append(move)
             continue
         encoder = plan.encoders[move.items_of]
-        encoded = group.encode[move.items_of]
+        encoded = encode[move.items_of]
         if move.kind == "inputs":
-            transfer = Transfer(_on_first_stage(encoder.home, group), encoded)
+            transfer = Transfer(backbone_at(encoder.home, 0), encoded)
             out.append(StepMove(move.name, move.kind, move.items_of, move.phase, transfer, move.with_gradients))
             continue
         backbone = plan.examples_backbone.expand(encoder.example)
-        copies = group.tp_replicas
         if copies == 1:
-            transfer = Transfer(encoded, _on_first_stage(backbone, group))
+            transfer = Transfer(encoded, backbone_at(backbone, 0))
             out.append(StepMove(move.name, move.kind, move.items_of, move.phase, transfer, move.with_gradients))
             continue
         held = encoded.counts()[encoded.rank]  # copy c of an item: slot c * held + its slot, on its encoder rank
         src = Placement._valid(np.tile(encoded.rank, copies),
-                               np.concatenate([c * held + encoded.slot for c in range(copies)]), group.num_ranks)
-        dst = [_on_first_stage(backbone, group, c) for c in range(copies)]
+                               np.concatenate([c * held + encoded.slot for c in range(copies)]), encoded.num_ranks)
+        dst = [backbone_at(backbone, c) for c in range(copies)]
         dst = Placement._valid(np.concatenate([p.rank for p in dst]), np.concatenate([p.slot for p in dst]),
-                               group.num_ranks)
+                               encoded.num_ranks)
         out.append(CopiedStepMove(move.name, move.kind, move.items_of, move.phase, Transfer(src, dst),
                                   move.with_gradients, copies=copies))
     return out
+
+
+@dataclass(frozen=True)
+class OwnEncoderRanks:
+    """Encoder GPUs of their own (megatron-core MIMO's non-colocated ``module_to_grid_map``): the ranks, in the group
+    the moves run over (the world's ranks where that is the world), of every encoder DP rank (``encoder_ranks``, at
+    encoder TP 1) and of every backbone TP rank of every backbone DP rank (``backbone_ranks[dp][tp]``); disjoint."""
+
+    encoder_ranks: Tuple[int, ...]
+    backbone_ranks: Tuple[Tuple[int, ...], ...]
+    num_ranks: int
+
+    def __post_init__(self):
+        sizes = {len(tp_group) for tp_group in self.backbone_ranks}
+        if not self.encoder_ranks or len(sizes) != 1 or 0 in sizes:
+            raise ValueError(f"OwnEncoderRanks: needs encoder ranks and backbone ranks [DP][TP] of one TP size, got "
+                             f"{self.encoder_ranks} and {self.backbone_ranks}")
+        ranks = np.concatenate([np.asarray(self.encoder_ranks, dtype=np.int64),
+                                np.asarray(self.backbone_ranks, dtype=np.int64).ravel()])
+        if ranks.min() < 0 or ranks.max() >= self.num_ranks or np.unique(ranks).size != ranks.size:
+            raise ValueError(f"OwnEncoderRanks: encoder ranks {self.encoder_ranks} and backbone ranks "
+                             f"{self.backbone_ranks} must be distinct ranks of 0..{self.num_ranks - 1}")
+
+    @property
+    def tensor_parallel_size(self) -> int:
+        """The backbone's TP size: each encoder output goes to that many ranks."""
+        return len(self.backbone_ranks[0])
+
+    def backbone_at(self, placement: Placement, tp_rank: int) -> Placement:
+        """``placement`` (over backbone DP ranks) over the moves' group, at backbone TP rank ``tp_rank``."""
+        ranks = np.asarray(self.backbone_ranks, dtype=np.int64)[:, tp_rank]
+        return Placement._valid(ranks[placement.rank], placement.slot, self.num_ranks)
+
+
+def own_ranks_refusal(config: OrchestratorConfig) -> Optional[str]:
+    """Why encoder ranks of their own cannot run ``config`` (None: they can), one line naming the settings: shadow
+    mode and the checked first step run the model as loaded (its encoders on the backbone ranks), and the moves run
+    flat."""
+    if config.shadow or config.verify_first_step:
+        return ("encoder ranks of their own run neither shadow mode nor the checked first step (both run the model as "
+                "loaded, with its encoders on the backbone ranks): set shadow=False and verify_first_step=False")
+    if config.all_to_all != "flat":
+        return f"encoder ranks of their own run their moves flat, not {config.all_to_all}: set all_to_all='flat'"
+    return None
+
+
+def encode_on_own_ranks(plan: StepPlan, layout: OwnEncoderRanks) -> Dict[str, Placement]:
+    """Where every encoder phase's items are encoded on encoder GPUs of their own (over ``layout.num_ranks``): each
+    phase's items in the DP plan's order (DP rank, then slot) split into runs of consecutive items, one per encoder
+    rank, whose sizes differ by one at most (every item of a phase costs the same: ``ceil(n / E)`` on the busiest,
+    the bound); phase ``k`` gives its extra items to the encoder ranks from ``k`` on."""
+    encoders = np.asarray(layout.encoder_ranks, dtype=np.int64)
+    out = {}
+    for k, (phase, encoder) in enumerate(plan.encoders.items()):
+        order = np.lexsort((encoder.encode.slot, encoder.encode.rank))
+        position = np.empty(order.size, dtype=np.int64)
+        position[order] = np.arange(order.size, dtype=np.int64)
+        run = stage_of_items(Placement._valid(np.zeros_like(position), position, 1), encoders.size, rotation=k)
+        out[phase] = Placement.from_ranks(encoders[run], layout.num_ranks, key=position)
+    return out
+
+
+@dataclass(frozen=True)
+class PlannedStep:
+    """What the encoder-only ranks plan one step from (:func:`~megatron_orch.orchestrator.step_plan.plan_step`'s
+    inputs that the backbone ranks know and they do not): the global batch's sizes, its micro-batches per DP rank,
+    the backbone DP group's nodes, whether the backbone takes packed rows (``--orch-microbatching auto`` as the
+    backbone resolved it), and the backbone ranks' plan's digest, which theirs must equal."""
+
+    sizes: StepSizes
+    num_microbatches: int
+    topology: Topology
+    packed: bool
+    digest: int
+
+
+_HEADER = 5  # step_message's numbers before the nodes
+
+
+def step_message(step: Optional[PlannedStep], phases: Tuple[str, ...]) -> np.ndarray:
+    """``step`` (None: the data ended) as one int64 array for the encoder-only ranks: ``[DP, examples,
+    micro-batches, packed, digest, node of every DP rank, examples of every DP rank, then per example its item count
+    of each of ``phases`` and its tokens]``; empty where the data ended."""
+    if step is None:
+        return np.zeros(0, dtype=np.int64)
+    sizes = step.sizes
+    counts = np.asarray(sizes.counts, dtype=np.int64)
+    columns = np.stack([*(np.asarray(sizes.items[p], dtype=np.int64) for p in phases),
+                        np.asarray(sizes.num_tokens, dtype=np.int64)], axis=1).reshape(-1)
+    header = [counts.size, int(counts.sum()), step.num_microbatches, int(step.packed), step.digest]
+    return np.concatenate([header,
+                           np.asarray(step.topology.node_of_rank, dtype=np.int64), counts, columns]).astype(np.int64)
+
+
+def read_step_message(message: np.ndarray, phases: Tuple[str, ...]) -> Optional[PlannedStep]:
+    """The step :func:`step_message` wrote (None: the data ended); a message of another length or of other phases'
+    columns raises, naming both."""
+    message = np.asarray(message, dtype=np.int64)
+    if message.size == 0:
+        return None
+    dp, n, num_microbatches, packed, digest = (int(v) for v in message[:_HEADER])
+    expected = _HEADER + 2 * dp + n * (len(phases) + 1)
+    if message.size != expected:
+        raise ValueError(f"step message of {message.size} numbers, expected {expected} for DP {dp}, {n} examples and "
+                         f"phases {list(phases)} (do the encoder-only ranks hold the backbone ranks' phases?)")
+    nodes, counts = message[_HEADER:_HEADER + dp], message[_HEADER + dp:_HEADER + 2 * dp]
+    columns = message[_HEADER + 2 * dp:].reshape(n, len(phases) + 1)
+    sizes = StepSizes(counts=counts, items={p: columns[:, k] for k, p in enumerate(phases)},
+                      num_tokens=columns[:, -1])
+    return PlannedStep(sizes, num_microbatches, Topology(nodes), bool(packed), digest)
+
+
+def own_ranks_moves(plan: StepPlan, layout: OwnEncoderRanks, encode: Dict[str, Placement]) -> List[StepMove]:
+    """The step's moves with the encoders on ranks of their own (``encode``: :func:`encode_on_own_ranks`), in
+    :func:`~megatron_orch.orchestrator.step_plan.step_moves`' order and names, over ``layout``'s group: raw inputs
+    from backbone TP rank 0 of the DP rank that loaded their example to their encoder rank, outputs to every TP rank
+    of the DP rank that runs it (a :class:`CopiedStepMove` at TP > 1), gradients back from its TP rank 0 (every TP
+    rank holds the same embedding gradient); the text within the backbone's DP ranks, as the plan moves it."""
+    return _encoder_moves(plan, encode, layout.backbone_at, layout.tensor_parallel_size)
 
 
 def group_traffic(plan: StepPlan, group: EncoderGroupPlan, items: Dict[str, PhaseItems], node_of_rank,
@@ -237,7 +372,8 @@ def group_traffic(plan: StepPlan, group: EncoderGroupPlan, items: Dict[str, Phas
         nbytes = move.bytes_of(items)
         if move.kind == "text":
             if all_to_all != "flat" and dp_node_of_rank is None:
-                raise ValueError(f"group_traffic: a {all_to_all} text move needs its DP group's nodes (dp_node_of_rank)")
+                raise ValueError(f"group_traffic: a {all_to_all} text move needs its DP group's nodes "
+                                 "(dp_node_of_rank)")
             hops = move.transfer.hops(all_to_all, dp_node_of_rank)
             counted = [Transfer(_on_first_stage(hop.src, group), _on_first_stage(hop.dst, group)).moved_bytes(
                 nbytes, node_of_rank) for hop in hops]

@@ -51,7 +51,7 @@ CPU build of torch each of those raises. The redirects, and why each is needed:
    optimizer.distrib_optimizer, optimizer.clip_grads).** They accept parameters and gradients only
    if ``tensor.type()`` is ``'torch.cuda.{Float,Half,BFloat16}Tensor'``. The constructors of
    ``Float16OptimizerWithFloat16Params`` and ``DistributedOptimizer``, ``MegatronOptimizer.
-   clip_grad_norm`` and ``ChainedOptimizer.step`` run with ``Tensor.type()`` reporting CPU float
+   clip_grad_norm``, ``ChainedOptimizer.step`` and the project's ``SharedNormOptimizer.step`` run with ``Tensor.type()`` reporting CPU float
    tensors under the CUDA names (only while those run), so ``--bf16``, gradient clipping and the
    distributed optimizer work on CPU.
 6. **Sharded data parallelism (distributed.torch_fully_sharded_data_parallel,
@@ -428,4 +428,6 @@ def install() -> None:
     _wrap_once(distrib_optimizer.DistributedOptimizer, "__init__")
     _wrap_once(optimizer.MegatronOptimizer, "clip_grad_norm")
     _wrap_once(optimizer.ChainedOptimizer, "step")
+    from megatron_orch.megatron.own_encoder_ranks import SharedNormOptimizer
+    _wrap_once(SharedNormOptimizer, "step")
     _installed = True

@@ -131,8 +131,10 @@ def build_model(args: argparse.Namespace, model_provider: Callable) -> list:
     return model
 
 
-def build_optimizer(args: argparse.Namespace, model: list, timers: Optional[Timers] = None):
-    """Megatron optimizer (Adam or SGD, optionally distributed) and its LR / weight-decay schedule."""
+def build_optimizer(args: argparse.Namespace, model: list, timers: Optional[Timers] = None, *, pg_collection=None):
+    """Megatron optimizer (Adam or SGD, optionally distributed) and its LR / weight-decay schedule; ``pg_collection``:
+    the model's process groups where they are not the global parallel state's (a module on a grid of its own,
+    :func:`~megatron_orch.megatron.own_encoder_ranks.grid_process_groups`)."""
     config = OptimizerConfig(
         optimizer=args.optimizer, lr=args.lr, min_lr=args.min_lr, weight_decay=args.weight_decay,
         adam_beta1=args.adam_beta1, adam_beta2=args.adam_beta2, adam_eps=args.adam_eps,
@@ -143,7 +145,8 @@ def build_optimizer(args: argparse.Namespace, model: list, timers: Optional[Time
         # megatron-core 0.19's get_megatron_optimizer imports MIMO for an isinstance check, which warns that MIMO
         # is experimental; a MIMO model was imported, and warned, before it was built
         warnings.filterwarnings("ignore", message="MimoModelConfig is experimental", category=UserWarning)
-        optimizer = get_megatron_optimizer(config, model)
+        groups = {} if pg_collection is None else {"pg_collection": pg_collection, "use_gloo_process_groups": False}
+        optimizer = get_megatron_optimizer(config, model, **groups)
     samples = args.global_batch_size  # Megatron steps the schedule in samples
     scheduler = OptimizerParamScheduler(
         optimizer, init_lr=args.lr_warmup_init, max_lr=args.lr, min_lr=args.min_lr,

@@ -13,12 +13,15 @@ and TP 2 + SP x DP 2; on 0.16.1 packed rows are refused, saying why. PP 2 x DP 2
 reason (MimoModel does not run a language model split over pipeline stages under Megatron's schedules), as is
 what else the adapter cannot keep invariant. On 0.19, a MimoModel with colocated per-module grids
 (``module_to_grid_map``: the modalities at TP 1 x DP 4 under a language model at TP 2 x DP 2) is post-balanced as
-the encoders on every rank at TP 1 and agrees with upstream MIMO at TP 2; the grids it does not run (non-colocated
-among them) are refused by name.
+the encoders on every rank at TP 1 and agrees with upstream MIMO at TP 2; the grids it does not run are refused by
+name. Non-colocated grids (the modalities on ranks of their own) are read as encoder ranks of their own, and the
+moves over them (2 encoder ranks + the language model at TP 2 x DP 2, 6 ranks) agree with a gather; their training
+step is not run, and the adapter refuses them saying so.
 """
 import dataclasses
 import warnings
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -62,7 +65,7 @@ def _train(rank, world_size, tp, sp, balanced, out_dir, microbatching="equal_cou
 
     from megatron_orch.balance.topology import Topology
     from megatron_orch.megatron import (ModalityAwareSchedule, OrchestratorConfig, ParallelGroups,
-                                        PostBalancingDataIterator, StepShape, collate, forward_step, post_balance,
+                                        PostBalancingDataIterator, StepShape, forward_step, post_balance,
                                         share_encoders)
     from megatron_orch.megatron.encoder_layout import encoder_groups
     from megatron_orch.trainer import arguments, cpu_harness, loop as trainer
@@ -87,12 +90,8 @@ def _train(rank, world_size, tp, sp, balanced, out_dir, microbatching="equal_cou
         optimizer, scheduler = trainer.build_optimizer(args, model, timers)
         trainer.attach_to_model_config(model, optimizer, timers)
         spec = built[0].batch_spec(SEQ_LENGTH, PAD_TOKEN_ID)
-        dp_group, dp_rank = parallel_state.get_data_parallel_group(), parallel_state.get_data_parallel_rank()
-        per_rank = MBS * NUM_MB
-        source = (collate([scripted_example(step, dp_rank, m * MBS + j, spec,
-                                            step * args.global_batch_size + dp_rank * per_rank + m * MBS + j)
-                           for j in range(MBS)], spec)
-                  for step in range(ITERS) for m in range(NUM_MB))
+        dp_group = parallel_state.get_data_parallel_group()
+        source = _loader(args, spec, parallel_state.get_data_parallel_rank())
         schedule, iterator = None, source
         if encoder_tp is not None:  # the modalities' own grid: the encoders on every rank at its TP, which the
             # default encoder_ranks AUTO decides from the model (every rank's holding the encoders, at encoder_tp)
@@ -106,17 +105,18 @@ def _train(rank, world_size, tp, sp, balanced, out_dir, microbatching="equal_cou
                                                  StepShape(MBS, NUM_MB), groups,
                                                  compute_device=torch.device("cpu"))
             schedule = ModalityAwareSchedule(get_forward_backward_func(), dp_group)
-        losses, reports, packed, encoded = [], [], [], []
+        losses, reports, packed, encoded, norms = [], [], [], [], []
         for _ in range(ITERS):
-            losses.append(trainer.train_step(forward_step, iterator, model, optimizer, scheduler, args, timers,
-                                             schedule)["lm_loss"])
+            result = trainer.train_step(forward_step, iterator, model, optimizer, scheduler, args, timers, schedule)
+            losses.append(result["lm_loss"])
+            norms.append(float(result["grad_norm"]))
             if schedule is not None:
                 reports.append(schedule.last_step.plan.report())
                 packed.append([m.batch.is_packed for m in schedule.last_step.microbatches])
                 placements = {p: schedule.last_step.encoded(p) for p in ("images", "audio")}
                 encoded.append({p: torch.bincount(torch.as_tensor(e.rank), minlength=e.num_ranks).tolist()
                                 for p, e in placements.items()})  # items per encoder-group rank
-        torch.save({"losses": losses, "reports": reports, "packed": packed, "encoded": encoded,
+        torch.save({"losses": losses, "reports": reports, "packed": packed, "encoded": encoded, "norms": norms,
                     "params": {name: p.detach().clone() for name, p in built[0].named_parameters()}},
                    Path(out_dir) / f"rank{rank}.pt")
     finally:
@@ -233,6 +233,279 @@ def test_mimo_with_its_own_encoder_grid_is_balanced_over_it(tmp_path, request):
     assert balanced[0]["reports"][SCENARIOS.index("heavy_on_one_rank")]["images after"] < 1.3
 
 
+def _loader(args, spec, dp_rank: int):
+    """DP rank ``dp_rank``'s micro-batches of every step, as ``_train`` loads them."""
+    from megatron_orch.megatron import collate
+
+    per_rank = MBS * NUM_MB
+    return (collate([scripted_example(step, dp_rank, m * MBS + j, spec,
+                                      step * args.global_batch_size + dp_rank * per_rank + m * MBS + j)
+                     for j in range(MBS)], spec)
+            for step in range(ITERS) for m in range(NUM_MB))
+
+
+ENCODER_RANKS = 2  # of the non-colocated layout: then the language model at TP 2 x DP 2
+
+
+def _train_on_own_encoder_ranks(rank, world_size, out_dir):
+    """A non-colocated MimoModel trained post-balanced on ``world_size`` ranks: the modalities on ranks 0..1 (their
+    grid at TP 1 x DP 2: OwnEncoderRanksLoop), the language model on ranks 2..5 at TP 2 x DP 2 (the post-balancing
+    iterator and schedule); each module's DDP, optimizer and gradient reduction on its own grid's process groups,
+    stepping with the whole model's gradient norm (SharedNormOptimizer). The language ranks start from the language
+    model the colocated reference builds (its encoders are built first, from the same seed)."""
+    warnings.filterwarnings("ignore")
+    import torch.distributed as dist
+    from megatron.core import parallel_state
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    from megatron_orch.balance.cost import TransformerCost
+    from megatron_orch.balance.topology import Topology
+    from megatron_orch.comm.communicator import dedicated_group
+    from megatron_orch.megatron import (ModalityAwareSchedule, OrchestratorConfig, ParallelGroups,
+                                        PostBalancingDataIterator, StepShape, forward_step)
+    from megatron_orch.megatron.mimo import MimoBalancing
+    from megatron_orch.megatron.own_encoder_ranks import (OwnEncoderRanksLoop, SharedNormOptimizer,
+                                                          grid_process_groups)
+    from megatron_orch.trainer import arguments, cpu_harness, loop as trainer
+    from mimo_model import build_mimo, modalities, non_colocated_grids, shapes
+
+    tp, dp = 2, (world_size - ENCODER_RANKS) // 2
+    args = arguments.parse_args(MLLM_TASK, FLAGS + ["--tensor-model-parallel-size", str(tp),
+                                                    "--global-batch-size", str(MBS * NUM_MB * dp)],
+                                world_size=tp * dp)  # the language model's grid: the reference's job
+    cpu_harness.install()
+    parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp)  # TP groups (0, 1), (2, 3), (4, 5)
+    try:
+        trainer.set_random_seed(args.seed)
+        grids = non_colocated_grids(ENCODER_RANKS, tp, dp)
+        groups_of = grid_process_groups(grids)
+        on_encoder_rank = rank < ENCODER_RANKS
+        reference = None if on_encoder_rank else build_mimo(tp)  # the colocated reference's initial model
+        mimo = build_mimo(tp, own_grids=grids)
+        cpu_harness.install()  # megatron.core.models.mimo was imported just now
+        if reference is not None:
+            mimo.language_model.load_state_dict(reference.language_model.state_dict())
+        model = MimoBalancing(mimo, modalities(), TransformerCost(shapes()[1]))
+        layout = model.own_encoder_ranks
+        pgs = groups_of["images" if on_encoder_rank else "language"]
+        ddp = DistributedDataParallel(model.config, DistributedDataParallelConfig(), model, pg_collection=pgs)
+        optimizer, scheduler = trainer.build_optimizer(args, [ddp], pg_collection=pgs)
+        group = dist.new_group(list(range(world_size)))  # the layout's ranks: the moves, the sizes, the norm
+        comm_group = dedicated_group(pgs.dp)  # every rank, each its own DP group's (the language ranks use theirs)
+        optimizer = SharedNormOptimizer(optimizer, group, encoder_rank=on_encoder_rank)
+        spec = model.batch_spec(SEQ_LENGTH, PAD_TOKEN_ID)
+        config = OrchestratorConfig(microbatching="equal_count", verify_first_step=False)
+        losses, norms, encoded = [], [], []
+        if on_encoder_rank:
+            loop = OwnEncoderRanksLoop(ddp, optimizer, spec, config, StepShape(MBS, NUM_MB), layout, group,
+                                       compute_device=torch.device("cpu"))
+            for _ in range(ITERS):
+                result = loop.train_step()
+                norms.append(result["grad_norm"])
+                encoded.append(dict(loop.items_encoded))
+                if not result["skipped"]:
+                    scheduler.step(increment=args.global_batch_size)
+            ended = loop.train_step() is None  # the language ranks' data ended: told, nothing else runs
+        else:
+            trainer.attach_to_model_config([ddp], optimizer, trainer.Timers(log_level=1, log_option="minmax"))
+            parallel = ParallelGroups(pgs.dp, Topology.uniform(dp, 1), encoder_stage=True, peer_group=pgs.mp,
+                                      comm_group=comm_group, encoder_group=group, own_encoder_ranks=layout)
+            iterator = PostBalancingDataIterator(_loader(args, spec, pgs.dp.rank()), spec, config,
+                                                 StepShape(MBS, NUM_MB), parallel, compute_device=torch.device("cpu"))
+            schedule = ModalityAwareSchedule(get_forward_backward_func(), pgs.dp)
+            for _ in range(ITERS):
+                ddp.zero_grad_buffer()
+                optimizer.zero_grad()
+                reports = schedule(forward_step_func=forward_step, data_iterator=iterator, model=[ddp],
+                                   num_microbatches=NUM_MB, seq_length=SEQ_LENGTH, micro_batch_size=MBS,
+                                   forward_only=False, pg_collection=pgs)
+                updated, grad_norm, _ = optimizer.step()
+                norms.append(grad_norm)
+                if updated:
+                    scheduler.step(increment=args.global_batch_size)
+                report = torch.stack([x["lm loss"] for x in reports]).sum(dim=0).double()
+                dist.all_reduce(report, group=pgs.dp)  # the loss of the step: sum of token losses / loss tokens
+                losses.append(float(report[0] / report[1]))
+            ended = next(iterator, None) is None  # tells the encoder ranks
+        torch.save({"losses": losses, "norms": norms, "encoded": encoded, "ended": ended,
+                    "params": {name: p.detach().clone() for name, p in model.named_parameters()}},
+                   Path(out_dir) / f"rank{rank}.pt")
+    finally:
+        parallel_state.destroy_model_parallel()
+
+
+@pytest.mark.distributed
+def test_mimo_with_encoder_ranks_of_their_own_trains_as_colocated(tmp_path, request):
+    """0.19's non-colocated ``module_to_grid_map``: the modalities on 2 encoder ranks of their own (TP 1 x DP 2), the
+    language model on 4 others at TP 2 x DP 2, trained post-balanced (each phase balanced over the encoder ranks, any
+    number of items per example; the encoder ranks encode, the language ranks receive the outputs and send the
+    gradients back) against the same modules colocated, upstream MIMO at TP 2 x DP 2 with balancing off: the same
+    math, as upstream's own non-colocated bridge needs NCCL and CUDA and does not run on gloo. The losses of every
+    step within 1e-5, the whole model's gradient norm (encoder parameters counted once) on every rank within 1e-5,
+    every parameter at the trained-parameter tolerance (each encoder weight whole on both encoder ranks against the
+    reference's TP halves), and on the heavy step both encoder ranks encoded images, within one of each other. After
+    the last step the language ranks' iterator ends and the encoder ranks' loop is told so."""
+    if not _mimo_has_grids():
+        pytest.skip("this megatron-core's MimoModelConfig (0.16) takes no module_to_grid_map: no per-module grids")
+    upstream = request.getfixturevalue("upstream_tp2_dp2")
+    out = tmp_path / "own"
+    out.mkdir()
+    run_distributed(_train_on_own_encoder_ranks, ENCODER_RANKS + 4, str(out), timeout_s=TIMEOUT_S)
+    own = [torch.load(out / f"rank{r}.pt") for r in range(ENCODER_RANKS + 4)]
+    assert upstream[0]["losses"][-1] < upstream[0]["losses"][0]  # it learns: not two idle models
+    for rank, got in enumerate(own):
+        assert got["norms"] == pytest.approx(upstream[0]["norms"], rel=1e-5), rank
+        assert got["ended"], rank
+    for r, want in enumerate(upstream):  # language rank 2 + r holds reference rank r's TP shard
+        got = own[ENCODER_RANKS + r]
+        assert got["losses"] == pytest.approx(want["losses"], rel=1e-5), r
+        language = {name: value for name, value in want["params"].items() if ".language_model." in name}
+        assert got["params"].keys() == language.keys()
+        for name, expected in language.items():
+            torch.testing.assert_close(got["params"][name], expected, rtol=1e-5, atol=TRAINED_PARAMS_ATOL,
+                                       msg=lambda m: f"language rank {ENCODER_RANKS + r} parameter {name}: {m}")
+    for rank in range(ENCODER_RANKS):
+        got = own[rank]["params"]
+        encoders = {name for name in upstream[0]["params"] if ".modality_submodules." in name}
+        assert got.keys() == encoders
+        for tp_rank in (0, 1):
+            for name in encoders:
+                expected, value = upstream[tp_rank]["params"][name], got[name]
+                dims = [d for d in range(value.dim()) if value.shape[d] != expected.shape[d]]
+                if dims:  # whole at TP 1, halved at TP 2
+                    value = value.chunk(2, dim=dims[0])[tp_rank]
+                torch.testing.assert_close(value, expected, rtol=1e-5, atol=TRAINED_PARAMS_ATOL,
+                                           msg=lambda m: f"encoder rank {rank} parameter {name}: {m}")
+    worst = max(abs(g - w) / abs(w) for g, w in zip(own[ENCODER_RANKS]["losses"], upstream[0]["losses"]))
+    print(f"largest relative loss difference {worst:.1e} over {ITERS} steps; gradient norms {own[0]['norms']}")
+    heavy = [own[rank]["encoded"][SCENARIOS.index("heavy_on_one_rank")]["images"] for rank in range(ENCODER_RANKS)]
+    print(f"heavy step, images per encoder rank: {heavy}")
+    assert min(heavy) > 0 and max(heavy) - min(heavy) <= 1, heavy
+
+
+def _grid(tp, dp, offset=0, names=("tp", "cp", "dp", "pp")):
+    """A module's HyperCommGrid of TP x DP from rank ``offset`` (every other dim 1), in dims order ``names``."""
+    from megatron.core.hyper_comm_grid import HyperCommGrid
+
+    sizes = {"tp": tp, "dp": dp}
+    return HyperCommGrid([sizes.get(n, 1) for n in names], list(names), rank_offset=offset)
+
+
+def _with_grids(language, images, audio=None, tp=2):
+    """What the grid readers read of a MimoModel: its module_to_grid_map and its language model's TP."""
+    grids = {"language": language, "images": images, "audio": audio or images}
+    return SimpleNamespace(mimo_config=SimpleNamespace(module_to_grid_map=grids),
+                           config=SimpleNamespace(tensor_model_parallel_size=tp))
+
+
+def test_non_colocated_grids_are_encoder_ranks_of_their_own(monkeypatch):
+    """0.19's non-colocated ``module_to_grid_map`` (the modalities on ranks of their own at TP 1, the language model
+    on the others) as the layout post-balancing plans and moves over (``OwnEncoderRanks``: global ranks); colocated
+    grids or none give none; modalities on different ranks, a grid sharing some of the language model's ranks, and
+    encoder TP above 1 are refused by name. (0.16.1 has no grids: MimoModelConfig refuses the field itself.)"""
+    from megatron_orch.megatron.mimo import own_encoder_ranks
+    from megatron_orch.orchestrator.encoder_ranks import OwnEncoderRanks
+
+    if not _mimo_has_grids():
+        from megatron.core.models.mimo import MimoModelConfig
+        with pytest.raises(TypeError, match="module_to_grid_map"):
+            MimoModelConfig(language_model_spec=None, module_to_grid_map={})
+        assert own_encoder_ranks(SimpleNamespace(mimo_config=SimpleNamespace())) is None
+        return
+    monkeypatch.setenv("WORLD_SIZE", "7")  # HyperCommGrid reads the world's size from it
+    assert own_encoder_ranks(_with_grids(_grid(2, 2, offset=2), _grid(1, 2))) == OwnEncoderRanks(
+        (0, 1), ((2, 3), (4, 5)), 6)
+    assert own_encoder_ranks(_with_grids(_grid(1, 4), _grid(1, 3, offset=4), tp=1)) == OwnEncoderRanks(
+        (4, 5, 6), ((0,), (1,), (2,), (3,)), 7)
+    assert own_encoder_ranks(_with_grids(_grid(2, 2), _grid(1, 4))) is None  # colocated
+    assert own_encoder_ranks(SimpleNamespace(mimo_config=SimpleNamespace())) is None
+    with pytest.raises(NotImplementedError, match=r"grids span different ranks \(language ranks 2..5, images ranks "
+                                                  r"0..1, audio ranks 6..6\)"):
+        own_encoder_ranks(_with_grids(_grid(2, 2, offset=2), _grid(1, 2), _grid(1, 1, offset=6)))
+    with pytest.raises(NotImplementedError, match=r"shares some ranks with the language model's \(language ranks "
+                                                  r"2..5, images ranks 1..2"):
+        own_encoder_ranks(_with_grids(_grid(2, 2, offset=2), _grid(1, 2, offset=1)))
+    with pytest.raises(NotImplementedError, match=r"encoder ranks of their own at TP \{'images': 2, 'audio': 2\}"):
+        own_encoder_ranks(_with_grids(_grid(2, 2, offset=2), _grid(2, 1)))
+    with pytest.raises(ValueError, match=r"module_to_grid_map\['language'\] has TP 2, its language model config 1"):
+        own_encoder_ranks(_with_grids(_grid(2, 2, offset=2), _grid(1, 2), tp=1))
+
+
+def _check_own_encoder_ranks_moves(rank, world_size):
+    """On 6 gloo ranks, the layout of a non-colocated MimoModel (encoder ranks 0, 1 at TP 1; the language model at
+    TP 2 x DP 2 on ranks 2..5): every rank builds the global batch from a seed (the gather) and each move's result is
+    checked against selecting from it. Raw inputs from TP rank 0 of the DP rank that loaded each example reach their
+    encoder rank (each phase balanced: ceil(n / 2) on the busiest); an elementwise stand-in encoder's outputs reach
+    both TP ranks of the DP rank that runs each example, in the order the colocated plan delivers them; gradients
+    from its TP rank 0 come back to the encoder rank of each item. Examples have 0-9 images and 0-2 audio windows."""
+    import numpy as np
+
+    from megatron_orch.balance.topology import Topology
+    from megatron_orch.balance.workload import StepSizes
+    from megatron_orch.comm.alltoall import ItemLayout, all_to_all_items
+    from megatron_orch.mllm.config import load_model_config
+    from megatron_orch.orchestrator.config import OrchestratorConfig
+    from megatron_orch.orchestrator.encoder_ranks import (CopiedStepMove, OwnEncoderRanks, encode_on_own_ranks,
+                                                          own_ranks_moves)
+    from megatron_orch.orchestrator.step_plan import plan_step
+
+    layout = OwnEncoderRanks((0, 1), ((2, 3), (4, 5)), world_size)
+    dp, n = 2, 8
+    rng = np.random.default_rng(21)
+    images = np.where(np.arange(n) < n // dp, rng.integers(3, 10, n), rng.integers(0, 2, n))  # heavy on DP rank 0
+    sizes = StepSizes(counts=np.full(dp, n // dp), items={"vision": images, "audio": rng.integers(0, 3, n)},
+                      num_tokens=rng.integers(20, 120, n))
+    plan = plan_step(sizes, load_model_config("tiny").phases(),
+                     OrchestratorConfig(background=False, microbatching="equal_count"), Topology.uniform(dp, dp), 2, 2)
+    encode = encode_on_own_ranks(plan, layout)
+    rows, width = 3, 4  # rows per raw item (and per output), its width; outputs twice as wide
+
+    def encoded(x):  # exact on any grouping of items
+        return torch.cat([x, 2 * x + 1], dim=-1)
+
+    def packed(tensors, ids, trailing):
+        return torch.cat([tensors[i] for i in ids]) if len(ids) else torch.zeros(0, trailing)
+
+    moves = {(move.items_of, move.kind): move for move in own_ranks_moves(plan, layout, encode)}
+    for k, phase in enumerate(plan.encoders):
+        items = torch.randn(plan.encoders[phase].example.size, rows, width, generator=torch.Generator().manual_seed(k))
+        raw = list(items)
+        counts = encode[phase].counts()
+        assert counts[[0, 1]].max() == -(-items.shape[0] // 2) and counts.sum() == items.shape[0], counts
+        inputs = moves[(phase, "inputs")].transfer
+        layout_in = ItemLayout(np.full(items.shape[0], rows), (width,), torch.float32)
+        (got,) = all_to_all_items([packed(raw, inputs.src.items_on(rank), width)], [layout_in], inputs)
+        assert torch.equal(got, packed(raw, inputs.dst.items_on(rank), width)), (rank, phase, "inputs")
+
+        outputs = moves[(phase, "embeddings")]
+        copies = outputs.copies if isinstance(outputs, CopiedStepMove) else 1
+        assert copies == 2
+        send = encoded(got).repeat(copies, 1)  # as the schedule sends a copied move's rows (Move.send_rows)
+        layout_out = ItemLayout(np.full(outputs.transfer.src.num_items, rows), (2 * width,), torch.float32)
+        (embeds,) = all_to_all_items([send], [layout_out], outputs.transfer)
+        if rank >= 2:
+            dp_rank = (rank - 2) // 2
+            colocated = plan.output_transfer(phase).dst.items_on(dp_rank)  # what DP rank d gets, encoders colocated
+            assert torch.equal(embeds, packed([encoded(x) for x in raw], colocated, 2 * width)), (rank, phase)
+        else:
+            assert embeds.shape[0] == 0
+
+        gradients = outputs.gradients()
+        grads = (3 * embeds - 1)[:gradients.src.counts()[rank] * rows]  # TP rank 0 sends them, TP rank 1 nothing
+        layout_back = ItemLayout(np.full(gradients.src.num_items, rows), (2 * width,), torch.float32)
+        (back,) = all_to_all_items([grads], [layout_back], gradients)
+        expected = packed([3 * encoded(x) - 1 for x in raw], encode[phase].items_on(rank), 2 * width)
+        assert torch.equal(back, expected), (rank, phase, "gradients")
+
+
+@pytest.mark.distributed
+def test_encoder_ranks_of_their_own_move_every_item_as_a_gather_selects_it():
+    """The moves of a non-colocated MimoModel's layout (2 encoder ranks + the language model at TP 2 x DP 2) on 6
+    gloo ranks against a gather (:func:`_check_own_encoder_ranks_moves`)."""
+    run_distributed(_check_own_encoder_ranks_moves, 6)
+
+
 def _mimo_has_grids() -> bool:
     """0.19's MimoModelConfig takes per-module grids (module_to_grid_map); 0.16.1's not."""
     from megatron.core.models.mimo import MimoModelConfig
@@ -296,11 +569,10 @@ def test_what_would_break_invariance_is_refused(harness, world_of_one):
 
 def test_which_module_grids_are_balanced(harness, world_of_one, monkeypatch):
     """A colocated ``module_to_grid_map`` gives the encoders their grid's TP (None where it is the language
-    model's); non-colocated grids, other dims or rank orders, and encoder TPs that are not one size dividing the
-    language model's are refused by name. Such a model refuses MIMO's own forward (upstream, shadow mode), and
-    ``post_balance`` a config that does not put its encoders on every rank at that TP, before any collective."""
-    from types import SimpleNamespace
-
+    model's, and for non-colocated grids: encoder ranks of their own, ``own_encoder_ranks``); other dims or rank
+    orders, and encoder TPs that are not one size dividing the language model's are refused by name. Such a model refuses MIMO's own forward (upstream, shadow mode), and
+    ``post_balance`` a config that does not put its encoders on every rank at that TP, before any collective; a model
+    on encoder ranks of their own ``post_balance`` refuses (its groups are not the global parallel state's)."""
     from megatron.core.hyper_comm_grid import HyperCommGrid
 
     from megatron_orch.megatron import StepShape, collate, post_balance
@@ -309,21 +581,15 @@ def test_which_module_grids_are_balanced(harness, world_of_one, monkeypatch):
     from mimo_model import balanced_mimo
 
     monkeypatch.setenv("WORLD_SIZE", "6")  # HyperCommGrid reads the world's size from it
-
-    def tp_dp(tp, dp, offset=0, names=("tp", "cp", "dp", "pp")):
-        sizes = {"tp": tp, "dp": dp}
-        return HyperCommGrid([sizes.get(n, 1) for n in names], list(names), rank_offset=offset)
+    tp_dp = _grid
 
     def etp(language, images, audio=None, tp=2):
-        grids = {"language": language, "images": images, "audio": audio or images}
-        return encoder_grid_tensor_parallel_size(SimpleNamespace(mimo_config=SimpleNamespace(module_to_grid_map=grids),
-                                                                 config=SimpleNamespace(tensor_model_parallel_size=tp)))
+        return encoder_grid_tensor_parallel_size(_with_grids(language, images, audio, tp))
 
     assert encoder_grid_tensor_parallel_size(SimpleNamespace(mimo_config=SimpleNamespace())) is None  # 0.16.1
     assert etp(tp_dp(2, 2), tp_dp(1, 4)) == 1
     assert etp(tp_dp(2, 2), tp_dp(2, 2)) is None  # the language model's layout: nothing of its own
-    with pytest.raises(NotImplementedError, match=r"non-colocated: language ranks 2..5, images ranks 0..1"):
-        etp(tp_dp(2, 2, offset=2), tp_dp(1, 2))
+    assert etp(tp_dp(2, 2, offset=2), tp_dp(1, 2)) is None  # non-colocated: encoder ranks of their own
     with pytest.raises(NotImplementedError, match=r"module_to_grid_map\['images'\] has dims \['dp', 'tp'\]"):
         etp(tp_dp(2, 2), tp_dp(2, 2, names=("dp", "tp")))
     with pytest.raises(NotImplementedError, match=r"\['images'\] has dims .*pp.* of sizes \[1, 1, 2, 2\]"):
@@ -350,6 +616,14 @@ def test_which_module_grids_are_balanced(harness, world_of_one, monkeypatch):
         with pytest.raises(ValueError, match="encoders are built at tensor-parallel size 1 .* encoder_ranks ALL and "
                                              "encoder_tensor_parallel_size 1"):
             post_balance(None, iter(()), spec, StepShape(1, 1), model=model, config=config)
+    from megatron_orch.orchestrator.encoder_ranks import OwnEncoderRanks
+    model.encoder_tensor_parallel_size = None
+    model.own_encoder_ranks = OwnEncoderRanks((0, 1), ((2, 3), (4, 5)), 6)  # as non-colocated grids give it
+    with pytest.raises(NotImplementedError, match="encoders run on ranks of their own .* not upstream or in shadow"):
+        model(batch)
+    with pytest.raises(ValueError, match="post_balance builds its groups from megatron-core's global parallel state.*"
+                                         "OwnEncoderRanksLoop"):
+        post_balance(None, iter(()), spec, StepShape(1, 1), model=model, config=OrchestratorConfig())
 
 
 def test_packed_rows_where_the_installed_mimo_takes_them(harness, world_of_one):

@@ -511,3 +511,21 @@ def test_megatron_core_counts_are_megatron_lms_per_step_counts():
         calculators.destroy_num_microbatches_calculator()
     with pytest.raises(ValueError, match="calculator is not initialised"):
         megatron_core_counts(0, 1, 2)
+
+
+def test_parallel_groups_of_encoder_ranks_of_their_own_take_the_layouts_group():
+    """With encoder ranks of their own, the backbone rank's groups carry the layout, the group of its ranks as
+    ``encoder_group`` and a communicator (no pipeline group, the encoders' stage); anything else is refused, saying
+    so."""
+    from megatron_orch.balance.topology import Topology
+    from megatron_orch.megatron import ParallelGroups
+    from megatron_orch.orchestrator.encoder_ranks import OwnEncoderRanks
+
+    layout = OwnEncoderRanks((0, 1), ((2, 3), (4, 5)), 6)
+    group = object()  # stands for a process group: nothing runs on it here
+    ParallelGroups(group, Topology.uniform(2, 1), comm_group=group, encoder_group=group, own_encoder_ranks=layout)
+    for wrong in ({"comm_group": group}, {"encoder_group": group},
+                  {"comm_group": group, "encoder_group": group, "pipeline_group": group},
+                  {"comm_group": group, "encoder_group": group, "encoder_stage": False}):
+        with pytest.raises(ValueError, match="own_encoder_ranks takes the encoder_group of the layout's ranks"):
+            ParallelGroups(group, Topology.uniform(2, 1), own_encoder_ranks=layout, **wrong)

@@ -1,7 +1,9 @@
 """The encoders on every pipeline stage, torch-free: which encoder-group rank encodes each item (balanced over
 DP x PP, and over DP x PP x TP / encoder TP at an encoder TP of their own, every item once), the step's moves over
 the encoder group (the outputs copied to every encoder replica of the backbone's TP group, the gradients back from
-the first), the layouts refused, the config and its flags."""
+the first), the layouts refused, the config and its flags; the encoders on ranks of their own (MIMO's non-colocated
+grids): each phase balanced over them, every item once, the outputs to every TP rank of their example's backbone DP
+rank in the order the DP plan delivers them, the gradients back from its TP rank 0."""
 import argparse
 import math
 
@@ -16,8 +18,11 @@ from megatron_orch.balance.workload import phase_items
 from megatron_orch.megatron.orch_arguments import add_orch_args, orch_config_from_args
 from megatron_orch.mllm.config import load_model_config
 from megatron_orch.orchestrator.config import ConfigError, EncoderRanks, OrchestratorConfig
-from megatron_orch.orchestrator.encoder_ranks import (CopiedStepMove, decide_encoder_ranks, group_moves, group_traffic,
-                                                      spread_over_stages, stage_of_items, unsupported_layout)
+from megatron_orch.orchestrator.encoder_ranks import (CopiedStepMove, OwnEncoderRanks, PlannedStep,
+                                                      decide_encoder_ranks, encode_on_own_ranks, group_moves,
+                                                      group_traffic, own_ranks_moves, own_ranks_refusal,
+                                                      read_step_message, spread_over_stages, stage_of_items,
+                                                      step_message, unsupported_layout)
 from megatron_orch.orchestrator.step_plan import plan_step, step_moves
 from test_step_plan import sizes_of
 
@@ -146,6 +151,94 @@ def test_copied_moves_deliver_every_replica_the_same_rows_as_one_replica_gets_wi
         assert isinstance(two.gradients(), Transfer) and two.gradients().src.num_items == n
 
 
+OWN_LAYOUTS = {"tp2_dp2_after_2_encoders": OwnEncoderRanks((0, 1), ((2, 3), (4, 5)), 6),
+               "dp4_before_3_encoders": OwnEncoderRanks((4, 5, 6), ((0,), (1,), (2,), (3,)), 7)}
+
+
+@pytest.mark.parametrize("name", OWN_LAYOUTS)
+@pytest.mark.parametrize("seed", [0, 7])
+def test_own_encoder_ranks_encode_each_phase_balanced_and_route_every_item_once(name, seed):
+    layout = OWN_LAYOUTS[name]
+    dp, tp = len(layout.backbone_ranks), layout.tensor_parallel_size
+    plan = _plan(num_ranks=dp, seed=seed, n=4 * dp)
+    encode = encode_on_own_ranks(plan, layout)
+    encoders = list(layout.encoder_ranks)
+    for k, (phase, encoder) in enumerate(plan.encoders.items()):
+        placed = encode[phase]
+        n = encoder.example.size
+        counts = placed.counts()
+        assert counts.sum() == n and not counts[np.setdiff1d(np.arange(layout.num_ranks), encoders)].any()
+        assert counts.max(initial=0) == math.ceil(n / len(encoders))  # the bound over the encoder ranks
+        longer = [(e - k) % len(encoders) < n % len(encoders) for e in range(len(encoders))]
+        assert [bool(counts[r] > n // len(encoders)) for r in encoders] == longer  # the extra items rotate
+        dp_order = np.lexsort((encoder.encode.slot, encoder.encode.rank))  # the DP plan's order, in runs
+        assert np.array_equal(np.concatenate([placed.items_on(r) for r in encoders]), dp_order)
+    moves = own_ranks_moves(plan, layout, encode)
+    assert [move.name for move in moves] == [move.name for move in step_moves(plan)]
+    backbone = np.asarray(layout.backbone_ranks)
+    for move, listed in zip(moves, step_moves(plan)):
+        if move.kind == "text":  # within the backbone's DP ranks, as the plan moves it
+            assert move.transfer.src.same_as(listed.transfer.src) and move.transfer.dst.same_as(listed.transfer.dst)
+            continue
+        encoder = plan.encoders[move.items_of]
+        n = encoder.example.size
+        if move.kind == "inputs":  # from TP rank 0 of the DP rank that loaded the example
+            assert np.array_equal(move.transfer.src.rank, backbone[encoder.home.rank, 0])
+            assert move.transfer.dst.same_as(encode[move.items_of])
+            continue
+        assert move.with_gradients and move.transfer.src.num_items == n * tp
+        assert isinstance(move, CopiedStepMove) == (tp > 1)
+        for t in range(tp):  # TP rank t of backbone DP rank d receives, in slot order, what DP rank d does colocated
+            for d in range(dp):
+                got = move.transfer.dst.items_on(backbone[d, t]) - t * n
+                assert np.array_equal(got, listed.transfer.dst.items_on(d)), (move.name, d, t)
+        gradients = move.gradients()  # from TP rank 0 of the backbone DP rank alone, back to the encoder rank
+        assert gradients.dst.same_as(encode[move.items_of])
+        assert np.array_equal(gradients.src.rank, backbone[plan.examples_backbone.rank[encoder.example], 0])
+
+
+@pytest.mark.parametrize("packed", [False, True])
+def test_the_step_message_gives_the_encoder_ranks_the_backbone_ranks_plan(packed):
+    """What the first backbone rank sends the encoder-only ranks each step reads back as the same sizes, micro-batches,
+    nodes, packing and digest, and planning from it gives the backbone ranks' plan (its digest); the data's end is an
+    empty message; a message of other phases or a cut one is refused, naming both lengths."""
+    dp, n = 4, 16
+    sizes = _sizes(dp, 3, n)
+    topology = Topology.uniform(dp, 2)
+    config = OrchestratorConfig(background=False, microbatching="packed" if packed else "equal_count")
+    plan = plan_step(sizes, TINY, config, topology, 2, n // dp // 2)
+    step = PlannedStep(sizes, n // dp // 2, topology, config.packed, plan.digest)
+    message = step_message(step, TINY.encoder_names)
+    got = read_step_message(message.copy(), TINY.encoder_names)
+    assert (got.num_microbatches, got.packed, got.digest) == (step.num_microbatches, packed, plan.digest)
+    assert np.array_equal(got.topology.node_of_rank, topology.node_of_rank)
+    assert np.array_equal(got.sizes.counts, sizes.counts) and np.array_equal(got.sizes.num_tokens, sizes.num_tokens)
+    assert got.sizes.items.keys() == sizes.items.keys()
+    assert all(np.array_equal(got.sizes.items[p], sizes.items[p]) for p in sizes.items)
+    microbatching = "packed" if got.packed else "equal_count"
+    replanned = plan_step(got.sizes, TINY, OrchestratorConfig(background=False, microbatching=microbatching),
+                          got.topology, 2, got.num_microbatches)
+    assert replanned.digest == plan.digest
+    assert step_message(None, TINY.encoder_names).size == 0
+    assert read_step_message(np.zeros(0), TINY.encoder_names) is None
+    with pytest.raises(ValueError, match=rf"step message of {message.size} numbers, expected {message.size - n} .*"
+                                         rf"phases \['vision'\]"):
+        read_step_message(message, TINY.encoder_names[:1])
+    with pytest.raises(ValueError, match=rf"step message of {message.size - 1} numbers, expected {message.size}"):
+        read_step_message(message[:-1], TINY.encoder_names)
+
+
+def test_own_encoder_ranks_are_distinct_ranks_of_the_group():
+    with pytest.raises(ValueError, match=r"must be distinct ranks of 0..5"):
+        OwnEncoderRanks((0, 2), ((2, 3), (4, 5)), 6)
+    with pytest.raises(ValueError, match=r"must be distinct ranks of 0..4"):
+        OwnEncoderRanks((0, 1), ((2, 3), (4, 5)), 5)
+    with pytest.raises(ValueError, match=r"backbone ranks \[DP\]\[TP\] of one TP size"):
+        OwnEncoderRanks((0, 1), ((2, 3), (4,)), 6)
+    with pytest.raises(ValueError, match=r"needs encoder ranks"):
+        OwnEncoderRanks((), ((2, 3),), 6)
+
+
 def test_group_traffic_counts_the_moves_that_run():
     """Over the DP ranks alone (one stage, one replica) it is the plan's own count; over DP x PP x R replicas each
     move's bytes are those of its items that change rank (an embeddings move's every copy forward, one back)."""
@@ -196,6 +289,18 @@ def test_group_traffic_node_wise_bounds_the_peers_and_keeps_the_bytes_across_nod
     assert (wise["text"].intra_node, wise["text"].inter_node) == pytest.approx((own.intra_node, own.inter_node))
     with pytest.raises(ValueError, match="needs its DP group's nodes"):
         group_traffic(plan, group, items, nodes, "node-wise")
+
+
+def test_encoder_ranks_of_their_own_refuse_what_they_do_not_run():
+    """Shadow mode, the checked first step and a node-wise all-to-all are refused by name (the backbone ranks'
+    iterator and the encoder ranks' loop both ask this, before any collective)."""
+    runs = OrchestratorConfig(verify_first_step=False)
+    assert own_ranks_refusal(runs) is None
+    for config, named in ((OrchestratorConfig(), "verify_first_step=False"),
+                          (OrchestratorConfig(shadow=True), "shadow=False"),
+                          (OrchestratorConfig(verify_first_step=False, all_to_all="node-wise"),
+                           "run their moves flat, not node-wise")):
+        assert named in own_ranks_refusal(config), config
 
 
 def test_unsupported_layouts_are_named():
