@@ -125,6 +125,7 @@ def main_megatron_lm() -> None:
                 args.num_microbatches = get_num_microbatches()
                 args.orch_config = orch_config_from_args(
                     args, verify_by_default=not is_shipped_config(args.model_config))
+                megatron_lm.allow_in_checkpoints(args.mllm_config, args.orch_config)
                 if args.orch_config is not None:
                     decision = megatron_lm.encoder_ranks_decision(args, args.mllm_config.phases(),
                                                                   args.mllm_config.phase_parameters())

@@ -39,12 +39,15 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
+import enum
 import inspect
 import subprocess
 import sys
 from pathlib import Path
 from typing import Callable, Dict, Iterator, Mapping, Optional
 
+import torch
 from megatron.core import parallel_state
 
 from megatron_orch.megatron.moe import placement_dependent_moe_settings
@@ -206,6 +209,28 @@ _UPSTREAM_PACKING = (
 _OWN_ENCODER_TP = ("the encoders at a tensor-parallel size of their own (--orch-encoder-tensor-parallel-size below "
                    "--tensor-model-parallel-size) through megatron.training is not supported: its checkpoint does not "
                    "tell the encoder replicas of a TP group apart")
+
+
+def allow_in_checkpoints(*settings) -> None:
+    """Let ``torch.load(weights_only=True)`` read ``settings`` back: megatron.training saves its ``args``, which hold
+    them, in every checkpoint, and megatron-core 0.16.1 reads a distributed checkpoint's common state that way,
+    refusing any class it was not told of (megatron-core registers its own, ``megatron.core.safe_globals``). The
+    classes of every dataclass and enum in ``settings``, walked through their fields and containers, are
+    registered."""
+    classes, pending = set(), list(settings)
+    while pending:
+        value = pending.pop()
+        if isinstance(value, enum.Enum):
+            classes.add(type(value))
+        elif dataclasses.is_dataclass(value) and not isinstance(value, type):
+            classes.add(type(value))
+            pending.extend(getattr(value, field.name) for field in dataclasses.fields(value))
+        elif isinstance(value, (tuple, list, set, frozenset)):
+            pending.extend(value)
+        elif isinstance(value, dict):
+            pending.extend(value.keys())
+            pending.extend(value.values())
+    torch.serialization.add_safe_globals(sorted(classes, key=lambda cls: (cls.__module__, cls.__qualname__)))
 
 
 def encoder_ranks_decision(args: argparse.Namespace, phases: ModelPhases,
