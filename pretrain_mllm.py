@@ -66,6 +66,7 @@ def main_megatron_lm() -> None:
     from megatron_orch.mllm.config import is_shipped_config, load_model_config
     from megatron_orch.megatron import megatron_lm
     from megatron_orch.megatron.any_loop import megatron_core_counts
+    from megatron_orch.megatron.encoder_layout import encoder_groups, share_encoders
     from megatron_orch.megatron.orch_arguments import orch_config_from_args
     from megatron_orch.mllm import megatron_flags, providers
     from megatron_orch.mllm.model import transformer_engine_available
@@ -121,19 +122,28 @@ def main_megatron_lm() -> None:
         if not hasattr(args, "mllm_config"):
             try:
                 args.mllm_config = resolve_model(args)
+                args.num_microbatches = get_num_microbatches()
                 args.orch_config = orch_config_from_args(
                     args, verify_by_default=not is_shipped_config(args.model_config))
+                megatron_lm.allow_in_checkpoints(args.mllm_config, args.orch_config)
                 if args.orch_config is not None:
-                    print_rank_0(f" > {megatron_lm.encoder_ranks_decision(args).line()}")
+                    decision = megatron_lm.encoder_ranks_decision(args, args.mllm_config.phases(),
+                                                                  args.mllm_config.phase_parameters())
+                    print_rank_0(f" > {decision.line()}")
                     megatron_lm.check_args(args)
             except ValueError as err:  # ArgumentError included
                 sys.exit(f"pretrain_mllm.py: error: {err}")
-            args.num_microbatches = get_num_microbatches()
         return args
 
     def model_provider(pre_process=True, post_process=True, vp_stage=None, **unused):
-        return providers.build_model(mllm_args(), pre_process=pre_process, post_process=post_process,
-                                     vp_stage=vp_stage)
+        """This rank's model chunk; with the encoders on every rank, the first chunk's get the first stage's
+        parameters before megatron.training builds the optimizer (every rank builds its first chunk at once)."""
+        args = mllm_args()
+        model = providers.build_model(args, pre_process=pre_process, post_process=post_process, vp_stage=vp_stage)
+        if args.orch_config is not None and not vp_stage and args.orch_config.spreads_encoders(
+                args.tensor_model_parallel_size, args.pipeline_model_parallel_size):
+            share_encoders(model, encoder_groups(args.orch_config.encoder_tensor_parallel_size)[1])
+        return model
 
     def build_train_iterator():
         """The loader from the run's consumed samples on, over the samples its steps consume (their micro-batches
@@ -150,7 +160,7 @@ def main_megatron_lm() -> None:
         return train
 
     hooked = post_balancing or shadow  # the modality-aware schedule takes the steps of the first model chunk
-    wrapper = megatron_lm.schedule_wrapper(lambda: mllm_args().orch_config.encoder_recompute) if hooked else None
+    wrapper = megatron_lm.schedule_wrapper(lambda: mllm_args().orch_config) if hooked else None
     megatron_lm.pretrain(megatron_lm.external_data_provider(build_train_iterator, hooked), model_provider,
                          ModelType.encoder_or_decoder, providers.forward_step,
                          extra_args_provider=add_mllm_args, args_defaults={"dataloader_type": "external"},

@@ -19,6 +19,12 @@ Three hooks:
   ``config.grad_sync_func`` for the duration of each call, which ``train()`` sets once before its
   loop, so the encoders' backward runs before either one reduces gradients.
 
+The encoders on every rank (``--orch-encoder-ranks all``, what ``auto`` picks with pipeline parallelism where it
+runs and fits, :func:`encoder_ranks_decision`) run here as in the compact trainer: the model provider builds every
+stage's first chunk with the encoders and gives them the first stage's parameters
+(:func:`~megatron_orch.megatron.encoder_layout.share_encoders`) before ``megatron.training`` builds the optimizer,
+and the schedule sums their gradients over the stages (:func:`schedule_wrapper`).
+
 :func:`pretrain` also hides the two ``pretrain()`` APIs, told apart by what the installed function
 accepts: up to 0.17 ``pretrain(provider, model_provider, ..., extra_args_provider=, args_defaults=)``
 parses the command line itself; from 0.18 the caller parses (``parse_and_validate_args``), builds a
@@ -33,18 +39,24 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
+import enum
 import inspect
 import subprocess
 import sys
 from pathlib import Path
-from typing import Callable, Dict, Iterator, Optional
+from typing import Callable, Dict, Iterator, Mapping, Optional
 
+import torch
 from megatron.core import parallel_state
 
 from megatron_orch.megatron.moe import placement_dependent_moe_settings
 from megatron_orch.megatron.pipeline_layout import check_interleaved_microbatches
 from megatron_orch.megatron.schedule import ModalityAwareSchedule
-from megatron_orch.orchestrator.encoder_ranks import EncoderRanksDecision, decide_encoder_ranks
+from megatron_orch.balance.workload import ModelPhases
+from megatron_orch.megatron.orch_arguments import decide_encoder_ranks_of_args
+from megatron_orch.orchestrator.config import OrchestratorConfig
+from megatron_orch.orchestrator.encoder_ranks import EncoderRanksDecision
 
 WRAPPER_ARGUMENT = "forward_backward_func_wrapper"
 PATCHES = Path(__file__).resolve().parents[2] / "patches"
@@ -75,13 +87,18 @@ def patch_release(training_file: Path) -> Optional[str]:
     return None
 
 
-def schedule_wrapper(encoder_recompute: Callable[[], bool]) -> Callable[[Callable], ModalityAwareSchedule]:
-    """The ``forward_backward_func_wrapper``: the modality-aware schedule around Megatron's.
-    ``encoder_recompute`` is asked when training starts (after the arguments are parsed)."""
+def schedule_wrapper(config: Callable[[], OrchestratorConfig]) -> Callable[[Callable], ModalityAwareSchedule]:
+    """The ``forward_backward_func_wrapper``: the modality-aware schedule around Megatron's, run as ``config()``
+    (asked when training starts, after the arguments are parsed) says: encoder recompute, the encoders on every
+    rank."""
 
     def wrap(forward_backward_func: Callable) -> ModalityAwareSchedule:
+        settings = config()
         return ModalityAwareSchedule(forward_backward_func, parallel_state.get_data_parallel_group(),
-                                     encoder_recompute=encoder_recompute())
+                                     encoder_recompute=settings.encoder_recompute,
+                                     encoders_on_every_stage=settings.spreads_encoders(
+                                         parallel_state.get_tensor_model_parallel_world_size(),
+                                         parallel_state.get_pipeline_model_parallel_world_size()))
 
     return wrap
 
@@ -189,21 +206,43 @@ _UPSTREAM_PACKING = (
     "packs the balanced rows itself)")
 
 
-_NOT_SHARED = ("its model and optimizer set-up does not share the encoders over the pipeline stages and encoder "
-               "replicas")
+_OWN_ENCODER_TP = ("the encoders at a tensor-parallel size of their own (--orch-encoder-tensor-parallel-size below "
+                   "--tensor-model-parallel-size) through megatron.training is not supported: its checkpoint does not "
+                   "tell the encoder replicas of a TP group apart")
 
 
-def encoder_ranks_decision(args: argparse.Namespace) -> EncoderRanksDecision:
-    """The encoder layout under megatron.training, ``args.orch_config`` (and ``args.orch_encoder_ranks``) set to it:
-    ``--orch-encoder-ranks auto`` is first-stage (all, where it would differ, is not run here, :func:`check_args`);
-    one given is kept. Rank 0 prints its line."""
-    config = args.orch_config
-    decision = decide_encoder_ranks(config, pipeline_parallel_size=args.pipeline_model_parallel_size,
-                                    tensor_parallel_size=getattr(args, "tensor_model_parallel_size", 1),
-                                    unavailable=f"megatron.training runs no encoders off the first stage ({_NOT_SHARED})")
-    args.orch_config = config.with_encoder_ranks(decision.ranks)
-    args.orch_encoder_ranks = decision.ranks.value
-    return decision
+def allow_in_checkpoints(*settings) -> None:
+    """Let ``torch.load(weights_only=True)`` read ``settings`` back: megatron.training saves its ``args``, which hold
+    them, in every checkpoint, and megatron-core 0.16.1 reads a distributed checkpoint's common state that way,
+    refusing any class it was not told of (megatron-core registers its own, ``megatron.core.safe_globals``). The
+    classes of every dataclass and enum in ``settings``, walked through their fields and containers, are
+    registered."""
+    classes, pending = set(), list(settings)
+    while pending:
+        value = pending.pop()
+        if isinstance(value, enum.Enum):
+            classes.add(type(value))
+        elif dataclasses.is_dataclass(value) and not isinstance(value, type):
+            classes.add(type(value))
+            pending.extend(getattr(value, field.name) for field in dataclasses.fields(value))
+        elif isinstance(value, (tuple, list, set, frozenset)):
+            pending.extend(value)
+        elif isinstance(value, dict):
+            pending.extend(value.keys())
+            pending.extend(value.values())
+    torch.serialization.add_safe_globals(sorted(classes, key=lambda cls: (cls.__module__, cls.__qualname__)))
+
+
+def encoder_ranks_decision(args: argparse.Namespace, phases: ModelPhases,
+                           parameters: Optional[Mapping[str, int]]) -> EncoderRanksDecision:
+    """The encoder layout under megatron.training, decided before the model is built, ``args.orch_config`` (and
+    ``args.orch_encoder_ranks``) set to it
+    (:func:`~megatron_orch.megatron.orch_arguments.decide_encoder_ranks_of_args`; ``phases`` and ``parameters``: the
+    model's, for the per-GPU memory model): ``auto`` is ``all`` with pipeline parallelism where the layout runs it and
+    it fits, never at an encoder TP of its own (:func:`check_args` refuses that asked for)."""
+    etp = args.orch_config.encoder_tensor_parallel_size
+    own_tp = etp is not None and etp != args.tensor_model_parallel_size
+    return decide_encoder_ranks_of_args(args, phases, parameters, unavailable=_OWN_ENCODER_TP if own_tp else None)
 
 
 def check_args(args: argparse.Namespace) -> None:
@@ -224,10 +263,8 @@ def check_args(args: argparse.Namespace) -> None:
         except ValueError as err:
             problems.append(str(err))
     config = getattr(args, "orch_config", None)
-    if config is not None and config.spreads_encoders(getattr(args, "tensor_model_parallel_size", 1),
-                                                      args.pipeline_model_parallel_size):
-        problems.append(f"--orch-encoder-ranks all through megatron.training is not supported ({_NOT_SHARED}): use "
-                        "the compact trainer, or --orch-encoder-ranks first-stage")
+    if config is not None and config.encoder_tensor_parallel_size not in (None, args.tensor_model_parallel_size):
+        problems.append(f"{_OWN_ENCODER_TP}: use the compact trainer, or leave the flag out")
     if getattr(args, "hybrid_context_parallel", False):
         problems.append("--hybrid-context-parallel: it regroups the data iterator's sequences over DP x CP "
                         "ranks (HybridCPDataLoaderWrapper), which would undo the post-balancing plan")

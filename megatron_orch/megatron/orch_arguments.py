@@ -10,7 +10,7 @@ from megatron_orch.balance.plan import ALL_TO_ALL
 from megatron_orch.balance.registry import PARTITIONERS, PLACEMENTS
 from megatron_orch.balance.workload import ModelPhases
 from megatron_orch.orchestrator.config import MICROBATCHING, ConfigError, EncoderRanks, OrchestratorConfig
-from megatron_orch.orchestrator.encoder_ranks import unsupported_layout
+from megatron_orch.orchestrator.encoder_ranks import EncoderRanksDecision, decide_encoder_ranks, unsupported_layout
 from megatron_orch.orchestrator.gpu_memory import GB, ParallelLayout, encoder_ranks_all_refusal
 
 # The flag of each OrchestratorConfig field a command line sets: its errors name the flag (:func:`flag_message`).
@@ -207,6 +207,47 @@ def encoder_memory_refusal(args: argparse.Namespace, config: OrchestratorConfig,
     return encoder_ranks_all_refusal(layout, parameters, phases, args.seq_length, args.micro_batch_size,
                                      args.num_microbatches, device_memory_bytes if given is None else given * GB,
                                      limit="--orch-gpu-memory-gb" if given is not None else "the GPU's memory")
+
+
+def decide_encoder_ranks_of_args(args: argparse.Namespace, phases: ModelPhases,
+                                 parameters: Optional[Mapping[str, int]],
+                                 unavailable: Optional[str] = None) -> EncoderRanksDecision:
+    """The encoder layout of a checked command line, decided before the model is built; ``args.orch_config`` and
+    ``args.orch_encoder_ranks`` (what a checkpoint records) are set to it. ``--orch-encoder-ranks all`` where the
+    per-GPU memory model says it does not fit (``--orch-gpu-memory-gb``, else the visible GPU's memory;
+    ``parameters``, each phase's parameter count, None: not checked) raises ValueError naming the bytes; ``auto`` is
+    decided by :func:`~megatron_orch.orchestrator.encoder_ranks.decide_encoder_ranks` (first-stage where
+    ``unavailable`` or :func:`encoder_ranks_unsupported` says why not, where it does not fit, or where
+    ``parameters`` is None)."""
+    config = args.orch_config
+    device = None
+    if args.orch_gpu_memory_gb is None and config.encoder_ranks is not EncoderRanks.FIRST_STAGE:
+        import torch  # the visible GPU's memory is the limit
+        if torch.cuda.is_available():
+            device = torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory
+
+    def memory_refusal():
+        if parameters is None:
+            return None if config.encoder_ranks is EncoderRanks.ALL else (
+                "the task gives no parameter counts (ModelSummary.parameters) for the per-GPU memory model")
+        return encoder_memory_refusal(args, config, phases, parameters, device)
+
+    if config.encoders_on_every_stage:
+        refused = memory_refusal()
+        if refused is not None:
+            raise ValueError(refused)
+    limit = (f"--orch-gpu-memory-gb {args.orch_gpu_memory_gb:g}" if args.orch_gpu_memory_gb is not None
+             else f"the GPU's {device / 1e9:.1f} GB" if device is not None else None)
+    decision = decide_encoder_ranks(
+        config, pipeline_parallel_size=args.pipeline_model_parallel_size,
+        tensor_parallel_size=args.tensor_model_parallel_size,
+        unavailable=unavailable if unavailable is not None else encoder_ranks_unsupported(args),
+        memory_refusal=memory_refusal,
+        memory=f"fits {limit} (per-GPU memory model)" if limit else "per-GPU memory not checked (no GPU visible, "
+                                                                    "no --orch-gpu-memory-gb)")
+    args.orch_config = config.with_encoder_ranks(decision.ranks)
+    args.orch_encoder_ranks = decision.ranks.value
+    return decision
 
 
 def _config(args: argparse.Namespace, phases, verify: bool) -> OrchestratorConfig:

@@ -272,9 +272,15 @@ class MLLMConfig:
 
     def num_parameters(self) -> dict:
         """Parameters per component (encoders include their projector) and in total."""
+        counts = self.phase_parameters()
+        counts["total"] = sum(counts.values())
+        return counts
+
+    def phase_parameters(self) -> dict:
+        """Parameters per phase (the backbone's, each encoder's with its projector): what the per-GPU memory model
+        takes (``ModelSummary.parameters``)."""
         counts = {BACKBONE_PHASE: self.backbone.num_parameters()}
         counts.update({name: e.num_parameters(self.hidden_size) for name, e in self.encoders.items()})
-        counts["total"] = sum(counts.values())
         return counts
 
 

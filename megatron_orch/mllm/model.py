@@ -458,6 +458,18 @@ class MLLMModel(MegatronModule):
     def shared_embedding_or_output_weight(self) -> torch.Tensor:
         return self.backbone.shared_embedding_or_output_weight()
 
+    def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (), metadata: Optional[dict] = None):
+        """Megatron's distributed checkpoint of this chunk (megatron.training's ``--save``). Encoders off the first
+        pipeline stage (``--orch-encoder-ranks all``: every stage's hold the first stage's parameters) are marked
+        replicas of the first stage's, as megatron-core marks a tied output layer: one key, written once, read on
+        every stage."""
+        state = super().sharded_state_dict(prefix, sharded_offsets, metadata)
+        if self.encoders and not self.pre_process:
+            for key, value in state.items():
+                if key.startswith(f"{prefix}encoders."):
+                    value.replica_id = (1, *value.replica_id[1:]) if isinstance(value.replica_id, tuple) else 1
+        return state
+
     def phase_encoders(self) -> Dict[str, torch.nn.Module]:
         """The encoders by phase name (none off the first pipeline stage)."""
         return dict(self.encoders)

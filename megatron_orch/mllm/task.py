@@ -88,7 +88,7 @@ def configure(args: argparse.Namespace) -> ModelSummary:
     backbone = config.backbone.transformer
     return ModelSummary(name=config.name, num_layers=backbone.num_layers, phases=config.phases(),
                         num_experts=backbone.num_experts, verify_first_step=not is_shipped_config(args.model_config),
-                        parameters={k: v for k, v in config.num_parameters().items() if k != "total"})
+                        parameters=config.phase_parameters())
 
 
 def resolve_model_config(args: argparse.Namespace) -> MLLMConfig:

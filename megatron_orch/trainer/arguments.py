@@ -29,10 +29,8 @@ import os
 import sys
 from typing import Callable, Dict, Iterable, NoReturn, Optional, Sequence
 
-from megatron_orch.megatron.orch_arguments import (add_orch_args, encoder_memory_refusal, encoder_ranks_unsupported,
-                                                  flag_message, orch_config_from_args)
-from megatron_orch.orchestrator.config import EncoderRanks
-from megatron_orch.orchestrator.encoder_ranks import decide_encoder_ranks
+from megatron_orch.megatron.orch_arguments import (add_orch_args, decide_encoder_ranks_of_args, flag_message,
+                                                  orch_config_from_args)
 from megatron_orch.megatron.pipeline_layout import check_interleaved_microbatches, virtual_pipeline_size
 from megatron_orch.trainer.task import ArgsProvider, TrainingTask, runs_on_cpu, task_or_the_mllm
 
@@ -469,42 +467,16 @@ def validate_args(args: argparse.Namespace, world_size: int, task: TrainingTask)
 
 
 def _decide_encoder_ranks(args: argparse.Namespace, summary) -> None:
-    """The encoder layout, before the model is built: ``--orch-encoder-ranks all`` refused where the per-GPU memory
-    model says it does not fit (``--orch-gpu-memory-gb``, else the visible GPU's memory; a task that gives no
-    parameter counts is not checked); ``auto`` decided
-    (:func:`~megatron_orch.orchestrator.encoder_ranks.decide_encoder_ranks`; a task without parameter counts gets
-    ``first-stage``). ``args.orch_config`` and ``args.orch_encoder_ranks`` then hold the layout,
-    ``args.encoder_ranks_decision`` the decision (rank 0's line at start)."""
-    config = args.orch_config
-    if config is None:
+    """The encoder layout, before the model is built
+    (:func:`~megatron_orch.megatron.orch_arguments.decide_encoder_ranks_of_args`: a task without parameter counts
+    gets ``first-stage`` under ``auto``, an ``all`` asked for unchecked against the GPU's memory);
+    ``args.encoder_ranks_decision`` then holds the decision (rank 0's line at start)."""
+    if args.orch_config is None:
         return
-    device = None
-    if args.orch_gpu_memory_gb is None and config.encoder_ranks is not EncoderRanks.FIRST_STAGE:
-        import torch  # the visible GPU's memory is the limit
-        if torch.cuda.is_available():
-            device = torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory
-
-    def memory_refusal():
-        if summary.parameters is None:
-            return None if config.encoder_ranks is EncoderRanks.ALL else (
-                "the task gives no parameter counts (ModelSummary.parameters) for the per-GPU memory model")
-        return encoder_memory_refusal(args, config, summary.phases, summary.parameters, device)
-
-    if config.encoders_on_every_stage:
-        refused = memory_refusal()
-        if refused is not None:
-            raise ArgumentError(refused)
-    limit = (f"--orch-gpu-memory-gb {args.orch_gpu_memory_gb:g}" if args.orch_gpu_memory_gb is not None
-             else f"the GPU's {device / 1e9:.1f} GB" if device is not None else None)
-    decision = decide_encoder_ranks(
-        config, pipeline_parallel_size=args.pipeline_model_parallel_size,
-        tensor_parallel_size=args.tensor_model_parallel_size, unavailable=encoder_ranks_unsupported(args),
-        memory_refusal=memory_refusal,
-        memory=f"fits {limit} (per-GPU memory model)" if limit else "per-GPU memory not checked (no GPU visible, "
-                                                                    "no --orch-gpu-memory-gb)")
-    args.orch_config = config.with_encoder_ranks(decision.ranks)
-    args.orch_encoder_ranks = decision.ranks.value  # what a checkpoint records and a resumed run is checked against
-    args.encoder_ranks_decision = decision
+    try:
+        args.encoder_ranks_decision = decide_encoder_ranks_of_args(args, summary.phases, summary.parameters)
+    except ValueError as err:
+        raise ArgumentError(str(err)) from None
 
 
 def _check_mixture_of_experts(args: argparse.Namespace) -> None:

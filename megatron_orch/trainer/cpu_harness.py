@@ -103,6 +103,7 @@ _MEGATRON_PACKAGES = (
     "megatron.core.pipeline_parallel",
     "megatron.core.rerun_state_machine",
     "megatron.core.timers",
+    "megatron.core.dist_checkpointing.strategies.state_dict_saver",
 )
 
 _FACTORIES = (

@@ -54,6 +54,9 @@ ARGV = [CHANGED.get(previous, value) for previous, value in zip([None, *README_F
 RUNS = {"upstream": [], "post-balancing": ["--orch-post-balancing"],
         "post-balancing, overlapped grad reduce": ["--orch-post-balancing", "--overlap-grad-reduce"]}
 SHADOW = {"post-balancing shadow": ["--orch-shadow"]}  # planned by the schedule hook, trained upstream
+# With pipeline stages --orch-encoder-ranks auto puts the encoders on every rank; Megatron's layout, asked for:
+FIRST_STAGE = {"post-balancing, encoders on the first stage": ["--orch-post-balancing", "--orch-encoder-ranks",
+                                                               "first-stage"]}
 RAMP_UP = "batch-size ramp-up"  # a layout's marker: the global batch 2, 4, 4 over the ITERS steps (_ramped)
 RAMPED_MICROBATCHES = [1, 2, 2]  # per step on each of 2 DP ranks
 # The project's compact trainer on the same flags (those it has): it must reproduce megatron.training.
@@ -261,7 +264,8 @@ def test_refusals_before_training(unpatched_tree):
 def _megatron_args(**changes):
     import argparse
     args = dict(dataloader_type="external", calculate_per_token_loss=True, virtual_pipeline_model_parallel_size=None,
-                context_parallel_size=1, orch_microbatching="equal_count", transformer_impl="local")
+                context_parallel_size=1, tensor_model_parallel_size=1, orch_microbatching="equal_count",
+                transformer_impl="local")
     return argparse.Namespace(**{**args, **changes})
 
 
@@ -310,35 +314,52 @@ def test_check_args_names_what_post_balancing_cannot_run_with():
                            "global_aux_loss"),
                           (dict(moe, moe_router_load_balancing_type="sinkhorn"), "sinkhorn"),
                           (dict(moe, moe_expert_capacity_factor=1.0), "--moe-expert-capacity-factor 1"),
-                          (dict(pipeline_model_parallel_size=2, orch_config=OrchestratorConfig(
-                              encoder_ranks=EncoderRanks.ALL, verify_first_step=False)),
-                           "--orch-encoder-ranks all through megatron.training is not supported"),
                           (dict(tensor_model_parallel_size=2, pipeline_model_parallel_size=1,
                                 orch_config=OrchestratorConfig(encoder_ranks=EncoderRanks.ALL, verify_first_step=False,
                                                                encoder_tensor_parallel_size=1)),
-                           "--orch-encoder-ranks all through megatron.training is not supported")):
+                           "the encoders at a tensor-parallel size of their own (--orch-encoder-tensor-parallel-size "
+                           "below --tensor-model-parallel-size) through megatron.training is not supported")):
         with pytest.raises(ValueError, match=re.escape(flag)):
             megatron_lm.check_args(_megatron_args(**changes))
 
 
-def test_encoder_ranks_auto_is_first_stage_under_megatron_training():
-    """``--orch-encoder-ranks auto`` (the default) where ``all`` would differ (PP 2, or an encoder TP below TP):
-    first-stage, saying why (megatron.training does not share the encoders), never a refusal; ``all`` given is kept
-    (and refused by check_args)."""
+def test_encoder_ranks_under_megatron_training():
+    """``--orch-encoder-ranks auto`` (the default) under megatron.training, decided as the compact trainer decides:
+    ``all`` with PP 2 where the layout runs it and it fits (no GPU here: not checked; check_args passes it), else
+    first-stage saying why: it does not fit ``--orch-gpu-memory-gb``, the layout does not run it (CP 2), the
+    encoders at a TP of their own (what megatron.training's checkpoint cannot hold); ``all`` given is kept."""
     from megatron_orch.megatron import megatron_lm
+    from megatron_orch.mllm.config import load_model_config
     from megatron_orch.orchestrator.config import EncoderRanks, OrchestratorConfig
 
-    for changes in (dict(pipeline_model_parallel_size=2),
-                    dict(pipeline_model_parallel_size=1, tensor_model_parallel_size=2,
-                         orch_config=OrchestratorConfig(encoder_tensor_parallel_size=1))):
-        args = _megatron_args(**{"orch_config": OrchestratorConfig(), "orch_encoder_ranks": "auto", **changes})
-        decision = megatron_lm.encoder_ranks_decision(args)
-        assert decision.ranks is args.orch_config.encoder_ranks is EncoderRanks.FIRST_STAGE
+    tiny = load_model_config("tiny")
+    layout = dict(pipeline_model_parallel_size=2, tensor_model_parallel_size=1, data_parallel_size=2,
+                  seq_length=128, micro_batch_size=1, num_microbatches=2, use_distributed_optimizer=False,
+                  sequence_parallel=False, overlap_grad_reduce=False, orch_encoder_tensor_parallel_size=None,
+                  orch_gpu_memory_gb=None)
+
+    def decide(**changes):
+        args = _megatron_args(**{"orch_config": OrchestratorConfig(), "orch_encoder_ranks": "auto", **layout, **changes})
+        return args, megatron_lm.encoder_ranks_decision(args, tiny.phases(), tiny.phase_parameters())
+
+    args, decision = decide()
+    assert decision.ranks is args.orch_config.encoder_ranks is EncoderRanks.ALL and args.orch_encoder_ranks == "all"
+    assert "each encoder phase over DP x 2 pipeline stages" in decision.line(), decision.line()
+    megatron_lm.check_args(args)
+    for changes, reason in ((dict(orch_gpu_memory_gb=1e-6), "--orch-encoder-ranks all does not fit "
+                                                            "--orch-gpu-memory-gb"),
+                            (dict(context_parallel_size=2), "--context-parallel-size 2 is not supported"),
+                            (dict(pipeline_model_parallel_size=1, tensor_model_parallel_size=2,
+                                  orch_encoder_tensor_parallel_size=1,
+                                  orch_config=OrchestratorConfig(encoder_tensor_parallel_size=1)),
+                             "through megatron.training is not supported")):
+        args, decision = decide(**changes)
+        assert decision.ranks is args.orch_config.encoder_ranks is EncoderRanks.FIRST_STAGE, changes
         assert args.orch_encoder_ranks == "first-stage" and args.orch_config.encoder_tensor_parallel_size is None
-        assert "megatron.training runs no encoders off the first stage" in decision.line(), decision.line()
+        assert reason in decision.reason, (changes, decision.line())
         megatron_lm.check_args(args)
-    args = _megatron_args(pipeline_model_parallel_size=2, orch_config=OrchestratorConfig(encoder_ranks=EncoderRanks.ALL))
-    assert megatron_lm.encoder_ranks_decision(args).ranks is EncoderRanks.ALL
+    args, decision = decide(orch_config=OrchestratorConfig(encoder_ranks=EncoderRanks.ALL))
+    assert decision.ranks is EncoderRanks.ALL and decision.reason == "as asked"
 
 
 def test_pretrain_api_and_patch_detected_by_signature():
@@ -509,7 +530,7 @@ def _megatron_lm_run(pretrain_mllm, world_size, parallel, name) -> dict:
     doubles.prepare_run(tp, pp, seed=SEED, virtual_pipeline_model_parallel_size=virtual[0] if virtual else None,
                         context_parallel_size=cp)
     argv = _ramped(ARGV) if RAMP_UP in rest else ARGV
-    sys.argv = ["pretrain_mllm.py", *argv, *flags, *extra, *{**RUNS, **SHADOW}[name]]
+    sys.argv = ["pretrain_mllm.py", *argv, *flags, *extra, *{**RUNS, **SHADOW, **FIRST_STAGE}[name]]
     try:
         pretrain_mllm.main_megatron_lm()
     finally:
@@ -533,15 +554,22 @@ def _compact_run(pretrain_mllm, world_size, parallel, name) -> dict:
         parallel_state.destroy_model_parallel()
 
 
-def _check_runs(out_dir: Path, world_size: int, parallel, runs, hook: str) -> None:
+def _check_runs(out_dir: Path, world_size: int, parallel, runs, hook: str, encoders_on_every_rank=()) -> None:
     """Every megatron.training run of the layout: the upstream run's losses and, on every rank, its parameters
-    after the run (within 1e-5), the schedule each used, and that the balanced runs moved data."""
+    after the run (within 1e-5), the schedule each used, and that the balanced runs moved data. The runs named in
+    ``encoders_on_every_rank`` (``--orch-encoder-ranks all``) hold the encoders off the first stage too, trained to
+    upstream's first-stage encoders (rank 0's); the others hold upstream's parameters exactly."""
     ranks = [json.loads((out_dir / f"rank{r}.json").read_text())[str(parallel)] for r in range(world_size)]
+    first_stage = torch.load(out_dir / "params0.pt")[str(parallel)]["upstream"]
     for rank in range(world_size):
         params = torch.load(out_dir / f"params{rank}.pt")[str(parallel)]
         for name in [run for run in runs[1:] if run != COMPACT]:
-            assert params[name].keys() == params["upstream"].keys(), name
-            for key, value in params["upstream"].items():
+            extra = params[name].keys() - params["upstream"].keys()
+            assert params["upstream"].keys() <= params[name].keys(), name
+            assert all(".encoders." in key for key in extra), (name, extra)
+            if rank == world_size - 1:  # the last stage
+                assert bool(extra) == (name in encoders_on_every_rank), (name, extra)
+            for key, value in [*params["upstream"].items(), *((key, first_stage[key]) for key in extra)]:
                 torch.testing.assert_close(params[name][key], value, rtol=TOLERANCE, atol=TRAINED_PARAMS_ATOL,
                                            msg=lambda m: f"{parallel} {name}, rank {rank}, {key}: {m}")
     last = ranks[-1]  # on the last pipeline stage (and the compact trainer's logging rank)
@@ -602,16 +630,40 @@ def test_megatron_training_pp2_dp2_tp2_dp2_and_pp2_vpp2_dp2(hooked_tree, tmp_pat
     PP 2 x VPP 2 x DP 2 (Megatron-LM's --num-layers-per-virtual-pipeline-stage over a 4-layer backbone: two
     model chunks per rank, megatron-core's interleaved schedule) on the scripted steps of test_virtual_pipeline,
     also with --overlap-grad-reduce (a grad_sync_func per chunk: the encoders' backward runs from the first
-    chunk's); its step with every heavy example on one DP rank moved data and lowered each phase's max/mean."""
+    chunk's); its step with every heavy example on one DP rank moved data and lowered each phase's max/mean. With
+    pipeline stages post-balancing runs the encoders on every rank (``--orch-encoder-ranks auto``: all; in every
+    rank's first chunk with VPP), their parameters shared at build and trained as upstream's first-stage ones;
+    PP 2 x DP 2 also with the encoders on the first stage, asked for, and (Adam) with the encoders on every rank saved
+    by Megatron's distributed checkpoint after 2 steps and resumed for the third, as the straight run."""
     from test_virtual_pipeline import STEPS
 
     tree, hook = hooked_tree
 
     interleaved = ((1, 2, 2), ["upstream", "post-balancing", "post-balancing, overlapped grad reduce"])
-    layouts = [((1, 2), ["upstream", "post-balancing"]), ((2, 1), ["upstream", "post-balancing"]), interleaved]
-    run_distributed(_pretrain_runs, 4, tree, layouts, str(tmp_path), timeout_s=700)
-    for layout in layouts:
-        _check_runs(tmp_path, 4, *layout, hook=hook)
+    layouts = [((1, 2), ["upstream", "post-balancing", *FIRST_STAGE]), ((2, 1), ["upstream", "post-balancing"]),
+               interleaved]
+    # PP 2 x DP 2, the encoders on every rank, Adam (megatron-core loads no SGD state from a distributed
+    # checkpoint), the LR decayed over 3 steps: 3 steps straight; 2 saved; the third resumed from the checkpoint
+    checkpoint, adam = str(tmp_path / "checkpoint"), ("--optimizer", "adam", "--lr-decay-iters", str(ITERS))
+    straight, saved, resumed = (((1, 2, *adam, *more), ["post-balancing"]) for more in (
+        (), ("--save", checkpoint, "--save-interval", "2", "--train-iters", "2"),
+        ("--load", checkpoint, "--override-opt_param-scheduler")))  # (its weight decay steps: the run's)
+    run_distributed(_pretrain_runs, 4, tree, layouts + [straight, saved, resumed], str(tmp_path), timeout_s=900)
+    for layout, on_every_rank in zip(layouts, (["post-balancing"], [], ["post-balancing"])):
+        _check_runs(tmp_path, 4, *layout, hook=hook, encoders_on_every_rank=on_every_rank)
+    # the checkpoint holds every stage's encoders once and resumes them on every stage: the resumed step is the
+    # straight run's third
+    losses = {run[0]: json.loads((tmp_path / "rank3.json").read_text())[str(run[0])]["post-balancing"]["losses"]
+              for run in (straight, saved, resumed)}
+    assert losses[saved[0]] == pytest.approx(losses[straight[0]][:2], rel=TOLERANCE), losses
+    assert losses[resumed[0]] == pytest.approx(losses[straight[0]][2:], rel=TOLERANCE), losses
+    for rank in range(4):
+        params = torch.load(tmp_path / f"params{rank}.pt")
+        want, got = params[str(straight[0])]["post-balancing"], params[str(resumed[0])]["post-balancing"]
+        assert got.keys() == want.keys() and (rank < 2 or any(".encoders." in key for key in got)), rank
+        for key, value in want.items():
+            torch.testing.assert_close(got[key], value, rtol=TOLERANCE, atol=TRAINED_PARAMS_ATOL,
+                                       msg=lambda m: f"resumed, rank {rank}, {key}: {m}")
     ranks = [json.loads((tmp_path / f"rank{r}.json").read_text())[str(interleaved[0])] for r in range(4)]
     for run in interleaved[1]:
         assert all(r[run]["chunks"] == 2 for r in ranks), run
