@@ -245,9 +245,10 @@ def test_pp2_dp2_encoders_on_every_stage_is_invariant(tmp_path):
     parameters. The same with Megatron DDP's overlapped reduction (``--overlap-grad-reduce``, small buckets: the
     first stage's gradients in many), all-reduced and, with Adam (its lower learning rate keeps Adam's per-element
     rescaling of rounding noise under the tolerance), reduce-scattered (``--use-distributed-optimizer``, gradient
-    norms compared too: Adam would hide a gradient off by a factor). Their third step (the first two: checked, then
-    DDP's calibration) starts a bucket's reduction when its last gradient reports ready, which the encoders' must do
-    only once summed over the stages; that step has no vision items at all (every vision encoder reports zeros)."""
+    norms compared too: Adam would hide a gradient off by a factor). From their second step on (DDP calibrates on the
+    first step's balanced run) a bucket's reduction starts when its last gradient reports ready, which the encoders'
+    must do only once summed over the stages; the third step has no vision items at all (every vision encoder
+    reports zeros)."""
     flags = ["--pipeline-model-parallel-size", "2", "--train-iters", "3"]
     adam = ["--optimizer", "adam", "--lr", "1e-3"]
     all_ranks = BALANCED + ["--orch-encoder-ranks", "all", "--orch-verify-first-step"]
