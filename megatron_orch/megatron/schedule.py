@@ -107,7 +107,7 @@ class ModalityAwareSchedule:
                     raise ValueError("--orch-encoder-ranks all: this pipeline stage's model holds no encoders; build "
                                      "every stage's with them (MLLMModel(encoders=True)) and give them the first "
                                      "stage's parameters (share_encoders) before building the optimizer")
-                refused = unsupported_layout(context_parallel_size=1, sharded=sharding_of(chunk))
+                refused = unsupported_layout(sharded=sharding_of(chunk))
                 if refused is not None:
                     raise ValueError(refused)
             self._model_checked = True

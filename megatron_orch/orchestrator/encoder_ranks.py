@@ -88,8 +88,7 @@ def decide_encoder_ranks(config: OrchestratorConfig, *, pipeline_parallel_size: 
                                 f"instead of the first stage's DP ranks; {memory}")
 
 
-def unsupported_layout(*, context_parallel_size: int, sharded: Optional[str],
-                       tensor_parallel_size: int = 1,
+def unsupported_layout(*, sharded: Optional[str], tensor_parallel_size: int = 1,
                        encoder_tensor_parallel_size: Optional[int] = None) -> Optional[str]:
     """Why the encoders cannot go on every pipeline stage in this layout (None: they can), one line naming the
     setting. ``encoder_tensor_parallel_size`` (None: ``tensor_parallel_size``, the backbone's) must divide the
@@ -98,8 +97,6 @@ def unsupported_layout(*, context_parallel_size: int, sharded: Optional[str],
     if etp < 1 or tensor_parallel_size % etp:
         return (f"{ETP_FLAG} {etp} does not divide --tensor-model-parallel-size {tensor_parallel_size} (each backbone "
                 "TP group must hold whole encoder replicas)")
-    if context_parallel_size > 1:
-        return f"{FLAG} with --context-parallel-size {context_parallel_size} is not supported"
     if sharded is not None:
         return f"{FLAG} with {sharded} is not supported (each stage's encoders are sharded over DP alone)"
     return None

@@ -229,13 +229,26 @@ def test_cp2_dp2_padded_and_packed_rows_are_invariant_and_equal_cp1(dp2_whole, t
 
 
 def test_tp2_sequence_parallel_cp2_dp2_is_invariant(tmp_path):
-    """Eight ranks, one step (the heavy one): sequence and context parallelism together."""
+    """Eight ranks, one step (the heavy one): sequence and context parallelism together; also with the encoders at
+    TP 1 on every rank (``all``, its first step checked): each CP rank's encoder group (DP 2 x 2 encoder replicas)
+    encodes every item, as every CP rank of a replica does upstream, and the encoder gradients are summed over the
+    replicas, then by DDP over DP x CP."""
     iters = ["--train-iters", "1"]
-    logs = train(tmp_path, 8, [("upstream", SP + CP + iters), ("balanced", SP + CP + iters + BALANCED)],
+    logs = train(tmp_path, 8, [("upstream", SP + CP + iters), ("balanced", SP + CP + iters + BALANCED),
+                               ("encoder_tp1", SP + CP + iters + BALANCED + [
+                                   "--orch-encoder-ranks", "all", "--orch-encoder-tensor-parallel-size", "1",
+                                   "--orch-verify-first-step"])],
                  timeout_s=600)
-    assert logs["upstream"]["layout"] == logs["balanced"]["layout"] == (True, 2)
+    assert logs["upstream"]["layout"] == logs["balanced"]["layout"] == logs["encoder_tp1"]["layout"] == (True, 2)
     assert_same_run(logs["balanced"], logs["upstream"], 1, "TP 2 + SP x CP 2 x DP 2, post-balancing on / off")
     assert_plan_balances(logs["balanced"])
+    assert_first_step_checked(logs, "encoder_tp1")
+    assert_same_encoder_tp1_run(logs["encoder_tp1"], logs["upstream"], 1,
+                                "TP 2 + SP x CP 2 x DP 2, encoders at TP 1 / upstream")
+    assert_plan_balances(logs["encoder_tp1"])
+    heavy = logs["encoder_tp1"]["items_encoded"][0]
+    assert len(heavy["vision"]) == 8 and min(heavy["vision"]) > 0, heavy
+    print("encoder_tp1 heavy step items per rank:", heavy)
 
 
 def test_pp2_dp2_encoders_on_every_stage_is_invariant(tmp_path):

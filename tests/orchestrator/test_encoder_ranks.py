@@ -178,9 +178,8 @@ def test_group_traffic_counts_the_moves_that_run():
 
 
 def test_unsupported_layouts_are_named():
-    fine = dict(context_parallel_size=1, sharded=None)
+    fine = dict(sharded=None)
     assert unsupported_layout(**fine) is None
-    assert "--context-parallel-size 2" in unsupported_layout(**{**fine, "context_parallel_size": 2})
     assert "--use-torch-fsdp2" in unsupported_layout(**{**fine, "sharded": "--use-torch-fsdp2"})
     assert unsupported_layout(**fine, tensor_parallel_size=4, encoder_tensor_parallel_size=2) is None
     assert unsupported_layout(**fine, tensor_parallel_size=4, encoder_tensor_parallel_size=3).startswith(
@@ -252,6 +251,7 @@ def _parser():
     parser.add_argument("--overlap-grad-reduce", action="store_true")
     parser.add_argument("--use-distributed-optimizer", action="store_true")
     parser.add_argument("--context-parallel-size", type=int, default=1)
+    parser.add_argument("--use-torch-fsdp2", action="store_true")
     parser.add_argument("--tensor-model-parallel-size", type=int, default=1)
     parser.add_argument("--sequence-parallel", action="store_true")
     return parser
@@ -269,17 +269,19 @@ def test_orch_encoder_ranks_flag():
     assert orch_config_from_args(parse(["--orch-post-balancing", "--orch-encoder-ranks", "all",
                                         "--orch-verify-first-step"])).verify_first_step
     auto = parse(["--orch-post-balancing", "--orch-all-to-all", "node-wise", "--pipeline-model-parallel-size", "2",
-                  "--context-parallel-size", "2"])  # auto is not refused what all would be: it decides later
+                  "--use-torch-fsdp2"])  # auto is not refused what all would be: it decides later
     assert orch_config_from_args(auto).encoder_ranks is EncoderRanks.AUTO
-    with pytest.raises(ValueError, match="--orch-encoder-ranks all with --context-parallel-size 2 is not supported"):
+    with pytest.raises(ValueError, match="--orch-encoder-ranks all with --use-torch-fsdp2 is not supported"):
         orch_config_from_args(parse(["--orch-post-balancing", "--orch-encoder-ranks", "all",
-                                     "--pipeline-model-parallel-size", "2", "--context-parallel-size", "2"]))
-    # Megatron DDP's overlapped reduction, all-reduced or reduce-scattered: all runs it, and auto picks it
-    for optimizer in ([], ["--use-distributed-optimizer"]):
-        overlap = ["--pipeline-model-parallel-size", "2", "--overlap-grad-reduce", *optimizer]
-        asked = orch_config_from_args(parse(["--orch-post-balancing", "--orch-encoder-ranks", "all", *overlap]))
+                                     "--pipeline-model-parallel-size", "2", "--use-torch-fsdp2"]))
+    # Megatron DDP's overlapped reduction (all-reduced or reduce-scattered), context parallelism: all runs them, and
+    # auto picks it
+    for layout in (["--overlap-grad-reduce"], ["--overlap-grad-reduce", "--use-distributed-optimizer"],
+                   ["--context-parallel-size", "2"]):
+        layout = ["--pipeline-model-parallel-size", "2", *layout]
+        asked = orch_config_from_args(parse(["--orch-post-balancing", "--orch-encoder-ranks", "all", *layout]))
         assert asked.encoder_ranks is EncoderRanks.ALL
-        args = parse(["--orch-post-balancing", *overlap])
+        args = parse(["--orch-post-balancing", *layout])
         assert encoder_ranks_unsupported(args) is None
         decided = decide_encoder_ranks(orch_config_from_args(args), pipeline_parallel_size=2, tensor_parallel_size=1,
                                        unavailable=encoder_ranks_unsupported(args))
