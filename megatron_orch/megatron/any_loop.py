@@ -100,9 +100,8 @@ def post_balance(forward_backward_func: Optional[Callable], data_iterator: Itera
         compute_device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else \
             torch.device("cpu")
     if config.encoders_on_every_stage and (pp > 1 or config.encoder_tensor_parallel_size is not None):
-        refused = unsupported_layout(
-            context_parallel_size=parallel_state.get_context_parallel_world_size(), overlap_grad_reduce=False,
-            sharded=None, tensor_parallel_size=tp, encoder_tensor_parallel_size=config.encoder_tensor_parallel_size)
+        refused = unsupported_layout(sharded=None, tensor_parallel_size=tp,
+                                     encoder_tensor_parallel_size=config.encoder_tensor_parallel_size)
         if refused is not None:
             raise ValueError(refused)
     spread = config.spreads_encoders(tp, pp)
@@ -156,8 +155,6 @@ def _decide_encoder_ranks(config: OrchestratorConfig, model, built_at: Optional[
         config = dataclasses.replace(config, encoder_tensor_parallel_size=built_at)
     chunk = None if model is None else (model[0] if isinstance(model, (list, tuple)) else model)
     unavailable = unsupported_layout(
-        context_parallel_size=parallel_state.get_context_parallel_world_size(),
-        overlap_grad_reduce=bool(getattr(getattr(chunk, "ddp_config", None), "overlap_grad_reduce", False)),
         sharded=None if chunk is None else sharding_of(chunk), tensor_parallel_size=tp,
         encoder_tensor_parallel_size=config.encoder_tensor_parallel_size)
     etp = config.encoder_tensor_parallel_size or tp

@@ -184,8 +184,6 @@ def encoder_ranks_unsupported(args: argparse.Namespace) -> Optional[str]:
     sharded = [f"--{name.replace('_', '-')}" for name in ("use_torch_fsdp2", "use_megatron_fsdp")
                if getattr(args, name, False)]
     return unsupported_layout(
-        context_parallel_size=getattr(args, "context_parallel_size", 1),
-        overlap_grad_reduce=bool(getattr(args, "overlap_grad_reduce", False)),
         sharded=sharded[0] if sharded else None, tensor_parallel_size=getattr(args, "tensor_model_parallel_size", 1),
         encoder_tensor_parallel_size=args.orch_encoder_tensor_parallel_size)
 

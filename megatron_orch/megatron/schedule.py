@@ -10,7 +10,10 @@ leaves that require grad, and Megatron's own schedule (no pipelining, 1F1B, inte
 backbone unchanged. Just before gradients are reduced (the DP all-reduce: ``grad_sync_func`` or
 ``finalize_model_grads_func`` of the model config, whichever comes first), the embedding gradients
 go back by the inverse all-to-all and the encoders run their backward, so encoder and backbone
-gradients are reduced together, exactly once.
+gradients are reduced together, exactly once. With the encoders on every pipeline stage their backward runs
+under ``no_sync``, its gradients are summed over the stages, and only then does each report ready to Megatron
+DDP: its overlapped reduction (``--overlap-grad-reduce``), all-reduce or the distributed optimizer's
+reduce-scatter, starts on the sum.
 
 Virtual pipeline stages (the interleaved schedule, several model chunks per pipeline rank): the encoders
 are in the first chunk (virtual stage 0) of the first pipeline stage (of every stage with the encoders on every
@@ -18,9 +21,9 @@ stage); every chunk reads the step's
 balanced micro-batches, each through its own iterator as megatron-core's interleaved schedule takes them
 (the first chunk uses their embeddings, the last their labels). The first chunk's backward ends last, so
 only its ``grad_sync_func`` (and ``finalize_model_grads_func``) runs the encoders' backward, under its
-``no_sync_func``: the encoder parameters are that chunk's. The interleaved schedule with a
-``grad_sync_func`` (``--overlap-grad-reduce``) runs every backward under ``no_sync`` and then syncs the chunk
-explicitly; so does the encoders' backward it triggers.
+``no_sync_func``: the encoder parameters are that chunk's. A schedule with a ``grad_sync_func``
+(``--overlap-grad-reduce``: the interleaved schedule, 1F1B's later pipeline stages) runs every backward of a chunk
+under ``no_sync`` and then syncs the chunk explicitly; so does the encoders' backward it triggers.
 
 Encoder ranks of their own (MIMO's non-colocated grids, ``BalancedStep.receives_embeddings``): a backbone rank
 encodes nothing; each phase's outputs arrive from the encoder ranks (which run
@@ -110,9 +113,7 @@ class ModalityAwareSchedule:
                     raise ValueError("--orch-encoder-ranks all: this pipeline stage's model holds no encoders; build "
                                      "every stage's with them (MLLMModel(encoders=True)) and give them the first "
                                      "stage's parameters (share_encoders) before building the optimizer")
-                refused = unsupported_layout(
-                    context_parallel_size=1, sharded=sharding_of(chunk),
-                    overlap_grad_reduce=bool(getattr(getattr(chunk, "ddp_config", None), "overlap_grad_reduce", False)))
+                refused = unsupported_layout(sharded=sharding_of(chunk))
                 if refused is not None:
                     raise ValueError(refused)
             self._model_checked = True
@@ -206,8 +207,6 @@ class ModalityAwareSchedule:
             if not backward_done:
                 backward_done.append(True)
                 self._encoders_backward(step, module, pending, _no_sync(config), synced, sharded)
-                if step.pipeline_group is not None:  # before DDP reduces them over DP: summed over DP x PP
-                    sum_encoder_gradients(module, step.pipeline_group)
 
         if not forward_only:
             _run_encoders_backward_first(config, len(chunks), encoders_backward_once)
@@ -325,9 +324,14 @@ class ModalityAwareSchedule:
                            synced: bool, sharded: bool = False) -> None:
         """Every encoder chunk's backward; a phase's last one (and an idle encoder's zero gradients) outside
         ``no_sync`` where ``synced`` (Megatron DDP then counts them, as it counts the backbone's last micro-batch),
-        all of them under it where not (the interleaved schedule's explicit grad sync follows). ``sharded``:
-        phase after phase, the same order on every rank."""
+        all of them under it where not (the schedule's explicit grad sync follows). With the encoders on every
+        pipeline stage (``step.pipeline_group``) every backward runs under ``no_sync``, the gradients are summed
+        over the stages (:func:`sum_encoder_gradients`) and then, where ``synced``, each reports ready once (a zero
+        gradient), so that DDP reduces the sum over DP, also where ``--overlap-grad-reduce`` starts a bucket's
+        reduction at that report. ``sharded``: phase after phase, the same order on every rank."""
         start = time.perf_counter()
+        over_stages, report = step.pipeline_group is not None, synced
+        synced = synced and not over_stages
         # Every phase's gradients start back at once; the first chunks' backward hides the later transfers.
         returning = {phase: self._start_move(step, phase, torch.zeros_like(leaf) if leaf.grad is None else leaf.grad,
                                              inverse=True) for phase, _, _, _, leaf in pending}
@@ -352,6 +356,11 @@ class ModalityAwareSchedule:
             if not chunks:  # no items of this phase on this rank in this step
                 with contextlib.nullcontext() if synced else no_sync():
                     _zero_gradients(module.phase_encoders()[phase])
+        if over_stages:
+            sum_encoder_gradients(module, step.pipeline_group)
+            if report:
+                for encoder in module.phase_encoders().values():
+                    _zero_gradients(encoder)
         self.timings["encoders_backward"] = time.perf_counter() - start
 
 
@@ -371,8 +380,10 @@ def _run_encoders_backward_first(config, num_chunks: int, encoders_backward: Cal
     """Wrap the model config's gradient callbacks (:data:`_GRAD_CALLBACKS`) so that whichever reduces gradients
     first calls ``encoders_backward(synced)`` before it (calling it once is the caller's concern); the caller
     puts the callbacks back. ``synced``: whether the encoders' last backward may run outside ``no_sync``, false
-    where the interleaved schedule (``num_chunks`` > 1) syncs the encoders' chunk by its ``grad_sync_func``
-    (``--overlap-grad-reduce``): it runs every backward of the chunk under ``no_sync``, then that sync."""
+    where the schedule syncs the encoders' chunk by its ``grad_sync_func`` (``--overlap-grad-reduce``): megatron-core
+    calls it only after running every backward of the chunk under ``no_sync`` (the interleaved schedule, 1F1B's
+    later pipeline stages), and it reduces the whole chunk; its first stage reports its last micro-batch's
+    gradients and reduces at ``finalize_model_grads_func``. ``num_chunks``: the model chunks (virtual stages)."""
     def after_encoders_backward(callback, synced: bool):
         def call(*args, **kw):
             encoders_backward(synced)
@@ -383,7 +394,7 @@ def _run_encoders_backward_first(config, num_chunks: int, encoders_backward: Cal
         callback = getattr(config, name)
         if name == "grad_sync_func" and callback is not None and num_chunks > 1 and not isinstance(callback, list):
             callback = [callback] * num_chunks  # as the interleaved schedule spreads it over the chunks
-        synced = not (name == "grad_sync_func" and num_chunks > 1)
+        synced = name != "grad_sync_func"
         if isinstance(callback, list):  # one per model chunk: the first chunk's (the encoders')
             setattr(config, name, [after_encoders_backward(callback[0], synced), *callback[1:]])
         elif callback is not None:
@@ -507,10 +518,11 @@ def _zero_padded(rows: torch.Tensor, length: int) -> torch.Tensor:
 
 
 def _zero_gradients(encoder: torch.nn.Module) -> None:
-    """A zero gradient for every parameter of an encoder that had no items: every encoder parameter then
-    reports a gradient exactly once per step, which Megatron DDP's ``--overlap-grad-reduce`` needs (it
-    launches a bucket's reduction once each of its parameters has reported as often as in the first step,
-    and asserts that every parameter reported in the first step)."""
+    """A zero gradient for every parameter of ``encoder`` (one that had no items, or one whose gradients were
+    summed over the pipeline stages under ``no_sync``): every encoder parameter then reports a gradient exactly
+    once per step, which Megatron DDP's ``--overlap-grad-reduce`` needs (it launches a bucket's reduction once
+    each of its parameters has reported as often as in the first step, and asserts that every parameter reported
+    in the first step)."""
     params = [p for p in encoder.parameters() if p.requires_grad]
     if params:
         torch.autograd.backward(torch.stack([p.sum() for p in params]).sum() * 0.0)

@@ -96,8 +96,7 @@ def decide_encoder_ranks(config: OrchestratorConfig, *, pipeline_parallel_size: 
                                 f"instead of the first stage's DP ranks; {memory}")
 
 
-def unsupported_layout(*, context_parallel_size: int, overlap_grad_reduce: bool, sharded: Optional[str],
-                       tensor_parallel_size: int = 1,
+def unsupported_layout(*, sharded: Optional[str], tensor_parallel_size: int = 1,
                        encoder_tensor_parallel_size: Optional[int] = None) -> Optional[str]:
     """Why the encoders cannot go on every pipeline stage in this layout (None: they can), one line naming the
     setting. ``encoder_tensor_parallel_size`` (None: ``tensor_parallel_size``, the backbone's) must divide the
@@ -106,11 +105,6 @@ def unsupported_layout(*, context_parallel_size: int, overlap_grad_reduce: bool,
     if etp < 1 or tensor_parallel_size % etp:
         return (f"{ETP_FLAG} {etp} does not divide --tensor-model-parallel-size {tensor_parallel_size} (each backbone "
                 "TP group must hold whole encoder replicas)")
-    if context_parallel_size > 1:
-        return f"{FLAG} with --context-parallel-size {context_parallel_size} is not supported"
-    if overlap_grad_reduce:
-        return (f"{FLAG} with --overlap-grad-reduce is not supported: the encoders' gradients are summed over the "
-                "pipeline stages before DDP reduces them, which its overlapped reduction would start first")
     if sharded is not None:
         return f"{FLAG} with {sharded} is not supported (each stage's encoders are sharded over DP alone)"
     return None

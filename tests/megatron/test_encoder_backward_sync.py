@@ -68,7 +68,8 @@ def test_a_phases_gradients_report_ready_once_after_its_last_chunk():
     grads = {phase: leaf.grad for phase, _, _, _, leaf in pending}
     schedule._start_move = lambda step, phase, rows, inverse=False: (lambda: grads[phase])
     no_sync = RecordingNoSync(module)
-    step = types.SimpleNamespace(rows_per_item={"vision": 1, "audio": 1}, num_tokens=np.zeros(0))
+    step = types.SimpleNamespace(rows_per_item={"vision": 1, "audio": 1}, num_tokens=np.zeros(0),
+                                 pipeline_group=None)
     schedule._encoders_backward(step, module, pending, no_sync, synced=True)
 
     # the whole step's gradient, computed in one backward as a reference
@@ -96,12 +97,12 @@ def _step_gradients(module, items):
 
 
 @pytest.mark.parametrize("num_chunks", [1, 2])
-def test_under_the_interleaved_schedules_grad_sync_the_encoders_backward_reports_nothing_itself(num_chunks):
-    """``--overlap-grad-reduce``: the schedule's grad_sync_func runs the encoders' backward first. With one
-    model chunk it reports each encoder gradient once, at the phase's last chunk, as the backbone's last
-    micro-batch does; with several (the interleaved schedule, which runs every backward of a chunk under
-    no_sync and then syncs the chunk explicitly) it reports none (the explicit sync that follows reduces them),
-    and the gradients are whole when the sync runs."""
+def test_under_grad_sync_the_encoders_backward_reports_nothing_itself(num_chunks):
+    """``--overlap-grad-reduce``: the schedule's grad_sync_func runs the encoders' backward first. megatron-core
+    calls it only after every backward of the chunk ran under no_sync (the interleaved schedule; with one model
+    chunk, 1F1B's later pipeline stages, which hold encoders with ``--orch-encoder-ranks all``), so the encoders'
+    backward reports none (the explicit sync that follows reduces them), and the gradients are whole when the sync
+    runs."""
     from megatron_orch.megatron.schedule import _run_encoders_backward_first
 
     module = TwoEncoders()
@@ -111,7 +112,8 @@ def test_under_the_interleaved_schedules_grad_sync_the_encoders_backward_reports
     grads = {phase: leaf.grad for phase, _, _, _, leaf in pending}
     schedule._start_move = lambda step, phase, rows, inverse=False: (lambda: grads[phase])
     no_sync = RecordingNoSync(module)
-    step = types.SimpleNamespace(rows_per_item={"vision": 1, "audio": 1}, num_tokens=np.zeros(0))
+    step = types.SimpleNamespace(rows_per_item={"vision": 1, "audio": 1}, num_tokens=np.zeros(0),
+                                 pipeline_group=None)
     synced_chunks, finalized = [], []
 
     def grad_sync(chunk):  # the chunk's explicit sync: every encoder gradient is whole by then
@@ -133,4 +135,47 @@ def test_under_the_interleaved_schedules_grad_sync_the_encoders_backward_reports
     for name, grad in synced_chunks[0][1].items():
         torch.testing.assert_close(grad, expected[name].grad)
     reports = {name: len(no_sync.reported.get(name, [])) for name in expected}
-    assert reports == {name: 1 if num_chunks == 1 else 0 for name in expected}, reports
+    assert reports == {name: 0 for name in expected}, reports
+
+
+@pytest.mark.parametrize("synced", [True, False])
+def test_on_every_stage_the_encoders_report_their_gradients_once_after_the_sum_over_the_stages(monkeypatch, synced):
+    """``--orch-encoder-ranks all``: every chunk's backward runs under no_sync, the whole gradients are summed over
+    the pipeline stages (a stand-in for the all-reduce: doubled, as two stages with these gradients sum them), and
+    then, where ``synced`` (``finalize_model_grads_func`` follows), each parameter reports ready once, holding the
+    sum: DDP's overlapped reduction (``--overlap-grad-reduce``) starts on it, not on one stage's share. Not synced
+    (``grad_sync_func`` follows and reduces the chunk), none reports."""
+    from megatron_orch.megatron import schedule
+
+    module = TwoEncoders()
+    items = {"vision": torch.randn(5, 3), "audio": torch.randn(3, 3)}
+    pending = _step_gradients(module, items)
+    runner = ModalityAwareSchedule(lambda **kwargs: [], dp_group=None)
+    grads = {phase: leaf.grad for phase, _, _, _, leaf in pending}
+    runner._start_move = lambda step, phase, rows, inverse=False: (lambda: grads[phase])
+    no_sync = RecordingNoSync(module)
+    stages, before_sum = object(), []
+
+    def sum_over_stages(encoders, group):
+        assert encoders is module and group is stages
+        before_sum.append({name: p.grad.clone() for name, p in module.named_parameters()})
+        for param in module.parameters():
+            param.grad.mul_(2)
+
+    monkeypatch.setattr(schedule, "sum_encoder_gradients", sum_over_stages)
+    step = types.SimpleNamespace(rows_per_item={"vision": 1, "audio": 1}, num_tokens=np.zeros(0),
+                                 pipeline_group=stages)
+    runner._encoders_backward(step, module, pending, no_sync, synced=synced)
+
+    reference = TwoEncoders()
+    for phase, inputs in items.items():
+        torch.autograd.backward(reference.encode(phase, inputs), grads[phase])
+    expected = dict(reference.named_parameters())
+    assert len(before_sum) == 1
+    for name, param in module.named_parameters():
+        torch.testing.assert_close(before_sum[0][name], expected[name].grad, msg=lambda m: f"{name} summed early: {m}")
+        torch.testing.assert_close(param.grad, 2 * expected[name].grad)
+        reported = no_sync.reported.get(name, [])
+        assert len(reported) == (1 if synced else 0), (name, len(reported))
+        for grad in reported:
+            torch.testing.assert_close(grad, 2 * expected[name].grad, msg=lambda m: f"{name} reported unsummed: {m}")

@@ -632,7 +632,8 @@ def test_megatron_training_pp2_dp2_tp2_dp2_and_pp2_vpp2_dp2(hooked_tree, tmp_pat
     also with --overlap-grad-reduce (a grad_sync_func per chunk: the encoders' backward runs from the first
     chunk's); its step with every heavy example on one DP rank moved data and lowered each phase's max/mean. With
     pipeline stages post-balancing runs the encoders on every rank (``--orch-encoder-ranks auto``: all; in every
-    rank's first chunk with VPP), their parameters shared at build and trained as upstream's first-stage ones;
+    rank's first chunk with VPP, also with --overlap-grad-reduce), their parameters shared at build and trained as
+    upstream's first-stage ones;
     PP 2 x DP 2 also with the encoders on the first stage, asked for, and (Adam) with the encoders on every rank saved
     by Megatron's distributed checkpoint after 2 steps and resumed for the third, as the straight run."""
     from test_virtual_pipeline import STEPS
@@ -649,7 +650,7 @@ def test_megatron_training_pp2_dp2_tp2_dp2_and_pp2_vpp2_dp2(hooked_tree, tmp_pat
         (), ("--save", checkpoint, "--save-interval", "2", "--train-iters", "2"),
         ("--load", checkpoint, "--override-opt_param-scheduler")))  # (its weight decay steps: the run's)
     run_distributed(_pretrain_runs, 4, tree, layouts + [straight, saved, resumed], str(tmp_path), timeout_s=900)
-    for layout, on_every_rank in zip(layouts, (["post-balancing"], [], ["post-balancing"])):
+    for layout, on_every_rank in zip(layouts, (["post-balancing"], [], interleaved[1][1:])):
         _check_runs(tmp_path, 4, *layout, hook=hook, encoders_on_every_rank=on_every_rank)
     # the checkpoint holds every stage's encoders once and resumes them on every stage: the resumed step is the
     # straight run's third

@@ -65,8 +65,15 @@ def _train_runs(rank, world_size, runs, out_dir):
 
     providers.build_train_data_iterator = scripted_iterator
     stock_attention, stock_check = attention.context_parallel_attention, first_step.checked_step
+    stock_wrap = trainer.wrap_data_parallel
     for name, argv in runs:
-        built, calls, checks = [], {"padded": 0, "packed": 0}, []
+        built, calls, checks, wrapped = [], {"padded": 0, "packed": 0}, [], []
+
+        def wrap_data_parallel(*args, **kwargs):  # the model chunks as Megatron DDP reduces their gradients
+            wrapped.append(stock_wrap(*args, **kwargs))
+            return wrapped[-1]
+
+        trainer.wrap_data_parallel = wrap_data_parallel
 
         def checked_step(*args, **kwargs):  # the checked first steps' figures (the same on every rank)
             result, figures = stock_check(*args, **kwargs)
@@ -96,6 +103,8 @@ def _train_runs(rank, world_size, runs, out_dir):
         params = {f"chunk{k}.{n}" if k else n: p.detach().clone()  # a later model chunk's names prefixed
                   for k, chunk in enumerate(built) for n, p in chunk.named_parameters()}
         torch.save(params, out / f"params_rank{rank}.pt")
+        torch.save([(chunk.ddp_config.overlap_grad_reduce, chunk.ddp_config.use_distributed_optimizer,
+                     len(chunk.bucket_groups)) for chunk in wrapped], out / f"ddp_rank{rank}.pt")
         if records:
             config = built[0].config  # the backbone's: what its layers were built for
             torch.save({"losses": {r.iteration: r.lm_loss for r in records},
@@ -105,6 +114,7 @@ def _train_runs(rank, world_size, runs, out_dir):
                         "layout": (config.sequence_parallel, config.context_parallel_size),
                         "cp_attention_calls": calls, "checks": checks}, out / "log.pt")
     attention.context_parallel_attention, first_step.checked_step = stock_attention, stock_check
+    trainer.wrap_data_parallel = stock_wrap
 
 
 def train(tmp_path: Path, world_size: int, runs, timeout_s: float) -> dict:
@@ -116,6 +126,7 @@ def train(tmp_path: Path, world_size: int, runs, timeout_s: float) -> dict:
         logs[name] = torch.load(tmp_path / name / "log.pt")
         logs[name]["params"] = torch.load(tmp_path / name / "params_rank0.pt")
         logs[name]["params_of_rank"] = lambda rank, name=name: torch.load(tmp_path / name / f"params_rank{rank}.pt")
+        logs[name]["ddp_of_rank"] = lambda rank, name=name: torch.load(tmp_path / name / f"ddp_rank{rank}.pt")
     return logs
 
 
@@ -155,10 +166,10 @@ def assert_same_encoder_tp1_run(got: dict, want: dict, iterations: int, what: st
                                                                                      want["grad_norms"])
 
 
-def assert_first_step_checked(logs: dict):
-    """The ``all`` run's first step checked against the loader's layout (``--orch-verify-first-step``: the loss, the
+def assert_first_step_checked(logs: dict, run: str = "all"):
+    """The ``run``'s first step checked against the loader's layout (``--orch-verify-first-step``: the loss, the
     gradient norms, the encoder outputs within :data:`TOLERANCE`); the upstream run unchecked."""
-    check, = logs["all"]["checks"]  # the first step holds items of every phase
+    check, = logs[run]["checks"]  # the first step holds items of every phase
     assert check["loss"] <= TOLERANCE and check["gradient norms"] <= TOLERANCE, check
     assert check["encoder outputs"].keys() == {"vision", "audio"}, check
     assert max(check["encoder outputs"].values()) <= TOLERANCE, check
@@ -218,36 +229,69 @@ def test_cp2_dp2_padded_and_packed_rows_are_invariant_and_equal_cp1(dp2_whole, t
 
 
 def test_tp2_sequence_parallel_cp2_dp2_is_invariant(tmp_path):
-    """Eight ranks, one step (the heavy one): sequence and context parallelism together."""
+    """Eight ranks, one step (the heavy one): sequence and context parallelism together; also with the encoders at
+    TP 1 on every rank (``all``, its first step checked): each CP rank's encoder group (DP 2 x 2 encoder replicas)
+    encodes every item, as every CP rank of a replica does upstream, and the encoder gradients are summed over the
+    replicas, then by DDP over DP x CP."""
     iters = ["--train-iters", "1"]
-    logs = train(tmp_path, 8, [("upstream", SP + CP + iters), ("balanced", SP + CP + iters + BALANCED)],
+    logs = train(tmp_path, 8, [("upstream", SP + CP + iters), ("balanced", SP + CP + iters + BALANCED),
+                               ("encoder_tp1", SP + CP + iters + BALANCED + [
+                                   "--orch-encoder-ranks", "all", "--orch-encoder-tensor-parallel-size", "1",
+                                   "--orch-verify-first-step"])],
                  timeout_s=600)
-    assert logs["upstream"]["layout"] == logs["balanced"]["layout"] == (True, 2)
+    assert logs["upstream"]["layout"] == logs["balanced"]["layout"] == logs["encoder_tp1"]["layout"] == (True, 2)
     assert_same_run(logs["balanced"], logs["upstream"], 1, "TP 2 + SP x CP 2 x DP 2, post-balancing on / off")
     assert_plan_balances(logs["balanced"])
+    assert_first_step_checked(logs, "encoder_tp1")
+    assert_same_encoder_tp1_run(logs["encoder_tp1"], logs["upstream"], 1,
+                                "TP 2 + SP x CP 2 x DP 2, encoders at TP 1 / upstream")
+    assert_plan_balances(logs["encoder_tp1"])
+    heavy = logs["encoder_tp1"]["items_encoded"][0]
+    assert len(heavy["vision"]) == 8 and min(heavy["vision"]) > 0, heavy
+    print("encoder_tp1 heavy step items per rank:", heavy)
 
 
 def test_pp2_dp2_encoders_on_every_stage_is_invariant(tmp_path):
     """PP 2 x DP 2, the encoders on the first stage (Megatron's layout, post-balancing off) against the encoders on
     every stage (on, ``all``, its first step checked against the loader's layout): every rank encodes, the check
     passes, the losses and parameters agree, and the second stage's encoders train to the first stage's
-    parameters."""
-    flags = ["--pipeline-model-parallel-size", "2", "--train-iters", "2"]
-    logs = train(tmp_path, 4, [("upstream", flags), ("all", flags + BALANCED + ["--orch-encoder-ranks", "all",
-                                                                                "--orch-verify-first-step"])],
-                 timeout_s=420)
+    parameters. The same with Megatron DDP's overlapped reduction (``--overlap-grad-reduce``, small buckets: the
+    first stage's gradients in many), all-reduced and, with Adam (its lower learning rate keeps Adam's per-element
+    rescaling of rounding noise under the tolerance), reduce-scattered (``--use-distributed-optimizer``, gradient
+    norms compared too: Adam would hide a gradient off by a factor). From their second step on (DDP calibrates on the
+    first step's balanced run) a bucket's reduction starts when its last gradient reports ready, which the encoders'
+    must do only once summed over the stages; the third step has no vision items at all (every vision encoder
+    reports zeros)."""
+    flags = ["--pipeline-model-parallel-size", "2", "--train-iters", "3"]
+    adam = ["--optimizer", "adam", "--lr", "1e-3"]
+    all_ranks = BALANCED + ["--orch-encoder-ranks", "all", "--orch-verify-first-step"]
+    overlap = ["--overlap-grad-reduce", "--ddp-bucket-size", "20000"]
+    logs = train(tmp_path, 4, [("upstream", flags), ("all", flags + all_ranks), ("overlap", flags + all_ranks + overlap),
+                               ("upstream_adam", flags + adam),
+                               ("overlap_distopt", flags + adam + all_ranks + overlap + ["--use-distributed-optimizer"])],
+                 timeout_s=600)
     assert_first_step_checked(logs)
-    assert_same_run(logs["all"], logs["upstream"], 2, "PP 2 x DP 2, encoders on every stage / upstream")
+    assert_same_run(logs["all"], logs["upstream"], 3, "PP 2 x DP 2, encoders on every stage / upstream")
+    for run, upstream, distributed_optimizer in (("overlap", "upstream", False),
+                                                 ("overlap_distopt", "upstream_adam", True)):
+        assert_first_step_checked(logs, run)
+        (overlapped, distributed, buckets), = logs[run]["ddp_of_rank"](0)  # stage 0 (stage 1: one bucket)
+        assert overlapped and distributed == distributed_optimizer and buckets > 10, logs[run]["ddp_of_rank"](0)
+        assert_same_run(logs[run], logs[upstream], 3, f"PP 2 x DP 2, encoders on every stage, {run} / {upstream}")
+        for iteration, norm in logs[upstream]["grad_norms"].items():
+            assert logs[run]["grad_norms"][iteration] == pytest.approx(norm, rel=TOLERANCE), (logs[run]["grad_norms"],
+                                                                                             logs[upstream]["grad_norms"])
     assert_plan_balances(logs["all"])
     heavy = logs["all"]["items_encoded"][0]  # every vision item on DP rank 0 as loaded
     assert len(heavy["vision"]) == 4 and min(heavy["vision"]) > 0, heavy
     assert max(heavy["vision"]) - min(heavy["vision"]) <= 1, heavy
-    assert logs["upstream"]["items_encoded"] == [None, None]
-    stage_1 = logs["all"]["params_of_rank"](2)  # stage 1 of DP rank 0 (ranks stage * DP + dp)
-    encoders = {name: value for name, value in logs["all"]["params"].items() if name.startswith("encoders.")}
-    assert encoders and all(name in stage_1 for name in encoders)
-    for name, value in encoders.items():
-        torch.testing.assert_close(stage_1[name], value, rtol=0, atol=0, msg=lambda m: f"stage 1 {name}: {m}")
+    assert logs["upstream"]["items_encoded"] == [None] * 3
+    for run in ("all", "overlap", "overlap_distopt"):
+        stage_1 = logs[run]["params_of_rank"](2)  # stage 1 of DP rank 0 (ranks stage * DP + dp)
+        encoders = {name: value for name, value in logs[run]["params"].items() if name.startswith("encoders.")}
+        assert encoders and all(name in stage_1 for name in encoders)
+        for name, value in encoders.items():
+            torch.testing.assert_close(stage_1[name], value, rtol=0, atol=0, msg=lambda m: f"{run}, stage 1 {name}: {m}")
 
 
 def test_tp2_pp2_dp2_encoders_at_tensor_parallel_1_on_every_rank_is_invariant(tmp_path):

@@ -15,7 +15,7 @@ from megatron_orch.balance.plan import Placement, Transfer
 from megatron_orch.balance.step_model import ENCODER_RANKS
 from megatron_orch.balance.topology import Topology
 from megatron_orch.balance.workload import phase_items
-from megatron_orch.megatron.orch_arguments import add_orch_args, orch_config_from_args
+from megatron_orch.megatron.orch_arguments import add_orch_args, encoder_ranks_unsupported, orch_config_from_args
 from megatron_orch.mllm.config import load_model_config
 from megatron_orch.orchestrator.config import ConfigError, EncoderRanks, OrchestratorConfig
 from megatron_orch.orchestrator.encoder_ranks import (CopiedStepMove, OwnEncoderRanks, PlannedStep,
@@ -304,10 +304,8 @@ def test_encoder_ranks_of_their_own_refuse_what_they_do_not_run():
 
 
 def test_unsupported_layouts_are_named():
-    fine = dict(context_parallel_size=1, overlap_grad_reduce=False, sharded=None)
+    fine = dict(sharded=None)
     assert unsupported_layout(**fine) is None
-    assert "--context-parallel-size 2" in unsupported_layout(**{**fine, "context_parallel_size": 2})
-    assert "--overlap-grad-reduce" in unsupported_layout(**{**fine, "overlap_grad_reduce": True})
     assert "--use-torch-fsdp2" in unsupported_layout(**{**fine, "sharded": "--use-torch-fsdp2"})
     assert unsupported_layout(**fine, tensor_parallel_size=4, encoder_tensor_parallel_size=2) is None
     assert unsupported_layout(**fine, tensor_parallel_size=4, encoder_tensor_parallel_size=3).startswith(
@@ -376,6 +374,9 @@ def _parser():
     parser = add_orch_args(argparse.ArgumentParser())
     parser.add_argument("--pipeline-model-parallel-size", type=int, default=1)
     parser.add_argument("--overlap-grad-reduce", action="store_true")
+    parser.add_argument("--use-distributed-optimizer", action="store_true")
+    parser.add_argument("--context-parallel-size", type=int, default=1)
+    parser.add_argument("--use-torch-fsdp2", action="store_true")
     parser.add_argument("--tensor-model-parallel-size", type=int, default=1)
     parser.add_argument("--sequence-parallel", action="store_true")
     return parser
@@ -392,11 +393,23 @@ def test_orch_encoder_ranks_flag():
     assert orch_config_from_args(parse(["--orch-post-balancing", "--orch-encoder-ranks", "all",
                                         "--orch-verify-first-step"])).verify_first_step
     auto = parse(["--orch-post-balancing", "--orch-all-to-all", "node-wise", "--pipeline-model-parallel-size", "2",
-                  "--overlap-grad-reduce"])  # auto is not refused what all would be: it decides later
+                  "--use-torch-fsdp2"])  # auto is not refused what all would be: it decides later
     assert orch_config_from_args(auto).encoder_ranks is EncoderRanks.AUTO
-    with pytest.raises(ValueError, match="--orch-encoder-ranks all with --overlap-grad-reduce is not supported"):
+    with pytest.raises(ValueError, match="--orch-encoder-ranks all with --use-torch-fsdp2 is not supported"):
         orch_config_from_args(parse(["--orch-post-balancing", "--orch-encoder-ranks", "all",
-                                     "--pipeline-model-parallel-size", "2", "--overlap-grad-reduce"]))
+                                     "--pipeline-model-parallel-size", "2", "--use-torch-fsdp2"]))
+    # Megatron DDP's overlapped reduction (all-reduced or reduce-scattered), context parallelism: all runs them, and
+    # auto picks it
+    for layout in (["--overlap-grad-reduce"], ["--overlap-grad-reduce", "--use-distributed-optimizer"],
+                   ["--context-parallel-size", "2"]):
+        layout = ["--pipeline-model-parallel-size", "2", *layout]
+        asked = orch_config_from_args(parse(["--orch-post-balancing", "--orch-encoder-ranks", "all", *layout]))
+        assert asked.encoder_ranks is EncoderRanks.ALL
+        args = parse(["--orch-post-balancing", *layout])
+        assert encoder_ranks_unsupported(args) is None
+        decided = decide_encoder_ranks(orch_config_from_args(args), pipeline_parallel_size=2, tensor_parallel_size=1,
+                                       unavailable=encoder_ranks_unsupported(args))
+        assert (decided.asked, decided.ranks) == (EncoderRanks.AUTO, EncoderRanks.ALL), decided
     with pytest.raises(ValueError, match="--orch-encoder-ranks given without --orch-post-balancing"):
         orch_config_from_args(parse(["--orch-encoder-ranks", "all"]))
 

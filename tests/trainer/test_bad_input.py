@@ -367,17 +367,20 @@ def test_encoders_on_every_stage_are_refused_where_they_do_not_fit_one_gpu():
 
 def test_encoder_ranks_auto_is_all_where_it_differs_runs_and_fits_else_first_stage():
     """--orch-encoder-ranks auto (the default), decided while the flags are checked: all with PP 2 where it fits
-    --orch-gpu-memory-gb (or nothing to check it against: no GPU here), first-stage where it does not fit, where the
-    layout does not run it (--overlap-grad-reduce) or where it would be the same layout (PP 1); never refused. The
-    decided value is what args and a checkpoint record."""
+    --orch-gpu-memory-gb (or nothing to check it against: no GPU here), also with Megatron DDP's overlapped reduction
+    and the distributed optimizer, and with context parallelism; first-stage where it does not fit, where the layout
+    does not run it (an encoder TP that does not divide TP) or where it would be the same layout (PP 1); never refused. The decided value
+    is what args and a checkpoint record."""
     pp2 = [*BALANCED, "--pipeline-model-parallel-size", "2"]
     for flags, ranks, reason in [
             (pp2, "all", r"over DP x 2 pipeline stages x 1 encoder replica .*; per-GPU memory not checked"),
             (pp2 + ["--orch-gpu-memory-gb", "80"], "all", r"; fits --orch-gpu-memory-gb 80 \(per-GPU memory model\)"),
             (pp2 + ["--orch-gpu-memory-gb", "0.001"], "first-stage",
              r"--orch-encoder-ranks all does not fit --orch-gpu-memory-gb \(0\.0 GB\)"),
-            (pp2 + ["--overlap-grad-reduce", "--use-distributed-optimizer"], "first-stage",
-             r"--orch-encoder-ranks all with --overlap-grad-reduce is not supported"),
+            (pp2 + ["--overlap-grad-reduce", "--use-distributed-optimizer"], "all", r"over DP x 2 pipeline stages"),
+            (pp2 + ["--context-parallel-size", "2"], "all", r"over DP x 2 pipeline stages"),
+            (pp2 + ["--tensor-model-parallel-size", "2", "--orch-encoder-tensor-parallel-size", "3"], "first-stage",
+             r"--orch-encoder-tensor-parallel-size 3 does not divide --tensor-model-parallel-size 2"),
             (BALANCED, "first-stage", r"one pipeline stage")]:
         args = parse(*flags, world_size=4)
         decision = args.encoder_ranks_decision
