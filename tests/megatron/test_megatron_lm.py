@@ -326,7 +326,7 @@ def test_check_args_names_what_post_balancing_cannot_run_with():
 def test_encoder_ranks_under_megatron_training():
     """``--orch-encoder-ranks auto`` (the default) under megatron.training, decided as the compact trainer decides:
     ``all`` with PP 2 where the layout runs it and it fits (no GPU here: not checked; check_args passes it), else
-    first-stage saying why: it does not fit ``--orch-gpu-memory-gb``, the layout does not run it (CP 2), the
+    first-stage saying why: it does not fit ``--orch-gpu-memory-gb``, the layout does not run it (FSDP2), the
     encoders at a TP of their own (what megatron.training's checkpoint cannot hold); ``all`` given is kept."""
     from megatron_orch.megatron import megatron_lm
     from megatron_orch.mllm.config import load_model_config
@@ -348,7 +348,7 @@ def test_encoder_ranks_under_megatron_training():
     megatron_lm.check_args(args)
     for changes, reason in ((dict(orch_gpu_memory_gb=1e-6), "--orch-encoder-ranks all does not fit "
                                                             "--orch-gpu-memory-gb"),
-                            (dict(context_parallel_size=2), "--context-parallel-size 2 is not supported"),
+                            (dict(use_torch_fsdp2=True), "--use-torch-fsdp2 is not supported"),
                             (dict(pipeline_model_parallel_size=1, tensor_model_parallel_size=2,
                                   orch_encoder_tensor_parallel_size=1,
                                   orch_config=OrchestratorConfig(encoder_tensor_parallel_size=1)),
