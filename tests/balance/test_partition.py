@@ -175,6 +175,14 @@ def test_lpt_matches_reference_with_runs_of_equal_costs(num_bins, run, value, re
     assert p.bin_of_item.tolist() == reference_lpt(costs, num_bins)
 
 
+@pytest.mark.parametrize("num_bins", [3, 64, 300, 1000])
+def test_lpt_matches_reference_on_many_bins_and_ties(num_bins):
+    """Many bins (the kernel's loser tree over a padded power of two) and many equal loads: the heap's bins."""
+    rng = np.random.default_rng(num_bins)
+    costs = rng.integers(1, 6, 5000).astype(np.float64) * rng.choice([1.0, 1e3], 5000)
+    assert partition(costs, num_bins, method="lpt").bin_of_item.tolist() == reference_lpt(costs.tolist(), num_bins)
+
+
 def reference_ffd(costs, memory, memory_cap, capacity, num_bins):
     """Plain-Python first-fit decreasing: items by decreasing cost (ties: smaller id), each to the lowest bin
     whose load and memory leave room for it (the kernel's comparisons); (bins, first item that fits nowhere
