@@ -202,6 +202,42 @@ def rank_loads_max(rank, weights, num_ranks):
 
 
 @numba.njit(**_JIT)
+def loads_before_after(before_rank, after_rank, weights, num_ranks):
+    """(per-rank sums of ``weights`` by ``before_rank``, the largest per-rank sum by ``after_rank``) in one pass:
+    ``np.bincount(before_rank, weights)`` and :func:`rank_loads_max` of ``after_rank``, each summed in item order
+    as numpy sums, so bit for bit the same (a phase's loads as loaded and as planned)."""
+    before = np.zeros(num_ranks)
+    after = np.zeros(num_ranks)
+    for i in range(weights.size):
+        before[before_rank[i]] += weights[i]
+        after[after_rank[i]] += weights[i]
+    return before, after.max() if num_ranks else 0.0
+
+
+@numba.njit(**_JIT)
+def sums_by_parent(parent_key, parent, weights, num_keys):
+    """``np.bincount(parent_key[parent], weights, minlength=num_keys)`` without building ``parent_key[parent]``
+    (child items summed into their parent's key, in item order as numpy sums: bit for bit the same)."""
+    out = np.zeros(num_keys)
+    for j in range(parent.size):
+        out[parent_key[parent[j]]] += weights[j]
+    return out
+
+
+@numba.njit(**_JIT)
+def padded_sums(key, values, num_keys):
+    """Per key, the count of its items times their largest value (``np.bincount(key) * longest`` where
+    ``np.maximum.at(longest, key, values)``: rows padded to their longest), in one pass."""
+    count = np.zeros(num_keys)
+    longest = np.zeros(num_keys)
+    for i in range(key.size):
+        count[key[i]] += 1.0
+        if values[i] > longest[key[i]]:
+            longest[key[i]] = values[i]
+    return count * longest
+
+
+@numba.njit(**_JIT)
 def sources_by_example(home, at_home, example, item_rank, item_bytes):
     """Adds to ``at_home[e]`` the bytes of the items of example e computed on its home rank, and returns the
     others as (example, rank, bytes) arrays."""

@@ -326,12 +326,23 @@ def _price_rounds(queue, num_free, max_bids, row_start, row_node, row_w, cap, v,
 
 @numba.njit(**_JIT)
 def _sort_rows(row_start, row_node, row_w):
-    """Rows by decreasing weight, ties by increasing node (copies)."""
-    node = np.empty_like(row_node)
-    w = np.empty_like(row_w)
+    """Rows by decreasing weight, ties by increasing node (copies; rows come by increasing node). A row of at
+    most ``_INSERTION_ROW`` arcs (a bin pulls from few nodes) is sorted by insertion in place, a stable sort with
+    no allocation (an argsort per row took ~4 ms of the solve at DP 10240); a longer one by a stable argsort."""
+    node = row_node.copy()
+    w = row_w.copy()
     for b in range(row_start.size - 1):
         lo, hi = row_start[b], row_start[b + 1]
-        order = np.argsort(-row_w[lo:hi], kind="mergesort")  # rows come by increasing node
+        if hi - lo <= _INSERTION_ROW:
+            for t in range(lo + 1, hi):
+                wt, nt = w[t], node[t]
+                u = t
+                while u > lo and w[u - 1] < wt:
+                    w[u], node[u] = w[u - 1], node[u - 1]
+                    u -= 1
+                w[u], node[u] = wt, nt
+            continue
+        order = np.argsort(-row_w[lo:hi], kind="mergesort")
         for t in range(hi - lo):
             node[lo + t] = row_node[lo + order[t]]
             w[lo + t] = row_w[lo + order[t]]

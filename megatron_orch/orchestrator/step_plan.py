@@ -426,12 +426,12 @@ def plan_step(sizes: StepSizes, phases: ModelPhases, config: OrchestratorConfig,
     for phase in phases.encoder_names:
         phase_item = items[phase]
         example, costs, item_bytes = phase_item.example, phase_item.cost, phase_item.nbytes
-        rank, method = _balance_encoder(costs, home[example], item_bytes, num_ranks, topology, config,
+        rank, method = _balance_encoder(costs, phase_item.home, item_bytes, num_ranks, topology, config,
                                         config.balances(phase))
         encoders[phase] = EncoderPhasePlan(example=example, home=examples_home.expand(example),
                                            encode=Placement.from_ranks(rank, num_ranks))
         rank_of_item[phase] = (example, rank, phase_item.output_nbytes)
-        stats[phase], home_loads = _phase_stats(method, costs, home[example], rank, num_ranks)
+        stats[phase], home_loads = _phase_stats(method, costs, phase_item.home, rank, num_ranks)
         loads.append((home_loads, stats[phase].max_after))
 
     backbone = phases.backbone.name
@@ -565,7 +565,8 @@ def _plan_memory(items: Dict[str, PhaseItems], phases: ModelPhases, encoders: Di
 
     llm = items[backbone]
     upstream_key = llm.home * num_microbatches + home_microbatch
-    upstream_encoders = {p: np.bincount(upstream_key[items[p].example], weights=items[p].memory, minlength=cells)
+    upstream_encoders = {p: _plan_kernels.sums_by_parent(upstream_key, items[p].example,
+                                                         np.ascontiguousarray(items[p].memory, dtype=np.float64), cells)
                          for p in encoders}
     upstream_backbone = _microbatch_memory(upstream_key, llm.memory, cells, padded=True)
     encoders_per_cell = sum(upstream_encoders.values(), np.zeros(cells))
@@ -615,9 +616,8 @@ def _microbatch_memory(key: np.ndarray, memory: np.ndarray, cells: int, padded: 
     padded to their longest example (``padded``), or the examples back to back."""
     if not padded:
         return np.bincount(key, weights=memory, minlength=cells)
-    longest = np.zeros(cells)
-    np.maximum.at(longest, key, memory)
-    return np.bincount(key, minlength=cells) * longest
+    return _plan_kernels.padded_sums(np.ascontiguousarray(key, dtype=np.int64),
+                                     np.ascontiguousarray(memory, dtype=np.float64), cells)
 
 
 def _step_time(loads: Sequence[Tuple[np.ndarray, float]], num_ranks: int) -> Tuple[float, float]:
@@ -631,10 +631,12 @@ def _step_time(loads: Sequence[Tuple[np.ndarray, float]], num_ranks: int) -> Tup
 
 def _phase_stats(method, costs, home_rank, rank, num_ranks) -> Tuple[PhaseStats, np.ndarray]:
     """The phase's :class:`PhaseStats` and its per-rank load as loaded (for :func:`_step_time`)."""
-    home_loads = np.bincount(home_rank, weights=costs, minlength=num_ranks)
+    home_loads, max_after = _plan_kernels.loads_before_after(np.ascontiguousarray(home_rank, dtype=np.int64),
+                                                             np.ascontiguousarray(rank, dtype=np.int64),
+                                                             np.ascontiguousarray(costs, dtype=np.float64),
+                                                             num_ranks)
     return PhaseStats(method=method, items=int(costs.size), max_before=float(home_loads.max(initial=0)),
-                      mean=float(costs.sum() / num_ranks),
-                      max_after=_plan_kernels.rank_loads_max(rank, costs, num_ranks)), home_loads
+                      mean=float(costs.sum() / num_ranks), max_after=max_after), home_loads
 
 
 def warm_up(phases: ModelPhases, config: OrchestratorConfig,

@@ -8,6 +8,8 @@ from hypothesis import given, settings, strategies as st
 
 from megatron_orch.balance.partition import (Outcome, equal_count_lower_bound, partition,
                                              partition_equal_count, partition_locality)
+from megatron_orch.balance import _kernels
+from megatron_orch.balance._kernels import first_fit
 from megatron_orch.balance.registry import PARTITIONERS
 
 METHODS = tuple(entry.name for entry in PARTITIONERS.builtins())  # lpt, kk, bs_ffd
@@ -171,6 +173,51 @@ def test_lpt_matches_reference_with_runs_of_equal_costs(num_bins, run, value, re
     p = partition(costs, num_bins, method="lpt")
     check_assignment(p, costs, num_bins)
     assert p.bin_of_item.tolist() == reference_lpt(costs, num_bins)
+
+
+@pytest.mark.parametrize("num_bins", [3, 64, 300, 1000])
+def test_lpt_matches_reference_on_many_bins_and_ties(num_bins):
+    """Many bins (the kernel's loser tree over a padded power of two) and many equal loads: the heap's bins."""
+    rng = np.random.default_rng(num_bins)
+    costs = rng.integers(1, 6, 5000).astype(np.float64) * rng.choice([1.0, 1e3], 5000)
+    assert partition(costs, num_bins, method="lpt").bin_of_item.tolist() == reference_lpt(costs.tolist(), num_bins)
+
+
+def reference_ffd(costs, memory, memory_cap, capacity, num_bins):
+    """Plain-Python first-fit decreasing: items by decreasing cost (ties: smaller id), each to the lowest bin
+    whose load and memory leave room for it (the kernel's comparisons); (bins, first item that fits nowhere
+    or -1)."""
+    load, used, bins = [0.0] * num_bins, [0.0] * num_bins, [0] * len(costs)
+    for item in sorted(range(len(costs)), key=lambda i: (-costs[i], i)):
+        fit = [b for b in range(num_bins)
+               if load[b] <= capacity - costs[item] and memory_cap - used[b] >= memory[item]]
+        if not fit:
+            return bins, item
+        bins[item] = fit[0]
+        load[fit[0]] += costs[item]
+        used[fit[0]] += memory[item]
+    return bins, -1
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.integers(1, 13), st.lists(st.sampled_from([0.0, 0.5, 1.0, 2.5, 3.0]) | st.floats(0.0, 5.0),
+                                    max_size=50),
+       st.sampled_from([0.6, 0.9, 1.0, 1.01, 1.3, 2.0, math.inf]), st.sampled_from([math.inf, 4.0, 9.0]),
+       st.randoms(use_true_random=False))
+def test_first_fit_decreasing_matches_reference(num_bins, costs, slack, memory_cap, rnd):
+    """Both first-fit kernels (without a memory cap: the least-load tree alone; with one: the two-key tree),
+    at capacities below, at and above what the items need: the same bins and the same refused item as the
+    plain loop."""
+    costs = np.asarray(costs, dtype=np.float64)
+    memory = np.array([float(rnd.randint(0, 3)) for _ in costs]) if memory_cap < math.inf else np.zeros(costs.size)
+    order = _kernels.decreasing(costs)
+    capacity = slack * max(costs.sum() / num_bins, costs.max(initial=0.0)) if slack < math.inf else math.inf
+    bins = np.zeros(costs.size, dtype=np.int64)
+    status = first_fit.ffd(costs, memory, memory_cap, order, num_bins, capacity, bins)
+    expected, refused = reference_ffd(costs.tolist(), memory.tolist(), memory_cap, capacity, num_bins)
+    assert status == refused
+    if refused < 0:
+        assert bins.tolist() == expected
 
 
 def test_equal_count_kk_path_matches_reference():

@@ -75,6 +75,32 @@ def test_moved_bytes_and_microbatches_match_numpy():
         assert np.array_equal(micro[order], np.arange(order.size) // 3)
 
 
+@settings(max_examples=100, deadline=None)
+@given(st.integers(1, 9), st.integers(0, 300), st.integers(0, 2**31 - 1))
+def test_loads_before_after_are_numpys_sums_bit_for_bit(num_ranks, num_items, seed):
+    rng = np.random.default_rng(seed)
+    before, after = rng.integers(0, num_ranks, num_items), rng.integers(0, num_ranks, num_items)
+    weights = rng.lognormal(0, 3, num_items)
+    loads, most = _plan_kernels.loads_before_after(before, after, weights, num_ranks)
+    assert loads.tobytes() == np.bincount(before, weights=weights, minlength=num_ranks).tobytes()
+    assert most == np.bincount(after, weights=weights, minlength=num_ranks).max()
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.integers(1, 9), st.integers(1, 40), st.integers(0, 300), st.integers(0, 2**31 - 1))
+def test_sums_by_parent_and_padded_sums_are_numpys_bit_for_bit(num_keys, num_parents, num_items, seed):
+    rng = np.random.default_rng(seed)
+    parent_key, parent = rng.integers(0, num_keys, num_parents), rng.integers(0, num_parents, num_items)
+    weights = rng.lognormal(0, 3, num_items) * (rng.random(num_items) < 0.8)  # some zeros
+    assert (_plan_kernels.sums_by_parent(parent_key, parent, weights, num_keys).tobytes()
+            == np.bincount(parent_key[parent], weights=weights, minlength=num_keys).tobytes())
+    key = parent_key[parent]
+    longest = np.zeros(num_keys)
+    np.maximum.at(longest, key, weights)
+    assert (_plan_kernels.padded_sums(key, weights, num_keys).tobytes()
+            == (np.bincount(key, minlength=num_keys) * longest).tobytes())
+
+
 def test_a_compile_is_announced_before_it_runs_and_timed_after_and_a_compiled_kernel_says_nothing(monkeypatch):
     lines = []
 

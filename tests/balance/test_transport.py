@@ -160,6 +160,22 @@ def test_merge_pairs_sums_sorts_and_drops_zeros(n, num_rows, num_cols, order):
     assert empty[0].tolist() == [0, 0, 0, 0] and empty[1].size == 0
 
 
+@pytest.mark.parametrize("longest_row", [1, 5, _transport._INSERTION_ROW, _transport._INSERTION_ROW + 1, 300])
+def test_rows_sorted_by_decreasing_weight_ties_by_node(longest_row):
+    """Short rows (insertion) and long ones (argsort) alike: each row by decreasing weight, equal weights by
+    increasing node, as a stable sort of the row (given by increasing node) on minus the weight."""
+    rng = np.random.default_rng(longest_row)
+    lengths = np.append(rng.integers(0, longest_row + 1, 60), longest_row)
+    row_start = np.concatenate(([0], np.cumsum(lengths)))
+    node = np.concatenate([np.sort(rng.choice(400, k, replace=False)) for k in lengths]).astype(np.int64)
+    weight = rng.integers(1, 6, node.size)  # many ties
+    sorted_node, sorted_weight = _transport._sort_rows(row_start, node, weight)
+    for lo, hi in zip(row_start[:-1], row_start[1:]):
+        order = np.argsort(-weight[lo:hi], kind="stable")
+        assert np.array_equal(sorted_node[lo:hi], node[lo:hi][order])
+        assert np.array_equal(sorted_weight[lo:hi], weight[lo:hi][order])
+
+
 @pytest.mark.parametrize("size", [1, 2, 3, 5])
 def test_in_node_assignment_matches_brute_force(size):
     rng = np.random.default_rng(size)

@@ -17,6 +17,8 @@ def ffd(costs, memory, memory_cap, order, num_bins, capacity, bin_of_item):
 
     Returns -1 on success, else the first item that fits nowhere.
     """
+    if memory_cap == np.inf:
+        return _ffd_without_memory(costs, order, num_bins, capacity, bin_of_item)
     load = np.zeros(num_bins)
     bin_mem = np.zeros(num_bins)
     tree_load, tree_room, width = _tree_new(load, np.full(num_bins, memory_cap))
@@ -29,6 +31,38 @@ def ffd(costs, memory, memory_cap, order, num_bins, capacity, bin_of_item):
         load[b] += c
         bin_mem[b] += memory[item]
         _tree_set(tree_load, tree_room, width, b, load[b], memory_cap - bin_mem[b])
+    return -1
+
+
+@numba.njit(**_JIT)
+def _ffd_without_memory(costs, order, num_bins, capacity, bin_of_item):
+    """:func:`ffd` without a memory cap (every bin has room): a tree of least loads alone, walked down once per
+    item (the left child wherever it fits, so the lowest such bin) and updated upwards only while a node's least
+    load changes. The same bins, loads summed in the same order, ~2.3x less CPU than the two-key tree (DP 10240)."""
+    width = 1
+    while width < num_bins:
+        width *= 2
+    least = np.full(2 * width, np.inf)  # least[width + b]: bin b's load; above: the least load below a node
+    least[width:width + num_bins] = 0.0
+    for v in range(width - 1, 0, -1):
+        least[v] = min(least[2 * v], least[2 * v + 1])
+    for item in order:
+        c = costs[item]
+        fits = capacity - c
+        if not least[1] <= fits:
+            return item
+        v = 1
+        while v < width:
+            v = 2 * v if least[2 * v] <= fits else 2 * v + 1
+        bin_of_item[item] = v - width
+        least[v] += c
+        v //= 2
+        while v >= 1:
+            lower = min(least[2 * v], least[2 * v + 1])
+            if least[v] == lower:
+                break
+            least[v] = lower
+            v //= 2
     return -1
 
 
