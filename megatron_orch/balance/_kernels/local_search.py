@@ -205,6 +205,13 @@ def _exchange_with(costs, memory, memory_cap, load, bin_mem, top, b, top_items, 
 
 
 @numba.njit(**_INLINE)
+def _cannot_beat(top_load, partner_load, best):
+    """No exchange between bins of these loads gives both below ``best``: the larger of the two new loads is at
+    least their mean (with a margin far above the rounding of the loads' sums)."""
+    return 0.5 * (top_load + partner_load) * (1.0 - 1e-12) >= best
+
+
+@numba.njit(**_INLINE)
 def _cheapest_swap(costs, memory, memory_cap, load, bin_mem, bin_of_item, top, top_items, num_top, order, scan,
                    best, best_out, best_in, floor):
     """Best swap of one item of the top bin for one of the batch's cheapest items that beats ``best``.
@@ -226,7 +233,7 @@ def _cheapest_swap(costs, memory, memory_cap, load, bin_mem, bin_of_item, top, t
             continue
         seen += 1
         gap = top_load - load[b]
-        if gap <= 0.0:
+        if gap <= 0.0 or _cannot_beat(top_load, load[b], best):
             continue
         target = costs[j] + 0.5 * gap
         lo, hi = 0, num_top  # the first of the top bin's items costing >= target
@@ -544,6 +551,8 @@ def refine(costs, memory, memory_cap, num_bins, bin_of_item, allow_moves, stop_a
                     num_top_pairs = _pair_sums(costs, top_items, num_top, top_pairs[0], top_pairs[1], top_pairs[2])
                 for q in range(num_p if kind < 2 else min(num_p, _PAIR_PARTNERS * width // partners)):
                     b = plist[q]
+                    if _cannot_beat(load[top], load[b], best):  # (partners by increasing load: nor any later one)
+                        break
                     num_b = _sorted_items(head, nxt, costs, b, partner_items, cache, cached, cache_width)
                     if kind < 2:
                         best, o, i = _exchange_with(costs, memory, memory_cap, load, bin_mem, top, b, top_items,
