@@ -75,6 +75,25 @@ def _gather_sorted(head, nxt, costs, b, out):
     return m
 
 
+@numba.njit(**_INLINE)
+def _sorted_items(head, nxt, costs, b, out, cache, cached, width):
+    """:func:`_gather_sorted` of bin ``b``, kept in ``cache[b * width:]`` (``cached[b]`` items; -1: to gather
+    again) until the bin changes: a step that widens to every bin reads thousands of bins, two of which change."""
+    m = cached[b]
+    if m >= 0:
+        base = b * width
+        for u in range(m):
+            out[u] = cache[base + u]
+        return m
+    m = _gather_sorted(head, nxt, costs, b, out)
+    if m <= width:
+        base = b * width
+        for u in range(m):
+            cache[base + u] = out[u]
+        cached[b] = m
+    return m
+
+
 @numba.njit(**_JIT)
 def _greedy_subset(costs, memory, items, count, target, limit, chosen):
     """Items (of ``items[:count]``, increasing cost) summing close to ``target`` and below ``limit``.
@@ -186,6 +205,13 @@ def _exchange_with(costs, memory, memory_cap, load, bin_mem, top, b, top_items, 
 
 
 @numba.njit(**_INLINE)
+def _cannot_beat(top_load, partner_load, best):
+    """No exchange between bins of these loads gives both below ``best``: the larger of the two new loads is at
+    least their mean (with a margin far above the rounding of the loads' sums)."""
+    return 0.5 * (top_load + partner_load) * (1.0 - 1e-12) >= best
+
+
+@numba.njit(**_INLINE)
 def _cheapest_swap(costs, memory, memory_cap, load, bin_mem, bin_of_item, top, top_items, num_top, order, scan,
                    best, best_out, best_in, floor):
     """Best swap of one item of the top bin for one of the batch's cheapest items that beats ``best``.
@@ -207,7 +233,7 @@ def _cheapest_swap(costs, memory, memory_cap, load, bin_mem, bin_of_item, top, t
             continue
         seen += 1
         gap = top_load - load[b]
-        if gap <= 0.0:
+        if gap <= 0.0 or _cannot_beat(top_load, load[b], best):
             continue
         target = costs[j] + 0.5 * gap
         lo, hi = 0, num_top  # the first of the top bin's items costing >= target
@@ -473,6 +499,9 @@ def refine(costs, memory, memory_cap, num_bins, bin_of_item, allow_moves, stop_a
         nxt[i] = head[b]
         head[b] = i
     rank = np.argsort(load, kind="mergesort")  # bins by increasing load, ties by id
+    cache_width = 2 * (n // num_bins + 1)  # each bin's items by cost, while it holds at most this many
+    cache = np.empty(num_bins * cache_width, dtype=np.int64)
+    cached = np.full(num_bins, -1, dtype=np.int64)
     top_items = np.empty(n, dtype=np.int64)
     partner_items = np.empty(n, dtype=np.int64)
     chosen = np.empty(n, dtype=np.int64)
@@ -495,7 +524,7 @@ def refine(costs, memory, memory_cap, num_bins, bin_of_item, allow_moves, stop_a
         if best <= stop_at:
             break
         best_b, num_out, num_in = -1, 0, 0
-        num_top = _gather_sorted(head, nxt, costs, top, top_items)
+        num_top = _sorted_items(head, nxt, costs, top, top_items, cache, cached, cache_width)
         num_top_pairs = -1  # the top bin's pairs, built when a two-for-two round needs them
         node_full = settle_at_stop and node_size > 0 and _node_load(load, top, node_size) > node_size * stop_at
         for turn in range(2):  # M's node (if node_size > 0), then anywhere; the other way round if M's node is full
@@ -522,7 +551,9 @@ def refine(costs, memory, memory_cap, num_bins, bin_of_item, allow_moves, stop_a
                     num_top_pairs = _pair_sums(costs, top_items, num_top, top_pairs[0], top_pairs[1], top_pairs[2])
                 for q in range(num_p if kind < 2 else min(num_p, _PAIR_PARTNERS * width // partners)):
                     b = plist[q]
-                    num_b = _gather_sorted(head, nxt, costs, b, partner_items)
+                    if _cannot_beat(load[top], load[b], best):  # (partners by increasing load: nor any later one)
+                        break
+                    num_b = _sorted_items(head, nxt, costs, b, partner_items, cache, cached, cache_width)
                     if kind < 2:
                         best, o, i = _exchange_with(costs, memory, memory_cap, load, bin_mem, top, b, top_items,
                                                     num_top, partner_items, num_b, kind, allow_moves,
@@ -536,6 +567,8 @@ def refine(costs, memory, memory_cap, num_bins, bin_of_item, allow_moves, stop_a
                         continue
                     if o >= 0:
                         best_b, num_out, num_in = b, o, i
+                    if best <= floor:  # settled: no later partner can beat it
+                        break
         if best_b < 0:
             if width < widest:
                 width = min(widest, _WIDEN * width)  # stuck among the least-loaded: again with more of them
@@ -562,6 +595,7 @@ def refine(costs, memory, memory_cap, num_bins, bin_of_item, allow_moves, stop_a
             load[dst] += costs[item]
             bin_mem[src] -= memory[item]
             bin_mem[dst] += memory[item]
+        cached[top] = cached[best_b] = -1
         new_partner_load = load[best_b]  # reposition one bin at a time, the other still in place
         load[best_b] = partner_load
         _reposition(load, rank, top, top_load)
