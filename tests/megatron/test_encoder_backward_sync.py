@@ -51,6 +51,21 @@ class RecordingNoSync:
             self.inside = False
 
 
+def _stubbed(module, pending, pipeline_group=None):
+    """For ``pending`` (the step's encoder chunks, :func:`_step_gradients`): a schedule whose gradient moves hand back
+    each phase's output gradient, the no_sync recorder of ``module``, a step of ``pipeline_group``, and each
+    parameter's gradient as one backward of the whole step computes it (the reference)."""
+    schedule = ModalityAwareSchedule(lambda **kwargs: [], dp_group=None)
+    grads = {phase: leaf.grad for phase, _, _, _, leaf in pending}
+    schedule._start_move = lambda step, phase, rows, inverse=False: (lambda: grads[phase])
+    step = types.SimpleNamespace(rows_per_item={"vision": 1, "audio": 1}, num_tokens=np.zeros(0),
+                                 pipeline_group=pipeline_group)
+    reference = TwoEncoders()
+    for phase, _, inputs, _, _ in pending:
+        torch.autograd.backward(reference.encode(phase, inputs), grads[phase])
+    return schedule, RecordingNoSync(module), step, dict(reference.named_parameters())
+
+
 def test_a_phases_gradients_report_ready_once_after_its_last_chunk():
     module = TwoEncoders()
     items = {"vision": torch.randn(5, 3), "audio": torch.randn(3, 3)}
@@ -64,19 +79,8 @@ def test_a_phases_gradients_report_ready_once_after_its_last_chunk():
         pending.append((phase, encode, inputs, chunks, leaf))
     assert [len(chunks) for _, _, _, chunks, _ in pending] == [3, 3]
 
-    schedule = ModalityAwareSchedule(lambda **kwargs: [], dp_group=None)
-    grads = {phase: leaf.grad for phase, _, _, _, leaf in pending}
-    schedule._start_move = lambda step, phase, rows, inverse=False: (lambda: grads[phase])
-    no_sync = RecordingNoSync(module)
-    step = types.SimpleNamespace(rows_per_item={"vision": 1, "audio": 1}, num_tokens=np.zeros(0),
-                                 pipeline_group=None)
+    schedule, no_sync, step, expected = _stubbed(module, pending)
     schedule._encoders_backward(step, module, pending, no_sync, synced=True)
-
-    # the whole step's gradient, computed in one backward as a reference
-    reference = TwoEncoders()
-    for phase, inputs in items.items():
-        torch.autograd.backward(reference.encode(phase, inputs), grads[phase])
-    expected = dict(reference.named_parameters())
     for name, param in module.named_parameters():
         torch.testing.assert_close(param.grad, expected[name].grad)
         assert len(no_sync.reported.get(name, [])) == 1, (name, len(no_sync.reported.get(name, [])))
@@ -108,12 +112,7 @@ def test_under_grad_sync_the_encoders_backward_reports_nothing_itself(num_chunks
     module = TwoEncoders()
     items = {"vision": torch.randn(3, 3), "audio": torch.randn(4, 3)}
     pending = _step_gradients(module, items)
-    schedule = ModalityAwareSchedule(lambda **kwargs: [], dp_group=None)
-    grads = {phase: leaf.grad for phase, _, _, _, leaf in pending}
-    schedule._start_move = lambda step, phase, rows, inverse=False: (lambda: grads[phase])
-    no_sync = RecordingNoSync(module)
-    step = types.SimpleNamespace(rows_per_item={"vision": 1, "audio": 1}, num_tokens=np.zeros(0),
-                                 pipeline_group=None)
+    schedule, no_sync, step, expected = _stubbed(module, pending)
     synced_chunks, finalized = [], []
 
     def grad_sync(chunk):  # the chunk's explicit sync: every encoder gradient is whole by then
@@ -127,10 +126,6 @@ def test_under_grad_sync_the_encoders_backward_reports_nothing_itself(num_chunks
         config, num_chunks, lambda synced: schedule._encoders_backward(step, module, pending, no_sync, synced))
     (config.grad_sync_func[0] if num_chunks > 1 else config.grad_sync_func)()
 
-    reference = TwoEncoders()
-    for phase, inputs in items.items():
-        torch.autograd.backward(reference.encode(phase, inputs), grads[phase])
-    expected = dict(reference.named_parameters())
     assert [chunk for chunk, _ in synced_chunks] == [0] and not finalized
     for name, grad in synced_chunks[0][1].items():
         torch.testing.assert_close(grad, expected[name].grad)
@@ -150,11 +145,8 @@ def test_on_every_stage_the_encoders_report_their_gradients_once_after_the_sum_o
     module = TwoEncoders()
     items = {"vision": torch.randn(5, 3), "audio": torch.randn(3, 3)}
     pending = _step_gradients(module, items)
-    runner = ModalityAwareSchedule(lambda **kwargs: [], dp_group=None)
-    grads = {phase: leaf.grad for phase, _, _, _, leaf in pending}
-    runner._start_move = lambda step, phase, rows, inverse=False: (lambda: grads[phase])
-    no_sync = RecordingNoSync(module)
     stages, before_sum = object(), []
+    runner, no_sync, step, expected = _stubbed(module, pending, pipeline_group=stages)
 
     def sum_over_stages(encoders, group):
         assert encoders is module and group is stages
@@ -163,14 +155,8 @@ def test_on_every_stage_the_encoders_report_their_gradients_once_after_the_sum_o
             param.grad.mul_(2)
 
     monkeypatch.setattr(schedule, "sum_encoder_gradients", sum_over_stages)
-    step = types.SimpleNamespace(rows_per_item={"vision": 1, "audio": 1}, num_tokens=np.zeros(0),
-                                 pipeline_group=stages)
     runner._encoders_backward(step, module, pending, no_sync, synced=synced)
 
-    reference = TwoEncoders()
-    for phase, inputs in items.items():
-        torch.autograd.backward(reference.encode(phase, inputs), grads[phase])
-    expected = dict(reference.named_parameters())
     assert len(before_sum) == 1
     for name, param in module.named_parameters():
         torch.testing.assert_close(before_sum[0][name], expected[name].grad, msg=lambda m: f"{name} summed early: {m}")
