@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import datetime
 import math
+import multiprocessing
 import multiprocessing.forkserver
 import multiprocessing.reduction
 import os
@@ -182,7 +183,12 @@ def _worker(rank: int, world_size: int, port: int, timeout_s: float, caller: _Ca
         dist.destroy_process_group()
     # On success, skip interpreter finalization: C++ teardown there (gloo and store threads) sometimes
     # aborts a rank after every check passed ("terminate called without an active exception"). A
-    # raising fn still reaches torch.multiprocessing's error file above.
+    # raising fn still reaches torch.multiprocessing's error file above. Skipped finalization would leave the
+    # rank's own child processes waiting forever (megatron-core's checkpoint writer starts a multiprocessing
+    # Manager): they are stopped first.
+    for child in multiprocessing.active_children():
+        child.terminate()
+        child.join(timeout=10)
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)
