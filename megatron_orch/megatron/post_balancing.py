@@ -549,8 +549,7 @@ class PostBalancingDataIterator:
             size = dist.get_world_size(groups.encoder_group)
             if size != own.num_ranks or len(where) != 1 or where[0][0] != self.rank:
                 raise ValueError(f"rank {self.encoder_rank} of the encoder group of {size} ranks, DP rank {self.rank}, "
-                                 f"is not a "
-                                 f"backbone rank of DP rank {self.rank} in the layout {own}")
+                                 f"is not a backbone rank of DP rank {self.rank} in the layout {own}")
             self.replica = int(where[0][1])
         elif groups.encoder_group is not None:  # the encoders on every stage: ranks (stage * DP + dp) * R + j
             dp_size, replicas = dist.get_world_size(groups.dp_group), groups.tp_replicas

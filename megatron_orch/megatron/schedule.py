@@ -353,7 +353,8 @@ class ModalityAwareSchedule:
         for phase, _, _, chunks, _ in pending:
             if phase not in grads:  # a phase without chunks: its (empty) transfer still completes
                 returning[phase]()
-            if not chunks:  # no items of this phase on this rank in this step
+            # no items of this phase on this rank in this step (over the stages every encoder reports below)
+            if not chunks and not over_stages:
                 with contextlib.nullcontext() if synced else no_sync():
                     _zero_gradients(module.phase_encoders()[phase])
         if over_stages:
