@@ -24,12 +24,14 @@ timeouts elsewhere in the tests (subprocesses, stores) go through :func:`scaled`
 from __future__ import annotations
 
 import datetime
+import faulthandler
 import math
 import multiprocessing
 import multiprocessing.forkserver
 import multiprocessing.reduction
 import os
 import pickle
+import signal
 import sys
 import time
 
@@ -90,7 +92,11 @@ def run_distributed(fn, world_size: int, *args, timeout_s: float = 90.0) -> None
         raise RuntimeError(f"{name} failed on {world_size} ranks:" + "".join(
             f"\n\n-- rank {rank}:\n{trace}" for rank, trace in _errors(context))) from None
     finally:
-        for process in context.processes:
+        alive = [process for process in context.processes if process.is_alive()]
+        for process in alive:  # SIGTERM first: each writes its stacks (see _worker)
+            process.terminate()
+        for process in alive:
+            process.join(timeout=5)
             if process.is_alive():
                 process.kill()
                 process.join()
@@ -171,6 +177,9 @@ class _Deferred:
 
 def _worker(rank: int, world_size: int, port: int, timeout_s: float, caller: _Caller, deferred: _Deferred) -> None:
     caller.enter()
+    # A rank stopped from outside (a peer failed or the run timed out) first writes every thread's Python stack to
+    # stderr, then dies as it would have: a rank that never reached a collective shows where it was.
+    faulthandler.register(signal.SIGTERM, file=sys.stderr, all_threads=True, chain=True)
     fn, args = deferred.load()
     torch.set_num_threads(1)
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")

@@ -28,13 +28,31 @@ def _sleep(rank, world_size, seconds):
 
 
 @pytest.mark.distributed
-def test_run_distributed_times_out_after_the_scaled_timeout(monkeypatch):
-    """A rank that never finishes: the run ends after 100 s x 0.05, not after 100 s."""
+def test_run_distributed_times_out_after_the_scaled_timeout(monkeypatch, capfd):
+    """A rank that never finishes: the run ends after 100 s x 0.05, not after 100 s, and the rank wrote where it
+    was stuck."""
     monkeypatch.setenv(TIMEOUT_FACTOR_ENV, "0.05")
     start = time.monotonic()
     with pytest.raises(TimeoutError, match="did not finish within 5 s"):
         run_distributed(_sleep, 1, 600.0, timeout_s=100.0)
     assert time.monotonic() - start < 60
+    assert "in _sleep" in capfd.readouterr().err
+
+
+def _fail_or_sleep(rank, world_size):
+    if rank == 0:
+        raise ValueError("rank 0 fails")
+    time.sleep(600.0)
+
+
+@pytest.mark.distributed
+def test_a_rank_stopped_after_a_peer_failed_writes_where_it_was(capfd):
+    """Rank 0 fails while rank 1 is busy elsewhere (as a rank that never reaches the collective its peers wait in):
+    the failure is raised and rank 1's stack, stopped from outside, is in the test's output."""
+    with pytest.raises(RuntimeError, match="rank 0 fails"):
+        run_distributed(_fail_or_sleep, 2, timeout_s=60.0)
+    err = capfd.readouterr().err
+    assert "in _fail_or_sleep" in err and "in _worker" in err, err
 
 
 def _report(rank, world_size, name, path):
