@@ -67,7 +67,7 @@ def main_megatron_lm() -> None:
     from megatron_orch.megatron import megatron_lm
     from megatron_orch.megatron.any_loop import megatron_core_counts
     from megatron_orch.megatron.encoder_layout import encoder_groups, share_encoders
-    from megatron_orch.megatron.orch_arguments import orch_config_from_args
+    from megatron_orch.megatron.orch_arguments import flag_setting, orch_config_from_args
     from megatron_orch.mllm import megatron_flags, providers
     from megatron_orch.mllm.model import transformer_engine_available
     from megatron_orch.mllm.task import OVERLAP_NEEDS_POST_BALANCING, add_mllm_args, resolve_model_config
@@ -129,7 +129,7 @@ def main_megatron_lm() -> None:
                 if args.orch_config is not None:
                     decision = megatron_lm.encoder_ranks_decision(args, args.mllm_config.phases(),
                                                                   args.mllm_config.phase_parameters())
-                    print_rank_0(f" > {decision.line()}")
+                    print_rank_0(f" > {decision.line(flag_setting)}")
                     megatron_lm.check_args(args)
             except ValueError as err:  # ArgumentError included
                 sys.exit(f"pretrain_mllm.py: error: {err}")

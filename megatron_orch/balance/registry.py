@@ -63,9 +63,9 @@ class Registry:
     itself (``reserved``: e.g. ``auto``). The built-in entries are loaded (their module imported) the first
     time the registry is read."""
 
-    def __init__(self, what: str, flag: str, builtins_module: str, reserved: Tuple[str, ...] = (),
+    def __init__(self, what: str, builtins_module: str, reserved: Tuple[str, ...] = (),
                  unusable: Tuple[str, ...] = ()):
-        self.what, self.flag = what, flag
+        self.what = what
         self._builtins_module = builtins_module
         self._reserved = reserved
         self._unusable = unusable  # names a result uses for something else (e.g. "home"): never registered
@@ -108,10 +108,10 @@ class Registry:
         return entry
 
     def check(self, name: str) -> str:
-        """``name`` if it is a choice (reserved or registered), else ValueError naming the flag and the choices."""
+        """``name`` if it is a choice (reserved or registered), else ValueError naming the choices."""
         self._load()
         if name not in self._reserved and name not in self._entries:
-            raise ValueError(f"{self.flag}: {self._unknown(name)}")
+            raise ValueError(self._unknown(name))
         return name
 
     def names(self) -> Tuple[str, ...]:
@@ -163,9 +163,9 @@ def load_plugins() -> None:
             raise
 
 
-PARTITIONERS = Registry("partitioner", "--orch-algorithm", "megatron_orch.balance.partition", reserved=("auto",),
+PARTITIONERS = Registry("partitioner", "megatron_orch.balance.partition", reserved=("auto",),
                         unusable=("home", "none", "uniform"))
-PLACEMENTS = Registry("placement method", "--orch-placement", "megatron_orch.balance.placement")
+PLACEMENTS = Registry("placement method", "megatron_orch.balance.placement")
 
 
 def register_partitioner(name: str, function: Optional[Callable] = None, *, doc: Optional[str] = None):

@@ -30,7 +30,7 @@ _NAME = re.compile(r"[a-z][a-z0-9_]*")
 def _check_name(name, what: str) -> None:
     if not isinstance(name, str) or not _NAME.fullmatch(name):
         raise ValueError(f"{what} name {name!r} must be a lowercase identifier (letters, digits, '_'): it "
-                         f"names the phase in plans, --orch-phases, log lines and TensorBoard scalars")
+                         f"names the phase in plans, the phases to balance, log lines and TensorBoard scalars")
 
 
 def _check_counts(owner: str, **values) -> None:

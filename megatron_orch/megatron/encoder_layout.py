@@ -25,7 +25,7 @@ from megatron.core.utils import get_attr_wrapped_model
 from torch.distributed import ProcessGroup
 
 from megatron_orch.comm.device import to_communication_device
-from megatron_orch.orchestrator.encoder_ranks import ETP_FLAG, FLAG
+from megatron_orch.megatron.orch_arguments import flag_setting
 
 
 def _encoder_grid(encoder_tensor_parallel_size: Optional[int]) -> HyperCommGrid:
@@ -38,12 +38,13 @@ def _encoder_grid(encoder_tensor_parallel_size: Optional[int]) -> HyperCommGrid:
     pp = parallel_state.get_pipeline_model_parallel_world_size()
     etp = tp if encoder_tensor_parallel_size is None else encoder_tensor_parallel_size
     if etp < 1 or tp % etp:
-        raise ValueError(f"{ETP_FLAG} {etp} does not divide the tensor-parallel size {tp}")
+        raise ValueError(f"{flag_setting('encoder_tensor_parallel_size', str(etp))} does not divide the tensor-parallel "
+                         f"size {tp}")
     coords = (parallel_state.get_tensor_model_parallel_rank(), parallel_state.get_context_parallel_rank(),
               parallel_state.get_data_parallel_rank(), parallel_state.get_pipeline_model_parallel_rank())
     expected = coords[0] + tp * (coords[1] + cp * (coords[2] + dp * coords[3]))
     if tp * cp * dp * pp != dist.get_world_size() or expected != dist.get_rank():
-        raise ValueError(f"{FLAG}: rank {dist.get_rank()} is not at tp + TP * (cp + CP * (dp + DP * pp)) = {expected} "
+        raise ValueError(f"{flag_setting('encoder_ranks', 'all')}: rank {dist.get_rank()} is not at tp + TP * (cp + CP * (dp + DP * pp)) = {expected} "
                          f"(megatron-core's tp-cp-dp-pp order, {tp}x{cp}x{dp}x{pp} ranks), which the encoder group "
                          "assumes")
     return HyperCommGrid([etp, tp // etp, cp, dp, pp], ["etp", "erep", "cp", "dp", "pp"])

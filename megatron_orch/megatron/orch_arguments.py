@@ -9,7 +9,8 @@ from megatron_orch.balance.cost_profile import load_cost_profile
 from megatron_orch.balance.plan import ALL_TO_ALL
 from megatron_orch.balance.registry import PARTITIONERS, PLACEMENTS
 from megatron_orch.balance.workload import ModelPhases
-from megatron_orch.orchestrator.config import MICROBATCHING, ConfigError, EncoderRanks, OrchestratorConfig
+from megatron_orch.orchestrator.config import (MICROBATCHING, ConfigError, EncoderRanks, OrchestratorConfig,
+                                               config_setting)
 from megatron_orch.orchestrator.encoder_ranks import EncoderRanksDecision, decide_encoder_ranks, unsupported_layout
 from megatron_orch.orchestrator.gpu_memory import GB, ParallelLayout, encoder_ranks_all_refusal
 
@@ -27,6 +28,15 @@ CONFIG_FLAGS = {"phases": "--orch-phases", "algorithm": "--orch-algorithm", "mic
 def flag_message(error: BaseException) -> str:
     """An error's message as a command line says it: a :class:`ConfigError` names the flag, not the field."""
     return error.naming(CONFIG_FLAGS) if isinstance(error, ConfigError) else str(error)
+
+
+def flag_setting(field: str, value: Optional[str] = None) -> str:
+    """A setting as a command line names it (the planning layer's messages take it as their ``naming``): the flag
+    of the :class:`OrchestratorConfig` field, and its value (``--orch-encoder-ranks all``)."""
+    flag = CONFIG_FLAGS.get(field)
+    if flag is None:
+        return config_setting(field, value)
+    return flag if value is None else f"{flag} {value}"
 
 
 # The flags that take a value with a default of their own: None when not given (so that one given without
@@ -185,7 +195,7 @@ def encoder_ranks_unsupported(args: argparse.Namespace) -> Optional[str]:
                if getattr(args, name, False)]
     return unsupported_layout(
         sharded=sharded[0] if sharded else None, tensor_parallel_size=getattr(args, "tensor_model_parallel_size", 1),
-        encoder_tensor_parallel_size=args.orch_encoder_tensor_parallel_size)
+        encoder_tensor_parallel_size=args.orch_encoder_tensor_parallel_size, naming=flag_setting)
 
 
 def encoder_memory_refusal(args: argparse.Namespace, config: OrchestratorConfig, phases: ModelPhases,
@@ -204,7 +214,8 @@ def encoder_memory_refusal(args: argparse.Namespace, config: OrchestratorConfig,
         sequence_parallel=bool(args.sequence_parallel))
     return encoder_ranks_all_refusal(layout, parameters, phases, args.seq_length, args.micro_batch_size,
                                      args.num_microbatches, device_memory_bytes if given is None else given * GB,
-                                     limit="--orch-gpu-memory-gb" if given is not None else "the GPU's memory")
+                                     limit="--orch-gpu-memory-gb" if given is not None else "the GPU's memory",
+                                     naming=flag_setting)
 
 
 def decide_encoder_ranks_of_args(args: argparse.Namespace, phases: ModelPhases,

@@ -6,7 +6,7 @@ import dataclasses
 import enum
 import math
 from dataclasses import dataclass
-from typing import Mapping, Optional, Tuple
+from typing import Callable, Mapping, Optional, Tuple
 
 import numpy as np
 
@@ -31,6 +31,17 @@ class EncoderRanks(enum.Enum):
     AUTO = "auto"
     FIRST_STAGE = "first-stage"
     ALL = "all"
+
+
+def config_setting(field: str, value: Optional[str] = None) -> str:
+    """How the planning layer names a setting in its messages and lines: the :class:`OrchestratorConfig` field
+    (``OrchestratorConfig.encoder_ranks``), with ``=value`` where it names one. A command line, which fills the
+    config from flags, passes its own naming of the same (:data:`SettingNaming`) to the functions that take one."""
+    return f"OrchestratorConfig.{field}" + ("" if value is None else f"={value}")
+
+
+# (field, value or None) -> the words a message names that setting with (:func:`config_setting`, or a command line's)
+SettingNaming = Callable[[str, Optional[str]], str]
 
 
 class ConfigError(ValueError):
@@ -129,10 +140,13 @@ class OrchestratorConfig:
                                             "off)")
             if len(set(self.phases)) != len(self.phases):
                 raise ConfigError("phases", f": repeated phases in {list(self.phases)}")
-        PARTITIONERS.check(self.algorithm)
+        for field, registry in (("algorithm", PARTITIONERS), ("placement", PLACEMENTS)):
+            try:
+                registry.check(getattr(self, field))
+            except ValueError as err:
+                raise ConfigError(field, f": {err}") from None
         if self.microbatching not in MICROBATCHING:
             raise ConfigError("microbatching", f": unknown {self.microbatching!r}; choose one of {MICROBATCHING}")
-        PLACEMENTS.check(self.placement)
         if self.all_to_all not in ALL_TO_ALL:
             raise ConfigError("all_to_all", f": unknown {self.all_to_all!r}; choose one of {ALL_TO_ALL}")
         if not (math.isfinite(self.placement_time_limit_s) and self.placement_time_limit_s > 0):

@@ -42,12 +42,8 @@ import numpy as np
 from megatron_orch.balance.plan import Connections, MovedBytes, Peers, Placement, Transfer
 from megatron_orch.balance.topology import Topology
 from megatron_orch.balance.workload import PhaseItems, StepSizes
-from megatron_orch.orchestrator.config import EncoderRanks, OrchestratorConfig
+from megatron_orch.orchestrator.config import EncoderRanks, OrchestratorConfig, SettingNaming, config_setting
 from megatron_orch.orchestrator.step_plan import EncoderChunks, StepMove, StepPlan, step_moves
-
-FLAG = "--orch-encoder-ranks all"
-ETP_FLAG = "--orch-encoder-tensor-parallel-size"
-
 
 @dataclass(frozen=True)
 class EncoderRanksDecision:
@@ -58,10 +54,11 @@ class EncoderRanksDecision:
     asked: EncoderRanks
     reason: str
 
-    def line(self) -> str:
-        """Rank 0's line at start: which layout runs and why."""
+    def line(self, naming: SettingNaming = config_setting) -> str:
+        """Rank 0's line at start: which layout runs and why (the setting as ``naming`` names it: a command line
+        passes its flags')."""
         where = "every rank" if self.ranks is EncoderRanks.ALL else "the first pipeline stage"
-        return (f"post-balancing: the encoders on {where} (--orch-encoder-ranks {self.asked.value}"
+        return (f"post-balancing: the encoders on {where} ({naming('encoder_ranks', self.asked.value)}"
                 f"{'' if self.asked is self.ranks else ': ' + self.ranks.value}): {self.reason}")
 
 
@@ -97,16 +94,18 @@ def decide_encoder_ranks(config: OrchestratorConfig, *, pipeline_parallel_size: 
 
 
 def unsupported_layout(*, sharded: Optional[str], tensor_parallel_size: int = 1,
-                       encoder_tensor_parallel_size: Optional[int] = None) -> Optional[str]:
+                       encoder_tensor_parallel_size: Optional[int] = None,
+                       naming: SettingNaming = config_setting) -> Optional[str]:
     """Why the encoders cannot go on every pipeline stage in this layout (None: they can), one line naming the
-    setting. ``encoder_tensor_parallel_size`` (None: ``tensor_parallel_size``, the backbone's) must divide the
-    backbone's."""
+    setting as ``naming`` does. ``encoder_tensor_parallel_size`` (None: ``tensor_parallel_size``, the backbone's)
+    must divide the backbone's; ``sharded``: the sharded data parallelism the job runs (None: none)."""
     etp = tensor_parallel_size if encoder_tensor_parallel_size is None else encoder_tensor_parallel_size
     if etp < 1 or tensor_parallel_size % etp:
-        return (f"{ETP_FLAG} {etp} does not divide --tensor-model-parallel-size {tensor_parallel_size} (each backbone "
-                "TP group must hold whole encoder replicas)")
+        return (f"{naming('encoder_tensor_parallel_size', str(etp))} does not divide the backbone's tensor-parallel "
+                f"size {tensor_parallel_size} (each backbone TP group must hold whole encoder replicas)")
     if sharded is not None:
-        return f"{FLAG} with {sharded} is not supported (each stage's encoders are sharded over DP alone)"
+        return (f"{naming('encoder_ranks', EncoderRanks.ALL.value)} with {sharded} is not supported (each stage's "
+                "encoders are sharded over DP alone)")
     return None
 
 

@@ -36,6 +36,7 @@ import numpy as np
 
 from megatron_orch.balance.step_model import ENCODER_RANKS
 from megatron_orch.balance.workload import ModelPhases
+from megatron_orch.orchestrator.config import SettingNaming, config_setting
 
 PARAMETER_BYTES = 2   # bf16
 GRADIENT_BYTES = 4    # fp32 main gradients (Megatron DDP's buffer)
@@ -158,13 +159,14 @@ def padded_in_flight_tokens(layout: ParallelLayout, seq_length: int, micro_batch
 
 def encoder_ranks_all_refusal(layout: ParallelLayout, parameters: Mapping[str, int], phases: ModelPhases,
                               seq_length: int, micro_batch_size: int, num_microbatches: int,
-                              gpu_memory_bytes: Optional[float], limit: str = "--orch-gpu-memory-gb") -> Optional[str]:
+                              gpu_memory_bytes: Optional[float], limit: str = "gpu_memory_bytes",
+                              naming: SettingNaming = config_setting) -> Optional[str]:
     """Why the encoders cannot go on every GPU (``layout`` with ``encoder_ranks="all"``) within
-    ``gpu_memory_bytes`` (None: no check; ``limit`` names where it comes from), one line naming the bytes; None
-    where they fit. What every step
+    ``gpu_memory_bytes`` (None: no check; ``limit`` names where it comes from), one line naming the bytes and the
+    encoder layouts (as ``naming`` names the setting); None where they fit. What every step
     holds whatever its batch: the model state and the backbone's activations of micro-batches padded to
     ``seq_length``; the encoders' kept activations come on top, the planner keeps them under
-    ``--orch-encoder-memory-cap``."""
+    ``OrchestratorConfig.encoder_memory_cap``."""
     if gpu_memory_bytes is None or layout.encoder_ranks != "all":
         return None
     stages = stage_memory(layout, parameters, phases,
@@ -175,8 +177,8 @@ def encoder_ranks_all_refusal(layout: ParallelLayout, parameters: Mapping[str, i
     first = stage_memory(dataclasses.replace(layout, encoder_ranks="first-stage", encoder_tensor_parallel=None),
                          parameters, phases, padded_in_flight_tokens(layout, seq_length, micro_batch_size,
                                                                      num_microbatches))
-    return (f"--orch-encoder-ranks all does not fit {limit} ({gpu_memory_bytes / GB:.1f} GB): pipeline stage {stage}'s "
+    return (f"{naming('encoder_ranks', 'all')} does not fit {limit} ({gpu_memory_bytes / GB:.1f} GB): pipeline stage {stage}'s "
             f"GPUs need {stages[stage].line()} before any encoder activation (TP {layout.tensor_parallel}, "
             f"encoder TP {layout.encoder_tp}, PP {layout.pipeline_stages}, DP {layout.data_parallel}, "
-            f"{micro_batch_size} x {seq_length} tokens per micro-batch; --orch-encoder-ranks first-stage: "
+            f"{micro_batch_size} x {seq_length} tokens per micro-batch; {naming('encoder_ranks', 'first-stage')}: "
             f"{max(m.total for m in first) / GB:.1f} GB)")

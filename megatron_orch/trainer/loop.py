@@ -39,6 +39,7 @@ from megatron_orch.comm.gather import all_gather_to_host
 from megatron_orch.comm.status import raise_if_any_rank_failed
 from megatron_orch.megatron.contract import recording_non_finite_losses
 from megatron_orch.megatron.encoder_layout import encoder_groups, share_encoders
+from megatron_orch.megatron.orch_arguments import flag_setting
 from megatron_orch.megatron.schedule import data_iterators
 from megatron_orch.trainer.data_events import DataEvent, TooManyBadExamplesError, max_bad_examples
 from megatron_orch.trainer.checkpointing import (TrainState, check_save_folder, load_checkpoint, lock_save_folder,
@@ -514,7 +515,7 @@ def _set_up_and_train(args, task: TrainingTask, print_fn, lock) -> list[Iteratio
     timers = EventTimers(log_level=max(1, args.timing_log_level), log_option="minmax", cuda=not runs_on_cpu(args))
     decision = getattr(args, "encoder_ranks_decision", None)
     if decision is not None and dist.get_rank() == 0:
-        print_fn(f" > {decision.line()}")
+        print_fn(f" > {decision.line(flag_setting)}")
     _starting(print_fn, f"{dist.get_world_size()} ranks initialised; building the model")
     model = build_model(args, task.build_model)
     orch_config = getattr(args, "orch_config", None)

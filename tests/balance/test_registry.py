@@ -21,7 +21,8 @@ from megatron_orch.balance.registry import PARTITIONERS, PLACEMENTS, PLUGINS_ENV
 from megatron_orch.balance.topology import Topology
 from megatron_orch.balance.workload import StepSizes
 from megatron_orch.mllm.config import load_model_config
-from megatron_orch.orchestrator.config import OrchestratorConfig
+from megatron_orch.megatron.orch_arguments import flag_message
+from megatron_orch.orchestrator.config import ConfigError, OrchestratorConfig
 from megatron_orch.orchestrator.step_plan import plan_step
 from megatron_orch.trainer import arguments
 from megatron_orch.mllm.task import MLLM_TASK
@@ -98,13 +99,14 @@ def test_plan_step_balances_with_them(toy):
 
 def test_unknown_names_are_refused_naming_the_registered_ones(toy):
     choices = "auto, lpt, kk, bs_ffd, round_robin"
-    with pytest.raises(ValueError, match=re.escape(f"--orch-algorithm: unknown partitioner 'zigzag'; choose one of "
-                                                   f"{choices}")):
+    with pytest.raises(ConfigError, match=re.escape(f"OrchestratorConfig.algorithm: unknown partitioner 'zigzag'; "
+                                                    f"choose one of {choices}")) as refused:
         OrchestratorConfig(algorithm="zigzag")
+    assert flag_message(refused.value).startswith("--orch-algorithm: unknown partitioner 'zigzag'")
     with pytest.raises(ValueError, match=re.escape(f"unknown partitioner 'zigzag'; choose one of {choices}")):
         partition([1.0], 2, method="zigzag")
-    with pytest.raises(ValueError, match=re.escape("--orch-placement: unknown placement method 'far'; choose one "
-                                                   "of identity, greedy, exact, minmax, reversed")):
+    with pytest.raises(ConfigError, match=re.escape("OrchestratorConfig.placement: unknown placement method 'far'; "
+                                                    "choose one of identity, greedy, exact, minmax, reversed")):
         OrchestratorConfig(placement="far")
     with pytest.raises(ValueError, match="unknown placement method 'far'"):
         PlacementConfig(method="far")

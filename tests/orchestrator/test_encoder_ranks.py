@@ -5,6 +5,7 @@ the first), the layouts refused, the config and its flags; the encoders on ranks
 grids): each phase balanced over them, every item once, the outputs to every TP rank of their example's backbone DP
 rank in the order the DP plan delivers them, the gradients back from its TP rank 0."""
 import argparse
+import dataclasses
 import math
 
 import numpy as np
@@ -15,9 +16,10 @@ from megatron_orch.balance.plan import Placement, Transfer
 from megatron_orch.balance.step_model import ENCODER_RANKS
 from megatron_orch.balance.topology import Topology
 from megatron_orch.balance.workload import phase_items
-from megatron_orch.megatron.orch_arguments import add_orch_args, encoder_ranks_unsupported, orch_config_from_args
+from megatron_orch.megatron.orch_arguments import (CONFIG_FLAGS, add_orch_args, encoder_ranks_unsupported, flag_setting,
+                                                   orch_config_from_args)
 from megatron_orch.mllm.config import load_model_config
-from megatron_orch.orchestrator.config import ConfigError, EncoderRanks, OrchestratorConfig
+from megatron_orch.orchestrator.config import ConfigError, EncoderRanks, OrchestratorConfig, config_setting
 from megatron_orch.orchestrator.encoder_ranks import (CopiedStepMove, OwnEncoderRanks, PlannedStep,
                                                       decide_encoder_ranks, encode_on_own_ranks, group_moves,
                                                       group_traffic, own_ranks_moves, own_ranks_refusal,
@@ -304,12 +306,26 @@ def test_encoder_ranks_of_their_own_refuse_what_they_do_not_run():
 
 
 def test_unsupported_layouts_are_named():
+    """The planning layer names the config's fields; a command line passes its flags' naming."""
     fine = dict(sharded=None)
     assert unsupported_layout(**fine) is None
-    assert "--use-torch-fsdp2" in unsupported_layout(**{**fine, "sharded": "--use-torch-fsdp2"})
+    assert unsupported_layout(**{**fine, "sharded": "--use-torch-fsdp2"}).startswith(
+        "OrchestratorConfig.encoder_ranks=all with --use-torch-fsdp2 is not supported")
     assert unsupported_layout(**fine, tensor_parallel_size=4, encoder_tensor_parallel_size=2) is None
-    assert unsupported_layout(**fine, tensor_parallel_size=4, encoder_tensor_parallel_size=3).startswith(
-        "--orch-encoder-tensor-parallel-size 3 does not divide --tensor-model-parallel-size 4")
+    odd = dict(fine, tensor_parallel_size=4, encoder_tensor_parallel_size=3)
+    assert unsupported_layout(**odd).startswith(
+        "OrchestratorConfig.encoder_tensor_parallel_size=3 does not divide the backbone's tensor-parallel size 4")
+    assert unsupported_layout(**odd, naming=flag_setting).startswith(
+        "--orch-encoder-tensor-parallel-size 3 does not divide the backbone's tensor-parallel size 4")
+
+
+def test_a_command_line_names_its_flags_where_the_planning_layer_names_fields():
+    """Every field a command line sets has its flag (the planning layer's messages name no flag of their own); a
+    field without one keeps the config's name."""
+    assert set(CONFIG_FLAGS) <= {field.name for field in dataclasses.fields(OrchestratorConfig)}
+    assert flag_setting("encoder_ranks", "all") == "--orch-encoder-ranks all"
+    assert flag_setting("context_parallel_size") == "--context-parallel-size"
+    assert flag_setting("shadow", "True") == config_setting("shadow", "True") == "OrchestratorConfig.shadow=True"
 
 
 def test_config_takes_the_layout_as_data():
@@ -348,9 +364,11 @@ def test_auto_decides_all_where_it_differs_runs_and_fits():
 
     everywhere = decide(memory="fits the GPU's 80.0 GB")
     assert (everywhere.ranks, everywhere.asked) == (EncoderRanks.ALL, EncoderRanks.AUTO)
-    assert everywhere.line() == ("post-balancing: the encoders on every rank (--orch-encoder-ranks auto: all): each "
-                                 "encoder phase over DP x 2 pipeline stages x 1 encoder replica per TP group instead "
-                                 "of the first stage's DP ranks; fits the GPU's 80.0 GB")
+    assert everywhere.line(flag_setting) == (
+        "post-balancing: the encoders on every rank (--orch-encoder-ranks auto: all): each encoder phase over DP x 2 "
+        "pipeline stages x 1 encoder replica per TP group instead of the first stage's DP ranks; fits the GPU's 80.0 GB")
+    assert everywhere.line().startswith("post-balancing: the encoders on every rank "
+                                        "(OrchestratorConfig.encoder_ranks=auto: all): each encoder phase")
     assert decide(OrchestratorConfig(encoder_tensor_parallel_size=1), pp=1, tp=4).ranks is EncoderRanks.ALL
     assert decide(OrchestratorConfig(all_to_all="node-wise")).ranks is EncoderRanks.ALL
     for config, pp, tp, kwargs, reason in [
@@ -360,14 +378,14 @@ def test_auto_decides_all_where_it_differs_runs_and_fits():
             (OrchestratorConfig(shadow=True), 2, 1, {}, "shadow mode")]:
         decision = decide(config, pp, tp, memory_refusal=never, **kwargs)
         assert decision.ranks is EncoderRanks.FIRST_STAGE and reason in decision.reason, decision
-        assert decision.line().startswith("post-balancing: the encoders on the first pipeline stage "
-                                          "(--orch-encoder-ranks auto: first-stage): ")
+        assert decision.line(flag_setting).startswith("post-balancing: the encoders on the first pipeline stage "
+                                                      "(--orch-encoder-ranks auto: first-stage): ")
     refused = decide(memory_refusal=lambda: "--orch-encoder-ranks all does not fit")
     assert refused.ranks is EncoderRanks.FIRST_STAGE and refused.reason == "--orch-encoder-ranks all does not fit"
     for asked in (EncoderRanks.ALL, EncoderRanks.FIRST_STAGE):
         kept = decide(OrchestratorConfig(encoder_ranks=asked), unavailable="why not", memory_refusal=never)
         assert (kept.ranks, kept.reason) == (asked, "as asked")
-        assert kept.line().endswith(f"(--orch-encoder-ranks {asked.value}): as asked")
+        assert kept.line(flag_setting).endswith(f"(--orch-encoder-ranks {asked.value}): as asked")
 
 
 def _parser():
@@ -420,8 +438,8 @@ def test_orch_encoder_tensor_parallel_size_flag():
     assert orch_config_from_args(parse(all_ranks + ["--orch-encoder-tensor-parallel-size", "2"])
                                  ).encoder_tensor_parallel_size == 2
     assert orch_config_from_args(parse(all_ranks)).encoder_tensor_parallel_size is None
-    with pytest.raises(ValueError, match=r"^--orch-encoder-tensor-parallel-size 3 does not divide "
-                                         r"--tensor-model-parallel-size 4"):
+    with pytest.raises(ValueError, match=r"^--orch-encoder-tensor-parallel-size 3 does not divide the backbone's "
+                                         r"tensor-parallel size 4"):
         orch_config_from_args(parse(all_ranks + ["--orch-encoder-tensor-parallel-size", "3"]))
     assert orch_config_from_args(parse(all_ranks + ["--orch-encoder-tensor-parallel-size", "1", "--sequence-parallel"])
                                  ).encoder_tensor_parallel_size == 1

@@ -55,10 +55,10 @@ def test_all_is_refused_where_it_does_not_fit_naming_the_bytes():
     refused = encoder_ranks_all_refusal(ParallelLayout(80, 8, 4, "all", 1), gpu_memory_bytes=60e9, **args)
     stages = stage_memory(ParallelLayout(80, 8, 4, "all", 1), PARAMS, PHASES,
                           padded_in_flight_tokens(ParallelLayout(80, 8, 4), 8192, 1, 16))
-    assert refused.startswith("--orch-encoder-ranks all does not fit --orch-gpu-memory-gb (60.0 GB): pipeline "
+    assert refused.startswith("OrchestratorConfig.encoder_ranks=all does not fit gpu_memory_bytes (60.0 GB): pipeline "
                               f"stage 0's GPUs need {stages[0].total / GB:.1f} GB = parameters "
                               f"{stages[0].parameters / GB:.1f} + gradients {stages[0].gradients / GB:.1f}"), refused
-    assert stages[0].total > 60e9 and "\n" not in refused and "first-stage:" in refused
+    assert stages[0].total > 60e9 and "\n" not in refused and "OrchestratorConfig.encoder_ranks=first-stage:" in refused
     assert encoder_ranks_all_refusal(ParallelLayout(80, 8, 4, "all", 1), gpu_memory_bytes=None, **args) is None
     assert encoder_ranks_all_refusal(ParallelLayout(80, 8, 4, "first-stage"), gpu_memory_bytes=1.0, **args) is None
     with pytest.raises(ValueError, match="encoder_tensor_parallel 3 must divide tensor_parallel 8"):

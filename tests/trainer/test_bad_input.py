@@ -14,6 +14,7 @@ import pytest
 
 from dist_utils import scaled
 from megatron_orch.balance.traces import NUMERIC_COLUMNS, TEXT_COLUMNS, Trace, load_trace
+from megatron_orch.megatron.orch_arguments import flag_setting
 from megatron_orch.trainer import arguments
 from megatron_orch.mllm.task import MLLM_TASK
 
@@ -380,10 +381,11 @@ def test_encoder_ranks_auto_is_all_where_it_differs_runs_and_fits_else_first_sta
             (pp2 + ["--overlap-grad-reduce", "--use-distributed-optimizer"], "all", r"over DP x 2 pipeline stages"),
             (pp2 + ["--context-parallel-size", "2"], "all", r"over DP x 2 pipeline stages"),
             (pp2 + ["--tensor-model-parallel-size", "2", "--orch-encoder-tensor-parallel-size", "3"], "first-stage",
-             r"--orch-encoder-tensor-parallel-size 3 does not divide --tensor-model-parallel-size 2"),
+             r"--orch-encoder-tensor-parallel-size 3 does not divide the backbone's tensor-parallel size 2"),
             (BALANCED, "first-stage", r"one pipeline stage")]:
         args = parse(*flags, world_size=4)
         decision = args.encoder_ranks_decision
         assert (args.orch_config.encoder_ranks.value, args.orch_encoder_ranks, decision.ranks.value) == (ranks,) * 3
-        assert decision.asked.value == "auto" and re.search(reason, decision.line()), decision.line()
+        line = decision.line(flag_setting)
+        assert decision.asked.value == "auto" and re.search(reason, line), line
     assert parse(*pp2, "--orch-encoder-ranks", "first-stage", world_size=4).encoder_ranks_decision.reason == "as asked"
