@@ -18,7 +18,6 @@ excess most (then the fewest bytes across nodes), and stops when nothing is over
 """
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import List, Optional, Sequence, Tuple
 
@@ -91,7 +90,7 @@ def repair_locality(bin_of_item: np.ndarray, reference: np.ndarray, costs: np.nd
     as (example, source rank, bytes) arrays (its text from the loaders, each encoder phase's embeddings);
     ``nvlink_over_nic``: NVLink bandwidth over the NIC's highest (an NVLink byte costs this much less);
     ``capacity``: the most compute a rank may hold (default: the reference's max); ``swaps_only``: keep
-    every rank's count (equal-count micro-batches)."""
+    every rank's count (equal-count micro-batches). Compiled (:func:`_kernels.repair_locality`, GIL released)."""
     rank = np.array(bin_of_item, dtype=np.int64)
     reference = np.asarray(reference, dtype=np.int64)
     costs = np.asarray(costs, dtype=np.float64)
