@@ -73,13 +73,6 @@ class _State:
         self.offset = np.array([move.start + base for move, base in zip(moves, bases)], dtype=np.int64).reshape(
             len(moves), rank.size + 1)
 
-    def touched(self, e: int) -> np.ndarray:
-        return np.concatenate([m.src[m.start[e]:m.start[e + 1]] for m in self.moves])
-
-    def put(self, e: int, to: int) -> None:
-        _kernels.shift_example(self.links, self.node, self.src, self.nbytes, self.offset, self.rank, self.load,
-                               self.costs, e, to)
-
 
 def repair_locality(bin_of_item: np.ndarray, reference: np.ndarray, costs: np.ndarray,
                     sources: Sequence[Tuple[np.ndarray, np.ndarray, np.ndarray]], node_of_rank: np.ndarray,

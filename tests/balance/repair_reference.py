@@ -9,6 +9,18 @@ from megatron_orch.balance.repair import (_CANDIDATES, _MAX_ROUNDS, _PARTNERS, _
                                           _WORST, _group)
 
 
+class State(_State):
+    """The repair's state with the reference's two steps: the source ranks of an example's entries, an example
+    moved."""
+
+    def touched(self, e: int) -> np.ndarray:
+        return np.concatenate([m.src[m.start[e]:m.start[e + 1]] for m in self.moves])
+
+    def put(self, e: int, to: int) -> None:
+        _kernels.shift_example(self.links, self.node, self.src, self.nbytes, self.offset, self.rank, self.load,
+                               self.costs, e, to)
+
+
 def repair_locality_reference(bin_of_item: np.ndarray, reference: np.ndarray, costs: np.ndarray,
                               sources: Sequence[Tuple[np.ndarray, np.ndarray, np.ndarray]], node_of_rank: np.ndarray,
                               nvlink_over_nic: float, *, swaps_only: bool, capacity: Optional[float] = None,
@@ -22,14 +34,14 @@ def repair_locality_reference(bin_of_item: np.ndarray, reference: np.ndarray, co
     n, num_ranks = rank.size, node.size
     moves = [_group(np.asarray(e, dtype=np.int64), np.asarray(s, dtype=np.int64), np.asarray(b), n, num_ranks)
              for e, s, b in sources]
-    plain = _State(moves, node, reference.copy(), costs, num_ranks)
+    plain = State(moves, node, reference.copy(), costs, num_ranks)
     if capacity is None:
         capacity = float(plain.load.max(initial=0.0))
     nic_limit = np.maximum(plain.links[:, 2], plain.links[:, 3]).max(axis=1)
     nvl_limit = np.maximum(np.maximum(plain.links[:, 0], plain.links[:, 1]).max(axis=1), nic_limit * nvlink_over_nic)
     nic_scale = np.maximum(nic_limit, 1.0)
     nvl_scale = np.maximum(nvl_limit, 1.0)
-    state = _State(moves, node, rank, costs, num_ranks)
+    state = State(moves, node, rank, costs, num_ranks)
     cap_scale = max(capacity, 1e-300)
 
     def worst():

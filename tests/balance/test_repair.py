@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 from hypothesis import given, settings, strategies as st
 from localize_reference import localize_reference
-from repair_reference import repair_locality_reference
+from repair_reference import State, repair_locality_reference
 
 from megatron_orch.balance.plan import moved_bytes
 from megatron_orch.balance.repair import localize, repair_locality
@@ -291,12 +291,12 @@ def test_a_compiled_trial_exchange_is_the_numpy_one_bit_for_bit(data):
     and leaves the link counts and loads as it did (undoing an exchange need not restore them bit for bit: both
     undo it in the same order), on random plans, bytes, limits and exchanges."""
     from megatron_orch.balance import _kernels
-    from megatron_orch.balance.repair import _group, _State
+    from megatron_orch.balance.repair import _group
     costs, plain, node, near, sources, capacity = _repair_instance(data)
     n, num_ranks = costs.size, node.size
     moves = [_group(np.asarray(e, dtype=np.int64), np.asarray(s, dtype=np.int64), np.asarray(b), n, num_ranks)
              for e, s, b in sources]
-    ours, theirs = (_State(moves, node, near.astype(np.int64), costs, num_ranks) for _ in range(2))
+    ours, theirs = (State(moves, node, near.astype(np.int64), costs, num_ranks) for _ in range(2))
     limits = np.array([data.draw(st.lists(st.floats(1.0, 300.0), min_size=4, max_size=4)) for _ in moves])
     limits[:, :2] -= 1.0  # limits from 0, scales from 1
     cap_scale = max(capacity, 1e-300)
@@ -323,12 +323,12 @@ def test_the_compiled_bytes_on_a_node_are_the_numpy_sums(data):
     """The repair's bytes of an example sent from one node (compiled: _kernels.bytes_on_node, which orders its swap
     partners) are numpy's masked sums per move added move after move, bit for bit."""
     from megatron_orch.balance import _kernels
-    from megatron_orch.balance.repair import _group, _State
+    from megatron_orch.balance.repair import _group
     costs, plain, node, near, sources, capacity = _repair_instance(data)
     n, num_ranks = costs.size, node.size
     moves = [_group(np.asarray(e, dtype=np.int64), np.asarray(s, dtype=np.int64), np.asarray(b), n, num_ranks)
              for e, s, b in sources]
-    state = _State(moves, node, near.astype(np.int64), costs, num_ranks)
+    state = State(moves, node, near.astype(np.int64), costs, num_ranks)
     examples = np.array(data.draw(st.lists(st.integers(0, n - 1), max_size=8)), dtype=np.int64)
     on_node = data.draw(st.integers(0, int(node.max())))
     got = _kernels.bytes_on_node(state.src, state.nbytes, state.offset, node, examples, on_node)
