@@ -12,7 +12,7 @@ Ties are always broken by the smaller item id or bin id, so results are determin
 Modules: ``longest_first`` (LPT, equal-count LPT), ``differencing`` (Karmarkar-Karp), ``first_fit``
 (first-fit decreasing, its binary search on capacity), ``local_search`` (swap sweeps, refinement),
 ``auto`` (every construction refined, the best kept), ``order`` (items by decreasing cost), ``locality``
-(quotas and LPT near home), ``repair`` (the plain plan localised, the locality repair's trial exchanges),
+(quotas and LPT near home), ``repair`` (the plain plan localised, the locality repair),
 ``bounds`` (lower bounds, numpy's sums), ``groups`` (many small partitions in one call); ``_heap``,
 ``_segment_tree`` and ``_jit`` are their shared parts.
 Callers use the names re-exported here.

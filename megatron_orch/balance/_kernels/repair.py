@@ -1,5 +1,6 @@
 """The plain plan localised (balance/repair.py's ``localize``): examples swapped onto the node they want; the
-repair's per-link byte counts and its trial exchanges (``repair_locality``), summed as its numpy code summed them."""
+locality repair (``repair_locality``): its per-link byte counts, trial exchanges and loop, every sum and choice as its
+numpy code made them."""
 import numba
 import numpy as np
 
