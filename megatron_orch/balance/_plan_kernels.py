@@ -262,6 +262,36 @@ def sources_by_example(home, at_home, example, item_rank, item_bytes):
 
 
 @numba.njit(**_JIT)
+def pull_ranks(home, example, source, nbytes, num_ranks):
+    """For every example (``home[e]``: its home rank), the source rank of most of its entries' bytes (``example``,
+    ``source``, ``nbytes``: one entry each; each (example, rank)'s bytes summed in float64 in entry order, as
+    ``np.bincount`` sums them), ties to the home rank, then to the lower rank; the home rank where it has none."""
+    n = home.size
+    start = _rank_starts(example, n)
+    fill = start[:-1].copy()
+    by_example = np.empty(example.size, dtype=np.int64)  # entries example by example, in entry order
+    for j in range(example.size):
+        by_example[fill[example[j]]] = j
+        fill[example[j]] += 1
+    total = np.zeros(num_ranks)
+    pull = home.copy()
+    for e in range(n):
+        for t in range(start[e], start[e + 1]):
+            total[source[by_example[t]]] += nbytes[by_example[t]]
+        best = -1
+        for t in range(start[e], start[e + 1]):
+            q = source[by_example[t]]
+            if best < 0 or total[q] > total[best] or (total[q] == total[best] and best != home[e] and (
+                    q == home[e] or q < best)):
+                best = q
+        if best >= 0:
+            pull[e] = best
+        for t in range(start[e], start[e + 1]):
+            total[source[by_example[t]]] = 0.0
+    return pull
+
+
+@numba.njit(**_JIT)
 def fingerprint(values):
     """A 64-bit fingerprint of int64 ``values`` (order-sensitive; a word at a time, so a pass costs a
     fraction of a byte-wise CRC): what a plan digest hashes."""

@@ -254,16 +254,7 @@ def _pull_rank(home: np.ndarray, text_bytes: np.ndarray, rank_of_item, num_ranks
     """For every example, the rank that holds most of the bytes it pulls to its backbone rank (its text on its
     home rank, its embeddings where its items were encoded; ties: home, then the lower rank)."""
     example, source, nbytes = _example_sources(home, text_bytes, rank_of_item)
-    keys, inverse = np.unique(example * num_ranks + source, return_inverse=True)
-    total = np.bincount(inverse.reshape(-1), weights=nbytes, minlength=keys.size)
-    pair_example, pair_rank = keys // num_ranks, keys % num_ranks
-    at_home = pair_rank == home[pair_example]
-    # per example, the pair of most bytes (home first on ties, then the lower rank): the last after this sort
-    order = np.lexsort((-pair_rank, at_home, total, pair_example))
-    last = np.flatnonzero(np.diff(np.append(pair_example[order], -1)) != 0)
-    pull = home.copy()
-    pull[pair_example[order[last]]] = pair_rank[order[last]]
-    return pull
+    return _plan_kernels.pull_ranks(home, example, source, nbytes, num_ranks)
 
 
 class _SlowerThan:

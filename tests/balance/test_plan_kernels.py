@@ -86,6 +86,34 @@ def test_loads_before_after_are_numpys_sums_bit_for_bit(num_ranks, num_items, se
     assert most == np.bincount(after, weights=weights, minlength=num_ranks).max()
 
 
+def _pull_ranks_numpy(home, example, source, nbytes, num_ranks):
+    """The pull ranks as numpy finds them (the definition the kernel replaced): the (example, rank) pairs' sums, the
+    pair of most bytes per example last after a lexsort (home first on ties, then the lower rank)."""
+    keys, inverse = np.unique(example * num_ranks + source, return_inverse=True)
+    total = np.bincount(inverse.reshape(-1), weights=nbytes, minlength=keys.size)
+    pair_example, pair_rank = keys // num_ranks, keys % num_ranks
+    at_home = pair_rank == home[pair_example]
+    order = np.lexsort((-pair_rank, at_home, total, pair_example))
+    last = np.flatnonzero(np.diff(np.append(pair_example[order], -1)) != 0)
+    pull = home.copy()
+    pull[pair_example[order[last]]] = pair_rank[order[last]]
+    return pull
+
+
+@settings(max_examples=150, deadline=None)
+@given(st.integers(1, 9), st.integers(1, 30), st.integers(0, 120), st.sampled_from([3, 2**40]),
+       st.integers(0, 2**31 - 1))
+def test_pull_ranks_are_numpys(num_ranks, num_examples, num_entries, largest, seed):
+    """Small byte counts (ties: home first, then the lower rank) and large ones, examples without entries."""
+    rng = np.random.default_rng(seed)
+    home = rng.integers(0, num_ranks, num_examples)
+    example = rng.integers(0, num_examples, num_entries)
+    source = np.where(rng.random(num_entries) < 0.3, home[example], rng.integers(0, num_ranks, num_entries))
+    nbytes = rng.integers(0, largest + 1, num_entries)
+    got = _plan_kernels.pull_ranks(home, example, source, nbytes, num_ranks)
+    assert np.array_equal(got, _pull_ranks_numpy(home, example, source, nbytes, num_ranks))
+
+
 @settings(max_examples=100, deadline=None)
 @given(st.integers(1, 9), st.integers(1, 40), st.integers(0, 300), st.integers(0, 2**31 - 1))
 def test_sums_by_parent_and_padded_sums_are_numpys_bit_for_bit(num_keys, num_parents, num_items, seed):

@@ -1,11 +1,13 @@
 """The locality plans' repair pass and the plain plan's localisation (balance/repair.py): both keep every rank
 within the plain plan's balance (and every rank's count when micro-batches are equal-count), and the batches
 whose locality plan used to fall back to the plain plan now keep a locality-aware one. The compiled localize
-makes the plans of the Python one it replaced (localize_reference.py), choice for choice."""
+makes the plans of the Python one it replaced (localize_reference.py), choice for choice, and the compiled repair
+those of its Python one (repair_reference.py), action for action."""
 import numpy as np
 import pytest
 from hypothesis import given, settings, strategies as st
 from localize_reference import localize_reference
+from repair_reference import State, repair_locality_reference
 
 from megatron_orch.balance.plan import moved_bytes
 from megatron_orch.balance.repair import localize, repair_locality
@@ -289,12 +291,12 @@ def test_a_compiled_trial_exchange_is_the_numpy_one_bit_for_bit(data):
     and leaves the link counts and loads as it did (undoing an exchange need not restore them bit for bit: both
     undo it in the same order), on random plans, bytes, limits and exchanges."""
     from megatron_orch.balance import _kernels
-    from megatron_orch.balance.repair import _group, _State
+    from megatron_orch.balance.repair import _group
     costs, plain, node, near, sources, capacity = _repair_instance(data)
     n, num_ranks = costs.size, node.size
     moves = [_group(np.asarray(e, dtype=np.int64), np.asarray(s, dtype=np.int64), np.asarray(b), n, num_ranks)
              for e, s, b in sources]
-    ours, theirs = (_State(moves, node, near.astype(np.int64), costs, num_ranks) for _ in range(2))
+    ours, theirs = (State(moves, node, near.astype(np.int64), costs, num_ranks) for _ in range(2))
     limits = np.array([data.draw(st.lists(st.floats(1.0, 300.0), min_size=4, max_size=4)) for _ in moves])
     limits[:, :2] -= 1.0  # limits from 0, scales from 1
     cap_scale = max(capacity, 1e-300)
@@ -321,15 +323,60 @@ def test_the_compiled_bytes_on_a_node_are_the_numpy_sums(data):
     """The repair's bytes of an example sent from one node (compiled: _kernels.bytes_on_node, which orders its swap
     partners) are numpy's masked sums per move added move after move, bit for bit."""
     from megatron_orch.balance import _kernels
-    from megatron_orch.balance.repair import _group, _State
+    from megatron_orch.balance.repair import _group
     costs, plain, node, near, sources, capacity = _repair_instance(data)
     n, num_ranks = costs.size, node.size
     moves = [_group(np.asarray(e, dtype=np.int64), np.asarray(s, dtype=np.int64), np.asarray(b), n, num_ranks)
              for e, s, b in sources]
-    state = _State(moves, node, near.astype(np.int64), costs, num_ranks)
+    state = State(moves, node, near.astype(np.int64), costs, num_ranks)
     examples = np.array(data.draw(st.lists(st.integers(0, n - 1), max_size=8)), dtype=np.int64)
     on_node = data.draw(st.integers(0, int(node.max())))
     got = _kernels.bytes_on_node(state.src, state.nbytes, state.offset, node, examples, on_node)
     expected = [float(sum(mv.nbytes[mv.start[e]:mv.start[e + 1]][node[mv.src[mv.start[e]:mv.start[e + 1]]] == on_node]
                           .sum() for mv in moves)) for e in examples]
     assert got.tolist() == expected
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.data())
+def test_the_compiled_repair_makes_the_python_reference_plans(data):
+    """Random plans, sources, bytes, capacities and round limits: the same ranks and the same number of actions."""
+    costs, plain, node, near, sources, capacity = _repair_instance(data)
+    swaps_only = data.draw(st.booleans())
+    capacity = data.draw(st.sampled_from([None, capacity]))
+    max_rounds = data.draw(st.sampled_from([1, 3, 400]))
+    nvlink_over_nic = data.draw(st.sampled_from([0.5, 9.0]))
+    got = repair_locality(near, plain, costs, sources, node, nvlink_over_nic, swaps_only=swaps_only,
+                          capacity=capacity, max_rounds=max_rounds)
+    expected = repair_locality_reference(near, plain, costs, sources, node, nvlink_over_nic, swaps_only=swaps_only,
+                                         capacity=capacity, max_rounds=max_rounds)
+    assert np.array_equal(got[0], expected[0]) and got[1] == expected[1], (got, expected)
+
+
+@pytest.mark.parametrize("mixture,dp,seed,method", [("audio-heavy", 2560, 2, "locality"),
+                                                    ("heavy-tail-harsh", 2560, 1, "equal_locality")])
+def test_the_compiled_repair_makes_the_python_reference_plans_on_sweep_batches(monkeypatch, mixture, dp, seed, method):
+    """Batches of the balance sweep whose locality plan is repaired (none at DP 64 or 512): what plan_step asks of
+    repair_locality, answered as the reference answers it, with actions taken."""
+    calls = []
+    monkeypatch.setattr(step_plan, "repair_locality", lambda *args, **kwargs: calls.append((args, kwargs)) or
+                        repair_locality(*args, **kwargs))
+    config, _, sizes = draw_sizes(list(MIXTURES[mixture]), dp, 16, "mllm_84b", seed)
+    plan_step(sizes, config.phases(), PLAN_METHODS[method], Topology.uniform(dp, 8), 1, 16)
+    assert calls
+    for args, kwargs in calls:
+        got = repair_locality(*args, **kwargs)
+        expected = repair_locality_reference(*args, **kwargs)
+        assert np.array_equal(got[0], expected[0]) and got[1] == expected[1]
+    assert max(repair_locality(*args, **kwargs)[1] for args, kwargs in calls) > 0
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.sampled_from([0.0, -0.0, 1.0, 2.0, -3.0, np.inf]), max_size=40), st.integers(0, 12))
+def test_the_repairs_partial_selection_is_a_stable_argsort(values, k):
+    """The repair kernel's k smallest (its stand-in for numpy's stable argsort, cut): the same indices, in order."""
+    from megatron_orch.balance._kernels.repair import _smallest
+    values = np.array(values, dtype=np.float64)
+    out = np.empty(max(k, 1), dtype=np.int64)
+    count = _smallest(values, k, out)
+    assert out[:count].tolist() == np.argsort(values, kind="stable")[:k].tolist()

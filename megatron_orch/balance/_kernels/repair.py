@@ -1,5 +1,6 @@
 """The plain plan localised (balance/repair.py's ``localize``): examples swapped onto the node they want; the
-repair's per-link byte counts and its trial exchanges (``repair_locality``), summed as its numpy code summed them."""
+locality repair (``repair_locality``): its per-link byte counts, trial exchanges and loop, every sum and choice as its
+numpy code made them."""
 import numba
 import numpy as np
 
@@ -434,3 +435,342 @@ def try_exchange(links, node_of_rank, src, nbytes, offset, rank, load, costs, e,
         shift_example(links, node_of_rank, src, nbytes, offset, rank, load, costs, f, to)
     shift_example(links, node_of_rank, src, nbytes, offset, rank, load, costs, e, a)
     return after - before, bytes_after - bytes_before
+
+
+# ---------------------------------------------------------------------------------------------
+# The repair (balance/repair.py's ``repair_locality``): every choice and tie as its numpy code made them
+# (tests/balance/repair_reference.py), sorts of whole arrays become partial selections.
+# ---------------------------------------------------------------------------------------------
+
+_NIC, _NVL, _COMPUTE = 1, 2, 0  # kinds of limit, coded in the order the reference's names sort ("nvl" > "nic")
+
+
+@numba.njit(**_JIT)
+def _smallest(values, k, out):
+    """Indices of the ``k`` smallest ``values``, ties by index, in that order, into ``out``; returns how many
+    (``np.argsort(values, kind="stable")[:k]``)."""
+    count = 0
+    if k <= 0:
+        return 0
+    for i in range(values.size):
+        v = values[i]
+        if count == k and not v < values[out[k - 1]]:
+            continue
+        t = count if count < k else k - 1
+        while t > 0 and v < values[out[t - 1]]:
+            out[t] = out[t - 1]
+            t -= 1
+        out[t] = i
+        if count < k:
+            count += 1
+    return count
+
+
+@numba.njit(**_JIT)
+def _members(head, nxt, r, out):
+    """Examples on rank r by increasing id into ``out`` (``np.flatnonzero(rank == r)``); returns how many."""
+    m = 0
+    i = head[r]
+    while i >= 0:
+        t = m
+        while t > 0 and out[t - 1] > i:
+            out[t] = out[t - 1]
+            t -= 1
+        out[t] = i
+        m += 1
+        i = nxt[i]
+    return m
+
+
+@numba.njit(**_JIT)
+def _worst(links, load, limits, capacity, cap_scale, stuck, tol, worst_count):
+    """(kind, move, rank) furthest over its limit among each kind's ``worst_count`` furthest, those ``stuck`` left
+    out, (-1, -1, -1) if none; the furthest by (excess, kind, move, rank) (move -1 for compute)."""
+    num_moves, num_ranks = links.shape[0], load.size
+    best_v, best_kind, best_m, best_r = -np.inf, -1, -1, -1
+    top = np.empty(worst_count, dtype=np.int64)
+    for kind in (_NIC, _NVL, _COMPUTE):
+        size = num_ranks if kind == _COMPUTE else num_moves * num_ranks
+        neg = np.empty(size)  # minus the excess where over the tolerance, else +inf
+        values = np.empty(size)
+        for k in range(size):
+            m, r = k // num_ranks, k % num_ranks
+            if kind == _COMPUTE:
+                v = (load[r] - capacity) / cap_scale
+            elif kind == _NIC:
+                v = (max(links[m, 2, r], links[m, 3, r]) - limits[m, 0]) / limits[m, 2]
+            else:
+                v = (max(links[m, 0, r], links[m, 1, r]) - limits[m, 1]) / limits[m, 3]
+            values[k] = v
+            neg[k] = -v if v > tol else np.inf
+        for t in range(_smallest(neg, worst_count, top)):
+            k = top[t]
+            v = values[k]
+            if not v > tol:
+                break
+            m, r = (-1, k) if kind == _COMPUTE else (k // num_ranks, k % num_ranks)
+            if stuck[kind, m + 1, r]:
+                continue
+            if (v > best_v or (v == best_v and (kind > best_kind or (kind == best_kind and (
+                    m > best_m or (m == best_m and r > best_r)))))):
+                best_v, best_kind, best_m, best_r = v, kind, m, r
+    return best_kind, best_m, best_r
+
+
+@numba.njit(**_JIT)
+def _on_link(node, kind, s, r):
+    """An entry between ranks s and r crosses the link of this kind: across nodes (NIC), or on the node off the GPU
+    (NVLink)."""
+    if kind == _NIC:
+        return node[s] != node[r]
+    return node[s] == node[r] and s != r
+
+
+@numba.njit(**_JIT)
+def _candidates(kind, m, r, links, node, src, nbytes, offset, by_src_start, by_src_example, rank, costs, head, nxt,
+                num_candidates, mine, out):
+    """Examples whose move off their rank (or onto another) can lower rank r's excess, the most promising first,
+    into ``out``; returns how many."""
+    num = _members(head, nxt, r, mine)
+    if kind == _COMPUTE:
+        neg = np.empty(num)
+        for k in range(num):
+            neg[k] = -costs[mine[k]]
+        pick = np.empty(num_candidates, dtype=np.int64)
+        count = _smallest(neg, num_candidates, pick)
+        for t in range(count):
+            out[t] = mine[pick[t]]
+        return count
+    if kind == _NIC:
+        receiving = links[m, 3, r] >= links[m, 2, r]
+    else:
+        receiving = links[m, 1, r] >= links[m, 0, r]
+    if not receiving:  # examples that rank r sends entries of move m to, over that link
+        sent = np.unique(by_src_example[by_src_start[m, r]:by_src_start[m, r + 1]])
+        num = 0
+        for e in sent:
+            if _on_link(node, kind, rank[e], r):
+                mine[num] = e
+                num += 1
+    weight = np.empty(num)
+    picked = np.empty(offset[m, -1] - offset[m, 0])
+    for k in range(num):
+        e = mine[k]
+        count = 0
+        for i in range(offset[m, e], offset[m, e + 1]):
+            if (_on_link(node, kind, src[i], r) if receiving else src[i] == r):
+                picked[count] = nbytes[i]
+                count += 1
+        weight[k] = numpy_sum(picked[:count])
+    kept = 0
+    for k in range(num):
+        if weight[k] > 0:
+            mine[kept], weight[kept] = mine[k], weight[k]
+            kept += 1
+    pick = np.empty(num_candidates, dtype=np.int64)
+    count = _smallest(-weight[:kept], num_candidates, pick)
+    for t in range(count):
+        out[t] = mine[pick[t]]
+    return count
+
+
+@numba.njit(**_JIT)
+def _targets(e, r, kind, m, links, node, num_nodes, src, nbytes, offset, by_src_start, by_src_example, rank, load,
+             target_nodes, spread, seen, out):
+    """Ranks to try example e on, in order, into ``out``; returns how many: those of the nodes its bytes come from
+    most (and rank r's node, when r sends it), the ranks holding examples whose bytes of move m come from r's node
+    (swap partners), then the ranks with the least on the over-limit link (to spread what r has). ``seen``: a
+    scratch of zeros per rank, left zero."""
+    num_ranks = node.size
+    per_node = np.zeros(num_nodes)
+    for mm in range(offset.shape[0]):
+        for i in range(offset[mm, e], offset[mm, e + 1]):
+            per_node[node[src[i]]] += nbytes[i]
+    top = np.empty(max(target_nodes, spread), dtype=np.int64)
+    nodes = np.empty(target_nodes + 1, dtype=np.int64)
+    num = 0
+    if kind != _COMPUTE and rank[e] != r:
+        nodes[0] = node[r]
+        num = 1
+    for t in range(_smallest(-per_node, target_nodes, top)):
+        if per_node[top[t]] > 0:
+            nodes[num] = top[t]
+            num += 1
+    if num == 0:
+        nodes[0] = node[rank[e]]
+        num = 1
+    count = 0
+    for q in range(num_ranks):  # (by rank)
+        for t in range(num):
+            if node[q] == nodes[t]:
+                out[count] = q
+                count += 1
+                break
+    if kind != _COMPUTE:
+        held = np.zeros(num_ranks)
+        nonzero = 0
+        for q in range(num_ranks):
+            if node[q] != node[r]:
+                continue
+            for j in range(by_src_start[m, q], by_src_start[m, q + 1]):
+                h = rank[by_src_example[j]]
+                if (node[h] != node[r]) if kind == _NIC else (h != r):
+                    if held[h] == 0:
+                        nonzero += 1
+                    held[h] -= 1.0
+        for t in range(_smallest(held, min(spread, nonzero), top)):
+            out[count] = top[t]
+            count += 1
+    busy = np.empty(num_ranks)
+    for q in range(num_ranks):
+        if kind == _NIC:
+            busy[q] = max(links[m, 2, q], links[m, 3, q])
+        elif kind == _NVL:
+            busy[q] = max(links[m, 0, q], links[m, 1, q])
+        else:
+            busy[q] = load[q]
+    for t in range(_smallest(busy, spread, top)):
+        out[count] = top[t]
+        count += 1
+    kept = 0
+    for t in range(count):  # the first of each, not e's own
+        q = out[t]
+        if seen[q] == 0:
+            seen[q] = 1
+            if q != rank[e]:
+                out[kept] = q
+                kept += 1
+    seen[rank[e]] = 0
+    for t in range(kept):
+        seen[out[t]] = 0
+    return kept
+
+
+@numba.njit(**_JIT)
+def _options(e, a, to, kind, src, nbytes, offset, node, load, costs, capacity, swaps_only, head, nxt, num_partners,
+             others, set_start, set_items):
+    """Partner sets for moving e from a to ``to`` that keep both ranks within the capacity, into ``set_items`` (set s
+    at ``set_start[s]:set_start[s + 1]``): none (a move), one example of ``to`` (a swap; the closest in cost, those
+    with most bytes on a's node first), or (packed) several whose costs add up to what fits; returns how many."""
+    c = costs[e]
+    num_sets = 0
+    set_start[0] = 0
+    low = load[to] + c - capacity      # what must leave ``to``
+    high = capacity - load[a] + c      # what ``a`` can take
+    if kind == _COMPUTE:
+        high = min(high, c * (1 - 1e-12)) if load[a] <= capacity else c * (1 - 1e-12)
+    if not swaps_only and low <= 0:
+        num_sets += 1
+        set_start[num_sets] = 0
+    num_others = _members(head, nxt, to, others)
+    if num_others == 0 or high <= 0:
+        return num_sets
+    fit = np.empty(num_others, dtype=np.int64)
+    num_fit = 0
+    for k in range(num_others):
+        f = others[k]
+        if costs[f] >= low and costs[f] <= high:
+            fit[num_fit] = f
+            num_fit += 1
+    if num_fit:
+        gap = np.empty(num_fit)
+        for k in range(num_fit):
+            gap[k] = abs(costs[fit[k]] - c)
+        closest = np.empty(4 * num_partners, dtype=np.int64)
+        num_closest = _smallest(gap, 4 * num_partners, closest)
+        for k in range(num_closest):
+            closest[k] = fit[closest[k]]
+        near_a = bytes_on_node(src, nbytes, offset, node, closest[:num_closest], node[a])
+        pick = np.empty(num_partners, dtype=np.int64)
+        for t in range(_smallest(-near_a, num_partners, pick)):
+            set_items[set_start[num_sets]] = closest[pick[t]]
+            set_start[num_sets + 1] = set_start[num_sets] + 1
+            num_sets += 1
+    if not swaps_only and low > 0:  # several of to's examples, largest first, while they fit
+        neg = np.empty(num_others)
+        for k in range(num_others):
+            neg[k] = -costs[others[k]]
+        base = set_start[num_sets]
+        chosen, total = 0, 0.0
+        for k in np.argsort(neg, kind="mergesort"):
+            f = others[k]
+            if total + costs[f] <= high:
+                set_items[base + chosen] = f
+                chosen += 1
+                total += costs[f]
+                if total >= low:
+                    break
+        if total >= low and chosen > 1:
+            set_start[num_sets + 1] = base + chosen
+            num_sets += 1
+    return num_sets
+
+
+@numba.njit(**_JIT)
+def repair_locality(links, node, src, nbytes, offset, by_src_start, by_src_example, rank, load, costs, limits,
+                    capacity, cap_scale, swaps_only, max_rounds, num_candidates, num_partners, target_nodes, tol,
+                    spread, worst_count):
+    """balance/repair.py's ``repair_locality`` on ``rank`` (in place, with ``links`` and ``load``); returns the
+    actions taken. ``by_src_start[m, q]:by_src_start[m, q + 1]``: the entries of ``by_src_example`` (the examples of
+    move m's entries rank q sends); ``limits``: per move, (NIC limit, NVLink limit, NIC scale, NVLink scale); the
+    rest: balance/repair.py's constants. Each round takes the (kind, move, rank) furthest over its limit and keeps
+    the first candidate's best action (lowest excess change, then bytes across nodes) that lowers the excess; a
+    round that finds none marks it stuck until the next action."""
+    n, num_ranks, num_moves = rank.size, node.size, links.shape[0]
+    num_nodes = 0
+    for q in range(num_ranks):
+        num_nodes = max(num_nodes, node[q] + 1)
+    head = np.full(num_ranks, -1, dtype=np.int64)
+    tail = np.full(num_ranks, -1, dtype=np.int64)
+    nxt = np.full(n, -1, dtype=np.int64)
+    prv = np.full(n, -1, dtype=np.int64)
+    for e in range(n):
+        _append(head, tail, nxt, prv, rank[e], e)
+    stuck = np.zeros((3, num_moves + 1, num_ranks), dtype=np.bool_)
+    mine = np.empty(n, dtype=np.int64)
+    others = np.empty(n, dtype=np.int64)
+    candidates = np.empty(num_candidates, dtype=np.int64)
+    targets = np.empty(num_ranks + 2 * spread, dtype=np.int64)
+    seen = np.zeros(num_ranks, dtype=np.int64)
+    set_start = np.empty(num_partners + 3, dtype=np.int64)
+    set_items = np.empty(n + num_partners, dtype=np.int64)
+    best_partners = np.empty(n, dtype=np.int64)
+    actions = 0
+    while actions < max_rounds:
+        kind, m, r = _worst(links, load, limits, capacity, cap_scale, stuck, tol, worst_count)
+        if kind < 0:
+            break
+        found, best_gain, best_moved, best_e, best_to, num_best = False, 0.0, 0.0, -1, -1, 0
+        for c in range(_candidates(kind, m, r, links, node, src, nbytes, offset, by_src_start, by_src_example, rank,
+                                   costs, head, nxt, num_candidates, mine, candidates)):
+            e = candidates[c]
+            a = rank[e]
+            for t in range(_targets(e, r, kind, m, links, node, num_nodes, src, nbytes, offset, by_src_start,
+                                    by_src_example, rank, load, target_nodes, spread, seen, targets)):
+                to = targets[t]
+                for s in range(_options(e, a, to, kind, src, nbytes, offset, node, load, costs, capacity, swaps_only,
+                                        head, nxt, num_partners, others, set_start, set_items)):
+                    partners = set_items[set_start[s]:set_start[s + 1]]
+                    gain, moved = try_exchange(links, node, src, nbytes, offset, rank, load, costs, e, to, partners,
+                                               limits, capacity, cap_scale)
+                    if gain < -tol and (not found or gain < best_gain or (gain == best_gain and moved < best_moved)):
+                        found, best_gain, best_moved, best_e, best_to = True, gain, moved, e, to
+                        num_best = partners.size
+                        best_partners[:num_best] = partners
+            if found:  # the first example (most bytes on the link) that can go: taken
+                break
+        if not found:
+            stuck[kind, m + 1, r] = True
+            continue
+        a = rank[best_e]
+        shift_example(links, node, src, nbytes, offset, rank, load, costs, best_e, best_to)
+        _unlink(head, tail, nxt, prv, a, best_e)
+        _append(head, tail, nxt, prv, best_to, best_e)
+        for k in range(num_best):
+            f = best_partners[k]
+            shift_example(links, node, src, nbytes, offset, rank, load, costs, f, a)
+            _unlink(head, tail, nxt, prv, best_to, f)
+            _append(head, tail, nxt, prv, a, f)
+        stuck[:] = False
+        actions += 1
+    return actions
