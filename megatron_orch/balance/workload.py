@@ -189,7 +189,7 @@ def _modeled(phase, tokens: np.ndarray) -> Tuple[np.ndarray, np.ndarray]:
 
 def phase_items(sizes: StepSizes, phases: ModelPhases) -> Dict[str, PhaseItems]:
     """Items of every phase of a global batch (encoder phases in order, then the backbone); a batch without
-    a phase's items gives that phase 0 items."""
+    a phase's items gives that phase 0 items. An encoder phase's items are listed example by example."""
     unknown = sorted(set(sizes.items) - set(phases.encoder_names))
     if unknown:
         raise ValueError(f"the batch has items of {unknown}, which are not encoder phases of the model "

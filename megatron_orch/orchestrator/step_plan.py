@@ -224,7 +224,7 @@ def _balance_encoder(costs, home_rank, item_bytes, num_ranks, topology, config, 
     """Encoder rank of every item of one phase, and the method name."""
     if not balanced or costs.size == 0:
         return home_rank, "none"
-    if config.algorithm == "auto" and _all_equal(costs) and _all_equal(item_bytes):
+    if config.algorithm == "auto" and _plan_kernels.all_equal(costs) and _plan_kernels.all_equal(item_bytes):
         return uniform_bins(np.ascontiguousarray(home_rank, dtype=np.int64), topology.node_of_rank)
     if config.locality:
         part = partition_locality(costs, home_rank, num_ranks, _gpus_per_node(topology),
@@ -347,10 +347,6 @@ def _localized(reference, method, costs, home, text_bytes, example_bytes, pull, 
     return bins, name, slower
 
 
-def _all_equal(values: np.ndarray) -> bool:
-    return values.min() == values.max()
-
-
 def _gpus_per_node(topology: Topology) -> int:
     per_node = topology.ranks_per_node()
     if per_node.min() != per_node.max():
@@ -428,8 +424,11 @@ def plan_step(sizes: StepSizes, phases: ModelPhases, config: OrchestratorConfig,
         example, costs, item_bytes = phase_item.example, phase_item.cost, phase_item.nbytes
         rank, method = _balance_encoder(costs, phase_item.home, item_bytes, num_ranks, topology, config,
                                         config.balances(phase))
-        encoders[phase] = EncoderPhasePlan(example=example, home=examples_home.expand(example),
-                                           encode=Placement.from_ranks(rank, num_ranks))
+        # the loader's placement of the items, examples_home.expand(example): items come listed by example
+        # (phase_items), so on its home rank an item's slot is its rank among the rank's items in id order
+        items_home = Placement.from_ranks(phase_item.home, num_ranks)
+        encoders[phase] = EncoderPhasePlan(example=example, home=items_home, encode=items_home
+                                           if rank is phase_item.home else Placement.from_ranks(rank, num_ranks))
         rank_of_item[phase] = (example, rank, phase_item.output_nbytes)
         stats[phase], home_loads = _phase_stats(method, costs, phase_item.home, rank, num_ranks)
         loads.append((home_loads, stats[phase].max_after))
