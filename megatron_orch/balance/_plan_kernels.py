@@ -353,15 +353,39 @@ def peer_counts(pairs, node_of_rank):
     return intra, inter
 
 
+_FINGERPRINT_START = np.uint64(0xCBF29CE484222325)
+
+
+@numba.njit(**_JIT)
+def _fingerprint_step(h, value):
+    """The fingerprint ``h`` with one more int64 ``value``."""
+    x = np.uint64(value) * np.uint64(0x9E3779B97F4A7C15)
+    x ^= x >> np.uint64(29)
+    return (h ^ x) * np.uint64(0x100000001B3)
+
+
 @numba.njit(**_JIT)
 def fingerprint(values):
     """A 64-bit fingerprint of int64 ``values`` (order-sensitive; a word at a time, so a pass costs a
     fraction of a byte-wise CRC): what a plan digest hashes."""
-    h = np.uint64(0xCBF29CE484222325)
-    prime = np.uint64(0x100000001B3)
-    golden = np.uint64(0x9E3779B97F4A7C15)
+    h = _FINGERPRINT_START
     for i in range(values.size):
-        x = np.uint64(values[i]) * golden
-        x ^= x >> np.uint64(29)
-        h = (h ^ x) * prime
+        h = _fingerprint_step(h, values[i])
     return h
+
+
+@numba.njit(**_JIT)
+def fingerprint_pair(a, b):
+    """(:func:`fingerprint` of ``a``, of ``b``) in one loop: each is a chain of multiplies, so the two chains
+    side by side take about the time of one."""
+    ha = _FINGERPRINT_START
+    hb = _FINGERPRINT_START
+    both = min(a.size, b.size)
+    for i in range(both):
+        ha = _fingerprint_step(ha, a[i])
+        hb = _fingerprint_step(hb, b[i])
+    for i in range(both, a.size):
+        ha = _fingerprint_step(ha, a[i])
+    for i in range(both, b.size):
+        hb = _fingerprint_step(hb, b[i])
+    return ha, hb

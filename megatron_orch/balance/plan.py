@@ -447,9 +447,15 @@ def _counted(src: np.ndarray, dst: np.ndarray, nbytes: np.ndarray, node_of_rank:
 def checksum(*arrays) -> int:
     """Deterministic 32-bit check value of integer arrays (shape-sensitive): a plan's digest, which ranks
     compare instead of the plan itself (each array's shape and its 64-bit fingerprint, CRC-32'd)."""
+    arrays = [np.ascontiguousarray(array, dtype=np.int64) for array in arrays]
+    prints = [0] * len(arrays)
+    by_size = sorted(range(len(arrays)), key=lambda k: -arrays[k].size)  # fingerprinted two at a time, alike in size
+    for a, b in zip(by_size[0::2], by_size[1::2]):
+        prints[a], prints[b] = _plan_kernels.fingerprint_pair(arrays[a].reshape(-1), arrays[b].reshape(-1))
+    if len(arrays) % 2:
+        prints[by_size[-1]] = _plan_kernels.fingerprint(arrays[by_size[-1]].reshape(-1))
     value = 0
-    for array in arrays:
-        array = np.ascontiguousarray(array, dtype=np.int64)
+    for array, fingerprint in zip(arrays, prints):
         value = zlib.crc32(np.asarray(array.shape, dtype=np.int64).tobytes(), value)
-        value = zlib.crc32(np.uint64(_plan_kernels.fingerprint(array.reshape(-1))).tobytes(), value)
+        value = zlib.crc32(np.uint64(fingerprint).tobytes(), value)
     return value

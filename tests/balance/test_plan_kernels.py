@@ -1,5 +1,6 @@
 """The compiled placement helpers against their numpy definitions; the line said while numba compiles."""
 import re
+import zlib
 
 import numba
 import numpy as np
@@ -9,7 +10,7 @@ from hypothesis import given, settings, strategies as st
 from megatron_orch.balance import _plan_kernels
 from megatron_orch.balance._kernels import _jit
 from megatron_orch.balance._kernels._jit import announcing_compilation
-from megatron_orch.balance.plan import Placement, moved_bytes
+from megatron_orch.balance.plan import Placement, checksum, moved_bytes
 
 
 def reference_slots(rank, num_ranks, key):
@@ -177,3 +178,36 @@ def test_sources_by_example_and_all_equal_match_their_definitions(num_ranks, num
         assert np.array_equal(got, expected)
     for values in (item_bytes, np.full(example.size, 7), np.full(example.size, 2.5), item_bytes / 3):
         assert _plan_kernels.all_equal(values) == (values.size == 0 or values.min() == values.max())
+
+
+def reference_fingerprint(values) -> int:
+    """The plan digest's fingerprint, word by word in plain Python (its definition)."""
+    mask, h = 2**64 - 1, 0xCBF29CE484222325
+    for value in values:
+        x = (int(value) % 2**64) * 0x9E3779B97F4A7C15 & mask
+        x ^= x >> 29
+        h = ((h ^ x) * 0x100000001B3) & mask
+    return h
+
+
+def reference_checksum(*arrays) -> int:
+    value = 0
+    for array in arrays:
+        array = np.asarray(array, dtype=np.int64)
+        value = zlib.crc32(np.asarray(array.shape, dtype=np.int64).tobytes(), value)
+        value = zlib.crc32(np.uint64(reference_fingerprint(array.reshape(-1))).tobytes(), value)
+    return value
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.lists(st.lists(st.integers(-2**63, 2**63 - 1), max_size=12), max_size=5))
+def test_fingerprints_and_the_checksum_match_their_definition(lists):
+    """Fingerprints one at a time and two side by side (of arrays of any sizes), and the checksum that pairs
+    them by size, against the word-by-word definition."""
+    arrays = [np.array(values, dtype=np.int64) for values in lists]
+    for a in arrays:
+        assert _plan_kernels.fingerprint(a) == reference_fingerprint(a)
+        for b in arrays:
+            assert _plan_kernels.fingerprint_pair(a, b) == (reference_fingerprint(a), reference_fingerprint(b))
+    assert checksum(*arrays) == reference_checksum(*arrays)
+    assert checksum(*arrays, np.zeros((2, 3), dtype=np.int64)) == reference_checksum(*arrays, np.zeros((2, 3)))
