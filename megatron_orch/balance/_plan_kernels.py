@@ -237,6 +237,22 @@ def _sums(key, weights, num_keys):
 
 
 @numba.njit(**_JIT)
+def counts(key, num_keys):
+    """``np.bincount(key, minlength=num_keys)`` of keys in ``0..num_keys - 1``; a key's items in a row are counted
+    in a register (a batch's items come in long runs of one rank)."""
+    out = np.zeros(num_keys, dtype=np.int64)
+    n = key.size
+    i = 0
+    while i < n:
+        k = key[i]
+        start = i
+        while i < n and key[i] == k:
+            i += 1
+        out[k] += i - start
+    return out
+
+
+@numba.njit(**_JIT)
 def rank_loads_max(rank, weights, num_ranks):
     """The largest per-rank sum of ``weights`` (``np.bincount(rank, weights).max()``, summed in item order as
     numpy sums, so bit for bit the same; 0 for no items)."""

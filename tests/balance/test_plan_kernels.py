@@ -103,7 +103,8 @@ def test_moved_bytes_and_microbatches_match_numpy():
 @settings(max_examples=100, deadline=None)
 @given(st.integers(1, 9), st.integers(0, 300), st.integers(0, 2**31 - 1))
 def test_loads_before_after_are_numpys_sums_bit_for_bit(num_ranks, num_items, seed):
-    """Keys at random, and in runs (a rank's items in a row, summed in a register): numpy's sums either way."""
+    """Keys at random, and in runs (a rank's items in a row, summed in a register): numpy's sums (and counts)
+    either way."""
     rng = np.random.default_rng(seed)
     weights = rng.lognormal(0, 3, num_items)
     for before, after in ((rng.integers(0, num_ranks, num_items), rng.integers(0, num_ranks, num_items)),
@@ -112,6 +113,7 @@ def test_loads_before_after_are_numpys_sums_bit_for_bit(num_ranks, num_items, se
         assert loads.tobytes() == np.bincount(before, weights=weights, minlength=num_ranks).tobytes()
         assert most == np.bincount(after, weights=weights, minlength=num_ranks).max()
         assert _plan_kernels.rank_loads_max(after, weights, num_ranks) == most
+        assert np.array_equal(_plan_kernels.counts(before, num_ranks), np.bincount(before, minlength=num_ranks))
 
 
 def runs_of(rng, bound, size):
