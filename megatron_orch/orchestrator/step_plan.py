@@ -560,7 +560,7 @@ def _plan_memory(items: Dict[str, PhaseItems], phases: ModelPhases, encoders: Di
     cells = num_ranks * num_microbatches  # (rank, micro-batch)
 
     def per_rank(per_cell: np.ndarray) -> np.ndarray:
-        return per_cell.reshape(num_ranks, num_microbatches).max(axis=1)
+        return _plan_kernels.row_max(per_cell.reshape(num_ranks, num_microbatches))
 
     llm = items[backbone]
     upstream_key = llm.home * num_microbatches + home_microbatch

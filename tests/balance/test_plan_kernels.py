@@ -213,3 +213,13 @@ def test_fingerprints_and_the_checksum_match_their_definition(lists):
             assert _plan_kernels.fingerprint_pair(a, b) == (reference_fingerprint(a), reference_fingerprint(b))
     assert checksum(*arrays) == reference_checksum(*arrays)
     assert checksum(*arrays, np.zeros((2, 3), dtype=np.int64)) == reference_checksum(*arrays, np.zeros((2, 3)))
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.integers(0, 6), st.integers(1, 5), st.integers(0, 2**31 - 1), st.booleans())
+def test_row_max_is_numpys(rows, columns, seed, with_nan):
+    rng = np.random.default_rng(seed)
+    values = rng.lognormal(0, 3, (rows, columns)) * (rng.random((rows, columns)) < 0.7)
+    if with_nan and values.size:
+        values[rng.integers(0, rows), rng.integers(0, columns)] = np.nan
+    assert _plan_kernels.row_max(values).tobytes() == values.max(axis=1).tobytes()
