@@ -427,8 +427,8 @@ def plan_step(sizes: StepSizes, phases: ModelPhases, config: OrchestratorConfig,
         # the loader's placement of the items, examples_home.expand(example): items come listed by example
         # (phase_items), so on its home rank an item's slot is its rank among the rank's items in id order
         items_home = Placement.from_ranks(phase_item.home, num_ranks)
-        encoders[phase] = EncoderPhasePlan(example=example, home=items_home, encode=items_home
-                                           if rank is phase_item.home else Placement.from_ranks(rank, num_ranks))
+        encode = items_home if rank is phase_item.home else Placement.from_ranks(rank, num_ranks)
+        encoders[phase] = EncoderPhasePlan(example=example, home=items_home, encode=encode)
         rank_of_item[phase] = (example, rank, phase_item.output_nbytes)
         stats[phase], home_loads = _phase_stats(method, costs, phase_item.home, rank, num_ranks)
         loads.append((home_loads, stats[phase].max_after))
