@@ -39,23 +39,42 @@ def slots_in_order(rank, order, num_ranks):
 
 @numba.njit(**_JIT)
 def slots_in_id_order(rank, num_ranks):
-    """Slot of each item when every rank lists its items by increasing id."""
+    """Slot of each item when every rank lists its items by increasing id, and the first item whose rank lies
+    outside ``0..num_ranks - 1`` (-1: none; then the slots are not computed), checked in the same pass."""
     fill = np.zeros(num_ranks, dtype=np.int64)
     slot = np.empty(rank.size, dtype=np.int64)
     for i in range(rank.size):
-        slot[i] = fill[rank[i]]
-        fill[rank[i]] += 1
-    return slot
+        r = rank[i]
+        if r < 0 or r >= num_ranks:
+            return slot, i
+        slot[i] = fill[r]
+        fill[r] += 1
+    return slot, -1
 
 
 @numba.njit(**_JIT)
 def expand(parent_rank, parent_slot, num_ranks, parent):
-    """(rank, slot) of child items that live with their parent ``parent[j]``: on a rank, children
-    are ordered by their parent's slot, then by child id."""
+    """(rank, slot, first bad child) of child items that live with their parent ``parent[j]``: on a rank,
+    children are ordered by their parent's slot, then by child id. The first child whose parent lies outside
+    ``0..num_parents - 1`` is found in the counting pass (-1: none; then rank and slot are not computed). Children
+    listed by parent (an example's items, as the loader lists them) are written run by run, one fill per parent."""
     num_parents = parent_rank.size
     children = np.zeros(num_parents, dtype=np.int64)
+    by_parent = True  # parent non-decreasing: each parent's children are one run, in id order
+    run_parent, run = -1, 0  # children in a row of one parent, counted in a register
     for j in range(parent.size):
-        children[parent[j]] += 1
+        p = parent[j]
+        if p < 0 or p >= num_parents:
+            return np.empty(0, dtype=np.int64), np.empty(0, dtype=np.int64), j
+        if p == run_parent:
+            run += 1
+            continue
+        if run_parent >= 0:
+            children[run_parent] += run
+            by_parent = by_parent and p > run_parent
+        run_parent, run = p, 1
+    if run_parent >= 0:
+        children[run_parent] += run
     # parents in (rank, slot) order: position start[rank] + slot
     start = _rank_starts(parent_rank, num_ranks)
     by_position = np.empty(num_parents, dtype=np.int64)
@@ -70,12 +89,21 @@ def expand(parent_rank, parent_slot, num_ranks, parent):
             offset += children[p]
     rank = np.empty(parent.size, dtype=np.int64)
     slot = np.empty(parent.size, dtype=np.int64)
+    if by_parent:
+        j = 0
+        for p in range(num_parents):
+            r, f = parent_rank[p], first[p]
+            for k in range(children[p]):
+                rank[j] = r
+                slot[j] = f + k
+                j += 1
+        return rank, slot, -1
     for j in range(parent.size):  # children by id: each takes its parent's next slot
         p = parent[j]
         rank[j] = parent_rank[p]
         slot[j] = first[p]
         first[p] += 1
-    return rank, slot
+    return rank, slot, -1
 
 
 @numba.njit(**_JIT)
@@ -192,35 +220,107 @@ def sorted_union(a, b):
 
 
 @numba.njit(**_JIT)
+def _sums(key, weights, num_keys):
+    """``np.bincount(key, weights, minlength=num_keys)``, summed in item order as numpy sums (bit for bit the same);
+    a key's items in a row are summed in a register."""
+    out = np.zeros(num_keys)
+    n = key.size
+    i = 0
+    while i < n:
+        k = key[i]
+        acc = out[k]
+        while i < n and key[i] == k:
+            acc += weights[i]
+            i += 1
+        out[k] = acc
+    return out
+
+
+@numba.njit(**_JIT)
+def counts(key, num_keys):
+    """``np.bincount(key, minlength=num_keys)`` of keys in ``0..num_keys - 1``; a key's items in a row are counted
+    in a register (a batch's items come in long runs of one rank)."""
+    out = np.zeros(num_keys, dtype=np.int64)
+    n = key.size
+    i = 0
+    while i < n:
+        k = key[i]
+        start = i
+        while i < n and key[i] == k:
+            i += 1
+        out[k] += i - start
+    return out
+
+
+@numba.njit(**_JIT)
+def row_max(values):
+    """``values.max(axis=1)`` of a 2-D array (a NaN in a row makes its maximum NaN, as numpy's): one pass, where
+    numpy's reduction over short rows is slow (a step's (rank, micro-batch) cells, 16 to a rank)."""
+    if values.shape[1] == 0:
+        raise ValueError("row_max of rows without values")
+    out = np.empty(values.shape[0])
+    for r in range(values.shape[0]):
+        most = values[r, 0]
+        for c in range(1, values.shape[1]):
+            value = values[r, c]
+            if value > most or value != value:
+                most = value
+        out[r] = most
+    return out
+
+
+@numba.njit(**_JIT)
 def rank_loads_max(rank, weights, num_ranks):
     """The largest per-rank sum of ``weights`` (``np.bincount(rank, weights).max()``, summed in item order as
     numpy sums, so bit for bit the same; 0 for no items)."""
-    load = np.zeros(num_ranks)
-    for i in range(rank.size):
-        load[rank[i]] += weights[i]
+    load = _sums(rank, weights, num_ranks)
     return load.max() if num_ranks else 0.0
 
 
 @numba.njit(**_JIT)
 def loads_before_after(before_rank, after_rank, weights, num_ranks):
-    """(per-rank sums of ``weights`` by ``before_rank``, the largest per-rank sum by ``after_rank``) in one pass:
+    """(per-rank sums of ``weights`` by ``before_rank``, the largest per-rank sum by ``after_rank``):
     ``np.bincount(before_rank, weights)`` and :func:`rank_loads_max` of ``after_rank``, each summed in item order
     as numpy sums, so bit for bit the same (a phase's loads as loaded and as planned)."""
     before = np.zeros(num_ranks)
     after = np.zeros(num_ranks)
+    before_key, after_key = -1, -1  # each sum's current rank, its sum in a register while the rank repeats
+    before_acc, after_acc = 0.0, 0.0
     for i in range(weights.size):
-        before[before_rank[i]] += weights[i]
-        after[after_rank[i]] += weights[i]
+        if before_rank[i] != before_key:
+            if before_key >= 0:
+                before[before_key] = before_acc
+            before_key = before_rank[i]
+            before_acc = before[before_key]
+        if after_rank[i] != after_key:
+            if after_key >= 0:
+                after[after_key] = after_acc
+            after_key = after_rank[i]
+            after_acc = after[after_key]
+        before_acc += weights[i]
+        after_acc += weights[i]
+    if before_key >= 0:
+        before[before_key] = before_acc
+        after[after_key] = after_acc
     return before, after.max() if num_ranks else 0.0
 
 
 @numba.njit(**_JIT)
 def sums_by_parent(parent_key, parent, weights, num_keys):
     """``np.bincount(parent_key[parent], weights, minlength=num_keys)`` without building ``parent_key[parent]``
-    (child items summed into their parent's key, in item order as numpy sums: bit for bit the same)."""
+    (child items summed into their parent's key, in item order as numpy sums: bit for bit the same; the children
+    of one parent in a row are summed in a register)."""
     out = np.zeros(num_keys)
-    for j in range(parent.size):
-        out[parent_key[parent[j]]] += weights[j]
+    n = parent.size
+    j = 0
+    while j < n:
+        p = parent[j]
+        k = parent_key[p]
+        acc = out[k]
+        while j < n and parent[j] == p:
+            acc += weights[j]
+            j += 1
+        out[k] = acc
     return out
 
 
@@ -240,14 +340,11 @@ def padded_sums(key, values, num_keys):
 @numba.njit(**_JIT)
 def sources_by_example(home, at_home, example, item_rank, item_bytes):
     """Adds to ``at_home[e]`` the bytes of the items of example e computed on its home rank, and returns the
-    others as (example, rank, bytes) arrays."""
-    away = 0
-    for j in range(example.size):
-        if item_rank[j] != home[example[j]]:
-            away += 1
-    out_example = np.empty(away, dtype=np.int64)
-    out_rank = np.empty(away, dtype=np.int64)
-    out_bytes = np.empty(away, dtype=np.int64)
+    others as (example, rank, bytes) arrays (in one pass: the outputs are allocated for every item, and only the
+    pages of those written are touched)."""
+    out_example = np.empty(example.size, dtype=np.int64)
+    out_rank = np.empty(example.size, dtype=np.int64)
+    out_bytes = np.empty(example.size, dtype=np.int64)
     k = 0
     for j in range(example.size):
         e = example[j]
@@ -258,7 +355,46 @@ def sources_by_example(home, at_home, example, item_rank, item_bytes):
             out_rank[k] = item_rank[j]
             out_bytes[k] = item_bytes[j]
             k += 1
-    return out_example, out_rank, out_bytes
+    return out_example[:k], out_rank[:k], out_bytes[:k]
+
+
+@numba.njit(**_JIT)
+def all_equal(values):
+    """Whether every value equals the first (``values.min() == values.max()`` of finite values): one pass, which
+    stops at the first that differs."""
+    for i in range(values.size):
+        if values[i] != values[0]:
+            return False
+    return True
+
+
+@numba.njit(**_JIT)
+def peer_counts(pairs, node_of_rank):
+    """Per rank, its distinct peers on its node and across nodes (two int64 arrays), of distinct rank pairs
+    ``low * ranks + high`` (:class:`~megatron_orch.balance.plan.Connections`): one pass."""
+    num_ranks = node_of_rank.size
+    intra = np.zeros(num_ranks, dtype=np.int64)
+    inter = np.zeros(num_ranks, dtype=np.int64)
+    for k in range(pairs.size):
+        low, high = pairs[k] // num_ranks, pairs[k] % num_ranks
+        if node_of_rank[low] == node_of_rank[high]:
+            intra[low] += 1
+            intra[high] += 1
+        else:
+            inter[low] += 1
+            inter[high] += 1
+    return intra, inter
+
+
+_FINGERPRINT_START = np.uint64(0xCBF29CE484222325)
+
+
+@numba.njit(**_JIT)
+def _fingerprint_step(h, value):
+    """The fingerprint ``h`` with one more int64 ``value``."""
+    x = np.uint64(value) * np.uint64(0x9E3779B97F4A7C15)
+    x ^= x >> np.uint64(29)
+    return (h ^ x) * np.uint64(0x100000001B3)
 
 
 @numba.njit(**_JIT)
@@ -295,11 +431,24 @@ def pull_ranks(home, example, source, nbytes, num_ranks):
 def fingerprint(values):
     """A 64-bit fingerprint of int64 ``values`` (order-sensitive; a word at a time, so a pass costs a
     fraction of a byte-wise CRC): what a plan digest hashes."""
-    h = np.uint64(0xCBF29CE484222325)
-    prime = np.uint64(0x100000001B3)
-    golden = np.uint64(0x9E3779B97F4A7C15)
+    h = _FINGERPRINT_START
     for i in range(values.size):
-        x = np.uint64(values[i]) * golden
-        x ^= x >> np.uint64(29)
-        h = (h ^ x) * prime
+        h = _fingerprint_step(h, values[i])
     return h
+
+
+@numba.njit(**_JIT)
+def fingerprint_pair(a, b):
+    """(:func:`fingerprint` of ``a``, of ``b``) in one loop: each is a chain of multiplies, so the two chains
+    side by side take about the time of one."""
+    ha = _FINGERPRINT_START
+    hb = _FINGERPRINT_START
+    both = min(a.size, b.size)
+    for i in range(both):
+        ha = _fingerprint_step(ha, a[i])
+        hb = _fingerprint_step(hb, b[i])
+    for i in range(both, a.size):
+        ha = _fingerprint_step(ha, a[i])
+    for i in range(both, b.size):
+        hb = _fingerprint_step(hb, b[i])
+    return ha, hb

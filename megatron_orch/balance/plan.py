@@ -36,15 +36,19 @@ def as_index_array(values, name: str) -> np.ndarray:
     return arr.astype(np.int64, copy=False)
 
 
+def _first_outside(rank: np.ndarray, num_ranks: int) -> int:
+    """The first item whose rank lies outside ``0..num_ranks - 1`` (-1: none)."""
+    if rank.size and (rank.min() < 0 or rank.max() >= num_ranks):
+        return int(np.flatnonzero((rank < 0) | (rank >= num_ranks))[0])
+    return -1
+
+
 _COUNTING_SORT_SPAN = 1 << 24  # integer keys spanning at most this sort by counting (compiled, O(n))
 
 
-def _slots_by_key(rank: np.ndarray, num_ranks: int, key: Optional[np.ndarray] = None) -> np.ndarray:
-    """Slot of each item on its rank when a rank's items are ordered by ``key`` (default: item id;
-    ties by item id)."""
+def _slots_by_key(rank: np.ndarray, num_ranks: int, key: np.ndarray) -> np.ndarray:
+    """Slot of each item on its rank when a rank's items are ordered by ``key`` (ties by item id)."""
     rank = np.ascontiguousarray(rank, dtype=np.int64)
-    if key is None:
-        return _plan_kernels.slots_in_id_order(rank, int(num_ranks))
     key = np.asarray(key)
     if key.size and np.issubdtype(key.dtype, np.integer):
         low, high = int(key.min()), int(key.max())
@@ -74,8 +78,8 @@ class Placement:
             raise ValueError(f"num_ranks must be >= 1, got {self.num_ranks}")
         if rank.shape != slot.shape:
             raise ValueError(f"rank and slot differ in length: {rank.size} vs {slot.size}")
-        if rank.size and (rank.min() < 0 or rank.max() >= self.num_ranks):
-            bad = int(np.flatnonzero((rank < 0) | (rank >= self.num_ranks))[0])
+        bad = _first_outside(rank, self.num_ranks)
+        if bad >= 0:
             raise ValueError(f"item {bad} is placed on rank {rank[bad]}, outside 0..{self.num_ranks - 1}")
         counts = np.bincount(rank, minlength=self.num_ranks)
         expected = _slots_by_key(rank, self.num_ranks, slot)
@@ -88,9 +92,12 @@ class Placement:
     @classmethod
     def from_ranks(cls, rank, num_ranks: int, key: Optional[np.ndarray] = None) -> "Placement":
         """Place item i on ``rank[i]``; a rank's items are ordered by ``key`` (default: item id)."""
-        rank = as_index_array(rank, "rank")
-        if rank.size and (rank.min() < 0 or rank.max() >= num_ranks):
-            bad = int(np.flatnonzero((rank < 0) | (rank >= num_ranks))[0])
+        rank = np.ascontiguousarray(as_index_array(rank, "rank"))
+        if key is None:  # (the ranks checked in the slots' pass)
+            slot, bad = _plan_kernels.slots_in_id_order(rank, max(int(num_ranks), 0))
+        else:
+            bad = _first_outside(rank, num_ranks)
+        if bad >= 0:
             raise ValueError(f"item {bad} is placed on rank {rank[bad]}, outside 0..{num_ranks - 1}")
         if num_ranks < 1:
             raise ValueError(f"num_ranks must be >= 1, got {num_ranks}")
@@ -98,7 +105,8 @@ class Placement:
             key = np.asarray(key)
             if key.shape != rank.shape:
                 raise ValueError(f"key has shape {key.shape}, expected {rank.shape}")
-        return cls._valid(rank, _slots_by_key(rank, num_ranks, key), int(num_ranks))
+            slot = _slots_by_key(rank, num_ranks, key)
+        return cls._valid(rank, slot, int(num_ranks))
 
     @classmethod
     def _valid(cls, rank: np.ndarray, slot: np.ndarray, num_ranks: int) -> "Placement":
@@ -138,10 +146,10 @@ class Placement:
         parent's slot, then by child id.
         """
         parent = as_index_array(parent, "parent")
-        if parent.size and (parent.min() < 0 or parent.max() >= self.num_items):
+        rank, slot, bad = _plan_kernels.expand(np.ascontiguousarray(self.rank), np.ascontiguousarray(self.slot),
+                                               self.num_ranks, np.ascontiguousarray(parent))
+        if bad >= 0:  # (checked in the kernel's counting pass)
             raise ValueError(f"parent ids must lie in 0..{self.num_items - 1}")
-        rank, slot = _plan_kernels.expand(np.ascontiguousarray(self.rank), np.ascontiguousarray(self.slot),
-                                          self.num_ranks, np.ascontiguousarray(parent))
         return Placement._valid(rank, slot, self.num_ranks)
 
     def same_as(self, other: "Placement") -> bool:
@@ -312,10 +320,9 @@ class Connections:
         node_of_rank = as_index_array(node_of_rank, "node_of_rank")
         if node_of_rank.size != self.num_ranks:
             raise ValueError(f"node_of_rank has {node_of_rank.size} ranks, the connections {self.num_ranks}")
-        low, high = np.divmod(self.pairs, self.num_ranks)
-        same = node_of_rank[low] == node_of_rank[high]
-        return Peers(intra_node=np.bincount(np.concatenate((low[same], high[same])), minlength=self.num_ranks),
-                     inter_node=np.bincount(np.concatenate((low[~same], high[~same])), minlength=self.num_ranks))
+        intra, inter = _plan_kernels.peer_counts(np.ascontiguousarray(self.pairs, dtype=np.int64),
+                                                 np.ascontiguousarray(node_of_rank))
+        return Peers(intra_node=intra, inter_node=inter)
 
 
 @dataclass(frozen=True, eq=False)
@@ -440,9 +447,15 @@ def _counted(src: np.ndarray, dst: np.ndarray, nbytes: np.ndarray, node_of_rank:
 def checksum(*arrays) -> int:
     """Deterministic 32-bit check value of integer arrays (shape-sensitive): a plan's digest, which ranks
     compare instead of the plan itself (each array's shape and its 64-bit fingerprint, CRC-32'd)."""
+    arrays = [np.ascontiguousarray(array, dtype=np.int64) for array in arrays]
+    prints = [0] * len(arrays)
+    by_size = sorted(range(len(arrays)), key=lambda k: -arrays[k].size)  # fingerprinted two at a time, alike in size
+    for a, b in zip(by_size[0::2], by_size[1::2]):
+        prints[a], prints[b] = _plan_kernels.fingerprint_pair(arrays[a].reshape(-1), arrays[b].reshape(-1))
+    if len(arrays) % 2:
+        prints[by_size[-1]] = _plan_kernels.fingerprint(arrays[by_size[-1]].reshape(-1))
     value = 0
-    for array in arrays:
-        array = np.ascontiguousarray(array, dtype=np.int64)
+    for array, fingerprint in zip(arrays, prints):
         value = zlib.crc32(np.asarray(array.shape, dtype=np.int64).tobytes(), value)
-        value = zlib.crc32(np.uint64(_plan_kernels.fingerprint(array.reshape(-1))).tobytes(), value)
+        value = zlib.crc32(np.uint64(fingerprint).tobytes(), value)
     return value

@@ -189,7 +189,7 @@ def _modeled(phase, tokens: np.ndarray) -> Tuple[np.ndarray, np.ndarray]:
 
 def phase_items(sizes: StepSizes, phases: ModelPhases) -> Dict[str, PhaseItems]:
     """Items of every phase of a global batch (encoder phases in order, then the backbone); a batch without
-    a phase's items gives that phase 0 items."""
+    a phase's items gives that phase 0 items. An encoder phase's items are listed example by example."""
     unknown = sorted(set(sizes.items) - set(phases.encoder_names))
     if unknown:
         raise ValueError(f"the batch has items of {unknown}, which are not encoder phases of the model "
@@ -204,7 +204,7 @@ def phase_items(sizes: StepSizes, phases: ModelPhases) -> Dict[str, PhaseItems]:
         # every item of the phase runs the same tokens: one item's figures
         one_cost, one_memory = _modeled(phase, np.array([phase.item_tokens], dtype=np.int64))
         cost, memory = np.full(example.size, one_cost[0]), np.full(example.size, one_memory[0])
-        out[phase.name] = PhaseItems(phase.name, example, home[example], tokens, cost, memory,
+        out[phase.name] = PhaseItems(phase.name, example, np.repeat(home, counts), tokens, cost, memory,
                                      np.full(example.size, phase.input_bytes, dtype=np.int64),
                                      np.full(example.size, phase.output_rows * phase.output_row_bytes,
                                              dtype=np.int64))

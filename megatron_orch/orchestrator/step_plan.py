@@ -224,7 +224,7 @@ def _balance_encoder(costs, home_rank, item_bytes, num_ranks, topology, config, 
     """Encoder rank of every item of one phase, and the method name."""
     if not balanced or costs.size == 0:
         return home_rank, "none"
-    if config.algorithm == "auto" and _all_equal(costs) and _all_equal(item_bytes):
+    if config.algorithm == "auto" and _plan_kernels.all_equal(costs) and _plan_kernels.all_equal(item_bytes):
         return uniform_bins(np.ascontiguousarray(home_rank, dtype=np.int64), topology.node_of_rank)
     if config.locality:
         part = partition_locality(costs, home_rank, num_ranks, _gpus_per_node(topology),
@@ -338,10 +338,6 @@ def _localized(reference, method, costs, home, text_bytes, example_bytes, pull, 
     return bins, name, slower
 
 
-def _all_equal(values: np.ndarray) -> bool:
-    return values.min() == values.max()
-
-
 def _gpus_per_node(topology: Topology) -> int:
     per_node = topology.ranks_per_node()
     if per_node.min() != per_node.max():
@@ -419,8 +415,11 @@ def plan_step(sizes: StepSizes, phases: ModelPhases, config: OrchestratorConfig,
         example, costs, item_bytes = phase_item.example, phase_item.cost, phase_item.nbytes
         rank, method = _balance_encoder(costs, phase_item.home, item_bytes, num_ranks, topology, config,
                                         config.balances(phase))
-        encoders[phase] = EncoderPhasePlan(example=example, home=examples_home.expand(example),
-                                           encode=Placement.from_ranks(rank, num_ranks))
+        # the loader's placement of the items, examples_home.expand(example): items come listed by example
+        # (phase_items), so on its home rank an item's slot is its rank among the rank's items in id order
+        items_home = Placement.from_ranks(phase_item.home, num_ranks)
+        encode = items_home if rank is phase_item.home else Placement.from_ranks(rank, num_ranks)
+        encoders[phase] = EncoderPhasePlan(example=example, home=items_home, encode=encode)
         rank_of_item[phase] = (example, rank, phase_item.output_nbytes)
         stats[phase], home_loads = _phase_stats(method, costs, phase_item.home, rank, num_ranks)
         loads.append((home_loads, stats[phase].max_after))
@@ -552,7 +551,7 @@ def _plan_memory(items: Dict[str, PhaseItems], phases: ModelPhases, encoders: Di
     cells = num_ranks * num_microbatches  # (rank, micro-batch)
 
     def per_rank(per_cell: np.ndarray) -> np.ndarray:
-        return per_cell.reshape(num_ranks, num_microbatches).max(axis=1)
+        return _plan_kernels.row_max(per_cell.reshape(num_ranks, num_microbatches))
 
     llm = items[backbone]
     upstream_key = llm.home * num_microbatches + home_microbatch
@@ -572,7 +571,7 @@ def _plan_memory(items: Dict[str, PhaseItems], phases: ModelPhases, encoders: Di
     chunks, phase_peak = {}, {}
     kept_bytes, largest_recomputed = np.zeros(num_ranks), np.zeros(num_ranks)
     for phase in phases.encoders:
-        count = np.bincount(encoders[phase.name].encode.rank, minlength=num_ranks)
+        count = _plan_kernels.counts(encoders[phase.name].encode.rank, num_ranks)
         per_item = float(items[phase.name].memory[0]) if len(items[phase.name]) else 0.0
         chunk_items = _chunk_items(phase.item_tokens, per_item, chunk_budget, int(count.max(initial=0)),
                                    config.encoder_chunk_tokens)

@@ -1,14 +1,16 @@
 """The compiled placement helpers against their numpy definitions; the line said while numba compiles."""
 import re
+import zlib
 
 import numba
 import numpy as np
+import pytest
 from hypothesis import given, settings, strategies as st
 
 from megatron_orch.balance import _plan_kernels
 from megatron_orch.balance._kernels import _jit
 from megatron_orch.balance._kernels._jit import announcing_compilation
-from megatron_orch.balance.plan import Placement, moved_bytes
+from megatron_orch.balance.plan import Placement, checksum, moved_bytes
 
 
 def reference_slots(rank, num_ranks, key):
@@ -34,10 +36,33 @@ def test_slots_and_expand_match_their_definitions(num_ranks, num_items, num_chil
     assert np.array_equal(floats.slot, reference_slots(rank, num_ranks, key.astype(np.float64) / 7))
     if num_items:
         parent = rng.integers(0, num_items, num_children)
-        child = placement.expand(parent)
-        assert np.array_equal(child.rank, rank[parent])
-        assert np.array_equal(child.slot, reference_slots(rank[parent], num_ranks, placement.slot[parent]))
-        Placement(rank=child.rank, slot=child.slot, num_ranks=num_ranks)  # valid
+        # children in any order, and listed by parent (an example's items: the kernel's run-by-run fill)
+        for parent in (parent, np.sort(parent)):
+            child = placement.expand(parent)
+            assert np.array_equal(child.rank, rank[parent])
+            assert np.array_equal(child.slot, reference_slots(rank[parent], num_ranks, placement.slot[parent]))
+            Placement(rank=child.rank, slot=child.slot, num_ranks=num_ranks)  # valid
+
+
+def test_a_rank_or_parent_out_of_range_is_refused_naming_the_first():
+    """The slot and expand kernels check the ranks and parents in their own passes: the first one outside is
+    named, wherever it lies."""
+    for bad in (0, 5, 9):
+        rank = np.zeros(10, dtype=np.int64)
+        rank[bad + 1:] = -1  # (later ones outside too)
+        rank[bad] = 4
+        with pytest.raises(ValueError, match=f"item {bad} is placed on rank 4, outside 0..3"):
+            Placement.from_ranks(rank, 4)
+        with pytest.raises(ValueError, match=f"item {bad} is placed on rank 4, outside 0..3"):
+            Placement.from_ranks(rank, 4, key=np.arange(10))
+        parent = np.zeros(10, dtype=np.int64)
+        parent[bad] = 3
+        with pytest.raises(ValueError, match=r"parent ids must lie in 0..2"):
+            Placement.from_ranks([0, 1, 1], 2).expand(parent)
+    with pytest.raises(ValueError, match=r"parent ids must lie in 0..2"):
+        Placement.from_ranks([0, 1, 1], 2).expand([0, -1])
+    with pytest.raises(ValueError, match="num_ranks must be >= 1, got 0"):
+        Placement.from_ranks([], 0)
 
 
 @settings(max_examples=200, deadline=None)
@@ -78,12 +103,22 @@ def test_moved_bytes_and_microbatches_match_numpy():
 @settings(max_examples=100, deadline=None)
 @given(st.integers(1, 9), st.integers(0, 300), st.integers(0, 2**31 - 1))
 def test_loads_before_after_are_numpys_sums_bit_for_bit(num_ranks, num_items, seed):
+    """Keys at random, and in runs (a rank's items in a row, summed in a register): numpy's sums (and counts)
+    either way."""
     rng = np.random.default_rng(seed)
-    before, after = rng.integers(0, num_ranks, num_items), rng.integers(0, num_ranks, num_items)
     weights = rng.lognormal(0, 3, num_items)
-    loads, most = _plan_kernels.loads_before_after(before, after, weights, num_ranks)
-    assert loads.tobytes() == np.bincount(before, weights=weights, minlength=num_ranks).tobytes()
-    assert most == np.bincount(after, weights=weights, minlength=num_ranks).max()
+    for before, after in ((rng.integers(0, num_ranks, num_items), rng.integers(0, num_ranks, num_items)),
+                          (runs_of(rng, num_ranks, num_items), runs_of(rng, num_ranks, num_items))):
+        loads, most = _plan_kernels.loads_before_after(before, after, weights, num_ranks)
+        assert loads.tobytes() == np.bincount(before, weights=weights, minlength=num_ranks).tobytes()
+        assert most == np.bincount(after, weights=weights, minlength=num_ranks).max()
+        assert _plan_kernels.rank_loads_max(after, weights, num_ranks) == most
+        assert np.array_equal(_plan_kernels.counts(before, num_ranks), np.bincount(before, minlength=num_ranks))
+
+
+def runs_of(rng, bound, size):
+    """``size`` keys below ``bound`` in runs of 1-6 equal keys (a key may come back in a later run)."""
+    return np.repeat(rng.integers(0, bound, size), rng.integers(1, 7, size))[:size]
 
 
 def _pull_ranks_numpy(home, example, source, nbytes, num_ranks):
@@ -120,8 +155,9 @@ def test_sums_by_parent_and_padded_sums_are_numpys_bit_for_bit(num_keys, num_par
     rng = np.random.default_rng(seed)
     parent_key, parent = rng.integers(0, num_keys, num_parents), rng.integers(0, num_parents, num_items)
     weights = rng.lognormal(0, 3, num_items) * (rng.random(num_items) < 0.8)  # some zeros
-    assert (_plan_kernels.sums_by_parent(parent_key, parent, weights, num_keys).tobytes()
-            == np.bincount(parent_key[parent], weights=weights, minlength=num_keys).tobytes())
+    for parent in (parent, runs_of(rng, num_parents, num_items)):  # (a parent's children in a row: a register)
+        assert (_plan_kernels.sums_by_parent(parent_key, parent, weights, num_keys).tobytes()
+                == np.bincount(parent_key[parent], weights=weights, minlength=num_keys).tobytes())
     key = parent_key[parent]
     longest = np.zeros(num_keys)
     np.maximum.at(longest, key, weights)
@@ -152,3 +188,66 @@ def test_a_compile_is_announced_before_it_runs_and_timed_after_and_a_compiled_ke
     with announcing_compilation(lines.append):
         assert thrice(2) == 6
     assert len(lines) == 3 and re.fullmatch(r"  \.\.\. kernels compiled: 1, \d+ s", lines[1]), lines
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.integers(1, 6), st.integers(0, 80), st.integers(0, 2**31 - 1))
+def test_sources_by_example_and_all_equal_match_their_definitions(num_ranks, num_examples, seed):
+    rng = np.random.default_rng(seed)
+    home = rng.integers(0, num_ranks, num_examples)
+    example = np.repeat(np.arange(num_examples), rng.integers(0, 4, num_examples))
+    item_rank = np.where(rng.random(example.size) < 0.5, home[example], rng.integers(0, num_ranks, example.size))
+    item_bytes = rng.integers(1, 1000, example.size)
+    at_home = rng.integers(0, 1000, num_examples)
+    expected_at_home = at_home + np.bincount(example, weights=item_bytes * (item_rank == home[example]),
+                                             minlength=num_examples).astype(np.int64)
+    away = item_rank != home[example]
+    out = _plan_kernels.sources_by_example(home, at_home, example, item_rank, item_bytes)
+    assert np.array_equal(at_home, expected_at_home)
+    for got, expected in zip(out, (example[away], item_rank[away], item_bytes[away])):
+        assert np.array_equal(got, expected)
+    for values in (item_bytes, np.full(example.size, 7), np.full(example.size, 2.5), item_bytes / 3):
+        assert _plan_kernels.all_equal(values) == (values.size == 0 or values.min() == values.max())
+
+
+def reference_fingerprint(values) -> int:
+    """The plan digest's fingerprint, word by word in plain Python (its definition)."""
+    mask, h = 2**64 - 1, 0xCBF29CE484222325
+    for value in values:
+        x = (int(value) % 2**64) * 0x9E3779B97F4A7C15 & mask
+        x ^= x >> 29
+        h = ((h ^ x) * 0x100000001B3) & mask
+    return h
+
+
+def reference_checksum(*arrays) -> int:
+    value = 0
+    for array in arrays:
+        array = np.asarray(array, dtype=np.int64)
+        value = zlib.crc32(np.asarray(array.shape, dtype=np.int64).tobytes(), value)
+        value = zlib.crc32(np.uint64(reference_fingerprint(array.reshape(-1))).tobytes(), value)
+    return value
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.lists(st.lists(st.integers(-2**63, 2**63 - 1), max_size=12), max_size=5))
+def test_fingerprints_and_the_checksum_match_their_definition(lists):
+    """Fingerprints one at a time and two side by side (of arrays of any sizes), and the checksum that pairs
+    them by size, against the word-by-word definition."""
+    arrays = [np.array(values, dtype=np.int64) for values in lists]
+    for a in arrays:
+        assert _plan_kernels.fingerprint(a) == reference_fingerprint(a)
+        for b in arrays:
+            assert _plan_kernels.fingerprint_pair(a, b) == (reference_fingerprint(a), reference_fingerprint(b))
+    assert checksum(*arrays) == reference_checksum(*arrays)
+    assert checksum(*arrays, np.zeros((2, 3), dtype=np.int64)) == reference_checksum(*arrays, np.zeros((2, 3)))
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.integers(0, 6), st.integers(1, 5), st.integers(0, 2**31 - 1), st.booleans())
+def test_row_max_is_numpys(rows, columns, seed, with_nan):
+    rng = np.random.default_rng(seed)
+    values = rng.lognormal(0, 3, (rows, columns)) * (rng.random((rows, columns)) < 0.7)
+    if with_nan and values.size:
+        values[rng.integers(0, rows), rng.integers(0, columns)] = np.nan
+    assert _plan_kernels.row_max(values).tobytes() == values.max(axis=1).tobytes()

@@ -49,7 +49,7 @@ def check_plan(plan, sizes, config, mbs, num_mb):
     for phase, per_example in sizes.items.items():
         enc = plan.encoders[phase]
         assert np.array_equal(enc.example, np.repeat(np.arange(n), per_example))
-        assert np.array_equal(enc.home.rank, plan.examples_home.rank[enc.example])
+        assert enc.home.same_as(plan.examples_home.expand(enc.example))  # the loader's placement, slots too
         out = plan.output_transfer(phase)
         assert np.array_equal(out.dst.rank, plan.examples_backbone.rank[enc.example])
         assert np.array_equal(out.src.rank, enc.encode.rank)
