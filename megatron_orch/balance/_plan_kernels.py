@@ -8,7 +8,8 @@ Each is an O(n + ranks) counting pass where numpy would sort (``lexsort`` of ~20
 import numba
 import numpy as np
 
-_JIT = dict(cache=True, nogil=True)
+from megatron_orch.balance._jit import _JIT
+
 
 
 @numba.njit(**_JIT)

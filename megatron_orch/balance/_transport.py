@@ -33,7 +33,8 @@ maximises the bytes a bin already finds on its own GPU (Hungarian algorithm, O(G
 import numba
 import numpy as np
 
-_JIT = dict(cache=True, nogil=True)
+from megatron_orch.balance._jit import _JIT
+
 _INF = np.int64(1) << np.int64(62)
 
 

@@ -14,9 +14,9 @@ classes pair the same ranks.
 import numba
 import numpy as np
 
+from megatron_orch.balance._jit import _JIT
 from megatron_orch.balance._plan_kernels import stably_by
 
-_JIT = dict(cache=True, nogil=True)
 
 
 def classes_of(*columns) -> np.ndarray:

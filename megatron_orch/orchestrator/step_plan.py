@@ -17,7 +17,7 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple
 import numpy as np
 
 from megatron_orch.balance import _plan_kernels
-from megatron_orch.balance._kernels._jit import announcing_compilation
+from megatron_orch.balance._jit import announcing_compilation
 from megatron_orch.balance.cost import ContextParallelCost
 from megatron_orch.balance.exchange import classes_of, exchange_alike
 from megatron_orch.balance.partition import (Outcome, partition, partition_equal_count,

@@ -8,8 +8,8 @@ import pytest
 from hypothesis import given, settings, strategies as st
 
 from megatron_orch.balance import _plan_kernels
-from megatron_orch.balance._kernels import _jit
-from megatron_orch.balance._kernels._jit import announcing_compilation
+from megatron_orch.balance import _jit
+from megatron_orch.balance._jit import announcing_compilation
 from megatron_orch.balance.plan import Placement, checksum, moved_bytes
 
 

@@ -13,8 +13,8 @@ Modules: ``longest_first`` (LPT, equal-count LPT), ``differencing`` (Karmarkar-K
 (first-fit decreasing, its binary search on capacity), ``local_search`` (swap sweeps, refinement),
 ``auto`` (every construction refined, the best kept), ``order`` (items by decreasing cost), ``locality``
 (quotas and LPT near home), ``repair`` (the plain plan localised, the locality repair),
-``bounds`` (lower bounds, numpy's sums), ``groups`` (many small partitions in one call); ``_heap``,
-``_segment_tree`` and ``_jit`` are their shared parts.
+``bounds`` (lower bounds, numpy's sums), ``groups`` (many small partitions in one call); ``_heap``
+and ``_segment_tree`` are their shared parts (their numba options and cache stamp: ``balance/_jit.py``).
 Callers use the names re-exported here.
 """
 from megatron_orch.balance._kernels.auto import CONSTRUCTIONS, TRIED, auto

@@ -1,7 +1,7 @@
 """Binary min-heap over (key, id) pairs in numba: the least-loaded bin first for LPT and Karmarkar-Karp."""
 import numba
 
-from megatron_orch.balance._kernels._jit import _JIT
+from megatron_orch.balance._jit import _JIT
 
 
 # ---------------------------------------------------------------------------------------------

@@ -3,7 +3,7 @@ partition_groups)."""
 import numba
 import numpy as np
 
-from megatron_orch.balance._kernels._jit import _JIT
+from megatron_orch.balance._jit import _JIT
 from megatron_orch.balance._kernels.bounds import _max_load, pigeonhole_bound
 from megatron_orch.balance._kernels.differencing import kk
 from megatron_orch.balance._kernels.first_fit import ABOVE_UPPER, bs_ffd

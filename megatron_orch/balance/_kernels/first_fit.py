@@ -2,7 +2,7 @@
 import numba
 import numpy as np
 
-from megatron_orch.balance._kernels._jit import _JIT
+from megatron_orch.balance._jit import _JIT
 from megatron_orch.balance._kernels._segment_tree import _tree_first_fit, _tree_new, _tree_set
 from megatron_orch.balance._kernels.bounds import _max_load, numpy_sum, pigeonhole_bound
 

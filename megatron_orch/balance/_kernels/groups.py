@@ -2,7 +2,7 @@
 import numba
 import numpy as np
 
-from megatron_orch.balance._kernels._jit import _JIT
+from megatron_orch.balance._jit import _JIT
 from megatron_orch.balance._kernels.auto import CONSTRUCTIONS, auto
 from megatron_orch.balance._kernels.differencing import kk
 from megatron_orch.balance._kernels.first_fit import bs_ffd

@@ -2,7 +2,7 @@
 import numba
 import numpy as np
 
-from megatron_orch.balance._kernels._jit import _INLINE, _JIT
+from megatron_orch.balance._jit import _INLINE, _JIT
 
 
 _PAIR_ITEMS = 32  # two-for-two swaps are tried between bins of at most this many items (496 pairs each)

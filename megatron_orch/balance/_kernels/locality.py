@@ -2,7 +2,7 @@
 import numba
 import numpy as np
 
-from megatron_orch.balance._kernels._jit import _JIT
+from megatron_orch.balance._jit import _JIT
 from megatron_orch.balance._kernels._segment_tree import _tree_least_loaded, _tree_new, _tree_set
 
 

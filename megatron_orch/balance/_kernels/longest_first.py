@@ -2,7 +2,7 @@
 import numba
 import numpy as np
 
-from megatron_orch.balance._kernels._jit import _JIT
+from megatron_orch.balance._jit import _JIT
 from megatron_orch.balance._kernels._heap import _heap_pop, _heap_push, _sift_down
 
 

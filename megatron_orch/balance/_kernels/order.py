@@ -2,7 +2,7 @@
 import numba
 import numpy as np
 
-from megatron_orch.balance._kernels._jit import _JIT
+from megatron_orch.balance._jit import _JIT
 
 _DIGIT_BITS = 14  # a counting pass per 14 bits (16,384 counters): 4 cover the 56 a backbone's costs differ in
 

@@ -9,7 +9,7 @@ end of an operation is ``max(end[prev], end[dep]) + duration``; the step is the 
 import numba
 import numpy as np
 
-from megatron_orch.balance._kernels._jit import _JIT
+from megatron_orch.balance._jit import _JIT
 
 # How a replica's examples are packed into its micro-batches inside the local search.
 PACK_LONGEST_FIRST = 0  # packed rows: longest first onto the lightest micro-batch (ties: lower id)

@@ -4,7 +4,7 @@ numpy code made them."""
 import numba
 import numpy as np
 
-from megatron_orch.balance._kernels._jit import _JIT
+from megatron_orch.balance._jit import _JIT
 from megatron_orch.balance._kernels.bounds import numpy_sum
 from megatron_orch.balance._kernels.local_search import _rank_index
 from megatron_orch.balance._plan_kernels import _rank_starts
