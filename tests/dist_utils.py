@@ -16,16 +16,13 @@ from the state a spawned rank reaches after its imports; it gets the caller's en
 test's module within that environment. (What the preloaded modules read from the environment at import, they read
 from that of the session's first multi-rank test.)
 
-Every timeout a test states is the time its work takes on an idle 2-core machine with room to spare;
-:func:`scaled` multiplies it by ``$ORCH_TEST_TIMEOUT_FACTOR`` (default 3: a machine shared with other
-CPU-heavy processes runs these tests several times slower; a hang still fails, only later). Fixed
-timeouts elsewhere in the tests (subprocesses, stores) go through :func:`scaled` too.
+Every timeout is scaled for the machine (:func:`scaled`, from ``tests/timeouts.py``); fixed timeouts elsewhere in the
+tests (subprocesses, stores) go through it too.
 """
 from __future__ import annotations
 
 import datetime
 import faulthandler
-import math
 import multiprocessing
 import multiprocessing.forkserver
 import multiprocessing.reduction
@@ -39,6 +36,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from timeouts import DEFAULT_TIMEOUT_FACTOR, TIMEOUT_FACTOR_ENV, scaled, timeout_factor  # (torch-free, re-exported)
+
 HOST = "127.0.0.1"
 # Absolute tolerance for parameters after a few Adam steps, balanced against upstream (or another wrapper).
 # Another placement sums a gradient in another order; where the terms nearly cancel, Adam's
@@ -47,28 +46,9 @@ HOST = "127.0.0.1"
 # under 1e-6). A lost or doubled example moves many parameters by up to a step (the learning rate, 2e-3 to
 # 1e-2 in these tests), and the losses are compared at 1e-5 relative as well.
 TRAINED_PARAMS_ATOL = 5e-6
-TIMEOUT_FACTOR_ENV = "ORCH_TEST_TIMEOUT_FACTOR"
-DEFAULT_TIMEOUT_FACTOR = 3.0
 # What the fork server imports before its first fork: what every rank of the tests imports (the trainer imports the
 # package's layers, megatron-core's parallel state, optimizer and schedules; the model its transformer blocks).
 PRELOADED = ("torch.distributed", "megatron.core", "megatron_orch.trainer.loop", "megatron_orch.mllm.model")
-
-
-def timeout_factor() -> float:
-    """``$ORCH_TEST_TIMEOUT_FACTOR`` (a finite number > 0), default :data:`DEFAULT_TIMEOUT_FACTOR`."""
-    raw = os.environ.get(TIMEOUT_FACTOR_ENV, "")
-    try:
-        factor = float(raw) if raw else DEFAULT_TIMEOUT_FACTOR
-    except ValueError:
-        factor = math.nan
-    if not (math.isfinite(factor) and factor > 0):
-        raise ValueError(f"{TIMEOUT_FACTOR_ENV}={raw!r}: expected a finite number > 0")
-    return factor
-
-
-def scaled(seconds: float) -> float:
-    """A test's timeout for this machine: ``seconds`` (enough on an idle 2-core machine) x :func:`timeout_factor`."""
-    return seconds * timeout_factor()
 
 
 def run_distributed(fn, world_size: int, *args, timeout_s: float = 90.0) -> None:

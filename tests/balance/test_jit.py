@@ -3,12 +3,11 @@ compiled again after that file changed (numba's own stamp, the kernel's file alo
 import os
 import subprocess
 import sys
-import textwrap
 from pathlib import Path
 
 import pytest
 
-from dist_utils import scaled
+from timeouts import scaled
 from megatron_orch.balance import _jit, _kernels, _plan_kernels, _transport, exchange
 from megatron_orch.balance._jit import KERNEL_FILES, StampedByEveryKernel, sources_stamp
 
