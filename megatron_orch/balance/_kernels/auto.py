@@ -53,9 +53,9 @@ def auto(costs, memory, memory_cap, order, num_bins, refine, good_enough_rel, se
     ``good_enough_rel`` of the pigeonhole bound), until one is within ``settled_rel`` of it; the best (ties:
     the earlier tried, in the order :data:`TRIED`) into ``bin_of_item``. bs_ffd is asked only for results better
     than the best so far. Where items outnumber bins and the bound lies above the mean (long items set it: the
-    other bins have room to spare), first-fit decreasing at the bound (or within ``good_enough_rel`` of it) comes first
-    (:func:`_tail_first_fit`); if it places every item, that is the result (the winner: bs_ffd) and nothing else
-    is tried.
+    other bins have room to spare), first-fit decreasing at the bound (or within ``good_enough_rel`` of it)
+    comes first (:func:`_tail_first_fit`); if it places every item, that is the result (the winner: bs_ffd) and
+    nothing else is tried.
     ``order``: items by decreasing cost (ties by id). Returns the index of the winner in
     :data:`CONSTRUCTIONS`, or -1 if none honours the cap; ``refused[c]`` is then, for construction c, the
     item lpt or bs_ffd found no memory room for, or 0 when kk's result exceeds the cap (-1: not refused).
