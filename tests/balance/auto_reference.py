@@ -31,7 +31,9 @@ def auto_reference(costs, num_bins, memory=None, memory_cap=None, refine=True):
         for capacity in (bound, good_enough):
             bins = np.zeros(n, dtype=np.int64)
             if ffd(costs, memory, cap, order, num_bins, capacity, bins) < 0:
-                return bins, "auto:bs_ffd" + ("+refine" if refine else "")
+                if _fill_empty_bins(bins, memory, cap, order, num_bins):
+                    return bins, "auto:bs_ffd" + ("+refine" if refine else "")
+                break
     for entry in (PARTITIONERS.get(name) for name in AUTO_ORDER):
         if best_cost <= settled:
             break
@@ -65,3 +67,19 @@ def auto_reference(costs, num_bins, memory=None, memory_cap=None, refine=True):
     if best is None:
         return ValueError("no method honours the memory cap: " + "; ".join(reasons))
     return best, f"auto:{winner}" + ("+refine" if refine else "")
+
+
+def _fill_empty_bins(bins, memory, cap, order, num_bins):
+    """Each empty bin, in id order, takes the cheapest item not yet taken whose bin holds two or more and that fits
+    the memory cap alone; False if none is left."""
+    counts = np.bincount(bins, minlength=num_bins).tolist()
+    donors = iter(order[::-1].tolist())
+    for b in range(num_bins):
+        if counts[b]:
+            continue
+        item = next((i for i in donors if counts[bins[i]] >= 2 and memory[i] <= cap), None)
+        if item is None:
+            return False
+        counts[bins[item]] -= 1
+        bins[item], counts[b] = b, 1
+    return True

@@ -111,4 +111,5 @@ def test_auto_places_a_heavy_tail_at_its_bound_by_first_fit():
     assert bound > costs.sum() / 10240
     part = partition(costs, 10240)
     assert part.method == "auto:bs_ffd+refine" and part.max_cost == bound
+    assert part.counts().min() >= 1  # (first-fit leaves the last bins empty: each takes one of the cheapest items)
     assert partition(costs, 10240, method="lpt", refine=True).max_cost > 1.005 * bound

@@ -41,8 +41,34 @@ def _tail_first_fit(costs, memory, memory_cap, order, num_bins, bound, good_enou
         return False
     for capacity in (bound, good_enough):
         if ffd(costs, memory, memory_cap, order, num_bins, capacity, bin_of_item) < 0:
-            return True
+            return _fill_empty_bins(memory, memory_cap, order, num_bins, bin_of_item)
     return False
+
+
+@numba.njit(**_JIT)
+def _fill_empty_bins(memory, memory_cap, order, num_bins, bin_of_item):
+    """Every bin first-fit left empty (it fills the lowest bins up to the capacity: with room to spare, the last
+    ones get nothing) takes one of the cheapest items (the last of ``order``) of a bin holding two or more, as LPT
+    leaves no bin empty: no DP rank or micro-batch without an example. An item alone costs at most the largest,
+    so at most the bound, and its old bin loses it: the maximum does not rise. Returns False (the caller then
+    tries the other constructions) only where memory leaves no such item room in an empty bin."""
+    count = np.zeros(num_bins, dtype=np.int64)
+    for b in bin_of_item:
+        count[b] += 1
+    k = order.size - 1  # items outnumber bins: some bin holds two or more while one is empty
+    for b in range(num_bins):
+        if count[b] > 0:
+            continue
+        while k >= 0 and (count[bin_of_item[order[k]]] < 2 or memory[order[k]] > memory_cap):
+            k -= 1
+        if k < 0:
+            return False
+        item = order[k]
+        count[bin_of_item[item]] -= 1
+        bin_of_item[item] = b
+        count[b] = 1
+        k -= 1
+    return True
 
 
 @numba.njit(**_JIT)
