@@ -7,9 +7,10 @@ user's partitioner registers too), plus a local-search refinement on top:
 * ``lpt``: greedy longest-processing-time (each item, largest first, to the least-loaded bin);
 * ``kk``: Karmarkar-Karp largest differencing, K-way;
 * ``bs_ffd``: binary search on the bin capacity, first-fit decreasing at each capacity;
-* ``auto``: each of the three refined (swap sweeps between many bins at once, then local search:
-  exchanges out of the most-loaded bin), lpt, then bs_ffd, then kk, until one is within 0.2% of the lower
-  bound; the best kept
+* ``auto``: where long items set the lower bound above the mean, first-fit decreasing at the bound (kept if it
+  places every item: an optimal plan); else each of the three refined (swap sweeps between many bins at once,
+  then local search: exchanges out of the most-loaded bin), lpt, then bs_ffd, then kk, until one is within 0.2%
+  of the lower bound; the best kept
   (registered partitioners do not take part: they are picked by name).
 
 Variants: :func:`partition_equal_count` (every bin gets exactly n/K items, for fixed micro-batch
@@ -331,8 +332,9 @@ def _construct(entry: Entry, costs, memory, cap, order, num_bins):
 # ----------------------------------------------------------------------------------------------
 
 def _auto(costs, memory, cap, order, num_bins, refine: bool):
-    """Each built-in construction's result (refined), the best kept, until one is within :data:`_AUTO_SETTLED`
-    of the bound (:func:`_kernels.auto`, compiled): (bin_of_item, name, max cost)."""
+    """First-fit at the bound where long items set it, else each built-in construction's result (refined), the
+    best kept, until one is within :data:`_AUTO_SETTLED` of the bound (:func:`_kernels.auto`, compiled):
+    (bin_of_item, name, max cost)."""
     bins = np.zeros(costs.size, dtype=np.int64)
     refused = np.empty(len(_kernels.CONSTRUCTIONS), dtype=np.int64)
     winner = _kernels.auto(costs, memory, cap, order, num_bins, refine, _GOOD_ENOUGH, _AUTO_SETTLED, _BS_FFD_REL_TOL,
@@ -359,9 +361,10 @@ def partition(costs, num_bins, *, method: str = "auto", memory=None, memory_cap=
     """Assign every item to one of ``num_bins`` bins, minimising the maximum bin cost.
 
     ``method``: ``"lpt"``, ``"kk"``, ``"bs_ffd"``, a registered partitioner's name
-    (:mod:`megatron_orch.balance.registry`) or ``"auto"``: each of the three that honours the
-    memory cap, refined, lpt, then bs_ffd, then kk, until one is within 0.2% of the lower bound, the best
-    kept (ties: the earlier tried). ``refine`` (default: only for
+    (:mod:`megatron_orch.balance.registry`) or ``"auto"``: where long items set the lower bound above the
+    mean, first-fit decreasing at it (or within 0.01% of it), kept if it places every item; else each of the
+    three that honours the memory cap, refined, lpt, then bs_ffd, then kk, until one is within 0.2% of the
+    lower bound, the best kept (ties: the earlier tried). ``refine`` (default: only for
     ``auto``) lowers the maximum by swap sweeps (without a memory cap: many bins at once,
     :func:`_kernels.swap_sweeps`), then by local search out of the fullest bin. Both stop once a
     result is within 0.01% of a lower bound (one tight for equal items): nothing is left to gain.

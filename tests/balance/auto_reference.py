@@ -1,11 +1,12 @@
-"""partition()'s ``auto`` as a Python loop over the built-in partitioners (lpt, then bs_ffd, then kk): the reference
-the compiled one (balance/_kernels/auto.py) is tested against."""
+"""partition()'s ``auto`` as a Python loop over the built-in partitioners (where long items set the bound, first-fit
+decreasing at it; then lpt, bs_ffd, kk): the reference the compiled one (balance/_kernels/auto.py) is tested
+against."""
 import math
 
 import numpy as np
 
 from megatron_orch.balance import _kernels
-from megatron_orch.balance._kernels.first_fit import ABOVE_UPPER
+from megatron_orch.balance._kernels.first_fit import ABOVE_UPPER, ffd
 from megatron_orch.balance.partition import (_AUTO_SETTLED, _BS_FFD_MAX_ROUNDS, _BS_FFD_REL_TOL, _CHEAPEST_SCAN,
                                              _GOOD_ENOUGH, _REFINE_PARTNERS, _SWAP_SWEEPS, _decreasing, _max_cost,
                                              _refusal)
@@ -26,6 +27,13 @@ def auto_reference(costs, num_bins, memory=None, memory_cap=None, refine=True):
     best, best_cost, winner, reasons = None, math.inf, None, []
     bound = _kernels.pigeonhole_bound(costs, order, num_bins)
     good_enough, settled = (1.0 + _GOOD_ENOUGH) * bound, (1.0 + _AUTO_SETTLED) * bound
+    if n > num_bins and bound > costs.sum() / num_bins:  # room to spare: first-fit at the bound, then its tolerance
+        for capacity in (bound, good_enough):
+            bins = np.zeros(n, dtype=np.int64)
+            if ffd(costs, memory, cap, order, num_bins, capacity, bins) < 0:
+                if _fill_empty_bins(bins, memory, cap, order, num_bins):
+                    return bins, "auto:bs_ffd" + ("+refine" if refine else "")
+                break
     for entry in (PARTITIONERS.get(name) for name in AUTO_ORDER):
         if best_cost <= settled:
             break
@@ -59,3 +67,19 @@ def auto_reference(costs, num_bins, memory=None, memory_cap=None, refine=True):
     if best is None:
         return ValueError("no method honours the memory cap: " + "; ".join(reasons))
     return best, f"auto:{winner}" + ("+refine" if refine else "")
+
+
+def _fill_empty_bins(bins, memory, cap, order, num_bins):
+    """Each empty bin, in id order, takes the cheapest item not yet taken whose bin holds two or more and that fits
+    the memory cap alone; False if none is left."""
+    counts = np.bincount(bins, minlength=num_bins).tolist()
+    donors = iter(order[::-1].tolist())
+    for b in range(num_bins):
+        if counts[b]:
+            continue
+        item = next((i for i in donors if counts[bins[i]] >= 2 and memory[i] <= cap), None)
+        if item is None:
+            return False
+        counts[bins[item]] -= 1
+        bins[item], counts[b] = b, 1
+    return True

@@ -91,7 +91,7 @@ def test_auto_is_the_python_loop_over_the_built_in_partitioners(num_bins, capped
         assert np.array_equal(got[0], expected[0]) and got[1] == expected[1], (got, expected)
 
 
-@pytest.mark.parametrize("mixture", ["heavy-tail", "shipped"])
+@pytest.mark.parametrize("mixture", ["heavy-tail", "shipped", "heavy-tail-rare"])
 def test_auto_is_the_python_loop_on_a_step_backbone(mixture):
     """A DP 512 batch's backbone (8,192 examples), as plan_step partitions it."""
     config, _, sizes = draw_sizes(list(MIXTURES[mixture]), 512, 16, "mllm_84b", 0)
@@ -99,3 +99,17 @@ def test_auto_is_the_python_loop_on_a_step_backbone(mixture):
     bins, method = auto_reference(costs, 512)
     part = partition(costs, 512)
     assert np.array_equal(part.bin_of_item, bins) and part.method == method
+
+
+def test_auto_places_a_heavy_tail_at_its_bound_by_first_fit():
+    """Where the longest items set the bound above the mean, auto tries first-fit decreasing at the bound first:
+    on a DP 10240 heavy-tail-rare backbone it places every item there (an optimal plan, in one pass), where LPT
+    refined stays ~0.7% above the bound."""
+    config, _, sizes = draw_sizes(list(MIXTURES["heavy-tail-rare"]), 10240, 16, "mllm_84b", 0)
+    costs = phase_items(sizes, config.phases())["llm"].cost
+    bound = _kernels.pigeonhole_bound(costs, _kernels.decreasing(costs), 10240)
+    assert bound > costs.sum() / 10240
+    part = partition(costs, 10240)
+    assert part.method == "auto:bs_ffd+refine" and part.max_cost == bound
+    assert part.counts().min() >= 1  # (first-fit leaves the last bins empty: each takes one of the cheapest items)
+    assert partition(costs, 10240, method="lpt", refine=True).max_cost > 1.005 * bound

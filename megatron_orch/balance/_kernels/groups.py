@@ -39,8 +39,8 @@ def _partition_one(costs, num_bins, method, good_enough_rel, settled_rel, rel_to
 @numba.njit(**_JIT)
 def _one_per_bin(costs, items, num_bins, bin_of_item):
     """A group of at most ``num_bins`` items of positive cost: item t by decreasing cost (ties: smaller id)
-    in bin t, what ``auto`` gives it (LPT's assignment, at the bound: its largest item). Returns whether it
-    applied."""
+    in bin t, what ``auto`` gives it (LPT's assignment, at the bound: its largest item; first-fit at the bound
+    is tried only on more items than bins). Returns whether it applied."""
     m = items.size
     if m > num_bins:
         return False
