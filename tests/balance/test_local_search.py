@@ -87,14 +87,7 @@ def test_cached_pair_sums_are_a_fresh_sort_after_every_move(items, moves):
             for b in range(num_bins):
                 members = np.array(_by_cost(costs, bins, b), dtype=np.int64)
                 (sums, first, second), m = local_search._cached_pair_sums(costs, members, members.size, b,
-                                                                          num_bins - 1 - b, pair_cache, pair_cached)
+                                                                          pair_cache, pair_cached)
                 assert list(zip(sums[:m].tolist(), first[:m].tolist(), second[:m].tolist())) == \
                     _fresh_pairs(costs, members.tolist())
                 assert pair_cached[b] == m
-
-
-def test_a_doubled_pair_cache_keeps_its_rows():
-    rows = (np.arange(6.0).reshape(2, 3), np.arange(6).reshape(2, 3), np.arange(6, 12).reshape(2, 3))
-    grown = local_search._doubled(rows)
-    for old, new in zip(rows, grown):
-        assert new.shape == (4, 3) and new[:2].tolist() == old.tolist()

@@ -275,29 +275,15 @@ def _pair_sums(costs, items, count, sums, first, second):
 
 
 @numba.njit(**_INLINE)
-def _cached_pair_sums(costs, items, count, b, row, pair_cache, pair_cached):
-    """:func:`_pair_sums` of bin ``b``'s ``items[:count]`` (by cost), kept in row ``row`` of ``pair_cache`` (sums,
+def _cached_pair_sums(costs, items, count, b, pair_cache, pair_cached):
+    """:func:`_pair_sums` of bin ``b``'s ``items[:count]`` (by cost), kept in row b of ``pair_cache`` (sums,
     first, second; ``pair_cached[b]`` pairs, -1: to build again) until the bin changes: a locality refinement's
     step that widens to every bin of the batch sorts the pairs of dozens of bins, two of which change per step.
     Returns b's rows and how many pairs they hold."""
     sums, first, second = pair_cache
     if pair_cached[b] < 0:
-        pair_cached[b] = _pair_sums(costs, items, count, sums[row], first[row], second[row])
-    return (sums[row], first[row], second[row]), pair_cached[b]
-
-
-@numba.njit(**_INLINE)
-def _doubled(pair_cache):
-    """``pair_cache`` with twice its rows, the rows it had copied: rows go to bins as they first need them, not
-    to every bin up front (a row per bin is tens of MB at DP 2560)."""
-    sums, first, second = pair_cache
-    rows = sums.shape[0]
-    grown = (np.empty((2 * rows, sums.shape[1])), np.empty((2 * rows, sums.shape[1]), dtype=np.int64),
-             np.empty((2 * rows, sums.shape[1]), dtype=np.int64))
-    grown[0][:rows] = sums
-    grown[1][:rows] = first
-    grown[2][:rows] = second
-    return grown
+        pair_cached[b] = _pair_sums(costs, items, count, sums[b], first[b], second[b])
+    return (sums[b], first[b], second[b]), pair_cached[b]
 
 
 @numba.njit(**_JIT)
@@ -536,12 +522,10 @@ def refine(costs, memory, memory_cap, num_bins, bin_of_item, allow_moves, stop_a
     num_pairs = _PAIR_ITEMS * (_PAIR_ITEMS - 1) // 2
     top_pairs = (np.empty(num_pairs), np.empty(num_pairs, dtype=np.int64), np.empty(num_pairs, dtype=np.int64))
     partner_pairs = (np.empty(num_pairs), np.empty(num_pairs, dtype=np.int64), np.empty(num_pairs, dtype=np.int64))
-    cached_bins = num_bins if node_size > 0 else 0  # bins' pairs kept between steps: the locality refinements only
-    pair_cache = (np.empty((16, num_pairs)), np.empty((16, num_pairs), dtype=np.int64),
-                  np.empty((16, num_pairs), dtype=np.int64))
-    pair_row = np.full(cached_bins, -1, dtype=np.int64)  # bin b's row of pair_cache (-1: none yet)
-    pair_cached = np.full(cached_bins, -1, dtype=np.int64)
-    rows_used = 0
+    cached_rows = num_bins if node_size > 0 else 0  # bins' pairs kept between steps: the locality refinements only
+    pair_cache = (np.empty((cached_rows, num_pairs)), np.empty((cached_rows, num_pairs), dtype=np.int64),
+                  np.empty((cached_rows, num_pairs), dtype=np.int64))
+    pair_cached = np.full(cached_rows, -1, dtype=np.int64)
 
     floor = stop_at if settle_at_stop else -np.inf
     steps = 0
@@ -592,13 +576,8 @@ def refine(costs, memory, memory_cap, num_bins, bin_of_item, allow_moves, stop_a
                                                     best, best_out, best_in, floor)
                     elif 2 <= num_b <= _PAIR_ITEMS:
                         if node_size > 0:
-                            if pair_row[b] < 0:
-                                if rows_used == pair_cache[0].shape[0]:
-                                    pair_cache = _doubled(pair_cache)
-                                pair_row[b] = rows_used
-                                rows_used += 1
-                            b_pairs, num_b_pairs = _cached_pair_sums(costs, partner_items, num_b, b, pair_row[b],
-                                                                     pair_cache, pair_cached)
+                            b_pairs, num_b_pairs = _cached_pair_sums(costs, partner_items, num_b, b, pair_cache,
+                                                                     pair_cached)
                         else:
                             b_pairs = partner_pairs
                             num_b_pairs = _pair_sums(costs, partner_items, num_b, b_pairs[0], b_pairs[1], b_pairs[2])
