@@ -58,3 +58,36 @@ def test_the_partner_bound_skips_no_exchange_that_beats_the_best(top_load, partn
     value = max(top_load - d, partner_load + d)
     assert not local_search._cannot_beat(top_load, partner_load, math.nextafter(value, math.inf))
     assert local_search._cannot_beat(top_load, partner_load, 0.5 * (top_load + partner_load) * (1 - 1e-9))
+
+
+def _fresh_pairs(costs, items):
+    """Every pair of ``items`` (by cost) by increasing sum, ties in the order found."""
+    pairs = [(costs[a] + costs[b], a, b) for u, a in enumerate(items) for b in items[u + 1:]]
+    return [p for _, p in sorted(enumerate(pairs), key=lambda t: (t[1][0], t[0]))]
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.tuples(st.integers(0, 6), st.integers(0, 3)), min_size=1, max_size=40),
+       st.lists(st.tuples(st.integers(0, 39), st.integers(0, 3)), max_size=8))
+def test_cached_pair_sums_are_a_fresh_sort_after_every_move(items, moves):
+    """The locality refinements' per-bin pairs by sum (ties: the pair found first) read back after any exchange
+    are those of the bin's items then; a moved item's two bins are built again, every other bin read back."""
+    costs = np.array([float(c) for c, _ in items])
+    bins = [b for _, b in items]
+    num_bins, width = 4, 40
+    rows = width * (width - 1) // 2
+    pair_cache = (np.empty((num_bins, rows)), np.empty((num_bins, rows), dtype=np.int64),
+                  np.empty((num_bins, rows), dtype=np.int64))
+    pair_cached = np.full(num_bins, -1, dtype=np.int64)
+    for item, to in [(None, None)] + moves:
+        if item is not None and item < len(bins):
+            pair_cached[bins[item]] = pair_cached[to] = -1  # what refine does for the two bins of an exchange
+            bins[item] = to
+        for _ in range(2):  # built, then read back
+            for b in range(num_bins):
+                members = np.array(_by_cost(costs, bins, b), dtype=np.int64)
+                (sums, first, second), m = local_search._cached_pair_sums(costs, members, members.size, b,
+                                                                          pair_cache, pair_cached)
+                assert list(zip(sums[:m].tolist(), first[:m].tolist(), second[:m].tolist())) == \
+                    _fresh_pairs(costs, members.tolist())
+                assert pair_cached[b] == m

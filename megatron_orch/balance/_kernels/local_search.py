@@ -274,20 +274,31 @@ def _pair_sums(costs, items, count, sums, first, second):
     return m
 
 
+@numba.njit(**_INLINE)
+def _cached_pair_sums(costs, items, count, b, pair_cache, pair_cached):
+    """:func:`_pair_sums` of bin ``b``'s ``items[:count]`` (by cost), kept in row b of ``pair_cache`` (sums,
+    first, second; ``pair_cached[b]`` pairs, -1: to build again) until the bin changes: a locality refinement's
+    step that widens to every bin of the batch sorts the pairs of dozens of bins, two of which change per step.
+    Returns b's rows and how many pairs they hold."""
+    sums, first, second = pair_cache
+    if pair_cached[b] < 0:
+        pair_cached[b] = _pair_sums(costs, items, count, sums[b], first[b], second[b])
+    return (sums[b], first[b], second[b]), pair_cached[b]
+
+
 @numba.njit(**_JIT)
-def _pair_swap(costs, memory, memory_cap, load, bin_mem, top, b, partner_items, num_b, best, best_out, best_in,
-               top_pairs, num_top_pairs, partner_pairs, floor):
+def _pair_swap(costs, memory, memory_cap, load, bin_mem, top, b, best, best_out, best_in,
+               top_pairs, num_top_pairs, partner_pairs, num_pairs, floor):
     """Best swap of two items of the top bin for two of bin ``b`` (counts kept) beating ``best``.
 
     Where one-for-one swaps are stuck (a few items per bin, no single difference near half the gap),
     two-for-two differences are many more. Each pair of the top bin meets b's pair whose sum is
     nearest its own minus half the gap (pairs by sum, binary search). ``top_pairs``: the top bin's
-    ``num_top_pairs`` pairs (:func:`_pair_sums`); ``partner_pairs``: scratch for b's. Returns
+    ``num_top_pairs`` pairs, ``partner_pairs``: b's ``num_pairs`` (:func:`_pair_sums`). Returns
     (value, 2) with the swap in ``best_out`` / ``best_in``, or (best, -1).
     """
     top_sum, top_first, top_second = top_pairs
     sums, first, second = partner_pairs
-    num_pairs = _pair_sums(costs, partner_items, num_b, sums, first, second)
     top_load = load[top]
     gap = top_load - load[b]
     found = -1
@@ -511,6 +522,10 @@ def refine(costs, memory, memory_cap, num_bins, bin_of_item, allow_moves, stop_a
     num_pairs = _PAIR_ITEMS * (_PAIR_ITEMS - 1) // 2
     top_pairs = (np.empty(num_pairs), np.empty(num_pairs, dtype=np.int64), np.empty(num_pairs, dtype=np.int64))
     partner_pairs = (np.empty(num_pairs), np.empty(num_pairs, dtype=np.int64), np.empty(num_pairs, dtype=np.int64))
+    cached_rows = num_bins if node_size > 0 else 0  # bins' pairs kept between steps: the locality refinements only
+    pair_cache = (np.empty((cached_rows, num_pairs)), np.empty((cached_rows, num_pairs), dtype=np.int64),
+                  np.empty((cached_rows, num_pairs), dtype=np.int64))
+    pair_cached = np.full(cached_rows, -1, dtype=np.int64)
 
     floor = stop_at if settle_at_stop else -np.inf
     steps = 0
@@ -560,8 +575,14 @@ def refine(costs, memory, memory_cap, num_bins, bin_of_item, allow_moves, stop_a
                                                     np.inf if scope == 0 else cross_swap_cap, chosen,
                                                     best, best_out, best_in, floor)
                     elif 2 <= num_b <= _PAIR_ITEMS:
-                        best, o = _pair_swap(costs, memory, memory_cap, load, bin_mem, top, b, partner_items, num_b,
-                                             best, best_out, best_in, top_pairs, num_top_pairs, partner_pairs, floor)
+                        if node_size > 0:
+                            b_pairs, num_b_pairs = _cached_pair_sums(costs, partner_items, num_b, b, pair_cache,
+                                                                     pair_cached)
+                        else:
+                            b_pairs = partner_pairs
+                            num_b_pairs = _pair_sums(costs, partner_items, num_b, b_pairs[0], b_pairs[1], b_pairs[2])
+                        best, o = _pair_swap(costs, memory, memory_cap, load, bin_mem, top, b, best, best_out,
+                                             best_in, top_pairs, num_top_pairs, b_pairs, num_b_pairs, floor)
                         i = o
                     else:
                         continue
@@ -596,6 +617,8 @@ def refine(costs, memory, memory_cap, num_bins, bin_of_item, allow_moves, stop_a
             bin_mem[src] -= memory[item]
             bin_mem[dst] += memory[item]
         cached[top] = cached[best_b] = -1
+        if node_size > 0:
+            pair_cached[top] = pair_cached[best_b] = -1
         new_partner_load = load[best_b]  # reposition one bin at a time, the other still in place
         load[best_b] = partner_load
         _reposition(load, rank, top, top_load)
