@@ -74,6 +74,27 @@ class _State:
             len(moves), rank.size + 1)
 
 
+def _repair_start(bin_of_item, reference, costs, sources, node_of_rank, nvlink_over_nic, capacity,
+                  state_class=_State):
+    """What the repair starts from (the compiled one and the tests' Python reference): the moves, the nodes, the
+    plan's state, the capacity (default: the reference's max) and each move's (NIC limit, NVLink limit, NIC scale,
+    NVLink scale), the reference's busiest links (an NVLink byte costing ``nvlink_over_nic`` less)."""
+    rank = np.array(bin_of_item, dtype=np.int64)
+    reference = np.asarray(reference, dtype=np.int64)
+    costs = np.asarray(costs, dtype=np.float64)
+    node = np.asarray(node_of_rank, dtype=np.int64)
+    n, num_ranks = rank.size, node.size
+    moves = [_group(np.asarray(e, dtype=np.int64), np.asarray(s, dtype=np.int64), np.asarray(b), n, num_ranks)
+             for e, s, b in sources]
+    plain = state_class(moves, node, reference.copy(), costs, num_ranks)
+    if capacity is None:
+        capacity = float(plain.load.max(initial=0.0))
+    nic_limit = np.maximum(plain.links[:, 2], plain.links[:, 3]).max(axis=1)
+    nvl_limit = np.maximum(np.maximum(plain.links[:, 0], plain.links[:, 1]).max(axis=1), nic_limit * nvlink_over_nic)
+    limits = np.stack([nic_limit, nvl_limit, np.maximum(nic_limit, 1.0), np.maximum(nvl_limit, 1.0)], axis=1)
+    return moves, node, state_class(moves, node, rank, costs, num_ranks), float(capacity), limits
+
+
 def repair_locality(bin_of_item: np.ndarray, reference: np.ndarray, costs: np.ndarray,
                     sources: Sequence[Tuple[np.ndarray, np.ndarray, np.ndarray]], node_of_rank: np.ndarray,
                     nvlink_over_nic: float, *, swaps_only: bool, capacity: Optional[float] = None,
@@ -84,30 +105,17 @@ def repair_locality(bin_of_item: np.ndarray, reference: np.ndarray, costs: np.nd
     ``nvlink_over_nic``: NVLink bandwidth over the NIC's highest (an NVLink byte costs this much less);
     ``capacity``: the most compute a rank may hold (default: the reference's max); ``swaps_only``: keep
     every rank's count (equal-count micro-batches). Compiled (:func:`_kernels.repair_locality`, GIL released)."""
-    rank = np.array(bin_of_item, dtype=np.int64)
-    reference = np.asarray(reference, dtype=np.int64)
-    costs = np.asarray(costs, dtype=np.float64)
-    node = np.asarray(node_of_rank, dtype=np.int64)
-    n, num_ranks = rank.size, node.size
-    moves = [_group(np.asarray(e, dtype=np.int64), np.asarray(s, dtype=np.int64), np.asarray(b), n, num_ranks)
-             for e, s, b in sources]
-    plain = _State(moves, node, reference.copy(), costs, num_ranks)
-    if capacity is None:
-        capacity = float(plain.load.max(initial=0.0))
-    nic_limit = np.maximum(plain.links[:, 2], plain.links[:, 3]).max(axis=1)
-    nvl_limit = np.maximum(np.maximum(plain.links[:, 0], plain.links[:, 1]).max(axis=1), nic_limit * nvlink_over_nic)
-    nic_scale = np.maximum(nic_limit, 1.0)
-    nvl_scale = np.maximum(nvl_limit, 1.0)
-    state = _State(moves, node, rank, costs, num_ranks)
-    limits = np.stack([nic_limit, nvl_limit, nic_scale, nvl_scale], axis=1)
+    moves, node, state, capacity, limits = _repair_start(bin_of_item, reference, costs, sources, node_of_rank,
+                                                         nvlink_over_nic, capacity)
+    num_ranks = node.size
     by_src_base = np.cumsum([0] + [move.by_src_example.size for move in moves[:-1]])
     by_src_start = np.array([move.by_src_start + base for move, base in zip(moves, by_src_base)],
                             dtype=np.int64).reshape(len(moves), num_ranks + 1)
     by_src_example = (np.concatenate([move.by_src_example for move in moves]) if moves
                       else np.zeros(0, dtype=np.int64))
     actions = _kernels.repair_locality(state.links, node, state.src, state.nbytes, state.offset, by_src_start,
-                                       by_src_example, state.rank, state.load, costs, limits, float(capacity),
-                                       float(max(capacity, 1e-300)), bool(swaps_only), int(max_rounds), _CANDIDATES,
+                                       by_src_example, state.rank, state.load, state.costs, limits, capacity,
+                                       max(capacity, 1e-300), bool(swaps_only), int(max_rounds), _CANDIDATES,
                                        _PARTNERS, _TARGET_NODES, _TOL, _SPREAD, _WORST)
     return state.rank, int(actions)
 

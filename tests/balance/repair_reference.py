@@ -6,7 +6,7 @@ import numpy as np
 
 from megatron_orch.balance import _kernels
 from megatron_orch.balance.repair import (_CANDIDATES, _MAX_ROUNDS, _PARTNERS, _SPREAD, _State, _TARGET_NODES, _TOL,
-                                          _WORST, _group)
+                                          _WORST, _repair_start)
 
 
 class State(_State):
@@ -27,21 +27,10 @@ def repair_locality_reference(bin_of_item: np.ndarray, reference: np.ndarray, co
                               max_rounds: int = _MAX_ROUNDS) -> Tuple[np.ndarray, int]:
     """:func:`megatron_orch.balance.repair.repair_locality`, in Python: numpy sorts and masks where the kernel has
     linked lists and partial selections."""
-    rank = np.array(bin_of_item, dtype=np.int64)
-    reference = np.asarray(reference, dtype=np.int64)
-    costs = np.asarray(costs, dtype=np.float64)
-    node = np.asarray(node_of_rank, dtype=np.int64)
-    n, num_ranks = rank.size, node.size
-    moves = [_group(np.asarray(e, dtype=np.int64), np.asarray(s, dtype=np.int64), np.asarray(b), n, num_ranks)
-             for e, s, b in sources]
-    plain = State(moves, node, reference.copy(), costs, num_ranks)
-    if capacity is None:
-        capacity = float(plain.load.max(initial=0.0))
-    nic_limit = np.maximum(plain.links[:, 2], plain.links[:, 3]).max(axis=1)
-    nvl_limit = np.maximum(np.maximum(plain.links[:, 0], plain.links[:, 1]).max(axis=1), nic_limit * nvlink_over_nic)
-    nic_scale = np.maximum(nic_limit, 1.0)
-    nvl_scale = np.maximum(nvl_limit, 1.0)
-    state = State(moves, node, rank, costs, num_ranks)
+    moves, node, state, capacity, limits = _repair_start(bin_of_item, reference, costs, sources, node_of_rank,
+                                                         nvlink_over_nic, capacity, state_class=State)
+    costs, num_ranks = state.costs, node.size
+    nic_limit, nvl_limit, nic_scale, nvl_scale = limits.T
     cap_scale = max(capacity, 1e-300)
 
     def worst():
@@ -130,8 +119,6 @@ def repair_locality_reference(bin_of_item: np.ndarray, reference: np.ndarray, co
         if s not in by_rank:
             by_rank[s] = np.flatnonzero(state.rank == s)
         return by_rank[s]
-
-    limits = np.stack([nic_limit, nvl_limit, nic_scale, nvl_scale], axis=1)
 
     def try_action(e: int, to: int, partners: Sequence[int]):
         """(excess change, inter-node bytes change) of moving e to ``to`` and ``partners`` to e's rank; undone

@@ -39,6 +39,19 @@ def _append(head, tail, nxt, prv, r, e):
     tail[r] = e
 
 
+@numba.njit(**_JIT)
+def _lists_by_rank(rank, num_ranks):
+    """Every rank's examples as a doubly linked list in id order: (head, tail, next, previous)."""
+    n = rank.size
+    head = np.full(num_ranks, -1, dtype=np.int64)
+    tail = np.full(num_ranks, -1, dtype=np.int64)
+    nxt = np.full(n, -1, dtype=np.int64)
+    prv = np.full(n, -1, dtype=np.int64)
+    for e in range(n):
+        _append(head, tail, nxt, prv, rank[e], e)
+    return head, tail, nxt, prv
+
+
 # ---------------------------------------------------------------------------------------------
 # A node's examples by increasing (cost, id): a sorted row of a (nodes, width) table.
 # ---------------------------------------------------------------------------------------------
@@ -174,12 +187,7 @@ def localize(rank, costs, want, node_of_rank, capacity, swaps_only, weight, scan
     for r in range(num_ranks):
         node_ranks[fill[node_of_rank[r]]] = r
         fill[node_of_rank[r]] += 1
-    head = np.full(num_ranks, -1, dtype=np.int64)
-    tail = np.full(num_ranks, -1, dtype=np.int64)
-    nxt = np.full(n, -1, dtype=np.int64)
-    prv = np.full(n, -1, dtype=np.int64)
-    for e in range(n):
-        _append(head, tail, nxt, prv, rank[e], e)
+    head, tail, nxt, prv = _lists_by_rank(rank, num_ranks)
     sizes = np.zeros(num_nodes, dtype=np.int64)
     for e in range(n):
         sizes[node_of_rank[rank[e]]] += 1
@@ -720,12 +728,7 @@ def repair_locality(links, node, src, nbytes, offset, by_src_start, by_src_examp
     num_nodes = 0
     for q in range(num_ranks):
         num_nodes = max(num_nodes, node[q] + 1)
-    head = np.full(num_ranks, -1, dtype=np.int64)
-    tail = np.full(num_ranks, -1, dtype=np.int64)
-    nxt = np.full(n, -1, dtype=np.int64)
-    prv = np.full(n, -1, dtype=np.int64)
-    for e in range(n):
-        _append(head, tail, nxt, prv, rank[e], e)
+    head, tail, nxt, prv = _lists_by_rank(rank, num_ranks)
     stuck = np.zeros((3, num_moves + 1, num_ranks), dtype=np.bool_)
     mine = np.empty(n, dtype=np.int64)
     others = np.empty(n, dtype=np.int64)
