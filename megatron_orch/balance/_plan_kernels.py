@@ -11,7 +11,6 @@ import numpy as np
 from megatron_orch.balance._jit import _JIT
 
 
-
 @numba.njit(**_JIT)
 def _rank_starts(rank, num_ranks):
     """Where each rank's items start in rank order (num_ranks + 1 offsets)."""

@@ -571,7 +571,7 @@ def _plan_memory(items: Dict[str, PhaseItems], phases: ModelPhases, encoders: Di
     chunks, phase_peak = {}, {}
     kept_bytes, largest_recomputed = np.zeros(num_ranks), np.zeros(num_ranks)
     for phase in phases.encoders:
-        count = _plan_kernels.counts(encoders[phase.name].encode.rank, num_ranks)
+        count = encoders[phase.name].encode.counts()
         per_item = float(items[phase.name].memory[0]) if len(items[phase.name]) else 0.0
         chunk_items = _chunk_items(phase.item_tokens, per_item, chunk_budget, int(count.max(initial=0)),
                                    config.encoder_chunk_tokens)
