@@ -28,14 +28,17 @@ import multiprocessing.forkserver
 import multiprocessing.reduction
 import os
 import pickle
+import shutil
 import signal
 import sys
+import tempfile
 import time
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+import collective_trace
 from timeouts import DEFAULT_TIMEOUT_FACTOR, TIMEOUT_FACTOR_ENV, scaled, timeout_factor  # (torch-free, re-exported)
 
 HOST = "127.0.0.1"
@@ -53,13 +56,26 @@ PRELOADED = ("torch.distributed", "megatron.core", "megatron_orch.trainer.loop",
 
 def run_distributed(fn, world_size: int, *args, timeout_s: float = 90.0) -> None:
     """Call ``fn(rank, world_size, *args)`` on ``world_size`` spawned gloo ranks; raise on any failure.
-    ``timeout_s`` (idle machine) is :func:`scaled` for the run and for every collective."""
+    ``timeout_s`` (idle machine) is :func:`scaled` for the run and for every collective. Each rank traces its
+    collectives (:mod:`collective_trace`); a failure carries a note of where the ranks' collectives parted."""
     timeout_s = scaled(timeout_s)
     store = dist.TCPStore(HOST, 0, is_master=True, wait_for_workers=False,
                           timeout=datetime.timedelta(seconds=timeout_s))
     _start_fork_server()
+    traces = tempfile.mkdtemp(prefix="collectives_")
     caller = _Caller(dict(os.environ), (_InheritedFd(1), _InheritedFd(2)))
-    context = mp.start_processes(_worker, args=(world_size, store.port, timeout_s, caller, _Deferred((fn, args))),
+    try:
+        _run(fn, world_size, args, store, timeout_s, caller, traces)
+    except BaseException as failure:
+        failure.add_note(collective_trace.part_ways(collective_trace.read(traces, world_size)))
+        raise
+    finally:
+        shutil.rmtree(traces, ignore_errors=True)
+
+
+def _run(fn, world_size: int, args: tuple, store, timeout_s: float, caller, traces: str) -> None:
+    context = mp.start_processes(_worker, args=(world_size, store.port, timeout_s, caller, traces,
+                                                _Deferred((fn, args))),
                                  nprocs=world_size, join=False, start_method="forkserver")
     deadline = time.monotonic() + timeout_s
     name = getattr(fn, "__name__", repr(fn))
@@ -155,7 +171,8 @@ class _Deferred:
         return pickle.loads(self.data)
 
 
-def _worker(rank: int, world_size: int, port: int, timeout_s: float, caller: _Caller, deferred: _Deferred) -> None:
+def _worker(rank: int, world_size: int, port: int, timeout_s: float, caller: _Caller, traces: str,
+            deferred: _Deferred) -> None:
     caller.enter()
     # A rank stopped from outside (a peer failed or the run timed out) first writes every thread's Python stack to
     # stderr, then dies as it would have: a rank that never reached a collective shows where it was.
@@ -166,6 +183,7 @@ def _worker(rank: int, world_size: int, port: int, timeout_s: float, caller: _Ca
     timeout = datetime.timedelta(seconds=timeout_s)
     store = dist.TCPStore(HOST, port, is_master=False, timeout=timeout)
     dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size, timeout=timeout)
+    collective_trace.install(traces, rank)
     try:
         fn(rank, world_size, *args)
     finally:

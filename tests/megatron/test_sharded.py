@@ -127,8 +127,9 @@ def train(tmp_path: Path, name: str, *flags: str) -> dict:
     # waited in its gradient reduce-scatter: the ranks' collectives out of order in post-balancing's chunked encoder
     # backward under sharded parameters, an open bug of ours (docs/sharding_and_moe.md), not found yet. Its
     # collectives time out after MEGATRON_FSDP_COLLECTIVE_TIMEOUT_S, not ten minutes (the stopped rank's stacks go to
-    # the test's output). Either trouble is run once more, with a warning; a second is reported as an expected
-    # failure naming both, never as a pass. Any other failure fails the test.
+    # the test's output). Either trouble is run once more, with a warning that carries where the ranks' collectives
+    # parted (dist_utils' trace: different collectives, or the same ones and a stalled transport); a second is
+    # reported as an expected failure naming both, never as a pass. Any other failure fails the test.
     fsdp = "--use-megatron-fsdp" in flags
     if fsdp:
         argv += ["--distributed-timeout-minutes", f"{scaled(MEGATRON_FSDP_COLLECTIVE_TIMEOUT_S) / 60:g}"]
@@ -142,11 +143,12 @@ def train(tmp_path: Path, name: str, *flags: str) -> dict:
         except mp.ProcessExitedException as crash:
             if not fsdp or crash.signal_name not in ("SIGABRT", "SIGSEGV"):
                 raise
-            troubles.append(f"a rank died by {crash.signal_name} in native code")
+            troubles.append(f"a rank died by {crash.signal_name} in native code ({_notes(crash)})")
         except RuntimeError as failure:
             if not fsdp or STUCK_OUTSIDE_COLLECTIVES not in str(failure):
                 raise
-            troubles.append("a rank stopped outside any collective while its peers waited (the open bug above)")
+            troubles.append("a rank stopped outside any collective while its peers waited (the open bug above; "
+                            f"{_notes(failure)})")
         if len(troubles) == 2:
             pytest.xfail(f"{name} run with --use-megatron-fsdp: {troubles[0]}, then {troubles[1]}, in Megatron-FSDP "
                          "on CPU over gloo (not checked this time)")
@@ -155,6 +157,11 @@ def train(tmp_path: Path, name: str, *flags: str) -> dict:
     log["params"] = [torch.load(out_dir / f"params_rank{r}.pt") for r in range(4)]
     log["held"] = [torch.load(out_dir / f"held_rank{r}.pt") for r in range(4)]
     return log
+
+
+def _notes(failure: BaseException) -> str:
+    """run_distributed's note on a failure: where the ranks' collectives parted (dist_utils)."""
+    return " ".join(getattr(failure, "__notes__", ())) or "no note"
 
 
 def assert_same_training(got: dict, want: dict, rtol: float = 1e-5):
@@ -199,6 +206,7 @@ def test_a_megatron_fsdp_run_stuck_or_crashed_twice_is_an_expected_failure_never
     is an expected failure naming both; any other failure, or any failure without Megatron-FSDP, is raised."""
     stuck = RuntimeError("_train failed on 4 ranks: iteration 2: a collective failed on rank 3 ... rank(s) 1 "
                          f"{STUCK_OUTSIDE_COLLECTIVES} (no report within 60 s of this rank's failure)")
+    stuck.add_note("the ranks' collectives parted ways in process group 5 [0, 1, 2, 3], collective #7")
     calls = []
 
     def failing(*failures):
@@ -209,7 +217,8 @@ def test_a_megatron_fsdp_run_stuck_or_crashed_twice_is_an_expected_failure_never
 
     monkeypatch.setattr(sys.modules[__name__], "run_distributed", failing(stuck, stuck))
     with pytest.raises(pytest.xfail.Exception, match=r"stopped outside any collective while its peers waited \(the "
-                                                     r"open bug above\), then a rank stopped outside any collective"):
+                                                     r"open bug above; the ranks' collectives parted ways in process "
+                                                     r"group 5 \[0, 1, 2, 3\], collective #7\), then a rank stopped"):
         train(tmp_path, "twice", "--use-megatron-fsdp")
     assert len(calls) == 2 and "--distributed-timeout-minutes" in calls[0]
     for flags, failure in ((["--use-megatron-fsdp"], RuntimeError("_train failed on 4 ranks: loss mismatch")),
