@@ -22,9 +22,11 @@ from typing import Dict, List, Optional, Sequence
 import torch
 import torch.distributed as dist
 
+# Not isend / irecv: P2POp takes them as its op and checks it is one of them (point-to-point ops in megatron-core's
+# pipeline go through batch_isend_irecv, traced).
 TRACED = ("all_reduce", "all_gather", "all_gather_into_tensor", "all_gather_object", "all_to_all", "all_to_all_single",
-          "barrier", "batch_isend_irecv", "broadcast", "broadcast_object_list", "gather", "gather_object", "irecv",
-          "isend", "monitored_barrier", "recv", "reduce", "reduce_scatter", "reduce_scatter_tensor", "scatter",
+          "barrier", "batch_isend_irecv", "broadcast", "broadcast_object_list", "gather", "gather_object",
+          "monitored_barrier", "recv", "reduce", "reduce_scatter", "reduce_scatter_tensor", "scatter",
           "scatter_object_list", "send")
 SITE_FRAMES = 4  # call-site frames kept per collective (outside torch.distributed)
 _SKIPPED = (os.path.dirname(dist.__file__) + os.sep, __file__)
