@@ -3,6 +3,7 @@ import numba
 import numpy as np
 
 from megatron_orch.balance._jit import _INLINE, _JIT
+from megatron_orch.balance._kernels.order import increasing
 
 
 _PAIR_ITEMS = 32  # two-for-two swaps are tried between bins of at most this many items (496 pairs each)
@@ -420,7 +421,7 @@ def swap_sweeps(costs, order, num_bins, bin_of_item, stop_at, max_sweeps, group_
             load[bin_of_item[i]] += costs[i]
         if load.max() <= stop_at:
             break
-        rank = np.argsort(load, kind="mergesort")  # increasing load, ties by bin id
+        rank = increasing(load)  # increasing load, ties by bin id
         group_fill = np.arange(num_groups) * group_size
         for b in rank:
             g = b // group_size
@@ -509,7 +510,7 @@ def refine(costs, memory, memory_cap, num_bins, bin_of_item, allow_moves, stop_a
             prv[head[b]] = i
         nxt[i] = head[b]
         head[b] = i
-    rank = np.argsort(load, kind="mergesort")  # bins by increasing load, ties by id
+    rank = increasing(load)  # bins by increasing load, ties by id
     cache_width = 2 * (n // num_bins + 1)  # each bin's items by cost, while it holds at most this many
     cache = np.empty(num_bins * cache_width, dtype=np.int64)
     cached = np.full(num_bins, -1, dtype=np.int64)
