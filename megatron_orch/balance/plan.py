@@ -143,14 +143,31 @@ class Placement:
         """Placement of child items that live with their parent (e.g. an example's encoder outputs).
 
         Child ``j`` goes to the rank of item ``parent[j]``; on a rank, children are ordered by their
-        parent's slot, then by child id.
+        parent's slot, then by child id. The ranks are gathered here, the slots on first use: the bytes a
+        transfer moves are counted from its ranks alone (a step's embeddings, ~800k items at DP 10240, whose
+        slots only the trainer's routes read).
         """
-        parent = as_index_array(parent, "parent")
-        rank, slot, bad = _plan_kernels.expand(np.ascontiguousarray(self.rank), np.ascontiguousarray(self.slot),
-                                               self.num_ranks, np.ascontiguousarray(parent))
-        if bad >= 0:  # (checked in the kernel's counting pass)
+        parent = np.ascontiguousarray(as_index_array(parent, "parent"))
+        rank, bad = _plan_kernels.gather(np.ascontiguousarray(self.rank), parent)
+        if bad >= 0:  # (checked in the gather's pass)
             raise ValueError(f"parent ids must lie in 0..{self.num_items - 1}")
-        return Placement._valid(rank, slot, self.num_ranks)
+        children = object.__new__(Placement)
+        object.__setattr__(children, "rank", rank)
+        object.__setattr__(children, "num_ranks", self.num_ranks)
+        object.__setattr__(children, "_parents", (self, parent))
+        return children
+
+    def __getattr__(self, name):
+        """The slots of a placement :meth:`expand` made, computed on first use (called only for an attribute
+        not found: any other is missing)."""
+        parents = self.__dict__.get("_parents")
+        if name != "slot" or parents is None:
+            raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
+        placement, parent = parents
+        slot = _plan_kernels.expand_slots(np.ascontiguousarray(placement.rank), np.ascontiguousarray(placement.slot),
+                                          placement.num_ranks, parent)
+        object.__setattr__(self, "slot", slot)
+        return slot
 
     def same_as(self, other: "Placement") -> bool:
         return (self.num_ranks == other.num_ranks and np.array_equal(self.rank, other.rank)

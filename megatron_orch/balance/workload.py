@@ -22,6 +22,7 @@ from typing import Callable, Dict, Mapping, Tuple
 
 import numpy as np
 
+from megatron_orch.balance import _plan_kernels
 from megatron_orch.balance.cost import CostModel
 
 _NAME = re.compile(r"[a-z][a-z0-9_]*")
@@ -198,13 +199,13 @@ def phase_items(sizes: StepSizes, phases: ModelPhases) -> Dict[str, PhaseItems]:
     n = sizes.num_examples
     out = {}
     for phase in phases.encoders:
-        counts = np.asarray(sizes.items.get(phase.name, np.zeros(n)), dtype=np.int64)
-        example = np.repeat(np.arange(n, dtype=np.int64), counts)
+        counts = np.ascontiguousarray(sizes.items.get(phase.name, np.zeros(n)), dtype=np.int64)
+        example, item_home = _plan_kernels.repeat_parents(counts, home)
         tokens = np.full(example.size, phase.item_tokens, dtype=np.int64)
         # every item of the phase runs the same tokens: one item's figures
         one_cost, one_memory = _modeled(phase, np.array([phase.item_tokens], dtype=np.int64))
         cost, memory = np.full(example.size, one_cost[0]), np.full(example.size, one_memory[0])
-        out[phase.name] = PhaseItems(phase.name, example, np.repeat(home, counts), tokens, cost, memory,
+        out[phase.name] = PhaseItems(phase.name, example, item_home, tokens, cost, memory,
                                      np.full(example.size, phase.input_bytes, dtype=np.int64),
                                      np.full(example.size, phase.output_rows * phase.output_row_bytes,
                                              dtype=np.int64))
