@@ -415,9 +415,9 @@ def plan_step(sizes: StepSizes, phases: ModelPhases, config: OrchestratorConfig,
         example, costs, item_bytes = phase_item.example, phase_item.cost, phase_item.nbytes
         rank, method = _balance_encoder(costs, phase_item.home, item_bytes, num_ranks, topology, config,
                                         config.balances(phase))
-        # the loader's placement of the items, examples_home.expand(example): items come listed by example
-        # (phase_items), so on its home rank an item's slot is its rank among the rank's items in id order
-        items_home = Placement.from_ranks(phase_item.home, num_ranks)
+        # the loader's placement of the items (their slots computed when first read: counting the bytes of their
+        # moves needs their ranks alone)
+        items_home = examples_home.expand(example)
         encode = items_home if rank is phase_item.home else Placement.from_ranks(rank, num_ranks)
         encoders[phase] = EncoderPhasePlan(example=example, home=items_home, encode=encode)
         rank_of_item[phase] = (example, rank, phase_item.output_nbytes)
