@@ -363,19 +363,19 @@ def _partners(load, rank, top, node_size, partners, out):
 
 
 @numba.njit(**_INLINE)
-def _exchange(items, lo, hi, out_item, in_item, rank_in_order):
-    """``out_item`` leaves the bin of ``items[lo:hi]`` (listed by decreasing ``rank_in_order``: increasing cost,
-    ties by decreasing id) and ``in_item`` takes its place in that order."""
-    t = lo
-    while items[t] != out_item:
-        t += 1
-    for u in range(t, hi - 1):
-        items[u] = items[u + 1]
-    t = hi - 1
+def _exchange(items, lo, hi, t, in_item, rank_in_order):
+    """The item at ``items[t]`` leaves the bin of ``items[lo:hi]`` (listed by decreasing ``rank_in_order``:
+    increasing cost, ties by decreasing id) and ``in_item`` takes its place in that order: the items between its
+    place and ``t`` move one step towards ``t`` (a swap's two items are near in cost: a few steps)."""
     key = rank_in_order[in_item]
-    while t > lo and rank_in_order[items[t - 1]] < key:
-        items[t] = items[t - 1]
-        t -= 1
+    if key > rank_in_order[items[t]]:  # it comes earlier in the list
+        while t > lo and rank_in_order[items[t - 1]] < key:
+            items[t] = items[t - 1]
+            t -= 1
+    else:
+        while t < hi - 1 and rank_in_order[items[t + 1]] > key:
+            items[t] = items[t + 1]
+            t += 1
     items[t] = in_item
 
 
@@ -437,7 +437,7 @@ def swap_sweeps(costs, order, num_bins, bin_of_item, stop_at, max_sweeps, group_
                     break
                 gap = load[heavy] - load[light]
                 half = 0.5 * gap
-                best, out_item, in_item = half, -1, -1  # |d - half| < half <=> 0 < d < gap
+                best, out_at, in_at = half, -1, -1  # |d - half| < half <=> 0 < d < gap
                 u = start[light]  # first item of the light bin costing >= the target (targets rise)
                 for t in range(start[heavy], start[heavy + 1]):
                     a = items[t]
@@ -447,11 +447,12 @@ def swap_sweeps(costs, order, num_bins, bin_of_item, stop_at, max_sweeps, group_
                     for v in range(max(u - 1, start[light]), min(u + 1, start[light + 1])):
                         miss = abs(costs[a] - costs[items[v]] - half)
                         if miss < best:
-                            best, out_item, in_item = miss, a, items[v]
-                if out_item >= 0:
+                            best, out_at, in_at = miss, t, v
+                if out_at >= 0:
+                    out_item, in_item = items[out_at], items[in_at]
                     bin_of_item[out_item], bin_of_item[in_item] = light, heavy
-                    _exchange(items, start[heavy], start[heavy + 1], out_item, in_item, rank_in_order)
-                    _exchange(items, start[light], start[light + 1], in_item, out_item, rank_in_order)
+                    _exchange(items, start[heavy], start[heavy + 1], out_at, in_item, rank_in_order)
+                    _exchange(items, start[light], start[light + 1], in_at, out_item, rank_in_order)
                     swapped += 1
         sweeps += 1
         if swapped == 0:
