@@ -176,9 +176,9 @@ def test_lpt_matches_reference_with_runs_of_equal_costs(num_bins, run, value, re
     assert p.bin_of_item.tolist() == reference_lpt(costs, num_bins)
 
 
-@pytest.mark.parametrize("num_bins", [3, 64, 300, 1000, 2000])
+@pytest.mark.parametrize("num_bins", [3, 64, 300, 1000, 3000])
 def test_lpt_matches_reference_on_many_bins_and_ties(num_bins):
-    """Many bins (in order by a merge sort, from 1,024 by a radix sort) and many equal loads (batches ended by a
+    """Many bins (in order by a merge sort, from 2,048 by a radix sort) and many equal loads (batches ended by a
     tie, runs of equal pairs): the heap's bins."""
     rng = np.random.default_rng(num_bins)
     costs = rng.integers(1, 6, 5000).astype(np.float64) * rng.choice([1.0, 1e3], 5000)

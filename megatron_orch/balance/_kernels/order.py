@@ -6,7 +6,7 @@ import numpy as np
 from megatron_orch.balance._jit import _JIT
 
 _DIGIT_BITS = 14  # a counting pass per 14 bits (16,384 counters): 4 cover the 56 a backbone's costs differ in
-_RADIX_FROM = 1024  # fewer values are sorted by numba's merge sort (a radix pass costs its 16,384 counters)
+_RADIX_FROM = 2048  # fewer values are sorted by numba's merge sort (a radix pass costs its 16,384 counters)
 _INSERTION_UP_TO = 32  # and at most this many by insertion (~4x less CPU than the merge sort at 16: a step
 # partitions every rank's examples into its micro-batches, thousands of sorts of ~16 values)
 
