@@ -444,13 +444,13 @@ def _checked(src_rank, dst_rank, item_bytes, node_of_rank):
 
 def _item_bytes(item_bytes, num_items: int) -> np.ndarray:
     """``item_bytes`` as a 1-D int64 or float64 array of ``num_items`` (the accountant sums either as float64,
-    so an int64 array is not copied)."""
+    so an int64 array is not copied, nor a strided one: an encoder phase's bytes are one value, ``phase_items``)."""
     nbytes = np.asarray(item_bytes)
     if nbytes.dtype not in (np.int64, np.float64):
         nbytes = nbytes.astype(np.float64)
     if nbytes.shape != (num_items,):
         raise ValueError(f"item_bytes has shape {nbytes.shape}, expected ({num_items},): one figure per item")
-    return np.ascontiguousarray(nbytes)
+    return nbytes
 
 
 def _counted(src: np.ndarray, dst: np.ndarray, nbytes: np.ndarray, node_of_rank: np.ndarray) -> MovedBytes:
