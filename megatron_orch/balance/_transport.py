@@ -46,7 +46,7 @@ _DENSE_PER_PAIR = 4  # dense merge while the matrix has at most this many cells 
 
 
 @numba.njit(**_JIT)
-def _merge_dense(rows, cols, values, num_rows, num_cols, heaviest_first):
+def _merge_dense(rows, cols, values, num_rows, num_cols):
     """:func:`merge_pairs` through a dense row-major matrix: one scattered pass, one ordered scan."""
     dense = np.zeros(num_rows * num_cols, dtype=np.int64)
     for i in range(rows.size):
@@ -60,15 +60,12 @@ def _merge_dense(rows, cols, values, num_rows, num_cols, heaviest_first):
     m = 0
     for r in range(num_rows):
         base = r * num_cols
-        first = m
         for c in range(num_cols):
-            if dense[base + c] != 0:
+            v = dense[base + c]
+            if v != 0:
                 out_col[m] = c
+                out_val[m] = v
                 m += 1
-        if heaviest_first:
-            _order_row(out_col, dense, base, first, m, True)
-        for t in range(first, m):
-            out_val[t] = dense[base + out_col[t]]
         row_start[r + 1] = m
     return row_start, out_col, out_val
 
@@ -77,48 +74,15 @@ _INSERTION_ROW = 32  # a row of at most this many distinct columns is put in ord
 
 
 @numba.njit(**_JIT)
-def _order_row(col, weight, base, lo, hi, heaviest_first):
-    """``col[lo:hi]``, the distinct columns of one row (``weight[base + c]``: column c's sum), by increasing column
-    or, ``heaviest_first``, by decreasing sum, ties by increasing column (the order :func:`transport` reads its
-    rows in): by insertion up to :data:`_INSERTION_ROW` columns (a row is a bin's source nodes: a few dozen at
-    most), else by numpy's sorts."""
-    if hi - lo > _INSERTION_ROW:
-        col[lo:hi] = np.sort(col[lo:hi])
-        if heaviest_first:
-            lighter = np.empty(hi - lo, dtype=np.int64)
-            for t in range(lo, hi):
-                lighter[t - lo] = -weight[base + col[t]]
-            col[lo:hi] = col[lo:hi][np.argsort(lighter, kind="mergesort")]
-        return
-    for t in range(lo + 1, hi):
-        c = col[t]
-        w = weight[base + c]
-        u = t
-        while u > lo:
-            prev = col[u - 1]
-            prev_w = weight[base + prev]
-            if heaviest_first:
-                after = prev_w < w or (prev_w == w and prev > c)
-            else:
-                after = prev > c
-            if not after:
-                break
-            col[u] = prev
-            u -= 1
-        col[u] = c
-
-
-@numba.njit(**_JIT)
-def merge_pairs(rows, cols, values, num_rows, num_cols, heaviest_first):
+def merge_pairs(rows, cols, values, num_rows, num_cols):
     """Sum ``values`` per (row, col) pair: (row_start [num_rows + 1], col, value) sorted by row then
-    col (``heaviest_first``: then by decreasing value, ties by increasing col, as :func:`transport` reads its
-    rows), pairs with value 0 dropped. Where the dense matrix is small next to the pairs (at most
+    col, pairs with value 0 dropped. Where the dense matrix is small next to the pairs (at most
     ``_DENSE_PER_PAIR`` cells per pair), values are summed straight into it and read back in order;
     else one counting pass groups the pairs by row, and each row is summed into one column-indexed
     scratch row (its columns put in order as they are read back): O(n) without a sort of the keys."""
     n = rows.size
     if num_rows * num_cols <= _DENSE_PER_PAIR * n:
-        return _merge_dense(rows, cols, values, num_rows, num_cols, heaviest_first)
+        return _merge_dense(rows, cols, values, num_rows, num_cols)
     fill = np.zeros(num_rows + 1, dtype=np.int64)
     for i in range(n):
         fill[rows[i] + 1] += 1
@@ -150,7 +114,16 @@ def merge_pairs(rows, cols, values, num_rows, num_cols, heaviest_first):
                 out_col[m] = c
                 m += 1
             total[c] += by_row_value[k]
-        _order_row(out_col, total, 0, first, m, heaviest_first)
+        if m - first <= _INSERTION_ROW:
+            for t in range(first + 1, m):
+                c = out_col[t]
+                u = t
+                while u > first and out_col[u - 1] > c:
+                    out_col[u] = out_col[u - 1]
+                    u -= 1
+                out_col[u] = c
+        else:
+            out_col[first:m] = np.sort(out_col[first:m])
         kept = first
         for t in range(first, m):
             c = out_col[t]
@@ -189,54 +162,37 @@ def _move(b, old, new, node_of_bin, members, member_start, count, pos):
     node_of_bin[b] = new
 
 @numba.njit(**_JIT)
-def _before(key_a, id_a, key_b, id_b):
-    """Whether (key_a, id_a) comes before (key_b, id_b), lexicographically."""
-    return key_a < key_b or (key_a == key_b and id_a < id_b)
-
-
-@numba.njit(**_JIT)
-def _heap_set(key, ids, where, size, k, i):
-    """Node ``i`` at key ``k`` in the min-heap ``key/ids[:size]`` (lexicographic; ``where[i]``: i's position, -1:
-    not in it): inserted, or its key lowered to ``k``. Returns the heap's size."""
-    t = where[i]
-    if t < 0:
-        t = size
-        size += 1
-    while t > 0:
-        parent = (t - 1) // 2
-        if not _before(k, i, key[parent], ids[parent]):
+def _heap_push(key, ids, size, k, i):
+    """Insert (k, i) into the min-heap ``key/ids[:size]`` (lexicographic); the caller grows size."""
+    pos = size
+    while pos > 0:
+        parent = (pos - 1) // 2
+        if key[parent] < k or (key[parent] == k and ids[parent] < i):
             break
-        key[t], ids[t] = key[parent], ids[parent]
-        where[ids[t]] = t
-        t = parent
-    key[t], ids[t] = k, i
-    where[i] = t
-    return size
+        key[pos], ids[pos] = key[parent], ids[parent]
+        pos = parent
+    key[pos], ids[pos] = k, i
 
 
 @numba.njit(**_JIT)
-def _heap_pop(key, ids, where, size):
-    """Remove the root of the min-heap ``key/ids[:size]`` (positions in ``where``); returns the heap's size."""
-    where[ids[0]] = -1
+def _heap_pop(key, ids, size):
+    """Remove the root of the min-heap ``key/ids[:size]``; the caller shrinks size."""
     size -= 1
-    if size == 0:
-        return size
     k, i = key[size], ids[size]
-    t = 0
+    pos = 0
     while True:
-        child = 2 * t + 1
+        child = 2 * pos + 1
         if child >= size:
             break
-        if child + 1 < size and _before(key[child + 1], ids[child + 1], key[child], ids[child]):
+        if child + 1 < size and (key[child + 1] < key[child] or
+                                 (key[child + 1] == key[child] and ids[child + 1] < ids[child])):
             child += 1
-        if not _before(key[child], ids[child], k, i):
+        if key[child] < k or (key[child] == k and ids[child] < i):
+            key[pos], ids[pos] = key[child], ids[child]
+            pos = child
+        else:
             break
-        key[t], ids[t] = key[child], ids[child]
-        where[ids[t]] = t
-        t = child
-    key[t], ids[t] = k, i
-    where[i] = t
-    return size
+    key[pos], ids[pos] = k, i
 
 
 @numba.njit(**_JIT)
@@ -370,15 +326,41 @@ def _price_rounds(queue, num_free, max_bids, row_start, row_node, row_w, cap, v,
 
 
 @numba.njit(**_JIT)
+def _sort_rows(row_start, row_node, row_w):
+    """Rows by decreasing weight, ties by increasing node (copies; rows come by increasing node). A row of at
+    most ``_INSERTION_ROW`` arcs (a bin pulls from few nodes) is sorted by insertion in place, a stable sort with
+    no allocation (an argsort per row took ~4 ms of the solve at DP 10240); a longer one by a stable argsort."""
+    node = row_node.copy()
+    w = row_w.copy()
+    for b in range(row_start.size - 1):
+        lo, hi = row_start[b], row_start[b + 1]
+        if hi - lo <= _INSERTION_ROW:
+            for t in range(lo + 1, hi):
+                wt, nt = w[t], node[t]
+                u = t
+                while u > lo and w[u - 1] < wt:
+                    w[u], node[u] = w[u - 1], node[u - 1]
+                    u -= 1
+                w[u], node[u] = wt, nt
+            continue
+        order = np.argsort(-row_w[lo:hi], kind="mergesort")
+        for t in range(hi - lo):
+            node[lo + t] = row_node[lo + order[t]]
+            w[lo + t] = row_w[lo + order[t]]
+    return node, w
+
+
+@numba.njit(**_JIT)
 def transport(row_start, row_node, row_w, cap):
     """Max-weight assignment of bins to nodes with node capacities (see the module docstring).
 
-    ``row_start/row_node/row_w``: W by bin (CSR, weights > 0, a row by decreasing weight, ties by increasing
-    node: :func:`merge_pairs` with ``heaviest_first``). ``cap``: bins per node, summing to the number of bins.
-    Returns (node_of_bin, v): node potentials ``v`` certify optimality through :func:`dual_gap`.
+    ``row_start/row_node/row_w``: W by bin (CSR, weights > 0, nodes increasing in a row). ``cap``:
+    bins per node, summing to the number of bins. Returns (node_of_bin, v): node potentials ``v``
+    certify optimality through :func:`dual_gap`.
     """
     num_bins = row_start.size - 1
     num_nodes = cap.size
+    row_node, row_w = _sort_rows(row_start, row_node, row_w)
     node_of_bin = np.full(num_bins, -1, dtype=np.int64)
     wcur = np.zeros(num_bins, dtype=np.int64)  # W[b, node_of_bin[b]]
     member_start = np.zeros(num_nodes + 1, dtype=np.int64)
@@ -581,20 +563,16 @@ def _shortest_paths(free, row_start, row_node, row_w, best_w, cap, v, node_of_bi
     # moving a bin to a node where it has no bytes (the "hub") is cheapest into a node with room,
     # and the hub only matters there. Nodes with room are never queued: ``bound`` is their best
     # label, and the search ends once no queued label is below it.
-    # The queue holds every full node reached once, at its label, lowered in place (an indexed heap: no stale
-    # entries to pop); a search resets only the nodes it labelled.
     dist = np.full(num_nodes, _INF, dtype=np.int64)
     done = np.zeros(num_nodes, dtype=np.bool_)
     pred = np.full(num_nodes, -1, dtype=np.int64)
     pred_w = np.zeros(num_nodes, dtype=np.int64)
     finished = np.empty(num_nodes, dtype=np.int64)
-    labelled = np.empty(num_nodes, dtype=np.int64)
-    heap_key = np.empty(num_nodes, dtype=np.int64)
-    heap_node = np.empty(num_nodes, dtype=np.int64)
-    where = np.full(num_nodes, -1, dtype=np.int64)
-    first_room = 0  # (a search only fills its end node: the first node with room never moves back)
+    heap_key = np.empty(row_node.size + num_nodes + 1, dtype=np.int64)
+    heap_node = np.empty(row_node.size + num_nodes + 1, dtype=np.int64)
     for f in range(free.size):
         b0 = free[f]
+        first_room = 0
         while count[first_room] >= cap[first_room]:
             first_room += 1
         # A bin's ``base`` = its distance + W[b, its node] + v[its node]; moving it to node x costs
@@ -603,14 +581,10 @@ def _shortest_paths(free, row_start, row_node, row_w, best_w, cap, v, node_of_bi
         hub, hub_bin = np.int64(0), b0
         room_d, room_n = _INF, -1  # best explicit label of a node with room
         size = 0
-        num_labelled = 0
         for j in range(row_start[b0], row_start[b0 + 1]):
             x = row_node[j]
             cand = -row_w[j] - v[x]
             if cand < dist[x]:
-                if dist[x] == _INF:
-                    labelled[num_labelled] = x
-                    num_labelled += 1
                 dist[x] = cand
                 pred[x] = b0
                 pred_w[x] = row_w[j]
@@ -618,11 +592,25 @@ def _shortest_paths(free, row_start, row_node, row_w, best_w, cap, v, node_of_bi
                     if cand < room_d or (cand == room_d and x < room_n):
                         room_d, room_n = cand, x
                 else:
-                    size = _heap_set(heap_key, heap_node, where, size, cand, x)
+                    _heap_push(heap_key, heap_node, size, cand, x)
+                    size += 1
         num_done = 0
-        while size > 0 and heap_key[0] < min(room_d, hub):
-            x = heap_node[0]
-            size = _heap_pop(heap_key, heap_node, where, size)
+        while True:
+            bound = min(room_d, hub)
+            x = -1
+            while size > 0:
+                k, y = heap_key[0], heap_node[0]
+                if done[y] or k != dist[y]:  # stale entry
+                    _heap_pop(heap_key, heap_node, size)
+                    size -= 1
+                    continue
+                if k < bound:
+                    _heap_pop(heap_key, heap_node, size)
+                    size -= 1
+                    x = y
+                break
+            if x < 0:
+                break
             done[x] = True
             finished[num_done] = x
             num_done += 1
@@ -644,9 +632,6 @@ def _shortest_paths(free, row_start, row_node, row_w, best_w, cap, v, node_of_bi
                         continue
                     cand = base - w - v[y]
                     if cand < dist[y]:
-                        if dist[y] == _INF:
-                            labelled[num_labelled] = y
-                            num_labelled += 1
                         dist[y] = cand
                         pred[y] = b
                         pred_w[y] = w
@@ -655,25 +640,21 @@ def _shortest_paths(free, row_start, row_node, row_w, best_w, cap, v, node_of_bi
                                 room_d, room_n = cand, y
                                 bound = min(room_d, hub)
                         else:
-                            size = _heap_set(heap_key, heap_node, where, size, cand, y)
+                            _heap_push(heap_key, heap_node, size, cand, y)
+                            size += 1
         # End: the best node with room, by an explicit arc or through the hub (ties: explicit).
         if room_d <= hub:
             end, d_end = room_n, room_d
         else:
             end, d_end = first_room, hub
-            if dist[end] == _INF:
-                labelled[num_labelled] = end
-                num_labelled += 1
             dist[end], pred[end], pred_w[end] = hub, hub_bin, 0
         for t in range(num_done):
             x = finished[t]
             v[x] += dist[x] - d_end
         _augment(end, pred, pred_w, node_of_bin, wcur, members, member_start, count, pos)
-        for t in range(size):
-            where[heap_node[t]] = -1
-        for t in range(num_labelled):
-            dist[labelled[t]] = _INF
-            done[labelled[t]] = False
+        for x in range(num_nodes):
+            dist[x] = _INF
+            done[x] = False
 
 
 @numba.njit(**_JIT)

@@ -64,7 +64,7 @@ class BinTraffic:
     def from_items(cls, bin_of_item, home_rank, item_bytes, num_bins: int, num_ranks: int) -> "BinTraffic":
         """Traffic of moving item i from ``home_rank[i]`` to the rank of bin ``bin_of_item[i]``."""
         bins, ranks, nbytes = _checked_items(bin_of_item, home_rank, item_bytes, num_bins, num_ranks)
-        row_start, rank, total = _transport.merge_pairs(bins, ranks, nbytes, int(num_bins), int(num_ranks), False)
+        row_start, rank, total = _transport.merge_pairs(bins, ranks, nbytes, int(num_bins), int(num_ranks))
         return cls(bin=np.repeat(np.arange(int(num_bins), dtype=np.int64), np.diff(row_start)), rank=rank,
                    nbytes=total, num_bins=int(num_bins), num_ranks=int(num_ranks))
 
@@ -335,8 +335,7 @@ def _exact(items, num_bins: int, topology: Topology, traffic_fn):
     OR-Tools (or greedy) on ``traffic_fn()``, the merged traffic, only if the certificate fails."""
     bins, ranks, nbytes = items
     node_of_rank = topology.node_of_rank
-    row_start, node, weight = _transport.merge_pairs(bins, node_of_rank[ranks], nbytes, num_bins, topology.num_nodes,
-                                                     True)
+    row_start, node, weight = _transport.merge_pairs(bins, node_of_rank[ranks], nbytes, num_bins, topology.num_nodes)
     capacity = topology.ranks_per_node().astype(np.int64)
     node_of_bin, potential = _transport.transport(row_start, node, weight, capacity)
     if _transport.dual_gap(row_start, node, weight, capacity, node_of_bin, potential) != 0:

@@ -21,7 +21,7 @@ pytest.importorskip("ortools")
 
 def _solve(traffic, topology):
     row_start, node, nbytes = _transport.merge_pairs(traffic.bin, topology.node_of_rank[traffic.rank],
-                                                     traffic.nbytes, traffic.num_bins, topology.num_nodes, True)
+                                                     traffic.nbytes, traffic.num_bins, topology.num_nodes)
     capacity = topology.ranks_per_node()
     node_of_bin, potential = _transport.transport(row_start, node, nbytes, capacity)
     gap = _transport.dual_gap(row_start, node, nbytes, capacity, node_of_bin, potential)
@@ -150,44 +150,26 @@ def test_merge_pairs_sums_sorts_and_drops_zeros(n, num_rows, num_cols, order):
     if order != "random":
         sort = np.argsort(cols if order == "cols" else rows * num_cols + cols, kind="stable")
         rows, cols, values = rows[sort], cols[sort], values[sort]
+    row_start, col, value = _transport.merge_pairs(rows, cols, values, num_rows, num_cols)
     dense = np.zeros((num_rows, num_cols), dtype=np.int64)
     np.add.at(dense, (rows, cols), values)
     keys = np.flatnonzero(dense)
-    row_start, col, value = _transport.merge_pairs(rows, cols, values, num_rows, num_cols, False)
     assert np.array_equal(np.repeat(np.arange(num_rows), np.diff(row_start)) * num_cols + col, keys)
     assert np.array_equal(value, dense.reshape(-1)[keys])
-    heavy_start, heavy_col, heavy_value = _transport.merge_pairs(rows, cols, values, num_rows, num_cols, True)
-    assert np.array_equal(heavy_start, row_start)
-    for lo, hi in zip(row_start[:-1], row_start[1:]):  # a row by decreasing value, ties by increasing column
-        order = np.argsort(-value[lo:hi], kind="stable")
-        assert np.array_equal(heavy_col[lo:hi], col[lo:hi][order])
-        assert np.array_equal(heavy_value[lo:hi], value[lo:hi][order])
-    for heaviest_first in (False, True):
-        empty = _transport.merge_pairs(np.zeros(0, np.int64), np.zeros(0, np.int64), np.zeros(0, np.int64), 3, 2,
-                                       heaviest_first)
-        assert empty[0].tolist() == [0, 0, 0, 0] and empty[1].size == 0
+    empty = _transport.merge_pairs(np.zeros(0, np.int64), np.zeros(0, np.int64), np.zeros(0, np.int64), 3, 2)
+    assert empty[0].tolist() == [0, 0, 0, 0] and empty[1].size == 0
 
 
 @pytest.mark.parametrize("longest_row", [1, 5, _transport._INSERTION_ROW, _transport._INSERTION_ROW + 1, 300])
-@pytest.mark.parametrize("dense", [False, True])
-def test_rows_heaviest_first_by_decreasing_weight_ties_by_node(longest_row, dense):
-    """Short rows (insertion) and long ones (numpy's sorts), merged densely or grouped by row, pairs listed in any
-    order: each row by decreasing weight, equal weights by increasing node, as a stable sort of the row (by
-    increasing node) on minus the weight."""
+def test_rows_sorted_by_decreasing_weight_ties_by_node(longest_row):
+    """Short rows (insertion) and long ones (argsort) alike: each row by decreasing weight, equal weights by
+    increasing node, as a stable sort of the row (given by increasing node) on minus the weight."""
     rng = np.random.default_rng(longest_row)
     lengths = np.append(rng.integers(0, longest_row + 1, 60), longest_row)
-    num_nodes = longest_row + 1 if dense else 100 * (longest_row + 1)
-    rows = np.repeat(np.arange(lengths.size), lengths)
-    node = np.concatenate([np.sort(rng.choice(num_nodes, k, replace=False)) for k in lengths]).astype(np.int64)
+    row_start = np.concatenate(([0], np.cumsum(lengths)))
+    node = np.concatenate([np.sort(rng.choice(400, k, replace=False)) for k in lengths]).astype(np.int64)
     weight = rng.integers(1, 6, node.size)  # many ties
-    # every pair listed twice (its weight in two parts), in any order
-    part = rng.integers(0, weight + 1)
-    shuffle = rng.permutation(2 * node.size)
-    row_start, sorted_node, sorted_weight = _transport.merge_pairs(
-        np.tile(rows, 2)[shuffle], np.tile(node, 2)[shuffle], np.concatenate([part, weight - part])[shuffle],
-        lengths.size, num_nodes, True)
-    assert (lengths.size * num_nodes <= _transport._DENSE_PER_PAIR * 2 * node.size) == dense
-    assert np.array_equal(row_start, np.concatenate(([0], np.cumsum(lengths))))
+    sorted_node, sorted_weight = _transport._sort_rows(row_start, node, weight)
     for lo, hi in zip(row_start[:-1], row_start[1:]):
         order = np.argsort(-weight[lo:hi], kind="stable")
         assert np.array_equal(sorted_node[lo:hi], node[lo:hi][order])
@@ -229,25 +211,3 @@ def test_the_potentials_tree_gives_the_top_two_as_a_scan_does(values, data):
         first = int(np.argmax(v))
         others = np.delete(v, first)
         assert _transport._top_two(tree, v) == (first, others.max() if others.size else -(1 << 62))
-
-
-@settings(max_examples=200, deadline=None)
-@given(st.integers(1, 12), st.lists(st.tuples(st.booleans(), st.integers(0, 11), st.integers(-5, 5)), max_size=80))
-def test_the_searches_queue_pops_the_least_label_then_node(num_nodes, steps):
-    """The shortest-path searches' indexed heap against a dict of each queued node's label: a node set again is
-    queued once at its lower label (a label never rises while queued, as in the searches), and every pop is the
-    least (label, node), ties of equal labels to the smaller node."""
-    key, ids = np.empty(num_nodes, dtype=np.int64), np.empty(num_nodes, dtype=np.int64)
-    where = np.full(num_nodes, -1, dtype=np.int64)
-    size, queued = 0, {}
-    for pop, node, label in steps:
-        node %= num_nodes
-        if pop and queued:
-            least = min(queued, key=lambda n: (queued[n], n))
-            assert (key[0], ids[0]) == (queued.pop(least), least)
-            size = _transport._heap_pop(key, ids, where, size)
-        elif node not in queued or label < queued[node]:
-            queued[node] = label
-            size = _transport._heap_set(key, ids, where, size, label, node)
-        assert size == len(queued) and {int(ids[t]): int(key[t]) for t in range(size)} == queued
-        assert all(where[ids[t]] == t for t in range(size)) and (where >= 0).sum() == size
