@@ -31,7 +31,7 @@ from typing import Optional
 
 import numpy as np
 
-from megatron_orch.balance import _kernels
+from megatron_orch.balance import _kernels, _plan_kernels
 from megatron_orch.balance.placement import PlacementConfig, place_items
 from megatron_orch.balance.plan import moved_bytes
 from megatron_orch.balance.registry import PARTITIONERS, Entry
@@ -638,7 +638,7 @@ def uniform_bins(home: np.ndarray, node_of_bin: np.ndarray):
     where every bin holds at most its share already."""
     n, num_bins = home.size, node_of_bin.size
     cap = -(-n // num_bins)
-    if n == 0 or np.bincount(home, minlength=num_bins).max() <= cap:
+    if n == 0 or _plan_kernels.counts(home, num_bins).max() <= cap:  # (a compiled count: items come in runs of a rank)
         return home, "home"
     num_nodes = int(node_of_bin.max()) + 1
     bins_by_node = np.argsort(node_of_bin, kind="stable")

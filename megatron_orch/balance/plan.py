@@ -143,14 +143,31 @@ class Placement:
         """Placement of child items that live with their parent (e.g. an example's encoder outputs).
 
         Child ``j`` goes to the rank of item ``parent[j]``; on a rank, children are ordered by their
-        parent's slot, then by child id.
+        parent's slot, then by child id. The ranks are gathered here, the slots on first use: the bytes a
+        transfer moves are counted from its ranks alone (a step's embeddings, ~800k items at DP 10240, whose
+        slots only the trainer's routes read).
         """
-        parent = as_index_array(parent, "parent")
-        rank, slot, bad = _plan_kernels.expand(np.ascontiguousarray(self.rank), np.ascontiguousarray(self.slot),
-                                               self.num_ranks, np.ascontiguousarray(parent))
-        if bad >= 0:  # (checked in the kernel's counting pass)
+        parent = np.ascontiguousarray(as_index_array(parent, "parent"))
+        rank, bad = _plan_kernels.gather(np.ascontiguousarray(self.rank), parent)
+        if bad >= 0:  # (checked in the gather's pass)
             raise ValueError(f"parent ids must lie in 0..{self.num_items - 1}")
-        return Placement._valid(rank, slot, self.num_ranks)
+        children = object.__new__(Placement)
+        object.__setattr__(children, "rank", rank)
+        object.__setattr__(children, "num_ranks", self.num_ranks)
+        object.__setattr__(children, "_parents", (self, parent))
+        return children
+
+    def __getattr__(self, name):
+        """The slots of a placement :meth:`expand` made, computed on first use (called only for an attribute
+        not found: any other is missing)."""
+        parents = self.__dict__.get("_parents")
+        if name != "slot" or parents is None:
+            raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
+        placement, parent = parents
+        slot = _plan_kernels.expand_slots(np.ascontiguousarray(placement.rank), np.ascontiguousarray(placement.slot),
+                                          placement.num_ranks, parent)
+        object.__setattr__(self, "slot", slot)
+        return slot
 
     def same_as(self, other: "Placement") -> bool:
         return (self.num_ranks == other.num_ranks and np.array_equal(self.rank, other.rank)
@@ -427,13 +444,13 @@ def _checked(src_rank, dst_rank, item_bytes, node_of_rank):
 
 def _item_bytes(item_bytes, num_items: int) -> np.ndarray:
     """``item_bytes`` as a 1-D int64 or float64 array of ``num_items`` (the accountant sums either as float64,
-    so an int64 array is not copied)."""
+    so an int64 array is not copied, nor a strided one: an encoder phase's bytes are one value, ``phase_items``)."""
     nbytes = np.asarray(item_bytes)
     if nbytes.dtype not in (np.int64, np.float64):
         nbytes = nbytes.astype(np.float64)
     if nbytes.shape != (num_items,):
         raise ValueError(f"item_bytes has shape {nbytes.shape}, expected ({num_items},): one figure per item")
-    return np.ascontiguousarray(nbytes)
+    return nbytes
 
 
 def _counted(src: np.ndarray, dst: np.ndarray, nbytes: np.ndarray, node_of_rank: np.ndarray) -> MovedBytes:

@@ -415,9 +415,9 @@ def plan_step(sizes: StepSizes, phases: ModelPhases, config: OrchestratorConfig,
         example, costs, item_bytes = phase_item.example, phase_item.cost, phase_item.nbytes
         rank, method = _balance_encoder(costs, phase_item.home, item_bytes, num_ranks, topology, config,
                                         config.balances(phase))
-        # the loader's placement of the items, examples_home.expand(example): items come listed by example
-        # (phase_items), so on its home rank an item's slot is its rank among the rank's items in id order
-        items_home = Placement.from_ranks(phase_item.home, num_ranks)
+        # the loader's placement of the items (their slots computed when first read: counting the bytes of their
+        # moves needs their ranks alone)
+        items_home = examples_home.expand(example)
         encode = items_home if rank is phase_item.home else Placement.from_ranks(rank, num_ranks)
         encoders[phase] = EncoderPhasePlan(example=example, home=items_home, encode=encode)
         rank_of_item[phase] = (example, rank, phase_item.output_nbytes)
@@ -556,7 +556,7 @@ def _plan_memory(items: Dict[str, PhaseItems], phases: ModelPhases, encoders: Di
     llm = items[backbone]
     upstream_key = llm.home * num_microbatches + home_microbatch
     upstream_encoders = {p: _plan_kernels.sums_by_parent(upstream_key, items[p].example,
-                                                         np.ascontiguousarray(items[p].memory, dtype=np.float64), cells)
+                                                         np.asarray(items[p].memory, dtype=np.float64), cells)
                          for p in encoders}
     upstream_backbone = _microbatch_memory(upstream_key, llm.memory, cells, padded=True)
     encoders_per_cell = sum(upstream_encoders.values(), np.zeros(cells))
@@ -623,7 +623,7 @@ def _phase_stats(method, costs, home_rank, rank, num_ranks) -> Tuple[PhaseStats,
     """The phase's :class:`PhaseStats` and its per-rank load as loaded (for :func:`_step_time`)."""
     home_loads, max_after = _plan_kernels.loads_before_after(np.ascontiguousarray(home_rank, dtype=np.int64),
                                                              np.ascontiguousarray(rank, dtype=np.int64),
-                                                             np.ascontiguousarray(costs, dtype=np.float64),
+                                                             np.asarray(costs, dtype=np.float64),
                                                              num_ranks)
     return PhaseStats(method=method, items=int(costs.size), max_before=float(home_loads.max(initial=0)),
                       mean=float(costs.sum() / num_ranks), max_after=max_after), home_loads

@@ -1,5 +1,6 @@
-"""``_kernels.decreasing`` (a radix sort of the costs' bits) against numpy's stable argsort: items by decreasing
-cost, ties by increasing id, the order every construction takes."""
+"""``_kernels.decreasing`` and ``_kernels.increasing`` (radix sorts of the values' bits) against numpy's stable
+argsort: items by decreasing cost, ties by increasing id, the order every construction takes; bins by increasing
+load, ties by increasing id, the order the swap sweeps and the refinement pair them in."""
 import numpy as np
 import pytest
 from hypothesis import given, settings
@@ -28,3 +29,16 @@ def test_equals_numpys_stable_argsort_on_a_step_backbone(mixture):
     config, _, sizes = draw_sizes(list(MIXTURES[mixture]), 512, 16, "mllm_84b", 0)
     costs = phase_items(sizes, config.phases())["llm"].cost
     assert np.array_equal(_kernels.decreasing(costs), _numpy_order(costs))
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.integers(0, 3000), st.sampled_from([3, 1e3, 1e300]), st.integers(0, 2**31 - 1))
+def test_increasing_equals_numpys_stable_argsort(size, spread, seed):
+    """Bins by increasing load, ties by id, below and above the radix sort's threshold: loads of a few values
+    (many ties, 0.0 and -0.0 among them), of every exponent (every digit pass), near one another (a balanced plan's
+    loads differ in their last bits)."""
+    rng = np.random.default_rng(seed)
+    loads = {3: rng.choice([0.0, -0.0, 1.0, 2.0], size),
+             1e3: 1e16 + rng.integers(0, 1000, size).astype(np.float64),
+             1e300: rng.random(size) ** 50 * 1e300}[spread]
+    assert np.array_equal(_kernels.increasing(loads), np.argsort(loads, kind="stable"))

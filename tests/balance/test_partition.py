@@ -10,6 +10,7 @@ from megatron_orch.balance.partition import (Outcome, equal_count_lower_bound, p
                                              partition_equal_count, partition_locality)
 from megatron_orch.balance import _kernels
 from megatron_orch.balance._kernels import first_fit
+from megatron_orch.balance._kernels.longest_first import _in_order, _least_loaded_rest
 from megatron_orch.balance.registry import PARTITIONERS
 
 METHODS = tuple(entry.name for entry in PARTITIONERS.builtins())  # lpt, kk, bs_ffd
@@ -175,12 +176,48 @@ def test_lpt_matches_reference_with_runs_of_equal_costs(num_bins, run, value, re
     assert p.bin_of_item.tolist() == reference_lpt(costs, num_bins)
 
 
-@pytest.mark.parametrize("num_bins", [3, 64, 300, 1000])
+@pytest.mark.parametrize("num_bins", [3, 64, 300, 1000, 3000])
 def test_lpt_matches_reference_on_many_bins_and_ties(num_bins):
-    """Many bins (the kernel's loser tree over a padded power of two) and many equal loads: the heap's bins."""
+    """Many bins (in order by a merge sort, from 2,048 by a radix sort) and many equal loads (batches ended by a
+    tie, runs of equal pairs): the heap's bins."""
     rng = np.random.default_rng(num_bins)
     costs = rng.integers(1, 6, 5000).astype(np.float64) * rng.choice([1.0, 1e3], 5000)
     assert partition(costs, num_bins, method="lpt").bin_of_item.tolist() == reference_lpt(costs.tolist(), num_bins)
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.integers(1, 9), st.lists(st.sampled_from([0.0, 1.0, 2.0, 0.5, 1e16]), max_size=9),
+       st.lists(st.one_of(st.sampled_from([0.0, 1.0, 2.0]), st.floats(0.0, 5.0)), max_size=60))
+def test_lpt_batches_give_the_heaps_bins_from_any_loads(num_bins, start_loads, costs):
+    """The batched least-loaded loop from bins already loaded (as the round robin of a leading run leaves them,
+    or any): ties of equal loads and equal costs, zero costs (a bin that does not rise), every bin of a batch
+    taking an item: each item to the heap's bin, loads summed in the heap's order."""
+    import heapq
+    loads = np.resize(np.array(start_loads or [0.0], dtype=np.float64), num_bins)
+    costs = np.array(costs, dtype=np.float64)
+    order = np.argsort(-costs, kind="stable")
+    heap = [(load, b) for b, load in enumerate(loads)]
+    heapq.heapify(heap)
+    expected = np.full(costs.size, -1)
+    for item in order:
+        load, b = heapq.heappop(heap)
+        expected[item] = b
+        heapq.heappush(heap, (load + costs[item], b))
+    got = np.full(costs.size, -1, dtype=np.int64)
+    _least_loaded_rest(costs, order, 0, loads.copy(), got)
+    assert np.array_equal(got, expected)
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.tuples(st.sampled_from([0.0, 1.0, 2.0, 3.5]), st.integers(0, 20)), max_size=40))
+def test_a_batchs_bins_are_put_in_order_by_load_then_id(pairs):
+    """Runs in order, in reverse order (reversed) and mixed, equal pairs: sorted() of (load, bin)."""
+    n = len(pairs)
+    load = np.array([p[0] for p in pairs] + [9.0], dtype=np.float64)  # (a slot past n, left alone)
+    bins = np.array([p[1] for p in pairs] + [99], dtype=np.int64)
+    out_load, out_bin = _in_order(load, bins, n, np.empty(n + 1), np.empty(n + 1, dtype=np.int64),
+                                  np.empty(n + 2, dtype=np.int64))
+    assert list(zip(out_load[:n].tolist(), out_bin[:n].tolist())) == sorted(pairs)
 
 
 def reference_ffd(costs, memory, memory_cap, capacity, num_bins):

@@ -44,6 +44,20 @@ def test_slots_and_expand_match_their_definitions(num_ranks, num_items, num_chil
             Placement(rank=child.rank, slot=child.slot, num_ranks=num_ranks)  # valid
 
 
+def test_expand_gathers_the_ranks_and_computes_the_slots_when_first_read():
+    """A transfer's bytes are counted from its ranks alone (plan_step counts a step's embeddings, ~800k items at
+    DP 10240, without their slots): expand gathers the ranks, and the slots (the definition's) are computed when
+    first read, then kept."""
+    rank, key = np.array([1, 0, 1, 1]), np.array([3, 0, 1, 2])
+    parent = np.array([2, 0, 0, 3, 1])
+    child = Placement.from_ranks(rank, 2, key=key).expand(parent)
+    assert "slot" not in vars(child) and np.array_equal(child.rank, rank[parent])
+    expected = reference_slots(rank[parent], 2, Placement.from_ranks(rank, 2, key=key).slot[parent])
+    assert np.array_equal(child.slot, expected) and vars(child)["slot"] is child.slot
+    with pytest.raises(AttributeError, match="no attribute 'slots'"):
+        child.slots
+
+
 def test_a_rank_or_parent_out_of_range_is_refused_naming_the_first():
     """The slot and expand kernels check the ranks and parents in their own passes: the first one outside is
     named, wherever it lies."""
@@ -251,3 +265,14 @@ def test_row_max_is_numpys(rows, columns, seed, with_nan):
     if with_nan and values.size:
         values[rng.integers(0, rows), rng.integers(0, columns)] = np.nan
     assert _plan_kernels.row_max(values).tobytes() == values.max(axis=1).tobytes()
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.lists(st.integers(0, 5), max_size=40), st.integers(0, 2**31 - 1))
+def test_repeat_parents_is_numpys_repeat(counts, seed):
+    """Parents without children, with one and with several: numpy's repeats of the parent ids and of their values."""
+    counts = np.array(counts, dtype=np.int64)
+    values = np.random.default_rng(seed).integers(-9, 2**40, counts.size)
+    parent, value = _plan_kernels.repeat_parents(counts, values)
+    assert np.array_equal(parent, np.repeat(np.arange(counts.size), counts))
+    assert np.array_equal(value, np.repeat(values, counts)) and parent.dtype == value.dtype == np.int64

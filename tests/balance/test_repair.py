@@ -245,6 +245,15 @@ def test_the_compiled_sum_is_numpys_sum(values):
     assert numpy_sum(values) == values.sum()
 
 
+@pytest.mark.parametrize("size", [0, 1, 7, 8, 9, 127, 128, 129, 136, 255, 256, 257, 1000])
+def test_the_compiled_sum_is_numpys_sum_at_every_block_size(size):
+    """Around numpy's blocks of 128 (at most one block: summed without the stack) and its halves, on values whose
+    sum depends on the order they are added in."""
+    from megatron_orch.balance._kernels.bounds import numpy_sum
+    values = np.random.default_rng(size).lognormal(0, 8, size)
+    assert numpy_sum(values) == values.sum()
+
+
 def _try_action_reference(state, limits, capacity, cap_scale, e, to, partners):
     """The repair's trial exchange in numpy, as it was written before it was compiled: its measure from fancy-indexed
     link rows (numpy sums them in their memory's order), its moves by add_link_bytes one direction at a time."""

@@ -51,6 +51,22 @@ def test_vision_items():
     np.testing.assert_allclose(vision.output_nbytes, 4 * 64 * 2)
 
 
+def test_an_encoder_phases_figures_are_one_value_viewed_for_every_item():
+    """An encoder phase's tokens, cost, memory and bytes are read-only views of one value (no array written per
+    item: ~800k image tiles a step at DP 10240), of the dtypes the phase's arrays have; the backbone's are
+    arrays, but for its output bytes (0)."""
+    items = phase_items(sizes(), TINY.phases())
+    for phase in ("vision", "audio"):
+        it = items[phase]
+        for name, dtype in (("tokens", np.int64), ("cost", np.float64), ("memory", np.float64),
+                            ("nbytes", np.int64), ("output_nbytes", np.int64)):
+            values = getattr(it, name)
+            assert values.dtype == dtype and values.shape == it.example.shape and not values.flags.writeable
+            assert values.strides == (0,) and (values == values[0]).all()
+    assert items["llm"].cost.flags.c_contiguous and items["llm"].cost.flags.writeable
+    assert items["llm"].output_nbytes.strides == (0,) and not items["llm"].output_nbytes.any()
+
+
 def test_audio_windows_run_at_full_length():
     """As the model encodes them: every window is 64 mel frames (the last zero-padded), 32 encoder tokens,
     8 LLM tokens; what moves is the padded window."""

@@ -11,8 +11,8 @@ Ties are always broken by the smaller item id or bin id, so results are determin
 
 Modules: ``longest_first`` (LPT, equal-count LPT), ``differencing`` (Karmarkar-Karp), ``first_fit``
 (first-fit decreasing, its binary search on capacity), ``local_search`` (swap sweeps, refinement),
-``auto`` (every construction refined, the best kept), ``order`` (items by decreasing cost), ``locality``
-(quotas and LPT near home), ``repair`` (the plain plan localised, the locality repair),
+``auto`` (every construction refined, the best kept), ``order`` (items by decreasing cost, bins by increasing
+load), ``locality`` (quotas and LPT near home), ``repair`` (the plain plan localised, the locality repair),
 ``bounds`` (lower bounds, numpy's sums), ``groups`` (many small partitions in one call); ``_heap``
 and ``_segment_tree`` are their shared parts (their numba options and cache stamp: ``balance/_jit.py``).
 Callers use the names re-exported here.
@@ -25,10 +25,10 @@ from megatron_orch.balance._kernels.groups import METHOD_CODES, partition_groups
 from megatron_orch.balance._kernels.local_search import refine, swap_sweeps
 from megatron_orch.balance._kernels.locality import fill_quotas, lpt_near_home
 from megatron_orch.balance._kernels.longest_first import lpt, slot_lpt
-from megatron_orch.balance._kernels.order import decreasing
+from megatron_orch.balance._kernels.order import decreasing, increasing
 from megatron_orch.balance._kernels.repair import (add_link_bytes, bytes_on_node, localize, repair_locality,
                                                    shift_example, try_exchange)
 
 __all__ = ["CONSTRUCTIONS", "METHOD_CODES", "TRIED", "add_link_bytes", "auto", "bs_ffd", "bytes_on_node", "decreasing",
-           "fill_quotas", "kk", "localize", "lpt", "lpt_near_home", "partition_groups", "pigeonhole_bound", "refine",
-           "repair_locality", "shift_example", "slot_lpt", "swap_sweeps", "try_exchange"]
+           "fill_quotas", "increasing", "kk", "localize", "lpt", "lpt_near_home", "partition_groups",
+           "pigeonhole_bound", "refine", "repair_locality", "shift_example", "slot_lpt", "swap_sweeps", "try_exchange"]

@@ -35,7 +35,10 @@ def _block_sum(values, lo, n):
 def numpy_sum(values):
     """``values.sum()`` bit for bit as numpy adds float64: halves (a multiple of 8 on the left) summed
     apart down to blocks of 128, then added up, left + right. Written with a stack: numba's cache
-    cannot hold a function that calls itself."""
+    cannot hold a function that calls itself. At most 128 values are one block, summed without the stack (a
+    step's micro-batches: thousands of partitions of a rank's ~16 examples, each summed twice)."""
+    if values.size <= 128:
+        return _block_sum(values, 0, values.size)
     frame_lo = np.empty(64, dtype=np.int64)
     frame_n = np.empty(64, dtype=np.int64)
     frame_state = np.empty(64, dtype=np.int64)  # 0: left half next, 1: right half next, 2: add them

@@ -7,6 +7,7 @@ from megatron_orch.balance._kernels.auto import CONSTRUCTIONS, auto
 from megatron_orch.balance._kernels.differencing import kk
 from megatron_orch.balance._kernels.first_fit import bs_ffd
 from megatron_orch.balance._kernels.longest_first import lpt
+from megatron_orch.balance._kernels.order import decreasing
 
 
 # ---------------------------------------------------------------------------------------------
@@ -19,12 +20,11 @@ METHOD_CODES = ("auto",) + CONSTRUCTIONS  # the ``method`` argument of partition
 
 @numba.njit(**_JIT)
 def _partition_one(costs, num_bins, method, good_enough_rel, settled_rel, rel_tol, max_rounds, max_sweeps, partners,
-                   cheapest_scan, bins):
-    """partition(costs, num_bins, method=METHOD_CODES[method]) without memory or home, into ``bins``:
-    ``auto`` is :func:`auto` (refined), the others construct only."""
-    n = costs.size
-    order = np.argsort(-costs, kind="mergesort")
-    memory = np.zeros(n)
+                   cheapest_scan, memory, refused, bins):
+    """partition(costs, num_bins, method=METHOD_CODES[method]) without memory (``memory``: zeros, one per item;
+    ``refused``: auto's scratch) or home, into ``bins``: ``auto`` is :func:`auto` (refined), the others construct
+    only."""
+    order = decreasing(costs)
     if method == 1:
         lpt(costs, memory, np.inf, order, num_bins, bins)
     elif method == 2:
@@ -33,23 +33,23 @@ def _partition_one(costs, num_bins, method, good_enough_rel, settled_rel, rel_to
         bs_ffd(costs, memory, np.inf, order, num_bins, np.inf, rel_tol, max_rounds, bins)
     else:
         auto(costs, memory, np.inf, order, num_bins, True, good_enough_rel, settled_rel, rel_tol, max_rounds,
-             max_sweeps, partners, cheapest_scan, bins, np.empty(3, dtype=np.int64))
+             max_sweeps, partners, cheapest_scan, bins, refused)
 
 
 @numba.njit(**_JIT)
-def _one_per_bin(costs, items, num_bins, bin_of_item):
+def _one_per_bin(costs, items, num_bins, order, bin_of_item):
     """A group of at most ``num_bins`` items of positive cost: item t by decreasing cost (ties: smaller id)
     in bin t, what ``auto`` gives it (LPT's assignment, at the bound: its largest item; first-fit at the bound
-    is tried only on more items than bins). Returns whether it applied."""
+    is tried only on more items than bins). ``order``: scratch for the group's items. Returns whether it
+    applied."""
     m = items.size
     if m > num_bins:
         return False
     for k in range(m):
         if not costs[items[k]] > 0.0:
             return False
-    order = items.copy()
-    for u in range(1, m):  # insertion sort by decreasing cost, stable (items come by increasing id)
-        item = order[u]
+    for u in range(m):  # insertion sort by decreasing cost, stable (items come by increasing id)
+        item = items[u]
         v = u
         while v > 0 and costs[order[v - 1]] < costs[item]:
             order[v] = order[v - 1]
@@ -77,15 +77,22 @@ def partition_groups(costs, group, num_groups, num_bins, method, good_enough_rel
     for i in range(group.size):
         members[fill[group[i]]] = i
         fill[group[i]] += 1
+    largest = 0
+    for g in range(num_groups):
+        largest = max(largest, start[g + 1] - start[g])
+    # a group's costs, bins, order and zero memory in scratch of the largest group's size, allocated once
+    local, bins, memory = np.empty(largest), np.empty(largest, dtype=np.int64), np.zeros(largest)
+    order = np.empty(largest, dtype=np.int64)
+    refused = np.empty(len(CONSTRUCTIONS), dtype=np.int64)
     for g in range(num_groups):
         items = members[start[g]:start[g + 1]]
-        if method == 0 and _one_per_bin(costs, items, num_bins, bin_of_item):
+        if method == 0 and _one_per_bin(costs, items, num_bins, order, bin_of_item):
             continue
-        local = np.empty(items.size)
-        for k in range(items.size):
+        m = items.size
+        for k in range(m):
             local[k] = costs[items[k]]
-        bins = np.zeros(items.size, dtype=np.int64)
-        _partition_one(local, num_bins, method, good_enough_rel, settled_rel, rel_tol, max_rounds, max_sweeps,
-                       partners, cheapest_scan, bins)
-        for k in range(items.size):
+        bins[:m] = 0
+        _partition_one(local[:m], num_bins, method, good_enough_rel, settled_rel, rel_tol, max_rounds, max_sweeps,
+                       partners, cheapest_scan, memory[:m], refused, bins[:m])
+        for k in range(m):
             bin_of_item[items[k]] = bins[k]

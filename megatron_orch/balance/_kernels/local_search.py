@@ -3,6 +3,7 @@ import numba
 import numpy as np
 
 from megatron_orch.balance._jit import _INLINE, _JIT
+from megatron_orch.balance._kernels.order import increasing
 
 
 _PAIR_ITEMS = 32  # two-for-two swaps are tried between bins of at most this many items (496 pairs each)
@@ -362,20 +363,20 @@ def _partners(load, rank, top, node_size, partners, out):
 
 
 @numba.njit(**_INLINE)
-def _exchange(items, lo, hi, out_item, in_item, rank_in_order):
-    """``out_item`` leaves the bin of ``items[lo:hi]`` (listed by decreasing ``rank_in_order``: increasing cost,
-    ties by decreasing id) and ``in_item`` takes its place in that order."""
-    t = lo
-    while items[t] != out_item:
-        t += 1
-    for u in range(t, hi - 1):
-        items[u] = items[u + 1]
-    t = hi - 1
-    key = rank_in_order[in_item]
-    while t > lo and rank_in_order[items[t - 1]] < key:
-        items[t] = items[t - 1]
-        t -= 1
-    items[t] = in_item
+def _exchange(items, rank_at, lo, hi, t, in_item, in_rank):
+    """The item at ``items[t]`` leaves the bin of ``items[lo:hi]`` (listed by decreasing rank in ``order``, kept
+    beside them in ``rank_at``: increasing cost, ties by decreasing id) and ``in_item`` (of rank ``in_rank``)
+    takes its place in that order: the items between its place and ``t`` move one step towards ``t`` (a swap's
+    two items are near in cost: a few steps)."""
+    if in_rank > rank_at[t]:  # it comes earlier in the list
+        while t > lo and rank_at[t - 1] < in_rank:
+            items[t], rank_at[t] = items[t - 1], rank_at[t - 1]
+            t -= 1
+    else:
+        while t < hi - 1 and rank_at[t + 1] > in_rank:
+            items[t], rank_at[t] = items[t + 1], rank_at[t + 1]
+            t += 1
+    items[t], rank_at[t] = in_item, in_rank
 
 
 @numba.njit(**_JIT)
@@ -398,7 +399,7 @@ def swap_sweeps(costs, order, num_bins, bin_of_item, stop_at, max_sweeps, group_
     load = np.zeros(num_bins)
     start = np.zeros(num_bins + 1, dtype=np.int64)
     items = np.empty(n, dtype=np.int64)  # bin by bin, each bin's items by increasing cost (ties: decreasing id)
-    rank_in_order = np.empty(n, dtype=np.int64)
+    rank_at = np.empty(n, dtype=np.int64)  # beside each listed item, its rank in order
     for i in range(n):
         start[bin_of_item[i] + 1] += 1
     fill = np.empty(num_bins, dtype=np.int64)
@@ -407,9 +408,8 @@ def swap_sweeps(costs, order, num_bins, bin_of_item, stop_at, max_sweeps, group_
         fill[b] = start[b]
     for k in range(n - 1, -1, -1):
         i = order[k]
-        rank_in_order[i] = k
         b = bin_of_item[i]
-        items[fill[b]] = i
+        items[fill[b]], rank_at[fill[b]] = i, k
         fill[b] += 1
     grouped = np.empty(num_bins, dtype=np.int64)  # group by group, each group's bins by increasing load
     num_groups = (num_bins + group_size - 1) // group_size
@@ -420,7 +420,7 @@ def swap_sweeps(costs, order, num_bins, bin_of_item, stop_at, max_sweeps, group_
             load[bin_of_item[i]] += costs[i]
         if load.max() <= stop_at:
             break
-        rank = np.argsort(load, kind="mergesort")  # increasing load, ties by bin id
+        rank = increasing(load)  # increasing load, ties by bin id
         group_fill = np.arange(num_groups) * group_size
         for b in rank:
             g = b // group_size
@@ -436,7 +436,7 @@ def swap_sweeps(costs, order, num_bins, bin_of_item, stop_at, max_sweeps, group_
                     break
                 gap = load[heavy] - load[light]
                 half = 0.5 * gap
-                best, out_item, in_item = half, -1, -1  # |d - half| < half <=> 0 < d < gap
+                best, out_at, in_at = half, -1, -1  # |d - half| < half <=> 0 < d < gap
                 u = start[light]  # first item of the light bin costing >= the target (targets rise)
                 for t in range(start[heavy], start[heavy + 1]):
                     a = items[t]
@@ -446,11 +446,13 @@ def swap_sweeps(costs, order, num_bins, bin_of_item, stop_at, max_sweeps, group_
                     for v in range(max(u - 1, start[light]), min(u + 1, start[light + 1])):
                         miss = abs(costs[a] - costs[items[v]] - half)
                         if miss < best:
-                            best, out_item, in_item = miss, a, items[v]
-                if out_item >= 0:
+                            best, out_at, in_at = miss, t, v
+                if out_at >= 0:
+                    out_item, in_item = items[out_at], items[in_at]
                     bin_of_item[out_item], bin_of_item[in_item] = light, heavy
-                    _exchange(items, start[heavy], start[heavy + 1], out_item, in_item, rank_in_order)
-                    _exchange(items, start[light], start[light + 1], in_item, out_item, rank_in_order)
+                    out_rank, in_rank = rank_at[out_at], rank_at[in_at]
+                    _exchange(items, rank_at, start[heavy], start[heavy + 1], out_at, in_item, in_rank)
+                    _exchange(items, rank_at, start[light], start[light + 1], in_at, out_item, out_rank)
                     swapped += 1
         sweeps += 1
         if swapped == 0:
@@ -509,7 +511,7 @@ def refine(costs, memory, memory_cap, num_bins, bin_of_item, allow_moves, stop_a
             prv[head[b]] = i
         nxt[i] = head[b]
         head[b] = i
-    rank = np.argsort(load, kind="mergesort")  # bins by increasing load, ties by id
+    rank = increasing(load)  # bins by increasing load, ties by id
     cache_width = 2 * (n // num_bins + 1)  # each bin's items by cost, while it holds at most this many
     cache = np.empty(num_bins * cache_width, dtype=np.int64)
     cached = np.full(num_bins, -1, dtype=np.int64)
