@@ -1,11 +1,13 @@
 """The refinement's shortcuts (``_kernels.local_search``) against plain Python: the per-bin cache of items by
-cost is what a fresh sort gives after any exchange, and the partner bound never skips an exchange that would beat
-the best found. Both keep ``refine``'s plans as they were; the plans' own tests judge their quality."""
+cost is what a fresh sort gives after any exchange, the partner bound never skips an exchange that would beat
+the best found, and the trade with the batch's cheapest items skips only items that cannot beat it (the reference
+tries each). They keep ``refine``'s plans as they were; the plans' own tests judge their quality."""
 import math
 
 import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from cheapest_swap_reference import cheapest_swap_reference
 
 from megatron_orch.balance._kernels import local_search
 
@@ -91,3 +93,86 @@ def test_cached_pair_sums_are_a_fresh_sort_after_every_move(items, moves):
                 assert list(zip(sums[:m].tolist(), first[:m].tolist(), second[:m].tolist())) == \
                     _fresh_pairs(costs, members.tolist())
                 assert pair_cached[b] == m
+
+
+@settings(max_examples=400, deadline=None)
+@given(st.data(), st.integers(2, 12), st.sampled_from([5, 12, 40, 200]), st.sampled_from([1.0, 1e15]),
+       st.sampled_from([math.inf, 1.0, 3.0]))
+def test_cheapest_swap_is_trying_every_cheapest_item_in_turn(data, num_bins, largest, scale, memory_room):
+    """Costs with ties (the scan order and the choices among equal values matter) or fewer ties, at a step
+    backbone's scale (1e15) or a small one (the skips' margins hold), any bin the most loaded, ``best`` at or below
+    its load, a floor anywhere between the mean and the top (or none), memory that binds or not, the tree built from
+    any position at or before the scan's start: the same swap as the reference's item-by-item scan."""
+    items = data.draw(st.lists(st.tuples(st.integers(1, largest), st.integers(0, num_bins - 1), st.integers(0, 3)),
+                               min_size=2, max_size=100))
+    costs = np.array([float(c) for c, _, _ in items]) * scale
+    bins = np.array([b for _, b, _ in items], dtype=np.int64)
+    memory = np.array([float(m) for _, _, m in items])
+    memory_cap = memory_room * costs.size / num_bins + 2.0
+    load = np.bincount(bins, weights=costs, minlength=num_bins)
+    bin_mem = np.bincount(bins, weights=memory, minlength=num_bins)
+    top = int(np.argmax(load))
+    top_items = np.array(_by_cost(costs, bins.tolist(), top), dtype=np.int64)
+    order = np.argsort(-costs, kind="stable")
+    best = load[top] - data.draw(st.sampled_from([0.0, 0.0, 0.1, 0.3])) * (load[top] - load.min())
+    floor_at = data.draw(st.sampled_from([None, 0.0, 0.5, 1.0]))
+    floor = -math.inf if floor_at is None else floor_at * load[top] + (1.0 - floor_at) * load.mean()
+    scan = data.draw(st.integers(1, costs.size + 2))
+    expected = cheapest_swap_reference(costs, memory, memory_cap, load, bin_mem, bins, top, top_items.tolist(),
+                                       order.tolist(), scan, best, floor)
+    start = local_search._scan_start(costs, order, top_items, top_items.size, scan)
+    slack_lo = max(0, start - data.draw(st.integers(0, 4)))
+    slack, width, leaf = local_search._slack_tree(costs, load, bins, order, slack_lo)
+    out, into = np.full(1, -1, dtype=np.int64), np.full(1, -1, dtype=np.int64)
+    value, found = local_search._cheapest_swap(costs, memory, memory_cap, load, bin_mem, bins, top, top_items,
+                                               top_items.size, order, start, slack, width, slack_lo, best, out, into,
+                                               floor)
+    assert (value, found) == expected[:2]
+    if found >= 0:
+        assert (out[0], into[0]) == expected[2:]
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.integers(-5, 5), min_size=1, max_size=40), st.data())
+def test_tree_last_above_is_the_last_leaf_above_the_threshold(values, data):
+    lo = data.draw(st.integers(0, len(values) - 1))
+    hi = data.draw(st.integers(lo - 1, len(values) - 1))
+    threshold = data.draw(st.integers(-6, 5)) + 0.5
+    keys = np.array(values, dtype=np.float64)
+    order = np.arange(keys.size)
+    slack, width, leaf = local_search._slack_tree(keys, np.zeros(1), np.zeros(keys.size, dtype=np.int64), order, 0)
+    assert leaf.tolist() == list(range(keys.size))
+    expected = max((u for u in range(lo, hi + 1) if values[u] > threshold), default=-1)
+    assert local_search._tree_last_above(slack, width, lo, hi, threshold) == expected
+    changed = data.draw(st.integers(0, keys.size - 1))  # a leaf set again: the path above it follows
+    values[changed] = data.draw(st.integers(-5, 5))
+    local_search._tree_set_max(slack, width, changed, float(values[changed]))
+    expected = max((u for u in range(lo, hi + 1) if values[u] > threshold), default=-1)
+    assert local_search._tree_last_above(slack, width, lo, hi, threshold) == expected
+
+
+@settings(max_examples=150, deadline=None)
+@given(st.data(), st.sampled_from([12, 16]), st.sampled_from([2, 4]), st.sampled_from([9, 40, 200]),
+       st.integers(1, 60), st.booleans(), st.booleans())
+def test_refine_keeps_its_trees_as_a_fresh_start_builds_them(data, num_bins, node_size, largest, scan, settle,
+                                                             allow_moves):
+    """Integer costs (every sum exact, so loads kept up to date equal loads summed afresh): refine run to its end
+    makes the exchanges of refine restarted after every step, which builds its sorted bins and its tree of the
+    cheapest items' slack anew each time. Swaps across nodes only with the cheapest items (``cross_swap_cap`` 0, as
+    the locality refinement starts) and one partner, down to the mean: the trades with the cheapest items do much
+    of the work."""
+    items = data.draw(st.lists(st.tuples(st.integers(1, largest), st.integers(0, num_bins - 1)), min_size=20,
+                               max_size=200))
+    costs = np.array([float(c) for c, _ in items])
+    bins = np.array([b for _, b in items], dtype=np.int64)
+    stop_at = float(np.floor(costs.sum() / num_bins))
+    order = np.argsort(-costs, kind="stable")
+    memory = np.zeros(costs.size)
+    args = (allow_moves, stop_at, 1, node_size)
+    once = bins.copy()
+    steps = local_search.refine(costs, memory, np.inf, num_bins, once, *args, 10 * costs.size, order, scan, 0.0,
+                                settle)
+    stepwise, restarted = bins.copy(), 0
+    while local_search.refine(costs, memory, np.inf, num_bins, stepwise, *args, 1, order, scan, 0.0, settle):
+        restarted += 1
+    assert (steps, once.tolist()) == (restarted, stepwise.tolist())

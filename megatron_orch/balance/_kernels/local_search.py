@@ -212,26 +212,133 @@ def _cannot_beat(top_load, partner_load, best):
 
 
 @numba.njit(**_INLINE)
-def _cheapest_swap(costs, memory, memory_cap, load, bin_mem, bin_of_item, top, top_items, num_top, order, scan,
-                   best, best_out, best_in, floor):
+def _scan_start(costs, order, top_items, num_top, scan):
+    """Position in ``order`` (decreasing cost, ties by id) of the ``scan``-th item from its end outside the top bin
+    (``top_items[:num_top]``, by increasing cost); 0 if there are fewer."""
+    n = order.size
+    low = n - scan
+    while low > 0:  # the largest low with scan items outside the top bin at low or after: from above, a fixpoint
+        ref = order[low]
+        inside = 0  # the top bin's items at low or after (those cheaper than ref, or as costly and of larger id)
+        for t in range(num_top):
+            i = top_items[t]
+            if costs[i] > costs[ref]:
+                break
+            if costs[i] < costs[ref] or i >= ref:
+                inside += 1
+        if n - scan - inside == low:
+            break
+        low = n - scan - inside
+    return max(low, 0)
+
+
+@numba.njit(**_INLINE)
+def _sheds(top_load, c_top, c, best):
+    """An item of cost ``c`` traded for the top bin's item costing ``c_top`` takes the top bin below ``best``, as
+    :func:`_cheapest_swap` computes it (then so does every cheaper item, and for it every costlier item of the
+    top bin: the rounding of ``-`` keeps the order)."""
+    d = c_top - c
+    return 0.0 < d and top_load - d < best
+
+
+@numba.njit(**_INLINE)
+def _first_shedding(costs, order, lo, hi, top_load, c_top, best):
+    """First position in ``order[lo:hi]`` (decreasing cost) from which on every item :func:`_sheds` for ``c_top``;
+    ``hi`` if none."""
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if _sheds(top_load, c_top, costs[order[mid]], best):
+            hi = mid
+        else:
+            lo = mid + 1
+    return lo
+
+
+@numba.njit(**_JIT)
+def _slack_tree(costs, load, bin_of_item, order, lo):
+    """:func:`_cheapest_swap`'s max tree over positions ``lo..`` of ``order``: leaf u - lo holds the item's cost
+    less its bin's load. Returns (tree, width, every item's leaf or -1)."""
+    n = order.size
+    width = 1
+    while width < n - lo:
+        width *= 2
+    tree = np.full(2 * width, -np.inf)
+    leaf = np.full(n, -1, dtype=np.int64)
+    for u in range(lo, n):
+        j = order[u]
+        leaf[j] = u - lo
+        tree[width + u - lo] = costs[j] - load[bin_of_item[j]]
+    for v in range(width - 1, 0, -1):
+        tree[v] = max(tree[2 * v], tree[2 * v + 1])
+    return tree, width, leaf
+
+
+@numba.njit(**_INLINE)
+def _tree_set_max(tree, width, leaf, value):
+    v = width + leaf
+    tree[v] = value
+    v //= 2
+    while v >= 1:
+        tree[v] = max(tree[2 * v], tree[2 * v + 1])
+        v //= 2
+
+
+@numba.njit(**_INLINE)
+def _tree_last_above(tree, width, lo, hi, threshold):
+    """Last leaf in [lo, hi] of a max tree whose value exceeds ``threshold``, or -1: the subtrees left of leaf hi,
+    nearest first (a node's range is examined once its value is known not to exceed)."""
+    if lo > hi:
+        return -1
+    v = width + hi
+    while tree[v] <= threshold:
+        while v % 2 == 0:  # a left child: what lies left of it lies left of its parent
+            v //= 2
+        if v == 1:
+            return -1
+        v -= 1
+    while v < width:
+        v = 2 * v + 1 if tree[2 * v + 1] > threshold else 2 * v
+    return v - width if v - width >= lo else -1
+
+
+@numba.njit(**_INLINE)
+def _cheapest_swap(costs, memory, memory_cap, load, bin_mem, bin_of_item, top, top_items, num_top, order, start,
+                   slack, width, slack_lo, best, best_out, best_in, floor):
     """Best swap of one item of the top bin for one of the batch's cheapest items that beats ``best``.
 
-    The last items of ``order`` (decreasing cost) outside the top bin, up to ``scan`` of them, each
+    The items of ``order`` (decreasing cost) from ``start`` on outside the top bin (:func:`_scan_start`), each
     against the top bin's item whose cost is nearest its own plus half the gap between their bins
-    (``top_items``: by increasing cost). Returns (value, partner bin) with the swap in
+    (``top_items``: by increasing cost), cheapest first. Returns (value, partner bin) with the swap in
     ``best_out[0]`` / ``best_in[0]``, or (best, -1) if none beats it.
+
+    Only an item j that some top item i takes below ``best`` is tried: i must shed (:func:`_sheds`: d = c_i - c_j >
+    L - best, L the top bin's load), and j's bin b must stay below it (L_b + d < best); the cheapest i that sheds
+    gives the smallest d, so j qualifies iff c_j - L_b > c_i - best for that i. ``slack`` (a max tree over
+    positions ``slack_lo..`` of c_j - L_b, :func:`_slack_tree`) finds the next such j, costlier items next, in
+    log time; the margin of 1e-9 of the costs lets through every j the float sums would take. An item skipped
+    cannot beat ``best`` as it then stood, so the result is that of trying every item in turn.
     """
     top_load = load[top]
     found = -1
-    seen = 0
-    for u in range(order.size - 1, -1, -1):
+    u = order.size - 1  # positions above u are done
+    p = 0  # the cheapest item of the top bin that may shed for the item at u (as best falls, and costs rise)
+    while u >= start and p < num_top and best > floor:
+        c_p = costs[top_items[p]]
+        if not _sheds(top_load, c_p, costs[order[u]], best):
+            p += 1
+            continue
+        lo = _first_shedding(costs, order, start, u + 1, top_load, c_p, best)
+        v = _tree_last_above(slack, width, lo - slack_lo, u - slack_lo, c_p - best - 1e-9 * (c_p + top_load))
+        if v < 0:
+            u = lo - 1
+            p += 1
+            continue
+        u = v + slack_lo
         j = order[u]
-        if seen == scan or costs[j] >= costs[top_items[num_top - 1]]:
-            break  # enough tried, or no item of the top bin costs more
+        u -= 1
         b = bin_of_item[j]
         if b == top:
             continue
-        seen += 1
         gap = top_load - load[b]
         if gap <= 0.0 or _cannot_beat(top_load, load[b], best):
             continue
@@ -528,6 +635,8 @@ def refine(costs, memory, memory_cap, num_bins, bin_of_item, allow_moves, stop_a
     pair_cached = np.full(cached_rows, -1, dtype=np.int64)
 
     floor = stop_at if settle_at_stop else -np.inf
+    slack_lo = n + 1  # the cheapest items' tree, built when first needed (then kept up to date)
+    slack, slack_width, leaf = np.empty(0), 0, np.empty(0, dtype=np.int64)
     steps = 0
     width = partners  # partners anywhere: widened when they give nothing, up to every bin with node_size (the
     # locality refinements, which start far from balance), else _WIDEN times (a plain plan stuck within its
@@ -557,8 +666,13 @@ def refine(costs, memory, memory_cap, num_bins, bin_of_item, allow_moves, stop_a
                         or (kind in (1, 2) and scope == 1 and cross_swap_cap < np.inf)):
                     continue
                 if kind == 3:
+                    start = _scan_start(costs, order, top_items, num_top, cheapest_scan)
+                    if start < slack_lo:  # (first use, or a top bin holding many of the cheapest items)
+                        slack_lo = max(0, start - cheapest_scan)
+                        slack, slack_width, leaf = _slack_tree(costs, load, bin_of_item, order, slack_lo)
                     best, b = _cheapest_swap(costs, memory, memory_cap, load, bin_mem, bin_of_item, top, top_items,
-                                             num_top, order, cheapest_scan, best, best_out, best_in, floor)
+                                             num_top, order, start, slack, slack_width, slack_lo, best, best_out,
+                                             best_in, floor)
                     if b >= 0:
                         best_b, num_out, num_in = b, 1, 1
                     continue
@@ -617,6 +731,13 @@ def refine(costs, memory, memory_cap, num_bins, bin_of_item, allow_moves, stop_a
             bin_mem[src] -= memory[item]
             bin_mem[dst] += memory[item]
         cached[top] = cached[best_b] = -1
+        if slack_lo <= n:
+            for b in (top, best_b):
+                i = head[b]
+                while i != -1:
+                    if leaf[i] >= 0:
+                        _tree_set_max(slack, slack_width, leaf[i], costs[i] - load[b])
+                    i = nxt[i]
         if node_size > 0:
             pair_cached[top] = pair_cached[best_b] = -1
         new_partner_load = load[best_b]  # reposition one bin at a time, the other still in place
