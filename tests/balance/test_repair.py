@@ -78,6 +78,13 @@ def test_localize_makes_the_python_reference_plans_on_sweep_batches(monkeypatch,
     assert np.array_equal(out, expected) and brought == expected_brought > 0
 
 
+def test_localize_refuses_negative_bytes():
+    """(Its scan leaves out partners that cannot bring more bytes home than the best so far: bytes are >= 0.)"""
+    with pytest.raises(ValueError, match="item_bytes of example 1"):
+        localize(np.array([0, 1]), np.ones(2), np.array([1, 0]), np.array([0, 1]), swaps_only=True,
+                 item_bytes=np.array([1.0, -1.0]))
+
+
 def test_localize_refuses_a_node_it_does_not_have():
     with pytest.raises(ValueError, match="want_node of example 1 is 2, not a node of node_of_rank"):
         localize(np.array([0, 1]), np.ones(2), np.array([0, 2]), np.array([0, 1]), swaps_only=True)

@@ -4,7 +4,7 @@ numpy code made them."""
 import numba
 import numpy as np
 
-from megatron_orch.balance._jit import _JIT
+from megatron_orch.balance._jit import _INLINE, _JIT
 from megatron_orch.balance._kernels.bounds import numpy_sum
 from megatron_orch.balance._kernels.local_search import _rank_index
 from megatron_orch.balance._plan_kernels import _rank_starts
@@ -14,7 +14,7 @@ from megatron_orch.balance._plan_kernels import _rank_starts
 # Ranks' examples in the order they arrived (a linked list per rank: O(1) removal and append).
 # ---------------------------------------------------------------------------------------------
 
-@numba.njit(**_JIT)
+@numba.njit(**_INLINE)
 def _unlink(head, tail, nxt, prv, r, e):
     if prv[e] >= 0:
         nxt[prv[e]] = nxt[e]
@@ -28,7 +28,7 @@ def _unlink(head, tail, nxt, prv, r, e):
     prv[e] = -1
 
 
-@numba.njit(**_JIT)
+@numba.njit(**_INLINE)
 def _append(head, tail, nxt, prv, r, e):
     prv[e] = tail[r]
     nxt[e] = -1
@@ -53,38 +53,44 @@ def _lists_by_rank(rank, num_ranks):
 
 
 # ---------------------------------------------------------------------------------------------
-# A node's examples by increasing (cost, id): a sorted row of a (nodes, width) table.
+# A node's examples by increasing (cost, id): a sorted row of a (nodes, width) table, beside it the node each wants.
 # ---------------------------------------------------------------------------------------------
 
-@numba.njit(**_JIT)
-def _pool_remove(pools, sizes, x, costs, e):
+@numba.njit(**_INLINE)
+def _pool_remove(pools, pool_want, sizes, x, costs, e):
     at = _rank_index(costs, pools[x], 0, sizes[x], costs[e], e)
     if at < sizes[x] and pools[x, at] == e:
         for k in range(at, sizes[x] - 1):
             pools[x, k] = pools[x, k + 1]
+            pool_want[x, k] = pool_want[x, k + 1]
         sizes[x] -= 1
 
 
-@numba.njit(**_JIT)
-def _pool_insert(pools, sizes, x, costs, e):
-    """``pools`` with e inserted in row x (the table twice as wide when the row is full)."""
+@numba.njit(**_INLINE)
+def _pool_insert(pools, pool_want, sizes, x, costs, want, e):
+    """(``pools``, ``pool_want``) with e inserted in row x (the tables twice as wide when the row is full)."""
     if sizes[x] == pools.shape[1]:
         wider = np.empty((pools.shape[0], 2 * pools.shape[1]), dtype=np.int64)
         wider[:, :pools.shape[1]] = pools
         pools = wider
+        wider = np.empty(pools.shape, dtype=np.int64)
+        wider[:, :pool_want.shape[1]] = pool_want
+        pool_want = wider
     at = _rank_index(costs, pools[x], 0, sizes[x], costs[e], e)
     for k in range(sizes[x], at, -1):
         pools[x, k] = pools[x, k - 1]
+        pool_want[x, k] = pool_want[x, k - 1]
     pools[x, at] = e
+    pool_want[x, at] = want[e]
     sizes[x] += 1
-    return pools
+    return pools, pool_want
 
 
 # ---------------------------------------------------------------------------------------------
 # localize
 # ---------------------------------------------------------------------------------------------
 
-@numba.njit(**_JIT)
+@numba.njit(**_INLINE)
 def _exchange(rank, load, costs, head, tail, nxt, prv, e, f):
     """e and f (on different ranks) trade ranks."""
     a, b = rank[e], rank[f]
@@ -97,7 +103,7 @@ def _exchange(rank, load, costs, head, tail, nxt, prv, e, f):
     load[b] += costs[e] - costs[f]
 
 
-@numba.njit(**_JIT)
+@numba.njit(**_INLINE)
 def _relocate(rank, load, costs, head, tail, nxt, prv, e, to):
     a = rank[e]
     rank[e] = to
@@ -107,7 +113,7 @@ def _relocate(rank, load, costs, head, tail, nxt, prv, e, to):
     load[to] += costs[e]
 
 
-@numba.njit(**_JIT)
+@numba.njit(**_INLINE)
 def _max_room(load, capacity, node_ranks, node_start, x):
     least = np.inf
     for t in range(node_start[x], node_start[x + 1]):
@@ -115,13 +121,31 @@ def _max_room(load, capacity, node_ranks, node_start, x):
     return capacity - least
 
 
-@numba.njit(**_JIT)
+@numba.njit(**_INLINE)
+def _list_position(head, nxt, q, f):
+    """Place of example f in rank q's list (the order its examples arrived in)."""
+    k = 0
+    g = head[q]
+    while g != f:
+        g = nxt[g]
+        k += 1
+    return k
+
+
+@numba.njit(**_INLINE)
 def _settle(rank, load, costs, head, tail, nxt, prv, node_of_rank, node_ranks, node_start, capacity, swaps_only, r,
-            over):
+            over, pool, size):
     """One exchange between rank r and another rank q of its node that takes between ``over`` and q's room off
     r, the least such (keeping the most room), the first found when rank r's examples (in order) meet the
     node's other ranks' examples (rank by rank, each in order) and then (``swaps_only`` False) the ranks
-    themselves (a move): applied, True; else False."""
+    themselves (a move): applied, True; else False.
+
+    ``pool[:size]``: the node's examples by (cost, id), from before the trial swap that overfilled r (the one it
+    sent off the node is skipped; the one it brought is on r). For each example i of r, its swaps from the least
+    difference up: from the costliest example f with c_i - c_f >= ``over`` down, while the difference stays below
+    the best found and the node's most room (it only grows, the rounding of ``-`` keeps the order); the first that
+    fits its rank's room is i's best, ties (an equal difference) to the first rank of the node, then the first
+    example in that rank's order."""
     x = node_of_rank[r]
     most = -np.inf  # the most room of another rank of the node: none with less than ``over`` can take the excess
     for t in range(node_start[x], node_start[x + 1]):
@@ -133,17 +157,27 @@ def _settle(rank, load, costs, head, tail, nxt, prv, node_of_rank, node_ranks, n
     i = head[r]
     while i >= 0:
         ci = costs[i]
-        for t in range(node_start[x], node_start[x + 1]):
-            q = node_ranks[t]
-            room = capacity - load[q]
-            if q == r or room < over:
+        lo, hi = 0, size  # the first example of the pool whose difference to i is below over
+        while lo < hi:
+            mid = (lo + hi) // 2
+            if ci - costs[pool[mid]] >= over:
+                lo = mid + 1
+            else:
+                hi = mid
+        least, least_q, least_f = np.inf, -1, -1
+        for k in range(lo - 1, -1, -1):
+            f = pool[k]
+            d = ci - costs[f]
+            if d >= best or d > most or (least_f >= 0 and d != least):
+                break
+            q = rank[f]
+            if q == r or node_of_rank[q] != x or d > capacity - load[q]:
                 continue
-            f = head[q]
-            while f >= 0:
-                d = ci - costs[f]
-                if over <= d <= room and d < best:
-                    best, g, h = d, i, f
-                f = nxt[f]
+            if least_f < 0 or q < least_q or (q == least_q and _list_position(head, nxt, q, f)
+                                               < _list_position(head, nxt, q, least_f)):
+                least, least_q, least_f = d, q, f
+        if least_f >= 0:
+            best, g, h = least, i, least_f
         if not swaps_only:
             for t in range(node_start[x], node_start[x + 1]):
                 q = node_ranks[t]
@@ -167,7 +201,7 @@ def _settle(rank, load, costs, head, tail, nxt, prv, node_of_rank, node_ranks, n
 def localize(rank, costs, want, node_of_rank, capacity, swaps_only, weight, scan, passes, settle_tries):
     """balance/repair.py's ``localize`` on ``rank`` (in place); returns the examples brought home.
 
-    ``weight``: the bytes an example pulls; ``scan``: swap partners looked at on either side of an
+    ``weight``: the bytes an example pulls (>= 0); ``scan``: swap partners looked at on either side of an
     example's cost; ``passes``: passes over the examples away from their node; ``settle_tries``: swaps
     that overfill a rank tried per example, the best first. Every choice and tie is the reference's
     (tests/balance/localize_reference.py): its lists become linked lists and sorted rows, in the same
@@ -192,10 +226,12 @@ def localize(rank, costs, want, node_of_rank, capacity, swaps_only, weight, scan
     for e in range(n):
         sizes[node_of_rank[rank[e]]] += 1
     pools = np.empty((num_nodes, 2 * max(sizes.max() if num_nodes else 0, 1)), dtype=np.int64)
+    pool_want = np.empty(pools.shape, dtype=np.int64)
     sizes[:] = 0
     for e in np.argsort(costs, kind="mergesort"):  # by (cost, id): every row sorted
         x = node_of_rank[rank[e]]
         pools[x, sizes[x]] = e
+        pool_want[x, sizes[x]] = want[e]
         sizes[x] += 1
     start = 0
     for e in range(n):
@@ -238,6 +274,10 @@ def localize(rank, costs, want, node_of_rank, capacity, swaps_only, weight, scan
                         k, lo = lo, lo - 1
                     else:
                         break
+                    # partners come nearest first: one further on beats the pick only by bringing more bytes home,
+                    # which (bytes >= 0) only one wanting x can; pool_want says which, without reading the others
+                    if pick >= 0 and pool_want[y, k] != x and weight[e] + 0.0 <= pick_gain:
+                        continue
                     f = pools[y, k]
                     cf = costs[f]
                     gap = abs(cf - c)
@@ -262,6 +302,7 @@ def localize(rank, costs, want, node_of_rank, capacity, swaps_only, weight, scan
                 partner = pools[y, pick]
                 for t in range(pick, size - 1):
                     pools[y, t] = pools[y, t + 1]
+                    pool_want[y, t] = pool_want[y, t + 1]
                 sizes[y] -= 1
                 _exchange(rank, load, costs, head, tail, nxt, prv, e, partner)
             else:  # the best swaps that overfill one rank, if its node can take the excess
@@ -279,15 +320,16 @@ def localize(rank, costs, want, node_of_rank, capacity, swaps_only, weight, scan
                     _exchange(rank, load, costs, head, tail, nxt, prv, e, f)
                     heavy = a if load[a] > capacity else b
                     if _settle(rank, load, costs, head, tail, nxt, prv, node_of_rank, node_ranks, node_start,
-                               capacity, swaps_only, heavy, load[heavy] - capacity):
-                        _pool_remove(pools, sizes, y, costs, f)
+                               capacity, swaps_only, heavy, load[heavy] - capacity,
+                               pools[node_of_rank[heavy]], sizes[node_of_rank[heavy]]):
+                        _pool_remove(pools, pool_want, sizes, y, costs, f)
                         partner = f
                         break
                     _exchange(rank, load, costs, head, tail, nxt, prv, e, f)
             if partner >= 0:
-                _pool_remove(pools, sizes, x, costs, e)
-                pools = _pool_insert(pools, sizes, y, costs, e)
-                pools = _pool_insert(pools, sizes, x, costs, partner)
+                _pool_remove(pools, pool_want, sizes, x, costs, e)
+                pools, pool_want = _pool_insert(pools, pool_want, sizes, y, costs, want, e)
+                pools, pool_want = _pool_insert(pools, pool_want, sizes, x, costs, want, partner)
                 moved += 1
                 continue
             if not swaps_only:
@@ -298,8 +340,8 @@ def localize(rank, costs, want, node_of_rank, capacity, swaps_only, weight, scan
                         b = q
                 if b >= 0 and load[b] + c <= capacity:
                     _relocate(rank, load, costs, head, tail, nxt, prv, e, b)
-                    _pool_remove(pools, sizes, x, costs, e)
-                    pools = _pool_insert(pools, sizes, y, costs, e)
+                    _pool_remove(pools, pool_want, sizes, x, costs, e)
+                    pools, pool_want = _pool_insert(pools, pool_want, sizes, y, costs, want, e)
                     moved += 1
         if moved == 0:
             break
