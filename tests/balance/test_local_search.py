@@ -133,6 +133,47 @@ def test_cheapest_swap_is_trying_every_cheapest_item_in_turn(data, num_bins, lar
 
 
 @settings(max_examples=300, deadline=None)
+@given(st.data(), st.integers(2, 10), st.sampled_from([5, 40, 200]), st.sampled_from([1.0, 1e15]),
+       st.sampled_from([math.inf, 1.0, 3.0]))
+def test_marked_bins_hold_every_swap_and_move_that_beats_the_best(data, num_bins, largest, scale, memory_room):
+    """The widest searches try only the bins ``_mark_takers`` marks (for swaps) and those ``_first_shed`` leaves room
+    for (moves): every bin where the one-for-one exchanges (``_exchange_with``, kind 0) beat ``best`` is among them,
+    whatever the cap on the swapped items' cost, the memory, the floor."""
+    items = data.draw(st.lists(st.tuples(st.integers(1, largest), st.integers(0, num_bins - 1), st.integers(0, 3)),
+                               min_size=2, max_size=80))
+    costs = np.array([float(c) for c, _, _ in items]) * scale
+    bins = np.array([b for _, b, _ in items], dtype=np.int64)
+    memory = np.array([float(m) for _, _, m in items])
+    memory_cap = memory_room * costs.size / num_bins + 2.0
+    load = np.bincount(bins, weights=costs, minlength=num_bins)
+    bin_mem = np.bincount(bins, weights=memory, minlength=num_bins)
+    top = int(np.argmax(load))
+    top_items = np.array(_by_cost(costs, bins.tolist(), top), dtype=np.int64)
+    order = np.argsort(-costs, kind="stable")
+    best = load[top] - data.draw(st.sampled_from([0.0, 0.0, 0.1, 0.3])) * (load[top] - load.min())
+    floor_at = data.draw(st.sampled_from([None, 0.5, 1.0]))
+    floor = -math.inf if floor_at is None else floor_at * load[top] + (1.0 - floor_at) * load.mean()
+    cap = data.draw(st.sampled_from([math.inf, 0.0, 3.0, 10.0])) * scale
+    marks = np.zeros(num_bins, dtype=np.int64)
+    local_search._mark_takers(costs, order, bins, top_items, top_items.size, load[top], best, cap,
+                              local_search._slack_tree(costs, load, bins, order, 0), marks, 1)
+    shed = local_search._first_shed(costs, top_items, top_items.size, load[top], best)
+    scratch = [np.empty(costs.size, dtype=np.int64) for _ in range(3)]
+    for b in range(num_bins):
+        partner_items = np.array(_by_cost(costs, bins.tolist(), b), dtype=np.int64)
+        if b == top or not partner_items.size:
+            continue
+        for allow_moves, swap_cap in ((False, cap), (True, -1.0)):  # swaps alone, then moves alone
+            _, found, _ = local_search._exchange_with(costs, memory, memory_cap, load, bin_mem, top, b, top_items,
+                                                      top_items.size, partner_items, partner_items.size, 0,
+                                                      allow_moves, swap_cap, *scratch[:1], best, *scratch[1:], floor)
+            if found >= 0 and allow_moves:
+                assert shed < top_items.size and load[b] + costs[top_items[shed]] < best
+            elif found >= 0:
+                assert marks[b] == 1
+
+
+@settings(max_examples=300, deadline=None)
 @given(st.lists(st.integers(-5, 5), min_size=1, max_size=40), st.data())
 def test_tree_last_above_is_the_last_leaf_above_the_threshold(values, data):
     lo = data.draw(st.integers(0, len(values) - 1))
