@@ -86,6 +86,21 @@ def _pool_insert(pools, pool_want, sizes, x, costs, want, e):
     return pools, pool_want
 
 
+@numba.njit(**_INLINE)
+def _pool_replace(pools, pool_want, x, size, costs, want, at, e):
+    """The example at ``pools[x, at]`` replaced by e, the row kept sorted: only the entries between their two places
+    move (a swap's two examples cost about the same)."""
+    c = costs[e]
+    k = at
+    while k > 0 and (costs[pools[x, k - 1]] > c or (costs[pools[x, k - 1]] == c and pools[x, k - 1] > e)):
+        pools[x, k], pool_want[x, k] = pools[x, k - 1], pool_want[x, k - 1]
+        k -= 1
+    while k < size - 1 and (costs[pools[x, k + 1]] < c or (costs[pools[x, k + 1]] == c and pools[x, k + 1] < e)):
+        pools[x, k], pool_want[x, k] = pools[x, k + 1], pool_want[x, k + 1]
+        k += 1
+    pools[x, k], pool_want[x, k] = e, want[e]
+
+
 # ---------------------------------------------------------------------------------------------
 # localize
 # ---------------------------------------------------------------------------------------------
@@ -237,9 +252,9 @@ def localize(rank, costs, want, node_of_rank, capacity, swaps_only, weight, scan
     for e in range(n):
         if node_of_rank[rank[e]] == want[e]:
             start += 1
-    gains = np.empty(2 * scan)
-    gaps = np.empty(2 * scan)
-    partners = np.empty(2 * scan, dtype=np.int64)
+    gains = np.empty(settle_tries)  # the swaps that overfill a rank to try, the best first
+    gaps = np.empty(settle_tries)
+    partners = np.empty(settle_tries, dtype=np.int64)
     by_cost = np.argsort(-costs, kind="mergesort")  # decreasing cost, ties by id: sorted once, filtered per pass
     away = np.empty(n, dtype=np.int64)
     for _ in range(passes):  # the costliest first (fewest partners); again, as moves made room
@@ -292,29 +307,26 @@ def localize(rank, costs, want, node_of_rank, capacity, swaps_only, weight, scan
                         continue
                     b = rank[f]
                     if load[a] - c + cf > capacity or load[b] - cf + c > capacity:
-                        gains[num_unsettled], gaps[num_unsettled], partners[num_unsettled] = gain, gap, f
-                        num_unsettled += 1
+                        if pick < 0:  # (kept for the tries, which only run if none fits) the best settle_tries
+                            # by (most bytes home, smallest gap, id)
+                            t = min(num_unsettled, settle_tries)
+                            while t > 0 and (gain > gains[t - 1] or (gain == gains[t - 1] and (
+                                    gap < gaps[t - 1] or (gap == gaps[t - 1] and f < partners[t - 1])))):
+                                if t < settle_tries:
+                                    gains[t], gaps[t], partners[t] = gains[t - 1], gaps[t - 1], partners[t - 1]
+                                t -= 1
+                            if t < settle_tries:
+                                gains[t], gaps[t], partners[t] = gain, gap, f
+                            num_unsettled += 1
                         continue
                     if pick < 0 or gain > pick_gain or (gain == pick_gain and gap < pick_gap):
                         pick, pick_gain, pick_gap = k, gain, gap
             partner = -1
             if pick >= 0:
                 partner = pools[y, pick]
-                for t in range(pick, size - 1):
-                    pools[y, t] = pools[y, t + 1]
-                    pool_want[y, t] = pool_want[y, t + 1]
-                sizes[y] -= 1
                 _exchange(rank, load, costs, head, tail, nxt, prv, e, partner)
             else:  # the best swaps that overfill one rank, if its node can take the excess
                 for _try in range(min(settle_tries, num_unsettled)):
-                    best = _try  # the next best by (most bytes home, smallest gap, id)
-                    for u in range(_try + 1, num_unsettled):
-                        if (gains[u] > gains[best] or (gains[u] == gains[best] and (
-                                gaps[u] < gaps[best] or (gaps[u] == gaps[best] and partners[u] < partners[best])))):
-                            best = u
-                    gains[_try], gains[best] = gains[best], gains[_try]
-                    gaps[_try], gaps[best] = gaps[best], gaps[_try]
-                    partners[_try], partners[best] = partners[best], partners[_try]
                     f = partners[_try]
                     b = rank[f]
                     _exchange(rank, load, costs, head, tail, nxt, prv, e, f)
@@ -322,14 +334,14 @@ def localize(rank, costs, want, node_of_rank, capacity, swaps_only, weight, scan
                     if _settle(rank, load, costs, head, tail, nxt, prv, node_of_rank, node_ranks, node_start,
                                capacity, swaps_only, heavy, load[heavy] - capacity,
                                pools[node_of_rank[heavy]], sizes[node_of_rank[heavy]]):
-                        _pool_remove(pools, pool_want, sizes, y, costs, f)
                         partner = f
                         break
                     _exchange(rank, load, costs, head, tail, nxt, prv, e, f)
-            if partner >= 0:
-                _pool_remove(pools, pool_want, sizes, x, costs, e)
-                pools, pool_want = _pool_insert(pools, pool_want, sizes, y, costs, want, e)
-                pools, pool_want = _pool_insert(pools, pool_want, sizes, x, costs, want, partner)
+            if partner >= 0:  # e takes the partner's place among y's examples, the partner e's among x's
+                _pool_replace(pools, pool_want, y, sizes[y], costs, want,
+                              _rank_index(costs, pools[y], 0, sizes[y], costs[partner], partner), e)
+                _pool_replace(pools, pool_want, x, sizes[x], costs, want,
+                              _rank_index(costs, pools[x], 0, sizes[x], c, e), partner)
                 moved += 1
                 continue
             if not swaps_only:
