@@ -53,52 +53,83 @@ def _lists_by_rank(rank, num_ranks):
 
 
 # ---------------------------------------------------------------------------------------------
-# A node's examples by increasing (cost, id): a sorted row of a (nodes, width) table, beside it the node each wants.
+# A node's examples by increasing (cost, id): a sorted row of a (nodes, width) table; beside it, in a row of its own,
+# the nodes they want, increasing.
 # ---------------------------------------------------------------------------------------------
 
 @numba.njit(**_INLINE)
-def _pool_remove(pools, pool_want, sizes, x, costs, e):
+def _wanted_at(wanted, x, size, w):
+    """First place in row x of ``wanted`` (``size`` nodes, increasing) holding w or more."""
+    lo, hi = 0, size
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if wanted[x, mid] < w:
+            lo = mid + 1
+        else:
+            hi = mid
+    return lo
+
+
+@numba.njit(**_INLINE)
+def _wanted_swap(wanted, x, size, old, new):
+    """One ``old`` of row x of ``wanted`` replaced by ``new``, the row kept increasing (the entries between move)."""
+    k = _wanted_at(wanted, x, size, old)
+    while k > 0 and wanted[x, k - 1] > new:
+        wanted[x, k] = wanted[x, k - 1]
+        k -= 1
+    while k < size - 1 and wanted[x, k + 1] < new:
+        wanted[x, k] = wanted[x, k + 1]
+        k += 1
+    wanted[x, k] = new
+
+
+@numba.njit(**_INLINE)
+def _pool_remove(pools, wanted, sizes, x, costs, want, e):
     at = _rank_index(costs, pools[x], 0, sizes[x], costs[e], e)
     if at < sizes[x] and pools[x, at] == e:
         for k in range(at, sizes[x] - 1):
             pools[x, k] = pools[x, k + 1]
-            pool_want[x, k] = pool_want[x, k + 1]
+        for k in range(_wanted_at(wanted, x, sizes[x], want[e]), sizes[x] - 1):
+            wanted[x, k] = wanted[x, k + 1]
         sizes[x] -= 1
 
 
 @numba.njit(**_INLINE)
-def _pool_insert(pools, pool_want, sizes, x, costs, want, e):
-    """(``pools``, ``pool_want``) with e inserted in row x (the tables twice as wide when the row is full)."""
+def _pool_insert(pools, wanted, sizes, x, costs, want, e):
+    """(``pools``, ``wanted``) with e inserted in row x (the tables twice as wide when the row is full)."""
     if sizes[x] == pools.shape[1]:
         wider = np.empty((pools.shape[0], 2 * pools.shape[1]), dtype=np.int64)
         wider[:, :pools.shape[1]] = pools
         pools = wider
         wider = np.empty(pools.shape, dtype=np.int64)
-        wider[:, :pool_want.shape[1]] = pool_want
-        pool_want = wider
+        wider[:, :wanted.shape[1]] = wanted
+        wanted = wider
     at = _rank_index(costs, pools[x], 0, sizes[x], costs[e], e)
     for k in range(sizes[x], at, -1):
         pools[x, k] = pools[x, k - 1]
-        pool_want[x, k] = pool_want[x, k - 1]
     pools[x, at] = e
-    pool_want[x, at] = want[e]
+    at = _wanted_at(wanted, x, sizes[x], want[e])
+    for k in range(sizes[x], at, -1):
+        wanted[x, k] = wanted[x, k - 1]
+    wanted[x, at] = want[e]
     sizes[x] += 1
-    return pools, pool_want
+    return pools, wanted
 
 
 @numba.njit(**_INLINE)
-def _pool_replace(pools, pool_want, x, size, costs, want, at, e):
-    """The example at ``pools[x, at]`` replaced by e, the row kept sorted: only the entries between their two places
-    move (a swap's two examples cost about the same)."""
+def _pool_replace(pools, wanted, x, size, costs, want, out, e):
+    """Example ``out`` of row x replaced by e, the rows kept sorted: only the entries between their two places move
+    (a swap's two examples cost about the same)."""
     c = costs[e]
-    k = at
+    k = _rank_index(costs, pools[x], 0, size, costs[out], out)
     while k > 0 and (costs[pools[x, k - 1]] > c or (costs[pools[x, k - 1]] == c and pools[x, k - 1] > e)):
-        pools[x, k], pool_want[x, k] = pools[x, k - 1], pool_want[x, k - 1]
+        pools[x, k] = pools[x, k - 1]
         k -= 1
     while k < size - 1 and (costs[pools[x, k + 1]] < c or (costs[pools[x, k + 1]] == c and pools[x, k + 1] < e)):
-        pools[x, k], pool_want[x, k] = pools[x, k + 1], pool_want[x, k + 1]
+        pools[x, k] = pools[x, k + 1]
         k += 1
-    pools[x, k], pool_want[x, k] = e, want[e]
+    pools[x, k] = e
+    _wanted_swap(wanted, x, size, want[out], want[e])
 
 
 # ---------------------------------------------------------------------------------------------
@@ -241,13 +272,15 @@ def localize(rank, costs, want, node_of_rank, capacity, swaps_only, weight, scan
     for e in range(n):
         sizes[node_of_rank[rank[e]]] += 1
     pools = np.empty((num_nodes, 2 * max(sizes.max() if num_nodes else 0, 1)), dtype=np.int64)
-    pool_want = np.empty(pools.shape, dtype=np.int64)
+    wanted = np.empty(pools.shape, dtype=np.int64)
     sizes[:] = 0
     for e in np.argsort(costs, kind="mergesort"):  # by (cost, id): every row sorted
         x = node_of_rank[rank[e]]
         pools[x, sizes[x]] = e
-        pool_want[x, sizes[x]] = want[e]
+        wanted[x, sizes[x]] = want[e]
         sizes[x] += 1
+    for x in range(num_nodes):
+        wanted[x, :sizes[x]] = np.sort(wanted[x, :sizes[x]])
     start = 0
     for e in range(n):
         if node_of_rank[rank[e]] == want[e]:
@@ -272,6 +305,7 @@ def localize(rank, costs, want, node_of_rank, capacity, swaps_only, weight, scan
             c = costs[e]
             pick, pick_gain, pick_gap = -1, 0.0, 0.0
             num_unsettled = 0
+            wanting = -1  # whether an example on y wants x (1) or not (0); -1: not asked yet
             size = sizes[y]
             if size > 0:
                 # no partner further in cost can fit, even settled: a costlier one overfills a by the gap less
@@ -290,9 +324,15 @@ def localize(rank, costs, want, node_of_rank, capacity, swaps_only, weight, scan
                     else:
                         break
                     # partners come nearest first: one further on beats the pick only by bringing more bytes home,
-                    # which (bytes >= 0) only one wanting x can; pool_want says which, without reading the others
-                    if pick >= 0 and pool_want[y, k] != x and weight[e] + 0.0 <= pick_gain:
-                        continue
+                    # which (bytes >= 0) only one wanting x can; where none on y does, that is all
+                    if pick >= 0 and weight[e] + 0.0 <= pick_gain:
+                        if wanting < 0:
+                            at = _wanted_at(wanted, y, size, x)
+                            wanting = 1 if at < size and wanted[y, at] == x else 0
+                        if wanting == 0:
+                            break
+                        if want[pools[y, k]] != x:
+                            continue
                     f = pools[y, k]
                     cf = costs[f]
                     gap = abs(cf - c)
@@ -338,10 +378,8 @@ def localize(rank, costs, want, node_of_rank, capacity, swaps_only, weight, scan
                         break
                     _exchange(rank, load, costs, head, tail, nxt, prv, e, f)
             if partner >= 0:  # e takes the partner's place among y's examples, the partner e's among x's
-                _pool_replace(pools, pool_want, y, sizes[y], costs, want,
-                              _rank_index(costs, pools[y], 0, sizes[y], costs[partner], partner), e)
-                _pool_replace(pools, pool_want, x, sizes[x], costs, want,
-                              _rank_index(costs, pools[x], 0, sizes[x], c, e), partner)
+                _pool_replace(pools, wanted, y, sizes[y], costs, want, partner, e)
+                _pool_replace(pools, wanted, x, sizes[x], costs, want, e, partner)
                 moved += 1
                 continue
             if not swaps_only:
@@ -352,8 +390,8 @@ def localize(rank, costs, want, node_of_rank, capacity, swaps_only, weight, scan
                         b = q
                 if b >= 0 and load[b] + c <= capacity:
                     _relocate(rank, load, costs, head, tail, nxt, prv, e, b)
-                    _pool_remove(pools, pool_want, sizes, x, costs, e)
-                    pools, pool_want = _pool_insert(pools, pool_want, sizes, y, costs, want, e)
+                    _pool_remove(pools, wanted, sizes, x, costs, want, e)
+                    pools, wanted = _pool_insert(pools, wanted, sizes, y, costs, want, e)
                     moved += 1
         if moved == 0:
             break
