@@ -8,6 +8,7 @@ import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from cheapest_swap_reference import cheapest_swap_reference
+from pair_swap_reference import pair_swap_reference
 
 from megatron_orch.balance._kernels import local_search
 
@@ -171,6 +172,41 @@ def test_marked_bins_hold_every_swap_and_move_that_beats_the_best(data, num_bins
                 assert shed < top_items.size and load[b] + costs[top_items[shed]] < best
             elif found >= 0:
                 assert marks[b] == 1
+
+
+@settings(max_examples=600, deadline=None)
+@given(st.data(), st.sampled_from([5, 30]), st.sampled_from([1.0, 1e15]), st.sampled_from([math.inf, 1.0, 3.0]))
+def test_pair_swap_is_searching_the_partner_pairs_afresh(data, largest, scale, memory_room):
+    """Few or many pairs on either side (the partner's searched on from the last found: a bin of two items against
+    one of 32), sums with ties, any gap (none too), memory that binds or not, a floor or none: the swap the
+    reference's binary search for every top pair finds."""
+    top_costs = data.draw(st.lists(st.integers(1, largest), min_size=2, max_size=12))
+    partner_costs = data.draw(st.lists(st.integers(1, largest), min_size=2, max_size=32))
+    costs = np.array([float(c) for c in top_costs + partner_costs]) * scale
+    memory = np.array(data.draw(st.lists(st.integers(0, 3), min_size=costs.size, max_size=costs.size)), dtype=float)
+    items = np.arange(costs.size, dtype=np.int64)
+    pairs = []
+    for members in (items[:len(top_costs)], items[len(top_costs):]):
+        members = np.array(sorted(members.tolist(), key=lambda i: (costs[i], i)), dtype=np.int64)
+        rows = members.size * (members.size - 1) // 2
+        row = (np.empty(rows), np.empty(rows, dtype=np.int64), np.empty(rows, dtype=np.int64))
+        pairs.append((row, local_search._pair_sums(costs, members, members.size, *row)))
+    (top_pairs, num_top), (partner_pairs, num_partner) = pairs
+    load = np.array([costs[:len(top_costs)].sum(), costs[len(top_costs):].sum()])
+    load[0] += data.draw(st.integers(0, 40)) * scale
+    bin_mem = np.array([memory[:len(top_costs)].sum(), memory[len(top_costs):].sum()])
+    memory_cap = memory_room * (bin_mem.max() + 1.0)
+    best = load[0] - data.draw(st.sampled_from([0.0, 0.0, 0.2])) * abs(load[0] - load[1])
+    floor = data.draw(st.sampled_from([-math.inf, 0.5 * (load[0] + load[1])]))
+    expected = pair_swap_reference(memory, memory_cap, load, bin_mem, 0, 1, best,
+                                   list(zip(*(a[:num_top].tolist() for a in top_pairs))),
+                                   list(zip(*(a[:num_partner].tolist() for a in partner_pairs))), floor)
+    out, into = np.full(2, -1, dtype=np.int64), np.full(2, -1, dtype=np.int64)
+    value, found = local_search._pair_swap(costs, memory, memory_cap, load, bin_mem, 0, 1, best, out, into,
+                                           top_pairs, num_top, partner_pairs, num_partner, floor)
+    assert (value, found) == expected[:2]
+    if found >= 0:
+        assert (tuple(out), tuple(into)) == expected[2:]
 
 
 @settings(max_examples=300, deadline=None)

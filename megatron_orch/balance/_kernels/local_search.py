@@ -455,24 +455,31 @@ def _pair_swap(costs, memory, memory_cap, load, bin_mem, top, b, best, best_out,
 
     Where one-for-one swaps are stuck (a few items per bin, no single difference near half the gap),
     two-for-two differences are many more. Each pair of the top bin meets b's pair whose sum is
-    nearest its own minus half the gap (pairs by sum, binary search). ``top_pairs``: the top bin's
-    ``num_top_pairs`` pairs, ``partner_pairs``: b's ``num_pairs`` (:func:`_pair_sums`). Returns
-    (value, 2) with the swap in ``best_out`` / ``best_in``, or (best, -1).
+    nearest its own minus half the gap (pairs by sum: b's searched from the last one found on).
+    ``top_pairs``: the top bin's ``num_top_pairs`` pairs, ``partner_pairs``: b's ``num_pairs``
+    (:func:`_pair_sums`). Returns (value, 2) with the swap in ``best_out`` / ``best_in``, or (best, -1).
     """
     top_sum, top_first, top_second = top_pairs
     sums, first, second = partner_pairs
     top_load = load[top]
     gap = top_load - load[b]
     found = -1
+    lo = 0  # b's first pair summing to >= target: targets rise with the top bin's pairs' sums, so from the last on
     for t in range(num_top_pairs):
         target = top_sum[t] - 0.5 * gap
-        lo, hi = 0, num_pairs  # b's first pair summing to >= target
-        while lo < hi:
-            mid = (lo + hi) // 2
-            if sums[mid] < target:
-                lo = mid + 1
-            else:
-                hi = mid
+        if lo < num_pairs and sums[lo] < target:  # steps doubling while below, then halving
+            step = 1
+            while lo + step < num_pairs and sums[lo + step] < target:
+                lo += step
+                step *= 2
+            hi = min(lo + step, num_pairs)
+            lo += 1
+            while lo < hi:
+                mid = (lo + hi) // 2
+                if sums[mid] < target:
+                    lo = mid + 1
+                else:
+                    hi = mid
         for u in range(max(lo - 1, 0), min(lo + 1, num_pairs)):
             d = top_sum[t] - sums[u]
             moved = memory[top_first[t]] + memory[top_second[t]] - memory[first[u]] - memory[second[u]]
