@@ -148,6 +148,9 @@ def localize(bin_of_item: np.ndarray, costs: np.ndarray, want_node: np.ndarray, 
     if capacity is None:
         capacity = float(np.bincount(rank, weights=costs, minlength=node.size).max(initial=0.0))
     weight = np.ones(rank.size) if item_bytes is None else np.ascontiguousarray(item_bytes, dtype=np.float64)
+    if weight.size and not weight.min() >= 0:
+        i = int(np.flatnonzero(~(weight >= 0))[0])
+        raise ValueError(f"item_bytes of example {i} is {weight[i]}: bytes are >= 0")
     brought = _kernels.localize(rank, costs, want, node, float(capacity), bool(swaps_only), weight, _LOCALIZE_SCAN,
                                 _LOCALIZE_PASSES, _SETTLE_TRIES)
     return rank, int(brought)

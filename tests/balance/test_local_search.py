@@ -1,11 +1,14 @@
 """The refinement's shortcuts (``_kernels.local_search``) against plain Python: the per-bin cache of items by
-cost is what a fresh sort gives after any exchange, and the partner bound never skips an exchange that would beat
-the best found. Both keep ``refine``'s plans as they were; the plans' own tests judge their quality."""
+cost is what a fresh sort gives after any exchange, the partner bound never skips an exchange that would beat
+the best found, and the trade with the batch's cheapest items skips only items that cannot beat it (the reference
+tries each). They keep ``refine``'s plans as they were; the plans' own tests judge their quality."""
 import math
 
 import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from cheapest_swap_reference import cheapest_swap_reference
+from pair_swap_reference import pair_swap_reference
 
 from megatron_orch.balance._kernels import local_search
 
@@ -91,3 +94,162 @@ def test_cached_pair_sums_are_a_fresh_sort_after_every_move(items, moves):
                 assert list(zip(sums[:m].tolist(), first[:m].tolist(), second[:m].tolist())) == \
                     _fresh_pairs(costs, members.tolist())
                 assert pair_cached[b] == m
+
+
+@settings(max_examples=400, deadline=None)
+@given(st.data(), st.integers(2, 12), st.sampled_from([5, 12, 40, 200]), st.sampled_from([1.0, 1e15]),
+       st.sampled_from([math.inf, 1.0, 3.0]))
+def test_cheapest_swap_is_trying_every_cheapest_item_in_turn(data, num_bins, largest, scale, memory_room):
+    """Costs with ties (the scan order and the choices among equal values matter) or fewer ties, at a step
+    backbone's scale (1e15) or a small one (the skips' margins hold), any bin the most loaded, ``best`` at or below
+    its load, a floor anywhere between the mean and the top (or none), memory that binds or not, the tree built from
+    any position at or before the scan's start: the same swap as the reference's item-by-item scan."""
+    items = data.draw(st.lists(st.tuples(st.integers(1, largest), st.integers(0, num_bins - 1), st.integers(0, 3)),
+                               min_size=2, max_size=100))
+    costs = np.array([float(c) for c, _, _ in items]) * scale
+    bins = np.array([b for _, b, _ in items], dtype=np.int64)
+    memory = np.array([float(m) for _, _, m in items])
+    memory_cap = memory_room * costs.size / num_bins + 2.0
+    load = np.bincount(bins, weights=costs, minlength=num_bins)
+    bin_mem = np.bincount(bins, weights=memory, minlength=num_bins)
+    top = int(np.argmax(load))
+    top_items = np.array(_by_cost(costs, bins.tolist(), top), dtype=np.int64)
+    order = np.argsort(-costs, kind="stable")
+    best = load[top] - data.draw(st.sampled_from([0.0, 0.0, 0.1, 0.3])) * (load[top] - load.min())
+    floor_at = data.draw(st.sampled_from([None, 0.0, 0.5, 1.0]))
+    floor = -math.inf if floor_at is None else floor_at * load[top] + (1.0 - floor_at) * load.mean()
+    scan = data.draw(st.integers(1, costs.size + 2))
+    expected = cheapest_swap_reference(costs, memory, memory_cap, load, bin_mem, bins, top, top_items.tolist(),
+                                       order.tolist(), scan, best, floor)
+    start = local_search._scan_start(costs, order, top_items, top_items.size, scan)
+    slack_lo = max(0, start - data.draw(st.integers(0, 4)))
+    slack, width, leaf = local_search._slack_tree(costs, load, bins, order, slack_lo)
+    out, into = np.full(1, -1, dtype=np.int64), np.full(1, -1, dtype=np.int64)
+    value, found = local_search._cheapest_swap(costs, memory, memory_cap, load, bin_mem, bins, top, top_items,
+                                               top_items.size, order, start, slack, width, slack_lo, best, out, into,
+                                               floor)
+    assert (value, found) == expected[:2]
+    if found >= 0:
+        assert (out[0], into[0]) == expected[2:]
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.data(), st.integers(2, 10), st.sampled_from([5, 40, 200]), st.sampled_from([1.0, 1e15]),
+       st.sampled_from([math.inf, 1.0, 3.0]))
+def test_marked_bins_hold_every_swap_and_move_that_beats_the_best(data, num_bins, largest, scale, memory_room):
+    """The widest searches try only the bins ``_mark_takers`` marks (for swaps) and those ``_first_shed`` leaves room
+    for (moves): every bin where the one-for-one exchanges (``_exchange_with``, kind 0) beat ``best`` is among them,
+    whatever the cap on the swapped items' cost, the memory, the floor."""
+    items = data.draw(st.lists(st.tuples(st.integers(1, largest), st.integers(0, num_bins - 1), st.integers(0, 3)),
+                               min_size=2, max_size=80))
+    costs = np.array([float(c) for c, _, _ in items]) * scale
+    bins = np.array([b for _, b, _ in items], dtype=np.int64)
+    memory = np.array([float(m) for _, _, m in items])
+    memory_cap = memory_room * costs.size / num_bins + 2.0
+    load = np.bincount(bins, weights=costs, minlength=num_bins)
+    bin_mem = np.bincount(bins, weights=memory, minlength=num_bins)
+    top = int(np.argmax(load))
+    top_items = np.array(_by_cost(costs, bins.tolist(), top), dtype=np.int64)
+    order = np.argsort(-costs, kind="stable")
+    best = load[top] - data.draw(st.sampled_from([0.0, 0.0, 0.1, 0.3])) * (load[top] - load.min())
+    floor_at = data.draw(st.sampled_from([None, 0.5, 1.0]))
+    floor = -math.inf if floor_at is None else floor_at * load[top] + (1.0 - floor_at) * load.mean()
+    cap = data.draw(st.sampled_from([math.inf, 0.0, 3.0, 10.0])) * scale
+    marks = np.zeros(num_bins, dtype=np.int64)
+    local_search._mark_takers(costs, order, bins, top_items, top_items.size, load[top], best, cap,
+                              local_search._slack_tree(costs, load, bins, order, 0), marks, 1)
+    shed = local_search._first_shed(costs, top_items, top_items.size, load[top], best)
+    scratch = [np.empty(costs.size, dtype=np.int64) for _ in range(3)]
+    for b in range(num_bins):
+        partner_items = np.array(_by_cost(costs, bins.tolist(), b), dtype=np.int64)
+        if b == top or not partner_items.size:
+            continue
+        for allow_moves, swap_cap in ((False, cap), (True, -1.0)):  # swaps alone, then moves alone
+            _, found, _ = local_search._exchange_with(costs, memory, memory_cap, load, bin_mem, top, b, top_items,
+                                                      top_items.size, partner_items, partner_items.size, 0,
+                                                      allow_moves, swap_cap, *scratch[:1], best, *scratch[1:], floor)
+            if found >= 0 and allow_moves:
+                assert shed < top_items.size and load[b] + costs[top_items[shed]] < best
+            elif found >= 0:
+                assert marks[b] == 1
+
+
+@settings(max_examples=600, deadline=None)
+@given(st.data(), st.sampled_from([5, 30]), st.sampled_from([1.0, 1e15]), st.sampled_from([math.inf, 1.0, 3.0]))
+def test_pair_swap_is_searching_the_partner_pairs_afresh(data, largest, scale, memory_room):
+    """Few or many pairs on either side (the partner's searched on from the last found: a bin of two items against
+    one of 32), sums with ties, any gap (none too), memory that binds or not, a floor or none: the swap the
+    reference's binary search for every top pair finds."""
+    top_costs = data.draw(st.lists(st.integers(1, largest), min_size=2, max_size=12))
+    partner_costs = data.draw(st.lists(st.integers(1, largest), min_size=2, max_size=32))
+    costs = np.array([float(c) for c in top_costs + partner_costs]) * scale
+    memory = np.array(data.draw(st.lists(st.integers(0, 3), min_size=costs.size, max_size=costs.size)), dtype=float)
+    items = np.arange(costs.size, dtype=np.int64)
+    pairs = []
+    for members in (items[:len(top_costs)], items[len(top_costs):]):
+        members = np.array(sorted(members.tolist(), key=lambda i: (costs[i], i)), dtype=np.int64)
+        rows = members.size * (members.size - 1) // 2
+        row = (np.empty(rows), np.empty(rows, dtype=np.int64), np.empty(rows, dtype=np.int64))
+        pairs.append((row, local_search._pair_sums(costs, members, members.size, *row)))
+    (top_pairs, num_top), (partner_pairs, num_partner) = pairs
+    load = np.array([costs[:len(top_costs)].sum(), costs[len(top_costs):].sum()])
+    load[0] += data.draw(st.integers(0, 40)) * scale
+    bin_mem = np.array([memory[:len(top_costs)].sum(), memory[len(top_costs):].sum()])
+    memory_cap = memory_room * (bin_mem.max() + 1.0)
+    best = load[0] - data.draw(st.sampled_from([0.0, 0.0, 0.2])) * abs(load[0] - load[1])
+    floor = data.draw(st.sampled_from([-math.inf, 0.5 * (load[0] + load[1])]))
+    expected = pair_swap_reference(memory, memory_cap, load, bin_mem, 0, 1, best,
+                                   list(zip(*(a[:num_top].tolist() for a in top_pairs))),
+                                   list(zip(*(a[:num_partner].tolist() for a in partner_pairs))), floor)
+    out, into = np.full(2, -1, dtype=np.int64), np.full(2, -1, dtype=np.int64)
+    value, found = local_search._pair_swap(costs, memory, memory_cap, load, bin_mem, 0, 1, best, out, into,
+                                           top_pairs, num_top, partner_pairs, num_partner, floor)
+    assert (value, found) == expected[:2]
+    if found >= 0:
+        assert (tuple(out), tuple(into)) == expected[2:]
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.integers(-5, 5), min_size=1, max_size=40), st.data())
+def test_tree_last_above_is_the_last_leaf_above_the_threshold(values, data):
+    lo = data.draw(st.integers(0, len(values) - 1))
+    hi = data.draw(st.integers(lo - 1, len(values) - 1))
+    threshold = data.draw(st.integers(-6, 5)) + 0.5
+    keys = np.array(values, dtype=np.float64)
+    order = np.arange(keys.size)
+    slack, width, leaf = local_search._slack_tree(keys, np.zeros(1), np.zeros(keys.size, dtype=np.int64), order, 0)
+    assert leaf.tolist() == list(range(keys.size))
+    expected = max((u for u in range(lo, hi + 1) if values[u] > threshold), default=-1)
+    assert local_search._tree_last_above(slack, width, lo, hi, threshold) == expected
+    changed = data.draw(st.integers(0, keys.size - 1))  # a leaf set again: the path above it follows
+    values[changed] = data.draw(st.integers(-5, 5))
+    local_search._tree_set_max(slack, width, changed, float(values[changed]))
+    expected = max((u for u in range(lo, hi + 1) if values[u] > threshold), default=-1)
+    assert local_search._tree_last_above(slack, width, lo, hi, threshold) == expected
+
+
+@settings(max_examples=150, deadline=None)
+@given(st.data(), st.sampled_from([12, 16]), st.sampled_from([2, 4]), st.sampled_from([9, 40, 200]),
+       st.integers(1, 60), st.booleans(), st.booleans())
+def test_refine_keeps_its_trees_as_a_fresh_start_builds_them(data, num_bins, node_size, largest, scan, settle,
+                                                             allow_moves):
+    """Integer costs (every sum exact, so loads kept up to date equal loads summed afresh): refine run to its end
+    makes the exchanges of refine restarted after every step, which builds its sorted bins and its tree of the
+    cheapest items' slack anew each time. Swaps across nodes only with the cheapest items (``cross_swap_cap`` 0, as
+    the locality refinement starts) and one partner, down to the mean: the trades with the cheapest items do much
+    of the work."""
+    items = data.draw(st.lists(st.tuples(st.integers(1, largest), st.integers(0, num_bins - 1)), min_size=20,
+                               max_size=200))
+    costs = np.array([float(c) for c, _ in items])
+    bins = np.array([b for _, b in items], dtype=np.int64)
+    stop_at = float(np.floor(costs.sum() / num_bins))
+    order = np.argsort(-costs, kind="stable")
+    memory = np.zeros(costs.size)
+    args = (allow_moves, stop_at, 1, node_size)
+    once = bins.copy()
+    steps = local_search.refine(costs, memory, np.inf, num_bins, once, *args, 10 * costs.size, order, scan, 0.0,
+                                settle)
+    stepwise, restarted = bins.copy(), 0
+    while local_search.refine(costs, memory, np.inf, num_bins, stepwise, *args, 1, order, scan, 0.0, settle):
+        restarted += 1
+    assert (steps, once.tolist()) == (restarted, stepwise.tolist())

@@ -9,6 +9,7 @@ from hypothesis import given, settings, strategies as st
 from localize_reference import localize_reference
 from repair_reference import State, repair_locality_reference
 
+from megatron_orch.balance._kernels import repair as repair_kernels
 from megatron_orch.balance.plan import moved_bytes
 from megatron_orch.balance.repair import localize, repair_locality
 from megatron_orch.balance.topology import Topology
@@ -76,6 +77,52 @@ def test_localize_makes_the_python_reference_plans_on_sweep_batches(monkeypatch,
     out, brought = localize(*args, **kwargs)
     expected, expected_brought = localize_reference(*args, **kwargs)
     assert np.array_equal(out, expected) and brought == expected_brought > 0
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.data())
+def test_localize_pool_rows_stay_sorted_through_moves_and_swaps(data):
+    """localize's rows per node (its examples by (cost, id), the nodes they want, increasing), filled one insertion at
+    a time from a one-wide table (it widens), then through any moves (a removal and an insertion) and swaps (each
+    example takes the other's place): always what sorting the node's examples afresh gives."""
+    num_nodes = data.draw(st.integers(1, 3))
+    n = data.draw(st.integers(2, 24))
+    costs = np.array(data.draw(st.lists(st.sampled_from([1.0, 2.0, 3.0, 5.0]), min_size=n, max_size=n)))
+    want = np.array(data.draw(st.lists(st.integers(0, num_nodes - 1), min_size=n, max_size=n)), dtype=np.int64)
+    node = np.array(data.draw(st.lists(st.integers(0, num_nodes - 1), min_size=n, max_size=n)), dtype=np.int64)
+    pools, wanted = np.empty((num_nodes, 1), dtype=np.int64), np.empty((num_nodes, 1), dtype=np.int64)
+    sizes = np.zeros(num_nodes, dtype=np.int64)
+    for e in range(n):
+        pools, wanted = repair_kernels._pool_insert(pools, wanted, sizes, node[e], costs, want, e)
+
+    def check():
+        for x in range(num_nodes):
+            mine = sorted(np.flatnonzero(node == x).tolist(), key=lambda e: (costs[e], e))
+            assert pools[x, :sizes[x]].tolist() == mine
+            assert wanted[x, :sizes[x]].tolist() == sorted(want[mine].tolist())
+
+    check()
+    for e, f, swap in data.draw(st.lists(st.tuples(st.integers(0, n - 1), st.integers(0, n - 1), st.booleans()),
+                                         max_size=12)):
+        x, y = node[e], node[f]
+        if x == y:
+            continue
+        if swap:  # e takes f's place on y, f e's on x
+            repair_kernels._pool_replace(pools, wanted, y, sizes[y], costs, want, f, e)
+            repair_kernels._pool_replace(pools, wanted, x, sizes[x], costs, want, e, f)
+            node[e], node[f] = y, x
+        else:  # e moves to y
+            repair_kernels._pool_remove(pools, wanted, sizes, x, costs, want, e)
+            pools, wanted = repair_kernels._pool_insert(pools, wanted, sizes, y, costs, want, e)
+            node[e] = y
+        check()
+
+
+def test_localize_refuses_negative_bytes():
+    """(Its scan leaves out partners that cannot bring more bytes home than the best so far: bytes are >= 0.)"""
+    with pytest.raises(ValueError, match="item_bytes of example 1"):
+        localize(np.array([0, 1]), np.ones(2), np.array([1, 0]), np.array([0, 1]), swaps_only=True,
+                 item_bytes=np.array([1.0, -1.0]))
 
 
 def test_localize_refuses_a_node_it_does_not_have():

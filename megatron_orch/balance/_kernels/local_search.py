@@ -213,26 +213,188 @@ def _cannot_beat(top_load, partner_load, best):
 
 
 @numba.njit(**_INLINE)
-def _cheapest_swap(costs, memory, memory_cap, load, bin_mem, bin_of_item, top, top_items, num_top, order, scan,
-                   best, best_out, best_in, floor):
+def _scan_start(costs, order, top_items, num_top, scan):
+    """Position in ``order`` (decreasing cost, ties by id) of the ``scan``-th item from its end outside the top bin
+    (``top_items[:num_top]``, by increasing cost); 0 if there are fewer."""
+    n = order.size
+    low = n - scan
+    while low > 0:  # the largest low with scan items outside the top bin at low or after: from above, a fixpoint
+        ref = order[low]
+        inside = 0  # the top bin's items at low or after (those cheaper than ref, or as costly and of larger id)
+        for t in range(num_top):
+            i = top_items[t]
+            if costs[i] > costs[ref]:
+                break
+            if costs[i] < costs[ref] or i >= ref:
+                inside += 1
+        if n - scan - inside == low:
+            break
+        low = n - scan - inside
+    return max(low, 0)
+
+
+@numba.njit(**_INLINE)
+def _sheds(top_load, c_top, c, best):
+    """An item of cost ``c`` traded for the top bin's item costing ``c_top`` takes the top bin below ``best``, as
+    :func:`_cheapest_swap` computes it (then so does every cheaper item, and for it every costlier item of the
+    top bin: the rounding of ``-`` keeps the order)."""
+    d = c_top - c
+    return 0.0 < d and top_load - d < best
+
+
+@numba.njit(**_INLINE)
+def _first_shedding(costs, order, lo, hi, top_load, c_top, best):
+    """First position in ``order[lo:hi]`` (decreasing cost) from which on every item :func:`_sheds` for ``c_top``;
+    ``hi`` if none."""
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if _sheds(top_load, c_top, costs[order[mid]], best):
+            hi = mid
+        else:
+            lo = mid + 1
+    return lo
+
+
+@numba.njit(**_JIT)
+def _slack_tree(costs, load, bin_of_item, order, lo):
+    """:func:`_cheapest_swap`'s max tree over positions ``lo..`` of ``order``: leaf u - lo holds the item's cost
+    less its bin's load. Returns (tree, width, every item's leaf or -1)."""
+    n = order.size
+    width = 1
+    while width < n - lo:
+        width *= 2
+    tree = np.full(2 * width, -np.inf)
+    leaf = np.full(n, -1, dtype=np.int64)
+    for u in range(lo, n):
+        j = order[u]
+        leaf[j] = u - lo
+        tree[width + u - lo] = costs[j] - load[bin_of_item[j]]
+    for v in range(width - 1, 0, -1):
+        tree[v] = max(tree[2 * v], tree[2 * v + 1])
+    return tree, width, leaf
+
+
+@numba.njit(**_INLINE)
+def _tree_set_max(tree, width, leaf, value):
+    v = width + leaf
+    tree[v] = value
+    v //= 2
+    while v >= 1:
+        tree[v] = max(tree[2 * v], tree[2 * v + 1])
+        v //= 2
+
+
+@numba.njit(**_INLINE)
+def _refresh(tree, costs, load, head, nxt, stale, stale_bins, num_stale, w):
+    """Slack tree ``tree`` (w: its row of ``stale``, ``stale_bins``, ``num_stale``) brought up to date: the items of
+    the bins changed since it was last read set again from their loads, each bin once."""
+    slack, width, leaf = tree
+    for k in range(num_stale[w]):
+        b = stale_bins[w, k]
+        stale[w, b] = False
+        i = head[b]
+        while i != -1:
+            if leaf[i] >= 0:
+                _tree_set_max(slack, width, leaf[i], costs[i] - load[b])
+            i = nxt[i]
+    num_stale[w] = 0
+
+
+@numba.njit(**_INLINE)
+def _tree_last_above(tree, width, lo, hi, threshold):
+    """Last leaf in [lo, hi] of a max tree whose value exceeds ``threshold``, or -1: the subtrees left of leaf hi,
+    nearest first (a node's range is examined once its value is known not to exceed)."""
+    if lo > hi:
+        return -1
+    v = width + hi
+    while tree[v] <= threshold:
+        while v % 2 == 0:  # a left child: what lies left of it lies left of its parent
+            v //= 2
+        if v == 1:
+            return -1
+        v -= 1
+    while v < width:
+        v = 2 * v + 1 if tree[2 * v + 1] > threshold else 2 * v
+    return v - width if v - width >= lo else -1
+
+
+@numba.njit(**_INLINE)
+def _next_taker(costs, order, top_items, num_top, top_load, best, cap, start, u, p, slack, width, slack_lo):
+    """The next position at or below u (down to ``start``) in ``order`` (decreasing cost) of an item j that a top
+    item i costing at most ``cap`` can take below ``best``: i must shed (:func:`_sheds`: d = c_i - c_j > L - best, L
+    the top bin's load), and j's bin b must stay below it (L_b + d < best); the cheapest i that sheds gives the
+    smallest d, so j qualifies iff c_j - L_b > c_i - best for that i. ``slack`` (a max tree over positions
+    ``slack_lo..`` of c_j - L_b, :func:`_slack_tree`) finds it in log time; the margin of 1e-9 of the costs lets
+    through every j the float sums would take. ``p``: the cheapest top item that may still shed (it only rises, as
+    costs rise and best falls). Returns (position or -1, p)."""
+    while u >= start and p < num_top and costs[top_items[p]] <= cap:
+        c_p = costs[top_items[p]]
+        if not _sheds(top_load, c_p, costs[order[u]], best):
+            p += 1
+            continue
+        lo = _first_shedding(costs, order, start, u + 1, top_load, c_p, best)
+        v = _tree_last_above(slack, width, lo - slack_lo, u - slack_lo, c_p - best - 1e-9 * (c_p + top_load))
+        if v >= 0:
+            return v + slack_lo, p
+        u = lo - 1
+        p += 1
+    return -1, p
+
+
+@numba.njit(**_INLINE)
+def _mark_takers(costs, order, bin_of_item, top_items, num_top, top_load, best, cap, tree, marks, stamp):
+    """``marks`` of the bins holding an item that a top item costing at most ``cap`` can take below ``best``
+    (:func:`_next_taker`, ``tree``: the slack tree over every item) set to ``stamp``: a bin left out has no swap
+    with the top bin that beats ``best`` (:func:`_exchange_with` tries, for each top item, the partner's items
+    nearest half the gap on either side; if one of the bin's items takes the top bin below ``best``, so does the
+    nearer of those two, on its side)."""
+    slack, width, _ = tree
+    u, p = order.size - 1, 0
+    while True:
+        u, p = _next_taker(costs, order, top_items, num_top, top_load, best, cap, 0, u, p, slack, width, 0)
+        if u < 0:
+            return
+        marks[bin_of_item[order[u]]] = stamp
+        u -= 1
+
+
+@numba.njit(**_INLINE)
+def _first_shed(costs, top_items, num_top, top_load, best):
+    """The cheapest of the top bin's items (``top_items``: by increasing cost) whose move takes it below ``best``
+    (num_top if none): a move to bin b beats ``best`` only if this one's cost added to b's load stays below it."""
+    t = 0
+    while t < num_top and not top_load - costs[top_items[t]] < best:
+        t += 1
+    return t
+
+
+@numba.njit(**_INLINE)
+def _cheapest_swap(costs, memory, memory_cap, load, bin_mem, bin_of_item, top, top_items, num_top, order, start,
+                   slack, width, slack_lo, best, best_out, best_in, floor):
     """Best swap of one item of the top bin for one of the batch's cheapest items that beats ``best``.
 
-    The last items of ``order`` (decreasing cost) outside the top bin, up to ``scan`` of them, each
+    The items of ``order`` (decreasing cost) from ``start`` on outside the top bin (:func:`_scan_start`), each
     against the top bin's item whose cost is nearest its own plus half the gap between their bins
-    (``top_items``: by increasing cost). Returns (value, partner bin) with the swap in
+    (``top_items``: by increasing cost), cheapest first. Returns (value, partner bin) with the swap in
     ``best_out[0]`` / ``best_in[0]``, or (best, -1) if none beats it.
+
+    Only an item some top item takes below ``best`` is tried (:func:`_next_taker`): one skipped cannot beat
+    ``best`` as it then stood, so the result is that of trying every item in turn.
     """
     top_load = load[top]
     found = -1
-    seen = 0
-    for u in range(order.size - 1, -1, -1):
+    u = order.size - 1  # positions above u are done
+    p = 0
+    while best > floor:
+        u, p = _next_taker(costs, order, top_items, num_top, top_load, best, np.inf, start, u, p, slack, width,
+                           slack_lo)
+        if u < 0:
+            break
         j = order[u]
-        if seen == scan or costs[j] >= costs[top_items[num_top - 1]]:
-            break  # enough tried, or no item of the top bin costs more
+        u -= 1
         b = bin_of_item[j]
         if b == top:
             continue
-        seen += 1
         gap = top_load - load[b]
         if gap <= 0.0 or _cannot_beat(top_load, load[b], best):
             continue
@@ -294,24 +456,31 @@ def _pair_swap(costs, memory, memory_cap, load, bin_mem, top, b, best, best_out,
 
     Where one-for-one swaps are stuck (a few items per bin, no single difference near half the gap),
     two-for-two differences are many more. Each pair of the top bin meets b's pair whose sum is
-    nearest its own minus half the gap (pairs by sum, binary search). ``top_pairs``: the top bin's
-    ``num_top_pairs`` pairs, ``partner_pairs``: b's ``num_pairs`` (:func:`_pair_sums`). Returns
-    (value, 2) with the swap in ``best_out`` / ``best_in``, or (best, -1).
+    nearest its own minus half the gap (pairs by sum: b's searched from the last one found on).
+    ``top_pairs``: the top bin's ``num_top_pairs`` pairs, ``partner_pairs``: b's ``num_pairs``
+    (:func:`_pair_sums`). Returns (value, 2) with the swap in ``best_out`` / ``best_in``, or (best, -1).
     """
     top_sum, top_first, top_second = top_pairs
     sums, first, second = partner_pairs
     top_load = load[top]
     gap = top_load - load[b]
     found = -1
+    lo = 0  # b's first pair summing to >= target: targets rise with the top bin's pairs' sums, so from the last on
     for t in range(num_top_pairs):
         target = top_sum[t] - 0.5 * gap
-        lo, hi = 0, num_pairs  # b's first pair summing to >= target
-        while lo < hi:
-            mid = (lo + hi) // 2
-            if sums[mid] < target:
-                lo = mid + 1
-            else:
-                hi = mid
+        if lo < num_pairs and sums[lo] < target:  # steps doubling while below, then halving
+            step = 1
+            while lo + step < num_pairs and sums[lo + step] < target:
+                lo += step
+                step *= 2
+            hi = min(lo + step, num_pairs)
+            lo += 1
+            while lo < hi:
+                mid = (lo + hi) // 2
+                if sums[mid] < target:
+                    lo = mid + 1
+                else:
+                    hi = mid
         for u in range(max(lo - 1, 0), min(lo + 1, num_pairs)):
             d = top_sum[t] - sums[u]
             moved = memory[top_first[t]] + memory[top_second[t]] - memory[first[u]] - memory[second[u]]
@@ -480,7 +649,8 @@ def refine(costs, memory, memory_cap, num_bins, bin_of_item, allow_moves, stop_a
     With ``node_size > 0`` (bin r on node r // node_size) the rounds run with the bins of M's node
     first (every item of the node: no round of cheapest items there), then anywhere with ``partners``
     least-loaded bins (a step that finds nothing there tries :data:`_WIDEN` times as many; with
-    ``node_size``, and so on up to every bin); there, with a finite ``cross_swap_cap``, only moves, trades
+    ``node_size``, and so on up to every bin, the one-for-one round of those wider searches only with the bins
+    where one could beat the best, :func:`_mark_takers`); there, with a finite ``cross_swap_cap``, only moves, trades
     with the cheapest items and one-for-one swaps of items costing at most that (a swap that evens out two
     bins across nodes can move two long items, many bytes, for a small difference). ``settle_at_stop``
     (a locality refinement, whose target ``stop_at`` is a capacity to meet, not a bound to approach): an
@@ -530,6 +700,13 @@ def refine(costs, memory, memory_cap, num_bins, bin_of_item, allow_moves, stop_a
     pair_cached = np.full(cached_rows, -1, dtype=np.int64)
 
     floor = stop_at if settle_at_stop else -np.inf
+    # the items' slack trees (:func:`_slack_tree`): 0 over the cheapest items (the trades with them), 1 over every
+    # item (the widest searches); each built when first needed, brought up to date when read
+    slack_lo = np.array([n + 1, n + 1])
+    cheap = every = (np.empty(0), 0, np.empty(0, dtype=np.int64))
+    stale = np.zeros((2, num_bins), dtype=np.bool_)  # bins whose items' slack changed since the tree was read
+    stale_bins, num_stale = np.empty((2, num_bins), dtype=np.int64), np.zeros(2, dtype=np.int64)
+    marks, stamp = np.zeros(num_bins, dtype=np.int64), 0  # bins holding an item a top item can take (this stamp)
     steps = 0
     width = partners  # partners anywhere: widened when they give nothing, up to every bin with node_size (the
     # locality refinements, which start far from balance), else _WIDEN times (a plain plan stuck within its
@@ -559,17 +736,36 @@ def refine(costs, memory, memory_cap, num_bins, bin_of_item, allow_moves, stop_a
                         or (kind in (1, 2) and scope == 1 and cross_swap_cap < np.inf)):
                     continue
                 if kind == 3:
+                    start = _scan_start(costs, order, top_items, num_top, cheapest_scan)
+                    if start < slack_lo[0]:  # (first use, or a top bin holding many of the cheapest items)
+                        slack_lo[0] = max(0, start - cheapest_scan)
+                        cheap = _slack_tree(costs, load, bin_of_item, order, slack_lo[0])
+                    _refresh(cheap, costs, load, head, nxt, stale, stale_bins, num_stale, 0)
                     best, b = _cheapest_swap(costs, memory, memory_cap, load, bin_mem, bin_of_item, top, top_items,
-                                             num_top, order, cheapest_scan, best, best_out, best_in, floor)
+                                             num_top, order, start, cheap[0], cheap[1], slack_lo[0], best,
+                                             best_out, best_in, floor)
                     if b >= 0:
                         best_b, num_out, num_in = b, 1, 1
                     continue
                 if kind == 2 and num_top_pairs < 0:
                     num_top_pairs = _pair_sums(costs, top_items, num_top, top_pairs[0], top_pairs[1], top_pairs[2])
+                marked = kind == 0 and scope == 1 and width > _WIDEN * partners
+                if marked:  # (hundreds of partners or more: those with a swap or room for a move, in log time)
+                    if slack_lo[1] > 0:
+                        slack_lo[1] = 0
+                        every = _slack_tree(costs, load, bin_of_item, order, 0)
+                    _refresh(every, costs, load, head, nxt, stale, stale_bins, num_stale, 1)
+                    stamp += 1
+                    _mark_takers(costs, order, bin_of_item, top_items, num_top, load[top], best, cross_swap_cap,
+                                 every, marks, stamp)
+                    shed = _first_shed(costs, top_items, num_top, load[top], best)
                 for q in range(num_p if kind < 2 else min(num_p, _PAIR_PARTNERS * width // partners)):
                     b = plist[q]
                     if _cannot_beat(load[top], load[b], best):  # (partners by increasing load: nor any later one)
                         break
+                    if marked and marks[b] != stamp and not (allow_moves and shed < num_top
+                                                             and load[b] + costs[top_items[shed]] < best):
+                        continue
                     num_b = _sorted_items(head, nxt, costs, b, partner_items, cache, cached, cache_width)
                     if kind < 2:
                         best, o, i = _exchange_with(costs, memory, memory_cap, load, bin_mem, top, b, top_items,
@@ -619,6 +815,12 @@ def refine(costs, memory, memory_cap, num_bins, bin_of_item, allow_moves, stop_a
             bin_mem[src] -= memory[item]
             bin_mem[dst] += memory[item]
         cached[top] = cached[best_b] = -1
+        for w in range(2):
+            for b in (top, best_b):
+                if slack_lo[w] <= n and not stale[w, b]:
+                    stale[w, b] = True
+                    stale_bins[w, num_stale[w]] = b
+                    num_stale[w] += 1
         if node_size > 0:
             pair_cached[top] = pair_cached[best_b] = -1
         new_partner_load = load[best_b]  # reposition one bin at a time, the other still in place

@@ -4,7 +4,7 @@ numpy code made them."""
 import numba
 import numpy as np
 
-from megatron_orch.balance._jit import _JIT
+from megatron_orch.balance._jit import _INLINE, _JIT
 from megatron_orch.balance._kernels.bounds import numpy_sum
 from megatron_orch.balance._kernels.local_search import _rank_index
 from megatron_orch.balance._plan_kernels import _rank_starts
@@ -14,7 +14,7 @@ from megatron_orch.balance._plan_kernels import _rank_starts
 # Ranks' examples in the order they arrived (a linked list per rank: O(1) removal and append).
 # ---------------------------------------------------------------------------------------------
 
-@numba.njit(**_JIT)
+@numba.njit(**_INLINE)
 def _unlink(head, tail, nxt, prv, r, e):
     if prv[e] >= 0:
         nxt[prv[e]] = nxt[e]
@@ -28,7 +28,7 @@ def _unlink(head, tail, nxt, prv, r, e):
     prv[e] = -1
 
 
-@numba.njit(**_JIT)
+@numba.njit(**_INLINE)
 def _append(head, tail, nxt, prv, r, e):
     prv[e] = tail[r]
     nxt[e] = -1
@@ -53,38 +53,90 @@ def _lists_by_rank(rank, num_ranks):
 
 
 # ---------------------------------------------------------------------------------------------
-# A node's examples by increasing (cost, id): a sorted row of a (nodes, width) table.
+# A node's examples by increasing (cost, id): a sorted row of a (nodes, width) table; beside it, in a row of its own,
+# the nodes they want, increasing.
 # ---------------------------------------------------------------------------------------------
 
-@numba.njit(**_JIT)
-def _pool_remove(pools, sizes, x, costs, e):
+@numba.njit(**_INLINE)
+def _wanted_at(wanted, x, size, w):
+    """First place in row x of ``wanted`` (``size`` nodes, increasing) holding w or more."""
+    lo, hi = 0, size
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if wanted[x, mid] < w:
+            lo = mid + 1
+        else:
+            hi = mid
+    return lo
+
+
+@numba.njit(**_INLINE)
+def _wanted_swap(wanted, x, size, old, new):
+    """One ``old`` of row x of ``wanted`` replaced by ``new``, the row kept increasing (the entries between move)."""
+    k = _wanted_at(wanted, x, size, old)
+    while k > 0 and wanted[x, k - 1] > new:
+        wanted[x, k] = wanted[x, k - 1]
+        k -= 1
+    while k < size - 1 and wanted[x, k + 1] < new:
+        wanted[x, k] = wanted[x, k + 1]
+        k += 1
+    wanted[x, k] = new
+
+
+@numba.njit(**_INLINE)
+def _pool_remove(pools, wanted, sizes, x, costs, want, e):
     at = _rank_index(costs, pools[x], 0, sizes[x], costs[e], e)
     if at < sizes[x] and pools[x, at] == e:
         for k in range(at, sizes[x] - 1):
             pools[x, k] = pools[x, k + 1]
+        for k in range(_wanted_at(wanted, x, sizes[x], want[e]), sizes[x] - 1):
+            wanted[x, k] = wanted[x, k + 1]
         sizes[x] -= 1
 
 
-@numba.njit(**_JIT)
-def _pool_insert(pools, sizes, x, costs, e):
-    """``pools`` with e inserted in row x (the table twice as wide when the row is full)."""
+@numba.njit(**_INLINE)
+def _pool_insert(pools, wanted, sizes, x, costs, want, e):
+    """(``pools``, ``wanted``) with e inserted in row x (the tables twice as wide when the row is full)."""
     if sizes[x] == pools.shape[1]:
         wider = np.empty((pools.shape[0], 2 * pools.shape[1]), dtype=np.int64)
         wider[:, :pools.shape[1]] = pools
         pools = wider
+        wider = np.empty(pools.shape, dtype=np.int64)
+        wider[:, :wanted.shape[1]] = wanted
+        wanted = wider
     at = _rank_index(costs, pools[x], 0, sizes[x], costs[e], e)
     for k in range(sizes[x], at, -1):
         pools[x, k] = pools[x, k - 1]
     pools[x, at] = e
+    at = _wanted_at(wanted, x, sizes[x], want[e])
+    for k in range(sizes[x], at, -1):
+        wanted[x, k] = wanted[x, k - 1]
+    wanted[x, at] = want[e]
     sizes[x] += 1
-    return pools
+    return pools, wanted
+
+
+@numba.njit(**_INLINE)
+def _pool_replace(pools, wanted, x, size, costs, want, out, e):
+    """Example ``out`` of row x replaced by e, the rows kept sorted: only the entries between their two places move
+    (a swap's two examples cost about the same)."""
+    c = costs[e]
+    k = _rank_index(costs, pools[x], 0, size, costs[out], out)
+    while k > 0 and (costs[pools[x, k - 1]] > c or (costs[pools[x, k - 1]] == c and pools[x, k - 1] > e)):
+        pools[x, k] = pools[x, k - 1]
+        k -= 1
+    while k < size - 1 and (costs[pools[x, k + 1]] < c or (costs[pools[x, k + 1]] == c and pools[x, k + 1] < e)):
+        pools[x, k] = pools[x, k + 1]
+        k += 1
+    pools[x, k] = e
+    _wanted_swap(wanted, x, size, want[out], want[e])
 
 
 # ---------------------------------------------------------------------------------------------
 # localize
 # ---------------------------------------------------------------------------------------------
 
-@numba.njit(**_JIT)
+@numba.njit(**_INLINE)
 def _exchange(rank, load, costs, head, tail, nxt, prv, e, f):
     """e and f (on different ranks) trade ranks."""
     a, b = rank[e], rank[f]
@@ -97,7 +149,7 @@ def _exchange(rank, load, costs, head, tail, nxt, prv, e, f):
     load[b] += costs[e] - costs[f]
 
 
-@numba.njit(**_JIT)
+@numba.njit(**_INLINE)
 def _relocate(rank, load, costs, head, tail, nxt, prv, e, to):
     a = rank[e]
     rank[e] = to
@@ -107,7 +159,7 @@ def _relocate(rank, load, costs, head, tail, nxt, prv, e, to):
     load[to] += costs[e]
 
 
-@numba.njit(**_JIT)
+@numba.njit(**_INLINE)
 def _max_room(load, capacity, node_ranks, node_start, x):
     least = np.inf
     for t in range(node_start[x], node_start[x + 1]):
@@ -115,13 +167,31 @@ def _max_room(load, capacity, node_ranks, node_start, x):
     return capacity - least
 
 
-@numba.njit(**_JIT)
+@numba.njit(**_INLINE)
+def _list_position(head, nxt, q, f):
+    """Place of example f in rank q's list (the order its examples arrived in)."""
+    k = 0
+    g = head[q]
+    while g != f:
+        g = nxt[g]
+        k += 1
+    return k
+
+
+@numba.njit(**_INLINE)
 def _settle(rank, load, costs, head, tail, nxt, prv, node_of_rank, node_ranks, node_start, capacity, swaps_only, r,
-            over):
+            over, pool, size):
     """One exchange between rank r and another rank q of its node that takes between ``over`` and q's room off
     r, the least such (keeping the most room), the first found when rank r's examples (in order) meet the
     node's other ranks' examples (rank by rank, each in order) and then (``swaps_only`` False) the ranks
-    themselves (a move): applied, True; else False."""
+    themselves (a move): applied, True; else False.
+
+    ``pool[:size]``: the node's examples by (cost, id), from before the trial swap that overfilled r (the one it
+    sent off the node is skipped; the one it brought is on r). For each example i of r, its swaps from the least
+    difference up: from the costliest example f with c_i - c_f >= ``over`` down, while the difference stays below
+    the best found and the node's most room (it only grows, the rounding of ``-`` keeps the order); the first that
+    fits its rank's room is i's best, ties (an equal difference) to the first rank of the node, then the first
+    example in that rank's order."""
     x = node_of_rank[r]
     most = -np.inf  # the most room of another rank of the node: none with less than ``over`` can take the excess
     for t in range(node_start[x], node_start[x + 1]):
@@ -133,17 +203,27 @@ def _settle(rank, load, costs, head, tail, nxt, prv, node_of_rank, node_ranks, n
     i = head[r]
     while i >= 0:
         ci = costs[i]
-        for t in range(node_start[x], node_start[x + 1]):
-            q = node_ranks[t]
-            room = capacity - load[q]
-            if q == r or room < over:
+        lo, hi = 0, size  # the first example of the pool whose difference to i is below over
+        while lo < hi:
+            mid = (lo + hi) // 2
+            if ci - costs[pool[mid]] >= over:
+                lo = mid + 1
+            else:
+                hi = mid
+        least, least_q, least_f = np.inf, -1, -1
+        for k in range(lo - 1, -1, -1):
+            f = pool[k]
+            d = ci - costs[f]
+            if d >= best or d > most or (least_f >= 0 and d != least):
+                break
+            q = rank[f]
+            if q == r or node_of_rank[q] != x or d > capacity - load[q]:
                 continue
-            f = head[q]
-            while f >= 0:
-                d = ci - costs[f]
-                if over <= d <= room and d < best:
-                    best, g, h = d, i, f
-                f = nxt[f]
+            if least_f < 0 or q < least_q or (q == least_q and _list_position(head, nxt, q, f)
+                                               < _list_position(head, nxt, q, least_f)):
+                least, least_q, least_f = d, q, f
+        if least_f >= 0:
+            best, g, h = least, i, least_f
         if not swaps_only:
             for t in range(node_start[x], node_start[x + 1]):
                 q = node_ranks[t]
@@ -167,7 +247,7 @@ def _settle(rank, load, costs, head, tail, nxt, prv, node_of_rank, node_ranks, n
 def localize(rank, costs, want, node_of_rank, capacity, swaps_only, weight, scan, passes, settle_tries):
     """balance/repair.py's ``localize`` on ``rank`` (in place); returns the examples brought home.
 
-    ``weight``: the bytes an example pulls; ``scan``: swap partners looked at on either side of an
+    ``weight``: the bytes an example pulls (>= 0); ``scan``: swap partners looked at on either side of an
     example's cost; ``passes``: passes over the examples away from their node; ``settle_tries``: swaps
     that overfill a rank tried per example, the best first. Every choice and tie is the reference's
     (tests/balance/localize_reference.py): its lists become linked lists and sorted rows, in the same
@@ -192,18 +272,22 @@ def localize(rank, costs, want, node_of_rank, capacity, swaps_only, weight, scan
     for e in range(n):
         sizes[node_of_rank[rank[e]]] += 1
     pools = np.empty((num_nodes, 2 * max(sizes.max() if num_nodes else 0, 1)), dtype=np.int64)
+    wanted = np.empty(pools.shape, dtype=np.int64)
     sizes[:] = 0
     for e in np.argsort(costs, kind="mergesort"):  # by (cost, id): every row sorted
         x = node_of_rank[rank[e]]
         pools[x, sizes[x]] = e
+        wanted[x, sizes[x]] = want[e]
         sizes[x] += 1
+    for x in range(num_nodes):
+        wanted[x, :sizes[x]] = np.sort(wanted[x, :sizes[x]])
     start = 0
     for e in range(n):
         if node_of_rank[rank[e]] == want[e]:
             start += 1
-    gains = np.empty(2 * scan)
-    gaps = np.empty(2 * scan)
-    partners = np.empty(2 * scan, dtype=np.int64)
+    gains = np.empty(settle_tries)  # the swaps that overfill a rank to try, the best first
+    gaps = np.empty(settle_tries)
+    partners = np.empty(settle_tries, dtype=np.int64)
     by_cost = np.argsort(-costs, kind="mergesort")  # decreasing cost, ties by id: sorted once, filtered per pass
     away = np.empty(n, dtype=np.int64)
     for _ in range(passes):  # the costliest first (fewest partners); again, as moves made room
@@ -221,6 +305,7 @@ def localize(rank, costs, want, node_of_rank, capacity, swaps_only, weight, scan
             c = costs[e]
             pick, pick_gain, pick_gap = -1, 0.0, 0.0
             num_unsettled = 0
+            wanting = -1  # whether an example on y wants x (1) or not (0); -1: not asked yet
             size = sizes[y]
             if size > 0:
                 # no partner further in cost can fit, even settled: a costlier one overfills a by the gap less
@@ -238,6 +323,16 @@ def localize(rank, costs, want, node_of_rank, capacity, swaps_only, weight, scan
                         k, lo = lo, lo - 1
                     else:
                         break
+                    # partners come nearest first: one further on beats the pick only by bringing more bytes home,
+                    # which (bytes >= 0) only one wanting x can; where none on y does, that is all
+                    if pick >= 0 and weight[e] + 0.0 <= pick_gain:
+                        if wanting < 0:
+                            at = _wanted_at(wanted, y, size, x)
+                            wanting = 1 if at < size and wanted[y, at] == x else 0
+                        if wanting == 0:
+                            break
+                        if want[pools[y, k]] != x:
+                            continue
                     f = pools[y, k]
                     cf = costs[f]
                     gap = abs(cf - c)
@@ -252,42 +347,39 @@ def localize(rank, costs, want, node_of_rank, capacity, swaps_only, weight, scan
                         continue
                     b = rank[f]
                     if load[a] - c + cf > capacity or load[b] - cf + c > capacity:
-                        gains[num_unsettled], gaps[num_unsettled], partners[num_unsettled] = gain, gap, f
-                        num_unsettled += 1
+                        if pick < 0:  # (kept for the tries, which only run if none fits) the best settle_tries
+                            # by (most bytes home, smallest gap, id)
+                            t = min(num_unsettled, settle_tries)
+                            while t > 0 and (gain > gains[t - 1] or (gain == gains[t - 1] and (
+                                    gap < gaps[t - 1] or (gap == gaps[t - 1] and f < partners[t - 1])))):
+                                if t < settle_tries:
+                                    gains[t], gaps[t], partners[t] = gains[t - 1], gaps[t - 1], partners[t - 1]
+                                t -= 1
+                            if t < settle_tries:
+                                gains[t], gaps[t], partners[t] = gain, gap, f
+                            num_unsettled += 1
                         continue
                     if pick < 0 or gain > pick_gain or (gain == pick_gain and gap < pick_gap):
                         pick, pick_gain, pick_gap = k, gain, gap
             partner = -1
             if pick >= 0:
                 partner = pools[y, pick]
-                for t in range(pick, size - 1):
-                    pools[y, t] = pools[y, t + 1]
-                sizes[y] -= 1
                 _exchange(rank, load, costs, head, tail, nxt, prv, e, partner)
             else:  # the best swaps that overfill one rank, if its node can take the excess
                 for _try in range(min(settle_tries, num_unsettled)):
-                    best = _try  # the next best by (most bytes home, smallest gap, id)
-                    for u in range(_try + 1, num_unsettled):
-                        if (gains[u] > gains[best] or (gains[u] == gains[best] and (
-                                gaps[u] < gaps[best] or (gaps[u] == gaps[best] and partners[u] < partners[best])))):
-                            best = u
-                    gains[_try], gains[best] = gains[best], gains[_try]
-                    gaps[_try], gaps[best] = gaps[best], gaps[_try]
-                    partners[_try], partners[best] = partners[best], partners[_try]
                     f = partners[_try]
                     b = rank[f]
                     _exchange(rank, load, costs, head, tail, nxt, prv, e, f)
                     heavy = a if load[a] > capacity else b
                     if _settle(rank, load, costs, head, tail, nxt, prv, node_of_rank, node_ranks, node_start,
-                               capacity, swaps_only, heavy, load[heavy] - capacity):
-                        _pool_remove(pools, sizes, y, costs, f)
+                               capacity, swaps_only, heavy, load[heavy] - capacity,
+                               pools[node_of_rank[heavy]], sizes[node_of_rank[heavy]]):
                         partner = f
                         break
                     _exchange(rank, load, costs, head, tail, nxt, prv, e, f)
-            if partner >= 0:
-                _pool_remove(pools, sizes, x, costs, e)
-                pools = _pool_insert(pools, sizes, y, costs, e)
-                pools = _pool_insert(pools, sizes, x, costs, partner)
+            if partner >= 0:  # e takes the partner's place among y's examples, the partner e's among x's
+                _pool_replace(pools, wanted, y, sizes[y], costs, want, partner, e)
+                _pool_replace(pools, wanted, x, sizes[x], costs, want, e, partner)
                 moved += 1
                 continue
             if not swaps_only:
@@ -298,8 +390,8 @@ def localize(rank, costs, want, node_of_rank, capacity, swaps_only, weight, scan
                         b = q
                 if b >= 0 and load[b] + c <= capacity:
                     _relocate(rank, load, costs, head, tail, nxt, prv, e, b)
-                    _pool_remove(pools, sizes, x, costs, e)
-                    pools = _pool_insert(pools, sizes, y, costs, e)
+                    _pool_remove(pools, wanted, sizes, x, costs, want, e)
+                    pools, wanted = _pool_insert(pools, wanted, sizes, y, costs, want, e)
                     moved += 1
         if moved == 0:
             break
