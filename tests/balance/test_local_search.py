@@ -96,16 +96,12 @@ def test_cached_pair_sums_are_a_fresh_sort_after_every_move(items, moves):
                 assert pair_cached[b] == m
 
 
-@settings(max_examples=400, deadline=None)
-@given(st.data(), st.integers(2, 12), st.sampled_from([5, 12, 40, 200]), st.sampled_from([1.0, 1e15]),
-       st.sampled_from([math.inf, 1.0, 3.0]))
-def test_cheapest_swap_is_trying_every_cheapest_item_in_turn(data, num_bins, largest, scale, memory_room):
-    """Costs with ties (the scan order and the choices among equal values matter) or fewer ties, at a step
-    backbone's scale (1e15) or a small one (the skips' margins hold), any bin the most loaded, ``best`` at or below
-    its load, a floor anywhere between the mean and the top (or none), memory that binds or not, the tree built from
-    any position at or before the scan's start: the same swap as the reference's item-by-item scan."""
+def _drawn_search(data, num_bins, largest, scale, memory_room, max_items):
+    """A refinement step's inputs drawn by hypothesis: items (costs with ties at ``scale``, bins, memory), the memory
+    cap, the bins' loads and memory, the most-loaded bin and its items by cost, the items by decreasing cost, and a
+    ``best`` at or below the top load."""
     items = data.draw(st.lists(st.tuples(st.integers(1, largest), st.integers(0, num_bins - 1), st.integers(0, 3)),
-                               min_size=2, max_size=100))
+                               min_size=2, max_size=max_items))
     costs = np.array([float(c) for c, _, _ in items]) * scale
     bins = np.array([b for _, b, _ in items], dtype=np.int64)
     memory = np.array([float(m) for _, _, m in items])
@@ -116,6 +112,19 @@ def test_cheapest_swap_is_trying_every_cheapest_item_in_turn(data, num_bins, lar
     top_items = np.array(_by_cost(costs, bins.tolist(), top), dtype=np.int64)
     order = np.argsort(-costs, kind="stable")
     best = load[top] - data.draw(st.sampled_from([0.0, 0.0, 0.1, 0.3])) * (load[top] - load.min())
+    return costs, bins, memory, memory_cap, load, bin_mem, top, top_items, order, best
+
+
+@settings(max_examples=400, deadline=None)
+@given(st.data(), st.integers(2, 12), st.sampled_from([5, 12, 40, 200]), st.sampled_from([1.0, 1e15]),
+       st.sampled_from([math.inf, 1.0, 3.0]))
+def test_cheapest_swap_is_trying_every_cheapest_item_in_turn(data, num_bins, largest, scale, memory_room):
+    """Costs with ties (the scan order and the choices among equal values matter) or fewer ties, at a step
+    backbone's scale (1e15) or a small one (the skips' margins hold), any bin the most loaded, ``best`` at or below
+    its load, a floor anywhere between the mean and the top (or none), memory that binds or not, the tree built from
+    any position at or before the scan's start: the same swap as the reference's item-by-item scan."""
+    costs, bins, memory, memory_cap, load, bin_mem, top, top_items, order, best = _drawn_search(
+        data, num_bins, largest, scale, memory_room, max_items=100)
     floor_at = data.draw(st.sampled_from([None, 0.0, 0.5, 1.0]))
     floor = -math.inf if floor_at is None else floor_at * load[top] + (1.0 - floor_at) * load.mean()
     scan = data.draw(st.integers(1, costs.size + 2))
@@ -140,18 +149,8 @@ def test_marked_bins_hold_every_swap_and_move_that_beats_the_best(data, num_bins
     """The widest searches try only the bins ``_mark_takers`` marks (for swaps) and those ``_first_shed`` leaves room
     for (moves): every bin where the one-for-one exchanges (``_exchange_with``, kind 0) beat ``best`` is among them,
     whatever the cap on the swapped items' cost, the memory, the floor."""
-    items = data.draw(st.lists(st.tuples(st.integers(1, largest), st.integers(0, num_bins - 1), st.integers(0, 3)),
-                               min_size=2, max_size=80))
-    costs = np.array([float(c) for c, _, _ in items]) * scale
-    bins = np.array([b for _, b, _ in items], dtype=np.int64)
-    memory = np.array([float(m) for _, _, m in items])
-    memory_cap = memory_room * costs.size / num_bins + 2.0
-    load = np.bincount(bins, weights=costs, minlength=num_bins)
-    bin_mem = np.bincount(bins, weights=memory, minlength=num_bins)
-    top = int(np.argmax(load))
-    top_items = np.array(_by_cost(costs, bins.tolist(), top), dtype=np.int64)
-    order = np.argsort(-costs, kind="stable")
-    best = load[top] - data.draw(st.sampled_from([0.0, 0.0, 0.1, 0.3])) * (load[top] - load.min())
+    costs, bins, memory, memory_cap, load, bin_mem, top, top_items, order, best = _drawn_search(
+        data, num_bins, largest, scale, memory_room, max_items=80)
     floor_at = data.draw(st.sampled_from([None, 0.5, 1.0]))
     floor = -math.inf if floor_at is None else floor_at * load[top] + (1.0 - floor_at) * load.mean()
     cap = data.draw(st.sampled_from([math.inf, 0.0, 3.0, 10.0])) * scale
