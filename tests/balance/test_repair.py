@@ -83,8 +83,9 @@ def test_localize_makes_the_python_reference_plans_on_sweep_batches(monkeypatch,
 @given(st.data())
 def test_localize_pool_rows_stay_sorted_through_moves_and_swaps(data):
     """localize's rows per node (its examples by (cost, id), the nodes they want, increasing), filled one insertion at
-    a time from a one-wide table (it widens), then through any moves (a removal and an insertion) and swaps (each
-    example takes the other's place): always what sorting the node's examples afresh gives."""
+    a time from a one-wide table (widened where a row is full, as localize does), then through any moves (a removal
+    and an insertion) and swaps (each example takes the other's place): always what sorting the node's examples
+    afresh gives."""
     num_nodes = data.draw(st.integers(1, 3))
     n = data.draw(st.integers(2, 24))
     costs = np.array(data.draw(st.lists(st.sampled_from([1.0, 2.0, 3.0, 5.0]), min_size=n, max_size=n)))
@@ -92,8 +93,14 @@ def test_localize_pool_rows_stay_sorted_through_moves_and_swaps(data):
     node = np.array(data.draw(st.lists(st.integers(0, num_nodes - 1), min_size=n, max_size=n)), dtype=np.int64)
     pools, wanted = np.empty((num_nodes, 1), dtype=np.int64), np.empty((num_nodes, 1), dtype=np.int64)
     sizes = np.zeros(num_nodes, dtype=np.int64)
+    def insert(x, e):
+        nonlocal pools, wanted
+        if sizes[x] == pools.shape[1]:
+            pools, wanted = repair_kernels._wider(pools), repair_kernels._wider(wanted)
+        repair_kernels._pool_insert(pools, wanted, sizes, x, costs, want, e)
+
     for e in range(n):
-        pools, wanted = repair_kernels._pool_insert(pools, wanted, sizes, node[e], costs, want, e)
+        insert(node[e], e)
 
     def check():
         for x in range(num_nodes):
@@ -113,7 +120,7 @@ def test_localize_pool_rows_stay_sorted_through_moves_and_swaps(data):
             node[e], node[f] = y, x
         else:  # e moves to y
             repair_kernels._pool_remove(pools, wanted, sizes, x, costs, want, e)
-            pools, wanted = repair_kernels._pool_insert(pools, wanted, sizes, y, costs, want, e)
+            insert(y, e)
             node[e] = y
         check()
 

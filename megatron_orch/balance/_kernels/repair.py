@@ -4,7 +4,7 @@ numpy code made them."""
 import numba
 import numpy as np
 
-from megatron_orch.balance._jit import _INLINE, _JIT
+from megatron_orch.balance._jit import _INLINE, _JIT, _NO_REFCOUNT
 from megatron_orch.balance._kernels.bounds import numpy_sum
 from megatron_orch.balance._kernels.local_search import _rank_index
 from megatron_orch.balance._plan_kernels import _rank_starts
@@ -94,16 +94,17 @@ def _pool_remove(pools, wanted, sizes, x, costs, want, e):
         sizes[x] -= 1
 
 
+@numba.njit(**_JIT)
+def _wider(table):
+    """``table`` (a row per node) twice as wide, its entries in place."""
+    wider = np.empty((table.shape[0], 2 * table.shape[1]), dtype=table.dtype)
+    wider[:, :table.shape[1]] = table
+    return wider
+
+
 @numba.njit(**_INLINE)
 def _pool_insert(pools, wanted, sizes, x, costs, want, e):
-    """(``pools``, ``wanted``) with e inserted in row x (the tables twice as wide when the row is full)."""
-    if sizes[x] == pools.shape[1]:
-        wider = np.empty((pools.shape[0], 2 * pools.shape[1]), dtype=np.int64)
-        wider[:, :pools.shape[1]] = pools
-        pools = wider
-        wider = np.empty(pools.shape, dtype=np.int64)
-        wider[:, :wanted.shape[1]] = wanted
-        wanted = wider
+    """e inserted in row x of ``pools`` and ``wanted`` (the row has room: see :func:`_wider`)."""
     at = _rank_index(costs, pools[x], 0, sizes[x], costs[e], e)
     for k in range(sizes[x], at, -1):
         pools[x, k] = pools[x, k - 1]
@@ -113,7 +114,6 @@ def _pool_insert(pools, wanted, sizes, x, costs, want, e):
         wanted[x, k] = wanted[x, k - 1]
     wanted[x, at] = want[e]
     sizes[x] += 1
-    return pools, wanted
 
 
 @numba.njit(**_INLINE)
@@ -290,18 +290,43 @@ def localize(rank, costs, want, node_of_rank, capacity, swaps_only, weight, scan
     partners = np.empty(settle_tries, dtype=np.int64)
     by_cost = np.argsort(-costs, kind="mergesort")  # decreasing cost, ties by id: sorted once, filtered per pass
     away = np.empty(n, dtype=np.int64)
-    for _ in range(passes):  # the costliest first (fewest partners); again, as moves made room
-        num_away = 0
-        for e in by_cost:
-            if node_of_rank[rank[e]] != want[e]:
-                away[num_away] = e
-                num_away += 1
-        moved = 0
-        for e in away[:num_away]:
+    progress = np.zeros(4, dtype=np.int64)
+    while _passes(rank, costs, want, node_of_rank, capacity, swaps_only, weight, scan, passes, settle_tries, load,
+                  node_start, node_ranks, head, tail, nxt, prv, sizes, pools, wanted, gains, gaps, partners, by_cost,
+                  away, progress):
+        pools, wanted = _wider(pools), _wider(wanted)
+    home = 0
+    for e in range(n):
+        if node_of_rank[rank[e]] == want[e]:
+            home += 1
+    return home - start
+
+
+@numba.njit(**_NO_REFCOUNT)
+def _passes(rank, costs, want, node_of_rank, capacity, swaps_only, weight, scan, passes, settle_tries, load, node_start,
+            node_ranks, head, tail, nxt, prv, sizes, pools, wanted, gains, gaps, partners, by_cost, away, progress):
+    """:func:`localize`'s passes, from where ``progress`` (pass, place in its list of examples away, examples moved
+    in it, their number) says; True where it stopped (``progress`` set) before an example that could move onto a
+    full row: the caller widens the rows (:func:`_wider`) and calls again. Allocates nothing, so it runs without
+    reference counts (each inlined helper would otherwise count every array it is passed)."""
+    p, t0, moved, num_away = progress[0], progress[1], progress[2], progress[3]
+    while p < passes:  # the costliest first (fewest partners); again, as moves made room
+        if t0 == 0:
+            num_away = 0
+            for e in by_cost:
+                if node_of_rank[rank[e]] != want[e]:
+                    away[num_away] = e
+                    num_away += 1
+            moved = 0
+        for t in range(t0, num_away):
+            e = away[t]
             a = rank[e]
             x, y = node_of_rank[a], want[e]
             if x == y:
                 continue
+            if not swaps_only and sizes[y] == pools.shape[1]:
+                progress[0], progress[1], progress[2], progress[3] = p, t, moved, num_away
+                return True
             c = costs[e]
             pick, pick_gain, pick_gap = -1, 0.0, 0.0
             num_unsettled = 0
@@ -391,15 +416,12 @@ def localize(rank, costs, want, node_of_rank, capacity, swaps_only, weight, scan
                 if b >= 0 and load[b] + c <= capacity:
                     _relocate(rank, load, costs, head, tail, nxt, prv, e, b)
                     _pool_remove(pools, wanted, sizes, x, costs, want, e)
-                    pools, wanted = _pool_insert(pools, wanted, sizes, y, costs, want, e)
+                    _pool_insert(pools, wanted, sizes, y, costs, want, e)
                     moved += 1
         if moved == 0:
             break
-    home = 0
-    for e in range(n):
-        if node_of_rank[rank[e]] == want[e]:
-            home += 1
-    return home - start
+        p, t0 = p + 1, 0
+    return False
 
 
 @numba.njit(**_JIT)
