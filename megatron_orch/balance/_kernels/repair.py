@@ -238,15 +238,13 @@ def _settle(rank, load, costs, head, tail, nxt, prv, node_of_rank, node_ranks, n
                 least, least_q, least_f = d, q, f
         if least_f >= 0:
             best, g, h = least, i, least_f
-        if not swaps_only:
+        d = ci - 0.0
+        if not swaps_only and over <= d <= most and d < best:  # a move: to the node's first rank with room for i
             for t in range(node_start[x], node_start[x + 1]):
                 q = node_ranks[t]
-                room = capacity - load[q]
-                if q == r or room < over:
-                    continue
-                d = ci - 0.0
-                if over <= d <= room and d < best:
+                if q != r and d <= capacity - load[q]:
                     best, g, h, to = d, i, -1, q
+                    break
         i = nxt[i]
     if g < 0:
         return False
