@@ -63,6 +63,21 @@ def test_localize_makes_the_python_reference_plans(data):
     assert np.array_equal(out, expected) and brought == expected_brought
 
 
+@settings(max_examples=200, deadline=None)
+@given(st.data())
+def test_localize_makes_the_python_reference_plans_as_examples_gather_on_one_node(data):
+    """Packed micro-batches, room to spare, most examples wanting node 0: its row of examples outgrows the tables
+    localize starts with (as wide as the fullest node), which it widens before a pass that could overfill them."""
+    ranks_per_node, nodes = data.draw(st.sampled_from([1, 2])), data.draw(st.integers(3, 5))
+    costs, rank, node = _instance(data, ranks_per_node, nodes)
+    want = np.array(data.draw(st.lists(st.sampled_from([0, 0, 0, 0, 1, 2]), min_size=costs.size,
+                                       max_size=costs.size)))
+    capacity = data.draw(st.sampled_from([1.0, 2.0, 4.0])) * np.bincount(rank, weights=costs, minlength=node.size).max()
+    out, brought = localize(rank, costs, want, node, capacity, swaps_only=False)
+    expected, expected_brought = localize_reference(rank, costs, want, node, capacity, swaps_only=False)
+    assert np.array_equal(out, expected) and brought == expected_brought
+
+
 @pytest.mark.parametrize("mixture,dp,seed", [("heavy-tail", 64, 2), ("heavy-tail", 512, 1)])
 def test_localize_makes_the_python_reference_plans_on_sweep_batches(monkeypatch, mixture, dp, seed):
     """Batches of the balance sweep whose equal-count locality plan is the plain plan localised: what plan_step
@@ -97,7 +112,8 @@ def test_localize_pool_rows_stay_sorted_through_moves_and_swaps(data):
     def insert(x, e):
         nonlocal pools, pool_costs, wanted
         if sizes[x] == pools.shape[1]:
-            pools, pool_costs, wanted = (repair_kernels._wider(table) for table in (pools, pool_costs, wanted))
+            pools, pool_costs, wanted = (repair_kernels._wider(table, 2 * sizes[x]) for table in (pools, pool_costs,
+                                                                                                   wanted))
         repair_kernels._pool_insert(pools, pool_costs, wanted, sizes, x, costs, want, e)
 
     for e in range(n):

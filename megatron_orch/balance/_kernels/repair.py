@@ -108,9 +108,9 @@ def _pool_remove(pools, pool_costs, wanted, sizes, x, costs, want, e):
 
 
 @numba.njit(**_JIT)
-def _wider(table):
-    """``table`` (a row per node) twice as wide, its entries in place."""
-    wider = np.empty((table.shape[0], 2 * table.shape[1]), dtype=table.dtype)
+def _wider(table, width):
+    """``table`` (a row per node) ``width`` wide, its entries in place."""
+    wider = np.empty((table.shape[0], width), dtype=table.dtype)
     wider[:, :table.shape[1]] = table
     return wider
 
@@ -283,7 +283,7 @@ def localize(rank, costs, want, node_of_rank, capacity, swaps_only, weight, scan
     sizes = np.zeros(num_nodes, dtype=np.int64)
     for e in range(n):
         sizes[node_of_rank[rank[e]]] += 1
-    pools = np.empty((num_nodes, 2 * max(sizes.max() if num_nodes else 0, 1)), dtype=np.int64)
+    pools = np.empty((num_nodes, max(sizes.max() if num_nodes else 0, 1)), dtype=np.int64)
     pool_costs = np.empty(pools.shape)
     wanted = np.empty(pools.shape, dtype=np.int64)
     sizes[:] = 0
@@ -305,11 +305,13 @@ def localize(rank, costs, want, node_of_rank, capacity, swaps_only, weight, scan
     partners = np.empty(settle_tries, dtype=np.int64)
     by_cost = decreasing(costs)  # decreasing cost, ties by id: sorted once, filtered per pass
     away = np.empty(n, dtype=np.int64)
-    progress = np.zeros(4, dtype=np.int64)
+    arriving = np.zeros(num_nodes, dtype=np.int64)
+    progress = np.zeros(2, dtype=np.int64)
     while _passes(rank, costs, want, node_of_rank, capacity, swaps_only, weight, scan, passes, settle_tries, load,
                   node_start, node_ranks, head, tail, nxt, prv, sizes, pools, pool_costs, wanted, gains, gaps, partners,
-                  by_cost, away, progress):
-        pools, pool_costs, wanted = _wider(pools), _wider(pool_costs), _wider(wanted)
+                  by_cost, away, arriving, progress):
+        width = progress[1]
+        pools, pool_costs, wanted = _wider(pools, width), _wider(pool_costs, width), _wider(wanted, width)
     home = 0
     for e in range(n):
         if node_of_rank[rank[e]] == want[e]:
@@ -320,29 +322,31 @@ def localize(rank, costs, want, node_of_rank, capacity, swaps_only, weight, scan
 @numba.njit(**_NO_REFCOUNT)
 def _passes(rank, costs, want, node_of_rank, capacity, swaps_only, weight, scan, passes, settle_tries, load, node_start,
             node_ranks, head, tail, nxt, prv, sizes, pools, pool_costs, wanted, gains, gaps, partners, by_cost, away,
-            progress):
-    """:func:`localize`'s passes, from where ``progress`` (pass, place in its list of examples away, examples moved
-    in it, their number) says; True where it stopped (``progress`` set) before an example that could move onto a
-    full row: the caller widens the rows (:func:`_wider`) and calls again. Allocates nothing, so it runs without
-    reference counts (each inlined helper would otherwise count every array it is passed)."""
-    p, t0, moved, num_away = progress[0], progress[1], progress[2], progress[3]
-    while p < passes:  # the costliest first (fewest partners); again, as moves made room
-        if t0 == 0:
-            num_away = 0
-            for e in by_cost:
-                if node_of_rank[rank[e]] != want[e]:
-                    away[num_away] = e
-                    num_away += 1
-            moved = 0
-        for t in range(t0, num_away):
-            e = away[t]
+            arriving, progress):
+    """:func:`localize`'s passes from pass ``progress[0]``; True where it stopped before a pass whose moves could
+    overfill a row (a node's examples and those away that want it; ``progress``: that pass, the width it needs): the
+    caller widens the rows (:func:`_wider`) and calls again. Allocates nothing, so it runs without reference counts
+    (each inlined helper would otherwise count every array it is passed). ``arriving``: a zero per node, left zero."""
+    for p in range(progress[0], passes):  # the costliest first (fewest partners); again, as moves made room
+        num_away = 0
+        for e in by_cost:
+            if node_of_rank[rank[e]] != want[e]:
+                away[num_away] = e
+                num_away += 1
+                arriving[want[e]] += 1
+        need = 0  # (a pass moves an example once at most; swaps leave every node's count as it is)
+        for y in range(sizes.size):
+            need = max(need, sizes[y] + arriving[y])
+            arriving[y] = 0
+        if not swaps_only and need > pools.shape[1]:
+            progress[0], progress[1] = p, need
+            return True
+        moved = 0
+        for e in away[:num_away]:
             a = rank[e]
             x, y = node_of_rank[a], want[e]
             if x == y:
                 continue
-            if not swaps_only and sizes[y] == pools.shape[1]:
-                progress[0], progress[1], progress[2], progress[3] = p, t, moved, num_away
-                return True
             c = costs[e]
             pick, pick_gain, pick_gap = -1, 0.0, 0.0
             num_unsettled = 0
@@ -436,7 +440,6 @@ def _passes(rank, costs, want, node_of_rank, capacity, swaps_only, weight, scan,
                     moved += 1
         if moved == 0:
             break
-        p, t0 = p + 1, 0
     return False
 
 
