@@ -216,7 +216,7 @@ def _settle(rank, load, costs, head, tail, nxt, prv, node_of_rank, node_ranks, n
     i = head[r]
     while i >= 0:
         ci = costs[i]
-        lo = 0  # the first example of the pool whose difference to i is below over (by halving, without branches)
+        lo = 0  # the first example of the pool whose difference to i is below over (by halving its span)
         if size > 0:
             span = size
             while span > 1:
