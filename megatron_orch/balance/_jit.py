@@ -83,6 +83,10 @@ _JIT = dict(cache=True, nogil=True)
 # Helpers called in the refinement's inner loop are inlined (measured: the loop runs ~1.6x faster
 # than with calls that pass a dozen arrays).
 _INLINE = dict(_JIT, inline="always")
+# A kernel that allocates nothing and passes arrays to many inlined helpers: compiled without reference counting
+# (numba counts every array bound to a helper's argument, two atomic operations per array per call: measured, a
+# quarter of localize's passes' time).
+_NO_REFCOUNT = dict(_JIT, _nrt=False)
 
 # Compiling every planning kernel from a cold cache (scripts/setup_env.sh does it once): 63 s of CPU, 83 s of
 # wall time on a 2-core machine at load 2; loading them from the cache: under a second.

@@ -140,6 +140,9 @@ def localize(bin_of_item: np.ndarray, costs: np.ndarray, want_node: np.ndarray, 
     GIL released)."""
     rank = np.array(bin_of_item, dtype=np.int64)
     costs = np.ascontiguousarray(costs, dtype=np.float64)
+    if costs.size and not (costs.min() >= 0 and costs.max() < np.inf):  # (the kernel sorts them by their bits)
+        i = int(np.flatnonzero(~((costs >= 0) & (costs < np.inf)))[0])
+        raise ValueError(f"cost of example {i} is {costs[i]}: costs are finite and >= 0")
     node = np.ascontiguousarray(node_of_rank, dtype=np.int64)
     want = np.ascontiguousarray(want_node, dtype=np.int64)
     if want.size and (want.min() < 0 or want.max() > node.max(initial=-1)):

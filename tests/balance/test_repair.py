@@ -63,6 +63,21 @@ def test_localize_makes_the_python_reference_plans(data):
     assert np.array_equal(out, expected) and brought == expected_brought
 
 
+@settings(max_examples=200, deadline=None)
+@given(st.data())
+def test_localize_makes_the_python_reference_plans_as_examples_gather_on_one_node(data):
+    """Packed micro-batches, room to spare, most examples wanting node 0: its row of examples outgrows the tables
+    localize starts with (as wide as the fullest node), which it widens before a pass that could overfill them."""
+    ranks_per_node, nodes = data.draw(st.sampled_from([1, 2])), data.draw(st.integers(3, 5))
+    costs, rank, node = _instance(data, ranks_per_node, nodes)
+    want = np.array(data.draw(st.lists(st.sampled_from([0, 0, 0, 0, 1, 2]), min_size=costs.size,
+                                       max_size=costs.size)))
+    capacity = data.draw(st.sampled_from([1.0, 2.0, 4.0])) * np.bincount(rank, weights=costs, minlength=node.size).max()
+    out, brought = localize(rank, costs, want, node, capacity, swaps_only=False)
+    expected, expected_brought = localize_reference(rank, costs, want, node, capacity, swaps_only=False)
+    assert np.array_equal(out, expected) and brought == expected_brought
+
+
 @pytest.mark.parametrize("mixture,dp,seed", [("heavy-tail", 64, 2), ("heavy-tail", 512, 1)])
 def test_localize_makes_the_python_reference_plans_on_sweep_batches(monkeypatch, mixture, dp, seed):
     """Batches of the balance sweep whose equal-count locality plan is the plain plan localised: what plan_step
@@ -82,23 +97,33 @@ def test_localize_makes_the_python_reference_plans_on_sweep_batches(monkeypatch,
 @settings(max_examples=200, deadline=None)
 @given(st.data())
 def test_localize_pool_rows_stay_sorted_through_moves_and_swaps(data):
-    """localize's rows per node (its examples by (cost, id), the nodes they want, increasing), filled one insertion at
-    a time from a one-wide table (it widens), then through any moves (a removal and an insertion) and swaps (each
-    example takes the other's place): always what sorting the node's examples afresh gives."""
+    """localize's rows per node (its examples by (cost, id), their costs, the nodes they want, increasing), filled
+    one insertion at a time from a one-wide table (widened where a row is full, as localize does), then through any
+    moves (a removal and an insertion) and swaps (each example takes the other's place): always what sorting the
+    node's examples afresh gives."""
     num_nodes = data.draw(st.integers(1, 3))
     n = data.draw(st.integers(2, 24))
     costs = np.array(data.draw(st.lists(st.sampled_from([1.0, 2.0, 3.0, 5.0]), min_size=n, max_size=n)))
     want = np.array(data.draw(st.lists(st.integers(0, num_nodes - 1), min_size=n, max_size=n)), dtype=np.int64)
     node = np.array(data.draw(st.lists(st.integers(0, num_nodes - 1), min_size=n, max_size=n)), dtype=np.int64)
-    pools, wanted = np.empty((num_nodes, 1), dtype=np.int64), np.empty((num_nodes, 1), dtype=np.int64)
+    pools, pool_costs = np.empty((num_nodes, 1), dtype=np.int64), np.empty((num_nodes, 1))
+    wanted = np.empty((num_nodes, 1), dtype=np.int64)
     sizes = np.zeros(num_nodes, dtype=np.int64)
+    def insert(x, e):
+        nonlocal pools, pool_costs, wanted
+        if sizes[x] == pools.shape[1]:
+            pools, pool_costs, wanted = (repair_kernels._wider(table, 2 * sizes[x]) for table in (pools, pool_costs,
+                                                                                                   wanted))
+        repair_kernels._pool_insert(pools, pool_costs, wanted, sizes, x, costs, want, e)
+
     for e in range(n):
-        pools, wanted = repair_kernels._pool_insert(pools, wanted, sizes, node[e], costs, want, e)
+        insert(node[e], e)
 
     def check():
         for x in range(num_nodes):
             mine = sorted(np.flatnonzero(node == x).tolist(), key=lambda e: (costs[e], e))
             assert pools[x, :sizes[x]].tolist() == mine
+            assert pool_costs[x, :sizes[x]].tolist() == costs[mine].tolist()
             assert wanted[x, :sizes[x]].tolist() == sorted(want[mine].tolist())
 
     check()
@@ -108,12 +133,12 @@ def test_localize_pool_rows_stay_sorted_through_moves_and_swaps(data):
         if x == y:
             continue
         if swap:  # e takes f's place on y, f e's on x
-            repair_kernels._pool_replace(pools, wanted, y, sizes[y], costs, want, f, e)
-            repair_kernels._pool_replace(pools, wanted, x, sizes[x], costs, want, e, f)
+            repair_kernels._pool_replace(pools, pool_costs, wanted, y, sizes[y], costs, want, f, e)
+            repair_kernels._pool_replace(pools, pool_costs, wanted, x, sizes[x], costs, want, e, f)
             node[e], node[f] = y, x
         else:  # e moves to y
-            repair_kernels._pool_remove(pools, wanted, sizes, x, costs, want, e)
-            pools, wanted = repair_kernels._pool_insert(pools, wanted, sizes, y, costs, want, e)
+            repair_kernels._pool_remove(pools, pool_costs, wanted, sizes, x, costs, want, e)
+            insert(y, e)
             node[e] = y
         check()
 
@@ -123,6 +148,12 @@ def test_localize_refuses_negative_bytes():
     with pytest.raises(ValueError, match="item_bytes of example 1"):
         localize(np.array([0, 1]), np.ones(2), np.array([1, 0]), np.array([0, 1]), swaps_only=True,
                  item_bytes=np.array([1.0, -1.0]))
+
+
+@pytest.mark.parametrize("bad", [-1.0, np.inf, np.nan])
+def test_localize_refuses_costs_it_cannot_sort_by_their_bits(bad):
+    with pytest.raises(ValueError, match="cost of example 1 is"):
+        localize(np.array([0, 1]), np.array([1.0, bad]), np.array([1, 0]), np.array([0, 1]), swaps_only=True)
 
 
 def test_localize_refuses_a_node_it_does_not_have():

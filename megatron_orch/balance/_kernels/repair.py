@@ -4,10 +4,10 @@ numpy code made them."""
 import numba
 import numpy as np
 
-from megatron_orch.balance._jit import _INLINE, _JIT
+from megatron_orch.balance._jit import _INLINE, _JIT, _NO_REFCOUNT
 from megatron_orch.balance._kernels.bounds import numpy_sum
-from megatron_orch.balance._kernels.local_search import _rank_index
-from megatron_orch.balance._plan_kernels import _rank_starts
+from megatron_orch.balance._kernels.order import decreasing, increasing
+from megatron_orch.balance._plan_kernels import _rank_starts, stably_by
 
 
 # ---------------------------------------------------------------------------------------------
@@ -53,8 +53,8 @@ def _lists_by_rank(rank, num_ranks):
 
 
 # ---------------------------------------------------------------------------------------------
-# A node's examples by increasing (cost, id): a sorted row of a (nodes, width) table; beside it, in a row of its own,
-# the nodes they want, increasing.
+# A node's examples by increasing (cost, id): a sorted row of a (nodes, width) table, their costs in the same place of
+# another (read without going through the example); beside them, in a row of its own, the nodes they want, increasing.
 # ---------------------------------------------------------------------------------------------
 
 @numba.njit(**_INLINE)
@@ -84,51 +84,64 @@ def _wanted_swap(wanted, x, size, old, new):
 
 
 @numba.njit(**_INLINE)
-def _pool_remove(pools, wanted, sizes, x, costs, want, e):
-    at = _rank_index(costs, pools[x], 0, sizes[x], costs[e], e)
+def _pool_at(pools, pool_costs, x, size, c, e):
+    """First place in row x (``size`` examples) not before (cost c, example e)."""
+    lo, hi = 0, size
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if pool_costs[x, mid] < c or (pool_costs[x, mid] == c and pools[x, mid] < e):
+            lo = mid + 1
+        else:
+            hi = mid
+    return lo
+
+
+@numba.njit(**_INLINE)
+def _pool_remove(pools, pool_costs, wanted, sizes, x, costs, want, e):
+    at = _pool_at(pools, pool_costs, x, sizes[x], costs[e], e)
     if at < sizes[x] and pools[x, at] == e:
         for k in range(at, sizes[x] - 1):
-            pools[x, k] = pools[x, k + 1]
+            pools[x, k], pool_costs[x, k] = pools[x, k + 1], pool_costs[x, k + 1]
         for k in range(_wanted_at(wanted, x, sizes[x], want[e]), sizes[x] - 1):
             wanted[x, k] = wanted[x, k + 1]
         sizes[x] -= 1
 
 
+@numba.njit(**_JIT)
+def _wider(table, width):
+    """``table`` (a row per node) ``width`` wide, its entries in place."""
+    wider = np.empty((table.shape[0], width), dtype=table.dtype)
+    wider[:, :table.shape[1]] = table
+    return wider
+
+
 @numba.njit(**_INLINE)
-def _pool_insert(pools, wanted, sizes, x, costs, want, e):
-    """(``pools``, ``wanted``) with e inserted in row x (the tables twice as wide when the row is full)."""
-    if sizes[x] == pools.shape[1]:
-        wider = np.empty((pools.shape[0], 2 * pools.shape[1]), dtype=np.int64)
-        wider[:, :pools.shape[1]] = pools
-        pools = wider
-        wider = np.empty(pools.shape, dtype=np.int64)
-        wider[:, :wanted.shape[1]] = wanted
-        wanted = wider
-    at = _rank_index(costs, pools[x], 0, sizes[x], costs[e], e)
+def _pool_insert(pools, pool_costs, wanted, sizes, x, costs, want, e):
+    """e inserted in row x of the tables (the row has room: see :func:`_wider`)."""
+    at = _pool_at(pools, pool_costs, x, sizes[x], costs[e], e)
     for k in range(sizes[x], at, -1):
-        pools[x, k] = pools[x, k - 1]
-    pools[x, at] = e
+        pools[x, k], pool_costs[x, k] = pools[x, k - 1], pool_costs[x, k - 1]
+    pools[x, at], pool_costs[x, at] = e, costs[e]
     at = _wanted_at(wanted, x, sizes[x], want[e])
     for k in range(sizes[x], at, -1):
         wanted[x, k] = wanted[x, k - 1]
     wanted[x, at] = want[e]
     sizes[x] += 1
-    return pools, wanted
 
 
 @numba.njit(**_INLINE)
-def _pool_replace(pools, wanted, x, size, costs, want, out, e):
+def _pool_replace(pools, pool_costs, wanted, x, size, costs, want, out, e):
     """Example ``out`` of row x replaced by e, the rows kept sorted: only the entries between their two places move
     (a swap's two examples cost about the same)."""
     c = costs[e]
-    k = _rank_index(costs, pools[x], 0, size, costs[out], out)
-    while k > 0 and (costs[pools[x, k - 1]] > c or (costs[pools[x, k - 1]] == c and pools[x, k - 1] > e)):
-        pools[x, k] = pools[x, k - 1]
+    k = _pool_at(pools, pool_costs, x, size, costs[out], out)
+    while k > 0 and (pool_costs[x, k - 1] > c or (pool_costs[x, k - 1] == c and pools[x, k - 1] > e)):
+        pools[x, k], pool_costs[x, k] = pools[x, k - 1], pool_costs[x, k - 1]
         k -= 1
-    while k < size - 1 and (costs[pools[x, k + 1]] < c or (costs[pools[x, k + 1]] == c and pools[x, k + 1] < e)):
-        pools[x, k] = pools[x, k + 1]
+    while k < size - 1 and (pool_costs[x, k + 1] < c or (pool_costs[x, k + 1] == c and pools[x, k + 1] < e)):
+        pools[x, k], pool_costs[x, k] = pools[x, k + 1], pool_costs[x, k + 1]
         k += 1
-    pools[x, k] = e
+    pools[x, k], pool_costs[x, k] = e, c
     _wanted_swap(wanted, x, size, want[out], want[e])
 
 
@@ -180,18 +193,18 @@ def _list_position(head, nxt, q, f):
 
 @numba.njit(**_INLINE)
 def _settle(rank, load, costs, head, tail, nxt, prv, node_of_rank, node_ranks, node_start, capacity, swaps_only, r,
-            over, pool, size):
+            over, pool, pool_cost, size):
     """One exchange between rank r and another rank q of its node that takes between ``over`` and q's room off
     r, the least such (keeping the most room), the first found when rank r's examples (in order) meet the
     node's other ranks' examples (rank by rank, each in order) and then (``swaps_only`` False) the ranks
     themselves (a move): applied, True; else False.
 
-    ``pool[:size]``: the node's examples by (cost, id), from before the trial swap that overfilled r (the one it
-    sent off the node is skipped; the one it brought is on r). For each example i of r, its swaps from the least
-    difference up: from the costliest example f with c_i - c_f >= ``over`` down, while the difference stays below
-    the best found and the node's most room (it only grows, the rounding of ``-`` keeps the order); the first that
-    fits its rank's room is i's best, ties (an equal difference) to the first rank of the node, then the first
-    example in that rank's order."""
+    ``pool[:size]``: the node's examples by (cost, id) (``pool_cost``: their costs), from before the trial swap that
+    overfilled r (the one it sent off the node is skipped; the one it brought is on r). For each example i of r, its
+    swaps from the least difference up: from the costliest example f with c_i - c_f >= ``over`` down, while the
+    difference stays below the best found and the node's most room (it only grows, the rounding of ``-`` keeps the
+    order); the first that fits its rank's room is i's best, ties (an equal difference) to the first rank of the
+    node, then the first example in that rank's order."""
     x = node_of_rank[r]
     most = -np.inf  # the most room of another rank of the node: none with less than ``over`` can take the excess
     for t in range(node_start[x], node_start[x + 1]):
@@ -203,17 +216,18 @@ def _settle(rank, load, costs, head, tail, nxt, prv, node_of_rank, node_ranks, n
     i = head[r]
     while i >= 0:
         ci = costs[i]
-        lo, hi = 0, size  # the first example of the pool whose difference to i is below over
-        while lo < hi:
-            mid = (lo + hi) // 2
-            if ci - costs[pool[mid]] >= over:
-                lo = mid + 1
-            else:
-                hi = mid
+        lo = 0  # the first example of the pool whose difference to i is below over (by halving its span)
+        if size > 0:
+            span = size
+            while span > 1:
+                half = span // 2
+                lo += half * (ci - pool_cost[lo + half] >= over)
+                span -= half
+            lo += ci - pool_cost[lo] >= over
         least, least_q, least_f = np.inf, -1, -1
         for k in range(lo - 1, -1, -1):
             f = pool[k]
-            d = ci - costs[f]
+            d = ci - pool_cost[k]
             if d >= best or d > most or (least_f >= 0 and d != least):
                 break
             q = rank[f]
@@ -224,15 +238,13 @@ def _settle(rank, load, costs, head, tail, nxt, prv, node_of_rank, node_ranks, n
                 least, least_q, least_f = d, q, f
         if least_f >= 0:
             best, g, h = least, i, least_f
-        if not swaps_only:
+        d = ci - 0.0
+        if not swaps_only and over <= d <= most and d < best:  # a move: to the node's first rank with room for i
             for t in range(node_start[x], node_start[x + 1]):
                 q = node_ranks[t]
-                room = capacity - load[q]
-                if q == r or room < over:
-                    continue
-                d = ci - 0.0
-                if over <= d <= room and d < best:
+                if q != r and d <= capacity - load[q]:
                     best, g, h, to = d, i, -1, q
+                    break
         i = nxt[i]
     if g < 0:
         return False
@@ -247,11 +259,11 @@ def _settle(rank, load, costs, head, tail, nxt, prv, node_of_rank, node_ranks, n
 def localize(rank, costs, want, node_of_rank, capacity, swaps_only, weight, scan, passes, settle_tries):
     """balance/repair.py's ``localize`` on ``rank`` (in place); returns the examples brought home.
 
-    ``weight``: the bytes an example pulls (>= 0); ``scan``: swap partners looked at on either side of an
-    example's cost; ``passes``: passes over the examples away from their node; ``settle_tries``: swaps
-    that overfill a rank tried per example, the best first. Every choice and tie is the reference's
-    (tests/balance/localize_reference.py): its lists become linked lists and sorted rows, in the same
-    orders.
+    ``costs``: finite, >= 0 (sorted by their bits); ``weight``: the bytes an example pulls (>= 0); ``scan``: swap
+    partners looked at on either side of an example's cost; ``passes``: passes over the examples away from their
+    node; ``settle_tries``: swaps that overfill a rank tried per example, the best first. Every choice and tie is
+    the reference's (tests/balance/localize_reference.py): its lists become linked lists and sorted rows, in the
+    same orders.
     """
     n = rank.size
     num_ranks = node_of_rank.size
@@ -271,16 +283,19 @@ def localize(rank, costs, want, node_of_rank, capacity, swaps_only, weight, scan
     sizes = np.zeros(num_nodes, dtype=np.int64)
     for e in range(n):
         sizes[node_of_rank[rank[e]]] += 1
-    pools = np.empty((num_nodes, 2 * max(sizes.max() if num_nodes else 0, 1)), dtype=np.int64)
+    pools = np.empty((num_nodes, max(sizes.max() if num_nodes else 0, 1)), dtype=np.int64)
+    pool_costs = np.empty(pools.shape)
     wanted = np.empty(pools.shape, dtype=np.int64)
     sizes[:] = 0
-    for e in np.argsort(costs, kind="mergesort"):  # by (cost, id): every row sorted
+    for e in stably_by(want, np.arange(n), num_nodes):  # by the node they want: every row increasing
         x = node_of_rank[rank[e]]
-        pools[x, sizes[x]] = e
         wanted[x, sizes[x]] = want[e]
         sizes[x] += 1
-    for x in range(num_nodes):
-        wanted[x, :sizes[x]] = np.sort(wanted[x, :sizes[x]])
+    sizes[:] = 0
+    for e in increasing(costs):  # by (cost, id): every row sorted
+        x = node_of_rank[rank[e]]
+        pools[x, sizes[x]], pool_costs[x, sizes[x]] = e, costs[e]
+        sizes[x] += 1
     start = 0
     for e in range(n):
         if node_of_rank[rank[e]] == want[e]:
@@ -288,14 +303,44 @@ def localize(rank, costs, want, node_of_rank, capacity, swaps_only, weight, scan
     gains = np.empty(settle_tries)  # the swaps that overfill a rank to try, the best first
     gaps = np.empty(settle_tries)
     partners = np.empty(settle_tries, dtype=np.int64)
-    by_cost = np.argsort(-costs, kind="mergesort")  # decreasing cost, ties by id: sorted once, filtered per pass
+    by_cost = decreasing(costs)  # decreasing cost, ties by id: sorted once, filtered per pass
     away = np.empty(n, dtype=np.int64)
-    for _ in range(passes):  # the costliest first (fewest partners); again, as moves made room
+    arriving = np.zeros(num_nodes, dtype=np.int64)
+    progress = np.zeros(2, dtype=np.int64)
+    while _passes(rank, costs, want, node_of_rank, capacity, swaps_only, weight, scan, passes, settle_tries, load,
+                  node_start, node_ranks, head, tail, nxt, prv, sizes, pools, pool_costs, wanted, gains, gaps, partners,
+                  by_cost, away, arriving, progress):
+        width = progress[1]
+        pools, pool_costs, wanted = _wider(pools, width), _wider(pool_costs, width), _wider(wanted, width)
+    home = 0
+    for e in range(n):
+        if node_of_rank[rank[e]] == want[e]:
+            home += 1
+    return home - start
+
+
+@numba.njit(**_NO_REFCOUNT)
+def _passes(rank, costs, want, node_of_rank, capacity, swaps_only, weight, scan, passes, settle_tries, load, node_start,
+            node_ranks, head, tail, nxt, prv, sizes, pools, pool_costs, wanted, gains, gaps, partners, by_cost, away,
+            arriving, progress):
+    """:func:`localize`'s passes from pass ``progress[0]``; True where it stopped before a pass whose moves could
+    overfill a row (a node's examples and those away that want it; ``progress``: that pass, the width it needs): the
+    caller widens the rows (:func:`_wider`) and calls again. Allocates nothing, so it runs without reference counts
+    (each inlined helper would otherwise count every array it is passed). ``arriving``: a zero per node, left zero."""
+    for p in range(progress[0], passes):  # the costliest first (fewest partners); again, as moves made room
         num_away = 0
         for e in by_cost:
             if node_of_rank[rank[e]] != want[e]:
                 away[num_away] = e
                 num_away += 1
+                arriving[want[e]] += 1
+        need = 0  # (a pass moves an example once at most; swaps leave every node's count as it is)
+        for y in range(sizes.size):
+            need = max(need, sizes[y] + arriving[y])
+            arriving[y] = 0
+        if not swaps_only and need > pools.shape[1]:
+            progress[0], progress[1] = p, need
+            return True
         moved = 0
         for e in away[:num_away]:
             a = rank[e]
@@ -312,12 +357,12 @@ def localize(rank, costs, want, node_of_rank, capacity, swaps_only, weight, scan
                 # a's room, a cheaper one its own rank by the gap less that rank's room
                 up = capacity - load[a] + _max_room(load, capacity, node_ranks, node_start, x)
                 down = 2 * _max_room(load, capacity, node_ranks, node_start, y)
-                at = _rank_index(costs, pools[y], 0, size, c, -1)
+                at = _pool_at(pools, pool_costs, y, size, c, -1)
                 lo, hi = at - 1, at
                 for _scan in range(2 * scan):  # outward from c, nearest cost first
-                    up_fits = hi < size and costs[pools[y, hi]] - c <= up
-                    down_fits = lo >= 0 and c - costs[pools[y, lo]] <= down
-                    if up_fits and (not down_fits or costs[pools[y, hi]] - c <= c - costs[pools[y, lo]]):
+                    up_fits = hi < size and pool_costs[y, hi] - c <= up
+                    down_fits = lo >= 0 and c - pool_costs[y, lo] <= down
+                    if up_fits and (not down_fits or pool_costs[y, hi] - c <= c - pool_costs[y, lo]):
                         k, hi = hi, hi + 1
                     elif down_fits:
                         k, lo = lo, lo - 1
@@ -334,7 +379,7 @@ def localize(rank, costs, want, node_of_rank, capacity, swaps_only, weight, scan
                         if want[pools[y, k]] != x:
                             continue
                     f = pools[y, k]
-                    cf = costs[f]
+                    cf = pool_costs[y, k]
                     gap = abs(cf - c)
                     # bytes brought home by the swap: e's, plus f's if it wants x, less f's if it was home
                     if want[f] == x:
@@ -373,13 +418,13 @@ def localize(rank, costs, want, node_of_rank, capacity, swaps_only, weight, scan
                     heavy = a if load[a] > capacity else b
                     if _settle(rank, load, costs, head, tail, nxt, prv, node_of_rank, node_ranks, node_start,
                                capacity, swaps_only, heavy, load[heavy] - capacity,
-                               pools[node_of_rank[heavy]], sizes[node_of_rank[heavy]]):
+                               pools[node_of_rank[heavy]], pool_costs[node_of_rank[heavy]], sizes[node_of_rank[heavy]]):
                         partner = f
                         break
                     _exchange(rank, load, costs, head, tail, nxt, prv, e, f)
             if partner >= 0:  # e takes the partner's place among y's examples, the partner e's among x's
-                _pool_replace(pools, wanted, y, sizes[y], costs, want, partner, e)
-                _pool_replace(pools, wanted, x, sizes[x], costs, want, e, partner)
+                _pool_replace(pools, pool_costs, wanted, y, sizes[y], costs, want, partner, e)
+                _pool_replace(pools, pool_costs, wanted, x, sizes[x], costs, want, e, partner)
                 moved += 1
                 continue
             if not swaps_only:
@@ -390,16 +435,12 @@ def localize(rank, costs, want, node_of_rank, capacity, swaps_only, weight, scan
                         b = q
                 if b >= 0 and load[b] + c <= capacity:
                     _relocate(rank, load, costs, head, tail, nxt, prv, e, b)
-                    _pool_remove(pools, wanted, sizes, x, costs, want, e)
-                    pools, wanted = _pool_insert(pools, wanted, sizes, y, costs, want, e)
+                    _pool_remove(pools, pool_costs, wanted, sizes, x, costs, want, e)
+                    _pool_insert(pools, pool_costs, wanted, sizes, y, costs, want, e)
                     moved += 1
         if moved == 0:
             break
-    home = 0
-    for e in range(n):
-        if node_of_rank[rank[e]] == want[e]:
-            home += 1
-    return home - start
+    return False
 
 
 @numba.njit(**_JIT)
