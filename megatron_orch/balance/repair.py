@@ -46,14 +46,14 @@ class _Move:
 
 
 def _group(example: np.ndarray, src: np.ndarray, nbytes: np.ndarray, n: int, num_ranks: int) -> _Move:
-    order = np.argsort(example, kind="stable")
-    start = np.zeros(n + 1, dtype=np.int64)
-    np.cumsum(np.bincount(example, minlength=n), out=start[1:])
-    by_src = np.argsort(src, kind="stable")
-    by_src_start = np.zeros(num_ranks + 1, dtype=np.int64)
-    np.cumsum(np.bincount(src, minlength=num_ranks), out=by_src_start[1:])
-    return _Move(src[order].astype(np.int64), nbytes[order].astype(np.float64), start, by_src_start,
-                 example[by_src].astype(np.int64))
+    if not example.ndim == 1 or src.shape != example.shape or nbytes.shape != example.shape:
+        raise ValueError(f"an all-to-all's sources are three 1-D arrays of one length (example, source rank, bytes), "
+                         f"got shapes {example.shape}, {src.shape}, {nbytes.shape}")
+    for name, values, bound in (("example", example, n), ("source rank", src, num_ranks)):
+        if values.size and (values.min() < 0 or values.max() >= bound):
+            i = int(np.flatnonzero((values < 0) | (values >= bound))[0])
+            raise ValueError(f"entry {i} of an all-to-all's sources has {name} {values[i]}, not in 0..{bound - 1}")
+    return _Move(*_kernels.group_entries(example, src, nbytes, n, num_ranks))
 
 
 class _State:

@@ -313,6 +313,40 @@ def test_link_bytes_are_the_per_link_sums(gpus_per_node, nodes, data):
     assert np.array_equal(links, expected)
 
 
+@settings(max_examples=100, deadline=None)
+@given(st.integers(1, 6), st.integers(1, 5), st.sampled_from([np.int64, np.float64]), st.data())
+def test_an_all_to_alls_entries_are_grouped_as_stable_argsorts_group_them(num_examples, num_ranks, dtype, data):
+    """The repair's moves (one counting pass, compiled) hold what ``np.argsort(kind="stable")`` gives: sources and
+    bytes by example in entry order, each example's start, the examples by source rank in entry order."""
+    from megatron_orch.balance.repair import _group
+    n = data.draw(st.integers(0, 30))
+    example = np.array(data.draw(st.lists(st.integers(0, num_examples - 1), min_size=n, max_size=n)), dtype=np.int64)
+    src = np.array(data.draw(st.lists(st.integers(0, num_ranks - 1), min_size=n, max_size=n)), dtype=np.int64)
+    nbytes = np.array(data.draw(st.lists(st.integers(0, 10 ** 6), min_size=n, max_size=n)), dtype=dtype)
+    move = _group(example, src, nbytes, num_examples, num_ranks)
+    order, by_src = np.argsort(example, kind="stable"), np.argsort(src, kind="stable")
+    assert np.array_equal(move.src, src[order]) and move.src.dtype == np.int64
+    assert np.array_equal(move.nbytes, nbytes[order].astype(np.float64)) and move.nbytes.dtype == np.float64
+    assert np.array_equal(move.start, np.concatenate([[0], np.cumsum(np.bincount(example, minlength=num_examples))]))
+    assert np.array_equal(move.by_src_start, np.concatenate([[0], np.cumsum(np.bincount(src, minlength=num_ranks))]))
+    assert np.array_equal(move.by_src_example, example[by_src])
+
+
+@pytest.mark.parametrize("example, src, nbytes, message", [
+    ([0, 3], [0, 1], [1, 1], "entry 1 of an all-to-all's sources has example 3, not in 0..2"),
+    ([0, -1], [0, 1], [1, 1], "entry 1 of an all-to-all's sources has example -1"),
+    ([0, 1], [2, 0], [1, 1], "entry 0 of an all-to-all's sources has source rank 2, not in 0..1"),
+    ([0, 1], [0, 1], [1], r"three 1-D arrays of one length .* \(2,\), \(2,\), \(1,\)"),
+])
+def test_the_repair_refuses_sources_outside_its_examples_and_ranks(example, src, nbytes, message):
+    """An entry naming an example or rank the plan does not have is named before the compiled grouping runs (it
+    writes where the entry points)."""
+    with pytest.raises(ValueError, match=message):
+        repair_locality(np.array([0, 0, 1]), np.array([0, 1, 1]), np.ones(3),
+                        [(np.array(example), np.array(src), np.array(nbytes))], np.array([0, 0]), 1.0,
+                        swaps_only=False)
+
+
 @settings(max_examples=200, deadline=None)
 @given(st.lists(st.one_of(st.floats(0, 1e12), st.floats(-1e3, 1e3), st.just(0.0)), max_size=300))
 def test_the_compiled_sum_is_numpys_sum(values):

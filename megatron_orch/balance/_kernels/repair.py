@@ -444,6 +444,38 @@ def _passes(rank, costs, want, node_of_rank, capacity, swaps_only, weight, scan,
 
 
 @numba.njit(**_JIT)
+def group_entries(example, src, nbytes, num_examples, num_ranks):
+    """One all-to-all's entries (entry i: ``nbytes[i]`` from rank ``src[i]`` to example ``example[i]``) grouped as
+    balance/repair.py's ``_Move`` holds them: (sources and bytes (float64) by example, where each example's begin
+    (``num_examples`` + 1), where each source rank's begin among the next (``num_ranks`` + 1), the examples of the
+    entries by source rank), each group in entry order: ``np.argsort(kind="stable")``'s orders, by one counting
+    pass for both. Every value within range (the caller checks)."""
+    n = example.size
+    start = np.zeros(num_examples + 1, dtype=np.int64)
+    by_src_start = np.zeros(num_ranks + 1, dtype=np.int64)
+    for i in range(n):
+        start[example[i] + 1] += 1
+        by_src_start[src[i] + 1] += 1
+    for e in range(num_examples):
+        start[e + 1] += start[e]
+    for r in range(num_ranks):
+        by_src_start[r + 1] += by_src_start[r]
+    fill = start[:-1].copy()
+    src_fill = by_src_start[:-1].copy()
+    grouped_src = np.empty(n, dtype=np.int64)
+    grouped_bytes = np.empty(n, dtype=np.float64)
+    by_src_example = np.empty(n, dtype=np.int64)
+    for i in range(n):
+        e, s = example[i], src[i]
+        grouped_src[fill[e]] = s
+        grouped_bytes[fill[e]] = nbytes[i]
+        fill[e] += 1
+        by_src_example[src_fill[s]] = e
+        src_fill[s] += 1
+    return grouped_src, grouped_bytes, start, by_src_start, by_src_example
+
+
+@numba.njit(**_JIT)
 def add_link_bytes(links, node_of_rank, src, dst, nbytes, sign):
     """``sign`` x bytes of entries moving ``src[i]`` -> ``dst[i]`` added to ``links`` ([sent on the node, received on
     the node, sent across nodes, received across nodes] x ranks), in entry order (as ``np.add.at`` per row adds:
