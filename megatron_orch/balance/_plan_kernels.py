@@ -150,11 +150,12 @@ def longest_first_microbatches(rank, num_tokens, num_ranks, micro_batch_size):
 
 
 @numba.njit(**_JIT)
-def moved_bytes(src_rank, dst_rank, node_of_rank, nbytes):
+def moved_bytes(src_rank, dst_rank, node_of_rank, nbytes, with_pairs):
     """Bytes of items moving ``src_rank[i]`` -> ``dst_rank[i]``: (all of them, those that leave their GPU
     but stay on their node, those that cross nodes, and per rank [sent on its node, received on its node,
     sent across nodes, received across nodes] as a (4, ranks) array, and the distinct rank pairs that
-    exchange bytes, each ``low * ranks + high``, sorted). An item moving between the same two ranks as the one
+    exchange bytes, each ``low * ranks + high``, sorted; none unless ``with_pairs``: finding them takes most of the
+    time, and a candidate plan is judged by its bytes alone). An item moving between the same two ranks as the one
     before it (an example's items travel together) adds no pair to deduplicate."""
     num_ranks = node_of_rank.size
     per_rank = np.zeros((4, num_ranks))
@@ -171,7 +172,7 @@ def moved_bytes(src_rank, dst_rank, node_of_rank, nbytes):
         if src == dst or b <= 0:
             continue
         low, high = min(src, dst), max(src, dst)
-        if low != last_low or high != last_high:
+        if with_pairs and (low != last_low or high != last_high):
             lows[num_pairs], highs[num_pairs] = low, high
             num_pairs += 1
             last_low, last_high = low, high

@@ -278,9 +278,10 @@ class MovedBytes:
     ``total``: every item's bytes, moved or not; ``intra_node``: those that leave their GPU and stay on
     their node (NVLink); ``inter_node``: those that cross nodes (the network). Per rank, ``sent_intra`` /
     ``received_intra`` on its node and ``sent_inter`` / ``received_inter`` across nodes. ``connections``: the
-    rank pairs the move sends bytes between (what a communicator connects, :class:`Connections`).
-    ``node_wise``: the move runs as :meth:`Transfer.node_wise`'s two hops, its bytes on the nodes first, then
-    those across nodes (one after the other; a flat move sends both at once).
+    rank pairs the move sends bytes between (what a communicator connects, :class:`Connections`; none where
+    counted without them, :func:`exchanged_bytes`). ``node_wise``: the move runs as :meth:`Transfer.node_wise`'s
+    two hops, its bytes on the nodes first, then those across nodes (one after the other; a flat move sends both
+    at once).
     """
 
     total: float
@@ -401,25 +402,27 @@ def relay_ranks(src_rank: np.ndarray, dst_rank: np.ndarray, node_of_rank: np.nda
     return relay
 
 
-def exchanged_bytes(src_rank, dst_rank, item_bytes, node_of_rank, all_to_all: str = "flat") -> MovedBytes:
+def exchanged_bytes(src_rank, dst_rank, item_bytes, node_of_rank, all_to_all: str = "flat", *,
+                    connections: bool = True) -> MovedBytes:
     """What moving item i (``item_bytes[i]``) from rank ``src_rank[i]`` to ``dst_rank[i]`` sends, run as one
     ``flat`` all-to-all (:func:`moved_bytes`) or ``node-wise`` (:meth:`Transfer.node_wise`'s hops, through
     :func:`relay_ranks`: their bytes and connections summed, the first hop's on the nodes, the second's across
     them): what :meth:`Transfer.moved_bytes` counts, from the ranks alone (the planner judges candidate plans by
-    it before it builds their placements)."""
-    return _exchanged(*_checked(src_rank, dst_rank, item_bytes, node_of_rank), all_to_all)
+    it before it builds their placements). ``connections`` False: the bytes alone, its ``connections`` none (the
+    planner's step model reads only the bytes; finding the pairs takes most of the count's time)."""
+    return _exchanged(*_checked(src_rank, dst_rank, item_bytes, node_of_rank), all_to_all, connections)
 
 
 def _exchanged(src: np.ndarray, dst: np.ndarray, nbytes: np.ndarray, node_of_rank: np.ndarray,
-               all_to_all: str) -> MovedBytes:
+               all_to_all: str, connections: bool = True) -> MovedBytes:
     """:func:`exchanged_bytes` of checked arrays."""
     if all_to_all == "flat":
-        return _counted(src, dst, nbytes, node_of_rank)
+        return _counted(src, dst, nbytes, node_of_rank, connections)
     if all_to_all != "node-wise":
         raise ValueError(f"unknown all-to-all {all_to_all!r}; choose one of {ALL_TO_ALL}")
     relay = relay_ranks(src, dst, node_of_rank)
-    return MovedBytes.of_hops([_counted(a, b, nbytes, node_of_rank) for a, b in ([(src, dst)] if relay is None
-                                                                               else [(src, relay), (relay, dst)])])
+    return MovedBytes.of_hops([_counted(a, b, nbytes, node_of_rank, connections)
+                               for a, b in ([(src, dst)] if relay is None else [(src, relay), (relay, dst)])])
 
 
 def moved_bytes(src_rank, dst_rank, item_bytes, node_of_rank) -> MovedBytes:
@@ -453,10 +456,13 @@ def _item_bytes(item_bytes, num_items: int) -> np.ndarray:
     return nbytes
 
 
-def _counted(src: np.ndarray, dst: np.ndarray, nbytes: np.ndarray, node_of_rank: np.ndarray) -> MovedBytes:
-    """:func:`moved_bytes` of checked arrays (ranks within ``node_of_rank``, one byte figure per item)."""
+def _counted(src: np.ndarray, dst: np.ndarray, nbytes: np.ndarray, node_of_rank: np.ndarray,
+             connections: bool = True) -> MovedBytes:
+    """:func:`moved_bytes` of checked arrays (ranks within ``node_of_rank``, one byte figure per item); its
+    connections none unless ``connections``."""
     total, intra, inter, per_rank, pairs = _plan_kernels.moved_bytes(
-        np.ascontiguousarray(src), np.ascontiguousarray(dst), np.ascontiguousarray(node_of_rank), nbytes)
+        np.ascontiguousarray(src), np.ascontiguousarray(dst), np.ascontiguousarray(node_of_rank), nbytes,
+        bool(connections))
     return MovedBytes(float(total), float(intra), float(inter), *per_rank,
                       Connections(int(node_of_rank.size), pairs))
 

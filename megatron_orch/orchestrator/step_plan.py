@@ -283,7 +283,8 @@ class _SlowerThan:
         self.theirs = self._figures(reference)
 
     def _move(self, src_rank, dst_rank, item_bytes) -> Busiest:
-        return Busiest.of(exchanged_bytes(src_rank, dst_rank, item_bytes, self.node, self.config.all_to_all))
+        return Busiest.of(exchanged_bytes(src_rank, dst_rank, item_bytes, self.node, self.config.all_to_all,
+                                          connections=False))
 
     def _figures(self, backbone_rank):
         compute = self.pipelined(backbone_rank)

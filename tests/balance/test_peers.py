@@ -5,7 +5,7 @@ import pytest
 from hypothesis import given, settings, strategies as st
 
 from megatron_orch.balance.comm_memory import CommunicatorMemory
-from megatron_orch.balance.plan import Connections, Placement, Transfer, moved_bytes
+from megatron_orch.balance.plan import Connections, Placement, Transfer, exchanged_bytes, moved_bytes
 from megatron_orch.balance.topology import Topology
 
 
@@ -52,6 +52,25 @@ def test_peers_of_a_step_and_of_a_run_match_brute_force(run):
     assert peers.intra_node.tolist() == intra.tolist() and peers.inter_node.tolist() == inter.tolist()
     assert peers.busiest() == (int((intra + inter).max()), int(intra.max()), int(inter.max()))
 
+
+
+@settings(max_examples=100, deadline=None)
+@given(runs(), st.sampled_from(["flat", "node-wise"]))
+def test_bytes_counted_without_their_connections_are_the_same_bytes(run, all_to_all):
+    """What the planner reads of a candidate (``exchanged_bytes(..., connections=False)``): every byte figure as
+    counted with the connections (and as :func:`moved_bytes` counts a flat move), none of the connections."""
+    node_of_rank, moves = run
+    for src, dst, nbytes in moves:
+        full = exchanged_bytes(src, dst, nbytes, node_of_rank, all_to_all)
+        bare = exchanged_bytes(src, dst, nbytes, node_of_rank, all_to_all, connections=False)
+        for name in ("total", "intra_node", "inter_node", "node_wise"):
+            assert getattr(bare, name) == getattr(full, name)
+        for name in ("sent_intra", "received_intra", "sent_inter", "received_inter"):
+            assert np.array_equal(getattr(bare, name), getattr(full, name))
+        assert bare.connections.pairs.size == 0 and bare.connections.num_ranks == node_of_rank.size
+        if all_to_all == "flat":
+            counted = moved_bytes(src, dst, nbytes, node_of_rank)
+            assert np.array_equal(full.connections.pairs, counted.connections.pairs)
 
 @st.composite
 def node_wise_cases(draw):
