@@ -250,11 +250,11 @@ def _example_sources(home: np.ndarray, text_bytes: np.ndarray, rank_of_item):
     return np.concatenate(examples), np.concatenate(sources), np.concatenate(nbytes)
 
 
-def _pull_rank(home: np.ndarray, text_bytes: np.ndarray, rank_of_item, num_ranks: int) -> np.ndarray:
-    """For every example, the rank that holds most of the bytes it pulls to its backbone rank (its text on its
-    home rank, its embeddings where its items were encoded; ties: home, then the lower rank)."""
-    example, source, nbytes = _example_sources(home, text_bytes, rank_of_item)
-    return _plan_kernels.pull_ranks(home, example, source, nbytes, num_ranks)
+def _pull_rank(home: np.ndarray, sources, num_ranks: int) -> np.ndarray:
+    """For every example, the rank that holds most of the bytes it pulls to its backbone rank (``sources``:
+    :func:`_example_sources`; its text on its home rank, its embeddings where its items were encoded; ties: home,
+    then the lower rank)."""
+    return _plan_kernels.pull_ranks(home, *sources, num_ranks)
 
 
 class _SlowerThan:
@@ -443,7 +443,8 @@ def plan_step(sizes: StepSizes, phases: ModelPhases, config: OrchestratorConfig,
         if keeps_home:
             backbone_rank = home
         else:
-            example, source, nbytes = _example_sources(home, text_bytes, rank_of_item)
+            sources = _example_sources(home, text_bytes, rank_of_item)
+            example, source, nbytes = sources
             backbone_rank = _place(bins, [(bins[example], source, nbytes)], num_ranks, topology, config)
         if config.locality and not keeps_home:
             plain_rank, plain_microbatch = backbone_rank, pipelined_microbatch
@@ -467,7 +468,7 @@ def plan_step(sizes: StepSizes, phases: ModelPhases, config: OrchestratorConfig,
             example_bytes = text_bytes + sum(np.bincount(example, weights=out_bytes, minlength=sizes.num_examples)
                                              for example, _, out_bytes in rank_of_item.values())
             # the rank that holds most of an example's bytes (its encoders may have run elsewhere)
-            pull = _pull_rank(home, text_bytes, rank_of_item, num_ranks) if packed else None
+            pull = _pull_rank(home, sources, num_ranks) if packed else None
             if packed:
                 near = partition_locality(backbone_costs, pull, num_ranks, _gpus_per_node(topology),
                                           item_bytes=example_bytes, reference=part)
@@ -483,7 +484,7 @@ def plan_step(sizes: StepSizes, phases: ModelPhases, config: OrchestratorConfig,
                                                            slower_than, config, swaps_only=not packed)
             if slower is None or slower[0] > 0:  # the plain plan, its examples swapped home where that fits
                 if pull is None:
-                    pull = _pull_rank(home, text_bytes, rank_of_item, num_ranks)
+                    pull = _pull_rank(home, sources, num_ranks)
                 local_bins, local_method, local_slower = _localized(
                     backbone_rank, part.method, backbone_costs, home, text_bytes, example_bytes, pull, rank_of_item,
                     topology, slower_than, config, swaps_only=not packed)
