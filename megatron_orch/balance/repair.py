@@ -58,20 +58,26 @@ def _group(example: np.ndarray, src: np.ndarray, nbytes: np.ndarray, n: int, num
 
 class _State:
     """The ranks, loads and per-link bytes of a plan (``links``: per move, sent/received on the node, across nodes),
-    the moves' entries flat for the kernels (move m's of example e at ``offset[m, e]:offset[m, e + 1]``)."""
+    the moves' entries flat for the kernels (``flat``: :func:`_flat`)."""
 
-    def __init__(self, moves: List[_Move], node: np.ndarray, rank: np.ndarray, costs: np.ndarray, num_ranks: int):
+    def __init__(self, moves: List[_Move], flat, node: np.ndarray, rank: np.ndarray, costs: np.ndarray,
+                 num_ranks: int):
         self.moves, self.node, self.rank, self.costs = moves, node, rank, costs
-        self.links = np.zeros((len(moves), 4, num_ranks))
+        self.src, self.nbytes, self.offset = flat
         self.load = np.bincount(rank, weights=costs, minlength=num_ranks)
-        for m, move in enumerate(moves):
-            dst = np.repeat(rank, np.diff(move.start))
-            _kernels.add_link_bytes(self.links[m], self.node, move.src, dst, move.nbytes, 1.0)
-        self.src = np.concatenate([move.src for move in moves]) if moves else np.zeros(0, dtype=np.int64)
-        self.nbytes = np.concatenate([move.nbytes for move in moves]) if moves else np.zeros(0)
-        bases = np.cumsum([0] + [move.src.size for move in moves[:-1]])
-        self.offset = np.array([move.start + base for move, base in zip(moves, bases)], dtype=np.int64).reshape(
-            len(moves), rank.size + 1)
+        self.links = np.zeros((len(moves), 4, num_ranks))
+        _kernels.example_link_bytes(self.links, node, self.src, self.nbytes, self.offset, rank)
+
+
+def _flat(moves: List[_Move], n: int):
+    """The moves' entries one after another: (source ranks, bytes, ``offset``: move m's of example e at
+    ``offset[m, e]:offset[m, e + 1]``), shared by the plans the repair compares."""
+    src = np.concatenate([move.src for move in moves]) if moves else np.zeros(0, dtype=np.int64)
+    nbytes = np.concatenate([move.nbytes for move in moves]) if moves else np.zeros(0)
+    bases = np.cumsum([0] + [move.src.size for move in moves[:-1]])
+    offset = np.array([move.start + base for move, base in zip(moves, bases)], dtype=np.int64).reshape(len(moves),
+                                                                                                        n + 1)
+    return src, nbytes, offset
 
 
 def _repair_start(bin_of_item, reference, costs, sources, node_of_rank, nvlink_over_nic, capacity,
@@ -86,13 +92,14 @@ def _repair_start(bin_of_item, reference, costs, sources, node_of_rank, nvlink_o
     n, num_ranks = rank.size, node.size
     moves = [_group(np.asarray(e, dtype=np.int64), np.asarray(s, dtype=np.int64), np.asarray(b), n, num_ranks)
              for e, s, b in sources]
-    plain = state_class(moves, node, reference.copy(), costs, num_ranks)
+    flat = _flat(moves, n)
+    plain = state_class(moves, flat, node, reference.copy(), costs, num_ranks)
     if capacity is None:
         capacity = float(plain.load.max(initial=0.0))
     nic_limit = np.maximum(plain.links[:, 2], plain.links[:, 3]).max(axis=1)
     nvl_limit = np.maximum(np.maximum(plain.links[:, 0], plain.links[:, 1]).max(axis=1), nic_limit * nvlink_over_nic)
     limits = np.stack([nic_limit, nvl_limit, np.maximum(nic_limit, 1.0), np.maximum(nvl_limit, 1.0)], axis=1)
-    return moves, node, state_class(moves, node, rank, costs, num_ranks), float(capacity), limits
+    return moves, node, state_class(moves, flat, node, rank, costs, num_ranks), float(capacity), limits
 
 
 def repair_locality(bin_of_item: np.ndarray, reference: np.ndarray, costs: np.ndarray,

@@ -314,6 +314,34 @@ def test_link_bytes_are_the_per_link_sums(gpus_per_node, nodes, data):
 
 
 @settings(max_examples=100, deadline=None)
+@given(st.integers(1, 3), st.integers(1, 3), st.integers(1, 5), st.data())
+def test_a_plans_link_bytes_are_those_of_its_moves_entries_towards_their_examples(gpus_per_node, nodes, n, data):
+    """The repair's state counts each move's entries towards their example's rank in one pass: what adding them
+    with their destinations spelled out gives (add_link_bytes, itself np.add.at's sums), bit for bit."""
+    from megatron_orch.balance._kernels import add_link_bytes
+    from megatron_orch.balance.repair import _flat, _group, _State
+    ranks = gpus_per_node * nodes
+    node = np.arange(ranks) // gpus_per_node
+    rank = np.array(data.draw(st.lists(st.integers(0, ranks - 1), min_size=n, max_size=n)), dtype=np.int64)
+    moves = []
+    for _ in range(data.draw(st.integers(0, 3))):
+        size = data.draw(st.integers(0, 20))
+        example = np.array(data.draw(st.lists(st.integers(0, n - 1), min_size=size, max_size=size)), dtype=np.int64)
+        src = np.array(data.draw(st.lists(st.integers(0, ranks - 1), min_size=size, max_size=size)), dtype=np.int64)
+        nbytes = np.array(data.draw(st.lists(st.floats(0, 1e6), min_size=size, max_size=size)))
+        moves.append(_group(example, src, nbytes, n, ranks))
+    state = _State(moves, _flat(moves, n), node, rank, np.ones(n), ranks)
+    expected = np.zeros((len(moves), 4, ranks))
+    for m, move in enumerate(moves):
+        add_link_bytes(expected[m], node, move.src, np.repeat(rank, np.diff(move.start)), move.nbytes, 1.0)
+    assert np.array_equal(state.links, expected)
+    for m, move in enumerate(moves):
+        for e in range(n):
+            lo, hi = state.offset[m, e], state.offset[m, e + 1]
+            assert np.array_equal(state.src[lo:hi], move.src[move.start[e]:move.start[e + 1]])
+
+
+@settings(max_examples=100, deadline=None)
 @given(st.integers(1, 6), st.integers(1, 5), st.sampled_from([np.int64, np.float64]), st.data())
 def test_an_all_to_alls_entries_are_grouped_as_stable_argsorts_group_them(num_examples, num_ranks, dtype, data):
     """The repair's moves (one counting pass, compiled) hold what ``np.argsort(kind="stable")`` gives: sources and
@@ -412,12 +440,12 @@ def test_a_compiled_trial_exchange_is_the_numpy_one_bit_for_bit(data):
     and leaves the link counts and loads as it did (undoing an exchange need not restore them bit for bit: both
     undo it in the same order), on random plans, bytes, limits and exchanges."""
     from megatron_orch.balance import _kernels
-    from megatron_orch.balance.repair import _group
+    from megatron_orch.balance.repair import _flat, _group
     costs, plain, node, near, sources, capacity = _repair_instance(data)
     n, num_ranks = costs.size, node.size
     moves = [_group(np.asarray(e, dtype=np.int64), np.asarray(s, dtype=np.int64), np.asarray(b), n, num_ranks)
              for e, s, b in sources]
-    ours, theirs = (State(moves, node, near.astype(np.int64), costs, num_ranks) for _ in range(2))
+    ours, theirs = (State(moves, _flat(moves, n), node, near.astype(np.int64), costs, num_ranks) for _ in range(2))
     limits = np.array([data.draw(st.lists(st.floats(1.0, 300.0), min_size=4, max_size=4)) for _ in moves])
     limits[:, :2] -= 1.0  # limits from 0, scales from 1
     cap_scale = max(capacity, 1e-300)
@@ -444,12 +472,12 @@ def test_the_compiled_bytes_on_a_node_are_the_numpy_sums(data):
     """The repair's bytes of an example sent from one node (compiled: _kernels.bytes_on_node, which orders its swap
     partners) are numpy's masked sums per move added move after move, bit for bit."""
     from megatron_orch.balance import _kernels
-    from megatron_orch.balance.repair import _group
+    from megatron_orch.balance.repair import _flat, _group
     costs, plain, node, near, sources, capacity = _repair_instance(data)
     n, num_ranks = costs.size, node.size
     moves = [_group(np.asarray(e, dtype=np.int64), np.asarray(s, dtype=np.int64), np.asarray(b), n, num_ranks)
              for e, s, b in sources]
-    state = State(moves, node, near.astype(np.int64), costs, num_ranks)
+    state = State(moves, _flat(moves, n), node, near.astype(np.int64), costs, num_ranks)
     examples = np.array(data.draw(st.lists(st.integers(0, n - 1), max_size=8)), dtype=np.int64)
     on_node = data.draw(st.integers(0, int(node.max())))
     got = _kernels.bytes_on_node(state.src, state.nbytes, state.offset, node, examples, on_node)

@@ -26,9 +26,10 @@ from megatron_orch.balance._kernels.local_search import refine, swap_sweeps
 from megatron_orch.balance._kernels.locality import fill_quotas, lpt_near_home
 from megatron_orch.balance._kernels.longest_first import lpt, slot_lpt
 from megatron_orch.balance._kernels.order import decreasing, increasing
-from megatron_orch.balance._kernels.repair import (add_link_bytes, bytes_on_node, group_entries, localize,
-                                                   repair_locality, shift_example, try_exchange)
+from megatron_orch.balance._kernels.repair import (add_link_bytes, bytes_on_node, example_link_bytes, group_entries,
+                                                   localize, repair_locality, shift_example, try_exchange)
 
 __all__ = ["CONSTRUCTIONS", "METHOD_CODES", "TRIED", "add_link_bytes", "auto", "bs_ffd", "bytes_on_node", "decreasing",
-           "fill_quotas", "group_entries", "increasing", "kk", "localize", "lpt", "lpt_near_home", "partition_groups",
-           "pigeonhole_bound", "refine", "repair_locality", "shift_example", "slot_lpt", "swap_sweeps", "try_exchange"]
+           "example_link_bytes", "fill_quotas", "group_entries", "increasing", "kk", "localize", "lpt", "lpt_near_home",
+           "partition_groups", "pigeonhole_bound", "refine", "repair_locality", "shift_example", "slot_lpt",
+           "swap_sweeps", "try_exchange"]

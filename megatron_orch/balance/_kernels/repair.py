@@ -475,22 +475,39 @@ def group_entries(example, src, nbytes, num_examples, num_ranks):
     return grouped_src, grouped_bytes, start, by_src_start, by_src_example
 
 
-@numba.njit(**_JIT)
+@numba.njit(**_INLINE)
+def _add_entry(links, node_of_rank, s, d, b):
+    """(Its callers run without reference counts: each call would count ``links`` and ``node_of_rank`` otherwise.)"""
+    if s == d:
+        return
+    if node_of_rank[s] != node_of_rank[d]:
+        links[2, s] += b
+        links[3, d] += b
+    else:
+        links[0, s] += b
+        links[1, d] += b
+
+
+@numba.njit(**_NO_REFCOUNT)
 def add_link_bytes(links, node_of_rank, src, dst, nbytes, sign):
     """``sign`` x bytes of entries moving ``src[i]`` -> ``dst[i]`` added to ``links`` ([sent on the node, received on
     the node, sent across nodes, received across nodes] x ranks), in entry order (as ``np.add.at`` per row adds:
     the same sums, bit for bit); an entry that stays on its rank adds nothing."""
     for i in range(src.size):
-        s, d = src[i], dst[i]
-        if s == d:
-            continue
-        b = nbytes[i] * sign
-        if node_of_rank[s] != node_of_rank[d]:
-            links[2, s] += b
-            links[3, d] += b
-        else:
-            links[0, s] += b
-            links[1, d] += b
+        _add_entry(links, node_of_rank, src[i], dst[i], nbytes[i] * sign)
+
+
+@numba.njit(**_NO_REFCOUNT)
+def example_link_bytes(links, node_of_rank, src, nbytes, offset, rank):
+    """Every move's entries (move m's of example e: ``src`` / ``nbytes`` at ``offset[m, e]:offset[m, e + 1]``) added
+    to ``links[m]``, each towards its example's rank ``rank[e]``: :func:`add_link_bytes` of the move's entries in
+    their order (the same sums, bit for bit), without spelling out each entry's destination."""
+    for m in range(offset.shape[0]):
+        move_links = links[m]
+        for e in range(rank.size):
+            d = rank[e]
+            for i in range(offset[m, e], offset[m, e + 1]):
+                _add_entry(move_links, node_of_rank, src[i], d, nbytes[i] * 1.0)
 
 
 @numba.njit(**_JIT)
