@@ -438,6 +438,24 @@ def _pair_sums(costs, items, count, sums, first, second):
 
 
 @numba.njit(**_INLINE)
+def _distinct_pairs(memory, sums, first, second, count):
+    """``sums`` / ``first`` / ``second`` (:func:`_pair_sums`) kept, in place, without a pair whose sum and memories
+    equal the last kept one's; returns how many are kept. As the top bin's pairs of :func:`_pair_swap`, such a pair
+    meets the partner's pairs the one before it met, with the same differences, and cannot beat what that one gave:
+    a top bin of a few item sizes (a long item and many equal short ones) has a few distinct pairs of its ~100."""
+    if count == 0:
+        return 0
+    m = 1
+    for t in range(1, count):
+        k = m - 1
+        if not (sums[t] == sums[k] and memory[first[t]] == memory[first[k]]
+                and memory[second[t]] == memory[second[k]]):
+            sums[m], first[m], second[m] = sums[t], first[t], second[t]
+            m += 1
+    return m
+
+
+@numba.njit(**_INLINE)
 def _cached_pair_sums(costs, items, count, b, pair_cache, pair_cached):
     """:func:`_pair_sums` of bin ``b``'s ``items[:count]`` (by cost), kept in row b of ``pair_cache`` (sums,
     first, second; ``pair_cached[b]`` pairs, -1: to build again) until the bin changes: a locality refinement's
@@ -483,8 +501,10 @@ def _pair_swap(costs, memory, memory_cap, load, bin_mem, top, b, best, best_out,
                     hi = mid
         for u in range(max(lo - 1, 0), min(lo + 1, num_pairs)):
             d = top_sum[t] - sums[u]
+            if not 0.0 < d < gap:
+                continue
             moved = memory[top_first[t]] + memory[top_second[t]] - memory[first[u]] - memory[second[u]]
-            if 0.0 < d < gap and bin_mem[b] + moved <= memory_cap and bin_mem[top] - moved <= memory_cap:
+            if bin_mem[b] + moved <= memory_cap and bin_mem[top] - moved <= memory_cap:
                 value = max(top_load - d, load[b] + d)
                 if max(value, floor) < best:
                     best, found = value, 2
@@ -707,6 +727,9 @@ def refine(costs, memory, memory_cap, num_bins, bin_of_item, allow_moves, stop_a
     stale = np.zeros((2, num_bins), dtype=np.bool_)  # bins whose items' slack changed since the tree was read
     stale_bins, num_stale = np.empty((2, num_bins), dtype=np.int64), np.zeros(2, dtype=np.int64)
     marks, stamp = np.zeros(num_bins, dtype=np.int64), 0  # bins holding an item a top item can take (this stamp)
+    # A step that found nothing and widens runs again on the same loads with the same best: per scope and kind, the
+    # partners it has tried (num_bins: all it can try; as many again give nothing) and whether marks hold its takers
+    tried, marked_top, shed = np.zeros((2, 4), dtype=np.int64), False, 0
     steps = 0
     width = partners  # partners anywhere: widened when they give nothing, up to every bin with node_size (the
     # locality refinements, which start far from balance), else _WIDEN times (a plain plan stuck within its
@@ -735,7 +758,10 @@ def refine(costs, memory, memory_cap, num_bins, bin_of_item, allow_moves, stop_a
                         or (kind == 3 and scope == 0)  # (on M's node, partners are all its bins: every item)
                         or (kind in (1, 2) and scope == 1 and cross_swap_cap < np.inf)):
                     continue
+                if tried[scope, kind] == num_bins:
+                    continue
                 if kind == 3:
+                    tried[scope, kind] = num_bins
                     start = _scan_start(costs, order, top_items, num_top, cheapest_scan)
                     if start < slack_lo[0]:  # (first use, or a top bin holding many of the cheapest items)
                         slack_lo[0] = max(0, start - cheapest_scan)
@@ -748,9 +774,12 @@ def refine(costs, memory, memory_cap, num_bins, bin_of_item, allow_moves, stop_a
                         best_b, num_out, num_in = b, 1, 1
                     continue
                 if kind == 2 and num_top_pairs < 0:
-                    num_top_pairs = _pair_sums(costs, top_items, num_top, top_pairs[0], top_pairs[1], top_pairs[2])
+                    num_top_pairs = _distinct_pairs(memory, top_pairs[0], top_pairs[1], top_pairs[2], _pair_sums(
+                        costs, top_items, num_top, top_pairs[0], top_pairs[1], top_pairs[2]))
                 marked = kind == 0 and scope == 1 and width > _WIDEN * partners
-                if marked:  # (hundreds of partners or more: those with a swap or room for a move, in log time)
+                if marked and not marked_top:  # (hundreds of partners or more: those with a swap or room for a
+                    # move, in log time)
+                    marked_top = True
                     if slack_lo[1] > 0:
                         slack_lo[1] = 0
                         every = _slack_tree(costs, load, bin_of_item, order, 0)
@@ -759,14 +788,18 @@ def refine(costs, memory, memory_cap, num_bins, bin_of_item, allow_moves, stop_a
                     _mark_takers(costs, order, bin_of_item, top_items, num_top, load[top], best, cross_swap_cap,
                                  every, marks, stamp)
                     shed = _first_shed(costs, top_items, num_top, load[top], best)
-                for q in range(num_p if kind < 2 else min(num_p, _PAIR_PARTNERS * width // partners)):
+                count = num_p if kind < 2 else min(num_p, _PAIR_PARTNERS * width // partners)
+                for q in range(tried[scope, kind], count):
                     b = plist[q]
                     if _cannot_beat(load[top], load[b], best):  # (partners by increasing load: nor any later one)
+                        count = num_bins
                         break
                     if marked and marks[b] != stamp and not (allow_moves and shed < num_top
                                                              and load[b] + costs[top_items[shed]] < best):
                         continue
-                    num_b = _sorted_items(head, nxt, costs, b, partner_items, cache, cached, cache_width)
+                    kept = kind == 2 and node_size > 0 and pair_cached[b] >= 0  # (b's pairs kept: its items unread)
+                    num_b = 2 if kept else _sorted_items(head, nxt, costs, b, partner_items, cache, cached,
+                                                         cache_width)
                     if kind < 2:
                         best, o, i = _exchange_with(costs, memory, memory_cap, load, bin_mem, top, b, top_items,
                                                     num_top, partner_items, num_b, kind, allow_moves,
@@ -788,12 +821,15 @@ def refine(costs, memory, memory_cap, num_bins, bin_of_item, allow_moves, stop_a
                         best_b, num_out, num_in = b, o, i
                     if best <= floor:  # settled: no later partner can beat it
                         break
+                tried[scope, kind] = count
         if best_b < 0:
             if width < widest:
                 width = min(widest, _WIDEN * width)  # stuck among the least-loaded: again with more of them
                 continue
             break
         width = partners
+        tried[:] = 0
+        marked_top = False
         top_load, partner_load = load[top], load[best_b]
         for k in range(num_out + num_in):
             item = best_out[k] if k < num_out else best_in[k - num_out]
