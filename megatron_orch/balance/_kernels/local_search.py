@@ -31,7 +31,9 @@ def _rank_index(load, rank, lo, hi, key, b):
 @numba.njit(**_JIT)
 def _reposition(load, rank, b, old_load):
     """Restore ``rank`` after bin ``b``'s load changed from ``old_load`` (every other bin is in
-    place): binary searches for its old and new places, then a shift of the bins in between."""
+    place): binary searches for its old and new places, then a shift of the bins in between (thousands of them
+    where a refinement's top bin drops among the many near the mean: indexed unsigned, the shift compiles to a
+    block move, ~6x faster than with numba's signed indices, which wrap around below 0)."""
     new_load = load[b]
     load[b] = old_load
     p = _rank_index(load, rank, 0, rank.size, old_load, b)
@@ -39,11 +41,11 @@ def _reposition(load, rank, b, old_load):
     if new_load > old_load:
         q = _rank_index(load, rank, p + 1, rank.size, new_load, b) - 1
         for t in range(p, q):
-            rank[t] = rank[t + 1]
+            rank[np.uint64(t)] = rank[np.uint64(t + 1)]
     else:
         q = _rank_index(load, rank, 0, p, new_load, b)
         for t in range(p, q, -1):
-            rank[t] = rank[t - 1]
+            rank[np.uint64(t)] = rank[np.uint64(t - 1)]
     rank[q] = b
 
 
