@@ -476,7 +476,8 @@ def _pair_swap(costs, memory, memory_cap, load, bin_mem, top, b, best, best_out,
 
     Where one-for-one swaps are stuck (a few items per bin, no single difference near half the gap),
     two-for-two differences are many more. Each pair of the top bin meets b's pair whose sum is
-    nearest its own minus half the gap (pairs by sum: b's searched from the last one found on).
+    nearest its own minus half the gap (pairs by sum: b's searched from the last one found on); refine passes the
+    top bin's distinct pairs (:func:`_distinct_pairs`).
     ``top_pairs``: the top bin's ``num_top_pairs`` pairs, ``partner_pairs``: b's ``num_pairs``
     (:func:`_pair_sums`). Returns (value, 2) with the swap in ``best_out`` / ``best_in``, or (best, -1).
     """
@@ -670,7 +671,7 @@ def refine(costs, memory, memory_cap, num_bins, bin_of_item, allow_moves, stop_a
     bins' typical items, where a bin with one long item needs the batch's shortest for its other slots.
     With ``node_size > 0`` (bin r on node r // node_size) the rounds run with the bins of M's node
     first (every item of the node: no round of cheapest items there), then anywhere with ``partners``
-    least-loaded bins (a step that finds nothing there tries :data:`_WIDEN` times as many; with
+    least-loaded bins (a step that finds nothing there tries :data:`_WIDEN` times as many, all but those it tried; with
     ``node_size``, and so on up to every bin, the one-for-one round of those wider searches only with the bins
     where one could beat the best, :func:`_mark_takers`); there, with a finite ``cross_swap_cap``, only moves, trades
     with the cheapest items and one-for-one swaps of items costing at most that (a swap that evens out two
@@ -730,8 +731,10 @@ def refine(costs, memory, memory_cap, num_bins, bin_of_item, allow_moves, stop_a
     stale_bins, num_stale = np.empty((2, num_bins), dtype=np.int64), np.zeros(2, dtype=np.int64)
     marks, stamp = np.zeros(num_bins, dtype=np.int64), 0  # bins holding an item a top item can take (this stamp)
     # A step that found nothing and widens runs again on the same loads with the same best: per scope and kind, the
-    # partners it has tried (num_bins: all it can try; as many again give nothing) and whether marks hold its takers
+    # partners it has tried (those again give nothing; num_bins: a round that does not depend on the partners, its
+    # cheapest-item trades), whether the marks are its top bin's takers, and its top bin's pairs
     tried, marked_top, shed = np.zeros((2, 4), dtype=np.int64), False, 0
+    num_top_pairs = -1  # the top bin's pairs, built when a two-for-two round needs them (kept while it widens)
     steps = 0
     width = partners  # partners anywhere: widened when they give nothing, up to every bin with node_size (the
     # locality refinements, which start far from balance), else _WIDEN times (a plain plan stuck within its
@@ -744,7 +747,6 @@ def refine(costs, memory, memory_cap, num_bins, bin_of_item, allow_moves, stop_a
             break
         best_b, num_out, num_in = -1, 0, 0
         num_top = _sorted_items(head, nxt, costs, top, top_items, cache, cached, cache_width)
-        num_top_pairs = -1  # the top bin's pairs, built when a two-for-two round needs them
         node_full = settle_at_stop and node_size > 0 and _node_load(load, top, node_size) > node_size * stop_at
         for turn in range(2):  # M's node (if node_size > 0), then anywhere; the other way round if M's node is full
             scope = 1 - turn if node_full else turn  # 0: M's node; 1: anywhere
@@ -794,7 +796,6 @@ def refine(costs, memory, memory_cap, num_bins, bin_of_item, allow_moves, stop_a
                 for q in range(tried[scope, kind], count):
                     b = plist[q]
                     if _cannot_beat(load[top], load[b], best):  # (partners by increasing load: nor any later one)
-                        count = num_bins
                         break
                     if marked and marks[b] != stamp and not (allow_moves and shed < num_top
                                                              and load[b] + costs[top_items[shed]] < best):
@@ -831,7 +832,7 @@ def refine(costs, memory, memory_cap, num_bins, bin_of_item, allow_moves, stop_a
             break
         width = partners
         tried[:] = 0
-        marked_top = False
+        marked_top, num_top_pairs = False, -1
         top_load, partner_load = load[top], load[best_b]
         for k in range(num_out + num_in):
             item = best_out[k] if k < num_out else best_in[k - num_out]
