@@ -212,6 +212,20 @@ def test_pair_swap_is_searching_the_partner_pairs_afresh(data, largest, scale, m
             assert (tuple(out), tuple(into)) == expected[2:]
 
 
+@settings(max_examples=400, deadline=None)
+@given(st.lists(st.integers(1, 30), min_size=2, max_size=32), st.lists(st.integers(2, 60), max_size=8),
+       st.integers(0, 12), st.sampled_from([1.0, 1e15, 0.1]))
+def test_pair_within_is_whether_any_pair_differs_by_less_than_the_gap(partner_costs, top_sums, gap, scale):
+    """Sums with ties (a difference of 0 does not count), a gap of 0 too, float scales: whether some pair of the
+    partner's items sums to s with 0 < t - s < gap for a top sum t, as every pair tried in turn says."""
+    costs = np.array(sorted(partner_costs), dtype=float) * scale
+    items = np.arange(costs.size, dtype=np.int64)
+    sums = np.array(sorted(set(top_sums)), dtype=float) * scale
+    expected = any(0.0 < t - (costs[u] + costs[v]) < gap * scale for t in sums
+                   for u in range(costs.size) for v in range(u + 1, costs.size))
+    assert local_search._pair_within(costs, items, costs.size, sums, sums.size, gap * scale) == expected
+
+
 @settings(max_examples=300, deadline=None)
 @given(st.lists(st.integers(-5, 5), min_size=1, max_size=40), st.data())
 def test_tree_last_above_is_the_last_leaf_above_the_threshold(values, data):
