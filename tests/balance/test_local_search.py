@@ -11,7 +11,7 @@ from cheapest_swap_reference import cheapest_swap_reference
 from pair_swap_reference import pair_swap_reference
 from refine_reference import refine_reference
 
-from megatron_orch.balance._kernels import local_search
+from megatron_orch.balance._kernels import _segment_tree, local_search
 
 
 def _linked(bins, num_bins):
@@ -237,12 +237,12 @@ def test_tree_last_above_is_the_last_leaf_above_the_threshold(values, data):
     slack, width, leaf = local_search._slack_tree(keys, np.zeros(1), np.zeros(keys.size, dtype=np.int64), order, 0)
     assert leaf.tolist() == list(range(keys.size))
     expected = max((u for u in range(lo, hi + 1) if values[u] > threshold), default=-1)
-    assert local_search._tree_last_above(slack, width, lo, hi, threshold) == expected
+    assert _segment_tree._tree_last_above(slack, width, lo, hi, threshold) == expected
     changed = data.draw(st.integers(0, keys.size - 1))  # a leaf set again: the path above it follows
     values[changed] = data.draw(st.integers(-5, 5))
-    local_search._tree_set_max(slack, width, changed, float(values[changed]))
+    _segment_tree._tree_set_max(slack, width, changed, float(values[changed]))
     expected = max((u for u in range(lo, hi + 1) if values[u] > threshold), default=-1)
-    assert local_search._tree_last_above(slack, width, lo, hi, threshold) == expected
+    assert _segment_tree._tree_last_above(slack, width, lo, hi, threshold) == expected
 
 
 @settings(max_examples=150, deadline=None)

@@ -3,6 +3,7 @@ import numba
 import numpy as np
 
 from megatron_orch.balance._jit import _INLINE, _JIT
+from megatron_orch.balance._kernels._segment_tree import _tree_last_above, _tree_set_max
 from megatron_orch.balance._kernels.order import increasing
 
 
@@ -277,16 +278,6 @@ def _slack_tree(costs, load, bin_of_item, order, lo):
 
 
 @numba.njit(**_INLINE)
-def _tree_set_max(tree, width, leaf, value):
-    v = width + leaf
-    tree[v] = value
-    v //= 2
-    while v >= 1:
-        tree[v] = max(tree[2 * v], tree[2 * v + 1])
-        v //= 2
-
-
-@numba.njit(**_INLINE)
 def _refresh(tree, costs, load, head, nxt, stale, stale_bins, num_stale, w):
     """Slack tree ``tree`` (w: its row of ``stale``, ``stale_bins``, ``num_stale``) brought up to date: the items of
     the bins changed since it was last read set again from their loads, each bin once."""
@@ -300,24 +291,6 @@ def _refresh(tree, costs, load, head, nxt, stale, stale_bins, num_stale, w):
                 _tree_set_max(slack, width, leaf[i], costs[i] - load[b])
             i = nxt[i]
     num_stale[w] = 0
-
-
-@numba.njit(**_INLINE)
-def _tree_last_above(tree, width, lo, hi, threshold):
-    """Last leaf in [lo, hi] of a max tree whose value exceeds ``threshold``, or -1: the subtrees left of leaf hi,
-    nearest first (a node's range is examined once its value is known not to exceed)."""
-    if lo > hi:
-        return -1
-    v = width + hi
-    while tree[v] <= threshold:
-        while v % 2 == 0:  # a left child: what lies left of it lies left of its parent
-            v //= 2
-        if v == 1:
-            return -1
-        v -= 1
-    while v < width:
-        v = 2 * v + 1 if tree[2 * v + 1] > threshold else 2 * v
-    return v - width if v - width >= lo else -1
 
 
 @numba.njit(**_INLINE)
