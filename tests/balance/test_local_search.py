@@ -9,8 +9,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from cheapest_swap_reference import cheapest_swap_reference
 from pair_swap_reference import pair_swap_reference
+from refine_reference import refine_reference
 
-from megatron_orch.balance._kernels import local_search
+from megatron_orch.balance._kernels import _segment_tree, local_search
 
 
 def _linked(bins, num_bins):
@@ -178,7 +179,7 @@ def test_marked_bins_hold_every_swap_and_move_that_beats_the_best(data, num_bins
 def test_pair_swap_is_searching_the_partner_pairs_afresh(data, largest, scale, memory_room):
     """Few or many pairs on either side (the partner's searched on from the last found: a bin of two items against
     one of 32), sums with ties, any gap (none too), memory that binds or not, a floor or none: the swap the
-    reference's binary search for every top pair finds."""
+    reference's binary search for every top pair finds, with all the top bin's pairs or its distinct ones."""
     top_costs = data.draw(st.lists(st.integers(1, largest), min_size=2, max_size=12))
     partner_costs = data.draw(st.lists(st.integers(1, largest), min_size=2, max_size=32))
     costs = np.array([float(c) for c in top_costs + partner_costs]) * scale
@@ -200,12 +201,29 @@ def test_pair_swap_is_searching_the_partner_pairs_afresh(data, largest, scale, m
     expected = pair_swap_reference(memory, memory_cap, load, bin_mem, 0, 1, best,
                                    list(zip(*(a[:num_top].tolist() for a in top_pairs))),
                                    list(zip(*(a[:num_partner].tolist() for a in partner_pairs))), floor)
-    out, into = np.full(2, -1, dtype=np.int64), np.full(2, -1, dtype=np.int64)
-    value, found = local_search._pair_swap(costs, memory, memory_cap, load, bin_mem, 0, 1, best, out, into,
-                                           top_pairs, num_top, partner_pairs, num_partner, floor)
-    assert (value, found) == expected[:2]
-    if found >= 0:
-        assert (tuple(out), tuple(into)) == expected[2:]
+    distinct = tuple(a.copy() for a in top_pairs)  # (the refinement's top pairs: a run of equal ones kept once)
+    num_distinct = local_search._distinct_pairs(memory, *distinct, num_top)
+    for pairs, count in ((top_pairs, num_top), (distinct, num_distinct)):
+        out, into = np.full(2, -1, dtype=np.int64), np.full(2, -1, dtype=np.int64)
+        value, found = local_search._pair_swap(costs, memory, memory_cap, load, bin_mem, 0, 1, best, out, into,
+                                               pairs, count, partner_pairs, num_partner, floor)
+        assert (value, found) == expected[:2]
+        if found >= 0:
+            assert (tuple(out), tuple(into)) == expected[2:]
+
+
+@settings(max_examples=400, deadline=None)
+@given(st.lists(st.integers(1, 30), min_size=2, max_size=32), st.lists(st.integers(2, 60), max_size=8),
+       st.integers(0, 12), st.sampled_from([1.0, 1e15, 0.1]))
+def test_pair_within_is_whether_any_pair_differs_by_less_than_the_gap(partner_costs, top_sums, gap, scale):
+    """Sums with ties (a difference of 0 does not count), a gap of 0 too, float scales: whether some pair of the
+    partner's items sums to s with 0 < t - s < gap for a top sum t, as every pair tried in turn says."""
+    costs = np.array(sorted(partner_costs), dtype=float) * scale
+    items = np.arange(costs.size, dtype=np.int64)
+    sums = np.array(sorted(set(top_sums)), dtype=float) * scale
+    expected = any(0.0 < t - (costs[u] + costs[v]) < gap * scale for t in sums
+                   for u in range(costs.size) for v in range(u + 1, costs.size))
+    assert local_search._pair_within(costs, items, costs.size, sums, sums.size, gap * scale) == expected
 
 
 @settings(max_examples=300, deadline=None)
@@ -219,12 +237,12 @@ def test_tree_last_above_is_the_last_leaf_above_the_threshold(values, data):
     slack, width, leaf = local_search._slack_tree(keys, np.zeros(1), np.zeros(keys.size, dtype=np.int64), order, 0)
     assert leaf.tolist() == list(range(keys.size))
     expected = max((u for u in range(lo, hi + 1) if values[u] > threshold), default=-1)
-    assert local_search._tree_last_above(slack, width, lo, hi, threshold) == expected
+    assert _segment_tree._tree_last_above(slack, width, lo, hi, threshold) == expected
     changed = data.draw(st.integers(0, keys.size - 1))  # a leaf set again: the path above it follows
     values[changed] = data.draw(st.integers(-5, 5))
-    local_search._tree_set_max(slack, width, changed, float(values[changed]))
+    _segment_tree._tree_set_max(slack, width, changed, float(values[changed]))
     expected = max((u for u in range(lo, hi + 1) if values[u] > threshold), default=-1)
-    assert local_search._tree_last_above(slack, width, lo, hi, threshold) == expected
+    assert _segment_tree._tree_last_above(slack, width, lo, hi, threshold) == expected
 
 
 @settings(max_examples=150, deadline=None)
@@ -252,3 +270,30 @@ def test_refine_keeps_its_trees_as_a_fresh_start_builds_them(data, num_bins, nod
     while local_search.refine(costs, memory, np.inf, num_bins, stepwise, *args, 1, order, scan, 0.0, settle):
         restarted += 1
     assert (steps, once.tolist()) == (restarted, stepwise.tolist())
+
+
+@settings(max_examples=500, deadline=None)
+@given(st.data(), st.sampled_from([16, 32]), st.sampled_from([0, 2, 4]), st.sampled_from([1, 4]),
+       st.sampled_from([3, 9, 40]), st.sampled_from([0.0, 0.5, math.inf]), st.booleans(), st.booleans(),
+       st.sampled_from([math.inf, 1.5]))
+def test_refine_makes_the_exchanges_of_a_search_afresh_at_every_step(data, num_bins, node_size, partners, largest,
+                                                                   swap_cap, settle, allow_moves, memory_room):
+    """Integer costs with ties and integer memory (that binds or not), one or four partners at first (steps widen
+    8 times, to every bin with a node's bins: marks from 9 partners on; the two-for-two rounds with fewer partners
+    than the others), a node's bins or none, small items only across nodes or any, to the mean: refine (which skips,
+    on a widened step, the partners and rounds it has tried on the same loads, and pairs or bins that cannot beat the
+    best) takes the steps of the reference, which tries them all again."""
+    items = data.draw(st.lists(st.tuples(st.integers(1, largest), st.integers(0, num_bins - 1), st.integers(0, 3)),
+                               min_size=32, max_size=200))
+    costs = np.array([float(c) for c, _, _ in items])
+    bins = np.array([b for _, b, _ in items], dtype=np.int64)
+    memory = np.array([float(m) for _, _, m in items])
+    memory_cap = memory_room * (np.bincount(bins, weights=memory, minlength=num_bins).max() + 3.0)
+    stop_at = float(np.floor(costs.sum() / num_bins))
+    order = np.argsort(-costs, kind="stable")
+    scan = data.draw(st.integers(1, costs.size))
+    args = (memory, memory_cap, num_bins)
+    rest = (allow_moves, stop_at, partners, node_size, 10 * costs.size, order, scan, swap_cap * costs.mean(), settle)
+    expected = bins.copy()
+    steps = refine_reference(costs, *args, expected, *rest)
+    assert (local_search.refine(costs, *args, bins, *rest), bins.tolist()) == (steps, expected.tolist())

@@ -1,8 +1,9 @@
-"""Segment tree over bins (least load, most memory room): first fit and least-loaded search in log time."""
+"""Segment trees: over bins (least load, most memory room: first fit and least-loaded search in log time), and a
+max tree (the last leaf above a threshold in log time: the refinement's slack of items)."""
 import numba
 import numpy as np
 
-from megatron_orch.balance._jit import _JIT
+from megatron_orch.balance._jit import _INLINE, _JIT
 
 
 # ---------------------------------------------------------------------------------------------
@@ -88,3 +89,35 @@ def _tree_least_loaded(tree_load, tree_room, width, lo, hi, need_mem):
             stack[depth + 1] = 2 * v
         depth += 2
     return best
+
+
+# ---------------------------------------------------------------------------------------------
+# Max tree: leaf u at width + u, each node the maximum of its two children (built by its user).
+# ---------------------------------------------------------------------------------------------
+
+@numba.njit(**_INLINE)
+def _tree_set_max(tree, width, leaf, value):
+    v = width + leaf
+    tree[v] = value
+    v //= 2
+    while v >= 1:
+        tree[v] = max(tree[2 * v], tree[2 * v + 1])
+        v //= 2
+
+
+@numba.njit(**_INLINE)
+def _tree_last_above(tree, width, lo, hi, threshold):
+    """Last leaf in [lo, hi] of a max tree whose value exceeds ``threshold``, or -1: the subtrees left of leaf hi,
+    nearest first (a node's range is examined once its value is known not to exceed)."""
+    if lo > hi:
+        return -1
+    v = width + hi
+    while tree[v] <= threshold:
+        while v % 2 == 0:  # a left child: what lies left of it lies left of its parent
+            v //= 2
+        if v == 1:
+            return -1
+        v -= 1
+    while v < width:
+        v = 2 * v + 1 if tree[2 * v + 1] > threshold else 2 * v
+    return v - width if v - width >= lo else -1

@@ -3,6 +3,7 @@ import numba
 import numpy as np
 
 from megatron_orch.balance._jit import _INLINE, _JIT
+from megatron_orch.balance._kernels._segment_tree import _tree_last_above, _tree_set_max
 from megatron_orch.balance._kernels.order import increasing
 
 
@@ -31,7 +32,9 @@ def _rank_index(load, rank, lo, hi, key, b):
 @numba.njit(**_JIT)
 def _reposition(load, rank, b, old_load):
     """Restore ``rank`` after bin ``b``'s load changed from ``old_load`` (every other bin is in
-    place): binary searches for its old and new places, then a shift of the bins in between."""
+    place): binary searches for its old and new places, then a shift of the bins in between (thousands of them
+    where a refinement's top bin drops among the many near the mean: indexed unsigned, the shift compiles to a
+    block move, ~6x faster than with numba's signed indices, which wrap around below 0)."""
     new_load = load[b]
     load[b] = old_load
     p = _rank_index(load, rank, 0, rank.size, old_load, b)
@@ -39,11 +42,11 @@ def _reposition(load, rank, b, old_load):
     if new_load > old_load:
         q = _rank_index(load, rank, p + 1, rank.size, new_load, b) - 1
         for t in range(p, q):
-            rank[t] = rank[t + 1]
+            rank[np.uint64(t)] = rank[np.uint64(t + 1)]
     else:
         q = _rank_index(load, rank, 0, p, new_load, b)
         for t in range(p, q, -1):
-            rank[t] = rank[t - 1]
+            rank[np.uint64(t)] = rank[np.uint64(t - 1)]
     rank[q] = b
 
 
@@ -275,16 +278,6 @@ def _slack_tree(costs, load, bin_of_item, order, lo):
 
 
 @numba.njit(**_INLINE)
-def _tree_set_max(tree, width, leaf, value):
-    v = width + leaf
-    tree[v] = value
-    v //= 2
-    while v >= 1:
-        tree[v] = max(tree[2 * v], tree[2 * v + 1])
-        v //= 2
-
-
-@numba.njit(**_INLINE)
 def _refresh(tree, costs, load, head, nxt, stale, stale_bins, num_stale, w):
     """Slack tree ``tree`` (w: its row of ``stale``, ``stale_bins``, ``num_stale``) brought up to date: the items of
     the bins changed since it was last read set again from their loads, each bin once."""
@@ -298,24 +291,6 @@ def _refresh(tree, costs, load, head, nxt, stale, stale_bins, num_stale, w):
                 _tree_set_max(slack, width, leaf[i], costs[i] - load[b])
             i = nxt[i]
     num_stale[w] = 0
-
-
-@numba.njit(**_INLINE)
-def _tree_last_above(tree, width, lo, hi, threshold):
-    """Last leaf in [lo, hi] of a max tree whose value exceeds ``threshold``, or -1: the subtrees left of leaf hi,
-    nearest first (a node's range is examined once its value is known not to exceed)."""
-    if lo > hi:
-        return -1
-    v = width + hi
-    while tree[v] <= threshold:
-        while v % 2 == 0:  # a left child: what lies left of it lies left of its parent
-            v //= 2
-        if v == 1:
-            return -1
-        v -= 1
-    while v < width:
-        v = 2 * v + 1 if tree[2 * v + 1] > threshold else 2 * v
-    return v - width if v - width >= lo else -1
 
 
 @numba.njit(**_INLINE)
@@ -438,6 +413,24 @@ def _pair_sums(costs, items, count, sums, first, second):
 
 
 @numba.njit(**_INLINE)
+def _distinct_pairs(memory, sums, first, second, count):
+    """``sums`` / ``first`` / ``second`` (:func:`_pair_sums`) kept, in place, without a pair whose sum and memories
+    equal the last kept one's; returns how many are kept. As the top bin's pairs of :func:`_pair_swap`, such a pair
+    meets the partner's pairs the one before it met, with the same differences, and cannot beat what that one gave:
+    a top bin of a few item sizes (a long item and many equal short ones) has a few distinct pairs of its ~100."""
+    if count == 0:
+        return 0
+    m = 1
+    for t in range(1, count):
+        k = m - 1
+        if not (sums[t] == sums[k] and memory[first[t]] == memory[first[k]]
+                and memory[second[t]] == memory[second[k]]):
+            sums[m], first[m], second[m] = sums[t], first[t], second[t]
+            m += 1
+    return m
+
+
+@numba.njit(**_INLINE)
 def _cached_pair_sums(costs, items, count, b, pair_cache, pair_cached):
     """:func:`_pair_sums` of bin ``b``'s ``items[:count]`` (by cost), kept in row b of ``pair_cache`` (sums,
     first, second; ``pair_cached[b]`` pairs, -1: to build again) until the bin changes: a locality refinement's
@@ -449,6 +442,26 @@ def _cached_pair_sums(costs, items, count, b, pair_cache, pair_cached):
     return (sums[b], first[b], second[b]), pair_cached[b]
 
 
+@numba.njit(**_INLINE)
+def _pair_within(costs, items, count, top_sums, num_top_pairs, gap):
+    """Whether two of ``items[:count]`` (by increasing cost) sum to s with 0 < t - s < ``gap`` for a sum t of
+    ``top_sums[:num_top_pairs]``, in floats as :func:`_pair_swap` takes the difference: if not, bin b has no
+    two-for-two swap with the top bin that beats its load. For each t, the largest pair sum below it (t - s is the
+    least there) is among those two pointers meet: ~count steps, where sorting b's pairs takes ~8x as long."""
+    for k in range(num_top_pairs):
+        t = top_sums[k]
+        u, v = 0, count - 1
+        while u < v:
+            s = costs[items[u]] + costs[items[v]]
+            if s < t:
+                if t - s < gap:
+                    return True
+                u += 1
+            else:
+                v -= 1
+    return False
+
+
 @numba.njit(**_JIT)
 def _pair_swap(costs, memory, memory_cap, load, bin_mem, top, b, best, best_out, best_in,
                top_pairs, num_top_pairs, partner_pairs, num_pairs, floor):
@@ -456,7 +469,8 @@ def _pair_swap(costs, memory, memory_cap, load, bin_mem, top, b, best, best_out,
 
     Where one-for-one swaps are stuck (a few items per bin, no single difference near half the gap),
     two-for-two differences are many more. Each pair of the top bin meets b's pair whose sum is
-    nearest its own minus half the gap (pairs by sum: b's searched from the last one found on).
+    nearest its own minus half the gap (pairs by sum: b's searched from the last one found on); refine passes the
+    top bin's distinct pairs (:func:`_distinct_pairs`).
     ``top_pairs``: the top bin's ``num_top_pairs`` pairs, ``partner_pairs``: b's ``num_pairs``
     (:func:`_pair_sums`). Returns (value, 2) with the swap in ``best_out`` / ``best_in``, or (best, -1).
     """
@@ -483,8 +497,10 @@ def _pair_swap(costs, memory, memory_cap, load, bin_mem, top, b, best, best_out,
                     hi = mid
         for u in range(max(lo - 1, 0), min(lo + 1, num_pairs)):
             d = top_sum[t] - sums[u]
+            if not 0.0 < d < gap:
+                continue
             moved = memory[top_first[t]] + memory[top_second[t]] - memory[first[u]] - memory[second[u]]
-            if 0.0 < d < gap and bin_mem[b] + moved <= memory_cap and bin_mem[top] - moved <= memory_cap:
+            if bin_mem[b] + moved <= memory_cap and bin_mem[top] - moved <= memory_cap:
                 value = max(top_load - d, load[b] + d)
                 if max(value, floor) < best:
                     best, found = value, 2
@@ -648,7 +664,7 @@ def refine(costs, memory, memory_cap, num_bins, bin_of_item, allow_moves, stop_a
     bins' typical items, where a bin with one long item needs the batch's shortest for its other slots.
     With ``node_size > 0`` (bin r on node r // node_size) the rounds run with the bins of M's node
     first (every item of the node: no round of cheapest items there), then anywhere with ``partners``
-    least-loaded bins (a step that finds nothing there tries :data:`_WIDEN` times as many; with
+    least-loaded bins (a step that finds nothing there tries :data:`_WIDEN` times as many, all but those it tried; with
     ``node_size``, and so on up to every bin, the one-for-one round of those wider searches only with the bins
     where one could beat the best, :func:`_mark_takers`); there, with a finite ``cross_swap_cap``, only moves, trades
     with the cheapest items and one-for-one swaps of items costing at most that (a swap that evens out two
@@ -707,6 +723,11 @@ def refine(costs, memory, memory_cap, num_bins, bin_of_item, allow_moves, stop_a
     stale = np.zeros((2, num_bins), dtype=np.bool_)  # bins whose items' slack changed since the tree was read
     stale_bins, num_stale = np.empty((2, num_bins), dtype=np.int64), np.zeros(2, dtype=np.int64)
     marks, stamp = np.zeros(num_bins, dtype=np.int64), 0  # bins holding an item a top item can take (this stamp)
+    # A step that found nothing and widens runs again on the same loads with the same best: per scope and kind, the
+    # partners it has tried (those again give nothing; num_bins: a round that does not depend on the partners, its
+    # cheapest-item trades), whether the marks are its top bin's takers, and its top bin's pairs
+    tried, marked_top, shed = np.zeros((2, 4), dtype=np.int64), False, 0
+    num_top_pairs = -1  # the top bin's pairs, built when a two-for-two round needs them (kept while it widens)
     steps = 0
     width = partners  # partners anywhere: widened when they give nothing, up to every bin with node_size (the
     # locality refinements, which start far from balance), else _WIDEN times (a plain plan stuck within its
@@ -719,7 +740,6 @@ def refine(costs, memory, memory_cap, num_bins, bin_of_item, allow_moves, stop_a
             break
         best_b, num_out, num_in = -1, 0, 0
         num_top = _sorted_items(head, nxt, costs, top, top_items, cache, cached, cache_width)
-        num_top_pairs = -1  # the top bin's pairs, built when a two-for-two round needs them
         node_full = settle_at_stop and node_size > 0 and _node_load(load, top, node_size) > node_size * stop_at
         for turn in range(2):  # M's node (if node_size > 0), then anywhere; the other way round if M's node is full
             scope = 1 - turn if node_full else turn  # 0: M's node; 1: anywhere
@@ -735,7 +755,10 @@ def refine(costs, memory, memory_cap, num_bins, bin_of_item, allow_moves, stop_a
                         or (kind == 3 and scope == 0)  # (on M's node, partners are all its bins: every item)
                         or (kind in (1, 2) and scope == 1 and cross_swap_cap < np.inf)):
                     continue
+                if tried[scope, kind] == num_bins:
+                    continue
                 if kind == 3:
+                    tried[scope, kind] = num_bins
                     start = _scan_start(costs, order, top_items, num_top, cheapest_scan)
                     if start < slack_lo[0]:  # (first use, or a top bin holding many of the cheapest items)
                         slack_lo[0] = max(0, start - cheapest_scan)
@@ -748,9 +771,12 @@ def refine(costs, memory, memory_cap, num_bins, bin_of_item, allow_moves, stop_a
                         best_b, num_out, num_in = b, 1, 1
                     continue
                 if kind == 2 and num_top_pairs < 0:
-                    num_top_pairs = _pair_sums(costs, top_items, num_top, top_pairs[0], top_pairs[1], top_pairs[2])
+                    num_top_pairs = _distinct_pairs(memory, top_pairs[0], top_pairs[1], top_pairs[2], _pair_sums(
+                        costs, top_items, num_top, top_pairs[0], top_pairs[1], top_pairs[2]))
                 marked = kind == 0 and scope == 1 and width > _WIDEN * partners
-                if marked:  # (hundreds of partners or more: those with a swap or room for a move, in log time)
+                if marked and not marked_top:  # (hundreds of partners or more: those with a swap or room for a
+                    # move, in log time)
+                    marked_top = True
                     if slack_lo[1] > 0:
                         slack_lo[1] = 0
                         every = _slack_tree(costs, load, bin_of_item, order, 0)
@@ -759,20 +785,26 @@ def refine(costs, memory, memory_cap, num_bins, bin_of_item, allow_moves, stop_a
                     _mark_takers(costs, order, bin_of_item, top_items, num_top, load[top], best, cross_swap_cap,
                                  every, marks, stamp)
                     shed = _first_shed(costs, top_items, num_top, load[top], best)
-                for q in range(num_p if kind < 2 else min(num_p, _PAIR_PARTNERS * width // partners)):
+                count = num_p if kind < 2 else min(num_p, _PAIR_PARTNERS * width // partners)
+                for q in range(tried[scope, kind], count):
                     b = plist[q]
                     if _cannot_beat(load[top], load[b], best):  # (partners by increasing load: nor any later one)
                         break
                     if marked and marks[b] != stamp and not (allow_moves and shed < num_top
                                                              and load[b] + costs[top_items[shed]] < best):
                         continue
-                    num_b = _sorted_items(head, nxt, costs, b, partner_items, cache, cached, cache_width)
+                    kept = kind == 2 and node_size > 0 and pair_cached[b] >= 0  # (b's pairs kept: its items unread)
+                    num_b = 2 if kept else _sorted_items(head, nxt, costs, b, partner_items, cache, cached,
+                                                         cache_width)
                     if kind < 2:
                         best, o, i = _exchange_with(costs, memory, memory_cap, load, bin_mem, top, b, top_items,
                                                     num_top, partner_items, num_b, kind, allow_moves,
                                                     np.inf if scope == 0 else cross_swap_cap, chosen,
                                                     best, best_out, best_in, floor)
                     elif 2 <= num_b <= _PAIR_ITEMS:
+                        if not (kept or _pair_within(costs, partner_items, num_b, top_pairs[0], num_top_pairs,
+                                                     load[top] - load[b])):
+                            continue  # (most of a widened search's partners: their pairs not sorted)
                         if node_size > 0:
                             b_pairs, num_b_pairs = _cached_pair_sums(costs, partner_items, num_b, b, pair_cache,
                                                                      pair_cached)
@@ -788,12 +820,15 @@ def refine(costs, memory, memory_cap, num_bins, bin_of_item, allow_moves, stop_a
                         best_b, num_out, num_in = b, o, i
                     if best <= floor:  # settled: no later partner can beat it
                         break
+                tried[scope, kind] = count
         if best_b < 0:
             if width < widest:
                 width = min(widest, _WIDEN * width)  # stuck among the least-loaded: again with more of them
                 continue
             break
         width = partners
+        tried[:] = 0
+        marked_top, num_top_pairs = False, -1
         top_load, partner_load = load[top], load[best_b]
         for k in range(num_out + num_in):
             item = best_out[k] if k < num_out else best_in[k - num_out]
