@@ -510,23 +510,14 @@ def example_link_bytes(links, node_of_rank, src, nbytes, offset, rank):
                 _add_entry(move_links, node_of_rank, src[i], d, nbytes[i] * 1.0)
 
 
-@numba.njit(**_JIT)
+@numba.njit(**_NO_REFCOUNT)
 def move_link_bytes(links, node_of_rank, src, nbytes, a, to):
     """The entries ``src`` -> rank ``a`` (``nbytes`` each) going to rank ``to`` instead, in ``links`` (as
     :func:`add_link_bytes`): subtracted as they were, then added, each pass in entry order (the same sums, bit for
     bit, as ``add_link_bytes`` with sign -1 towards ``a`` then +1 towards ``to``)."""
     for to_rank, sign in ((a, -1.0), (to, 1.0)):
         for i in range(src.size):
-            s = src[i]
-            if s == to_rank:
-                continue
-            b = nbytes[i] * sign
-            if node_of_rank[s] != node_of_rank[to_rank]:
-                links[2, s] += b
-                links[3, to_rank] += b
-            else:
-                links[0, s] += b
-                links[1, to_rank] += b
+            _add_entry(links, node_of_rank, src[i], to_rank, nbytes[i] * sign)
 
 
 # ---------------------------------------------------------------------------------------------
