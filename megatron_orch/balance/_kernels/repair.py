@@ -448,18 +448,12 @@ def group_entries(example, src, nbytes, num_examples, num_ranks):
     """One all-to-all's entries (entry i: ``nbytes[i]`` from rank ``src[i]`` to example ``example[i]``) grouped as
     balance/repair.py's ``_Move`` holds them: (sources and bytes (float64) by example, where each example's begin
     (``num_examples`` + 1), where each source rank's begin among the next (``num_ranks`` + 1), the examples of the
-    entries by source rank), each group in entry order: ``np.argsort(kind="stable")``'s orders, by one counting
-    pass for both. Every value within range (the caller checks)."""
+    entries by source rank), each group in entry order: ``np.argsort(kind="stable")``'s orders, the groups' starts
+    counted (:func:`_rank_starts`), then every entry placed in both in one pass. Every value within range (the caller
+    checks)."""
     n = example.size
-    start = np.zeros(num_examples + 1, dtype=np.int64)
-    by_src_start = np.zeros(num_ranks + 1, dtype=np.int64)
-    for i in range(n):
-        start[example[i] + 1] += 1
-        by_src_start[src[i] + 1] += 1
-    for e in range(num_examples):
-        start[e + 1] += start[e]
-    for r in range(num_ranks):
-        by_src_start[r + 1] += by_src_start[r]
+    start = _rank_starts(example, num_examples)
+    by_src_start = _rank_starts(src, num_ranks)
     fill = start[:-1].copy()
     src_fill = by_src_start[:-1].copy()
     grouped_src = np.empty(n, dtype=np.int64)
