@@ -794,14 +794,14 @@ def refine(costs, memory, memory_cap, num_bins, bin_of_item, allow_moves, stop_a
                                                              and load[b] + costs[top_items[shed]] < best):
                         continue
                     kept = kind == 2 and node_size > 0 and pair_cached[b] >= 0  # (b's pairs kept: its items unread)
-                    num_b = 2 if kept else _sorted_items(head, nxt, costs, b, partner_items, cache, cached,
+                    num_b = 0 if kept else _sorted_items(head, nxt, costs, b, partner_items, cache, cached,
                                                          cache_width)
                     if kind < 2:
                         best, o, i = _exchange_with(costs, memory, memory_cap, load, bin_mem, top, b, top_items,
                                                     num_top, partner_items, num_b, kind, allow_moves,
                                                     np.inf if scope == 0 else cross_swap_cap, chosen,
                                                     best, best_out, best_in, floor)
-                    elif 2 <= num_b <= _PAIR_ITEMS:
+                    elif kept or 2 <= num_b <= _PAIR_ITEMS:  # (pairs are kept only of such bins)
                         if not (kept or _pair_within(costs, partner_items, num_b, top_pairs[0], num_top_pairs,
                                                      load[top] - load[b])):
                             continue  # (most of a widened search's partners: their pairs not sorted)
