@@ -3,7 +3,7 @@ increasing load, ties by increasing id (the order the swap sweeps and the refine
 import numba
 import numpy as np
 
-from megatron_orch.balance._jit import _JIT
+from megatron_orch.balance._jit import _INLINE, _JIT
 
 _DIGIT_BITS = 14  # a counting pass per 14 bits (16,384 counters): 4 cover the 56 a backbone's costs differ in
 _RADIX_FROM = 2048  # fewer values are sorted by numba's merge sort (a radix pass costs its 16,384 counters)
@@ -55,30 +55,30 @@ def _radix_order(key, span):
     return ids
 
 
+@numba.njit(**_INLINE)
+def _sorted_ids(values, descending):
+    """Ids by increasing value (``descending``: decreasing), ties by increasing id, for finite values >= 0, whose
+    bits order as the numbers do: from :data:`_RADIX_FROM` values a radix sort of their bits' distance from the
+    first value's, below by numba's merge sort or insertion."""
+    if values.size <= _INSERTION_UP_TO:
+        return _by_insertion(values, descending)
+    if values.size < _RADIX_FROM:
+        return np.argsort(-values if descending else values, kind="mergesort")
+    bits = (values + 0.0).view(np.int64)  # (+ 0.0: -0.0 becomes 0.0)
+    top, bottom = bits.max(), bits.min()
+    return _radix_order(top - bits if descending else bits - bottom, top - bottom)
+
+
 @numba.njit(**_JIT)
 def decreasing(costs):
     """Item ids by decreasing cost, ties by increasing id (``np.argsort(-costs, kind="stable")``) for finite costs
-    >= 0, whose bits order as the numbers do: from :data:`_RADIX_FROM` costs a radix sort of (largest bits - bits)
-    (4 counting passes at a step's backbone: ~2.5x less CPU than numpy's stable argsort), below by numba's merge
-    sort or insertion."""
-    if costs.size <= _INSERTION_UP_TO:
-        return _by_insertion(costs, True)
-    if costs.size < _RADIX_FROM:
-        return np.argsort(-costs, kind="mergesort")
-    bits = (costs + 0.0).view(np.int64)  # (+ 0.0: -0.0 becomes 0.0)
-    top = bits.max()
-    return _radix_order(top - bits, top - bits.min())
+    >= 0 (the radix sort: 4 counting passes at a step's backbone, ~2.5x less CPU than numpy's stable argsort)."""
+    return _sorted_ids(costs, True)
 
 
 @numba.njit(**_JIT)
 def increasing(values):
     """Ids by increasing value, ties by increasing id (``np.argsort(values, kind="stable")``) for finite values
-    >= 0 (bins' loads): a radix sort of (bits - smallest bits) from :data:`_RADIX_FROM` values (~2x less CPU than
-    numba's merge sort at 10,240 bins, run at every swap sweep), below the merge sort or insertion."""
-    if values.size <= _INSERTION_UP_TO:
-        return _by_insertion(values, False)
-    if values.size < _RADIX_FROM:
-        return np.argsort(values, kind="mergesort")
-    bits = (values + 0.0).view(np.int64)
-    bottom = bits.min()
-    return _radix_order(bits - bottom, bits.max() - bottom)
+    >= 0 (bins' loads; the radix sort: ~2x less CPU than numba's merge sort at 10,240 bins, run at every swap
+    sweep)."""
+    return _sorted_ids(values, False)
