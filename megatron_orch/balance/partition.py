@@ -53,7 +53,8 @@ class Outcome(enum.Enum):
 
     BALANCED = "balanced"  # the partitioner's bins
     HOME = "home"          # the home assignment, kept: nothing better (or already within the capacity)
-    FALLBACK = "fallback"  # a locality partitioner missed its capacity: the reference's bins, placed exactly
+    FALLBACK = "fallback"  # a locality partitioner missed its capacity: the reference's bins (placed exactly unless
+    #                        the caller places them itself: ``place_fallback`` False)
 
 
 @dataclass(frozen=True, eq=False)
@@ -240,14 +241,18 @@ def _result(bins, num_bins, costs, memory, has_memory, lower_bound, home, method
     )
 
 
-def _placed(bin_of_item, home, item_bytes, num_bins: int, gpus_per_node: int) -> np.ndarray:
-    """Rank of every item when bin b runs on the rank the exact placement gives it (fewest bytes
-    across nodes, then off their GPU, items moving from ``home``): a locality partitioner's
-    fallback, whose bins are ranks."""
-    rank_of_bin = place_items(bin_of_item, home, np.rint(item_bytes).astype(np.int64),
-                              Topology.uniform(num_bins, gpus_per_node),
+def _fallback(name: str, reference: Partition, home, item_bytes, gpus_per_node: int, placed: bool):
+    """(bin_of_item, method, outcome) of a locality partitioner ``name`` that missed its capacity: the
+    ``reference``'s bins, each on the rank the exact placement gives it (fewest bytes across nodes, then off
+    their GPU, items moving from ``home``) if ``placed``; else as they are, for a caller that places them
+    itself (the step planner places the plain plan whatever the locality plan gives)."""
+    bins = reference.bin_of_item
+    if not placed:
+        return bins.copy(), f"{name}_fallback:{reference.method}", Outcome.FALLBACK
+    rank_of_bin = place_items(bins, home, np.rint(item_bytes).astype(np.int64),
+                              Topology.uniform(reference.num_bins, gpus_per_node),
                               PlacementConfig(method="exact", deterministic=True))
-    return rank_of_bin[bin_of_item]
+    return rank_of_bin[bins], f"{name}_fallback:{reference.method}+exact", Outcome.FALLBACK
 
 
 # ----------------------------------------------------------------------------------------------
@@ -539,7 +544,7 @@ def partition_equal_count(costs, num_bins, *, home=None, refine: bool = True, it
 
 
 def partition_equal_count_locality(costs, home, num_bins, gpus_per_node, *, item_bytes, tolerance: float = 0.0,
-                                   reference: Optional[Partition] = None) -> Partition:
+                                   reference: Optional[Partition] = None, place_fallback: bool = True) -> Partition:
     """Like :func:`partition_equal_count` (at most ``tolerance`` above its max: by default as well), moving few
     items across nodes.
 
@@ -555,8 +560,9 @@ def partition_equal_count_locality(costs, home, num_bins, gpus_per_node, *, item
     If the capacity ((1 + ``tolerance``) x the max of ``reference``, default ``partition_equal_count(costs,
     num_bins, home=home)``) is not met, the reference bins go to the ranks the exact placement gives them
     (the fewest ``item_bytes`` across nodes, then off their GPU; method
-    ``equal_locality_fallback:...+exact``); a home assignment within it is returned unchanged
-    (``"home"``).
+    ``equal_locality_fallback:...+exact``), or stay as they are with ``place_fallback`` False (method
+    ``equal_locality_fallback:...``, no byte figures: for a caller that places the reference itself); a home
+    assignment within it is returned unchanged (``"home"``).
     """
     costs = _check_values(costs, "costs")
     n = costs.size
@@ -599,9 +605,9 @@ def partition_equal_count_locality(costs, home, num_bins, gpus_per_node, *, item
                         node_size=gpus_per_node, cross_swap_cap=swap_cap * mean if swap_cap < math.inf else math.inf)
         name = "equal_locality"
         if _max_cost(costs, bins, num_bins) > capacity:
-            bins, name, outcome = (_placed(reference.bin_of_item, home, item_bytes, num_bins, gpus_per_node),
-                                   f"equal_locality_fallback:{reference.method}+exact", Outcome.FALLBACK)
-    return _result(bins, num_bins, costs, None, False, lower_bound, home, name, item_bytes,
+            bins, name, outcome = _fallback("equal_locality", reference, home, item_bytes, gpus_per_node, place_fallback)
+    return _result(bins, num_bins, costs, None, False, lower_bound, home, name,
+                   None if outcome is Outcome.FALLBACK and not place_fallback else item_bytes,
                    _nodes(num_bins, gpus_per_node), outcome)
 
 
@@ -648,8 +654,9 @@ def uniform_bins(home: np.ndarray, node_of_bin: np.ndarray):
     return bins, "uniform"
 
 
-def partition_locality(costs, home, num_bins, gpus_per_node, *, item_bytes, memory=None,
-                       memory_cap=None, tolerance: float = 0.0, reference: Optional[Partition] = None) -> Partition:
+def partition_locality(costs, home, num_bins, gpus_per_node, *, item_bytes, memory=None, memory_cap=None,
+                       tolerance: float = 0.0, reference: Optional[Partition] = None,
+                       place_fallback: bool = True) -> Partition:
     """Balance like ``partition(method='auto')`` (at most ``tolerance`` above its max: by default as well)
     while moving few bytes.
 
@@ -664,8 +671,9 @@ def partition_locality(costs, home, num_bins, gpus_per_node, *, item_bytes, memo
     whose node holds more than its share), swapping only small items across nodes as long as that suffices (a swap of two long
     items is many bytes on two ranks' links). So bytes cross nodes mostly where a node has too much
     work, and leave their GPU only where a rank has. If the capacity cannot be met, the reference's bins
-    go to the ranks the exact placement gives them (method ``locality_fallback:...+exact``); a home
-    assignment already within the capacity is returned unchanged (method ``"home"``).
+    go to the ranks the exact placement gives them (method ``locality_fallback:...+exact``), or stay as they are
+    with ``place_fallback`` False (method ``locality_fallback:...``, no byte figures: for a caller that places the
+    reference itself); a home assignment already within the capacity is returned unchanged (method ``"home"``).
     """
     costs = _check_values(costs, "costs")
     n = costs.size
@@ -703,7 +711,7 @@ def partition_locality(costs, home, num_bins, gpus_per_node, *, item_bytes, memo
                         settle_at_stop=True)
                 name = "locality+refine"
         if failed >= 0 or _max_cost(costs, bins, num_bins) > capacity:
-            bins, name, outcome = (_placed(reference.bin_of_item, home, item_bytes, num_bins, gpus_per_node),
-                                   f"locality_fallback:{reference.method}+exact", Outcome.FALLBACK)
-    return _result(bins, num_bins, costs, memory, has_memory, _lower_bound(costs, num_bins), home,
-                   name, item_bytes, _nodes(num_bins, gpus_per_node), outcome)
+            bins, name, outcome = _fallback("locality", reference, home, item_bytes, gpus_per_node, place_fallback)
+    return _result(bins, num_bins, costs, memory, has_memory, _lower_bound(costs, num_bins), home, name,
+                   None if outcome is Outcome.FALLBACK and not place_fallback else item_bytes,
+                   _nodes(num_bins, gpus_per_node), outcome)

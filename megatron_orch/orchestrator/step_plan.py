@@ -469,12 +469,14 @@ def plan_step(sizes: StepSizes, phases: ModelPhases, config: OrchestratorConfig,
                                              for example, _, out_bytes in rank_of_item.values())
             # the rank that holds most of an example's bytes (its encoders may have run elsewhere)
             pull = _pull_rank(home, sources, num_ranks) if packed else None
+            # (where the locality plan misses its capacity, the plain plan runs as placed above: its fallback's own
+            # placement is not needed)
             if packed:
                 near = partition_locality(backbone_costs, pull, num_ranks, _gpus_per_node(topology),
-                                          item_bytes=example_bytes, reference=part)
+                                          item_bytes=example_bytes, reference=part, place_fallback=False)
             else:  # (counts are kept: from the loader's ranks)
                 near = partition_equal_count_locality(backbone_costs, home, num_ranks, _gpus_per_node(topology),
-                                                      item_bytes=example_bytes, reference=part)
+                                                      item_bytes=example_bytes, reference=part, place_fallback=False)
             near_bins, near_method = near.bin_of_item, near.method
             slower_than = _SlowerThan(backbone_rank, items, rank_of_item, home, topology, pipelined, config)
             slower = None if near.outcome is Outcome.FALLBACK else slower_than(near_bins)

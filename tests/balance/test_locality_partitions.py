@@ -145,6 +145,29 @@ def test_a_locality_fallback_is_placed_exactly(equal_count):
     assert part.inter_node_bytes == oracle.inter_node_bytes < unplaced
 
 
+@pytest.mark.parametrize("equal_count", [True, False])
+def test_an_unplaced_fallback_is_the_reference_as_it_is(equal_count):
+    """``place_fallback=False`` (the step planner places the plain plan itself): the same miss, the reference's
+    bins unchanged, no placement named, no byte figures (bins are not ranks)."""
+    rng = np.random.default_rng(0)  # the instance above, which both heuristics miss
+    num_bins, gpus, per_bin = 16, 4, 8
+    costs = rng.lognormal(0.0, 1.2, num_bins * per_bin)
+    home = np.repeat(np.arange(num_bins), per_bin)
+    nbytes = np.rint(100 * costs).astype(np.int64)
+    locality = partition_equal_count_locality if equal_count else partition_locality
+    reference = (partition_equal_count(costs, num_bins, home=home) if equal_count
+                 else partition(costs, num_bins, home=home))
+    part = locality(costs, home, num_bins, gpus, item_bytes=nbytes, reference=reference, place_fallback=False)
+    assert part.outcome is Outcome.FALLBACK
+    assert part.method == ("equal_locality" if equal_count else "locality") + "_fallback:" + reference.method
+    assert np.array_equal(part.bin_of_item, reference.bin_of_item)
+    assert part.bin_of_item is not reference.bin_of_item
+    assert np.isnan(part.moved_bytes) and np.isnan(part.inter_node_bytes)
+    placed = locality(costs, home, num_bins, gpus, item_bytes=nbytes, reference=reference)
+    assert placed.outcome is Outcome.FALLBACK and placed.method == part.method + "+exact"
+    assert part.max_cost == placed.max_cost == reference.max_cost
+
+
 
 def _refine_bins(costs, bins, num_bins, node_size, stop_at, settle_at_stop):
     """``_kernels.refine`` as the locality partitioners call it (no memory cap): (bins after, steps taken)."""
