@@ -1,4 +1,5 @@
 """The compiled placement helpers against their numpy definitions; the line said while numba compiles."""
+import itertools
 import re
 import zlib
 
@@ -224,6 +225,28 @@ def test_sources_by_example_and_all_equal_match_their_definitions(num_ranks, num
         assert np.array_equal(got, expected)
     for values in (item_bytes, np.full(example.size, 7), np.full(example.size, 2.5), item_bytes / 3):
         assert _plan_kernels.all_equal(values) == (values.size == 0 or values.min() == values.max())
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.integers(1, 6), st.integers(0, 60), st.integers(0, 2**31 - 1))
+def test_runs_merge_an_examples_consecutive_items_of_one_rank_and_send_what_they_send(num_ranks, num_examples, seed):
+    """Against itertools.groupby (the definition), and moved anywhere the runs count the items' bytes exactly."""
+    rng = np.random.default_rng(seed)
+    example = np.repeat(np.arange(num_examples), rng.integers(0, 5, num_examples))
+    example[rng.random(example.size) < 0.1] = 0  # an example's items need not come in one stretch
+    rank = runs_of(rng, num_ranks, example.size)
+    nbytes = rng.integers(0, 2**40, example.size)
+    got = _plan_kernels.runs(example, rank, nbytes)
+    groups = [(key, sum(int(nbytes[j]) for j in members)) for key, members in
+              itertools.groupby(range(example.size), key=lambda j: (example[j], rank[j]))]
+    assert [(int(e), int(r), int(b)) for e, r, b in zip(*got)] == [(e, r, b) for (e, r), b in groups]
+    node = np.arange(num_ranks) // 2
+    backbone = rng.integers(0, num_ranks, max(num_examples, 1))
+    per_item = moved_bytes(rank, backbone[example], nbytes, node)
+    per_run = moved_bytes(got[1], backbone[got[0]], got[2], node)
+    for field in ("total", "intra_node", "inter_node", "sent_intra", "received_intra", "sent_inter", "received_inter"):
+        assert np.array_equal(getattr(per_run, field), getattr(per_item, field)), field
+    assert np.array_equal(per_run.connections.pairs, per_item.connections.pairs)
 
 
 def reference_fingerprint(values) -> int:
