@@ -33,7 +33,7 @@ import numpy as np
 
 from megatron_orch.balance import _kernels, _plan_kernels
 from megatron_orch.balance.placement import PlacementConfig, place_items
-from megatron_orch.balance.plan import moved_bytes
+from megatron_orch.balance.plan import exchanged_bytes
 from megatron_orch.balance.registry import PARTITIONERS, Entry
 from megatron_orch.balance.topology import Topology
 
@@ -223,7 +223,8 @@ def _result(bins, num_bins, costs, memory, has_memory, lower_bound, home, method
     if item_bytes is not None:
         total = float(item_bytes.sum())
         if home is not None:
-            figures = moved_bytes(home, bins, item_bytes, np.arange(num_bins) if node_of_bin is None else node_of_bin)
+            figures = exchanged_bytes(home, bins, item_bytes, np.arange(num_bins) if node_of_bin is None else node_of_bin,
+                                      connections=False)  # (bytes only: a partition has no rank pairs to report)
             moved = figures.off_gpu
             inter = math.nan if node_of_bin is None else figures.inter_node
     return Partition(
