@@ -70,7 +70,7 @@ def _merge_dense(rows, cols, values, num_rows, num_cols):
     return row_start, out_col, out_val
 
 
-_INSERTION_ROW = 32  # a row of at most this many distinct columns is put in order by insertion
+_SHORT_ROW = 32  # a row of at most this many columns is put in order without a sort call (allocates nothing)
 
 
 @numba.njit(**_JIT)
@@ -114,7 +114,7 @@ def merge_pairs(rows, cols, values, num_rows, num_cols):
                 out_col[m] = c
                 m += 1
             total[c] += by_row_value[k]
-        if m - first <= _INSERTION_ROW:
+        if m - first <= _SHORT_ROW:
             for t in range(first + 1, m):
                 c = out_col[t]
                 u = t
@@ -327,21 +327,24 @@ def _price_rounds(queue, num_free, max_bids, row_start, row_node, row_w, cap, v,
 
 @numba.njit(**_JIT)
 def _sort_rows(row_start, row_node, row_w):
-    """Rows by decreasing weight, ties by increasing node (copies; rows come by increasing node). A row of at
-    most ``_INSERTION_ROW`` arcs (a bin pulls from few nodes) is sorted by insertion in place, a stable sort with
-    no allocation (an argsort per row took ~4 ms of the solve at DP 10240); a longer one by a stable argsort."""
-    node = row_node.copy()
-    w = row_w.copy()
+    """Rows by decreasing weight, ties by increasing node (copies; rows come by increasing node). An arc of a row
+    of at most ``_SHORT_ROW`` arcs (a bin pulls from few nodes) goes straight to its rank, the arcs before it
+    at least as heavy and the arcs after it heavier (a stable sort: comparisons without branches, no allocation,
+    ~1.7x faster than insertion on DP 10240's rows); a longer row by a stable argsort."""
+    node = np.empty_like(row_node)
+    w = np.empty_like(row_w)
     for b in range(row_start.size - 1):
         lo, hi = row_start[b], row_start[b + 1]
-        if hi - lo <= _INSERTION_ROW:
-            for t in range(lo + 1, hi):
-                wt, nt = w[t], node[t]
-                u = t
-                while u > lo and w[u - 1] < wt:
-                    w[u], node[u] = w[u - 1], node[u - 1]
-                    u -= 1
-                w[u], node[u] = wt, nt
+        if hi - lo <= _SHORT_ROW:
+            for i in range(lo, hi):
+                wi = row_w[i]
+                rank = lo
+                for j in range(lo, i):
+                    rank += row_w[j] >= wi
+                for j in range(i + 1, hi):
+                    rank += row_w[j] > wi
+                node[rank] = row_node[i]
+                w[rank] = wi
             continue
         order = np.argsort(-row_w[lo:hi], kind="mergesort")
         for t in range(hi - lo):
@@ -416,22 +419,24 @@ def transport(row_start, row_node, row_w, cap):
     # The rest: one shortest augmenting path each. Bins are renumbered node by node first (free bins
     # last): the bins a search visits together, the members of a node, then have their rows next to
     # each other in memory.
-    key = node_of_bin.copy()
-    for b in range(num_bins):
-        if key[b] < 0:
-            key[b] = num_nodes
-    old_of_new = np.argsort(key, kind="mergesort")
+    first_new = np.zeros(num_nodes + 1, dtype=np.int64)  # a counting sort by node (free bins last), by id
+    for n in range(num_nodes):
+        first_new[n + 1] = first_new[n] + count[n]
+    old_of_new = np.empty(num_bins, dtype=np.int64)
     new_of_old = np.empty(num_bins, dtype=np.int64)
+    for b in range(num_bins):
+        n = node_of_bin[b] if node_of_bin[b] >= 0 else num_nodes
+        new_of_old[b] = first_new[n]
+        old_of_new[first_new[n]] = b
+        first_new[n] += 1
     new_start = np.zeros(num_bins + 1, dtype=np.int64)
     for t in range(num_bins):
         b = old_of_new[t]
-        new_of_old[b] = t
         new_start[t + 1] = new_start[t] + row_start[b + 1] - row_start[b]
     new_node = np.empty_like(row_node)
     new_w = np.empty_like(row_w)
     new_bin_node = np.full(num_bins, -1, dtype=np.int64)
     new_wcur = np.empty(num_bins, dtype=np.int64)
-    new_best = np.empty(num_bins, dtype=np.int64)
     count[:] = 0
     for t in range(num_bins):
         b = old_of_new[t]
@@ -440,13 +445,12 @@ def transport(row_start, row_node, row_w, cap):
             new_node[new_start[t] + j] = row_node[lo + j]
             new_w[new_start[t] + j] = row_w[lo + j]
         new_wcur[t] = wcur[b]
-        new_best[t] = best_w[b]
         if node_of_bin[b] >= 0:
             _move(t, -1, node_of_bin[b], new_bin_node, members, member_start, count, pos)
     new_free = np.sort(new_of_old[free])
     num_free = _tight_paths(new_free, new_start, new_node, new_w, cap, v, new_bin_node, new_wcur, members,
                             member_start, count, pos)
-    _shortest_paths(new_free[:num_free], new_start, new_node, new_w, new_best, cap, v, new_bin_node, new_wcur,
+    _shortest_paths(new_free[:num_free], new_start, new_node, new_w, cap, v, new_bin_node, new_wcur,
                     members, member_start, count, pos)
     return new_bin_node[new_of_old], v
 
@@ -554,7 +558,7 @@ def _tight_paths(free, row_start, row_node, row_w, cap, v, node_of_bin, wcur, me
 
 
 @numba.njit(**_JIT)
-def _shortest_paths(free, row_start, row_node, row_w, best_w, cap, v, node_of_bin, wcur, members, member_start,
+def _shortest_paths(free, row_start, row_node, row_w, cap, v, node_of_bin, wcur, members, member_start,
                     count, pos):
     """Place every bin of ``free``, one shortest augmenting path each (see :func:`transport`)."""
     num_nodes = cap.size
@@ -584,16 +588,18 @@ def _shortest_paths(free, row_start, row_node, row_w, best_w, cap, v, node_of_bi
         for j in range(row_start[b0], row_start[b0 + 1]):
             x = row_node[j]
             cand = -row_w[j] - v[x]
-            if cand < dist[x]:
+            if count[x] < cap[x]:
                 dist[x] = cand
                 pred[x] = b0
                 pred_w[x] = row_w[j]
-                if count[x] < cap[x]:
-                    if cand < room_d or (cand == room_d and x < room_n):
-                        room_d, room_n = cand, x
-                else:
-                    _heap_push(heap_key, heap_node, size, cand, x)
-                    size += 1
+                if cand < room_d or (cand == room_d and x < room_n):
+                    room_d, room_n = cand, x
+            elif cand < min(room_d, hub):
+                dist[x] = cand
+                pred[x] = b0
+                pred_w[x] = row_w[j]
+                _heap_push(heap_key, heap_node, size, cand, x)
+                size += 1
         num_done = 0
         while True:
             bound = min(room_d, hub)
@@ -621,27 +627,27 @@ def _shortest_paths(free, row_start, row_node, row_w, best_w, cap, v, node_of_bi
                 if base < hub or (base == hub and b < hub_bin):
                     hub, hub_bin = base, b
                 bound = min(room_d, hub)
-                if base - best_w[b] >= bound:  # not even its heaviest arc: leave its row untouched
-                    continue
                 for j in range(row_start[b], row_start[b + 1]):
                     w = row_w[j]
                     if base - w >= bound:
                         break
                     y = row_node[j]
-                    if done[y]:
-                        continue
                     cand = base - w - v[y]
-                    if cand < dist[y]:
+                    if cand >= dist[y]:  # (a done node's label is at most d, and cand at least d)
+                        continue
+                    if count[y] < cap[y]:
                         dist[y] = cand
                         pred[y] = b
                         pred_w[y] = w
-                        if count[y] < cap[y]:
-                            if cand < room_d or (cand == room_d and y < room_n):
-                                room_d, room_n = cand, y
-                                bound = min(room_d, hub)
-                        else:
-                            _heap_push(heap_key, heap_node, size, cand, y)
-                            size += 1
+                        if cand < room_d or (cand == room_d and y < room_n):
+                            room_d, room_n = cand, y
+                            bound = min(room_d, hub)
+                    elif cand < bound:
+                        dist[y] = cand
+                        pred[y] = b
+                        pred_w[y] = w
+                        _heap_push(heap_key, heap_node, size, cand, y)
+                        size += 1
         # End: the best node with room, by an explicit arc or through the hub (ties: explicit).
         if room_d <= hub:
             end, d_end = room_n, room_d
