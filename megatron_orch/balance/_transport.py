@@ -437,6 +437,7 @@ def transport(row_start, row_node, row_w, cap):
     new_w = np.empty_like(row_w)
     new_bin_node = np.full(num_bins, -1, dtype=np.int64)
     new_wcur = np.empty(num_bins, dtype=np.int64)
+    away = np.zeros(num_bins, dtype=np.int64)  # W off a placed bin's node, at most: see _shortest_paths
     count[:] = 0
     for t in range(num_bins):
         b = old_of_new[t]
@@ -447,10 +448,11 @@ def transport(row_start, row_node, row_w, cap):
         new_wcur[t] = wcur[b]
         if node_of_bin[b] >= 0:
             _move(t, -1, node_of_bin[b], new_bin_node, members, member_start, count, pos)
+            away[t] = _away(t, node_of_bin[b], new_start, new_node, new_w)
     new_free = np.sort(new_of_old[free])
-    num_free = _tight_paths(new_free, new_start, new_node, new_w, cap, v, new_bin_node, new_wcur, members,
+    num_free = _tight_paths(new_free, new_start, new_node, new_w, cap, v, new_bin_node, new_wcur, away, members,
                             member_start, count, pos)
-    _shortest_paths(new_free[:num_free], new_start, new_node, new_w, cap, v, new_bin_node, new_wcur,
+    _shortest_paths(new_free[:num_free], new_start, new_node, new_w, cap, v, new_bin_node, new_wcur, away,
                     members, member_start, count, pos)
     return new_bin_node[new_of_old], v
 
@@ -485,7 +487,17 @@ def _queue_tight(b, val, tail, row_start, row_node, row_w, v, cap, count, seen, 
 
 
 @numba.njit(**_JIT)
-def _augment(end, pred, pred_w, node_of_bin, wcur, members, member_start, count, pos):
+def _away(b, node, row_start, row_node, row_w):
+    """Bin ``b``'s heaviest arc to a node other than ``node`` (0: none): the first such in its row."""
+    for j in range(row_start[b], row_start[b + 1]):
+        if row_node[j] != node:
+            return row_w[j]
+    return np.int64(0)
+
+
+@numba.njit(**_JIT)
+def _augment(end, pred, pred_w, node_of_bin, wcur, away, row_start, row_node, row_w, members, member_start, count,
+             pos):
     """Walk an augmenting path back from ``end``, a node with room: ``pred[x]`` is the bin that moves
     into node x (with weight ``pred_w[x]`` there), each bin one node on, until a bin that was free."""
     x = end
@@ -494,13 +506,15 @@ def _augment(end, pred, pred_w, node_of_bin, wcur, members, member_start, count,
         old = node_of_bin[b]
         _move(b, old, x, node_of_bin, members, member_start, count, pos)
         wcur[b] = pred_w[x]
+        away[b] = _away(b, x, row_start, row_node, row_w)
         if old < 0:
             break
         x = old
 
 
 @numba.njit(**_JIT)
-def _tight_paths(free, row_start, row_node, row_w, cap, v, node_of_bin, wcur, members, member_start, count, pos):
+def _tight_paths(free, row_start, row_node, row_w, cap, v, node_of_bin, wcur, away, members, member_start, count,
+                 pos):
     """Place free bins along augmenting paths of zero reduced cost (each bin moved to another of
     its best nodes), found breadth first; potentials do not change. Returns how many bins are left,
     moved to the front of ``free`` (in order).
@@ -553,12 +567,13 @@ def _tight_paths(free, row_start, row_node, row_w, cap, v, node_of_bin, wcur, me
             free[left] = b0
             left += 1
             continue
-        _augment(end, pred, pred_w, node_of_bin, wcur, members, member_start, count, pos)
+        _augment(end, pred, pred_w, node_of_bin, wcur, away, row_start, row_node, row_w, members, member_start,
+                 count, pos)
     return left
 
 
 @numba.njit(**_JIT)
-def _shortest_paths(free, row_start, row_node, row_w, cap, v, node_of_bin, wcur, members, member_start,
+def _shortest_paths(free, row_start, row_node, row_w, cap, v, node_of_bin, wcur, away, members, member_start,
                     count, pos):
     """Place every bin of ``free``, one shortest augmenting path each (see :func:`transport`)."""
     num_nodes = cap.size
@@ -568,15 +583,14 @@ def _shortest_paths(free, row_start, row_node, row_w, cap, v, node_of_bin, wcur,
     # and the hub only matters there. Nodes with room are never queued: ``bound`` is their best
     # label, and the search ends once no queued label is below it.
     dist = np.full(num_nodes, _INF, dtype=np.int64)
-    done = np.zeros(num_nodes, dtype=np.bool_)
     pred = np.full(num_nodes, -1, dtype=np.int64)
     pred_w = np.zeros(num_nodes, dtype=np.int64)
     finished = np.empty(num_nodes, dtype=np.int64)
     heap_key = np.empty(row_node.size + num_nodes + 1, dtype=np.int64)
     heap_node = np.empty(row_node.size + num_nodes + 1, dtype=np.int64)
+    first_room = 0  # (nodes only fill up)
     for f in range(free.size):
         b0 = free[f]
-        first_room = 0
         while count[first_room] >= cap[first_room]:
             first_room += 1
         # A bin's ``base`` = its distance + W[b, its node] + v[its node]; moving it to node x costs
@@ -606,7 +620,7 @@ def _shortest_paths(free, row_start, row_node, row_w, cap, v, node_of_bin, wcur,
             x = -1
             while size > 0:
                 k, y = heap_key[0], heap_node[0]
-                if done[y] or k != dist[y]:  # stale entry
+                if k != dist[y]:  # stale: the node was labelled lower since, or is done (its entry popped)
                     _heap_pop(heap_key, heap_node, size)
                     size -= 1
                     continue
@@ -617,16 +631,18 @@ def _shortest_paths(free, row_start, row_node, row_w, cap, v, node_of_bin, wcur,
                 break
             if x < 0:
                 break
-            done[x] = True
             finished[num_done] = x
             num_done += 1
             d = dist[x]
+            dv = d + v[x]
             for k in range(member_start[x], member_start[x] + count[x]):
                 b = members[k]
-                base = d + wcur[b] + v[x]
+                base = dv + wcur[b]
                 if base < hub or (base == hub and b < hub_bin):
                     hub, hub_bin = base, b
                 bound = min(room_d, hub)
+                if base - away[b] >= bound:  # no arc off its own node (a step of cost 0 to a done node) counts
+                    continue
                 for j in range(row_start[b], row_start[b + 1]):
                     w = row_w[j]
                     if base - w >= bound:
@@ -657,10 +673,9 @@ def _shortest_paths(free, row_start, row_node, row_w, cap, v, node_of_bin, wcur,
         for t in range(num_done):
             x = finished[t]
             v[x] += dist[x] - d_end
-        _augment(end, pred, pred_w, node_of_bin, wcur, members, member_start, count, pos)
-        for x in range(num_nodes):
-            dist[x] = _INF
-            done[x] = False
+        _augment(end, pred, pred_w, node_of_bin, wcur, away, row_start, row_node, row_w, members, member_start,
+                 count, pos)
+        dist[:] = _INF
 
 
 @numba.njit(**_JIT)
