@@ -34,6 +34,7 @@ import numba
 import numpy as np
 
 from megatron_orch.balance._jit import _JIT
+from megatron_orch.balance._kernels.order import decreasing
 
 _INF = np.int64(1) << np.int64(62)
 
@@ -387,7 +388,7 @@ def transport(row_start, row_node, row_w, cap):
     # fewest bins still to come could take (a matching heuristic: use the node that is about to run
     # out of candidates; on interval-like instances, as LPT's round robin makes, it is exact),
     # ties: first in the row.
-    order = np.argsort(-best_w, kind="mergesort")
+    order = decreasing(best_w)
     demand = np.zeros(num_nodes, dtype=np.int64)  # bins not yet placed with a best arc to the node
     for b in range(num_bins):
         for j in range(row_start[b], row_start[b + 1]):
