@@ -21,7 +21,9 @@ placed bin at a best node under the potentials (dual feasibility):
 
 Zero-weight arcs are never listed: a "hub" label carries the cheapest way to leave a node for a node
 where the moving bin has nothing; rows go by decreasing weight and are cut where an arc cannot beat
-the best label of a node with room, so a search reads only the arcs that can matter.
+the best label of a node with room, so a search reads only the arcs that can matter: a bin whose
+heaviest arc off its own node (``away``) cannot beat that bound is passed over without reading its row,
+and a full node is queued only with a label below it (no label at or over the bound is ever settled).
 
 The solution is certified: :func:`transport` returns the node prices, and :func:`dual_gap` checks
 that the primal weight equals the dual bound (LP duality: gap 0 means optimal). All arithmetic is
@@ -582,7 +584,9 @@ def _shortest_paths(free, row_start, row_node, row_w, cap, v, node_of_bin, wcur,
     # with room. Potentials only drop on full nodes, so every node with room has v = 0 = max(v):
     # moving a bin to a node where it has no bytes (the "hub") is cheapest into a node with room,
     # and the hub only matters there. Nodes with room are never queued: ``bound`` is their best
-    # label, and the search ends once no queued label is below it.
+    # label (or the hub's), and the search ends once no queued label is below it. Only the labels of
+    # settled nodes and of nodes with room reach the result (potentials, path), so a full node's
+    # label at or over the bound (which never rises) is not even recorded.
     dist = np.full(num_nodes, _INF, dtype=np.int64)
     pred = np.full(num_nodes, -1, dtype=np.int64)
     pred_w = np.zeros(num_nodes, dtype=np.int64)
