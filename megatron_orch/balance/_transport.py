@@ -36,6 +36,7 @@ import numba
 import numpy as np
 
 from megatron_orch.balance._jit import _JIT
+from megatron_orch.balance._kernels._heap import _heap_pop, _heap_push
 from megatron_orch.balance._kernels.order import decreasing
 
 _INF = np.int64(1) << np.int64(62)
@@ -163,40 +164,6 @@ def _move(b, old, new, node_of_bin, members, member_start, count, pos):
     pos[b] = count[new]
     count[new] += 1
     node_of_bin[b] = new
-
-@numba.njit(**_JIT)
-def _heap_push(key, ids, size, k, i):
-    """Insert (k, i) into the min-heap ``key/ids[:size]`` (lexicographic); the caller grows size."""
-    pos = size
-    while pos > 0:
-        parent = (pos - 1) // 2
-        if key[parent] < k or (key[parent] == k and ids[parent] < i):
-            break
-        key[pos], ids[pos] = key[parent], ids[parent]
-        pos = parent
-    key[pos], ids[pos] = k, i
-
-
-@numba.njit(**_JIT)
-def _heap_pop(key, ids, size):
-    """Remove the root of the min-heap ``key/ids[:size]``; the caller shrinks size."""
-    size -= 1
-    k, i = key[size], ids[size]
-    pos = 0
-    while True:
-        child = 2 * pos + 1
-        if child >= size:
-            break
-        if child + 1 < size and (key[child + 1] < key[child] or
-                                 (key[child + 1] == key[child] and ids[child + 1] < ids[child])):
-            child += 1
-        if key[child] < k or (key[child] == k and ids[child] < i):
-            key[pos], ids[pos] = key[child], ids[child]
-            pos = child
-        else:
-            break
-    key[pos], ids[pos] = k, i
-
 
 @numba.njit(**_JIT)
 def _ahead(v, i, j):
