@@ -21,7 +21,9 @@ placed bin at a best node under the potentials (dual feasibility):
 
 Zero-weight arcs are never listed: a "hub" label carries the cheapest way to leave a node for a node
 where the moving bin has nothing; rows go by decreasing weight and are cut where an arc cannot beat
-the best label of a node with room, so a search reads only the arcs that can matter.
+the best label of a node with room, so a search reads only the arcs that can matter: a bin whose
+heaviest arc off its own node (``away``) cannot beat that bound is passed over without reading its row,
+and a full node is queued only with a label below it (no label at or over the bound is ever settled).
 
 The solution is certified: :func:`transport` returns the node prices, and :func:`dual_gap` checks
 that the primal weight equals the dual bound (LP duality: gap 0 means optimal). All arithmetic is
@@ -34,6 +36,8 @@ import numba
 import numpy as np
 
 from megatron_orch.balance._jit import _JIT
+from megatron_orch.balance._kernels._heap import _heap_pop, _heap_push
+from megatron_orch.balance._kernels.order import decreasing
 
 _INF = np.int64(1) << np.int64(62)
 
@@ -70,7 +74,7 @@ def _merge_dense(rows, cols, values, num_rows, num_cols):
     return row_start, out_col, out_val
 
 
-_INSERTION_ROW = 32  # a row of at most this many distinct columns is put in order by insertion
+_SHORT_ROW = 32  # a row of at most this many columns is put in order without a sort call (allocates nothing)
 
 
 @numba.njit(**_JIT)
@@ -114,7 +118,7 @@ def merge_pairs(rows, cols, values, num_rows, num_cols):
                 out_col[m] = c
                 m += 1
             total[c] += by_row_value[k]
-        if m - first <= _INSERTION_ROW:
+        if m - first <= _SHORT_ROW:
             for t in range(first + 1, m):
                 c = out_col[t]
                 u = t
@@ -160,40 +164,6 @@ def _move(b, old, new, node_of_bin, members, member_start, count, pos):
     pos[b] = count[new]
     count[new] += 1
     node_of_bin[b] = new
-
-@numba.njit(**_JIT)
-def _heap_push(key, ids, size, k, i):
-    """Insert (k, i) into the min-heap ``key/ids[:size]`` (lexicographic); the caller grows size."""
-    pos = size
-    while pos > 0:
-        parent = (pos - 1) // 2
-        if key[parent] < k or (key[parent] == k and ids[parent] < i):
-            break
-        key[pos], ids[pos] = key[parent], ids[parent]
-        pos = parent
-    key[pos], ids[pos] = k, i
-
-
-@numba.njit(**_JIT)
-def _heap_pop(key, ids, size):
-    """Remove the root of the min-heap ``key/ids[:size]``; the caller shrinks size."""
-    size -= 1
-    k, i = key[size], ids[size]
-    pos = 0
-    while True:
-        child = 2 * pos + 1
-        if child >= size:
-            break
-        if child + 1 < size and (key[child + 1] < key[child] or
-                                 (key[child + 1] == key[child] and ids[child + 1] < ids[child])):
-            child += 1
-        if key[child] < k or (key[child] == k and ids[child] < i):
-            key[pos], ids[pos] = key[child], ids[child]
-            pos = child
-        else:
-            break
-    key[pos], ids[pos] = k, i
-
 
 @numba.njit(**_JIT)
 def _ahead(v, i, j):
@@ -327,21 +297,24 @@ def _price_rounds(queue, num_free, max_bids, row_start, row_node, row_w, cap, v,
 
 @numba.njit(**_JIT)
 def _sort_rows(row_start, row_node, row_w):
-    """Rows by decreasing weight, ties by increasing node (copies; rows come by increasing node). A row of at
-    most ``_INSERTION_ROW`` arcs (a bin pulls from few nodes) is sorted by insertion in place, a stable sort with
-    no allocation (an argsort per row took ~4 ms of the solve at DP 10240); a longer one by a stable argsort."""
-    node = row_node.copy()
-    w = row_w.copy()
+    """Rows by decreasing weight, ties by increasing node (copies; rows come by increasing node). An arc of a row
+    of at most ``_SHORT_ROW`` arcs (a bin pulls from few nodes) goes straight to its rank, the arcs before it
+    at least as heavy and the arcs after it heavier (a stable sort: comparisons without branches, no allocation,
+    ~1.7x faster than insertion on DP 10240's rows); a longer row by a stable argsort."""
+    node = np.empty_like(row_node)
+    w = np.empty_like(row_w)
     for b in range(row_start.size - 1):
         lo, hi = row_start[b], row_start[b + 1]
-        if hi - lo <= _INSERTION_ROW:
-            for t in range(lo + 1, hi):
-                wt, nt = w[t], node[t]
-                u = t
-                while u > lo and w[u - 1] < wt:
-                    w[u], node[u] = w[u - 1], node[u - 1]
-                    u -= 1
-                w[u], node[u] = wt, nt
+        if hi - lo <= _SHORT_ROW:
+            for i in range(lo, hi):
+                wi = row_w[i]
+                rank = lo
+                for j in range(lo, i):
+                    rank += row_w[j] >= wi
+                for j in range(i + 1, hi):
+                    rank += row_w[j] > wi
+                node[rank] = row_node[i]
+                w[rank] = wi
             continue
         order = np.argsort(-row_w[lo:hi], kind="mergesort")
         for t in range(hi - lo):
@@ -384,7 +357,7 @@ def transport(row_start, row_node, row_w, cap):
     # fewest bins still to come could take (a matching heuristic: use the node that is about to run
     # out of candidates; on interval-like instances, as LPT's round robin makes, it is exact),
     # ties: first in the row.
-    order = np.argsort(-best_w, kind="mergesort")
+    order = decreasing(best_w)
     demand = np.zeros(num_nodes, dtype=np.int64)  # bins not yet placed with a best arc to the node
     for b in range(num_bins):
         for j in range(row_start[b], row_start[b + 1]):
@@ -416,22 +389,25 @@ def transport(row_start, row_node, row_w, cap):
     # The rest: one shortest augmenting path each. Bins are renumbered node by node first (free bins
     # last): the bins a search visits together, the members of a node, then have their rows next to
     # each other in memory.
-    key = node_of_bin.copy()
-    for b in range(num_bins):
-        if key[b] < 0:
-            key[b] = num_nodes
-    old_of_new = np.argsort(key, kind="mergesort")
+    first_new = np.zeros(num_nodes + 1, dtype=np.int64)  # a counting sort by node (free bins last), by id
+    for n in range(num_nodes):
+        first_new[n + 1] = first_new[n] + count[n]
+    old_of_new = np.empty(num_bins, dtype=np.int64)
     new_of_old = np.empty(num_bins, dtype=np.int64)
+    for b in range(num_bins):
+        n = node_of_bin[b] if node_of_bin[b] >= 0 else num_nodes
+        new_of_old[b] = first_new[n]
+        old_of_new[first_new[n]] = b
+        first_new[n] += 1
     new_start = np.zeros(num_bins + 1, dtype=np.int64)
     for t in range(num_bins):
         b = old_of_new[t]
-        new_of_old[b] = t
         new_start[t + 1] = new_start[t] + row_start[b + 1] - row_start[b]
     new_node = np.empty_like(row_node)
     new_w = np.empty_like(row_w)
     new_bin_node = np.full(num_bins, -1, dtype=np.int64)
     new_wcur = np.empty(num_bins, dtype=np.int64)
-    new_best = np.empty(num_bins, dtype=np.int64)
+    away = np.zeros(num_bins, dtype=np.int64)  # W off a placed bin's node, at most: see _shortest_paths
     count[:] = 0
     for t in range(num_bins):
         b = old_of_new[t]
@@ -440,13 +416,13 @@ def transport(row_start, row_node, row_w, cap):
             new_node[new_start[t] + j] = row_node[lo + j]
             new_w[new_start[t] + j] = row_w[lo + j]
         new_wcur[t] = wcur[b]
-        new_best[t] = best_w[b]
         if node_of_bin[b] >= 0:
             _move(t, -1, node_of_bin[b], new_bin_node, members, member_start, count, pos)
+            away[t] = _away(t, node_of_bin[b], new_start, new_node, new_w)
     new_free = np.sort(new_of_old[free])
-    num_free = _tight_paths(new_free, new_start, new_node, new_w, cap, v, new_bin_node, new_wcur, members,
+    num_free = _tight_paths(new_free, new_start, new_node, new_w, cap, v, new_bin_node, new_wcur, away, members,
                             member_start, count, pos)
-    _shortest_paths(new_free[:num_free], new_start, new_node, new_w, new_best, cap, v, new_bin_node, new_wcur,
+    _shortest_paths(new_free[:num_free], new_start, new_node, new_w, cap, v, new_bin_node, new_wcur, away,
                     members, member_start, count, pos)
     return new_bin_node[new_of_old], v
 
@@ -481,7 +457,17 @@ def _queue_tight(b, val, tail, row_start, row_node, row_w, v, cap, count, seen, 
 
 
 @numba.njit(**_JIT)
-def _augment(end, pred, pred_w, node_of_bin, wcur, members, member_start, count, pos):
+def _away(b, node, row_start, row_node, row_w):
+    """Bin ``b``'s heaviest arc to a node other than ``node`` (0: none): the first such in its row."""
+    for j in range(row_start[b], row_start[b + 1]):
+        if row_node[j] != node:
+            return row_w[j]
+    return np.int64(0)
+
+
+@numba.njit(**_JIT)
+def _augment(end, pred, pred_w, node_of_bin, wcur, away, row_start, row_node, row_w, members, member_start, count,
+             pos):
     """Walk an augmenting path back from ``end``, a node with room: ``pred[x]`` is the bin that moves
     into node x (with weight ``pred_w[x]`` there), each bin one node on, until a bin that was free."""
     x = end
@@ -490,13 +476,15 @@ def _augment(end, pred, pred_w, node_of_bin, wcur, members, member_start, count,
         old = node_of_bin[b]
         _move(b, old, x, node_of_bin, members, member_start, count, pos)
         wcur[b] = pred_w[x]
+        away[b] = _away(b, x, row_start, row_node, row_w)
         if old < 0:
             break
         x = old
 
 
 @numba.njit(**_JIT)
-def _tight_paths(free, row_start, row_node, row_w, cap, v, node_of_bin, wcur, members, member_start, count, pos):
+def _tight_paths(free, row_start, row_node, row_w, cap, v, node_of_bin, wcur, away, members, member_start, count,
+                 pos):
     """Place free bins along augmenting paths of zero reduced cost (each bin moved to another of
     its best nodes), found breadth first; potentials do not change. Returns how many bins are left,
     moved to the front of ``free`` (in order).
@@ -549,12 +537,13 @@ def _tight_paths(free, row_start, row_node, row_w, cap, v, node_of_bin, wcur, me
             free[left] = b0
             left += 1
             continue
-        _augment(end, pred, pred_w, node_of_bin, wcur, members, member_start, count, pos)
+        _augment(end, pred, pred_w, node_of_bin, wcur, away, row_start, row_node, row_w, members, member_start,
+                 count, pos)
     return left
 
 
 @numba.njit(**_JIT)
-def _shortest_paths(free, row_start, row_node, row_w, best_w, cap, v, node_of_bin, wcur, members, member_start,
+def _shortest_paths(free, row_start, row_node, row_w, cap, v, node_of_bin, wcur, away, members, member_start,
                     count, pos):
     """Place every bin of ``free``, one shortest augmenting path each (see :func:`transport`)."""
     num_nodes = cap.size
@@ -562,17 +551,18 @@ def _shortest_paths(free, row_start, row_node, row_w, best_w, cap, v, node_of_bi
     # with room. Potentials only drop on full nodes, so every node with room has v = 0 = max(v):
     # moving a bin to a node where it has no bytes (the "hub") is cheapest into a node with room,
     # and the hub only matters there. Nodes with room are never queued: ``bound`` is their best
-    # label, and the search ends once no queued label is below it.
+    # label (or the hub's), and the search ends once no queued label is below it. Only the labels of
+    # settled nodes and of nodes with room reach the result (potentials, path), so a full node's
+    # label at or over the bound (which never rises) is not even recorded.
     dist = np.full(num_nodes, _INF, dtype=np.int64)
-    done = np.zeros(num_nodes, dtype=np.bool_)
     pred = np.full(num_nodes, -1, dtype=np.int64)
     pred_w = np.zeros(num_nodes, dtype=np.int64)
     finished = np.empty(num_nodes, dtype=np.int64)
     heap_key = np.empty(row_node.size + num_nodes + 1, dtype=np.int64)
     heap_node = np.empty(row_node.size + num_nodes + 1, dtype=np.int64)
+    first_room = 0  # (nodes only fill up)
     for f in range(free.size):
         b0 = free[f]
-        first_room = 0
         while count[first_room] >= cap[first_room]:
             first_room += 1
         # A bin's ``base`` = its distance + W[b, its node] + v[its node]; moving it to node x costs
@@ -584,23 +574,25 @@ def _shortest_paths(free, row_start, row_node, row_w, best_w, cap, v, node_of_bi
         for j in range(row_start[b0], row_start[b0 + 1]):
             x = row_node[j]
             cand = -row_w[j] - v[x]
-            if cand < dist[x]:
+            if count[x] < cap[x]:
                 dist[x] = cand
                 pred[x] = b0
                 pred_w[x] = row_w[j]
-                if count[x] < cap[x]:
-                    if cand < room_d or (cand == room_d and x < room_n):
-                        room_d, room_n = cand, x
-                else:
-                    _heap_push(heap_key, heap_node, size, cand, x)
-                    size += 1
+                if cand < room_d or (cand == room_d and x < room_n):
+                    room_d, room_n = cand, x
+            elif cand < min(room_d, hub):
+                dist[x] = cand
+                pred[x] = b0
+                pred_w[x] = row_w[j]
+                _heap_push(heap_key, heap_node, size, cand, x)
+                size += 1
         num_done = 0
         while True:
             bound = min(room_d, hub)
             x = -1
             while size > 0:
                 k, y = heap_key[0], heap_node[0]
-                if done[y] or k != dist[y]:  # stale entry
+                if k != dist[y]:  # stale: the node was labelled lower since, or is done (its entry popped)
                     _heap_pop(heap_key, heap_node, size)
                     size -= 1
                     continue
@@ -611,37 +603,39 @@ def _shortest_paths(free, row_start, row_node, row_w, best_w, cap, v, node_of_bi
                 break
             if x < 0:
                 break
-            done[x] = True
             finished[num_done] = x
             num_done += 1
             d = dist[x]
+            dv = d + v[x]
             for k in range(member_start[x], member_start[x] + count[x]):
                 b = members[k]
-                base = d + wcur[b] + v[x]
+                base = dv + wcur[b]
                 if base < hub or (base == hub and b < hub_bin):
                     hub, hub_bin = base, b
                 bound = min(room_d, hub)
-                if base - best_w[b] >= bound:  # not even its heaviest arc: leave its row untouched
+                if base - away[b] >= bound:  # no arc off its own node (a step of cost 0 to a done node) counts
                     continue
                 for j in range(row_start[b], row_start[b + 1]):
                     w = row_w[j]
                     if base - w >= bound:
                         break
                     y = row_node[j]
-                    if done[y]:
-                        continue
                     cand = base - w - v[y]
-                    if cand < dist[y]:
+                    if cand >= dist[y]:  # (a done node's label is at most d, and cand at least d)
+                        continue
+                    if count[y] < cap[y]:
                         dist[y] = cand
                         pred[y] = b
                         pred_w[y] = w
-                        if count[y] < cap[y]:
-                            if cand < room_d or (cand == room_d and y < room_n):
-                                room_d, room_n = cand, y
-                                bound = min(room_d, hub)
-                        else:
-                            _heap_push(heap_key, heap_node, size, cand, y)
-                            size += 1
+                        if cand < room_d or (cand == room_d and y < room_n):
+                            room_d, room_n = cand, y
+                            bound = min(room_d, hub)
+                    elif cand < bound:
+                        dist[y] = cand
+                        pred[y] = b
+                        pred_w[y] = w
+                        _heap_push(heap_key, heap_node, size, cand, y)
+                        size += 1
         # End: the best node with room, by an explicit arc or through the hub (ties: explicit).
         if room_d <= hub:
             end, d_end = room_n, room_d
@@ -651,10 +645,9 @@ def _shortest_paths(free, row_start, row_node, row_w, best_w, cap, v, node_of_bi
         for t in range(num_done):
             x = finished[t]
             v[x] += dist[x] - d_end
-        _augment(end, pred, pred_w, node_of_bin, wcur, members, member_start, count, pos)
-        for x in range(num_nodes):
-            dist[x] = _INF
-            done[x] = False
+        _augment(end, pred, pred_w, node_of_bin, wcur, away, row_start, row_node, row_w, members, member_start,
+                 count, pos)
+        dist[:] = _INF
 
 
 @numba.njit(**_JIT)

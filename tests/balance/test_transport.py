@@ -160,7 +160,7 @@ def test_merge_pairs_sums_sorts_and_drops_zeros(n, num_rows, num_cols, order):
     assert empty[0].tolist() == [0, 0, 0, 0] and empty[1].size == 0
 
 
-@pytest.mark.parametrize("longest_row", [1, 5, _transport._INSERTION_ROW, _transport._INSERTION_ROW + 1, 300])
+@pytest.mark.parametrize("longest_row", [1, 5, _transport._SHORT_ROW, _transport._SHORT_ROW + 1, 300])
 def test_rows_sorted_by_decreasing_weight_ties_by_node(longest_row):
     """Short rows (insertion) and long ones (argsort) alike: each row by decreasing weight, equal weights by
     increasing node, as a stable sort of the row (given by increasing node) on minus the weight."""
