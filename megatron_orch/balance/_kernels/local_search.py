@@ -10,6 +10,7 @@ from megatron_orch.balance._kernels.order import increasing
 _PAIR_ITEMS = 32  # two-for-two swaps are tried between bins of at most this many items (496 pairs each)
 _PAIR_PARTNERS = 2  # with the least-loaded this many partners (the largest gaps): each costs a sort of its pairs
 _WIDEN = 8  # a refinement step that finds nothing with its partners tries this many times as many
+_INSERTION_ITEMS = 32  # a bin of at most this many items is sorted by insertion
 
 
 # ---------------------------------------------------------------------------------------------
@@ -54,8 +55,9 @@ def _reposition(load, rank, b, old_load):
 def _gather_sorted(head, nxt, costs, b, out):
     """Items of bin ``b`` by increasing (cost, id) into ``out``; returns how many.
 
-    Shell sort in place: bins hold tens of items and this runs for a dozen bins per refinement
-    step, where allocating sort buffers would cost more than the sorting.
+    Insertion sort in place (Shell sort above :data:`_INSERTION_ITEMS` items): bins hold tens of items and this
+    runs for a dozen bins per refinement step, where allocating sort buffers would cost more than the sorting (and
+    insertion alone, for a bin of 16 items, ~1.7x less than Shell's gaps of 4 and 1).
     """
     m = 0
     i = head[b]
@@ -64,7 +66,7 @@ def _gather_sorted(head, nxt, costs, b, out):
         m += 1
         i = nxt[i]
     gap = 1
-    while gap < m // 3:
+    while m > _INSERTION_ITEMS and gap < m // 3:
         gap = 3 * gap + 1
     while gap >= 1:
         for u in range(gap, m):
