@@ -297,3 +297,29 @@ def test_refine_makes_the_exchanges_of_a_search_afresh_at_every_step(data, num_b
     expected = bins.copy()
     steps = refine_reference(costs, *args, expected, *rest)
     assert (local_search.refine(costs, *args, bins, *rest), bins.tolist()) == (steps, expected.tolist())
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.data(), st.sampled_from([8, 16]), st.sampled_from([0, 2, 4]), st.booleans(), st.booleans(),
+       st.lists(st.sampled_from([0.0, 0.3, 2.0, math.inf]), min_size=1, max_size=4))
+def test_refine_caps_takes_the_steps_of_one_call_per_cap(data, num_bins, node_size, settle, allow_moves, caps):
+    """Costs that are not integers (loads kept up to date then differ in their last bits from loads summed afresh,
+    which a call of its own starts from) and memory that binds: refine_caps with caps in turn ends with the bins and
+    steps of one refine call per cap, each made while the maximum is above the stop."""
+    items = data.draw(st.lists(st.tuples(st.integers(1, 300), st.integers(0, num_bins - 1), st.integers(0, 3)),
+                               min_size=16, max_size=160))
+    costs = np.array([0.1 * c for c, _, _ in items])
+    bins = np.array([b for _, b, _ in items], dtype=np.int64)
+    memory = np.array([0.7 * m for _, _, m in items])
+    memory_cap = np.bincount(bins, weights=memory, minlength=num_bins).max() + 1.1
+    stop_at = 1.001 * costs.sum() / num_bins
+    order = np.argsort(-costs, kind="stable")
+    cross_swap_caps = np.array(caps) * costs.mean()
+    args = (memory, memory_cap, num_bins)
+    rest = (allow_moves, stop_at, 1, node_size, 10 * costs.size, order, 7)
+    expected, steps = bins.copy(), 0
+    for cap in cross_swap_caps:
+        if np.bincount(expected, weights=costs, minlength=num_bins).max() > stop_at:
+            steps += local_search.refine(costs, *args, expected, *rest, cap, settle)
+    assert (local_search.refine_caps(costs, *args, bins, *rest, cross_swap_caps, settle), bins.tolist()) == \
+        (steps, expected.tolist())
