@@ -52,6 +52,20 @@ def test_cached_items_by_cost_are_a_fresh_sort_after_every_move(items, moves, wi
                 assert cached[b] == (m if m <= width else -1)
 
 
+@settings(max_examples=100, deadline=None)
+@given(st.lists(st.tuples(st.integers(0, 9), st.integers(0, 1)), min_size=2 * 33, max_size=160))
+def test_a_bin_gathered_by_cost_is_sorted_by_cost_then_id(items):
+    """Two bins of 66 to 160 items with ties (one above ``_INSERTION_ITEMS``, sorted with Shell's gaps, the other
+    maybe below, by insertion): (cost, id) order either way."""
+    costs = np.array([float(c) for c, _ in items])
+    bins = [b for _, b in items]
+    head, nxt = _linked(bins, 2)
+    out = np.empty(len(bins), dtype=np.int64)
+    for b in range(2):
+        m = local_search._gather_sorted(head, nxt, costs, b, out)
+        assert out[:m].tolist() == _by_cost(costs, bins, b)
+
+
 @settings(max_examples=300, deadline=None)
 @given(st.floats(1.0, 1e17), st.floats(0.0, 1.0), st.floats(0.0, 1.0))
 def test_the_partner_bound_skips_no_exchange_that_beats_the_best(top_load, partner_share, share_moved):
