@@ -337,3 +337,22 @@ def test_refine_caps_takes_the_steps_of_one_call_per_cap(data, num_bins, node_si
             steps += local_search.refine(costs, *args, expected, *rest, cap, settle)
     assert (local_search.refine_caps(costs, *args, bins, *rest, cross_swap_caps, settle), bins.tolist()) == \
         (steps, expected.tolist())
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.integers(0, 4), min_size=2, max_size=24), st.sampled_from([0, 2, 8]), st.integers(1, 30))
+def test_partners_are_the_least_loaded_bins_below_the_top(loads, node_size, partners):
+    """Loads with ties: on the top bin's node (node_size > 0), its other bins below its load by (load, id); anywhere,
+    the first bin of each load below the top's, up to ``partners`` of them."""
+    load = np.array([float(x) for x in loads])
+    rank = np.argsort(load, kind="stable")
+    top = int(rank[-1])
+    out = np.empty(max(load.size, node_size), dtype=np.int64)
+    count = local_search._partners(load, rank, top, node_size, partners, out)
+    if node_size:
+        node = range(top // node_size * node_size, min(load.size, (top // node_size + 1) * node_size))
+        expected = sorted((b for b in node if load[b] < load[top]), key=lambda b: (load[b], b))
+    else:
+        expected = [int(b) for p, b in enumerate(rank)
+                    if load[b] < load[top] and (p == 0 or load[rank[p - 1]] != load[b])][:partners]
+    assert out[:count].tolist() == expected

@@ -865,7 +865,8 @@ def refine_caps(costs, memory, memory_cap, num_bins, bin_of_item, allow_moves, s
                                                                          pair_cached)
                             else:
                                 b_pairs = partner_pairs
-                                num_b_pairs = _pair_sums(costs, partner_items, num_b, b_pairs[0], b_pairs[1], b_pairs[2])
+                                num_b_pairs = _pair_sums(costs, partner_items, num_b, b_pairs[0], b_pairs[1],
+                                                         b_pairs[2])
                             best, o = _pair_swap(costs, memory, memory_cap, load, bin_mem, top, b, best, best_out,
                                                  best_in, top_pairs, num_top_pairs, b_pairs, num_b_pairs, floor)
                             i = o
