@@ -204,9 +204,16 @@ def _fits_memory(bins: np.ndarray, memory: np.ndarray, cap: float, num_bins: int
 
 
 def _refine(costs, memory, cap, order, num_bins, bins, *, allow_moves: bool, stop_at: float,
-            node_size: int = 0, cross_swap_cap: float = math.inf, settle_at_stop: bool = False) -> None:
-    _kernels.refine(costs, memory, cap, num_bins, bins, allow_moves, stop_at, _REFINE_PARTNERS, node_size,
-                    costs.size + num_bins, order, _CHEAPEST_SCAN, cross_swap_cap, settle_at_stop)
+            node_size: int = 0, cross_swap_caps=(math.inf,), settle_at_stop: bool = False) -> None:
+    """The local search (:func:`_kernels.refine_caps`) with each of ``cross_swap_caps`` in turn."""
+    _kernels.refine_caps(costs, memory, cap, num_bins, bins, allow_moves, stop_at, _REFINE_PARTNERS, node_size,
+                         costs.size + num_bins, order, _CHEAPEST_SCAN, np.array(cross_swap_caps, dtype=np.float64),
+                         settle_at_stop)
+
+
+def _locality_swap_caps(mean: float):
+    """The locality refinements' costliest swap across nodes, in turn (:data:`_LOCALITY_SWAP_CAPS` x the mean)."""
+    return [swap_cap * mean if swap_cap < math.inf else math.inf for swap_cap in _LOCALITY_SWAP_CAPS]
 
 
 def _nodes(num_bins: int, gpus_per_node: Optional[int]) -> Optional[np.ndarray]:
@@ -600,10 +607,9 @@ def partition_equal_count_locality(costs, home, num_bins, gpus_per_node, *, item
         bins[arrived[np.argsort(node[arrived], kind="stable")]] = np.sort(home[arrived])
         _kernels.swap_sweeps(costs, order, num_bins, bins, capacity, _SWAP_SWEEPS, gpus_per_node)
         mean = float(costs.sum()) / num_bins
-        for swap_cap in _LOCALITY_SWAP_CAPS:  # across nodes, swaps of small items first (as partition_locality)
-            if _max_cost(costs, bins, num_bins) > capacity:
-                _refine(costs, no_memory, math.inf, order, num_bins, bins, allow_moves=False, stop_at=capacity,
-                        node_size=gpus_per_node, cross_swap_cap=swap_cap * mean if swap_cap < math.inf else math.inf)
+        # across nodes, swaps of small items first (as partition_locality)
+        _refine(costs, no_memory, math.inf, order, num_bins, bins, allow_moves=False, stop_at=capacity,
+                node_size=gpus_per_node, cross_swap_caps=_locality_swap_caps(mean))
         name = "equal_locality"
         if _max_cost(costs, bins, num_bins) > capacity:
             bins, name, outcome = _fallback("equal_locality", reference, home, item_bytes, gpus_per_node, place_fallback)
@@ -705,12 +711,10 @@ def partition_locality(costs, home, num_bins, gpus_per_node, *, item_bytes, memo
         name = "locality"
         # across nodes, swaps of small items only at first (two long items swapped to even out two ranks are
         # many bytes on two links), then of any
-        for swap_cap in _LOCALITY_SWAP_CAPS:
-            if failed < 0 and _max_cost(costs, bins, num_bins) > capacity:
-                _refine(costs, memory, cap, order, num_bins, bins, allow_moves=True, stop_at=capacity,
-                        node_size=gpus_per_node, cross_swap_cap=swap_cap * mean if swap_cap < math.inf else math.inf,
-                        settle_at_stop=True)
-                name = "locality+refine"
+        if failed < 0 and _max_cost(costs, bins, num_bins) > capacity:
+            _refine(costs, memory, cap, order, num_bins, bins, allow_moves=True, stop_at=capacity,
+                    node_size=gpus_per_node, cross_swap_caps=_locality_swap_caps(mean), settle_at_stop=True)
+            name = "locality+refine"
         if failed >= 0 or _max_cost(costs, bins, num_bins) > capacity:
             bins, name, outcome = _fallback("locality", reference, home, item_bytes, gpus_per_node, place_fallback)
     return _result(bins, num_bins, costs, memory, has_memory, _lower_bound(costs, num_bins), home, name,

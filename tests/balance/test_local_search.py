@@ -52,6 +52,20 @@ def test_cached_items_by_cost_are_a_fresh_sort_after_every_move(items, moves, wi
                 assert cached[b] == (m if m <= width else -1)
 
 
+@settings(max_examples=100, deadline=None)
+@given(st.lists(st.tuples(st.integers(0, 9), st.integers(0, 1)), min_size=2 * 33, max_size=160))
+def test_a_bin_gathered_by_cost_is_sorted_by_cost_then_id(items):
+    """Two bins of 66 to 160 items with ties (one above ``_INSERTION_ITEMS``, sorted with Shell's gaps, the other
+    maybe below, by insertion): (cost, id) order either way."""
+    costs = np.array([float(c) for c, _ in items])
+    bins = [b for _, b in items]
+    head, nxt = _linked(bins, 2)
+    out = np.empty(len(bins), dtype=np.int64)
+    for b in range(2):
+        m = local_search._gather_sorted(head, nxt, costs, b, out)
+        assert out[:m].tolist() == _by_cost(costs, bins, b)
+
+
 @settings(max_examples=300, deadline=None)
 @given(st.floats(1.0, 1e17), st.floats(0.0, 1.0), st.floats(0.0, 1.0))
 def test_the_partner_bound_skips_no_exchange_that_beats_the_best(top_load, partner_share, share_moved):
@@ -297,3 +311,48 @@ def test_refine_makes_the_exchanges_of_a_search_afresh_at_every_step(data, num_b
     expected = bins.copy()
     steps = refine_reference(costs, *args, expected, *rest)
     assert (local_search.refine(costs, *args, bins, *rest), bins.tolist()) == (steps, expected.tolist())
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.data(), st.sampled_from([8, 16]), st.sampled_from([0, 2, 4]), st.booleans(), st.booleans(),
+       st.lists(st.sampled_from([0.0, 0.3, 2.0, math.inf]), min_size=1, max_size=4))
+def test_refine_caps_takes_the_steps_of_one_call_per_cap(data, num_bins, node_size, settle, allow_moves, caps):
+    """Costs that are not integers (loads kept up to date then differ in their last bits from loads summed afresh,
+    which a call of its own starts from) and memory that binds: refine_caps with caps in turn ends with the bins and
+    steps of one refine call per cap, each made while the maximum is above the stop."""
+    items = data.draw(st.lists(st.tuples(st.integers(1, 300), st.integers(0, num_bins - 1), st.integers(0, 3)),
+                               min_size=16, max_size=160))
+    costs = np.array([0.1 * c for c, _, _ in items])
+    bins = np.array([b for _, b, _ in items], dtype=np.int64)
+    memory = np.array([0.7 * m for _, _, m in items])
+    memory_cap = np.bincount(bins, weights=memory, minlength=num_bins).max() + 1.1
+    stop_at = 1.001 * costs.sum() / num_bins
+    order = np.argsort(-costs, kind="stable")
+    cross_swap_caps = np.array(caps) * costs.mean()
+    args = (memory, memory_cap, num_bins)
+    rest = (allow_moves, stop_at, 1, node_size, 10 * costs.size, order, 7)
+    expected, steps = bins.copy(), 0
+    for cap in cross_swap_caps:
+        if np.bincount(expected, weights=costs, minlength=num_bins).max() > stop_at:
+            steps += local_search.refine(costs, *args, expected, *rest, cap, settle)
+    assert (local_search.refine_caps(costs, *args, bins, *rest, cross_swap_caps, settle), bins.tolist()) == \
+        (steps, expected.tolist())
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.integers(0, 4), min_size=2, max_size=24), st.sampled_from([0, 2, 8]), st.integers(1, 30))
+def test_partners_are_the_least_loaded_bins_below_the_top(loads, node_size, partners):
+    """Loads with ties: on the top bin's node (node_size > 0), its other bins below its load by (load, id); anywhere,
+    the first bin of each load below the top's, up to ``partners`` of them."""
+    load = np.array([float(x) for x in loads])
+    rank = np.argsort(load, kind="stable")
+    top = int(rank[-1])
+    out = np.empty(max(load.size, node_size), dtype=np.int64)
+    count = local_search._partners(load, rank, top, node_size, partners, out)
+    if node_size:
+        node = range(top // node_size * node_size, min(load.size, (top // node_size + 1) * node_size))
+        expected = sorted((b for b in node if load[b] < load[top]), key=lambda b: (load[b], b))
+    else:
+        expected = [int(b) for p, b in enumerate(rank)
+                    if load[b] < load[top] and (p == 0 or load[rank[p - 1]] != load[b])][:partners]
+    assert out[:count].tolist() == expected

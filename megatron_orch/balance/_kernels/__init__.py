@@ -22,7 +22,7 @@ from megatron_orch.balance._kernels.bounds import pigeonhole_bound
 from megatron_orch.balance._kernels.differencing import kk
 from megatron_orch.balance._kernels.first_fit import bs_ffd
 from megatron_orch.balance._kernels.groups import METHOD_CODES, partition_groups
-from megatron_orch.balance._kernels.local_search import refine, swap_sweeps
+from megatron_orch.balance._kernels.local_search import refine, refine_caps, swap_sweeps
 from megatron_orch.balance._kernels.locality import fill_quotas, lpt_near_home
 from megatron_orch.balance._kernels.longest_first import lpt, slot_lpt
 from megatron_orch.balance._kernels.order import decreasing, increasing
@@ -31,5 +31,5 @@ from megatron_orch.balance._kernels.repair import (add_link_bytes, bytes_on_node
 
 __all__ = ["CONSTRUCTIONS", "METHOD_CODES", "TRIED", "add_link_bytes", "auto", "bs_ffd", "bytes_on_node", "decreasing",
            "example_link_bytes", "fill_quotas", "group_entries", "increasing", "kk", "localize", "lpt", "lpt_near_home",
-           "partition_groups", "pigeonhole_bound", "refine", "repair_locality", "shift_example", "slot_lpt",
-           "swap_sweeps", "try_exchange"]
+           "partition_groups", "pigeonhole_bound", "refine", "refine_caps", "repair_locality", "shift_example",
+           "slot_lpt", "swap_sweeps", "try_exchange"]
