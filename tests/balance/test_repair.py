@@ -97,7 +97,7 @@ def test_localize_makes_the_python_reference_plans_on_sweep_batches(monkeypatch,
 @settings(max_examples=200, deadline=None)
 @given(st.data())
 def test_localize_pool_rows_stay_sorted_through_moves_and_swaps(data):
-    """localize's rows per node (its examples by (cost, id), their costs, the nodes they want, increasing), filled
+    """localize's rows per node (its examples by (cost, id), their costs, the nodes they want), filled
     one insertion at a time from a one-wide table (widened where a row is full, as localize does), then through any
     moves (a removal and an insertion) and swaps (each example takes the other's place): always what sorting the
     node's examples afresh gives."""
@@ -107,14 +107,14 @@ def test_localize_pool_rows_stay_sorted_through_moves_and_swaps(data):
     want = np.array(data.draw(st.lists(st.integers(0, num_nodes - 1), min_size=n, max_size=n)), dtype=np.int64)
     node = np.array(data.draw(st.lists(st.integers(0, num_nodes - 1), min_size=n, max_size=n)), dtype=np.int64)
     pools, pool_costs = np.empty((num_nodes, 1), dtype=np.int64), np.empty((num_nodes, 1))
-    wanted = np.empty((num_nodes, 1), dtype=np.int64)
+    pool_wants = np.empty((num_nodes, 1), dtype=np.int64)
     sizes = np.zeros(num_nodes, dtype=np.int64)
     def insert(x, e):
-        nonlocal pools, pool_costs, wanted
+        nonlocal pools, pool_costs, pool_wants
         if sizes[x] == pools.shape[1]:
-            pools, pool_costs, wanted = (repair_kernels._wider(table, 2 * sizes[x]) for table in (pools, pool_costs,
-                                                                                                   wanted))
-        repair_kernels._pool_insert(pools, pool_costs, wanted, sizes, x, costs, want, e)
+            pools, pool_costs, pool_wants = (repair_kernels._wider(table, 2 * sizes[x]) for table in (pools, pool_costs,
+                                                                                                       pool_wants))
+        repair_kernels._pool_insert(pools, pool_costs, pool_wants, sizes, x, costs, want, e)
 
     for e in range(n):
         insert(node[e], e)
@@ -124,7 +124,7 @@ def test_localize_pool_rows_stay_sorted_through_moves_and_swaps(data):
             mine = sorted(np.flatnonzero(node == x).tolist(), key=lambda e: (costs[e], e))
             assert pools[x, :sizes[x]].tolist() == mine
             assert pool_costs[x, :sizes[x]].tolist() == costs[mine].tolist()
-            assert wanted[x, :sizes[x]].tolist() == sorted(want[mine].tolist())
+            assert pool_wants[x, :sizes[x]].tolist() == want[mine].tolist()
 
     check()
     for e, f, swap in data.draw(st.lists(st.tuples(st.integers(0, n - 1), st.integers(0, n - 1), st.booleans()),
@@ -133,11 +133,11 @@ def test_localize_pool_rows_stay_sorted_through_moves_and_swaps(data):
         if x == y:
             continue
         if swap:  # e takes f's place on y, f e's on x
-            repair_kernels._pool_replace(pools, pool_costs, wanted, y, sizes[y], costs, want, f, e)
-            repair_kernels._pool_replace(pools, pool_costs, wanted, x, sizes[x], costs, want, e, f)
+            repair_kernels._pool_replace(pools, pool_costs, pool_wants, y, sizes[y], costs, want, f, e)
+            repair_kernels._pool_replace(pools, pool_costs, pool_wants, x, sizes[x], costs, want, e, f)
             node[e], node[f] = y, x
         else:  # e moves to y
-            repair_kernels._pool_remove(pools, pool_costs, wanted, sizes, x, costs, want, e)
+            repair_kernels._pool_remove(pools, pool_costs, pool_wants, sizes, x, costs, e)
             insert(y, e)
             node[e] = y
         check()

@@ -7,7 +7,7 @@ import numpy as np
 from megatron_orch.balance._jit import _INLINE, _JIT, _NO_REFCOUNT
 from megatron_orch.balance._kernels.bounds import numpy_sum
 from megatron_orch.balance._kernels.order import decreasing, increasing
-from megatron_orch.balance._plan_kernels import _rank_starts, stably_by
+from megatron_orch.balance._plan_kernels import _rank_starts
 
 
 # ---------------------------------------------------------------------------------------------
@@ -53,35 +53,9 @@ def _lists_by_rank(rank, num_ranks):
 
 
 # ---------------------------------------------------------------------------------------------
-# A node's examples by increasing (cost, id): a sorted row of a (nodes, width) table, their costs in the same place of
-# another (read without going through the example); beside them, in a row of its own, the nodes they want, increasing.
+# A node's examples by increasing (cost, id): a sorted row of a (nodes, width) table, their costs and the nodes they
+# want in the same place of two others (read along the row, not through the example).
 # ---------------------------------------------------------------------------------------------
-
-@numba.njit(**_INLINE)
-def _wanted_at(wanted, x, size, w):
-    """First place in row x of ``wanted`` (``size`` nodes, increasing) holding w or more."""
-    lo, hi = 0, size
-    while lo < hi:
-        mid = (lo + hi) // 2
-        if wanted[x, mid] < w:
-            lo = mid + 1
-        else:
-            hi = mid
-    return lo
-
-
-@numba.njit(**_INLINE)
-def _wanted_swap(wanted, x, size, old, new):
-    """One ``old`` of row x of ``wanted`` replaced by ``new``, the row kept increasing (the entries between move)."""
-    k = _wanted_at(wanted, x, size, old)
-    while k > 0 and wanted[x, k - 1] > new:
-        wanted[x, k] = wanted[x, k - 1]
-        k -= 1
-    while k < size - 1 and wanted[x, k + 1] < new:
-        wanted[x, k] = wanted[x, k + 1]
-        k += 1
-    wanted[x, k] = new
-
 
 @numba.njit(**_INLINE)
 def _pool_at(pools, pool_costs, x, size, c, e):
@@ -97,13 +71,11 @@ def _pool_at(pools, pool_costs, x, size, c, e):
 
 
 @numba.njit(**_INLINE)
-def _pool_remove(pools, pool_costs, wanted, sizes, x, costs, want, e):
+def _pool_remove(pools, pool_costs, pool_wants, sizes, x, costs, e):
     at = _pool_at(pools, pool_costs, x, sizes[x], costs[e], e)
     if at < sizes[x] and pools[x, at] == e:
         for k in range(at, sizes[x] - 1):
-            pools[x, k], pool_costs[x, k] = pools[x, k + 1], pool_costs[x, k + 1]
-        for k in range(_wanted_at(wanted, x, sizes[x], want[e]), sizes[x] - 1):
-            wanted[x, k] = wanted[x, k + 1]
+            pools[x, k], pool_costs[x, k], pool_wants[x, k] = pools[x, k + 1], pool_costs[x, k + 1], pool_wants[x, k + 1]
         sizes[x] -= 1
 
 
@@ -116,33 +88,28 @@ def _wider(table, width):
 
 
 @numba.njit(**_INLINE)
-def _pool_insert(pools, pool_costs, wanted, sizes, x, costs, want, e):
+def _pool_insert(pools, pool_costs, pool_wants, sizes, x, costs, want, e):
     """e inserted in row x of the tables (the row has room: see :func:`_wider`)."""
     at = _pool_at(pools, pool_costs, x, sizes[x], costs[e], e)
     for k in range(sizes[x], at, -1):
-        pools[x, k], pool_costs[x, k] = pools[x, k - 1], pool_costs[x, k - 1]
-    pools[x, at], pool_costs[x, at] = e, costs[e]
-    at = _wanted_at(wanted, x, sizes[x], want[e])
-    for k in range(sizes[x], at, -1):
-        wanted[x, k] = wanted[x, k - 1]
-    wanted[x, at] = want[e]
+        pools[x, k], pool_costs[x, k], pool_wants[x, k] = pools[x, k - 1], pool_costs[x, k - 1], pool_wants[x, k - 1]
+    pools[x, at], pool_costs[x, at], pool_wants[x, at] = e, costs[e], want[e]
     sizes[x] += 1
 
 
 @numba.njit(**_INLINE)
-def _pool_replace(pools, pool_costs, wanted, x, size, costs, want, out, e):
+def _pool_replace(pools, pool_costs, pool_wants, x, size, costs, want, out, e):
     """Example ``out`` of row x replaced by e, the rows kept sorted: only the entries between their two places move
     (a swap's two examples cost about the same)."""
     c = costs[e]
     k = _pool_at(pools, pool_costs, x, size, costs[out], out)
     while k > 0 and (pool_costs[x, k - 1] > c or (pool_costs[x, k - 1] == c and pools[x, k - 1] > e)):
-        pools[x, k], pool_costs[x, k] = pools[x, k - 1], pool_costs[x, k - 1]
+        pools[x, k], pool_costs[x, k], pool_wants[x, k] = pools[x, k - 1], pool_costs[x, k - 1], pool_wants[x, k - 1]
         k -= 1
     while k < size - 1 and (pool_costs[x, k + 1] < c or (pool_costs[x, k + 1] == c and pools[x, k + 1] < e)):
-        pools[x, k], pool_costs[x, k] = pools[x, k + 1], pool_costs[x, k + 1]
+        pools[x, k], pool_costs[x, k], pool_wants[x, k] = pools[x, k + 1], pool_costs[x, k + 1], pool_wants[x, k + 1]
         k += 1
-    pools[x, k], pool_costs[x, k] = e, c
-    _wanted_swap(wanted, x, size, want[out], want[e])
+    pools[x, k], pool_costs[x, k], pool_wants[x, k] = e, c, want[e]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -285,16 +252,11 @@ def localize(rank, costs, want, node_of_rank, capacity, swaps_only, weight, scan
         sizes[node_of_rank[rank[e]]] += 1
     pools = np.empty((num_nodes, max(sizes.max() if num_nodes else 0, 1)), dtype=np.int64)
     pool_costs = np.empty(pools.shape)
-    wanted = np.empty(pools.shape, dtype=np.int64)
-    sizes[:] = 0
-    for e in stably_by(want, np.arange(n), num_nodes):  # by the node they want: every row increasing
-        x = node_of_rank[rank[e]]
-        wanted[x, sizes[x]] = want[e]
-        sizes[x] += 1
+    pool_wants = np.empty(pools.shape, dtype=np.int64)
     sizes[:] = 0
     for e in increasing(costs):  # by (cost, id): every row sorted
         x = node_of_rank[rank[e]]
-        pools[x, sizes[x]], pool_costs[x, sizes[x]] = e, costs[e]
+        pools[x, sizes[x]], pool_costs[x, sizes[x]], pool_wants[x, sizes[x]] = e, costs[e], want[e]
         sizes[x] += 1
     start = 0
     for e in range(n):
@@ -308,10 +270,10 @@ def localize(rank, costs, want, node_of_rank, capacity, swaps_only, weight, scan
     arriving = np.zeros(num_nodes, dtype=np.int64)
     progress = np.zeros(2, dtype=np.int64)
     while _passes(rank, costs, want, node_of_rank, capacity, swaps_only, weight, scan, passes, settle_tries, load,
-                  node_start, node_ranks, head, tail, nxt, prv, sizes, pools, pool_costs, wanted, gains, gaps, partners,
+                  node_start, node_ranks, head, tail, nxt, prv, sizes, pools, pool_costs, pool_wants, gains, gaps, partners,
                   by_cost, away, arriving, progress):
         width = progress[1]
-        pools, pool_costs, wanted = _wider(pools, width), _wider(pool_costs, width), _wider(wanted, width)
+        pools, pool_costs, pool_wants = _wider(pools, width), _wider(pool_costs, width), _wider(pool_wants, width)
     home = 0
     for e in range(n):
         if node_of_rank[rank[e]] == want[e]:
@@ -321,7 +283,7 @@ def localize(rank, costs, want, node_of_rank, capacity, swaps_only, weight, scan
 
 @numba.njit(**_NO_REFCOUNT)
 def _passes(rank, costs, want, node_of_rank, capacity, swaps_only, weight, scan, passes, settle_tries, load, node_start,
-            node_ranks, head, tail, nxt, prv, sizes, pools, pool_costs, wanted, gains, gaps, partners, by_cost, away,
+            node_ranks, head, tail, nxt, prv, sizes, pools, pool_costs, pool_wants, gains, gaps, partners, by_cost, away,
             arriving, progress):
     """:func:`localize`'s passes from pass ``progress[0]``; True where it stopped before a pass whose moves could
     overfill a row (a node's examples and those away that want it; ``progress``: that pass, the width it needs): the
@@ -372,19 +334,22 @@ def _passes(rank, costs, want, node_of_rank, capacity, swaps_only, weight, scan,
                     # which (bytes >= 0) only one wanting x can; where none on y does, that is all
                     if pick >= 0 and weight[e] + 0.0 <= pick_gain:
                         if wanting < 0:
-                            at = _wanted_at(wanted, y, size, x)
-                            wanting = 1 if at < size and wanted[y, at] == x else 0
+                            wanting = 0
+                            for t in range(size):
+                                if pool_wants[y, t] == x:
+                                    wanting = 1
+                                    break
                         if wanting == 0:
                             break
-                        if want[pools[y, k]] != x:
+                        if pool_wants[y, k] != x:
                             continue
                     f = pools[y, k]
                     cf = pool_costs[y, k]
                     gap = abs(cf - c)
                     # bytes brought home by the swap: e's, plus f's if it wants x, less f's if it was home
-                    if want[f] == x:
+                    if pool_wants[y, k] == x:
                         gain = weight[e] + weight[f]
-                    elif want[f] == y:
+                    elif pool_wants[y, k] == y:
                         gain = weight[e] + -weight[f]
                     else:
                         gain = weight[e] + 0.0
@@ -423,8 +388,8 @@ def _passes(rank, costs, want, node_of_rank, capacity, swaps_only, weight, scan,
                         break
                     _exchange(rank, load, costs, head, tail, nxt, prv, e, f)
             if partner >= 0:  # e takes the partner's place among y's examples, the partner e's among x's
-                _pool_replace(pools, pool_costs, wanted, y, sizes[y], costs, want, partner, e)
-                _pool_replace(pools, pool_costs, wanted, x, sizes[x], costs, want, e, partner)
+                _pool_replace(pools, pool_costs, pool_wants, y, sizes[y], costs, want, partner, e)
+                _pool_replace(pools, pool_costs, pool_wants, x, sizes[x], costs, want, e, partner)
                 moved += 1
                 continue
             if not swaps_only:
@@ -435,8 +400,8 @@ def _passes(rank, costs, want, node_of_rank, capacity, swaps_only, weight, scan,
                         b = q
                 if b >= 0 and load[b] + c <= capacity:
                     _relocate(rank, load, costs, head, tail, nxt, prv, e, b)
-                    _pool_remove(pools, pool_costs, wanted, sizes, x, costs, want, e)
-                    _pool_insert(pools, pool_costs, wanted, sizes, y, costs, want, e)
+                    _pool_remove(pools, pool_costs, pool_wants, sizes, x, costs, e)
+                    _pool_insert(pools, pool_costs, pool_wants, sizes, y, costs, want, e)
                     moved += 1
         if moved == 0:
             break
