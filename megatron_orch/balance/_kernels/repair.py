@@ -183,14 +183,10 @@ def _settle(rank, load, costs, head, tail, nxt, prv, node_of_rank, node_ranks, n
     i = head[r]
     while i >= 0:
         ci = costs[i]
-        lo = 0  # the first example of the pool whose difference to i is below over (by halving its span)
-        if size > 0:
-            span = size
-            while span > 1:
-                half = span // 2
-                lo += half * (ci - pool_cost[lo + half] >= over)
-                span -= half
-            lo += ci - pool_cost[lo] >= over
+        lo = 0  # the first example of the pool whose difference to i is below over: those before it counted (the
+        # difference only shrinks along the row; a count runs in vector lanes, a search's steps wait on each other)
+        for k in range(size):
+            lo += ci - pool_cost[k] >= over
         least, least_q, least_f = np.inf, -1, -1
         for k in range(lo - 1, -1, -1):
             f = pool[k]
