@@ -116,25 +116,43 @@ def _pool_replace(pools, pool_costs, pool_wants, x, size, costs, want, out, e):
 # localize
 # ---------------------------------------------------------------------------------------------
 
+# A rank's examples in the order they arrived: a row of a (ranks, width) table, their costs in the same place of another
+# (read along the row, not through the example; the row's few entries move up when one leaves).
+
 @numba.njit(**_INLINE)
-def _exchange(rank, load, costs, head, tail, nxt, prv, e, f):
+def _leave(members, member_costs, counts, r, e):
+    k = _list_position(members, r, e)
+    for k in range(k, counts[r] - 1):
+        members[r, k], member_costs[r, k] = members[r, k + 1], member_costs[r, k + 1]
+    counts[r] -= 1
+
+
+@numba.njit(**_INLINE)
+def _arrive(members, member_costs, counts, r, e, c):
+    """e appended to rank r's row (the row has room: see :func:`_passes`)."""
+    members[r, counts[r]], member_costs[r, counts[r]] = e, c
+    counts[r] += 1
+
+
+@numba.njit(**_INLINE)
+def _exchange(rank, load, costs, members, member_costs, counts, e, f):
     """e and f (on different ranks) trade ranks."""
     a, b = rank[e], rank[f]
     rank[e], rank[f] = b, a
-    _unlink(head, tail, nxt, prv, a, e)
-    _unlink(head, tail, nxt, prv, b, f)
-    _append(head, tail, nxt, prv, a, f)
-    _append(head, tail, nxt, prv, b, e)
+    _leave(members, member_costs, counts, a, e)
+    _leave(members, member_costs, counts, b, f)
+    _arrive(members, member_costs, counts, a, f, costs[f])
+    _arrive(members, member_costs, counts, b, e, costs[e])
     load[a] += costs[f] - costs[e]
     load[b] += costs[e] - costs[f]
 
 
 @numba.njit(**_INLINE)
-def _relocate(rank, load, costs, head, tail, nxt, prv, e, to):
+def _relocate(rank, load, costs, members, member_costs, counts, e, to):
     a = rank[e]
     rank[e] = to
-    _unlink(head, tail, nxt, prv, a, e)
-    _append(head, tail, nxt, prv, to, e)
+    _leave(members, member_costs, counts, a, e)
+    _arrive(members, member_costs, counts, to, e, costs[e])
     load[a] -= costs[e]
     load[to] += costs[e]
 
@@ -148,18 +166,16 @@ def _max_room(load, capacity, node_ranks, node_start, x):
 
 
 @numba.njit(**_INLINE)
-def _list_position(head, nxt, q, f):
-    """Place of example f in rank q's list (the order its examples arrived in)."""
+def _list_position(members, q, f):
+    """Place of example f in rank q's row (the order its examples arrived in)."""
     k = 0
-    g = head[q]
-    while g != f:
-        g = nxt[g]
+    while members[q, k] != f:
         k += 1
     return k
 
 
 @numba.njit(**_INLINE)
-def _settle(rank, load, costs, head, tail, nxt, prv, node_of_rank, node_ranks, node_start, capacity, swaps_only, r,
+def _settle(rank, load, costs, members, member_costs, counts, node_of_rank, node_ranks, node_start, capacity, swaps_only, r,
             over, pool, pool_cost, size):
     """One exchange between rank r and another rank q of its node that takes between ``over`` and q's room off
     r, the least such (keeping the most room), the first found when rank r's examples (in order) meet the
@@ -180,9 +196,8 @@ def _settle(rank, load, costs, head, tail, nxt, prv, node_of_rank, node_ranks, n
     if most < over:
         return False
     best, g, h, to = np.inf, -1, -1, -1
-    i = head[r]
-    while i >= 0:
-        ci = costs[i]
+    for j in range(counts[r]):
+        i, ci = members[r, j], member_costs[r, j]
         lo = 0  # the first example of the pool whose difference to i is below over: those before it counted (the
         # difference only shrinks along the row; a count runs in vector lanes, a search's steps wait on each other)
         for k in range(size):
@@ -196,8 +211,8 @@ def _settle(rank, load, costs, head, tail, nxt, prv, node_of_rank, node_ranks, n
             q = rank[f]
             if q == r or node_of_rank[q] != x or d > capacity - load[q]:
                 continue
-            if least_f < 0 or q < least_q or (q == least_q and _list_position(head, nxt, q, f)
-                                               < _list_position(head, nxt, q, least_f)):
+            if least_f < 0 or q < least_q or (q == least_q and _list_position(members, q, f)
+                                               < _list_position(members, q, least_f)):
                 least, least_q, least_f = d, q, f
         if least_f >= 0:
             best, g, h = least, i, least_f
@@ -208,13 +223,12 @@ def _settle(rank, load, costs, head, tail, nxt, prv, node_of_rank, node_ranks, n
                 if q != r and d <= capacity - load[q]:
                     best, g, h, to = d, i, -1, q
                     break
-        i = nxt[i]
     if g < 0:
         return False
     if h >= 0:
-        _exchange(rank, load, costs, head, tail, nxt, prv, g, h)
+        _exchange(rank, load, costs, members, member_costs, counts, g, h)
     else:
-        _relocate(rank, load, costs, head, tail, nxt, prv, g, to)
+        _relocate(rank, load, costs, members, member_costs, counts, g, to)
     return True
 
 
@@ -225,8 +239,7 @@ def localize(rank, costs, want, node_of_rank, capacity, swaps_only, weight, scan
     ``costs``: finite, >= 0 (sorted by their bits); ``weight``: the bytes an example pulls (>= 0); ``scan``: swap
     partners looked at on either side of an example's cost; ``passes``: passes over the examples away from their
     node; ``settle_tries``: swaps that overfill a rank tried per example, the best first. Every choice and tie is
-    the reference's (tests/balance/localize_reference.py): its lists become linked lists and sorted rows, in the
-    same orders.
+    the reference's (tests/balance/localize_reference.py): its lists become rows of tables, in the same orders.
     """
     n = rank.size
     num_ranks = node_of_rank.size
@@ -242,7 +255,14 @@ def localize(rank, costs, want, node_of_rank, capacity, swaps_only, weight, scan
     for r in range(num_ranks):
         node_ranks[fill[node_of_rank[r]]] = r
         fill[node_of_rank[r]] += 1
-    head, tail, nxt, prv = _lists_by_rank(rank, num_ranks)
+    counts = np.zeros(num_ranks, dtype=np.int64)
+    for e in range(n):
+        counts[rank[e]] += 1
+    members = np.empty((num_ranks, max(counts.max() if num_ranks else 0, 1)), dtype=np.int64)
+    member_costs = np.empty(members.shape)
+    counts[:] = 0
+    for e in range(n):  # in id order
+        _arrive(members, member_costs, counts, rank[e], e, costs[e])
     sizes = np.zeros(num_nodes, dtype=np.int64)
     for e in range(n):
         sizes[node_of_rank[rank[e]]] += 1
@@ -264,12 +284,16 @@ def localize(rank, costs, want, node_of_rank, capacity, swaps_only, weight, scan
     by_cost = decreasing(costs)  # decreasing cost, ties by id: sorted once, filtered per pass
     away = np.empty(n, dtype=np.int64)
     arriving = np.zeros(num_nodes, dtype=np.int64)
-    progress = np.zeros(2, dtype=np.int64)
+    progress = np.zeros(5, dtype=np.int64)
     while _passes(rank, costs, want, node_of_rank, capacity, swaps_only, weight, scan, passes, settle_tries, load,
-                  node_start, node_ranks, head, tail, nxt, prv, sizes, pools, pool_costs, pool_wants, gains, gaps, partners,
-                  by_cost, away, arriving, progress):
+                  node_start, node_ranks, members, member_costs, counts, sizes, pools, pool_costs, pool_wants, gains,
+                  gaps, partners, by_cost, away, arriving, progress):
         width = progress[1]
-        pools, pool_costs, pool_wants = _wider(pools, width), _wider(pool_costs, width), _wider(pool_wants, width)
+        if width > 0:
+            pools, pool_costs, pool_wants = _wider(pools, width), _wider(pool_costs, width), _wider(pool_wants, width)
+            progress[1] = 0
+        else:
+            members, member_costs = _wider(members, 2 * members.shape[1]), _wider(member_costs, 2 * members.shape[1])
     home = 0
     for e in range(n):
         if node_of_rank[rank[e]] == want[e]:
@@ -277,34 +301,54 @@ def localize(rank, costs, want, node_of_rank, capacity, swaps_only, weight, scan
     return home - start
 
 
+@numba.njit(**_INLINE)
+def _away(rank, want, node_of_rank, by_cost, away, arriving):
+    """The examples away from the node they want, in ``by_cost``'s order, into ``away`` (their number returned);
+    ``arriving``: per node, those that want it, added."""
+    num_away = 0
+    for e in by_cost:
+        if node_of_rank[rank[e]] != want[e]:
+            away[num_away] = e
+            num_away += 1
+            arriving[want[e]] += 1
+    return num_away
+
+
 @numba.njit(**_NO_REFCOUNT)
 def _passes(rank, costs, want, node_of_rank, capacity, swaps_only, weight, scan, passes, settle_tries, load, node_start,
-            node_ranks, head, tail, nxt, prv, sizes, pools, pool_costs, pool_wants, gains, gaps, partners, by_cost, away,
-            arriving, progress):
-    """:func:`localize`'s passes from pass ``progress[0]``; True where it stopped before a pass whose moves could
-    overfill a row (a node's examples and those away that want it; ``progress``: that pass, the width it needs): the
-    caller widens the rows (:func:`_wider`) and calls again. Allocates nothing, so it runs without reference counts
-    (each inlined helper would otherwise count every array it is passed). ``arriving``: a zero per node, left zero."""
+            node_ranks, members, member_costs, counts, sizes, pools, pool_costs, pool_wants, gains, gaps, partners,
+            by_cost, away, arriving, progress):
+    """:func:`localize`'s passes from pass ``progress[0]`` (its examples from ``progress[2]`` where that is not 0: of
+    ``progress[3]`` away, ``progress[4]`` moved); True where it stopped before a pass whose moves could overfill a node's
+    row (its examples and those away that want it; ``progress[1]``: the width it needs), or (moves only add to a
+    rank's count) before an example whose move could overfill a rank's row (``progress[1]`` 0): the caller widens the
+    rows (:func:`_wider`) and calls again. Allocates nothing, so it runs without reference counts (each inlined helper
+    would otherwise count every array it is passed). ``arriving``: a zero per node, left zero."""
+    fullest = 0  # the most examples on a rank, kept as moves add to one
+    for r in range(counts.size):
+        fullest = max(fullest, counts[r])
     for p in range(progress[0], passes):  # the costliest first (fewest partners); again, as moves made room
-        num_away = 0
-        for e in by_cost:
-            if node_of_rank[rank[e]] != want[e]:
-                away[num_away] = e
-                num_away += 1
-                arriving[want[e]] += 1
-        need = 0  # (a pass moves an example once at most; swaps leave every node's count as it is)
-        for y in range(sizes.size):
-            need = max(need, sizes[y] + arriving[y])
-            arriving[y] = 0
-        if not swaps_only and need > pools.shape[1]:
-            progress[0], progress[1] = p, need
-            return True
-        moved = 0
-        for e in away[:num_away]:
+        if progress[2] > 0:  # resumed inside the pass
+            first, num_away, moved = progress[2], progress[3], progress[4]
+            progress[2] = 0
+        else:
+            first, num_away, moved = 0, _away(rank, want, node_of_rank, by_cost, away, arriving), 0
+            need = 0  # (a pass moves an example once at most; swaps leave every node's count as it is)
+            for y in range(sizes.size):
+                need = max(need, sizes[y] + arriving[y])
+                arriving[y] = 0
+            if not swaps_only and need > pools.shape[1]:
+                progress[0], progress[1] = p, need
+                return True
+        for j in range(first, num_away):
+            e = away[j]
             a = rank[e]
             x, y = node_of_rank[a], want[e]
             if x == y:
                 continue
+            if not swaps_only and fullest == members.shape[1]:  # (its move, or the one settling its swap, adds one)
+                progress[0], progress[2], progress[3], progress[4] = p, j, num_away, moved
+                return True
             c = costs[e]
             pick, pick_gain, pick_gap = -1, 0.0, 0.0
             num_unsettled = 0
@@ -370,19 +414,22 @@ def _passes(rank, costs, want, node_of_rank, capacity, swaps_only, weight, scan,
             partner = -1
             if pick >= 0:
                 partner = pools[y, pick]
-                _exchange(rank, load, costs, head, tail, nxt, prv, e, partner)
+                _exchange(rank, load, costs, members, member_costs, counts, e, partner)
             else:  # the best swaps that overfill one rank, if its node can take the excess
                 for _try in range(min(settle_tries, num_unsettled)):
                     f = partners[_try]
                     b = rank[f]
-                    _exchange(rank, load, costs, head, tail, nxt, prv, e, f)
+                    _exchange(rank, load, costs, members, member_costs, counts, e, f)
                     heavy = a if load[a] > capacity else b
-                    if _settle(rank, load, costs, head, tail, nxt, prv, node_of_rank, node_ranks, node_start,
+                    if _settle(rank, load, costs, members, member_costs, counts, node_of_rank, node_ranks, node_start,
                                capacity, swaps_only, heavy, load[heavy] - capacity,
                                pools[node_of_rank[heavy]], pool_costs[node_of_rank[heavy]], sizes[node_of_rank[heavy]]):
                         partner = f
+                        z = node_of_rank[heavy]
+                        for t in range(node_start[z], node_start[z + 1]):
+                            fullest = max(fullest, counts[node_ranks[t]])
                         break
-                    _exchange(rank, load, costs, head, tail, nxt, prv, e, f)
+                    _exchange(rank, load, costs, members, member_costs, counts, e, f)
             if partner >= 0:  # e takes the partner's place among y's examples, the partner e's among x's
                 _pool_replace(pools, pool_costs, pool_wants, y, sizes[y], costs, want, partner, e)
                 _pool_replace(pools, pool_costs, pool_wants, x, sizes[x], costs, want, e, partner)
@@ -395,7 +442,8 @@ def _passes(rank, costs, want, node_of_rank, capacity, swaps_only, weight, scan,
                     if b < 0 or load[q] < load[b]:
                         b = q
                 if b >= 0 and load[b] + c <= capacity:
-                    _relocate(rank, load, costs, head, tail, nxt, prv, e, b)
+                    _relocate(rank, load, costs, members, member_costs, counts, e, b)
+                    fullest = max(fullest, counts[b])
                     _pool_remove(pools, pool_costs, pool_wants, sizes, x, costs, e)
                     _pool_insert(pools, pool_costs, pool_wants, sizes, y, costs, want, e)
                     moved += 1
