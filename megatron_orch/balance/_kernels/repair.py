@@ -71,17 +71,23 @@ def _pool_at(pools, pool_costs, x, size, c, e):
 
 
 @numba.njit(**_INLINE)
+def _pool_copy(pools, pool_costs, pool_wants, x, src, dst):
+    """Place ``src`` of row x copied to place ``dst`` in the three tables."""
+    pools[x, dst], pool_costs[x, dst], pool_wants[x, dst] = pools[x, src], pool_costs[x, src], pool_wants[x, src]
+
+
+@numba.njit(**_INLINE)
 def _pool_remove(pools, pool_costs, pool_wants, sizes, x, costs, e):
     at = _pool_at(pools, pool_costs, x, sizes[x], costs[e], e)
     if at < sizes[x] and pools[x, at] == e:
         for k in range(at, sizes[x] - 1):
-            pools[x, k], pool_costs[x, k], pool_wants[x, k] = pools[x, k + 1], pool_costs[x, k + 1], pool_wants[x, k + 1]
+            _pool_copy(pools, pool_costs, pool_wants, x, k + 1, k)
         sizes[x] -= 1
 
 
 @numba.njit(**_JIT)
 def _wider(table, width):
-    """``table`` (a row per node) ``width`` wide, its entries in place."""
+    """``table`` (a row per node, or per rank) ``width`` wide, its entries in place."""
     wider = np.empty((table.shape[0], width), dtype=table.dtype)
     wider[:, :table.shape[1]] = table
     return wider
@@ -92,7 +98,7 @@ def _pool_insert(pools, pool_costs, pool_wants, sizes, x, costs, want, e):
     """e inserted in row x of the tables (the row has room: see :func:`_wider`)."""
     at = _pool_at(pools, pool_costs, x, sizes[x], costs[e], e)
     for k in range(sizes[x], at, -1):
-        pools[x, k], pool_costs[x, k], pool_wants[x, k] = pools[x, k - 1], pool_costs[x, k - 1], pool_wants[x, k - 1]
+        _pool_copy(pools, pool_costs, pool_wants, x, k - 1, k)
     pools[x, at], pool_costs[x, at], pool_wants[x, at] = e, costs[e], want[e]
     sizes[x] += 1
 
@@ -104,10 +110,10 @@ def _pool_replace(pools, pool_costs, pool_wants, x, size, costs, want, out, e):
     c = costs[e]
     k = _pool_at(pools, pool_costs, x, size, costs[out], out)
     while k > 0 and (pool_costs[x, k - 1] > c or (pool_costs[x, k - 1] == c and pools[x, k - 1] > e)):
-        pools[x, k], pool_costs[x, k], pool_wants[x, k] = pools[x, k - 1], pool_costs[x, k - 1], pool_wants[x, k - 1]
+        _pool_copy(pools, pool_costs, pool_wants, x, k - 1, k)
         k -= 1
     while k < size - 1 and (pool_costs[x, k + 1] < c or (pool_costs[x, k + 1] == c and pools[x, k + 1] < e)):
-        pools[x, k], pool_costs[x, k], pool_wants[x, k] = pools[x, k + 1], pool_costs[x, k + 1], pool_wants[x, k + 1]
+        _pool_copy(pools, pool_costs, pool_wants, x, k + 1, k)
         k += 1
     pools[x, k], pool_costs[x, k], pool_wants[x, k] = e, c, want[e]
 
@@ -175,8 +181,8 @@ def _list_position(members, q, f):
 
 
 @numba.njit(**_INLINE)
-def _settle(rank, load, costs, members, member_costs, counts, node_of_rank, node_ranks, node_start, capacity, swaps_only, r,
-            over, pool, pool_cost, size):
+def _settle(rank, load, costs, members, member_costs, counts, node_of_rank, node_ranks, node_start, capacity,
+            swaps_only, r, over, pool, pool_cost, size):
     """One exchange between rank r and another rank q of its node that takes between ``over`` and q's room off
     r, the least such (keeping the most room), the first found when rank r's examples (in order) meet the
     node's other ranks' examples (rank by rank, each in order) and then (``swaps_only`` False) the ranks
@@ -319,11 +325,12 @@ def _passes(rank, costs, want, node_of_rank, capacity, swaps_only, weight, scan,
             node_ranks, members, member_costs, counts, sizes, pools, pool_costs, pool_wants, gains, gaps, partners,
             by_cost, away, arriving, progress):
     """:func:`localize`'s passes from pass ``progress[0]`` (its examples from ``progress[2]`` where that is not 0: of
-    ``progress[3]`` away, ``progress[4]`` moved); True where it stopped before a pass whose moves could overfill a node's
-    row (its examples and those away that want it; ``progress[1]``: the width it needs), or (moves only add to a
-    rank's count) before an example whose move could overfill a rank's row (``progress[1]`` 0): the caller widens the
-    rows (:func:`_wider`) and calls again. Allocates nothing, so it runs without reference counts (each inlined helper
-    would otherwise count every array it is passed). ``arriving``: a zero per node, left zero."""
+    ``progress[3]`` away, ``progress[4]`` moved); True where it stopped before a pass whose moves could overfill a
+    node's row (its examples and those away that want it; ``progress[1]``: the width it needs), or before an example
+    whose move could overfill a rank's row (an example's move, or the one that settles its swap, adds one to a rank's
+    count; ``progress[1]`` 0): the caller widens the rows (:func:`_wider`) and calls again. Allocates nothing, so it
+    runs without reference counts (each inlined helper would otherwise count every array it is passed). ``arriving``:
+    a zero per node, left zero."""
     fullest = 0  # the most examples on a rank, kept as moves add to one
     for r in range(counts.size):
         fullest = max(fullest, counts[r])
@@ -346,7 +353,7 @@ def _passes(rank, costs, want, node_of_rank, capacity, swaps_only, weight, scan,
             x, y = node_of_rank[a], want[e]
             if x == y:
                 continue
-            if not swaps_only and fullest == members.shape[1]:  # (its move, or the one settling its swap, adds one)
+            if not swaps_only and fullest == members.shape[1]:
                 progress[0], progress[2], progress[3], progress[4] = p, j, num_away, moved
                 return True
             c = costs[e]
