@@ -174,6 +174,20 @@ def test_localize_settles_an_overfilling_swap_inside_the_node():
     assert (np.bincount(out, minlength=4) == 2).all()
 
 
+
+def test_localize_settles_with_the_costliest_example_of_the_node():
+    # e (10, rank 2) wants node 0 and f (6, rank 0) node 1; their swap overfills rank 0 by 2 (a0 4 and e 10 over
+    # 12), which rank 1 (room 3) takes with the least difference: e for g (2; g the costliest of node 0) before
+    # a0 for h (3, the first rank 0 meets)
+    costs = np.array([6.0, 4.0, 8.0, 1.0, 10.0, 2.0, 5.0, 5.0])  # f, a0, g, h, e, and rank 2's and 3's others
+    rank = np.array([0, 0, 1, 1, 2, 2, 3, 3])
+    want = np.array([1, 0, 0, 0, 0, 1, 1, 1])
+    node = np.array([0, 0, 1, 1])
+    out, brought = localize(rank, costs, want, node, 12.0, swaps_only=True)
+    assert brought == 2 and out.tolist() == [2, 0, 0, 1, 1, 2, 3, 3], out
+    expected, expected_brought = localize_reference(rank, costs, want, node, 12.0, swaps_only=True)
+    assert out.tolist() == expected.tolist() and brought == expected_brought
+
 def _busiest(ranks, sources, node):
     out = []
     for example, src, nbytes in sources:
