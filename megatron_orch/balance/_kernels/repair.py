@@ -264,7 +264,10 @@ def localize(rank, costs, want, node_of_rank, capacity, swaps_only, weight, scan
     counts = np.zeros(num_ranks, dtype=np.int64)
     for e in range(n):
         counts[rank[e]] += 1
-    members = np.empty((num_ranks, max(counts.max() if num_ranks else 0, 1)), dtype=np.int64)
+    # rows a multiple of 8 entries (64-byte cache lines) wide, with room for more where moves add to ranks' counts
+    # (measured at DP 10240, packed: 0.93x localize's time against rows as wide as the fullest, widened at once)
+    fullest = counts.max() if num_ranks else 0
+    members = np.empty((num_ranks, max((fullest + (0 if swaps_only else 1) + 7) // 8 * 8, 8)), dtype=np.int64)
     member_costs = np.empty(members.shape)
     counts[:] = 0
     for e in range(n):  # in id order
