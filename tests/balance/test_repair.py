@@ -97,7 +97,7 @@ def test_localize_makes_the_python_reference_plans_on_sweep_batches(monkeypatch,
 @settings(max_examples=200, deadline=None)
 @given(st.data())
 def test_localize_pool_rows_stay_sorted_through_moves_and_swaps(data):
-    """localize's rows per node (its examples by (cost, id), their costs, the nodes they want, increasing), filled
+    """localize's rows per node (its examples by (cost, id), their costs, the nodes they want), filled
     one insertion at a time from a one-wide table (widened where a row is full, as localize does), then through any
     moves (a removal and an insertion) and swaps (each example takes the other's place): always what sorting the
     node's examples afresh gives."""
@@ -107,14 +107,14 @@ def test_localize_pool_rows_stay_sorted_through_moves_and_swaps(data):
     want = np.array(data.draw(st.lists(st.integers(0, num_nodes - 1), min_size=n, max_size=n)), dtype=np.int64)
     node = np.array(data.draw(st.lists(st.integers(0, num_nodes - 1), min_size=n, max_size=n)), dtype=np.int64)
     pools, pool_costs = np.empty((num_nodes, 1), dtype=np.int64), np.empty((num_nodes, 1))
-    wanted = np.empty((num_nodes, 1), dtype=np.int64)
+    pool_wants = np.empty((num_nodes, 1), dtype=np.int64)
     sizes = np.zeros(num_nodes, dtype=np.int64)
     def insert(x, e):
-        nonlocal pools, pool_costs, wanted
+        nonlocal pools, pool_costs, pool_wants
         if sizes[x] == pools.shape[1]:
-            pools, pool_costs, wanted = (repair_kernels._wider(table, 2 * sizes[x]) for table in (pools, pool_costs,
-                                                                                                   wanted))
-        repair_kernels._pool_insert(pools, pool_costs, wanted, sizes, x, costs, want, e)
+            pools, pool_costs, pool_wants = (repair_kernels._wider(table, 2 * sizes[x]) for table in (pools, pool_costs,
+                                                                                                       pool_wants))
+        repair_kernels._pool_insert(pools, pool_costs, pool_wants, sizes, x, costs, want, e)
 
     for e in range(n):
         insert(node[e], e)
@@ -124,7 +124,7 @@ def test_localize_pool_rows_stay_sorted_through_moves_and_swaps(data):
             mine = sorted(np.flatnonzero(node == x).tolist(), key=lambda e: (costs[e], e))
             assert pools[x, :sizes[x]].tolist() == mine
             assert pool_costs[x, :sizes[x]].tolist() == costs[mine].tolist()
-            assert wanted[x, :sizes[x]].tolist() == sorted(want[mine].tolist())
+            assert pool_wants[x, :sizes[x]].tolist() == want[mine].tolist()
 
     check()
     for e, f, swap in data.draw(st.lists(st.tuples(st.integers(0, n - 1), st.integers(0, n - 1), st.booleans()),
@@ -133,11 +133,11 @@ def test_localize_pool_rows_stay_sorted_through_moves_and_swaps(data):
         if x == y:
             continue
         if swap:  # e takes f's place on y, f e's on x
-            repair_kernels._pool_replace(pools, pool_costs, wanted, y, sizes[y], costs, want, f, e)
-            repair_kernels._pool_replace(pools, pool_costs, wanted, x, sizes[x], costs, want, e, f)
+            repair_kernels._pool_replace(pools, pool_costs, pool_wants, y, sizes[y], costs, want, f, e)
+            repair_kernels._pool_replace(pools, pool_costs, pool_wants, x, sizes[x], costs, want, e, f)
             node[e], node[f] = y, x
         else:  # e moves to y
-            repair_kernels._pool_remove(pools, pool_costs, wanted, sizes, x, costs, want, e)
+            repair_kernels._pool_remove(pools, pool_costs, pool_wants, sizes, x, costs, e)
             insert(y, e)
             node[e] = y
         check()
@@ -173,6 +173,20 @@ def test_localize_settles_an_overfilling_swap_inside_the_node():
     assert np.bincount(out, weights=costs, minlength=4).max() <= 10.0
     assert (np.bincount(out, minlength=4) == 2).all()
 
+
+
+def test_localize_settles_with_the_costliest_example_of_the_node():
+    # e (10, rank 2) wants node 0 and f (6, rank 0) node 1; their swap overfills rank 0 by 2 (a0 4 and e 10 over
+    # 12), which rank 1 (room 3) takes with the least difference: e for g (2; g the costliest of node 0) before
+    # a0 for h (3, the first rank 0 meets)
+    costs = np.array([6.0, 4.0, 8.0, 1.0, 10.0, 2.0, 5.0, 5.0])  # f, a0, g, h, e, and rank 2's and 3's others
+    rank = np.array([0, 0, 1, 1, 2, 2, 3, 3])
+    want = np.array([1, 0, 0, 0, 0, 1, 1, 1])
+    node = np.array([0, 0, 1, 1])
+    out, brought = localize(rank, costs, want, node, 12.0, swaps_only=True)
+    assert brought == 2 and out.tolist() == [2, 0, 0, 1, 1, 2, 3, 3], out
+    expected, expected_brought = localize_reference(rank, costs, want, node, 12.0, swaps_only=True)
+    assert out.tolist() == expected.tolist() and brought == expected_brought
 
 def _busiest(ranks, sources, node):
     out = []

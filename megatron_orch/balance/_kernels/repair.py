@@ -7,7 +7,7 @@ import numpy as np
 from megatron_orch.balance._jit import _INLINE, _JIT, _NO_REFCOUNT
 from megatron_orch.balance._kernels.bounds import numpy_sum
 from megatron_orch.balance._kernels.order import decreasing, increasing
-from megatron_orch.balance._plan_kernels import _rank_starts, stably_by
+from megatron_orch.balance._plan_kernels import _rank_starts
 
 
 # ---------------------------------------------------------------------------------------------
@@ -53,35 +53,9 @@ def _lists_by_rank(rank, num_ranks):
 
 
 # ---------------------------------------------------------------------------------------------
-# A node's examples by increasing (cost, id): a sorted row of a (nodes, width) table, their costs in the same place of
-# another (read without going through the example); beside them, in a row of its own, the nodes they want, increasing.
+# A node's examples by increasing (cost, id): a sorted row of a (nodes, width) table, their costs and the nodes they
+# want in the same place of two others (read along the row, not through the example).
 # ---------------------------------------------------------------------------------------------
-
-@numba.njit(**_INLINE)
-def _wanted_at(wanted, x, size, w):
-    """First place in row x of ``wanted`` (``size`` nodes, increasing) holding w or more."""
-    lo, hi = 0, size
-    while lo < hi:
-        mid = (lo + hi) // 2
-        if wanted[x, mid] < w:
-            lo = mid + 1
-        else:
-            hi = mid
-    return lo
-
-
-@numba.njit(**_INLINE)
-def _wanted_swap(wanted, x, size, old, new):
-    """One ``old`` of row x of ``wanted`` replaced by ``new``, the row kept increasing (the entries between move)."""
-    k = _wanted_at(wanted, x, size, old)
-    while k > 0 and wanted[x, k - 1] > new:
-        wanted[x, k] = wanted[x, k - 1]
-        k -= 1
-    while k < size - 1 and wanted[x, k + 1] < new:
-        wanted[x, k] = wanted[x, k + 1]
-        k += 1
-    wanted[x, k] = new
-
 
 @numba.njit(**_INLINE)
 def _pool_at(pools, pool_costs, x, size, c, e):
@@ -97,77 +71,94 @@ def _pool_at(pools, pool_costs, x, size, c, e):
 
 
 @numba.njit(**_INLINE)
-def _pool_remove(pools, pool_costs, wanted, sizes, x, costs, want, e):
+def _pool_copy(pools, pool_costs, pool_wants, x, src, dst):
+    """Place ``src`` of row x copied to place ``dst`` in the three tables."""
+    pools[x, dst], pool_costs[x, dst], pool_wants[x, dst] = pools[x, src], pool_costs[x, src], pool_wants[x, src]
+
+
+@numba.njit(**_INLINE)
+def _pool_remove(pools, pool_costs, pool_wants, sizes, x, costs, e):
     at = _pool_at(pools, pool_costs, x, sizes[x], costs[e], e)
     if at < sizes[x] and pools[x, at] == e:
         for k in range(at, sizes[x] - 1):
-            pools[x, k], pool_costs[x, k] = pools[x, k + 1], pool_costs[x, k + 1]
-        for k in range(_wanted_at(wanted, x, sizes[x], want[e]), sizes[x] - 1):
-            wanted[x, k] = wanted[x, k + 1]
+            _pool_copy(pools, pool_costs, pool_wants, x, k + 1, k)
         sizes[x] -= 1
 
 
 @numba.njit(**_JIT)
 def _wider(table, width):
-    """``table`` (a row per node) ``width`` wide, its entries in place."""
+    """``table`` (a row per node, or per rank) ``width`` wide, its entries in place."""
     wider = np.empty((table.shape[0], width), dtype=table.dtype)
     wider[:, :table.shape[1]] = table
     return wider
 
 
 @numba.njit(**_INLINE)
-def _pool_insert(pools, pool_costs, wanted, sizes, x, costs, want, e):
+def _pool_insert(pools, pool_costs, pool_wants, sizes, x, costs, want, e):
     """e inserted in row x of the tables (the row has room: see :func:`_wider`)."""
     at = _pool_at(pools, pool_costs, x, sizes[x], costs[e], e)
     for k in range(sizes[x], at, -1):
-        pools[x, k], pool_costs[x, k] = pools[x, k - 1], pool_costs[x, k - 1]
-    pools[x, at], pool_costs[x, at] = e, costs[e]
-    at = _wanted_at(wanted, x, sizes[x], want[e])
-    for k in range(sizes[x], at, -1):
-        wanted[x, k] = wanted[x, k - 1]
-    wanted[x, at] = want[e]
+        _pool_copy(pools, pool_costs, pool_wants, x, k - 1, k)
+    pools[x, at], pool_costs[x, at], pool_wants[x, at] = e, costs[e], want[e]
     sizes[x] += 1
 
 
 @numba.njit(**_INLINE)
-def _pool_replace(pools, pool_costs, wanted, x, size, costs, want, out, e):
+def _pool_replace(pools, pool_costs, pool_wants, x, size, costs, want, out, e):
     """Example ``out`` of row x replaced by e, the rows kept sorted: only the entries between their two places move
     (a swap's two examples cost about the same)."""
     c = costs[e]
     k = _pool_at(pools, pool_costs, x, size, costs[out], out)
     while k > 0 and (pool_costs[x, k - 1] > c or (pool_costs[x, k - 1] == c and pools[x, k - 1] > e)):
-        pools[x, k], pool_costs[x, k] = pools[x, k - 1], pool_costs[x, k - 1]
+        _pool_copy(pools, pool_costs, pool_wants, x, k - 1, k)
         k -= 1
     while k < size - 1 and (pool_costs[x, k + 1] < c or (pool_costs[x, k + 1] == c and pools[x, k + 1] < e)):
-        pools[x, k], pool_costs[x, k] = pools[x, k + 1], pool_costs[x, k + 1]
+        _pool_copy(pools, pool_costs, pool_wants, x, k + 1, k)
         k += 1
-    pools[x, k], pool_costs[x, k] = e, c
-    _wanted_swap(wanted, x, size, want[out], want[e])
+    pools[x, k], pool_costs[x, k], pool_wants[x, k] = e, c, want[e]
 
 
 # ---------------------------------------------------------------------------------------------
 # localize
 # ---------------------------------------------------------------------------------------------
 
+# A rank's examples in the order they arrived: a row of a (ranks, width) table, their costs in the same place of another
+# (read along the row, not through the example; the row's few entries move up when one leaves).
+
 @numba.njit(**_INLINE)
-def _exchange(rank, load, costs, head, tail, nxt, prv, e, f):
+def _leave(members, member_costs, counts, r, e):
+    k = _list_position(members, r, e)
+    for k in range(k, counts[r] - 1):
+        members[r, k], member_costs[r, k] = members[r, k + 1], member_costs[r, k + 1]
+    counts[r] -= 1
+
+
+@numba.njit(**_INLINE)
+def _arrive(members, member_costs, counts, r, e, c):
+    """e appended to rank r's row (the row has room: see :func:`_passes`)."""
+    members[r, counts[r]], member_costs[r, counts[r]] = e, c
+    counts[r] += 1
+
+
+@numba.njit(**_INLINE)
+def _exchange(rank, load, costs, members, member_costs, counts, e, f):
     """e and f (on different ranks) trade ranks."""
     a, b = rank[e], rank[f]
     rank[e], rank[f] = b, a
-    _unlink(head, tail, nxt, prv, a, e)
-    _unlink(head, tail, nxt, prv, b, f)
-    _append(head, tail, nxt, prv, a, f)
-    _append(head, tail, nxt, prv, b, e)
+    _leave(members, member_costs, counts, a, e)
+    _leave(members, member_costs, counts, b, f)
+    _arrive(members, member_costs, counts, a, f, costs[f])
+    _arrive(members, member_costs, counts, b, e, costs[e])
     load[a] += costs[f] - costs[e]
     load[b] += costs[e] - costs[f]
 
 
 @numba.njit(**_INLINE)
-def _relocate(rank, load, costs, head, tail, nxt, prv, e, to):
+def _relocate(rank, load, costs, members, member_costs, counts, e, to):
     a = rank[e]
     rank[e] = to
-    _unlink(head, tail, nxt, prv, a, e)
-    _append(head, tail, nxt, prv, to, e)
+    _leave(members, member_costs, counts, a, e)
+    _arrive(members, member_costs, counts, to, e, costs[e])
     load[a] -= costs[e]
     load[to] += costs[e]
 
@@ -181,19 +172,17 @@ def _max_room(load, capacity, node_ranks, node_start, x):
 
 
 @numba.njit(**_INLINE)
-def _list_position(head, nxt, q, f):
-    """Place of example f in rank q's list (the order its examples arrived in)."""
+def _list_position(members, q, f):
+    """Place of example f in rank q's row (the order its examples arrived in)."""
     k = 0
-    g = head[q]
-    while g != f:
-        g = nxt[g]
+    while members[q, k] != f:
         k += 1
     return k
 
 
 @numba.njit(**_INLINE)
-def _settle(rank, load, costs, head, tail, nxt, prv, node_of_rank, node_ranks, node_start, capacity, swaps_only, r,
-            over, pool, pool_cost, size):
+def _settle(rank, load, costs, members, member_costs, counts, node_of_rank, node_ranks, node_start, capacity,
+            swaps_only, r, over, pool, pool_cost, size):
     """One exchange between rank r and another rank q of its node that takes between ``over`` and q's room off
     r, the least such (keeping the most room), the first found when rank r's examples (in order) meet the
     node's other ranks' examples (rank by rank, each in order) and then (``swaps_only`` False) the ranks
@@ -213,17 +202,12 @@ def _settle(rank, load, costs, head, tail, nxt, prv, node_of_rank, node_ranks, n
     if most < over:
         return False
     best, g, h, to = np.inf, -1, -1, -1
-    i = head[r]
-    while i >= 0:
-        ci = costs[i]
-        lo = 0  # the first example of the pool whose difference to i is below over (by halving its span)
-        if size > 0:
-            span = size
-            while span > 1:
-                half = span // 2
-                lo += half * (ci - pool_cost[lo + half] >= over)
-                span -= half
-            lo += ci - pool_cost[lo] >= over
+    for j in range(counts[r]):
+        i, ci = members[r, j], member_costs[r, j]
+        lo = 0  # the first example of the pool whose difference to i is below over: those before it counted (the
+        # difference only shrinks along the row; a count runs in vector lanes, a search's steps wait on each other)
+        for k in range(size):
+            lo += ci - pool_cost[k] >= over
         least, least_q, least_f = np.inf, -1, -1
         for k in range(lo - 1, -1, -1):
             f = pool[k]
@@ -233,8 +217,8 @@ def _settle(rank, load, costs, head, tail, nxt, prv, node_of_rank, node_ranks, n
             q = rank[f]
             if q == r or node_of_rank[q] != x or d > capacity - load[q]:
                 continue
-            if least_f < 0 or q < least_q or (q == least_q and _list_position(head, nxt, q, f)
-                                               < _list_position(head, nxt, q, least_f)):
+            if least_f < 0 or q < least_q or (q == least_q and _list_position(members, q, f)
+                                               < _list_position(members, q, least_f)):
                 least, least_q, least_f = d, q, f
         if least_f >= 0:
             best, g, h = least, i, least_f
@@ -245,13 +229,12 @@ def _settle(rank, load, costs, head, tail, nxt, prv, node_of_rank, node_ranks, n
                 if q != r and d <= capacity - load[q]:
                     best, g, h, to = d, i, -1, q
                     break
-        i = nxt[i]
     if g < 0:
         return False
     if h >= 0:
-        _exchange(rank, load, costs, head, tail, nxt, prv, g, h)
+        _exchange(rank, load, costs, members, member_costs, counts, g, h)
     else:
-        _relocate(rank, load, costs, head, tail, nxt, prv, g, to)
+        _relocate(rank, load, costs, members, member_costs, counts, g, to)
     return True
 
 
@@ -262,8 +245,7 @@ def localize(rank, costs, want, node_of_rank, capacity, swaps_only, weight, scan
     ``costs``: finite, >= 0 (sorted by their bits); ``weight``: the bytes an example pulls (>= 0); ``scan``: swap
     partners looked at on either side of an example's cost; ``passes``: passes over the examples away from their
     node; ``settle_tries``: swaps that overfill a rank tried per example, the best first. Every choice and tie is
-    the reference's (tests/balance/localize_reference.py): its lists become linked lists and sorted rows, in the
-    same orders.
+    the reference's (tests/balance/localize_reference.py): its lists become rows of tables, in the same orders.
     """
     n = rank.size
     num_ranks = node_of_rank.size
@@ -279,22 +261,27 @@ def localize(rank, costs, want, node_of_rank, capacity, swaps_only, weight, scan
     for r in range(num_ranks):
         node_ranks[fill[node_of_rank[r]]] = r
         fill[node_of_rank[r]] += 1
-    head, tail, nxt, prv = _lists_by_rank(rank, num_ranks)
+    counts = np.zeros(num_ranks, dtype=np.int64)
+    for e in range(n):
+        counts[rank[e]] += 1
+    # rows a multiple of 8 entries (64-byte cache lines) wide, with room for more where moves add to ranks' counts
+    # (measured at DP 10240, packed: 0.93x localize's time against rows as wide as the fullest, widened at once)
+    fullest = counts.max() if num_ranks else 0
+    members = np.empty((num_ranks, max((fullest + (0 if swaps_only else 1) + 7) // 8 * 8, 8)), dtype=np.int64)
+    member_costs = np.empty(members.shape)
+    counts[:] = 0
+    for e in range(n):  # in id order
+        _arrive(members, member_costs, counts, rank[e], e, costs[e])
     sizes = np.zeros(num_nodes, dtype=np.int64)
     for e in range(n):
         sizes[node_of_rank[rank[e]]] += 1
     pools = np.empty((num_nodes, max(sizes.max() if num_nodes else 0, 1)), dtype=np.int64)
     pool_costs = np.empty(pools.shape)
-    wanted = np.empty(pools.shape, dtype=np.int64)
-    sizes[:] = 0
-    for e in stably_by(want, np.arange(n), num_nodes):  # by the node they want: every row increasing
-        x = node_of_rank[rank[e]]
-        wanted[x, sizes[x]] = want[e]
-        sizes[x] += 1
+    pool_wants = np.empty(pools.shape, dtype=np.int64)
     sizes[:] = 0
     for e in increasing(costs):  # by (cost, id): every row sorted
         x = node_of_rank[rank[e]]
-        pools[x, sizes[x]], pool_costs[x, sizes[x]] = e, costs[e]
+        pools[x, sizes[x]], pool_costs[x, sizes[x]], pool_wants[x, sizes[x]] = e, costs[e], want[e]
         sizes[x] += 1
     start = 0
     for e in range(n):
@@ -306,12 +293,16 @@ def localize(rank, costs, want, node_of_rank, capacity, swaps_only, weight, scan
     by_cost = decreasing(costs)  # decreasing cost, ties by id: sorted once, filtered per pass
     away = np.empty(n, dtype=np.int64)
     arriving = np.zeros(num_nodes, dtype=np.int64)
-    progress = np.zeros(2, dtype=np.int64)
+    progress = np.zeros(5, dtype=np.int64)
     while _passes(rank, costs, want, node_of_rank, capacity, swaps_only, weight, scan, passes, settle_tries, load,
-                  node_start, node_ranks, head, tail, nxt, prv, sizes, pools, pool_costs, wanted, gains, gaps, partners,
-                  by_cost, away, arriving, progress):
+                  node_start, node_ranks, members, member_costs, counts, sizes, pools, pool_costs, pool_wants, gains,
+                  gaps, partners, by_cost, away, arriving, progress):
         width = progress[1]
-        pools, pool_costs, wanted = _wider(pools, width), _wider(pool_costs, width), _wider(wanted, width)
+        if width > 0:
+            pools, pool_costs, pool_wants = _wider(pools, width), _wider(pool_costs, width), _wider(pool_wants, width)
+            progress[1] = 0
+        else:
+            members, member_costs = _wider(members, 2 * members.shape[1]), _wider(member_costs, 2 * members.shape[1])
     home = 0
     for e in range(n):
         if node_of_rank[rank[e]] == want[e]:
@@ -319,34 +310,55 @@ def localize(rank, costs, want, node_of_rank, capacity, swaps_only, weight, scan
     return home - start
 
 
+@numba.njit(**_INLINE)
+def _away(rank, want, node_of_rank, by_cost, away, arriving):
+    """The examples away from the node they want, in ``by_cost``'s order, into ``away`` (their number returned);
+    ``arriving``: per node, those that want it, added."""
+    num_away = 0
+    for e in by_cost:
+        if node_of_rank[rank[e]] != want[e]:
+            away[num_away] = e
+            num_away += 1
+            arriving[want[e]] += 1
+    return num_away
+
+
 @numba.njit(**_NO_REFCOUNT)
 def _passes(rank, costs, want, node_of_rank, capacity, swaps_only, weight, scan, passes, settle_tries, load, node_start,
-            node_ranks, head, tail, nxt, prv, sizes, pools, pool_costs, wanted, gains, gaps, partners, by_cost, away,
-            arriving, progress):
-    """:func:`localize`'s passes from pass ``progress[0]``; True where it stopped before a pass whose moves could
-    overfill a row (a node's examples and those away that want it; ``progress``: that pass, the width it needs): the
-    caller widens the rows (:func:`_wider`) and calls again. Allocates nothing, so it runs without reference counts
-    (each inlined helper would otherwise count every array it is passed). ``arriving``: a zero per node, left zero."""
+            node_ranks, members, member_costs, counts, sizes, pools, pool_costs, pool_wants, gains, gaps, partners,
+            by_cost, away, arriving, progress):
+    """:func:`localize`'s passes from pass ``progress[0]`` (its examples from ``progress[2]`` where that is not 0: of
+    ``progress[3]`` away, ``progress[4]`` moved); True where it stopped before a pass whose moves could overfill a
+    node's row (its examples and those away that want it; ``progress[1]``: the width it needs), or before an example
+    whose move could overfill a rank's row (an example's move, or the one that settles its swap, adds one to a rank's
+    count; ``progress[1]`` 0): the caller widens the rows (:func:`_wider`) and calls again. Allocates nothing, so it
+    runs without reference counts (each inlined helper would otherwise count every array it is passed). ``arriving``:
+    a zero per node, left zero."""
+    fullest = 0  # the most examples on a rank, kept as moves add to one
+    for r in range(counts.size):
+        fullest = max(fullest, counts[r])
     for p in range(progress[0], passes):  # the costliest first (fewest partners); again, as moves made room
-        num_away = 0
-        for e in by_cost:
-            if node_of_rank[rank[e]] != want[e]:
-                away[num_away] = e
-                num_away += 1
-                arriving[want[e]] += 1
-        need = 0  # (a pass moves an example once at most; swaps leave every node's count as it is)
-        for y in range(sizes.size):
-            need = max(need, sizes[y] + arriving[y])
-            arriving[y] = 0
-        if not swaps_only and need > pools.shape[1]:
-            progress[0], progress[1] = p, need
-            return True
-        moved = 0
-        for e in away[:num_away]:
+        if progress[2] > 0:  # resumed inside the pass
+            first, num_away, moved = progress[2], progress[3], progress[4]
+            progress[2] = 0
+        else:
+            first, num_away, moved = 0, _away(rank, want, node_of_rank, by_cost, away, arriving), 0
+            need = 0  # (a pass moves an example once at most; swaps leave every node's count as it is)
+            for y in range(sizes.size):
+                need = max(need, sizes[y] + arriving[y])
+                arriving[y] = 0
+            if not swaps_only and need > pools.shape[1]:
+                progress[0], progress[1] = p, need
+                return True
+        for j in range(first, num_away):
+            e = away[j]
             a = rank[e]
             x, y = node_of_rank[a], want[e]
             if x == y:
                 continue
+            if not swaps_only and fullest == members.shape[1]:
+                progress[0], progress[2], progress[3], progress[4] = p, j, num_away, moved
+                return True
             c = costs[e]
             pick, pick_gain, pick_gap = -1, 0.0, 0.0
             num_unsettled = 0
@@ -372,19 +384,22 @@ def _passes(rank, costs, want, node_of_rank, capacity, swaps_only, weight, scan,
                     # which (bytes >= 0) only one wanting x can; where none on y does, that is all
                     if pick >= 0 and weight[e] + 0.0 <= pick_gain:
                         if wanting < 0:
-                            at = _wanted_at(wanted, y, size, x)
-                            wanting = 1 if at < size and wanted[y, at] == x else 0
+                            wanting = 0
+                            for t in range(size):
+                                if pool_wants[y, t] == x:
+                                    wanting = 1
+                                    break
                         if wanting == 0:
                             break
-                        if want[pools[y, k]] != x:
+                        if pool_wants[y, k] != x:
                             continue
                     f = pools[y, k]
                     cf = pool_costs[y, k]
                     gap = abs(cf - c)
                     # bytes brought home by the swap: e's, plus f's if it wants x, less f's if it was home
-                    if want[f] == x:
+                    if pool_wants[y, k] == x:
                         gain = weight[e] + weight[f]
-                    elif want[f] == y:
+                    elif pool_wants[y, k] == y:
                         gain = weight[e] + -weight[f]
                     else:
                         gain = weight[e] + 0.0
@@ -409,22 +424,25 @@ def _passes(rank, costs, want, node_of_rank, capacity, swaps_only, weight, scan,
             partner = -1
             if pick >= 0:
                 partner = pools[y, pick]
-                _exchange(rank, load, costs, head, tail, nxt, prv, e, partner)
+                _exchange(rank, load, costs, members, member_costs, counts, e, partner)
             else:  # the best swaps that overfill one rank, if its node can take the excess
                 for _try in range(min(settle_tries, num_unsettled)):
                     f = partners[_try]
                     b = rank[f]
-                    _exchange(rank, load, costs, head, tail, nxt, prv, e, f)
+                    _exchange(rank, load, costs, members, member_costs, counts, e, f)
                     heavy = a if load[a] > capacity else b
-                    if _settle(rank, load, costs, head, tail, nxt, prv, node_of_rank, node_ranks, node_start,
+                    if _settle(rank, load, costs, members, member_costs, counts, node_of_rank, node_ranks, node_start,
                                capacity, swaps_only, heavy, load[heavy] - capacity,
                                pools[node_of_rank[heavy]], pool_costs[node_of_rank[heavy]], sizes[node_of_rank[heavy]]):
                         partner = f
+                        z = node_of_rank[heavy]
+                        for t in range(node_start[z], node_start[z + 1]):
+                            fullest = max(fullest, counts[node_ranks[t]])
                         break
-                    _exchange(rank, load, costs, head, tail, nxt, prv, e, f)
+                    _exchange(rank, load, costs, members, member_costs, counts, e, f)
             if partner >= 0:  # e takes the partner's place among y's examples, the partner e's among x's
-                _pool_replace(pools, pool_costs, wanted, y, sizes[y], costs, want, partner, e)
-                _pool_replace(pools, pool_costs, wanted, x, sizes[x], costs, want, e, partner)
+                _pool_replace(pools, pool_costs, pool_wants, y, sizes[y], costs, want, partner, e)
+                _pool_replace(pools, pool_costs, pool_wants, x, sizes[x], costs, want, e, partner)
                 moved += 1
                 continue
             if not swaps_only:
@@ -434,9 +452,10 @@ def _passes(rank, costs, want, node_of_rank, capacity, swaps_only, weight, scan,
                     if b < 0 or load[q] < load[b]:
                         b = q
                 if b >= 0 and load[b] + c <= capacity:
-                    _relocate(rank, load, costs, head, tail, nxt, prv, e, b)
-                    _pool_remove(pools, pool_costs, wanted, sizes, x, costs, want, e)
-                    _pool_insert(pools, pool_costs, wanted, sizes, y, costs, want, e)
+                    _relocate(rank, load, costs, members, member_costs, counts, e, b)
+                    fullest = max(fullest, counts[b])
+                    _pool_remove(pools, pool_costs, pool_wants, sizes, x, costs, e)
+                    _pool_insert(pools, pool_costs, pool_wants, sizes, y, costs, want, e)
                     moved += 1
         if moved == 0:
             break
