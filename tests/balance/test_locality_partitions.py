@@ -1,7 +1,7 @@
 """The partitioners whose bins are ranks on nodes: ``partition_uniform`` (items of one cost and one
 size: the encoder phases) against brute force, ``partition_equal_count_locality`` (the backbone
 under --orch-locality) against the plain equal-count plan with exact placement, and the locality
-partitioners' fallback, placed."""
+partitioners' fallback, placed; LPT near home (their start) against its plain Python definition."""
 import itertools
 
 import numpy as np
@@ -14,6 +14,55 @@ from megatron_orch.balance.partition import (Outcome, equal_count_lower_bound, p
 from megatron_orch.balance.placement import (BinTraffic, PlacementConfig, exact_min_cost_flow, place_items,
                                              placement_cost)
 from megatron_orch.balance.topology import Topology
+
+
+def lpt_near_home_reference(costs, memory, memory_cap, home, order, num_bins, gpus_per_node, target):
+    """``_kernels.lpt_near_home`` in plain Python, its definition: each item in ``order`` to its home rank if that
+    stays within ``target`` and the memory cap, else to its node's least-loaded rank with memory room if that
+    stays within ``target``, else to the least-loaded rank anywhere with room if less loaded (ties: the lower rank).
+    Returns (-1 or the item no rank has room for, rank of every item placed)."""
+    load, mem, out = [0.0] * num_bins, [0.0] * num_bins, [-1] * len(costs)
+    for item in order:
+        c, m, r = costs[item], memory[item], home[item]
+        if load[r] + c > target or mem[r] + m > memory_cap:
+            lo = r // gpus_per_node * gpus_per_node
+            node = [b for b in range(lo, min(num_bins, lo + gpus_per_node)) if memory_cap - mem[b] >= m]
+            r = min(node, key=lambda b: (load[b], b)) if node else -1
+            if r < 0 or load[r] + c > target:
+                anywhere = [b for b in range(num_bins) if memory_cap - mem[b] >= m]
+                if not anywhere:
+                    return item, out
+                g = min(anywhere, key=lambda b: (load[b], b))
+                if r < 0 or load[g] < load[r]:
+                    r = g
+        out[item] = r
+        load[r] += c
+        mem[r] += m
+    return -1, out
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.integers(1, 13), st.integers(1, 5), st.integers(0, 60), st.sampled_from([1.0, 0.8, 1.3]),
+       st.sampled_from([np.inf, 6.0, 2.5]), st.integers(0, 2**31 - 1))
+def test_lpt_near_home_is_its_definition(num_bins, gpus_per_node, n, target_scale, memory_cap, seed):
+    """Loads and costs with ties (few distinct costs), a target below and above the mean, memory caps that bind
+    and one no rank can meet; nodes that need not fill the last one."""
+    rng = np.random.default_rng(seed)
+    costs = rng.integers(1, 5, n).astype(np.float64) * rng.choice([1.0, 0.1], n)
+    memory = rng.integers(0, 3, n).astype(np.float64)
+    home = rng.integers(0, num_bins, n)
+    order = np.argsort(-costs, kind="stable")
+    target = target_scale * costs.sum() / num_bins
+    bins = np.full(n, -1, dtype=np.int64)
+    failed = _kernels.lpt_near_home(costs, memory, memory_cap, home, order, num_bins, gpus_per_node, target, bins)
+    expected_failed, expected = lpt_near_home_reference(costs.tolist(), memory.tolist(), memory_cap, home.tolist(),
+                                                        order.tolist(), num_bins, gpus_per_node, target)
+    assert failed == expected_failed
+    if failed < 0:
+        assert bins.tolist() == expected
+    else:  # (the items placed before the one refused)
+        placed = np.array(expected) >= 0
+        assert bins[placed].tolist() == np.array(expected)[placed].tolist()
 
 
 def brute_force(home, node_of_bin):
