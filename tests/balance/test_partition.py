@@ -10,6 +10,7 @@ from megatron_orch.balance.partition import (Outcome, equal_count_lower_bound, p
                                              partition_equal_count, partition_locality)
 from megatron_orch.balance import _kernels
 from megatron_orch.balance._kernels import first_fit
+from megatron_orch.balance._kernels.differencing import _sort_pairs_desc
 from megatron_orch.balance._kernels.longest_first import _in_order, _least_loaded_rest
 from megatron_orch.balance.registry import PARTITIONERS
 
@@ -140,6 +141,20 @@ def test_kk_matches_reference(num_bins, costs):
     p = partition(costs, num_bins, method="kk")
     check_assignment(p, costs, num_bins)
     np.testing.assert_allclose(np.sort(p.bin_costs), reference_kk(costs, num_bins), rtol=1e-9)
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.integers(0, 6).map(float), max_size=70), st.integers(0, 3), st.data())
+def test_kk_sort_pairs_desc_is_a_stable_sort_by_decreasing_key(keys, offset, data):
+    # few distinct keys: ties, and runs of every kind (increasing, equal, decreasing) for the natural merge sort
+    m = len(keys)
+    key = np.array(data.draw(st.lists(st.floats(0, 6), min_size=offset, max_size=offset)) + keys + [7.0])
+    val = np.arange(key.size) * 10
+    expect = np.argsort(-key[offset:offset + m], kind="stable") + offset
+    _sort_pairs_desc(key, val, offset, m, np.empty(m), np.empty(m, dtype=np.int64))
+    assert val[offset:offset + m].tolist() == (expect * 10).tolist()
+    assert key[offset:offset + m].tolist() == sorted(keys, reverse=True)
+    assert val[:offset].tolist() == (np.arange(offset) * 10).tolist() and val[-1] == (key.size - 1) * 10
 
 
 def test_kk_large_instance_matches_reference():

@@ -53,16 +53,31 @@ def _kk_reserve(arena_sum, arena_ent, start, cap, alive, top, t, need, num_bins)
 
 
 @numba.njit(**_JIT)
+def _run_end(key, lo, m):
+    """The end of the run of non-increasing keys from ``lo`` in ``key[:m]``."""
+    end = lo + 1
+    while end < m and key[end] <= key[end - 1]:
+        end += 1
+    return end
+
+
+@numba.njit(**_JIT)
 def _sort_pairs_desc(key, val, s, m, tmp_key, tmp_val):
-    """Sort ``key/val[s:s + m]`` by decreasing key, stably (bottom-up merge sort, no allocation;
-    ``tmp_*`` hold at least m)."""
-    width = 1
+    """Sort ``key/val[s:s + m]`` by decreasing key, stably (a natural merge sort: each pass merges pairs of
+    adjacent non-increasing runs, the left first on ties; no allocation; ``tmp_*`` hold at least m). The sums
+    it orders come in runs (a merge's met entries: one tuple's decreasing sums plus the other's increasing ones):
+    fewer passes than merging from runs of one, 8.2 -> 6.6 ms for equal-count KK at DP 10240."""
     src_k, src_v, dst_k, dst_v = key[s:s + m], val[s:s + m], tmp_key[:m], tmp_val[:m]
+    if m == 0 or _run_end(src_k, 0, m) == m:
+        return
     in_tmp = False
-    while width < m:
-        for lo in range(0, m, 2 * width):
-            mid = min(lo + width, m)
-            hi = min(lo + 2 * width, m)
+    runs = 2
+    while runs > 1:
+        runs = 0
+        lo = 0
+        while lo < m:
+            mid = _run_end(src_k, lo, m)
+            hi = _run_end(src_k, mid, m) if mid < m else m
             i, j = lo, mid
             for w in range(lo, hi):
                 if j >= hi or (i < mid and src_k[i] >= src_k[j]):
@@ -73,9 +88,10 @@ def _sort_pairs_desc(key, val, s, m, tmp_key, tmp_val):
                     dst_k[w] = src_k[j]
                     dst_v[w] = src_v[j]
                     j += 1
+            lo = hi
+            runs += 1
         src_k, src_v, dst_k, dst_v = dst_k, dst_v, src_k, src_v
         in_tmp = not in_tmp
-        width *= 2
     if in_tmp:
         for w in range(m):
             key[s + w] = src_k[w]
