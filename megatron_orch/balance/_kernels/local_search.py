@@ -458,11 +458,17 @@ def _pair_within(costs, items, count, top_sums, num_top_pairs, gap, near):
     ``top_sums[:num_top_pairs]``, in floats as :func:`_pair_swap` takes the difference: if not, bin b has no
     two-for-two swap with the top bin that beats its load. For each t, the largest pair sum below it (t - s is the
     least there) is among those two pointers meet: ~count steps, where sorting b's pairs takes ~8x as long. The
-    items' costs are read once, into ``near`` (at least ``count`` long), for every t."""
+    items' costs are read once, into ``near`` (at least ``count`` long), for every t; a t at or below the least pair
+    sum has none below it, and above the largest that one is nearest, for it and every later t (no walks)."""
     for u in range(count):
         near[u] = costs[items[u]]
+    least, most = near[0] + near[1], near[count - 2] + near[count - 1]
     for k in range(num_top_pairs):
         t = top_sums[k]
+        if least >= t:  # (no pair below t)
+            continue
+        if most < t:  # (the largest pair is the one below t and every later one)
+            return t - most < gap
         u, v = 0, count - 1
         while u < v:
             s = near[u] + near[v]
