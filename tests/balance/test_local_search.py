@@ -237,7 +237,8 @@ def test_pair_within_is_whether_any_pair_differs_by_less_than_the_gap(partner_co
     sums = np.array(sorted(set(top_sums)), dtype=float) * scale
     expected = any(0.0 < t - (costs[u] + costs[v]) < gap * scale for t in sums
                    for u in range(costs.size) for v in range(u + 1, costs.size))
-    assert local_search._pair_within(costs, items, costs.size, sums, sums.size, gap * scale) == expected
+    near = np.empty(costs.size)
+    assert local_search._pair_within(costs, items, costs.size, sums, sums.size, gap * scale, near) == expected
 
 
 @settings(max_examples=300, deadline=None)

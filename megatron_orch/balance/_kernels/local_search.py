@@ -453,16 +453,25 @@ def _cached_pair_sums(costs, items, count, b, pair_cache, pair_cached):
 
 
 @numba.njit(**_INLINE)
-def _pair_within(costs, items, count, top_sums, num_top_pairs, gap):
+def _pair_within(costs, items, count, top_sums, num_top_pairs, gap, near):
     """Whether two of ``items[:count]`` (by increasing cost) sum to s with 0 < t - s < ``gap`` for a sum t of
     ``top_sums[:num_top_pairs]``, in floats as :func:`_pair_swap` takes the difference: if not, bin b has no
     two-for-two swap with the top bin that beats its load. For each t, the largest pair sum below it (t - s is the
-    least there) is among those two pointers meet: ~count steps, where sorting b's pairs takes ~8x as long."""
+    least there) is among those two pointers meet: ~count steps, where sorting b's pairs takes ~8x as long. The
+    items' costs are read once, into ``near`` (at least ``count`` long), for every t; a t at or below the least pair
+    sum has none below it, and above the largest that one is nearest, for it and every later t (no walks)."""
+    for u in range(count):
+        near[u] = costs[items[u]]
+    least, most = near[0] + near[1], near[count - 2] + near[count - 1]
     for k in range(num_top_pairs):
         t = top_sums[k]
+        if least >= t:  # (no pair below t)
+            continue
+        if most < t:  # (the largest pair is the one below t and every later one)
+            return t - most < gap
         u, v = 0, count - 1
         while u < v:
-            s = costs[items[u]] + costs[items[v]]
+            s = near[u] + near[v]
             if s < t:
                 if t - s < gap:
                     return True
@@ -740,6 +749,7 @@ def refine_caps(costs, memory, memory_cap, num_bins, bin_of_item, allow_moves, s
     cached = np.full(num_bins, -1, dtype=np.int64)
     top_items = np.empty(n, dtype=np.int64)
     partner_items = np.empty(n, dtype=np.int64)
+    near = np.empty(_PAIR_ITEMS)  # a partner's item costs, for _pair_within
     chosen = np.empty(n, dtype=np.int64)
     best_out = np.empty(n, dtype=np.int64)  # items of the best exchange going M -> b
     best_in = np.empty(n, dtype=np.int64)   # and b -> M
@@ -858,7 +868,7 @@ def refine_caps(costs, memory, memory_cap, num_bins, bin_of_item, allow_moves, s
                                                         best, best_out, best_in, floor)
                         elif kept or 2 <= num_b <= _PAIR_ITEMS:  # (pairs are kept only of such bins)
                             if not (kept or _pair_within(costs, partner_items, num_b, top_pairs[0], num_top_pairs,
-                                                         load[top] - load[b])):
+                                                         load[top] - load[b], near)):
                                 continue  # (most of a widened search's partners: their pairs not sorted)
                             if node_size > 0:
                                 b_pairs, num_b_pairs = _cached_pair_sums(costs, partner_items, num_b, b, pair_cache,
