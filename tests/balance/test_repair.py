@@ -204,11 +204,17 @@ def _repair_instance(data):
     n = costs.size
     near = np.array(data.draw(st.permutations(list(plain))))
     sources = []
+    integer = data.draw(st.booleans())  # integer bytes: the repair holds each run of entries of one example and
+    # one source rank as one (the runs repeated entries make)
     for _ in range(data.draw(st.integers(1, 2))):
         k = data.draw(st.integers(1, 2 * n))
-        example = np.array(data.draw(st.lists(st.integers(0, n - 1), min_size=k, max_size=k)))
-        src = np.array(data.draw(st.lists(st.integers(0, node.size - 1), min_size=k, max_size=k)))
-        sources.append((example, src, np.array(data.draw(st.lists(st.floats(0, 100), min_size=k, max_size=k)))))
+        repeat = data.draw(st.lists(st.integers(1, 3), min_size=k, max_size=k))
+        example = np.repeat(data.draw(st.lists(st.integers(0, n - 1), min_size=k, max_size=k)), repeat)
+        src = np.repeat(data.draw(st.lists(st.integers(0, node.size - 1), min_size=k, max_size=k)), repeat)
+        size = example.size
+        nbytes = (np.array(data.draw(st.lists(st.integers(0, 100), min_size=size, max_size=size)), dtype=np.int64)
+                  if integer else np.array(data.draw(st.lists(st.floats(0, 100), min_size=size, max_size=size))))
+        sources.append((example, src, nbytes))
     capacity = float(max(np.bincount(plain, weights=costs, minlength=node.size).max(),
                          np.bincount(near, weights=costs, minlength=node.size).max()))
     return costs, plain, node, near, sources, capacity
@@ -372,6 +378,36 @@ def test_an_all_to_alls_entries_are_grouped_as_stable_argsorts_group_them(num_ex
     assert np.array_equal(move.start, np.concatenate([[0], np.cumsum(np.bincount(example, minlength=num_examples))]))
     assert np.array_equal(move.by_src_start, np.concatenate([[0], np.cumsum(np.bincount(src, minlength=num_ranks))]))
     assert np.array_equal(move.by_src_example, example[by_src])
+    assert np.array_equal(move.by_src_count, np.ones(n, dtype=np.int64))
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.integers(1, 4), st.integers(1, 3), st.data())
+def test_merged_entries_are_the_runs_of_one_example_and_one_source_rank_grouped(num_examples, num_ranks, data):
+    """With ``merge``, the repair's moves hold each run of consecutive entries of one example and one source rank
+    as one entry (its bytes summed, its count of entries beside its example by source rank), grouped as the
+    unmerged entries are: the grouping of the runs written out in Python."""
+    from megatron_orch.balance.repair import _group
+    n = data.draw(st.integers(0, 30))
+    example = np.array(data.draw(st.lists(st.integers(0, num_examples - 1), min_size=n, max_size=n)), dtype=np.int64)
+    src = np.array(data.draw(st.lists(st.integers(0, num_ranks - 1), min_size=n, max_size=n)), dtype=np.int64)
+    nbytes = np.array(data.draw(st.lists(st.integers(0, 10 ** 6), min_size=n, max_size=n)), dtype=np.int64)
+    runs = []  # [example, source rank, bytes, entries]
+    for e, s, b in zip(example.tolist(), src.tolist(), nbytes.tolist()):
+        if runs and runs[-1][:2] == [e, s]:
+            runs[-1][2] += b
+            runs[-1][3] += 1
+        else:
+            runs.append([e, s, b, 1])
+    move = _group(example, src, nbytes, num_examples, num_ranks, merge=True)
+    by_example = sorted(range(len(runs)), key=lambda k: runs[k][0])  # (sorted is stable)
+    by_src = sorted(range(len(runs)), key=lambda k: runs[k][1])
+    assert move.src.tolist() == [runs[k][1] for k in by_example]
+    assert move.nbytes.tolist() == [float(runs[k][2]) for k in by_example]
+    assert move.start.tolist() == [sum(r[0] < e for r in runs) for e in range(num_examples + 1)]
+    assert move.by_src_start.tolist() == [sum(r[1] < s for r in runs) for s in range(num_ranks + 1)]
+    assert move.by_src_example.tolist() == [runs[k][0] for k in by_src]
+    assert move.by_src_count.tolist() == [runs[k][3] for k in by_src]
 
 
 @pytest.mark.parametrize("example, src, nbytes, message", [
