@@ -579,3 +579,17 @@ def test_the_repairs_partial_selection_is_a_stable_argsort(values, k):
     out = np.empty(max(k, 1), dtype=np.int64)
     count = _smallest(values, k, out)
     assert out[:count].tolist() == np.argsort(values, kind="stable")[:k].tolist()
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.integers(1, 6), st.data())
+def test_the_repairs_lists_by_rank_link_each_ranks_examples_in_id_order(num_ranks, data):
+    """Each rank's examples as a linked list (head, tail, next, previous): its first and last example, and each
+    example's neighbours among its rank's examples by id (-1 where none), as their definition gives them."""
+    from megatron_orch.balance._kernels.repair import _lists_by_rank
+    rank = np.array(data.draw(st.lists(st.integers(0, num_ranks - 1), max_size=30)), dtype=np.int64)
+    head, tail, nxt, prv = _lists_by_rank(rank, num_ranks)
+    for r in range(num_ranks):
+        mine = np.flatnonzero(rank == r).tolist()
+        assert (head[r], tail[r]) == ((mine[0], mine[-1]) if mine else (-1, -1))
+        assert [nxt[e] for e in mine] == (mine + [-1])[1:] and [prv[e] for e in mine] == ([-1] + mine)[:-1]

@@ -41,14 +41,20 @@ def _append(head, tail, nxt, prv, r, e):
 
 @numba.njit(**_JIT)
 def _lists_by_rank(rank, num_ranks):
-    """Every rank's examples as a doubly linked list in id order: (head, tail, next, previous)."""
+    """Every rank's examples as a doubly linked list in id order: (head, tail, next, previous), each example's links
+    written in place in one pass each way (appending them one by one writes each rank's last example's, scattered
+    over the examples: 5.7 -> 0.9 ms at DP 10240)."""
     n = rank.size
     head = np.full(num_ranks, -1, dtype=np.int64)
     tail = np.full(num_ranks, -1, dtype=np.int64)
-    nxt = np.full(n, -1, dtype=np.int64)
-    prv = np.full(n, -1, dtype=np.int64)
+    nxt = np.empty(n, dtype=np.int64)
+    prv = np.empty(n, dtype=np.int64)
     for e in range(n):
-        _append(head, tail, nxt, prv, rank[e], e)
+        prv[e] = tail[rank[e]]
+        tail[rank[e]] = e
+    for e in range(n - 1, -1, -1):
+        nxt[e] = head[rank[e]]
+        head[rank[e]] = e
     return head, tail, nxt, prv
 
 
