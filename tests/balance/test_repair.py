@@ -593,3 +593,33 @@ def test_the_repairs_lists_by_rank_link_each_ranks_examples_in_id_order(num_rank
         mine = np.flatnonzero(rank == r).tolist()
         assert (head[r], tail[r]) == ((mine[0], mine[-1]) if mine else (-1, -1))
         assert [nxt[e] for e in mine] == (mine + [-1])[1:] and [prv[e] for e in mine] == ([-1] + mine)[:-1]
+
+
+@settings(max_examples=150, deadline=None)
+@given(st.integers(2, 4), st.integers(2, 3), st.integers(1, 3), st.data())
+def test_the_repairs_targets_from_merged_entries_are_those_from_the_entries(ranks_per_node, nodes, spread, data):
+    """The ranks the repair tries an example on (_targets) are the same where each run of entries of one example
+    and one source rank is held as one (counted as the entries it stands for): its swap partners' ranks, the
+    ranks holding the most entries sent from the over-limit rank's node, keep their order."""
+    from megatron_orch.balance._kernels.repair import _COMPUTE, _NIC, _NVL, _targets
+    from megatron_orch.balance.repair import _flat, _group, _State
+    num_ranks, n = ranks_per_node * nodes, data.draw(st.integers(1, 12))
+    node = np.arange(num_ranks) // ranks_per_node
+    rank = np.array(data.draw(st.lists(st.integers(0, num_ranks - 1), min_size=n, max_size=n)), dtype=np.int64)
+    k = data.draw(st.integers(1, 3 * n))
+    repeat = data.draw(st.lists(st.integers(1, 4), min_size=k, max_size=k))
+    example = np.repeat(data.draw(st.lists(st.integers(0, n - 1), min_size=k, max_size=k)), repeat).astype(np.int64)
+    src = np.repeat(data.draw(st.lists(st.integers(0, num_ranks - 1), min_size=k, max_size=k)), repeat).astype(np.int64)
+    nbytes = np.array(data.draw(st.lists(st.integers(0, 100), min_size=example.size, max_size=example.size)))
+    e, r = data.draw(st.integers(0, n - 1)), data.draw(st.integers(0, num_ranks - 1))
+    kind = data.draw(st.sampled_from([_NIC, _NVL, _COMPUTE]))
+    got = []
+    for merge in (False, True):
+        move = _group(example, src, nbytes, n, num_ranks, merge=merge)
+        state = _State([move], _flat([move], n), node, rank, np.ones(n), num_ranks)
+        out = np.empty(num_ranks + 2 * spread, dtype=np.int64)
+        count = _targets(e, r, kind, 0, state.links, node, nodes, state.src, state.nbytes, state.offset,
+                         move.by_src_start[None, :], move.by_src_example, move.by_src_count, rank, state.load, 2,
+                         spread, np.zeros(num_ranks, dtype=np.int64), out)
+        got.append(out[:count].tolist())
+    assert got[0] == got[1]
