@@ -204,11 +204,17 @@ def _repair_instance(data):
     n = costs.size
     near = np.array(data.draw(st.permutations(list(plain))))
     sources = []
+    integer = data.draw(st.booleans())  # integer bytes: the repair holds each run of entries of one example and
+    # one source rank as one (the runs repeated entries make)
     for _ in range(data.draw(st.integers(1, 2))):
         k = data.draw(st.integers(1, 2 * n))
-        example = np.array(data.draw(st.lists(st.integers(0, n - 1), min_size=k, max_size=k)))
-        src = np.array(data.draw(st.lists(st.integers(0, node.size - 1), min_size=k, max_size=k)))
-        sources.append((example, src, np.array(data.draw(st.lists(st.floats(0, 100), min_size=k, max_size=k)))))
+        repeat = data.draw(st.lists(st.integers(1, 3), min_size=k, max_size=k))
+        example = np.repeat(data.draw(st.lists(st.integers(0, n - 1), min_size=k, max_size=k)), repeat)
+        src = np.repeat(data.draw(st.lists(st.integers(0, node.size - 1), min_size=k, max_size=k)), repeat)
+        size = example.size
+        nbytes = (np.array(data.draw(st.lists(st.integers(0, 100), min_size=size, max_size=size)), dtype=np.int64)
+                  if integer else np.array(data.draw(st.lists(st.floats(0, 100), min_size=size, max_size=size))))
+        sources.append((example, src, nbytes))
     capacity = float(max(np.bincount(plain, weights=costs, minlength=node.size).max(),
                          np.bincount(near, weights=costs, minlength=node.size).max()))
     return costs, plain, node, near, sources, capacity
@@ -372,6 +378,36 @@ def test_an_all_to_alls_entries_are_grouped_as_stable_argsorts_group_them(num_ex
     assert np.array_equal(move.start, np.concatenate([[0], np.cumsum(np.bincount(example, minlength=num_examples))]))
     assert np.array_equal(move.by_src_start, np.concatenate([[0], np.cumsum(np.bincount(src, minlength=num_ranks))]))
     assert np.array_equal(move.by_src_example, example[by_src])
+    assert np.array_equal(move.by_src_count, np.ones(n, dtype=np.int64))
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.integers(1, 4), st.integers(1, 3), st.data())
+def test_merged_entries_are_the_runs_of_one_example_and_one_source_rank_grouped(num_examples, num_ranks, data):
+    """With ``merge``, the repair's moves hold each run of consecutive entries of one example and one source rank
+    as one entry (its bytes summed, its count of entries beside its example by source rank), grouped as the
+    unmerged entries are: the grouping of the runs written out in Python."""
+    from megatron_orch.balance.repair import _group
+    n = data.draw(st.integers(0, 30))
+    example = np.array(data.draw(st.lists(st.integers(0, num_examples - 1), min_size=n, max_size=n)), dtype=np.int64)
+    src = np.array(data.draw(st.lists(st.integers(0, num_ranks - 1), min_size=n, max_size=n)), dtype=np.int64)
+    nbytes = np.array(data.draw(st.lists(st.integers(0, 10 ** 6), min_size=n, max_size=n)), dtype=np.int64)
+    runs = []  # [example, source rank, bytes, entries]
+    for e, s, b in zip(example.tolist(), src.tolist(), nbytes.tolist()):
+        if runs and runs[-1][:2] == [e, s]:
+            runs[-1][2] += b
+            runs[-1][3] += 1
+        else:
+            runs.append([e, s, b, 1])
+    move = _group(example, src, nbytes, num_examples, num_ranks, merge=True)
+    by_example = sorted(range(len(runs)), key=lambda k: runs[k][0])  # (sorted is stable)
+    by_src = sorted(range(len(runs)), key=lambda k: runs[k][1])
+    assert move.src.tolist() == [runs[k][1] for k in by_example]
+    assert move.nbytes.tolist() == [float(runs[k][2]) for k in by_example]
+    assert move.start.tolist() == [sum(r[0] < e for r in runs) for e in range(num_examples + 1)]
+    assert move.by_src_start.tolist() == [sum(r[1] < s for r in runs) for s in range(num_ranks + 1)]
+    assert move.by_src_example.tolist() == [runs[k][0] for k in by_src]
+    assert move.by_src_count.tolist() == [runs[k][3] for k in by_src]
 
 
 @pytest.mark.parametrize("example, src, nbytes, message", [
@@ -543,3 +579,47 @@ def test_the_repairs_partial_selection_is_a_stable_argsort(values, k):
     out = np.empty(max(k, 1), dtype=np.int64)
     count = _smallest(values, k, out)
     assert out[:count].tolist() == np.argsort(values, kind="stable")[:k].tolist()
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.integers(1, 6), st.data())
+def test_the_repairs_lists_by_rank_link_each_ranks_examples_in_id_order(num_ranks, data):
+    """Each rank's examples as a linked list (head, tail, next, previous): its first and last example, and each
+    example's neighbours among its rank's examples by id (-1 where none), as their definition gives them."""
+    from megatron_orch.balance._kernels.repair import _lists_by_rank
+    rank = np.array(data.draw(st.lists(st.integers(0, num_ranks - 1), max_size=30)), dtype=np.int64)
+    head, tail, nxt, prv = _lists_by_rank(rank, num_ranks)
+    for r in range(num_ranks):
+        mine = np.flatnonzero(rank == r).tolist()
+        assert (head[r], tail[r]) == ((mine[0], mine[-1]) if mine else (-1, -1))
+        assert [nxt[e] for e in mine] == (mine + [-1])[1:] and [prv[e] for e in mine] == ([-1] + mine)[:-1]
+
+
+@settings(max_examples=150, deadline=None)
+@given(st.integers(2, 4), st.integers(2, 3), st.integers(1, 3), st.data())
+def test_the_repairs_targets_from_merged_entries_are_those_from_the_entries(ranks_per_node, nodes, spread, data):
+    """The ranks the repair tries an example on (_targets) are the same where each run of entries of one example
+    and one source rank is held as one (counted as the entries it stands for): its swap partners' ranks, the
+    ranks holding the most entries sent from the over-limit rank's node, keep their order."""
+    from megatron_orch.balance._kernels.repair import _COMPUTE, _NIC, _NVL, _targets
+    from megatron_orch.balance.repair import _flat, _group, _State
+    num_ranks, n = ranks_per_node * nodes, data.draw(st.integers(1, 12))
+    node = np.arange(num_ranks) // ranks_per_node
+    rank = np.array(data.draw(st.lists(st.integers(0, num_ranks - 1), min_size=n, max_size=n)), dtype=np.int64)
+    k = data.draw(st.integers(1, 3 * n))
+    repeat = data.draw(st.lists(st.integers(1, 4), min_size=k, max_size=k))
+    example = np.repeat(data.draw(st.lists(st.integers(0, n - 1), min_size=k, max_size=k)), repeat).astype(np.int64)
+    src = np.repeat(data.draw(st.lists(st.integers(0, num_ranks - 1), min_size=k, max_size=k)), repeat).astype(np.int64)
+    nbytes = np.array(data.draw(st.lists(st.integers(0, 100), min_size=example.size, max_size=example.size)))
+    e, r = data.draw(st.integers(0, n - 1)), data.draw(st.integers(0, num_ranks - 1))
+    kind = data.draw(st.sampled_from([_NIC, _NVL, _COMPUTE]))
+    got = []
+    for merge in (False, True):
+        move = _group(example, src, nbytes, n, num_ranks, merge=merge)
+        state = _State([move], _flat([move], n), node, rank, np.ones(n), num_ranks)
+        out = np.empty(num_ranks + 2 * spread, dtype=np.int64)
+        count = _targets(e, r, kind, 0, state.links, node, nodes, state.src, state.nbytes, state.offset,
+                         move.by_src_start[None, :], move.by_src_example, move.by_src_count, rank, state.load, 2,
+                         spread, np.zeros(num_ranks, dtype=np.int64), out)
+        got.append(out[:count].tolist())
+    assert got[0] == got[1]
