@@ -202,52 +202,20 @@ def slot_lpt(costs, order, num_bins, per_bin, target, bin_of_item):
     a long item has little room per slot left, so it takes nothing more until only items that small
     are left: it ends with the long item and short ones, where count-capped LPT gives it whatever
     comes when its load is the least (mid-sized items, on a heavy tail).
-
-    In batches, as :func:`_least_loaded_rest`: with the bins in order (by key (load - target) / free, ties by
-    id), the next items go to the first bins in turn while each comes before every bin that took an item in the
-    batch; then the bins that took one are put in order and merged with the rest. A bin's key rises past most
-    others' when it takes an item (a heap sifts it ~12 of 13 levels down at DP 10240), so batches are long.
     """
+    key = np.full(num_bins, -target / per_bin)  # (load - target) / free: the smallest first
+    ids = np.arange(num_bins)  # equal keys, ids ascending: already a heap
     load = np.zeros(num_bins)
     free = np.full(num_bins, per_bin, dtype=np.int64)
-    ranked_key, ranked_bin = np.full(num_bins, -target / per_bin), np.arange(num_bins)  # equal keys, by id
-    took_key, took_bin = np.empty(num_bins), np.empty(num_bins, dtype=np.int64)
-    other_key, other_bin = np.empty(num_bins), np.empty(num_bins, dtype=np.int64)
-    next_key, next_bin = np.empty(num_bins), np.empty(num_bins, dtype=np.int64)
-    run_start = np.empty(num_bins + 1, dtype=np.int64)
-    size = num_bins  # bins with a free slot: ranked_*[:size]
-    t = 0
-    while t < order.size:
-        i = 0
-        took = 0
-        least, least_key = num_bins, np.inf  # the first in order of the bins that took an item (and have room)
-        while t < order.size and i < size:
-            b, key = ranked_bin[i], ranked_key[i]
-            if _before(least_key, least, key, b):
-                break
-            item = order[t]
-            bin_of_item[item] = b
-            load[b] += costs[item]
-            free[b] -= 1
-            if free[b] > 0:
-                key = (load[b] - target) / free[b]
-                took_key[took], took_bin[took] = key, b
-                took += 1
-                if _before(key, b, least_key, least):
-                    least, least_key = b, key
-            t += 1
-            i += 1
-        took_key_sorted, took_bin_sorted = _in_order(took_key, took_bin, took, other_key, other_bin, run_start)
-        a, c = 0, i
-        rest = took + size - i
-        for k in range(rest):
-            if c >= size or (a < took and _before(took_key_sorted[a], took_bin_sorted[a], ranked_key[c],
-                                                  ranked_bin[c])):
-                next_key[k], next_bin[k] = took_key_sorted[a], took_bin_sorted[a]
-                a += 1
-            else:
-                next_key[k], next_bin[k] = ranked_key[c], ranked_bin[c]
-                c += 1
-        size = rest
-        ranked_key, next_key = next_key, ranked_key
-        ranked_bin, next_bin = next_bin, ranked_bin
+    size = num_bins
+    for item in order:
+        b = ids[0]
+        bin_of_item[item] = b
+        load[b] += costs[item]
+        free[b] -= 1
+        if free[b] == 0:
+            _heap_pop(key, ids, size)
+            size -= 1
+        else:
+            key[0] = (load[b] - target) / free[b]
+            _sift_down(key, ids, size, 0)
