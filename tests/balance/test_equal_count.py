@@ -1,10 +1,12 @@
 """The equal-count partitioner (the default backbone plan) against CP-SAT's optimum on small heavy-tailed
-batches and against its lower bound on large ones, and the bound against brute force."""
+batches and against its lower bound on large ones, the bound against brute force, and the greedy by room per free
+slot against its plain Python definition."""
 import numpy as np
 import pytest
 from hypothesis import given, settings, strategies as st
 from ortools.sat.python import cp_model
 
+from megatron_orch.balance._kernels import decreasing, slot_lpt
 from megatron_orch.balance.partition import equal_count_lower_bound, partition_equal_count
 from megatron_orch.balance.traces import HEAVY_TAILED_MIXTURES
 from megatron_orch.balance.workload import phase_items
@@ -91,3 +93,39 @@ def test_lower_bound_never_exceeds_the_brute_force_optimum(num_bins, per_bin, da
     opt = brute_force_opt(costs, num_bins, equal_count=True)
     assert equal_count_lower_bound(costs, num_bins) <= opt * (1 + 1e-12)
     assert partition_equal_count(costs, num_bins).max_cost >= opt * (1 - 1e-12)
+
+
+def slot_lpt_reference(costs, order, num_bins, per_bin, target):
+    """slot_lpt's definition: each item in ``order`` to the bin with a free slot of the smallest (load - target)
+    / free slots, ties by id."""
+    load, free = [0.0] * num_bins, [per_bin] * num_bins
+    bins = [0] * len(costs)
+    for item in order:
+        b = min((b for b in range(num_bins) if free[b]), key=lambda b: ((load[b] - target) / free[b], b))
+        bins[item] = b
+        load[b] += costs[item]
+        free[b] -= 1
+    return bins
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.integers(1, 12), st.integers(1, 6), st.floats(0.0, 200.0), st.data())
+def test_slot_lpt_follows_its_definition(num_bins, per_bin, target, data):
+    # small integer costs and zeros: equal keys across bins, ties broken by id; a target below the loads
+    n = num_bins * per_bin
+    costs = np.array(data.draw(st.lists(st.one_of(st.integers(0, 4), st.integers(0, 60)).map(float),
+                                        min_size=n, max_size=n)))
+    order = decreasing(costs)
+    bins = np.zeros(n, dtype=np.int64)
+    slot_lpt(costs, order, num_bins, per_bin, target, bins)
+    assert bins.tolist() == slot_lpt_reference(costs.tolist(), order.tolist(), num_bins, per_bin, target)
+
+
+def test_slot_lpt_breaks_ties_among_the_bins_that_took_an_item_by_id():
+    # bins that took an item in one pass tie on their keys with each other and with a bin still waiting: only
+    # the ids order them (a case where comparing keys alone among the bins that took an item goes wrong)
+    costs = np.array([2.0, 3.0, 1.0, 1.0, 2.0, 2.0, 3.0, 0.0, 1.0, 0.0, 3.0, 2.0, 0.0, 0.0, 3.0])
+    order = decreasing(costs)
+    bins = np.zeros(costs.size, dtype=np.int64)
+    slot_lpt(costs, order, 5, 3, 5.0, bins)
+    assert bins.tolist() == slot_lpt_reference(costs.tolist(), order.tolist(), 5, 3, 5.0)
