@@ -6,7 +6,7 @@ import numpy as np
 
 from megatron_orch.balance._jit import _INLINE, _JIT, _NO_REFCOUNT
 from megatron_orch.balance._kernels.bounds import numpy_sum
-from megatron_orch.balance._kernels.order import decreasing, increasing
+from megatron_orch.balance._kernels.order import decreasing
 from megatron_orch.balance._plan_kernels import _rank_starts
 
 
@@ -245,22 +245,30 @@ def _settle(rank, load, costs, members, member_costs, counts, node_of_rank, node
 
 
 @numba.njit(**_JIT)
-def localize(rank, costs, want, node_of_rank, capacity, swaps_only, weight, scan, passes, settle_tries):
-    """balance/repair.py's ``localize`` on ``rank`` (in place); returns the examples brought home.
+def localize(rank_by_id, costs_by_id, want_by_id, node_of_rank, capacity, swaps_only, weight_by_id, scan, passes,
+             settle_tries):
+    """balance/repair.py's ``localize`` on ``rank_by_id`` (in place); returns the examples brought home.
 
-    ``costs``: finite, >= 0 (sorted by their bits); ``weight``: the bytes an example pulls (>= 0); ``scan``: swap
-    partners looked at on either side of an example's cost; ``passes``: passes over the examples away from their
-    node; ``settle_tries``: swaps that overfill a rank tried per example, the best first. Every choice and tie is
-    the reference's (tests/balance/localize_reference.py): its lists become rows of tables, in the same orders.
+    ``costs_by_id``: finite, >= 0 (sorted by their bits); ``weight_by_id``: the bytes an example pulls (>= 0);
+    ``scan``: swap partners looked at on either side of an example's cost; ``passes``: passes over the examples away
+    from their node; ``settle_tries``: swaps that overfill a rank tried per example, the best first. Every choice and
+    tie is the reference's (tests/balance/localize_reference.py): its lists become rows of tables, in the same orders,
+    and its examples are renumbered by decreasing cost (0.87x localize's CPU in a plan at DP 10240, packed
+    heavy-tail: a pass reads its examples in order, a swap's partners close to them), ids compared where the
+    reference compares them.
     """
-    n = rank.size
+    n = rank_by_id.size
     num_ranks = node_of_rank.size
     num_nodes = 0
     for r in range(num_ranks):
         num_nodes = max(num_nodes, node_of_rank[r] + 1)
     load = np.zeros(num_ranks)
-    for e in range(n):
-        load[rank[e]] += costs[e]
+    for e in range(n):  # (in id order: the same sums)
+        load[rank_by_id[e]] += costs_by_id[e]
+    # the examples renumbered by decreasing cost, ties by id (each pass takes them in this order; a swap's partners,
+    # close in cost, sit close by): within equal costs ids keep their order, so every (cost, id) order is the same
+    by_cost = decreasing(costs_by_id)
+    rank, costs, want, weight = rank_by_id[by_cost], costs_by_id[by_cost], want_by_id[by_cost], weight_by_id[by_cost]
     node_start = _rank_starts(node_of_rank, num_nodes)
     node_ranks = np.empty(num_ranks, dtype=np.int64)
     fill = node_start[:-1].copy()
@@ -276,7 +284,10 @@ def localize(rank, costs, want, node_of_rank, capacity, swaps_only, weight, scan
     members = np.empty((num_ranks, max((fullest + (0 if swaps_only else 1) + 7) // 8 * 8, 8)), dtype=np.int64)
     member_costs = np.empty(members.shape)
     counts[:] = 0
-    for e in range(n):  # in id order
+    renumbered = np.empty(n, dtype=np.int64)
+    renumbered[by_cost] = np.arange(n)
+    for old in range(n):  # in id order
+        e = renumbered[old]
         _arrive(members, member_costs, counts, rank[e], e, costs[e])
     sizes = np.zeros(num_nodes, dtype=np.int64)
     for e in range(n):
@@ -285,10 +296,16 @@ def localize(rank, costs, want, node_of_rank, capacity, swaps_only, weight, scan
     pool_costs = np.empty(pools.shape)
     pool_wants = np.empty(pools.shape, dtype=np.int64)
     sizes[:] = 0
-    for e in increasing(costs):  # by (cost, id): every row sorted
-        x = node_of_rank[rank[e]]
-        pools[x, sizes[x]], pool_costs[x, sizes[x]], pool_wants[x, sizes[x]] = e, costs[e], want[e]
-        sizes[x] += 1
+    last = n - 1
+    while last >= 0:  # by (cost, id): every row sorted (runs of equal costs from the cheapest, each in id order)
+        first = last
+        while first > 0 and costs[first - 1] == costs[last]:
+            first -= 1
+        for e in range(first, last + 1):
+            x = node_of_rank[rank[e]]
+            pools[x, sizes[x]], pool_costs[x, sizes[x]], pool_wants[x, sizes[x]] = e, costs[e], want[e]
+            sizes[x] += 1
+        last = first - 1
     start = 0
     for e in range(n):
         if node_of_rank[rank[e]] == want[e]:
@@ -296,7 +313,6 @@ def localize(rank, costs, want, node_of_rank, capacity, swaps_only, weight, scan
     gains = np.empty(settle_tries)  # the swaps that overfill a rank to try, the best first
     gaps = np.empty(settle_tries)
     partners = np.empty(settle_tries, dtype=np.int64)
-    by_cost = decreasing(costs)  # decreasing cost, ties by id: sorted once, filtered per pass
     away = np.empty(n, dtype=np.int64)
     arriving = np.zeros(num_nodes, dtype=np.int64)
     progress = np.zeros(5, dtype=np.int64)
@@ -313,15 +329,16 @@ def localize(rank, costs, want, node_of_rank, capacity, swaps_only, weight, scan
     for e in range(n):
         if node_of_rank[rank[e]] == want[e]:
             home += 1
+    rank_by_id[by_cost] = rank
     return home - start
 
 
 @numba.njit(**_INLINE)
-def _away(rank, want, node_of_rank, by_cost, away, arriving):
-    """The examples away from the node they want, in ``by_cost``'s order, into ``away`` (their number returned);
-    ``arriving``: per node, those that want it, added."""
+def _away(rank, want, node_of_rank, away, arriving):
+    """The examples away from the node they want, in order, into ``away`` (their number returned); ``arriving``: per
+    node, those that want it, added."""
     num_away = 0
-    for e in by_cost:
+    for e in range(rank.size):
         if node_of_rank[rank[e]] != want[e]:
             away[num_away] = e
             num_away += 1
@@ -348,7 +365,7 @@ def _passes(rank, costs, want, node_of_rank, capacity, swaps_only, weight, scan,
             first, num_away, moved = progress[2], progress[3], progress[4]
             progress[2] = 0
         else:
-            first, num_away, moved = 0, _away(rank, want, node_of_rank, by_cost, away, arriving), 0
+            first, num_away, moved = 0, _away(rank, want, node_of_rank, away, arriving), 0
             need = 0  # (a pass moves an example once at most; swaps leave every node's count as it is)
             for y in range(sizes.size):
                 need = max(need, sizes[y] + arriving[y])
@@ -417,7 +434,8 @@ def _passes(rank, costs, want, node_of_rank, capacity, swaps_only, weight, scan,
                             # by (most bytes home, smallest gap, id)
                             t = min(num_unsettled, settle_tries)
                             while t > 0 and (gain > gains[t - 1] or (gain == gains[t - 1] and (
-                                    gap < gaps[t - 1] or (gap == gaps[t - 1] and f < partners[t - 1])))):
+                                    gap < gaps[t - 1] or (gap == gaps[t - 1]
+                                                          and by_cost[f] < by_cost[partners[t - 1]])))):
                                 if t < settle_tries:
                                     gains[t], gaps[t], partners[t] = gains[t - 1], gaps[t - 1], partners[t - 1]
                                 t -= 1
