@@ -396,19 +396,22 @@ def sources_by_example(home, at_home, example, item_rank, item_bytes):
 @numba.njit(**_JIT)
 def runs(example, rank, nbytes):
     """Entries (``example``, ``rank``, int64 ``nbytes``) with each run of consecutive entries of one example and
-    one rank merged into one, its bytes summed: (example, rank, bytes) arrays. Moved wherever their example goes,
-    the runs send what the entries send, to the byte (integer sums; an encoder phase's items come example by
-    example, most of an example's on one rank)."""
+    one rank merged into one, its bytes summed: (example, rank, bytes, entries) arrays, ``entries`` how many it
+    stands for. Moved wherever their example goes, the runs send what the entries send, to the byte (integer sums;
+    an encoder phase's items come example by example, most of an example's on one rank): the step model judges
+    candidates by them, the locality repair holds its moves as them."""
     out_example = np.empty(example.size, dtype=np.int64)
     out_rank = np.empty(example.size, dtype=np.int64)
     out_bytes = np.empty(example.size, dtype=np.int64)
+    out_entries = np.empty(example.size, dtype=np.int64)
     k = -1
     for j in range(example.size):
         if k < 0 or example[j] != out_example[k] or rank[j] != out_rank[k]:
             k += 1
-            out_example[k], out_rank[k], out_bytes[k] = example[j], rank[j], 0
+            out_example[k], out_rank[k], out_bytes[k], out_entries[k] = example[j], rank[j], 0, 0
         out_bytes[k] += nbytes[j]
-    return out_example[:k + 1], out_rank[:k + 1], out_bytes[:k + 1]
+        out_entries[k] += 1
+    return out_example[:k + 1], out_rank[:k + 1], out_bytes[:k + 1], out_entries[:k + 1]
 
 
 @numba.njit(**_JIT)

@@ -23,7 +23,7 @@ from typing import List, Optional, Sequence, Tuple
 
 import numpy as np
 
-from megatron_orch.balance import _kernels
+from megatron_orch.balance import _kernels, _plan_kernels
 
 _MAX_ROUNDS = 400        # actions applied at most
 _CANDIDATES = 6          # examples tried per over-limit rank
@@ -56,7 +56,11 @@ def _group(example: np.ndarray, src: np.ndarray, nbytes: np.ndarray, n: int, num
         if values.size and (values.min() < 0 or values.max() >= bound):
             i = int(np.flatnonzero((values < 0) | (values >= bound))[0])
             raise ValueError(f"entry {i} of an all-to-all's sources has {name} {values[i]}, not in 0..{bound - 1}")
-    return _Move(*_kernels.group_entries(example, src, nbytes, n, num_ranks, merge))
+    if merge:  # (the caller checked that the bytes' sums are exact)
+        example, src, nbytes, entries = _plan_kernels.runs(example, src, np.asarray(nbytes, dtype=np.int64))
+    else:
+        entries = np.ones(example.size, dtype=np.int64)
+    return _Move(*_kernels.group_entries(example, src, nbytes, entries, n, num_ranks))
 
 
 class _State:

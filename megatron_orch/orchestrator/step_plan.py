@@ -281,7 +281,7 @@ class _SlowerThan:
                        for phase, (example, rank, _) in rank_of_item.items()]
         # each phase's embeddings as runs of one example's items on one encoder rank: what its items send, counted
         # in a fraction of the entries for every candidate (~800k items, ~100k runs at DP 10240)
-        self.embeddings = {phase: _plan_kernels.runs(example, rank, np.ascontiguousarray(out_bytes, dtype=np.int64))
+        self.embeddings = {phase: _plan_kernels.runs(example, rank, np.ascontiguousarray(out_bytes, dtype=np.int64))[:3]
                            for phase, (example, rank, out_bytes) in rank_of_item.items()}
         self.theirs = self._figures(reference)
 

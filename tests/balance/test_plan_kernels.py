@@ -230,16 +230,18 @@ def test_sources_by_example_and_all_equal_match_their_definitions(num_ranks, num
 @settings(max_examples=100, deadline=None)
 @given(st.integers(1, 6), st.integers(0, 60), st.integers(0, 2**31 - 1))
 def test_runs_merge_an_examples_consecutive_items_of_one_rank_and_send_what_they_send(num_ranks, num_examples, seed):
-    """Against itertools.groupby (the definition), and moved anywhere the runs count the items' bytes exactly."""
+    """Against itertools.groupby (the definition), with how many items each run stands for, and moved anywhere the
+    runs count the items' bytes exactly."""
     rng = np.random.default_rng(seed)
     example = np.repeat(np.arange(num_examples), rng.integers(0, 5, num_examples))
     example[rng.random(example.size) < 0.1] = 0  # an example's items need not come in one stretch
     rank = runs_of(rng, num_ranks, example.size)
     nbytes = rng.integers(0, 2**40, example.size)
     got = _plan_kernels.runs(example, rank, nbytes)
-    groups = [(key, sum(int(nbytes[j]) for j in members)) for key, members in
+    groups = [(key, [int(nbytes[j]) for j in members]) for key, members in
               itertools.groupby(range(example.size), key=lambda j: (example[j], rank[j]))]
-    assert [(int(e), int(r), int(b)) for e, r, b in zip(*got)] == [(e, r, b) for (e, r), b in groups]
+    assert ([(int(e), int(r), int(b), int(c)) for e, r, b, c in zip(*got)]
+            == [(e, r, sum(b), len(b)) for (e, r), b in groups])
     node = np.arange(num_ranks) // 2
     backbone = rng.integers(0, num_ranks, max(num_examples, 1))
     per_item = moved_bytes(rank, backbone[example], nbytes, node)

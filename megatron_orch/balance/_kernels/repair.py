@@ -487,49 +487,31 @@ def _passes(rank, costs, want, node_of_rank, capacity, swaps_only, weight, scan,
 
 
 @numba.njit(**_JIT)
-def group_entries(example, src, nbytes, num_examples, num_ranks, merge):
-    """One all-to-all's entries (entry i: ``nbytes[i]`` from rank ``src[i]`` to example ``example[i]``) grouped as
-    balance/repair.py's ``_Move`` holds them: (sources and bytes (float64) by example, where each example's begin
-    (``num_examples`` + 1), where each source rank's begin among the next (``num_ranks`` + 1), the examples of the
-    entries by source rank, how many entries each of those stands for), each group in entry order:
-    ``np.argsort(kind="stable")``'s orders, the groups' starts counted (:func:`_rank_starts`), then every entry placed
-    in both in one pass. With ``merge``, each run of consecutive entries of one example and one source rank is one
-    entry, its bytes summed in entry order (exact where the bytes are integers whose sums stay below 2**53: an
-    encoder phase's items come example by example, most of an example's on one rank). Every value within range (the
-    caller checks)."""
+def group_entries(example, src, nbytes, entries, num_examples, num_ranks):
+    """One all-to-all's entries (entry i: ``nbytes[i]`` from rank ``src[i]`` to example ``example[i]``, standing for
+    ``entries[i]`` of the caller's: a run of them, :func:`_plan_kernels.runs`, or 1) grouped as balance/repair.py's
+    ``_Move`` holds them: (sources and bytes (float64) by example, where each example's begin (``num_examples`` + 1),
+    where each source rank's begin among the next (``num_ranks`` + 1), the examples of the entries by source rank,
+    how many entries each of those stands for), each group in entry order: ``np.argsort(kind="stable")``'s orders,
+    the groups' starts counted (:func:`_rank_starts`), then every entry placed in both in one pass. Every value within
+    range (the caller checks)."""
     n = example.size
-    first = np.empty(n, dtype=np.bool_)  # entry i begins a run (with ``merge``; else every entry)
-    num_runs = 0
-    for i in range(n):
-        first[i] = not merge or i == 0 or example[i] != example[i - 1] or src[i] != src[i - 1]
-        num_runs += first[i]
-    run_example = np.empty(num_runs, dtype=np.int64)
-    run_src = np.empty(num_runs, dtype=np.int64)
-    k = 0
-    for i in range(n):
-        if first[i]:
-            run_example[k], run_src[k] = example[i], src[i]
-            k += 1
-    start = _rank_starts(run_example, num_examples)
-    by_src_start = _rank_starts(run_src, num_ranks)
+    start = _rank_starts(example, num_examples)
+    by_src_start = _rank_starts(src, num_ranks)
     fill = start[:-1].copy()
     src_fill = by_src_start[:-1].copy()
-    grouped_src = np.empty(num_runs, dtype=np.int64)
-    grouped_bytes = np.empty(num_runs, dtype=np.float64)
-    by_src_example = np.empty(num_runs, dtype=np.int64)
-    by_src_count = np.empty(num_runs, dtype=np.int64)
+    grouped_src = np.empty(n, dtype=np.int64)
+    grouped_bytes = np.empty(n, dtype=np.float64)
+    by_src_example = np.empty(n, dtype=np.int64)
+    by_src_count = np.empty(n, dtype=np.int64)
     for i in range(n):
         e, s = example[i], src[i]
-        if first[i]:
-            grouped_src[fill[e]] = s
-            grouped_bytes[fill[e]] = nbytes[i]
-            fill[e] += 1
-            by_src_example[src_fill[s]] = e
-            by_src_count[src_fill[s]] = 1
-            src_fill[s] += 1
-        else:
-            grouped_bytes[fill[e] - 1] += nbytes[i]
-            by_src_count[src_fill[s] - 1] += 1
+        grouped_src[fill[e]] = s
+        grouped_bytes[fill[e]] = nbytes[i]
+        fill[e] += 1
+        by_src_example[src_fill[s]] = e
+        by_src_count[src_fill[s]] = entries[i]
+        src_fill[s] += 1
     return grouped_src, grouped_bytes, start, by_src_start, by_src_example, by_src_count
 
 
