@@ -572,20 +572,20 @@ def _partners(load, rank, top, node_size, partners, out):
 
 
 @numba.njit(**_INLINE)
-def _exchange(items, rank_at, lo, hi, t, in_item, in_rank):
+def _exchange(items, rank_at, cost_at, lo, hi, t, in_item, in_rank, in_cost):
     """The item at ``items[t]`` leaves the bin of ``items[lo:hi]`` (listed by decreasing rank in ``order``, kept
-    beside them in ``rank_at``: increasing cost, ties by decreasing id) and ``in_item`` (of rank ``in_rank``)
-    takes its place in that order: the items between its place and ``t`` move one step towards ``t`` (a swap's
-    two items are near in cost: a few steps)."""
+    beside them in ``rank_at``: increasing cost, ties by decreasing id; their costs in ``cost_at``) and ``in_item``
+    (of rank ``in_rank``, cost ``in_cost``) takes its place in that order: the items between its place and ``t``
+    move one step towards ``t`` (a swap's two items are near in cost: a few steps)."""
     if in_rank > rank_at[t]:  # it comes earlier in the list
         while t > lo and rank_at[t - 1] < in_rank:
-            items[t], rank_at[t] = items[t - 1], rank_at[t - 1]
+            items[t], rank_at[t], cost_at[t] = items[t - 1], rank_at[t - 1], cost_at[t - 1]
             t -= 1
     else:
         while t < hi - 1 and rank_at[t + 1] > in_rank:
-            items[t], rank_at[t] = items[t + 1], rank_at[t + 1]
+            items[t], rank_at[t], cost_at[t] = items[t + 1], rank_at[t + 1], cost_at[t + 1]
             t += 1
-    items[t], rank_at[t] = in_item, in_rank
+    items[t], rank_at[t], cost_at[t] = in_item, in_rank, in_cost
 
 
 @numba.njit(**_JIT)
@@ -609,6 +609,7 @@ def swap_sweeps(costs, order, num_bins, bin_of_item, stop_at, max_sweeps, group_
     start = np.zeros(num_bins + 1, dtype=np.int64)
     items = np.empty(n, dtype=np.int64)  # bin by bin, each bin's items by increasing cost (ties: decreasing id)
     rank_at = np.empty(n, dtype=np.int64)  # beside each listed item, its rank in order
+    cost_at = np.empty(n)  # and its cost (the pairs' scans read it in a row, not through the item: 0.94x their CPU)
     for i in range(n):
         start[bin_of_item[i] + 1] += 1
     fill = np.empty(num_bins, dtype=np.int64)
@@ -618,7 +619,7 @@ def swap_sweeps(costs, order, num_bins, bin_of_item, stop_at, max_sweeps, group_
     for k in range(n - 1, -1, -1):
         i = order[k]
         b = bin_of_item[i]
-        items[fill[b]], rank_at[fill[b]] = i, k
+        items[fill[b]], rank_at[fill[b]], cost_at[fill[b]] = i, k, costs[i]
         fill[b] += 1
     grouped = np.empty(num_bins, dtype=np.int64)  # group by group, each group's bins by increasing load
     num_groups = (num_bins + group_size - 1) // group_size
@@ -648,20 +649,23 @@ def swap_sweeps(costs, order, num_bins, bin_of_item, stop_at, max_sweeps, group_
                 best, out_at, in_at = half, -1, -1  # |d - half| < half <=> 0 < d < gap
                 u = start[light]  # first item of the light bin costing >= the target (targets rise)
                 for t in range(start[heavy], start[heavy + 1]):
-                    a = items[t]
-                    target = costs[a] - half
-                    while u < start[light + 1] and costs[items[u]] < target:
+                    c = cost_at[t]
+                    target = c - half
+                    while u < start[light + 1] and cost_at[u] < target:
                         u += 1
                     for v in range(max(u - 1, start[light]), min(u + 1, start[light + 1])):
-                        miss = abs(costs[a] - costs[items[v]] - half)
+                        miss = abs(c - cost_at[v] - half)
                         if miss < best:
                             best, out_at, in_at = miss, t, v
                 if out_at >= 0:
                     out_item, in_item = items[out_at], items[in_at]
                     bin_of_item[out_item], bin_of_item[in_item] = light, heavy
                     out_rank, in_rank = rank_at[out_at], rank_at[in_at]
-                    _exchange(items, rank_at, start[heavy], start[heavy + 1], out_at, in_item, in_rank)
-                    _exchange(items, rank_at, start[light], start[light + 1], in_at, out_item, out_rank)
+                    out_cost, in_cost = cost_at[out_at], cost_at[in_at]
+                    _exchange(items, rank_at, cost_at, start[heavy], start[heavy + 1], out_at, in_item, in_rank,
+                              in_cost)
+                    _exchange(items, rank_at, cost_at, start[light], start[light + 1], in_at, out_item, out_rank,
+                              out_cost)
                     swapped += 1
         sweeps += 1
         if swapped == 0:
