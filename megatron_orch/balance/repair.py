@@ -159,6 +159,9 @@ def localize(bin_of_item: np.ndarray, costs: np.ndarray, want_node: np.ndarray, 
     still crosses nodes is what no such exchange could bring home. Compiled (:func:`_kernels.localize`,
     GIL released)."""
     rank = np.array(bin_of_item, dtype=np.int64)
+    if max(rank.size, len(node_of_rank)) >= _LOCALIZE_IDS:
+        raise ValueError(f"localize takes fewer than {_LOCALIZE_IDS} examples and ranks, got {rank.size} examples "
+                         f"and {len(node_of_rank)} ranks")
     costs = np.ascontiguousarray(costs, dtype=np.float64)
     if costs.size and not (costs.min() >= 0 and costs.max() < np.inf):  # (the kernel sorts them by their bits)
         i = int(np.flatnonzero(~((costs >= 0) & (costs < np.inf)))[0])
@@ -182,3 +185,4 @@ def localize(bin_of_item: np.ndarray, costs: np.ndarray, want_node: np.ndarray, 
 _LOCALIZE_SCAN = 64  # swap partners looked at on either side of an example's cost
 _LOCALIZE_PASSES = 6
 _SETTLE_TRIES = 4    # swaps that overfill a rank tried per example, the best first
+_LOCALIZE_IDS = 2**31  # the kernel holds examples' ids, ranks and nodes in 32 bits

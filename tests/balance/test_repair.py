@@ -9,6 +9,7 @@ from hypothesis import given, settings, strategies as st
 from localize_reference import localize_reference
 from repair_reference import State, repair_locality_reference
 
+from megatron_orch.balance import repair as repair_module
 from megatron_orch.balance._kernels import repair as repair_kernels
 from megatron_orch.balance.plan import moved_bytes
 from megatron_orch.balance.repair import localize, repair_locality
@@ -156,6 +157,18 @@ def test_localize_tries_equal_swaps_that_overfill_a_rank_by_id():
     expected, expected_brought = localize_reference(rank, costs, want, node, None, swaps_only=True)
     assert np.array_equal(out, expected) and brought == expected_brought
     assert out.tolist() == [0, 2, 0, 2, 0, 3, 1, 3, 1, 1, 2, 3]
+
+
+def test_localize_refuses_more_examples_or_ranks_than_its_ids_hold(monkeypatch):
+    """(Its kernel holds ids, ranks and nodes in 32 bits: the limit, lowered here, is checked before it runs.)"""
+    monkeypatch.setattr(repair_module, "_LOCALIZE_IDS", 4)
+    with pytest.raises(ValueError, match="fewer than 4 examples and ranks, got 4 examples and 2 ranks"):
+        localize(np.array([0, 1, 0, 1]), np.ones(4), np.array([1, 0, 1, 0]), np.array([0, 1]), swaps_only=True)
+    with pytest.raises(ValueError, match="got 2 examples and 4 ranks"):
+        localize(np.array([0, 1]), np.ones(2), np.array([1, 0]), np.array([0, 0, 1, 1]), swaps_only=True)
+    monkeypatch.setattr(repair_module, "_LOCALIZE_IDS", 5)
+    assert localize(np.array([0, 1, 0, 1]), np.ones(4), np.array([1, 0, 1, 0]), np.array([0, 1]),
+                    swaps_only=True)[1] == 4
 
 
 def test_localize_refuses_negative_bytes():

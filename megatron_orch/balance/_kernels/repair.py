@@ -266,9 +266,11 @@ def localize(rank_by_id, costs_by_id, want_by_id, node_of_rank, capacity, swaps_
     for e in range(n):  # (in id order: the same sums)
         load[rank_by_id[e]] += costs_by_id[e]
     # the examples renumbered by decreasing cost, ties by id (each pass takes them in this order; a swap's partners,
-    # close in cost, sit close by): within equal costs ids keep their order, so every (cost, id) order is the same
+    # close in cost, sit close by): within equal costs ids keep their order, so every (cost, id) order is the same;
+    # ids, ranks and nodes in 32 bits in the tables the passes read (fewer of their cache lines: 0.92-0.95x)
     by_cost = decreasing(costs_by_id)
-    rank, costs, want, weight = rank_by_id[by_cost], costs_by_id[by_cost], want_by_id[by_cost], weight_by_id[by_cost]
+    rank, costs, want, weight = (rank_by_id[by_cost].astype(np.int32), costs_by_id[by_cost],
+                                 want_by_id[by_cost].astype(np.int32), weight_by_id[by_cost])
     node_start = _rank_starts(node_of_rank, num_nodes)
     node_ranks = np.empty(num_ranks, dtype=np.int64)
     fill = node_start[:-1].copy()
@@ -281,7 +283,7 @@ def localize(rank_by_id, costs_by_id, want_by_id, node_of_rank, capacity, swaps_
     # rows a multiple of 8 entries (64-byte cache lines) wide, with room for more where moves add to ranks' counts
     # (measured at DP 10240, packed: 0.93x localize's time against rows as wide as the fullest, widened at once)
     fullest = counts.max() if num_ranks else 0
-    members = np.empty((num_ranks, max((fullest + (0 if swaps_only else 1) + 7) // 8 * 8, 8)), dtype=np.int64)
+    members = np.empty((num_ranks, max((fullest + (0 if swaps_only else 1) + 7) // 8 * 8, 8)), dtype=np.int32)
     member_costs = np.empty(members.shape)
     counts[:] = 0
     renumbered = np.empty(n, dtype=np.int64)
@@ -292,9 +294,9 @@ def localize(rank_by_id, costs_by_id, want_by_id, node_of_rank, capacity, swaps_
     sizes = np.zeros(num_nodes, dtype=np.int64)
     for e in range(n):
         sizes[node_of_rank[rank[e]]] += 1
-    pools = np.empty((num_nodes, max(sizes.max() if num_nodes else 0, 1)), dtype=np.int64)
+    pools = np.empty((num_nodes, max(sizes.max() if num_nodes else 0, 1)), dtype=np.int32)
     pool_costs = np.empty(pools.shape)
-    pool_wants = np.empty(pools.shape, dtype=np.int64)
+    pool_wants = np.empty(pools.shape, dtype=np.int32)
     sizes[:] = 0
     last = n - 1
     while last >= 0:  # by (cost, id): every row sorted (runs of equal costs from the cheapest, each in id order)
