@@ -936,10 +936,10 @@ def repair_locality(links, node, src, nbytes, offset, by_src_start, by_src_examp
     """balance/repair.py's ``repair_locality`` on ``rank`` (in place, with ``links`` and ``load``); returns the
     actions taken. ``by_src_start[m, q]:by_src_start[m, q + 1]``: the entries of ``by_src_example`` (the examples of
     move m's entries rank q sends) and of ``by_src_count`` (how many of the caller's entries each stands for: an
-    entry may be a run of them, :func:`group_entries`); ``limits``: per move, (NIC limit, NVLink limit, NIC scale,
-    NVLink scale); the rest: balance/repair.py's constants. Each round takes the (kind, move, rank) furthest over its limit and keeps
-    the first candidate's best action (lowest excess change, then bytes across nodes) that lowers the excess; a
-    round that finds none marks it stuck until the next action."""
+    entry may be a run of them, :func:`_plan_kernels.runs`); ``limits``: per move, (NIC limit, NVLink limit, NIC
+    scale, NVLink scale); the rest: balance/repair.py's constants. Each round takes the (kind, move, rank) furthest
+    over its limit and keeps the first candidate's best action (lowest excess change, then bytes across nodes) that
+    lowers the excess; a round that finds none marks it stuck until the next action."""
     n, num_ranks, num_moves = rank.size, node.size, links.shape[0]
     num_nodes = 0
     for q in range(num_ranks):
